@@ -1,0 +1,398 @@
+//! The types the endpoint's API takes and returns: identity, commands, outputs and errors.
+
+use core::fmt;
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TransferId};
+use crate::layout::{Layout, Slice};
+use crate::state::{InvalidTransition, KvPoll, Role};
+
+/// Who this endpoint is; sent to every peer in the hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointInfo {
+    /// Prefill or decode.
+    pub role: Role,
+    /// Rank within the instance (TP / PP index).
+    pub rank: u16,
+    /// Stable name of this endpoint slot.
+    pub node: NodeId,
+    /// Chosen at process start; a restart must pick a new one.
+    pub incarnation: Incarnation,
+    /// Cluster token; peers presenting another one are refused.
+    pub token: Vec<u8>,
+    /// The memory this endpoint registered.
+    pub layout: Layout,
+    /// First layer this endpoint writes (prefill PP stage), inclusive.
+    pub layer_start: u16,
+    /// Last layer this endpoint writes, exclusive.
+    pub layer_end: u16,
+    /// Whether this endpoint writes aux and state data (the last PP stage).
+    pub writes_aux: bool,
+}
+
+impl EndpointInfo {
+    /// A single-stage endpoint owning every layer and the aux data.
+    pub fn new(role: Role, node: NodeId, incarnation: Incarnation, layout: Layout) -> Self {
+        EndpointInfo {
+            role,
+            rank: 0,
+            node,
+            incarnation,
+            token: Vec::new(),
+            layout,
+            layer_start: 0,
+            layer_end: layout.layers,
+            writes_aux: true,
+        }
+    }
+}
+
+/// What the peer on the other end of a session said about itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// Its role.
+    pub role: Role,
+    /// Its rank.
+    pub rank: u16,
+    /// Its stable name.
+    pub node: NodeId,
+    /// Its process start identity.
+    pub incarnation: Incarnation,
+    /// Its memory.
+    pub layout: Layout,
+    /// Layers it writes, `start..end`.
+    pub layer_start: u16,
+    /// See `layer_start`.
+    pub layer_end: u16,
+    /// Whether it writes aux data.
+    pub writes_aux: bool,
+}
+
+/// Decode's page grant for a room: where every source writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// Destination pages in room order.
+    pub pages: Vec<u32>,
+    /// Destination aux row, if the model has aux data.
+    pub aux_slot: Option<u32>,
+    /// Destination state slot, if the model has recurrent state.
+    pub state_slot: Option<u32>,
+    /// How many decode ranks request this room from each source (TP fan-in), usually 1.
+    pub receivers: u8,
+}
+
+/// One chunk of a prefill room: the source pages of the next part of the room.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// Source pages; they go to the next `pages.len()` granted destination pages.
+    pub pages: Vec<u32>,
+    /// Whether this is the room's last chunk (aux and state follow it).
+    pub last: bool,
+    /// Source aux row (read with the last chunk).
+    pub aux_slot: Option<u32>,
+    /// Source state slot (read with the last chunk).
+    pub state_slot: Option<u32>,
+    /// When true, no layer of this chunk moves until [`crate::Endpoint::mark_layer_ready`]
+    /// names it; when false, every layer is ready now (whole-batch mode).
+    pub layerwise: bool,
+}
+
+/// What a data-path operation is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// KV pages of a room.
+    Kv,
+    /// Aux and state data of a room (after its last KV chunk).
+    Aux,
+    /// A small write into the peer's scratch region to probe a blacklisted session.
+    Probe,
+}
+
+/// A data-path operation for the driver to carry out and report with
+/// [`crate::Endpoint::handle_transfer_result`].
+///
+/// Done means the destination applied every byte and acknowledged it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransferOp {
+    /// Handle of this attempt; a retry gets a new one.
+    pub id: TransferId,
+    /// The session (peer) to write to.
+    pub session: SessionId,
+    /// The room written, `None` for probes.
+    pub room: Option<RoomId>,
+    /// The room's generation (0 for probes).
+    pub generation: Generation,
+    /// What the operation is for.
+    pub kind: OpKind,
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    /// The copies, each from the local region to the peer's region of the same name.
+    pub slices: Arc<[Slice]>,
+    /// Sum of the slice lengths.
+    pub bytes: u64,
+}
+
+/// How a data-path operation ended, as the driver saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferOutcome {
+    /// Every byte applied and acknowledged by the destination.
+    Done,
+    /// Failed in a way a retry may fix (connection reset, timeout, endpoint busy).
+    Transient,
+    /// Failed in a way no retry fixes (memory not registered, invalid descriptor).
+    Fatal,
+    /// The destination refused the write: the room concluded there or the write was outside
+    /// the room's pages. Never retried, never counted against the session.
+    Refused,
+}
+
+/// A scheduler-facing event from [`crate::Endpoint::poll_event`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A room changed state.
+    RoomState {
+        /// The room.
+        room: RoomId,
+        /// Its generation.
+        generation: Generation,
+        /// The new state.
+        state: KvPoll,
+    },
+    /// No write to (decode) or read from (prefill) the room's pages can happen any more:
+    /// the embedder may reuse them. Always after the room's terminal state.
+    Releasable {
+        /// The room.
+        room: RoomId,
+        /// Its generation.
+        generation: Generation,
+    },
+    /// The handshake with a peer succeeded.
+    SessionEstablished {
+        /// The session.
+        session: SessionId,
+        /// Who the peer is.
+        peer: PeerInfo,
+    },
+    /// The peer was refused at the handshake; its rooms fail with `IncompatiblePeer`.
+    SessionRejected {
+        /// The session.
+        session: SessionId,
+        /// Why.
+        reason: RejectReason,
+    },
+    /// The session reached its failure threshold; its rooms fail with `SessionBlacklisted`.
+    SessionBlacklisted {
+        /// The session.
+        session: SessionId,
+    },
+    /// A probe of a blacklisted session succeeded; it takes rooms again.
+    SessionRecovered {
+        /// The session.
+        session: SessionId,
+    },
+    /// A blacklisted session nobody targeted was forgotten after the idle timeout.
+    SessionExpired {
+        /// The session.
+        session: SessionId,
+    },
+    /// A peer came back with a new incarnation; its previous session is void.
+    PeerRestarted {
+        /// The peer's stable name.
+        node: NodeId,
+        /// The superseded session.
+        old: SessionId,
+        /// The new session.
+        new: SessionId,
+    },
+    /// A session ended; the driver's connections of it are closed.
+    SessionClosed {
+        /// The session.
+        session: SessionId,
+    },
+}
+
+/// Something the driver must do to its connections, from [`crate::Endpoint::poll_action`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Close the session's data connections so no write in flight can land, report every
+    /// in-flight operation of it, then call [`crate::Endpoint::handle_fence_complete`].
+    /// The control connection stays; data connections may be re-opened afterwards.
+    FenceSession(SessionId),
+    /// Close every connection of the session, then call
+    /// [`crate::Endpoint::handle_disconnected`].
+    CloseSession(SessionId),
+}
+
+/// Why a peer was refused at the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RejectReason {
+    /// The cluster token did not match.
+    BadToken,
+    /// Both ends have the same role.
+    WrongRole,
+    /// The memory layouts disagree on this field.
+    IncompatibleLayout(&'static str),
+    /// The peer speaks another protocol version.
+    VersionMismatch,
+}
+
+/// Misuse of the endpoint API by the embedder. Nothing changed when this is returned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ApiError {
+    /// The call is for the other role.
+    WrongRole {
+        /// The role this call needs.
+        needs: Role,
+    },
+    /// A live room with this id exists; conclude it first.
+    RoomExists(RoomId),
+    /// No live room has this id.
+    UnknownRoom(RoomId),
+    /// This (room, generation) was already used; pick a higher generation.
+    StaleGeneration {
+        /// Room.
+        room: RoomId,
+        /// Generation given.
+        generation: Generation,
+        /// Highest generation already used.
+        used: Generation,
+    },
+    /// The room is terminal; the call has no effect on it.
+    RoomConcluded(RoomId, KvPoll),
+    /// No open session has this id.
+    UnknownSession(SessionId),
+    /// A receiver room needs at least one source session.
+    NoSources,
+    /// A page index beyond the registered pool.
+    PageOutOfRange {
+        /// Offending page.
+        page: u32,
+        /// Pool size.
+        pages: u32,
+    },
+    /// An aux or state slot beyond the registered slots, or the model has none.
+    SlotOutOfRange {
+        /// Offending slot.
+        slot: u32,
+        /// Registered slots.
+        slots: u32,
+    },
+    /// The room's pages were already granted.
+    AlreadyGranted(RoomId),
+    /// A chunk was sent after the last one.
+    ChunkAfterLast(RoomId),
+    /// A layer this endpoint does not own.
+    LayerOutOfRange {
+        /// Offending layer.
+        layer: u16,
+    },
+    /// A session's operation queue is full; retry the chunk later.
+    SessionQueueFull(SessionId),
+    /// A transition the lifecycle forbids.
+    InvalidTransition(InvalidTransition),
+    /// The endpoint was shut down.
+    ShutDown,
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ApiError::WrongRole { needs } => write!(f, "this call needs a {needs:?} endpoint"),
+            ApiError::RoomExists(r) => write!(f, "{r} is already open"),
+            ApiError::UnknownRoom(r) => write!(f, "{r} is not open"),
+            ApiError::StaleGeneration {
+                room,
+                generation,
+                used,
+            } => write!(
+                f,
+                "{room} generation {generation} is stale (generation {used} was used)"
+            ),
+            ApiError::RoomConcluded(r, s) => write!(f, "{r} already concluded as {s:?}"),
+            ApiError::UnknownSession(s) => write!(f, "{s} is not open"),
+            ApiError::NoSources => write!(f, "a receiver room needs at least one source"),
+            ApiError::PageOutOfRange { page, pages } => {
+                write!(f, "page {page} is outside the pool of {pages} pages")
+            }
+            ApiError::SlotOutOfRange { slot, slots } => {
+                write!(f, "slot {slot} is outside the {slots} registered slots")
+            }
+            ApiError::AlreadyGranted(r) => write!(f, "{r} already has its pages"),
+            ApiError::ChunkAfterLast(r) => write!(f, "{r} already had its last chunk"),
+            ApiError::LayerOutOfRange { layer } => {
+                write!(f, "layer {layer} is not owned by this endpoint")
+            }
+            ApiError::SessionQueueFull(s) => write!(f, "{s} has a full operation queue"),
+            ApiError::InvalidTransition(t) => t.fmt(f),
+            ApiError::ShutDown => write!(f, "the endpoint is shut down"),
+        }
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+/// Why a data-plane write was refused by [`crate::Endpoint::check_write`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteRefused {
+    /// No live room has this id (never opened, or concluded and released).
+    UnknownRoom,
+    /// The write names another generation of the room.
+    StaleGeneration,
+    /// The room is terminal; its pages are quarantined or released.
+    RoomConcluded,
+    /// The writer's session is not a granted source of the room.
+    NotASource,
+    /// The region does not exist in this endpoint's layout.
+    UnknownRegion,
+    /// The byte range leaves the region.
+    OutOfRegion,
+    /// The byte range touches a page not granted to the room.
+    PageNotGranted,
+    /// The byte range is not the room's aux row or state slot.
+    SlotNotGranted,
+    /// The writer does not own this layer.
+    LayerNotOwned,
+}
+
+impl fmt::Display for WriteRefused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+impl std::error::Error for WriteRefused {}
+
+/// The public view of a session's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionState {
+    /// Waiting for the peer's hello.
+    Handshaking,
+    /// Usable.
+    Established,
+    /// Refused or failing; rooms toward it fail fast; probed until it recovers.
+    Blacklisted,
+    /// Being closed; waiting for the driver's confirmation.
+    Closing,
+}
+
+/// Backpressure information a decode peer advertised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Capacity {
+    /// Free KV pages.
+    pub free_pages: u32,
+    /// Rooms waiting for pages.
+    pub queued_rooms: u32,
+}
+
+impl Capacity {
+    /// No room can be admitted without waiting.
+    pub fn saturated(&self) -> bool {
+        self.free_pages == 0 || self.queued_rooms > 0
+    }
+}
+
+/// Small list of sessions, for rooms fed by a few ranks.
+pub type Sessions = SmallVec<[SessionId; 2]>;

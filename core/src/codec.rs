@@ -1,0 +1,636 @@
+//! Control-message codec: length-prefixed, versioned frames. The decoder is total.
+//!
+//! Frame: `len: u32 LE` (bytes after this field), `version: u8`, `type: u8`, body. Every
+//! integer is little-endian. `docs/PROTOCOL.md` documents each body byte by byte.
+
+use bytes::BufMut;
+use core::fmt;
+use smallvec::SmallVec;
+
+use crate::ids::{Generation, Incarnation, NodeId, RoomId};
+use crate::layout::{Layout, PageRun};
+use crate::state::{FailureReason, Role};
+
+/// The protocol version this crate speaks.
+pub const PROTOCOL_VERSION: u8 = 1;
+/// Bytes before the body: length, version, type.
+pub const HEADER_LEN: usize = 6;
+/// Longest cluster token carried in a hello.
+pub const MAX_TOKEN_LEN: usize = 64;
+/// Longest detail text of an error frame.
+pub const MAX_DETAIL_LEN: usize = 256;
+
+/// Everything two endpoints say to each other on the control connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// First frame on every session, both directions.
+    Hello(Hello),
+    /// Decode -> prefill: decode knows the room but has not granted pages yet.
+    RoomPending {
+        /// Room.
+        room: RoomId,
+        /// Attempt of the room.
+        generation: Generation,
+        /// 0: pages are being allocated; k > 0: queued behind k rooms for lack of capacity.
+        queue_position: u32,
+    },
+    /// Decode -> prefill: pages granted; write the room here.
+    RoomRequest(RoomRequest),
+    /// Either way: the room concluded on the sender of this frame.
+    RoomStatus {
+        /// Room.
+        room: RoomId,
+        /// Attempt of the room.
+        generation: Generation,
+        /// `None` = success, `Some(reason)` = failed.
+        failure: Option<FailureReason>,
+    },
+    /// Prefill -> decode: the room is alive and at this stage (keeps decode's deadline honest).
+    Progress {
+        /// Room.
+        room: RoomId,
+        /// Attempt of the room.
+        generation: Generation,
+        /// Where the room is on prefill.
+        stage: ProgressStage,
+    },
+    /// Decode -> prefill: stop writing this room; reply with `AbortAck` once drained.
+    Abort {
+        /// Room.
+        room: RoomId,
+        /// Attempt of the room.
+        generation: Generation,
+        /// Why decode gave up.
+        reason: FailureReason,
+    },
+    /// Prefill -> decode: no write for this room is queued or in flight, and none will be.
+    AbortAck {
+        /// Room.
+        room: RoomId,
+        /// Attempt of the room.
+        generation: Generation,
+    },
+    /// Either way, every heartbeat interval: liveness plus decode capacity.
+    Heartbeat {
+        /// Free KV pages (decode); 0 for prefill.
+        free_pages: u32,
+        /// Rooms queued for capacity (decode); a saturated decode has free_pages 0 or a queue.
+        queued_rooms: u32,
+    },
+    /// Control-level echo request; part of probing a blacklisted session.
+    Probe {
+        /// Echoed back in the ack.
+        nonce: u64,
+    },
+    /// Answer to [`Message::Probe`].
+    ProbeAck {
+        /// The probe's nonce.
+        nonce: u64,
+    },
+    /// The sender is about to close the session for this reason.
+    Error {
+        /// What went wrong.
+        code: ErrorCode,
+        /// Human-readable detail, at most [`MAX_DETAIL_LEN`] bytes.
+        detail: String,
+    },
+}
+
+/// The handshake: who the peer is and what memory it registered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Prefill or decode.
+    pub role: Role,
+    /// Rank of the endpoint in its instance (TP/PP index).
+    pub rank: u16,
+    /// Stable name of the endpoint slot.
+    pub node: NodeId,
+    /// Process start identity.
+    pub incarnation: Incarnation,
+    /// Shared cluster secret, compared in constant time.
+    pub token: SmallVec<[u8; 32]>,
+    /// Registered memory.
+    pub layout: Layout,
+    /// First layer this endpoint writes (prefill PP stage), inclusive.
+    pub layer_start: u16,
+    /// Last layer this endpoint writes, exclusive.
+    pub layer_end: u16,
+    /// Whether this endpoint writes the aux and state data (the last PP stage).
+    pub writes_aux: bool,
+}
+
+/// Decode's page grant for one room.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoomRequest {
+    /// Room.
+    pub room: RoomId,
+    /// Attempt of the room.
+    pub generation: Generation,
+    /// How many decode ranks will request this room from this prefill rank.
+    pub receivers: u8,
+    /// Destination pages in room order (page `i` of the room goes to the `i`-th listed page).
+    pub pages: SmallVec<[PageRun; 4]>,
+    /// Destination aux row.
+    pub aux_slot: Option<u32>,
+    /// Destination state slot.
+    pub state_slot: Option<u32>,
+}
+
+/// Stage of a room on prefill, reported in [`Message::Progress`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProgressStage {
+    /// Request received, waiting for compute.
+    Queued,
+    /// Chunks are being computed.
+    Computing,
+    /// Data is moving.
+    Transferring,
+}
+
+/// Why a peer closes a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// Frames could not be decoded.
+    Malformed,
+    /// The cluster token did not match.
+    BadToken,
+    /// Protocol versions differ.
+    VersionMismatch,
+    /// Memory layouts cannot work together.
+    IncompatibleLayout,
+    /// Role pairing is wrong (prefill to prefill, ...).
+    WrongRole,
+    /// The peer violated the protocol.
+    ProtocolViolation,
+    /// The endpoint is shutting down.
+    Shutdown,
+}
+
+impl ErrorCode {
+    const ALL: [ErrorCode; 7] = [
+        ErrorCode::Malformed,
+        ErrorCode::BadToken,
+        ErrorCode::VersionMismatch,
+        ErrorCode::IncompatibleLayout,
+        ErrorCode::WrongRole,
+        ErrorCode::ProtocolViolation,
+        ErrorCode::Shutdown,
+    ];
+
+    fn code(self) -> u16 {
+        self as u16 + 1
+    }
+
+    fn from_code(c: u16) -> Option<Self> {
+        Self::ALL.get((c as usize).checked_sub(1)?).copied()
+    }
+}
+
+/// Frame type codes.
+mod ty {
+    pub(super) const HELLO: u8 = 1;
+    pub(super) const ROOM_PENDING: u8 = 2;
+    pub(super) const ROOM_REQUEST: u8 = 3;
+    pub(super) const ROOM_STATUS: u8 = 4;
+    pub(super) const PROGRESS: u8 = 5;
+    pub(super) const ABORT: u8 = 6;
+    pub(super) const ABORT_ACK: u8 = 7;
+    pub(super) const HEARTBEAT: u8 = 8;
+    pub(super) const PROBE: u8 = 9;
+    pub(super) const PROBE_ACK: u8 = 10;
+    pub(super) const ERROR: u8 = 11;
+}
+
+/// A frame that cannot be decoded. The session that sent it earns a strike.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// The length prefix exceeds the configured maximum.
+    TooLong {
+        /// Announced length.
+        len: u32,
+        /// Configured maximum.
+        max: u32,
+    },
+    /// The length prefix is too small to hold a version and a type.
+    TooShort {
+        /// Announced length.
+        len: u32,
+    },
+    /// The peer speaks another protocol version.
+    UnknownVersion(u8),
+    /// No frame type has this code.
+    UnknownType(u8),
+    /// The body ended before a field of this frame type.
+    Truncated {
+        /// Frame type code.
+        ty: u8,
+    },
+    /// The body is longer than its fields.
+    TrailingBytes {
+        /// Frame type code.
+        ty: u8,
+    },
+    /// A field holds a value that has no meaning.
+    InvalidField {
+        /// Frame type code.
+        ty: u8,
+        /// Field name.
+        field: &'static str,
+    },
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecodeError::TooLong { len, max } => write!(f, "frame length {len} exceeds {max}"),
+            DecodeError::TooShort { len } => write!(f, "frame length {len} below header"),
+            DecodeError::UnknownVersion(v) => write!(f, "unknown protocol version {v}"),
+            DecodeError::UnknownType(t) => write!(f, "unknown frame type {t}"),
+            DecodeError::Truncated { ty } => write!(f, "frame type {ty} truncated"),
+            DecodeError::TrailingBytes { ty } => write!(f, "frame type {ty} has trailing bytes"),
+            DecodeError::InvalidField { ty, field } => {
+                write!(f, "frame type {ty} has an invalid {field}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+impl Message {
+    /// Appends this message as one frame to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.put_u32_le(0);
+        out.put_u8(PROTOCOL_VERSION);
+        match self {
+            Message::Hello(h) => {
+                out.put_u8(ty::HELLO);
+                out.put_u8(h.role.code());
+                out.put_u16_le(h.rank);
+                out.put_u64_le(h.node.0);
+                out.put_u64_le(h.incarnation.0);
+                let token = &h.token[..h.token.len().min(MAX_TOKEN_LEN)];
+                out.put_u8(token.len() as u8);
+                out.put_slice(token);
+                put_layout(out, &h.layout);
+                out.put_u16_le(h.layer_start);
+                out.put_u16_le(h.layer_end);
+                out.put_u8(u8::from(h.writes_aux));
+            }
+            Message::RoomPending {
+                room,
+                generation,
+                queue_position,
+            } => {
+                out.put_u8(ty::ROOM_PENDING);
+                put_room(out, *room, *generation);
+                out.put_u32_le(*queue_position);
+            }
+            Message::RoomRequest(r) => {
+                out.put_u8(ty::ROOM_REQUEST);
+                put_room(out, r.room, r.generation);
+                out.put_u8(r.receivers);
+                put_opt_u32(out, r.aux_slot);
+                put_opt_u32(out, r.state_slot);
+                out.put_u32_le(r.pages.len() as u32);
+                for run in &r.pages {
+                    out.put_u32_le(run.start);
+                    out.put_u32_le(run.len);
+                }
+            }
+            Message::RoomStatus {
+                room,
+                generation,
+                failure,
+            } => {
+                out.put_u8(ty::ROOM_STATUS);
+                put_room(out, *room, *generation);
+                out.put_u8(failure.map_or(0, FailureReason::code));
+            }
+            Message::Progress {
+                room,
+                generation,
+                stage,
+            } => {
+                out.put_u8(ty::PROGRESS);
+                put_room(out, *room, *generation);
+                out.put_u8(match stage {
+                    ProgressStage::Queued => 1,
+                    ProgressStage::Computing => 2,
+                    ProgressStage::Transferring => 3,
+                });
+            }
+            Message::Abort {
+                room,
+                generation,
+                reason,
+            } => {
+                out.put_u8(ty::ABORT);
+                put_room(out, *room, *generation);
+                out.put_u8(reason.code());
+            }
+            Message::AbortAck { room, generation } => {
+                out.put_u8(ty::ABORT_ACK);
+                put_room(out, *room, *generation);
+            }
+            Message::Heartbeat {
+                free_pages,
+                queued_rooms,
+            } => {
+                out.put_u8(ty::HEARTBEAT);
+                out.put_u32_le(*free_pages);
+                out.put_u32_le(*queued_rooms);
+            }
+            Message::Probe { nonce } => {
+                out.put_u8(ty::PROBE);
+                out.put_u64_le(*nonce);
+            }
+            Message::ProbeAck { nonce } => {
+                out.put_u8(ty::PROBE_ACK);
+                out.put_u64_le(*nonce);
+            }
+            Message::Error { code, detail } => {
+                out.put_u8(ty::ERROR);
+                out.put_u16_le(code.code());
+                let mut end = detail.len().min(MAX_DETAIL_LEN);
+                while !detail.is_char_boundary(end) {
+                    end -= 1;
+                }
+                out.put_u16_le(end as u16);
+                out.put_slice(&detail.as_bytes()[..end]);
+            }
+        }
+        let len = (out.len() - start - 4) as u32;
+        out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    }
+
+    /// Encoded size of this message in bytes, header included.
+    pub fn encoded_len(&self) -> usize {
+        let mut v = Vec::new();
+        self.encode(&mut v);
+        v.len()
+    }
+
+    /// Decodes the first frame of `buf`.
+    ///
+    /// `Ok(None)` means more bytes are needed; `Ok(Some((msg, used)))` consumed `used` bytes.
+    /// A frame whose length prefix exceeds `max_frame_len` is refused before its body arrives.
+    pub fn decode(buf: &[u8], max_frame_len: u32) -> Result<Option<(Message, usize)>, DecodeError> {
+        let Some(prefix) = buf.get(..4) else {
+            return Ok(None);
+        };
+        let len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]);
+        if len > max_frame_len {
+            return Err(DecodeError::TooLong {
+                len,
+                max: max_frame_len,
+            });
+        }
+        if len < 2 {
+            return Err(DecodeError::TooShort { len });
+        }
+        let total = 4 + len as usize;
+        let Some(frame) = buf.get(4..total) else {
+            return Ok(None);
+        };
+        let version = frame[0];
+        if version != PROTOCOL_VERSION {
+            return Err(DecodeError::UnknownVersion(version));
+        }
+        let msg = decode_body(frame[1], &frame[2..])?;
+        Ok(Some((msg, total)))
+    }
+}
+
+fn put_room(out: &mut Vec<u8>, room: RoomId, generation: Generation) {
+    out.put_u64_le(room.0);
+    out.put_u32_le(generation);
+}
+
+fn put_opt_u32(out: &mut Vec<u8>, v: Option<u32>) {
+    out.put_u32_le(v.unwrap_or(u32::MAX));
+}
+
+fn put_layout(out: &mut Vec<u8>, l: &Layout) {
+    out.put_u16_le(l.layers);
+    out.put_u8(l.planes);
+    out.put_u32_le(l.page_bytes);
+    out.put_u32_le(l.pages);
+    out.put_u32_le(l.aux_bytes);
+    out.put_u32_le(l.state_bytes);
+    out.put_u32_le(l.slots);
+}
+
+/// Bounds-checked little-endian reader over one frame body.
+struct Reader<'a> {
+    buf: &'a [u8],
+    ty: u8,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.buf.len() < n {
+            return Err(DecodeError::Truncated { ty: self.ty });
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn opt_u32(&mut self) -> Result<Option<u32>, DecodeError> {
+        Ok(Some(self.u32()?).filter(|v| *v != u32::MAX))
+    }
+
+    fn room(&mut self) -> Result<(RoomId, Generation), DecodeError> {
+        Ok((RoomId(self.u64()?), self.u32()?))
+    }
+
+    fn invalid(&self, field: &'static str) -> DecodeError {
+        DecodeError::InvalidField { ty: self.ty, field }
+    }
+
+    fn reason(&mut self) -> Result<FailureReason, DecodeError> {
+        let code = self.u8()?;
+        FailureReason::from_code(code).ok_or(self.invalid("reason"))
+    }
+
+    fn finish(self) -> Result<(), DecodeError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(DecodeError::TrailingBytes { ty: self.ty })
+        }
+    }
+}
+
+fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
+    let mut r = Reader { buf: body, ty };
+    let msg = match ty {
+        ty::HELLO => {
+            let role = Role::from_code(r.u8()?).ok_or(r.invalid("role"))?;
+            let rank = r.u16()?;
+            let node = NodeId(r.u64()?);
+            let incarnation = Incarnation(r.u64()?);
+            let token_len = r.u8()? as usize;
+            if token_len > MAX_TOKEN_LEN {
+                return Err(r.invalid("token length"));
+            }
+            let token = SmallVec::from_slice(r.take(token_len)?);
+            let layout = Layout {
+                layers: r.u16()?,
+                planes: r.u8()?,
+                page_bytes: r.u32()?,
+                pages: r.u32()?,
+                aux_bytes: r.u32()?,
+                state_bytes: r.u32()?,
+                slots: r.u32()?,
+            };
+            if layout.planes == 0 || layout.planes > 2 {
+                return Err(r.invalid("planes"));
+            }
+            if layout.page_bytes == 0 {
+                return Err(r.invalid("page_bytes"));
+            }
+            let layer_start = r.u16()?;
+            let layer_end = r.u16()?;
+            if layer_start > layer_end || layer_end > layout.layers {
+                return Err(r.invalid("layer range"));
+            }
+            let writes_aux = match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return Err(r.invalid("writes_aux")),
+            };
+            Message::Hello(Hello {
+                role,
+                rank,
+                node,
+                incarnation,
+                token,
+                layout,
+                layer_start,
+                layer_end,
+                writes_aux,
+            })
+        }
+        ty::ROOM_PENDING => {
+            let (room, generation) = r.room()?;
+            Message::RoomPending {
+                room,
+                generation,
+                queue_position: r.u32()?,
+            }
+        }
+        ty::ROOM_REQUEST => {
+            let (room, generation) = r.room()?;
+            let receivers = r.u8()?;
+            if receivers == 0 {
+                return Err(r.invalid("receivers"));
+            }
+            let aux_slot = r.opt_u32()?;
+            let state_slot = r.opt_u32()?;
+            let count = r.u32()? as usize;
+            // Each run is 8 bytes: bound the count by what is left before allocating.
+            if count > r.buf.len() / 8 {
+                return Err(DecodeError::Truncated { ty });
+            }
+            let mut pages = SmallVec::with_capacity(count);
+            for _ in 0..count {
+                let run = PageRun {
+                    start: r.u32()?,
+                    len: r.u32()?,
+                };
+                if run.len == 0 || run.start.checked_add(run.len).is_none() {
+                    return Err(r.invalid("page run"));
+                }
+                pages.push(run);
+            }
+            Message::RoomRequest(RoomRequest {
+                room,
+                generation,
+                receivers,
+                pages,
+                aux_slot,
+                state_slot,
+            })
+        }
+        ty::ROOM_STATUS => {
+            let (room, generation) = r.room()?;
+            let failure = match r.u8()? {
+                0 => None,
+                c => Some(FailureReason::from_code(c).ok_or(r.invalid("reason"))?),
+            };
+            Message::RoomStatus {
+                room,
+                generation,
+                failure,
+            }
+        }
+        ty::PROGRESS => {
+            let (room, generation) = r.room()?;
+            let stage = match r.u8()? {
+                1 => ProgressStage::Queued,
+                2 => ProgressStage::Computing,
+                3 => ProgressStage::Transferring,
+                _ => return Err(r.invalid("stage")),
+            };
+            Message::Progress {
+                room,
+                generation,
+                stage,
+            }
+        }
+        ty::ABORT => {
+            let (room, generation) = r.room()?;
+            Message::Abort {
+                room,
+                generation,
+                reason: r.reason()?,
+            }
+        }
+        ty::ABORT_ACK => {
+            let (room, generation) = r.room()?;
+            Message::AbortAck { room, generation }
+        }
+        ty::HEARTBEAT => Message::Heartbeat {
+            free_pages: r.u32()?,
+            queued_rooms: r.u32()?,
+        },
+        ty::PROBE => Message::Probe { nonce: r.u64()? },
+        ty::PROBE_ACK => Message::ProbeAck { nonce: r.u64()? },
+        ty::ERROR => {
+            let code = ErrorCode::from_code(r.u16()?).ok_or(r.invalid("code"))?;
+            let len = r.u16()? as usize;
+            if len > MAX_DETAIL_LEN {
+                return Err(r.invalid("detail length"));
+            }
+            let detail = String::from_utf8_lossy(r.take(len)?).into_owned();
+            Message::Error { code, detail }
+        }
+        other => return Err(DecodeError::UnknownType(other)),
+    };
+    r.finish()?;
+    Ok(msg)
+}

@@ -1,0 +1,246 @@
+//! The one typed configuration of an endpoint, with documented defaults and `KVFERRY_*` loading.
+
+use core::fmt;
+use std::time::Duration;
+
+/// Every knob of the core. `Config::default()` holds the documented defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Attempts per data-path operation before it counts as exhausted (`KVFERRY_TRANSFER_RETRIES`, 3).
+    pub transfer_retries: u32,
+    /// Linear backoff step between attempts, plus up to half of it as jitter (`KVFERRY_RETRY_BACKOFF_MS`, 50).
+    pub retry_backoff: Duration,
+    /// Consecutive exhausted operations that blacklist a session (`KVFERRY_SESSION_FAILURE_THRESHOLD`, 10).
+    pub session_failure_threshold: u32,
+    /// First probe delay after a blacklist (`KVFERRY_PROBE_INTERVAL_MS`, 1000).
+    pub probe_interval: Duration,
+    /// Cap of the exponential probe backoff (`KVFERRY_PROBE_MAX_INTERVAL_MS`, 30000).
+    pub probe_max_interval: Duration,
+    /// A blacklisted session no room targets is forgotten after this (`KVFERRY_BLACKLIST_IDLE_TIMEOUT_MS`, 600000).
+    pub blacklist_idle_timeout: Duration,
+    /// Deadline of the Bootstrapping state on both sides (`KVFERRY_BOOTSTRAP_TIMEOUT_MS`, 300000).
+    pub bootstrap_timeout: Duration,
+    /// Decode: longest silence about a room after its request was sent (`KVFERRY_WAITING_TIMEOUT_MS`, 300000).
+    pub waiting_timeout: Duration,
+    /// Decode: wait for every drain acknowledgement before fencing (`KVFERRY_ABORT_ACK_TIMEOUT_MS`, 5000).
+    pub abort_ack_timeout: Duration,
+    /// Interval of heartbeats and room progress keepalives (`KVFERRY_HEARTBEAT_INTERVAL_MS`, 5000).
+    pub heartbeat_interval: Duration,
+    /// Missed heartbeat intervals after which a session is dead (`KVFERRY_HEARTBEAT_MISSES`, 3).
+    pub heartbeat_misses: u32,
+    /// Deadline for the peer's hello after a session opened (`KVFERRY_HANDSHAKE_TIMEOUT_MS`, 10000).
+    pub handshake_timeout: Duration,
+    /// An attempt not reported within this is treated as a transient failure and its session
+    /// is fenced (`KVFERRY_OPERATION_TIMEOUT_MS`, 30000).
+    pub operation_timeout: Duration,
+    /// Most bytes in one data-path operation (`KVFERRY_MAX_OP_BYTES`, 64 MiB).
+    pub max_op_bytes: u64,
+    /// Most slices in one data-path operation (`KVFERRY_MAX_OP_SLICES`, 4096).
+    pub max_op_slices: u32,
+    /// Operations in flight per session (`KVFERRY_MAX_OPS_IN_FLIGHT`, 8).
+    pub max_ops_in_flight: u32,
+    /// Operations queued per session; beyond it `send_chunk` is refused (`KVFERRY_MAX_QUEUED_OPS`, 65536).
+    pub max_queued_ops: u32,
+    /// Largest control frame accepted or sent (`KVFERRY_MAX_FRAME_LEN`, 1 MiB).
+    pub max_frame_len: u32,
+    /// Concluded rooms remembered to answer late messages (`KVFERRY_TOMBSTONES`, 65536).
+    pub tombstones: u32,
+    /// Prefill: room requests buffered before the sender room is opened (`KVFERRY_PENDING_REQUESTS`, 65536).
+    pub pending_requests: u32,
+    /// Malformed frames tolerated on one session before it is closed (`KVFERRY_PROTOCOL_STRIKES`, 3).
+    pub protocol_strikes: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            transfer_retries: 3,
+            retry_backoff: Duration::from_millis(50),
+            session_failure_threshold: 10,
+            probe_interval: Duration::from_secs(1),
+            probe_max_interval: Duration::from_secs(30),
+            blacklist_idle_timeout: Duration::from_secs(600),
+            bootstrap_timeout: Duration::from_secs(300),
+            waiting_timeout: Duration::from_secs(300),
+            abort_ack_timeout: Duration::from_secs(5),
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_misses: 3,
+            handshake_timeout: Duration::from_secs(10),
+            operation_timeout: Duration::from_secs(30),
+            max_op_bytes: 64 << 20,
+            max_op_slices: 4096,
+            max_ops_in_flight: 8,
+            max_queued_ops: 65536,
+            max_frame_len: 1 << 20,
+            tombstones: 65536,
+            pending_requests: 65536,
+            protocol_strikes: 3,
+        }
+    }
+}
+
+/// A configuration value that cannot be used, naming where it came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The variable or field name, e.g. `KVFERRY_TRANSFER_RETRIES`.
+    pub name: String,
+    /// The offending value as given.
+    pub value: String,
+    /// What is wrong with it.
+    pub reason: &'static str,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid {}={:?}: {}", self.name, self.value, self.reason)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+enum Field {
+    Count(fn(&mut Config) -> &mut u32),
+    Bytes(fn(&mut Config) -> &mut u64),
+    Millis(fn(&mut Config) -> &mut Duration),
+}
+
+/// (name without the `KVFERRY_` prefix, field): one table drives env loading and key=value parsing.
+const FIELDS: &[(&str, Field)] = &[
+    ("TRANSFER_RETRIES", Field::Count(|c| &mut c.transfer_retries)),
+    ("RETRY_BACKOFF_MS", Field::Millis(|c| &mut c.retry_backoff)),
+    ("SESSION_FAILURE_THRESHOLD", Field::Count(|c| &mut c.session_failure_threshold)),
+    ("PROBE_INTERVAL_MS", Field::Millis(|c| &mut c.probe_interval)),
+    ("PROBE_MAX_INTERVAL_MS", Field::Millis(|c| &mut c.probe_max_interval)),
+    ("BLACKLIST_IDLE_TIMEOUT_MS", Field::Millis(|c| &mut c.blacklist_idle_timeout)),
+    ("BOOTSTRAP_TIMEOUT_MS", Field::Millis(|c| &mut c.bootstrap_timeout)),
+    ("WAITING_TIMEOUT_MS", Field::Millis(|c| &mut c.waiting_timeout)),
+    ("ABORT_ACK_TIMEOUT_MS", Field::Millis(|c| &mut c.abort_ack_timeout)),
+    ("HEARTBEAT_INTERVAL_MS", Field::Millis(|c| &mut c.heartbeat_interval)),
+    ("HEARTBEAT_MISSES", Field::Count(|c| &mut c.heartbeat_misses)),
+    ("HANDSHAKE_TIMEOUT_MS", Field::Millis(|c| &mut c.handshake_timeout)),
+    ("OPERATION_TIMEOUT_MS", Field::Millis(|c| &mut c.operation_timeout)),
+    ("MAX_OP_BYTES", Field::Bytes(|c| &mut c.max_op_bytes)),
+    ("MAX_OP_SLICES", Field::Count(|c| &mut c.max_op_slices)),
+    ("MAX_OPS_IN_FLIGHT", Field::Count(|c| &mut c.max_ops_in_flight)),
+    ("MAX_QUEUED_OPS", Field::Count(|c| &mut c.max_queued_ops)),
+    ("MAX_FRAME_LEN", Field::Count(|c| &mut c.max_frame_len)),
+    ("TOMBSTONES", Field::Count(|c| &mut c.tombstones)),
+    ("PENDING_REQUESTS", Field::Count(|c| &mut c.pending_requests)),
+    ("PROTOCOL_STRIKES", Field::Count(|c| &mut c.protocol_strikes)),
+];
+
+/// Prefix of every environment variable the core reads.
+pub const ENV_PREFIX: &str = "KVFERRY_";
+
+impl Config {
+    /// Defaults overridden by every `KVFERRY_*` variable of the process environment.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Self::from_vars(std::env::vars())
+    }
+
+    /// Defaults overridden by the `KVFERRY_*` pairs of `vars`; other names are ignored.
+    pub fn from_vars<I, K, V>(vars: I) -> Result<Config, ConfigError>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut config = Config::default();
+        for (name, value) in vars {
+            let (name, value) = (name.as_ref(), value.as_ref());
+            if let Some(key) = name.strip_prefix(ENV_PREFIX) {
+                if FIELDS.iter().any(|(k, _)| *k == key) {
+                    config.set(key, value).map_err(|reason| ConfigError {
+                        name: name.to_owned(),
+                        value: value.to_owned(),
+                        reason,
+                    })?;
+                }
+            }
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Sets one knob by its name without prefix (`TRANSFER_RETRIES`) or its lower-case form
+    /// (`transfer_retries`), as a TOML file would spell it.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<(), &'static str> {
+        let upper = key.to_ascii_uppercase();
+        let (_, field) = FIELDS
+            .iter()
+            .find(|(k, _)| *k == upper)
+            .ok_or("unknown configuration key")?;
+        let number: u64 = value
+            .trim()
+            .parse()
+            .map_err(|_| "not a non-negative integer")?;
+        match field {
+            Field::Count(f) => *f(self) = u32::try_from(number).map_err(|_| "too large")?,
+            Field::Bytes(f) => *f(self) = number,
+            Field::Millis(f) => *f(self) = Duration::from_millis(number),
+        }
+        Ok(())
+    }
+
+    /// Names of every knob (without prefix), for documentation and CLI help.
+    pub fn keys() -> impl Iterator<Item = &'static str> {
+        FIELDS.iter().map(|(k, _)| *k)
+    }
+
+    /// Checks the relations between knobs; the error names the offending variable.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &str, value: String, reason| {
+            Err(ConfigError {
+                name: format!("{ENV_PREFIX}{key}"),
+                value,
+                reason,
+            })
+        };
+        let positive_counts = [
+            ("TRANSFER_RETRIES", self.transfer_retries),
+            ("SESSION_FAILURE_THRESHOLD", self.session_failure_threshold),
+            ("HEARTBEAT_MISSES", self.heartbeat_misses),
+            ("MAX_OP_SLICES", self.max_op_slices),
+            ("MAX_OPS_IN_FLIGHT", self.max_ops_in_flight),
+            ("MAX_QUEUED_OPS", self.max_queued_ops),
+            ("PROTOCOL_STRIKES", self.protocol_strikes),
+        ];
+        for (key, v) in positive_counts {
+            if v == 0 {
+                return bad(key, v.to_string(), "must be at least 1");
+            }
+        }
+        let positive_times = [
+            ("PROBE_INTERVAL_MS", self.probe_interval),
+            ("HEARTBEAT_INTERVAL_MS", self.heartbeat_interval),
+            ("BOOTSTRAP_TIMEOUT_MS", self.bootstrap_timeout),
+            ("WAITING_TIMEOUT_MS", self.waiting_timeout),
+            ("ABORT_ACK_TIMEOUT_MS", self.abort_ack_timeout),
+            ("HANDSHAKE_TIMEOUT_MS", self.handshake_timeout),
+            ("OPERATION_TIMEOUT_MS", self.operation_timeout),
+        ];
+        for (key, v) in positive_times {
+            if v.is_zero() {
+                return bad(key, "0".into(), "must be positive");
+            }
+        }
+        if self.probe_max_interval < self.probe_interval {
+            return bad(
+                "PROBE_MAX_INTERVAL_MS",
+                self.probe_max_interval.as_millis().to_string(),
+                "must not be below KVFERRY_PROBE_INTERVAL_MS",
+            );
+        }
+        if self.max_op_bytes == 0 {
+            return bad("MAX_OP_BYTES", "0".into(), "must be at least 1");
+        }
+        if self.max_frame_len < 256 {
+            return bad(
+                "MAX_FRAME_LEN",
+                self.max_frame_len.to_string(),
+                "must be at least 256",
+            );
+        }
+        Ok(())
+    }
+}

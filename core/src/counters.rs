@@ -1,0 +1,80 @@
+//! Plain counters the core keeps; drivers export them (the tokio driver through `metrics`).
+
+use crate::state::FailureReason;
+
+/// Monotone counters of one endpoint. Read with [`crate::Endpoint::counters`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Attempts re-run after a transient failure.
+    pub retries: u64,
+    /// Operations that succeeded after at least one failed attempt.
+    pub retry_recoveries: u64,
+    /// Operations that exhausted their attempts or failed fatally.
+    pub ops_exhausted: u64,
+    /// Operations planned (probes excluded).
+    pub ops_planned: u64,
+    /// Payload bytes planned (probes excluded).
+    pub bytes_planned: u64,
+    /// Payload bytes of operations that completed.
+    pub bytes_transferred: u64,
+    /// Sessions that were blacklisted.
+    pub sessions_blacklisted: u64,
+    /// Blacklisted sessions un-blacklisted by a successful probe.
+    pub sessions_recovered: u64,
+    /// Blacklisted sessions forgotten after their idle timeout.
+    pub sessions_expired: u64,
+    /// Sessions rejected at the handshake (token, version, role, layout).
+    pub sessions_rejected: u64,
+    /// Probes sent to blacklisted sessions.
+    pub probes_sent: u64,
+    /// Fences asked of the driver.
+    pub fences: u64,
+    /// Control frames that failed to decode or broke the protocol.
+    pub protocol_errors: u64,
+    /// Messages dropped as late, duplicated or of an older generation.
+    pub stale_messages: u64,
+    /// Data-plane writes refused by [`crate::Endpoint::check_write`].
+    pub writes_refused: u64,
+    /// Rooms that reached Success.
+    pub rooms_succeeded: u64,
+    /// Rooms that reached Failed, by reason ([`FailureReason::index`]).
+    pub rooms_failed: [u64; FailureReason::ALL.len()],
+    /// Rooms whose pages were declared releasable.
+    pub rooms_released: u64,
+}
+
+impl Counters {
+    /// Failed rooms of all reasons.
+    pub fn rooms_failed_total(&self) -> u64 {
+        self.rooms_failed.iter().sum()
+    }
+
+    /// Failed rooms of one reason.
+    pub fn failed(&self, reason: FailureReason) -> u64 {
+        self.rooms_failed[reason.index()]
+    }
+
+    /// (name, value) pairs of every scalar counter, for exporters.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> {
+        [
+            ("retries", self.retries),
+            ("retry_recoveries", self.retry_recoveries),
+            ("ops_exhausted", self.ops_exhausted),
+            ("ops_planned", self.ops_planned),
+            ("bytes_planned", self.bytes_planned),
+            ("bytes_transferred", self.bytes_transferred),
+            ("sessions_blacklisted", self.sessions_blacklisted),
+            ("sessions_recovered", self.sessions_recovered),
+            ("sessions_expired", self.sessions_expired),
+            ("sessions_rejected", self.sessions_rejected),
+            ("probes_sent", self.probes_sent),
+            ("fences", self.fences),
+            ("protocol_errors", self.protocol_errors),
+            ("stale_messages", self.stale_messages),
+            ("writes_refused", self.writes_refused),
+            ("rooms_succeeded", self.rooms_succeeded),
+            ("rooms_released", self.rooms_released),
+        ]
+        .into_iter()
+    }
+}

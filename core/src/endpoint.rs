@@ -1,0 +1,2521 @@
+//! [`Endpoint`]: the deterministic state machine of one prefill or decode rank.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
+use tracing::{debug, info, warn};
+
+use crate::api::{
+    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo,
+    RejectReason, SessionState, TransferOp, TransferOutcome, WriteRefused,
+};
+use crate::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest};
+use crate::config::{Config, ConfigError};
+use crate::counters::Counters;
+use crate::ids::{Generation, NodeId, RoomId, SessionId, TransferId};
+use crate::layout::{page_runs, PageSet, Region, Slice};
+use crate::plan::{plan_aux, plan_kv, OpLimits};
+use crate::rng::Rng;
+use crate::state::{FailureReason, KvPoll, Role};
+use crate::timer::{Timer, TimerKey, TimerTable};
+
+/// One prefill or decode rank: every room, session, operation and deadline it owns.
+///
+/// # Method groups
+///
+/// - **Getters**: [`Endpoint::room_state`], [`Endpoint::session_state`],
+///   [`Endpoint::counters`], [`Endpoint::peer_capacity`], ...
+/// - **Inputs** (`handle_*`, each with `now`): control bytes from a peer, a finished
+///   data-path operation, a fired timer, a session connected, disconnected or fenced.
+/// - **Commands** from the embedding scheduler: decode opens receiver rooms and grants pages;
+///   prefill opens sender rooms, sends chunks and marks layers ready; both abort or fail rooms.
+/// - **Outputs** (`poll_*`): control frames to send, data-path operations to run, actions on
+///   connections, scheduler events, and the next deadline.
+///
+/// # Drain contract
+///
+/// After every input or command, the driver drains, in this order: [`Endpoint::poll_transmit`]
+/// until `None`, [`Endpoint::poll_action`] until `None`, [`Endpoint::poll_transfer`] until
+/// `None`, [`Endpoint::poll_event`] until `None`, and finally re-arms its single timer from
+/// [`Endpoint::poll_timeout`]. When the timer fires it calls [`Endpoint::handle_timeout`].
+/// Times passed in must not decrease; an earlier time is treated as the latest one seen.
+///
+/// Nothing here reads a clock, does IO, spawns or panics on peer input.
+#[derive(Debug)]
+pub struct Endpoint {
+    config: Config,
+    local: EndpointInfo,
+    rng: Rng,
+    last_now: Instant,
+    shut_down: bool,
+    sessions: HashMap<SessionId, Session>,
+    next_session: u32,
+    /// Established sessions by peer node, to notice restarts and duplicates.
+    nodes: HashMap<NodeId, SessionId>,
+    /// Blacklists of peers whose connection dropped, so a reconnect cannot launder them.
+    blacklist_memory: HashMap<NodeId, RememberedBlacklist>,
+    rooms: HashMap<RoomId, Room>,
+    tombstones: Tombstones,
+    /// Prefill: room messages that arrived before the sender room was opened.
+    pending: HashMap<RoomId, PendingRoom>,
+    pending_order: VecDeque<(RoomId, Generation)>,
+    ops: HashMap<TransferId, Op>,
+    next_op: u64,
+    ready_sessions: VecDeque<SessionId>,
+    timers: TimerTable,
+    transmits: VecDeque<(SessionId, Message)>,
+    actions: VecDeque<Action>,
+    events: VecDeque<Event>,
+    counters: Counters,
+    capacity: Capacity,
+}
+
+#[derive(Debug)]
+struct Session {
+    state: SessionState,
+    peer: Option<PeerInfo>,
+    last_rx: Instant,
+    handshake_timer: Option<TimerKey>,
+    heartbeat_timer: Option<TimerKey>,
+    liveness_timer: Option<TimerKey>,
+    probe_timer: Option<TimerKey>,
+    idle_timer: Option<TimerKey>,
+    /// Consecutive exhausted operations.
+    failures: u32,
+    probe_backoff: Duration,
+    probe_nonce: Option<u64>,
+    probe_op: Option<TransferId>,
+    last_targeted: Instant,
+    queue: VecDeque<TransferId>,
+    in_flight: u32,
+    in_ready: bool,
+    fencing: bool,
+    rooms: HashSet<RoomId>,
+    strikes: u32,
+    capacity: Option<Capacity>,
+    close_reason: FailureReason,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RememberedBlacklist {
+    incarnation: crate::ids::Incarnation,
+    until: Instant,
+}
+
+#[derive(Debug)]
+struct Room {
+    generation: Generation,
+    state: KvPoll,
+    bootstrap_timer: Option<TimerKey>,
+    waiting_timer: Option<TimerKey>,
+    abort_timer: Option<TimerKey>,
+    /// Prefill: last chunk, layer mark or finished op. Decode: last word from a source.
+    last_activity: Instant,
+    side: Side,
+}
+
+#[derive(Debug)]
+enum Side {
+    Sender(SenderRoom),
+    Receiver(ReceiverRoom),
+}
+
+#[derive(Debug, Default)]
+struct SenderRoom {
+    receivers: SmallVec<[Receiver; 2]>,
+    expected: u8,
+    saturated: bool,
+    announced_by: SmallVec<[SessionId; 2]>,
+    chunks: VecDeque<HeldChunk>,
+    next_dst: u32,
+    last_seen: bool,
+    aux_src: Option<u32>,
+    state_src: Option<u32>,
+    /// Operations queued, waiting for a retry or in flight.
+    ops_live: u32,
+    /// Operations with an attempt in flight (reads of source pages may be happening).
+    ops_in_flight: u32,
+    stage: Option<ProgressStage>,
+    last_progress_sent: Option<Instant>,
+    drained_acked: bool,
+}
+
+#[derive(Debug)]
+struct Receiver {
+    session: SessionId,
+    dst: Vec<u32>,
+    aux_slot: Option<u32>,
+    state_slot: Option<u32>,
+}
+
+#[derive(Debug)]
+struct HeldChunk {
+    src: Vec<u32>,
+    dst_start: u32,
+    layerwise: bool,
+    released: LayerBits,
+    planned: LayerBits,
+}
+
+#[derive(Debug, Default)]
+struct ReceiverRoom {
+    sources: SmallVec<[Source; 2]>,
+    pages: Option<PageSet>,
+    aux_slot: Option<u32>,
+    state_slot: Option<u32>,
+    queue_position: u32,
+}
+
+#[derive(Debug)]
+struct Source {
+    session: SessionId,
+    granted: bool,
+    /// The source reported Success: all its writes were acknowledged.
+    done: bool,
+    /// The source acknowledged the drain, or its session was fenced or closed.
+    drained: bool,
+}
+
+#[derive(Debug)]
+struct Op {
+    session: SessionId,
+    room: Option<RoomId>,
+    generation: Generation,
+    kind: OpKind,
+    slices: Arc<[Slice]>,
+    bytes: u64,
+    attempt: u32,
+    phase: OpPhase,
+    timer: Option<TimerKey>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpPhase {
+    Queued,
+    InFlight,
+    RetryWait,
+}
+
+#[derive(Debug, Default)]
+struct PendingRoom {
+    generation: Generation,
+    requests: SmallVec<[(SessionId, RoomRequest); 1]>,
+    notices: SmallVec<[(SessionId, u32); 1]>,
+}
+
+/// Bounded memory of concluded rooms: answers late messages and refuses stale generations.
+#[derive(Debug, Default)]
+struct Tombstones {
+    map: HashMap<RoomId, (Generation, KvPoll, u64)>,
+    order: VecDeque<(RoomId, u64)>,
+    seq: u64,
+    cap: usize,
+}
+
+impl Tombstones {
+    fn insert(&mut self, room: RoomId, generation: Generation, outcome: KvPoll) {
+        self.seq += 1;
+        self.map.insert(room, (generation, outcome, self.seq));
+        self.order.push_back((room, self.seq));
+        while self.order.len() > self.cap {
+            if let Some((old, seq)) = self.order.pop_front() {
+                if self.map.get(&old).is_some_and(|e| e.2 == seq) {
+                    self.map.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn get(&self, room: RoomId) -> Option<(Generation, KvPoll)> {
+        self.map.get(&room).map(|e| (e.0, e.1))
+    }
+}
+
+/// Bitset over the layers this endpoint owns.
+#[derive(Debug, Clone, Default)]
+struct LayerBits(SmallVec<[u64; 2]>);
+
+impl LayerBits {
+    fn new(n: usize) -> Self {
+        LayerBits(SmallVec::from_elem(0, n.div_ceil(64).max(1)))
+    }
+    fn all(n: usize) -> Self {
+        let mut b = Self::new(n);
+        for i in 0..n {
+            b.set(i);
+        }
+        b
+    }
+    fn get(&self, i: usize) -> bool {
+        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+    fn set(&mut self, i: usize) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            *w |= 1 << (i % 64);
+        }
+    }
+    fn count(&self) -> u32 {
+        self.0.iter().map(|w| w.count_ones()).sum()
+    }
+}
+
+/// Compares two byte strings in time independent of where they differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Endpoint {
+    /// A new endpoint. `seed` drives every random choice (jitter, nonces); `now` is the start.
+    pub fn new(
+        config: Config,
+        local: EndpointInfo,
+        seed: u64,
+        now: Instant,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let owned = local.layer_start < local.layer_end && local.layer_end <= local.layout.layers;
+        if !owned || local.layout.page_bytes == 0 || !(1..=2).contains(&local.layout.planes) {
+            return Err(ConfigError {
+                name: "layout".into(),
+                value: format!("{:?} layers {}..{}", local.layout, local.layer_start, local.layer_end),
+                reason: "needs 1-2 planes, page_bytes > 0 and a non-empty owned layer range",
+            });
+        }
+        let tombstones = Tombstones {
+            cap: config.tombstones as usize,
+            ..Tombstones::default()
+        };
+        Ok(Endpoint {
+            config,
+            local,
+            rng: Rng::new(seed),
+            last_now: now,
+            shut_down: false,
+            sessions: HashMap::new(),
+            next_session: 0,
+            nodes: HashMap::new(),
+            blacklist_memory: HashMap::new(),
+            rooms: HashMap::new(),
+            tombstones,
+            pending: HashMap::new(),
+            pending_order: VecDeque::new(),
+            ops: HashMap::new(),
+            next_op: 0,
+            ready_sessions: VecDeque::new(),
+            timers: TimerTable::default(),
+            transmits: VecDeque::new(),
+            actions: VecDeque::new(),
+            events: VecDeque::new(),
+            counters: Counters::default(),
+            capacity: Capacity::default(),
+        })
+    }
+
+    // ---------------------------------------------------------------- getters
+
+    /// This endpoint's identity.
+    pub fn info(&self) -> &EndpointInfo {
+        &self.local
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// State of a live room, or the outcome of a concluded one still remembered.
+    pub fn room_state(&self, room: RoomId) -> Option<KvPoll> {
+        match self.rooms.get(&room) {
+            Some(r) => Some(r.state),
+            None => self.tombstones.get(room).map(|t| t.1),
+        }
+    }
+
+    /// Generation of a live room.
+    pub fn room_generation(&self, room: RoomId) -> Option<Generation> {
+        self.rooms.get(&room).map(|r| r.generation)
+    }
+
+    /// Number of room records held (live or waiting to become releasable).
+    pub fn live_rooms(&self) -> usize {
+        self.rooms.len()
+    }
+
+    /// Ids of the rooms held, in no particular order.
+    pub fn room_ids(&self) -> impl Iterator<Item = RoomId> + '_ {
+        self.rooms.keys().copied()
+    }
+
+    /// Number of data-path operations queued, waiting for a retry, or in flight.
+    pub fn live_ops(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Number of armed deadlines.
+    pub fn armed_timers(&self) -> usize {
+        self.timers.len()
+    }
+
+    /// State of a session.
+    pub fn session_state(&self, session: SessionId) -> Option<SessionState> {
+        self.sessions.get(&session).map(|s| s.state)
+    }
+
+    /// Who is behind an established session.
+    pub fn peer(&self, session: SessionId) -> Option<PeerInfo> {
+        self.sessions.get(&session).and_then(|s| s.peer)
+    }
+
+    /// Capacity last advertised by the decode peer of a session (prefill admission control).
+    pub fn peer_capacity(&self, session: SessionId) -> Option<Capacity> {
+        self.sessions.get(&session).and_then(|s| s.capacity)
+    }
+
+    /// Consecutive exhausted operations of a session.
+    pub fn session_failures(&self, session: SessionId) -> Option<u32> {
+        self.sessions.get(&session).map(|s| s.failures)
+    }
+
+    /// Ids of the open sessions.
+    pub fn session_ids(&self) -> impl Iterator<Item = SessionId> + '_ {
+        self.sessions.keys().copied()
+    }
+
+    // ---------------------------------------------------------------- outputs
+
+    /// Encodes the next control frame into `buf` and returns the session to send it on.
+    #[must_use]
+    pub fn poll_transmit(&mut self, buf: &mut Vec<u8>) -> Option<SessionId> {
+        let (session, msg) = self.transmits.pop_front()?;
+        msg.encode(buf);
+        Some(session)
+    }
+
+    /// The next control message, not encoded (for drivers that batch or inspect).
+    #[must_use]
+    pub fn poll_message(&mut self) -> Option<(SessionId, Message)> {
+        self.transmits.pop_front()
+    }
+
+    /// The next connection action the driver must carry out.
+    #[must_use]
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// The next data-path operation to run; sessions are served round-robin, each up to
+    /// `max_ops_in_flight` operations, so one slow peer never holds back the others.
+    #[must_use]
+    pub fn poll_transfer(&mut self, now: Instant) -> Option<TransferOp> {
+        let now = self.clock(now);
+        while let Some(sid) = self.ready_sessions.pop_front() {
+            let max = self.config.max_ops_in_flight;
+            let Some(session) = self.sessions.get_mut(&sid) else {
+                continue;
+            };
+            session.in_ready = false;
+            if session.fencing || session.in_flight >= max {
+                continue;
+            }
+            let Some(id) = session.queue.pop_front() else {
+                continue;
+            };
+            let Some(op) = self.ops.get_mut(&id) else {
+                // Dropped while queued (room concluded): the id is stale.
+                self.mark_ready(sid);
+                continue;
+            };
+            session.in_flight += 1;
+            op.phase = OpPhase::InFlight;
+            let out = TransferOp {
+                id,
+                session: sid,
+                room: op.room,
+                generation: op.generation,
+                kind: op.kind,
+                attempt: op.attempt,
+                slices: op.slices.clone(),
+                bytes: op.bytes,
+            };
+            let at = now + self.config.operation_timeout;
+            self.timers.set(&mut op.timer, at, Timer::Operation(id));
+            if let Some(room) = op.room {
+                if let Some(Side::Sender(s)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
+                    s.ops_in_flight += 1;
+                }
+            }
+            self.mark_ready(sid);
+            return Some(out);
+        }
+        None
+    }
+
+    /// The next event for the embedding scheduler.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// The earliest deadline and why it exists. Call [`Endpoint::handle_timeout`] at it.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<(Instant, Timer)> {
+        self.timers.next()
+    }
+
+    // ---------------------------------------------------------------- sessions
+
+    /// A control connection to a peer is up (either direction): returns its session handle
+    /// and queues our hello on it.
+    pub fn open_session(&mut self, now: Instant) -> SessionId {
+        let now = self.clock(now);
+        self.next_session += 1;
+        let sid = SessionId(self.next_session);
+        let mut session = Session {
+            state: SessionState::Handshaking,
+            peer: None,
+            last_rx: now,
+            handshake_timer: None,
+            heartbeat_timer: None,
+            liveness_timer: None,
+            probe_timer: None,
+            idle_timer: None,
+            failures: 0,
+            probe_backoff: self.config.probe_interval,
+            probe_nonce: None,
+            probe_op: None,
+            last_targeted: now,
+            queue: VecDeque::new(),
+            in_flight: 0,
+            in_ready: false,
+            fencing: false,
+            rooms: HashSet::new(),
+            strikes: 0,
+            capacity: None,
+            close_reason: FailureReason::PeerUnreachable,
+        };
+        self.timers.set(
+            &mut session.handshake_timer,
+            now + self.config.handshake_timeout,
+            Timer::Handshake(sid),
+        );
+        self.sessions.insert(sid, session);
+        let hello = Hello {
+            role: self.local.role,
+            rank: self.local.rank,
+            node: self.local.node,
+            incarnation: self.local.incarnation,
+            token: SmallVec::from_slice(&self.local.token),
+            layout: self.local.layout,
+            layer_start: self.local.layer_start,
+            layer_end: self.local.layer_end,
+            writes_aux: self.local.writes_aux,
+        };
+        self.transmits.push_back((sid, Message::Hello(hello)));
+        sid
+    }
+
+    /// Bytes arrived on a session's control connection. Consumes every complete frame and
+    /// returns how many bytes were used; the caller keeps the rest for the next call.
+    ///
+    /// Malformed frames earn the session a strike; a broken framing or too many strikes close
+    /// it (the whole buffer is then reported as consumed).
+    pub fn handle_input(&mut self, now: Instant, session: SessionId, buf: &[u8]) -> usize {
+        let now = self.clock(now);
+        let mut used = 0;
+        loop {
+            match self.sessions.get(&session).map(|s| s.state) {
+                None | Some(SessionState::Closing) => return buf.len(),
+                Some(_) => {}
+            }
+            match Message::decode(&buf[used..], self.config.max_frame_len) {
+                Ok(None) => return used,
+                Ok(Some((msg, n))) => {
+                    used += n;
+                    self.handle_message(now, session, msg);
+                }
+                Err(err) => {
+                    let skippable = matches!(
+                        err,
+                        DecodeError::UnknownType(_)
+                            | DecodeError::Truncated { .. }
+                            | DecodeError::TrailingBytes { .. }
+                            | DecodeError::InvalidField { .. }
+                    );
+                    if matches!(err, DecodeError::UnknownVersion(_))
+                        && self.sessions.get(&session).is_some_and(|s| s.peer.is_none())
+                    {
+                        self.reject(session, RejectReason::VersionMismatch);
+                        return buf.len();
+                    }
+                    self.strike(session, &err.to_string(), !skippable);
+                    if !skippable {
+                        return buf.len();
+                    }
+                    // The length prefix was sane: skip exactly this frame.
+                    let len = buf[used..used + 4]
+                        .try_into()
+                        .map(u32::from_le_bytes)
+                        .unwrap_or(0);
+                    used += 4 + len as usize;
+                }
+            }
+        }
+    }
+
+    /// The session's control connection is gone and the driver closed its data connections:
+    /// nothing of this session can be written any more (this counts as a fence).
+    pub fn handle_disconnected(&mut self, now: Instant, session: SessionId) {
+        let now = self.clock(now);
+        let Some(s) = self.sessions.get(&session) else {
+            return;
+        };
+        let reason = s.close_reason;
+        if let (SessionState::Blacklisted, Some(peer)) = (s.state, s.peer) {
+            let until = s.last_targeted + self.config.blacklist_idle_timeout;
+            self.blacklist_memory.insert(
+                peer.node,
+                RememberedBlacklist {
+                    incarnation: peer.incarnation,
+                    until,
+                },
+            );
+        }
+        if let Some(peer) = s.peer {
+            if self.nodes.get(&peer.node) == Some(&session) {
+                self.nodes.remove(&peer.node);
+            }
+        }
+        self.fail_session_rooms(now, session, reason);
+        self.settle_session_ops(now, session, false);
+        self.fence_done(now, session);
+        if let Some(mut s) = self.sessions.remove(&session) {
+            for t in [
+                &mut s.handshake_timer,
+                &mut s.heartbeat_timer,
+                &mut s.liveness_timer,
+                &mut s.probe_timer,
+                &mut s.idle_timer,
+            ] {
+                self.timers.cancel(t);
+            }
+        }
+        self.events.push_back(Event::SessionClosed { session });
+    }
+
+    /// The driver carried out [`Action::FenceSession`]: no write of this session that was in
+    /// flight before can land any more.
+    pub fn handle_fence_complete(&mut self, now: Instant, session: SessionId) {
+        let now = self.clock(now);
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        if !s.fencing {
+            return;
+        }
+        s.fencing = false;
+        self.settle_session_ops(now, session, true);
+        self.fence_done(now, session);
+        self.mark_ready(session);
+    }
+
+    /// Decode: the embedder's current free capacity, advertised in heartbeats.
+    pub fn set_capacity(&mut self, capacity: Capacity) {
+        self.capacity = capacity;
+    }
+
+    // ---------------------------------------------------------------- decode commands
+
+    /// Decode: opens a receiver room fed by `sources` (one session per prefill rank feeding it).
+    ///
+    /// With `grant`, the pages are given now and the request is sent at once; without, the
+    /// room stays `Bootstrapping` until [`Endpoint::grant_pages`] (the sources are told it is
+    /// pending so their deadlines know why).
+    pub fn open_receiver(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        sources: &[SessionId],
+        grant: Option<Grant>,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        self.check_open(Role::Decode, room, generation)?;
+        if sources.is_empty() {
+            return Err(ApiError::NoSources);
+        }
+        if let Some(missing) = sources.iter().find(|s| !self.sessions.contains_key(s)) {
+            return Err(ApiError::UnknownSession(*missing));
+        }
+        if let Some(g) = &grant {
+            self.check_grant(g)?;
+        }
+        let mut rr = ReceiverRoom::default();
+        for &sid in sources {
+            if rr.sources.iter().all(|s| s.session != sid) {
+                rr.sources.push(Source {
+                    session: sid,
+                    granted: false,
+                    done: false,
+                    drained: false,
+                });
+            }
+        }
+        let mut record = Room {
+            generation,
+            state: KvPoll::Bootstrapping,
+            bootstrap_timer: None,
+            waiting_timer: None,
+            abort_timer: None,
+            last_activity: now,
+            side: Side::Receiver(rr),
+        };
+        self.timers.set(
+            &mut record.bootstrap_timer,
+            now + self.config.bootstrap_timeout,
+            Timer::Bootstrap(room),
+        );
+        for &sid in sources {
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.rooms.insert(room);
+            }
+        }
+        self.rooms.insert(room, record);
+        self.emit_state(room, generation, KvPoll::Bootstrapping);
+        if let Some(g) = grant {
+            self.apply_grant(now, room, g);
+        } else {
+            self.send_to_sources(room, |room, generation| Message::RoomPending {
+                room,
+                generation,
+                queue_position: 0,
+            });
+        }
+        self.fail_if_sources_unusable(now, room);
+        Ok(())
+    }
+
+    /// Decode: the room waits for capacity behind `position` others (0: being allocated).
+    /// The sources learn it, so a prefill deadline expiring says `DecodeSaturated`.
+    pub fn set_queue_position(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        position: u32,
+    ) -> Result<(), ApiError> {
+        let _ = self.clock(now);
+        let r = self.live_room(room, Role::Decode)?;
+        if r.state != KvPoll::Bootstrapping {
+            return Err(ApiError::AlreadyGranted(room));
+        }
+        if let Side::Receiver(rr) = &mut r.side {
+            rr.queue_position = position;
+        }
+        self.send_to_sources(room, |room, generation| Message::RoomPending {
+            room,
+            generation,
+            queue_position: position,
+        });
+        Ok(())
+    }
+
+    /// Decode: grants the room its pages and sends the request to every source.
+    pub fn grant_pages(&mut self, now: Instant, room: RoomId, grant: Grant) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        let r = self.live_room(room, Role::Decode)?;
+        if r.state != KvPoll::Bootstrapping {
+            return Err(ApiError::AlreadyGranted(room));
+        }
+        self.check_grant(&grant)?;
+        self.apply_grant(now, room, grant);
+        Ok(())
+    }
+
+    /// Decode: may the peer behind `session` write `slice` for `(room, generation)`?
+    ///
+    /// Checks the room is live and of that generation, the session is a granted source, the
+    /// region exists and the range stays inside the room's pages (or its aux row / state slot).
+    /// Scratch-region writes (probes) only need a session. A refused write inside a live room
+    /// fails that room with `ProtocolError`.
+    pub fn check_write(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slice: &Slice,
+    ) -> Result<(), WriteRefused> {
+        let now = self.clock(now);
+        let result = self.check_write_inner(session, room, generation, slice);
+        if let Err(refused) = result {
+            self.counters.writes_refused += 1;
+            warn!(%room, %session, ?refused, ?slice, "data-plane write refused");
+            let live = self
+                .rooms
+                .get(&room)
+                .is_some_and(|r| r.generation == generation && !r.state.is_terminal());
+            let out_of_bounds = matches!(
+                refused,
+                WriteRefused::OutOfRegion
+                    | WriteRefused::PageNotGranted
+                    | WriteRefused::SlotNotGranted
+                    | WriteRefused::LayerNotOwned
+                    | WriteRefused::UnknownRegion
+                    | WriteRefused::NotASource
+            );
+            if live && out_of_bounds {
+                self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+            }
+        }
+        result
+    }
+
+    fn check_write_inner(
+        &self,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slice: &Slice,
+    ) -> Result<(), WriteRefused> {
+        let layout = &self.local.layout;
+        let region_len = layout
+            .region_len(slice.region)
+            .ok_or(WriteRefused::UnknownRegion)?;
+        let end = slice
+            .dst_offset
+            .checked_add(slice.len)
+            .ok_or(WriteRefused::OutOfRegion)?;
+        if end > region_len || slice.len == 0 {
+            return Err(WriteRefused::OutOfRegion);
+        }
+        if slice.region == Region::Scratch {
+            return match self.sessions.get(&session).map(|s| s.state) {
+                Some(SessionState::Established | SessionState::Blacklisted) => Ok(()),
+                _ => Err(WriteRefused::NotASource),
+            };
+        }
+        let r = self.rooms.get(&room).ok_or(WriteRefused::UnknownRoom)?;
+        if r.generation != generation {
+            return Err(WriteRefused::StaleGeneration);
+        }
+        if r.state.is_terminal() {
+            return Err(WriteRefused::RoomConcluded);
+        }
+        let Side::Receiver(rr) = &r.side else {
+            return Err(WriteRefused::UnknownRoom);
+        };
+        if !rr.sources.iter().any(|s| s.session == session && s.granted) {
+            return Err(WriteRefused::NotASource);
+        }
+        match slice.region {
+            Region::Kv { layer, .. } => {
+                let peer = self.sessions.get(&session).and_then(|s| s.peer);
+                if peer.is_some_and(|p| layer < p.layer_start || layer >= p.layer_end) {
+                    return Err(WriteRefused::LayerNotOwned);
+                }
+                let page = u64::from(layout.page_bytes);
+                let first = (slice.dst_offset / page) as u32;
+                let last = ((end - 1) / page) as u32;
+                let pages = rr.pages.as_ref().ok_or(WriteRefused::PageNotGranted)?;
+                if pages.contains_range(first, last) {
+                    Ok(())
+                } else {
+                    Err(WriteRefused::PageNotGranted)
+                }
+            }
+            Region::Aux | Region::State => {
+                let (slot, item) = if slice.region == Region::Aux {
+                    (rr.aux_slot, layout.aux_bytes)
+                } else {
+                    (rr.state_slot, layout.state_bytes)
+                };
+                let slot = slot.ok_or(WriteRefused::SlotNotGranted)?;
+                let start = u64::from(slot) * u64::from(item);
+                if slice.dst_offset >= start && end <= start + u64::from(item) {
+                    Ok(())
+                } else {
+                    Err(WriteRefused::SlotNotGranted)
+                }
+            }
+            Region::Scratch => Ok(()),
+        }
+    }
+
+    // ---------------------------------------------------------------- prefill commands
+
+    /// Prefill: opens a sender room. It is `Bootstrapping` until every decode rank that will
+    /// read it sent its request (requests that arrived earlier are applied now).
+    pub fn open_sender(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        if self.local.role != Role::Prefill {
+            return Err(ApiError::WrongRole {
+                needs: Role::Prefill,
+            });
+        }
+        if self.shut_down {
+            return Err(ApiError::ShutDown);
+        }
+        if self.rooms.contains_key(&room) {
+            return Err(ApiError::RoomExists(room));
+        }
+        // A failure decided before the room was opened (decode aborted, session blacklisted,
+        // consensus) is delivered at once, so prefill never computes a doomed room.
+        let early = match self.tombstones.get(room) {
+            Some((g, KvPoll::Failed(reason))) if g == generation => Some(reason),
+            Some((g, _)) if g >= generation => {
+                return Err(ApiError::StaleGeneration {
+                    room,
+                    generation,
+                    used: g,
+                })
+            }
+            _ => None,
+        };
+        let mut record = Room {
+            generation,
+            state: KvPoll::Bootstrapping,
+            bootstrap_timer: None,
+            waiting_timer: None,
+            abort_timer: None,
+            last_activity: now,
+            side: Side::Sender(SenderRoom::default()),
+        };
+        if let Some(reason) = early {
+            record.state = KvPoll::Failed(reason);
+            self.rooms.insert(room, record);
+            self.emit_state(room, generation, KvPoll::Failed(reason));
+            self.count_terminal(KvPoll::Failed(reason));
+            self.maybe_release(now, room);
+            return Ok(());
+        }
+        self.timers.set(
+            &mut record.bootstrap_timer,
+            now + self.config.bootstrap_timeout,
+            Timer::Bootstrap(room),
+        );
+        self.rooms.insert(room, record);
+        self.emit_state(room, generation, KvPoll::Bootstrapping);
+        if let Some(p) = self.pending.remove(&room) {
+            if p.generation == generation {
+                for (sid, pos) in p.notices {
+                    self.on_room_pending(now, sid, room, generation, pos);
+                }
+                for (sid, req) in p.requests {
+                    self.on_room_request(now, sid, req);
+                }
+            } else if p.generation > generation {
+                self.pending.insert(room, p);
+            }
+        }
+        Ok(())
+    }
+
+    /// Prefill: the next chunk of a room. Its pages go to the next granted destination pages.
+    /// May be called while the room is still `Bootstrapping`; planning waits for the requests.
+    pub fn send_chunk(&mut self, now: Instant, room: RoomId, chunk: Chunk) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        let layers = self.owned_layers();
+        let pages = self.local.layout.pages;
+        let slots = self.local.layout.slots;
+        let max_queued = self.config.max_queued_ops;
+        if let Some(&page) = chunk.pages.iter().find(|p| **p >= pages) {
+            return Err(ApiError::PageOutOfRange { page, pages });
+        }
+        for slot in [chunk.aux_slot, chunk.state_slot].into_iter().flatten() {
+            if slot >= slots {
+                return Err(ApiError::SlotOutOfRange { slot, slots });
+            }
+        }
+        let sessions = &self.sessions;
+        let full = match self.rooms.get(&room).map(|r| &r.side) {
+            Some(Side::Sender(s)) => s.receivers.iter().map(|x| x.session).find(|sid| {
+                sessions
+                    .get(sid)
+                    .is_some_and(|x| x.queue.len() as u32 >= max_queued)
+            }),
+            _ => None,
+        };
+        let r = self.live_room(room, Role::Prefill)?;
+        let Side::Sender(s) = &mut r.side else {
+            return Err(ApiError::UnknownRoom(room));
+        };
+        if s.last_seen {
+            return Err(ApiError::ChunkAfterLast(room));
+        }
+        if let Some(sid) = full {
+            return Err(ApiError::SessionQueueFull(sid));
+        }
+        let n = chunk.pages.len() as u32;
+        s.chunks.push_back(HeldChunk {
+            src: chunk.pages,
+            dst_start: s.next_dst,
+            layerwise: chunk.layerwise,
+            released: if chunk.layerwise {
+                LayerBits::new(layers)
+            } else {
+                LayerBits::all(layers)
+            },
+            planned: LayerBits::new(layers),
+        });
+        s.next_dst += n;
+        if chunk.last {
+            s.last_seen = true;
+            s.aux_src = chunk.aux_slot;
+            s.state_src = chunk.state_slot;
+        }
+        r.last_activity = now;
+        self.plan_room(now, room);
+        Ok(())
+    }
+
+    /// Prefill: layer `layer` of every named room finished its forward pass; its operations
+    /// may go now. Applies to every chunk already sent that still holds that layer.
+    pub fn mark_layer_ready(
+        &mut self,
+        now: Instant,
+        rooms: &[RoomId],
+        layer: u16,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        if self.local.role != Role::Prefill {
+            return Err(ApiError::WrongRole {
+                needs: Role::Prefill,
+            });
+        }
+        if layer < self.local.layer_start || layer >= self.local.layer_end {
+            return Err(ApiError::LayerOutOfRange { layer });
+        }
+        let idx = usize::from(layer - self.local.layer_start);
+        for &room in rooms {
+            let Some(r) = self.rooms.get_mut(&room) else {
+                continue;
+            };
+            if r.state.is_terminal() {
+                continue;
+            }
+            if let Side::Sender(s) = &mut r.side {
+                for c in s.chunks.iter_mut() {
+                    c.released.set(idx);
+                }
+                r.last_activity = now;
+            }
+            self.plan_room(now, room);
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- both roles
+
+    /// Aborts a room locally. Decode keeps its pages quarantined until every source drained
+    /// or was fenced; prefill stops issuing operations and tells its receivers.
+    pub fn abort(&mut self, now: Instant, room: RoomId) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        let r = self
+            .rooms
+            .get(&room)
+            .ok_or(ApiError::UnknownRoom(room))?;
+        if r.state.is_terminal() {
+            return Err(ApiError::RoomConcluded(room, r.state));
+        }
+        self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedLocally));
+        Ok(())
+    }
+
+    /// Fails a room softly, for instance on a consensus verdict. Works from any non-terminal
+    /// state (including `Bootstrapping`); returns `false` when the room was already terminal
+    /// or unknown, so applying the same verdict twice is harmless.
+    pub fn fail_room(&mut self, now: Instant, room: RoomId, reason: FailureReason) -> bool {
+        let now = self.clock(now);
+        match self.rooms.get(&room) {
+            Some(r) if !r.state.is_terminal() => {
+                self.conclude(now, room, KvPoll::Failed(reason));
+                true
+            }
+            Some(_) => false,
+            None => {
+                // Prefill may hold requests for a room it has not opened yet: answer them.
+                if let Some(p) = self.pending.remove(&room) {
+                    self.reject_pending(room, p, reason);
+                    true
+                } else {
+                    false
+                }
+            }
+        }
+    }
+
+    /// Shuts the endpoint down: every live room fails with `Shutdown`, every session is told
+    /// and closed. Later commands fail with [`ApiError::ShutDown`].
+    pub fn shutdown(&mut self, now: Instant) {
+        let now = self.clock(now);
+        self.shut_down = true;
+        let rooms: Vec<RoomId> = self.rooms.keys().copied().collect();
+        for room in rooms {
+            if self.rooms.get(&room).is_some_and(|r| !r.state.is_terminal()) {
+                self.conclude(now, room, KvPoll::Failed(FailureReason::Shutdown));
+            }
+        }
+        let sessions: Vec<SessionId> = self.sessions.keys().copied().collect();
+        for sid in sessions {
+            self.close_session(now, sid, ErrorCode::Shutdown, "shutting down", FailureReason::Shutdown);
+        }
+    }
+
+    // ---------------------------------------------------------------- data path results
+
+    /// A data-path operation finished. Unknown ids (already settled, superseded) are ignored.
+    pub fn handle_transfer_result(&mut self, now: Instant, id: TransferId, outcome: TransferOutcome) {
+        let now = self.clock(now);
+        let Some(op) = self.ops.get_mut(&id) else {
+            self.counters.stale_messages += 1;
+            return;
+        };
+        if op.phase != OpPhase::InFlight {
+            return;
+        }
+        self.timers.cancel(&mut op.timer);
+        self.settle_attempt(now, id, outcome);
+    }
+
+    /// Takes an attempt that was in flight out of flight and decides what happens next.
+    fn settle_attempt(&mut self, now: Instant, id: TransferId, outcome: TransferOutcome) {
+        let Some(mut op) = self.ops.remove(&id) else {
+            return;
+        };
+        self.timers.cancel(&mut op.timer);
+        if let Some(s) = self.sessions.get_mut(&op.session) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+        }
+        self.mark_ready(op.session);
+        let room_live = op.room.and_then(|room| {
+            let r = self.rooms.get_mut(&room)?;
+            if let Side::Sender(s) = &mut r.side {
+                s.ops_in_flight = s.ops_in_flight.saturating_sub(1);
+            }
+            (r.generation == op.generation && !r.state.is_terminal()).then_some(room)
+        });
+        if op.kind == OpKind::Probe {
+            self.on_probe_result(now, op.session, id, outcome);
+            return;
+        }
+        let session_usable = self
+            .sessions
+            .get(&op.session)
+            .is_some_and(|s| s.state == SessionState::Established);
+        match outcome {
+            TransferOutcome::Done => {
+                if let Some(s) = self.sessions.get_mut(&op.session) {
+                    s.failures = 0;
+                }
+                self.counters.bytes_transferred += op.bytes;
+                if op.attempt > 1 {
+                    self.counters.retry_recoveries += 1;
+                    warn!(
+                        session = %op.session,
+                        room = ?op.room,
+                        attempts = op.attempt,
+                        "transfer recovered after retry"
+                    );
+                }
+                self.op_finished(now, op.room, op.generation);
+            }
+            TransferOutcome::Transient
+                if op.attempt < self.config.transfer_retries
+                    && room_live.is_some()
+                    && session_usable =>
+            {
+                self.counters.retries += 1;
+                let step = self.config.retry_backoff;
+                let jitter = self.rng.below(step.as_nanos() as u64 / 2 + 1);
+                let delay = step * op.attempt + Duration::from_nanos(jitter);
+                debug!(session = %op.session, room = ?op.room, attempt = op.attempt, ?delay, "transfer attempt failed, retrying");
+                op.attempt += 1;
+                op.phase = OpPhase::RetryWait;
+                // A new id per attempt: a late report of the old attempt cannot be mistaken.
+                let new_id = self.alloc_op_id();
+                self.timers.set(&mut op.timer, now + delay, Timer::Retry(new_id));
+                self.ops.insert(new_id, op);
+            }
+            TransferOutcome::Refused => {
+                warn!(session = %op.session, room = ?op.room, "destination refused the write");
+                self.op_finished(now, op.room, op.generation);
+                if let Some(room) = room_live {
+                    self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedByPeer));
+                }
+            }
+            TransferOutcome::Transient | TransferOutcome::Fatal => {
+                let first = op.slices.first().copied();
+                self.op_finished(now, op.room, op.generation);
+                if room_live.is_none() {
+                    // The room already concluded (aborted): the failure says nothing new.
+                    return;
+                }
+                self.counters.ops_exhausted += 1;
+                warn!(
+                    session = %op.session,
+                    room = ?op.room,
+                    attempts = op.attempt,
+                    slices = op.slices.len(),
+                    bytes = op.bytes,
+                    first_slice = ?first,
+                    ?outcome,
+                    "transfer failed after retries"
+                );
+                if let Some(room) = room_live {
+                    self.conclude(now, room, KvPoll::Failed(FailureReason::TransferFailed));
+                }
+                let threshold = self.config.session_failure_threshold;
+                let blacklist = match self.sessions.get_mut(&op.session) {
+                    Some(s) if s.state == SessionState::Established => {
+                        s.failures += 1;
+                        s.failures >= threshold
+                    }
+                    _ => false,
+                };
+                if blacklist {
+                    self.blacklist(now, op.session);
+                }
+            }
+        }
+    }
+
+    /// One operation of a room is gone for good (done or given up).
+    fn op_finished(&mut self, now: Instant, room: Option<RoomId>, generation: Generation) {
+        let Some(room) = room else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.generation != generation {
+            return;
+        }
+        if let Side::Sender(s) = &mut r.side {
+            s.ops_live = s.ops_live.saturating_sub(1);
+        }
+        r.last_activity = now;
+        if r.state.is_terminal() {
+            self.maybe_release(now, room);
+        } else {
+            self.check_sender_complete(now, room);
+        }
+    }
+
+    // ---------------------------------------------------------------- timers
+
+    /// Processes every deadline due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let now = self.clock(now);
+        while let Some((key, timer)) = self.timers.pop_due(now) {
+            self.on_timer(now, key, timer);
+        }
+    }
+
+    fn on_timer(&mut self, now: Instant, key: TimerKey, timer: Timer) {
+        match timer {
+            Timer::Bootstrap(room) => {
+                let Some(r) = self.rooms.get_mut(&room) else { return };
+                if r.bootstrap_timer != Some(key) {
+                    return;
+                }
+                r.bootstrap_timer = None;
+                if r.state != KvPoll::Bootstrapping {
+                    return;
+                }
+                let saturated = match &r.side {
+                    Side::Sender(s) => {
+                        s.saturated
+                            || s.announced_by.iter().any(|sid| {
+                                self.sessions
+                                    .get(sid)
+                                    .and_then(|x| x.capacity)
+                                    .is_some_and(|c| c.saturated())
+                            })
+                    }
+                    Side::Receiver(rr) => rr.queue_position > 0,
+                };
+                let reason = if saturated {
+                    FailureReason::DecodeSaturated
+                } else {
+                    FailureReason::BootstrapTimeout
+                };
+                info!(%room, %reason, "room bootstrap deadline expired");
+                self.conclude(now, room, KvPoll::Failed(reason));
+            }
+            Timer::Waiting(room) => {
+                let Some(r) = self.rooms.get_mut(&room) else { return };
+                if r.waiting_timer != Some(key) {
+                    return;
+                }
+                r.waiting_timer = None;
+                if r.state.is_terminal() {
+                    return;
+                }
+                let due = r.last_activity + self.config.waiting_timeout;
+                if due > now {
+                    self.timers.set(&mut r.waiting_timer, due, Timer::Waiting(room));
+                    return;
+                }
+                info!(%room, "room waiting deadline expired");
+                self.conclude(now, room, KvPoll::Failed(FailureReason::WaitingTimeout));
+            }
+            Timer::AbortAck(room) => {
+                let Some(r) = self.rooms.get_mut(&room) else { return };
+                if r.abort_timer != Some(key) {
+                    return;
+                }
+                r.abort_timer = None;
+                let Side::Receiver(rr) = &r.side else { return };
+                let undrained: SmallVec<[SessionId; 2]> = rr
+                    .sources
+                    .iter()
+                    .filter(|s| s.granted && !s.drained && !s.done)
+                    .map(|s| s.session)
+                    .collect();
+                for sid in undrained {
+                    warn!(%room, session = %sid, "no drain acknowledgement in time, fencing the session");
+                    self.fence(sid);
+                }
+            }
+            Timer::Operation(id) => {
+                let Some(op) = self.ops.get_mut(&id) else { return };
+                if op.timer != Some(key) || op.phase != OpPhase::InFlight {
+                    return;
+                }
+                op.timer = None;
+                let session = op.session;
+                warn!(%session, room = ?op.room, "transfer attempt timed out; fencing the session");
+                // The attempt may still be writing: fence before anything else is sent.
+                self.fence(session);
+                self.settle_attempt(now, id, TransferOutcome::Transient);
+            }
+            Timer::Retry(id) => {
+                let Some(op) = self.ops.get_mut(&id) else { return };
+                if op.timer != Some(key) || op.phase != OpPhase::RetryWait {
+                    return;
+                }
+                op.timer = None;
+                op.phase = OpPhase::Queued;
+                let session = op.session;
+                if let Some(s) = self.sessions.get_mut(&session) {
+                    s.queue.push_front(id);
+                }
+                self.mark_ready(session);
+            }
+            Timer::Handshake(sid) => {
+                let Some(s) = self.sessions.get_mut(&sid) else { return };
+                if s.handshake_timer != Some(key) {
+                    return;
+                }
+                s.handshake_timer = None;
+                if s.state == SessionState::Handshaking {
+                    self.close_session(now, sid, ErrorCode::ProtocolViolation, "no hello in time", FailureReason::PeerUnreachable);
+                }
+            }
+            Timer::Heartbeat(sid) => self.on_heartbeat_timer(now, sid, key),
+            Timer::Liveness(sid) => {
+                let window = self.config.heartbeat_interval * self.config.heartbeat_misses;
+                let Some(s) = self.sessions.get_mut(&sid) else { return };
+                if s.liveness_timer != Some(key) {
+                    return;
+                }
+                s.liveness_timer = None;
+                let due = s.last_rx + window;
+                if due > now {
+                    self.timers.set(&mut s.liveness_timer, due, Timer::Liveness(sid));
+                    return;
+                }
+                warn!(session = %sid, "peer silent for too long");
+                self.close_session(now, sid, ErrorCode::ProtocolViolation, "heartbeats missed", FailureReason::PeerUnreachable);
+            }
+            Timer::Probe(sid) => {
+                let Some(s) = self.sessions.get_mut(&sid) else { return };
+                if s.probe_timer != Some(key) {
+                    return;
+                }
+                s.probe_timer = None;
+                if s.state != SessionState::Blacklisted || s.probe_op.is_some() {
+                    return;
+                }
+                self.counters.probes_sent += 1;
+                let slices: Arc<[Slice]> = Arc::from(vec![Slice {
+                    region: Region::Scratch,
+                    src_offset: 0,
+                    dst_offset: 0,
+                    len: 8,
+                }]);
+                let id = self.alloc_op_id();
+                self.ops.insert(
+                    id,
+                    Op {
+                        session: sid,
+                        room: None,
+                        generation: 0,
+                        kind: OpKind::Probe,
+                        slices,
+                        bytes: 8,
+                        attempt: 1,
+                        phase: OpPhase::Queued,
+                        timer: None,
+                    },
+                );
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.probe_op = Some(id);
+                    s.queue.push_front(id);
+                }
+                self.mark_ready(sid);
+            }
+            Timer::BlacklistIdle(sid) => {
+                let idle = self.config.blacklist_idle_timeout;
+                let Some(s) = self.sessions.get_mut(&sid) else { return };
+                if s.idle_timer != Some(key) {
+                    return;
+                }
+                s.idle_timer = None;
+                if s.state != SessionState::Blacklisted {
+                    return;
+                }
+                let due = s.last_targeted + idle;
+                if due > now {
+                    self.timers.set(&mut s.idle_timer, due, Timer::BlacklistIdle(sid));
+                    return;
+                }
+                info!(session = %sid, "blacklisted session idle, forgetting it");
+                self.counters.sessions_expired += 1;
+                self.events.push_back(Event::SessionExpired { session: sid });
+                // Expiry forgets the blacklist: do not carry it into a reconnect.
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.state = SessionState::Established;
+                }
+                self.close_session(now, sid, ErrorCode::Shutdown, "idle blacklisted session", FailureReason::SessionBlacklisted);
+            }
+        }
+    }
+
+    fn on_heartbeat_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
+        let interval = self.config.heartbeat_interval;
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if s.heartbeat_timer != Some(key) {
+            return;
+        }
+        s.heartbeat_timer = None;
+        if s.state == SessionState::Closing {
+            return;
+        }
+        self.timers.set(&mut s.heartbeat_timer, now + interval, Timer::Heartbeat(sid));
+        let rooms: SmallVec<[RoomId; 16]> = s.rooms.iter().copied().collect();
+        let (free_pages, queued_rooms) = match self.local.role {
+            Role::Decode => (self.capacity.free_pages, self.capacity.queued_rooms),
+            Role::Prefill => (0, 0),
+        };
+        self.transmits.push_back((
+            sid,
+            Message::Heartbeat {
+                free_pages,
+                queued_rooms,
+            },
+        ));
+        if self.local.role != Role::Prefill {
+            return;
+        }
+        // Keepalive progress for rooms that said nothing this interval, so decode's deadline
+        // measures whether prefill is alive and moving, not how long its queues are.
+        for room in rooms {
+            let Some(r) = self.rooms.get_mut(&room) else { continue };
+            if r.state.is_terminal() {
+                continue;
+            }
+            let Side::Sender(s) = &mut r.side else { continue };
+            let Some(stage) = s.stage else { continue };
+            if s.last_progress_sent.is_some_and(|t| t + interval > now) {
+                continue;
+            }
+            s.last_progress_sent = Some(now);
+            let generation = r.generation;
+            if s.receivers.iter().any(|x| x.session == sid) {
+                self.transmits.push_back((
+                    sid,
+                    Message::Progress {
+                        room,
+                        generation,
+                        stage,
+                    },
+                ));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- message handling
+
+    fn handle_message(&mut self, now: Instant, sid: SessionId, msg: Message) {
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        s.last_rx = now;
+        let established = s.peer.is_some();
+        match msg {
+            Message::Hello(h) => {
+                if established {
+                    self.strike(sid, "second hello", false);
+                } else {
+                    self.on_hello(now, sid, h);
+                }
+            }
+            _ if !established => self.strike(sid, "message before hello", false),
+            Message::Heartbeat {
+                free_pages,
+                queued_rooms,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.capacity = Some(Capacity {
+                        free_pages,
+                        queued_rooms,
+                    });
+                }
+            }
+            Message::Probe { nonce } => self.transmits.push_back((sid, Message::ProbeAck { nonce })),
+            Message::ProbeAck { nonce } => self.on_probe_ack(now, sid, nonce),
+            Message::Error { code, detail } => {
+                warn!(session = %sid, ?code, %detail, "peer reported an error");
+                let reason = match code {
+                    ErrorCode::IncompatibleLayout | ErrorCode::VersionMismatch | ErrorCode::WrongRole | ErrorCode::BadToken => {
+                        FailureReason::IncompatiblePeer
+                    }
+                    ErrorCode::Shutdown => FailureReason::PeerUnreachable,
+                    ErrorCode::Malformed | ErrorCode::ProtocolViolation => FailureReason::ProtocolError,
+                };
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.close_reason = reason;
+                }
+                self.fail_session_rooms(now, sid, reason);
+                self.request_close(sid);
+            }
+            Message::RoomPending {
+                room,
+                generation,
+                queue_position,
+            } if self.local.role == Role::Prefill => {
+                self.on_room_pending(now, sid, room, generation, queue_position)
+            }
+            Message::RoomRequest(req) if self.local.role == Role::Prefill => {
+                self.on_room_request(now, sid, req)
+            }
+            Message::Abort {
+                room,
+                generation,
+                reason,
+            } if self.local.role == Role::Prefill => self.on_abort(now, sid, room, generation, reason),
+            Message::RoomStatus {
+                room,
+                generation,
+                failure,
+            } if self.local.role == Role::Decode => self.on_room_status(now, sid, room, generation, failure),
+            Message::Progress {
+                room,
+                generation,
+                stage,
+            } if self.local.role == Role::Decode => self.on_progress(now, sid, room, generation, stage),
+            Message::AbortAck { room, generation } if self.local.role == Role::Decode => {
+                self.on_abort_ack(now, sid, room, generation)
+            }
+            other => {
+                let what = format!("{:?} sent to a {:?} endpoint", message_name(&other), self.local.role);
+                self.strike(sid, &what, false);
+            }
+        }
+    }
+
+    fn on_hello(&mut self, now: Instant, sid: SessionId, h: Hello) {
+        if !constant_time_eq(&h.token, &self.local.token) {
+            return self.reject(sid, RejectReason::BadToken);
+        }
+        if h.role == self.local.role {
+            return self.reject(sid, RejectReason::WrongRole);
+        }
+        if let Err(m) = self.local.layout.compatible(&h.layout) {
+            return self.reject(sid, RejectReason::IncompatibleLayout(m.field));
+        }
+        let peer = PeerInfo {
+            role: h.role,
+            rank: h.rank,
+            node: h.node,
+            incarnation: h.incarnation,
+            layout: h.layout,
+            layer_start: h.layer_start,
+            layer_end: h.layer_end,
+            writes_aux: h.writes_aux,
+        };
+        // A known peer: a new incarnation voids its previous life; the same one is a
+        // reconnect that replaces a stale connection.
+        if let Some(&old) = self.nodes.get(&h.node) {
+            if old != sid {
+                let old_inc = self.sessions.get(&old).and_then(|s| s.peer).map(|p| p.incarnation);
+                if old_inc != Some(h.incarnation) {
+                    info!(node = %h.node, old = %old, new = %sid, "peer restarted");
+                    self.events.push_back(Event::PeerRestarted {
+                        node: h.node,
+                        old,
+                        new: sid,
+                    });
+                    self.close_session(now, old, ErrorCode::Shutdown, "superseded by a new incarnation", FailureReason::PeerRestarted);
+                } else {
+                    self.close_session(now, old, ErrorCode::Shutdown, "superseded by a new connection", FailureReason::PeerUnreachable);
+                }
+            }
+        }
+        self.nodes.insert(h.node, sid);
+        let remembered = self.blacklist_memory.remove(&h.node);
+        let interval = self.config.heartbeat_interval;
+        let window = interval * self.config.heartbeat_misses;
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        s.peer = Some(peer);
+        s.state = SessionState::Established;
+        self.timers.cancel(&mut s.handshake_timer);
+        self.timers.set(&mut s.heartbeat_timer, now + interval, Timer::Heartbeat(sid));
+        self.timers.set(&mut s.liveness_timer, now + window, Timer::Liveness(sid));
+        self.events.push_back(Event::SessionEstablished { session: sid, peer });
+        if let Some(mem) = remembered {
+            if mem.incarnation == h.incarnation && mem.until > now {
+                // Same process reconnected: its blacklist stands until a probe succeeds.
+                self.blacklist(now, sid);
+            }
+        }
+    }
+
+    fn reject(&mut self, sid: SessionId, reason: RejectReason) {
+        warn!(session = %sid, ?reason, "peer refused at handshake");
+        self.counters.sessions_rejected += 1;
+        self.events.push_back(Event::SessionRejected {
+            session: sid,
+            reason,
+        });
+        let (code, detail) = match reason {
+            RejectReason::BadToken => (ErrorCode::BadToken, "cluster token mismatch".to_owned()),
+            RejectReason::WrongRole => (ErrorCode::WrongRole, "same role on both ends".to_owned()),
+            RejectReason::IncompatibleLayout(f) => {
+                (ErrorCode::IncompatibleLayout, format!("layout field {f} differs"))
+            }
+            RejectReason::VersionMismatch => (ErrorCode::VersionMismatch, "protocol version differs".to_owned()),
+        };
+        let now = self.last_now;
+        self.close_session(now, sid, code, &detail, FailureReason::IncompatiblePeer);
+    }
+
+    fn strike(&mut self, sid: SessionId, what: &str, fatal: bool) {
+        self.counters.protocol_errors += 1;
+        let limit = self.config.protocol_strikes;
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        s.strikes += 1;
+        warn!(session = %sid, strikes = s.strikes, %what, "protocol error from peer");
+        if fatal || s.strikes >= limit {
+            let now = self.last_now;
+            let code = if fatal { ErrorCode::Malformed } else { ErrorCode::ProtocolViolation };
+            self.close_session(now, sid, code, what, FailureReason::ProtocolError);
+        }
+    }
+
+    fn on_room_pending(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation, pos: u32) {
+        if self.answer_if_concluded(sid, room, generation) || self.refuse_if_blacklisted(now, sid, room, generation) {
+            return;
+        }
+        match self.rooms.get_mut(&room) {
+            Some(r) if r.generation == generation => {
+                if let Side::Sender(s) = &mut r.side {
+                    if !s.announced_by.contains(&sid) {
+                        s.announced_by.push(sid);
+                    }
+                    s.saturated = pos > 0;
+                }
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.rooms.insert(room);
+                }
+            }
+            Some(r) if r.generation > generation => self.counters.stale_messages += 1,
+            _ => {
+                if let Some(p) = self.pending_entry(room, generation) {
+                    p.notices.retain(|(s, _)| *s != sid);
+                    p.notices.push((sid, pos));
+                }
+            }
+        }
+    }
+
+    fn on_room_request(&mut self, now: Instant, sid: SessionId, req: RoomRequest) {
+        let (room, generation) = (req.room, req.generation);
+        if self.answer_if_concluded(sid, room, generation) || self.refuse_if_blacklisted(now, sid, room, generation) {
+            return;
+        }
+        match self.rooms.get(&room) {
+            Some(r) if r.generation == generation => {}
+            Some(r) if r.generation > generation => {
+                self.counters.stale_messages += 1;
+                return;
+            }
+            _ => {
+                if let Some(p) = self.pending_entry(room, generation) {
+                    p.requests.retain(|(s, _)| *s != sid);
+                    p.requests.push((sid, req));
+                }
+                return;
+            }
+        }
+        // Validate against the peer's registered memory before accepting anything.
+        let peer_layout = self.sessions.get(&sid).and_then(|s| s.peer).map(|p| p.layout);
+        let valid = peer_layout.is_some_and(|l| {
+            req.pages.iter().all(|run| u64::from(run.start) + u64::from(run.len) <= u64::from(l.pages))
+                && [req.aux_slot, req.state_slot].iter().flatten().all(|s| *s < l.slots)
+        });
+        if !valid {
+            warn!(%room, session = %sid, "room request outside the peer's registered memory");
+            self.counters.protocol_errors += 1;
+            self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure: Some(FailureReason::ProtocolError) }));
+            self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+            self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+            return;
+        }
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        if r.state.is_terminal() {
+            // Concluded but still draining: tell this late requester the outcome.
+            let failure = match r.state {
+                KvPoll::Failed(reason) => Some(reason),
+                _ => None,
+            };
+            self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure }));
+            self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+            return;
+        }
+        let Side::Sender(s) = &mut r.side else { return };
+        if s.receivers.iter().any(|x| x.session == sid) {
+            self.counters.stale_messages += 1;
+            return;
+        }
+        let mut dst = Vec::with_capacity(req.pages.iter().map(|r| r.len as usize).sum());
+        for run in &req.pages {
+            dst.extend(run.start..run.start + run.len);
+        }
+        s.receivers.push(Receiver {
+            session: sid,
+            dst,
+            aux_slot: req.aux_slot,
+            state_slot: req.state_slot,
+        });
+        s.expected = s.expected.max(req.receivers);
+        if !s.announced_by.contains(&sid) {
+            s.announced_by.push(sid);
+        }
+        let bootstrapped = s.receivers.len() >= usize::from(s.expected);
+        if let Some(x) = self.sessions.get_mut(&sid) {
+            x.rooms.insert(room);
+            x.last_targeted = now;
+        }
+        if bootstrapped {
+            self.set_state(room, KvPoll::WaitingForInput);
+            let Some(r) = self.rooms.get_mut(&room) else { return };
+            self.timers.cancel(&mut r.bootstrap_timer);
+            r.last_activity = now;
+            self.timers.set(&mut r.waiting_timer, now + self.config.waiting_timeout, Timer::Waiting(room));
+            self.send_progress(now, room, ProgressStage::Queued);
+            self.plan_room(now, room);
+        }
+    }
+
+    fn on_abort(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation, reason: FailureReason) {
+        info!(%room, session = %sid, %reason, "peer aborted the room");
+        match self.rooms.get(&room) {
+            Some(r) if r.generation == generation => {
+                if !r.state.is_terminal() {
+                    self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedByPeer));
+                } else {
+                    // Duplicate or late abort: ack again once drained.
+                    self.maybe_release(now, room);
+                    if self.rooms.get(&room).is_some_and(|r| matches!(&r.side, Side::Sender(s) if s.ops_in_flight == 0)) {
+                        self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+                    }
+                }
+                if !self.rooms.get(&room).is_some_and(|r| r.generation == generation) {
+                    // Released right away: the ack went out with the release.
+                }
+            }
+            Some(r) if r.generation > generation => {
+                // An older attempt: it was drained before the new one could open.
+                self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+            }
+            _ => {
+                // Not open (yet, or any more): nothing of it is in flight. Remember the verdict
+                // so a later open fails at once instead of computing a doomed room.
+                if let Some(p) = self.pending.remove(&room) {
+                    if p.generation == generation {
+                        self.reject_pending(room, p, FailureReason::AbortedByPeer);
+                    } else {
+                        self.pending.insert(room, p);
+                    }
+                }
+                let newer = self.tombstones.get(room).is_some_and(|(g, _)| g >= generation);
+                if !newer {
+                    self.tombstones.insert(room, generation, KvPoll::Failed(FailureReason::AbortedByPeer));
+                }
+                self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+            }
+        }
+    }
+
+    fn on_room_status(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation, failure: Option<FailureReason>) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            self.counters.stale_messages += 1;
+            return;
+        };
+        if r.generation != generation {
+            self.counters.stale_messages += 1;
+            return;
+        }
+        let Side::Receiver(rr) = &mut r.side else { return };
+        let Some(src) = rr.sources.iter_mut().find(|s| s.session == sid) else {
+            self.strike(sid, "status for a room it does not feed", false);
+            return;
+        };
+        r.last_activity = now;
+        match failure {
+            None => {
+                if !src.granted {
+                    self.strike(sid, "success before the request", false);
+                    return;
+                }
+                src.done = true;
+                src.drained = true;
+                let all_done = rr.sources.iter().all(|s| s.done);
+                if r.state.is_terminal() {
+                    self.maybe_release(now, room);
+                } else if all_done {
+                    self.conclude(now, room, KvPoll::Success);
+                }
+            }
+            Some(reason) => {
+                let reason = match reason {
+                    FailureReason::AbortedLocally => FailureReason::AbortedByPeer,
+                    r => r,
+                };
+                if !r.state.is_terminal() {
+                    self.conclude(now, room, KvPoll::Failed(reason));
+                }
+            }
+        }
+    }
+
+    fn on_progress(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation, stage: ProgressStage) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            self.counters.stale_messages += 1;
+            return;
+        };
+        if r.generation != generation || r.state.is_terminal() {
+            self.counters.stale_messages += 1;
+            return;
+        }
+        let Side::Receiver(rr) = &r.side else { return };
+        if !rr.sources.iter().any(|s| s.session == sid && s.granted) {
+            return;
+        }
+        r.last_activity = now;
+        if stage == ProgressStage::Transferring && r.state == KvPoll::WaitingForInput {
+            self.set_state(room, KvPoll::Transferring);
+        }
+    }
+
+    fn on_abort_ack(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            self.counters.stale_messages += 1;
+            return;
+        };
+        if r.generation != generation {
+            self.counters.stale_messages += 1;
+            return;
+        }
+        let Side::Receiver(rr) = &mut r.side else { return };
+        if let Some(src) = rr.sources.iter_mut().find(|s| s.session == sid) {
+            src.drained = true;
+        }
+        if r.state.is_terminal() {
+            self.maybe_release(now, room);
+        }
+    }
+
+    fn on_probe_result(&mut self, now: Instant, sid: SessionId, id: TransferId, outcome: TransferOutcome) {
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if s.probe_op != Some(id) {
+            return;
+        }
+        s.probe_op = None;
+        if s.state != SessionState::Blacklisted {
+            return;
+        }
+        if outcome == TransferOutcome::Done {
+            // The data path works; confirm the peer's control loop answers too.
+            let nonce = self.rng.next_u64();
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.probe_nonce = Some(nonce);
+            }
+            self.transmits.push_back((sid, Message::Probe { nonce }));
+            // If the ack never comes, the next probe timer tries again.
+        }
+        self.schedule_probe(now, sid);
+    }
+
+    fn on_probe_ack(&mut self, now: Instant, sid: SessionId, nonce: u64) {
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if s.state != SessionState::Blacklisted || s.probe_nonce != Some(nonce) {
+            return;
+        }
+        s.probe_nonce = None;
+        s.state = SessionState::Established;
+        s.failures = 0;
+        s.probe_backoff = self.config.probe_interval;
+        self.timers.cancel(&mut s.probe_timer);
+        self.timers.cancel(&mut s.idle_timer);
+        self.counters.sessions_recovered += 1;
+        info!(session = %sid, "blacklisted session recovered after a successful probe");
+        self.events.push_back(Event::SessionRecovered { session: sid });
+        let _ = now;
+        self.mark_ready(sid);
+    }
+
+    // ---------------------------------------------------------------- internals
+
+    fn clock(&mut self, now: Instant) -> Instant {
+        if now > self.last_now {
+            self.last_now = now;
+        }
+        self.last_now
+    }
+
+    fn alloc_op_id(&mut self) -> TransferId {
+        self.next_op += 1;
+        TransferId(self.next_op)
+    }
+
+    fn owned_layers(&self) -> usize {
+        usize::from(self.local.layer_end - self.local.layer_start)
+    }
+
+    fn check_open(&self, role: Role, room: RoomId, generation: Generation) -> Result<(), ApiError> {
+        if self.local.role != role {
+            return Err(ApiError::WrongRole { needs: role });
+        }
+        if self.shut_down {
+            return Err(ApiError::ShutDown);
+        }
+        if self.rooms.contains_key(&room) {
+            return Err(ApiError::RoomExists(room));
+        }
+        if let Some((used, _)) = self.tombstones.get(room) {
+            if used >= generation {
+                return Err(ApiError::StaleGeneration { room, generation, used });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_grant(&self, g: &Grant) -> Result<(), ApiError> {
+        let l = &self.local.layout;
+        if let Some(&page) = g.pages.iter().find(|p| **p >= l.pages) {
+            return Err(ApiError::PageOutOfRange { page, pages: l.pages });
+        }
+        for (slot, item) in [(g.aux_slot, l.aux_bytes), (g.state_slot, l.state_bytes)] {
+            if let Some(slot) = slot {
+                if slot >= l.slots || item == 0 {
+                    return Err(ApiError::SlotOutOfRange { slot, slots: l.slots });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn live_room(&mut self, room: RoomId, role: Role) -> Result<&mut Room, ApiError> {
+        if self.local.role != role {
+            return Err(ApiError::WrongRole { needs: role });
+        }
+        let r = self.rooms.get_mut(&room).ok_or(ApiError::UnknownRoom(room))?;
+        if r.state.is_terminal() {
+            return Err(ApiError::RoomConcluded(room, r.state));
+        }
+        Ok(r)
+    }
+
+    fn apply_grant(&mut self, now: Instant, room: RoomId, grant: Grant) {
+        let runs = page_runs(&grant.pages);
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let generation = r.generation;
+        let Side::Receiver(rr) = &mut r.side else { return };
+        rr.pages = Some(PageSet::new(&grant.pages));
+        rr.aux_slot = grant.aux_slot;
+        rr.state_slot = grant.state_slot;
+        let mut targets: SmallVec<[SessionId; 2]> = SmallVec::new();
+        for src in rr.sources.iter_mut() {
+            src.granted = true;
+            targets.push(src.session);
+        }
+        self.timers.cancel(&mut r.bootstrap_timer);
+        r.last_activity = now;
+        self.timers.set(&mut r.waiting_timer, now + self.config.waiting_timeout, Timer::Waiting(room));
+        for sid in targets {
+            self.transmits.push_back((
+                sid,
+                Message::RoomRequest(RoomRequest {
+                    room,
+                    generation,
+                    receivers: grant.receivers.max(1),
+                    pages: runs.clone(),
+                    aux_slot: grant.aux_slot,
+                    state_slot: grant.state_slot,
+                }),
+            ));
+        }
+        self.set_state(room, KvPoll::WaitingForInput);
+    }
+
+    fn fail_if_sources_unusable(&mut self, now: Instant, room: RoomId) {
+        let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else { return };
+        let closing = rr
+            .sources
+            .iter()
+            .filter_map(|s| self.sessions.get(&s.session))
+            .find(|s| s.state == SessionState::Closing)
+            .map(|s| s.close_reason);
+        if let Some(reason) = closing {
+            self.conclude(now, room, KvPoll::Failed(reason));
+        }
+    }
+
+    fn send_to_sources(&mut self, room: RoomId, make: impl Fn(RoomId, Generation) -> Message) {
+        let Some(r) = self.rooms.get(&room) else { return };
+        let Side::Receiver(rr) = &r.side else { return };
+        for src in &rr.sources {
+            self.transmits.push_back((src.session, make(room, r.generation)));
+        }
+    }
+
+    fn send_progress(&mut self, now: Instant, room: RoomId, stage: ProgressStage) {
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let generation = r.generation;
+        let Side::Sender(s) = &mut r.side else { return };
+        if s.stage == Some(stage) {
+            return;
+        }
+        s.stage = Some(stage);
+        s.last_progress_sent = Some(now);
+        for x in &s.receivers {
+            self.transmits.push_back((x.session, Message::Progress { room, generation, stage }));
+        }
+    }
+
+    /// Answers a room message about a concluded room at once, from the tombstones.
+    fn answer_if_concluded(&mut self, sid: SessionId, room: RoomId, generation: Generation) -> bool {
+        if self.rooms.get(&room).is_some_and(|r| r.generation >= generation) {
+            return false;
+        }
+        match self.tombstones.get(room) {
+            Some((g, outcome)) if g == generation => {
+                let failure = match outcome {
+                    KvPoll::Failed(r) => Some(r),
+                    _ => None,
+                };
+                debug!(%room, session = %sid, ?outcome, "late message for a concluded room answered");
+                self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure }));
+                self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+                true
+            }
+            Some((g, _)) if g > generation => {
+                self.counters.stale_messages += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// New rooms toward a blacklisted session fail at bootstrap, before any compute.
+    fn refuse_if_blacklisted(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation) -> bool {
+        let Some(s) = self.sessions.get_mut(&sid) else { return true };
+        if s.state != SessionState::Blacklisted {
+            return false;
+        }
+        s.last_targeted = now;
+        let reason = FailureReason::SessionBlacklisted;
+        self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure: Some(reason) }));
+        self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+        match self.rooms.get(&room) {
+            Some(r) if r.generation == generation && !r.state.is_terminal() => {
+                self.conclude(now, room, KvPoll::Failed(reason));
+            }
+            Some(_) => {}
+            None => {
+                if let Some(p) = self.pending.remove(&room) {
+                    self.reject_pending(room, p, reason);
+                }
+                self.tombstones.insert(room, generation, KvPoll::Failed(reason));
+            }
+        }
+        true
+    }
+
+    fn pending_entry(&mut self, room: RoomId, generation: Generation) -> Option<&mut PendingRoom> {
+        if let Some(p) = self.pending.get(&room) {
+            if p.generation > generation {
+                self.counters.stale_messages += 1;
+                return None;
+            }
+            if p.generation < generation {
+                self.pending.remove(&room);
+            }
+        }
+        if !self.pending.contains_key(&room) {
+            while self.pending.len() >= self.config.pending_requests as usize {
+                let Some((old, g)) = self.pending_order.pop_front() else { break };
+                if self.pending.get(&old).is_some_and(|p| p.generation == g) {
+                    if let Some(p) = self.pending.remove(&old) {
+                        // Evicted before the sender opened: the requesters must not wait forever.
+                        self.reject_pending(old, p, FailureReason::BootstrapTimeout);
+                    }
+                }
+            }
+            self.pending_order.push_back((room, generation));
+            self.pending.insert(room, PendingRoom { generation, ..PendingRoom::default() });
+        }
+        self.pending.get_mut(&room)
+    }
+
+    fn reject_pending(&mut self, room: RoomId, p: PendingRoom, reason: FailureReason) {
+        let generation = p.generation;
+        let mut told: SmallVec<[SessionId; 2]> = SmallVec::new();
+        for sid in p.requests.iter().map(|x| x.0).chain(p.notices.iter().map(|x| x.0)) {
+            if !told.contains(&sid) {
+                told.push(sid);
+                self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure: Some(reason) }));
+                self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+            }
+        }
+        self.tombstones.insert(room, generation, KvPoll::Failed(reason));
+    }
+
+    fn emit_state(&mut self, room: RoomId, generation: Generation, state: KvPoll) {
+        self.events.push_back(Event::RoomState { room, generation, state });
+    }
+
+    /// Non-terminal forward move. An impossible one is refused and logged, never a panic.
+    fn set_state(&mut self, room: RoomId, to: KvPoll) {
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        if r.state == to {
+            return;
+        }
+        match r.state.transition(to) {
+            Ok(s) => {
+                r.state = s;
+                let generation = r.generation;
+                self.emit_state(room, generation, s);
+            }
+            Err(e) => debug!(%room, error = %e, "transition refused"),
+        }
+    }
+
+    fn count_terminal(&mut self, state: KvPoll) {
+        match state {
+            KvPoll::Success => self.counters.rooms_succeeded += 1,
+            KvPoll::Failed(reason) => self.counters.rooms_failed[reason.index()] += 1,
+            _ => {}
+        }
+    }
+
+    /// Moves a room to a terminal state and starts whatever must follow (notify, drain,
+    /// quarantine). Refused (no-op) if the room is already terminal.
+    fn conclude(&mut self, now: Instant, room: RoomId, to: KvPoll) {
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let Ok(state) = r.state.transition(to) else { return };
+        r.state = state;
+        let generation = r.generation;
+        self.timers.cancel(&mut r.bootstrap_timer);
+        self.timers.cancel(&mut r.waiting_timer);
+        self.count_terminal(state);
+        self.emit_state(room, generation, state);
+        match state {
+            KvPoll::Failed(reason) => debug!(%room, %reason, "room failed"),
+            _ => debug!(%room, "room succeeded"),
+        }
+        let failure = match state {
+            KvPoll::Failed(reason) => Some(reason),
+            _ => None,
+        };
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        match &mut r.side {
+            Side::Sender(s) => {
+                s.chunks.clear();
+                for x in &s.receivers {
+                    self.transmits.push_back((x.session, Message::RoomStatus { room, generation, failure }));
+                }
+                // Decode sessions that only announced the room learn it too.
+                for sid in &s.announced_by {
+                    if !s.receivers.iter().any(|x| x.session == *sid) {
+                        self.transmits.push_back((*sid, Message::RoomStatus { room, generation, failure }));
+                        self.transmits.push_back((*sid, Message::AbortAck { room, generation }));
+                    }
+                }
+                if failure.is_some() {
+                    self.drop_room_ops(room, generation);
+                }
+            }
+            Side::Receiver(rr) => {
+                if let Some(reason) = failure {
+                    let mut waiting = false;
+                    for src in rr.sources.iter_mut() {
+                        if src.done {
+                            continue;
+                        }
+                        if !src.granted {
+                            src.drained = true;
+                        }
+                        waiting |= !src.drained;
+                        self.transmits.push_back((src.session, Message::Abort { room, generation, reason }));
+                    }
+                    if waiting {
+                        self.timers.set(&mut r.abort_timer, now + self.config.abort_ack_timeout, Timer::AbortAck(room));
+                    }
+                }
+            }
+        }
+        self.maybe_release(now, room);
+    }
+
+    /// Removes every queued or retry-waiting operation of a room; in-flight ones settle later.
+    fn drop_room_ops(&mut self, room: RoomId, generation: Generation) {
+        let mut dropped = 0u32;
+        let ids: Vec<TransferId> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| op.room == Some(room) && op.generation == generation && op.phase != OpPhase::InFlight)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if let Some(mut op) = self.ops.remove(&id) {
+                self.timers.cancel(&mut op.timer);
+                dropped += 1;
+            }
+        }
+        if let Some(Side::Sender(s)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
+            s.ops_live = s.ops_live.saturating_sub(dropped);
+        }
+    }
+
+    /// Emits `Releasable` and forgets the room once nothing can touch its pages any more.
+    fn maybe_release(&mut self, now: Instant, room: RoomId) {
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        if !r.state.is_terminal() {
+            return;
+        }
+        let generation = r.generation;
+        let ready = match &mut r.side {
+            Side::Sender(s) => {
+                if s.ops_in_flight > 0 {
+                    false
+                } else {
+                    if r.state != KvPoll::Success && !s.drained_acked {
+                        s.drained_acked = true;
+                        for x in &s.receivers {
+                            self.transmits.push_back((x.session, Message::AbortAck { room, generation }));
+                        }
+                    }
+                    true
+                }
+            }
+            Side::Receiver(rr) => rr.sources.iter().all(|s| s.drained || s.done),
+        };
+        if !ready {
+            return;
+        }
+        let _ = now;
+        let Some(mut r) = self.rooms.remove(&room) else { return };
+        for t in [&mut r.bootstrap_timer, &mut r.waiting_timer, &mut r.abort_timer] {
+            self.timers.cancel(t);
+        }
+        let sessions: SmallVec<[SessionId; 4]> = match &r.side {
+            Side::Sender(s) => s.receivers.iter().map(|x| x.session).chain(s.announced_by.iter().copied()).collect(),
+            Side::Receiver(rr) => rr.sources.iter().map(|s| s.session).collect(),
+        };
+        for sid in sessions {
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.rooms.remove(&room);
+            }
+        }
+        self.tombstones.insert(room, generation, r.state);
+        self.counters.rooms_released += 1;
+        self.events.push_back(Event::Releasable { room, generation });
+    }
+
+    /// Plans every released, not yet planned layer of a bootstrapped sender room.
+    fn plan_room(&mut self, now: Instant, room: RoomId) {
+        let limits = OpLimits {
+            max_bytes: self.config.max_op_bytes,
+            max_slices: self.config.max_op_slices,
+        };
+        let layout = self.local.layout;
+        let first_layer = self.local.layer_start;
+        let owned = self.owned_layers();
+        let writes_aux = self.local.writes_aux;
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
+            return;
+        }
+        let generation = r.generation;
+        let Side::Sender(s) = &mut r.side else { return };
+        let mut new_ops: Vec<(SessionId, OpKind, Vec<Slice>)> = Vec::new();
+        let mut overflow = false;
+        for c in s.chunks.iter_mut() {
+            let end = c.dst_start as usize + c.src.len();
+            if s.receivers.iter().any(|x| x.dst.len() < end) {
+                overflow = true;
+                break;
+            }
+            // Layers ready now and not yet planned, grouped into consecutive ranges so that
+            // whole-batch chunks become as few operations as the limits allow.
+            let mut l = 0;
+            while l < owned {
+                if !c.released.get(l) || c.planned.get(l) {
+                    l += 1;
+                    continue;
+                }
+                let start = l;
+                while l < owned && c.released.get(l) && !c.planned.get(l) && (!c.layerwise || l == start) {
+                    c.planned.set(l);
+                    l += 1;
+                }
+                let layers = first_layer + start as u16..first_layer + l as u16;
+                for x in &s.receivers {
+                    let dst = &x.dst[c.dst_start as usize..end];
+                    for slices in plan_kv(&layout, layers.clone(), &c.src, dst, limits) {
+                        new_ops.push((x.session, OpKind::Kv, slices));
+                    }
+                }
+            }
+        }
+        if overflow {
+            warn!(%room, "chunk exceeds the pages decode granted");
+            self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+            return;
+        }
+        while s.chunks.front().is_some_and(|c| c.planned.count() as usize == owned) {
+            s.chunks.pop_front();
+        }
+        if s.last_seen && s.chunks.is_empty() && writes_aux {
+            for x in &s.receivers {
+                let slices = plan_aux(&layout, s.aux_src, x.aux_slot, s.state_src, x.state_slot);
+                if !slices.is_empty() {
+                    new_ops.push((x.session, OpKind::Aux, slices));
+                }
+            }
+            s.aux_src = None;
+            s.state_src = None;
+        }
+        s.ops_live += new_ops.len() as u32;
+        let any = !new_ops.is_empty();
+        for (sid, kind, slices) in new_ops {
+            let bytes = slices.iter().map(|x| x.len).sum();
+            self.counters.ops_planned += 1;
+            self.counters.bytes_planned += bytes;
+            let id = self.alloc_op_id();
+            self.ops.insert(
+                id,
+                Op {
+                    session: sid,
+                    room: Some(room),
+                    generation,
+                    kind,
+                    slices: Arc::from(slices),
+                    bytes,
+                    attempt: 1,
+                    phase: OpPhase::Queued,
+                    timer: None,
+                },
+            );
+            if let Some(x) = self.sessions.get_mut(&sid) {
+                x.queue.push_back(id);
+                x.last_targeted = now;
+            }
+            self.mark_ready(sid);
+        }
+        if any {
+            self.set_state(room, KvPoll::Transferring);
+            self.send_progress(now, room, ProgressStage::Transferring);
+        }
+        self.check_sender_complete(now, room);
+    }
+
+    fn check_sender_complete(&mut self, now: Instant, room: RoomId) {
+        let Some(r) = self.rooms.get(&room) else { return };
+        let Side::Sender(s) = &r.side else { return };
+        let complete = !r.state.is_terminal()
+            && r.state != KvPoll::Bootstrapping
+            && s.last_seen
+            && s.chunks.is_empty()
+            && s.ops_live == 0;
+        if complete {
+            self.conclude(now, room, KvPoll::Success);
+        }
+    }
+
+    fn mark_ready(&mut self, sid: SessionId) {
+        let max = self.config.max_ops_in_flight;
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if !s.in_ready && !s.fencing && s.in_flight < max && !s.queue.is_empty() {
+            s.in_ready = true;
+            self.ready_sessions.push_back(sid);
+        }
+    }
+
+    fn blacklist(&mut self, now: Instant, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if s.state == SessionState::Blacklisted {
+            return;
+        }
+        s.state = SessionState::Blacklisted;
+        s.probe_backoff = self.config.probe_interval;
+        s.last_targeted = now;
+        let idle = now + self.config.blacklist_idle_timeout;
+        self.timers.set(&mut s.idle_timer, idle, Timer::BlacklistIdle(sid));
+        self.counters.sessions_blacklisted += 1;
+        warn!(session = %sid, failures = s.failures, "session blacklisted");
+        self.events.push_back(Event::SessionBlacklisted { session: sid });
+        self.fail_session_rooms(now, sid, FailureReason::SessionBlacklisted);
+        self.schedule_probe(now, sid);
+    }
+
+    fn schedule_probe(&mut self, now: Instant, sid: SessionId) {
+        let max = self.config.probe_max_interval;
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if s.state != SessionState::Blacklisted {
+            return;
+        }
+        let base = s.probe_backoff;
+        let jitter = Duration::from_nanos(self.rng.below(base.as_nanos() as u64 / 4 + 1));
+        self.timers.set(&mut s.probe_timer, now + base + jitter, Timer::Probe(sid));
+        s.probe_backoff = (base * 2).min(max);
+    }
+
+    fn fail_session_rooms(&mut self, now: Instant, sid: SessionId, reason: FailureReason) {
+        let Some(s) = self.sessions.get(&sid) else { return };
+        let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        for room in rooms {
+            let involved = match self.rooms.get(&room).map(|r| &r.side) {
+                Some(Side::Sender(x)) => x.receivers.iter().any(|x| x.session == sid) || x.announced_by.contains(&sid),
+                Some(Side::Receiver(_)) => true,
+                None => false,
+            };
+            if involved {
+                self.conclude(now, room, KvPoll::Failed(reason));
+            }
+        }
+        // Prefill: requests buffered for rooms not yet opened must not linger either.
+        if self.local.role == Role::Prefill {
+            let stale: Vec<RoomId> = self
+                .pending
+                .iter()
+                .filter(|(_, p)| p.requests.iter().any(|x| x.0 == sid) || p.notices.iter().any(|x| x.0 == sid))
+                .map(|(r, _)| *r)
+                .collect();
+            for room in stale {
+                if let Some(p) = self.pending.remove(&room) {
+                    self.tombstones.insert(room, p.generation, KvPoll::Failed(reason));
+                }
+            }
+        }
+    }
+
+    /// After a fence or a close: every attempt of the session still in flight is settled.
+    fn settle_session_ops(&mut self, now: Instant, sid: SessionId, retry: bool) {
+        let ids: Vec<TransferId> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| op.session == sid && (op.phase == OpPhase::InFlight || !retry))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            let phase = self.ops.get(&id).map(|o| o.phase);
+            if phase == Some(OpPhase::InFlight) {
+                let outcome = if retry { TransferOutcome::Transient } else { TransferOutcome::Fatal };
+                self.settle_attempt(now, id, outcome);
+            } else if let Some(mut op) = self.ops.remove(&id) {
+                self.timers.cancel(&mut op.timer);
+                self.op_finished(now, op.room, op.generation);
+            }
+        }
+    }
+
+    /// Decode: a fenced or closed session can no longer write; its sources count as drained.
+    fn fence_done(&mut self, now: Instant, sid: SessionId) {
+        let Some(s) = self.sessions.get(&sid) else { return };
+        let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        for room in rooms {
+            let Some(r) = self.rooms.get_mut(&room) else { continue };
+            if !r.state.is_terminal() {
+                continue;
+            }
+            if let Side::Receiver(rr) = &mut r.side {
+                for src in rr.sources.iter_mut().filter(|s| s.session == sid) {
+                    src.drained = true;
+                }
+            }
+            self.maybe_release(now, room);
+        }
+    }
+
+    fn fence(&mut self, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if s.fencing || s.state == SessionState::Closing {
+            return;
+        }
+        s.fencing = true;
+        self.counters.fences += 1;
+        self.actions.push_back(Action::FenceSession(sid));
+    }
+
+    fn request_close(&mut self, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if s.state == SessionState::Closing {
+            return;
+        }
+        s.state = SessionState::Closing;
+        self.actions.push_back(Action::CloseSession(sid));
+    }
+
+    /// Tells the peer why, fails the session's rooms and asks the driver to close it.
+    fn close_session(&mut self, now: Instant, sid: SessionId, code: ErrorCode, detail: &str, reason: FailureReason) {
+        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        if s.state == SessionState::Closing {
+            return;
+        }
+        s.close_reason = reason;
+        self.transmits.push_back((sid, Message::Error { code, detail: detail.to_owned() }));
+        self.fail_session_rooms(now, sid, reason);
+        self.request_close(sid);
+    }
+}
+
+fn message_name(m: &Message) -> &'static str {
+    match m {
+        Message::Hello(_) => "Hello",
+        Message::RoomPending { .. } => "RoomPending",
+        Message::RoomRequest(_) => "RoomRequest",
+        Message::RoomStatus { .. } => "RoomStatus",
+        Message::Progress { .. } => "Progress",
+        Message::Abort { .. } => "Abort",
+        Message::AbortAck { .. } => "AbortAck",
+        Message::Heartbeat { .. } => "Heartbeat",
+        Message::Probe { .. } => "Probe",
+        Message::ProbeAck { .. } => "ProbeAck",
+        Message::Error { .. } => "Error",
+    }
+}

@@ -1,0 +1,57 @@
+//! Handles: small copyable newtypes that name things owned by an [`crate::Endpoint`].
+
+use core::fmt;
+
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident($inner:ty), $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+        pub struct $name(pub $inner);
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($prefix, "{}"), self.0)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(self, f)
+            }
+        }
+    };
+}
+
+id_type!(
+    /// One request's KV handoff, chosen by the router and shared by every rank of both sides.
+    RoomId(u64),
+    "room#"
+);
+id_type!(
+    /// The link from this endpoint to one peer endpoint over one control connection.
+    ///
+    /// Allocated by [`crate::Endpoint::open_session`]; the driver maps it to its sockets.
+    SessionId(u32),
+    "session#"
+);
+id_type!(
+    /// One data-path operation emitted by [`crate::Endpoint::poll_transfer`].
+    TransferId(u64),
+    "op#"
+);
+id_type!(
+    /// A stable name of an endpoint process slot (host + rank), constant across restarts.
+    NodeId(u64),
+    "node#"
+);
+id_type!(
+    /// A random number chosen at each process start: a new value means the peer restarted.
+    Incarnation(u64),
+    "inc#"
+);
+
+/// Attempt number of a room: a router replay or retry of the same [`RoomId`] uses a higher one.
+///
+/// Every control message and data write names `(room, generation)`, so a late message of an
+/// earlier attempt can never touch a later one.
+pub type Generation = u32;

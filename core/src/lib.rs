@@ -1,0 +1,67 @@
+//! `kvferry-core`: the deterministic, IO-free state machine of kvferry. It owns every decision
+//! about moving an LLM request's KV cache from prefill to decode; it never touches a socket, a
+//! clock, a thread or KV memory.
+//!
+//! # The lifecycle in one page
+//!
+//! An [`Endpoint`] is one rank, prefill or decode. A driver (tokio, glommio, the simulation in
+//! [`sim`]) feeds it inputs with the current time and carries out its outputs.
+//!
+//! 1. **Sessions.** When a control connection to a peer is up, the driver calls
+//!    [`Endpoint::open_session`]; both sides exchange a [`codec::Hello`] (version, role, rank,
+//!    incarnation, cluster token, memory [`Layout`]). A bad token, same role or an incompatible
+//!    layout rejects that peer only.
+//! 2. **Rooms.** A room is one request's KV handoff, named by a router-chosen [`RoomId`] and a
+//!    [`Generation`] (attempt). Decode opens a receiver room with [`Endpoint::open_receiver`]
+//!    naming its source sessions and grants pages ([`Endpoint::grant_pages`], or at once);
+//!    this sends a `RoomRequest` to each prefill rank. Prefill opens the sender room with
+//!    [`Endpoint::open_sender`]; it is `Bootstrapping` until every expected request arrived,
+//!    then `WaitingForInput`.
+//! 3. **Transfer.** Prefill calls [`Endpoint::send_chunk`] for each chunk (the last one
+//!    flagged), whole-batch or layer by layer with [`Endpoint::mark_layer_ready`]. The core
+//!    plans [`TransferOp`]s (coalesced page runs, bounded size, aux and state last) and hands
+//!    them out through [`Endpoint::poll_transfer`]; the driver reports each with
+//!    [`Endpoint::handle_transfer_result`]. Transient failures are retried with jittered
+//!    backoff; exhausted operations fail the room and count against the session, which is
+//!    blacklisted at `session_failure_threshold` and probed until it recovers.
+//! 4. **Conclusion.** When every operation of the last chunk is acknowledged, prefill sends
+//!    `RoomStatus(Success)`; decode reaches `Success` once every source said so. Any failure
+//!    is pushed to the other side at once with its typed [`FailureReason`].
+//! 5. **Release.** [`Event::Releasable`] says the room's pages can be reused. On decode this
+//!    comes only after every source acknowledged the drain (`AbortAck`) or its session was
+//!    fenced ([`Action::FenceSession`] carried out and confirmed): an aborted room's pages are
+//!    quarantined, never released on a plain timer.
+//!
+//! Every non-terminal state has a deadline ([`Timer`]); [`Endpoint::poll_timeout`] says the
+//! next one and why. [`consensus`] combines the states of several ranks without ever
+//! asserting on skew. The same inputs in the same order give the same outputs.
+//!
+//! Drain contract, errors and method groups: see [`Endpoint`].
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod api;
+pub mod codec;
+pub mod config;
+pub mod consensus;
+pub mod counters;
+mod endpoint;
+pub mod ids;
+pub mod layout;
+pub mod plan;
+pub mod rng;
+pub mod sim;
+pub mod state;
+mod timer;
+
+pub use api::{
+    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo,
+    RejectReason, SessionState, Sessions, TransferOp, TransferOutcome, WriteRefused,
+};
+pub use config::{Config, ConfigError};
+pub use counters::Counters;
+pub use endpoint::Endpoint;
+pub use ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TransferId};
+pub use layout::{Layout, PageRun, Region, Slice};
+pub use state::{FailureReason, InvalidTransition, KvPoll, Role};
+pub use timer::Timer;

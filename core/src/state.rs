@@ -1,0 +1,207 @@
+//! Room states ([`KvPoll`]) and typed failure reasons ([`FailureReason`]).
+
+use core::fmt;
+
+/// Why a room failed. Carried on the wire, in events, in counters and in consensus verdicts.
+///
+/// Each variant says whose fault it is and whether retrying the request elsewhere makes sense
+/// ([`FailureReason::is_soft`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum FailureReason {
+    /// No room request (prefill) or no page grant (decode) arrived before `bootstrap_timeout`.
+    BootstrapTimeout,
+    /// Decode said it had no capacity for this room until `bootstrap_timeout`. Retry later.
+    DecodeSaturated,
+    /// Decode saw no progress for the room within `waiting_timeout`, or the end-to-end budget ran out.
+    WaitingTimeout,
+    /// The session carrying this room died: heartbeats stopped or the connection closed.
+    PeerUnreachable,
+    /// The peer restarted (new incarnation); everything of its previous life is void.
+    PeerRestarted,
+    /// The session toward the peer is blacklisted after repeated transfer failures.
+    SessionBlacklisted,
+    /// A data-path operation failed fatally or exhausted its retries.
+    TransferFailed,
+    /// The local embedder aborted the room.
+    AbortedLocally,
+    /// The peer aborted or failed the room and said so.
+    AbortedByPeer,
+    /// The peer sent something that violates the protocol for this room.
+    ProtocolError,
+    /// The peer's memory layout or protocol version cannot serve this room.
+    IncompatiblePeer,
+    /// The local endpoint is shutting down.
+    Shutdown,
+}
+
+impl FailureReason {
+    /// All variants, in wire-code order.
+    pub const ALL: [FailureReason; 12] = [
+        FailureReason::BootstrapTimeout,
+        FailureReason::DecodeSaturated,
+        FailureReason::WaitingTimeout,
+        FailureReason::PeerUnreachable,
+        FailureReason::PeerRestarted,
+        FailureReason::SessionBlacklisted,
+        FailureReason::TransferFailed,
+        FailureReason::AbortedLocally,
+        FailureReason::AbortedByPeer,
+        FailureReason::ProtocolError,
+        FailureReason::IncompatiblePeer,
+        FailureReason::Shutdown,
+    ];
+
+    /// The one-byte code used on the wire (see `docs/PROTOCOL.md`).
+    pub fn code(self) -> u8 {
+        self as u8 + 1
+    }
+
+    /// Inverse of [`FailureReason::code`].
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get((code as usize).checked_sub(1)?).copied()
+    }
+
+    /// Index into per-reason counter arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// A stable snake_case name for metrics labels and reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::BootstrapTimeout => "bootstrap_timeout",
+            FailureReason::DecodeSaturated => "decode_saturated",
+            FailureReason::WaitingTimeout => "waiting_timeout",
+            FailureReason::PeerUnreachable => "peer_unreachable",
+            FailureReason::PeerRestarted => "peer_restarted",
+            FailureReason::SessionBlacklisted => "session_blacklisted",
+            FailureReason::TransferFailed => "transfer_failed",
+            FailureReason::AbortedLocally => "aborted_locally",
+            FailureReason::AbortedByPeer => "aborted_by_peer",
+            FailureReason::ProtocolError => "protocol_error",
+            FailureReason::IncompatiblePeer => "incompatible_peer",
+            FailureReason::Shutdown => "shutdown",
+        }
+    }
+
+    /// Soft failures are about load or transient conditions: the scheduler may retry the
+    /// request (possibly elsewhere). Hard ones point at a broken peer, a bug or an operator.
+    pub fn is_soft(self) -> bool {
+        matches!(
+            self,
+            FailureReason::BootstrapTimeout
+                | FailureReason::DecodeSaturated
+                | FailureReason::WaitingTimeout
+                | FailureReason::PeerUnreachable
+                | FailureReason::PeerRestarted
+                | FailureReason::SessionBlacklisted
+                | FailureReason::TransferFailed
+                | FailureReason::AbortedLocally
+                | FailureReason::AbortedByPeer
+                | FailureReason::Shutdown
+        )
+    }
+}
+
+impl fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The state of one room on one endpoint, as the embedding scheduler polls it.
+///
+/// `Bootstrapping -> WaitingForInput -> Transferring -> Success`, and `Failed(reason)` from
+/// every non-terminal state. `Success` and `Failed` are terminal and never change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvPoll {
+    /// Prefill: waiting for the decode's room request. Decode: waiting for pages or the handshake.
+    Bootstrapping,
+    /// Prefill: destinations known, waiting for chunks. Decode: request sent, waiting for data.
+    WaitingForInput,
+    /// Data is moving for this room.
+    Transferring,
+    /// Every byte of the room arrived and was acknowledged. Terminal.
+    Success,
+    /// The room failed for the given reason. Terminal.
+    Failed(FailureReason),
+}
+
+impl KvPoll {
+    /// Whether the state can never change again.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, KvPoll::Success | KvPoll::Failed(_))
+    }
+
+    /// Rank in the lifecycle order used by consensus: Failed < Bootstrapping < ... < Success.
+    pub fn order(self) -> u8 {
+        match self {
+            KvPoll::Failed(_) => 0,
+            KvPoll::Bootstrapping => 1,
+            KvPoll::WaitingForInput => 2,
+            KvPoll::Transferring => 3,
+            KvPoll::Success => 4,
+        }
+    }
+
+    /// Checks a transition. Terminal states never change; forward moves only; `Failed` from any
+    /// non-terminal state. Staying in the same non-terminal state is allowed (a no-op).
+    pub fn transition(self, to: KvPoll) -> Result<KvPoll, InvalidTransition> {
+        let ok = match (self, to) {
+            (from, _) if from.is_terminal() => false,
+            (_, KvPoll::Failed(_)) => true,
+            (from, to) => to.order() >= from.order(),
+        };
+        if ok {
+            Ok(to)
+        } else {
+            Err(InvalidTransition { from: self, to })
+        }
+    }
+}
+
+/// A room transition that the lifecycle forbids. Returned as a value, never a panic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InvalidTransition {
+    /// The state the room was in.
+    pub from: KvPoll,
+    /// The state someone tried to move it to.
+    pub to: KvPoll,
+}
+
+impl fmt::Display for InvalidTransition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid room transition {:?} -> {:?}", self.from, self.to)
+    }
+}
+
+impl std::error::Error for InvalidTransition {}
+
+/// The role of an endpoint in PD disaggregation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Computes KV and writes it into decode memory.
+    Prefill,
+    /// Owns the destination pages and generates with them.
+    Decode,
+}
+
+impl Role {
+    /// Wire code.
+    pub fn code(self) -> u8 {
+        match self {
+            Role::Prefill => 1,
+            Role::Decode => 2,
+        }
+    }
+
+    /// Inverse of [`Role::code`].
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            1 => Some(Role::Prefill),
+            2 => Some(Role::Decode),
+            _ => None,
+        }
+    }
+}
