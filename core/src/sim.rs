@@ -87,7 +87,8 @@ pub struct SimNode {
 }
 
 impl SimNode {
-    fn alloc(&mut self, room: RoomId, generation: Generation, n: u32) -> Option<Vec<u32>> {
+    /// Takes `n` free pages for a room attempt (lowest first); `None` if not enough are free.
+    pub fn alloc(&mut self, room: RoomId, generation: Generation, n: u32) -> Option<Vec<u32>> {
         let mut got = Vec::with_capacity(n as usize);
         for (i, owner) in self.pages.iter().enumerate() {
             if got.len() == n as usize {
@@ -119,6 +120,9 @@ impl SimNode {
         self.events.iter().filter(|(_, e)| f(e)).count()
     }
 }
+
+/// Marks the end of a link whose process restarted.
+const DEAD_SESSION: SessionId = SessionId(u32::MAX);
 
 #[derive(Debug)]
 struct Link {
@@ -307,9 +311,18 @@ impl Sim {
             *p = None;
         }
         self.inflight.retain(|_, f| f.src != n && f.dst != n);
+        // Whatever was on its way to the old process is lost with it.
+        self.items.retain(|_, p| match p {
+            Pending::Deliver { node, .. } | Pending::OpDone { node, .. } | Pending::Fence { node, .. } | Pending::Close { node, .. } => *node != n,
+            _ => true,
+        });
         for l in self.links.iter_mut() {
-            if l.a.0 == n || l.b.0 == n {
-                l.up = false;
+            for end in [&mut l.a, &mut l.b] {
+                if end.0 == n {
+                    l.up = false;
+                    // The old process is gone: its end of the link must never match the new one.
+                    end.1 = DEAD_SESSION;
+                }
             }
         }
     }
@@ -377,7 +390,8 @@ impl Sim {
     }
 
     fn link_of(&self, node: usize, session: SessionId) -> Option<(usize, usize)> {
-        self.links.iter().enumerate().find_map(|(i, l)| {
+        // Newest first: a restarted endpoint reuses session numbers of its previous life.
+        self.links.iter().enumerate().rev().find_map(|(i, l)| {
             if l.a == (node, session) {
                 Some((i, 0))
             } else if l.b == (node, session) {
@@ -665,8 +679,10 @@ impl Sim {
                     }
                 }
                 for (n, s) in ends {
-                    self.nodes[n].endpoint.handle_disconnected(self.now, s);
-                    self.drain(n);
+                    if s != DEAD_SESSION {
+                        self.nodes[n].endpoint.handle_disconnected(self.now, s);
+                        self.drain(n);
+                    }
                 }
                 if let (true, Some(after)) = (was_up, self.faults.reconnect_after) {
                     let at = self.now + after;

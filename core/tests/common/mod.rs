@@ -53,3 +53,63 @@ pub fn assert_invariants(sim: &Sim) {
 pub fn config() -> Config {
     fast_config()
 }
+
+use kvferry_core::{Chunk, Event, FailureReason, Grant, KvPoll, RoomId, SessionId};
+
+/// Decode `d` opens `room` fed by `ps` with `pages` pages granted at once; every prefill of
+/// `ps` opens its sender. Returns the granted destination pages.
+pub fn open_room(sim: &mut Sim, d: usize, ps: &[usize], room: u64, pages: u32) -> Vec<u32> {
+    let now = sim.now;
+    let id = RoomId(room);
+    let dst = sim.nodes[d].alloc(id, 0, pages).expect("decode pages");
+    let sources: Vec<SessionId> = ps.iter().map(|&p| sim.session(d, p).expect("session")).collect();
+    let grant = Grant { pages: dst.clone(), aux_slot: Some(room as u32), state_slot: None, receivers: 1 };
+    sim.nodes[d].endpoint.open_receiver(now, id, 0, &sources, Some(grant)).expect("open receiver");
+    sim.drain(d);
+    for &p in ps {
+        sim.nodes[p].endpoint.open_sender(now, id, 0).expect("open sender");
+        sim.drain(p);
+    }
+    dst
+}
+
+/// Prefill `p` sends all `pages` of `room` as one last chunk (whole batch or layerwise).
+pub fn send_all(sim: &mut Sim, p: usize, room: u64, pages: u32, layerwise: bool) {
+    let now = sim.now;
+    let id = RoomId(room);
+    let src = sim.nodes[p].alloc(id, 0, pages).expect("prefill pages");
+    let chunk = Chunk { pages: src, last: true, aux_slot: Some(room as u32), state_slot: None, layerwise };
+    sim.nodes[p].endpoint.send_chunk(now, id, chunk).expect("send chunk");
+    sim.drain(p);
+}
+
+/// The state of `room` on node `n`.
+pub fn state(sim: &Sim, n: usize, room: u64) -> Option<KvPoll> {
+    sim.nodes[n].endpoint.room_state(RoomId(room))
+}
+
+/// Runs `ms` milliseconds of simulated time.
+pub fn run_ms(sim: &mut Sim, ms: u64) {
+    sim.run_for(Duration::from_millis(ms), 5_000_000).expect("no livelock");
+}
+
+/// When node `n` saw `room` become releasable.
+pub fn released_at(sim: &Sim, n: usize, room: u64) -> Option<std::time::Instant> {
+    sim.nodes[n].events.iter().find_map(|(t, e)| match e {
+        Event::Releasable { room: r, .. } if *r == RoomId(room) => Some(*t),
+        _ => None,
+    })
+}
+
+/// When node `n` saw `room` reach `state`.
+pub fn state_at(sim: &Sim, n: usize, room: u64, state: KvPoll) -> Option<std::time::Instant> {
+    sim.nodes[n].events.iter().find_map(|(t, e)| match e {
+        Event::RoomState { room: r, state: s, .. } if *r == RoomId(room) && *s == state => Some(*t),
+        _ => None,
+    })
+}
+
+/// Shorthand for a failed state.
+pub fn failed(reason: FailureReason) -> Option<KvPoll> {
+    Some(KvPoll::Failed(reason))
+}
