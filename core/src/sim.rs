@@ -192,6 +192,8 @@ pub struct Sim {
     pub steps: u64,
     /// The room workload, if any.
     pub workload: Option<Workload>,
+    /// Releasable events seen on all nodes.
+    pub releases: usize,
     links: Vec<Link>,
     queue: BinaryHeap<Reverse<(Instant, u64, usize)>>,
     items: HashMap<usize, Pending>,
@@ -243,6 +245,7 @@ impl Sim {
             ops_emitted: 0,
             steps: 0,
             workload: None,
+            releases: 0,
             links: Vec::new(),
             queue: BinaryHeap::new(),
             items: HashMap::new(),
@@ -579,6 +582,7 @@ impl Sim {
                     self.violations.push(format!("node {n}: {room} released twice"));
                 }
                 node.free(*room, *generation);
+                self.releases += 1;
             }
             _ => {}
         }
@@ -798,6 +802,12 @@ pub struct Workload {
     pub states: Vec<RoomRun>,
     /// Rooms whose pages had to wait for capacity.
     pub queued_for_pages: u64,
+    /// Rooms that arrived so far.
+    pub arrived: usize,
+    /// Releasable events expected: one per node that opened a workload room.
+    pub expected_releases: usize,
+    /// Releasable events seen before the workload started.
+    pub releases_before: usize,
 }
 
 /// The record of one workload room.
@@ -839,6 +849,9 @@ impl Workload {
             prefill_abort: 0.0,
             states: Vec::new(),
             queued_for_pages: 0,
+            arrived: 0,
+            expected_releases: 0,
+            releases_before: 0,
         }
     }
 }
@@ -847,6 +860,7 @@ impl Sim {
     /// Installs a workload and schedules its arrivals.
     pub fn start_workload(&mut self, mut w: Workload) {
         w.states = vec![RoomRun::default(); w.rooms];
+        w.releases_before = self.releases;
         let interarrival = w.interarrival;
         let rooms = w.rooms;
         self.workload = Some(w);
@@ -859,15 +873,7 @@ impl Sim {
     /// Whether every workload room concluded and was released on every node that had it.
     pub fn workload_done(&self) -> bool {
         let Some(w) = &self.workload else { return true };
-        w.states.iter().all(|r| {
-            if r.unopened {
-                return true;
-            }
-            let Some(room) = r.room else { return false };
-            std::iter::once(r.decode)
-                .chain(r.prefills.iter().copied())
-                .all(|n| self.nodes[n].released.contains(&(room, 0)))
-        })
+        w.arrived == w.rooms && self.releases - w.releases_before == w.expected_releases
     }
 
     fn work(&mut self, item: WorkItem) {
@@ -889,6 +895,7 @@ impl Sim {
                 run.chunks = chunks;
                 run.layerwise = layerwise;
                 run.opened_at = Some(now);
+                w.arrived += 1;
                 let sources: Option<Vec<SessionId>> = group.iter().map(|&p| self.session(decode, p)).collect();
                 let Some(sources) = sources else {
                     run.unopened = true;
@@ -905,13 +912,16 @@ impl Sim {
                     self.workload = Some(w);
                     return;
                 }
+                w.expected_releases += 1;
                 if queued {
                     let _ = self.nodes[decode].endpoint.set_queue_position(now, room, 1);
                     self.push(now + Duration::from_millis(1), Pending::Work(WorkItem::Grant(i)));
                 }
                 self.drain(decode);
                 for (k, &p) in group.iter().enumerate() {
-                    let _ = self.nodes[p].endpoint.open_sender(now, room, 0);
+                    if self.nodes[p].endpoint.open_sender(now, room, 0).is_ok() {
+                        w.expected_releases += 1;
+                    }
                     let src = self.nodes[p].alloc(room, 0, pages).unwrap_or_default();
                     if let Some(run) = w.states.get_mut(i) {
                         run.src.push(src);
