@@ -208,16 +208,27 @@ struct PendingRoom {
 /// Bounded memory of concluded rooms: answers late messages and refuses stale generations.
 #[derive(Debug, Default)]
 struct Tombstones {
-    map: HashMap<RoomId, (Generation, KvPoll, u64)>,
+    /// (generation, outcome, seq, whether a room record existed here).
+    map: HashMap<RoomId, (Generation, KvPoll, u64, bool)>,
     order: VecDeque<(RoomId, u64)>,
     seq: u64,
     cap: usize,
 }
 
 impl Tombstones {
+    /// Remembers a room that was opened here and concluded.
     fn insert(&mut self, room: RoomId, generation: Generation, outcome: KvPoll) {
+        self.remember(room, generation, outcome, true);
+    }
+
+    /// Remembers a verdict reached before the room was opened here (prefill only).
+    fn insert_verdict(&mut self, room: RoomId, generation: Generation, reason: FailureReason) {
+        self.remember(room, generation, KvPoll::Failed(reason), false);
+    }
+
+    fn remember(&mut self, room: RoomId, generation: Generation, outcome: KvPoll, opened: bool) {
         self.seq += 1;
-        self.map.insert(room, (generation, outcome, self.seq));
+        self.map.insert(room, (generation, outcome, self.seq, opened));
         self.order.push_back((room, self.seq));
         while self.order.len() > self.cap {
             if let Some((old, seq)) = self.order.pop_front() {
@@ -230,6 +241,14 @@ impl Tombstones {
 
     fn get(&self, room: RoomId) -> Option<(Generation, KvPoll)> {
         self.map.get(&room).map(|e| (e.0, e.1))
+    }
+
+    /// A verdict for a room never opened here, to deliver when it is opened.
+    fn verdict(&self, room: RoomId) -> Option<(Generation, FailureReason)> {
+        match self.map.get(&room) {
+            Some(&(g, KvPoll::Failed(reason), _, false)) => Some((g, reason)),
+            _ => None,
+        }
     }
 }
 
@@ -356,9 +375,9 @@ impl Endpoint {
         self.rooms.keys().copied()
     }
 
-    /// Number of data-path operations queued, waiting for a retry, or in flight.
+    /// Number of room operations queued, waiting for a retry, or in flight (probes excluded).
     pub fn live_ops(&self) -> usize {
-        self.ops.len()
+        self.ops.values().filter(|op| op.room.is_some()).count()
     }
 
     /// Number of armed deadlines.
@@ -874,9 +893,9 @@ impl Endpoint {
         }
         // A failure decided before the room was opened (decode aborted, session blacklisted,
         // consensus) is delivered at once, so prefill never computes a doomed room.
-        let early = match self.tombstones.get(room) {
-            Some((g, KvPoll::Failed(reason))) if g == generation => Some(reason),
-            Some((g, _)) if g >= generation => {
+        let early = match (self.tombstones.verdict(room), self.tombstones.get(room)) {
+            (Some((g, reason)), _) if g == generation => Some(reason),
+            (_, Some((g, _))) if g >= generation => {
                 return Err(ApiError::StaleGeneration {
                     room,
                     generation,
@@ -1762,7 +1781,7 @@ impl Endpoint {
                 }
                 let newer = self.tombstones.get(room).is_some_and(|(g, _)| g >= generation);
                 if !newer {
-                    self.tombstones.insert(room, generation, KvPoll::Failed(FailureReason::AbortedByPeer));
+                    self.tombstones.insert_verdict(room, generation, FailureReason::AbortedByPeer);
                 }
                 self.transmits.push_back((sid, Message::AbortAck { room, generation }));
             }
@@ -2059,7 +2078,7 @@ impl Endpoint {
                 if let Some(p) = self.pending.remove(&room) {
                     self.reject_pending(room, p, reason);
                 }
-                self.tombstones.insert(room, generation, KvPoll::Failed(reason));
+                self.tombstones.insert_verdict(room, generation, reason);
             }
         }
         true
@@ -2101,7 +2120,7 @@ impl Endpoint {
                 self.transmits.push_back((sid, Message::AbortAck { room, generation }));
             }
         }
-        self.tombstones.insert(room, generation, KvPoll::Failed(reason));
+        self.tombstones.insert_verdict(room, generation, reason);
     }
 
     fn emit_state(&mut self, room: RoomId, generation: Generation, state: KvPoll) {
@@ -2428,7 +2447,7 @@ impl Endpoint {
                 .collect();
             for room in stale {
                 if let Some(p) = self.pending.remove(&room) {
-                    self.tombstones.insert(room, p.generation, KvPoll::Failed(reason));
+                    self.tombstones.insert_verdict(room, p.generation, reason);
                 }
             }
         }
