@@ -1,6 +1,8 @@
 //! [`Endpoint`]: the deterministic state machine of one prefill or decode rank.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+
+use foldhash::fast::FixedState;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,11 @@ use crate::plan::{plan_aux, plan_kv, OpLimits};
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::{Timer, TimerKey, TimerTable};
+
+/// Hash maps seeded from the endpoint seed: deterministic iteration for equal inputs, and
+/// keys chosen by peers cannot be aimed at a hasher they do not know.
+type Map<K, V> = HashMap<K, V, FixedState>;
+type Set<K> = HashSet<K, FixedState>;
 
 /// One prefill or decode rank: every room, session, operation and deadline it owns.
 ///
@@ -50,18 +57,18 @@ pub struct Endpoint {
     rng: Rng,
     last_now: Instant,
     shut_down: bool,
-    sessions: HashMap<SessionId, Session>,
+    sessions: Map<SessionId, Session>,
     next_session: u32,
     /// Established sessions by peer node, to notice restarts and duplicates.
-    nodes: HashMap<NodeId, SessionId>,
+    nodes: Map<NodeId, SessionId>,
     /// Blacklists of peers whose connection dropped, so a reconnect cannot launder them.
-    blacklist_memory: HashMap<NodeId, RememberedBlacklist>,
-    rooms: HashMap<RoomId, Room>,
+    blacklist_memory: Map<NodeId, RememberedBlacklist>,
+    rooms: Map<RoomId, Room>,
     tombstones: Tombstones,
     /// Prefill: room messages that arrived before the sender room was opened.
-    pending: HashMap<RoomId, PendingRoom>,
+    pending: Map<RoomId, PendingRoom>,
     pending_order: VecDeque<(RoomId, Generation)>,
-    ops: HashMap<TransferId, Op>,
+    ops: Map<TransferId, Op>,
     next_op: u64,
     ready_sessions: VecDeque<SessionId>,
     timers: TimerTable,
@@ -70,6 +77,7 @@ pub struct Endpoint {
     events: VecDeque<Event>,
     counters: Counters,
     capacity: Capacity,
+    hasher: FixedState,
 }
 
 #[derive(Debug)]
@@ -92,7 +100,7 @@ struct Session {
     in_flight: u32,
     in_ready: bool,
     fencing: bool,
-    rooms: HashSet<RoomId>,
+    rooms: Set<RoomId>,
     strikes: u32,
     capacity: Option<Capacity>,
     close_reason: FailureReason,
@@ -209,7 +217,7 @@ struct PendingRoom {
 #[derive(Debug, Default)]
 struct Tombstones {
     /// (generation, outcome, seq, whether a room record existed here).
-    map: HashMap<RoomId, (Generation, KvPoll, u64, bool)>,
+    map: Map<RoomId, (Generation, KvPoll, u64, bool)>,
     order: VecDeque<(RoomId, u64)>,
     seq: u64,
     cap: usize,
@@ -309,21 +317,26 @@ impl Endpoint {
             cap: config.tombstones as usize,
             ..Tombstones::default()
         };
+        let hasher = FixedState::with_seed(seed.rotate_left(17) ^ 0x6b76_6665_7272_7900);
+        let tombstones = Tombstones {
+            map: Map::with_hasher(hasher.clone()),
+            ..tombstones
+        };
         Ok(Endpoint {
             config,
             local,
             rng: Rng::new(seed),
             last_now: now,
             shut_down: false,
-            sessions: HashMap::new(),
+            sessions: Map::with_hasher(hasher.clone()),
             next_session: 0,
-            nodes: HashMap::new(),
-            blacklist_memory: HashMap::new(),
-            rooms: HashMap::new(),
+            nodes: Map::with_hasher(hasher.clone()),
+            blacklist_memory: Map::with_hasher(hasher.clone()),
+            rooms: Map::with_hasher(hasher.clone()),
             tombstones,
-            pending: HashMap::new(),
+            pending: Map::with_hasher(hasher.clone()),
             pending_order: VecDeque::new(),
-            ops: HashMap::new(),
+            ops: Map::with_hasher(hasher.clone()),
             next_op: 0,
             ready_sessions: VecDeque::new(),
             timers: TimerTable::default(),
@@ -332,6 +345,7 @@ impl Endpoint {
             events: VecDeque::new(),
             counters: Counters::default(),
             capacity: Capacity::default(),
+            hasher,
         })
     }
 
@@ -517,7 +531,7 @@ impl Endpoint {
             in_flight: 0,
             in_ready: false,
             fencing: false,
-            rooms: HashSet::new(),
+            rooms: Set::with_hasher(self.hasher.clone()),
             strikes: 0,
             capacity: None,
             close_reason: FailureReason::PeerUnreachable,

@@ -8,7 +8,9 @@
 //! a page that was released and given to another room is reported as a violation.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+
+use foldhash::fast::FixedState;
 use std::time::{Duration, Instant};
 
 use crate::api::{Action, Chunk, EndpointInfo, Event, Grant, TransferOp, TransferOutcome};
@@ -71,46 +73,43 @@ pub struct SimNode {
     pub endpoint: Endpoint,
     /// Owner of every page: `None` = free.
     pub pages: Vec<Option<(RoomId, Generation)>>,
+    free_pages: Vec<u32>,
+    owned: HashMap<(RoomId, Generation), Vec<u32>, FixedState>,
     /// Last state seen per room attempt, from events.
-    pub states: HashMap<(RoomId, Generation), KvPoll>,
+    pub states: HashMap<(RoomId, Generation), KvPoll, FixedState>,
     /// Room attempts declared releasable.
-    pub released: HashSet<(RoomId, Generation)>,
+    pub released: HashSet<(RoomId, Generation), FixedState>,
     /// When each room attempt became terminal.
-    pub concluded_at: HashMap<(RoomId, Generation), Instant>,
+    pub concluded_at: HashMap<(RoomId, Generation), Instant, FixedState>,
     /// Every event, with its time.
     pub events: Vec<(Instant, Event)>,
     /// When the data path of a peer session is down (transient failures), until when.
-    pub data_down_until: HashMap<SessionId, Instant>,
+    pub data_down_until: HashMap<SessionId, Instant, FixedState>,
     info: EndpointInfo,
     config: Config,
     seed: u64,
 }
 
 impl SimNode {
-    /// Takes `n` free pages for a room attempt (lowest first); `None` if not enough are free.
+    /// Takes `n` free pages for a room attempt; `None` if not enough are free. The pages
+    /// freed last are reused first, so a stray write into a released room hits the next owner.
     pub fn alloc(&mut self, room: RoomId, generation: Generation, n: u32) -> Option<Vec<u32>> {
-        let mut got = Vec::with_capacity(n as usize);
-        for (i, owner) in self.pages.iter().enumerate() {
-            if got.len() == n as usize {
-                break;
-            }
-            if owner.is_none() {
-                got.push(i as u32);
-            }
-        }
-        if got.len() < n as usize {
+        if self.free_pages.len() < n as usize {
             return None;
         }
+        let got = self.free_pages.split_off(self.free_pages.len() - n as usize);
         for &p in &got {
             self.pages[p as usize] = Some((room, generation));
         }
+        self.owned.entry((room, generation)).or_default().extend_from_slice(&got);
         Some(got)
     }
 
     fn free(&mut self, room: RoomId, generation: Generation) {
-        for owner in self.pages.iter_mut() {
-            if *owner == Some((room, generation)) {
-                *owner = None;
+        for p in self.owned.remove(&(room, generation)).unwrap_or_default() {
+            if self.pages[p as usize] == Some((room, generation)) {
+                self.pages[p as usize] = None;
+                self.free_pages.push(p);
             }
         }
     }
@@ -196,11 +195,12 @@ pub struct Sim {
     pub releases: usize,
     links: Vec<Link>,
     queue: BinaryHeap<Reverse<(Instant, u64, usize)>>,
-    items: HashMap<usize, Pending>,
+    items: HashMap<usize, Pending, FixedState>,
     seq: u64,
     rng: Rng,
-    inflight: HashMap<(usize, TransferId), InFlight>,
-    rx: HashMap<(usize, SessionId), Vec<u8>>,
+    /// Ordered, so fences break operations in the same order on every run.
+    inflight: BTreeMap<(usize, TransferId), InFlight>,
+    rx: HashMap<(usize, SessionId), Vec<u8>, FixedState>,
 }
 
 /// A layout small enough for fast simulation: 4 layers, K and V, 1 KiB pages.
@@ -249,11 +249,11 @@ impl Sim {
             releases: 0,
             links: Vec::new(),
             queue: BinaryHeap::new(),
-            items: HashMap::new(),
+            items: HashMap::default(),
             seq: 0,
             rng: Rng::new(seed ^ 0x5EED),
-            inflight: HashMap::new(),
-            rx: HashMap::new(),
+            inflight: BTreeMap::new(),
+            rx: HashMap::default(),
         }
     }
 
@@ -268,11 +268,13 @@ impl Sim {
         self.nodes.push(SimNode {
             endpoint,
             pages,
-            states: HashMap::new(),
-            released: HashSet::new(),
-            concluded_at: HashMap::new(),
+            free_pages: (0..info.layout.pages).rev().collect(),
+            owned: HashMap::default(),
+            states: HashMap::default(),
+            released: HashSet::default(),
+            concluded_at: HashMap::default(),
             events: Vec::new(),
-            data_down_until: HashMap::new(),
+            data_down_until: HashMap::default(),
             info,
             config,
             seed,
@@ -315,6 +317,8 @@ impl Sim {
         for p in node.pages.iter_mut() {
             *p = None;
         }
+        node.free_pages = (0..node.info.layout.pages).rev().collect();
+        node.owned.clear();
         self.inflight.retain(|_, f| f.src != n && f.dst != n);
         self.rx.retain(|k, _| k.0 != n);
         // Whatever was on its way to the old process is lost with it.
@@ -1008,8 +1012,8 @@ impl Sim {
     }
 
     /// Rooms of the workload whose decode side reached each outcome.
-    pub fn workload_outcomes(&self) -> HashMap<String, usize> {
-        let mut out = HashMap::new();
+    pub fn workload_outcomes(&self) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
         let Some(w) = &self.workload else { return out };
         for r in &w.states {
             let key = match r.room {

@@ -1,0 +1,151 @@
+//! The control codec: every frame round-trips, and the decoder is total.
+
+use kvferry_core::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HEADER_LEN};
+use kvferry_core::sim::small_layout;
+use kvferry_core::{FailureReason, Incarnation, NodeId, PageRun, Role, RoomId};
+use proptest::prelude::*;
+use smallvec::smallvec;
+
+const MAX: u32 = 1 << 20;
+
+fn every_message() -> Vec<Message> {
+    let room = RoomId(0xDEAD_BEEF_0123);
+    vec![
+        Message::Hello(Hello {
+            role: Role::Decode,
+            rank: 3,
+            node: NodeId(77),
+            incarnation: Incarnation(0x1234_5678_9ABC),
+            token: smallvec![1, 2, 3, 4],
+            layout: small_layout(4096),
+            layer_start: 1,
+            layer_end: 3,
+            writes_aux: false,
+        }),
+        Message::RoomPending { room, generation: 2, queue_position: 9 },
+        Message::RoomRequest(RoomRequest {
+            room,
+            generation: 1,
+            receivers: 2,
+            pages: smallvec![PageRun { start: 5, len: 3 }, PageRun { start: 100, len: 1 }],
+            aux_slot: Some(4),
+            state_slot: None,
+        }),
+        Message::RoomStatus { room, generation: 0, failure: None },
+        Message::RoomStatus { room, generation: 0, failure: Some(FailureReason::SessionBlacklisted) },
+        Message::Progress { room, generation: 0, stage: ProgressStage::Computing },
+        Message::Abort { room, generation: 5, reason: FailureReason::AbortedLocally },
+        Message::AbortAck { room, generation: 5 },
+        Message::Heartbeat { free_pages: 10, queued_rooms: 2 },
+        Message::Probe { nonce: 42 },
+        Message::ProbeAck { nonce: 42 },
+        Message::Error { code: ErrorCode::BadToken, detail: "cluster token mismatch".into() },
+    ]
+}
+
+#[test]
+fn every_frame_round_trips() {
+    for msg in every_message() {
+        let mut buf = Vec::new();
+        msg.encode(&mut buf);
+        assert_eq!(Message::decode(&buf, MAX), Ok(Some((msg.clone(), buf.len()))), "{msg:?}");
+        assert_eq!(msg.encoded_len(), buf.len());
+    }
+}
+
+#[test]
+fn a_partial_frame_asks_for_more_bytes() {
+    for msg in every_message() {
+        let mut buf = Vec::new();
+        msg.encode(&mut buf);
+        for cut in 0..buf.len() {
+            assert_eq!(Message::decode(&buf[..cut], MAX), Ok(None), "{msg:?} cut at {cut}");
+        }
+    }
+}
+
+#[test]
+fn an_oversized_length_is_refused_before_the_body_arrives() {
+    let buf = (MAX + 1).to_le_bytes();
+    assert_eq!(Message::decode(&buf, MAX), Err(DecodeError::TooLong { len: MAX + 1, max: MAX }));
+}
+
+#[test]
+fn an_unknown_version_and_type_are_typed_errors() {
+    assert_eq!(Message::decode(&[2, 0, 0, 0, 9, 1], MAX), Err(DecodeError::UnknownVersion(9)));
+    assert_eq!(Message::decode(&[2, 0, 0, 0, 1, 200], MAX), Err(DecodeError::UnknownType(200)));
+    assert_eq!(Message::decode(&[1, 0, 0, 0, 1], MAX), Err(DecodeError::TooShort { len: 1 }));
+}
+
+#[test]
+fn truncated_and_padded_bodies_are_typed_errors() {
+    let mut buf = Vec::new();
+    Message::Probe { nonce: 1 }.encode(&mut buf);
+    let mut short = buf.clone();
+    short.pop();
+    short[0] -= 1;
+    assert_eq!(Message::decode(&short, MAX), Err(DecodeError::Truncated { ty: 9 }));
+    let mut long = buf.clone();
+    long.push(0);
+    long[0] += 1;
+    assert_eq!(Message::decode(&long, MAX), Err(DecodeError::TrailingBytes { ty: 9 }));
+}
+
+#[test]
+fn a_page_count_larger_than_the_frame_is_refused_without_allocating() {
+    let mut buf = Vec::new();
+    Message::RoomRequest(RoomRequest {
+        room: RoomId(1),
+        generation: 0,
+        receivers: 1,
+        pages: smallvec![],
+        aux_slot: None,
+        state_slot: None,
+    })
+    .encode(&mut buf);
+    let n = buf.len();
+    buf[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert_eq!(Message::decode(&buf, MAX), Err(DecodeError::Truncated { ty: 3 }));
+}
+
+#[test]
+fn invalid_field_values_name_the_field() {
+    let mut buf = Vec::new();
+    Message::Abort { room: RoomId(1), generation: 0, reason: FailureReason::Shutdown }.encode(&mut buf);
+    let n = buf.len();
+    buf[n - 1] = 0xEE;
+    assert_eq!(Message::decode(&buf, MAX), Err(DecodeError::InvalidField { ty: 6, field: "reason" }));
+}
+
+#[test]
+fn header_is_length_version_type() {
+    let mut buf = Vec::new();
+    Message::Heartbeat { free_pages: 1, queued_rooms: 2 }.encode(&mut buf);
+    assert_eq!(buf.len(), HEADER_LEN + 8);
+    assert_eq!(&buf[..6], &[10, 0, 0, 0, 1, 8]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 20_000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_decoder_never_panics_and_never_overreads(bytes in proptest::collection::vec(any::<u8>(), 0..300), max in 0u32..4096) {
+        if let Ok(Some((msg, used))) = Message::decode(&bytes, max) {
+            prop_assert!(used <= bytes.len());
+            // What decodes re-encodes to the same bytes.
+            let mut again = Vec::new();
+            msg.encode(&mut again);
+            prop_assert_eq!(&again[..], &bytes[..used]);
+        }
+    }
+
+    #[test]
+    fn a_flipped_bit_in_a_valid_frame_is_an_error_or_another_valid_frame(which in 0usize..12, pos in any::<prop::sample::Index>(), bit in 0u8..8) {
+        let msg = every_message()[which].clone();
+        let mut buf = Vec::new();
+        msg.encode(&mut buf);
+        let i = pos.index(buf.len());
+        buf[i] ^= 1 << bit;
+        let _ = Message::decode(&buf, MAX);
+    }
+}

@@ -1,0 +1,62 @@
+//! Configuration: documented defaults, `KVFERRY_*` loading, errors that name the variable.
+
+use std::time::Duration;
+
+use kvferry_core::Config;
+
+#[test]
+fn defaults_are_the_documented_starting_points() {
+    let c = Config::default();
+    assert_eq!(c.transfer_retries, 3);
+    assert_eq!(c.retry_backoff, Duration::from_millis(50));
+    assert_eq!(c.session_failure_threshold, 10);
+    assert_eq!(c.probe_interval, Duration::from_secs(1));
+    assert_eq!(c.probe_max_interval, Duration::from_secs(30));
+    assert_eq!(c.bootstrap_timeout, Duration::from_secs(300));
+    assert_eq!(c.waiting_timeout, Duration::from_secs(300));
+    assert_eq!(c.abort_ack_timeout, Duration::from_secs(5));
+    assert_eq!(c.heartbeat_interval, Duration::from_secs(5));
+    assert!(c.validate().is_ok());
+}
+
+#[test]
+fn environment_variables_override_defaults() {
+    let c = Config::from_vars([
+        ("KVFERRY_TRANSFER_RETRIES", "5"),
+        ("KVFERRY_RETRY_BACKOFF_MS", "10"),
+        ("KVFERRY_SESSION_FAILURE_THRESHOLD", "1"),
+        ("KVFERRY_MAX_OP_BYTES", "1048576"),
+        ("PATH", "/usr/bin"),
+        ("KVFERRY_TOKEN", "not a core knob"),
+    ])
+    .unwrap();
+    assert_eq!(c.transfer_retries, 5);
+    assert_eq!(c.retry_backoff, Duration::from_millis(10));
+    assert_eq!(c.session_failure_threshold, 1);
+    assert_eq!(c.max_op_bytes, 1 << 20);
+}
+
+#[test]
+fn an_unparsable_value_names_the_variable() {
+    let err = Config::from_vars([("KVFERRY_TRANSFER_RETRIES", "three")]).unwrap_err();
+    assert_eq!(err.name, "KVFERRY_TRANSFER_RETRIES");
+    assert_eq!(err.value, "three");
+    assert!(err.to_string().contains("KVFERRY_TRANSFER_RETRIES"));
+}
+
+#[test]
+fn an_out_of_range_value_names_the_variable() {
+    let err = Config::from_vars([("KVFERRY_SESSION_FAILURE_THRESHOLD", "0")]).unwrap_err();
+    assert_eq!(err.name, "KVFERRY_SESSION_FAILURE_THRESHOLD");
+    let err = Config::from_vars([("KVFERRY_PROBE_INTERVAL_MS", "5000"), ("KVFERRY_PROBE_MAX_INTERVAL_MS", "100")]).unwrap_err();
+    assert_eq!(err.name, "KVFERRY_PROBE_MAX_INTERVAL_MS");
+}
+
+#[test]
+fn toml_style_lower_case_keys_are_accepted_by_set() {
+    let mut c = Config::default();
+    c.set("heartbeat_interval_ms", "250").unwrap();
+    assert_eq!(c.heartbeat_interval, Duration::from_millis(250));
+    assert!(c.set("no_such_knob", "1").is_err());
+    assert!(Config::keys().count() >= 20);
+}
