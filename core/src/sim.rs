@@ -132,6 +132,30 @@ struct Link {
     blackhole_until: Instant,
 }
 
+/// A pending happening, ordered by (time, sequence) only.
+#[derive(Debug)]
+struct Queued(Instant, u64, Pending);
+
+impl PartialEq for Queued {
+    fn eq(&self, other: &Self) -> bool {
+        (self.0, self.1) == (other.0, other.1)
+    }
+}
+
+impl Eq for Queued {}
+
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Queued {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.0, self.1).cmp(&(other.0, other.1))
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Pending {
     Deliver { node: usize, session: SessionId, bytes: Vec<u8> },
@@ -194,8 +218,7 @@ pub struct Sim {
     /// Releasable events seen on all nodes.
     pub releases: usize,
     links: Vec<Link>,
-    queue: BinaryHeap<Reverse<(Instant, u64, usize)>>,
-    items: HashMap<usize, Pending, FixedState>,
+    queue: BinaryHeap<Reverse<Queued>>,
     seq: u64,
     rng: Rng,
     /// Ordered, so fences break operations in the same order on every run.
@@ -249,7 +272,6 @@ impl Sim {
             releases: 0,
             links: Vec::new(),
             queue: BinaryHeap::new(),
-            items: HashMap::default(),
             seq: 0,
             rng: Rng::new(seed ^ 0x5EED),
             inflight: BTreeMap::new(),
@@ -322,10 +344,14 @@ impl Sim {
         self.inflight.retain(|_, f| f.src != n && f.dst != n);
         self.rx.retain(|k, _| k.0 != n);
         // Whatever was on its way to the old process is lost with it.
-        self.items.retain(|_, p| match p {
-            Pending::Deliver { node, .. } | Pending::OpDone { node, .. } | Pending::Fence { node, .. } | Pending::Close { node, .. } => *node != n,
-            _ => true,
-        });
+        let queue = std::mem::take(&mut self.queue);
+        self.queue = queue
+            .into_iter()
+            .filter(|Reverse(q)| match &q.2 {
+                Pending::Deliver { node, .. } | Pending::OpDone { node, .. } | Pending::Fence { node, .. } | Pending::Close { node, .. } => *node != n,
+                _ => true,
+            })
+            .collect();
         for l in self.links.iter_mut() {
             for end in [&mut l.a, &mut l.b] {
                 if end.0 == n {
@@ -389,9 +415,7 @@ impl Sim {
 
     fn push(&mut self, at: Instant, p: Pending) {
         self.seq += 1;
-        let key = self.seq as usize;
-        self.items.insert(key, p);
-        self.queue.push(Reverse((at, self.seq, key)));
+        self.queue.push(Reverse(Queued(at, self.seq, p)));
     }
 
     fn uniform(&mut self, range: (Duration, Duration)) -> Duration {
@@ -416,10 +440,10 @@ impl Sim {
     pub fn drain(&mut self, n: usize) {
         loop {
             let mut progressed = false;
-            let mut buf = Vec::new();
+            let mut buf = Vec::with_capacity(64);
             while let Some(session) = self.nodes[n].endpoint.poll_transmit(&mut buf) {
                 progressed = true;
-                let bytes = std::mem::take(&mut buf);
+                let bytes = std::mem::replace(&mut buf, Vec::with_capacity(64));
                 self.route(n, session, bytes);
             }
             while let Some(action) = self.nodes[n].endpoint.poll_action() {
@@ -598,7 +622,7 @@ impl Sim {
 
     /// The earliest moment something happens.
     fn next_time(&self) -> Option<Instant> {
-        let q = self.queue.peek().map(|Reverse((t, _, _))| *t);
+        let q = self.queue.peek().map(|Reverse(q)| q.0);
         let timers = self.nodes.iter().filter_map(|n| n.endpoint.poll_timeout().map(|(t, _)| t)).min();
         match (q, timers) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -613,12 +637,8 @@ impl Sim {
             self.now = t;
         }
         self.steps += 1;
-        while let Some(Reverse((t, _, key))) = self.queue.peek().copied() {
-            if t > self.now {
-                break;
-            }
-            self.queue.pop();
-            if let Some(p) = self.items.remove(&key) {
+        while self.queue.peek().is_some_and(|Reverse(q)| q.0 <= self.now) {
+            if let Some(Reverse(Queued(_, _, p))) = self.queue.pop() {
                 self.process(p);
             }
         }
@@ -638,14 +658,20 @@ impl Sim {
                     return;
                 }
                 // A byte stream, as a driver sees it: keep what the core did not consume.
-                let buf = self.rx.entry((node, session)).or_default();
-                buf.extend_from_slice(&bytes);
-                let data = std::mem::take(buf);
+                let data = match self.rx.remove(&(node, session)) {
+                    Some(mut held) => {
+                        held.extend_from_slice(&bytes);
+                        held
+                    }
+                    None => bytes,
+                };
                 let used = self.nodes[node].endpoint.handle_input(self.now, session, &data);
                 if used > data.len() {
                     self.violations.push(format!("node {node}: consumed {used} of {} bytes", data.len()));
                 }
-                self.rx.insert((node, session), data[used.min(data.len())..].to_vec());
+                if used < data.len() {
+                    self.rx.insert((node, session), data[used..].to_vec());
+                }
                 self.drain(node);
             }
             Pending::OpDone { node, id } => {
