@@ -5,7 +5,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use kvferry_core::sim::{fast_config, small_layout, Faults, Sim, Workload};
-use kvferry_core::{Chunk, Endpoint, EndpointInfo, Grant, Incarnation, NodeId, Role, RoomId, SessionId, TransferOutcome};
+use kvferry_core::{
+    Chunk, Endpoint, EndpointInfo, Grant, Incarnation, NodeId, Role, RoomId, SessionId,
+    TransferOutcome,
+};
 
 const ROOMS: usize = 1000;
 
@@ -16,7 +19,8 @@ fn sim_with_workload() -> Sim {
     let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
     let d = sim.add_decode(config, layout, 0);
     sim.connect(d, p);
-    sim.run_for(Duration::from_millis(5), 10_000).expect("handshake");
+    sim.run_for(Duration::from_millis(5), 10_000)
+        .expect("handshake");
     let mut w = Workload::new(vec![d], vec![vec![p]], ROOMS);
     w.interarrival = Duration::from_micros(20);
     w.chunks = (1, 1);
@@ -49,7 +53,15 @@ impl Pair {
         let mut decode = Endpoint::new(fast_config(), di, 2, now).expect("config");
         let sp = prefill.open_session(now);
         let sd = decode.open_session(now);
-        let mut pair = Pair { now, prefill, decode, sp, sd, buf: Vec::new(), next_room: 1 };
+        let mut pair = Pair {
+            now,
+            prefill,
+            decode,
+            sp,
+            sd,
+            buf: Vec::new(),
+            next_room: 1,
+        };
         pair.pump();
         pair
     }
@@ -74,7 +86,8 @@ impl Pair {
             }
             while let Some(op) = self.prefill.poll_transfer(self.now) {
                 moved = true;
-                self.prefill.handle_transfer_result(self.now, op.id, TransferOutcome::Done);
+                self.prefill
+                    .handle_transfer_result(self.now, op.id, TransferOutcome::Done);
             }
             while self.prefill.poll_event().is_some() {}
             while self.decode.poll_event().is_some() {}
@@ -89,12 +102,29 @@ impl Pair {
         self.next_room += 1;
         let base = (self.next_room as u32 % 1000) * 4;
         let pages: Vec<u32> = (base..base + 4).collect();
-        let grant = Grant { pages: pages.clone(), aux_slot: Some(1), state_slot: None, receivers: 1 };
-        self.decode.open_receiver(self.now, room, 0, &[self.sd], Some(grant)).expect("open receiver");
-        self.prefill.open_sender(self.now, room, 0).expect("open sender");
+        let grant = Grant {
+            pages: pages.clone(),
+            aux_slot: Some(1),
+            state_slot: None,
+            receivers: 1,
+        };
+        self.decode
+            .open_receiver(self.now, room, 0, &[self.sd], Some(grant))
+            .expect("open receiver");
+        self.prefill
+            .open_sender(self.now, room, 0)
+            .expect("open sender");
         self.pump();
-        let chunk = Chunk { pages, last: true, aux_slot: Some(1), state_slot: None, layerwise: false };
-        self.prefill.send_chunk(self.now, room, chunk).expect("chunk");
+        let chunk = Chunk {
+            pages,
+            last: true,
+            aux_slot: Some(1),
+            state_slot: None,
+            layerwise: false,
+        };
+        self.prefill
+            .send_chunk(self.now, room, chunk)
+            .expect("chunk");
         self.pump();
     }
 }
@@ -119,7 +149,8 @@ fn bench(c: &mut Criterion) {
         b.iter_batched(
             sim_with_workload,
             |mut sim| {
-                sim.run_until(10_000_000, |s| s.workload_done()).expect("workload completes");
+                sim.run_until(10_000_000, |s| s.workload_done())
+                    .expect("workload completes");
                 sim
             },
             BatchSize::LargeInput,

@@ -106,27 +106,72 @@ enum Field {
 
 /// (name without the `KVFERRY_` prefix, field): one table drives env loading and key=value parsing.
 const FIELDS: &[(&str, Field)] = &[
-    ("TRANSFER_RETRIES", Field::Count(|c| &mut c.transfer_retries)),
+    (
+        "TRANSFER_RETRIES",
+        Field::Count(|c| &mut c.transfer_retries),
+    ),
     ("RETRY_BACKOFF_MS", Field::Millis(|c| &mut c.retry_backoff)),
-    ("SESSION_FAILURE_THRESHOLD", Field::Count(|c| &mut c.session_failure_threshold)),
-    ("PROBE_INTERVAL_MS", Field::Millis(|c| &mut c.probe_interval)),
-    ("PROBE_MAX_INTERVAL_MS", Field::Millis(|c| &mut c.probe_max_interval)),
-    ("BLACKLIST_IDLE_TIMEOUT_MS", Field::Millis(|c| &mut c.blacklist_idle_timeout)),
-    ("BOOTSTRAP_TIMEOUT_MS", Field::Millis(|c| &mut c.bootstrap_timeout)),
-    ("WAITING_TIMEOUT_MS", Field::Millis(|c| &mut c.waiting_timeout)),
-    ("ABORT_ACK_TIMEOUT_MS", Field::Millis(|c| &mut c.abort_ack_timeout)),
-    ("HEARTBEAT_INTERVAL_MS", Field::Millis(|c| &mut c.heartbeat_interval)),
-    ("HEARTBEAT_MISSES", Field::Count(|c| &mut c.heartbeat_misses)),
-    ("HANDSHAKE_TIMEOUT_MS", Field::Millis(|c| &mut c.handshake_timeout)),
-    ("OPERATION_TIMEOUT_MS", Field::Millis(|c| &mut c.operation_timeout)),
+    (
+        "SESSION_FAILURE_THRESHOLD",
+        Field::Count(|c| &mut c.session_failure_threshold),
+    ),
+    (
+        "PROBE_INTERVAL_MS",
+        Field::Millis(|c| &mut c.probe_interval),
+    ),
+    (
+        "PROBE_MAX_INTERVAL_MS",
+        Field::Millis(|c| &mut c.probe_max_interval),
+    ),
+    (
+        "BLACKLIST_IDLE_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.blacklist_idle_timeout),
+    ),
+    (
+        "BOOTSTRAP_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.bootstrap_timeout),
+    ),
+    (
+        "WAITING_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.waiting_timeout),
+    ),
+    (
+        "ABORT_ACK_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.abort_ack_timeout),
+    ),
+    (
+        "HEARTBEAT_INTERVAL_MS",
+        Field::Millis(|c| &mut c.heartbeat_interval),
+    ),
+    (
+        "HEARTBEAT_MISSES",
+        Field::Count(|c| &mut c.heartbeat_misses),
+    ),
+    (
+        "HANDSHAKE_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.handshake_timeout),
+    ),
+    (
+        "OPERATION_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.operation_timeout),
+    ),
     ("MAX_OP_BYTES", Field::Bytes(|c| &mut c.max_op_bytes)),
     ("MAX_OP_SLICES", Field::Count(|c| &mut c.max_op_slices)),
-    ("MAX_OPS_IN_FLIGHT", Field::Count(|c| &mut c.max_ops_in_flight)),
+    (
+        "MAX_OPS_IN_FLIGHT",
+        Field::Count(|c| &mut c.max_ops_in_flight),
+    ),
     ("MAX_QUEUED_OPS", Field::Count(|c| &mut c.max_queued_ops)),
     ("MAX_FRAME_LEN", Field::Count(|c| &mut c.max_frame_len)),
     ("TOMBSTONES", Field::Count(|c| &mut c.tombstones)),
-    ("PENDING_REQUESTS", Field::Count(|c| &mut c.pending_requests)),
-    ("PROTOCOL_STRIKES", Field::Count(|c| &mut c.protocol_strikes)),
+    (
+        "PENDING_REQUESTS",
+        Field::Count(|c| &mut c.pending_requests),
+    ),
+    (
+        "PROTOCOL_STRIKES",
+        Field::Count(|c| &mut c.protocol_strikes),
+    ),
 ];
 
 /// Prefix of every environment variable the core reads.

@@ -10,8 +10,8 @@ use smallvec::SmallVec;
 use tracing::{debug, info, warn};
 
 use crate::api::{
-    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo,
-    RejectReason, SessionState, TransferOp, TransferOutcome, WriteRefused,
+    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo, RejectReason,
+    SessionState, TransferOp, TransferOutcome, WriteRefused,
 };
 use crate::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest};
 use crate::config::{Config, ConfigError};
@@ -236,7 +236,8 @@ impl Tombstones {
 
     fn remember(&mut self, room: RoomId, generation: Generation, outcome: KvPoll, opened: bool) {
         self.seq += 1;
-        self.map.insert(room, (generation, outcome, self.seq, opened));
+        self.map
+            .insert(room, (generation, outcome, self.seq, opened));
         self.order.push_back((room, self.seq));
         while self.order.len() > self.cap {
             if let Some((old, seq)) = self.order.pop_front() {
@@ -309,7 +310,10 @@ impl Endpoint {
         if !owned || local.layout.page_bytes == 0 || !(1..=2).contains(&local.layout.planes) {
             return Err(ConfigError {
                 name: "layout".into(),
-                value: format!("{:?} layers {}..{}", local.layout, local.layer_start, local.layer_end),
+                value: format!(
+                    "{:?} layers {}..{}",
+                    local.layout, local.layer_start, local.layer_end
+                ),
                 reason: "needs 1-2 planes, page_bytes > 0 and a non-empty owned layer range",
             });
         }
@@ -585,7 +589,10 @@ impl Endpoint {
                             | DecodeError::InvalidField { .. }
                     );
                     if matches!(err, DecodeError::UnknownVersion(_))
-                        && self.sessions.get(&session).is_some_and(|s| s.peer.is_none())
+                        && self
+                            .sessions
+                            .get(&session)
+                            .is_some_and(|s| s.peer.is_none())
                     {
                         self.reject(session, RejectReason::VersionMismatch);
                         return buf.len();
@@ -762,7 +769,12 @@ impl Endpoint {
     }
 
     /// Decode: grants the room its pages and sends the request to every source.
-    pub fn grant_pages(&mut self, now: Instant, room: RoomId, grant: Grant) -> Result<(), ApiError> {
+    pub fn grant_pages(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        grant: Grant,
+    ) -> Result<(), ApiError> {
         let now = self.clock(now);
         let r = self.live_room(room, Role::Decode)?;
         if r.state != KvPoll::Bootstrapping {
@@ -1057,10 +1069,7 @@ impl Endpoint {
     /// or was fenced; prefill stops issuing operations and tells its receivers.
     pub fn abort(&mut self, now: Instant, room: RoomId) -> Result<(), ApiError> {
         let now = self.clock(now);
-        let r = self
-            .rooms
-            .get(&room)
-            .ok_or(ApiError::UnknownRoom(room))?;
+        let r = self.rooms.get(&room).ok_or(ApiError::UnknownRoom(room))?;
         if r.state.is_terminal() {
             return Err(ApiError::RoomConcluded(room, r.state));
         }
@@ -1098,20 +1107,35 @@ impl Endpoint {
         self.shut_down = true;
         let rooms: Vec<RoomId> = self.rooms.keys().copied().collect();
         for room in rooms {
-            if self.rooms.get(&room).is_some_and(|r| !r.state.is_terminal()) {
+            if self
+                .rooms
+                .get(&room)
+                .is_some_and(|r| !r.state.is_terminal())
+            {
                 self.conclude(now, room, KvPoll::Failed(FailureReason::Shutdown));
             }
         }
         let sessions: Vec<SessionId> = self.sessions.keys().copied().collect();
         for sid in sessions {
-            self.close_session(now, sid, ErrorCode::Shutdown, "shutting down", FailureReason::Shutdown);
+            self.close_session(
+                now,
+                sid,
+                ErrorCode::Shutdown,
+                "shutting down",
+                FailureReason::Shutdown,
+            );
         }
     }
 
     // ---------------------------------------------------------------- data path results
 
     /// A data-path operation finished. Unknown ids (already settled, superseded) are ignored.
-    pub fn handle_transfer_result(&mut self, now: Instant, id: TransferId, outcome: TransferOutcome) {
+    pub fn handle_transfer_result(
+        &mut self,
+        now: Instant,
+        id: TransferId,
+        outcome: TransferOutcome,
+    ) {
         let now = self.clock(now);
         let Some(op) = self.ops.get_mut(&id) else {
             self.counters.stale_messages += 1;
@@ -1180,7 +1204,8 @@ impl Endpoint {
                 op.phase = OpPhase::RetryWait;
                 // A new id per attempt: a late report of the old attempt cannot be mistaken.
                 let new_id = self.alloc_op_id();
-                self.timers.set(&mut op.timer, now + delay, Timer::Retry(new_id));
+                self.timers
+                    .set(&mut op.timer, now + delay, Timer::Retry(new_id));
                 self.ops.insert(new_id, op);
             }
             TransferOutcome::Refused => {
@@ -1259,7 +1284,9 @@ impl Endpoint {
     fn on_timer(&mut self, now: Instant, key: TimerKey, timer: Timer) {
         match timer {
             Timer::Bootstrap(room) => {
-                let Some(r) = self.rooms.get_mut(&room) else { return };
+                let Some(r) = self.rooms.get_mut(&room) else {
+                    return;
+                };
                 if r.bootstrap_timer != Some(key) {
                     return;
                 }
@@ -1288,7 +1315,9 @@ impl Endpoint {
                 self.conclude(now, room, KvPoll::Failed(reason));
             }
             Timer::Waiting(room) => {
-                let Some(r) = self.rooms.get_mut(&room) else { return };
+                let Some(r) = self.rooms.get_mut(&room) else {
+                    return;
+                };
                 if r.waiting_timer != Some(key) {
                     return;
                 }
@@ -1298,14 +1327,17 @@ impl Endpoint {
                 }
                 let due = r.last_activity + self.config.waiting_timeout;
                 if due > now {
-                    self.timers.set(&mut r.waiting_timer, due, Timer::Waiting(room));
+                    self.timers
+                        .set(&mut r.waiting_timer, due, Timer::Waiting(room));
                     return;
                 }
                 info!(%room, "room waiting deadline expired");
                 self.conclude(now, room, KvPoll::Failed(FailureReason::WaitingTimeout));
             }
             Timer::AbortAck(room) => {
-                let Some(r) = self.rooms.get_mut(&room) else { return };
+                let Some(r) = self.rooms.get_mut(&room) else {
+                    return;
+                };
                 if r.abort_timer != Some(key) {
                     return;
                 }
@@ -1323,7 +1355,9 @@ impl Endpoint {
                 }
             }
             Timer::Operation(id) => {
-                let Some(op) = self.ops.get_mut(&id) else { return };
+                let Some(op) = self.ops.get_mut(&id) else {
+                    return;
+                };
                 if op.timer != Some(key) || op.phase != OpPhase::InFlight {
                     return;
                 }
@@ -1335,7 +1369,9 @@ impl Endpoint {
                 self.settle_attempt(now, id, TransferOutcome::Transient);
             }
             Timer::Retry(id) => {
-                let Some(op) = self.ops.get_mut(&id) else { return };
+                let Some(op) = self.ops.get_mut(&id) else {
+                    return;
+                };
                 if op.timer != Some(key) || op.phase != OpPhase::RetryWait {
                     return;
                 }
@@ -1348,33 +1384,52 @@ impl Endpoint {
                 self.mark_ready(session);
             }
             Timer::Handshake(sid) => {
-                let Some(s) = self.sessions.get_mut(&sid) else { return };
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
                 if s.handshake_timer != Some(key) {
                     return;
                 }
                 s.handshake_timer = None;
                 if s.state == SessionState::Handshaking {
-                    self.close_session(now, sid, ErrorCode::ProtocolViolation, "no hello in time", FailureReason::PeerUnreachable);
+                    self.close_session(
+                        now,
+                        sid,
+                        ErrorCode::ProtocolViolation,
+                        "no hello in time",
+                        FailureReason::PeerUnreachable,
+                    );
                 }
             }
             Timer::Heartbeat(sid) => self.on_heartbeat_timer(now, sid, key),
             Timer::Liveness(sid) => {
                 let window = self.config.heartbeat_interval * self.config.heartbeat_misses;
-                let Some(s) = self.sessions.get_mut(&sid) else { return };
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
                 if s.liveness_timer != Some(key) {
                     return;
                 }
                 s.liveness_timer = None;
                 let due = s.last_rx + window;
                 if due > now {
-                    self.timers.set(&mut s.liveness_timer, due, Timer::Liveness(sid));
+                    self.timers
+                        .set(&mut s.liveness_timer, due, Timer::Liveness(sid));
                     return;
                 }
                 warn!(session = %sid, "peer silent for too long");
-                self.close_session(now, sid, ErrorCode::ProtocolViolation, "heartbeats missed", FailureReason::PeerUnreachable);
+                self.close_session(
+                    now,
+                    sid,
+                    ErrorCode::ProtocolViolation,
+                    "heartbeats missed",
+                    FailureReason::PeerUnreachable,
+                );
             }
             Timer::Probe(sid) => {
-                let Some(s) = self.sessions.get_mut(&sid) else { return };
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
                 if s.probe_timer != Some(key) {
                     return;
                 }
@@ -1412,7 +1467,9 @@ impl Endpoint {
             }
             Timer::BlacklistIdle(sid) => {
                 let idle = self.config.blacklist_idle_timeout;
-                let Some(s) = self.sessions.get_mut(&sid) else { return };
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
                 if s.idle_timer != Some(key) {
                     return;
                 }
@@ -1422,24 +1479,34 @@ impl Endpoint {
                 }
                 let due = s.last_targeted + idle;
                 if due > now {
-                    self.timers.set(&mut s.idle_timer, due, Timer::BlacklistIdle(sid));
+                    self.timers
+                        .set(&mut s.idle_timer, due, Timer::BlacklistIdle(sid));
                     return;
                 }
                 info!(session = %sid, "blacklisted session idle, forgetting it");
                 self.counters.sessions_expired += 1;
-                self.events.push_back(Event::SessionExpired { session: sid });
+                self.events
+                    .push_back(Event::SessionExpired { session: sid });
                 // Expiry forgets the blacklist: do not carry it into a reconnect.
                 if let Some(s) = self.sessions.get_mut(&sid) {
                     s.state = SessionState::Established;
                 }
-                self.close_session(now, sid, ErrorCode::Shutdown, "idle blacklisted session", FailureReason::SessionBlacklisted);
+                self.close_session(
+                    now,
+                    sid,
+                    ErrorCode::Shutdown,
+                    "idle blacklisted session",
+                    FailureReason::SessionBlacklisted,
+                );
             }
         }
     }
 
     fn on_heartbeat_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
         let interval = self.config.heartbeat_interval;
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if s.heartbeat_timer != Some(key) {
             return;
         }
@@ -1447,7 +1514,11 @@ impl Endpoint {
         if s.state == SessionState::Closing {
             return;
         }
-        self.timers.set(&mut s.heartbeat_timer, now + interval, Timer::Heartbeat(sid));
+        self.timers.set(
+            &mut s.heartbeat_timer,
+            now + interval,
+            Timer::Heartbeat(sid),
+        );
         let rooms: SmallVec<[RoomId; 16]> = s.rooms.iter().copied().collect();
         let (free_pages, queued_rooms) = match self.local.role {
             Role::Decode => (self.capacity.free_pages, self.capacity.queued_rooms),
@@ -1466,11 +1537,15 @@ impl Endpoint {
         // Keepalive progress for rooms that said nothing this interval, so decode's deadline
         // measures whether prefill is alive and moving, not how long its queues are.
         for room in rooms {
-            let Some(r) = self.rooms.get_mut(&room) else { continue };
+            let Some(r) = self.rooms.get_mut(&room) else {
+                continue;
+            };
             if r.state.is_terminal() {
                 continue;
             }
-            let Side::Sender(s) = &mut r.side else { continue };
+            let Side::Sender(s) = &mut r.side else {
+                continue;
+            };
             let Some(stage) = s.stage else { continue };
             if s.last_progress_sent.is_some_and(|t| t + interval > now) {
                 continue;
@@ -1493,7 +1568,9 @@ impl Endpoint {
     // ---------------------------------------------------------------- message handling
 
     fn handle_message(&mut self, now: Instant, sid: SessionId, msg: Message) {
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         s.last_rx = now;
         let established = s.peer.is_some();
         match msg {
@@ -1516,16 +1593,21 @@ impl Endpoint {
                     });
                 }
             }
-            Message::Probe { nonce } => self.transmits.push_back((sid, Message::ProbeAck { nonce })),
+            Message::Probe { nonce } => {
+                self.transmits.push_back((sid, Message::ProbeAck { nonce }))
+            }
             Message::ProbeAck { nonce } => self.on_probe_ack(now, sid, nonce),
             Message::Error { code, detail } => {
                 warn!(session = %sid, ?code, %detail, "peer reported an error");
                 let reason = match code {
-                    ErrorCode::IncompatibleLayout | ErrorCode::VersionMismatch | ErrorCode::WrongRole | ErrorCode::BadToken => {
-                        FailureReason::IncompatiblePeer
-                    }
+                    ErrorCode::IncompatibleLayout
+                    | ErrorCode::VersionMismatch
+                    | ErrorCode::WrongRole
+                    | ErrorCode::BadToken => FailureReason::IncompatiblePeer,
                     ErrorCode::Shutdown => FailureReason::PeerUnreachable,
-                    ErrorCode::Malformed | ErrorCode::ProtocolViolation => FailureReason::ProtocolError,
+                    ErrorCode::Malformed | ErrorCode::ProtocolViolation => {
+                        FailureReason::ProtocolError
+                    }
                 };
                 if let Some(s) = self.sessions.get_mut(&sid) {
                     s.close_reason = reason;
@@ -1547,22 +1629,32 @@ impl Endpoint {
                 room,
                 generation,
                 reason,
-            } if self.local.role == Role::Prefill => self.on_abort(now, sid, room, generation, reason),
+            } if self.local.role == Role::Prefill => {
+                self.on_abort(now, sid, room, generation, reason)
+            }
             Message::RoomStatus {
                 room,
                 generation,
                 failure,
-            } if self.local.role == Role::Decode => self.on_room_status(now, sid, room, generation, failure),
+            } if self.local.role == Role::Decode => {
+                self.on_room_status(now, sid, room, generation, failure)
+            }
             Message::Progress {
                 room,
                 generation,
                 stage,
-            } if self.local.role == Role::Decode => self.on_progress(now, sid, room, generation, stage),
+            } if self.local.role == Role::Decode => {
+                self.on_progress(now, sid, room, generation, stage)
+            }
             Message::AbortAck { room, generation } if self.local.role == Role::Decode => {
                 self.on_abort_ack(now, sid, room, generation)
             }
             other => {
-                let what = format!("{:?} sent to a {:?} endpoint", message_name(&other), self.local.role);
+                let what = format!(
+                    "{:?} sent to a {:?} endpoint",
+                    message_name(&other),
+                    self.local.role
+                );
                 self.strike(sid, &what, false);
             }
         }
@@ -1592,7 +1684,11 @@ impl Endpoint {
         // reconnect that replaces a stale connection.
         if let Some(&old) = self.nodes.get(&h.node) {
             if old != sid {
-                let old_inc = self.sessions.get(&old).and_then(|s| s.peer).map(|p| p.incarnation);
+                let old_inc = self
+                    .sessions
+                    .get(&old)
+                    .and_then(|s| s.peer)
+                    .map(|p| p.incarnation);
                 if old_inc != Some(h.incarnation) {
                     info!(node = %h.node, old = %old, new = %sid, "peer restarted");
                     self.events.push_back(Event::PeerRestarted {
@@ -1600,9 +1696,21 @@ impl Endpoint {
                         old,
                         new: sid,
                     });
-                    self.close_session(now, old, ErrorCode::Shutdown, "superseded by a new incarnation", FailureReason::PeerRestarted);
+                    self.close_session(
+                        now,
+                        old,
+                        ErrorCode::Shutdown,
+                        "superseded by a new incarnation",
+                        FailureReason::PeerRestarted,
+                    );
                 } else {
-                    self.close_session(now, old, ErrorCode::Shutdown, "superseded by a new connection", FailureReason::PeerUnreachable);
+                    self.close_session(
+                        now,
+                        old,
+                        ErrorCode::Shutdown,
+                        "superseded by a new connection",
+                        FailureReason::PeerUnreachable,
+                    );
                 }
             }
         }
@@ -1610,13 +1718,21 @@ impl Endpoint {
         let remembered = self.blacklist_memory.remove(&h.node);
         let interval = self.config.heartbeat_interval;
         let window = interval * self.config.heartbeat_misses;
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         s.peer = Some(peer);
         s.state = SessionState::Established;
         self.timers.cancel(&mut s.handshake_timer);
-        self.timers.set(&mut s.heartbeat_timer, now + interval, Timer::Heartbeat(sid));
-        self.timers.set(&mut s.liveness_timer, now + window, Timer::Liveness(sid));
-        self.events.push_back(Event::SessionEstablished { session: sid, peer });
+        self.timers.set(
+            &mut s.heartbeat_timer,
+            now + interval,
+            Timer::Heartbeat(sid),
+        );
+        self.timers
+            .set(&mut s.liveness_timer, now + window, Timer::Liveness(sid));
+        self.events
+            .push_back(Event::SessionEstablished { session: sid, peer });
         if let Some(mem) = remembered {
             if mem.incarnation == h.incarnation && mem.until > now {
                 // Same process reconnected: its blacklist stands until a probe succeeds.
@@ -1635,10 +1751,14 @@ impl Endpoint {
         let (code, detail) = match reason {
             RejectReason::BadToken => (ErrorCode::BadToken, "cluster token mismatch".to_owned()),
             RejectReason::WrongRole => (ErrorCode::WrongRole, "same role on both ends".to_owned()),
-            RejectReason::IncompatibleLayout(f) => {
-                (ErrorCode::IncompatibleLayout, format!("layout field {f} differs"))
-            }
-            RejectReason::VersionMismatch => (ErrorCode::VersionMismatch, "protocol version differs".to_owned()),
+            RejectReason::IncompatibleLayout(f) => (
+                ErrorCode::IncompatibleLayout,
+                format!("layout field {f} differs"),
+            ),
+            RejectReason::VersionMismatch => (
+                ErrorCode::VersionMismatch,
+                "protocol version differs".to_owned(),
+            ),
         };
         let now = self.last_now;
         self.close_session(now, sid, code, &detail, FailureReason::IncompatiblePeer);
@@ -1647,18 +1767,33 @@ impl Endpoint {
     fn strike(&mut self, sid: SessionId, what: &str, fatal: bool) {
         self.counters.protocol_errors += 1;
         let limit = self.config.protocol_strikes;
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         s.strikes += 1;
         warn!(session = %sid, strikes = s.strikes, %what, "protocol error from peer");
         if fatal || s.strikes >= limit {
             let now = self.last_now;
-            let code = if fatal { ErrorCode::Malformed } else { ErrorCode::ProtocolViolation };
+            let code = if fatal {
+                ErrorCode::Malformed
+            } else {
+                ErrorCode::ProtocolViolation
+            };
             self.close_session(now, sid, code, what, FailureReason::ProtocolError);
         }
     }
 
-    fn on_room_pending(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation, pos: u32) {
-        if self.answer_if_concluded(sid, room, generation) || self.refuse_if_blacklisted(now, sid, room, generation) {
+    fn on_room_pending(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        pos: u32,
+    ) {
+        if self.answer_if_concluded(sid, room, generation)
+            || self.refuse_if_blacklisted(now, sid, room, generation)
+        {
             return;
         }
         match self.rooms.get_mut(&room) {
@@ -1685,7 +1820,9 @@ impl Endpoint {
 
     fn on_room_request(&mut self, now: Instant, sid: SessionId, req: RoomRequest) {
         let (room, generation) = (req.room, req.generation);
-        if self.answer_if_concluded(sid, room, generation) || self.refuse_if_blacklisted(now, sid, room, generation) {
+        if self.answer_if_concluded(sid, room, generation)
+            || self.refuse_if_blacklisted(now, sid, room, generation)
+        {
             return;
         }
         match self.rooms.get(&room) {
@@ -1703,28 +1840,55 @@ impl Endpoint {
             }
         }
         // Validate against the peer's registered memory before accepting anything.
-        let peer_layout = self.sessions.get(&sid).and_then(|s| s.peer).map(|p| p.layout);
+        let peer_layout = self
+            .sessions
+            .get(&sid)
+            .and_then(|s| s.peer)
+            .map(|p| p.layout);
         let valid = peer_layout.is_some_and(|l| {
-            req.pages.iter().all(|run| u64::from(run.start) + u64::from(run.len) <= u64::from(l.pages))
-                && [req.aux_slot, req.state_slot].iter().flatten().all(|s| *s < l.slots)
+            req.pages
+                .iter()
+                .all(|run| u64::from(run.start) + u64::from(run.len) <= u64::from(l.pages))
+                && [req.aux_slot, req.state_slot]
+                    .iter()
+                    .flatten()
+                    .all(|s| *s < l.slots)
         });
         if !valid {
             warn!(%room, session = %sid, "room request outside the peer's registered memory");
             self.counters.protocol_errors += 1;
-            self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure: Some(FailureReason::ProtocolError) }));
-            self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+            self.transmits.push_back((
+                sid,
+                Message::RoomStatus {
+                    room,
+                    generation,
+                    failure: Some(FailureReason::ProtocolError),
+                },
+            ));
+            self.transmits
+                .push_back((sid, Message::AbortAck { room, generation }));
             self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
             return;
         }
-        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
         if r.state.is_terminal() {
             // Concluded but still draining: tell this late requester the outcome.
             let failure = match r.state {
                 KvPoll::Failed(reason) => Some(reason),
                 _ => None,
             };
-            self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure }));
-            self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+            self.transmits.push_back((
+                sid,
+                Message::RoomStatus {
+                    room,
+                    generation,
+                    failure,
+                },
+            ));
+            self.transmits
+                .push_back((sid, Message::AbortAck { room, generation }));
             return;
         }
         let Side::Sender(s) = &mut r.side else { return };
@@ -1753,16 +1917,29 @@ impl Endpoint {
         }
         if bootstrapped {
             self.set_state(room, KvPoll::WaitingForInput);
-            let Some(r) = self.rooms.get_mut(&room) else { return };
+            let Some(r) = self.rooms.get_mut(&room) else {
+                return;
+            };
             self.timers.cancel(&mut r.bootstrap_timer);
             r.last_activity = now;
-            self.timers.set(&mut r.waiting_timer, now + self.config.waiting_timeout, Timer::Waiting(room));
+            self.timers.set(
+                &mut r.waiting_timer,
+                now + self.config.waiting_timeout,
+                Timer::Waiting(room),
+            );
             self.send_progress(now, room, ProgressStage::Queued);
             self.plan_room(now, room);
         }
     }
 
-    fn on_abort(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation, reason: FailureReason) {
+    fn on_abort(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        reason: FailureReason,
+    ) {
         info!(%room, session = %sid, %reason, "peer aborted the room");
         match self.rooms.get(&room) {
             Some(r) if r.generation == generation => {
@@ -1771,17 +1948,27 @@ impl Endpoint {
                 } else {
                     // Duplicate or late abort: ack again once drained.
                     self.maybe_release(now, room);
-                    if self.rooms.get(&room).is_some_and(|r| matches!(&r.side, Side::Sender(s) if s.ops_in_flight == 0)) {
-                        self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+                    if self
+                        .rooms
+                        .get(&room)
+                        .is_some_and(|r| matches!(&r.side, Side::Sender(s) if s.ops_in_flight == 0))
+                    {
+                        self.transmits
+                            .push_back((sid, Message::AbortAck { room, generation }));
                     }
                 }
-                if !self.rooms.get(&room).is_some_and(|r| r.generation == generation) {
+                if !self
+                    .rooms
+                    .get(&room)
+                    .is_some_and(|r| r.generation == generation)
+                {
                     // Released right away: the ack went out with the release.
                 }
             }
             Some(r) if r.generation > generation => {
                 // An older attempt: it was drained before the new one could open.
-                self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+                self.transmits
+                    .push_back((sid, Message::AbortAck { room, generation }));
             }
             _ => {
                 // Not open (yet, or any more): nothing of it is in flight. Remember the verdict
@@ -1793,16 +1980,28 @@ impl Endpoint {
                         self.pending.insert(room, p);
                     }
                 }
-                let newer = self.tombstones.get(room).is_some_and(|(g, _)| g >= generation);
+                let newer = self
+                    .tombstones
+                    .get(room)
+                    .is_some_and(|(g, _)| g >= generation);
                 if !newer {
-                    self.tombstones.insert_verdict(room, generation, FailureReason::AbortedByPeer);
+                    self.tombstones
+                        .insert_verdict(room, generation, FailureReason::AbortedByPeer);
                 }
-                self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+                self.transmits
+                    .push_back((sid, Message::AbortAck { room, generation }));
             }
         }
     }
 
-    fn on_room_status(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation, failure: Option<FailureReason>) {
+    fn on_room_status(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        failure: Option<FailureReason>,
+    ) {
         let Some(r) = self.rooms.get_mut(&room) else {
             self.counters.stale_messages += 1;
             return;
@@ -1811,7 +2010,9 @@ impl Endpoint {
             self.counters.stale_messages += 1;
             return;
         }
-        let Side::Receiver(rr) = &mut r.side else { return };
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
         let Some(src) = rr.sources.iter_mut().find(|s| s.session == sid) else {
             self.strike(sid, "status for a room it does not feed", false);
             return;
@@ -1844,7 +2045,14 @@ impl Endpoint {
         }
     }
 
-    fn on_progress(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation, stage: ProgressStage) {
+    fn on_progress(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        stage: ProgressStage,
+    ) {
         let Some(r) = self.rooms.get_mut(&room) else {
             self.counters.stale_messages += 1;
             return;
@@ -1872,7 +2080,9 @@ impl Endpoint {
             self.counters.stale_messages += 1;
             return;
         }
-        let Side::Receiver(rr) = &mut r.side else { return };
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
         if let Some(src) = rr.sources.iter_mut().find(|s| s.session == sid) {
             src.drained = true;
         }
@@ -1881,8 +2091,16 @@ impl Endpoint {
         }
     }
 
-    fn on_probe_result(&mut self, now: Instant, sid: SessionId, id: TransferId, outcome: TransferOutcome) {
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+    fn on_probe_result(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        id: TransferId,
+        outcome: TransferOutcome,
+    ) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if s.probe_op != Some(id) {
             return;
         }
@@ -1903,7 +2121,9 @@ impl Endpoint {
     }
 
     fn on_probe_ack(&mut self, now: Instant, sid: SessionId, nonce: u64) {
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if s.state != SessionState::Blacklisted || s.probe_nonce != Some(nonce) {
             return;
         }
@@ -1915,7 +2135,8 @@ impl Endpoint {
         self.timers.cancel(&mut s.idle_timer);
         self.counters.sessions_recovered += 1;
         info!(session = %sid, "blacklisted session recovered after a successful probe");
-        self.events.push_back(Event::SessionRecovered { session: sid });
+        self.events
+            .push_back(Event::SessionRecovered { session: sid });
         let _ = now;
         self.mark_ready(sid);
     }
@@ -1950,7 +2171,11 @@ impl Endpoint {
         }
         if let Some((used, _)) = self.tombstones.get(room) {
             if used >= generation {
-                return Err(ApiError::StaleGeneration { room, generation, used });
+                return Err(ApiError::StaleGeneration {
+                    room,
+                    generation,
+                    used,
+                });
             }
         }
         Ok(())
@@ -1959,12 +2184,18 @@ impl Endpoint {
     fn check_grant(&self, g: &Grant) -> Result<(), ApiError> {
         let l = &self.local.layout;
         if let Some(&page) = g.pages.iter().find(|p| **p >= l.pages) {
-            return Err(ApiError::PageOutOfRange { page, pages: l.pages });
+            return Err(ApiError::PageOutOfRange {
+                page,
+                pages: l.pages,
+            });
         }
         for (slot, item) in [(g.aux_slot, l.aux_bytes), (g.state_slot, l.state_bytes)] {
             if let Some(slot) = slot {
                 if slot >= l.slots || item == 0 {
-                    return Err(ApiError::SlotOutOfRange { slot, slots: l.slots });
+                    return Err(ApiError::SlotOutOfRange {
+                        slot,
+                        slots: l.slots,
+                    });
                 }
             }
         }
@@ -1975,7 +2206,10 @@ impl Endpoint {
         if self.local.role != role {
             return Err(ApiError::WrongRole { needs: role });
         }
-        let r = self.rooms.get_mut(&room).ok_or(ApiError::UnknownRoom(room))?;
+        let r = self
+            .rooms
+            .get_mut(&room)
+            .ok_or(ApiError::UnknownRoom(room))?;
         if r.state.is_terminal() {
             return Err(ApiError::RoomConcluded(room, r.state));
         }
@@ -1984,9 +2218,13 @@ impl Endpoint {
 
     fn apply_grant(&mut self, now: Instant, room: RoomId, grant: Grant) {
         let runs = page_runs(&grant.pages);
-        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
         let generation = r.generation;
-        let Side::Receiver(rr) = &mut r.side else { return };
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
         rr.pages = Some(PageSet::new(&grant.pages));
         rr.aux_slot = grant.aux_slot;
         rr.state_slot = grant.state_slot;
@@ -1997,7 +2235,11 @@ impl Endpoint {
         }
         self.timers.cancel(&mut r.bootstrap_timer);
         r.last_activity = now;
-        self.timers.set(&mut r.waiting_timer, now + self.config.waiting_timeout, Timer::Waiting(room));
+        self.timers.set(
+            &mut r.waiting_timer,
+            now + self.config.waiting_timeout,
+            Timer::Waiting(room),
+        );
         for sid in targets {
             self.transmits.push_back((
                 sid,
@@ -2015,7 +2257,9 @@ impl Endpoint {
     }
 
     fn fail_if_sources_unusable(&mut self, now: Instant, room: RoomId) {
-        let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else { return };
+        let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else {
+            return;
+        };
         let closing = rr
             .sources
             .iter()
@@ -2028,15 +2272,20 @@ impl Endpoint {
     }
 
     fn send_to_sources(&mut self, room: RoomId, make: impl Fn(RoomId, Generation) -> Message) {
-        let Some(r) = self.rooms.get(&room) else { return };
+        let Some(r) = self.rooms.get(&room) else {
+            return;
+        };
         let Side::Receiver(rr) = &r.side else { return };
         for src in &rr.sources {
-            self.transmits.push_back((src.session, make(room, r.generation)));
+            self.transmits
+                .push_back((src.session, make(room, r.generation)));
         }
     }
 
     fn send_progress(&mut self, now: Instant, room: RoomId, stage: ProgressStage) {
-        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
         let generation = r.generation;
         let Side::Sender(s) = &mut r.side else { return };
         if s.stage == Some(stage) {
@@ -2045,13 +2294,29 @@ impl Endpoint {
         s.stage = Some(stage);
         s.last_progress_sent = Some(now);
         for x in &s.receivers {
-            self.transmits.push_back((x.session, Message::Progress { room, generation, stage }));
+            self.transmits.push_back((
+                x.session,
+                Message::Progress {
+                    room,
+                    generation,
+                    stage,
+                },
+            ));
         }
     }
 
     /// Answers a room message about a concluded room at once, from the tombstones.
-    fn answer_if_concluded(&mut self, sid: SessionId, room: RoomId, generation: Generation) -> bool {
-        if self.rooms.get(&room).is_some_and(|r| r.generation >= generation) {
+    fn answer_if_concluded(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) -> bool {
+        if self
+            .rooms
+            .get(&room)
+            .is_some_and(|r| r.generation >= generation)
+        {
             return false;
         }
         match self.tombstones.get(room) {
@@ -2061,8 +2326,16 @@ impl Endpoint {
                     _ => None,
                 };
                 debug!(%room, session = %sid, ?outcome, "late message for a concluded room answered");
-                self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure }));
-                self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+                self.transmits.push_back((
+                    sid,
+                    Message::RoomStatus {
+                        room,
+                        generation,
+                        failure,
+                    },
+                ));
+                self.transmits
+                    .push_back((sid, Message::AbortAck { room, generation }));
                 true
             }
             Some((g, _)) if g > generation => {
@@ -2074,15 +2347,31 @@ impl Endpoint {
     }
 
     /// New rooms toward a blacklisted session fail at bootstrap, before any compute.
-    fn refuse_if_blacklisted(&mut self, now: Instant, sid: SessionId, room: RoomId, generation: Generation) -> bool {
-        let Some(s) = self.sessions.get_mut(&sid) else { return true };
+    fn refuse_if_blacklisted(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) -> bool {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return true;
+        };
         if s.state != SessionState::Blacklisted {
             return false;
         }
         s.last_targeted = now;
         let reason = FailureReason::SessionBlacklisted;
-        self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure: Some(reason) }));
-        self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+        self.transmits.push_back((
+            sid,
+            Message::RoomStatus {
+                room,
+                generation,
+                failure: Some(reason),
+            },
+        ));
+        self.transmits
+            .push_back((sid, Message::AbortAck { room, generation }));
         match self.rooms.get(&room) {
             Some(r) if r.generation == generation && !r.state.is_terminal() => {
                 self.conclude(now, room, KvPoll::Failed(reason));
@@ -2110,7 +2399,9 @@ impl Endpoint {
         }
         if !self.pending.contains_key(&room) {
             while self.pending.len() >= self.config.pending_requests as usize {
-                let Some((old, g)) = self.pending_order.pop_front() else { break };
+                let Some((old, g)) = self.pending_order.pop_front() else {
+                    break;
+                };
                 if self.pending.get(&old).is_some_and(|p| p.generation == g) {
                     if let Some(p) = self.pending.remove(&old) {
                         // Evicted before the sender opened: the requesters must not wait forever.
@@ -2119,7 +2410,13 @@ impl Endpoint {
                 }
             }
             self.pending_order.push_back((room, generation));
-            self.pending.insert(room, PendingRoom { generation, ..PendingRoom::default() });
+            self.pending.insert(
+                room,
+                PendingRoom {
+                    generation,
+                    ..PendingRoom::default()
+                },
+            );
         }
         self.pending.get_mut(&room)
     }
@@ -2127,23 +2424,42 @@ impl Endpoint {
     fn reject_pending(&mut self, room: RoomId, p: PendingRoom, reason: FailureReason) {
         let generation = p.generation;
         let mut told: SmallVec<[SessionId; 2]> = SmallVec::new();
-        for sid in p.requests.iter().map(|x| x.0).chain(p.notices.iter().map(|x| x.0)) {
+        for sid in p
+            .requests
+            .iter()
+            .map(|x| x.0)
+            .chain(p.notices.iter().map(|x| x.0))
+        {
             if !told.contains(&sid) {
                 told.push(sid);
-                self.transmits.push_back((sid, Message::RoomStatus { room, generation, failure: Some(reason) }));
-                self.transmits.push_back((sid, Message::AbortAck { room, generation }));
+                self.transmits.push_back((
+                    sid,
+                    Message::RoomStatus {
+                        room,
+                        generation,
+                        failure: Some(reason),
+                    },
+                ));
+                self.transmits
+                    .push_back((sid, Message::AbortAck { room, generation }));
             }
         }
         self.tombstones.insert_verdict(room, generation, reason);
     }
 
     fn emit_state(&mut self, room: RoomId, generation: Generation, state: KvPoll) {
-        self.events.push_back(Event::RoomState { room, generation, state });
+        self.events.push_back(Event::RoomState {
+            room,
+            generation,
+            state,
+        });
     }
 
     /// Non-terminal forward move. An impossible one is refused and logged, never a panic.
     fn set_state(&mut self, room: RoomId, to: KvPoll) {
-        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
         if r.state == to {
             return;
         }
@@ -2168,8 +2484,12 @@ impl Endpoint {
     /// Moves a room to a terminal state and starts whatever must follow (notify, drain,
     /// quarantine). Refused (no-op) if the room is already terminal.
     fn conclude(&mut self, now: Instant, room: RoomId, to: KvPoll) {
-        let Some(r) = self.rooms.get_mut(&room) else { return };
-        let Ok(state) = r.state.transition(to) else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let Ok(state) = r.state.transition(to) else {
+            return;
+        };
         r.state = state;
         let generation = r.generation;
         self.timers.cancel(&mut r.bootstrap_timer);
@@ -2184,18 +2504,35 @@ impl Endpoint {
             KvPoll::Failed(reason) => Some(reason),
             _ => None,
         };
-        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
         match &mut r.side {
             Side::Sender(s) => {
                 s.chunks.clear();
                 for x in &s.receivers {
-                    self.transmits.push_back((x.session, Message::RoomStatus { room, generation, failure }));
+                    self.transmits.push_back((
+                        x.session,
+                        Message::RoomStatus {
+                            room,
+                            generation,
+                            failure,
+                        },
+                    ));
                 }
                 // Decode sessions that only announced the room learn it too.
                 for sid in &s.announced_by {
                     if !s.receivers.iter().any(|x| x.session == *sid) {
-                        self.transmits.push_back((*sid, Message::RoomStatus { room, generation, failure }));
-                        self.transmits.push_back((*sid, Message::AbortAck { room, generation }));
+                        self.transmits.push_back((
+                            *sid,
+                            Message::RoomStatus {
+                                room,
+                                generation,
+                                failure,
+                            },
+                        ));
+                        self.transmits
+                            .push_back((*sid, Message::AbortAck { room, generation }));
                     }
                 }
                 if failure.is_some() {
@@ -2213,10 +2550,21 @@ impl Endpoint {
                             src.drained = true;
                         }
                         waiting |= !src.drained;
-                        self.transmits.push_back((src.session, Message::Abort { room, generation, reason }));
+                        self.transmits.push_back((
+                            src.session,
+                            Message::Abort {
+                                room,
+                                generation,
+                                reason,
+                            },
+                        ));
                     }
                     if waiting {
-                        self.timers.set(&mut r.abort_timer, now + self.config.abort_ack_timeout, Timer::AbortAck(room));
+                        self.timers.set(
+                            &mut r.abort_timer,
+                            now + self.config.abort_ack_timeout,
+                            Timer::AbortAck(room),
+                        );
                     }
                 }
             }
@@ -2230,7 +2578,11 @@ impl Endpoint {
         let ids: Vec<TransferId> = self
             .ops
             .iter()
-            .filter(|(_, op)| op.room == Some(room) && op.generation == generation && op.phase != OpPhase::InFlight)
+            .filter(|(_, op)| {
+                op.room == Some(room)
+                    && op.generation == generation
+                    && op.phase != OpPhase::InFlight
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in ids {
@@ -2246,7 +2598,9 @@ impl Endpoint {
 
     /// Emits `Releasable` and forgets the room once nothing can touch its pages any more.
     fn maybe_release(&mut self, now: Instant, room: RoomId) {
-        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
         if !r.state.is_terminal() {
             return;
         }
@@ -2259,7 +2613,8 @@ impl Endpoint {
                     if r.state != KvPoll::Success && !s.drained_acked {
                         s.drained_acked = true;
                         for x in &s.receivers {
-                            self.transmits.push_back((x.session, Message::AbortAck { room, generation }));
+                            self.transmits
+                                .push_back((x.session, Message::AbortAck { room, generation }));
                         }
                     }
                     true
@@ -2271,12 +2626,23 @@ impl Endpoint {
             return;
         }
         let _ = now;
-        let Some(mut r) = self.rooms.remove(&room) else { return };
-        for t in [&mut r.bootstrap_timer, &mut r.waiting_timer, &mut r.abort_timer] {
+        let Some(mut r) = self.rooms.remove(&room) else {
+            return;
+        };
+        for t in [
+            &mut r.bootstrap_timer,
+            &mut r.waiting_timer,
+            &mut r.abort_timer,
+        ] {
             self.timers.cancel(t);
         }
         let sessions: SmallVec<[SessionId; 4]> = match &r.side {
-            Side::Sender(s) => s.receivers.iter().map(|x| x.session).chain(s.announced_by.iter().copied()).collect(),
+            Side::Sender(s) => s
+                .receivers
+                .iter()
+                .map(|x| x.session)
+                .chain(s.announced_by.iter().copied())
+                .collect(),
             Side::Receiver(rr) => rr.sources.iter().map(|s| s.session).collect(),
         };
         for sid in sessions {
@@ -2286,7 +2652,8 @@ impl Endpoint {
         }
         self.tombstones.insert(room, generation, r.state);
         self.counters.rooms_released += 1;
-        self.events.push_back(Event::Releasable { room, generation });
+        self.events
+            .push_back(Event::Releasable { room, generation });
     }
 
     /// Plans every released, not yet planned layer of a bootstrapped sender room.
@@ -2299,7 +2666,9 @@ impl Endpoint {
         let first_layer = self.local.layer_start;
         let owned = self.owned_layers();
         let writes_aux = self.local.writes_aux;
-        let Some(r) = self.rooms.get_mut(&room) else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
         if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
             return;
         }
@@ -2322,7 +2691,11 @@ impl Endpoint {
                     continue;
                 }
                 let start = l;
-                while l < owned && c.released.get(l) && !c.planned.get(l) && (!c.layerwise || l == start) {
+                while l < owned
+                    && c.released.get(l)
+                    && !c.planned.get(l)
+                    && (!c.layerwise || l == start)
+                {
                     c.planned.set(l);
                     l += 1;
                 }
@@ -2340,7 +2713,11 @@ impl Endpoint {
             self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
             return;
         }
-        while s.chunks.front().is_some_and(|c| c.planned.count() as usize == owned) {
+        while s
+            .chunks
+            .front()
+            .is_some_and(|c| c.planned.count() as usize == owned)
+        {
             s.chunks.pop_front();
         }
         if s.last_seen && s.chunks.is_empty() && writes_aux {
@@ -2388,7 +2765,9 @@ impl Endpoint {
     }
 
     fn check_sender_complete(&mut self, now: Instant, room: RoomId) {
-        let Some(r) = self.rooms.get(&room) else { return };
+        let Some(r) = self.rooms.get(&room) else {
+            return;
+        };
         let Side::Sender(s) = &r.side else { return };
         let complete = !r.state.is_terminal()
             && r.state != KvPoll::Bootstrapping
@@ -2402,7 +2781,9 @@ impl Endpoint {
 
     fn mark_ready(&mut self, sid: SessionId) {
         let max = self.config.max_ops_in_flight;
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if !s.in_ready && !s.fencing && s.in_flight < max && !s.queue.is_empty() {
             s.in_ready = true;
             self.ready_sessions.push_back(sid);
@@ -2410,7 +2791,9 @@ impl Endpoint {
     }
 
     fn blacklist(&mut self, now: Instant, sid: SessionId) {
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if s.state == SessionState::Blacklisted {
             return;
         }
@@ -2418,32 +2801,41 @@ impl Endpoint {
         s.probe_backoff = self.config.probe_interval;
         s.last_targeted = now;
         let idle = now + self.config.blacklist_idle_timeout;
-        self.timers.set(&mut s.idle_timer, idle, Timer::BlacklistIdle(sid));
+        self.timers
+            .set(&mut s.idle_timer, idle, Timer::BlacklistIdle(sid));
         self.counters.sessions_blacklisted += 1;
         warn!(session = %sid, failures = s.failures, "session blacklisted");
-        self.events.push_back(Event::SessionBlacklisted { session: sid });
+        self.events
+            .push_back(Event::SessionBlacklisted { session: sid });
         self.fail_session_rooms(now, sid, FailureReason::SessionBlacklisted);
         self.schedule_probe(now, sid);
     }
 
     fn schedule_probe(&mut self, now: Instant, sid: SessionId) {
         let max = self.config.probe_max_interval;
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if s.state != SessionState::Blacklisted {
             return;
         }
         let base = s.probe_backoff;
         let jitter = Duration::from_nanos(self.rng.below(base.as_nanos() as u64 / 4 + 1));
-        self.timers.set(&mut s.probe_timer, now + base + jitter, Timer::Probe(sid));
+        self.timers
+            .set(&mut s.probe_timer, now + base + jitter, Timer::Probe(sid));
         s.probe_backoff = (base * 2).min(max);
     }
 
     fn fail_session_rooms(&mut self, now: Instant, sid: SessionId, reason: FailureReason) {
-        let Some(s) = self.sessions.get(&sid) else { return };
+        let Some(s) = self.sessions.get(&sid) else {
+            return;
+        };
         let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
         for room in rooms {
             let involved = match self.rooms.get(&room).map(|r| &r.side) {
-                Some(Side::Sender(x)) => x.receivers.iter().any(|x| x.session == sid) || x.announced_by.contains(&sid),
+                Some(Side::Sender(x)) => {
+                    x.receivers.iter().any(|x| x.session == sid) || x.announced_by.contains(&sid)
+                }
                 Some(Side::Receiver(_)) => true,
                 None => false,
             };
@@ -2456,7 +2848,9 @@ impl Endpoint {
             let stale: Vec<RoomId> = self
                 .pending
                 .iter()
-                .filter(|(_, p)| p.requests.iter().any(|x| x.0 == sid) || p.notices.iter().any(|x| x.0 == sid))
+                .filter(|(_, p)| {
+                    p.requests.iter().any(|x| x.0 == sid) || p.notices.iter().any(|x| x.0 == sid)
+                })
                 .map(|(r, _)| *r)
                 .collect();
             for room in stale {
@@ -2478,7 +2872,11 @@ impl Endpoint {
         for id in ids {
             let phase = self.ops.get(&id).map(|o| o.phase);
             if phase == Some(OpPhase::InFlight) {
-                let outcome = if retry { TransferOutcome::Transient } else { TransferOutcome::Fatal };
+                let outcome = if retry {
+                    TransferOutcome::Transient
+                } else {
+                    TransferOutcome::Fatal
+                };
                 self.settle_attempt(now, id, outcome);
             } else if let Some(mut op) = self.ops.remove(&id) {
                 self.timers.cancel(&mut op.timer);
@@ -2489,10 +2887,14 @@ impl Endpoint {
 
     /// Decode: a fenced or closed session can no longer write; its sources count as drained.
     fn fence_done(&mut self, now: Instant, sid: SessionId) {
-        let Some(s) = self.sessions.get(&sid) else { return };
+        let Some(s) = self.sessions.get(&sid) else {
+            return;
+        };
         let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
         for room in rooms {
-            let Some(r) = self.rooms.get_mut(&room) else { continue };
+            let Some(r) = self.rooms.get_mut(&room) else {
+                continue;
+            };
             if !r.state.is_terminal() {
                 continue;
             }
@@ -2506,7 +2908,9 @@ impl Endpoint {
     }
 
     fn fence(&mut self, sid: SessionId) {
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if s.fencing || s.state == SessionState::Closing {
             return;
         }
@@ -2516,7 +2920,9 @@ impl Endpoint {
     }
 
     fn request_close(&mut self, sid: SessionId) {
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if s.state == SessionState::Closing {
             return;
         }
@@ -2525,13 +2931,28 @@ impl Endpoint {
     }
 
     /// Tells the peer why, fails the session's rooms and asks the driver to close it.
-    fn close_session(&mut self, now: Instant, sid: SessionId, code: ErrorCode, detail: &str, reason: FailureReason) {
-        let Some(s) = self.sessions.get_mut(&sid) else { return };
+    fn close_session(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        code: ErrorCode,
+        detail: &str,
+        reason: FailureReason,
+    ) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         if s.state == SessionState::Closing {
             return;
         }
         s.close_reason = reason;
-        self.transmits.push_back((sid, Message::Error { code, detail: detail.to_owned() }));
+        self.transmits.push_back((
+            sid,
+            Message::Error {
+                code,
+                detail: detail.to_owned(),
+            },
+        ));
         self.fail_session_rooms(now, sid, reason);
         self.request_close(sid);
     }

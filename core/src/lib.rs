@@ -55,8 +55,8 @@ pub mod state;
 mod timer;
 
 pub use api::{
-    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo,
-    RejectReason, SessionState, Sessions, TransferOp, TransferOutcome, WriteRefused,
+    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo, RejectReason,
+    SessionState, Sessions, TransferOp, TransferOutcome, WriteRefused,
 };
 pub use config::{Config, ConfigError};
 pub use counters::Counters;

@@ -97,11 +97,16 @@ impl SimNode {
         if self.free_pages.len() < n as usize {
             return None;
         }
-        let got = self.free_pages.split_off(self.free_pages.len() - n as usize);
+        let got = self
+            .free_pages
+            .split_off(self.free_pages.len() - n as usize);
         for &p in &got {
             self.pages[p as usize] = Some((room, generation));
         }
-        self.owned.entry((room, generation)).or_default().extend_from_slice(&got);
+        self.owned
+            .entry((room, generation))
+            .or_default()
+            .extend_from_slice(&got);
         Some(got)
     }
 
@@ -158,11 +163,27 @@ impl Ord for Queued {
 
 #[derive(Debug, Clone)]
 enum Pending {
-    Deliver { node: usize, session: SessionId, bytes: Vec<u8> },
-    OpDone { node: usize, id: TransferId },
-    Fence { node: usize, session: SessionId },
-    Close { node: usize, session: SessionId },
-    Reconnect { a: usize, b: usize },
+    Deliver {
+        node: usize,
+        session: SessionId,
+        bytes: Vec<u8>,
+    },
+    OpDone {
+        node: usize,
+        id: TransferId,
+    },
+    Fence {
+        node: usize,
+        session: SessionId,
+    },
+    Close {
+        node: usize,
+        session: SessionId,
+    },
+    Reconnect {
+        a: usize,
+        b: usize,
+    },
     Work(WorkItem),
 }
 
@@ -305,9 +326,20 @@ impl Sim {
     }
 
     /// Adds a prefill node owning `layers` (and aux if it owns the last layer).
-    pub fn add_prefill(&mut self, config: Config, layout: Layout, rank: u16, layers: std::ops::Range<u16>) -> usize {
+    pub fn add_prefill(
+        &mut self,
+        config: Config,
+        layout: Layout,
+        rank: u16,
+        layers: std::ops::Range<u16>,
+    ) -> usize {
         let n = self.nodes.len() as u64;
-        let mut info = EndpointInfo::new(Role::Prefill, NodeId(100 + n), Incarnation(self.rng.next_u64()), layout);
+        let mut info = EndpointInfo::new(
+            Role::Prefill,
+            NodeId(100 + n),
+            Incarnation(self.rng.next_u64()),
+            layout,
+        );
         info.rank = rank;
         info.writes_aux = layers.end == layout.layers;
         info.layer_start = layers.start;
@@ -319,7 +351,12 @@ impl Sim {
     /// Adds a decode node.
     pub fn add_decode(&mut self, config: Config, layout: Layout, rank: u16) -> usize {
         let n = self.nodes.len() as u64;
-        let mut info = EndpointInfo::new(Role::Decode, NodeId(100 + n), Incarnation(self.rng.next_u64()), layout);
+        let mut info = EndpointInfo::new(
+            Role::Decode,
+            NodeId(100 + n),
+            Incarnation(self.rng.next_u64()),
+            layout,
+        );
         info.rank = rank;
         info.token = b"sim-token".to_vec();
         self.add_node(config, info)
@@ -332,7 +369,8 @@ impl Sim {
         let mut info = node.info.clone();
         info.incarnation = Incarnation(node.seed.wrapping_mul(31).wrapping_add(self.steps) | 1);
         node.info = info.clone();
-        node.endpoint = match Endpoint::new(node.config.clone(), info, node.seed ^ 0xA5A5, self.now) {
+        node.endpoint = match Endpoint::new(node.config.clone(), info, node.seed ^ 0xA5A5, self.now)
+        {
             Ok(e) => e,
             Err(e) => panic!("sim node config invalid: {e}"),
         };
@@ -348,7 +386,10 @@ impl Sim {
         self.queue = queue
             .into_iter()
             .filter(|Reverse(q)| match &q.2 {
-                Pending::Deliver { node, .. } | Pending::OpDone { node, .. } | Pending::Fence { node, .. } | Pending::Close { node, .. } => *node != n,
+                Pending::Deliver { node, .. }
+                | Pending::OpDone { node, .. }
+                | Pending::Fence { node, .. }
+                | Pending::Close { node, .. } => *node != n,
                 _ => true,
             })
             .collect();
@@ -381,10 +422,12 @@ impl Sim {
 
     /// The current session of node `a` toward node `b`, if their link is up.
     pub fn session(&self, a: usize, b: usize) -> Option<SessionId> {
-        self.links.iter().rev().find_map(|l| match (l.up, l.a.0 == a && l.b.0 == b, l.b.0 == a && l.a.0 == b) {
-            (true, true, _) => Some(l.a.1),
-            (true, _, true) => Some(l.b.1),
-            _ => None,
+        self.links.iter().rev().find_map(|l| {
+            match (l.up, l.a.0 == a && l.b.0 == b, l.b.0 == a && l.a.0 == b) {
+                (true, true, _) => Some(l.a.1),
+                (true, _, true) => Some(l.b.1),
+                _ => None,
+            }
         })
     }
 
@@ -409,7 +452,13 @@ impl Sim {
     /// Resets the link between `a` and `b`: both sides see the connection drop.
     pub fn reset_link(&mut self, a: usize, b: usize) {
         if let Some(s) = self.session(a, b) {
-            self.push(self.now, Pending::Close { node: a, session: s });
+            self.push(
+                self.now,
+                Pending::Close {
+                    node: a,
+                    session: s,
+                },
+            );
         }
     }
 
@@ -449,8 +498,12 @@ impl Sim {
             while let Some(action) = self.nodes[n].endpoint.poll_action() {
                 progressed = true;
                 match action {
-                    Action::FenceSession(session) => self.push(self.now, Pending::Fence { node: n, session }),
-                    Action::CloseSession(session) => self.push(self.now, Pending::Close { node: n, session }),
+                    Action::FenceSession(session) => {
+                        self.push(self.now, Pending::Fence { node: n, session })
+                    }
+                    Action::CloseSession(session) => {
+                        self.push(self.now, Pending::Close { node: n, session })
+                    }
                 }
             }
             while let Some(op) = self.nodes[n].endpoint.poll_transfer(self.now) {
@@ -468,7 +521,9 @@ impl Sim {
     }
 
     fn route(&mut self, n: usize, session: SessionId, mut bytes: Vec<u8>) {
-        let Some((li, dir)) = self.link_of(n, session) else { return };
+        let Some((li, dir)) = self.link_of(n, session) else {
+            return;
+        };
         let l = &self.links[li];
         if !l.up || l.blackhole_until > self.now {
             return;
@@ -494,9 +549,23 @@ impl Sim {
         }
         if self.rng.chance(self.faults.msg_duplicate) {
             let again = at + self.uniform(delay);
-            self.push(again, Pending::Deliver { node: peer, session: peer_session, bytes: bytes.clone() });
+            self.push(
+                again,
+                Pending::Deliver {
+                    node: peer,
+                    session: peer_session,
+                    bytes: bytes.clone(),
+                },
+            );
         }
-        self.push(at, Pending::Deliver { node: peer, session: peer_session, bytes });
+        self.push(
+            at,
+            Pending::Deliver {
+                node: peer,
+                session: peer_session,
+                bytes,
+            },
+        );
     }
 
     fn start_op(&mut self, n: usize, op: TransferOp) {
@@ -505,14 +574,25 @@ impl Sim {
             let key = (room, op.generation);
             let node = &self.nodes[n];
             if node.released.contains(&key) {
-                self.violations.push(format!("node {n}: op for {room} emitted after its release"));
+                self.violations
+                    .push(format!("node {n}: op for {room} emitted after its release"));
             } else if matches!(node.states.get(&key), Some(KvPoll::Failed(_))) {
-                self.violations.push(format!("node {n}: op for {room} emitted after it failed"));
+                self.violations
+                    .push(format!("node {n}: op for {room} emitted after it failed"));
             }
         }
         let Some((li, dir)) = self.link_of(n, op.session) else {
             let id = op.id;
-            self.inflight.insert((n, id), InFlight { src: n, dst: n, dst_session: op.session, op, outcome: TransferOutcome::Transient });
+            self.inflight.insert(
+                (n, id),
+                InFlight {
+                    src: n,
+                    dst: n,
+                    dst_session: op.session,
+                    op,
+                    outcome: TransferOutcome::Transient,
+                },
+            );
             let at = self.now;
             self.push(at, Pending::OpDone { node: n, id });
             return;
@@ -521,7 +601,10 @@ impl Sim {
         let (dst, dst_session) = if dir == 0 { l.b } else { l.a };
         let up = l.up;
         let blackholed = l.blackhole_until > self.now;
-        let down = self.nodes[n].data_down_until.get(&op.session).is_some_and(|t| *t > self.now);
+        let down = self.nodes[n]
+            .data_down_until
+            .get(&op.session)
+            .is_some_and(|t| *t > self.now);
         let mut outcome = TransferOutcome::Done;
         let mut hang = false;
         if !up || down {
@@ -536,7 +619,11 @@ impl Sim {
             // The receiver validates every slice header when the write starts.
             for slice in op.slices.iter() {
                 let room = op.room.unwrap_or(RoomId(0));
-                if self.nodes[dst].endpoint.check_write(self.now, dst_session, room, op.generation, slice).is_err() {
+                if self.nodes[dst]
+                    .endpoint
+                    .check_write(self.now, dst_session, room, op.generation, slice)
+                    .is_err()
+                {
                     outcome = TransferOutcome::Refused;
                     break;
                 }
@@ -546,7 +633,16 @@ impl Sim {
         let id = op.id;
         let delay = self.faults.op_delay;
         let d = self.uniform(delay);
-        self.inflight.insert((n, id), InFlight { src: n, dst, dst_session, op, outcome });
+        self.inflight.insert(
+            (n, id),
+            InFlight {
+                src: n,
+                dst,
+                dst_session,
+                op,
+                outcome,
+            },
+        );
         if !hang {
             let at = self.now + d;
             self.push(at, Pending::OpDone { node: n, id });
@@ -590,12 +686,18 @@ impl Sim {
     fn record(&mut self, n: usize, ev: Event) {
         let now = self.now;
         match &ev {
-            Event::RoomState { room, generation, state } => {
+            Event::RoomState {
+                room,
+                generation,
+                state,
+            } => {
                 let key = (*room, *generation);
                 let node = &mut self.nodes[n];
                 if let Some(prev) = node.states.get(&key) {
                     if prev.is_terminal() {
-                        self.violations.push(format!("node {n}: {room} left terminal {prev:?} for {state:?}"));
+                        self.violations.push(format!(
+                            "node {n}: {room} left terminal {prev:?} for {state:?}"
+                        ));
                     }
                 }
                 node.states.insert(key, *state);
@@ -607,10 +709,12 @@ impl Sim {
                 let key = (*room, *generation);
                 let node = &mut self.nodes[n];
                 if !node.states.get(&key).is_some_and(|s| s.is_terminal()) {
-                    self.violations.push(format!("node {n}: {room} releasable before terminal"));
+                    self.violations
+                        .push(format!("node {n}: {room} releasable before terminal"));
                 }
                 if !node.released.insert(key) {
-                    self.violations.push(format!("node {n}: {room} released twice"));
+                    self.violations
+                        .push(format!("node {n}: {room} released twice"));
                 }
                 node.free(*room, *generation);
                 self.releases += 1;
@@ -623,7 +727,11 @@ impl Sim {
     /// The earliest moment something happens.
     fn next_time(&self) -> Option<Instant> {
         let q = self.queue.peek().map(|Reverse(q)| q.0);
-        let timers = self.nodes.iter().filter_map(|n| n.endpoint.poll_timeout().map(|(t, _)| t)).min();
+        let timers = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.endpoint.poll_timeout().map(|(t, _)| t))
+            .min();
         match (q, timers) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -632,7 +740,9 @@ impl Sim {
 
     /// Advances to the next moment and processes everything due. `false` when idle.
     pub fn step(&mut self) -> bool {
-        let Some(t) = self.next_time() else { return false };
+        let Some(t) = self.next_time() else {
+            return false;
+        };
         if t > self.now {
             self.now = t;
         }
@@ -643,7 +753,11 @@ impl Sim {
             }
         }
         for n in 0..self.nodes.len() {
-            if self.nodes[n].endpoint.poll_timeout().is_some_and(|(t, _)| t <= self.now) {
+            if self.nodes[n]
+                .endpoint
+                .poll_timeout()
+                .is_some_and(|(t, _)| t <= self.now)
+            {
                 self.nodes[n].endpoint.handle_timeout(self.now);
                 self.drain(n);
             }
@@ -653,7 +767,11 @@ impl Sim {
 
     fn process(&mut self, p: Pending) {
         match p {
-            Pending::Deliver { node, session, bytes } => {
+            Pending::Deliver {
+                node,
+                session,
+                bytes,
+            } => {
                 if self.nodes[node].endpoint.session_state(session).is_none() {
                     return;
                 }
@@ -665,9 +783,14 @@ impl Sim {
                     }
                     None => bytes,
                 };
-                let used = self.nodes[node].endpoint.handle_input(self.now, session, &data);
+                let used = self.nodes[node]
+                    .endpoint
+                    .handle_input(self.now, session, &data);
                 if used > data.len() {
-                    self.violations.push(format!("node {node}: consumed {used} of {} bytes", data.len()));
+                    self.violations.push(format!(
+                        "node {node}: consumed {used} of {} bytes",
+                        data.len()
+                    ));
                 }
                 if used < data.len() {
                     self.rx.insert((node, session), data[used..].to_vec());
@@ -675,33 +798,55 @@ impl Sim {
                 self.drain(node);
             }
             Pending::OpDone { node, id } => {
-                let Some(f) = self.inflight.remove(&(node, id)) else { return };
+                let Some(f) = self.inflight.remove(&(node, id)) else {
+                    return;
+                };
                 if f.outcome == TransferOutcome::Done {
                     self.land(&f);
                 }
-                self.nodes[node].endpoint.handle_transfer_result(self.now, id, f.outcome);
+                self.nodes[node]
+                    .endpoint
+                    .handle_transfer_result(self.now, id, f.outcome);
                 self.drain(node);
             }
             Pending::Fence { node, session } => {
                 // Break every write in flight over this session, in either direction.
-                let peer = self.link_of(node, session).map(|(li, dir)| if dir == 0 { self.links[li].b } else { self.links[li].a });
+                let peer = self.link_of(node, session).map(|(li, dir)| {
+                    if dir == 0 {
+                        self.links[li].b
+                    } else {
+                        self.links[li].a
+                    }
+                });
                 let broken: Vec<(usize, TransferId)> = self
                     .inflight
                     .iter()
-                    .filter(|(_, f)| (f.src == node && f.op.session == session) || Some((f.dst, f.dst_session)) == Some((node, session)) && peer.is_some_and(|p| p.0 == f.src))
+                    .filter(|(_, f)| {
+                        (f.src == node && f.op.session == session)
+                            || Some((f.dst, f.dst_session)) == Some((node, session))
+                                && peer.is_some_and(|p| p.0 == f.src)
+                    })
                     .map(|(k, _)| *k)
                     .collect();
                 for key in broken {
                     if let Some(f) = self.inflight.remove(&key) {
-                        self.nodes[f.src].endpoint.handle_transfer_result(self.now, f.op.id, TransferOutcome::Transient);
+                        self.nodes[f.src].endpoint.handle_transfer_result(
+                            self.now,
+                            f.op.id,
+                            TransferOutcome::Transient,
+                        );
                         self.drain(f.src);
                     }
                 }
-                self.nodes[node].endpoint.handle_fence_complete(self.now, session);
+                self.nodes[node]
+                    .endpoint
+                    .handle_fence_complete(self.now, session);
                 self.drain(node);
             }
             Pending::Close { node, session } => {
-                let Some((li, _)) = self.link_of(node, session) else { return };
+                let Some((li, _)) = self.link_of(node, session) else {
+                    return;
+                };
                 let l = &mut self.links[li];
                 let ends = [l.a, l.b];
                 let was_up = l.up;
@@ -710,12 +855,18 @@ impl Sim {
                     let broken: Vec<(usize, TransferId)> = self
                         .inflight
                         .iter()
-                        .filter(|(_, f)| (f.src == n && f.op.session == s) || (f.dst == n && f.dst_session == s))
+                        .filter(|(_, f)| {
+                            (f.src == n && f.op.session == s) || (f.dst == n && f.dst_session == s)
+                        })
                         .map(|(k, _)| *k)
                         .collect();
                     for key in broken {
                         if let Some(f) = self.inflight.remove(&key) {
-                            self.nodes[f.src].endpoint.handle_transfer_result(self.now, f.op.id, TransferOutcome::Transient);
+                            self.nodes[f.src].endpoint.handle_transfer_result(
+                                self.now,
+                                f.op.id,
+                                TransferOutcome::Transient,
+                            );
                             self.drain(f.src);
                         }
                     }
@@ -728,7 +879,13 @@ impl Sim {
                 }
                 if let (true, Some(after)) = (was_up, self.faults.reconnect_after) {
                     let at = self.now + after;
-                    self.push(at, Pending::Reconnect { a: ends[0].0, b: ends[1].0 });
+                    self.push(
+                        at,
+                        Pending::Reconnect {
+                            a: ends[0].0,
+                            b: ends[1].0,
+                        },
+                    );
                 }
             }
             Pending::Reconnect { a, b } => {
@@ -741,14 +898,24 @@ impl Sim {
     }
 
     /// Runs until `done` holds, at most `max_steps` steps.
-    pub fn run_until(&mut self, max_steps: u64, mut done: impl FnMut(&Sim) -> bool) -> Result<(), SimError> {
+    pub fn run_until(
+        &mut self,
+        max_steps: u64,
+        mut done: impl FnMut(&Sim) -> bool,
+    ) -> Result<(), SimError> {
         let start = self.steps;
         while !done(self) {
             if self.steps - start >= max_steps {
-                return Err(SimError::Livelock { steps: self.steps - start });
+                return Err(SimError::Livelock {
+                    steps: self.steps - start,
+                });
             }
             if !self.step() {
-                return if done(self) { Ok(()) } else { Err(SimError::Stalled) };
+                return if done(self) {
+                    Ok(())
+                } else {
+                    Err(SimError::Stalled)
+                };
             }
         }
         Ok(())
@@ -767,7 +934,9 @@ impl Sim {
                 }
             }
             if self.steps - start >= max_steps {
-                return Err(SimError::Livelock { steps: self.steps - start });
+                return Err(SimError::Livelock {
+                    steps: self.steps - start,
+                });
             }
             self.step();
         }
@@ -775,7 +944,9 @@ impl Sim {
 
     /// Whether every node holds no room and no operation.
     pub fn quiescent(&self) -> bool {
-        self.nodes.iter().all(|n| n.endpoint.live_rooms() == 0 && n.endpoint.live_ops() == 0)
+        self.nodes
+            .iter()
+            .all(|n| n.endpoint.live_rooms() == 0 && n.endpoint.live_ops() == 0)
     }
 
     /// Checks that each node's counters agree with its event stream; returns mismatches.
@@ -783,27 +954,50 @@ impl Sim {
         let mut out = Vec::new();
         for (i, n) in self.nodes.iter().enumerate() {
             let c = n.endpoint.counters();
-            let succ = n.count_events(|e| matches!(e, Event::RoomState { state: KvPoll::Success, .. })) as u64;
+            let succ = n.count_events(|e| {
+                matches!(
+                    e,
+                    Event::RoomState {
+                        state: KvPoll::Success,
+                        ..
+                    }
+                )
+            }) as u64;
             if succ != c.rooms_succeeded {
-                out.push(format!("node {i}: {succ} success events, counter {}", c.rooms_succeeded));
+                out.push(format!(
+                    "node {i}: {succ} success events, counter {}",
+                    c.rooms_succeeded
+                ));
             }
             for reason in FailureReason::ALL {
                 let ev = n.count_events(|e| matches!(e, Event::RoomState { state: KvPoll::Failed(r), .. } if *r == reason)) as u64;
                 if ev != c.failed(reason) {
-                    out.push(format!("node {i}: {ev} {reason} events, counter {}", c.failed(reason)));
+                    out.push(format!(
+                        "node {i}: {ev} {reason} events, counter {}",
+                        c.failed(reason)
+                    ));
                 }
             }
             let rel = n.count_events(|e| matches!(e, Event::Releasable { .. })) as u64;
             if rel != c.rooms_released {
-                out.push(format!("node {i}: {rel} releasable events, counter {}", c.rooms_released));
+                out.push(format!(
+                    "node {i}: {rel} releasable events, counter {}",
+                    c.rooms_released
+                ));
             }
             let bl = n.count_events(|e| matches!(e, Event::SessionBlacklisted { .. })) as u64;
             if bl != c.sessions_blacklisted {
-                out.push(format!("node {i}: {bl} blacklist events, counter {}", c.sessions_blacklisted));
+                out.push(format!(
+                    "node {i}: {bl} blacklist events, counter {}",
+                    c.sessions_blacklisted
+                ));
             }
             let rec = n.count_events(|e| matches!(e, Event::SessionRecovered { .. })) as u64;
             if rec != c.sessions_recovered {
-                out.push(format!("node {i}: {rec} recovery events, counter {}", c.sessions_recovered));
+                out.push(format!(
+                    "node {i}: {rec} recovery events, counter {}",
+                    c.sessions_recovered
+                ));
             }
         }
         out
@@ -916,14 +1110,20 @@ impl Sim {
 
     fn work(&mut self, item: WorkItem) {
         let now = self.now;
-        let Some(mut w) = self.workload.take() else { return };
+        let Some(mut w) = self.workload.take() else {
+            return;
+        };
         match item {
             WorkItem::Arrive(i) => {
                 let room = RoomId(i as u64 + 1);
                 let decode = w.decodes[i % w.decodes.len()];
-                let group = w.prefill_groups[(i / w.decodes.len()) % w.prefill_groups.len()].clone();
+                let group =
+                    w.prefill_groups[(i / w.decodes.len()) % w.prefill_groups.len()].clone();
                 let pages = w.pages.0 + self.rng.below(u64::from(w.pages.1 - w.pages.0) + 1) as u32;
-                let chunks = (w.chunks.0 + self.rng.below(u64::from(w.chunks.1 - w.chunks.0) + 1) as u8).min(pages as u8).max(1);
+                let chunks = (w.chunks.0
+                    + self.rng.below(u64::from(w.chunks.1 - w.chunks.0) + 1) as u8)
+                    .min(pages as u8)
+                    .max(1);
                 let layerwise = self.rng.chance(w.layerwise);
                 let run = &mut w.states[i];
                 run.room = Some(room);
@@ -934,18 +1134,28 @@ impl Sim {
                 run.layerwise = layerwise;
                 run.opened_at = Some(now);
                 w.arrived += 1;
-                let sources: Option<Vec<SessionId>> = group.iter().map(|&p| self.session(decode, p)).collect();
+                let sources: Option<Vec<SessionId>> =
+                    group.iter().map(|&p| self.session(decode, p)).collect();
                 let Some(sources) = sources else {
                     run.unopened = true;
                     self.workload = Some(w);
                     return;
                 };
-                let grant = self.nodes[decode].alloc(room, 0, pages).map(|dst| Grant { pages: dst, aux_slot: Some(i as u32 % 4096), state_slot: None, receivers: 1 });
+                let grant = self.nodes[decode].alloc(room, 0, pages).map(|dst| Grant {
+                    pages: dst,
+                    aux_slot: Some(i as u32 % 4096),
+                    state_slot: None,
+                    receivers: 1,
+                });
                 if grant.is_none() {
                     w.queued_for_pages += 1;
                 }
                 let queued = grant.is_none();
-                if self.nodes[decode].endpoint.open_receiver(now, room, 0, &sources, grant).is_err() {
+                if self.nodes[decode]
+                    .endpoint
+                    .open_receiver(now, room, 0, &sources, grant)
+                    .is_err()
+                {
                     run.unopened = true;
                     self.workload = Some(w);
                     return;
@@ -953,7 +1163,10 @@ impl Sim {
                 w.expected_releases += 1;
                 if queued {
                     let _ = self.nodes[decode].endpoint.set_queue_position(now, room, 1);
-                    self.push(now + Duration::from_millis(1), Pending::Work(WorkItem::Grant(i)));
+                    self.push(
+                        now + Duration::from_millis(1),
+                        Pending::Work(WorkItem::Grant(i)),
+                    );
                 }
                 self.drain(decode);
                 for (k, &p) in group.iter().enumerate() {
@@ -983,10 +1196,18 @@ impl Sim {
                 if self.nodes[decode].endpoint.room_state(room) == Some(KvPoll::Bootstrapping) {
                     match self.nodes[decode].alloc(room, 0, pages) {
                         Some(dst) => {
-                            let grant = Grant { pages: dst, aux_slot: Some(i as u32 % 4096), state_slot: None, receivers: 1 };
+                            let grant = Grant {
+                                pages: dst,
+                                aux_slot: Some(i as u32 % 4096),
+                                state_slot: None,
+                                receivers: 1,
+                            };
                             let _ = self.nodes[decode].endpoint.grant_pages(now, room, grant);
                         }
-                        None => self.push(now + Duration::from_millis(1), Pending::Work(WorkItem::Grant(i))),
+                        None => self.push(
+                            now + Duration::from_millis(1),
+                            Pending::Work(WorkItem::Grant(i)),
+                        ),
                     }
                     self.drain(decode);
                 }
@@ -999,8 +1220,18 @@ impl Sim {
                 let hi = ((u32::from(c) + 1) * per).min(run.pages) as usize;
                 let last = c + 1 >= run.chunks;
                 for (k, &p) in run.prefills.iter().enumerate() {
-                    let pages = run.src.get(k).map(|s| s[lo.min(s.len())..hi.min(s.len())].to_vec()).unwrap_or_default();
-                    let chunk = Chunk { pages, last, aux_slot: Some(i as u32 % 4096), state_slot: None, layerwise: run.layerwise };
+                    let pages = run
+                        .src
+                        .get(k)
+                        .map(|s| s[lo.min(s.len())..hi.min(s.len())].to_vec())
+                        .unwrap_or_default();
+                    let chunk = Chunk {
+                        pages,
+                        last,
+                        aux_slot: Some(i as u32 % 4096),
+                        state_slot: None,
+                        layerwise: run.layerwise,
+                    };
                     let _ = self.nodes[p].endpoint.send_chunk(now, room, chunk);
                     self.drain(p);
                 }
@@ -1012,7 +1243,10 @@ impl Sim {
                     }
                 }
                 if !last {
-                    self.push(now + w.chunk_compute, Pending::Work(WorkItem::Chunk(i, c + 1)));
+                    self.push(
+                        now + w.chunk_compute,
+                        Pending::Work(WorkItem::Chunk(i, c + 1)),
+                    );
                 }
             }
             WorkItem::Layer(i, _c, layer) => {
@@ -1029,7 +1263,11 @@ impl Sim {
             WorkItem::Abort(i, on_decode) => {
                 let run = &w.states[i];
                 let room = run.room.unwrap_or_default();
-                let n = if on_decode { run.decode } else { run.prefills[0] };
+                let n = if on_decode {
+                    run.decode
+                } else {
+                    run.prefills[0]
+                };
                 let _ = self.nodes[n].endpoint.abort(now, room);
                 self.drain(n);
             }
@@ -1062,14 +1300,19 @@ impl Sim {
         let mut out = Vec::new();
         let Some(w) = &self.workload else { return out };
         for r in &w.states {
-            let (Some(room), Some(opened)) = (r.room, r.opened_at) else { continue };
+            let (Some(room), Some(opened)) = (r.room, r.opened_at) else {
+                continue;
+            };
             if r.unopened {
                 continue;
             }
             for n in std::iter::once(r.decode).chain(r.prefills.iter().copied()) {
                 match self.nodes[n].concluded_at.get(&(room, 0)) {
                     Some(t) if t.duration_since(opened) <= bound => {}
-                    Some(t) => out.push(format!("{room} on node {n} concluded after {:?}", t.duration_since(opened))),
+                    Some(t) => out.push(format!(
+                        "{room} on node {n} concluded after {:?}",
+                        t.duration_since(opened)
+                    )),
                     None => out.push(format!("{room} on node {n} never concluded")),
                 }
             }

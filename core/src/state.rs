@@ -172,7 +172,11 @@ pub struct InvalidTransition {
 
 impl fmt::Display for InvalidTransition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid room transition {:?} -> {:?}", self.from, self.to)
+        write!(
+            f,
+            "invalid room transition {:?} -> {:?}",
+            self.from, self.to
+        )
     }
 }
 

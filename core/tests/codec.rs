@@ -1,6 +1,8 @@
 //! The control codec: every frame round-trips, and the decoder is total.
 
-use kvferry_core::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HEADER_LEN};
+use kvferry_core::codec::{
+    DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HEADER_LEN,
+};
 use kvferry_core::sim::small_layout;
 use kvferry_core::{FailureReason, Incarnation, NodeId, PageRun, Role, RoomId};
 use proptest::prelude::*;
@@ -22,7 +24,11 @@ fn every_message() -> Vec<Message> {
             layer_end: 3,
             writes_aux: false,
         }),
-        Message::RoomPending { room, generation: 2, queue_position: 9 },
+        Message::RoomPending {
+            room,
+            generation: 2,
+            queue_position: 9,
+        },
         Message::RoomRequest(RoomRequest {
             room,
             generation: 1,
@@ -31,15 +37,40 @@ fn every_message() -> Vec<Message> {
             aux_slot: Some(4),
             state_slot: None,
         }),
-        Message::RoomStatus { room, generation: 0, failure: None },
-        Message::RoomStatus { room, generation: 0, failure: Some(FailureReason::SessionBlacklisted) },
-        Message::Progress { room, generation: 0, stage: ProgressStage::Computing },
-        Message::Abort { room, generation: 5, reason: FailureReason::AbortedLocally },
-        Message::AbortAck { room, generation: 5 },
-        Message::Heartbeat { free_pages: 10, queued_rooms: 2 },
+        Message::RoomStatus {
+            room,
+            generation: 0,
+            failure: None,
+        },
+        Message::RoomStatus {
+            room,
+            generation: 0,
+            failure: Some(FailureReason::SessionBlacklisted),
+        },
+        Message::Progress {
+            room,
+            generation: 0,
+            stage: ProgressStage::Computing,
+        },
+        Message::Abort {
+            room,
+            generation: 5,
+            reason: FailureReason::AbortedLocally,
+        },
+        Message::AbortAck {
+            room,
+            generation: 5,
+        },
+        Message::Heartbeat {
+            free_pages: 10,
+            queued_rooms: 2,
+        },
         Message::Probe { nonce: 42 },
         Message::ProbeAck { nonce: 42 },
-        Message::Error { code: ErrorCode::BadToken, detail: "cluster token mismatch".into() },
+        Message::Error {
+            code: ErrorCode::BadToken,
+            detail: "cluster token mismatch".into(),
+        },
     ]
 }
 
@@ -48,7 +79,11 @@ fn every_frame_round_trips() {
     for msg in every_message() {
         let mut buf = Vec::new();
         msg.encode(&mut buf);
-        assert_eq!(Message::decode(&buf, MAX), Ok(Some((msg.clone(), buf.len()))), "{msg:?}");
+        assert_eq!(
+            Message::decode(&buf, MAX),
+            Ok(Some((msg.clone(), buf.len()))),
+            "{msg:?}"
+        );
         assert_eq!(msg.encoded_len(), buf.len());
     }
 }
@@ -59,7 +94,11 @@ fn a_partial_frame_asks_for_more_bytes() {
         let mut buf = Vec::new();
         msg.encode(&mut buf);
         for cut in 0..buf.len() {
-            assert_eq!(Message::decode(&buf[..cut], MAX), Ok(None), "{msg:?} cut at {cut}");
+            assert_eq!(
+                Message::decode(&buf[..cut], MAX),
+                Ok(None),
+                "{msg:?} cut at {cut}"
+            );
         }
     }
 }
@@ -67,14 +106,29 @@ fn a_partial_frame_asks_for_more_bytes() {
 #[test]
 fn an_oversized_length_is_refused_before_the_body_arrives() {
     let buf = (MAX + 1).to_le_bytes();
-    assert_eq!(Message::decode(&buf, MAX), Err(DecodeError::TooLong { len: MAX + 1, max: MAX }));
+    assert_eq!(
+        Message::decode(&buf, MAX),
+        Err(DecodeError::TooLong {
+            len: MAX + 1,
+            max: MAX
+        })
+    );
 }
 
 #[test]
 fn an_unknown_version_and_type_are_typed_errors() {
-    assert_eq!(Message::decode(&[2, 0, 0, 0, 9, 1], MAX), Err(DecodeError::UnknownVersion(9)));
-    assert_eq!(Message::decode(&[2, 0, 0, 0, 1, 200], MAX), Err(DecodeError::UnknownType(200)));
-    assert_eq!(Message::decode(&[1, 0, 0, 0, 1], MAX), Err(DecodeError::TooShort { len: 1 }));
+    assert_eq!(
+        Message::decode(&[2, 0, 0, 0, 9, 1], MAX),
+        Err(DecodeError::UnknownVersion(9))
+    );
+    assert_eq!(
+        Message::decode(&[2, 0, 0, 0, 1, 200], MAX),
+        Err(DecodeError::UnknownType(200))
+    );
+    assert_eq!(
+        Message::decode(&[1, 0, 0, 0, 1], MAX),
+        Err(DecodeError::TooShort { len: 1 })
+    );
 }
 
 #[test]
@@ -84,11 +138,17 @@ fn truncated_and_padded_bodies_are_typed_errors() {
     let mut short = buf.clone();
     short.pop();
     short[0] -= 1;
-    assert_eq!(Message::decode(&short, MAX), Err(DecodeError::Truncated { ty: 9 }));
+    assert_eq!(
+        Message::decode(&short, MAX),
+        Err(DecodeError::Truncated { ty: 9 })
+    );
     let mut long = buf.clone();
     long.push(0);
     long[0] += 1;
-    assert_eq!(Message::decode(&long, MAX), Err(DecodeError::TrailingBytes { ty: 9 }));
+    assert_eq!(
+        Message::decode(&long, MAX),
+        Err(DecodeError::TrailingBytes { ty: 9 })
+    );
 }
 
 #[test]
@@ -105,22 +165,40 @@ fn a_page_count_larger_than_the_frame_is_refused_without_allocating() {
     .encode(&mut buf);
     let n = buf.len();
     buf[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
-    assert_eq!(Message::decode(&buf, MAX), Err(DecodeError::Truncated { ty: 3 }));
+    assert_eq!(
+        Message::decode(&buf, MAX),
+        Err(DecodeError::Truncated { ty: 3 })
+    );
 }
 
 #[test]
 fn invalid_field_values_name_the_field() {
     let mut buf = Vec::new();
-    Message::Abort { room: RoomId(1), generation: 0, reason: FailureReason::Shutdown }.encode(&mut buf);
+    Message::Abort {
+        room: RoomId(1),
+        generation: 0,
+        reason: FailureReason::Shutdown,
+    }
+    .encode(&mut buf);
     let n = buf.len();
     buf[n - 1] = 0xEE;
-    assert_eq!(Message::decode(&buf, MAX), Err(DecodeError::InvalidField { ty: 6, field: "reason" }));
+    assert_eq!(
+        Message::decode(&buf, MAX),
+        Err(DecodeError::InvalidField {
+            ty: 6,
+            field: "reason"
+        })
+    );
 }
 
 #[test]
 fn header_is_length_version_type() {
     let mut buf = Vec::new();
-    Message::Heartbeat { free_pages: 1, queued_rooms: 2 }.encode(&mut buf);
+    Message::Heartbeat {
+        free_pages: 1,
+        queued_rooms: 2,
+    }
+    .encode(&mut buf);
     assert_eq!(buf.len(), HEADER_LEN + 8);
     assert_eq!(&buf[..6], &[10, 0, 0, 0, 1, 8]);
 }

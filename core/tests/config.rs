@@ -48,7 +48,11 @@ fn an_unparsable_value_names_the_variable() {
 fn an_out_of_range_value_names_the_variable() {
     let err = Config::from_vars([("KVFERRY_SESSION_FAILURE_THRESHOLD", "0")]).unwrap_err();
     assert_eq!(err.name, "KVFERRY_SESSION_FAILURE_THRESHOLD");
-    let err = Config::from_vars([("KVFERRY_PROBE_INTERVAL_MS", "5000"), ("KVFERRY_PROBE_MAX_INTERVAL_MS", "100")]).unwrap_err();
+    let err = Config::from_vars([
+        ("KVFERRY_PROBE_INTERVAL_MS", "5000"),
+        ("KVFERRY_PROBE_MAX_INTERVAL_MS", "100"),
+    ])
+    .unwrap_err();
     assert_eq!(err.name, "KVFERRY_PROBE_MAX_INTERVAL_MS");
 }
 

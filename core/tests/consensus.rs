@@ -8,15 +8,27 @@ use proptest::prelude::*;
 fn failed_dominates_and_otherwise_the_least_advanced_state_wins() {
     use KvPoll::*;
     assert_eq!(combine(&[Success, Transferring, Success]), Transferring);
-    assert_eq!(combine(&[Bootstrapping, Failed(R::BootstrapTimeout)]), Failed(R::BootstrapTimeout));
-    assert_eq!(combine(&[Failed(R::DecodeSaturated), Failed(R::BootstrapTimeout)]), Failed(R::DecodeSaturated));
+    assert_eq!(
+        combine(&[Bootstrapping, Failed(R::BootstrapTimeout)]),
+        Failed(R::BootstrapTimeout)
+    );
+    assert_eq!(
+        combine(&[Failed(R::DecodeSaturated), Failed(R::BootstrapTimeout)]),
+        Failed(R::DecodeSaturated)
+    );
     assert_eq!(combine(&[]), Bootstrapping);
 }
 
 #[test]
 fn decisions_apply_in_order_exactly_once_whatever_the_arrival() {
     let mut leader = ConsensusLog::new(16);
-    let d: Vec<Decision> = (1..=3).map(|r| leader.decide(RoomId(r), &[KvPoll::Failed(R::AbortedLocally)]).unwrap()).collect();
+    let d: Vec<Decision> = (1..=3)
+        .map(|r| {
+            leader
+                .decide(RoomId(r), &[KvPoll::Failed(R::AbortedLocally)])
+                .unwrap()
+        })
+        .collect();
     let mut follower = ConsensusLog::new(16);
     assert!(follower.apply(d[2]).is_empty(), "waits for the gap");
     assert!(follower.apply(d[1]).is_empty());
@@ -29,7 +41,9 @@ fn decisions_apply_in_order_exactly_once_whatever_the_arrival() {
 #[test]
 fn a_non_terminal_combination_is_not_decided() {
     let mut leader = ConsensusLog::new(16);
-    assert!(leader.decide(RoomId(1), &[KvPoll::Bootstrapping, KvPoll::WaitingForInput]).is_none());
+    assert!(leader
+        .decide(RoomId(1), &[KvPoll::Bootstrapping, KvPoll::WaitingForInput])
+        .is_none());
 }
 
 fn poll() -> impl Strategy<Value = KvPoll> {
@@ -70,10 +84,18 @@ proptest! {
 
 #[test]
 fn transitions_out_of_terminal_states_are_error_values() {
-    assert!(KvPoll::Success.transition(KvPoll::Failed(R::AbortedLocally)).is_err());
-    assert!(KvPoll::Failed(R::AbortedLocally).transition(KvPoll::Success).is_err());
-    assert!(KvPoll::Transferring.transition(KvPoll::Bootstrapping).is_err());
-    assert!(KvPoll::Bootstrapping.transition(KvPoll::Failed(R::BootstrapTimeout)).is_ok());
+    assert!(KvPoll::Success
+        .transition(KvPoll::Failed(R::AbortedLocally))
+        .is_err());
+    assert!(KvPoll::Failed(R::AbortedLocally)
+        .transition(KvPoll::Success)
+        .is_err());
+    assert!(KvPoll::Transferring
+        .transition(KvPoll::Bootstrapping)
+        .is_err());
+    assert!(KvPoll::Bootstrapping
+        .transition(KvPoll::Failed(R::BootstrapTimeout))
+        .is_ok());
     assert_eq!(R::from_code(R::Shutdown.code()), Some(R::Shutdown));
     assert_eq!(R::from_code(0), None);
 }

@@ -8,7 +8,14 @@ use std::time::Duration;
 use kvferry_core::sim::{Faults, Sim, Workload};
 
 fn run(seed: u64) -> Vec<String> {
-    let faults = Faults { op_transient: 0.1, op_hang: 0.01, msg_duplicate: 0.05, link_reset: 0.001, reconnect_after: Some(Duration::from_millis(20)), ..Faults::default() };
+    let faults = Faults {
+        op_transient: 0.1,
+        op_hang: 0.01,
+        msg_duplicate: 0.05,
+        link_reset: 0.001,
+        reconnect_after: Some(Duration::from_millis(20)),
+        ..Faults::default()
+    };
     let (mut sim, ps, ds): (Sim, _, _) = common::cluster(seed, common::config(), faults);
     let mut w = Workload::new(ds, vec![ps], 300);
     w.decode_abort = 0.1;
@@ -18,7 +25,11 @@ fn run(seed: u64) -> Vec<String> {
     sim.nodes
         .iter()
         .enumerate()
-        .flat_map(|(i, n)| n.events.iter().map(move |(t, e)| format!("{i} {:?} {e:?}", *t - start)))
+        .flat_map(|(i, n)| {
+            n.events
+                .iter()
+                .map(move |(t, e)| format!("{i} {:?} {e:?}", *t - start))
+        })
         .collect()
 }
 

@@ -16,19 +16,30 @@ use kvferry_core::{Chunk, FailureReason, Grant, RoomId};
 use proptest::prelude::*;
 
 fn faults() -> impl Strategy<Value = Faults> {
-    (0.0..0.3f64, 0.0..0.05f64, 0.0..0.05f64, 0.0..0.2f64, 0.0..0.2f64, 0.0..0.01f64, 0.0..0.002f64, 0.0..0.01f64)
-        .prop_map(|(transient, fatal, hang, dup, reorder, drop, reset, corrupt)| Faults {
-            msg_corrupt: corrupt,
-            op_transient: transient,
-            op_fatal: fatal,
-            op_hang: hang,
-            msg_duplicate: dup,
-            msg_reorder: reorder,
-            msg_drop: drop,
-            link_reset: reset,
-            reconnect_after: Some(Duration::from_millis(50)),
-            ..Faults::default()
-        })
+    (
+        0.0..0.3f64,
+        0.0..0.05f64,
+        0.0..0.05f64,
+        0.0..0.2f64,
+        0.0..0.2f64,
+        0.0..0.01f64,
+        0.0..0.002f64,
+        0.0..0.01f64,
+    )
+        .prop_map(
+            |(transient, fatal, hang, dup, reorder, drop, reset, corrupt)| Faults {
+                msg_corrupt: corrupt,
+                op_transient: transient,
+                op_fatal: fatal,
+                op_hang: hang,
+                msg_duplicate: dup,
+                msg_reorder: reorder,
+                msg_drop: drop,
+                link_reset: reset,
+                reconnect_after: Some(Duration::from_millis(50)),
+                ..Faults::default()
+            },
+        )
 }
 
 proptest! {
@@ -70,34 +81,86 @@ proptest! {
 /// One embedder call or world event in a random sequence against one prefill-decode pair.
 #[derive(Debug, Clone)]
 enum Step {
-    OpenReceiver { room: u8, pages: u8, granted: bool },
-    Grant { room: u8 },
-    OpenSender { room: u8 },
-    Chunk { room: u8, pages: u8, last: bool, layerwise: bool },
-    Layer { room: u8, layer: u16 },
-    AbortDecode { room: u8 },
-    AbortPrefill { room: u8 },
-    FailRoom { room: u8, prefill: bool },
-    Garbage { bytes: Vec<u8>, to_prefill: bool },
-    Forged { room: u8, kind: u8, to_prefill: bool },
-    Advance { ms: u16 },
-    Faults { transient: bool, hang: bool },
+    OpenReceiver {
+        room: u8,
+        pages: u8,
+        granted: bool,
+    },
+    Grant {
+        room: u8,
+    },
+    OpenSender {
+        room: u8,
+    },
+    Chunk {
+        room: u8,
+        pages: u8,
+        last: bool,
+        layerwise: bool,
+    },
+    Layer {
+        room: u8,
+        layer: u16,
+    },
+    AbortDecode {
+        room: u8,
+    },
+    AbortPrefill {
+        room: u8,
+    },
+    FailRoom {
+        room: u8,
+        prefill: bool,
+    },
+    Garbage {
+        bytes: Vec<u8>,
+        to_prefill: bool,
+    },
+    Forged {
+        room: u8,
+        kind: u8,
+        to_prefill: bool,
+    },
+    Advance {
+        ms: u16,
+    },
+    Faults {
+        transient: bool,
+        hang: bool,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        (0u8..6, 1u8..12, any::<bool>()).prop_map(|(room, pages, granted)| Step::OpenReceiver { room, pages, granted }),
+        (0u8..6, 1u8..12, any::<bool>()).prop_map(|(room, pages, granted)| Step::OpenReceiver {
+            room,
+            pages,
+            granted
+        }),
         (0u8..6).prop_map(|room| Step::Grant { room }),
         (0u8..6).prop_map(|room| Step::OpenSender { room }),
-        (0u8..6, 0u8..8, any::<bool>(), any::<bool>()).prop_map(|(room, pages, last, layerwise)| Step::Chunk { room, pages, last, layerwise }),
+        (0u8..6, 0u8..8, any::<bool>(), any::<bool>()).prop_map(
+            |(room, pages, last, layerwise)| Step::Chunk {
+                room,
+                pages,
+                last,
+                layerwise
+            }
+        ),
         (0u8..6, 0u16..5).prop_map(|(room, layer)| Step::Layer { room, layer }),
         (0u8..6).prop_map(|room| Step::AbortDecode { room }),
         (0u8..6).prop_map(|room| Step::AbortPrefill { room }),
         (0u8..6, any::<bool>()).prop_map(|(room, prefill)| Step::FailRoom { room, prefill }),
-        (proptest::collection::vec(any::<u8>(), 0..40), any::<bool>()).prop_map(|(bytes, to_prefill)| Step::Garbage { bytes, to_prefill }),
-        (0u8..6, 0u8..6, any::<bool>()).prop_map(|(room, kind, to_prefill)| Step::Forged { room, kind, to_prefill }),
+        (proptest::collection::vec(any::<u8>(), 0..40), any::<bool>())
+            .prop_map(|(bytes, to_prefill)| Step::Garbage { bytes, to_prefill }),
+        (0u8..6, 0u8..6, any::<bool>()).prop_map(|(room, kind, to_prefill)| Step::Forged {
+            room,
+            kind,
+            to_prefill
+        }),
         (0u16..3000).prop_map(|ms| Step::Advance { ms }),
-        (any::<bool>(), any::<bool>()).prop_map(|(transient, hang)| Step::Faults { transient, hang }),
+        (any::<bool>(), any::<bool>())
+            .prop_map(|(transient, hang)| Step::Faults { transient, hang }),
     ]
 }
 
@@ -106,14 +169,26 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
     let sd = sim.session(d, p);
     let sp = sim.session(p, d);
     match step {
-        Step::OpenReceiver { room, pages, granted } => {
+        Step::OpenReceiver {
+            room,
+            pages,
+            granted,
+        } => {
             let id = RoomId(u64::from(room));
             if sim.nodes[d].endpoint.room_state(id).is_some() {
                 return;
             }
             if let (Some(sd), Some(dst)) = (sd, sim.nodes[d].alloc(id, 0, u32::from(pages))) {
-                let grant = granted.then(|| Grant { pages: dst, aux_slot: Some(u32::from(room)), state_slot: None, receivers: 1 });
-                sim.nodes[d].endpoint.open_receiver(now, id, 0, &[sd], grant).expect("fresh room opens");
+                let grant = granted.then(|| Grant {
+                    pages: dst,
+                    aux_slot: Some(u32::from(room)),
+                    state_slot: None,
+                    receivers: 1,
+                });
+                sim.nodes[d]
+                    .endpoint
+                    .open_receiver(now, id, 0, &[sd], grant)
+                    .expect("fresh room opens");
             }
         }
         Step::Grant { room } => {
@@ -122,20 +197,48 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                 return;
             }
             if let Some(dst) = sim.nodes[d].alloc(id, 0, 4) {
-                let _ = sim.nodes[d].endpoint.grant_pages(now, id, Grant { pages: dst, aux_slot: None, state_slot: None, receivers: 1 });
+                let _ = sim.nodes[d].endpoint.grant_pages(
+                    now,
+                    id,
+                    Grant {
+                        pages: dst,
+                        aux_slot: None,
+                        state_slot: None,
+                        receivers: 1,
+                    },
+                );
             }
         }
         Step::OpenSender { room } => {
-            let _ = sim.nodes[p].endpoint.open_sender(now, RoomId(u64::from(room)), 0);
+            let _ = sim.nodes[p]
+                .endpoint
+                .open_sender(now, RoomId(u64::from(room)), 0);
         }
-        Step::Chunk { room, pages, last, layerwise } => {
+        Step::Chunk {
+            room,
+            pages,
+            last,
+            layerwise,
+        } => {
             let id = RoomId(u64::from(room));
             if let Some(src) = sim.nodes[p].alloc(id, 0, u32::from(pages)) {
-                let _ = sim.nodes[p].endpoint.send_chunk(now, id, Chunk { pages: src, last, aux_slot: Some(1), state_slot: None, layerwise });
+                let _ = sim.nodes[p].endpoint.send_chunk(
+                    now,
+                    id,
+                    Chunk {
+                        pages: src,
+                        last,
+                        aux_slot: Some(1),
+                        state_slot: None,
+                        layerwise,
+                    },
+                );
             }
         }
         Step::Layer { room, layer } => {
-            let _ = sim.nodes[p].endpoint.mark_layer_ready(now, &[RoomId(u64::from(room))], layer);
+            let _ = sim.nodes[p]
+                .endpoint
+                .mark_layer_ready(now, &[RoomId(u64::from(room))], layer);
         }
         Step::AbortDecode { room } => {
             let _ = sim.nodes[d].endpoint.abort(now, RoomId(u64::from(room)));
@@ -145,7 +248,11 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
         }
         Step::FailRoom { room, prefill } => {
             let n = if prefill { p } else { d };
-            sim.nodes[n].endpoint.fail_room(now, RoomId(u64::from(room)), FailureReason::ProtocolError);
+            sim.nodes[n].endpoint.fail_room(
+                now,
+                RoomId(u64::from(room)),
+                FailureReason::ProtocolError,
+            );
         }
         Step::Garbage { bytes, to_prefill } => {
             let (n, s) = if to_prefill { (p, sp) } else { (d, sd) };
@@ -154,16 +261,43 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                 assert!(used <= bytes.len());
             }
         }
-        Step::Forged { room, kind, to_prefill } => {
+        Step::Forged {
+            room,
+            kind,
+            to_prefill,
+        } => {
             let (n, s) = if to_prefill { (p, sp) } else { (d, sd) };
             let room = RoomId(u64::from(room));
             let msg = match kind {
-                0 => Message::RoomStatus { room, generation: 0, failure: None },
-                1 => Message::AbortAck { room, generation: 0 },
-                2 => Message::Abort { room, generation: 0, reason: FailureReason::AbortedLocally },
-                3 => Message::Progress { room, generation: 0, stage: kvferry_core::codec::ProgressStage::Transferring },
-                4 => Message::RoomPending { room, generation: 0, queue_position: 3 },
-                _ => Message::RoomStatus { room, generation: 0, failure: Some(FailureReason::TransferFailed) },
+                0 => Message::RoomStatus {
+                    room,
+                    generation: 0,
+                    failure: None,
+                },
+                1 => Message::AbortAck {
+                    room,
+                    generation: 0,
+                },
+                2 => Message::Abort {
+                    room,
+                    generation: 0,
+                    reason: FailureReason::AbortedLocally,
+                },
+                3 => Message::Progress {
+                    room,
+                    generation: 0,
+                    stage: kvferry_core::codec::ProgressStage::Transferring,
+                },
+                4 => Message::RoomPending {
+                    room,
+                    generation: 0,
+                    queue_position: 3,
+                },
+                _ => Message::RoomStatus {
+                    room,
+                    generation: 0,
+                    failure: Some(FailureReason::TransferFailed),
+                },
             };
             if let Some(s) = s {
                 let mut buf = Vec::new();
@@ -172,7 +306,8 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
             }
         }
         Step::Advance { ms } => {
-            sim.run_for(Duration::from_millis(u64::from(ms)), 1_000_000).expect("no livelock");
+            sim.run_for(Duration::from_millis(u64::from(ms)), 1_000_000)
+                .expect("no livelock");
         }
         Step::Faults { transient, hang } => {
             sim.faults.op_transient = if transient { 0.5 } else { 0.0 };

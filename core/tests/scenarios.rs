@@ -9,9 +9,7 @@ use common::{failed, open_room, run_ms, send_all, state};
 use kvferry_core::codec::Message;
 use kvferry_core::consensus::{combine, ConsensusLog};
 use kvferry_core::sim::{small_layout, Faults, Sim, Workload};
-use kvferry_core::{
-    Event, FailureReason as R, KvPoll, RejectReason, RoomId, SessionState,
-};
+use kvferry_core::{Event, FailureReason as R, KvPoll, RejectReason, RoomId, SessionState};
 
 fn session_events(sim: &Sim, n: usize, f: impl Fn(&Event) -> bool) -> usize {
     sim.nodes[n].count_events(f)
@@ -25,9 +23,18 @@ fn s01_transient_failures_are_retried_inside_the_core_and_rooms_succeed() {
     config.transfer_retries = 6;
     let (mut sim, p, d) = common::pair(11, config);
     sim.faults.op_transient = 0.3;
-    common::run_workload(&mut sim, Workload::new(vec![d], vec![vec![p]], 100), 2_000_000);
+    common::run_workload(
+        &mut sim,
+        Workload::new(vec![d], vec![vec![p]], 100),
+        2_000_000,
+    );
     let c = sim.nodes[p].endpoint.counters();
-    assert_eq!(sim.workload_outcomes().get("success"), Some(&100), "{:?}", sim.workload_outcomes());
+    assert_eq!(
+        sim.workload_outcomes().get("success"),
+        Some(&100),
+        "{:?}",
+        sim.workload_outcomes()
+    );
     assert!(c.retries > 0 && c.retry_recoveries > 0, "{c:?}");
     assert_eq!(c.sessions_blacklisted, 0);
 }
@@ -41,10 +48,18 @@ fn s01_an_exhausted_operation_counts_one_failure_and_a_success_resets_the_count(
     send_all(&mut sim, p, 1, 4, false);
     run_ms(&mut sim, 200);
     assert_eq!(state(&sim, p, 1), failed(R::TransferFailed));
-    assert_eq!(state(&sim, d, 1), failed(R::TransferFailed), "the reason travels to decode");
+    assert_eq!(
+        state(&sim, d, 1),
+        failed(R::TransferFailed),
+        "the reason travels to decode"
+    );
     assert_eq!(sim.nodes[p].endpoint.session_failures(sp), Some(1));
     let c = sim.nodes[p].endpoint.counters();
-    assert_eq!(c.retries, 2 * c.ops_planned, "3 attempts = 2 retries per operation");
+    assert_eq!(
+        c.retries,
+        2 * c.ops_planned,
+        "3 attempts = 2 retries per operation"
+    );
 
     sim.break_data_path(p, d, sim.now);
     open_room(&mut sim, d, &[p], 2, 4);
@@ -67,12 +82,21 @@ fn s01_session_is_blacklisted_only_at_the_threshold_of_consecutive_failures() {
         send_all(&mut sim, p, room, 2, false);
         run_ms(&mut sim, 100);
     }
-    assert_eq!(sim.nodes[p].endpoint.session_state(sp), Some(SessionState::Established));
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(sp),
+        Some(SessionState::Established)
+    );
     open_room(&mut sim, d, &[p], 3, 2);
     send_all(&mut sim, p, 3, 2, false);
     run_ms(&mut sim, 100);
-    assert_eq!(sim.nodes[p].endpoint.session_state(sp), Some(SessionState::Blacklisted));
-    assert_eq!(session_events(&sim, p, |e| matches!(e, Event::SessionBlacklisted { .. })), 1);
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(sp),
+        Some(SessionState::Blacklisted)
+    );
+    assert_eq!(
+        session_events(&sim, p, |e| matches!(e, Event::SessionBlacklisted { .. })),
+        1
+    );
     common::assert_invariants(&sim);
 }
 
@@ -89,12 +113,18 @@ fn s02_blacklisted_session_recovers_by_probe_with_exponential_backoff() {
     open_room(&mut sim, d, &[p], 1, 2);
     send_all(&mut sim, p, 1, 2, false);
     run_ms(&mut sim, 4_000);
-    assert_eq!(sim.nodes[p].endpoint.session_state(sp), Some(SessionState::Blacklisted));
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(sp),
+        Some(SessionState::Blacklisted)
+    );
     let probes = sim.nodes[p].endpoint.counters().probes_sent;
     // 100 ms doubling to a 2 s cap within ~4 s: about 5 probes, far fewer than a fixed 100 ms.
     assert!((3..=7).contains(&probes), "probes {probes}");
     run_ms(&mut sim, 4_000);
-    assert_eq!(sim.nodes[p].endpoint.session_state(sp), Some(SessionState::Established));
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(sp),
+        Some(SessionState::Established)
+    );
     assert_eq!(sim.nodes[p].endpoint.counters().sessions_recovered, 1);
     open_room(&mut sim, d, &[p], 2, 2);
     send_all(&mut sim, p, 2, 2, false);
@@ -114,7 +144,10 @@ fn s02_idle_blacklisted_session_expires() {
     send_all(&mut sim, p, 1, 2, false);
     run_ms(&mut sim, 5_000);
     assert_eq!(sim.nodes[p].endpoint.counters().sessions_expired, 1);
-    assert_eq!(session_events(&sim, p, |e| matches!(e, Event::SessionExpired { .. })), 1);
+    assert_eq!(
+        session_events(&sim, p, |e| matches!(e, Event::SessionExpired { .. })),
+        1
+    );
     common::assert_invariants(&sim);
 }
 
@@ -132,11 +165,18 @@ fn s03_room_toward_blacklisted_session_fails_at_bootstrap_before_any_compute() {
     let t0 = sim.now;
     open_room(&mut sim, d, &[p], 2, 2);
     run_ms(&mut sim, 5);
-    assert_eq!(state(&sim, p, 2), failed(R::SessionBlacklisted), "no chunk was ever sent");
+    assert_eq!(
+        state(&sim, p, 2),
+        failed(R::SessionBlacklisted),
+        "no chunk was ever sent"
+    );
     assert_eq!(state(&sim, d, 2), failed(R::SessionBlacklisted));
     let at = common::state_at(&sim, d, 2, KvPoll::Failed(R::SessionBlacklisted)).unwrap();
     assert!(at - t0 < Duration::from_millis(5));
-    assert!(common::released_at(&sim, d, 2).is_some(), "nothing was written: release at once");
+    assert!(
+        common::released_at(&sim, d, 2).is_some(),
+        "nothing was written: release at once"
+    );
     common::assert_invariants(&sim);
 }
 
@@ -153,8 +193,15 @@ fn s04_decode_restart_supersedes_the_old_session_and_cleans_its_rooms() {
     sim.connect(d, p);
     run_ms(&mut sim, 50);
     assert_eq!(state(&sim, p, 1), failed(R::PeerRestarted));
-    assert_eq!(session_events(&sim, p, |e| matches!(e, Event::PeerRestarted { .. })), 1);
-    assert_eq!(sim.nodes[p].endpoint.live_rooms(), 0, "no record of the old life remains");
+    assert_eq!(
+        session_events(&sim, p, |e| matches!(e, Event::PeerRestarted { .. })),
+        1
+    );
+    assert_eq!(
+        sim.nodes[p].endpoint.live_rooms(),
+        0,
+        "no record of the old life remains"
+    );
     assert_eq!(sim.nodes[p].endpoint.session_ids().count(), 1);
     open_room(&mut sim, d, &[p], 2, 8);
     send_all(&mut sim, p, 2, 8, false);
@@ -172,7 +219,10 @@ fn s17_prefill_restart_at_the_same_address_is_noticed_by_incarnation() {
     sim.connect(d, p);
     run_ms(&mut sim, 20);
     assert_eq!(state(&sim, d, 1), failed(R::PeerRestarted));
-    assert_eq!(session_events(&sim, d, |e| matches!(e, Event::PeerRestarted { .. })), 1);
+    assert_eq!(
+        session_events(&sim, d, |e| matches!(e, Event::PeerRestarted { .. })),
+        1
+    );
     assert!(common::released_at(&sim, d, 1).is_some());
     open_room(&mut sim, d, &[p], 2, 4);
     send_all(&mut sim, p, 2, 4, false);
@@ -186,18 +236,33 @@ fn s17_prefill_restart_at_the_same_address_is_noticed_by_incarnation() {
 #[test]
 fn s05_room_toward_saturated_decode_waits_with_a_known_reason_then_fails_decode_saturated() {
     let (mut sim, p, d) = common::pair(51, common::config());
-    sim.nodes[d].endpoint.set_capacity(kvferry_core::Capacity { free_pages: 0, queued_rooms: 7 });
+    sim.nodes[d].endpoint.set_capacity(kvferry_core::Capacity {
+        free_pages: 0,
+        queued_rooms: 7,
+    });
     let sd = sim.session(d, p).unwrap();
     let now = sim.now;
-    sim.nodes[d].endpoint.open_receiver(now, RoomId(1), 0, &[sd], None).unwrap();
-    sim.nodes[d].endpoint.set_queue_position(now, RoomId(1), 7).unwrap();
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(1), 0, &[sd], None)
+        .unwrap();
+    sim.nodes[d]
+        .endpoint
+        .set_queue_position(now, RoomId(1), 7)
+        .unwrap();
     sim.drain(d);
-    sim.nodes[p].endpoint.open_sender(now, RoomId(1), 0).unwrap();
+    sim.nodes[p]
+        .endpoint
+        .open_sender(now, RoomId(1), 0)
+        .unwrap();
     sim.drain(p);
     run_ms(&mut sim, 1_000);
     assert_eq!(state(&sim, p, 1), Some(KvPoll::Bootstrapping));
     let sp = sim.session(p, d).unwrap();
-    assert!(sim.nodes[p].endpoint.peer_capacity(sp).unwrap().saturated(), "capacity came in heartbeats");
+    assert!(
+        sim.nodes[p].endpoint.peer_capacity(sp).unwrap().saturated(),
+        "capacity came in heartbeats"
+    );
     run_ms(&mut sim, 1_100);
     assert_eq!(state(&sim, p, 1), failed(R::DecodeSaturated));
     assert_eq!(state(&sim, d, 1), failed(R::DecodeSaturated));
@@ -210,20 +275,38 @@ fn s05_room_toward_saturated_decode_waits_with_a_known_reason_then_fails_decode_
 fn s06_late_request_for_a_timed_out_room_is_answered_at_once() {
     let (mut sim, p, d) = common::pair(61, common::config());
     let now = sim.now;
-    sim.nodes[p].endpoint.open_sender(now, RoomId(1), 0).unwrap();
+    sim.nodes[p]
+        .endpoint
+        .open_sender(now, RoomId(1), 0)
+        .unwrap();
     run_ms(&mut sim, 2_100);
     assert_eq!(state(&sim, p, 1), failed(R::BootstrapTimeout));
     let t0 = sim.now;
     let dst = sim.nodes[d].alloc(RoomId(1), 0, 4).unwrap();
     let sd = sim.session(d, p).unwrap();
-    let grant = kvferry_core::Grant { pages: dst, aux_slot: Some(1), state_slot: None, receivers: 1 };
-    sim.nodes[d].endpoint.open_receiver(t0, RoomId(1), 0, &[sd], Some(grant)).unwrap();
+    let grant = kvferry_core::Grant {
+        pages: dst,
+        aux_slot: Some(1),
+        state_slot: None,
+        receivers: 1,
+    };
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(t0, RoomId(1), 0, &[sd], Some(grant))
+        .unwrap();
     sim.drain(d);
     run_ms(&mut sim, 5);
     assert_eq!(state(&sim, d, 1), failed(R::BootstrapTimeout));
     let released = common::released_at(&sim, d, 1).expect("released");
-    assert!(released - t0 < Duration::from_millis(5), "pages released at once, not after a timeout");
-    assert_eq!(sim.nodes[p].endpoint.live_rooms(), 0, "no table entry recreated for the dead room");
+    assert!(
+        released - t0 < Duration::from_millis(5),
+        "pages released at once, not after a timeout"
+    );
+    assert_eq!(
+        sim.nodes[p].endpoint.live_rooms(),
+        0,
+        "no table entry recreated for the dead room"
+    );
     common::assert_invariants(&sim);
 }
 
@@ -236,16 +319,31 @@ fn s07_seed_002_pp_bootstrap_race_fails_softly_on_every_rank() {
     let (p0, p1, d) = (ps[0], ps[1], ds[0]);
     let sources = [sim.session(d, p0).unwrap(), sim.session(d, p1).unwrap()];
     let now = sim.now;
-    sim.nodes[d].endpoint.open_receiver(now, RoomId(9), 0, &sources, None).unwrap();
-    sim.nodes[d].endpoint.set_queue_position(now, RoomId(9), 3).unwrap();
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(9), 0, &sources, None)
+        .unwrap();
+    sim.nodes[d]
+        .endpoint
+        .set_queue_position(now, RoomId(9), 3)
+        .unwrap();
     sim.drain(d);
-    sim.nodes[p0].endpoint.open_sender(now, RoomId(9), 0).unwrap();
+    sim.nodes[p0]
+        .endpoint
+        .open_sender(now, RoomId(9), 0)
+        .unwrap();
     run_ms(&mut sim, 1);
     let now = sim.now;
-    sim.nodes[p1].endpoint.open_sender(now, RoomId(9), 0).unwrap();
+    sim.nodes[p1]
+        .endpoint
+        .open_sender(now, RoomId(9), 0)
+        .unwrap();
     sim.drain(p1);
     // Stop right after rank 0's deadline: rank 0 failed, rank 1 still bootstrapping.
-    sim.run_until(1_000_000, |s| s.nodes[p0].endpoint.room_state(RoomId(9)) != Some(KvPoll::Bootstrapping)).unwrap();
+    sim.run_until(1_000_000, |s| {
+        s.nodes[p0].endpoint.room_state(RoomId(9)) != Some(KvPoll::Bootstrapping)
+    })
+    .unwrap();
     let polls = [state(&sim, p0, 9).unwrap(), state(&sim, p1, 9).unwrap()];
     assert_eq!(polls[0], KvPoll::Failed(R::DecodeSaturated));
     assert_eq!(polls[1], KvPoll::Bootstrapping, "skew between the ranks");
@@ -262,12 +360,23 @@ fn s07_seed_002_pp_bootstrap_race_fails_softly_on_every_rank() {
         applied.extend(log.apply(decision));
         assert_eq!(applied.len(), 1);
         let now = sim.now;
-        sim.nodes[rank].endpoint.fail_room(now, RoomId(9), R::DecodeSaturated);
-        assert!(!sim.nodes[rank].endpoint.fail_room(now, RoomId(9), R::DecodeSaturated), "idempotent");
+        sim.nodes[rank]
+            .endpoint
+            .fail_room(now, RoomId(9), R::DecodeSaturated);
+        assert!(
+            !sim.nodes[rank]
+                .endpoint
+                .fail_room(now, RoomId(9), R::DecodeSaturated),
+            "idempotent"
+        );
         sim.drain(rank);
     }
     run_ms(&mut sim, 100);
-    assert_eq!(state(&sim, p1, 9), failed(R::DecodeSaturated), "soft failure, no assertion");
+    assert_eq!(
+        state(&sim, p1, 9),
+        failed(R::DecodeSaturated),
+        "soft failure, no assertion"
+    );
     common::assert_invariants(&sim);
 }
 
@@ -289,13 +398,24 @@ fn s09_seed_003_decode_abort_mid_transfer_quarantines_pages_until_the_drain_ack(
     sim.nodes[d].endpoint.abort(now, RoomId(1)).unwrap();
     sim.drain(d);
     run_ms(&mut sim, 2);
-    assert_eq!(state(&sim, p, 1), failed(R::AbortedByPeer), "prefill notified at once");
-    assert!(common::released_at(&sim, d, 1).is_none(), "pages stay quarantined while writes fly");
+    assert_eq!(
+        state(&sim, p, 1),
+        failed(R::AbortedByPeer),
+        "prefill notified at once"
+    );
+    assert!(
+        common::released_at(&sim, d, 1).is_none(),
+        "pages stay quarantined while writes fly"
+    );
     // Reuse every free page for the next room the moment they are released.
     run_ms(&mut sim, 100);
     let released = common::released_at(&sim, d, 1).expect("released after the ack");
     assert!(released - now >= Duration::from_millis(15));
-    assert_eq!(sim.nodes[d].endpoint.counters().fences, 0, "the ack came: no fence needed");
+    assert_eq!(
+        sim.nodes[d].endpoint.counters().fences,
+        0,
+        "the ack came: no fence needed"
+    );
     open_room(&mut sim, d, &[p], 2, 64);
     send_all(&mut sim, p, 2, 64, false);
     run_ms(&mut sim, 200);
@@ -315,10 +435,16 @@ fn s09_lost_abort_leads_to_a_fence_and_never_to_an_early_release() {
     sim.nodes[d].endpoint.abort(now, RoomId(1)).unwrap();
     sim.drain(d);
     run_ms(&mut sim, 450);
-    assert!(common::released_at(&sim, d, 1).is_none(), "no release on a plain timer");
+    assert!(
+        common::released_at(&sim, d, 1).is_none(),
+        "no release on a plain timer"
+    );
     run_ms(&mut sim, 200);
     let released = common::released_at(&sim, d, 1).expect("released after the fence");
-    assert!(released - now >= Duration::from_millis(500), "abort-ack timeout first");
+    assert!(
+        released - now >= Duration::from_millis(500),
+        "abort-ack timeout first"
+    );
     assert!(sim.nodes[d].endpoint.counters().fences >= 1);
     common::assert_invariants(&sim);
 }
@@ -335,7 +461,10 @@ fn s10_timed_out_operation_is_unsettled_until_a_fence_then_retried() {
     sim.faults.op_hang = 0.0;
     run_ms(&mut sim, 1_000);
     assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
-    assert!(sim.nodes[p].endpoint.counters().fences >= 1, "the hung attempt was fenced");
+    assert!(
+        sim.nodes[p].endpoint.counters().fences >= 1,
+        "the hung attempt was fenced"
+    );
     assert!(sim.nodes[p].endpoint.counters().retries >= 1);
     common::assert_invariants(&sim);
 }
@@ -352,7 +481,10 @@ fn s11_prefill_abort_is_pushed_to_decode_at_once_with_its_reason() {
     let now = sim.now;
     sim.nodes[p].endpoint.abort(now, RoomId(1)).unwrap();
     sim.drain(p);
-    assert!(common::released_at(&sim, p, 1).is_none(), "source pages pinned while reads fly");
+    assert!(
+        common::released_at(&sim, p, 1).is_none(),
+        "source pages pinned while reads fly"
+    );
     run_ms(&mut sim, 1);
     assert_eq!(state(&sim, d, 1), failed(R::AbortedByPeer));
     run_ms(&mut sim, 50);
@@ -370,7 +502,9 @@ fn s12_failure_reasons_travel_typed_to_the_other_side() {
     open_room(&mut sim, d, &[p], 1, 2);
     run_ms(&mut sim, 2);
     let now = sim.now;
-    assert!(sim.nodes[p].endpoint.fail_room(now, RoomId(1), R::ProtocolError));
+    assert!(sim.nodes[p]
+        .endpoint
+        .fail_room(now, RoomId(1), R::ProtocolError));
     sim.drain(p);
     run_ms(&mut sim, 2);
     assert_eq!(state(&sim, d, 1), failed(R::ProtocolError));
@@ -411,10 +545,13 @@ fn s14_a_prefill_room_that_never_gets_input_fails_by_its_waiting_deadline() {
 fn s16_silent_prefill_fails_exactly_its_sessions_rooms_by_liveness() {
     let (mut sim, ps, ds) = common::cluster(161, common::config(), Faults::default());
     let d = ds[0];
-    let mut single_stage = |sim: &mut Sim, room: u64, p: usize| {
+    let single_stage = |sim: &mut Sim, room: u64, p: usize| {
         let sd = sim.session(d, p).unwrap();
         let now = sim.now;
-        sim.nodes[d].endpoint.open_receiver(now, RoomId(room), 0, &[sd], None).unwrap();
+        sim.nodes[d]
+            .endpoint
+            .open_receiver(now, RoomId(room), 0, &[sd], None)
+            .unwrap();
         sim.drain(d);
     };
     single_stage(&mut sim, 1, ps[0]);
@@ -422,8 +559,16 @@ fn s16_silent_prefill_fails_exactly_its_sessions_rooms_by_liveness() {
     let now = sim.now;
     sim.blackhole(d, ps[0], now + Duration::from_secs(3600));
     run_ms(&mut sim, 1_000);
-    assert_eq!(state(&sim, d, 1), failed(R::PeerUnreachable), "3 x 250 ms heartbeats missed");
-    assert_eq!(state(&sim, d, 2), Some(KvPoll::Bootstrapping), "the healthy peer's room is untouched");
+    assert_eq!(
+        state(&sim, d, 1),
+        failed(R::PeerUnreachable),
+        "3 x 250 ms heartbeats missed"
+    );
+    assert_eq!(
+        state(&sim, d, 2),
+        Some(KvPoll::Bootstrapping),
+        "the healthy peer's room is untouched"
+    );
     common::assert_invariants(&sim);
 }
 
@@ -434,7 +579,10 @@ fn s18_decode_room_never_granted_pages_fails_in_bootstrapping() {
     let (mut sim, p, d) = common::pair(181, common::config());
     let sd = sim.session(d, p).unwrap();
     let now = sim.now;
-    sim.nodes[d].endpoint.open_receiver(now, RoomId(1), 0, &[sd], None).unwrap();
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(1), 0, &[sd], None)
+        .unwrap();
     sim.drain(d);
     run_ms(&mut sim, 2_100);
     assert_eq!(state(&sim, d, 1), failed(R::BootstrapTimeout));
@@ -447,13 +595,24 @@ fn s18_decode_room_whose_prefill_never_opens_fails_by_waiting_deadline() {
     let sd = sim.session(d, p).unwrap();
     let dst = sim.nodes[d].alloc(RoomId(1), 0, 2).unwrap();
     let now = sim.now;
-    let grant = kvferry_core::Grant { pages: dst, aux_slot: None, state_slot: None, receivers: 1 };
-    sim.nodes[d].endpoint.open_receiver(now, RoomId(1), 0, &[sd], Some(grant)).unwrap();
+    let grant = kvferry_core::Grant {
+        pages: dst,
+        aux_slot: None,
+        state_slot: None,
+        receivers: 1,
+    };
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(1), 0, &[sd], Some(grant))
+        .unwrap();
     sim.drain(d);
     run_ms(&mut sim, 2_100);
     assert_eq!(state(&sim, d, 1), failed(R::WaitingTimeout));
     run_ms(&mut sim, 10);
-    assert!(common::released_at(&sim, d, 1).is_some(), "prefill acked: nothing was written");
+    assert!(
+        common::released_at(&sim, d, 1).is_some(),
+        "prefill acked: nothing was written"
+    );
     let now = sim.now;
     assert_eq!(
         sim.nodes[p].endpoint.open_sender(now, RoomId(1), 0),
@@ -479,16 +638,29 @@ fn s20_incompatible_layout_rejects_that_peer_only() {
         .iter()
         .map(|&n| {
             sim.nodes[n].count_events(|e| {
-                matches!(e, Event::SessionRejected { reason: RejectReason::IncompatibleLayout("page_bytes"), .. })
+                matches!(
+                    e,
+                    Event::SessionRejected {
+                        reason: RejectReason::IncompatibleLayout("page_bytes"),
+                        ..
+                    }
+                )
             })
         })
         .sum();
-    assert!(rejected >= 1, "the first side to read the other's hello refuses it");
+    assert!(
+        rejected >= 1,
+        "the first side to read the other's hello refuses it"
+    );
     assert_eq!(sim.session(p, bad), None);
     open_room(&mut sim, d, &[p], 1, 4);
     send_all(&mut sim, p, 1, 4, false);
     run_ms(&mut sim, 50);
-    assert_eq!(state(&sim, d, 1), Some(KvPoll::Success), "other peers keep working");
+    assert_eq!(
+        state(&sim, d, 1),
+        Some(KvPoll::Success),
+        "other peers keep working"
+    );
     common::assert_invariants(&sim);
 }
 
@@ -508,7 +680,17 @@ fn s20_wrong_cluster_token_is_refused() {
     run_ms(&mut sim, 5);
     let rejected: usize = [p, bad]
         .iter()
-        .map(|&n| sim.nodes[n].count_events(|e| matches!(e, Event::SessionRejected { reason: RejectReason::BadToken, .. })))
+        .map(|&n| {
+            sim.nodes[n].count_events(|e| {
+                matches!(
+                    e,
+                    Event::SessionRejected {
+                        reason: RejectReason::BadToken,
+                        ..
+                    }
+                )
+            })
+        })
         .sum();
     assert!(rejected >= 1);
     assert_eq!(sim.session(p, bad), None);
@@ -525,11 +707,18 @@ fn s24_a_terminal_state_is_never_overwritten() {
     assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
     let now = sim.now;
     assert!(sim.nodes[d].endpoint.abort(now, RoomId(1)).is_err());
-    assert!(!sim.nodes[d].endpoint.fail_room(now, RoomId(1), R::WaitingTimeout));
+    assert!(!sim.nodes[d]
+        .endpoint
+        .fail_room(now, RoomId(1), R::WaitingTimeout));
     // A late failure status from the peer for the concluded room is dropped.
     let sd = sim.session(d, p).unwrap();
     let mut buf = Vec::new();
-    Message::RoomStatus { room: RoomId(1), generation: 0, failure: Some(R::TransferFailed) }.encode(&mut buf);
+    Message::RoomStatus {
+        room: RoomId(1),
+        generation: 0,
+        failure: Some(R::TransferFailed),
+    }
+    .encode(&mut buf);
     sim.nodes[d].endpoint.handle_input(now, sd, &buf);
     sim.drain(d);
     assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
@@ -550,14 +739,27 @@ fn s25_seed_004_layerwise_ops_leave_only_when_their_layer_is_ready() {
     for layer in 0..3 {
         let before = sim.ops_emitted;
         let now = sim.now;
-        sim.nodes[p].endpoint.mark_layer_ready(now, &[RoomId(1)], layer).unwrap();
+        sim.nodes[p]
+            .endpoint
+            .mark_layer_ready(now, &[RoomId(1)], layer)
+            .unwrap();
         sim.drain(p);
-        assert!(sim.ops_emitted > before, "layer {layer} moves as soon as it is ready");
+        assert!(
+            sim.ops_emitted > before,
+            "layer {layer} moves as soon as it is ready"
+        );
         run_ms(&mut sim, 5);
     }
-    assert_eq!(state(&sim, d, 1), Some(KvPoll::Transferring), "not done without the last layer");
+    assert_eq!(
+        state(&sim, d, 1),
+        Some(KvPoll::Transferring),
+        "not done without the last layer"
+    );
     let now = sim.now;
-    sim.nodes[p].endpoint.mark_layer_ready(now, &[RoomId(1)], 3).unwrap();
+    sim.nodes[p]
+        .endpoint
+        .mark_layer_ready(now, &[RoomId(1)], 3)
+        .unwrap();
     sim.drain(p);
     run_ms(&mut sim, 10);
     assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
@@ -571,7 +773,10 @@ fn s25_a_missing_layer_fails_the_room_instead_of_reporting_success() {
     send_all(&mut sim, p, 1, 8, true);
     for layer in 0..3 {
         let now = sim.now;
-        sim.nodes[p].endpoint.mark_layer_ready(now, &[RoomId(1)], layer).unwrap();
+        sim.nodes[p]
+            .endpoint
+            .mark_layer_ready(now, &[RoomId(1)], layer)
+            .unwrap();
         sim.drain(p);
     }
     run_ms(&mut sim, 3_000);
@@ -587,14 +792,20 @@ fn s25_a_failed_layer_operation_fails_the_room() {
     send_all(&mut sim, p, 1, 8, true);
     for layer in 0..2 {
         let now = sim.now;
-        sim.nodes[p].endpoint.mark_layer_ready(now, &[RoomId(1)], layer).unwrap();
+        sim.nodes[p]
+            .endpoint
+            .mark_layer_ready(now, &[RoomId(1)], layer)
+            .unwrap();
         sim.drain(p);
     }
     run_ms(&mut sim, 5);
     sim.faults.op_fatal = 1.0;
     for layer in 2..4 {
         let now = sim.now;
-        sim.nodes[p].endpoint.mark_layer_ready(now, &[RoomId(1)], layer).unwrap();
+        sim.nodes[p]
+            .endpoint
+            .mark_layer_ready(now, &[RoomId(1)], layer)
+            .unwrap();
         sim.drain(p);
     }
     run_ms(&mut sim, 50);
@@ -617,7 +828,11 @@ fn s26_progress_keeps_a_long_queued_room_alive_on_decode() {
     open_room(&mut sim, d, &[p], 1, 4);
     // Prefill's compute queue holds the room for 5 s, well past decode's 2 s waiting timeout.
     run_ms(&mut sim, 5_000);
-    assert_eq!(state(&sim, d, 1), Some(KvPoll::WaitingForInput), "alive: progress keepalives arrive");
+    assert_eq!(
+        state(&sim, d, 1),
+        Some(KvPoll::WaitingForInput),
+        "alive: progress keepalives arrive"
+    );
     send_all(&mut sim, p, 1, 4, false);
     run_ms(&mut sim, 50);
     assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
@@ -634,25 +849,49 @@ fn s27_messages_of_an_older_generation_are_dropped_and_reuse_needs_a_new_generat
     run_ms(&mut sim, 50);
     let now = sim.now;
     let sd = sim.session(d, p).unwrap();
-    let err = sim.nodes[d].endpoint.open_receiver(now, RoomId(1), 0, &[sd], None);
-    assert!(matches!(err, Err(kvferry_core::ApiError::StaleGeneration { .. })));
-    sim.nodes[d].endpoint.open_receiver(now, RoomId(1), 1, &[sd], None).unwrap();
+    let err = sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(1), 0, &[sd], None);
+    assert!(matches!(
+        err,
+        Err(kvferry_core::ApiError::StaleGeneration { .. })
+    ));
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(1), 1, &[sd], None)
+        .unwrap();
     sim.drain(d);
     let mut buf = Vec::new();
-    Message::RoomStatus { room: RoomId(1), generation: 0, failure: None }.encode(&mut buf);
+    Message::RoomStatus {
+        room: RoomId(1),
+        generation: 0,
+        failure: None,
+    }
+    .encode(&mut buf);
     let stale_before = sim.nodes[d].endpoint.counters().stale_messages;
     sim.nodes[d].endpoint.handle_input(now, sd, &buf);
-    assert_eq!(state(&sim, d, 1), Some(KvPoll::Bootstrapping), "the replay did not touch generation 1");
-    assert_eq!(sim.nodes[d].endpoint.counters().stale_messages, stale_before + 1);
+    assert_eq!(
+        state(&sim, d, 1),
+        Some(KvPoll::Bootstrapping),
+        "the replay did not touch generation 1"
+    );
+    assert_eq!(
+        sim.nodes[d].endpoint.counters().stale_messages,
+        stale_before + 1
+    );
 }
 
 #[test]
 fn s27_duplicated_and_reordered_messages_do_not_break_rooms() {
-    let mut faults = Faults::default();
-    faults.msg_duplicate = 0.2;
+    let faults = Faults { msg_duplicate: 0.2, ..Faults::default() };
     let (mut sim, ps, ds) = common::cluster(272, common::config(), faults);
     common::run_workload(&mut sim, Workload::new(ds, vec![ps], 300), 2_000_000);
-    assert_eq!(sim.workload_outcomes().get("success"), Some(&300), "{:?}", sim.workload_outcomes());
+    assert_eq!(
+        sim.workload_outcomes().get("success"),
+        Some(&300),
+        "{:?}",
+        sim.workload_outcomes()
+    );
 }
 
 // ------------------------------------------------------------------ seeds 000 and 001
@@ -669,12 +908,20 @@ fn seed_000_default_retries_and_threshold_keep_a_hiccup_from_killing_the_session
         send_all(&mut sim, p, room, 1, false);
         run_ms(&mut sim, 100);
     }
-    assert_eq!(sim.nodes[p].endpoint.session_state(sp), Some(SessionState::Established), "9 < 10");
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(sp),
+        Some(SessionState::Established),
+        "9 < 10"
+    );
     sim.break_data_path(p, d, sim.now);
     open_room(&mut sim, d, &[p], 10, 1);
     send_all(&mut sim, p, 10, 1, false);
     run_ms(&mut sim, 100);
-    assert_eq!(state(&sim, d, 10), Some(KvPoll::Success), "the hiccup is over, the session lives");
+    assert_eq!(
+        state(&sim, d, 10),
+        Some(KvPoll::Success),
+        "the hiccup is over, the session lives"
+    );
     assert_eq!(sim.nodes[p].endpoint.session_failures(sp), Some(0));
     common::assert_invariants(&sim);
 }
@@ -691,10 +938,19 @@ fn seed_001_blacklisted_session_is_unblacklisted_when_the_probe_succeeds() {
         send_all(&mut sim, p, room, 1, false);
         run_ms(&mut sim, 100);
     }
-    assert_eq!(sim.nodes[p].endpoint.session_state(sp), Some(SessionState::Blacklisted));
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(sp),
+        Some(SessionState::Blacklisted)
+    );
     run_ms(&mut sim, 3_000);
-    assert_eq!(sim.nodes[p].endpoint.session_state(sp), Some(SessionState::Established));
-    assert_eq!(sim.nodes[p].count_events(|e| matches!(e, Event::SessionRecovered { .. })), 1);
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(sp),
+        Some(SessionState::Established)
+    );
+    assert_eq!(
+        sim.nodes[p].count_events(|e| matches!(e, Event::SessionRecovered { .. })),
+        1
+    );
     assert_eq!(sim.nodes[p].endpoint.counters().sessions_recovered, 1);
     common::assert_invariants(&sim);
 }
@@ -713,6 +969,9 @@ fn blacklist_survives_a_reconnect_of_the_same_incarnation() {
     sim.connect(d, p);
     run_ms(&mut sim, 5);
     let sp = sim.session(p, d).unwrap();
-    assert_eq!(sim.nodes[p].endpoint.session_state(sp), Some(SessionState::Blacklisted));
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(sp),
+        Some(SessionState::Blacklisted)
+    );
     common::assert_invariants(&sim);
 }

@@ -13,7 +13,8 @@ pub fn pair(seed: u64, config: Config) -> (Sim, usize, usize) {
     let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
     let d = sim.add_decode(config, layout, 0);
     sim.connect(d, p);
-    sim.run_for(Duration::from_millis(5), 10_000).expect("handshake");
+    sim.run_for(Duration::from_millis(5), 10_000)
+        .expect("handshake");
     (sim, p, d)
 }
 
@@ -30,7 +31,8 @@ pub fn cluster(seed: u64, config: Config, faults: Faults) -> (Sim, Vec<usize>, V
             sim.connect(d, p);
         }
     }
-    sim.run_for(Duration::from_millis(5), 10_000).expect("handshake");
+    sim.run_for(Duration::from_millis(5), 10_000)
+        .expect("handshake");
     (sim, vec![p0, p1], vec![d0, d1])
 }
 
@@ -44,7 +46,11 @@ pub fn run_workload(sim: &mut Sim, w: Workload, max_steps: u64) {
 
 /// No violation, counters agree with events, nothing left behind.
 pub fn assert_invariants(sim: &Sim) {
-    assert!(sim.violations.is_empty(), "violations: {:#?}", &sim.violations[..sim.violations.len().min(20)]);
+    assert!(
+        sim.violations.is_empty(),
+        "violations: {:#?}",
+        &sim.violations[..sim.violations.len().min(20)]
+    );
     let mismatches = sim.counter_mismatches();
     assert!(mismatches.is_empty(), "counter mismatches: {mismatches:#?}");
 }
@@ -62,12 +68,26 @@ pub fn open_room(sim: &mut Sim, d: usize, ps: &[usize], room: u64, pages: u32) -
     let now = sim.now;
     let id = RoomId(room);
     let dst = sim.nodes[d].alloc(id, 0, pages).expect("decode pages");
-    let sources: Vec<SessionId> = ps.iter().map(|&p| sim.session(d, p).expect("session")).collect();
-    let grant = Grant { pages: dst.clone(), aux_slot: Some(room as u32), state_slot: None, receivers: 1 };
-    sim.nodes[d].endpoint.open_receiver(now, id, 0, &sources, Some(grant)).expect("open receiver");
+    let sources: Vec<SessionId> = ps
+        .iter()
+        .map(|&p| sim.session(d, p).expect("session"))
+        .collect();
+    let grant = Grant {
+        pages: dst.clone(),
+        aux_slot: Some(room as u32),
+        state_slot: None,
+        receivers: 1,
+    };
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, id, 0, &sources, Some(grant))
+        .expect("open receiver");
     sim.drain(d);
     for &p in ps {
-        sim.nodes[p].endpoint.open_sender(now, id, 0).expect("open sender");
+        sim.nodes[p]
+            .endpoint
+            .open_sender(now, id, 0)
+            .expect("open sender");
         sim.drain(p);
     }
     dst
@@ -78,8 +98,17 @@ pub fn send_all(sim: &mut Sim, p: usize, room: u64, pages: u32, layerwise: bool)
     let now = sim.now;
     let id = RoomId(room);
     let src = sim.nodes[p].alloc(id, 0, pages).expect("prefill pages");
-    let chunk = Chunk { pages: src, last: true, aux_slot: Some(room as u32), state_slot: None, layerwise };
-    sim.nodes[p].endpoint.send_chunk(now, id, chunk).expect("send chunk");
+    let chunk = Chunk {
+        pages: src,
+        last: true,
+        aux_slot: Some(room as u32),
+        state_slot: None,
+        layerwise,
+    };
+    sim.nodes[p]
+        .endpoint
+        .send_chunk(now, id, chunk)
+        .expect("send chunk");
     sim.drain(p);
 }
 
@@ -90,7 +119,8 @@ pub fn state(sim: &Sim, n: usize, room: u64) -> Option<KvPoll> {
 
 /// Runs `ms` milliseconds of simulated time.
 pub fn run_ms(sim: &mut Sim, ms: u64) {
-    sim.run_for(Duration::from_millis(ms), 5_000_000).expect("no livelock");
+    sim.run_for(Duration::from_millis(ms), 5_000_000)
+        .expect("no livelock");
 }
 
 /// When node `n` saw `room` become releasable.
@@ -104,7 +134,9 @@ pub fn released_at(sim: &Sim, n: usize, room: u64) -> Option<std::time::Instant>
 /// When node `n` saw `room` reach `state`.
 pub fn state_at(sim: &Sim, n: usize, room: u64, state: KvPoll) -> Option<std::time::Instant> {
     sim.nodes[n].events.iter().find_map(|(t, e)| match e {
-        Event::RoomState { room: r, state: s, .. } if *r == RoomId(room) && *s == state => Some(*t),
+        Event::RoomState {
+            room: r, state: s, ..
+        } if *r == RoomId(room) && *s == state => Some(*t),
         _ => None,
     })
 }
