@@ -883,7 +883,10 @@ fn s27_messages_of_an_older_generation_are_dropped_and_reuse_needs_a_new_generat
 
 #[test]
 fn s27_duplicated_and_reordered_messages_do_not_break_rooms() {
-    let faults = Faults { msg_duplicate: 0.2, ..Faults::default() };
+    let faults = Faults {
+        msg_duplicate: 0.2,
+        ..Faults::default()
+    };
     let (mut sim, ps, ds) = common::cluster(272, common::config(), faults);
     common::run_workload(&mut sim, Workload::new(ds, vec![ps], 300), 2_000_000);
     assert_eq!(
