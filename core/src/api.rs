@@ -206,6 +206,18 @@ pub enum Event {
         /// The new session.
         new: SessionId,
     },
+    /// Prefill: a decode asked for a room this endpoint has not opened yet. The embedder
+    /// opens it with [`crate::Endpoint::open_sender`] (or lets its bootstrap fail).
+    RoomAnnounced {
+        /// The room.
+        room: RoomId,
+        /// Its generation.
+        generation: Generation,
+        /// The decode session that asked.
+        session: SessionId,
+        /// Pages the decode granted (0 while it is still waiting for pages).
+        pages: u32,
+    },
     /// A session ended; the driver's connections of it are closed.
     SessionClosed {
         /// The session.

@@ -428,6 +428,15 @@ impl Endpoint {
         self.sessions.keys().copied()
     }
 
+    /// The established (or blacklisted) session whose peer is `node` in its `incarnation`:
+    /// how a driver attaches a data connection that names its peer to the right session.
+    pub fn session_of(&self, node: NodeId, incarnation: crate::ids::Incarnation) -> Option<SessionId> {
+        let sid = *self.nodes.get(&node)?;
+        let s = self.sessions.get(&sid)?;
+        let usable = matches!(s.state, SessionState::Established | SessionState::Blacklisted);
+        (usable && s.peer.is_some_and(|p| p.incarnation == incarnation)).then_some(sid)
+    }
+
     // ---------------------------------------------------------------- outputs
 
     /// Encodes the next control frame into `buf` and returns the session to send it on.
@@ -1811,8 +1820,12 @@ impl Endpoint {
             Some(r) if r.generation > generation => self.counters.stale_messages += 1,
             _ => {
                 if let Some(p) = self.pending_entry(room, generation) {
+                    let first = p.notices.is_empty() && p.requests.is_empty();
                     p.notices.retain(|(s, _)| *s != sid);
                     p.notices.push((sid, pos));
+                    if first {
+                        self.events.push_back(Event::RoomAnnounced { room, generation, session: sid, pages: 0 });
+                    }
                 }
             }
         }
@@ -1832,9 +1845,14 @@ impl Endpoint {
                 return;
             }
             _ => {
+                let pages = req.pages.iter().map(|r| r.len).sum();
                 if let Some(p) = self.pending_entry(room, generation) {
+                    let first = p.requests.is_empty();
                     p.requests.retain(|(s, _)| *s != sid);
                     p.requests.push((sid, req));
+                    if first {
+                        self.events.push_back(Event::RoomAnnounced { room, generation, session: sid, pages });
+                    }
                 }
                 return;
             }

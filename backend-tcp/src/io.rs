@@ -1,0 +1,463 @@
+//! Data connections on tokio: vectored sends straight from registered memory, scatter
+//! receives straight into it, one acknowledgement per operation after the bytes are applied.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::sync::{Arc, Mutex};
+
+use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, TransferOutcome, WriteRefused};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use crate::frame::{
+    decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
+    KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+};
+use crate::memory::MemoryMap;
+
+/// Linux accepts at most this many iovecs per call.
+const MAX_IOV: usize = 1024;
+
+/// Called once per operation handed to a [`DataSender`], with how it ended.
+pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;
+
+/// Decides whether a write may be applied (the driver asks the core's `check_write`).
+pub trait WriteCheck: Send + Sync + 'static {
+    /// Accepts or refuses every slice of one operation for `(room, generation)`.
+    fn check(&self, room: RoomId, generation: Generation, slices: &[Slice]) -> Result<(), WriteRefused>;
+}
+
+/// Bounds a receiver enforces on every write header.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Most slices per operation.
+    pub max_slices: u32,
+    /// Most payload bytes per operation.
+    pub max_bytes: u64,
+}
+
+#[derive(Default)]
+struct ConnState {
+    /// Handed to the writer, not yet on the wire.
+    queued: VecDeque<TransferId>,
+    /// On the wire, waiting for the ack (in order).
+    pending: VecDeque<TransferId>,
+    closed: bool,
+}
+
+/// The sending side of one data connection (prefill): operations are pipelined, each written
+/// with one vectored write from registered memory, and completed by the peer's ack.
+pub struct DataSender {
+    ops: mpsc::UnboundedSender<TransferOp>,
+    state: Arc<Mutex<ConnState>>,
+    report: Report,
+    writer: JoinHandle<()>,
+    reader: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for DataSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataSender").finish_non_exhaustive()
+    }
+}
+
+fn lock(state: &Mutex<ConnState>) -> std::sync::MutexGuard<'_, ConnState> {
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Marks the connection closed and reports every operation not acknowledged as transient.
+fn fail_pending(state: &Mutex<ConnState>, report: &Report) {
+    let pending: Vec<TransferId> = {
+        let mut s = lock(state);
+        s.closed = true;
+        let mut all: Vec<TransferId> = s.pending.drain(..).collect();
+        all.extend(s.queued.drain(..));
+        all
+    };
+    for id in pending {
+        report(id, TransferOutcome::Transient);
+    }
+}
+
+impl DataSender {
+    /// Takes over an established data connection (preamble already exchanged).
+    pub fn spawn(stream: TcpStream, memory: Arc<MemoryMap>, report: Report) -> Self {
+        let _ = stream.set_nodelay(true);
+        let (read, write) = stream.into_split();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let state = Arc::new(Mutex::new(ConnState::default()));
+        let writer = tokio::spawn(write_loop(write, rx, memory, state.clone(), report.clone()));
+        let reader = tokio::spawn(ack_loop(read, state.clone(), report.clone()));
+        DataSender { ops: tx, state, report, writer, reader }
+    }
+
+    /// Queues an operation. Gives it back if the connection is already closed.
+    pub fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
+        {
+            let mut s = lock(&self.state);
+            if s.closed || self.writer.is_finished() {
+                return Err(op);
+            }
+            s.queued.push_back(op.id);
+        }
+        self.ops.send(op).map_err(|e| {
+            lock(&self.state).queued.retain(|id| *id != e.0.id);
+            e.0
+        })
+    }
+
+    /// Whether the connection broke or was closed.
+    pub fn is_closed(&self) -> bool {
+        lock(&self.state).closed || self.writer.is_finished()
+    }
+
+    /// Operations written and not yet acknowledged.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.state).pending.len()
+    }
+
+    /// Closes the connection and waits until nothing of it can be written any more. Every
+    /// operation not acknowledged is reported as transient.
+    pub async fn close(self) {
+        self.writer.abort();
+        self.reader.abort();
+        let _ = self.writer.await;
+        let _ = self.reader.await;
+        // The writer is gone: whatever it had not written, or was not acked, is reported.
+        fail_pending(&self.state, &self.report);
+    }
+}
+
+async fn write_loop(
+    mut write: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<TransferOp>,
+    memory: Arc<MemoryMap>,
+    state: Arc<Mutex<ConnState>>,
+    report: Report,
+) {
+    let mut header = Vec::with_capacity(WRITE_HEADER_LEN + 64 * SLICE_DESC_LEN);
+    while let Some(op) = rx.recv().await {
+        header.clear();
+        WriteHeader {
+            op: op.id,
+            room: op.room.unwrap_or_default(),
+            generation: op.generation,
+            slices: op.slices.len() as u32,
+            payload: op.bytes,
+        }
+        .encode(&mut header);
+        for s in op.slices.iter() {
+            encode_slice(s, &mut header);
+        }
+        // Resolve every source range before anything goes on the wire.
+        let mut sources: Vec<(usize, usize)> = Vec::with_capacity(op.slices.len());
+        let mut bad = false;
+        for s in op.slices.iter() {
+            match memory.range(s.region, s.src_offset, s.len) {
+                Ok(p) => sources.push((p as usize, s.len as usize)),
+                Err(e) => {
+                    warn!(op = %op.id, error = %e, "source range not registered");
+                    bad = true;
+                    break;
+                }
+            }
+        }
+        {
+            // One lock: an operation is reported by exactly one of close and the ack reader.
+            let mut s = lock(&state);
+            let Some(pos) = s.queued.iter().position(|id| *id == op.id) else {
+                continue; // already reported when the connection closed
+            };
+            s.queued.remove(pos);
+            if s.closed || bad {
+                drop(s);
+                let outcome = if bad { TransferOutcome::Fatal } else { TransferOutcome::Transient };
+                report(op.id, outcome);
+                continue;
+            }
+            s.pending.push_back(op.id);
+        }
+        if let Err(e) = write_gather(&mut write, &header, &sources).await {
+            debug!(error = %e, "data connection write failed");
+            break;
+        }
+    }
+    // Everything queued or unacknowledged failed transiently.
+    fail_pending(&state, &report);
+    rx.close();
+    let _ = write.shutdown().await;
+}
+
+/// Writes `header` then every source range with as few `writev` calls as the kernel allows.
+async fn write_gather(write: &mut OwnedWriteHalf, header: &[u8], sources: &[(usize, usize)]) -> io::Result<()> {
+    let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
+    let mut done = 0usize;
+    while done < total {
+        write.writable().await?;
+        let result = {
+            let iov = gather_iovecs(header, sources, done);
+            write.try_write_vectored(&iov)
+        };
+        match result {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The iovecs of what is left to send after `skip` bytes, at most [`MAX_IOV`] of them.
+fn gather_iovecs<'a>(header: &'a [u8], sources: &[(usize, usize)], mut skip: usize) -> Vec<IoSlice<'a>> {
+    let mut iov = Vec::with_capacity((sources.len() + 1).min(MAX_IOV));
+    if skip < header.len() {
+        iov.push(IoSlice::new(&header[skip..]));
+        skip = 0;
+    } else {
+        skip -= header.len();
+    }
+    for &(ptr, len) in sources {
+        if iov.len() == MAX_IOV {
+            break;
+        }
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        // SAFETY: (ptr, len) came from MemoryMap::range, so it lies inside registered memory
+        // that outlives the map (held by the caller's Arc); the core keeps these source pages
+        // pinned (no release, no reuse) until this operation is reported.
+        let bytes: &'a [u8] = unsafe { std::slice::from_raw_parts((ptr as *const u8).add(skip), len - skip) };
+        iov.push(IoSlice::new(bytes));
+        skip = 0;
+    }
+    iov
+}
+
+async fn ack_loop(mut read: OwnedReadHalf, state: Arc<Mutex<ConnState>>, report: Report) {
+    let mut buf = [0u8; ACK_LEN];
+    loop {
+        if let Err(e) = read.read_exact(&mut buf).await {
+            debug!(error = %e, "data connection closed");
+            break;
+        }
+        let Ok((id, status)) = decode_ack(&buf) else {
+            warn!("malformed acknowledgement, closing the data connection");
+            break;
+        };
+        let expected = lock(&state).pending.pop_front();
+        if expected != Some(id) {
+            warn!(got = %id, ?expected, "acknowledgement out of order, closing the data connection");
+            if let Some(e) = expected {
+                report(e, TransferOutcome::Transient);
+            }
+            break;
+        }
+        let outcome = match status {
+            AckStatus::Applied => TransferOutcome::Done,
+            AckStatus::Refused => TransferOutcome::Refused,
+        };
+        report(id, outcome);
+    }
+    fail_pending(&state, &report);
+}
+
+/// What a receiver saw on a data connection before it ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServeStats {
+    /// Operations applied.
+    pub applied: u64,
+    /// Operations refused (payload discarded).
+    pub refused: u64,
+    /// Payload bytes applied.
+    pub bytes: u64,
+}
+
+/// An error that ends a data connection on the receiving side.
+#[derive(Debug)]
+pub enum ServeError {
+    /// The socket failed.
+    Io(io::Error),
+    /// The peer sent a frame that cannot be accepted.
+    Frame(FrameError),
+}
+
+impl std::fmt::Display for ServeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServeError::Io(e) => write!(f, "data connection failed: {e}"),
+            ServeError::Frame(e) => write!(f, "data connection refused a frame: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ServeError {}
+
+impl From<io::Error> for ServeError {
+    fn from(e: io::Error) -> Self {
+        ServeError::Io(e)
+    }
+}
+
+/// Serves write batches on a data connection (decode): validates each header and table with
+/// `check`, scatters the payload straight into registered memory, then acknowledges.
+///
+/// Refused writes are read into a discard buffer (never into registered memory) and
+/// acknowledged as refused. A malformed header ends the connection. Returns on EOF.
+pub async fn serve_writes(
+    mut stream: TcpStream,
+    memory: Arc<MemoryMap>,
+    check: Arc<dyn WriteCheck>,
+    limits: Limits,
+) -> Result<ServeStats, ServeError> {
+    let _ = stream.set_nodelay(true);
+    let mut stats = ServeStats::default();
+    let mut header = [0u8; WRITE_HEADER_LEN];
+    let mut table = Vec::new();
+    loop {
+        match stream.read_exact(&mut header).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(stats),
+            Err(e) => return Err(e.into()),
+        }
+        let h = WriteHeader::decode(&header, limits.max_slices, limits.max_bytes).map_err(ServeError::Frame)?;
+        table.resize(h.slices as usize * SLICE_DESC_LEN, 0);
+        stream.read_exact(&mut table).await?;
+        let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
+        let verdict = check.check(h.room, h.generation, &slices);
+        // Bounds against this process's registrations, whatever the core said.
+        let targets: Option<Vec<(usize, usize)>> = verdict.ok().and_then(|_| {
+            slices
+                .iter()
+                .map(|s| memory.range(s.region, s.dst_offset, s.len).ok().map(|p| (p as usize, s.len as usize)))
+                .collect()
+        });
+        let status = match targets {
+            Some(targets) => {
+                read_scatter(&stream, &targets).await?;
+                stats.applied += 1;
+                stats.bytes += h.payload;
+                AckStatus::Applied
+            }
+            None => {
+                discard(&mut stream, h.payload).await?;
+                stats.refused += 1;
+                debug!(room = %h.room, op = %h.op, ?verdict, "write refused");
+                AckStatus::Refused
+            }
+        };
+        stream.write_all(&encode_ack(h.op, status)).await?;
+    }
+}
+
+/// Reads exactly the bytes of `targets` into them, with as few `readv` calls as possible.
+async fn read_scatter(stream: &TcpStream, targets: &[(usize, usize)]) -> io::Result<()> {
+    let total: usize = targets.iter().map(|t| t.1).sum();
+    let mut done = 0usize;
+    while done < total {
+        stream.readable().await?;
+        let result = {
+            let mut iov = scatter_iovecs(targets, done);
+            stream.try_read_vectored(&mut iov)
+        };
+        match result {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn scatter_iovecs<'a>(targets: &[(usize, usize)], mut skip: usize) -> Vec<IoSliceMut<'a>> {
+    let mut iov = Vec::with_capacity(targets.len().min(MAX_IOV));
+    for &(ptr, len) in targets {
+        if iov.len() == MAX_IOV {
+            break;
+        }
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        // SAFETY: (ptr, len) came from MemoryMap::range (inside registered memory that the
+        // caller's Arc keeps alive) and the core accepted the write for this room's pages, so
+        // nobody else reads or writes them until the room concludes and is released.
+        let bytes: &'a mut [u8] = unsafe { std::slice::from_raw_parts_mut((ptr as *mut u8).add(skip), len - skip) };
+        iov.push(IoSliceMut::new(bytes));
+        skip = 0;
+    }
+    iov
+}
+
+async fn discard(stream: &mut TcpStream, mut n: u64) -> io::Result<()> {
+    let mut sink = vec![0u8; 64 * 1024];
+    while n > 0 {
+        let k = (n as usize).min(sink.len());
+        stream.read_exact(&mut sink[..k]).await?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+/// Opens a data connection to a kvferry listener and introduces it.
+pub async fn connect_data(addr: std::net::SocketAddr, hello: &DataHello) -> io::Result<TcpStream> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    stream.write_all(&hello.encode()).await?;
+    let mut answer = [0u8; 1];
+    stream.read_exact(&mut answer).await?;
+    if answer[0] != 0 {
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, "data connection refused by the peer"));
+    }
+    Ok(stream)
+}
+
+/// Opens a control connection to a kvferry listener.
+pub async fn connect_control(addr: std::net::SocketAddr) -> io::Result<TcpStream> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    stream.write_all(&MAGIC).await?;
+    stream.write_all(&[KIND_CONTROL]).await?;
+    Ok(stream)
+}
+
+/// What an accepted connection says it is.
+#[derive(Debug)]
+pub enum Preamble {
+    /// The core's control frames follow.
+    Control,
+    /// Write batches follow, once the caller answered with [`answer_data`].
+    Data(DataHello),
+}
+
+/// Reads the preamble of an accepted connection (bounded, total).
+pub async fn read_preamble(stream: &mut TcpStream) -> Result<Preamble, ServeError> {
+    let mut head = [0u8; 5];
+    stream.read_exact(&mut head).await?;
+    if head[..4] != MAGIC {
+        return Err(ServeError::Frame(FrameError::BadMagic));
+    }
+    match head[4] {
+        KIND_CONTROL => Ok(Preamble::Control),
+        KIND_DATA => {
+            let mut fixed = [0u8; 17];
+            stream.read_exact(&mut fixed).await?;
+            let (node, incarnation, token_len) = DataHello::decode_fixed(&fixed).map_err(ServeError::Frame)?;
+            let mut token = vec![0u8; token_len];
+            stream.read_exact(&mut token).await?;
+            Ok(Preamble::Data(DataHello { node, incarnation, token }))
+        }
+        other => Err(ServeError::Frame(FrameError::UnknownType(other))),
+    }
+}
+
+/// Accepts (0) or refuses (1) a data connection after its preamble.
+pub async fn answer_data(stream: &mut TcpStream, accept: bool) -> io::Result<()> {
+    stream.write_all(&[u8::from(!accept)]).await
+}

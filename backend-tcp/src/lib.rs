@@ -1,0 +1,28 @@
+//! `kvferry-tcp`: kvferry's data plane over TCP.
+//!
+//! It owns the data-plane frames (a write batch: header, slice table, payload; one ack per
+//! batch), registered memory ([`MemoryMap`], [`HostBuffer`]), the sending side that gathers
+//! source pages with vectored writes straight from registered memory, and the receiving side
+//! that validates every header and table and scatters payload straight into destination
+//! pages. It moves bytes; it never decides a retry, a timeout or a room's fate: those come
+//! from `kvferry-core` through the driver.
+//!
+//! The tokio implementation lives behind the default `tokio` feature.
+
+mod frame;
+mod memory;
+
+#[cfg(feature = "tokio")]
+mod io;
+
+pub use frame::{
+    decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
+    FRAME_WRITE, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+};
+pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
+
+#[cfg(feature = "tokio")]
+pub use io::{
+    answer_data, connect_control, connect_data, read_preamble, serve_writes, DataSender, Limits, Preamble, Report,
+    ServeError, ServeStats, WriteCheck,
+};

@@ -1,0 +1,102 @@
+//! The data plane over real loopback sockets: bytes land where the descriptors say, refused
+//! writes touch nothing, a broken connection fails in-flight operations transiently.
+
+use std::sync::{Arc, Mutex};
+
+use kvferry_core::sim::small_layout;
+use kvferry_core::{Generation, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome, WriteRefused};
+use kvferry_tcp::{serve_writes, DataSender, Limits, MemoryMap, Report, WriteCheck};
+use tokio::net::{TcpListener, TcpStream};
+
+struct AllowRoom(RoomId);
+
+impl WriteCheck for AllowRoom {
+    fn check(&self, room: RoomId, _g: Generation, _s: &[Slice]) -> Result<(), WriteRefused> {
+        if room == self.0 {
+            Ok(())
+        } else {
+            Err(WriteRefused::UnknownRoom)
+        }
+    }
+}
+
+async fn pair() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let (b, _) = l.accept().await.unwrap();
+    (a, b)
+}
+
+fn op(id: u64, room: u64, slices: Vec<Slice>) -> TransferOp {
+    let bytes = slices.iter().map(|s| s.len).sum();
+    TransferOp {
+        id: TransferId(id),
+        session: SessionId(1),
+        room: Some(RoomId(room)),
+        generation: 0,
+        kind: OpKind::Kv,
+        attempt: 1,
+        slices: slices.into(),
+        bytes,
+    }
+}
+
+fn collector() -> (Report, Arc<Mutex<Vec<(TransferId, TransferOutcome)>>>) {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g = got.clone();
+    (Arc::new(move |id, o| g.lock().unwrap().push((id, o))), got)
+}
+
+#[tokio::test]
+async fn a_batch_lands_exactly_where_its_descriptors_say() {
+    let layout = small_layout(256);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let dst = Arc::new(MemoryMap::allocate(layout));
+    let region = Region::Kv { layer: 1, plane: 1 };
+    for p in 0..8u64 {
+        src.write(region, p * 1024, &vec![p as u8 + 1; 1024]).unwrap();
+    }
+    let (a, b) = pair().await;
+    let limits = Limits { max_slices: 4096, max_bytes: 1 << 30 };
+    let server = tokio::spawn(serve_writes(b, dst.clone(), Arc::new(AllowRoom(RoomId(7))), limits));
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src.clone(), report);
+    // pages 0..4 -> 100..104, pages 6..8 -> 10..12
+    let slices = vec![
+        Slice { region, src_offset: 0, dst_offset: 100 * 1024, len: 4 * 1024 },
+        Slice { region, src_offset: 6 * 1024, dst_offset: 10 * 1024, len: 2 * 1024 },
+    ];
+    sender.send(op(1, 7, slices)).unwrap();
+    sender.send(op(2, 8, vec![Slice { region, src_offset: 0, dst_offset: 0, len: 1024 }])).unwrap();
+    while got.lock().unwrap().len() < 2 {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![(TransferId(1), TransferOutcome::Done), (TransferId(2), TransferOutcome::Refused)]
+    );
+    let mut page = vec![0u8; 1024];
+    for (dst_page, value) in [(100, 1), (101, 2), (102, 3), (103, 4), (10, 7), (11, 8)] {
+        dst.read(region, dst_page * 1024, &mut page).unwrap();
+        assert!(page.iter().all(|b| *b == value), "page {dst_page}");
+    }
+    dst.read(region, 0, &mut page).unwrap();
+    assert!(page.iter().all(|b| *b == 0), "the refused write touched nothing");
+    sender.close().await;
+    let stats = server.await.unwrap().unwrap();
+    assert_eq!((stats.applied, stats.refused), (1, 1));
+}
+
+#[tokio::test]
+async fn a_closed_connection_fails_unacknowledged_operations_transiently() {
+    let layout = small_layout(256);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let (a, b) = pair().await;
+    drop(b);
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src, report);
+    let region = Region::Kv { layer: 0, plane: 0 };
+    let _ = sender.send(op(5, 1, vec![Slice { region, src_offset: 0, dst_offset: 0, len: 1024 }]));
+    sender.close().await;
+    assert_eq!(*got.lock().unwrap(), vec![(TransferId(5), TransferOutcome::Transient)]);
+}
