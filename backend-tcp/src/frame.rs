@@ -45,8 +45,16 @@ impl DataHello {
     /// Decodes the 17 fixed bytes after magic and kind; returns the hello without its token
     /// and the token length still to read.
     pub fn decode_fixed(b: &[u8; 17]) -> Result<(NodeId, Incarnation, usize), FrameError> {
-        let node = NodeId(u64::from_le_bytes(b[0..8].try_into().map_err(|_| FrameError::Malformed("node"))?));
-        let inc = Incarnation(u64::from_le_bytes(b[8..16].try_into().map_err(|_| FrameError::Malformed("incarnation"))?));
+        let node = NodeId(u64::from_le_bytes(
+            b[0..8]
+                .try_into()
+                .map_err(|_| FrameError::Malformed("node"))?,
+        ));
+        let inc = Incarnation(u64::from_le_bytes(
+            b[8..16]
+                .try_into()
+                .map_err(|_| FrameError::Malformed("incarnation"))?,
+        ));
         let token_len = b[16] as usize;
         if token_len > 64 {
             return Err(FrameError::Malformed("token length"));
@@ -82,7 +90,11 @@ impl WriteHeader {
     }
 
     /// Decodes and bounds a header.
-    pub fn decode(b: &[u8; WRITE_HEADER_LEN], max_slices: u32, max_payload: u64) -> Result<Self, FrameError> {
+    pub fn decode(
+        b: &[u8; WRITE_HEADER_LEN],
+        max_slices: u32,
+        max_payload: u64,
+    ) -> Result<Self, FrameError> {
         if b[0] != FRAME_WRITE {
             return Err(FrameError::UnknownType(b[0]));
         }
@@ -104,10 +116,16 @@ impl WriteHeader {
             payload: u64_at(25),
         };
         if h.slices == 0 || h.slices > max_slices {
-            return Err(FrameError::TooManySlices { slices: h.slices, max: max_slices });
+            return Err(FrameError::TooManySlices {
+                slices: h.slices,
+                max: max_slices,
+            });
         }
         if h.payload > max_payload {
-            return Err(FrameError::TooLarge { bytes: h.payload, max: max_payload });
+            return Err(FrameError::TooLarge {
+                bytes: h.payload,
+                max: max_payload,
+            });
         }
         Ok(h)
     }
@@ -130,7 +148,8 @@ pub fn decode_slices(table: &[u8], payload: u64) -> Result<Vec<Slice>, FrameErro
     for d in table.chunks_exact(SLICE_DESC_LEN) {
         let mut r = [0u8; 4];
         r.copy_from_slice(&d[0..4]);
-        let region = Region::from_code(u32::from_le_bytes(r)).ok_or(FrameError::Malformed("region"))?;
+        let region =
+            Region::from_code(u32::from_le_bytes(r)).ok_or(FrameError::Malformed("region"))?;
         let mut o = [0u8; 8];
         o.copy_from_slice(&d[4..12]);
         let offset = u64::from_le_bytes(o);
@@ -139,11 +158,20 @@ pub fn decode_slices(table: &[u8], payload: u64) -> Result<Vec<Slice>, FrameErro
         if len == 0 {
             return Err(FrameError::Malformed("empty slice"));
         }
-        total = total.checked_add(len).ok_or(FrameError::Malformed("payload overflow"))?;
-        out.push(Slice { region, src_offset: offset, dst_offset: offset, len });
+        total = total
+            .checked_add(len)
+            .ok_or(FrameError::Malformed("payload overflow"))?;
+        out.push(Slice {
+            region,
+            src_offset: offset,
+            dst_offset: offset,
+            len,
+        });
     }
     if total != payload {
-        return Err(FrameError::Malformed("payload length differs from the slices"));
+        return Err(FrameError::Malformed(
+            "payload length differs from the slices",
+        ));
     }
     Ok(out)
 }
@@ -211,8 +239,12 @@ impl std::fmt::Display for FrameError {
         match self {
             FrameError::BadMagic => write!(f, "not a kvferry connection"),
             FrameError::UnknownType(t) => write!(f, "unknown connection kind or frame type {t}"),
-            FrameError::TooManySlices { slices, max } => write!(f, "{slices} slices exceed the maximum {max}"),
-            FrameError::TooLarge { bytes, max } => write!(f, "{bytes} payload bytes exceed the maximum {max}"),
+            FrameError::TooManySlices { slices, max } => {
+                write!(f, "{slices} slices exceed the maximum {max}")
+            }
+            FrameError::TooLarge { bytes, max } => {
+                write!(f, "{bytes} payload bytes exceed the maximum {max}")
+            }
             FrameError::Malformed(what) => write!(f, "malformed {what}"),
             FrameError::BadToken => write!(f, "cluster token mismatch"),
             FrameError::UnknownPeer => write!(f, "no established session for this peer"),

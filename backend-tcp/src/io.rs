@@ -5,7 +5,9 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::{Arc, Mutex};
 
-use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, TransferOutcome, WriteRefused};
+use kvferry_core::{
+    Generation, RoomId, Slice, TransferId, TransferOp, TransferOutcome, WriteRefused,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -14,8 +16,8 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use crate::frame::{
-    decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
-    KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+    decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError,
+    WriteHeader, ACK_LEN, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 use crate::memory::MemoryMap;
 
@@ -28,7 +30,12 @@ pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;
 /// Decides whether a write may be applied (the driver asks the core's `check_write`).
 pub trait WriteCheck: Send + Sync + 'static {
     /// Accepts or refuses every slice of one operation for `(room, generation)`.
-    fn check(&self, room: RoomId, generation: Generation, slices: &[Slice]) -> Result<(), WriteRefused>;
+    fn check(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<(), WriteRefused>;
 }
 
 /// Bounds a receiver enforces on every write header.
@@ -92,7 +99,13 @@ impl DataSender {
         let state = Arc::new(Mutex::new(ConnState::default()));
         let writer = tokio::spawn(write_loop(write, rx, memory, state.clone(), report.clone()));
         let reader = tokio::spawn(ack_loop(read, state.clone(), report.clone()));
-        DataSender { ops: tx, state, report, writer, reader }
+        DataSender {
+            ops: tx,
+            state,
+            report,
+            writer,
+            reader,
+        }
     }
 
     /// Queues an operation. Gives it back if the connection is already closed.
@@ -175,7 +188,11 @@ async fn write_loop(
             s.queued.remove(pos);
             if s.closed || bad {
                 drop(s);
-                let outcome = if bad { TransferOutcome::Fatal } else { TransferOutcome::Transient };
+                let outcome = if bad {
+                    TransferOutcome::Fatal
+                } else {
+                    TransferOutcome::Transient
+                };
                 report(op.id, outcome);
                 continue;
             }
@@ -193,7 +210,11 @@ async fn write_loop(
 }
 
 /// Writes `header` then every source range with as few `writev` calls as the kernel allows.
-async fn write_gather(write: &mut OwnedWriteHalf, header: &[u8], sources: &[(usize, usize)]) -> io::Result<()> {
+async fn write_gather(
+    write: &mut OwnedWriteHalf,
+    header: &[u8],
+    sources: &[(usize, usize)],
+) -> io::Result<()> {
     let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
     let mut done = 0usize;
     while done < total {
@@ -213,7 +234,11 @@ async fn write_gather(write: &mut OwnedWriteHalf, header: &[u8], sources: &[(usi
 }
 
 /// The iovecs of what is left to send after `skip` bytes, at most [`MAX_IOV`] of them.
-fn gather_iovecs<'a>(header: &'a [u8], sources: &[(usize, usize)], mut skip: usize) -> Vec<IoSlice<'a>> {
+fn gather_iovecs<'a>(
+    header: &'a [u8],
+    sources: &[(usize, usize)],
+    mut skip: usize,
+) -> Vec<IoSlice<'a>> {
     let mut iov = Vec::with_capacity((sources.len() + 1).min(MAX_IOV));
     if skip < header.len() {
         iov.push(IoSlice::new(&header[skip..]));
@@ -232,7 +257,8 @@ fn gather_iovecs<'a>(header: &'a [u8], sources: &[(usize, usize)], mut skip: usi
         // SAFETY: (ptr, len) came from MemoryMap::range, so it lies inside registered memory
         // that outlives the map (held by the caller's Arc); the core keeps these source pages
         // pinned (no release, no reuse) until this operation is reported.
-        let bytes: &'a [u8] = unsafe { std::slice::from_raw_parts((ptr as *const u8).add(skip), len - skip) };
+        let bytes: &'a [u8] =
+            unsafe { std::slice::from_raw_parts((ptr as *const u8).add(skip), len - skip) };
         iov.push(IoSlice::new(bytes));
         skip = 0;
     }
@@ -325,7 +351,8 @@ pub async fn serve_writes(
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(stats),
             Err(e) => return Err(e.into()),
         }
-        let h = WriteHeader::decode(&header, limits.max_slices, limits.max_bytes).map_err(ServeError::Frame)?;
+        let h = WriteHeader::decode(&header, limits.max_slices, limits.max_bytes)
+            .map_err(ServeError::Frame)?;
         table.resize(h.slices as usize * SLICE_DESC_LEN, 0);
         stream.read_exact(&mut table).await?;
         let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
@@ -334,7 +361,12 @@ pub async fn serve_writes(
         let targets: Option<Vec<(usize, usize)>> = verdict.ok().and_then(|_| {
             slices
                 .iter()
-                .map(|s| memory.range(s.region, s.dst_offset, s.len).ok().map(|p| (p as usize, s.len as usize)))
+                .map(|s| {
+                    memory
+                        .range(s.region, s.dst_offset, s.len)
+                        .ok()
+                        .map(|p| (p as usize, s.len as usize))
+                })
                 .collect()
         });
         let status = match targets {
@@ -388,7 +420,8 @@ fn scatter_iovecs<'a>(targets: &[(usize, usize)], mut skip: usize) -> Vec<IoSlic
         // SAFETY: (ptr, len) came from MemoryMap::range (inside registered memory that the
         // caller's Arc keeps alive) and the core accepted the write for this room's pages, so
         // nobody else reads or writes them until the room concludes and is released.
-        let bytes: &'a mut [u8] = unsafe { std::slice::from_raw_parts_mut((ptr as *mut u8).add(skip), len - skip) };
+        let bytes: &'a mut [u8] =
+            unsafe { std::slice::from_raw_parts_mut((ptr as *mut u8).add(skip), len - skip) };
         iov.push(IoSliceMut::new(bytes));
         skip = 0;
     }
@@ -413,7 +446,10 @@ pub async fn connect_data(addr: std::net::SocketAddr, hello: &DataHello) -> io::
     let mut answer = [0u8; 1];
     stream.read_exact(&mut answer).await?;
     if answer[0] != 0 {
-        return Err(io::Error::new(io::ErrorKind::PermissionDenied, "data connection refused by the peer"));
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "data connection refused by the peer",
+        ));
     }
     Ok(stream)
 }
@@ -448,10 +484,15 @@ pub async fn read_preamble(stream: &mut TcpStream) -> Result<Preamble, ServeErro
         KIND_DATA => {
             let mut fixed = [0u8; 17];
             stream.read_exact(&mut fixed).await?;
-            let (node, incarnation, token_len) = DataHello::decode_fixed(&fixed).map_err(ServeError::Frame)?;
+            let (node, incarnation, token_len) =
+                DataHello::decode_fixed(&fixed).map_err(ServeError::Frame)?;
             let mut token = vec![0u8; token_len];
             stream.read_exact(&mut token).await?;
-            Ok(Preamble::Data(DataHello { node, incarnation, token }))
+            Ok(Preamble::Data(DataHello {
+                node,
+                incarnation,
+                token,
+            }))
         }
         other => Err(ServeError::Frame(FrameError::UnknownType(other))),
     }

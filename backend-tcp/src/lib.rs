@@ -16,13 +16,14 @@ mod memory;
 mod io;
 
 pub use frame::{
-    decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
-    FRAME_WRITE, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+    decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError,
+    WriteHeader, ACK_LEN, FRAME_WRITE, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN,
+    WRITE_HEADER_LEN,
 };
 pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 
 #[cfg(feature = "tokio")]
 pub use io::{
-    answer_data, connect_control, connect_data, read_preamble, serve_writes, DataSender, Limits, Preamble, Report,
-    ServeError, ServeStats, WriteCheck,
+    answer_data, connect_control, connect_data, read_preamble, serve_writes, DataSender, Limits,
+    Preamble, Report, ServeError, ServeStats, WriteCheck,
 };

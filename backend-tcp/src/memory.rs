@@ -123,7 +123,11 @@ pub struct OutOfBounds {
 
 impl std::fmt::Display for OutOfBounds {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?} bytes {}..+{} are not registered", self.region, self.offset, self.len)
+        write!(
+            f,
+            "{:?} bytes {}..+{} are not registered",
+            self.region, self.offset, self.len
+        )
     }
 }
 
@@ -137,7 +141,10 @@ impl MemoryMap {
         let kv_len = layout.pages as usize * layout.page_bytes as usize;
         for _ in 0..layout.kv_regions() {
             let b = HostBuffer::new(kv_len);
-            kv.push(Extent { ptr: b.raw(), len: b.len() });
+            kv.push(Extent {
+                ptr: b.raw(),
+                len: b.len(),
+            });
             owned.push(b);
         }
         let mut extent = |len: usize| {
@@ -146,10 +153,19 @@ impl MemoryMap {
             owned.push(b);
             e
         };
-        let aux = (layout.aux_bytes > 0).then(|| extent(layout.slots as usize * layout.aux_bytes as usize));
-        let state = (layout.state_bytes > 0).then(|| extent(layout.slots as usize * layout.state_bytes as usize));
+        let aux = (layout.aux_bytes > 0)
+            .then(|| extent(layout.slots as usize * layout.aux_bytes as usize));
+        let state = (layout.state_bytes > 0)
+            .then(|| extent(layout.slots as usize * layout.state_bytes as usize));
         let scratch = extent(SCRATCH_BYTES as usize);
-        MemoryMap { layout, kv, aux, state, scratch, _owned: owned }
+        MemoryMap {
+            layout,
+            kv,
+            aux,
+            state,
+            scratch,
+            _owned: owned,
+        }
     }
 
     /// Registers memory the embedder owns (GPU-mapped host memory, a KV pool, ...).
@@ -169,7 +185,11 @@ impl MemoryMap {
         state: Option<(*mut u8, usize)>,
     ) -> Result<Self, OutOfBounds> {
         let kv_len = layout.pages as usize * layout.page_bytes as usize;
-        let bad = |region| OutOfBounds { region, offset: 0, len: kv_len as u64 };
+        let bad = |region| OutOfBounds {
+            region,
+            offset: 0,
+            len: kv_len as u64,
+        };
         if kv.len() != layout.kv_regions() as usize {
             return Err(bad(Region::Kv { layer: 0, plane: 0 }));
         }
@@ -177,20 +197,48 @@ impl MemoryMap {
         for (i, &(ptr, len)) in kv.iter().enumerate() {
             if ptr.is_null() || len < kv_len {
                 let planes = u32::from(layout.planes);
-                return Err(bad(Region::Kv { layer: (i as u32 / planes) as u16, plane: (i as u32 % planes) as u8 }));
+                return Err(bad(Region::Kv {
+                    layer: (i as u32 / planes) as u16,
+                    plane: (i as u32 % planes) as u8,
+                }));
             }
             extents.push(Extent { ptr, len: kv_len });
         }
         let check = |want: u64, given: Option<(*mut u8, usize)>, region| match (want, given) {
             (0, _) => Ok(None),
-            (w, Some((ptr, len))) if !ptr.is_null() && len as u64 >= w => Ok(Some(Extent { ptr, len: w as usize })),
-            (w, _) => Err(OutOfBounds { region, offset: 0, len: w }),
+            (w, Some((ptr, len))) if !ptr.is_null() && len as u64 >= w => Ok(Some(Extent {
+                ptr,
+                len: w as usize,
+            })),
+            (w, _) => Err(OutOfBounds {
+                region,
+                offset: 0,
+                len: w,
+            }),
         };
-        let aux = check(u64::from(layout.slots) * u64::from(layout.aux_bytes), aux, Region::Aux)?;
-        let state = check(u64::from(layout.slots) * u64::from(layout.state_bytes), state, Region::State)?;
+        let aux = check(
+            u64::from(layout.slots) * u64::from(layout.aux_bytes),
+            aux,
+            Region::Aux,
+        )?;
+        let state = check(
+            u64::from(layout.slots) * u64::from(layout.state_bytes),
+            state,
+            Region::State,
+        )?;
         let scratch_buf = HostBuffer::new(SCRATCH_BYTES as usize);
-        let scratch = Extent { ptr: scratch_buf.raw(), len: SCRATCH_BYTES as usize };
-        Ok(MemoryMap { layout, kv: extents, aux, state, scratch, _owned: vec![scratch_buf] })
+        let scratch = Extent {
+            ptr: scratch_buf.raw(),
+            len: SCRATCH_BYTES as usize,
+        };
+        Ok(MemoryMap {
+            layout,
+            kv: extents,
+            aux,
+            state,
+            scratch,
+            _owned: vec![scratch_buf],
+        })
     }
 
     /// The layout this memory was registered for.
@@ -213,7 +261,11 @@ impl MemoryMap {
 
     /// Base pointer of `len` bytes at `offset` in `region`, bounds-checked.
     pub fn range(&self, region: Region, offset: u64, len: u64) -> Result<*mut u8, OutOfBounds> {
-        let oob = OutOfBounds { region, offset, len };
+        let oob = OutOfBounds {
+            region,
+            offset,
+            len,
+        };
         let e = self.extent(region).ok_or(oob)?;
         let end = offset.checked_add(len).ok_or(oob)?;
         if end > e.len as u64 {

@@ -4,7 +4,10 @@
 use std::sync::{Arc, Mutex};
 
 use kvferry_core::sim::small_layout;
-use kvferry_core::{Generation, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome, WriteRefused};
+use kvferry_core::{
+    Generation, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome,
+    WriteRefused,
+};
 use kvferry_tcp::{serve_writes, DataSender, Limits, MemoryMap, Report, WriteCheck};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -54,26 +57,59 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
     let dst = Arc::new(MemoryMap::allocate(layout));
     let region = Region::Kv { layer: 1, plane: 1 };
     for p in 0..8u64 {
-        src.write(region, p * 1024, &vec![p as u8 + 1; 1024]).unwrap();
+        src.write(region, p * 1024, &vec![p as u8 + 1; 1024])
+            .unwrap();
     }
     let (a, b) = pair().await;
-    let limits = Limits { max_slices: 4096, max_bytes: 1 << 30 };
-    let server = tokio::spawn(serve_writes(b, dst.clone(), Arc::new(AllowRoom(RoomId(7))), limits));
+    let limits = Limits {
+        max_slices: 4096,
+        max_bytes: 1 << 30,
+    };
+    let server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        Arc::new(AllowRoom(RoomId(7))),
+        limits,
+    ));
     let (report, got) = collector();
     let sender = DataSender::spawn(a, src.clone(), report);
     // pages 0..4 -> 100..104, pages 6..8 -> 10..12
     let slices = vec![
-        Slice { region, src_offset: 0, dst_offset: 100 * 1024, len: 4 * 1024 },
-        Slice { region, src_offset: 6 * 1024, dst_offset: 10 * 1024, len: 2 * 1024 },
+        Slice {
+            region,
+            src_offset: 0,
+            dst_offset: 100 * 1024,
+            len: 4 * 1024,
+        },
+        Slice {
+            region,
+            src_offset: 6 * 1024,
+            dst_offset: 10 * 1024,
+            len: 2 * 1024,
+        },
     ];
     sender.send(op(1, 7, slices)).unwrap();
-    sender.send(op(2, 8, vec![Slice { region, src_offset: 0, dst_offset: 0, len: 1024 }])).unwrap();
+    sender
+        .send(op(
+            2,
+            8,
+            vec![Slice {
+                region,
+                src_offset: 0,
+                dst_offset: 0,
+                len: 1024,
+            }],
+        ))
+        .unwrap();
     while got.lock().unwrap().len() < 2 {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
     assert_eq!(
         *got.lock().unwrap(),
-        vec![(TransferId(1), TransferOutcome::Done), (TransferId(2), TransferOutcome::Refused)]
+        vec![
+            (TransferId(1), TransferOutcome::Done),
+            (TransferId(2), TransferOutcome::Refused)
+        ]
     );
     let mut page = vec![0u8; 1024];
     for (dst_page, value) in [(100, 1), (101, 2), (102, 3), (103, 4), (10, 7), (11, 8)] {
@@ -81,7 +117,10 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
         assert!(page.iter().all(|b| *b == value), "page {dst_page}");
     }
     dst.read(region, 0, &mut page).unwrap();
-    assert!(page.iter().all(|b| *b == 0), "the refused write touched nothing");
+    assert!(
+        page.iter().all(|b| *b == 0),
+        "the refused write touched nothing"
+    );
     sender.close().await;
     let stats = server.await.unwrap().unwrap();
     assert_eq!((stats.applied, stats.refused), (1, 1));
@@ -96,7 +135,19 @@ async fn a_closed_connection_fails_unacknowledged_operations_transiently() {
     let (report, got) = collector();
     let sender = DataSender::spawn(a, src, report);
     let region = Region::Kv { layer: 0, plane: 0 };
-    let _ = sender.send(op(5, 1, vec![Slice { region, src_offset: 0, dst_offset: 0, len: 1024 }]));
+    let _ = sender.send(op(
+        5,
+        1,
+        vec![Slice {
+            region,
+            src_offset: 0,
+            dst_offset: 0,
+            len: 1024,
+        }],
+    ));
     sender.close().await;
-    assert_eq!(*got.lock().unwrap(), vec![(TransferId(5), TransferOutcome::Transient)]);
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![(TransferId(5), TransferOutcome::Transient)]
+    );
 }

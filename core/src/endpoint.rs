@@ -430,10 +430,17 @@ impl Endpoint {
 
     /// The established (or blacklisted) session whose peer is `node` in its `incarnation`:
     /// how a driver attaches a data connection that names its peer to the right session.
-    pub fn session_of(&self, node: NodeId, incarnation: crate::ids::Incarnation) -> Option<SessionId> {
+    pub fn session_of(
+        &self,
+        node: NodeId,
+        incarnation: crate::ids::Incarnation,
+    ) -> Option<SessionId> {
         let sid = *self.nodes.get(&node)?;
         let s = self.sessions.get(&sid)?;
-        let usable = matches!(s.state, SessionState::Established | SessionState::Blacklisted);
+        let usable = matches!(
+            s.state,
+            SessionState::Established | SessionState::Blacklisted
+        );
         (usable && s.peer.is_some_and(|p| p.incarnation == incarnation)).then_some(sid)
     }
 
@@ -1607,7 +1614,11 @@ impl Endpoint {
             }
             Message::ProbeAck { nonce } => self.on_probe_ack(now, sid, nonce),
             Message::Error { code, detail } => {
-                warn!(session = %sid, ?code, %detail, "peer reported an error");
+                if code == ErrorCode::Shutdown {
+                    info!(session = %sid, %detail, "peer is closing the session");
+                } else {
+                    warn!(session = %sid, ?code, %detail, "peer reported an error");
+                }
                 let reason = match code {
                     ErrorCode::IncompatibleLayout
                     | ErrorCode::VersionMismatch
@@ -1824,7 +1835,12 @@ impl Endpoint {
                     p.notices.retain(|(s, _)| *s != sid);
                     p.notices.push((sid, pos));
                     if first {
-                        self.events.push_back(Event::RoomAnnounced { room, generation, session: sid, pages: 0 });
+                        self.events.push_back(Event::RoomAnnounced {
+                            room,
+                            generation,
+                            session: sid,
+                            pages: 0,
+                        });
                     }
                 }
             }
@@ -1851,7 +1867,12 @@ impl Endpoint {
                     p.requests.retain(|(s, _)| *s != sid);
                     p.requests.push((sid, req));
                     if first {
-                        self.events.push_back(Event::RoomAnnounced { room, generation, session: sid, pages });
+                        self.events.push_back(Event::RoomAnnounced {
+                            room,
+                            generation,
+                            session: sid,
+                            pages,
+                        });
                     }
                 }
                 return;

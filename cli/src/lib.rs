@@ -1,0 +1,720 @@
+//! The library behind the `kvferry` command: a synthetic model shape whose every page carries
+//! a pattern derived from (room, layer, plane, page), a prefill half that serves it, a decode
+//! half that requests rooms and verifies every byte, the report, and the data-plane benchmark.
+
+pub mod bench;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvferry_core::{
+    Chunk, Config, Event, FailureReason, Grant, Incarnation, KvPoll, Layout, NodeId, Region, Role,
+    RoomId, SessionId,
+};
+use kvferry_tcp::MemoryMap;
+use kvferry_tokio::{Node, NodeConfig, NodeError};
+use tracing::warn;
+
+/// The synthetic model and workload.
+#[derive(Clone, Debug)]
+pub struct Shape {
+    /// Model layers.
+    pub layers: u16,
+    /// 2 for K and V.
+    pub planes: u8,
+    /// Bytes per page per (layer, plane).
+    pub page_bytes: u32,
+    /// Pages per room.
+    pub pages_per_room: u32,
+    /// Chunks per room.
+    pub chunks: u32,
+    /// Rooms in flight at once.
+    pub concurrency: usize,
+    /// Send layer by layer with this simulated compute time per layer.
+    pub layerwise: Option<Duration>,
+    /// Data connections per session.
+    pub data_connections: usize,
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Shape {
+            layers: 8,
+            planes: 2,
+            page_bytes: 16 * 1024,
+            pages_per_room: 32,
+            chunks: 1,
+            concurrency: 16,
+            layerwise: None,
+            data_connections: 2,
+        }
+    }
+}
+
+/// Bytes of one aux row: the room id, to check it arrived with the room.
+pub const AUX_BYTES: u32 = 64;
+const FREE_WORD: u64 = 0xFEED_FACE_DEAD_BEEF;
+
+impl Shape {
+    /// The registered memory layout: room for `concurrency` rooms, with slack for quarantine.
+    pub fn layout(&self) -> Layout {
+        let pages = (self.pages_per_room as usize * (self.concurrency + 4)) as u32;
+        Layout {
+            layers: self.layers,
+            planes: self.planes,
+            page_bytes: self.page_bytes,
+            pages,
+            aux_bytes: AUX_BYTES,
+            state_bytes: 0,
+            slots: (self.concurrency as u32 + 4) * 2,
+        }
+    }
+
+    /// Payload bytes of one room.
+    pub fn room_bytes(&self) -> u64 {
+        u64::from(self.layers)
+            * u64::from(self.planes)
+            * u64::from(self.pages_per_room)
+            * u64::from(self.page_bytes)
+            + u64::from(AUX_BYTES)
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Fills `page` with the pattern of (room, layer, plane, page index within the room).
+pub fn fill_pattern(page: &mut [u8], room: RoomId, layer: u16, plane: u8, index: u32) {
+    let seed =
+        mix(room.0 ^ (u64::from(layer) << 40) ^ (u64::from(plane) << 36) ^ (u64::from(index) << 4));
+    for (i, w) in page.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
+    }
+}
+
+/// Whether `page` holds exactly the pattern of (room, layer, plane, index).
+pub fn check_pattern(page: &[u8], room: RoomId, layer: u16, plane: u8, index: u32) -> bool {
+    let seed =
+        mix(room.0 ^ (u64::from(layer) << 40) ^ (u64::from(plane) << 36) ^ (u64::from(index) << 4));
+    page.chunks_exact(8).enumerate().all(|(i, w)| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(w);
+        u64::from_le_bytes(a) == seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    })
+}
+
+fn all_words(page: &[u8], word: u64) -> bool {
+    page.chunks_exact(8).all(|w| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(w);
+        u64::from_le_bytes(a) == word
+    })
+}
+
+fn fill_words(page: &mut [u8], word: u64) {
+    for w in page.chunks_exact_mut(8) {
+        w.copy_from_slice(&word.to_le_bytes());
+    }
+}
+
+fn kv_regions(shape: &Shape) -> impl Iterator<Item = (u16, u8)> + '_ {
+    (0..shape.layers).flat_map(move |l| (0..shape.planes).map(move |p| (l, p)))
+}
+
+/// Builds a node config for one side of the demo or the split commands.
+pub fn node_config(role: Role, shape: &Shape, core: Config, token: &[u8], seed: u64) -> NodeConfig {
+    let mut info = kvferry_core::EndpointInfo::new(
+        role,
+        NodeId(
+            seed ^ if role == Role::Prefill {
+                0x5052
+            } else {
+                0x4445
+            },
+        ),
+        Incarnation(
+            mix(seed ^ std::process::id() as u64 ^ Instant::now().elapsed().as_nanos() as u64) | 1,
+        ),
+        shape.layout(),
+    );
+    info.token = token.to_vec();
+    NodeConfig {
+        core,
+        info,
+        data_connections: shape.data_connections,
+        seed,
+    }
+}
+
+/// A pool of page indices.
+#[derive(Debug)]
+struct Pool {
+    free: VecDeque<u32>,
+}
+
+impl Pool {
+    fn new(n: u32) -> Self {
+        Pool {
+            free: (0..n).collect(),
+        }
+    }
+
+    fn take(&mut self, n: u32) -> Option<Vec<u32>> {
+        if self.free.len() < n as usize {
+            return None;
+        }
+        Some(self.free.drain(..n as usize).collect())
+    }
+
+    fn give(&mut self, pages: &[u32]) {
+        self.free.extend(pages.iter().copied());
+    }
+}
+
+/// Serves synthetic KV as a prefill node: every room a decode announces is opened, its
+/// source pages filled with the room's pattern and sent (chunked or layer by layer).
+/// Runs until the node shuts down.
+pub async fn serve_prefill(node: Node, shape: Shape) {
+    let mut events = node.subscribe();
+    let layout = shape.layout();
+    let pool = Arc::new(Mutex::new(Pool::new(layout.pages)));
+    let slots = Arc::new(Mutex::new(Pool::new(layout.slots)));
+    let mut waiting: VecDeque<(RoomId, u32, u32)> = VecDeque::new();
+    loop {
+        let event = match events.recv().await {
+            Ok(e) => e,
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                warn!(lost = n, "prefill lagged behind events");
+                continue;
+            }
+            Err(_) => return,
+        };
+        if let Event::RoomAnnounced {
+            room,
+            generation,
+            pages,
+            ..
+        } = event
+        {
+            waiting.push_back((room, generation, pages));
+        }
+        // Start every waiting room that has source memory.
+        while let Some(&(room, generation, pages)) = waiting.front() {
+            let pages = if pages == 0 {
+                shape.pages_per_room
+            } else {
+                pages.min(shape.pages_per_room)
+            };
+            let Some(src) = pool.lock().map(|mut p| p.take(pages)).ok().flatten() else {
+                break;
+            };
+            let Some(slot) = slots.lock().map(|mut s| s.take(1)).ok().flatten() else {
+                if let Ok(mut p) = pool.lock() {
+                    p.give(&src);
+                }
+                break;
+            };
+            waiting.pop_front();
+            let node = node.clone();
+            let shape = shape.clone();
+            let pool = pool.clone();
+            let slots = slots.clone();
+            tokio::spawn(async move {
+                let handle = node.open_sender(room, generation);
+                let Ok(mut handle) = handle else {
+                    if let Ok(mut p) = pool.lock() {
+                        p.give(&src);
+                    }
+                    if let Ok(mut s) = slots.lock() {
+                        s.give(&slot);
+                    }
+                    return;
+                };
+                send_room(&node, &shape, room, &src, slot[0]).await;
+                handle.releasable().await;
+                if let Ok(mut p) = pool.lock() {
+                    p.give(&src);
+                }
+                if let Ok(mut s) = slots.lock() {
+                    s.give(&slot);
+                }
+            });
+        }
+    }
+}
+
+async fn send_room(node: &Node, shape: &Shape, room: RoomId, src: &[u32], aux_slot: u32) {
+    let memory = node.memory();
+    let page_bytes = shape.page_bytes as usize;
+    let mut page = vec![0u8; page_bytes];
+    let fill_layer = |layer: u16, page: &mut Vec<u8>| {
+        for plane in 0..shape.planes {
+            for (i, &p) in src.iter().enumerate() {
+                fill_pattern(page, room, layer, plane, i as u32);
+                let _ = memory.write(
+                    Region::Kv { layer, plane },
+                    u64::from(p) * page_bytes as u64,
+                    page,
+                );
+            }
+        }
+    };
+    let mut aux = [0u8; AUX_BYTES as usize];
+    for w in aux.chunks_exact_mut(8) {
+        w.copy_from_slice(&room.0.to_le_bytes());
+    }
+    let _ = memory.write(
+        Region::Aux,
+        u64::from(aux_slot) * u64::from(AUX_BYTES),
+        &aux,
+    );
+    let chunks = shape.chunks.clamp(1, src.len().max(1) as u32) as usize;
+    let per = src.len().div_ceil(chunks);
+    if shape.layerwise.is_none() {
+        for layer in 0..shape.layers {
+            fill_layer(layer, &mut page);
+        }
+    }
+    for (c, part) in src.chunks(per.max(1)).enumerate() {
+        let last = c + 1 == chunks || (c + 1) * per >= src.len();
+        let chunk = Chunk {
+            pages: part.to_vec(),
+            last,
+            aux_slot: Some(aux_slot),
+            state_slot: None,
+            layerwise: shape.layerwise.is_some(),
+        };
+        if node.send_chunk(room, chunk).is_err() {
+            return;
+        }
+        if let Some(compute) = shape.layerwise {
+            // The forward pass: each layer becomes ready after its compute time.
+            for layer in 0..shape.layers {
+                tokio::time::sleep(compute).await;
+                if c == 0 {
+                    fill_layer(layer, &mut page);
+                }
+                if node.mark_layer_ready(&[room], layer).is_err() {
+                    return;
+                }
+            }
+        }
+        if last {
+            break;
+        }
+    }
+}
+
+/// The outcome of a decode run: exactly the fields of `--json`.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Rooms requested.
+    pub rooms_total: u64,
+    /// Rooms that reached Success.
+    pub rooms_succeeded: u64,
+    /// Rooms that reached Failed.
+    pub rooms_failed: u64,
+    /// Failed rooms by reason.
+    pub failed_by_reason: BTreeMap<String, u64>,
+    /// Rooms with no terminal state when the run ended.
+    pub rooms_unfinished: u64,
+    /// Payload bytes acknowledged by decode.
+    pub bytes_transferred: u64,
+    /// Wall time of the run.
+    pub elapsed_s: f64,
+    /// Payload GB/s.
+    pub throughput_gbps: f64,
+    /// Room latency percentiles in milliseconds: p50, p99, max.
+    pub latency_ms: (f64, f64, f64),
+    /// Operation attempts retried.
+    pub retries: u64,
+    /// Sessions blacklisted.
+    pub sessions_blacklisted: u64,
+    /// Sessions recovered by a probe.
+    pub sessions_recovered: u64,
+    /// Pages whose bytes were checked.
+    pub pages_verified: u64,
+    /// Pages whose bytes were wrong (a successful room's page, or a free page written to).
+    pub pages_corrupted: u64,
+}
+
+impl Report {
+    /// The `--json` object.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "rooms_total": self.rooms_total,
+            "rooms_succeeded": self.rooms_succeeded,
+            "rooms_failed": self.rooms_failed,
+            "failed_by_reason": self.failed_by_reason,
+            "rooms_unfinished": self.rooms_unfinished,
+            "bytes_transferred": self.bytes_transferred,
+            "elapsed_s": self.elapsed_s,
+            "throughput_gbps": self.throughput_gbps,
+            "latency_ms": { "p50": self.latency_ms.0, "p99": self.latency_ms.1, "max": self.latency_ms.2 },
+            "retries": self.retries,
+            "sessions_blacklisted": self.sessions_blacklisted,
+            "sessions_recovered": self.sessions_recovered,
+            "pages_verified": self.pages_verified,
+            "pages_corrupted": self.pages_corrupted,
+        })
+    }
+
+    /// The human-readable table.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let row = |s: &mut String, k: &str, v: String| s.push_str(&format!("  {k:<22} {v}\n"));
+        row(
+            &mut s,
+            "rooms",
+            format!(
+                "{} total, {} succeeded, {} failed, {} unfinished",
+                self.rooms_total, self.rooms_succeeded, self.rooms_failed, self.rooms_unfinished
+            ),
+        );
+        for (reason, n) in &self.failed_by_reason {
+            row(&mut s, &format!("  failed: {reason}"), n.to_string());
+        }
+        row(
+            &mut s,
+            "bytes transferred",
+            format!(
+                "{} ({:.2} GiB)",
+                self.bytes_transferred,
+                self.bytes_transferred as f64 / (1u64 << 30) as f64
+            ),
+        );
+        row(&mut s, "elapsed", format!("{:.3} s", self.elapsed_s));
+        row(
+            &mut s,
+            "throughput",
+            format!("{:.3} GB/s", self.throughput_gbps),
+        );
+        row(
+            &mut s,
+            "room latency",
+            format!(
+                "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+                self.latency_ms.0, self.latency_ms.1, self.latency_ms.2
+            ),
+        );
+        row(&mut s, "retries", self.retries.to_string());
+        row(
+            &mut s,
+            "sessions",
+            format!(
+                "{} blacklisted, {} recovered",
+                self.sessions_blacklisted, self.sessions_recovered
+            ),
+        );
+        row(
+            &mut s,
+            "pages",
+            format!(
+                "{} verified, {} corrupted",
+                self.pages_verified, self.pages_corrupted
+            ),
+        );
+        s
+    }
+}
+
+/// Progress callback: rooms finished so far.
+pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// Options of a decode run.
+#[derive(Clone)]
+pub struct DecodeRun {
+    /// Rooms to request.
+    pub rooms: u64,
+    /// The shape (must match the prefill's).
+    pub shape: Shape,
+    /// First room id (distinct runs against one prefill use distinct ranges).
+    pub first_room: u64,
+    /// Called as rooms finish.
+    pub progress: Option<Progress>,
+    /// A room that is not terminal after this long counts as unfinished (the run stops).
+    pub deadline: Duration,
+}
+
+struct Pages {
+    pool: Pool,
+    slots: Pool,
+}
+
+/// Requests `run.rooms` rooms from the prefill behind `session`, verifies every page of every
+/// successful room, checks free pages before reuse, and reports.
+pub async fn run_decode(node: &Node, session: SessionId, run: DecodeRun) -> Report {
+    let shape = run.shape.clone();
+    let layout = shape.layout();
+    let memory = node.memory().clone();
+    // Every free page carries the free pattern, checked when it is handed out again.
+    {
+        let mut page = vec![0u8; shape.page_bytes as usize];
+        fill_words(&mut page, FREE_WORD);
+        for (layer, plane) in kv_regions(&shape) {
+            for p in 0..layout.pages {
+                let _ = memory.write(
+                    Region::Kv { layer, plane },
+                    u64::from(p) * u64::from(shape.page_bytes),
+                    &page,
+                );
+            }
+        }
+    }
+    let pages = Arc::new(Mutex::new(Pages {
+        pool: Pool::new(layout.pages),
+        slots: Pool::new(layout.slots),
+    }));
+    let verified = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let corrupted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let started = Instant::now();
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(shape.concurrency.max(1)));
+    let mut tasks = Vec::new();
+    let finished = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    for i in 0..run.rooms {
+        let Ok(permit) = semaphore.clone().acquire_owned().await else {
+            break;
+        };
+        let room = RoomId(run.first_room + i);
+        let node = node.clone();
+        let shape = shape.clone();
+        let pages = pages.clone();
+        let memory = memory.clone();
+        let verified = verified.clone();
+        let corrupted = corrupted.clone();
+        let finished = finished.clone();
+        let progress = run.progress.clone();
+        let deadline = run.deadline;
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            let t0 = Instant::now();
+            let outcome = decode_room(
+                &node, session, &shape, room, &pages, &memory, &verified, &corrupted, deadline,
+            )
+            .await;
+            let n = finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            if let Some(p) = progress {
+                p(n);
+            }
+            (outcome, t0.elapsed())
+        }));
+    }
+    let mut report = Report {
+        rooms_total: run.rooms,
+        ..Report::default()
+    };
+    let mut latencies = Vec::new();
+    for t in tasks {
+        let Ok((outcome, latency)) = t.await else {
+            report.rooms_unfinished += 1;
+            continue;
+        };
+        match outcome {
+            Some(KvPoll::Success) => {
+                report.rooms_succeeded += 1;
+                latencies.push(latency);
+            }
+            Some(KvPoll::Failed(reason)) => {
+                report.rooms_failed += 1;
+                *report
+                    .failed_by_reason
+                    .entry(reason.as_str().to_owned())
+                    .or_default() += 1;
+                latencies.push(latency);
+            }
+            _ => report.rooms_unfinished += 1,
+        }
+    }
+    report.rooms_unfinished += run
+        .rooms
+        .saturating_sub(report.rooms_succeeded + report.rooms_failed + report.rooms_unfinished);
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    report.bytes_transferred = report.rooms_succeeded * shape.room_bytes();
+    report.throughput_gbps = report.bytes_transferred as f64 / report.elapsed_s.max(1e-9) / 1e9;
+    latencies.sort();
+    let pct = |q: f64| -> f64 {
+        if latencies.is_empty() {
+            return 0.0;
+        }
+        let i = ((latencies.len() as f64 * q).ceil() as usize).clamp(1, latencies.len()) - 1;
+        latencies[i].as_secs_f64() * 1e3
+    };
+    report.latency_ms = (pct(0.5), pct(0.99), pct(1.0));
+    report.pages_verified = verified.load(std::sync::atomic::Ordering::Relaxed);
+    report.pages_corrupted = corrupted.load(std::sync::atomic::Ordering::Relaxed);
+    report
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn decode_room(
+    node: &Node,
+    session: SessionId,
+    shape: &Shape,
+    room: RoomId,
+    pages: &Mutex<Pages>,
+    memory: &MemoryMap,
+    verified: &std::sync::atomic::AtomicU64,
+    corrupted: &std::sync::atomic::AtomicU64,
+    deadline: Duration,
+) -> Option<KvPoll> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let page_bytes = u64::from(shape.page_bytes);
+    // Pages come back only on Releasable, so with `concurrency` rooms they always suffice.
+    let (dst, slot) = loop {
+        let got = {
+            let mut p = pages.lock().ok()?;
+            match (
+                p.pool.free.len() >= shape.pages_per_room as usize,
+                !p.slots.free.is_empty(),
+            ) {
+                (true, true) => Some((p.pool.take(shape.pages_per_room)?, p.slots.take(1)?[0])),
+                _ => None,
+            }
+        };
+        match got {
+            Some(g) => break g,
+            None => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
+    };
+    // A free page must still hold the free pattern: anything else is a stray write.
+    let mut buf = vec![0u8; shape.page_bytes as usize];
+    for (layer, plane) in kv_regions(shape) {
+        for &p in &dst {
+            let _ = memory.read(
+                Region::Kv { layer, plane },
+                u64::from(p) * page_bytes,
+                &mut buf,
+            );
+            if !all_words(&buf, FREE_WORD) {
+                corrupted.fetch_add(1, Relaxed);
+                warn!(%room, page = p, layer, plane, "a free page was written to");
+            }
+        }
+    }
+    let grant = Grant {
+        pages: dst.clone(),
+        aux_slot: Some(slot),
+        state_slot: None,
+        receivers: 1,
+    };
+    let result = match node.open_receiver(room, 0, &[session], Some(grant)) {
+        Ok(mut handle) => {
+            let state = match tokio::time::timeout(deadline, handle.terminal()).await {
+                Ok(s) => Some(s),
+                Err(_) => None,
+            };
+            if state == Some(KvPoll::Success) {
+                for (layer, plane) in kv_regions(shape) {
+                    for (i, &p) in dst.iter().enumerate() {
+                        let _ = memory.read(
+                            Region::Kv { layer, plane },
+                            u64::from(p) * page_bytes,
+                            &mut buf,
+                        );
+                        verified.fetch_add(1, Relaxed);
+                        if !check_pattern(&buf, room, layer, plane, i as u32) {
+                            corrupted.fetch_add(1, Relaxed);
+                            warn!(%room, page = p, layer, plane, "page holds the wrong bytes");
+                        }
+                    }
+                }
+                let mut aux = [0u8; AUX_BYTES as usize];
+                let _ = memory.read(
+                    Region::Aux,
+                    u64::from(slot) * u64::from(AUX_BYTES),
+                    &mut aux,
+                );
+                if !all_words(&aux, room.0) {
+                    corrupted.fetch_add(1, Relaxed);
+                    warn!(%room, "aux row holds the wrong bytes");
+                }
+            }
+            if state.is_some() {
+                // Pages go back only when the core says nothing can write them any more.
+                if tokio::time::timeout(deadline, handle.releasable())
+                    .await
+                    .is_err()
+                {
+                    return None;
+                }
+                let mut free = vec![0u8; shape.page_bytes as usize];
+                fill_words(&mut free, FREE_WORD);
+                for (layer, plane) in kv_regions(shape) {
+                    for &p in &dst {
+                        let _ = memory.write(
+                            Region::Kv { layer, plane },
+                            u64::from(p) * page_bytes,
+                            &free,
+                        );
+                    }
+                }
+                if let Ok(mut pg) = pages.lock() {
+                    pg.pool.give(&dst);
+                    pg.slots.give(&[slot]);
+                }
+            }
+            state
+        }
+        Err(e) => {
+            warn!(%room, error = %e, "room could not be opened");
+            if let Ok(mut pg) = pages.lock() {
+                pg.pool.give(&dst);
+                pg.slots.give(&[slot]);
+            }
+            Some(KvPoll::Failed(FailureReason::ProtocolError))
+        }
+    };
+    result
+}
+
+/// The counters of a finished run folded into its report.
+pub fn add_counters(
+    report: &mut Report,
+    prefill: &kvferry_core::Counters,
+    decode: &kvferry_core::Counters,
+) {
+    report.retries = prefill.retries + decode.retries;
+    report.sessions_blacklisted = prefill.sessions_blacklisted + decode.sessions_blacklisted;
+    report.sessions_recovered = prefill.sessions_recovered + decode.sessions_recovered;
+}
+
+/// Runs prefill and decode in this process on loopback and moves `rooms` rooms end to end.
+pub async fn run_demo(
+    shape: Shape,
+    core: Config,
+    rooms: u64,
+    progress: Option<Progress>,
+) -> Result<Report, NodeError> {
+    let token = b"kvferry-demo".to_vec();
+    let prefill_cfg = node_config(Role::Prefill, &shape, core.clone(), &token, 1);
+    let decode_cfg = node_config(Role::Decode, &shape, core, &token, 2);
+    let layout = shape.layout();
+    let prefill = Node::start(prefill_cfg, Arc::new(MemoryMap::allocate(layout)))?;
+    let decode = Node::start(decode_cfg, Arc::new(MemoryMap::allocate(layout)))?;
+    let addr: SocketAddr = prefill
+        .listen("127.0.0.1:0".parse().map_err(|_| NodeError::ShutDown)?)
+        .await?;
+    let server = tokio::spawn(serve_prefill(prefill.clone(), shape.clone()));
+    let session = decode.connect(addr).await?;
+    // Give the data connections a moment to come up before the first room.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let run = DecodeRun {
+        rooms,
+        shape,
+        first_room: 1,
+        progress,
+        deadline: Duration::from_secs(600),
+    };
+    let mut report = run_decode(&decode, session, run).await;
+    add_counters(&mut report, &prefill.counters(), &decode.counters());
+    decode.shutdown().await;
+    prefill.shutdown().await;
+    server.abort();
+    Ok(report)
+}

@@ -1,0 +1,345 @@
+//! `kvferry`: demo, prefill, decode and bench.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use kvferry_cli::{
+    add_counters, node_config, run_decode, run_demo, serve_prefill, DecodeRun, Progress, Report,
+    Shape,
+};
+use kvferry_core::{Config, Role};
+use kvferry_tcp::MemoryMap;
+use kvferry_tokio::Node;
+
+#[derive(Parser)]
+#[command(
+    name = "kvferry",
+    version,
+    about = "Move LLM KV caches from prefill to decode, correctly."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a prefill and a decode node on loopback and move real bytes end to end.
+    Demo {
+        #[command(flatten)]
+        shape: ShapeArgs,
+        #[command(flatten)]
+        common: CommonArgs,
+        /// Rooms to move.
+        #[arg(long, default_value_t = 256)]
+        rooms: u64,
+    },
+    /// Serve synthetic KV as a prefill node.
+    Prefill {
+        /// Address to listen on.
+        #[arg(long)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        shape: ShapeArgs,
+        #[command(flatten)]
+        common: CommonArgs,
+    },
+    /// Act as a decode node: request rooms from a prefill node and verify every byte.
+    Decode {
+        /// The prefill node's address.
+        #[arg(long)]
+        connect: SocketAddr,
+        /// Rooms to request.
+        #[arg(long, default_value_t = 256)]
+        rooms: u64,
+        /// First room id (use distinct ranges for several decodes against one prefill).
+        #[arg(long, default_value_t = 1)]
+        first_room: u64,
+        #[command(flatten)]
+        shape: ShapeArgs,
+        #[command(flatten)]
+        common: CommonArgs,
+    },
+    /// Measure the TCP data plane against a plain socket pair.
+    Bench {
+        /// Iterations per workload (the 4 KiB round trip runs 100x as many).
+        #[arg(long, default_value_t = 7)]
+        iterations: usize,
+        /// Print one JSON object per workload instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args, Clone)]
+struct ShapeArgs {
+    /// Model layers.
+    #[arg(long, default_value_t = 8)]
+    layers: u16,
+    /// KV planes per layer (2 = K and V).
+    #[arg(long, default_value_t = 2)]
+    planes: u8,
+    /// Bytes per page per layer and plane.
+    #[arg(long, default_value_t = 16384)]
+    page_bytes: u32,
+    /// Pages per room.
+    #[arg(long, default_value_t = 32)]
+    pages_per_room: u32,
+    /// Chunks per room.
+    #[arg(long, default_value_t = 1)]
+    chunks: u32,
+    /// Rooms in flight at once.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Send layer by layer, each layer ready after --layer-compute-us.
+    #[arg(long)]
+    layerwise: bool,
+    /// Simulated forward time per layer with --layerwise, in microseconds.
+    #[arg(long, default_value_t = 200)]
+    layer_compute_us: u64,
+    /// Data connections per session.
+    #[arg(long, default_value_t = 2)]
+    data_connections: usize,
+}
+
+impl ShapeArgs {
+    fn shape(&self) -> Shape {
+        Shape {
+            layers: self.layers,
+            planes: self.planes,
+            page_bytes: self.page_bytes,
+            pages_per_room: self.pages_per_room,
+            chunks: self.chunks,
+            concurrency: self.concurrency,
+            layerwise: self
+                .layerwise
+                .then(|| Duration::from_micros(self.layer_compute_us)),
+            data_connections: self.data_connections,
+        }
+    }
+}
+
+#[derive(Args, Clone)]
+struct CommonArgs {
+    /// Cluster token shared by every node.
+    #[arg(
+        long,
+        env = "KVFERRY_TOKEN",
+        default_value = "kvferry-demo",
+        hide_env_values = true
+    )]
+    token: String,
+    /// TOML file of core knobs (keys as in KVFERRY_* without the prefix, any case).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+fn load_config(path: Option<&PathBuf>) -> Result<Config, String> {
+    let mut config = Config::from_env().map_err(|e| e.to_string())?;
+    if let Some(path) = path {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        for (key, value) in table {
+            let value = match value {
+                toml::Value::Integer(i) => i.to_string(),
+                toml::Value::String(s) => s,
+                other => {
+                    return Err(format!(
+                        "{}: {key} must be an integer, not {other}",
+                        path.display()
+                    ))
+                }
+            };
+            config
+                .set(&key, &value)
+                .map_err(|why| format!("{}: {key} = {value}: {why}", path.display()))?;
+        }
+        config.validate().map_err(|e| e.to_string())?;
+    }
+    Ok(config)
+}
+
+fn install_metrics(addr: Option<SocketAddr>) -> Result<(), String> {
+    if let Some(addr) = addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn progress_bar(rooms: u64, json: bool) -> (Option<Progress>, Option<indicatif::ProgressBar>) {
+    if json {
+        return (None, None);
+    }
+    let bar = indicatif::ProgressBar::new(rooms);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{bar:40} {pos}/{len} rooms {elapsed_precise} {per_sec}",
+    ) {
+        bar.set_style(style);
+    }
+    let b = bar.clone();
+    (Some(Arc::new(move |n| b.set_position(n))), Some(bar))
+}
+
+fn print_report(report: &Report, json: bool) {
+    if json {
+        println!("{}", report.to_json());
+    } else {
+        println!("kvferry report\n{}", report.table());
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVFERRY_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli).await {
+        eprintln!("kvferry: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), String> {
+    match cli.command {
+        Command::Demo {
+            shape,
+            common,
+            rooms,
+        } => {
+            let config = load_config(common.config.as_ref())?;
+            install_metrics(common.metrics_addr)?;
+            let (progress, bar) = progress_bar(rooms, common.json);
+            let report = run_demo(shape.shape(), config, rooms, progress)
+                .await
+                .map_err(|e| e.to_string())?;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            print_report(&report, common.json);
+            if report.pages_corrupted > 0 || report.rooms_unfinished > 0 {
+                return Err(format!(
+                    "{} corrupted pages, {} unfinished rooms",
+                    report.pages_corrupted, report.rooms_unfinished
+                ));
+            }
+            Ok(())
+        }
+        Command::Prefill {
+            listen,
+            shape,
+            common,
+        } => {
+            let config = load_config(common.config.as_ref())?;
+            install_metrics(common.metrics_addr)?;
+            let shape = shape.shape();
+            let cfg = node_config(
+                Role::Prefill,
+                &shape,
+                config,
+                common.token.as_bytes(),
+                rand_seed(),
+            );
+            let node = Node::start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
+                .map_err(|e| e.to_string())?;
+            let addr = node.listen(listen).await.map_err(|e| e.to_string())?;
+            eprintln!("kvferry prefill listening on {addr}");
+            let server = tokio::spawn(serve_prefill(node.clone(), shape));
+            let _ = tokio::signal::ctrl_c().await;
+            node.shutdown().await;
+            server.abort();
+            Ok(())
+        }
+        Command::Decode {
+            connect,
+            rooms,
+            first_room,
+            shape,
+            common,
+        } => {
+            let config = load_config(common.config.as_ref())?;
+            install_metrics(common.metrics_addr)?;
+            let shape = shape.shape();
+            let cfg = node_config(
+                Role::Decode,
+                &shape,
+                config,
+                common.token.as_bytes(),
+                rand_seed(),
+            );
+            let node = Node::start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
+                .map_err(|e| e.to_string())?;
+            let session = node
+                .connect(connect)
+                .await
+                .map_err(|e| format!("cannot reach prefill at {connect}: {e}"))?;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let (progress, bar) = progress_bar(rooms, common.json);
+            let run = DecodeRun {
+                rooms,
+                shape,
+                first_room,
+                progress,
+                deadline: Duration::from_secs(600),
+            };
+            let mut report = run_decode(&node, session, run).await;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            add_counters(
+                &mut report,
+                &kvferry_core::Counters::default(),
+                &node.counters(),
+            );
+            node.shutdown().await;
+            print_report(&report, common.json);
+            Ok(())
+        }
+        Command::Bench { iterations, json } => {
+            let results = kvferry_cli::bench::run(iterations)
+                .await
+                .map_err(|e| e.to_string())?;
+            for r in &results {
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({ "workload": r.workload, "unit": r.unit, "kvferry": r.kvferry, "raw": r.raw, "ratio": r.ratio, "target": r.target })
+                    );
+                } else {
+                    println!(
+                        "{:<18} kvferry {:>10.3} {:<4}  raw {:>10.3} {:<4}  ratio {:>6.3}  (target {})",
+                        r.workload, r.kvferry, r.unit, r.raw, r.unit, r.ratio, r.target
+                    );
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+fn rand_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    t ^ (u64::from(std::process::id()) << 32)
+}

@@ -1,0 +1,860 @@
+//! `kvferry-tokio`: the driver that runs a `kvferry-core` [`Endpoint`] on tokio.
+//!
+//! It owns sockets, timers and tasks, and nothing else: it feeds the core's inputs (control
+//! bytes, finished operations, fired timers, connections), drains its outputs in the documented
+//! order after every input, arms one timer from `poll_timeout`, and carries out data-path
+//! operations and fences through `kvferry-tcp`. It never decides a retry, a timeout or a
+//! room's state: if it ever needs such an `if`, the core's API is missing something.
+//!
+//! Embedders get a [`Node`]: open rooms, send chunks, mark layers ready, abort, and await a
+//! room's terminal state and its release through a cancel-safe [`RoomHandle`].
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use foldhash::fast::FixedState;
+use kvferry_core::{
+    Action, ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event,
+    FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, Slice, TransferId,
+    TransferOutcome, WriteRefused,
+};
+use kvferry_tcp::{
+    answer_data, connect_control, connect_data, read_preamble, serve_writes, DataHello, DataSender,
+    Limits, MemoryMap, Preamble, Report, WriteCheck,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{broadcast, mpsc, watch, Notify};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
+
+/// Everything needed to start a [`Node`].
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// The core's knobs.
+    pub core: Config,
+    /// Who this endpoint is.
+    pub info: EndpointInfo,
+    /// Data connections opened per session (operations are spread over them).
+    pub data_connections: usize,
+    /// Seed of the core's random choices.
+    pub seed: u64,
+}
+
+/// A room's state as seen through a [`RoomHandle`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoomView {
+    /// Current state.
+    pub state: KvPoll,
+    /// Whether the pages may be reused.
+    pub releasable: bool,
+}
+
+/// Awaits one room's progress. Cancel-safe: dropping a wait loses nothing.
+#[derive(Debug, Clone)]
+pub struct RoomHandle {
+    room: RoomId,
+    rx: watch::Receiver<RoomView>,
+}
+
+impl RoomHandle {
+    /// The room.
+    pub fn room(&self) -> RoomId {
+        self.room
+    }
+
+    /// The latest view.
+    pub fn view(&self) -> RoomView {
+        *self.rx.borrow()
+    }
+
+    /// Waits for `Success` or `Failed`.
+    pub async fn terminal(&mut self) -> KvPoll {
+        match self.rx.wait_for(|v| v.state.is_terminal()).await {
+            Ok(v) => v.state,
+            Err(_) => KvPoll::Failed(FailureReason::Shutdown),
+        }
+    }
+
+    /// Waits until the room's pages may be reused; returns its terminal state.
+    pub async fn releasable(&mut self) -> KvPoll {
+        match self.rx.wait_for(|v| v.releasable).await {
+            Ok(v) => v.state,
+            Err(_) => KvPoll::Failed(FailureReason::Shutdown),
+        }
+    }
+}
+
+/// Errors of the node's IO-facing calls.
+#[derive(Debug)]
+pub enum NodeError {
+    /// A socket operation failed.
+    Io(std::io::Error),
+    /// The endpoint refused the call.
+    Api(ApiError),
+    /// The session did not complete its handshake in time.
+    HandshakeTimeout,
+    /// The node was shut down.
+    ShutDown,
+}
+
+impl std::fmt::Display for NodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NodeError::Io(e) => write!(f, "network error: {e}"),
+            NodeError::Api(e) => write!(f, "{e}"),
+            NodeError::HandshakeTimeout => write!(
+                f,
+                "the peer did not complete the handshake in time (check address, token and layout)"
+            ),
+            NodeError::ShutDown => write!(f, "the node is shut down"),
+        }
+    }
+}
+
+impl std::error::Error for NodeError {}
+
+impl From<std::io::Error> for NodeError {
+    fn from(e: std::io::Error) -> Self {
+        NodeError::Io(e)
+    }
+}
+
+impl From<ApiError> for NodeError {
+    fn from(e: ApiError) -> Self {
+        NodeError::Api(e)
+    }
+}
+
+struct SessionIo {
+    control_tx: mpsc::UnboundedSender<Vec<u8>>,
+    tasks: Vec<JoinHandle<()>>,
+    /// Set when this side connected: it opens the data connections.
+    peer_addr: Option<SocketAddr>,
+    senders: Vec<DataSender>,
+    next_sender: usize,
+    receivers: Vec<JoinHandle<()>>,
+    closing: bool,
+}
+
+struct Inner {
+    endpoint: Endpoint,
+    io: Map<SessionId, SessionIo>,
+    rooms: Map<RoomId, watch::Sender<RoomView>>,
+    armed: Option<Instant>,
+    metrics_at: Instant,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    wake: Notify,
+    memory: Arc<MemoryMap>,
+    events: broadcast::Sender<Event>,
+    runtime: tokio::runtime::Handle,
+    data_connections: usize,
+    info: EndpointInfo,
+    limits: Limits,
+    stopped: watch::Sender<bool>,
+}
+
+/// A running kvferry endpoint on tokio. Cheap to clone; the last [`Node::shutdown`] or drop
+/// of every clone ends its tasks.
+#[derive(Clone)]
+pub struct Node {
+    shared: Arc<Shared>,
+    _last: Arc<StopOnDrop>,
+}
+
+/// Held by every clone of a [`Node`]: when the last one goes, the tasks stop.
+struct StopOnDrop(Arc<Shared>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.stopped.send(true);
+    }
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("role", &self.shared.info.role)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Node {
+    /// Starts a node over `memory` (which must be registered for `config.info.layout`).
+    /// Must be called inside a tokio runtime.
+    pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
+        let now = Instant::now();
+        let endpoint = Endpoint::new(config.core.clone(), config.info.clone(), config.seed, now)
+            .map_err(|e| {
+                NodeError::Io(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    e.to_string(),
+                ))
+            })?;
+        let (events, _) = broadcast::channel(65536);
+        let (stopped, _) = watch::channel(false);
+        let limits = Limits {
+            max_slices: config.core.max_op_slices,
+            max_bytes: config.core.max_op_bytes,
+        };
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                endpoint,
+                io: Map::default(),
+                rooms: Map::default(),
+                armed: None,
+                metrics_at: now,
+            }),
+            wake: Notify::new(),
+            memory,
+            events,
+            runtime: tokio::runtime::Handle::current(),
+            data_connections: config.data_connections.max(1),
+            info: config.info,
+            limits,
+            stopped,
+        });
+        let weak = Arc::downgrade(&shared);
+        let role = shared.info.role;
+        tokio::spawn(drive(weak).instrument(info_span!("kvferry_driver", ?role)));
+        Ok(Node {
+            _last: Arc::new(StopOnDrop(shared.clone())),
+            shared,
+        })
+    }
+
+    /// Listens for peers on `addr`; returns the bound address. Runs until shutdown.
+    pub async fn listen(&self, addr: SocketAddr) -> Result<SocketAddr, NodeError> {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let weak = Arc::downgrade(&self.shared);
+        let mut stopped = self.shared.stopped.subscribe();
+        tokio::spawn(
+            async move {
+                loop {
+                    tokio::select! {
+                        _ = async { let _ = stopped.wait_for(|s| *s).await; } => break,
+                        accepted = listener.accept() => match accepted {
+                            Ok((stream, peer)) => {
+                                let weak = weak.clone();
+                                tokio::spawn(async move { accept(weak, stream, peer).await });
+                            }
+                            Err(e) => {
+                                warn!(error = %e, "accept failed; backing off");
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                        },
+                    }
+                }
+            }
+            .instrument(info_span!("kvferry_listener", %local)),
+        );
+        Ok(local)
+    }
+
+    /// Connects to a peer's listener and completes the handshake; returns the session.
+    pub async fn connect(&self, addr: SocketAddr) -> Result<SessionId, NodeError> {
+        let stream = connect_control(addr).await?;
+        let mut events = self.shared.events.subscribe();
+        let sid = attach_control(&self.shared, stream, Some(addr));
+        let deadline = tokio::time::Instant::now() + self.config().handshake_timeout;
+        loop {
+            match self.shared.lock().endpoint.session_state(sid) {
+                Some(
+                    kvferry_core::SessionState::Established
+                    | kvferry_core::SessionState::Blacklisted,
+                ) => return Ok(sid),
+                None | Some(kvferry_core::SessionState::Closing) => {
+                    return Err(NodeError::HandshakeTimeout)
+                }
+                Some(kvferry_core::SessionState::Handshaking) => {}
+            }
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Err(_) => return Err(NodeError::HandshakeTimeout),
+                Ok(Err(broadcast::error::RecvError::Closed)) => return Err(NodeError::ShutDown),
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// The core's configuration.
+    pub fn config(&self) -> Config {
+        self.shared.lock().endpoint.config().clone()
+    }
+
+    /// The registered memory.
+    pub fn memory(&self) -> &Arc<MemoryMap> {
+        &self.shared.memory
+    }
+
+    /// A snapshot of the core's counters.
+    pub fn counters(&self) -> Counters {
+        self.shared.lock().endpoint.counters().clone()
+    }
+
+    /// The state of a room (live or remembered).
+    pub fn room_state(&self, room: RoomId) -> Option<KvPoll> {
+        self.shared.lock().endpoint.room_state(room)
+    }
+
+    /// Every core event from now on (a lagging subscriber loses the oldest ones).
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.shared.events.subscribe()
+    }
+
+    /// Runs `f` on the endpoint, then drains its outputs.
+    fn with<T>(&self, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
+        let mut inner = self.shared.lock();
+        let out = f(&mut inner.endpoint, Instant::now());
+        drain(&self.shared, &mut inner);
+        out
+    }
+
+    fn watch_room(&self, room: RoomId, state: KvPoll) -> RoomHandle {
+        let mut inner = self.shared.lock();
+        let current = inner.endpoint.room_state(room).unwrap_or(state);
+        let tx = inner.rooms.entry(room).or_insert_with(|| {
+            watch::channel(RoomView {
+                state: current,
+                releasable: false,
+            })
+            .0
+        });
+        RoomHandle {
+            room,
+            rx: tx.subscribe(),
+        }
+    }
+
+    /// Decode: opens a receiver room fed by `sources`; see [`Endpoint::open_receiver`].
+    pub fn open_receiver(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        sources: &[SessionId],
+        grant: Option<Grant>,
+    ) -> Result<RoomHandle, ApiError> {
+        let handle = self.watch_room(room, KvPoll::Bootstrapping);
+        match self.with(|e, now| e.open_receiver(now, room, generation, sources, grant)) {
+            Ok(()) => Ok(handle),
+            Err(err) => {
+                self.forget_room(room);
+                Err(err)
+            }
+        }
+    }
+
+    /// Decode: grants a room its pages.
+    pub fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), ApiError> {
+        self.with(|e, now| e.grant_pages(now, room, grant))
+    }
+
+    /// Decode: the room waits for capacity behind `position` others.
+    pub fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), ApiError> {
+        self.with(|e, now| e.set_queue_position(now, room, position))
+    }
+
+    /// Decode: free capacity advertised in heartbeats.
+    pub fn set_capacity(&self, capacity: Capacity) {
+        self.with(|e, _| e.set_capacity(capacity))
+    }
+
+    /// Prefill: opens a sender room.
+    pub fn open_sender(
+        &self,
+        room: RoomId,
+        generation: Generation,
+    ) -> Result<RoomHandle, ApiError> {
+        let handle = self.watch_room(room, KvPoll::Bootstrapping);
+        match self.with(|e, now| e.open_sender(now, room, generation)) {
+            Ok(()) => Ok(handle),
+            Err(err) => {
+                self.forget_room(room);
+                Err(err)
+            }
+        }
+    }
+
+    fn forget_room(&self, room: RoomId) {
+        let mut inner = self.shared.lock();
+        if inner.endpoint.room_generation(room).is_none() {
+            inner.rooms.remove(&room);
+        }
+    }
+
+    /// Prefill: sends the next chunk of a room.
+    pub fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), ApiError> {
+        self.with(|e, now| e.send_chunk(now, room, chunk))
+    }
+
+    /// Prefill: layer `layer` of `rooms` finished its forward pass.
+    pub fn mark_layer_ready(&self, rooms: &[RoomId], layer: u16) -> Result<(), ApiError> {
+        self.with(|e, now| e.mark_layer_ready(now, rooms, layer))
+    }
+
+    /// Aborts a room locally.
+    pub fn abort(&self, room: RoomId) -> Result<(), ApiError> {
+        self.with(|e, now| e.abort(now, room))
+    }
+
+    /// Fails a room softly (consensus verdicts); `false` if it was already terminal.
+    pub fn fail_room(&self, room: RoomId, reason: FailureReason) -> bool {
+        self.with(|e, now| e.fail_room(now, room, reason))
+    }
+
+    /// Fails every room, tells every peer, closes every connection and stops the tasks.
+    pub async fn shutdown(&self) {
+        self.with(|e, now| e.shutdown(now));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        while tokio::time::Instant::now() < deadline {
+            if self.shared.lock().io.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _ = self.shared.stopped.send(true);
+        self.shared.wake.notify_one();
+    }
+}
+
+/// The single driver task: arms one timer from the core's deadline and feeds it back.
+async fn drive(weak: Weak<Shared>) {
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        if *shared.stopped.borrow() {
+            return;
+        }
+        let deadline = {
+            let mut inner = shared.lock();
+            let now = Instant::now();
+            if inner.endpoint.poll_timeout().is_some_and(|(t, _)| t <= now) {
+                inner.endpoint.handle_timeout(now);
+                drain(&shared, &mut inner);
+            }
+            if now.duration_since(inner.metrics_at) >= Duration::from_millis(500) {
+                inner.metrics_at = now;
+                export_metrics(inner.endpoint.counters(), shared.info.role);
+            }
+            let next = inner.endpoint.poll_timeout().map(|(t, _)| t);
+            inner.armed = next;
+            next
+        };
+        let sleep = async {
+            match deadline {
+                Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+                None => std::future::pending().await,
+            }
+        };
+        let mut stopped = shared.stopped.subscribe();
+        tokio::select! {
+            _ = sleep => {}
+            _ = shared.wake.notified() => {}
+            _ = async { let _ = stopped.wait_for(|s| *s).await; } => return,
+        }
+    }
+}
+
+/// Drains every output of the core, in the documented order, after an input.
+fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
+    loop {
+        let mut progressed = false;
+        let mut buf = Vec::new();
+        while let Some(sid) = inner.endpoint.poll_transmit(&mut buf) {
+            progressed = true;
+            if let Some(io) = inner.io.get(&sid) {
+                let _ = io.control_tx.send(std::mem::take(&mut buf));
+            } else {
+                buf.clear();
+            }
+        }
+        while let Some(action) = inner.endpoint.poll_action() {
+            progressed = true;
+            match action {
+                Action::FenceSession(sid) => start_fence(shared, inner, sid),
+                Action::CloseSession(sid) => start_close(shared, inner, sid),
+            }
+        }
+        let now = Instant::now();
+        while let Some(op) = inner.endpoint.poll_transfer(now) {
+            progressed = true;
+            let id = op.id;
+            let sent = match inner.io.get_mut(&op.session) {
+                Some(io) if !io.senders.is_empty() => {
+                    let n = io.senders.len();
+                    let mut op = Some(op);
+                    for k in 0..n {
+                        let i = (io.next_sender + k) % n;
+                        match io.senders[i].send(op.take().expect("op present")) {
+                            Ok(()) => {
+                                io.next_sender = i + 1;
+                                break;
+                            }
+                            Err(back) => op = Some(back),
+                        }
+                    }
+                    op.is_none()
+                }
+                _ => false,
+            };
+            if !sent {
+                // No usable data connection right now: a transient failure the core retries.
+                inner
+                    .endpoint
+                    .handle_transfer_result(now, id, TransferOutcome::Transient);
+            }
+        }
+        while let Some(event) = inner.endpoint.poll_event() {
+            progressed = true;
+            on_event(shared, inner, &event);
+            let _ = shared.events.send(event);
+        }
+        if !progressed {
+            break;
+        }
+    }
+    if inner.endpoint.poll_timeout().map(|(t, _)| t) < inner.armed || inner.armed.is_none() {
+        shared.wake.notify_one();
+    }
+}
+
+fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
+    match *event {
+        Event::RoomState { room, state, .. } => {
+            if let Some(tx) = inner.rooms.get(&room) {
+                tx.send_modify(|v| v.state = state);
+            }
+        }
+        Event::Releasable { room, .. } => {
+            if let Some(tx) = inner.rooms.remove(&room) {
+                tx.send_modify(|v| v.releasable = true);
+            }
+        }
+        Event::SessionEstablished { session, peer } => {
+            info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
+            if let Some(addr) = inner.io.get(&session).and_then(|io| io.peer_addr) {
+                open_data_connections(shared, session, addr);
+            }
+        }
+        Event::SessionBlacklisted { session } => warn!(%session, "session blacklisted"),
+        Event::SessionRecovered { session } => info!(%session, "session recovered"),
+        _ => {}
+    }
+}
+
+/// Registers a control connection with the core and starts its reader and writer.
+fn attach_control(
+    shared: &Arc<Shared>,
+    stream: TcpStream,
+    peer_addr: Option<SocketAddr>,
+) -> SessionId {
+    let _ = stream.set_nodelay(true);
+    let (mut read, mut write) = stream.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let mut inner = shared.lock();
+    let sid = inner.endpoint.open_session(Instant::now());
+    let span = info_span!("kvferry_session", session = %sid);
+    let writer = shared.runtime.spawn(
+        async move {
+            while let Some(mut frame) = rx.recv().await {
+                while let Ok(more) = rx.try_recv() {
+                    frame.extend_from_slice(&more);
+                }
+                if write.write_all(&frame).await.is_err() {
+                    break;
+                }
+            }
+        }
+        .instrument(span.clone()),
+    );
+    let weak = Arc::downgrade(shared);
+    let reader = shared.runtime.spawn(
+        async move {
+            let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
+            let mut chunk = vec![0u8; 64 * 1024];
+            loop {
+                let n = match read.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                let Some(shared) = weak.upgrade() else { return };
+                buf.extend_from_slice(&chunk[..n]);
+                let mut inner = shared.lock();
+                let used = inner.endpoint.handle_input(Instant::now(), sid, &buf);
+                drain(&shared, &mut inner);
+                drop(inner);
+                buf.drain(..used.min(buf.len()));
+            }
+            if let Some(shared) = weak.upgrade() {
+                debug!("control connection ended");
+                let mut inner = shared.lock();
+                start_close(&shared, &mut inner, sid);
+            }
+        }
+        .instrument(span),
+    );
+    inner.io.insert(
+        sid,
+        SessionIo {
+            control_tx: tx,
+            tasks: vec![writer, reader],
+            peer_addr,
+            senders: Vec::new(),
+            next_sender: 0,
+            receivers: Vec::new(),
+            closing: false,
+        },
+    );
+    drain(shared, &mut inner);
+    sid
+}
+
+async fn accept(weak: Weak<Shared>, mut stream: TcpStream, peer: SocketAddr) {
+    let preamble =
+        match tokio::time::timeout(Duration::from_secs(5), read_preamble(&mut stream)).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                warn!(%peer, error = %e, "refused a connection");
+                return;
+            }
+            Err(_) => {
+                warn!(%peer, "no preamble in time; connection dropped");
+                return;
+            }
+        };
+    let Some(shared) = weak.upgrade() else { return };
+    match preamble {
+        Preamble::Control => {
+            attach_control(&shared, stream, None);
+        }
+        Preamble::Data(hello) => {
+            if !constant_time_eq(&hello.token, &shared.info.token) {
+                warn!(%peer, "data connection with a wrong token refused");
+                let _ = answer_data(&mut stream, false).await;
+                return;
+            }
+            // The peer opens data connections once it saw our hello; ours may still be
+            // reading its hello, so give the handshake a moment.
+            let mut session = None;
+            for _ in 0..200 {
+                session = shared
+                    .lock()
+                    .endpoint
+                    .session_of(hello.node, hello.incarnation);
+                if session.is_some() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let Some(sid) = session else {
+                warn!(%peer, node = %hello.node, "data connection for no established session refused");
+                let _ = answer_data(&mut stream, false).await;
+                return;
+            };
+            if answer_data(&mut stream, true).await.is_err() {
+                return;
+            }
+            attach_data(&shared, sid, stream);
+        }
+    }
+}
+
+/// Puts an accepted or opened data connection to work for `sid`, by role.
+fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
+    let mut inner = shared.lock();
+    let Some(io) = inner.io.get_mut(&sid) else {
+        return;
+    };
+    if io.closing {
+        return;
+    }
+    match shared.info.role {
+        Role::Prefill => {
+            let weak = Arc::downgrade(shared);
+            let report: Report = Arc::new(move |id: TransferId, outcome: TransferOutcome| {
+                if let Some(shared) = weak.upgrade() {
+                    let mut inner = shared.lock();
+                    inner
+                        .endpoint
+                        .handle_transfer_result(Instant::now(), id, outcome);
+                    drain(&shared, &mut inner);
+                }
+            });
+            io.senders
+                .push(DataSender::spawn(stream, shared.memory.clone(), report));
+        }
+        Role::Decode => {
+            let check: Arc<dyn WriteCheck> = Arc::new(CoreCheck {
+                shared: Arc::downgrade(shared),
+                session: sid,
+            });
+            let memory = shared.memory.clone();
+            let limits = shared.limits;
+            let task = shared.runtime.spawn(
+                async move {
+                    match serve_writes(stream, memory, check, limits).await {
+                        Ok(stats) => debug!(
+                            applied = stats.applied,
+                            refused = stats.refused,
+                            "data connection ended"
+                        ),
+                        Err(e) => warn!(error = %e, "data connection ended"),
+                    }
+                }
+                .instrument(info_span!("kvferry_data", session = %sid)),
+            );
+            io.receivers.push(task);
+        }
+    }
+    // Operations may have been waiting for a connection.
+    drain(shared, &mut inner);
+}
+
+fn open_data_connections(shared: &Arc<Shared>, sid: SessionId, addr: SocketAddr) {
+    let hello = DataHello {
+        node: shared.info.node,
+        incarnation: shared.info.incarnation,
+        token: shared.info.token.clone(),
+    };
+    for _ in 0..shared.data_connections {
+        let weak = Arc::downgrade(shared);
+        let hello = hello.clone();
+        shared.runtime.spawn(async move {
+            match connect_data(addr, &hello).await {
+                Ok(stream) => {
+                    if let Some(shared) = weak.upgrade() {
+                        attach_data(&shared, sid, stream);
+                    }
+                }
+                Err(e) => warn!(session = %sid, error = %e, "data connection failed"),
+            }
+        });
+    }
+}
+
+/// Carries out a fence: close the session's data connections, wait until nothing of them can
+/// write, confirm to the core, then re-open them if this side opens data connections.
+fn start_fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
+    let Some(io) = inner.io.get_mut(&sid) else {
+        inner.endpoint.handle_fence_complete(Instant::now(), sid);
+        return;
+    };
+    let senders = std::mem::take(&mut io.senders);
+    let receivers = std::mem::take(&mut io.receivers);
+    let addr = io.peer_addr;
+    let weak = Arc::downgrade(shared);
+    shared.runtime.spawn(async move {
+        for s in senders {
+            s.close().await;
+        }
+        for r in receivers {
+            r.abort();
+            let _ = r.await;
+        }
+        let Some(shared) = weak.upgrade() else { return };
+        {
+            let mut inner = shared.lock();
+            inner.endpoint.handle_fence_complete(Instant::now(), sid);
+            drain(&shared, &mut inner);
+        }
+        info!(session = %sid, "session fenced");
+        if let Some(addr) = addr {
+            open_data_connections(&shared, sid, addr);
+        }
+    });
+}
+
+/// Carries out a close: stop every connection of the session, then tell the core.
+fn start_close(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
+    let Some(io) = inner.io.get_mut(&sid) else {
+        return;
+    };
+    if io.closing {
+        return;
+    }
+    io.closing = true;
+    let senders = std::mem::take(&mut io.senders);
+    let receivers = std::mem::take(&mut io.receivers);
+    let tasks = std::mem::take(&mut io.tasks);
+    let weak = Arc::downgrade(shared);
+    shared.runtime.spawn(async move {
+        // Let the writer flush a final error frame before the socket goes.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        for s in senders {
+            s.close().await;
+        }
+        for t in receivers.into_iter().chain(tasks) {
+            t.abort();
+            let _ = t.await;
+        }
+        let Some(shared) = weak.upgrade() else { return };
+        let mut inner = shared.lock();
+        inner.io.remove(&sid);
+        inner.endpoint.handle_disconnected(Instant::now(), sid);
+        drain(&shared, &mut inner);
+    });
+}
+
+struct CoreCheck {
+    shared: Weak<Shared>,
+    session: SessionId,
+}
+
+impl WriteCheck for CoreCheck {
+    fn check(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<(), WriteRefused> {
+        let Some(shared) = self.shared.upgrade() else {
+            return Err(WriteRefused::UnknownRoom);
+        };
+        let mut inner = shared.lock();
+        let now = Instant::now();
+        let mut result = Ok(());
+        for s in slices {
+            if let Err(e) = inner
+                .endpoint
+                .check_write(now, self.session, room, generation, s)
+            {
+                result = Err(e);
+                break;
+            }
+        }
+        if result.is_err() {
+            drain(&shared, &mut inner);
+        }
+        result
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Publishes the core's counters through the `metrics` facade (absolute values).
+pub fn export_metrics(c: &Counters, role: Role) {
+    let role = match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    };
+    for (name, value) in c.iter() {
+        metrics::counter!(format!("kvferry_{name}_total"), "role" => role).absolute(value);
+    }
+    for reason in FailureReason::ALL {
+        metrics::counter!("kvferry_rooms_failed_total", "role" => role, "reason" => reason.as_str())
+            .absolute(c.failed(reason));
+    }
+}
