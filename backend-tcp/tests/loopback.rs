@@ -1,5 +1,6 @@
 //! The data plane over real loopback sockets: bytes land where the descriptors say, refused
 //! writes touch nothing, a broken connection fails in-flight operations transiently.
+#![allow(clippy::unwrap_used, clippy::type_complexity)] // test helpers may panic
 
 use std::sync::{Arc, Mutex};
 

@@ -605,10 +605,7 @@ async fn decode_room(
     };
     let result = match node.open_receiver(room, 0, &[session], Some(grant)) {
         Ok(mut handle) => {
-            let state = match tokio::time::timeout(deadline, handle.terminal()).await {
-                Ok(s) => Some(s),
-                Err(_) => None,
-            };
+            let state = tokio::time::timeout(deadline, handle.terminal()).await.ok();
             if state == Some(KvPoll::Success) {
                 for (layer, plane) in kv_regions(shape) {
                     for (i, &p) in dst.iter().enumerate() {
