@@ -18,7 +18,8 @@ pub fn small_shape() -> Shape {
         pages_per_room: 8,
         chunks: 1,
         concurrency: 8,
-        layerwise: None,
+        layerwise: false,
+        layer_compute: Duration::ZERO,
         data_connections: 2,
     }
 }

@@ -32,8 +32,10 @@ pub struct Shape {
     pub chunks: u32,
     /// Rooms in flight at once.
     pub concurrency: usize,
-    /// Send layer by layer with this simulated compute time per layer.
-    pub layerwise: Option<Duration>,
+    /// Send layer by layer: each layer's operations leave when its forward pass is done.
+    pub layerwise: bool,
+    /// Simulated forward time per layer and chunk (both modes, so they compare).
+    pub layer_compute: Duration,
     /// Data connections per session.
     pub data_connections: usize,
 }
@@ -47,7 +49,8 @@ impl Default for Shape {
             pages_per_room: 32,
             chunks: 1,
             concurrency: 16,
-            layerwise: None,
+            layerwise: false,
+            layer_compute: Duration::ZERO,
             data_connections: 2,
         }
     }
@@ -276,7 +279,7 @@ async fn send_room(node: &Node, shape: &Shape, room: RoomId, src: &[u32], aux_sl
     );
     let chunks = shape.chunks.clamp(1, src.len().max(1) as u32) as usize;
     let per = src.len().div_ceil(chunks);
-    if shape.layerwise.is_none() {
+    if !shape.layerwise {
         for layer in 0..shape.layers {
             fill_layer(layer, &mut page);
         }
@@ -288,15 +291,22 @@ async fn send_room(node: &Node, shape: &Shape, room: RoomId, src: &[u32], aux_sl
             last,
             aux_slot: Some(aux_slot),
             state_slot: None,
-            layerwise: shape.layerwise.is_some(),
+            layerwise: shape.layerwise,
         };
+        if !shape.layerwise && !shape.layer_compute.is_zero() {
+            // Whole-batch mode: the chunk moves only after its whole forward pass.
+            tokio::time::sleep(shape.layer_compute * u32::from(shape.layers)).await;
+        }
         if node.send_chunk(room, chunk).is_err() {
             return;
         }
-        if let Some(compute) = shape.layerwise {
-            // The forward pass: each layer becomes ready after its compute time.
+        if shape.layerwise {
+            // The forward pass: layer L is ready L+1 compute times after the chunk started
+            // (deadlines from the start, so timer rounding does not accumulate).
+            let started = tokio::time::Instant::now();
             for layer in 0..shape.layers {
-                tokio::time::sleep(compute).await;
+                tokio::time::sleep_until(started + shape.layer_compute * (u32::from(layer) + 1))
+                    .await;
                 if c == 0 {
                     fill_layer(layer, &mut page);
                 }

@@ -94,11 +94,11 @@ struct ShapeArgs {
     /// Rooms in flight at once.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
-    /// Send layer by layer, each layer ready after --layer-compute-us.
+    /// Send layer by layer: each layer moves as soon as its forward pass is done.
     #[arg(long)]
     layerwise: bool,
-    /// Simulated forward time per layer with --layerwise, in microseconds.
-    #[arg(long, default_value_t = 200)]
+    /// Simulated forward time per layer and chunk, in microseconds (both modes, to compare).
+    #[arg(long, default_value_t = 0)]
     layer_compute_us: u64,
     /// Data connections per session.
     #[arg(long, default_value_t = 2)]
@@ -114,9 +114,8 @@ impl ShapeArgs {
             pages_per_room: self.pages_per_room,
             chunks: self.chunks,
             concurrency: self.concurrency,
-            layerwise: self
-                .layerwise
-                .then(|| Duration::from_micros(self.layer_compute_us)),
+            layerwise: self.layerwise,
+            layer_compute: Duration::from_micros(self.layer_compute_us),
             data_connections: self.data_connections,
         }
     }

@@ -49,7 +49,8 @@ async fn chunked_rooms_succeed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn layerwise_rooms_succeed() {
     let shape = kvferry_cli::Shape {
-        layerwise: Some(Duration::from_micros(300)),
+        layerwise: true,
+        layer_compute: Duration::from_micros(300),
         chunks: 2,
         ..small_shape()
     };
