@@ -218,6 +218,15 @@ pub enum Event {
         /// Pages the decode granted (0 while it is still waiting for pages).
         pages: u32,
     },
+    /// The peer closed the session and said why (wrong token, incompatible layout, ...).
+    PeerError {
+        /// The session.
+        session: SessionId,
+        /// The peer's reason.
+        code: crate::codec::ErrorCode,
+        /// The peer's explanation.
+        detail: String,
+    },
     /// A session ended; the driver's connections of it are closed.
     SessionClosed {
         /// The session.

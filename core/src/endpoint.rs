@@ -1619,6 +1619,11 @@ impl Endpoint {
                 } else {
                     warn!(session = %sid, ?code, %detail, "peer reported an error");
                 }
+                self.events.push_back(Event::PeerError {
+                    session: sid,
+                    code,
+                    detail: detail.clone(),
+                });
                 let reason = match code {
                     ErrorCode::IncompatibleLayout
                     | ErrorCode::VersionMismatch

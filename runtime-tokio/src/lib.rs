@@ -97,6 +97,10 @@ pub enum NodeError {
     Api(ApiError),
     /// The session did not complete its handshake in time.
     HandshakeTimeout,
+    /// The peer refused the session (its reason and explanation).
+    Refused(String),
+    /// This node refused the peer at the handshake.
+    Rejected(kvferry_core::RejectReason),
     /// The node was shut down.
     ShutDown,
 }
@@ -110,6 +114,25 @@ impl std::fmt::Display for NodeError {
                 f,
                 "the peer did not complete the handshake in time (check address, token and layout)"
             ),
+            NodeError::Refused(why) => write!(f, "the peer refused the session: {why}"),
+            NodeError::Rejected(kvferry_core::RejectReason::BadToken) => {
+                write!(
+                    f,
+                    "the peer presented another cluster token (check --token / KVFERRY_TOKEN)"
+                )
+            }
+            NodeError::Rejected(kvferry_core::RejectReason::WrongRole) => {
+                write!(
+                    f,
+                    "the peer has the same role as this node (connect decode to prefill)"
+                )
+            }
+            NodeError::Rejected(kvferry_core::RejectReason::IncompatibleLayout(field)) => {
+                write!(f, "the peer's memory layout differs in {field} (use the same shape on both sides)")
+            }
+            NodeError::Rejected(kvferry_core::RejectReason::VersionMismatch) => {
+                write!(f, "the peer speaks another protocol version")
+            }
             NodeError::ShutDown => write!(f, "the node is shut down"),
         }
     }
@@ -284,6 +307,16 @@ impl Node {
             match tokio::time::timeout_at(deadline, events.recv()).await {
                 Err(_) => return Err(NodeError::HandshakeTimeout),
                 Ok(Err(broadcast::error::RecvError::Closed)) => return Err(NodeError::ShutDown),
+                Ok(Ok(Event::PeerError {
+                    session,
+                    code,
+                    detail,
+                })) if session == sid => {
+                    return Err(NodeError::Refused(format!("{code:?}: {detail}")))
+                }
+                Ok(Ok(Event::SessionRejected { session, reason })) if session == sid => {
+                    return Err(NodeError::Rejected(reason))
+                }
                 Ok(_) => {}
             }
         }

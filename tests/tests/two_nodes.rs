@@ -261,3 +261,27 @@ async fn hostile_sockets_are_refused_while_other_peers_keep_working() {
     let report = run_decode(&d, s, run(20)).await;
     assert_eq!((report.rooms_succeeded, report.pages_corrupted), (20, 0));
 }
+
+/// A decode with another cluster token or another layout gets a typed error that says what to
+/// check, not a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mismatched_peer_gets_a_typed_error_at_connect() {
+    let shape = small_shape();
+    let (_p, addr, _server) = prefill(&shape, fast_core(), 51).await;
+    let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, fast_core(), b"other-token", 52);
+    cfg.info.token = b"other-token".to_vec();
+    let stranger = kvferry_tokio::Node::start(
+        cfg,
+        std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout())),
+    )
+    .unwrap();
+    let err = stranger.connect(addr).await.unwrap_err();
+    assert!(err.to_string().contains("token"), "{err}");
+    let other = kvferry_cli::Shape {
+        page_bytes: 8192,
+        ..small_shape()
+    };
+    let d = start(Role::Decode, &other, fast_core(), 53);
+    let err = d.connect(addr).await.unwrap_err();
+    assert!(err.to_string().contains("page_bytes"), "{err}");
+}
