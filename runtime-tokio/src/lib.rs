@@ -289,20 +289,40 @@ impl Node {
 
     /// Connects to a peer's listener and completes the handshake; returns the session.
     pub async fn connect(&self, addr: SocketAddr) -> Result<SessionId, NodeError> {
+        use kvferry_core::SessionState;
         let stream = connect_control(addr).await?;
         let mut events = self.shared.events.subscribe();
         let sid = attach_control(&self.shared, stream, Some(addr));
         let deadline = tokio::time::Instant::now() + self.config().handshake_timeout;
-        loop {
-            match self.shared.lock().endpoint.session_state(sid) {
-                Some(
-                    kvferry_core::SessionState::Established
-                    | kvferry_core::SessionState::Blacklisted,
-                ) => return Ok(sid),
-                None | Some(kvferry_core::SessionState::Closing) => {
-                    return Err(NodeError::HandshakeTimeout)
+        let mut refusal: Option<NodeError> = None;
+        // A refusal explains a closed session; events are sent before the lock is released,
+        // so reading them after seeing the state misses none.
+        let read_refusal = |events: &mut broadcast::Receiver<Event>,
+                            refusal: &mut Option<NodeError>| loop {
+            match events.try_recv() {
+                Ok(Event::PeerError {
+                    session,
+                    code,
+                    detail,
+                }) if session == sid => {
+                    refusal.get_or_insert(NodeError::Refused(format!("{code:?}: {detail}")));
                 }
-                Some(kvferry_core::SessionState::Handshaking) => {}
+                Ok(Event::SessionRejected { session, reason }) if session == sid => {
+                    *refusal = Some(NodeError::Rejected(reason));
+                }
+                Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {}
+                Err(_) => break,
+            }
+        };
+        loop {
+            let state = self.shared.lock().endpoint.session_state(sid);
+            match state {
+                Some(SessionState::Established | SessionState::Blacklisted) => return Ok(sid),
+                None | Some(SessionState::Closing) => {
+                    read_refusal(&mut events, &mut refusal);
+                    return Err(refusal.unwrap_or(NodeError::HandshakeTimeout));
+                }
+                Some(SessionState::Handshaking) => {}
             }
             match tokio::time::timeout_at(deadline, events.recv()).await {
                 Err(_) => return Err(NodeError::HandshakeTimeout),
@@ -312,10 +332,10 @@ impl Node {
                     code,
                     detail,
                 })) if session == sid => {
-                    return Err(NodeError::Refused(format!("{code:?}: {detail}")))
+                    refusal.get_or_insert(NodeError::Refused(format!("{code:?}: {detail}")));
                 }
                 Ok(Ok(Event::SessionRejected { session, reason })) if session == sid => {
-                    return Err(NodeError::Rejected(reason))
+                    refusal = Some(NodeError::Rejected(reason));
                 }
                 Ok(_) => {}
             }
