@@ -248,18 +248,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             shape,
             common,
         } => {
-            let config = load_config(common.config.as_ref())?;
-            install_metrics(common.metrics_addr)?;
-            let shape = shape.shape();
-            let cfg = node_config(
-                Role::Prefill,
-                &shape,
-                config,
-                common.token.as_bytes(),
-                rand_seed(),
-            );
-            let node = Node::start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
-                .map_err(|e| e.to_string())?;
+            let (node, shape) = start_node(Role::Prefill, &shape, &common)?;
             let addr = node.listen(listen).await.map_err(|e| e.to_string())?;
             eprintln!("kvferry prefill listening on {addr}");
             let server = tokio::spawn(serve_prefill(node.clone(), shape));
@@ -275,18 +264,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             shape,
             common,
         } => {
-            let config = load_config(common.config.as_ref())?;
-            install_metrics(common.metrics_addr)?;
-            let shape = shape.shape();
-            let cfg = node_config(
-                Role::Decode,
-                &shape,
-                config,
-                common.token.as_bytes(),
-                rand_seed(),
-            );
-            let node = Node::start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
-                .map_err(|e| e.to_string())?;
+            let (node, shape) = start_node(Role::Decode, &shape, &common)?;
             let session = node
                 .connect(connect)
                 .await
@@ -333,6 +311,18 @@ async fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
     }
+}
+
+/// Loads the configuration, serves metrics if asked, and starts a node of `role` with its own
+/// host memory for `shape`.
+fn start_node(role: Role, shape: &ShapeArgs, common: &CommonArgs) -> Result<(Node, Shape), String> {
+    let config = load_config(common.config.as_ref())?;
+    install_metrics(common.metrics_addr)?;
+    let shape = shape.shape();
+    let cfg = node_config(role, &shape, config, common.token.as_bytes(), rand_seed());
+    let node = Node::start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
+        .map_err(|e| e.to_string())?;
+    Ok((node, shape))
 }
 
 fn rand_seed() -> u64 {

@@ -116,8 +116,5 @@ impl ConsensusLog {
 
 /// The failure reason of a verdict, if it is a failure.
 pub fn verdict_failure(verdict: KvPoll) -> Option<FailureReason> {
-    match verdict {
-        KvPoll::Failed(r) => Some(r),
-        _ => None,
-    }
+    verdict.failure()
 }

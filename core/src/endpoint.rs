@@ -1901,16 +1901,7 @@ impl Endpoint {
         if !valid {
             warn!(%room, session = %sid, "room request outside the peer's registered memory");
             self.counters.protocol_errors += 1;
-            self.transmits.push_back((
-                sid,
-                Message::RoomStatus {
-                    room,
-                    generation,
-                    failure: Some(FailureReason::ProtocolError),
-                },
-            ));
-            self.transmits
-                .push_back((sid, Message::AbortAck { room, generation }));
+            self.answer_with_outcome(sid, room, generation, Some(FailureReason::ProtocolError));
             self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
             return;
         }
@@ -1919,20 +1910,8 @@ impl Endpoint {
         };
         if r.state.is_terminal() {
             // Concluded but still draining: tell this late requester the outcome.
-            let failure = match r.state {
-                KvPoll::Failed(reason) => Some(reason),
-                _ => None,
-            };
-            self.transmits.push_back((
-                sid,
-                Message::RoomStatus {
-                    room,
-                    generation,
-                    failure,
-                },
-            ));
-            self.transmits
-                .push_back((sid, Message::AbortAck { room, generation }));
+            let failure = r.state.failure();
+            self.answer_with_outcome(sid, room, generation, failure);
             return;
         }
         let Side::Sender(s) = &mut r.side else { return };
@@ -2365,21 +2344,9 @@ impl Endpoint {
         }
         match self.tombstones.get(room) {
             Some((g, outcome)) if g == generation => {
-                let failure = match outcome {
-                    KvPoll::Failed(r) => Some(r),
-                    _ => None,
-                };
+                let failure = outcome.failure();
                 debug!(%room, session = %sid, ?outcome, "late message for a concluded room answered");
-                self.transmits.push_back((
-                    sid,
-                    Message::RoomStatus {
-                        room,
-                        generation,
-                        failure,
-                    },
-                ));
-                self.transmits
-                    .push_back((sid, Message::AbortAck { room, generation }));
+                self.answer_with_outcome(sid, room, generation, failure);
                 true
             }
             Some((g, _)) if g > generation => {
@@ -2406,16 +2373,7 @@ impl Endpoint {
         }
         s.last_targeted = now;
         let reason = FailureReason::SessionBlacklisted;
-        self.transmits.push_back((
-            sid,
-            Message::RoomStatus {
-                room,
-                generation,
-                failure: Some(reason),
-            },
-        ));
-        self.transmits
-            .push_back((sid, Message::AbortAck { room, generation }));
+        self.answer_with_outcome(sid, room, generation, Some(reason));
         match self.rooms.get(&room) {
             Some(r) if r.generation == generation && !r.state.is_terminal() => {
                 self.conclude(now, room, KvPoll::Failed(reason));
@@ -2429,6 +2387,27 @@ impl Endpoint {
             }
         }
         true
+    }
+
+    /// Tells a decode session a room's outcome and that nothing of it is, or will be, in
+    /// flight from here (late requests, rooms refused before they opened).
+    fn answer_with_outcome(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        failure: Option<FailureReason>,
+    ) {
+        self.transmits.push_back((
+            sid,
+            Message::RoomStatus {
+                room,
+                generation,
+                failure,
+            },
+        ));
+        self.transmits
+            .push_back((sid, Message::AbortAck { room, generation }));
     }
 
     fn pending_entry(&mut self, room: RoomId, generation: Generation) -> Option<&mut PendingRoom> {
@@ -2476,16 +2455,7 @@ impl Endpoint {
         {
             if !told.contains(&sid) {
                 told.push(sid);
-                self.transmits.push_back((
-                    sid,
-                    Message::RoomStatus {
-                        room,
-                        generation,
-                        failure: Some(reason),
-                    },
-                ));
-                self.transmits
-                    .push_back((sid, Message::AbortAck { room, generation }));
+                self.answer_with_outcome(sid, room, generation, Some(reason));
             }
         }
         self.tombstones.insert_verdict(room, generation, reason);
@@ -2544,10 +2514,7 @@ impl Endpoint {
             KvPoll::Failed(reason) => debug!(%room, %reason, "room failed"),
             _ => debug!(%room, "room succeeded"),
         }
-        let failure = match state {
-            KvPoll::Failed(reason) => Some(reason),
-            _ => None,
-        };
+        let failure = state.failure();
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
         };

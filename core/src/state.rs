@@ -134,6 +134,14 @@ impl KvPoll {
         matches!(self, KvPoll::Success | KvPoll::Failed(_))
     }
 
+    /// The reason of a failed state, `None` otherwise.
+    pub fn failure(self) -> Option<FailureReason> {
+        match self {
+            KvPoll::Failed(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
     /// Rank in the lifecycle order used by consensus: Failed < Bootstrapping < ... < Success.
     pub fn order(self) -> u8 {
         match self {
