@@ -1226,18 +1226,19 @@ impl Endpoint {
             }
             TransferOutcome::Refused => {
                 warn!(session = %op.session, room = ?op.room, "destination refused the write");
-                self.op_finished(now, op.room, op.generation);
+                // Fail first: with this operation gone the room must not look complete.
                 if let Some(room) = room_live {
                     self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedByPeer));
                 }
+                self.op_finished(now, op.room, op.generation);
             }
             TransferOutcome::Transient | TransferOutcome::Fatal => {
                 let first = op.slices.first().copied();
-                self.op_finished(now, op.room, op.generation);
-                if room_live.is_none() {
+                let Some(room) = room_live else {
                     // The room already concluded (aborted): the failure says nothing new.
+                    self.op_finished(now, op.room, op.generation);
                     return;
-                }
+                };
                 self.counters.ops_exhausted += 1;
                 warn!(
                     session = %op.session,
@@ -1249,9 +1250,9 @@ impl Endpoint {
                     ?outcome,
                     "transfer failed after retries"
                 );
-                if let Some(room) = room_live {
-                    self.conclude(now, room, KvPoll::Failed(FailureReason::TransferFailed));
-                }
+                // Fail first: with this operation gone the room must not look complete.
+                self.conclude(now, room, KvPoll::Failed(FailureReason::TransferFailed));
+                self.op_finished(now, op.room, op.generation);
                 let threshold = self.config.session_failure_threshold;
                 let blacklist = match self.sessions.get_mut(&op.session) {
                     Some(s) if s.state == SessionState::Established => {

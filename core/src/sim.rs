@@ -244,6 +244,9 @@ pub struct Sim {
     rng: Rng,
     /// Ordered, so fences break operations in the same order on every run.
     inflight: BTreeMap<(usize, TransferId), InFlight>,
+    /// Logical operations (source node, first destination slice) of each room attempt that
+    /// have not landed yet: a room may only succeed once its set is empty.
+    unlanded: HashMap<(RoomId, Generation), HashSet<(usize, u32, u64), FixedState>, FixedState>,
     rx: HashMap<(usize, SessionId), Vec<u8>, FixedState>,
 }
 
@@ -296,6 +299,7 @@ impl Sim {
             seq: 0,
             rng: Rng::new(seed ^ 0x5EED),
             inflight: BTreeMap::new(),
+            unlanded: HashMap::default(),
             rx: HashMap::default(),
         }
     }
@@ -570,6 +574,12 @@ impl Sim {
 
     fn start_op(&mut self, n: usize, op: TransferOp) {
         self.ops_emitted += 1;
+        if let (Some(room), Some(first)) = (op.room, op.slices.first()) {
+            self.unlanded
+                .entry((room, op.generation))
+                .or_default()
+                .insert((n, first.region.code(), first.dst_offset));
+        }
         if let Some(room) = op.room {
             let key = (room, op.generation);
             let node = &self.nodes[n];
@@ -653,6 +663,9 @@ impl Sim {
     fn land(&mut self, f: &InFlight) {
         let Some(room) = f.op.room else { return };
         let key = (room, f.op.generation);
+        if let (Some(set), Some(first)) = (self.unlanded.get_mut(&key), f.op.slices.first()) {
+            set.remove(&(f.src, first.region.code(), first.dst_offset));
+        }
         let page_bytes = u64::from(self.nodes[f.dst].info.layout.page_bytes);
         for slice in f.op.slices.iter() {
             if !matches!(slice.region, Region::Kv { .. }) {
@@ -701,6 +714,16 @@ impl Sim {
                     }
                 }
                 node.states.insert(key, *state);
+                let is_decode = node.info.role == Role::Decode;
+                if *state == KvPoll::Success
+                    && is_decode
+                    && self.unlanded.get(&key).is_some_and(|s| !s.is_empty())
+                {
+                    self.violations.push(format!(
+                        "node {n}: {room} succeeded with operations that never landed"
+                    ));
+                }
+                let node = &mut self.nodes[n];
                 if state.is_terminal() {
                     node.concluded_at.insert(key, now);
                 }

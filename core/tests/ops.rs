@@ -1,0 +1,154 @@
+//! Operation outcomes driven by hand against a real pair of endpoints, to pin the order in
+//! which the last operation of a room settles.
+
+use std::time::Instant;
+
+use kvferry_core::sim::{fast_config, small_layout};
+use kvferry_core::{
+    Chunk, Endpoint, EndpointInfo, FailureReason, Grant, Incarnation, KvPoll, NodeId, OpKind, Role,
+    RoomId, SessionId, TransferOp, TransferOutcome,
+};
+
+struct Pair {
+    now: Instant,
+    p: Endpoint,
+    d: Endpoint,
+    sp: SessionId,
+    sd: SessionId,
+}
+
+impl Pair {
+    fn new() -> Pair {
+        let now = Instant::now();
+        let layout = small_layout(64);
+        let mut config = fast_config();
+        config.transfer_retries = 1;
+        let p = Endpoint::new(
+            config.clone(),
+            EndpointInfo::new(Role::Prefill, NodeId(1), Incarnation(1), layout),
+            1,
+            now,
+        )
+        .unwrap();
+        let d = Endpoint::new(
+            config,
+            EndpointInfo::new(Role::Decode, NodeId(2), Incarnation(2), layout),
+            2,
+            now,
+        )
+        .unwrap();
+        let mut pair = Pair {
+            now,
+            p,
+            d,
+            sp: SessionId(0),
+            sd: SessionId(0),
+        };
+        pair.sp = pair.p.open_session(now);
+        pair.sd = pair.d.open_session(now);
+        pair.pump();
+        pair
+    }
+
+    fn pump(&mut self) {
+        loop {
+            let mut buf = Vec::new();
+            let mut moved = false;
+            while self.p.poll_transmit(&mut buf).is_some() {
+                moved = true;
+            }
+            self.d.handle_input(self.now, self.sd, &buf);
+            buf.clear();
+            while self.d.poll_transmit(&mut buf).is_some() {
+                moved = true;
+            }
+            self.p.handle_input(self.now, self.sp, &buf);
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    fn ops(&mut self) -> Vec<TransferOp> {
+        std::iter::from_fn(|| self.p.poll_transfer(self.now)).collect()
+    }
+}
+
+#[test]
+fn a_room_whose_last_operation_fails_fails_instead_of_succeeding() {
+    let mut t = Pair::new();
+    let room = RoomId(1);
+    let grant = Grant {
+        pages: vec![1, 2],
+        aux_slot: Some(3),
+        state_slot: None,
+        receivers: 1,
+    };
+    t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
+        .unwrap();
+    t.p.open_sender(t.now, room, 0).unwrap();
+    t.pump();
+    t.p.send_chunk(
+        t.now,
+        room,
+        Chunk {
+            pages: vec![5, 6],
+            last: true,
+            aux_slot: Some(0),
+            state_slot: None,
+            layerwise: false,
+        },
+    )
+    .unwrap();
+    let ops = t.ops();
+    assert_eq!(ops.iter().filter(|o| o.kind == OpKind::Aux).count(), 1);
+    for op in ops.iter().filter(|o| o.kind == OpKind::Kv) {
+        t.p.handle_transfer_result(t.now, op.id, TransferOutcome::Done);
+    }
+    let aux = ops.iter().find(|o| o.kind == OpKind::Aux).unwrap();
+    t.p.handle_transfer_result(t.now, aux.id, TransferOutcome::Fatal);
+    t.pump();
+    assert_eq!(
+        t.p.room_state(room),
+        Some(KvPoll::Failed(FailureReason::TransferFailed))
+    );
+    assert_eq!(
+        t.d.room_state(room),
+        Some(KvPoll::Failed(FailureReason::TransferFailed))
+    );
+}
+
+#[test]
+fn a_room_whose_last_operation_is_refused_fails_instead_of_succeeding() {
+    let mut t = Pair::new();
+    let room = RoomId(2);
+    let grant = Grant {
+        pages: vec![1],
+        aux_slot: None,
+        state_slot: None,
+        receivers: 1,
+    };
+    t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
+        .unwrap();
+    t.p.open_sender(t.now, room, 0).unwrap();
+    t.pump();
+    t.p.send_chunk(
+        t.now,
+        room,
+        Chunk {
+            pages: vec![5],
+            last: true,
+            aux_slot: None,
+            state_slot: None,
+            layerwise: false,
+        },
+    )
+    .unwrap();
+    let ops = t.ops();
+    assert_eq!(ops.len(), 1);
+    t.p.handle_transfer_result(t.now, ops[0].id, TransferOutcome::Refused);
+    assert_eq!(
+        t.p.room_state(room),
+        Some(KvPoll::Failed(FailureReason::AbortedByPeer))
+    );
+}
