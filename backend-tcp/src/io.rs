@@ -29,6 +29,12 @@ pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;
 
 /// Decides whether a write may be applied (the driver asks the core's `check_write`).
 pub trait WriteCheck: Send + Sync + 'static {
+    /// Fault injection for demos and tests: `true` resets the connection before this
+    /// operation's payload is applied (as a network failure would). Never in production use.
+    fn inject_reset(&self, _room: RoomId, _op: TransferId) -> bool {
+        false
+    }
+
     /// Accepts or refuses every slice of one operation for `(room, generation)`.
     fn check(
         &self,
@@ -356,6 +362,12 @@ pub async fn serve_writes(
         table.resize(h.slices as usize * SLICE_DESC_LEN, 0);
         stream.read_exact(&mut table).await?;
         let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
+        if check.inject_reset(h.room, h.op) {
+            return Err(ServeError::Io(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "injected reset",
+            )));
+        }
         let verdict = check.check(h.room, h.generation, &slices);
         // Bounds against this process's registrations, whatever the core said.
         let targets: Option<Vec<(usize, usize)>> = verdict.ok().and_then(|_| {

@@ -152,6 +152,7 @@ pub fn node_config(role: Role, shape: &Shape, core: Config, token: &[u8], seed: 
         info,
         data_connections: shape.data_connections,
         seed,
+        faults: None,
     }
 }
 
@@ -450,6 +451,17 @@ pub struct DecodeRun {
     pub progress: Option<Progress>,
     /// A room that is not terminal after this long counts as unfinished (the run stops).
     pub deadline: Duration,
+    /// Decode aborts each room with this probability, 0-3 ms after opening it.
+    pub abort_rate: f64,
+    /// Seed of the abort decisions (reproducible per room).
+    pub seed: u64,
+}
+
+/// A reproducible coin per (seed, room): `Some(delay)` when the room is hit.
+fn abort_plan(rate: f64, seed: u64, room: RoomId) -> Option<Duration> {
+    let z = mix(seed ^ room.0.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    ((z >> 11) as f64 / (1u64 << 53) as f64 <= rate && rate > 0.0)
+        .then(|| Duration::from_micros(z % 3000))
 }
 
 struct Pages {
@@ -501,11 +513,21 @@ pub async fn run_decode(node: &Node, session: SessionId, run: DecodeRun) -> Repo
         let finished = finished.clone();
         let progress = run.progress.clone();
         let deadline = run.deadline;
+        let abort_after = abort_plan(run.abort_rate, run.seed, room);
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let t0 = Instant::now();
             let outcome = decode_room(
-                &node, session, &shape, room, &pages, &memory, &verified, &corrupted, deadline,
+                &node,
+                session,
+                &shape,
+                room,
+                &pages,
+                &memory,
+                &verified,
+                &corrupted,
+                deadline,
+                abort_after,
             )
             .await;
             let n = finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
@@ -572,6 +594,7 @@ async fn decode_room(
     verified: &std::sync::atomic::AtomicU64,
     corrupted: &std::sync::atomic::AtomicU64,
     deadline: Duration,
+    abort_after: Option<Duration>,
 ) -> Option<KvPoll> {
     use std::sync::atomic::Ordering::Relaxed;
     let page_bytes = u64::from(shape.page_bytes);
@@ -615,6 +638,15 @@ async fn decode_room(
     };
     let result = match node.open_receiver(room, 0, &[session], Some(grant)) {
         Ok(mut handle) => {
+            if let Some(delay) = abort_after {
+                // The client gives up mid-flight; its pages must not be reused until no write
+                // can land any more (the free-pattern check catches any that does).
+                let mut watch = handle.clone();
+                tokio::select! {
+                    _ = watch.terminal() => {}
+                    _ = tokio::time::sleep(delay) => { let _ = node.abort(room); }
+                }
+            }
             let state = tokio::time::timeout(deadline, handle.terminal()).await.ok();
             if state == Some(KvPoll::Success) {
                 for (layer, plane) in kv_regions(shape) {
@@ -627,7 +659,7 @@ async fn decode_room(
                         verified.fetch_add(1, Relaxed);
                         if !check_pattern(&buf, room, layer, plane, i as u32) {
                             corrupted.fetch_add(1, Relaxed);
-                            warn!(%room, page = p, layer, plane, "page holds the wrong bytes");
+                            warn!(%room, page = p, layer, plane, still_free = all_words(&buf, FREE_WORD), first_word = ?&buf[..8], "page holds the wrong bytes");
                         }
                     }
                 }
@@ -691,16 +723,35 @@ pub fn add_counters(
     report.sessions_recovered = prefill.sessions_recovered + decode.sessions_recovered;
 }
 
+/// Faults the demo injects, reproducibly for a seed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DemoFaults {
+    /// Probability that a write batch resets its data connection (a transient data-path
+    /// failure for every operation in flight on it).
+    pub fault_rate: f64,
+    /// Probability that decode aborts a room mid-flight.
+    pub abort_rate: f64,
+    /// Seed of every decision.
+    pub seed: u64,
+}
+
 /// Runs prefill and decode in this process on loopback and moves `rooms` rooms end to end.
 pub async fn run_demo(
     shape: Shape,
     core: Config,
     rooms: u64,
+    faults: DemoFaults,
     progress: Option<Progress>,
 ) -> Result<Report, NodeError> {
     let token = b"kvferry-demo".to_vec();
     let prefill_cfg = node_config(Role::Prefill, &shape, core.clone(), &token, 1);
-    let decode_cfg = node_config(Role::Decode, &shape, core, &token, 2);
+    let mut decode_cfg = node_config(Role::Decode, &shape, core, &token, 2);
+    if faults.fault_rate > 0.0 {
+        decode_cfg.faults = Some(kvferry_tokio::FaultPlan {
+            rate: faults.fault_rate,
+            seed: faults.seed,
+        });
+    }
     let layout = shape.layout();
     let prefill = Node::start(prefill_cfg, Arc::new(MemoryMap::allocate(layout)))?;
     let decode = Node::start(decode_cfg, Arc::new(MemoryMap::allocate(layout)))?;
@@ -717,6 +768,8 @@ pub async fn run_demo(
         first_room: 1,
         progress,
         deadline: Duration::from_secs(600),
+        abort_rate: faults.abort_rate,
+        seed: faults.seed,
     };
     let mut report = run_decode(&decode, session, run).await;
     add_counters(&mut report, &prefill.counters(), &decode.counters());

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use kvferry_cli::{
-    add_counters, node_config, run_decode, run_demo, serve_prefill, DecodeRun, Progress, Report,
-    Shape,
+    add_counters, node_config, run_decode, run_demo, serve_prefill, DecodeRun, DemoFaults,
+    Progress, Report, Shape,
 };
 use kvferry_core::{Config, Role};
 use kvferry_tcp::MemoryMap;
@@ -36,6 +36,15 @@ enum Command {
         /// Rooms to move.
         #[arg(long, default_value_t = 256)]
         rooms: u64,
+        /// Probability that a write batch resets its data connection (transient failures).
+        #[arg(long, default_value_t = 0.0)]
+        fault_rate: f64,
+        /// Probability that decode aborts a room mid-flight.
+        #[arg(long, default_value_t = 0.0)]
+        abort_rate: f64,
+        /// Seed of the injected faults and aborts.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     /// Serve synthetic KV as a prefill node.
     Prefill {
@@ -224,11 +233,24 @@ async fn run(cli: Cli) -> Result<(), String> {
             shape,
             common,
             rooms,
+            fault_rate,
+            abort_rate,
+            seed,
         } => {
+            for (name, p) in [("--fault-rate", fault_rate), ("--abort-rate", abort_rate)] {
+                if !(0.0..=1.0).contains(&p) {
+                    return Err(format!("{name} must be a probability in 0..=1, not {p}"));
+                }
+            }
             let config = load_config(common.config.as_ref())?;
             install_metrics(common.metrics_addr)?;
             let (progress, bar) = progress_bar(rooms, common.json);
-            let report = run_demo(shape.shape(), config, rooms, progress)
+            let faults = DemoFaults {
+                fault_rate,
+                abort_rate,
+                seed,
+            };
+            let report = run_demo(shape.shape(), config, rooms, faults, progress)
                 .await
                 .map_err(|e| e.to_string())?;
             if let Some(bar) = bar {
@@ -277,6 +299,8 @@ async fn run(cli: Cli) -> Result<(), String> {
                 first_room,
                 progress,
                 deadline: Duration::from_secs(600),
+                abort_rate: 0.0,
+                seed: 0,
             };
             let mut report = run_decode(&node, session, run).await;
             if let Some(bar) = bar {

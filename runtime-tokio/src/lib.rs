@@ -42,6 +42,29 @@ pub struct NodeConfig {
     pub data_connections: usize,
     /// Seed of the core's random choices.
     pub seed: u64,
+    /// Injected data-path faults (demos and tests only; `None` in production).
+    pub faults: Option<FaultPlan>,
+}
+
+/// Reproducible data-path fault injection: each incoming write batch resets its data
+/// connection with probability `rate`, decided by a hash of (seed, room, operation id).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FaultPlan {
+    /// Probability that a write batch resets its connection before being applied.
+    pub rate: f64,
+    /// Seed of the decisions.
+    pub seed: u64,
+}
+
+impl FaultPlan {
+    /// Whether the batch `op` of `room` is hit.
+    pub fn hits(&self, room: RoomId, op: TransferId) -> bool {
+        let mut z = self.seed ^ room.0.rotate_left(21) ^ op.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 11) as f64 / (1u64 << 53) as f64) < self.rate
+    }
 }
 
 /// A room's state as seen through a [`RoomHandle`].
@@ -180,6 +203,7 @@ struct Shared {
     data_connections: usize,
     info: EndpointInfo,
     limits: Limits,
+    faults: Option<FaultPlan>,
     stopped: watch::Sender<bool>,
 }
 
@@ -247,6 +271,7 @@ impl Node {
             data_connections: config.data_connections.max(1),
             info: config.info,
             limits,
+            faults: config.faults,
             stopped,
         });
         let weak = Arc::downgrade(&shared);
@@ -748,6 +773,7 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
                 .push(DataSender::spawn(stream, shared.memory.clone(), report));
         }
         Role::Decode => {
+            let weak = Arc::downgrade(shared);
             let check: Arc<dyn WriteCheck> = Arc::new(CoreCheck {
                 shared: Arc::downgrade(shared),
                 session: sid,
@@ -762,8 +788,10 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
                             refused = stats.refused,
                             "data connection ended"
                         ),
-                        Err(e) => warn!(error = %e, "data connection ended"),
+                        Err(e) => debug!(error = %e, "data connection ended"),
                     }
+                    // A fence aborts this task before it gets here: this end was a break.
+                    reopen_after_break(&weak, sid).await;
                 }
                 .instrument(info_span!("kvferry_data", session = %sid)),
             );
@@ -775,12 +803,16 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
 }
 
 fn open_data_connections(shared: &Arc<Shared>, sid: SessionId, addr: SocketAddr) {
+    open_data_connections_n(shared, sid, addr, shared.data_connections);
+}
+
+fn open_data_connections_n(shared: &Arc<Shared>, sid: SessionId, addr: SocketAddr, n: usize) {
     let hello = DataHello {
         node: shared.info.node,
         incarnation: shared.info.incarnation,
         token: shared.info.token.clone(),
     };
-    for _ in 0..shared.data_connections {
+    for _ in 0..n {
         let weak = Arc::downgrade(shared);
         let hello = hello.clone();
         shared.runtime.spawn(async move {
@@ -859,12 +891,39 @@ fn start_close(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
     });
 }
 
+/// The connector side replaces a data connection that broke while its session lives on.
+async fn reopen_after_break(weak: &Weak<Shared>, sid: SessionId) {
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let Some(shared) = weak.upgrade() else { return };
+    let addr = {
+        let mut inner = shared.lock();
+        let Some(io) = inner.io.get_mut(&sid) else {
+            return;
+        };
+        io.receivers.retain(|t| !t.is_finished());
+        if io.closing {
+            return;
+        }
+        io.peer_addr
+    };
+    if let Some(addr) = addr {
+        open_data_connections_n(&shared, sid, addr, 1);
+    }
+}
+
 struct CoreCheck {
     shared: Weak<Shared>,
     session: SessionId,
 }
 
 impl WriteCheck for CoreCheck {
+    fn inject_reset(&self, room: RoomId, op: TransferId) -> bool {
+        self.shared
+            .upgrade()
+            .and_then(|s| s.faults)
+            .is_some_and(|f| f.hits(room, op))
+    }
+
     fn check(
         &self,
         room: RoomId,

@@ -17,12 +17,14 @@ fn run(rooms: u64) -> DecodeRun {
         first_room: 1,
         progress: None,
         deadline: Duration::from_secs(30),
+        abort_rate: 0.0,
+        seed: 0,
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_rooms_succeed_with_every_byte_verified() {
-    let report = run_demo(small_shape(), fast_core(), 300, None)
+    let report = run_demo(small_shape(), fast_core(), 300, Default::default(), None)
         .await
         .expect("demo runs");
     assert_eq!(report.rooms_succeeded, 300, "{report:?}");
@@ -36,7 +38,7 @@ async fn chunked_rooms_succeed() {
         chunks: 3,
         ..small_shape()
     };
-    let report = run_demo(shape, fast_core(), 60, None)
+    let report = run_demo(shape, fast_core(), 60, Default::default(), None)
         .await
         .expect("demo runs");
     assert_eq!(
@@ -54,7 +56,7 @@ async fn layerwise_rooms_succeed() {
         chunks: 2,
         ..small_shape()
     };
-    let report = run_demo(shape, fast_core(), 40, None)
+    let report = run_demo(shape, fast_core(), 40, Default::default(), None)
         .await
         .expect("demo runs");
     assert_eq!(
