@@ -125,6 +125,9 @@ impl SimNode {
     }
 }
 
+/// An operation across its attempts: (source node, first slice's region code, its offset).
+type LogicalOp = (usize, u32, u64);
+
 /// Marks the end of a link whose process restarted.
 const DEAD_SESSION: SessionId = SessionId(u32::MAX);
 
@@ -246,7 +249,7 @@ pub struct Sim {
     inflight: BTreeMap<(usize, TransferId), InFlight>,
     /// Logical operations (source node, first destination slice) of each room attempt that
     /// have not landed yet: a room may only succeed once its set is empty.
-    unlanded: HashMap<(RoomId, Generation), HashSet<(usize, u32, u64), FixedState>, FixedState>,
+    unlanded: HashMap<(RoomId, Generation), HashSet<LogicalOp, FixedState>, FixedState>,
     rx: HashMap<(usize, SessionId), Vec<u8>, FixedState>,
 }
 
