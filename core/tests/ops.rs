@@ -1,5 +1,6 @@
 //! Operation outcomes driven by hand against a real pair of endpoints, to pin the order in
 //! which the last operation of a room settles.
+#![allow(clippy::unwrap_used)] // tests may panic
 
 use std::time::Instant;
 
