@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{
-    Chunk, Config, Event, FailureReason, Grant, Incarnation, KvPoll, Layout, NodeId, Region, Role,
-    RoomId, SessionId,
+    Chunk, Config, FailureReason, Grant, Incarnation, KvPoll, Layout, NodeId, Region, Role, RoomId,
+    SessionId,
 };
 use kvferry_tcp::MemoryMap;
 use kvferry_tokio::{Node, NodeConfig, NodeError};
@@ -185,28 +185,20 @@ impl Pool {
 /// source pages filled with the room's pattern and sent (chunked or layer by layer).
 /// Runs until the node shuts down.
 pub async fn serve_prefill(node: Node, shape: Shape) {
-    let mut events = node.subscribe();
+    let mut announcements = node.room_announcements();
     let layout = shape.layout();
     let pool = Arc::new(Mutex::new(Pool::new(layout.pages)));
     let slots = Arc::new(Mutex::new(Pool::new(layout.slots)));
+    // Rooms wait here for source memory; every release wakes the loop to retry them.
+    let freed = Arc::new(tokio::sync::Notify::new());
     let mut waiting: VecDeque<(RoomId, u32, u32)> = VecDeque::new();
     loop {
-        let event = match events.recv().await {
-            Ok(e) => e,
-            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                warn!(lost = n, "prefill lagged behind events");
-                continue;
-            }
-            Err(_) => return,
-        };
-        if let Event::RoomAnnounced {
-            room,
-            generation,
-            pages,
-            ..
-        } = event
-        {
-            waiting.push_back((room, generation, pages));
+        tokio::select! {
+            a = announcements.recv() => match a {
+                Some(a) => waiting.push_back((a.room, a.generation, a.pages)),
+                None => return,
+            },
+            _ = freed.notified() => {}
         }
         // Start every waiting room that has source memory.
         while let Some(&(room, generation, pages)) = waiting.front() {
@@ -229,6 +221,7 @@ pub async fn serve_prefill(node: Node, shape: Shape) {
             let shape = shape.clone();
             let pool = pool.clone();
             let slots = slots.clone();
+            let freed = freed.clone();
             tokio::spawn(async move {
                 let handle = node.open_sender(room, generation);
                 let Ok(mut handle) = handle else {
@@ -238,6 +231,7 @@ pub async fn serve_prefill(node: Node, shape: Shape) {
                     if let Ok(mut s) = slots.lock() {
                         s.give(&slot);
                     }
+                    freed.notify_one();
                     return;
                 };
                 send_room(&node, &shape, room, &src, slot[0]).await;
@@ -248,6 +242,7 @@ pub async fn serve_prefill(node: Node, shape: Shape) {
                 if let Ok(mut s) = slots.lock() {
                     s.give(&slot);
                 }
+                freed.notify_one();
             });
         }
     }

@@ -204,7 +204,19 @@ struct Shared {
     info: EndpointInfo,
     limits: Limits,
     faults: Option<FaultPlan>,
+    announcements: Mutex<Option<mpsc::UnboundedSender<Announcement>>>,
     stopped: watch::Sender<bool>,
+}
+
+/// Prefill: a decode asked for a room this node has not opened (lossless, unlike events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Announcement {
+    /// The room.
+    pub room: RoomId,
+    /// Its generation.
+    pub generation: Generation,
+    /// Pages the decode granted (0 while it waits for pages).
+    pub pages: u32,
 }
 
 /// A running kvferry endpoint on tokio. Cheap to clone; the last [`Node::shutdown`] or drop
@@ -272,6 +284,7 @@ impl Node {
             info: config.info,
             limits,
             faults: config.faults,
+            announcements: Mutex::new(None),
             stopped,
         });
         let weak = Arc::downgrade(&shared);
@@ -385,6 +398,16 @@ impl Node {
     /// The state of a room (live or remembered).
     pub fn room_state(&self, room: RoomId) -> Option<KvPoll> {
         self.shared.lock().endpoint.room_state(room)
+    }
+
+    /// Prefill: every room a decode asks for before this node opened it, without loss. The
+    /// embedder opens each with [`Node::open_sender`]. A second call replaces the first.
+    pub fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut slot) = self.shared.announcements.lock() {
+            *slot = Some(tx);
+        }
+        rx
     }
 
     /// Every core event from now on (a lagging subscriber loses the oldest ones).
@@ -623,6 +646,22 @@ fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
             info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
             if let Some(addr) = inner.io.get(&session).and_then(|io| io.peer_addr) {
                 open_data_connections(shared, session, addr);
+            }
+        }
+        Event::RoomAnnounced {
+            room,
+            generation,
+            pages,
+            ..
+        } => {
+            if let Ok(slot) = shared.announcements.lock() {
+                if let Some(tx) = slot.as_ref() {
+                    let _ = tx.send(Announcement {
+                        room,
+                        generation,
+                        pages,
+                    });
+                }
             }
         }
         Event::SessionBlacklisted { session } => warn!(%session, "session blacklisted"),
