@@ -2867,7 +2867,8 @@ impl Endpoint {
                 .collect();
             for room in stale {
                 if let Some(p) = self.pending.remove(&room) {
-                    self.tombstones.insert_verdict(room, p.generation, reason);
+                    // Tell the requesters now: they must not wait for a deadline to learn it.
+                    self.reject_pending(room, p, reason);
                 }
             }
         }

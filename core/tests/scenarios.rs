@@ -978,3 +978,42 @@ fn blacklist_survives_a_reconnect_of_the_same_incarnation() {
     );
     common::assert_invariants(&sim);
 }
+
+#[test]
+fn s03_a_request_waiting_for_prefill_to_open_fails_at_once_when_its_session_is_blacklisted() {
+    let mut config = common::config();
+    config.session_failure_threshold = 1;
+    config.waiting_timeout = Duration::from_secs(30);
+    let (mut sim, p, d) = common::pair(33, config);
+    // Room 2's request reaches prefill, which has not opened the room yet.
+    let sd = sim.session(d, p).unwrap();
+    let dst = sim.nodes[d].alloc(RoomId(2), 0, 2).unwrap();
+    let now = sim.now;
+    let grant = kvferry_core::Grant {
+        pages: dst,
+        aux_slot: None,
+        state_slot: None,
+        receivers: 1,
+    };
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(2), 0, &[sd], Some(grant))
+        .unwrap();
+    sim.drain(d);
+    run_ms(&mut sim, 5);
+    // Room 1 exhausts its retries: the session is blacklisted.
+    sim.break_data_path(p, d, sim.now + Duration::from_secs(3600));
+    open_room(&mut sim, d, &[p], 1, 2);
+    send_all(&mut sim, p, 1, 2, false);
+    let t0 = sim.now;
+    run_ms(&mut sim, 200);
+    assert_eq!(
+        state(&sim, d, 2),
+        failed(R::SessionBlacklisted),
+        "told at once, not at its waiting deadline"
+    );
+    let at = common::state_at(&sim, d, 2, KvPoll::Failed(R::SessionBlacklisted)).unwrap();
+    assert!(at - t0 < Duration::from_millis(200));
+    assert!(common::released_at(&sim, d, 2).is_some());
+    common::assert_invariants(&sim);
+}
