@@ -182,6 +182,8 @@ struct SessionIo {
     peer_addr: Option<SocketAddr>,
     senders: Vec<DataSender>,
     next_sender: usize,
+    /// Operations waiting for a data connection (the core's operation timeout bounds them).
+    parked: Vec<kvferry_core::TransferOp>,
     receivers: Vec<JoinHandle<()>>,
     closing: bool,
 }
@@ -203,7 +205,7 @@ struct Shared {
     data_connections: usize,
     info: EndpointInfo,
     limits: Limits,
-    faults: Option<FaultPlan>,
+    faults: Mutex<Option<FaultPlan>>,
     announcements: Mutex<Option<mpsc::UnboundedSender<Announcement>>>,
     stopped: watch::Sender<bool>,
 }
@@ -283,7 +285,7 @@ impl Node {
             data_connections: config.data_connections.max(1),
             info: config.info,
             limits,
-            faults: config.faults,
+            faults: Mutex::new(config.faults),
             announcements: Mutex::new(None),
             stopped,
         });
@@ -398,6 +400,13 @@ impl Node {
     /// The state of a room (live or remembered).
     pub fn room_state(&self, room: RoomId) -> Option<KvPoll> {
         self.shared.lock().endpoint.room_state(room)
+    }
+
+    /// Replaces the injected data-path faults (demos and tests only).
+    pub fn set_faults(&self, faults: Option<FaultPlan>) {
+        if let Ok(mut f) = self.shared.faults.lock() {
+            *f = faults;
+        }
     }
 
     /// Prefill: every room a decode asks for before this node opened it, without loss. The
@@ -591,29 +600,16 @@ fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
         while let Some(op) = inner.endpoint.poll_transfer(now) {
             progressed = true;
             let id = op.id;
-            let sent = match inner.io.get_mut(&op.session) {
-                Some(io) if !io.senders.is_empty() => {
-                    let n = io.senders.len();
-                    let mut op = Some(op);
-                    for k in 0..n {
-                        let i = (io.next_sender + k) % n;
-                        match io.senders[i].send(op.take().expect("op present")) {
-                            Ok(()) => {
-                                io.next_sender = i + 1;
-                                break;
-                            }
-                            Err(back) => op = Some(back),
-                        }
+            match inner.io.get_mut(&op.session) {
+                Some(io) if !io.closing => {
+                    if let Err(op) = dispatch(io, op) {
+                        // No data connection yet (or all broke): wait for one to attach.
+                        io.parked.push(op);
                     }
-                    op.is_none()
                 }
-                _ => false,
-            };
-            if !sent {
-                // No usable data connection right now: a transient failure the core retries.
-                inner
+                _ => inner
                     .endpoint
-                    .handle_transfer_result(now, id, TransferOutcome::Transient);
+                    .handle_transfer_result(now, id, TransferOutcome::Transient),
             }
         }
         while let Some(event) = inner.endpoint.poll_event() {
@@ -627,6 +623,41 @@ fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
     }
     if inner.endpoint.poll_timeout().map(|(t, _)| t) < inner.armed || inner.armed.is_none() {
         shared.wake.notify_one();
+    }
+}
+
+/// Hands an operation to the next open data connection of the session, round-robin.
+fn dispatch(
+    io: &mut SessionIo,
+    op: kvferry_core::TransferOp,
+) -> Result<(), kvferry_core::TransferOp> {
+    let n = io.senders.len();
+    let mut op = op;
+    for k in 0..n {
+        let i = (io.next_sender + k) % n;
+        match io.senders[i].send(op) {
+            Ok(()) => {
+                io.next_sender = i + 1;
+                return Ok(());
+            }
+            Err(back) => op = back,
+        }
+    }
+    Err(op)
+}
+
+/// Reports every parked operation of a session as transient (it was never written).
+fn unpark(inner: &mut Inner, sid: SessionId) {
+    let parked = inner
+        .io
+        .get_mut(&sid)
+        .map(|io| std::mem::take(&mut io.parked))
+        .unwrap_or_default();
+    let now = Instant::now();
+    for op in parked {
+        inner
+            .endpoint
+            .handle_transfer_result(now, op.id, TransferOutcome::Transient);
     }
 }
 
@@ -729,6 +760,7 @@ fn attach_control(
             peer_addr,
             senders: Vec::new(),
             next_sender: 0,
+            parked: Vec::new(),
             receivers: Vec::new(),
             closing: false,
         },
@@ -810,6 +842,11 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
             });
             io.senders
                 .push(DataSender::spawn(stream, shared.memory.clone(), report));
+            for op in std::mem::take(&mut io.parked) {
+                if let Err(op) = dispatch(io, op) {
+                    io.parked.push(op);
+                }
+            }
         }
         Role::Decode => {
             let weak = Arc::downgrade(shared);
@@ -870,6 +907,7 @@ fn open_data_connections_n(shared: &Arc<Shared>, sid: SessionId, addr: SocketAdd
 /// Carries out a fence: close the session's data connections, wait until nothing of them can
 /// write, confirm to the core, then re-open them if this side opens data connections.
 fn start_fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
+    unpark(inner, sid);
     let Some(io) = inner.io.get_mut(&sid) else {
         inner.endpoint.handle_fence_complete(Instant::now(), sid);
         return;
@@ -901,6 +939,7 @@ fn start_fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
 
 /// Carries out a close: stop every connection of the session, then tell the core.
 fn start_close(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
+    unpark(inner, sid);
     let Some(io) = inner.io.get_mut(&sid) else {
         return;
     };
@@ -959,7 +998,7 @@ impl WriteCheck for CoreCheck {
     fn inject_reset(&self, room: RoomId, op: TransferId) -> bool {
         self.shared
             .upgrade()
-            .and_then(|s| s.faults)
+            .and_then(|s| s.faults.lock().ok().and_then(|f| *f))
             .is_some_and(|f| f.hits(room, op))
     }
 
