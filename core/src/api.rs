@@ -399,6 +399,21 @@ pub enum SessionState {
     Closing,
 }
 
+/// Data-path figures of one session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SessionStats {
+    /// Operations (attempts) completed.
+    pub ops_done: u64,
+    /// Attempts that failed (transient, fatal or refused).
+    pub ops_failed: u64,
+    /// Payload bytes of completed operations.
+    pub bytes_done: u64,
+    /// Attempts in flight now.
+    pub in_flight: u32,
+    /// Operations queued now (including stale entries of dropped ones).
+    pub queued: u32,
+}
+
 /// Backpressure information a decode peer advertised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Capacity {

@@ -9,6 +9,10 @@ pub struct Counters {
     pub retries: u64,
     /// Operations that succeeded after at least one failed attempt.
     pub retry_recoveries: u64,
+    /// Attempts that failed transiently (retried or not).
+    pub transient_failures: u64,
+    /// Attempts that failed fatally.
+    pub fatal_failures: u64,
     /// Operations that exhausted their attempts or failed fatally.
     pub ops_exhausted: u64,
     /// Operations planned (probes excluded).
@@ -59,6 +63,8 @@ impl Counters {
         [
             ("retries", self.retries),
             ("retry_recoveries", self.retry_recoveries),
+            ("transient_failures", self.transient_failures),
+            ("fatal_failures", self.fatal_failures),
             ("ops_exhausted", self.ops_exhausted),
             ("ops_planned", self.ops_planned),
             ("bytes_planned", self.bytes_planned),

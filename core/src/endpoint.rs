@@ -11,7 +11,7 @@ use tracing::{debug, info, warn};
 
 use crate::api::{
     Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo, RejectReason,
-    SessionState, TransferOp, TransferOutcome, WriteRefused,
+    SessionState, SessionStats, TransferOp, TransferOutcome, WriteRefused,
 };
 use crate::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest};
 use crate::config::{Config, ConfigError};
@@ -104,6 +104,7 @@ struct Session {
     strikes: u32,
     capacity: Option<Capacity>,
     close_reason: FailureReason,
+    stats: SessionStats,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -418,6 +419,23 @@ impl Endpoint {
         self.sessions.get(&session).and_then(|s| s.capacity)
     }
 
+    /// Per-session data-path figures, for exporters.
+    pub fn session_stats(&self, session: SessionId) -> Option<SessionStats> {
+        self.sessions.get(&session).map(|s| SessionStats {
+            in_flight: s.in_flight,
+            queued: s.queue.len() as u32,
+            ..s.stats
+        })
+    }
+
+    /// Sessions blacklisted right now.
+    pub fn blacklisted_sessions(&self) -> usize {
+        self.sessions
+            .values()
+            .filter(|s| s.state == SessionState::Blacklisted)
+            .count()
+    }
+
     /// Consecutive exhausted operations of a session.
     pub fn session_failures(&self, session: SessionId) -> Option<u32> {
         self.sessions.get(&session).map(|s| s.failures)
@@ -555,6 +573,7 @@ impl Endpoint {
             strikes: 0,
             capacity: None,
             close_reason: FailureReason::PeerUnreachable,
+            stats: SessionStats::default(),
         };
         self.timers.set(
             &mut session.handshake_timer,
@@ -1184,6 +1203,19 @@ impl Endpoint {
         if op.kind == OpKind::Probe {
             self.on_probe_result(now, op.session, id, outcome);
             return;
+        }
+        match outcome {
+            TransferOutcome::Transient => self.counters.transient_failures += 1,
+            TransferOutcome::Fatal => self.counters.fatal_failures += 1,
+            _ => {}
+        }
+        if let Some(s) = self.sessions.get_mut(&op.session) {
+            if outcome == TransferOutcome::Done {
+                s.stats.ops_done += 1;
+                s.stats.bytes_done += op.bytes;
+            } else {
+                s.stats.ops_failed += 1;
+            }
         }
         let session_usable = self
             .sessions

@@ -194,6 +194,8 @@ struct Inner {
     rooms: Map<RoomId, watch::Sender<RoomView>>,
     armed: Option<Instant>,
     metrics_at: Instant,
+    /// When each failed room failed, to measure how long its pages stayed quarantined.
+    failed_at: Map<RoomId, Instant>,
 }
 
 struct Shared {
@@ -277,6 +279,7 @@ impl Node {
                 rooms: Map::default(),
                 armed: None,
                 metrics_at: now,
+                failed_at: Map::default(),
             }),
             wake: Notify::new(),
             memory,
@@ -555,7 +558,7 @@ async fn drive(weak: Weak<Shared>) {
             }
             if now.duration_since(inner.metrics_at) >= Duration::from_millis(500) {
                 inner.metrics_at = now;
-                export_metrics(inner.endpoint.counters(), shared.info.role);
+                export_metrics(&inner.endpoint, shared.info.role);
             }
             let next = inner.endpoint.poll_timeout().map(|(t, _)| t);
             inner.armed = next;
@@ -667,8 +670,16 @@ fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
             if let Some(tx) = inner.rooms.get(&room) {
                 tx.send_modify(|v| v.state = state);
             }
+            if matches!(state, KvPoll::Failed(_)) {
+                inner.failed_at.insert(room, Instant::now());
+            }
         }
         Event::Releasable { room, .. } => {
+            if let Some(t) = inner.failed_at.remove(&room) {
+                let role = role_label(shared.info.role);
+                metrics::histogram!("kvferry_quarantine_seconds", "role" => role)
+                    .record(t.elapsed().as_secs_f64());
+            }
             if let Some(tx) = inner.rooms.remove(&room) {
                 tx.send_modify(|v| v.releasable = true);
             }
@@ -1034,17 +1045,37 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Publishes the core's counters through the `metrics` facade (absolute values).
-pub fn export_metrics(c: &Counters, role: Role) {
-    let role = match role {
+fn role_label(role: Role) -> &'static str {
+    match role {
         Role::Prefill => "prefill",
         Role::Decode => "decode",
-    };
+    }
+}
+
+/// Publishes the core's counters (absolute values) and gauges through the `metrics` facade.
+pub fn export_metrics(endpoint: &Endpoint, role: Role) {
+    let role = role_label(role);
+    let c = endpoint.counters();
     for (name, value) in c.iter() {
         metrics::counter!(format!("kvferry_{name}_total"), "role" => role).absolute(value);
     }
     for reason in FailureReason::ALL {
         metrics::counter!("kvferry_rooms_failed_total", "role" => role, "reason" => reason.as_str())
             .absolute(c.failed(reason));
+    }
+    metrics::gauge!("kvferry_sessions_blacklisted", "role" => role)
+        .set(endpoint.blacklisted_sessions() as f64);
+    metrics::gauge!("kvferry_ops_live", "role" => role).set(endpoint.live_ops() as f64);
+    metrics::gauge!("kvferry_rooms_live", "role" => role).set(endpoint.live_rooms() as f64);
+    for sid in endpoint.session_ids() {
+        let Some(st) = endpoint.session_stats(sid) else {
+            continue;
+        };
+        let session = sid.0.to_string();
+        metrics::counter!("kvferry_session_bytes_total", "role" => role, "session" => session.clone()).absolute(st.bytes_done);
+        metrics::counter!("kvferry_session_ops_total", "role" => role, "session" => session.clone()).absolute(st.ops_done);
+        metrics::counter!("kvferry_session_ops_failed_total", "role" => role, "session" => session.clone()).absolute(st.ops_failed);
+        metrics::gauge!("kvferry_session_ops_in_flight", "role" => role, "session" => session)
+            .set(f64::from(st.in_flight));
     }
 }
