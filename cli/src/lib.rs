@@ -3,6 +3,7 @@
 //! half that requests rooms and verifies every byte, the report, and the data-plane benchmark.
 
 pub mod bench;
+pub mod proxy;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;

@@ -72,6 +72,33 @@ enum Command {
         #[command(flatten)]
         common: CommonArgs,
     },
+    /// A fault-injecting TCP proxy between two nodes (loopback only), for trying failures.
+    Proxy {
+        /// Loopback address to listen on (point the decode's --connect here).
+        #[arg(long)]
+        listen: SocketAddr,
+        /// The node behind the proxy (the prefill's --listen address).
+        #[arg(long)]
+        upstream: SocketAddr,
+        /// Delay added to every forwarded chunk, in milliseconds.
+        #[arg(long, default_value_t = 0)]
+        delay_ms: u64,
+        /// Probability that a forwarded chunk has one byte flipped.
+        #[arg(long, default_value_t = 0.0)]
+        corrupt: f64,
+        /// Probability that a forwarded chunk resets its connection instead.
+        #[arg(long, default_value_t = 0.0)]
+        reset: f64,
+        /// Black-hole both directions for this many milliseconds every --blackhole-every-ms.
+        #[arg(long, default_value_t = 0)]
+        blackhole_ms: u64,
+        /// Period of the black holes, in milliseconds.
+        #[arg(long, default_value_t = 10_000)]
+        blackhole_every_ms: u64,
+        /// Seed of the corrupt and reset decisions.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Measure the TCP data plane against a plain socket pair.
     Bench {
         /// Iterations per workload (the 4 KiB round trip runs 100x as many).
@@ -314,6 +341,43 @@ async fn run(cli: Cli) -> Result<(), String> {
             node.shutdown().await;
             print_report(&report, common.json);
             Ok(())
+        }
+        Command::Proxy {
+            listen,
+            upstream,
+            delay_ms,
+            corrupt,
+            reset,
+            blackhole_ms,
+            blackhole_every_ms,
+            seed,
+        } => {
+            for (name, p) in [("--corrupt", corrupt), ("--reset", reset)] {
+                if !(0.0..=1.0).contains(&p) {
+                    return Err(format!("{name} must be a probability in 0..=1, not {p}"));
+                }
+            }
+            let proxy = kvferry_cli::proxy::FaultProxy::start_on(listen, upstream, seed)
+                .await
+                .map_err(|e| format!("proxy on {listen}: {e}"))?;
+            proxy.set(|f| {
+                f.delay = Duration::from_millis(delay_ms);
+                f.corrupt = corrupt;
+                f.reset = reset;
+            });
+            eprintln!("kvferry proxy {} -> {upstream}", proxy.addr);
+            let period = Duration::from_millis(blackhole_every_ms.max(1));
+            loop {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => return Ok(()),
+                    _ = tokio::time::sleep(period) => {
+                        if blackhole_ms > 0 {
+                            let until = std::time::Instant::now() + Duration::from_millis(blackhole_ms);
+                            proxy.set(|f| f.blackhole_until = Some(until));
+                        }
+                    }
+                }
+            }
         }
         Command::Bench { iterations, json } => {
             let results = kvferry_cli::bench::run(iterations)

@@ -1,0 +1,179 @@
+//! A fault-injecting TCP proxy for loopback tests: delay, stall a direction, black-hole
+//! both for a while, corrupt bytes, truncate, reset connections (at once or on a seeded
+//! schedule). Loopback only: it exists for tests and for `kvferry proxy`.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// What the proxy does to the bytes it forwards, changeable at any time.
+#[derive(Clone, Debug, Default)]
+pub struct ProxyFaults {
+    /// Added before forwarding each chunk.
+    pub delay: Duration,
+    /// Hold client-to-server bytes (they flow again when cleared).
+    pub stall_up: bool,
+    /// Hold server-to-client bytes.
+    pub stall_down: bool,
+    /// Hold both directions until this instant (a black hole that TCP would outlast).
+    pub blackhole_until: Option<Instant>,
+    /// Probability that a forwarded chunk has one byte flipped.
+    pub corrupt: f64,
+    /// Probability that a forwarded chunk resets its connection instead (a seeded schedule).
+    pub reset: f64,
+    /// Forward only this many bytes of the next chunk, then close that connection.
+    pub truncate_next: Option<usize>,
+}
+
+struct State {
+    faults: Mutex<ProxyFaults>,
+    pumps: Mutex<Vec<JoinHandle<()>>>,
+    rng: Mutex<kvferry_core::rng::Rng>,
+}
+
+/// A running proxy in front of `upstream`.
+pub struct FaultProxy {
+    /// Where clients connect.
+    pub addr: SocketAddr,
+    state: Arc<State>,
+    accept: JoinHandle<()>,
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.reset_all();
+    }
+}
+
+impl FaultProxy {
+    /// Listens on an ephemeral loopback port and forwards to `upstream`.
+    pub async fn start(upstream: SocketAddr, seed: u64) -> std::io::Result<FaultProxy> {
+        Self::start_on(SocketAddr::from(([127, 0, 0, 1], 0)), upstream, seed).await
+    }
+
+    /// Listens on `listen` (which must be a loopback address) and forwards to `upstream`.
+    pub async fn start_on(
+        listen: SocketAddr,
+        upstream: SocketAddr,
+        seed: u64,
+    ) -> std::io::Result<FaultProxy> {
+        if !listen.ip().is_loopback() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the fault proxy only listens on loopback addresses",
+            ));
+        }
+        let listener = TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(State {
+            faults: Mutex::new(ProxyFaults::default()),
+            pumps: Mutex::new(Vec::new()),
+            rng: Mutex::new(kvferry_core::rng::Rng::new(seed)),
+        });
+        let s = state.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                let up = tokio::spawn(pump(cr, sw, s.clone(), true));
+                let down = tokio::spawn(pump(sr, cw, s.clone(), false));
+                if let Ok(mut p) = s.pumps.lock() {
+                    p.push(up);
+                    p.push(down);
+                }
+            }
+        });
+        Ok(FaultProxy {
+            addr,
+            state,
+            accept,
+        })
+    }
+
+    /// Changes the faults.
+    pub fn set(&self, f: impl FnOnce(&mut ProxyFaults)) {
+        if let Ok(mut faults) = self.state.faults.lock() {
+            f(&mut faults);
+        }
+    }
+
+    /// Resets every connection through the proxy (both ends see them close).
+    pub fn reset_all(&self) {
+        if let Ok(mut p) = self.state.pumps.lock() {
+            for t in p.drain(..) {
+                t.abort();
+            }
+        }
+    }
+}
+
+fn held(state: &State, up: bool) -> bool {
+    let f = match state.faults.lock() {
+        Ok(f) => f.clone(),
+        Err(_) => return false,
+    };
+    let stalled = if up { f.stall_up } else { f.stall_down };
+    stalled || f.blackhole_until.is_some_and(|t| t > Instant::now())
+}
+
+fn next(state: &State) -> u64 {
+    state.rng.lock().map(|mut r| r.next_u64()).unwrap_or(0)
+}
+
+fn chance(state: &State, p: f64) -> bool {
+    state.rng.lock().map(|mut r| r.chance(p)).unwrap_or(false)
+}
+
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, state: Arc<State>, up: bool) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        while held(&state, up) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let (delay, corrupt, reset) = match state.faults.lock() {
+            Ok(f) => (f.delay, f.corrupt, f.reset),
+            Err(_) => (Duration::ZERO, 0.0, 0.0),
+        };
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+            // A stall or black hole set during the delay holds this chunk too.
+            while held(&state, up) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        if corrupt > 0.0 && chance(&state, corrupt) {
+            let i = (next(&state) % n as u64) as usize;
+            buf[i] ^= 0x5A;
+        }
+        if reset > 0.0 && chance(&state, reset) {
+            break;
+        }
+        let cut = match state.faults.lock() {
+            Ok(mut f) => f.truncate_next.take(),
+            Err(_) => None,
+        };
+        if let Some(cut) = cut {
+            let _ = to.write_all(&buf[..cut.min(n)]).await;
+            break;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
