@@ -434,3 +434,157 @@ async fn f11_a_stalled_decode_does_not_delay_rooms_toward_another_decode() {
     );
     stuck.abort();
 }
+
+/// Three prefill PP stages feed one decode room and disagree: one never gets input (it would
+/// time out), one aborts, one is slow. The leader's consensus verdict is applied exactly once
+/// on every rank, nothing panics, and decode fails softly with a reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
+    use kvferry_core::consensus::ConsensusLog;
+    let shape = small_shape();
+    let mut ranks = Vec::new();
+    for (rank, layers) in [(0u16, 0u16..1u16), (1, 1..3), (2, 3..4)] {
+        let mut cfg = kvferry_cli::node_config(
+            Role::Prefill,
+            &shape,
+            fast_core(),
+            b"test-token",
+            120 + u64::from(rank),
+        );
+        cfg.info.rank = rank;
+        cfg.info.layer_start = layers.start;
+        cfg.info.layer_end = layers.end;
+        cfg.info.writes_aux = layers.end == shape.layers;
+        let node = kvferry_tokio::Node::start(
+            cfg,
+            std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout())),
+        )
+        .unwrap();
+        let addr = node.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let ann = node.room_announcements();
+        ranks.push((node, addr, ann));
+    }
+    let d = start(Role::Decode, &shape, fast_core(), 130);
+    let mut sources = Vec::new();
+    for (_, addr, _) in &ranks {
+        sources.push(d.connect(*addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let room = RoomId(42);
+    let pages: Vec<u32> = (0..8).collect();
+    let mut h = d
+        .open_receiver(
+            room,
+            0,
+            &sources,
+            Some(Grant {
+                pages: pages.clone(),
+                aux_slot: Some(1),
+                state_slot: None,
+                receivers: 1,
+            }),
+        )
+        .unwrap();
+    for (node, _, ann) in ranks.iter_mut() {
+        let a = ann.recv().await.unwrap();
+        node.open_sender(a.room, a.generation).unwrap();
+    }
+    // Rank 2 is slow: it sends after a while. Rank 0 never gets input. Rank 1 aborts.
+    let slow = ranks[2].0.clone();
+    let slow_pages = pages.clone();
+    let slow_task = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let _ = slow.send_chunk(
+            room,
+            kvferry_core::Chunk {
+                pages: slow_pages,
+                last: true,
+                aux_slot: Some(1),
+                state_slot: None,
+                layerwise: false,
+            },
+        );
+    });
+    ranks[1].0.abort(room).unwrap();
+    // The leader (rank 0) combines what it sees right now: skewed views, no assertion.
+    let polls: Vec<KvPoll> = ranks
+        .iter()
+        .map(|(n, _, _)| n.room_state(room).unwrap_or(KvPoll::Bootstrapping))
+        .collect();
+    let mut leader = ConsensusLog::new(64);
+    let decision = leader
+        .decide(room, &polls)
+        .expect("a failed rank makes a terminal verdict");
+    let reason = kvferry_core::consensus::verdict_failure(decision.verdict).expect("a failure");
+    assert!(reason.is_soft());
+    // Every rank applies the broadcast decision exactly once, delivered twice.
+    for (node, _, _) in &ranks {
+        let mut log = ConsensusLog::new(64);
+        let mut applied = log.apply(decision);
+        applied.extend(log.apply(decision));
+        assert_eq!(applied, vec![decision]);
+        node.fail_room(room, reason);
+        assert!(
+            !node.fail_room(room, reason),
+            "a verdict applied twice changes nothing"
+        );
+    }
+    let state = tokio::time::timeout(Duration::from_secs(5), h.terminal())
+        .await
+        .expect("decode concludes");
+    assert!(
+        matches!(state, KvPoll::Failed(r) if r.is_soft()),
+        "{state:?}"
+    );
+    tokio::time::timeout(Duration::from_secs(5), h.releasable())
+        .await
+        .expect("decode releases after every drain ack");
+    for (node, _, _) in &ranks {
+        assert!(matches!(node.room_state(room), Some(KvPoll::Failed(_))));
+    }
+    slow_task.abort();
+}
+
+/// A truncated control frame and repeated garbage earn strikes; the offender is disconnected,
+/// a healthy decode on the same prefill sees no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f10_truncated_frames_and_repeated_garbage_disconnect_only_the_offender() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let shape = small_shape();
+    let (p, addr, _server) = prefill(&shape, fast_core(), 141).await;
+    let healthy = start(Role::Decode, &shape, fast_core(), 142);
+    let s = healthy.connect(addr).await.unwrap();
+    // A control connection whose frames have sane lengths but unknown types: three strikes.
+    let mut bad = tokio::net::TcpStream::connect(addr).await.unwrap();
+    bad.write_all(b"KVF1\x01").await.unwrap();
+    for _ in 0..3 {
+        bad.write_all(&[2, 0, 0, 0, 1, 200]).await.unwrap();
+    }
+    let mut buf = [0u8; 512];
+    let closed = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match bad.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => continue,
+            }
+        }
+    })
+    .await
+    .unwrap_or(false);
+    assert!(
+        closed,
+        "the offender is disconnected after repeated strikes"
+    );
+    // A truncated frame through the proxy ends that connection; nothing leaks to other peers.
+    let proxy = FaultProxy::start(addr, 3).await.unwrap();
+    let victim = start(Role::Decode, &shape, fast_core(), 143);
+    let _ = victim.connect(proxy.addr).await;
+    proxy.set(|f| f.truncate_next = Some(3));
+    assert!(p.counters().protocol_errors >= 3);
+    let report = run_decode(&healthy, s, rooms(20, 500)).await;
+    assert_eq!(
+        (report.rooms_succeeded, report.pages_corrupted),
+        (20, 0),
+        "{report:?}"
+    );
+}
