@@ -385,7 +385,16 @@ impl Report {
             ),
         );
         for (reason, n) in &self.failed_by_reason {
-            row(&mut s, &format!("  failed: {reason}"), n.to_string());
+            let why = FailureReason::ALL
+                .iter()
+                .find(|r| r.as_str() == reason)
+                .map(|r| r.explain())
+                .unwrap_or("");
+            row(
+                &mut s,
+                &format!("  failed: {reason}"),
+                format!("{n}  ({why})"),
+            );
         }
         row(
             &mut s,

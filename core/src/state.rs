@@ -85,6 +85,24 @@ impl FailureReason {
         }
     }
 
+    /// What happened and what to check, for an operator reading an error.
+    pub fn explain(self) -> &'static str {
+        match self {
+            FailureReason::BootstrapTimeout => "no decode asked for the room (or no pages were granted) before the bootstrap deadline; check that the router sent the request to both sides and KVFERRY_BOOTSTRAP_TIMEOUT_MS",
+            FailureReason::DecodeSaturated => "decode had no KV capacity for the room until the bootstrap deadline; add decode capacity or admit fewer rooms",
+            FailureReason::WaitingTimeout => "nothing moved for the room within the waiting deadline; check that prefill is computing and sending it, and KVFERRY_WAITING_TIMEOUT_MS",
+            FailureReason::PeerUnreachable => "the peer stopped answering (heartbeats missed or the connection closed); check the peer process and the network",
+            FailureReason::PeerRestarted => "the peer restarted, so its earlier rooms are void; resubmit the request",
+            FailureReason::SessionBlacklisted => "the link to this peer failed repeatedly and is blacklisted until a probe succeeds; check the data path (network, registered memory)",
+            FailureReason::TransferFailed => "a data transfer failed after all retries; check the data path and KVFERRY_TRANSFER_RETRIES",
+            FailureReason::AbortedLocally => "this endpoint's scheduler aborted the room",
+            FailureReason::AbortedByPeer => "the peer aborted or failed the room (its scheduler gave up or it refused a write)",
+            FailureReason::ProtocolError => "the peer violated the protocol for this room (a write outside its pages, a malformed request); check both sides run compatible kvferry versions",
+            FailureReason::IncompatiblePeer => "the peer was refused at the handshake (token, role, protocol version or memory layout); check --token and that both sides use the same model shape",
+            FailureReason::Shutdown => "the endpoint is shutting down",
+        }
+    }
+
     /// Soft failures are about load or transient conditions: the scheduler may retry the
     /// request (possibly elsewhere). Hard ones point at a broken peer, a bug or an operator.
     pub fn is_soft(self) -> bool {

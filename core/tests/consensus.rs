@@ -99,3 +99,13 @@ fn transitions_out_of_terminal_states_are_error_values() {
     assert_eq!(R::from_code(R::Shutdown.code()), Some(R::Shutdown));
     assert_eq!(R::from_code(0), None);
 }
+
+#[test]
+fn every_failure_reason_explains_itself_distinctly() {
+    let mut seen = std::collections::HashSet::new();
+    for r in R::ALL {
+        assert!(r.explain().len() > 20, "{r}");
+        assert!(seen.insert(r.explain()), "{r} shares its explanation");
+        assert_eq!(R::from_code(r.code()), Some(r));
+    }
+}
