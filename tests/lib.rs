@@ -58,5 +58,21 @@ pub async fn prefill(
     (node, addr, server)
 }
 
+/// Whether the peer closes `stream` within `within` (reading and discarding whatever it sends).
+pub async fn closed_by_peer(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 512];
+    tokio::time::timeout(within, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => continue,
+            }
+        }
+    })
+    .await
+    .unwrap_or(false)
+}
+
 /// The fault-injecting proxy (lives in the CLI crate so `kvferry proxy` can use it too).
 pub use kvferry_cli::proxy;

@@ -549,7 +549,7 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
 /// a healthy decode on the same prefill sees no error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn f10_truncated_frames_and_repeated_garbage_disconnect_only_the_offender() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let shape = small_shape();
     let (p, addr, _server) = prefill(&shape, fast_core(), 141).await;
     let healthy = start(Role::Decode, &shape, fast_core(), 142);
@@ -560,17 +560,7 @@ async fn f10_truncated_frames_and_repeated_garbage_disconnect_only_the_offender(
     for _ in 0..3 {
         bad.write_all(&[2, 0, 0, 0, 1, 200]).await.unwrap();
     }
-    let mut buf = [0u8; 512];
-    let closed = tokio::time::timeout(Duration::from_secs(3), async {
-        loop {
-            match bad.read(&mut buf).await {
-                Ok(0) | Err(_) => return true,
-                Ok(_) => continue,
-            }
-        }
-    })
-    .await
-    .unwrap_or(false);
+    let closed = kvferry_tests::closed_by_peer(&mut bad, Duration::from_secs(3)).await;
     assert!(
         closed,
         "the offender is disconnected after repeated strikes"

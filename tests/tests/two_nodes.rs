@@ -239,17 +239,7 @@ async fn hostile_sockets_are_refused_while_other_peers_keep_working() {
     assert!(refused, "a wrong token gets no data connection");
     // Every hostile connection gets closed by the prefill.
     for s in [&mut junk, &mut huge] {
-        let mut buf = [0u8; 256];
-        let closed = tokio::time::timeout(Duration::from_secs(3), async {
-            loop {
-                match s.read(&mut buf).await {
-                    Ok(0) | Err(_) => return true,
-                    Ok(_) => continue,
-                }
-            }
-        })
-        .await
-        .unwrap_or(false);
+        let closed = kvferry_tests::closed_by_peer(s, Duration::from_secs(3)).await;
         assert!(closed);
     }
     assert!(
