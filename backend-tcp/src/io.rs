@@ -239,34 +239,46 @@ async fn write_gather(
     Ok(())
 }
 
+/// The (address, length) of what is left of `ranges` after `skip` bytes, at most `max` of
+/// them: the shared bookkeeping of partial vectored writes and reads.
+fn remaining(
+    ranges: &[(usize, usize)],
+    mut skip: usize,
+    max: usize,
+) -> impl Iterator<Item = (usize, usize)> + '_ {
+    ranges
+        .iter()
+        .filter_map(move |&(ptr, len)| {
+            if skip >= len {
+                skip -= len;
+                None
+            } else {
+                let part = (ptr + skip, len - skip);
+                skip = 0;
+                Some(part)
+            }
+        })
+        .take(max)
+}
+
 /// The iovecs of what is left to send after `skip` bytes, at most [`MAX_IOV`] of them.
 fn gather_iovecs<'a>(
     header: &'a [u8],
     sources: &[(usize, usize)],
-    mut skip: usize,
+    skip: usize,
 ) -> Vec<IoSlice<'a>> {
     let mut iov = Vec::with_capacity((sources.len() + 1).min(MAX_IOV));
     if skip < header.len() {
         iov.push(IoSlice::new(&header[skip..]));
-        skip = 0;
-    } else {
-        skip -= header.len();
     }
-    for &(ptr, len) in sources {
-        if iov.len() == MAX_IOV {
-            break;
-        }
-        if skip >= len {
-            skip -= len;
-            continue;
-        }
-        // SAFETY: (ptr, len) came from MemoryMap::range, so it lies inside registered memory
-        // that outlives the map (held by the caller's Arc); the core keeps these source pages
-        // pinned (no release, no reuse) until this operation is reported.
-        let bytes: &'a [u8] =
-            unsafe { std::slice::from_raw_parts((ptr as *const u8).add(skip), len - skip) };
-        iov.push(IoSlice::new(bytes));
-        skip = 0;
+    let skip = skip.saturating_sub(header.len());
+    for (ptr, len) in remaining(sources, skip, MAX_IOV - iov.len()) {
+        // SAFETY: the range lies inside one (ptr, len) from MemoryMap::range, in registered
+        // memory that outlives the map (held by the caller's Arc); the core keeps these source
+        // pages pinned (no release, no reuse) until this operation is reported.
+        iov.push(IoSlice::new(unsafe {
+            std::slice::from_raw_parts(ptr as *const u8, len)
+        }));
     }
     iov
 }
@@ -419,25 +431,15 @@ async fn read_scatter(stream: &TcpStream, targets: &[(usize, usize)]) -> io::Res
     Ok(())
 }
 
-fn scatter_iovecs<'a>(targets: &[(usize, usize)], mut skip: usize) -> Vec<IoSliceMut<'a>> {
-    let mut iov = Vec::with_capacity(targets.len().min(MAX_IOV));
-    for &(ptr, len) in targets {
-        if iov.len() == MAX_IOV {
-            break;
-        }
-        if skip >= len {
-            skip -= len;
-            continue;
-        }
-        // SAFETY: (ptr, len) came from MemoryMap::range (inside registered memory that the
-        // caller's Arc keeps alive) and the core accepted the write for this room's pages, so
-        // nobody else reads or writes them until the room concludes and is released.
-        let bytes: &'a mut [u8] =
-            unsafe { std::slice::from_raw_parts_mut((ptr as *mut u8).add(skip), len - skip) };
-        iov.push(IoSliceMut::new(bytes));
-        skip = 0;
-    }
-    iov
+fn scatter_iovecs<'a>(targets: &[(usize, usize)], skip: usize) -> Vec<IoSliceMut<'a>> {
+    remaining(targets, skip, MAX_IOV)
+        .map(|(ptr, len)| {
+            // SAFETY: the range lies inside one (ptr, len) from MemoryMap::range (registered
+            // memory the caller's Arc keeps alive) and the core accepted the write for this
+            // room's pages, so nobody else touches them until the room is released.
+            IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
+        })
+        .collect()
 }
 
 async fn discard(stream: &mut TcpStream, mut n: u64) -> io::Result<()> {
