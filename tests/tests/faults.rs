@@ -578,3 +578,109 @@ async fn f10_truncated_frames_and_repeated_garbage_disconnect_only_the_offender(
         "{report:?}"
     );
 }
+
+/// A rogue prefill that passes the handshake then writes outside the pages the room was
+/// granted: the write is refused and counted, nothing lands, the room fails with a protocol
+/// error, and the decode keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
+    use kvferry_core::{
+        Endpoint, EndpointInfo, Incarnation, NodeId, Region, Slice, TransferId, TransferOp,
+        TransferOutcome,
+    };
+    use kvferry_tcp::{answer_data, read_preamble, DataSender, MemoryMap, Preamble};
+    use std::sync::{Arc, Mutex};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let shape = small_shape();
+    let layout = shape.layout();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let d = start(Role::Decode, &shape, fast_core(), 151);
+    let connect = tokio::spawn({
+        let d = d.clone();
+        async move { d.connect(addr).await }
+    });
+    // The rogue speaks the real control protocol through a real core endpoint.
+    let (mut control, _) = listener.accept().await.unwrap();
+    assert!(matches!(
+        read_preamble(&mut control).await.unwrap(),
+        Preamble::Control
+    ));
+    let mut info = EndpointInfo::new(Role::Prefill, NodeId(666), Incarnation(666), layout);
+    info.token = b"test-token".to_vec();
+    let now = std::time::Instant::now();
+    let mut rogue = Endpoint::new(fast_core(), info, 666, now).unwrap();
+    let sid = rogue.open_session(now);
+    let mut out = Vec::new();
+    while rogue.poll_transmit(&mut out).is_some() {}
+    control.write_all(&out).await.unwrap();
+    let session = connect.await.unwrap().expect("handshake with the rogue");
+    let pages: Vec<u32> = (0..4).collect();
+    let mut h = d
+        .open_receiver(
+            RoomId(1),
+            0,
+            &[session],
+            Some(Grant {
+                pages,
+                aux_slot: None,
+                state_slot: None,
+                receivers: 1,
+            }),
+        )
+        .unwrap();
+    // Read the decode's hello and room request.
+    let mut buf = vec![0u8; 4096];
+    let n = control.read(&mut buf).await.unwrap();
+    rogue.handle_input(std::time::Instant::now(), sid, &buf[..n]);
+    // A data connection arrives from the decode; the rogue writes page 50 (registered, not granted).
+    let (mut data, _) = listener.accept().await.unwrap();
+    assert!(matches!(
+        read_preamble(&mut data).await.unwrap(),
+        Preamble::Data(_)
+    ));
+    answer_data(&mut data, true).await.unwrap();
+    let src = Arc::new(MemoryMap::allocate(layout));
+    src.write(Region::Kv { layer: 0, plane: 0 }, 50 * 4096, &[0xAB; 4096])
+        .unwrap();
+    let outcome = Arc::new(Mutex::new(None));
+    let o = outcome.clone();
+    let sender = DataSender::spawn(
+        data,
+        src,
+        Arc::new(move |_, r| *o.lock().unwrap() = Some(r)),
+    );
+    let slice = Slice {
+        region: Region::Kv { layer: 0, plane: 0 },
+        src_offset: 50 * 4096,
+        dst_offset: 50 * 4096,
+        len: 4096,
+    };
+    let op = TransferOp {
+        id: TransferId(1),
+        session: sid,
+        room: Some(RoomId(1)),
+        generation: 0,
+        kind: kvferry_core::OpKind::Kv,
+        attempt: 1,
+        slices: vec![slice].into(),
+        bytes: 4096,
+    };
+    sender.send(op).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while outcome.lock().unwrap().is_none() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(*outcome.lock().unwrap(), Some(TransferOutcome::Refused));
+    assert!(d.counters().writes_refused >= 1);
+    assert_eq!(
+        h.terminal().await,
+        KvPoll::Failed(FailureReason::ProtocolError)
+    );
+    let mut page = vec![0u8; 4096];
+    d.memory()
+        .read(Region::Kv { layer: 0, plane: 0 }, 50 * 4096, &mut page)
+        .unwrap();
+    assert!(page.iter().all(|b| *b == 0), "nothing landed");
+}
