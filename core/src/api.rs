@@ -244,6 +244,9 @@ pub enum Action {
     /// Close every connection of the session, then call
     /// [`crate::Endpoint::handle_disconnected`].
     CloseSession(SessionId),
+    /// Open a control connection to this target's address, then call
+    /// [`crate::Endpoint::open_session_for`] (or [`crate::Endpoint::handle_connect_failed`]).
+    Connect(crate::ids::TargetId),
 }
 
 /// Why a peer was refused at the handshake.

@@ -49,6 +49,10 @@ pub struct Config {
     pub pending_requests: u32,
     /// Malformed frames tolerated on one session before it is closed (`KVFERRY_PROTOCOL_STRIKES`, 3).
     pub protocol_strikes: u32,
+    /// First delay before reconnecting a target, doubling per failure (`KVFERRY_RECONNECT_INTERVAL_MS`, 100).
+    pub reconnect_interval: Duration,
+    /// Cap of the reconnect backoff (`KVFERRY_RECONNECT_MAX_INTERVAL_MS`, 5000).
+    pub reconnect_max_interval: Duration,
 }
 
 impl Default for Config {
@@ -75,6 +79,8 @@ impl Default for Config {
             tombstones: 65536,
             pending_requests: 65536,
             protocol_strikes: 3,
+            reconnect_interval: Duration::from_millis(100),
+            reconnect_max_interval: Duration::from_secs(5),
         }
     }
 }
@@ -172,6 +178,14 @@ const FIELDS: &[(&str, Field)] = &[
         "PROTOCOL_STRIKES",
         Field::Count(|c| &mut c.protocol_strikes),
     ),
+    (
+        "RECONNECT_INTERVAL_MS",
+        Field::Millis(|c| &mut c.reconnect_interval),
+    ),
+    (
+        "RECONNECT_MAX_INTERVAL_MS",
+        Field::Millis(|c| &mut c.reconnect_max_interval),
+    ),
 ];
 
 /// Prefix of every environment variable the core reads.
@@ -263,6 +277,7 @@ impl Config {
             ("ABORT_ACK_TIMEOUT_MS", self.abort_ack_timeout),
             ("HANDSHAKE_TIMEOUT_MS", self.handshake_timeout),
             ("OPERATION_TIMEOUT_MS", self.operation_timeout),
+            ("RECONNECT_INTERVAL_MS", self.reconnect_interval),
         ];
         for (key, v) in positive_times {
             if v.is_zero() {

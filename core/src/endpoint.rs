@@ -16,7 +16,7 @@ use crate::api::{
 use crate::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest};
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
-use crate::ids::{Generation, NodeId, RoomId, SessionId, TransferId};
+use crate::ids::{Generation, NodeId, RoomId, SessionId, TargetId, TransferId};
 use crate::layout::{page_runs, PageSet, Region, Slice};
 use crate::plan::{plan_aux, plan_kv, OpLimits};
 use crate::rng::Rng;
@@ -78,6 +78,16 @@ pub struct Endpoint {
     counters: Counters,
     capacity: Capacity,
     hasher: FixedState,
+    targets: Map<TargetId, Target>,
+    next_target: u32,
+}
+
+/// A peer to stay connected to: the core decides when to (re)connect.
+#[derive(Debug)]
+struct Target {
+    session: Option<SessionId>,
+    backoff: Duration,
+    timer: Option<TimerKey>,
 }
 
 #[derive(Debug)]
@@ -105,6 +115,7 @@ struct Session {
     capacity: Option<Capacity>,
     close_reason: FailureReason,
     stats: SessionStats,
+    target: Option<TargetId>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -350,6 +361,8 @@ impl Endpoint {
             events: VecDeque::new(),
             counters: Counters::default(),
             capacity: Capacity::default(),
+            targets: Map::with_hasher(hasher.clone()),
+            next_target: 0,
             hasher,
         })
     }
@@ -574,6 +587,7 @@ impl Endpoint {
             capacity: None,
             close_reason: FailureReason::PeerUnreachable,
             stats: SessionStats::default(),
+            target: None,
         };
         self.timers.set(
             &mut session.handshake_timer,
@@ -594,6 +608,73 @@ impl Endpoint {
         };
         self.transmits.push_back((sid, Message::Hello(hello)));
         sid
+    }
+
+    /// Registers a peer to stay connected to. The core asks for a connection at once
+    /// ([`Action::Connect`]) and again, with exponential backoff and jitter, whenever the
+    /// session drops or the connection attempt fails, until [`Endpoint::remove_target`].
+    pub fn add_target(&mut self, now: Instant) -> TargetId {
+        let _ = self.clock(now);
+        self.next_target += 1;
+        let id = TargetId(self.next_target);
+        let backoff = self.config.reconnect_interval;
+        self.targets.insert(
+            id,
+            Target {
+                session: None,
+                backoff,
+                timer: None,
+            },
+        );
+        self.actions.push_back(Action::Connect(id));
+        id
+    }
+
+    /// Stops reconnecting a target (its current session, if any, stays until it ends).
+    pub fn remove_target(&mut self, target: TargetId) {
+        if let Some(mut t) = self.targets.remove(&target) {
+            self.timers.cancel(&mut t.timer);
+        }
+    }
+
+    /// The driver connected to a target: like [`Endpoint::open_session`], bound to it.
+    pub fn open_session_for(&mut self, now: Instant, target: TargetId) -> SessionId {
+        let sid = self.open_session(now);
+        if let Some(t) = self.targets.get_mut(&target) {
+            t.session = Some(sid);
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.target = Some(target);
+            }
+        }
+        sid
+    }
+
+    /// The driver could not connect to a target; the core retries after its backoff.
+    pub fn handle_connect_failed(&mut self, now: Instant, target: TargetId) {
+        let now = self.clock(now);
+        self.schedule_reconnect(now, target);
+    }
+
+    /// The established session of a target, if it has one now.
+    pub fn target_session(&self, target: TargetId) -> Option<SessionId> {
+        let sid = self.targets.get(&target)?.session?;
+        match self.sessions.get(&sid)?.state {
+            SessionState::Established | SessionState::Blacklisted => Some(sid),
+            _ => None,
+        }
+    }
+
+    fn schedule_reconnect(&mut self, now: Instant, target: TargetId) {
+        let max = self.config.reconnect_max_interval;
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        t.session = None;
+        let base = t.backoff;
+        let jitter = Duration::from_nanos(self.rng.below(base.as_nanos() as u64 / 4 + 1));
+        self.timers
+            .set(&mut t.timer, now + base + jitter, Timer::Reconnect(target));
+        t.backoff = (base * 2).min(max);
     }
 
     /// Bytes arrived on a session's control connection. Consumes every complete frame and
@@ -685,6 +766,14 @@ impl Endpoint {
             }
         }
         self.events.push_back(Event::SessionClosed { session });
+        let target = self
+            .targets
+            .iter()
+            .find(|(_, t)| t.session == Some(session))
+            .map(|(id, _)| *id);
+        if let Some(target) = target {
+            self.schedule_reconnect(now, target);
+        }
     }
 
     /// The driver carried out [`Action::FenceSession`]: no write of this session that was in
@@ -1451,6 +1540,16 @@ impl Endpoint {
                 }
             }
             Timer::Heartbeat(sid) => self.on_heartbeat_timer(now, sid, key),
+            Timer::Reconnect(target) => {
+                let Some(t) = self.targets.get_mut(&target) else {
+                    return;
+                };
+                if t.timer != Some(key) {
+                    return;
+                }
+                t.timer = None;
+                self.actions.push_back(Action::Connect(target));
+            }
             Timer::Liveness(sid) => {
                 let window = self.config.heartbeat_interval * self.config.heartbeat_misses;
                 let Some(s) = self.sessions.get_mut(&sid) else {
@@ -1791,6 +1890,10 @@ impl Endpoint {
             .set(&mut s.liveness_timer, now + window, Timer::Liveness(sid));
         self.events
             .push_back(Event::SessionEstablished { session: sid, peer });
+        let reset = self.config.reconnect_interval;
+        if let Some(t) = s.target.and_then(|t| self.targets.get_mut(&t)) {
+            t.backoff = reset;
+        }
         if let Some(mem) = remembered {
             if mem.incarnation == h.incarnation && mem.until > now {
                 // Same process reconnected: its blacklist stands until a probe succeeds.

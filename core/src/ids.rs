@@ -35,6 +35,12 @@ id_type!(
     "session#"
 );
 id_type!(
+    /// A peer this endpoint keeps a session with, reconnecting when it drops
+    /// ([`crate::Endpoint::add_target`]).
+    TargetId(u32),
+    "target#"
+);
+id_type!(
     /// One data-path operation emitted by [`crate::Endpoint::poll_transfer`].
     TransferId(u64),
     "op#"

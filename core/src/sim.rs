@@ -511,6 +511,8 @@ impl Sim {
                     Action::CloseSession(session) => {
                         self.push(self.now, Pending::Close { node: n, session })
                     }
+                    // The simulation manages its links itself (connect, reset_link).
+                    Action::Connect(_) => {}
                 }
             }
             while let Some(op) = self.nodes[n].endpoint.poll_transfer(self.now) {

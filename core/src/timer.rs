@@ -28,6 +28,8 @@ pub enum Timer {
     Probe(SessionId),
     /// A blacklisted session nobody targets is forgotten.
     BlacklistIdle(SessionId),
+    /// Time to reconnect to a target whose session dropped.
+    Reconnect(crate::ids::TargetId),
 }
 
 /// Opaque key of an armed timer, kept by its owner to disarm it.

@@ -153,3 +153,44 @@ fn a_room_whose_last_operation_is_refused_fails_instead_of_succeeding() {
         Some(KvPoll::Failed(FailureReason::AbortedByPeer))
     );
 }
+
+#[test]
+fn a_target_is_reconnected_with_exponential_backoff_until_removed() {
+    use kvferry_core::{Action, Timer};
+    use std::time::Duration;
+    let now = Instant::now();
+    let layout = small_layout(16);
+    let mut d = Endpoint::new(
+        fast_config(),
+        EndpointInfo::new(Role::Decode, NodeId(2), Incarnation(2), layout),
+        2,
+        now,
+    )
+    .unwrap();
+    let t = d.add_target(now);
+    assert_eq!(d.poll_action(), Some(Action::Connect(t)), "connect at once");
+    d.handle_connect_failed(now, t);
+    let (first, why) = d.poll_timeout().unwrap();
+    assert_eq!(why, Timer::Reconnect(t));
+    assert!(first - now >= Duration::from_millis(100) && first - now <= Duration::from_millis(125));
+    d.handle_timeout(first);
+    assert_eq!(d.poll_action(), Some(Action::Connect(t)));
+    d.handle_connect_failed(first, t);
+    let (second, _) = d.poll_timeout().unwrap();
+    assert!(
+        second - first >= Duration::from_millis(200),
+        "the backoff doubles"
+    );
+    d.handle_timeout(second);
+    assert_eq!(d.poll_action(), Some(Action::Connect(t)));
+    let sid = d.open_session_for(second, t);
+    assert_eq!(d.target_session(t), None, "not before the handshake");
+    d.handle_disconnected(second, sid);
+    let (third, why) = d.poll_timeout().unwrap();
+    assert_eq!(why, Timer::Reconnect(t), "a dropped session is reconnected");
+    d.remove_target(t);
+    d.handle_timeout(third);
+    while let Some(a) = d.poll_action() {
+        assert_ne!(a, Action::Connect(t), "a removed target is left alone");
+    }
+}
