@@ -460,6 +460,9 @@ pub struct DecodeRun {
     pub abort_rate: f64,
     /// Seed of the abort decisions (reproducible per room).
     pub seed: u64,
+    /// A persistent peer ([`Node::connect_persistent`]): each room uses its session of the
+    /// moment, so rooms keep flowing across a prefill restart. `None`: the fixed session.
+    pub target: Option<kvferry_core::TargetId>,
 }
 
 /// A reproducible coin per (seed, room): `Some(delay)` when the room is hit.
@@ -519,9 +522,20 @@ pub async fn run_decode(node: &Node, session: SessionId, run: DecodeRun) -> Repo
         let progress = run.progress.clone();
         let deadline = run.deadline;
         let abort_after = abort_plan(run.abort_rate, run.seed, room);
+        let target = run.target;
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let t0 = Instant::now();
+            let session = match target {
+                Some(t) => current_session(&node, t, deadline).await,
+                None => Some(session),
+            };
+            let Some(session) = session else {
+                return (
+                    Some(KvPoll::Failed(FailureReason::PeerUnreachable)),
+                    t0.elapsed(),
+                );
+            };
             let outcome = decode_room(
                 &node,
                 session,
@@ -586,6 +600,25 @@ pub async fn run_decode(node: &Node, session: SessionId, run: DecodeRun) -> Repo
     report.pages_verified = verified.load(std::sync::atomic::Ordering::Relaxed);
     report.pages_corrupted = corrupted.load(std::sync::atomic::Ordering::Relaxed);
     report
+}
+
+#[allow(clippy::too_many_arguments)]
+/// The session of a persistent peer, waiting up to `within` for a (re)connection.
+async fn current_session(
+    node: &Node,
+    target: kvferry_core::TargetId,
+    within: Duration,
+) -> Option<SessionId> {
+    let until = Instant::now() + within;
+    loop {
+        if let Some(s) = node.target_session(target) {
+            return Some(s);
+        }
+        if Instant::now() >= until {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -775,6 +808,7 @@ pub async fn run_demo(
         deadline: Duration::from_secs(600),
         abort_rate: faults.abort_rate,
         seed: faults.seed,
+        target: None,
     };
     let mut report = run_decode(&decode, session, run).await;
     add_counters(&mut report, &prefill.counters(), &decode.counters());

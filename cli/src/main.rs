@@ -314,11 +314,14 @@ async fn run(cli: Cli) -> Result<(), String> {
             common,
         } => {
             let (node, shape) = start_node(Role::Decode, &shape, &common)?;
+            // A first session reports a refusal (token, layout) as a typed error; the
+            // persistent one then replaces it and is re-established if the prefill restarts.
             let session = node
                 .connect(connect)
                 .await
                 .map_err(|e| format!("cannot reach prefill at {connect}: {e}"))?;
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            let target = node.connect_persistent(connect);
+            tokio::time::sleep(Duration::from_millis(50)).await;
             let (progress, bar) = progress_bar(rooms, common.json);
             let run = DecodeRun {
                 rooms,
@@ -328,6 +331,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                 deadline: Duration::from_secs(600),
                 abort_rate: 0.0,
                 seed: 0,
+                target: Some(target),
             };
             let mut report = run_decode(&node, session, run).await;
             if let Some(bar) = bar {

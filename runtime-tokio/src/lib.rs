@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use foldhash::fast::FixedState;
 use kvferry_core::{
     Action, ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event,
-    FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, Slice, TransferId,
+    FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, Slice, TargetId, TransferId,
     TransferOutcome, WriteRefused,
 };
 use kvferry_tcp::{
@@ -196,6 +196,8 @@ struct Inner {
     metrics_at: Instant,
     /// When each failed room failed, to measure how long its pages stayed quarantined.
     failed_at: Map<RoomId, Instant>,
+    /// Where each target lives.
+    targets: Map<TargetId, SocketAddr>,
 }
 
 struct Shared {
@@ -280,6 +282,7 @@ impl Node {
                 armed: None,
                 metrics_at: now,
                 failed_at: Map::default(),
+                targets: Map::default(),
             }),
             wake: Notify::new(),
             memory,
@@ -335,7 +338,7 @@ impl Node {
         use kvferry_core::SessionState;
         let stream = connect_control(addr).await?;
         let mut events = self.shared.events.subscribe();
-        let sid = attach_control(&self.shared, stream, Some(addr));
+        let sid = attach_control(&self.shared, stream, Some(addr), None);
         let deadline = tokio::time::Instant::now() + self.config().handshake_timeout;
         let mut refusal: Option<NodeError> = None;
         // A refusal explains a closed session; events are sent before the lock is released,
@@ -383,6 +386,22 @@ impl Node {
                 Ok(_) => {}
             }
         }
+    }
+
+    /// Keeps a session to the peer at `addr`, reconnecting with the core's backoff whenever it
+    /// drops (a restarted peer is picked up without restarting this node). Rooms use the
+    /// current session from [`Node::target_session`].
+    pub fn connect_persistent(&self, addr: SocketAddr) -> TargetId {
+        let mut inner = self.shared.lock();
+        let target = inner.endpoint.add_target(Instant::now());
+        inner.targets.insert(target, addr);
+        drain(&self.shared, &mut inner);
+        target
+    }
+
+    /// The established session of a persistent peer, if it has one right now.
+    pub fn target_session(&self, target: TargetId) -> Option<SessionId> {
+        self.shared.lock().endpoint.target_session(target)
     }
 
     /// The core's configuration.
@@ -597,6 +616,7 @@ fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
             match action {
                 Action::FenceSession(sid) => start_fence(shared, inner, sid),
                 Action::CloseSession(sid) => start_close(shared, inner, sid),
+                Action::Connect(target) => start_connect(shared, inner, target),
             }
         }
         let now = Instant::now();
@@ -717,12 +737,16 @@ fn attach_control(
     shared: &Arc<Shared>,
     stream: TcpStream,
     peer_addr: Option<SocketAddr>,
+    target: Option<TargetId>,
 ) -> SessionId {
     let _ = stream.set_nodelay(true);
     let (mut read, mut write) = stream.into_split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut inner = shared.lock();
-    let sid = inner.endpoint.open_session(Instant::now());
+    let sid = match target {
+        Some(t) => inner.endpoint.open_session_for(Instant::now(), t),
+        None => inner.endpoint.open_session(Instant::now()),
+    };
     let span = info_span!("kvferry_session", session = %sid);
     let writer = shared.runtime.spawn(
         async move {
@@ -796,7 +820,7 @@ async fn accept(weak: Weak<Shared>, mut stream: TcpStream, peer: SocketAddr) {
     let Some(shared) = weak.upgrade() else { return };
     match preamble {
         Preamble::Control => {
-            attach_control(&shared, stream, None);
+            attach_control(&shared, stream, None, None);
         }
         Preamble::Data(hello) => {
             if !constant_time_eq(&hello.token, &shared.info.token) {
@@ -913,6 +937,29 @@ fn open_data_connections_n(shared: &Arc<Shared>, sid: SessionId, addr: SocketAdd
             }
         });
     }
+}
+
+/// Carries out a connect the core asked for; a failure is reported back to it.
+fn start_connect(shared: &Arc<Shared>, inner: &mut Inner, target: TargetId) {
+    let Some(&addr) = inner.targets.get(&target) else {
+        return;
+    };
+    let weak = Arc::downgrade(shared);
+    shared.runtime.spawn(async move {
+        let result = tokio::time::timeout(Duration::from_secs(5), connect_control(addr)).await;
+        let Some(shared) = weak.upgrade() else { return };
+        match result {
+            Ok(Ok(stream)) => {
+                attach_control(&shared, stream, Some(addr), Some(target));
+            }
+            _ => {
+                debug!(%target, %addr, "connect failed");
+                let mut inner = shared.lock();
+                inner.endpoint.handle_connect_failed(Instant::now(), target);
+                drain(&shared, &mut inner);
+            }
+        }
+    });
 }
 
 /// Carries out a fence: close the session's data connections, wait until nothing of them can

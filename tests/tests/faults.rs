@@ -99,6 +99,7 @@ fn rooms(n: u64, first: u64) -> DecodeRun {
         deadline: Duration::from_secs(30),
         abort_rate: 0.0,
         seed: 0,
+        target: None,
     }
 }
 
@@ -683,4 +684,51 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
         .read(Region::Kv { layer: 0, plane: 0 }, 50 * 4096, &mut page)
         .unwrap();
     assert!(page.iter().all(|b| *b == 0), "nothing landed");
+}
+
+/// The decode keeps a persistent session: when the prefill restarts behind the same address
+/// the core reconnects on its own, notices the new incarnation, and rooms keep flowing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f09_a_persistent_decode_reconnects_to_a_restarted_prefill_by_itself() {
+    let shape = small_shape();
+    let (p1, addr, server1) = prefill(&shape, fast_core(), 161).await;
+    let d = start(Role::Decode, &shape, fast_core(), 162);
+    let target = d.connect_persistent(addr);
+    let persistent = |first| DecodeRun {
+        target: Some(target),
+        ..rooms(5, first)
+    };
+    assert_eq!(
+        run_decode(&d, kvferry_core::SessionId(0), persistent(1))
+            .await
+            .rooms_succeeded,
+        5
+    );
+    let before = d.target_session(target).expect("connected");
+    p1.shutdown().await;
+    server1.abort();
+    drop(p1);
+    let p2 = start(Role::Prefill, &shape, fast_core(), 163);
+    p2.listen(addr).await.unwrap();
+    let _server2 = tokio::spawn(serve_prefill(p2.clone(), shape.clone()));
+    // No connect call: the core's reconnect backoff brings the session back.
+    let report = run_decode(
+        &d,
+        kvferry_core::SessionId(0),
+        DecodeRun {
+            rooms: 10,
+            ..persistent(100)
+        },
+    )
+    .await;
+    assert_eq!(
+        (report.rooms_succeeded, report.pages_corrupted),
+        (10, 0),
+        "{report:?}"
+    );
+    assert_ne!(
+        d.target_session(target),
+        Some(before),
+        "a new session to the new incarnation"
+    );
 }

@@ -19,6 +19,7 @@ fn run(rooms: u64) -> DecodeRun {
         deadline: Duration::from_secs(30),
         abort_rate: 0.0,
         seed: 0,
+        target: None,
     }
 }
 
