@@ -95,6 +95,12 @@ enum Command {
         /// Period of the black holes, in milliseconds.
         #[arg(long, default_value_t = 10_000)]
         blackhole_every_ms: u64,
+        /// Hold one direction only during the black holes: "up" (to upstream) or "down".
+        #[arg(long)]
+        stall: Option<String>,
+        /// Truncate the next chunk (and close its connection) once per black-hole period.
+        #[arg(long)]
+        truncate: bool,
         /// Seed of the corrupt and reset decisions.
         #[arg(long, default_value_t = 1)]
         seed: u64,
@@ -354,8 +360,16 @@ async fn run(cli: Cli) -> Result<(), String> {
             reset,
             blackhole_ms,
             blackhole_every_ms,
+            stall,
+            truncate,
             seed,
         } => {
+            let stall_up = match stall.as_deref() {
+                None => None,
+                Some("up") => Some(true),
+                Some("down") => Some(false),
+                Some(other) => return Err(format!("--stall must be up or down, not {other}")),
+            };
             for (name, p) in [("--corrupt", corrupt), ("--reset", reset)] {
                 if !(0.0..=1.0).contains(&p) {
                     return Err(format!("{name} must be a probability in 0..=1, not {p}"));
@@ -375,9 +389,22 @@ async fn run(cli: Cli) -> Result<(), String> {
                 tokio::select! {
                     _ = tokio::signal::ctrl_c() => return Ok(()),
                     _ = tokio::time::sleep(period) => {
+                        if truncate {
+                            proxy.set(|f| f.truncate_next = Some(1));
+                        }
                         if blackhole_ms > 0 {
-                            let until = std::time::Instant::now() + Duration::from_millis(blackhole_ms);
-                            proxy.set(|f| f.blackhole_until = Some(until));
+                            let hold = Duration::from_millis(blackhole_ms);
+                            match stall_up {
+                                None => {
+                                    let until = std::time::Instant::now() + hold;
+                                    proxy.set(|f| f.blackhole_until = Some(until));
+                                }
+                                Some(up) => {
+                                    proxy.set(|f| if up { f.stall_up = true } else { f.stall_down = true });
+                                    tokio::time::sleep(hold).await;
+                                    proxy.set(|f| if up { f.stall_up = false } else { f.stall_down = false });
+                                }
+                            }
                         }
                     }
                 }
