@@ -322,11 +322,32 @@ async fn run(cli: Cli) -> Result<(), String> {
             let (node, shape) = start_node(Role::Decode, &shape, &common)?;
             // A first session reports a refusal (token, layout) as a typed error; the
             // persistent one then replaces it and is re-established if the prefill restarts.
-            let session = node
-                .connect(connect)
-                .await
-                .map_err(|e| format!("cannot reach prefill at {connect}: {e}"))?;
+            let session = match node.connect(connect).await {
+                Ok(s) => s,
+                // A refusal will not change by retrying: say why and stop.
+                Err(
+                    e @ (kvferry_tokio::NodeError::Refused(_)
+                    | kvferry_tokio::NodeError::Rejected(_)),
+                ) => {
+                    return Err(format!("cannot reach prefill at {connect}: {e}"));
+                }
+                // Anything else may be transient: the persistent session below retries.
+                Err(e) => {
+                    tracing::warn!(%connect, error = %e, "first contact failed; retrying with backoff");
+                    kvferry_core::SessionId(0)
+                }
+            };
             let target = node.connect_persistent(connect);
+            let waited = std::time::Instant::now();
+            while node.target_session(target).is_none() {
+                if waited.elapsed() > Duration::from_secs(30) {
+                    return Err(format!(
+                        "cannot reach prefill at {connect} (retried for 30 s)"
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let _ = session;
             tokio::time::sleep(Duration::from_millis(50)).await;
             let (progress, bar) = progress_bar(rooms, common.json);
             let run = DecodeRun {
