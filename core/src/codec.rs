@@ -626,7 +626,8 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
             if len > MAX_DETAIL_LEN {
                 return Err(r.invalid("detail length"));
             }
-            let detail = String::from_utf8_lossy(r.take(len)?).into_owned();
+            let detail =
+                String::from_utf8(r.take(len)?.to_vec()).map_err(|_| r.invalid("detail"))?;
             Message::Error { code, detail }
         }
         other => return Err(DecodeError::UnknownType(other)),

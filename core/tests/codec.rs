@@ -191,6 +191,19 @@ fn invalid_field_values_name_the_field() {
     );
 }
 
+/// Found by cargo-fuzz: a lossy decode of invalid UTF-8 re-encoded to other bytes.
+#[test]
+fn an_error_detail_that_is_not_utf8_is_refused() {
+    let crash = [0x0a, 0, 0, 0, 1, 0x0b, 1, 0, 4, 0, 0, 0, 0, 0xee];
+    assert_eq!(
+        Message::decode(&crash, MAX),
+        Err(DecodeError::InvalidField {
+            ty: 11,
+            field: "detail"
+        })
+    );
+}
+
 #[test]
 fn header_is_length_version_type() {
     let mut buf = Vec::new();
