@@ -58,6 +58,15 @@ pub async fn prefill(
     (node, addr, server)
 }
 
+/// Asserts that `n` rooms succeeded and no page was corrupted.
+pub fn assert_all_clean(report: &kvferry_cli::Report, n: u64) {
+    assert_eq!(
+        (report.rooms_succeeded, report.pages_corrupted),
+        (n, 0),
+        "{report:?}"
+    );
+}
+
 /// Whether the peer closes `stream` within `within` (reading and discarding whatever it sends).
 pub async fn closed_by_peer(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
     use tokio::io::AsyncReadExt;

@@ -117,11 +117,7 @@ async fn f01_transient_failures_are_retried_and_rooms_succeed() {
     let report = run_demo(small_shape(), core, 200, faults, None)
         .await
         .expect("demo runs");
-    assert_eq!(
-        (report.rooms_succeeded, report.pages_corrupted),
-        (200, 0),
-        "{report:?}"
-    );
+    kvferry_tests::assert_all_clean(&report, 200);
     assert!(report.retries > 0);
 }
 
@@ -230,11 +226,7 @@ async fn f03_a_healed_link_is_unblacklisted_by_a_probe_and_new_rooms_succeed() {
     assert!(recovered.is_ok(), "a probe recovers the session");
     assert!(p.counters().sessions_recovered >= 1);
     let report = run_decode(&d, s, rooms(20, 100)).await;
-    assert_eq!(
-        (report.rooms_succeeded, report.pages_corrupted),
-        (20, 0),
-        "{report:?}"
-    );
+    kvferry_tests::assert_all_clean(&report, 20);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -398,11 +390,7 @@ async fn f09_a_prefill_restarted_behind_the_same_address_is_used_again() {
     assert_ne!(s1, s2);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let report = run_decode(&d, s2, rooms(10, 100)).await;
-    assert_eq!(
-        (report.rooms_succeeded, report.pages_corrupted),
-        (10, 0),
-        "{report:?}"
-    );
+    kvferry_tests::assert_all_clean(&report, 10);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -423,11 +411,7 @@ async fn f11_a_stalled_decode_does_not_delay_rooms_toward_another_decode() {
     let stuck = tokio::spawn(async move { run_decode(&slow, s_slow, rooms(8, 1)).await });
     tokio::time::sleep(Duration::from_millis(50)).await;
     let report = run_decode(&fast, s_fast, rooms(50, 1000)).await;
-    assert_eq!(
-        (report.rooms_succeeded, report.pages_corrupted),
-        (50, 0),
-        "{report:?}"
-    );
+    kvferry_tests::assert_all_clean(&report, 50);
     assert!(
         report.latency_ms.1 < 500.0,
         "p99 {} ms: no head-of-line blocking",
@@ -573,11 +557,7 @@ async fn f10_truncated_frames_and_repeated_garbage_disconnect_only_the_offender(
     proxy.set(|f| f.truncate_next = Some(3));
     assert!(p.counters().protocol_errors >= 3);
     let report = run_decode(&healthy, s, rooms(20, 500)).await;
-    assert_eq!(
-        (report.rooms_succeeded, report.pages_corrupted),
-        (20, 0),
-        "{report:?}"
-    );
+    kvferry_tests::assert_all_clean(&report, 20);
 }
 
 /// A rogue prefill that passes the handshake then writes outside the pages the room was
@@ -721,11 +701,7 @@ async fn f09_a_persistent_decode_reconnects_to_a_restarted_prefill_by_itself() {
         },
     )
     .await;
-    assert_eq!(
-        (report.rooms_succeeded, report.pages_corrupted),
-        (10, 0),
-        "{report:?}"
-    );
+    kvferry_tests::assert_all_clean(&report, 10);
     assert_ne!(
         d.target_session(target),
         Some(before),

@@ -42,11 +42,7 @@ async fn chunked_rooms_succeed() {
     let report = run_demo(shape, fast_core(), 60, Default::default(), None)
         .await
         .expect("demo runs");
-    assert_eq!(
-        (report.rooms_succeeded, report.pages_corrupted),
-        (60, 0),
-        "{report:?}"
-    );
+    kvferry_tests::assert_all_clean(&report, 60);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -60,11 +56,7 @@ async fn layerwise_rooms_succeed() {
     let report = run_demo(shape, fast_core(), 40, Default::default(), None)
         .await
         .expect("demo runs");
-    assert_eq!(
-        (report.rooms_succeeded, report.pages_corrupted),
-        (40, 0),
-        "{report:?}"
-    );
+    kvferry_tests::assert_all_clean(&report, 40);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
