@@ -1,13 +1,13 @@
 //! Data connections on tokio: vectored sends straight from registered memory, scatter
 //! receives straight into it, one acknowledgement per operation after the bytes are applied.
 
-use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvferry_core::{
-    Generation, RoomId, Slice, TransferId, TransferOp, TransferOutcome, WriteRefused,
+    Generation, RoomId, Slice, TransferId, TransferOp, TransferOutcome, WritePermit, WriteRefused,
 };
+use kvferry_sync::{Acked, EndWrite, Landing, OpLedger, Start};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -27,7 +27,8 @@ const MAX_IOV: usize = 1024;
 /// Called once per operation handed to a [`DataSender`], with how it ended.
 pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;
 
-/// Decides whether a write may be applied (the driver asks the core's `check_write`).
+/// Decides whether a write may be applied: the driver asks the core's `begin_write` and
+/// hands the permit back with `end_write` once the bytes are applied or abandoned.
 pub trait WriteCheck: Send + Sync + 'static {
     /// Fault injection for demos and tests: `true` resets the connection before this
     /// operation's payload is applied (as a network failure would). Never in production use.
@@ -35,13 +36,26 @@ pub trait WriteCheck: Send + Sync + 'static {
         false
     }
 
-    /// Accepts or refuses every slice of one operation for `(room, generation)`.
-    fn check(
+    /// Accepts (with a permit that holds the room's pages) or refuses every slice of one
+    /// operation for `(room, generation)`.
+    fn begin(
         &self,
         room: RoomId,
         generation: Generation,
         slices: &[Slice],
-    ) -> Result<(), WriteRefused>;
+    ) -> Result<WritePermit, WriteRefused>;
+
+    /// The write of `permit` was applied or abandoned.
+    fn end(&self, permit: WritePermit);
+}
+
+/// Hands permits back through a [`WriteCheck`].
+struct EndThrough(Arc<dyn WriteCheck>);
+
+impl EndWrite for EndThrough {
+    fn end_write(&self, permit: WritePermit) {
+        self.0.end(permit);
+    }
 }
 
 /// Bounds a receiver enforces on every write header.
@@ -53,20 +67,11 @@ pub struct Limits {
     pub max_bytes: u64,
 }
 
-#[derive(Default)]
-struct ConnState {
-    /// Handed to the writer, not yet on the wire.
-    queued: VecDeque<TransferId>,
-    /// On the wire, waiting for the ack (in order).
-    pending: VecDeque<TransferId>,
-    closed: bool,
-}
-
 /// The sending side of one data connection (prefill): operations are pipelined, each written
 /// with one vectored write from registered memory, and completed by the peer's ack.
 pub struct DataSender {
     ops: mpsc::UnboundedSender<TransferOp>,
-    state: Arc<Mutex<ConnState>>,
+    ledger: Arc<OpLedger>,
     report: Report,
     writer: JoinHandle<()>,
     reader: JoinHandle<()>,
@@ -78,20 +83,9 @@ impl std::fmt::Debug for DataSender {
     }
 }
 
-fn lock(state: &Mutex<ConnState>) -> std::sync::MutexGuard<'_, ConnState> {
-    state.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Marks the connection closed and reports every operation not acknowledged as transient.
-fn fail_pending(state: &Mutex<ConnState>, report: &Report) {
-    let pending: Vec<TransferId> = {
-        let mut s = lock(state);
-        s.closed = true;
-        let mut all: Vec<TransferId> = s.pending.drain(..).collect();
-        all.extend(s.queued.drain(..));
-        all
-    };
-    for id in pending {
+fn fail_pending(ledger: &OpLedger, report: &Report) {
+    for id in ledger.close() {
         report(id, TransferOutcome::Transient);
     }
 }
@@ -102,12 +96,18 @@ impl DataSender {
         let _ = stream.set_nodelay(true);
         let (read, write) = stream.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
-        let state = Arc::new(Mutex::new(ConnState::default()));
-        let writer = tokio::spawn(write_loop(write, rx, memory, state.clone(), report.clone()));
-        let reader = tokio::spawn(ack_loop(read, state.clone(), report.clone()));
+        let ledger = Arc::new(OpLedger::new());
+        let writer = tokio::spawn(write_loop(
+            write,
+            rx,
+            memory,
+            ledger.clone(),
+            report.clone(),
+        ));
+        let reader = tokio::spawn(ack_loop(read, ledger.clone(), report.clone()));
         DataSender {
             ops: tx,
-            state,
+            ledger,
             report,
             writer,
             reader,
@@ -116,27 +116,23 @@ impl DataSender {
 
     /// Queues an operation. Gives it back if the connection is already closed.
     pub fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
-        {
-            let mut s = lock(&self.state);
-            if s.closed || self.writer.is_finished() {
-                return Err(op);
-            }
-            s.queued.push_back(op.id);
+        if self.writer.is_finished() || !self.ledger.enqueue(op.id) {
+            return Err(op);
         }
         self.ops.send(op).map_err(|e| {
-            lock(&self.state).queued.retain(|id| *id != e.0.id);
+            self.ledger.unqueue(e.0.id);
             e.0
         })
     }
 
     /// Whether the connection broke or was closed.
     pub fn is_closed(&self) -> bool {
-        lock(&self.state).closed || self.writer.is_finished()
+        self.ledger.is_closed() || self.writer.is_finished()
     }
 
     /// Operations written and not yet acknowledged.
     pub fn in_flight(&self) -> usize {
-        lock(&self.state).pending.len()
+        self.ledger.in_flight()
     }
 
     /// Closes the connection and waits until nothing of it can be written any more. Every
@@ -147,7 +143,7 @@ impl DataSender {
         let _ = self.writer.await;
         let _ = self.reader.await;
         // The writer is gone: whatever it had not written, or was not acked, is reported.
-        fail_pending(&self.state, &self.report);
+        fail_pending(&self.ledger, &self.report);
     }
 }
 
@@ -155,7 +151,7 @@ async fn write_loop(
     mut write: OwnedWriteHalf,
     mut rx: mpsc::UnboundedReceiver<TransferOp>,
     memory: Arc<MemoryMap>,
-    state: Arc<Mutex<ConnState>>,
+    ledger: Arc<OpLedger>,
     report: Report,
 ) {
     let mut header = Vec::with_capacity(WRITE_HEADER_LEN + 64 * SLICE_DESC_LEN);
@@ -185,15 +181,11 @@ async fn write_loop(
                 }
             }
         }
-        {
-            // One lock: an operation is reported by exactly one of close and the ack reader.
-            let mut s = lock(&state);
-            let Some(pos) = s.queued.iter().position(|id| *id == op.id) else {
-                continue; // already reported when the connection closed
-            };
-            s.queued.remove(pos);
-            if s.closed || bad {
-                drop(s);
+        // The ledger hands each operation to exactly one reporter: close, this writer, or
+        // the ack reader.
+        match ledger.start(op.id, bad) {
+            Start::Gone => continue,
+            Start::Closed => {
                 let outcome = if bad {
                     TransferOutcome::Fatal
                 } else {
@@ -202,7 +194,7 @@ async fn write_loop(
                 report(op.id, outcome);
                 continue;
             }
-            s.pending.push_back(op.id);
+            Start::Write => {}
         }
         if let Err(e) = write_gather(&mut write, &header, &sources).await {
             debug!(error = %e, "data connection write failed");
@@ -210,7 +202,7 @@ async fn write_loop(
         }
     }
     // Everything queued or unacknowledged failed transiently.
-    fail_pending(&state, &report);
+    fail_pending(&ledger, &report);
     rx.close();
     let _ = write.shutdown().await;
 }
@@ -283,7 +275,7 @@ fn gather_iovecs<'a>(
     iov
 }
 
-async fn ack_loop(mut read: OwnedReadHalf, state: Arc<Mutex<ConnState>>, report: Report) {
+async fn ack_loop(mut read: OwnedReadHalf, ledger: Arc<OpLedger>, report: Report) {
     let mut buf = [0u8; ACK_LEN];
     loop {
         if let Err(e) = read.read_exact(&mut buf).await {
@@ -294,8 +286,7 @@ async fn ack_loop(mut read: OwnedReadHalf, state: Arc<Mutex<ConnState>>, report:
             warn!("malformed acknowledgement, closing the data connection");
             break;
         };
-        let expected = lock(&state).pending.pop_front();
-        if expected != Some(id) {
+        if let Acked::OutOfOrder(expected) = ledger.acked(id) {
             warn!(got = %id, ?expected, "acknowledgement out of order, closing the data connection");
             if let Some(e) = expected {
                 report(e, TransferOutcome::Transient);
@@ -308,7 +299,7 @@ async fn ack_loop(mut read: OwnedReadHalf, state: Arc<Mutex<ConnState>>, report:
         };
         report(id, outcome);
     }
-    fail_pending(&state, &report);
+    fail_pending(&ledger, &report);
 }
 
 /// What a receiver saw on a data connection before it ended.
@@ -380,9 +371,15 @@ pub async fn serve_writes(
                 "injected reset",
             )));
         }
-        let verdict = check.check(h.room, h.generation, &slices);
+        let verdict = check.begin(h.room, h.generation, &slices);
+        // Held until the payload is applied or abandoned (a cancelled task drops it): the
+        // core keeps the room's pages while it is out.
+        let refused = verdict.err();
+        let landing = verdict
+            .ok()
+            .map(|permit| Landing::new(permit, EndThrough(check.clone())));
         // Bounds against this process's registrations, whatever the core said.
-        let targets: Option<Vec<(usize, usize)>> = verdict.ok().and_then(|_| {
+        let targets: Option<Vec<(usize, usize)>> = landing.as_ref().and_then(|_| {
             slices
                 .iter()
                 .map(|s| {
@@ -396,14 +393,16 @@ pub async fn serve_writes(
         let status = match targets {
             Some(targets) => {
                 read_scatter(&stream, &targets).await?;
+                drop(landing);
                 stats.applied += 1;
                 stats.bytes += h.payload;
                 AckStatus::Applied
             }
             None => {
+                drop(landing);
                 discard(&mut stream, h.payload).await?;
                 stats.refused += 1;
-                debug!(room = %h.room, op = %h.op, ?verdict, "write refused");
+                debug!(room = %h.room, op = %h.op, ?refused, "write refused");
                 AckStatus::Refused
             }
         };

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use kvferry_core::sim::small_layout;
 use kvferry_core::{
     Generation, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome,
-    WriteRefused,
+    WritePermit, WriteRefused,
 };
 use kvferry_tcp::{serve_writes, DataSender, Limits, MemoryMap, Report, WriteCheck};
 use tokio::net::{TcpListener, TcpStream};
@@ -15,13 +15,25 @@ use tokio::net::{TcpListener, TcpStream};
 struct AllowRoom(RoomId);
 
 impl WriteCheck for AllowRoom {
-    fn check(&self, room: RoomId, _g: Generation, _s: &[Slice]) -> Result<(), WriteRefused> {
+    fn begin(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        _s: &[Slice],
+    ) -> Result<WritePermit, WriteRefused> {
         if room == self.0 {
-            Ok(())
+            Ok(WritePermit {
+                session: SessionId(1),
+                room: Some(room),
+                generation,
+                epoch: 0,
+            })
         } else {
             Err(WriteRefused::UnknownRoom)
         }
     }
+
+    fn end(&self, _permit: WritePermit) {}
 }
 
 async fn pair() -> (TcpStream, TcpStream) {

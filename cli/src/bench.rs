@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kvferry_core::layout::PageSet;
 use kvferry_core::{
     Generation, Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp,
-    TransferOutcome, WriteRefused,
+    TransferOutcome, WritePermit, WriteRefused,
 };
 use kvferry_tcp::{serve_writes, DataSender, Limits, MemoryMap, Report, WriteCheck};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -39,7 +39,12 @@ struct GrantCheck {
 }
 
 impl WriteCheck for GrantCheck {
-    fn check(&self, _room: RoomId, _g: Generation, slices: &[Slice]) -> Result<(), WriteRefused> {
+    fn begin(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<WritePermit, WriteRefused> {
         for s in slices {
             let first = (s.dst_offset / self.page_bytes) as u32;
             let last = ((s.dst_offset + s.len - 1) / self.page_bytes) as u32;
@@ -47,8 +52,15 @@ impl WriteCheck for GrantCheck {
                 return Err(WriteRefused::PageNotGranted);
             }
         }
-        Ok(())
+        Ok(WritePermit {
+            session: SessionId(1),
+            room: Some(room),
+            generation,
+            epoch: 0,
+        })
     }
+
+    fn end(&self, _permit: WritePermit) {}
 }
 
 async fn socket_pair() -> std::io::Result<(TcpStream, TcpStream)> {

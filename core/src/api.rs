@@ -358,6 +358,26 @@ impl fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
+/// A data-plane write the core authorized and that may be landing in this node's pages.
+///
+/// Returned by [`crate::Endpoint::begin_write`]; hand it back with
+/// [`crate::Endpoint::end_write`] once the bytes were applied or abandoned. While a permit is
+/// out, the room's pages are not released (no write after release), whatever happens to the
+/// room; a fence or disconnect of the session voids its permits, since the driver then
+/// guarantees that nothing of that session can write any more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use = "a permit holds the room's pages until it is handed back with end_write"]
+pub struct WritePermit {
+    /// The writing session.
+    pub session: SessionId,
+    /// The room written (`None` for probe writes into scratch, which hold no pages).
+    pub room: Option<RoomId>,
+    /// The room's generation.
+    pub generation: Generation,
+    /// The session's fence epoch when the permit was given (older permits are void).
+    pub epoch: u32,
+}
+
 /// Why a data-plane write was refused by [`crate::Endpoint::check_write`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WriteRefused {

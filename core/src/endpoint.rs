@@ -11,7 +11,7 @@ use tracing::{debug, info, warn};
 
 use crate::api::{
     Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo, RejectReason,
-    SessionState, SessionStats, TransferOp, TransferOutcome, WriteRefused,
+    SessionState, SessionStats, TransferOp, TransferOutcome, WritePermit, WriteRefused,
 };
 use crate::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest};
 use crate::config::{Config, ConfigError};
@@ -116,6 +116,8 @@ struct Session {
     close_reason: FailureReason,
     stats: SessionStats,
     target: Option<TargetId>,
+    /// Bumped by every completed fence: permits of an older epoch are void.
+    epoch: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -196,6 +198,9 @@ struct Source {
     done: bool,
     /// The source acknowledged the drain, or its session was fenced or closed.
     drained: bool,
+    /// Writes of this source authorized by `begin_write` and not yet ended: they may be
+    /// landing in the room's pages right now.
+    landing: u32,
 }
 
 #[derive(Debug)]
@@ -588,6 +593,7 @@ impl Endpoint {
             close_reason: FailureReason::PeerUnreachable,
             stats: SessionStats::default(),
             target: None,
+            epoch: 0,
         };
         self.timers.set(
             &mut session.handshake_timer,
@@ -831,6 +837,7 @@ impl Endpoint {
                     granted: false,
                     done: false,
                     drained: false,
+                    landing: 0,
                 });
             }
         }
@@ -946,6 +953,70 @@ impl Endpoint {
             }
         }
         result
+    }
+
+    /// Decode: authorizes one whole write (every slice, as [`Endpoint::check_write`]) and
+    /// counts it as landing until [`Endpoint::end_write`]: the room's pages are not released
+    /// while it is out. Drivers call this, not `check_write`, before applying a payload.
+    pub fn begin_write(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<WritePermit, WriteRefused> {
+        for slice in slices {
+            self.check_write(now, session, room, generation, slice)?;
+        }
+        let epoch = self.sessions.get(&session).map_or(0, |s| s.epoch);
+        let holds_pages = slices.iter().any(|s| s.region != Region::Scratch);
+        if holds_pages {
+            if let Some(src) = self.source_mut(room, generation, session) {
+                src.landing += 1;
+            }
+        }
+        Ok(WritePermit {
+            session,
+            room: holds_pages.then_some(room),
+            generation,
+            epoch,
+        })
+    }
+
+    /// Decode: a write authorized by [`Endpoint::begin_write`] was applied or abandoned; its
+    /// room's pages may be released now. Void permits (older fence epoch) are ignored.
+    pub fn end_write(&mut self, now: Instant, permit: WritePermit) {
+        let now = self.clock(now);
+        let Some(room) = permit.room else { return };
+        let current = self.sessions.get(&permit.session).map(|s| s.epoch);
+        if current != Some(permit.epoch) {
+            return;
+        }
+        let Some(src) = self.source_mut(room, permit.generation, permit.session) else {
+            return;
+        };
+        src.landing = src.landing.saturating_sub(1);
+        if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
+            self.maybe_release(now, room);
+        }
+    }
+
+    /// Decode: the source entry of `session` in room `(room, generation)`.
+    fn source_mut(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        session: SessionId,
+    ) -> Option<&mut Source> {
+        let r = self.rooms.get_mut(&room)?;
+        if r.generation != generation {
+            return None;
+        }
+        let Side::Receiver(rr) = &mut r.side else {
+            return None;
+        };
+        rr.sources.iter_mut().find(|s| s.session == session)
     }
 
     fn check_write_inner(
@@ -1484,7 +1555,7 @@ impl Endpoint {
                 let undrained: SmallVec<[SessionId; 2]> = rr
                     .sources
                     .iter()
-                    .filter(|s| s.granted && !s.drained && !s.done)
+                    .filter(|s| (s.granted && !s.drained && !s.done) || s.landing > 0)
                     .map(|s| s.session)
                     .collect();
                 for sid in undrained {
@@ -2687,8 +2758,10 @@ impl Endpoint {
                 }
             }
             Side::Receiver(rr) => {
+                // A write still landing holds the pages whatever the outcome; the abort timer
+                // bounds how long (it fences the session).
+                let mut waiting = rr.sources.iter().any(|s| s.landing > 0);
                 if let Some(reason) = failure {
-                    let mut waiting = false;
                     for src in rr.sources.iter_mut() {
                         if src.done {
                             continue;
@@ -2706,13 +2779,13 @@ impl Endpoint {
                             },
                         ));
                     }
-                    if waiting {
-                        self.timers.set(
-                            &mut r.abort_timer,
-                            now + self.config.abort_ack_timeout,
-                            Timer::AbortAck(room),
-                        );
-                    }
+                }
+                if waiting {
+                    self.timers.set(
+                        &mut r.abort_timer,
+                        now + self.config.abort_ack_timeout,
+                        Timer::AbortAck(room),
+                    );
                 }
             }
         }
@@ -2767,7 +2840,10 @@ impl Endpoint {
                     true
                 }
             }
-            Side::Receiver(rr) => rr.sources.iter().all(|s| s.drained || s.done),
+            Side::Receiver(rr) => rr
+                .sources
+                .iter()
+                .all(|s| (s.drained || s.done) && s.landing == 0),
         };
         if !ready {
             return;
@@ -3035,23 +3111,28 @@ impl Endpoint {
 
     /// Decode: a fenced or closed session can no longer write; its sources count as drained.
     fn fence_done(&mut self, now: Instant, sid: SessionId) {
-        let Some(s) = self.sessions.get(&sid) else {
+        let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
+        // Nothing written before the fence can land any more: its permits are void.
+        s.epoch = s.epoch.wrapping_add(1);
         let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
         for room in rooms {
             let Some(r) = self.rooms.get_mut(&room) else {
                 continue;
             };
-            if !r.state.is_terminal() {
-                continue;
-            }
+            let terminal = r.state.is_terminal();
             if let Side::Receiver(rr) = &mut r.side {
                 for src in rr.sources.iter_mut().filter(|s| s.session == sid) {
-                    src.drained = true;
+                    src.landing = 0;
+                    if terminal {
+                        src.drained = true;
+                    }
                 }
             }
-            self.maybe_release(now, room);
+            if terminal {
+                self.maybe_release(now, room);
+            }
         }
     }
 

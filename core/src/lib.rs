@@ -56,7 +56,7 @@ mod timer;
 
 pub use api::{
     Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo, RejectReason,
-    SessionState, SessionStats, Sessions, TransferOp, TransferOutcome, WriteRefused,
+    SessionState, SessionStats, Sessions, TransferOp, TransferOutcome, WritePermit, WriteRefused,
 };
 pub use config::{Config, ConfigError};
 pub use counters::Counters;

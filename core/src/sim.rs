@@ -13,7 +13,9 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use foldhash::fast::FixedState;
 use std::time::{Duration, Instant};
 
-use crate::api::{Action, Chunk, EndpointInfo, Event, Grant, TransferOp, TransferOutcome};
+use crate::api::{
+    Action, Chunk, EndpointInfo, Event, Grant, TransferOp, TransferOutcome, WritePermit,
+};
 use crate::config::Config;
 use crate::endpoint::Endpoint;
 use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TransferId};
@@ -44,6 +46,10 @@ pub struct Faults {
     pub op_fatal: f64,
     /// Probability a data operation attempt never reports (until a fence).
     pub op_hang: f64,
+    /// Probability an attempt is reported to its sender as a transient failure while its
+    /// bytes still land at the receiver later (a broken connection whose receive buffer is
+    /// still being applied): what the receiver's write permits exist for.
+    pub op_orphan: f64,
     /// Delay before a closed link is re-established (`None`: never).
     pub reconnect_after: Option<Duration>,
 }
@@ -61,6 +67,7 @@ impl Default for Faults {
             op_transient: 0.0,
             op_fatal: 0.0,
             op_hang: 0.0,
+            op_orphan: 0.0,
             reconnect_after: None,
         }
     }
@@ -175,6 +182,10 @@ enum Pending {
         node: usize,
         id: TransferId,
     },
+    /// An orphaned write's bytes land now (its sender already saw it fail).
+    OrphanLands {
+        key: u64,
+    },
     Fence {
         node: usize,
         session: SessionId,
@@ -206,6 +217,8 @@ struct InFlight {
     dst_session: SessionId,
     op: TransferOp,
     outcome: TransferOutcome,
+    /// The receiver's permit while the bytes may be landing.
+    permit: Option<WritePermit>,
 }
 
 /// Why a simulation run stopped early.
@@ -247,6 +260,9 @@ pub struct Sim {
     rng: Rng,
     /// Ordered, so fences break operations in the same order on every run.
     inflight: BTreeMap<(usize, TransferId), InFlight>,
+    /// Writes whose sender saw them fail while their bytes still land (`Faults::op_orphan`).
+    orphans: BTreeMap<u64, InFlight>,
+    next_orphan: u64,
     /// Logical operations (source node, first destination slice) of each room attempt that
     /// have not landed yet: a room may only succeed once its set is empty.
     unlanded: HashMap<(RoomId, Generation), HashSet<LogicalOp, FixedState>, FixedState>,
@@ -302,6 +318,8 @@ impl Sim {
             seq: 0,
             rng: Rng::new(seed ^ 0x5EED),
             inflight: BTreeMap::new(),
+            orphans: BTreeMap::new(),
+            next_orphan: 0,
             unlanded: HashMap::default(),
             rx: HashMap::default(),
         }
@@ -387,6 +405,7 @@ impl Sim {
         node.free_pages = (0..node.info.layout.pages).rev().collect();
         node.owned.clear();
         self.inflight.retain(|_, f| f.src != n && f.dst != n);
+        self.orphans.retain(|_, f| f.dst != n);
         self.rx.retain(|k, _| k.0 != n);
         // Whatever was on its way to the old process is lost with it.
         let queue = std::mem::take(&mut self.queue);
@@ -606,6 +625,7 @@ impl Sim {
                     dst_session: op.session,
                     op,
                     outcome: TransferOutcome::Transient,
+                    permit: None,
                 },
             );
             let at = self.now;
@@ -622,6 +642,7 @@ impl Sim {
             .is_some_and(|t| *t > self.now);
         let mut outcome = TransferOutcome::Done;
         let mut hang = false;
+        let mut permit = None;
         if !up || down {
             outcome = TransferOutcome::Transient;
         } else if blackholed || self.rng.chance(self.faults.op_hang) {
@@ -631,23 +652,48 @@ impl Sim {
         } else if self.rng.chance(self.faults.op_transient) {
             outcome = TransferOutcome::Transient;
         } else {
-            // The receiver validates every slice header when the write starts.
-            for slice in op.slices.iter() {
-                let room = op.room.unwrap_or(RoomId(0));
-                if self.nodes[dst]
-                    .endpoint
-                    .check_write(self.now, dst_session, room, op.generation, slice)
-                    .is_err()
-                {
-                    outcome = TransferOutcome::Refused;
-                    break;
-                }
+            // The receiver validates the write header when the write starts; the permit
+            // holds the room's pages until the bytes landed.
+            let room = op.room.unwrap_or(RoomId(0));
+            match self.nodes[dst].endpoint.begin_write(
+                self.now,
+                dst_session,
+                room,
+                op.generation,
+                &op.slices,
+            ) {
+                Ok(p) => permit = Some(p),
+                Err(_) => outcome = TransferOutcome::Refused,
             }
             self.drain(dst);
         }
         let id = op.id;
         let delay = self.faults.op_delay;
         let d = self.uniform(delay);
+        if permit.is_some() && !hang && self.rng.chance(self.faults.op_orphan) {
+            // The sender sees a broken connection now; the receiver applies the bytes later.
+            let key = self.next_orphan;
+            self.next_orphan += 1;
+            let late = d + self.uniform(delay) * 4;
+            let f = InFlight {
+                src: n,
+                dst,
+                dst_session,
+                op,
+                outcome,
+                permit,
+            };
+            // Its bytes left the source now (they sit in the network); they land later.
+            self.check_source(&f);
+            self.orphans.insert(key, f);
+            let at = self.now + late;
+            self.push(at, Pending::OrphanLands { key });
+            self.nodes[n]
+                .endpoint
+                .handle_transfer_result(self.now, id, TransferOutcome::Transient);
+            self.drain(n);
+            return;
+        }
         self.inflight.insert(
             (n, id),
             InFlight {
@@ -656,6 +702,7 @@ impl Sim {
                 dst_session,
                 op,
                 outcome,
+                permit,
             },
         );
         if !hang {
@@ -664,8 +711,45 @@ impl Sim {
         }
     }
 
+    /// The receiver is done with a write (landed or abandoned): its permit goes back.
+    fn end_write(&mut self, f: &InFlight) {
+        if let Some(permit) = f.permit {
+            self.nodes[f.dst].endpoint.end_write(self.now, permit);
+            self.drain(f.dst);
+        }
+    }
+
     /// The bytes of a write land now: check that every page still belongs to the room.
     fn land(&mut self, f: &InFlight) {
+        self.land_dst(f);
+        self.check_source(f);
+    }
+
+    /// The sender read the write's source pages: check that they still belong to the room.
+    fn check_source(&mut self, f: &InFlight) {
+        let Some(room) = f.op.room else { return };
+        let key = (room, f.op.generation);
+        let page_bytes = u64::from(self.nodes[f.src].info.layout.page_bytes);
+        for slice in f.op.slices.iter() {
+            if !matches!(slice.region, Region::Kv { .. }) {
+                continue;
+            }
+            let sfirst = slice.src_offset / page_bytes;
+            let slast = (slice.src_offset + slice.len - 1) / page_bytes;
+            for p in sfirst..=slast {
+                let owner = self.nodes[f.src].pages.get(p as usize).copied().flatten();
+                if owner != Some(key) {
+                    self.violations.push(format!(
+                        "node {}: read of {room} from source page {p} owned by {owner:?}",
+                        f.src
+                    ));
+                }
+            }
+        }
+    }
+
+    /// The write's bytes land in the destination: every page must still be the room's.
+    fn land_dst(&mut self, f: &InFlight) {
         let Some(room) = f.op.room else { return };
         let key = (room, f.op.generation);
         if let (Some(set), Some(first)) = (self.unlanded.get_mut(&key), f.op.slices.first()) {
@@ -684,17 +768,6 @@ impl Sim {
                     self.violations.push(format!(
                         "node {}: write of {room} landed on page {p} owned by {owner:?}",
                         f.dst
-                    ));
-                }
-            }
-            let sfirst = slice.src_offset / page_bytes;
-            let slast = (slice.src_offset + slice.len - 1) / page_bytes;
-            for p in sfirst..=slast {
-                let owner = self.nodes[f.src].pages.get(p as usize).copied().flatten();
-                if owner != Some(key) {
-                    self.violations.push(format!(
-                        "node {}: read of {room} from source page {p} owned by {owner:?}",
-                        f.src
                     ));
                 }
             }
@@ -832,10 +905,17 @@ impl Sim {
                 if f.outcome == TransferOutcome::Done {
                     self.land(&f);
                 }
+                self.end_write(&f);
                 self.nodes[node]
                     .endpoint
                     .handle_transfer_result(self.now, id, f.outcome);
                 self.drain(node);
+            }
+            Pending::OrphanLands { key } => {
+                if let Some(f) = self.orphans.remove(&key) {
+                    self.land_dst(&f);
+                    self.end_write(&f);
+                }
             }
             Pending::Fence { node, session } => {
                 // Break every write in flight over this session, in either direction.
@@ -858,6 +938,7 @@ impl Sim {
                     .collect();
                 for key in broken {
                     if let Some(f) = self.inflight.remove(&key) {
+                        self.end_write(&f);
                         self.nodes[f.src].endpoint.handle_transfer_result(
                             self.now,
                             f.op.id,
@@ -866,6 +947,9 @@ impl Sim {
                         self.drain(f.src);
                     }
                 }
+                // The receiver's side of the fence stops its receive paths: nothing lands.
+                self.orphans
+                    .retain(|_, f| !(f.dst == node && f.dst_session == session));
                 self.nodes[node]
                     .endpoint
                     .handle_fence_complete(self.now, session);
@@ -888,8 +972,11 @@ impl Sim {
                         })
                         .map(|(k, _)| *k)
                         .collect();
+                    self.orphans
+                        .retain(|_, f| !(f.dst == n && f.dst_session == s));
                     for key in broken {
                         if let Some(f) = self.inflight.remove(&key) {
+                            self.end_write(&f);
                             self.nodes[f.src].endpoint.handle_transfer_result(
                                 self.now,
                                 f.op.id,

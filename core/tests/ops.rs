@@ -194,3 +194,94 @@ fn a_target_is_reconnected_with_exponential_backoff_until_removed() {
         assert_ne!(a, Action::Connect(t), "a removed target is left alone");
     }
 }
+
+/// Opens room `room` on both sides with two granted pages and returns prefill's operations.
+fn open_room_and_plan(t: &mut Pair, room: RoomId) -> Vec<TransferOp> {
+    let grant = Grant {
+        pages: vec![1, 2],
+        aux_slot: Some(3),
+        state_slot: None,
+        receivers: 1,
+    };
+    t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
+        .unwrap();
+    t.p.open_sender(t.now, room, 0).unwrap();
+    t.pump();
+    let chunk = Chunk {
+        pages: vec![5, 6],
+        last: true,
+        aux_slot: Some(0),
+        state_slot: None,
+        layerwise: false,
+    };
+    t.p.send_chunk(t.now, room, chunk).unwrap();
+    t.ops()
+}
+
+fn releasable(d: &mut Endpoint, room: RoomId) -> bool {
+    std::iter::from_fn(|| d.poll_event())
+        .any(|e| matches!(e, kvferry_core::Event::Releasable { room: r, .. } if r == room))
+}
+
+/// Lands every operation through decode's permits and reports it done to prefill.
+fn land_all(t: &mut Pair, room: RoomId, ops: &[TransferOp]) {
+    for op in ops {
+        let permit = t.d.begin_write(t.now, t.sd, room, 0, &op.slices).unwrap();
+        t.d.end_write(t.now, permit);
+        t.p.handle_transfer_result(t.now, op.id, TransferOutcome::Done);
+    }
+    t.pump();
+}
+
+#[test]
+fn a_write_still_landing_holds_a_succeeded_rooms_pages_until_it_ends() {
+    let mut t = Pair::new();
+    let room = RoomId(3);
+    let ops = open_room_and_plan(&mut t, room);
+    // A first attempt of the aux write whose sender already gave up on it (broken connection)
+    // is still being applied by decode's receive path.
+    let aux = ops.iter().find(|o| o.kind == OpKind::Aux).unwrap();
+    let orphan = t.d.begin_write(t.now, t.sd, room, 0, &aux.slices).unwrap();
+    land_all(&mut t, room, &ops);
+    assert_eq!(t.d.room_state(room), Some(KvPoll::Success));
+    assert!(
+        !releasable(&mut t.d, room),
+        "pages released under a landing write"
+    );
+    t.d.end_write(t.now, orphan);
+    assert!(releasable(&mut t.d, room));
+}
+
+#[test]
+fn a_write_stuck_landing_is_fenced_and_its_void_permit_is_ignored() {
+    let mut t = Pair::new();
+    let room = RoomId(4);
+    let ops = open_room_and_plan(&mut t, room);
+    let aux = ops.iter().find(|o| o.kind == OpKind::Aux).unwrap();
+    let stuck = t.d.begin_write(t.now, t.sd, room, 0, &aux.slices).unwrap();
+    land_all(&mut t, room, &ops);
+    assert!(!releasable(&mut t.d, room));
+    // The abort deadline bounds the wait: decode fences the session.
+    t.now += t.d.config().abort_ack_timeout * 2;
+    t.d.handle_timeout(t.now);
+    let fence = std::iter::from_fn(|| t.d.poll_action())
+        .any(|a| a == kvferry_core::Action::FenceSession(t.sd));
+    assert!(fence, "decode fences the session whose write never ends");
+    t.d.handle_fence_complete(t.now, t.sd);
+    assert!(releasable(&mut t.d, room));
+    // The stuck write's permit is void after the fence: handing it back changes nothing.
+    t.d.end_write(t.now, stuck);
+    assert_eq!(t.d.live_rooms(), 0);
+}
+
+#[test]
+fn a_permit_is_refused_for_a_concluded_room() {
+    let mut t = Pair::new();
+    let room = RoomId(5);
+    let ops = open_room_and_plan(&mut t, room);
+    land_all(&mut t, room, &ops);
+    assert_eq!(
+        t.d.begin_write(t.now, t.sd, room, 0, &ops[0].slices),
+        Err(kvferry_core::WriteRefused::UnknownRoom)
+    );
+}

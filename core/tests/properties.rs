@@ -25,10 +25,12 @@ fn faults() -> impl Strategy<Value = Faults> {
         0.0..0.01f64,
         0.0..0.002f64,
         0.0..0.01f64,
+        0.0..0.1f64,
     )
         .prop_map(
-            |(transient, fatal, hang, dup, reorder, drop, reset, corrupt)| Faults {
+            |(transient, fatal, hang, dup, reorder, drop, reset, corrupt, orphan)| Faults {
                 msg_corrupt: corrupt,
+                op_orphan: orphan,
                 op_transient: transient,
                 op_fatal: fatal,
                 op_hang: hang,
@@ -312,6 +314,7 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
         Step::Faults { transient, hang } => {
             sim.faults.op_transient = if transient { 0.5 } else { 0.0 };
             sim.faults.op_hang = if hang { 0.3 } else { 0.0 };
+            sim.faults.op_orphan = if transient { 0.2 } else { 0.0 };
         }
     }
     sim.drain(p);

@@ -1,7 +1,14 @@
-//! The data-plane decoders (write header, slice table, ack, data hello) never panic, and every
-//! accepted table adds up to its header's payload.
+//! The data-plane decoders (write header, slice table, ack, data hello) never panic, every
+//! accepted table adds up to its header's payload, and the write validator a receiver runs on
+//! every header ([`kvferry_core::Endpoint::begin_write`]) only ever authorizes writes that lie
+//! entirely in pages owned by the room they name (checked against the simulation's page
+//! owners, a reference independent of the core's bookkeeping).
 #![no_main]
 
+use std::time::Duration;
+
+use kvferry_core::sim::{fast_config, small_layout, Faults, Sim};
+use kvferry_core::{Grant, Region, RoomId};
 use kvferry_tcp::{decode_ack, decode_slices, DataHello, WriteHeader, ACK_LEN, WRITE_HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
@@ -15,6 +22,7 @@ fuzz_target!(|data: &[u8]| {
                 let total: u64 = slices.iter().map(|s| s.len).sum();
                 assert_eq!(total, header.payload);
                 assert!(slices.iter().all(|s| s.len > 0));
+                validate(&header, &slices);
             }
         }
     }
@@ -29,3 +37,36 @@ fuzz_target!(|data: &[u8]| {
         let _ = DataHello::decode_fixed(&f);
     }
 });
+
+/// Runs a decoded write against a decode endpoint holding two granted rooms (1 and 2).
+fn validate(header: &WriteHeader, slices: &[kvferry_core::Slice]) {
+    let mut sim = Sim::new(1, Faults::default());
+    let layout = small_layout(64);
+    let p = sim.add_prefill(fast_config(), layout, 0, 0..layout.layers);
+    let d = sim.add_decode(fast_config(), layout, 0);
+    sim.connect(d, p);
+    let _ = sim.run_for(Duration::from_millis(5), 100_000);
+    let Some(sd) = sim.session(d, p) else { return };
+    for (room, n) in [(RoomId(1), 3), (RoomId(2), 5)] {
+        let Some(pages) = sim.nodes[d].alloc(room, 0, n) else { return };
+        let grant = Grant { pages, aux_slot: Some(1), state_slot: None, receivers: 1 };
+        let now = sim.now;
+        let _ = sim.nodes[d].endpoint.open_receiver(now, room, 0, &[sd], Some(grant));
+    }
+    sim.drain(d);
+    let now = sim.now;
+    let page = u64::from(layout.page_bytes);
+    let verdict =
+        sim.nodes[d].endpoint.begin_write(now, sd, header.room, header.generation, slices);
+    if let Ok(permit) = verdict {
+        for s in slices {
+            if let Region::Kv { .. } = s.region {
+                for p in s.dst_offset / page..=(s.dst_offset + s.len - 1) / page {
+                    let owner = sim.nodes[d].pages.get(p as usize).copied().flatten();
+                    assert_eq!(owner, Some((header.room, header.generation)), "page {p} of {s:?}");
+                }
+            }
+        }
+        sim.nodes[d].endpoint.end_write(now, permit);
+    }
+}

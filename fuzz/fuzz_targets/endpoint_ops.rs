@@ -70,6 +70,7 @@ fuzz_target!(|data: &[u8]| {
                 sim.faults.op_transient = f64::from(arg % 4) / 8.0;
                 sim.faults.op_hang = if arg & 0x10 != 0 { 0.2 } else { 0.0 };
                 sim.faults.msg_duplicate = if arg & 0x20 != 0 { 0.2 } else { 0.0 };
+                sim.faults.op_orphan = if arg & 0x40 != 0 { 0.3 } else { 0.0 };
             }
             _ => {
                 let n = if arg & 1 == 0 { p } else { d };

@@ -17,8 +17,9 @@ use foldhash::fast::FixedState;
 use kvferry_core::{
     Action, ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event,
     FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, Slice, TargetId, TransferId,
-    TransferOutcome, WriteRefused,
+    TransferOutcome, WritePermit, WriteRefused,
 };
+use kvferry_sync::ConnSet;
 use kvferry_tcp::{
     answer_data, connect_control, connect_data, read_preamble, serve_writes, DataHello, DataSender,
     Limits, MemoryMap, Preamble, Report, WriteCheck,
@@ -180,12 +181,30 @@ struct SessionIo {
     tasks: Vec<JoinHandle<()>>,
     /// Set when this side connected: it opens the data connections.
     peer_addr: Option<SocketAddr>,
-    senders: Vec<DataSender>,
+    /// Data connections; closing once the session is being closed (loom-modelled).
+    data: ConnSet<DataConn>,
     next_sender: usize,
     /// Operations waiting for a data connection (the core's operation timeout bounds them).
     parked: Vec<kvferry_core::TransferOp>,
-    receivers: Vec<JoinHandle<()>>,
-    closing: bool,
+}
+
+/// One data connection of a session: prefill writes on it, decode serves writes from it.
+enum DataConn {
+    Sender(DataSender),
+    Receiver(JoinHandle<()>),
+}
+
+impl DataConn {
+    /// Closes the connection and waits until nothing of it can write any more.
+    async fn close(self) {
+        match self {
+            DataConn::Sender(s) => s.close().await,
+            DataConn::Receiver(t) => {
+                t.abort();
+                let _ = t.await;
+            }
+        }
+    }
 }
 
 struct Inner {
@@ -624,7 +643,7 @@ fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
             progressed = true;
             let id = op.id;
             match inner.io.get_mut(&op.session) {
-                Some(io) if !io.closing => {
+                Some(io) if !io.data.is_closing() => {
                     if let Err(op) = dispatch(io, op) {
                         // No data connection yet (or all broke): wait for one to attach.
                         io.parked.push(op);
@@ -654,11 +673,19 @@ fn dispatch(
     io: &mut SessionIo,
     op: kvferry_core::TransferOp,
 ) -> Result<(), kvferry_core::TransferOp> {
-    let n = io.senders.len();
+    let senders: Vec<&DataSender> = io
+        .data
+        .iter()
+        .filter_map(|c| match c {
+            DataConn::Sender(s) => Some(s),
+            DataConn::Receiver(_) => None,
+        })
+        .collect();
+    let n = senders.len();
     let mut op = op;
     for k in 0..n {
         let i = (io.next_sender + k) % n;
-        match io.senders[i].send(op) {
+        match senders[i].send(op) {
             Ok(()) => {
                 io.next_sender = i + 1;
                 return Ok(());
@@ -793,11 +820,9 @@ fn attach_control(
             control_tx: tx,
             tasks: vec![writer, reader],
             peer_addr,
-            senders: Vec::new(),
+            data: ConnSet::default(),
             next_sender: 0,
             parked: Vec::new(),
-            receivers: Vec::new(),
-            closing: false,
         },
     );
     drain(shared, &mut inner);
@@ -860,8 +885,8 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
     let Some(io) = inner.io.get_mut(&sid) else {
         return;
     };
-    if io.closing {
-        return;
+    if io.data.is_closing() {
+        return; // dropping the stream closes it
     }
     match shared.info.role {
         Role::Prefill => {
@@ -875,8 +900,9 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
                     drain(&shared, &mut inner);
                 }
             });
-            io.senders
-                .push(DataSender::spawn(stream, shared.memory.clone(), report));
+            let sender = DataSender::spawn(stream, shared.memory.clone(), report);
+            // Cannot be refused: checked under this same lock above.
+            let _ = io.data.attach(DataConn::Sender(sender));
             for op in std::mem::take(&mut io.parked) {
                 if let Err(op) = dispatch(io, op) {
                     io.parked.push(op);
@@ -906,7 +932,7 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
                 }
                 .instrument(info_span!("kvferry_data", session = %sid)),
             );
-            io.receivers.push(task);
+            let _ = io.data.attach(DataConn::Receiver(task));
         }
     }
     // Operations may have been waiting for a connection.
@@ -970,17 +996,12 @@ fn start_fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
         inner.endpoint.handle_fence_complete(Instant::now(), sid);
         return;
     };
-    let senders = std::mem::take(&mut io.senders);
-    let receivers = std::mem::take(&mut io.receivers);
+    let conns = io.data.fence();
     let addr = io.peer_addr;
     let weak = Arc::downgrade(shared);
     shared.runtime.spawn(async move {
-        for s in senders {
-            s.close().await;
-        }
-        for r in receivers {
-            r.abort();
-            let _ = r.await;
+        for c in conns {
+            c.close().await;
         }
         let Some(shared) = weak.upgrade() else { return };
         {
@@ -1001,21 +1022,18 @@ fn start_close(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
     let Some(io) = inner.io.get_mut(&sid) else {
         return;
     };
-    if io.closing {
-        return;
-    }
-    io.closing = true;
-    let senders = std::mem::take(&mut io.senders);
-    let receivers = std::mem::take(&mut io.receivers);
+    let Some(conns) = io.data.close() else {
+        return; // already closing
+    };
     let tasks = std::mem::take(&mut io.tasks);
     let weak = Arc::downgrade(shared);
     shared.runtime.spawn(async move {
         // Let the writer flush a final error frame before the socket goes.
         tokio::time::sleep(Duration::from_millis(10)).await;
-        for s in senders {
-            s.close().await;
+        for c in conns {
+            c.close().await;
         }
-        for t in receivers.into_iter().chain(tasks) {
+        for t in tasks {
             t.abort();
             let _ = t.await;
         }
@@ -1036,8 +1054,11 @@ async fn reopen_after_break(weak: &Weak<Shared>, sid: SessionId) {
         let Some(io) = inner.io.get_mut(&sid) else {
             return;
         };
-        io.receivers.retain(|t| !t.is_finished());
-        if io.closing {
+        io.data.retain(|c| match c {
+            DataConn::Receiver(t) => !t.is_finished(),
+            DataConn::Sender(_) => true,
+        });
+        if io.data.is_closing() {
             return;
         }
         io.peer_addr
@@ -1060,31 +1081,33 @@ impl WriteCheck for CoreCheck {
             .is_some_and(|f| f.hits(room, op))
     }
 
-    fn check(
+    fn begin(
         &self,
         room: RoomId,
         generation: Generation,
         slices: &[Slice],
-    ) -> Result<(), WriteRefused> {
+    ) -> Result<WritePermit, WriteRefused> {
         let Some(shared) = self.shared.upgrade() else {
             return Err(WriteRefused::UnknownRoom);
         };
         let mut inner = shared.lock();
-        let now = Instant::now();
-        let mut result = Ok(());
-        for s in slices {
-            if let Err(e) = inner
+        let result =
+            inner
                 .endpoint
-                .check_write(now, self.session, room, generation, s)
-            {
-                result = Err(e);
-                break;
-            }
-        }
+                .begin_write(Instant::now(), self.session, room, generation, slices);
         if result.is_err() {
             drain(&shared, &mut inner);
         }
         result
+    }
+
+    fn end(&self, permit: WritePermit) {
+        let Some(shared) = self.shared.upgrade() else {
+            return;
+        };
+        let mut inner = shared.lock();
+        inner.endpoint.end_write(Instant::now(), permit);
+        drain(&shared, &mut inner);
     }
 }
 
