@@ -4,10 +4,8 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::Arc;
 
-use kvferry_core::{
-    Generation, RoomId, Slice, TransferId, TransferOp, TransferOutcome, WritePermit, WriteRefused,
-};
-use kvferry_sync::{Acked, EndWrite, Landing, OpLedger, Start};
+use kvferry_core::{TransferId, TransferOp, TransferOutcome};
+use kvferry_sync::{Acked, Landing, OpLedger, Start};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -16,8 +14,11 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use crate::frame::{
-    decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError,
-    WriteHeader, ACK_LEN, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+    decode_ack, decode_slices, encode_ack, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
+    KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+};
+use crate::io_common::{
+    prepare_op, EndThrough, Limits, Preamble, ServeError, ServeStats, WriteCheck,
 };
 use crate::memory::MemoryMap;
 
@@ -26,46 +27,6 @@ const MAX_IOV: usize = 1024;
 
 /// Called once per operation handed to a [`DataSender`], with how it ended.
 pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;
-
-/// Decides whether a write may be applied: the driver asks the core's `begin_write` and
-/// hands the permit back with `end_write` once the bytes are applied or abandoned.
-pub trait WriteCheck: Send + Sync + 'static {
-    /// Fault injection for demos and tests: `true` resets the connection before this
-    /// operation's payload is applied (as a network failure would). Never in production use.
-    fn inject_reset(&self, _room: RoomId, _op: TransferId) -> bool {
-        false
-    }
-
-    /// Accepts (with a permit that holds the room's pages) or refuses every slice of one
-    /// operation for `(room, generation)`.
-    fn begin(
-        &self,
-        room: RoomId,
-        generation: Generation,
-        slices: &[Slice],
-    ) -> Result<WritePermit, WriteRefused>;
-
-    /// The write of `permit` was applied or abandoned.
-    fn end(&self, permit: WritePermit);
-}
-
-/// Hands permits back through a [`WriteCheck`].
-struct EndThrough(Arc<dyn WriteCheck>);
-
-impl EndWrite for EndThrough {
-    fn end_write(&self, permit: WritePermit) {
-        self.0.end(permit);
-    }
-}
-
-/// Bounds a receiver enforces on every write header.
-#[derive(Clone, Copy, Debug)]
-pub struct Limits {
-    /// Most slices per operation.
-    pub max_slices: u32,
-    /// Most payload bytes per operation.
-    pub max_bytes: u64,
-}
 
 /// The sending side of one data connection (prefill): operations are pipelined, each written
 /// with one vectored write from registered memory, and completed by the peer's ack.
@@ -156,31 +117,7 @@ async fn write_loop(
 ) {
     let mut header = Vec::with_capacity(WRITE_HEADER_LEN + 64 * SLICE_DESC_LEN);
     while let Some(op) = rx.recv().await {
-        header.clear();
-        WriteHeader {
-            op: op.id,
-            room: op.room.unwrap_or_default(),
-            generation: op.generation,
-            slices: op.slices.len() as u32,
-            payload: op.bytes,
-        }
-        .encode(&mut header);
-        for s in op.slices.iter() {
-            encode_slice(s, &mut header);
-        }
-        // Resolve every source range before anything goes on the wire.
-        let mut sources: Vec<(usize, usize)> = Vec::with_capacity(op.slices.len());
-        let mut bad = false;
-        for s in op.slices.iter() {
-            match memory.range(s.region, s.src_offset, s.len) {
-                Ok(p) => sources.push((p as usize, s.len as usize)),
-                Err(e) => {
-                    warn!(op = %op.id, error = %e, "source range not registered");
-                    bad = true;
-                    break;
-                }
-            }
-        }
+        let (sources, bad) = prepare_op(&op, &memory, &mut header);
         // The ledger hands each operation to exactly one reporter: close, this writer, or
         // the ack reader.
         match ledger.start(op.id, bad) {
@@ -302,43 +239,6 @@ async fn ack_loop(mut read: OwnedReadHalf, ledger: Arc<OpLedger>, report: Report
     fail_pending(&ledger, &report);
 }
 
-/// What a receiver saw on a data connection before it ended.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ServeStats {
-    /// Operations applied.
-    pub applied: u64,
-    /// Operations refused (payload discarded).
-    pub refused: u64,
-    /// Payload bytes applied.
-    pub bytes: u64,
-}
-
-/// An error that ends a data connection on the receiving side.
-#[derive(Debug)]
-pub enum ServeError {
-    /// The socket failed.
-    Io(io::Error),
-    /// The peer sent a frame that cannot be accepted.
-    Frame(FrameError),
-}
-
-impl std::fmt::Display for ServeError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ServeError::Io(e) => write!(f, "data connection failed: {e}"),
-            ServeError::Frame(e) => write!(f, "data connection refused a frame: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for ServeError {}
-
-impl From<io::Error> for ServeError {
-    fn from(e: io::Error) -> Self {
-        ServeError::Io(e)
-    }
-}
-
 /// Serves write batches on a data connection (decode): validates each header and table with
 /// `check`, scatters the payload straight into registered memory, then acknowledges.
 ///
@@ -347,7 +247,7 @@ impl From<io::Error> for ServeError {
 pub async fn serve_writes(
     mut stream: TcpStream,
     memory: Arc<MemoryMap>,
-    check: Arc<dyn WriteCheck>,
+    check: Arc<dyn WriteCheck + Send + Sync>,
     limits: Limits,
 ) -> Result<ServeStats, ServeError> {
     let _ = stream.set_nodelay(true);
@@ -474,15 +374,6 @@ pub async fn connect_control(addr: std::net::SocketAddr) -> io::Result<TcpStream
     stream.write_all(&MAGIC).await?;
     stream.write_all(&[KIND_CONTROL]).await?;
     Ok(stream)
-}
-
-/// What an accepted connection says it is.
-#[derive(Debug)]
-pub enum Preamble {
-    /// The core's control frames follow.
-    Control,
-    /// Write batches follow, once the caller answered with [`answer_data`].
-    Data(DataHello),
 }
 
 /// Reads the preamble of an accepted connection (bounded, total).

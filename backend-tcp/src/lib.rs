@@ -7,23 +7,28 @@
 //! pages. It moves bytes; it never decides a retry, a timeout or a room's fate: those come
 //! from `kvferry-core` through the driver.
 //!
-//! The tokio implementation lives behind the default `tokio` feature.
+//! The tokio implementation lives behind the default `tokio` feature; the `futures-io`
+//! feature adds the same data plane over any `futures-io` stream ([`stream`], used by the
+//! glommio driver).
 
 mod frame;
+mod io_common;
 mod memory;
 
 #[cfg(feature = "tokio")]
 mod io;
+#[cfg(feature = "futures-io")]
+pub mod stream;
 
 pub use frame::{
     decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError,
     WriteHeader, ACK_LEN, FRAME_WRITE, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN,
     WRITE_HEADER_LEN,
 };
+pub use io_common::{prepare_op, Limits, Preamble, ServeError, ServeStats, WriteCheck};
 pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 
 #[cfg(feature = "tokio")]
 pub use io::{
-    answer_data, connect_control, connect_data, read_preamble, serve_writes, DataSender, Limits,
-    Preamble, Report, ServeError, ServeStats, WriteCheck,
+    answer_data, connect_control, connect_data, read_preamble, serve_writes, DataSender, Report,
 };

@@ -911,7 +911,7 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
         }
         Role::Decode => {
             let weak = Arc::downgrade(shared);
-            let check: Arc<dyn WriteCheck> = Arc::new(CoreCheck {
+            let check: Arc<dyn WriteCheck + Send + Sync> = Arc::new(CoreCheck {
                 shared: Arc::downgrade(shared),
                 session: sid,
             });

@@ -8,23 +8,20 @@ use kvferry_core::TransferId;
 
 use crate::loom::{lock, Mutex};
 
+/// Which operations of a data connection are queued, on the wire, or already reported: the
+/// single-owner form (a thread-per-core driver keeps it in a `RefCell`; [`OpLedger`] puts it
+/// behind a lock for drivers whose tasks move between threads).
+///
+/// Every operation given to [`LedgerState::enqueue`] comes out exactly once: from
+/// [`LedgerState::start`] as [`Start::Closed`], from [`LedgerState::acked`], or from
+/// [`LedgerState::close`]; whoever gets it reports it.
 #[derive(Debug, Default)]
-struct State {
+pub struct LedgerState {
     /// Handed to the writer, not yet on the wire.
     queued: VecDeque<TransferId>,
     /// On the wire, waiting for the acknowledgement (in order).
     pending: VecDeque<TransferId>,
     closed: bool,
-}
-
-/// Which operations of a data connection are queued, on the wire, or already reported.
-///
-/// Every operation given to [`OpLedger::enqueue`] comes out exactly once: from
-/// [`OpLedger::start`] as [`Start::Closed`], from [`OpLedger::acked`], or from
-/// [`OpLedger::close`]; whoever gets it reports it.
-#[derive(Debug, Default)]
-pub struct OpLedger {
-    state: Mutex<State>,
 }
 
 /// What the writer does with an operation it dequeued.
@@ -48,70 +45,110 @@ pub enum Acked {
     OutOfOrder(Option<TransferId>),
 }
 
+impl LedgerState {
+    /// Records an operation handed to the writer; `false` (not recorded) once closed.
+    pub fn enqueue(&mut self, id: TransferId) -> bool {
+        if self.closed {
+            return false;
+        }
+        self.queued.push_back(id);
+        true
+    }
+
+    /// Takes back an operation that could not be handed to the writer after all.
+    pub fn unqueue(&mut self, id: TransferId) {
+        self.queued.retain(|q| *q != id);
+    }
+
+    /// The writer is about to put `id` on the wire. With `failed`, the writer could not
+    /// prepare it: it is handed out like a closed one (the caller reports it as fatal).
+    pub fn start(&mut self, id: TransferId, failed: bool) -> Start {
+        let Some(pos) = self.queued.iter().position(|q| *q == id) else {
+            return Start::Gone;
+        };
+        self.queued.remove(pos);
+        if self.closed || failed {
+            return Start::Closed;
+        }
+        self.pending.push_back(id);
+        Start::Write
+    }
+
+    /// An acknowledgement for `id` arrived.
+    pub fn acked(&mut self, id: TransferId) -> Acked {
+        match self.pending.front() {
+            Some(first) if *first == id => {
+                self.pending.pop_front();
+                Acked::InOrder
+            }
+            _ => Acked::OutOfOrder(self.pending.pop_front()),
+        }
+    }
+
+    /// Marks the connection closed and hands out every operation not yet reported.
+    pub fn close(&mut self) -> Vec<TransferId> {
+        self.closed = true;
+        let mut all: Vec<TransferId> = self.pending.drain(..).collect();
+        all.extend(self.queued.drain(..));
+        all
+    }
+
+    /// Whether [`LedgerState::close`] ran.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Operations on the wire, waiting for their acknowledgement.
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+/// [`LedgerState`] behind a lock, shared by a connection's writer task, its acknowledgement
+/// reader task and whoever closes it (loom-modelled).
+#[derive(Debug, Default)]
+pub struct OpLedger {
+    state: Mutex<LedgerState>,
+}
+
 impl OpLedger {
     /// A ledger for a new connection.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Records an operation handed to the writer; `false` (not recorded) once closed.
+    /// See [`LedgerState::enqueue`].
     pub fn enqueue(&self, id: TransferId) -> bool {
-        let mut s = lock(&self.state);
-        if s.closed {
-            return false;
-        }
-        s.queued.push_back(id);
-        true
+        lock(&self.state).enqueue(id)
     }
 
-    /// Takes back an operation that could not be handed to the writer after all.
+    /// See [`LedgerState::unqueue`].
     pub fn unqueue(&self, id: TransferId) {
-        lock(&self.state).queued.retain(|q| *q != id);
+        lock(&self.state).unqueue(id);
     }
 
-    /// The writer is about to put `id` on the wire. With `failed`, the writer could not
-    /// prepare it: it is handed out like a closed one (the caller reports it as fatal).
+    /// See [`LedgerState::start`].
     pub fn start(&self, id: TransferId, failed: bool) -> Start {
-        let mut s = lock(&self.state);
-        let Some(pos) = s.queued.iter().position(|q| *q == id) else {
-            return Start::Gone;
-        };
-        s.queued.remove(pos);
-        if s.closed || failed {
-            return Start::Closed;
-        }
-        s.pending.push_back(id);
-        Start::Write
+        lock(&self.state).start(id, failed)
     }
 
-    /// An acknowledgement for `id` arrived.
+    /// See [`LedgerState::acked`].
     pub fn acked(&self, id: TransferId) -> Acked {
-        let mut s = lock(&self.state);
-        match s.pending.front() {
-            Some(first) if *first == id => {
-                s.pending.pop_front();
-                Acked::InOrder
-            }
-            _ => Acked::OutOfOrder(s.pending.pop_front()),
-        }
+        lock(&self.state).acked(id)
     }
 
-    /// Marks the connection closed and hands out every operation not yet reported.
+    /// See [`LedgerState::close`].
     pub fn close(&self) -> Vec<TransferId> {
-        let mut s = lock(&self.state);
-        s.closed = true;
-        let mut all: Vec<TransferId> = s.pending.drain(..).collect();
-        all.extend(s.queued.drain(..));
-        all
+        lock(&self.state).close()
     }
 
-    /// Whether [`OpLedger::close`] ran.
+    /// See [`LedgerState::is_closed`].
     pub fn is_closed(&self) -> bool {
-        lock(&self.state).closed
+        lock(&self.state).is_closed()
     }
 
-    /// Operations on the wire, waiting for their acknowledgement.
+    /// See [`LedgerState::in_flight`].
     pub fn in_flight(&self) -> usize {
-        lock(&self.state).pending.len()
+        lock(&self.state).in_flight()
     }
 }

@@ -17,4 +17,4 @@ mod ledger;
 
 pub use conns::ConnSet;
 pub use landing::{EndWrite, Landing};
-pub use ledger::{Acked, OpLedger, Start};
+pub use ledger::{Acked, LedgerState, OpLedger, Start};

@@ -1,0 +1,135 @@
+//! What both data-plane implementations (tokio, and any `futures-io` stream) share: the
+//! receiver's admission trait, bounds, outcomes, and how an operation is prepared for the wire.
+
+use std::io;
+
+use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, WritePermit, WriteRefused};
+use kvferry_sync::EndWrite;
+use tracing::warn;
+
+use crate::frame::{encode_slice, DataHello, FrameError, WriteHeader};
+use crate::memory::MemoryMap;
+
+/// Decides whether a write may be applied: the driver asks the core's `begin_write` and
+/// hands the permit back with `end_write` once the bytes are applied or abandoned.
+pub trait WriteCheck {
+    /// Fault injection for demos and tests: `true` resets the connection before this
+    /// operation's payload is applied (as a network failure would). Never in production use.
+    fn inject_reset(&self, _room: RoomId, _op: TransferId) -> bool {
+        false
+    }
+
+    /// Accepts (with a permit that holds the room's pages) or refuses every slice of one
+    /// operation for `(room, generation)`.
+    fn begin(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<WritePermit, WriteRefused>;
+
+    /// The write of `permit` was applied or abandoned.
+    fn end(&self, permit: WritePermit);
+}
+
+/// Hands permits back through a [`WriteCheck`] behind any pointer (`Arc` on tokio, `Rc` on
+/// a thread-per-core runtime).
+pub(crate) struct EndThrough<P>(pub(crate) P);
+
+impl<P> EndWrite for EndThrough<P>
+where
+    P: std::ops::Deref,
+    P::Target: WriteCheck,
+{
+    fn end_write(&self, permit: WritePermit) {
+        self.0.end(permit);
+    }
+}
+
+/// Bounds a receiver enforces on every write header.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Most slices per operation.
+    pub max_slices: u32,
+    /// Most payload bytes per operation.
+    pub max_bytes: u64,
+}
+
+/// What a receiver saw on a data connection before it ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServeStats {
+    /// Operations applied.
+    pub applied: u64,
+    /// Operations refused (payload discarded).
+    pub refused: u64,
+    /// Payload bytes applied.
+    pub bytes: u64,
+}
+
+/// An error that ends a data connection on the receiving side.
+#[derive(Debug)]
+pub enum ServeError {
+    /// The socket failed.
+    Io(io::Error),
+    /// The peer sent a frame that cannot be accepted.
+    Frame(FrameError),
+}
+
+impl std::fmt::Display for ServeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServeError::Io(e) => write!(f, "data connection failed: {e}"),
+            ServeError::Frame(e) => write!(f, "data connection refused a frame: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ServeError {}
+
+impl From<io::Error> for ServeError {
+    fn from(e: io::Error) -> Self {
+        ServeError::Io(e)
+    }
+}
+
+/// What an accepted connection says it is.
+#[derive(Debug)]
+pub enum Preamble {
+    /// The core's control frames follow.
+    Control,
+    /// Write batches follow, once the caller answered (accept or refuse).
+    Data(DataHello),
+}
+
+/// Encodes `op`'s header and slice table into `header` and resolves every source range in
+/// registered memory before anything goes on the wire. `true` in the second place: a range is
+/// not registered (the operation fails fatally; nothing is sent).
+pub fn prepare_op(
+    op: &TransferOp,
+    memory: &MemoryMap,
+    header: &mut Vec<u8>,
+) -> (Vec<(usize, usize)>, bool) {
+    header.clear();
+    WriteHeader {
+        op: op.id,
+        room: op.room.unwrap_or_default(),
+        generation: op.generation,
+        slices: op.slices.len() as u32,
+        payload: op.bytes,
+    }
+    .encode(header);
+    for s in op.slices.iter() {
+        encode_slice(s, header);
+    }
+    let mut sources: Vec<(usize, usize)> = Vec::with_capacity(op.slices.len());
+    for s in op.slices.iter() {
+        match memory.range(s.region, s.src_offset, s.len) {
+            Ok(p) => sources.push((p as usize, s.len as usize)),
+            Err(e) => {
+                warn!(op = %op.id, error = %e, "source range not registered");
+                return (sources, true);
+            }
+        }
+    }
+    (sources, false)
+}

@@ -1,0 +1,250 @@
+//! The data plane over any `futures-io` byte stream (glommio's io_uring sockets and other
+//! completion-based runtimes): the same frames and the same rules as the tokio path, with the
+//! gather and scatter done by coalescing small slices through one staging buffer and moving
+//! large slices straight from and into registered memory.
+
+use std::io;
+use std::rc::Rc;
+
+use futures_io::{AsyncRead, AsyncWrite};
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use kvferry_core::TransferId;
+use kvferry_sync::Landing;
+use tracing::debug;
+
+use crate::frame::{
+    decode_ack, decode_slices, encode_ack, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
+    KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+};
+use crate::io_common::{EndThrough, Limits, Preamble, ServeError, ServeStats, WriteCheck};
+use crate::memory::MemoryMap;
+
+/// Slices at least this long move straight between the socket and registered memory; shorter
+/// ones are coalesced through the staging buffer (one send or receive for many of them).
+pub const DIRECT_MIN: usize = 64 * 1024;
+/// Most bytes staged before a send.
+const STAGE_MAX: usize = 256 * 1024;
+
+/// Writes one prepared operation: `header` (header + slice table), then every source range.
+pub async fn write_op<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: &[u8],
+    sources: &[(usize, usize)],
+    stage: &mut Vec<u8>,
+) -> io::Result<()> {
+    stage.clear();
+    stage.extend_from_slice(header);
+    for &(ptr, len) in sources {
+        // SAFETY: (ptr, len) comes from MemoryMap::range, inside registered memory that the
+        // caller's Arc<MemoryMap> keeps alive; the core keeps these source pages pinned (no
+        // release, no reuse) until this operation is reported.
+        let src = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+        if len >= DIRECT_MIN {
+            if !stage.is_empty() {
+                w.write_all(stage).await?;
+                stage.clear();
+            }
+            w.write_all(src).await?;
+        } else {
+            if stage.len() + len > STAGE_MAX {
+                w.write_all(stage).await?;
+                stage.clear();
+            }
+            stage.extend_from_slice(src);
+        }
+    }
+    if !stage.is_empty() {
+        w.write_all(stage).await?;
+    }
+    w.flush().await
+}
+
+/// Reads one acknowledgement.
+pub async fn read_ack<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<(TransferId, AckStatus)> {
+    let mut buf = [0u8; ACK_LEN];
+    r.read_exact(&mut buf).await?;
+    decode_ack(&buf).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
+}
+
+/// Serves write batches on a data connection (decode), as [`crate::serve_writes`] does on
+/// tokio: validate with `check`, apply into registered memory, acknowledge.
+pub async fn serve_writes_on<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    memory: &MemoryMap,
+    check: Rc<dyn WriteCheck>,
+    limits: Limits,
+) -> Result<ServeStats, ServeError> {
+    let mut stats = ServeStats::default();
+    let mut header = [0u8; WRITE_HEADER_LEN];
+    let mut table = Vec::new();
+    let mut stage = Vec::new();
+    loop {
+        match stream.read_exact(&mut header).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(stats),
+            Err(e) => return Err(e.into()),
+        }
+        let h = WriteHeader::decode(&header, limits.max_slices, limits.max_bytes)
+            .map_err(ServeError::Frame)?;
+        table.resize(h.slices as usize * SLICE_DESC_LEN, 0);
+        stream.read_exact(&mut table).await?;
+        let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
+        if check.inject_reset(h.room, h.op) {
+            return Err(ServeError::Io(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "injected reset",
+            )));
+        }
+        let verdict = check.begin(h.room, h.generation, &slices);
+        let refused = verdict.err();
+        // Held until the payload is applied or abandoned (a cancelled task drops it).
+        let landing = verdict
+            .ok()
+            .map(|permit| Landing::new(permit, EndThrough(check.clone())));
+        let targets: Option<Vec<(usize, usize)>> = landing.as_ref().and_then(|_| {
+            slices
+                .iter()
+                .map(|s| {
+                    memory
+                        .range(s.region, s.dst_offset, s.len)
+                        .ok()
+                        .map(|p| (p as usize, s.len as usize))
+                })
+                .collect()
+        });
+        let status = match targets {
+            Some(targets) => {
+                read_scatter(stream, &targets, &mut stage).await?;
+                drop(landing);
+                stats.applied += 1;
+                stats.bytes += h.payload;
+                AckStatus::Applied
+            }
+            None => {
+                drop(landing);
+                discard(stream, h.payload, &mut stage).await?;
+                stats.refused += 1;
+                debug!(room = %h.room, op = %h.op, ?refused, "write refused");
+                AckStatus::Refused
+            }
+        };
+        stream.write_all(&encode_ack(h.op, status)).await?;
+        stream.flush().await?;
+    }
+}
+
+/// Reads exactly the bytes of `targets` into them: large ones straight, runs of small ones
+/// through `stage`.
+async fn read_scatter<R: AsyncRead + Unpin>(
+    r: &mut R,
+    targets: &[(usize, usize)],
+    stage: &mut Vec<u8>,
+) -> io::Result<()> {
+    let mut i = 0;
+    while i < targets.len() {
+        let (ptr, len) = targets[i];
+        if len >= DIRECT_MIN {
+            // SAFETY: inside one range from MemoryMap::range (registered memory the caller
+            // keeps alive); the core accepted this write for the room's pages and holds them
+            // (the permit) until it ends, so nobody else touches them meanwhile.
+            let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+            r.read_exact(dst).await?;
+            i += 1;
+            continue;
+        }
+        // A run of small slices, at most STAGE_MAX bytes (at least one slice).
+        let mut end = i;
+        let mut total = 0;
+        while end < targets.len() && targets[end].1 < DIRECT_MIN {
+            if total > 0 && total + targets[end].1 > STAGE_MAX {
+                break;
+            }
+            total += targets[end].1;
+            end += 1;
+        }
+        stage.resize(total, 0);
+        r.read_exact(&mut stage[..total]).await?;
+        let mut at = 0;
+        for &(ptr, len) in &targets[i..end] {
+            // SAFETY: as above.
+            let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+            dst.copy_from_slice(&stage[at..at + len]);
+            at += len;
+        }
+        i = end;
+    }
+    Ok(())
+}
+
+async fn discard<R: AsyncRead + Unpin>(
+    r: &mut R,
+    mut n: u64,
+    sink: &mut Vec<u8>,
+) -> io::Result<()> {
+    sink.resize(64 * 1024, 0);
+    while n > 0 {
+        let k = (n as usize).min(sink.len());
+        r.read_exact(&mut sink[..k]).await?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+/// Introduces a freshly opened data connection and waits for the peer's answer.
+pub async fn hello_data<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    hello: &DataHello,
+) -> io::Result<()> {
+    stream.write_all(&hello.encode()).await?;
+    stream.flush().await?;
+    let mut answer = [0u8; 1];
+    stream.read_exact(&mut answer).await?;
+    if answer[0] != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "data connection refused by the peer",
+        ));
+    }
+    Ok(())
+}
+
+/// Introduces a freshly opened control connection.
+pub async fn hello_control<S: AsyncWrite + Unpin>(stream: &mut S) -> io::Result<()> {
+    stream.write_all(&MAGIC).await?;
+    stream.write_all(&[KIND_CONTROL]).await?;
+    stream.flush().await
+}
+
+/// Reads the preamble of an accepted connection (bounded, total).
+pub async fn read_preamble_on<S: AsyncRead + Unpin>(
+    stream: &mut S,
+) -> Result<Preamble, ServeError> {
+    let mut head = [0u8; 5];
+    stream.read_exact(&mut head).await?;
+    if head[..4] != MAGIC {
+        return Err(ServeError::Frame(FrameError::BadMagic));
+    }
+    match head[4] {
+        KIND_CONTROL => Ok(Preamble::Control),
+        KIND_DATA => {
+            let mut fixed = [0u8; 17];
+            stream.read_exact(&mut fixed).await?;
+            let (node, incarnation, token_len) =
+                DataHello::decode_fixed(&fixed).map_err(ServeError::Frame)?;
+            let mut token = vec![0u8; token_len];
+            stream.read_exact(&mut token).await?;
+            Ok(Preamble::Data(DataHello {
+                node,
+                incarnation,
+                token,
+            }))
+        }
+        other => Err(ServeError::Frame(FrameError::UnknownType(other))),
+    }
+}
+
+/// Accepts (0) or refuses (1) a data connection after its preamble.
+pub async fn answer_data_on<S: AsyncWrite + Unpin>(stream: &mut S, accept: bool) -> io::Result<()> {
+    stream.write_all(&[u8::from(!accept)]).await?;
+    stream.flush().await
+}
