@@ -34,6 +34,7 @@ pub trait WriteCheck {
 
 /// Hands permits back through a [`WriteCheck`] behind any pointer (`Arc` on tokio, `Rc` on
 /// a thread-per-core runtime).
+#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
 pub(crate) struct EndThrough<P>(pub(crate) P);
 
 impl<P> EndWrite for EndThrough<P>

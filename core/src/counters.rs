@@ -48,6 +48,32 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// Adds `other` into these counters (a sharded driver sums its shards' endpoints).
+    pub fn add(&mut self, other: &Counters) {
+        self.retries += other.retries;
+        self.retry_recoveries += other.retry_recoveries;
+        self.transient_failures += other.transient_failures;
+        self.fatal_failures += other.fatal_failures;
+        self.ops_exhausted += other.ops_exhausted;
+        self.ops_planned += other.ops_planned;
+        self.bytes_planned += other.bytes_planned;
+        self.bytes_transferred += other.bytes_transferred;
+        self.sessions_blacklisted += other.sessions_blacklisted;
+        self.sessions_recovered += other.sessions_recovered;
+        self.sessions_expired += other.sessions_expired;
+        self.sessions_rejected += other.sessions_rejected;
+        self.probes_sent += other.probes_sent;
+        self.fences += other.fences;
+        self.protocol_errors += other.protocol_errors;
+        self.stale_messages += other.stale_messages;
+        self.writes_refused += other.writes_refused;
+        self.rooms_succeeded += other.rooms_succeeded;
+        self.rooms_released += other.rooms_released;
+        for (a, b) in self.rooms_failed.iter_mut().zip(other.rooms_failed) {
+            *a += b;
+        }
+    }
+
     /// Failed rooms of all reasons.
     pub fn rooms_failed_total(&self) -> u64 {
         self.rooms_failed.iter().sum()

@@ -32,149 +32,11 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
-/// Everything needed to start a [`Node`].
-#[derive(Clone, Debug)]
-pub struct NodeConfig {
-    /// The core's knobs.
-    pub core: Config,
-    /// Who this endpoint is.
-    pub info: EndpointInfo,
-    /// Data connections opened per session (operations are spread over them).
-    pub data_connections: usize,
-    /// Seed of the core's random choices.
-    pub seed: u64,
-    /// Injected data-path faults (demos and tests only; `None` in production).
-    pub faults: Option<FaultPlan>,
-}
-
-/// Reproducible data-path fault injection: each incoming write batch resets its data
-/// connection with probability `rate`, decided by a hash of (seed, room, operation id).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct FaultPlan {
-    /// Probability that a write batch resets its connection before being applied.
-    pub rate: f64,
-    /// Seed of the decisions.
-    pub seed: u64,
-}
-
-impl FaultPlan {
-    /// Whether the batch `op` of `room` is hit.
-    pub fn hits(&self, room: RoomId, op: TransferId) -> bool {
-        let mut z = self.seed ^ room.0.rotate_left(21) ^ op.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        ((z >> 11) as f64 / (1u64 << 53) as f64) < self.rate
-    }
-}
-
-/// A room's state as seen through a [`RoomHandle`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RoomView {
-    /// Current state.
-    pub state: KvPoll,
-    /// Whether the pages may be reused.
-    pub releasable: bool,
-}
-
-/// Awaits one room's progress. Cancel-safe: dropping a wait loses nothing.
-#[derive(Debug, Clone)]
-pub struct RoomHandle {
-    room: RoomId,
-    rx: watch::Receiver<RoomView>,
-}
-
-impl RoomHandle {
-    /// The room.
-    pub fn room(&self) -> RoomId {
-        self.room
-    }
-
-    /// The latest view.
-    pub fn view(&self) -> RoomView {
-        *self.rx.borrow()
-    }
-
-    /// Waits for `Success` or `Failed`.
-    pub async fn terminal(&mut self) -> KvPoll {
-        match self.rx.wait_for(|v| v.state.is_terminal()).await {
-            Ok(v) => v.state,
-            Err(_) => KvPoll::Failed(FailureReason::Shutdown),
-        }
-    }
-
-    /// Waits until the room's pages may be reused; returns its terminal state.
-    pub async fn releasable(&mut self) -> KvPoll {
-        match self.rx.wait_for(|v| v.releasable).await {
-            Ok(v) => v.state,
-            Err(_) => KvPoll::Failed(FailureReason::Shutdown),
-        }
-    }
-}
-
-/// Errors of the node's IO-facing calls.
-#[derive(Debug)]
-pub enum NodeError {
-    /// A socket operation failed.
-    Io(std::io::Error),
-    /// The endpoint refused the call.
-    Api(ApiError),
-    /// The session did not complete its handshake in time.
-    HandshakeTimeout,
-    /// The peer refused the session (its reason and explanation).
-    Refused(String),
-    /// This node refused the peer at the handshake.
-    Rejected(kvferry_core::RejectReason),
-    /// The node was shut down.
-    ShutDown,
-}
-
-impl std::fmt::Display for NodeError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            NodeError::Io(e) => write!(f, "network error: {e}"),
-            NodeError::Api(e) => write!(f, "{e}"),
-            NodeError::HandshakeTimeout => write!(
-                f,
-                "the peer did not complete the handshake in time (check address, token and layout)"
-            ),
-            NodeError::Refused(why) => write!(f, "the peer refused the session: {why}"),
-            NodeError::Rejected(kvferry_core::RejectReason::BadToken) => {
-                write!(
-                    f,
-                    "the peer presented another cluster token (check --token / KVFERRY_TOKEN)"
-                )
-            }
-            NodeError::Rejected(kvferry_core::RejectReason::WrongRole) => {
-                write!(
-                    f,
-                    "the peer has the same role as this node (connect decode to prefill)"
-                )
-            }
-            NodeError::Rejected(kvferry_core::RejectReason::IncompatibleLayout(field)) => {
-                write!(f, "the peer's memory layout differs in {field} (use the same shape on both sides)")
-            }
-            NodeError::Rejected(kvferry_core::RejectReason::VersionMismatch) => {
-                write!(f, "the peer speaks another protocol version")
-            }
-            NodeError::ShutDown => write!(f, "the node is shut down"),
-        }
-    }
-}
-
-impl std::error::Error for NodeError {}
-
-impl From<std::io::Error> for NodeError {
-    fn from(e: std::io::Error) -> Self {
-        NodeError::Io(e)
-    }
-}
-
-impl From<ApiError> for NodeError {
-    fn from(e: ApiError) -> Self {
-        NodeError::Api(e)
-    }
-}
+use kvferry_driver::RoomBook;
+pub use kvferry_driver::{
+    export_metrics, shard_of, Announcement, FaultPlan, KvNode, NodeConfig, NodeError, PeerId,
+    RoomHandle, RoomView,
+};
 
 struct SessionIo {
     control_tx: mpsc::UnboundedSender<Vec<u8>>,
@@ -210,11 +72,9 @@ impl DataConn {
 struct Inner {
     endpoint: Endpoint,
     io: Map<SessionId, SessionIo>,
-    rooms: Map<RoomId, watch::Sender<RoomView>>,
+    rooms: RoomBook,
     armed: Option<Instant>,
     metrics_at: Instant,
-    /// When each failed room failed, to measure how long its pages stayed quarantined.
-    failed_at: Map<RoomId, Instant>,
     /// Where each target lives.
     targets: Map<TargetId, SocketAddr>,
 }
@@ -230,18 +90,9 @@ struct Shared {
     limits: Limits,
     faults: Mutex<Option<FaultPlan>>,
     announcements: Mutex<Option<mpsc::UnboundedSender<Announcement>>>,
+    /// Sessions of each peer named through [`KvNode::connect`], one per peer address.
+    peers: Mutex<Vec<Vec<SessionId>>>,
     stopped: watch::Sender<bool>,
-}
-
-/// Prefill: a decode asked for a room this node has not opened (lossless, unlike events).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Announcement {
-    /// The room.
-    pub room: RoomId,
-    /// Its generation.
-    pub generation: Generation,
-    /// Pages the decode granted (0 while it waits for pages).
-    pub pages: u32,
 }
 
 /// A running kvferry endpoint on tokio. Cheap to clone; the last [`Node::shutdown`] or drop
@@ -297,10 +148,9 @@ impl Node {
             inner: Mutex::new(Inner {
                 endpoint,
                 io: Map::default(),
-                rooms: Map::default(),
+                rooms: RoomBook::new(config.info.role),
                 armed: None,
                 metrics_at: now,
-                failed_at: Map::default(),
                 targets: Map::default(),
             }),
             wake: Notify::new(),
@@ -312,6 +162,7 @@ impl Node {
             limits,
             faults: Mutex::new(config.faults),
             announcements: Mutex::new(None),
+            peers: Mutex::new(Vec::new()),
             stopped,
         });
         let weak = Arc::downgrade(&shared);
@@ -476,17 +327,7 @@ impl Node {
     fn watch_room(&self, room: RoomId, state: KvPoll) -> RoomHandle {
         let mut inner = self.shared.lock();
         let current = inner.endpoint.room_state(room).unwrap_or(state);
-        let tx = inner.rooms.entry(room).or_insert_with(|| {
-            watch::channel(RoomView {
-                state: current,
-                releasable: false,
-            })
-            .0
-        });
-        RoomHandle {
-            room,
-            rx: tx.subscribe(),
-        }
+        inner.rooms.watch(room, current)
     }
 
     /// Decode: opens a receiver room fed by `sources`; see [`Endpoint::open_receiver`].
@@ -541,7 +382,7 @@ impl Node {
     fn forget_room(&self, room: RoomId) {
         let mut inner = self.shared.lock();
         if inner.endpoint.room_generation(room).is_none() {
-            inner.rooms.remove(&room);
+            inner.rooms.forget(room);
         }
     }
 
@@ -577,6 +418,98 @@ impl Node {
         }
         let _ = self.shared.stopped.send(true);
         self.shared.wake.notify_one();
+    }
+}
+
+impl Node {
+    /// The sessions that carry `room` from or to each of `peers` (address `room mod n`).
+    fn sessions_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<SessionId>, NodeError> {
+        let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers
+            .iter()
+            .map(|p| {
+                let sessions = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
+                Ok(sessions[shard_of(room, sessions.len())])
+            })
+            .collect()
+    }
+}
+
+/// The runtime-neutral embedder API: a tokio node is one shard.
+impl KvNode for Node {
+    fn runtime(&self) -> &'static str {
+        "tokio"
+    }
+
+    fn memory(&self) -> &Arc<MemoryMap> {
+        &self.shared.memory
+    }
+
+    fn shards(&self) -> usize {
+        1
+    }
+
+    async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
+        Ok(vec![Node::listen(self, addr).await?])
+    }
+
+    async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        let mut sessions = Vec::with_capacity(addrs.len());
+        for addr in addrs {
+            sessions.push(Node::connect(self, addr).await?);
+        }
+        let mut table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+        table.push(sessions);
+        Ok(PeerId(table.len() as u32 - 1))
+    }
+
+    async fn open_receiver(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        peers: Vec<PeerId>,
+        grant: Option<Grant>,
+    ) -> Result<RoomHandle, NodeError> {
+        let sources = self.sessions_for(room, &peers)?;
+        Ok(Node::open_receiver(
+            self, room, generation, &sources, grant,
+        )?)
+    }
+
+    async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
+        Ok(Node::grant_pages(self, room, grant)?)
+    }
+
+    async fn open_sender(
+        &self,
+        room: RoomId,
+        generation: Generation,
+    ) -> Result<RoomHandle, NodeError> {
+        Ok(Node::open_sender(self, room, generation)?)
+    }
+
+    async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
+        Ok(Node::send_chunk(self, room, chunk)?)
+    }
+
+    async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
+        Ok(Node::mark_layer_ready(self, &rooms, layer)?)
+    }
+
+    async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
+        Ok(Node::abort(self, room)?)
+    }
+
+    async fn counters(&self) -> Counters {
+        Node::counters(self)
+    }
+
+    fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
+        Node::room_announcements(self)
+    }
+
+    async fn shutdown(&self) {
+        Node::shutdown(self).await;
     }
 }
 
@@ -713,24 +646,7 @@ fn unpark(inner: &mut Inner, sid: SessionId) {
 
 fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
     match *event {
-        Event::RoomState { room, state, .. } => {
-            if let Some(tx) = inner.rooms.get(&room) {
-                tx.send_modify(|v| v.state = state);
-            }
-            if matches!(state, KvPoll::Failed(_)) {
-                inner.failed_at.insert(room, Instant::now());
-            }
-        }
-        Event::Releasable { room, .. } => {
-            if let Some(t) = inner.failed_at.remove(&room) {
-                let role = role_label(shared.info.role);
-                metrics::histogram!("kvferry_quarantine_seconds", "role" => role)
-                    .record(t.elapsed().as_secs_f64());
-            }
-            if let Some(tx) = inner.rooms.remove(&room) {
-                tx.send_modify(|v| v.releasable = true);
-            }
-        }
+        Event::RoomState { .. } | Event::Releasable { .. } => inner.rooms.on_event(event),
         Event::SessionEstablished { session, peer } => {
             info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
             if let Some(addr) = inner.io.get(&session).and_then(|io| io.peer_addr) {
@@ -1113,39 +1029,4 @@ impl WriteCheck for CoreCheck {
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn role_label(role: Role) -> &'static str {
-    match role {
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
-    }
-}
-
-/// Publishes the core's counters (absolute values) and gauges through the `metrics` facade.
-pub fn export_metrics(endpoint: &Endpoint, role: Role) {
-    let role = role_label(role);
-    let c = endpoint.counters();
-    for (name, value) in c.iter() {
-        metrics::counter!(format!("kvferry_{name}_total"), "role" => role).absolute(value);
-    }
-    for reason in FailureReason::ALL {
-        metrics::counter!("kvferry_rooms_failed_total", "role" => role, "reason" => reason.as_str())
-            .absolute(c.failed(reason));
-    }
-    metrics::gauge!("kvferry_sessions_blacklisted", "role" => role)
-        .set(endpoint.blacklisted_sessions() as f64);
-    metrics::gauge!("kvferry_ops_live", "role" => role).set(endpoint.live_ops() as f64);
-    metrics::gauge!("kvferry_rooms_live", "role" => role).set(endpoint.live_rooms() as f64);
-    for sid in endpoint.session_ids() {
-        let Some(st) = endpoint.session_stats(sid) else {
-            continue;
-        };
-        let session = sid.0.to_string();
-        metrics::counter!("kvferry_session_bytes_total", "role" => role, "session" => session.clone()).absolute(st.bytes_done);
-        metrics::counter!("kvferry_session_ops_total", "role" => role, "session" => session.clone()).absolute(st.ops_done);
-        metrics::counter!("kvferry_session_ops_failed_total", "role" => role, "session" => session.clone()).absolute(st.ops_failed);
-        metrics::gauge!("kvferry_session_ops_in_flight", "role" => role, "session" => session)
-            .set(f64::from(st.in_flight));
-    }
 }

@@ -1,0 +1,372 @@
+//! `kvferry-driver`: what every kvferry driver shares, whatever its runtime.
+//!
+//! Owns the embedder-facing API that both drivers implement ([`KvNode`]), the types it speaks
+//! (room handles, node errors, configuration, announcements), the bookkeeping that turns the
+//! core's room events into handle updates ([`RoomBook`]) and the metrics export. Must never
+//! do IO, spawn a task, or decide anything about a room: that is the core's.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use foldhash::fast::FixedState;
+use kvferry_core::{
+    ApiError, Chunk, Config, Counters, Endpoint, EndpointInfo, Event, FailureReason, Generation,
+    Grant, KvPoll, Role, RoomId, TransferId,
+};
+use kvferry_tcp::MemoryMap;
+use tokio::sync::{mpsc, watch};
+
+type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
+
+/// Everything needed to start a node (any driver).
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// The core's knobs.
+    pub core: Config,
+    /// Who this endpoint is.
+    pub info: EndpointInfo,
+    /// Data connections opened per session (operations are spread over them).
+    pub data_connections: usize,
+    /// Seed of the core's random choices.
+    pub seed: u64,
+    /// Injected data-path faults (demos and tests only; `None` in production).
+    pub faults: Option<FaultPlan>,
+}
+
+/// Reproducible data-path fault injection: each incoming write batch resets its data
+/// connection with probability `rate`, decided by a hash of (seed, room, operation id).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FaultPlan {
+    /// Probability that a write batch resets its connection before being applied.
+    pub rate: f64,
+    /// Seed of the decisions.
+    pub seed: u64,
+}
+
+impl FaultPlan {
+    /// Whether the batch `op` of `room` is hit.
+    pub fn hits(&self, room: RoomId, op: TransferId) -> bool {
+        let mut z = self.seed ^ room.0.rotate_left(21) ^ op.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 11) as f64 / (1u64 << 53) as f64) < self.rate
+    }
+}
+
+/// A room's state as seen through a [`RoomHandle`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoomView {
+    /// Current state.
+    pub state: KvPoll,
+    /// Whether the pages may be reused.
+    pub releasable: bool,
+}
+
+/// Awaits one room's progress. Cancel-safe: dropping a wait loses nothing.
+#[derive(Debug, Clone)]
+pub struct RoomHandle {
+    room: RoomId,
+    rx: watch::Receiver<RoomView>,
+}
+
+impl RoomHandle {
+    /// A handle that follows `rx` (drivers create them through [`RoomBook::watch`]).
+    pub fn new(room: RoomId, rx: watch::Receiver<RoomView>) -> Self {
+        RoomHandle { room, rx }
+    }
+
+    /// The room.
+    pub fn room(&self) -> RoomId {
+        self.room
+    }
+
+    /// The latest view.
+    pub fn view(&self) -> RoomView {
+        *self.rx.borrow()
+    }
+
+    /// Waits for `Success` or `Failed`.
+    pub async fn terminal(&mut self) -> KvPoll {
+        match self.rx.wait_for(|v| v.state.is_terminal()).await {
+            Ok(v) => v.state,
+            Err(_) => KvPoll::Failed(FailureReason::Shutdown),
+        }
+    }
+
+    /// Waits until the room's pages may be reused; returns its terminal state.
+    pub async fn releasable(&mut self) -> KvPoll {
+        match self.rx.wait_for(|v| v.releasable).await {
+            Ok(v) => v.state,
+            Err(_) => KvPoll::Failed(FailureReason::Shutdown),
+        }
+    }
+}
+
+/// Errors of the node's IO-facing calls.
+#[derive(Debug)]
+pub enum NodeError {
+    /// A socket operation failed.
+    Io(std::io::Error),
+    /// The endpoint refused the call.
+    Api(ApiError),
+    /// The session did not complete its handshake in time.
+    HandshakeTimeout,
+    /// The peer refused the session (its reason and explanation).
+    Refused(String),
+    /// This node refused the peer at the handshake.
+    Rejected(kvferry_core::RejectReason),
+    /// The node was shut down.
+    ShutDown,
+    /// No peer has this id on this node.
+    UnknownPeer(PeerId),
+    /// The runtime could not start (what failed and how to fix it).
+    Runtime(String),
+}
+
+impl std::fmt::Display for NodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NodeError::Io(e) => write!(f, "network error: {e}"),
+            NodeError::Api(e) => write!(f, "{e}"),
+            NodeError::HandshakeTimeout => write!(
+                f,
+                "the peer did not complete the handshake in time (check address, token and layout)"
+            ),
+            NodeError::Refused(why) => write!(f, "the peer refused the session: {why}"),
+            NodeError::Rejected(kvferry_core::RejectReason::BadToken) => {
+                write!(
+                    f,
+                    "the peer presented another cluster token (check --token / KVFERRY_TOKEN)"
+                )
+            }
+            NodeError::Rejected(kvferry_core::RejectReason::WrongRole) => {
+                write!(
+                    f,
+                    "the peer has the same role as this node (connect decode to prefill)"
+                )
+            }
+            NodeError::Rejected(kvferry_core::RejectReason::IncompatibleLayout(field)) => {
+                write!(f, "the peer's memory layout differs in {field} (use the same shape on both sides)")
+            }
+            NodeError::Rejected(kvferry_core::RejectReason::VersionMismatch) => {
+                write!(f, "the peer speaks another protocol version")
+            }
+            NodeError::ShutDown => write!(f, "the node is shut down"),
+            NodeError::UnknownPeer(p) => {
+                write!(f, "no peer {} on this node (connect to it first)", p.0)
+            }
+            NodeError::Runtime(why) => write!(f, "the runtime could not start: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for NodeError {}
+
+impl From<std::io::Error> for NodeError {
+    fn from(e: std::io::Error) -> Self {
+        NodeError::Io(e)
+    }
+}
+
+impl From<ApiError> for NodeError {
+    fn from(e: ApiError) -> Self {
+        NodeError::Api(e)
+    }
+}
+
+/// Prefill: a decode asked for a room this node has not opened (lossless, unlike events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Announcement {
+    /// The room.
+    pub room: RoomId,
+    /// Its generation.
+    pub generation: Generation,
+    /// Pages the decode granted (0 while it waits for pages).
+    pub pages: u32,
+}
+
+/// A peer as the embedder names it: the list of its addresses (one per shard of the peer;
+/// one for a tokio node). Room `r` moves over the session to address `r mod len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u32);
+
+/// The shard (or peer address) that owns room `room` among `n`: `room mod n`. Both sides of
+/// a transfer apply it, so a room meets its peer on the same shard whatever the runtimes.
+pub fn shard_of(room: RoomId, n: usize) -> usize {
+    (room.0 % n.max(1) as u64) as usize
+}
+
+/// The embedder's API, the same on every driver (tokio, glommio): open rooms, send chunks,
+/// mark layers ready, abort, and await a room's terminal state and release through a
+/// cancel-safe [`RoomHandle`]. Every future is `Send`, so any executor can await it.
+pub trait KvNode: Clone + Send + Sync + 'static {
+    /// Which runtime runs this node (`"tokio"`, `"glommio"`).
+    fn runtime(&self) -> &'static str;
+
+    /// The registered memory the node moves bytes from and into.
+    fn memory(&self) -> &Arc<MemoryMap>;
+
+    /// How many shards own rooms (1 on tokio).
+    fn shards(&self) -> usize;
+
+    /// Accepts peers on `addr` (port 0: any); returns one address per shard.
+    fn listen(
+        &self,
+        addr: SocketAddr,
+    ) -> impl Future<Output = Result<Vec<SocketAddr>, NodeError>> + Send;
+
+    /// Opens sessions to a peer that listens on `addrs` (one per shard of the peer) and waits
+    /// for their handshakes.
+    fn connect(
+        &self,
+        addrs: Vec<SocketAddr>,
+    ) -> impl Future<Output = Result<PeerId, NodeError>> + Send;
+
+    /// Decode: opens a room fed by `peers` (see [`kvferry_core::Endpoint::open_receiver`]).
+    fn open_receiver(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        peers: Vec<PeerId>,
+        grant: Option<Grant>,
+    ) -> impl Future<Output = Result<RoomHandle, NodeError>> + Send;
+
+    /// Decode: grants pages to a room opened without them.
+    fn grant_pages(
+        &self,
+        room: RoomId,
+        grant: Grant,
+    ) -> impl Future<Output = Result<(), NodeError>> + Send;
+
+    /// Prefill: opens a sender room.
+    fn open_sender(
+        &self,
+        room: RoomId,
+        generation: Generation,
+    ) -> impl Future<Output = Result<RoomHandle, NodeError>> + Send;
+
+    /// Prefill: hands a chunk of pages to send.
+    fn send_chunk(
+        &self,
+        room: RoomId,
+        chunk: Chunk,
+    ) -> impl Future<Output = Result<(), NodeError>> + Send;
+
+    /// Prefill: layer `layer` of `rooms` is computed.
+    fn mark_layer_ready(
+        &self,
+        rooms: Vec<RoomId>,
+        layer: u16,
+    ) -> impl Future<Output = Result<(), NodeError>> + Send;
+
+    /// Aborts a room (its pages stay quarantined until no write can land).
+    fn abort(&self, room: RoomId) -> impl Future<Output = Result<(), NodeError>> + Send;
+
+    /// The core's counters, summed over shards.
+    fn counters(&self) -> impl Future<Output = Counters> + Send;
+
+    /// Prefill: every room a decode asked for, lossless (one receiver at a time).
+    fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement>;
+
+    /// Fails every room, tells every peer, closes every connection and stops.
+    fn shutdown(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// The driver's room handles: turns the core's room events into [`RoomHandle`] updates and
+/// measures how long failed rooms' pages stayed quarantined.
+#[derive(Debug)]
+pub struct RoomBook {
+    role: Role,
+    rooms: Map<RoomId, watch::Sender<RoomView>>,
+    failed_at: Map<RoomId, Instant>,
+}
+
+impl RoomBook {
+    /// An empty book for a node of `role`.
+    pub fn new(role: Role) -> Self {
+        RoomBook {
+            role,
+            rooms: Map::default(),
+            failed_at: Map::default(),
+        }
+    }
+
+    /// A handle on `room`, starting from `state` unless the room is already watched.
+    pub fn watch(&mut self, room: RoomId, state: KvPoll) -> RoomHandle {
+        let tx = self.rooms.entry(room).or_insert_with(|| {
+            watch::channel(RoomView {
+                state,
+                releasable: false,
+            })
+            .0
+        });
+        RoomHandle::new(room, tx.subscribe())
+    }
+
+    /// Drops the handles of a room that was never opened after all.
+    pub fn forget(&mut self, room: RoomId) {
+        self.rooms.remove(&room);
+    }
+
+    /// Applies a room event of the core to its handles.
+    pub fn on_event(&mut self, event: &Event) {
+        match *event {
+            Event::RoomState { room, state, .. } => {
+                if let Some(tx) = self.rooms.get(&room) {
+                    tx.send_modify(|v| v.state = state);
+                }
+                if matches!(state, KvPoll::Failed(_)) {
+                    self.failed_at.insert(room, Instant::now());
+                }
+            }
+            Event::Releasable { room, .. } => {
+                if let Some(t) = self.failed_at.remove(&room) {
+                    metrics::histogram!("kvferry_quarantine_seconds", "role" => role_label(self.role))
+                        .record(t.elapsed().as_secs_f64());
+                }
+                if let Some(tx) = self.rooms.remove(&room) {
+                    tx.send_modify(|v| v.releasable = true);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn role_label(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    }
+}
+
+/// Publishes the core's counters (absolute values) and gauges through the `metrics` facade.
+pub fn export_metrics(endpoint: &Endpoint, role: Role) {
+    let role = role_label(role);
+    let c = endpoint.counters();
+    for (name, value) in c.iter() {
+        metrics::counter!(format!("kvferry_{name}_total"), "role" => role).absolute(value);
+    }
+    for reason in FailureReason::ALL {
+        metrics::counter!("kvferry_rooms_failed_total", "role" => role, "reason" => reason.as_str())
+            .absolute(c.failed(reason));
+    }
+    metrics::gauge!("kvferry_sessions_blacklisted", "role" => role)
+        .set(endpoint.blacklisted_sessions() as f64);
+    metrics::gauge!("kvferry_ops_live", "role" => role).set(endpoint.live_ops() as f64);
+    metrics::gauge!("kvferry_rooms_live", "role" => role).set(endpoint.live_rooms() as f64);
+    for sid in endpoint.session_ids() {
+        let Some(st) = endpoint.session_stats(sid) else {
+            continue;
+        };
+        let session = sid.0.to_string();
+        metrics::counter!("kvferry_session_bytes_total", "role" => role, "session" => session.clone()).absolute(st.bytes_done);
+        metrics::counter!("kvferry_session_ops_total", "role" => role, "session" => session.clone()).absolute(st.ops_done);
+        metrics::counter!("kvferry_session_ops_failed_total", "role" => role, "session" => session.clone()).absolute(st.ops_failed);
+        metrics::gauge!("kvferry_session_ops_in_flight", "role" => role, "session" => session)
+            .set(f64::from(st.in_flight));
+    }
+}
