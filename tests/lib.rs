@@ -85,3 +85,91 @@ pub async fn closed_by_peer(stream: &mut tokio::net::TcpStream, within: Duration
 
 /// The fault-injecting proxy (lives in the CLI crate so `kvferry proxy` can use it too).
 pub use kvferry_cli::proxy;
+
+// ------------------------------------------------------------------ any driver
+
+pub use kvferry_cli::{AnyNode, Runtime};
+pub use kvferry_tokio::KvNode;
+
+/// The glommio configuration the generic suite runs: two shards (one per core here).
+pub const GLOMMIO: Runtime = Runtime::Glommio { shards: 2 };
+
+/// Starts a node of `role` on `runtime` with its own memory.
+pub fn start_on(runtime: Runtime, role: Role, shape: &Shape, core: Config, seed: u64) -> AnyNode {
+    let cfg = node_config(role, shape, core, b"test-token", seed);
+    runtime
+        .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
+        .expect("node starts")
+}
+
+/// A prefill node on `runtime` serving synthetic KV on `at` (port 0: any ports).
+pub async fn prefill_on(
+    runtime: Runtime,
+    shape: &Shape,
+    core: Config,
+    seed: u64,
+    at: SocketAddr,
+) -> (AnyNode, Vec<SocketAddr>, tokio::task::JoinHandle<()>) {
+    let node = start_on(runtime, Role::Prefill, shape, core, seed);
+    let addrs = node.listen(at).await.expect("listen");
+    let server = tokio::spawn(kvferry_cli::serve_prefill(node.clone(), shape.clone()));
+    (node, addrs, server)
+}
+
+/// A decode run of `n` rooms from room `first`, small shape, 30 s deadline.
+pub fn rooms(n: u64, first: u64) -> kvferry_cli::DecodeRun {
+    kvferry_cli::DecodeRun {
+        rooms: n,
+        shape: small_shape(),
+        first_room: first,
+        progress: None,
+        deadline: Duration::from_secs(30),
+        abort_rate: 0.0,
+        seed: 0,
+    }
+}
+
+/// A loopback address whose port and the next `n - 1` ones are free right now (for tests
+/// that restart a node behind the same addresses).
+pub fn free_ports(n: u16) -> SocketAddr {
+    let mut seed = u64::from(std::process::id()).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+    loop {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let base = 20_000 + (seed >> 33) as u16 % 30_000;
+        let all_free = (0..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok());
+        if all_free {
+            return SocketAddr::from(([127, 0, 0, 1], base));
+        }
+    }
+}
+
+/// Runs one async scenario `fn(prefill_runtime, decode_runtime)` on every driver: tokio,
+/// glommio (2 shards), and a mixed pair (tokio prefill, glommio decode).
+#[macro_export]
+macro_rules! on_every_driver {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn tokio() {
+                    super::$name($crate::Runtime::Tokio, $crate::Runtime::Tokio).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn glommio() {
+                    super::$name($crate::GLOMMIO, $crate::GLOMMIO).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn tokio_prefill_glommio_decode() {
+                    super::$name($crate::Runtime::Tokio, $crate::GLOMMIO).await;
+                }
+            }
+        )*
+    };
+}

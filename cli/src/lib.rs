@@ -11,11 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{
-    Chunk, Config, FailureReason, Grant, Incarnation, KvPoll, Layout, NodeId, Region, Role, RoomId,
-    SessionId,
+    Chunk, Config, Counters, FailureReason, Generation, Grant, Incarnation, KvPoll, Layout, NodeId,
+    Region, Role, RoomId,
 };
+use kvferry_glommio::{GlommioNode, ShardConfig};
 use kvferry_tcp::MemoryMap;
-use kvferry_tokio::{Node, NodeConfig, NodeError};
+use kvferry_tokio::{Announcement, KvNode, Node, NodeConfig, NodeError, PeerId, RoomHandle};
 use tracing::warn;
 
 /// The synthetic model and workload.
@@ -185,7 +186,7 @@ impl Pool {
 /// Serves synthetic KV as a prefill node: every room a decode announces is opened, its
 /// source pages filled with the room's pattern and sent (chunked or layer by layer).
 /// Runs until the node shuts down.
-pub async fn serve_prefill(node: Node, shape: Shape) {
+pub async fn serve_prefill<N: KvNode>(node: N, shape: Shape) {
     let mut announcements = node.room_announcements();
     let layout = shape.layout();
     let pool = Arc::new(Mutex::new(Pool::new(layout.pages)));
@@ -224,7 +225,7 @@ pub async fn serve_prefill(node: Node, shape: Shape) {
             let slots = slots.clone();
             let freed = freed.clone();
             tokio::spawn(async move {
-                let handle = node.open_sender(room, generation);
+                let handle = node.open_sender(room, generation).await;
                 let Ok(mut handle) = handle else {
                     if let Ok(mut p) = pool.lock() {
                         p.give(&src);
@@ -249,7 +250,7 @@ pub async fn serve_prefill(node: Node, shape: Shape) {
     }
 }
 
-async fn send_room(node: &Node, shape: &Shape, room: RoomId, src: &[u32], aux_slot: u32) {
+async fn send_room<N: KvNode>(node: &N, shape: &Shape, room: RoomId, src: &[u32], aux_slot: u32) {
     let memory = node.memory();
     let page_bytes = shape.page_bytes as usize;
     let mut page = vec![0u8; page_bytes];
@@ -294,7 +295,7 @@ async fn send_room(node: &Node, shape: &Shape, room: RoomId, src: &[u32], aux_sl
             // Whole-batch mode: the chunk moves only after its whole forward pass.
             tokio::time::sleep(shape.layer_compute * u32::from(shape.layers)).await;
         }
-        if node.send_chunk(room, chunk).is_err() {
+        if node.send_chunk(room, chunk).await.is_err() {
             return;
         }
         if shape.layerwise {
@@ -307,7 +308,7 @@ async fn send_room(node: &Node, shape: &Shape, room: RoomId, src: &[u32], aux_sl
                 if c == 0 {
                     fill_layer(layer, &mut page);
                 }
-                if node.mark_layer_ready(&[room], layer).is_err() {
+                if node.mark_layer_ready(vec![room], layer).await.is_err() {
                     return;
                 }
             }
@@ -321,6 +322,8 @@ async fn send_room(node: &Node, shape: &Shape, room: RoomId, src: &[u32], aux_sl
 /// The outcome of a decode run: exactly the fields of `--json`.
 #[derive(Clone, Debug, Default)]
 pub struct Report {
+    /// The runtime that ran the nodes (`tokio`, `glommio`, or `prefill/decode` when mixed).
+    pub runtime: String,
     /// Rooms requested.
     pub rooms_total: u64,
     /// Rooms that reached Success.
@@ -355,6 +358,7 @@ impl Report {
     /// The `--json` object.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
+            "runtime": self.runtime,
             "rooms_total": self.rooms_total,
             "rooms_succeeded": self.rooms_succeeded,
             "rooms_failed": self.rooms_failed,
@@ -376,6 +380,7 @@ impl Report {
     pub fn table(&self) -> String {
         let mut s = String::new();
         let row = |s: &mut String, k: &str, v: String| s.push_str(&format!("  {k:<22} {v}\n"));
+        row(&mut s, "runtime", self.runtime.clone());
         row(
             &mut s,
             "rooms",
@@ -460,9 +465,6 @@ pub struct DecodeRun {
     pub abort_rate: f64,
     /// Seed of the abort decisions (reproducible per room).
     pub seed: u64,
-    /// A persistent peer ([`Node::connect_persistent`]): each room uses its session of the
-    /// moment, so rooms keep flowing across a prefill restart. `None`: the fixed session.
-    pub target: Option<kvferry_core::TargetId>,
 }
 
 /// A reproducible coin per (seed, room): `Some(delay)` when the room is hit.
@@ -477,9 +479,11 @@ struct Pages {
     slots: Pool,
 }
 
-/// Requests `run.rooms` rooms from the prefill behind `session`, verifies every page of every
-/// successful room, checks free pages before reuse, and reports.
-pub async fn run_decode(node: &Node, session: SessionId, run: DecodeRun) -> Report {
+/// Requests `run.rooms` rooms from the prefill `peer`, verifies every page of every
+/// successful room, checks free pages before reuse, and reports. A persistent peer
+/// ([`KvNode::connect_persistent`]) that is away is waited for up to the room deadline, so
+/// rooms keep flowing across a prefill restart.
+pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Report {
     let shape = run.shape.clone();
     let layout = shape.layout();
     let memory = node.memory().clone();
@@ -522,23 +526,12 @@ pub async fn run_decode(node: &Node, session: SessionId, run: DecodeRun) -> Repo
         let progress = run.progress.clone();
         let deadline = run.deadline;
         let abort_after = abort_plan(run.abort_rate, run.seed, room);
-        let target = run.target;
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let t0 = Instant::now();
-            let session = match target {
-                Some(t) => current_session(&node, t, deadline).await,
-                None => Some(session),
-            };
-            let Some(session) = session else {
-                return (
-                    Some(KvPoll::Failed(FailureReason::PeerUnreachable)),
-                    t0.elapsed(),
-                );
-            };
             let outcome = decode_room(
                 &node,
-                session,
+                peer,
                 &shape,
                 room,
                 &pages,
@@ -603,28 +596,9 @@ pub async fn run_decode(node: &Node, session: SessionId, run: DecodeRun) -> Repo
 }
 
 #[allow(clippy::too_many_arguments)]
-/// The session of a persistent peer, waiting up to `within` for a (re)connection.
-async fn current_session(
-    node: &Node,
-    target: kvferry_core::TargetId,
-    within: Duration,
-) -> Option<SessionId> {
-    let until = Instant::now() + within;
-    loop {
-        if let Some(s) = node.target_session(target) {
-            return Some(s);
-        }
-        if Instant::now() >= until {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn decode_room(
-    node: &Node,
-    session: SessionId,
+async fn decode_room<N: KvNode>(
+    node: &N,
+    peer: PeerId,
     shape: &Shape,
     room: RoomId,
     pages: &Mutex<Pages>,
@@ -674,7 +648,27 @@ async fn decode_room(
         state_slot: None,
         receivers: 1,
     };
-    let result = match node.open_receiver(room, 0, &[session], Some(grant)) {
+    // A persistent peer that is away (reconnecting) is waited for, up to the deadline.
+    let until = Instant::now() + deadline;
+    let opened = loop {
+        match node
+            .open_receiver(room, 0, vec![peer], Some(grant.clone()))
+            .await
+        {
+            Err(NodeError::PeerUnavailable(_)) if Instant::now() < until => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(NodeError::PeerUnavailable(_)) => {
+                if let Ok(mut pg) = pages.lock() {
+                    pg.pool.give(&dst);
+                    pg.slots.give(&[slot]);
+                }
+                return Some(KvPoll::Failed(FailureReason::PeerUnreachable));
+            }
+            other => break other,
+        }
+    };
+    let result = match opened {
         Ok(mut handle) => {
             if let Some(delay) = abort_after {
                 // The client gives up mid-flight; its pages must not be reused until no write
@@ -682,7 +676,7 @@ async fn decode_room(
                 let mut watch = handle.clone();
                 tokio::select! {
                     _ = watch.terminal() => {}
-                    _ = tokio::time::sleep(delay) => { let _ = node.abort(room); }
+                    _ = tokio::time::sleep(delay) => { let _ = node.abort(room).await; }
                 }
             }
             let state = tokio::time::timeout(deadline, handle.terminal()).await.ok();
@@ -773,6 +767,189 @@ pub struct DemoFaults {
     pub seed: u64,
 }
 
+/// Which driver runs a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runtime {
+    /// The tokio driver (one endpoint).
+    Tokio,
+    /// The thread-per-core glommio driver with this many shards.
+    Glommio {
+        /// Executors (one endpoint each).
+        shards: usize,
+    },
+}
+
+impl Runtime {
+    /// Parses `tokio` or `glommio` (with `shards` for glommio).
+    pub fn parse(name: &str, shards: usize) -> Result<Runtime, String> {
+        match name {
+            "tokio" => Ok(Runtime::Tokio),
+            "glommio" => Ok(Runtime::Glommio {
+                shards: shards.max(1),
+            }),
+            other => Err(format!("unknown runtime {other:?} (tokio or glommio)")),
+        }
+    }
+
+    /// The runtime's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Runtime::Tokio => "tokio",
+            Runtime::Glommio { .. } => "glommio",
+        }
+    }
+
+    /// Starts a node of this runtime (inside a tokio runtime for `Tokio`).
+    pub fn start(&self, cfg: NodeConfig, memory: Arc<MemoryMap>) -> Result<AnyNode, NodeError> {
+        Ok(match *self {
+            Runtime::Tokio => AnyNode::Tokio(Node::start(cfg, memory)?),
+            Runtime::Glommio { shards } => AnyNode::Glommio(GlommioNode::start(
+                cfg,
+                memory,
+                ShardConfig { shards, pin: true },
+            )?),
+        })
+    }
+}
+
+/// A node of either driver behind one type (the CLI and the tests pick the runtime at run
+/// time).
+#[derive(Clone, Debug)]
+pub enum AnyNode {
+    /// A tokio node.
+    Tokio(Node),
+    /// A glommio node.
+    Glommio(GlommioNode),
+}
+
+macro_rules! both {
+    ($self:ident, $n:ident => $e:expr) => {
+        match $self {
+            AnyNode::Tokio($n) => $e,
+            AnyNode::Glommio($n) => $e,
+        }
+    };
+}
+
+impl KvNode for AnyNode {
+    fn runtime(&self) -> &'static str {
+        both!(self, n => n.runtime())
+    }
+
+    fn memory(&self) -> &Arc<MemoryMap> {
+        both!(self, n => KvNode::memory(n))
+    }
+
+    fn shards(&self) -> usize {
+        both!(self, n => n.shards())
+    }
+
+    async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
+        both!(self, n => KvNode::listen(n, addr).await)
+    }
+
+    async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        both!(self, n => KvNode::connect(n, addrs).await)
+    }
+
+    async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        both!(self, n => KvNode::connect_persistent(n, addrs).await)
+    }
+
+    async fn open_receiver(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        peers: Vec<PeerId>,
+        grant: Option<Grant>,
+    ) -> Result<RoomHandle, NodeError> {
+        both!(self, n => KvNode::open_receiver(n, room, generation, peers, grant).await)
+    }
+
+    async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
+        both!(self, n => KvNode::grant_pages(n, room, grant).await)
+    }
+
+    async fn open_sender(
+        &self,
+        room: RoomId,
+        generation: Generation,
+    ) -> Result<RoomHandle, NodeError> {
+        both!(self, n => KvNode::open_sender(n, room, generation).await)
+    }
+
+    async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
+        both!(self, n => KvNode::send_chunk(n, room, chunk).await)
+    }
+
+    async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
+        both!(self, n => KvNode::mark_layer_ready(n, rooms, layer).await)
+    }
+
+    async fn set_capacity(&self, capacity: kvferry_core::Capacity) {
+        both!(self, n => KvNode::set_capacity(n, capacity).await)
+    }
+
+    async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
+        both!(self, n => KvNode::set_queue_position(n, room, position).await)
+    }
+
+    async fn set_faults(&self, faults: Option<kvferry_tokio::FaultPlan>) {
+        both!(self, n => KvNode::set_faults(n, faults).await)
+    }
+
+    async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
+        both!(self, n => KvNode::abort(n, room).await)
+    }
+
+    async fn counters(&self) -> Counters {
+        both!(self, n => KvNode::counters(n).await)
+    }
+
+    fn room_announcements(&self) -> tokio::sync::mpsc::UnboundedReceiver<Announcement> {
+        both!(self, n => KvNode::room_announcements(n))
+    }
+
+    async fn shutdown(&self) {
+        both!(self, n => KvNode::shutdown(n).await)
+    }
+}
+
+/// The runtime label of a pair: one name, or `prefill/decode` when they differ.
+pub fn runtime_label(prefill: &str, decode: &str) -> String {
+    if prefill == decode {
+        prefill.to_owned()
+    } else {
+        format!("{prefill}/{decode}")
+    }
+}
+
+/// Moves `run.rooms` rooms from `prefill` to `decode` (both started, on loopback) and reports.
+pub async fn run_pair<P: KvNode, D: KvNode>(
+    prefill: &P,
+    decode: &D,
+    run: DecodeRun,
+) -> Result<Report, NodeError> {
+    let addrs = prefill
+        .listen("127.0.0.1:0".parse().map_err(|_| NodeError::ShutDown)?)
+        .await?;
+    let server = tokio::spawn(serve_prefill(prefill.clone(), run.shape.clone()));
+    let peer = decode.connect(addrs).await?;
+    // Give the data connections a moment to come up before the first room.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut report = run_decode(decode, peer, run).await;
+    report.runtime = runtime_label(prefill.runtime(), decode.runtime());
+    add_counters(
+        &mut report,
+        &prefill.counters().await,
+        &decode.counters().await,
+    );
+    decode.shutdown().await;
+    prefill.shutdown().await;
+    server.abort();
+    Ok(report)
+}
+
 /// Runs prefill and decode in this process on loopback and moves `rooms` rooms end to end.
 pub async fn run_demo(
     shape: Shape,
@@ -780,6 +957,7 @@ pub async fn run_demo(
     rooms: u64,
     faults: DemoFaults,
     progress: Option<Progress>,
+    runtime: Runtime,
 ) -> Result<Report, NodeError> {
     let token = b"kvferry-demo".to_vec();
     let prefill_cfg = node_config(Role::Prefill, &shape, core.clone(), &token, 1);
@@ -791,15 +969,8 @@ pub async fn run_demo(
         });
     }
     let layout = shape.layout();
-    let prefill = Node::start(prefill_cfg, Arc::new(MemoryMap::allocate(layout)))?;
-    let decode = Node::start(decode_cfg, Arc::new(MemoryMap::allocate(layout)))?;
-    let addr: SocketAddr = prefill
-        .listen("127.0.0.1:0".parse().map_err(|_| NodeError::ShutDown)?)
-        .await?;
-    let server = tokio::spawn(serve_prefill(prefill.clone(), shape.clone()));
-    let session = decode.connect(addr).await?;
-    // Give the data connections a moment to come up before the first room.
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    let prefill = runtime.start(prefill_cfg, Arc::new(MemoryMap::allocate(layout)))?;
+    let decode = runtime.start(decode_cfg, Arc::new(MemoryMap::allocate(layout)))?;
     let run = DecodeRun {
         rooms,
         shape,
@@ -808,12 +979,6 @@ pub async fn run_demo(
         deadline: Duration::from_secs(600),
         abort_rate: faults.abort_rate,
         seed: faults.seed,
-        target: None,
     };
-    let mut report = run_decode(&decode, session, run).await;
-    add_counters(&mut report, &prefill.counters(), &decode.counters());
-    decode.shutdown().await;
-    prefill.shutdown().await;
-    server.abort();
-    Ok(report)
+    run_pair(&prefill, &decode, run).await
 }

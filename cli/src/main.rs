@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use kvferry_cli::{
-    add_counters, node_config, run_decode, run_demo, serve_prefill, DecodeRun, DemoFaults,
-    Progress, Report, Shape,
+    add_counters, node_config, run_decode, run_demo, serve_prefill, AnyNode, DecodeRun, DemoFaults,
+    Progress, Report, Runtime, Shape,
 };
 use kvferry_core::{Config, Role};
 use kvferry_tcp::MemoryMap;
-use kvferry_tokio::Node;
+use kvferry_tokio::KvNode;
 
 #[derive(Parser)]
 #[command(
@@ -58,9 +58,10 @@ enum Command {
     },
     /// Act as a decode node: request rooms from a prefill node and verify every byte.
     Decode {
-        /// The prefill node's address.
-        #[arg(long)]
-        connect: SocketAddr,
+        /// The prefill node's address; a sharded (glommio) prefill: every shard's address,
+        /// comma-separated, in the order it printed them.
+        #[arg(long, value_delimiter = ',', required = true)]
+        connect: Vec<SocketAddr>,
         /// Rooms to request.
         #[arg(long, default_value_t = 256)]
         rooms: u64,
@@ -182,6 +183,18 @@ struct CommonArgs {
     /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
+    /// The driver: tokio, or glommio (thread-per-core, io_uring).
+    #[arg(long, default_value = "tokio")]
+    runtime: String,
+    /// Shards (executors, one per core) for --runtime glommio.
+    #[arg(long, default_value_t = 1)]
+    shards: usize,
+}
+
+impl CommonArgs {
+    fn runtime(&self) -> Result<Runtime, String> {
+        Runtime::parse(&self.runtime, self.shards)
+    }
 }
 
 fn load_config(path: Option<&PathBuf>) -> Result<Config, String> {
@@ -283,9 +296,16 @@ async fn run(cli: Cli) -> Result<(), String> {
                 abort_rate,
                 seed,
             };
-            let report = run_demo(shape.shape(), config, rooms, faults, progress)
-                .await
-                .map_err(|e| e.to_string())?;
+            let report = run_demo(
+                shape.shape(),
+                config,
+                rooms,
+                faults,
+                progress,
+                common.runtime()?,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
@@ -304,8 +324,13 @@ async fn run(cli: Cli) -> Result<(), String> {
             common,
         } => {
             let (node, shape) = start_node(Role::Prefill, &shape, &common)?;
-            let addr = node.listen(listen).await.map_err(|e| e.to_string())?;
-            eprintln!("kvferry prefill listening on {addr}");
+            let addrs = node.listen(listen).await.map_err(|e| e.to_string())?;
+            let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+            eprintln!(
+                "kvferry prefill ({}) listening on {}",
+                node.runtime(),
+                list.join(",")
+            );
             let server = tokio::spawn(serve_prefill(node.clone(), shape));
             let _ = tokio::signal::ctrl_c().await;
             node.shutdown().await;
@@ -320,34 +345,37 @@ async fn run(cli: Cli) -> Result<(), String> {
             common,
         } => {
             let (node, shape) = start_node(Role::Decode, &shape, &common)?;
-            // A first session reports a refusal (token, layout) as a typed error; the
-            // persistent one then replaces it and is re-established if the prefill restarts.
-            let session = match node.connect(connect).await {
-                Ok(s) => s,
-                // A refusal will not change by retrying: say why and stop.
-                Err(
-                    e @ (kvferry_tokio::NodeError::Refused(_)
-                    | kvferry_tokio::NodeError::Rejected(_)),
-                ) => {
-                    return Err(format!("cannot reach prefill at {connect}: {e}"));
-                }
-                // Anything else may be transient: the persistent session below retries.
-                Err(e) => {
-                    tracing::warn!(%connect, error = %e, "first contact failed; retrying with backoff");
-                    kvferry_core::SessionId(0)
-                }
-            };
-            let target = node.connect_persistent(connect);
+            let shown: Vec<String> = connect.iter().map(|a| a.to_string()).collect();
+            let shown = shown.join(",");
+            // A first contact reports a refusal (token, layout) as a typed error; the
+            // persistent peer then carries the rooms and is reconnected if the prefill
+            // restarts.
             let waited = std::time::Instant::now();
-            while node.target_session(target).is_none() {
-                if waited.elapsed() > Duration::from_secs(30) {
-                    return Err(format!(
-                        "cannot reach prefill at {connect} (retried for 30 s)"
-                    ));
+            loop {
+                match node.connect(connect.clone()).await {
+                    Ok(_) => break,
+                    // A refusal will not change by retrying: say why and stop.
+                    Err(
+                        e @ (kvferry_tokio::NodeError::Refused(_)
+                        | kvferry_tokio::NodeError::Rejected(_)),
+                    ) => {
+                        return Err(format!("cannot reach prefill at {shown}: {e}"));
+                    }
+                    Err(e) if waited.elapsed() > Duration::from_secs(30) => {
+                        return Err(format!(
+                            "cannot reach prefill at {shown} (retried for 30 s): {e}"
+                        ));
+                    }
+                    Err(e) => {
+                        tracing::warn!(connect = %shown, error = %e, "first contact failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
                 }
-                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            let _ = session;
+            let peer = node
+                .connect_persistent(connect.clone())
+                .await
+                .map_err(|e| e.to_string())?;
             tokio::time::sleep(Duration::from_millis(50)).await;
             let (progress, bar) = progress_bar(rooms, common.json);
             let run = DecodeRun {
@@ -358,16 +386,16 @@ async fn run(cli: Cli) -> Result<(), String> {
                 deadline: Duration::from_secs(600),
                 abort_rate: 0.0,
                 seed: 0,
-                target: Some(target),
             };
-            let mut report = run_decode(&node, session, run).await;
+            let mut report = run_decode(&node, peer, run).await;
+            report.runtime = node.runtime().to_owned();
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
             add_counters(
                 &mut report,
                 &kvferry_core::Counters::default(),
-                &node.counters(),
+                &node.counters().await,
             );
             node.shutdown().await;
             print_report(&report, common.json);
@@ -455,12 +483,18 @@ async fn run(cli: Cli) -> Result<(), String> {
 
 /// Loads the configuration, serves metrics if asked, and starts a node of `role` with its own
 /// host memory for `shape`.
-fn start_node(role: Role, shape: &ShapeArgs, common: &CommonArgs) -> Result<(Node, Shape), String> {
+fn start_node(
+    role: Role,
+    shape: &ShapeArgs,
+    common: &CommonArgs,
+) -> Result<(AnyNode, Shape), String> {
+    let runtime = common.runtime()?;
     let config = load_config(common.config.as_ref())?;
     install_metrics(common.metrics_addr)?;
     let shape = shape.shape();
     let cfg = node_config(role, &shape, config, common.token.as_bytes(), rand_seed());
-    let node = Node::start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
+    let node = runtime
+        .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
         .map_err(|e| e.to_string())?;
     Ok((node, shape))
 }

@@ -122,6 +122,8 @@ pub enum NodeError {
     ShutDown,
     /// No peer has this id on this node.
     UnknownPeer(PeerId),
+    /// A persistent peer has no established session right now (it is being reconnected).
+    PeerUnavailable(PeerId),
     /// The runtime could not start (what failed and how to fix it).
     Runtime(String),
 }
@@ -158,6 +160,9 @@ impl std::fmt::Display for NodeError {
             NodeError::UnknownPeer(p) => {
                 write!(f, "no peer {} on this node (connect to it first)", p.0)
             }
+            NodeError::PeerUnavailable(p) => {
+                write!(f, "peer {} is not connected right now (reconnecting)", p.0)
+            }
             NodeError::Runtime(why) => write!(f, "the runtime could not start: {why}"),
         }
     }
@@ -193,6 +198,26 @@ pub struct Announcement {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeerId(pub u32);
 
+/// How a driver reaches one address of a peer: a session opened once, or a target the core
+/// keeps connected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// A session opened by `connect`.
+    Session(kvferry_core::SessionId),
+    /// A persistent target (its session changes across reconnects).
+    Target(kvferry_core::TargetId),
+}
+
+impl Link {
+    /// The session to use now, if any.
+    pub fn session(self, endpoint: &Endpoint) -> Option<kvferry_core::SessionId> {
+        match self {
+            Link::Session(s) => Some(s),
+            Link::Target(t) => endpoint.target_session(t),
+        }
+    }
+}
+
 /// The shard (or peer address) that owns room `room` among `n`: `room mod n`. Both sides of
 /// a transfer apply it, so a room meets its peer on the same shard whatever the runtimes.
 pub fn shard_of(room: RoomId, n: usize) -> usize {
@@ -221,6 +246,14 @@ pub trait KvNode: Clone + Send + Sync + 'static {
     /// Opens sessions to a peer that listens on `addrs` (one per shard of the peer) and waits
     /// for their handshakes.
     fn connect(
+        &self,
+        addrs: Vec<SocketAddr>,
+    ) -> impl Future<Output = Result<PeerId, NodeError>> + Send;
+
+    /// Names a peer whose sessions the core keeps connected by itself (reconnecting with
+    /// backoff after a loss or a restart); rooms toward it fail with
+    /// [`NodeError::PeerUnavailable`] while it is away.
+    fn connect_persistent(
         &self,
         addrs: Vec<SocketAddr>,
     ) -> impl Future<Output = Result<PeerId, NodeError>> + Send;
@@ -261,6 +294,19 @@ pub trait KvNode: Clone + Send + Sync + 'static {
         rooms: Vec<RoomId>,
         layer: u16,
     ) -> impl Future<Output = Result<(), NodeError>> + Send;
+
+    /// Decode: the embedder's free capacity, advertised to prefills (backpressure).
+    fn set_capacity(&self, capacity: kvferry_core::Capacity) -> impl Future<Output = ()> + Send;
+
+    /// Decode: a room waiting for pages is at `position` in the embedder's queue.
+    fn set_queue_position(
+        &self,
+        room: RoomId,
+        position: u32,
+    ) -> impl Future<Output = Result<(), NodeError>> + Send;
+
+    /// Injects reproducible data-path faults (demos and tests only; `None` clears them).
+    fn set_faults(&self, faults: Option<FaultPlan>) -> impl Future<Output = ()> + Send;
 
     /// Aborts a room (its pages stay quarantined until no write can land).
     fn abort(&self, room: RoomId) -> impl Future<Output = Result<(), NodeError>> + Send;
@@ -336,7 +382,18 @@ impl RoomBook {
     }
 }
 
-fn role_label(role: Role) -> &'static str {
+/// Compares a presented cluster token with ours in time independent of where they differ.
+pub fn token_matches(presented: &[u8], ours: &[u8]) -> bool {
+    presented.len() == ours.len()
+        && presented
+            .iter()
+            .zip(ours)
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// The `role` label of metrics.
+pub fn role_label(role: Role) -> &'static str {
     match role {
         Role::Prefill => "prefill",
         Role::Decode => "decode",

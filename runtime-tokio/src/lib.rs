@@ -32,11 +32,11 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
-use kvferry_driver::RoomBook;
 pub use kvferry_driver::{
-    export_metrics, shard_of, Announcement, FaultPlan, KvNode, NodeConfig, NodeError, PeerId,
+    export_metrics, shard_of, Announcement, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
     RoomHandle, RoomView,
 };
+use kvferry_driver::{token_matches, RoomBook};
 
 struct SessionIo {
     control_tx: mpsc::UnboundedSender<Vec<u8>>,
@@ -90,8 +90,8 @@ struct Shared {
     limits: Limits,
     faults: Mutex<Option<FaultPlan>>,
     announcements: Mutex<Option<mpsc::UnboundedSender<Announcement>>>,
-    /// Sessions of each peer named through [`KvNode::connect`], one per peer address.
-    peers: Mutex<Vec<Vec<SessionId>>>,
+    /// How each peer named through [`KvNode`] is reached, one link per peer address.
+    peers: Mutex<Vec<Vec<Link>>>,
     stopped: watch::Sender<bool>,
 }
 
@@ -424,14 +424,30 @@ impl Node {
 impl Node {
     /// The sessions that carry `room` from or to each of `peers` (address `room mod n`).
     fn sessions_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<SessionId>, NodeError> {
-        let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-        peers
-            .iter()
-            .map(|p| {
-                let sessions = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
-                Ok(sessions[shard_of(room, sessions.len())])
+        let links: Vec<(PeerId, Link)> = {
+            let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+            peers
+                .iter()
+                .map(|p| {
+                    let links = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
+                    Ok((*p, links[shard_of(room, links.len())]))
+                })
+                .collect::<Result<_, NodeError>>()?
+        };
+        let inner = self.shared.lock();
+        links
+            .into_iter()
+            .map(|(p, l)| {
+                l.session(&inner.endpoint)
+                    .ok_or(NodeError::PeerUnavailable(p))
             })
             .collect()
+    }
+
+    fn add_peer(&self, links: Vec<Link>) -> PeerId {
+        let mut table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+        table.push(links);
+        PeerId(table.len() as u32 - 1)
     }
 }
 
@@ -454,13 +470,19 @@ impl KvNode for Node {
     }
 
     async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        let mut sessions = Vec::with_capacity(addrs.len());
+        let mut links = Vec::with_capacity(addrs.len());
         for addr in addrs {
-            sessions.push(Node::connect(self, addr).await?);
+            links.push(Link::Session(Node::connect(self, addr).await?));
         }
-        let mut table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-        table.push(sessions);
-        Ok(PeerId(table.len() as u32 - 1))
+        Ok(self.add_peer(links))
+    }
+
+    async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        let links = addrs
+            .into_iter()
+            .map(|a| Link::Target(Node::connect_persistent(self, a)))
+            .collect();
+        Ok(self.add_peer(links))
     }
 
     async fn open_receiver(
@@ -494,6 +516,18 @@ impl KvNode for Node {
 
     async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
         Ok(Node::mark_layer_ready(self, &rooms, layer)?)
+    }
+
+    async fn set_capacity(&self, capacity: Capacity) {
+        Node::set_capacity(self, capacity);
+    }
+
+    async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
+        Ok(Node::set_queue_position(self, room, position)?)
+    }
+
+    async fn set_faults(&self, faults: Option<FaultPlan>) {
+        Node::set_faults(self, faults);
     }
 
     async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
@@ -764,7 +798,7 @@ async fn accept(weak: Weak<Shared>, mut stream: TcpStream, peer: SocketAddr) {
             attach_control(&shared, stream, None, None);
         }
         Preamble::Data(hello) => {
-            if !constant_time_eq(&hello.token, &shared.info.token) {
+            if !token_matches(&hello.token, &shared.info.token) {
                 warn!(%peer, "data connection with a wrong token refused");
                 let _ = answer_data(&mut stream, false).await;
                 return;
@@ -1025,8 +1059,4 @@ impl WriteCheck for CoreCheck {
         inner.endpoint.end_write(Instant::now(), permit);
         drain(&shared, &mut inner);
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

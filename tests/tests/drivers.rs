@@ -1,0 +1,575 @@
+//! The integration suite, generic over the driver: every scenario runs on tokio, on glommio
+//! (two shards) and on a mixed pair (tokio prefill, glommio decode), through the one embedder
+//! API both drivers implement (`KvNode`). Real sockets, real bytes, every page verified.
+#![allow(clippy::unwrap_used)] // tests may panic
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvferry_cli::{run_decode, run_pair, DecodeRun, Shape};
+use kvferry_core::{Capacity, Chunk, Config, FailureReason, Grant, KvPoll, Role, RoomId};
+use kvferry_tests::proxy::FaultProxy;
+use kvferry_tests::{
+    assert_all_clean, fast_core, free_ports, on_every_driver, prefill_on, rooms, small_shape,
+    start_on, KvNode, Runtime,
+};
+use kvferry_tokio::FaultPlan;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn any_port() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+/// Starts both sides and moves `run` end to end.
+async fn pair(p: Runtime, d: Runtime, core: Config, run: DecodeRun) -> kvferry_cli::Report {
+    let prefill = start_on(p, Role::Prefill, &run.shape, core.clone(), 1);
+    let decode = start_on(d, Role::Decode, &run.shape, core, 2);
+    run_pair(&prefill, &decode, run).await.expect("pair runs")
+}
+
+async fn many_concurrent_rooms_succeed_with_every_byte_verified(p: Runtime, d: Runtime) {
+    let report = pair(p, d, fast_core(), rooms(300, 1)).await;
+    assert_all_clean(&report, 300);
+    assert_eq!(report.pages_verified, 300 * 8 * 4 * 2);
+}
+
+async fn chunked_rooms_succeed(p: Runtime, d: Runtime) {
+    let shape = Shape {
+        chunks: 3,
+        ..small_shape()
+    };
+    let report = pair(
+        p,
+        d,
+        fast_core(),
+        DecodeRun {
+            shape,
+            ..rooms(60, 1)
+        },
+    )
+    .await;
+    assert_all_clean(&report, 60);
+}
+
+async fn layerwise_rooms_succeed(p: Runtime, d: Runtime) {
+    let shape = Shape {
+        layerwise: true,
+        layer_compute: Duration::from_micros(300),
+        chunks: 2,
+        ..small_shape()
+    };
+    let report = pair(
+        p,
+        d,
+        fast_core(),
+        DecodeRun {
+            shape,
+            ..rooms(40, 1)
+        },
+    )
+    .await;
+    assert_all_clean(&report, 40);
+}
+
+/// Aborts (20 %) race real transfers: pages stay quarantined until no write can land, so the
+/// free-pattern check before every reuse finds no stray write.
+async fn aborted_rooms_give_their_pages_back_clean(p: Runtime, d: Runtime) {
+    let run = DecodeRun {
+        abort_rate: 0.2,
+        seed: 3,
+        ..rooms(300, 1)
+    };
+    let report = pair(p, d, fast_core(), run).await;
+    let aborted = report
+        .failed_by_reason
+        .get("aborted_locally")
+        .copied()
+        .unwrap_or(0);
+    assert!(aborted > 10, "{report:?}");
+    assert_eq!(
+        (report.pages_corrupted, report.rooms_unfinished),
+        (0, 0),
+        "{report:?}"
+    );
+}
+
+async fn two_decodes_share_one_prefill(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let (prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 11, any_port()).await;
+    let d1 = start_on(d, Role::Decode, &shape, fast_core(), 12);
+    let d2 = start_on(d, Role::Decode, &shape, fast_core(), 13);
+    let p1 = d1.connect(addrs.clone()).await.expect("connect");
+    let p2 = d2.connect(addrs).await.expect("connect");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let (a, b) = tokio::join!(
+        run_decode(&d1, p1, rooms(50, 1)),
+        run_decode(&d2, p2, rooms(50, 1000))
+    );
+    assert_all_clean(&a, 50);
+    assert_all_clean(&b, 50);
+    prefill.shutdown().await;
+}
+
+/// A prefill node that disappears mid-transfer: decode's rooms fail with a reason within
+/// their deadlines instead of hanging, and their pages come back.
+async fn a_prefill_dropped_mid_transfer_fails_decode_rooms_with_a_reason(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 31);
+    let addrs = prefill.listen(any_port()).await.unwrap();
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 32);
+    let peer = decode.connect(addrs).await.unwrap();
+    let mut handles = Vec::new();
+    for r in 0..4u32 {
+        let grant = Grant {
+            pages: (r * 8..r * 8 + 8).collect(),
+            aux_slot: Some(r),
+            state_slot: None,
+            receivers: 1,
+        };
+        let room = RoomId(u64::from(r) + 1);
+        handles.push(
+            decode
+                .open_receiver(room, 0, vec![peer], Some(grant))
+                .await
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let t0 = Instant::now();
+    prefill.shutdown().await;
+    drop(prefill);
+    for mut h in handles {
+        let state = tokio::time::timeout(Duration::from_secs(5), h.terminal())
+            .await
+            .expect("no hang");
+        assert!(
+            matches!(
+                state,
+                KvPoll::Failed(FailureReason::PeerUnreachable | FailureReason::Shutdown)
+            ),
+            "{state:?}"
+        );
+        tokio::time::timeout(Duration::from_secs(5), h.releasable())
+            .await
+            .expect("released");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    decode.shutdown().await;
+}
+
+/// Garbage, an oversized length and a wrong token are refused; a healthy decode keeps working.
+async fn hostile_sockets_are_refused_while_other_peers_keep_working(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let (prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 41, any_port()).await;
+    for &addr in &addrs {
+        // 1: not a kvferry connection at all.
+        let mut junk = TcpStream::connect(addr).await.unwrap();
+        junk.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        // 2: a control connection announcing a 4 GiB frame.
+        let mut huge = TcpStream::connect(addr).await.unwrap();
+        huge.write_all(b"KVF1\x01").await.unwrap();
+        huge.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+        // 3: a data connection with a wrong token.
+        let mut forged = TcpStream::connect(addr).await.unwrap();
+        let hello = kvferry_tcp::DataHello {
+            node: kvferry_core::NodeId(9),
+            incarnation: kvferry_core::Incarnation(9),
+            token: b"wrong".to_vec(),
+        };
+        forged.write_all(&hello.encode()).await.unwrap();
+        let mut answer = [0u8; 1];
+        let refused = forged
+            .read_exact(&mut answer)
+            .await
+            .map(|_| answer[0] != 0)
+            .unwrap_or(true);
+        assert!(refused, "a wrong token gets no data connection");
+        for s in [&mut junk, &mut huge] {
+            assert!(kvferry_tests::closed_by_peer(s, Duration::from_secs(3)).await);
+        }
+    }
+    assert!(
+        prefill.counters().await.protocol_errors >= 1,
+        "the oversized frame was counted"
+    );
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 42);
+    let peer = decode.connect(addrs).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_all_clean(&run_decode(&decode, peer, rooms(20, 1)).await, 20);
+}
+
+/// A decode with another cluster token or another layout gets a typed error that says what to
+/// check, not a hang.
+async fn a_mismatched_peer_gets_a_typed_error_at_connect(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let (_prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 51, any_port()).await;
+    let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, fast_core(), b"other", 52);
+    cfg.info.token = b"other-token".to_vec();
+    let stranger = d
+        .start(
+            cfg,
+            std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout())),
+        )
+        .unwrap();
+    let err = stranger.connect(addrs.clone()).await.unwrap_err();
+    assert!(err.to_string().contains("token"), "{err}");
+    let other = Shape {
+        page_bytes: 8192,
+        ..small_shape()
+    };
+    let decode = start_on(d, Role::Decode, &other, fast_core(), 53);
+    let err = decode.connect(addrs).await.unwrap_err();
+    assert!(err.to_string().contains("page_bytes"), "{err}");
+}
+
+/// Every write batch resets its connection: the threshold blacklists the session and new rooms
+/// fail fast; once the link heals a probe recovers the session and rooms succeed again.
+async fn a_failing_session_is_blacklisted_then_recovered_by_a_probe(p: Runtime, d: Runtime) {
+    let core = Config {
+        session_failure_threshold: 3,
+        transfer_retries: 2,
+        probe_interval: Duration::from_millis(200),
+        ..fast_core()
+    };
+    let shape = small_shape();
+    let (prefill, addrs, _server) = prefill_on(p, &shape, core.clone(), 61, any_port()).await;
+    let decode = start_on(d, Role::Decode, &shape, core, 62);
+    let peer = decode.connect(addrs).await.expect("connect");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    decode
+        .set_faults(Some(FaultPlan { rate: 1.0, seed: 1 }))
+        .await;
+    let serial = Shape {
+        concurrency: 1,
+        ..small_shape()
+    };
+    let report = run_decode(
+        &decode,
+        peer,
+        DecodeRun {
+            shape: serial,
+            ..rooms(8, 1)
+        },
+    )
+    .await;
+    assert_eq!(report.rooms_succeeded, 0, "{report:?}");
+    assert!(
+        report.failed_by_reason.contains_key("session_blacklisted"),
+        "{report:?}"
+    );
+    assert!(prefill.counters().await.sessions_blacklisted >= 1);
+    // A new room toward the blacklisted session fails at bootstrap, fast (room 2 uses the same
+    // shard and peer address as rooms 2, 4, ... above).
+    let t0 = Instant::now();
+    let grant = Grant {
+        pages: vec![0],
+        aux_slot: None,
+        state_slot: None,
+        receivers: 1,
+    };
+    let mut h = decode
+        .open_receiver(RoomId(98), 0, vec![peer], Some(grant))
+        .await
+        .unwrap();
+    assert_eq!(
+        h.terminal().await,
+        KvPoll::Failed(FailureReason::SessionBlacklisted)
+    );
+    assert!(t0.elapsed() < Duration::from_millis(100));
+    // The link heals: a probe recovers the session.
+    decode.set_faults(None).await;
+    let until = Instant::now() + Duration::from_secs(5);
+    while prefill.counters().await.sessions_recovered == 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        prefill.counters().await.sessions_recovered >= 1,
+        "a probe recovers the session"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = run_decode(&decode, peer, rooms(20, 100)).await;
+    assert_all_clean(&report, 20);
+}
+
+/// A decode that has no pages for a room keeps prefill waiting only until prefill's deadline,
+/// which then fails the room as `DecodeSaturated` on both sides.
+async fn a_saturated_decode_fails_rooms_with_decode_saturated_at_the_deadline(
+    p: Runtime,
+    d: Runtime,
+) {
+    let shape = small_shape();
+    let (prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 71, any_port()).await;
+    let slow_bootstrap = Config {
+        bootstrap_timeout: Duration::from_secs(10),
+        ..fast_core()
+    };
+    let decode = start_on(d, Role::Decode, &shape, slow_bootstrap, 72);
+    let peer = decode.connect(addrs).await.expect("connect");
+    decode
+        .set_capacity(Capacity {
+            free_pages: 0,
+            queued_rooms: 5,
+        })
+        .await;
+    let mut h = decode
+        .open_receiver(RoomId(1), 0, vec![peer], None)
+        .await
+        .unwrap();
+    decode.set_queue_position(RoomId(1), 5).await.unwrap();
+    let t0 = Instant::now();
+    let state = tokio::time::timeout(Duration::from_secs(6), h.terminal())
+        .await
+        .expect("no hang");
+    assert_eq!(state, KvPoll::Failed(FailureReason::DecodeSaturated));
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1900),
+        "waited for the bootstrap deadline"
+    );
+    let c = prefill.counters().await;
+    assert_eq!(c.failed(FailureReason::DecodeSaturated), 1, "{c:?}");
+}
+
+/// Prefill aborts a room: decode learns it at once, with the peer's reason.
+async fn a_prefill_abort_reaches_decode_at_once(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 91);
+    let addrs = prefill.listen(any_port()).await.unwrap();
+    let mut announced = prefill.room_announcements();
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 92);
+    let peer = decode.connect(addrs).await.expect("connect");
+    let grant = Grant {
+        pages: vec![1, 2],
+        aux_slot: None,
+        state_slot: None,
+        receivers: 1,
+    };
+    let mut h = decode
+        .open_receiver(RoomId(5), 0, vec![peer], Some(grant))
+        .await
+        .unwrap();
+    let a = announced.recv().await.unwrap();
+    prefill.open_sender(a.room, a.generation).await.unwrap();
+    let t0 = Instant::now();
+    prefill.abort(RoomId(5)).await.unwrap();
+    assert_eq!(
+        h.terminal().await,
+        KvPoll::Failed(FailureReason::AbortedByPeer)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(200),
+        "not at the deadline"
+    );
+    h.releasable().await;
+}
+
+/// A prefill restarted behind the same addresses (a new incarnation): the decode's persistent
+/// peer reconnects by itself and rooms keep flowing.
+async fn a_restarted_prefill_is_reconnected_and_used_again(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let at = free_ports(2);
+    let (p1, addrs, server1) = prefill_on(p, &shape, fast_core(), 101, at).await;
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 102);
+    let peer = decode.connect_persistent(addrs.clone()).await.unwrap();
+    assert_all_clean(&run_decode(&decode, peer, rooms(6, 1)).await, 6);
+    p1.shutdown().await;
+    server1.abort();
+    drop(p1);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (_p2, addrs2, _server2) = prefill_on(p, &shape, fast_core(), 103, at).await;
+    assert_eq!(addrs, addrs2);
+    // No connect call: the core's reconnect backoff brings the sessions back.
+    let report = run_decode(&decode, peer, rooms(10, 100)).await;
+    assert_all_clean(&report, 10);
+    // An explicit connect to the new incarnation works as well.
+    let again = decode.connect(addrs2).await.unwrap();
+    assert_ne!(again, peer);
+    assert_all_clean(&run_decode(&decode, again, rooms(10, 200)).await, 10);
+}
+
+/// One decode stops reading entirely; rooms toward another decode of the same prefill are
+/// not delayed (no head-of-line blocking).
+async fn a_stalled_decode_does_not_delay_rooms_toward_another_decode(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let (_prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 111, any_port()).await;
+    let mut proxies = Vec::new();
+    for (i, &addr) in addrs.iter().enumerate() {
+        proxies.push(FaultProxy::start(addr, 9 + i as u64).await.unwrap());
+    }
+    let behind: Vec<SocketAddr> = proxies.iter().map(|p| p.addr).collect();
+    let slow = start_on(d, Role::Decode, &shape, fast_core(), 112);
+    let fast = start_on(d, Role::Decode, &shape, fast_core(), 113);
+    let slow_peer = slow.connect(behind).await.unwrap();
+    let fast_peer = fast.connect(addrs).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    for proxy in &proxies {
+        proxy.set(|f| {
+            f.stall_up = true;
+            f.stall_down = true;
+        });
+    }
+    let stuck = tokio::spawn(async move { run_decode(&slow, slow_peer, rooms(8, 1)).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let report = run_decode(&fast, fast_peer, rooms(50, 1000)).await;
+    assert_all_clean(&report, 50);
+    assert!(
+        report.latency_ms.1 < 500.0,
+        "p99 {} ms: no head-of-line blocking",
+        report.latency_ms.1
+    );
+    stuck.abort();
+}
+
+/// Decode aborts a room while its writes are in flight: the pages become releasable on the
+/// drain acknowledgement (no fence), and prefill learns of the abort.
+async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime, d: Runtime) {
+    let shape = Shape {
+        page_bytes: 64 * 1024,
+        pages_per_room: 64,
+        ..small_shape()
+    };
+    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 21);
+    let addrs = prefill.listen(any_port()).await.unwrap();
+    let mut announced = prefill.room_announcements();
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 22);
+    let peer = decode.connect(addrs).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let room = RoomId(7);
+    let pages: Vec<u32> = (0..64).collect();
+    let grant = Grant {
+        pages: pages.clone(),
+        aux_slot: Some(0),
+        state_slot: None,
+        receivers: 1,
+    };
+    let mut handle = decode
+        .open_receiver(room, 0, vec![peer], Some(grant))
+        .await
+        .unwrap();
+    // Prefill opens the room when decode's request arrives and sends 4 layers x 2 x 4 MiB.
+    let a = announced.recv().await.unwrap();
+    assert_eq!(a.room, room);
+    prefill.open_sender(room, 0).await.unwrap();
+    let chunk = Chunk {
+        pages,
+        last: true,
+        aux_slot: Some(0),
+        state_slot: None,
+        layerwise: false,
+    };
+    prefill.send_chunk(room, chunk).await.unwrap();
+    tokio::time::sleep(Duration::from_micros(300)).await;
+    decode.abort(room).await.unwrap();
+    let aborted_at = Instant::now();
+    assert_eq!(
+        handle.terminal().await,
+        KvPoll::Failed(FailureReason::AbortedLocally)
+    );
+    handle.releasable().await;
+    assert_eq!(decode.counters().await.fences, 0, "released on the ack");
+    assert!(
+        aborted_at.elapsed() < Duration::from_millis(500),
+        "released on the ack, not on the fence timer"
+    );
+    let until = Instant::now() + Duration::from_secs(2);
+    while prefill
+        .counters()
+        .await
+        .failed(FailureReason::AbortedByPeer)
+        == 0
+        && Instant::now() < until
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        prefill
+            .counters()
+            .await
+            .failed(FailureReason::AbortedByPeer),
+        1,
+        "prefill learnt of the abort"
+    );
+}
+
+/// The link goes dark right when decode aborts: neither the abort nor its acknowledgement get
+/// through, and the pages stay quarantined until the abort deadline fences the session.
+async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runtime, d: Runtime) {
+    let shape = Shape {
+        page_bytes: 64 * 1024,
+        pages_per_room: 64,
+        ..small_shape()
+    };
+    // Liveness outlasts the abort-ack timeout, so the fence is what releases the pages.
+    let core = Config {
+        heartbeat_interval: Duration::from_secs(2),
+        ..fast_core()
+    };
+    let (_prefill, addrs, _server) = prefill_on(p, &shape, core.clone(), 81, any_port()).await;
+    let mut proxies = Vec::new();
+    for (i, &addr) in addrs.iter().enumerate() {
+        proxies.push(FaultProxy::start(addr, 5 + i as u64).await.unwrap());
+    }
+    let behind: Vec<SocketAddr> = proxies.iter().map(|p| p.addr).collect();
+    let decode = start_on(d, Role::Decode, &shape, core, 82);
+    let peer = decode.connect(behind).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // 64 KiB chunks 5 ms apart: the room's 32 MiB need far longer than this test waits.
+    for proxy in &proxies {
+        proxy.set(|f| f.delay = Duration::from_millis(5));
+    }
+    let grant = Grant {
+        pages: (0..64).collect(),
+        aux_slot: Some(0),
+        state_slot: None,
+        receivers: 1,
+    };
+    let mut h = decode
+        .open_receiver(RoomId(1), 0, vec![peer], Some(grant))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        h.view().state,
+        KvPoll::WaitingForInput,
+        "writes not finished"
+    );
+    for proxy in &proxies {
+        proxy.set(|f| f.blackhole_until = Some(Instant::now() + Duration::from_secs(30)));
+    }
+    let t0 = Instant::now();
+    decode.abort(RoomId(1)).await.unwrap();
+    assert_eq!(
+        h.terminal().await,
+        KvPoll::Failed(FailureReason::AbortedLocally)
+    );
+    tokio::time::timeout(Duration::from_secs(5), h.releasable())
+        .await
+        .expect("released after the fence");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(450),
+        "no release before the abort-ack timeout ({:?})",
+        t0.elapsed()
+    );
+    assert!(
+        decode.counters().await.fences >= 1,
+        "the session was fenced"
+    );
+}
+
+on_every_driver!(
+    a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack,
+    a_lost_abort_keeps_pages_quarantined_until_the_fence,
+    many_concurrent_rooms_succeed_with_every_byte_verified,
+    chunked_rooms_succeed,
+    layerwise_rooms_succeed,
+    aborted_rooms_give_their_pages_back_clean,
+    two_decodes_share_one_prefill,
+    a_prefill_dropped_mid_transfer_fails_decode_rooms_with_a_reason,
+    hostile_sockets_are_refused_while_other_peers_keep_working,
+    a_mismatched_peer_gets_a_typed_error_at_connect,
+    a_failing_session_is_blacklisted_then_recovered_by_a_probe,
+    a_saturated_decode_fails_rooms_with_decode_saturated_at_the_deadline,
+    a_prefill_abort_reaches_decode_at_once,
+    a_restarted_prefill_is_reconnected_and_used_again,
+    a_stalled_decode_does_not_delay_rooms_toward_another_decode,
+);
