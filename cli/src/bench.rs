@@ -1,5 +1,9 @@
-//! `kvferry bench`: kvferry's TCP data plane against a plain TCP socket pair, same workloads,
-//! same runtime, one run. Each figure is the median of its iterations.
+//! `kvferry bench`: kvferry's TCP data plane on tokio and on glommio against a plain TCP
+//! socket pair, same workloads, one run. Each figure is the median of its iterations.
+//!
+//! The raw pair runs on tokio; the glommio data plane runs its sender and receiver on two
+//! executors (one per core where the machine allows), each operation written and acknowledged
+//! before the next as on tokio.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,11 +18,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-/// One workload's figures.
+/// One workload's figures on one runtime.
 #[derive(Clone, Debug)]
 pub struct BenchResult {
     /// Workload name.
     pub workload: &'static str,
+    /// The runtime of kvferry's figure (`tokio`, `glommio`).
+    pub runtime: &'static str,
     /// Unit of `kvferry` and `raw`.
     pub unit: &'static str,
     /// kvferry's figure.
@@ -33,9 +39,9 @@ pub struct BenchResult {
 
 /// Receiver-side validation as the core does it: every slice must stay inside the pages
 /// granted to the room.
-struct GrantCheck {
-    pages: PageSet,
-    page_bytes: u64,
+pub(crate) struct GrantCheck {
+    pub(crate) pages: PageSet,
+    pub(crate) page_bytes: u64,
 }
 
 impl WriteCheck for GrantCheck {
@@ -172,13 +178,13 @@ impl Raw {
     }
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
 
 /// Alternating pages on both sides, so no two slices coalesce: a paged batch.
-fn scattered(n: u32, page: u64) -> Arc<[Slice]> {
+pub(crate) fn scattered(n: u32, page: u64) -> Arc<[Slice]> {
     let region = Region::Kv { layer: 0, plane: 0 };
     (0..u64::from(n))
         .map(|i| Slice {
@@ -191,8 +197,47 @@ fn scattered(n: u32, page: u64) -> Arc<[Slice]> {
         .into()
 }
 
+/// Which runtimes a bench run measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Runtimes {
+    /// Measure the tokio data plane.
+    pub tokio: bool,
+    /// Measure the glommio data plane.
+    pub glommio: bool,
+}
+
 /// Runs every workload `iterations` times (the 4 KiB round trip 100x that) and reports.
-pub async fn run(iterations: usize) -> std::io::Result<Vec<BenchResult>> {
+pub async fn run(iterations: usize, runtimes: Runtimes) -> std::io::Result<Vec<BenchResult>> {
+    let mut out = Vec::new();
+    for r in run_tokio(iterations).await? {
+        if runtimes.tokio {
+            out.push(r.clone());
+        }
+        if runtimes.glommio {
+            let g = glommio_bench::workload(r.workload, iterations).await?;
+            let kvferry = match r.unit {
+                "GB/s" => (64u64 << 20) as f64 / g.as_secs_f64() / 1e9,
+                "ms" => g.as_secs_f64() * 1e3,
+                _ => g.as_secs_f64() * 1e6,
+            };
+            let ratio = if r.unit == "ms" {
+                r.raw / kvferry
+            } else {
+                kvferry / r.raw
+            };
+            out.push(BenchResult {
+                runtime: "glommio",
+                kvferry,
+                ratio,
+                ..r
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The tokio data plane against the raw pair.
+async fn run_tokio(iterations: usize) -> std::io::Result<Vec<BenchResult>> {
     let iterations = iterations.max(1);
     let mut out = Vec::new();
     let gb = |bytes: u64, d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
@@ -240,6 +285,7 @@ pub async fn run(iterations: usize) -> std::io::Result<Vec<BenchResult>> {
         let target = if n == 1024 { ">= 0.8" } else { "works" };
         out.push(BenchResult {
             workload: name,
+            runtime: "tokio",
             unit: "ms",
             kvferry: kt.as_secs_f64() * 1e3,
             raw: rt.as_secs_f64() * 1e3,
@@ -283,10 +329,237 @@ fn result(
 ) -> BenchResult {
     BenchResult {
         workload,
+        runtime: "tokio",
         unit,
         kvferry,
         raw,
         ratio: kvferry / raw,
         target,
     }
+}
+
+/// The glommio data plane on the bench workloads.
+mod glommio_bench {
+    use std::rc::Rc;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use glommio::net::{TcpListener, TcpStream};
+    use glommio::{LocalExecutorBuilder, Placement};
+    use kvferry_core::layout::PageSet;
+    use kvferry_core::{Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp};
+    use kvferry_tcp::stream::{read_ack, serve_writes_on, write_op};
+    use kvferry_tcp::{prepare_op, Limits, MemoryMap, WriteCheck};
+
+    use super::{median, scattered, GrantCheck};
+
+    fn io_error(e: impl std::fmt::Display) -> std::io::Error {
+        std::io::Error::other(e.to_string())
+    }
+
+    /// The median time of one operation of `workload` through glommio's data plane.
+    pub(super) async fn workload(name: &str, iterations: usize) -> std::io::Result<Duration> {
+        let (page, pages, slices, rounds): (u32, u32, Arc<[Slice]>, usize) = match name {
+            "transfer_64MiB" => (
+                16 * 1024,
+                4096,
+                vec![Slice {
+                    region: Region::Kv { layer: 0, plane: 0 },
+                    src_offset: 0,
+                    dst_offset: 0,
+                    len: 64 << 20,
+                }]
+                .into(),
+                iterations,
+            ),
+            "batch_1024x16KiB" => (16 * 1024, 2048, scattered(1024, 16 * 1024), iterations),
+            "batch_4096x4KiB" => (4096, 8192, scattered(4096, 4096), iterations),
+            _ => (
+                4096,
+                16,
+                vec![Slice {
+                    region: Region::Kv { layer: 0, plane: 0 },
+                    src_offset: 0,
+                    dst_offset: 4096,
+                    len: 4096,
+                }]
+                .into(),
+                iterations * 100,
+            ),
+        };
+        let times = tokio::task::spawn_blocking(move || run(page, pages, slices, rounds))
+            .await
+            .map_err(io_error)??;
+        Ok(median(times))
+    }
+
+    fn spin() -> Duration {
+        Duration::from_micros(
+            std::env::var("KVFERRY_SPIN_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        )
+    }
+
+    fn placement(cpu: usize) -> Placement {
+        let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if cpus > 1 {
+            Placement::Fixed(cpu % cpus)
+        } else {
+            Placement::Unbound
+        }
+    }
+
+    fn run(
+        page_bytes: u32,
+        pages: u32,
+        slices: Arc<[Slice]>,
+        rounds: usize,
+    ) -> std::io::Result<Vec<Duration>> {
+        kvferry_glommio::ensure_memlock(2).map_err(io_error)?;
+        let layout = Layout {
+            layers: 1,
+            planes: 1,
+            page_bytes,
+            pages,
+            aux_bytes: 0,
+            state_bytes: 0,
+            slots: 0,
+        };
+        let src = Arc::new(MemoryMap::allocate(layout));
+        let dst = Arc::new(MemoryMap::allocate(layout));
+        let all: Vec<u32> = (0..pages).collect();
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let receiver = LocalExecutorBuilder::new(placement(1))
+            .io_memory(1 << 20)
+            .spin_before_park(spin())
+            .spawn(move || async move {
+                let Ok(listener) = TcpListener::bind("127.0.0.1:0") else {
+                    return;
+                };
+                let Ok(addr) = listener.local_addr() else {
+                    return;
+                };
+                let _ = addr_tx.send(addr);
+                let Ok(stream) = listener.accept().await else {
+                    return;
+                };
+                let _ = stream.set_nodelay(true);
+                let check: Rc<dyn WriteCheck> = Rc::new(GrantCheck {
+                    pages: PageSet::new(&all),
+                    page_bytes: u64::from(page_bytes),
+                });
+                let limits = Limits {
+                    max_slices: 8192,
+                    max_bytes: 1 << 30,
+                };
+                let mut stream = futures_lite::io::BufReader::with_capacity(256 * 1024, stream);
+                let _ = serve_writes_on(&mut stream, &dst, check, limits).await;
+            })
+            .map_err(io_error)?;
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(5))
+            .map_err(io_error)?;
+        let sender = LocalExecutorBuilder::new(placement(0))
+            .io_memory(1 << 20)
+            .spin_before_park(spin())
+            .spawn(move || async move {
+                let mut stream = TcpStream::connect(addr).await.map_err(io_error)?;
+                let _ = stream.set_nodelay(true);
+                let bytes = slices.iter().map(|s| s.len).sum();
+                let (mut header, mut stage) = (Vec::new(), Vec::new());
+                let mut times = Vec::with_capacity(rounds);
+                for i in 0..rounds {
+                    let op = TransferOp {
+                        id: TransferId(i as u64 + 1),
+                        session: SessionId(1),
+                        room: Some(RoomId(1)),
+                        generation: 0,
+                        kind: OpKind::Kv,
+                        attempt: 1,
+                        slices: slices.clone(),
+                        bytes,
+                    };
+                    let t0 = Instant::now();
+                    let (sources, _) = prepare_op(&op, &src, &mut header);
+                    write_op(&mut stream, &header, &sources, &mut stage).await?;
+                    read_ack(&mut stream).await?;
+                    times.push(t0.elapsed());
+                }
+                Ok::<_, std::io::Error>(times)
+            })
+            .map_err(io_error)?;
+        let times = sender.join().map_err(io_error)??;
+        let _ = receiver.join();
+        Ok(times)
+    }
+}
+
+/// One point of the glommio scaling sweep.
+#[derive(Clone, Debug)]
+pub struct ScalePoint {
+    /// Shards of both the prefill and the decode node.
+    pub shards: usize,
+    /// Room lifecycles (open, transfer, verify, release) per second.
+    pub rooms_per_s: f64,
+    /// Payload throughput.
+    pub gbps: f64,
+    /// rooms/s relative to one shard.
+    pub speedup: f64,
+    /// speedup / shards (1.0 is linear).
+    pub efficiency: f64,
+}
+
+/// Room lifecycles per second through a glommio prefill and decode pair on loopback, with 1,
+/// 2, ... shards each up to the number of cores (small rooms: 2 layers x K/V x one 4 KiB page).
+pub async fn scaling(rooms: u64) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeError> {
+    use crate::{node_config, run_pair, DecodeRun, Runtime, Shape};
+    use kvferry_core::Role;
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let mut points: Vec<ScalePoint> = Vec::new();
+    for shards in 1..=cores {
+        let shape = Shape {
+            layers: 2,
+            planes: 2,
+            page_bytes: 4096,
+            pages_per_room: 1,
+            chunks: 1,
+            concurrency: 64 * shards,
+            layerwise: false,
+            layer_compute: Duration::ZERO,
+            data_connections: 1,
+        };
+        let runtime = Runtime::Glommio { shards };
+        let core = kvferry_core::Config::default();
+        let token = b"kvferry-bench";
+        let p = runtime.start(
+            node_config(Role::Prefill, &shape, core.clone(), token, 1),
+            Arc::new(MemoryMap::allocate(shape.layout())),
+        )?;
+        let d = runtime.start(
+            node_config(Role::Decode, &shape, core, token, 2),
+            Arc::new(MemoryMap::allocate(shape.layout())),
+        )?;
+        let run = DecodeRun {
+            rooms,
+            shape: shape.clone(),
+            first_room: 1,
+            progress: None,
+            deadline: Duration::from_secs(120),
+            abort_rate: 0.0,
+            seed: 0,
+        };
+        let report = run_pair(&p, &d, run).await?;
+        let rooms_per_s = report.rooms_succeeded as f64 / report.elapsed_s.max(1e-9);
+        let base = points.first().map_or(rooms_per_s, |p| p.rooms_per_s);
+        points.push(ScalePoint {
+            shards,
+            rooms_per_s,
+            gbps: report.throughput_gbps,
+            speedup: rooms_per_s / base,
+            efficiency: rooms_per_s / base / shards as f64,
+        });
+    }
+    Ok(points)
 }

@@ -111,6 +111,16 @@ enum Command {
         /// Iterations per workload (the 4 KiB round trip runs 100x as many).
         #[arg(long, default_value_t = 7)]
         iterations: usize,
+        /// Which data plane to measure against raw TCP: tokio, glommio, or all.
+        #[arg(long, default_value = "tokio")]
+        runtime: String,
+        /// Instead of the data-plane workloads: room lifecycles per second through the
+        /// glommio driver with 1, 2, ... shards up to the number of cores.
+        #[arg(long)]
+        scaling: bool,
+        /// Rooms per point of the scaling sweep.
+        #[arg(long, default_value_t = 4000)]
+        scaling_rooms: u64,
         /// Print one JSON object per workload instead of a table.
         #[arg(long)]
         json: bool,
@@ -459,20 +469,64 @@ async fn run(cli: Cli) -> Result<(), String> {
                 }
             }
         }
-        Command::Bench { iterations, json } => {
-            let results = kvferry_cli::bench::run(iterations)
+        Command::Bench {
+            iterations,
+            runtime,
+            scaling,
+            scaling_rooms,
+            json,
+        } => {
+            if scaling {
+                let points = kvferry_cli::bench::scaling(scaling_rooms)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                for p in &points {
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({ "runtime": "glommio", "shards": p.shards, "rooms_per_s": p.rooms_per_s, "gbps": p.gbps, "speedup": p.speedup, "efficiency": p.efficiency })
+                        );
+                    } else {
+                        println!(
+                            "glommio shards {:>2}  {:>10.0} rooms/s  {:>7.3} GB/s  speedup {:>5.2}  efficiency {:>5.2}",
+                            p.shards, p.rooms_per_s, p.gbps, p.speedup, p.efficiency
+                        );
+                    }
+                }
+                return Ok(());
+            }
+            let runtimes = match runtime.as_str() {
+                "tokio" => kvferry_cli::bench::Runtimes {
+                    tokio: true,
+                    glommio: false,
+                },
+                "glommio" => kvferry_cli::bench::Runtimes {
+                    tokio: false,
+                    glommio: true,
+                },
+                "all" => kvferry_cli::bench::Runtimes {
+                    tokio: true,
+                    glommio: true,
+                },
+                other => {
+                    return Err(format!(
+                        "--runtime must be tokio, glommio or all, not {other}"
+                    ))
+                }
+            };
+            let results = kvferry_cli::bench::run(iterations, runtimes)
                 .await
                 .map_err(|e| e.to_string())?;
             for r in &results {
                 if json {
                     println!(
                         "{}",
-                        serde_json::json!({ "workload": r.workload, "unit": r.unit, "kvferry": r.kvferry, "raw": r.raw, "ratio": r.ratio, "target": r.target })
+                        serde_json::json!({ "workload": r.workload, "runtime": r.runtime, "unit": r.unit, "kvferry": r.kvferry, "raw": r.raw, "ratio": r.ratio, "target": r.target })
                     );
                 } else {
                     println!(
-                        "{:<18} kvferry {:>10.3} {:<4}  raw {:>10.3} {:<4}  ratio {:>6.3}  (target {})",
-                        r.workload, r.kvferry, r.unit, r.raw, r.unit, r.ratio, r.target
+                        "{:<18} {:<8} kvferry {:>10.3} {:<4}  raw {:>10.3} {:<4}  ratio {:>6.3}  (target {})",
+                        r.workload, r.runtime, r.kvferry, r.unit, r.raw, r.unit, r.ratio, r.target
                     );
                 }
             }

@@ -127,7 +127,7 @@ pub fn shard_node(node: NodeId, index: usize) -> NodeId {
 
 /// Raises the soft `RLIMIT_MEMLOCK` to the hard limit (allowed without privileges) and checks
 /// that every executor can lock what glommio needs.
-fn ensure_memlock(shards: usize) -> Result<(), NodeError> {
+pub fn ensure_memlock(shards: usize) -> Result<(), NodeError> {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let limit = getrlimit(Resource::Memlock);
     let hard = limit.maximum;
