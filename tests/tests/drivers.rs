@@ -573,3 +573,16 @@ on_every_driver!(
     a_restarted_prefill_is_reconnected_and_used_again,
     a_stalled_decode_does_not_delay_rooms_toward_another_decode,
 );
+
+/// The routing rule is the only thing shards of two nodes must agree on (they share no
+/// state): with different shard counts on each side, and a single-shard tokio node against a
+/// three-shard glommio prefill, every room still meets its peer and every byte arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooms_meet_their_peer_whatever_the_shard_counts() {
+    let three = Runtime::Glommio { shards: 3 };
+    let two = Runtime::Glommio { shards: 2 };
+    for (p, d) in [(three, two), (two, three), (three, Runtime::Tokio)] {
+        let report = pair(p, d, fast_core(), rooms(60, 1)).await;
+        assert_all_clean(&report, 60);
+    }
+}
