@@ -324,6 +324,8 @@ async fn send_room<N: KvNode>(node: &N, shape: &Shape, room: RoomId, src: &[u32]
 pub struct Report {
     /// The runtime that ran the nodes (`tokio`, `glommio`, or `prefill/decode` when mixed).
     pub runtime: String,
+    /// The data-plane backend (`tcp`).
+    pub backend: String,
     /// Rooms requested.
     pub rooms_total: u64,
     /// Rooms that reached Success.
@@ -359,6 +361,7 @@ impl Report {
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "runtime": self.runtime,
+            "backend": self.backend,
             "rooms_total": self.rooms_total,
             "rooms_succeeded": self.rooms_succeeded,
             "rooms_failed": self.rooms_failed,
@@ -381,6 +384,7 @@ impl Report {
         let mut s = String::new();
         let row = |s: &mut String, k: &str, v: String| s.push_str(&format!("  {k:<22} {v}\n"));
         row(&mut s, "runtime", self.runtime.clone());
+        row(&mut s, "backend", self.backend.clone());
         row(
             &mut s,
             "rooms",
@@ -767,6 +771,45 @@ pub struct DemoFaults {
     pub seed: u64,
 }
 
+/// Which data-plane backend moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// TCP (every build).
+    Tcp,
+    /// RDMA verbs (builds with the `rdma` feature, hosts with a device).
+    Rdma,
+}
+
+impl Backend {
+    /// Parses `tcp` or `rdma`, and checks that this build and host can run it: an RDMA request
+    /// gets a typed answer saying what is missing and offering TCP.
+    pub fn parse(name: &str) -> Result<Backend, String> {
+        match name {
+            "tcp" => Ok(Backend::Tcp),
+            "rdma" => rdma_available().map(|()| Backend::Rdma),
+            other => Err(format!("unknown backend {other:?} (tcp or rdma)")),
+        }
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_available() -> Result<(), String> {
+    Err("this kvferry was built without RDMA support: rebuild with `cargo build --release -p kvferry-cli --features rdma` (needs libibverbs-dev, see scripts/install-deps.sh), or run the same command with --backend tcp".to_owned())
+}
+
+#[cfg(feature = "rdma")]
+fn rdma_available() -> Result<(), String> {
+    match kvferry_rdma::device::Device::open(None) {
+        Err(e) => Err(format!(
+            "RDMA is not available on this host: {e}. Run the same command with --backend tcp to use TCP instead"
+        )),
+        Ok(d) => Err(format!(
+            "found RDMA device {} but this build has no RDMA data path yet (the verbs write path is not implemented): run the same command with --backend tcp",
+            d.name()
+        )),
+    }
+}
+
 /// Which driver runs a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Runtime {
@@ -939,6 +982,7 @@ pub async fn run_pair<P: KvNode, D: KvNode>(
     tokio::time::sleep(Duration::from_millis(20)).await;
     let mut report = run_decode(decode, peer, run).await;
     report.runtime = runtime_label(prefill.runtime(), decode.runtime());
+    report.backend = "tcp".to_owned();
     add_counters(
         &mut report,
         &prefill.counters().await,
@@ -981,4 +1025,25 @@ pub async fn run_demo(
         seed: faults.seed,
     };
     run_pair(&prefill, &decode, run).await
+}
+
+#[cfg(test)]
+mod backend_tests {
+    use super::Backend;
+
+    #[test]
+    fn tcp_is_always_available() {
+        assert_eq!(Backend::parse("tcp"), Ok(Backend::Tcp));
+    }
+
+    #[test]
+    fn rdma_without_a_build_or_a_device_is_a_typed_refusal_that_offers_tcp() {
+        // With the default build: not built in. With `rdma` on a host without a device (CI):
+        // no kernel support or no device. Either way the answer says how to run over TCP.
+        match Backend::parse("rdma") {
+            Ok(b) => eprintln!("RDMA usable here: {b:?}"),
+            Err(why) => assert!(why.contains("--backend tcp"), "{why}"),
+        }
+        assert!(Backend::parse("carrier-pigeon").is_err());
+    }
 }

@@ -114,6 +114,9 @@ enum Command {
         /// Which data plane to measure against raw TCP: tokio, glommio, or all.
         #[arg(long, default_value = "tokio")]
         runtime: String,
+        /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature).
+        #[arg(long, default_value = "tcp")]
+        backend: String,
         /// Instead of the data-plane workloads: room lifecycles per second through the
         /// glommio driver with 1, 2, ... shards up to the number of cores.
         #[arg(long)]
@@ -199,10 +202,14 @@ struct CommonArgs {
     /// Shards (executors, one per core) for --runtime glommio.
     #[arg(long, default_value_t = 1)]
     shards: usize,
+    /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature).
+    #[arg(long, default_value = "tcp")]
+    backend: String,
 }
 
 impl CommonArgs {
     fn runtime(&self) -> Result<Runtime, String> {
+        kvferry_cli::Backend::parse(&self.backend)?;
         Runtime::parse(&self.runtime, self.shards)
     }
 }
@@ -399,6 +406,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             };
             let mut report = run_decode(&node, peer, run).await;
             report.runtime = node.runtime().to_owned();
+            report.backend = "tcp".to_owned();
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
@@ -472,10 +480,12 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::Bench {
             iterations,
             runtime,
+            backend,
             scaling,
             scaling_rooms,
             json,
         } => {
+            kvferry_cli::Backend::parse(&backend)?;
             if scaling {
                 let points = kvferry_cli::bench::scaling(scaling_rooms)
                     .await
