@@ -810,6 +810,24 @@ fn rdma_available() -> Result<(), String> {
     }
 }
 
+/// Why `demo --gpu` cannot run here: a typed answer, never a panic.
+#[cfg(not(feature = "gpu"))]
+pub fn gpu_demo_unavailable() -> String {
+    "this kvferry was built without GPU support: rebuild with `cargo build --release -p kvferry-cli --features gpu`, or run without --gpu".to_owned()
+}
+
+/// Why `demo --gpu` cannot run here: a typed answer, never a panic.
+#[cfg(feature = "gpu")]
+pub fn gpu_demo_unavailable() -> String {
+    match kvferry_gpu::cuda::probe() {
+        Err(e) => format!("{e}"),
+        Ok(info) => format!(
+            "found {} ({} device(s)) but the GPU demo pipeline (device regions staged through the data path, per-layer kernels) is not implemented in this build: run without --gpu",
+            info.name, info.devices
+        ),
+    }
+}
+
 /// Which driver runs a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Runtime {

@@ -45,6 +45,13 @@ enum Command {
         /// Seed of the injected faults and aborts.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Place the KV regions in GPU memory and drive layer readiness from CUDA events
+        /// (builds with the `gpu` feature, hosts with an NVIDIA GPU).
+        #[arg(long)]
+        gpu: bool,
+        /// With --gpu: write the compute/transfer timeline as SVG to this file.
+        #[arg(long)]
+        timeline: Option<PathBuf>,
     },
     /// Serve synthetic KV as a prefill node.
     Prefill {
@@ -299,7 +306,12 @@ async fn run(cli: Cli) -> Result<(), String> {
             fault_rate,
             abort_rate,
             seed,
+            gpu,
+            timeline,
         } => {
+            if gpu || timeline.is_some() {
+                return Err(kvferry_cli::gpu_demo_unavailable());
+            }
             for (name, p) in [("--fault-rate", fault_rate), ("--abort-rate", abort_rate)] {
                 if !(0.0..=1.0).contains(&p) {
                     return Err(format!("{name} must be a probability in 0..=1, not {p}"));
