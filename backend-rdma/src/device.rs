@@ -156,6 +156,16 @@ impl Device {
     pub fn name(&self) -> &str {
         &self.name
     }
+
+    /// The open context.
+    pub(crate) fn ctx(&self) -> *mut rdma_sys::ibv_context {
+        self.ctx
+    }
+
+    /// The protection domain every registration of this device hangs off.
+    pub(crate) fn pd(&self) -> *mut rdma_sys::ibv_pd {
+        self.pd
+    }
 }
 
 impl Drop for Device {

@@ -19,6 +19,8 @@ mod wc;
 
 #[cfg(feature = "rdma")]
 pub mod device;
+#[cfg(feature = "rdma")]
+pub mod verbs;
 
 pub use handshake::{writable, HandshakeError, RdmaHello, RemoteRegion, PSN_MASK};
 pub use qp::{QpError, QpLifecycle, QpState};

@@ -804,7 +804,7 @@ fn rdma_available() -> Result<(), String> {
             "RDMA is not available on this host: {e}. Run the same command with --backend tcp to use TCP instead"
         )),
         Ok(d) => Err(format!(
-            "found RDMA device {} but this build has no RDMA data path yet (the verbs write path is not implemented): run the same command with --backend tcp",
+            "found RDMA device {} but the drivers do not carry operations over RDMA yet (the verbs layer exists, the control-channel hello and the driver integration do not): run the same command with --backend tcp",
             d.name()
         )),
     }
