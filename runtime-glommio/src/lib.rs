@@ -49,6 +49,8 @@ type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
 /// glommio needs at least this much locked memory per executor.
 const MEMLOCK_MIN: u64 = 512 * 1024;
+/// Receive buffer of a data connection (larger reads go straight to registered memory).
+const RECV_BUF: usize = 256 * 1024;
 /// The io_uring buffer memory each executor registers (small: the limit is shared).
 const IO_MEMORY: usize = 1 << 20;
 
@@ -1096,7 +1098,8 @@ impl Shard {
                 let memory = self.memory.clone();
                 let limits = self.limits;
                 DataConn::Receiver(glommio::spawn_local(async move {
-                    let mut stream = stream;
+                    // One receive usually brings header, table and a small payload at once.
+                    let mut stream = futures_lite::io::BufReader::with_capacity(RECV_BUF, stream);
                     match serve_writes_on(&mut stream, &memory, check, limits).await {
                         Ok(stats) => debug!(
                             applied = stats.applied,
@@ -1415,7 +1418,9 @@ async fn write_loop(
     fail_pending(&ledger, &shard);
 }
 
-async fn ack_loop(mut read: TcpStream, ledger: Rc<RefCell<LedgerState>>, shard: Weak<Shard>) {
+async fn ack_loop(read: TcpStream, ledger: Rc<RefCell<LedgerState>>, shard: Weak<Shard>) {
+    // Pipelined operations' acknowledgements arrive together: read them in one go.
+    let mut read = futures_lite::io::BufReader::with_capacity(4096, read);
     loop {
         let (id, status) = match read_ack(&mut read).await {
             Ok(ack) => ack,
