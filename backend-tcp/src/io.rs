@@ -1,7 +1,7 @@
 //! Data connections on tokio: vectored sends straight from registered memory, scatter
 //! receives straight into it, one acknowledgement per operation after the bytes are applied.
 
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io;
 use std::sync::Arc;
 
 use kvferry_core::{TransferId, TransferOp, TransferOutcome};
@@ -18,12 +18,10 @@ use crate::frame::{
     KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    prepare_op, EndThrough, Limits, Preamble, ServeError, ServeStats, WriteCheck,
+    gather_iovecs, prepare_op, scatter_iovecs, EndThrough, Limits, Preamble, ServeError,
+    ServeStats, WriteCheck,
 };
 use crate::memory::MemoryMap;
-
-/// Linux accepts at most this many iovecs per call.
-const MAX_IOV: usize = 1024;
 
 /// Called once per operation handed to a [`DataSender`], with how it ended.
 pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;
@@ -168,50 +166,6 @@ async fn write_gather(
     Ok(())
 }
 
-/// The (address, length) of what is left of `ranges` after `skip` bytes, at most `max` of
-/// them: the shared bookkeeping of partial vectored writes and reads.
-fn remaining(
-    ranges: &[(usize, usize)],
-    mut skip: usize,
-    max: usize,
-) -> impl Iterator<Item = (usize, usize)> + '_ {
-    ranges
-        .iter()
-        .filter_map(move |&(ptr, len)| {
-            if skip >= len {
-                skip -= len;
-                None
-            } else {
-                let part = (ptr + skip, len - skip);
-                skip = 0;
-                Some(part)
-            }
-        })
-        .take(max)
-}
-
-/// The iovecs of what is left to send after `skip` bytes, at most [`MAX_IOV`] of them.
-fn gather_iovecs<'a>(
-    header: &'a [u8],
-    sources: &[(usize, usize)],
-    skip: usize,
-) -> Vec<IoSlice<'a>> {
-    let mut iov = Vec::with_capacity((sources.len() + 1).min(MAX_IOV));
-    if skip < header.len() {
-        iov.push(IoSlice::new(&header[skip..]));
-    }
-    let skip = skip.saturating_sub(header.len());
-    for (ptr, len) in remaining(sources, skip, MAX_IOV - iov.len()) {
-        // SAFETY: the range lies inside one (ptr, len) from MemoryMap::range, in registered
-        // memory that outlives the map (held by the caller's Arc); the core keeps these source
-        // pages pinned (no release, no reuse) until this operation is reported.
-        iov.push(IoSlice::new(unsafe {
-            std::slice::from_raw_parts(ptr as *const u8, len)
-        }));
-    }
-    iov
-}
-
 async fn ack_loop(mut read: OwnedReadHalf, ledger: Arc<OpLedger>, report: Report) {
     let mut buf = [0u8; ACK_LEN];
     loop {
@@ -328,17 +282,6 @@ async fn read_scatter(stream: &TcpStream, targets: &[(usize, usize)]) -> io::Res
         }
     }
     Ok(())
-}
-
-fn scatter_iovecs<'a>(targets: &[(usize, usize)], skip: usize) -> Vec<IoSliceMut<'a>> {
-    remaining(targets, skip, MAX_IOV)
-        .map(|(ptr, len)| {
-            // SAFETY: the range lies inside one (ptr, len) from MemoryMap::range (registered
-            // memory the caller's Arc keeps alive) and the core accepted the write for this
-            // room's pages, so nobody else touches them until the room is released.
-            IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
-        })
-        .collect()
 }
 
 async fn discard(stream: &mut TcpStream, mut n: u64) -> io::Result<()> {

@@ -1,7 +1,7 @@
 //! What both data-plane implementations (tokio, and any `futures-io` stream) share: the
 //! receiver's admission trait, bounds, outcomes, and how an operation is prepared for the wire.
 
-use std::io;
+use std::io::{self, IoSlice, IoSliceMut};
 
 use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, WritePermit, WriteRefused};
 use kvferry_sync::EndWrite;
@@ -133,4 +133,64 @@ pub fn prepare_op(
         }
     }
     (sources, false)
+}
+
+/// Linux accepts at most this many iovecs per call.
+pub const MAX_IOV: usize = 1024;
+
+/// The (address, length) of what is left of `ranges` after `skip` bytes, at most `max` of
+/// them: the shared bookkeeping of partial vectored writes and reads.
+fn remaining(
+    ranges: &[(usize, usize)],
+    mut skip: usize,
+    max: usize,
+) -> impl Iterator<Item = (usize, usize)> + '_ {
+    ranges
+        .iter()
+        .filter_map(move |&(ptr, len)| {
+            if skip >= len {
+                skip -= len;
+                None
+            } else {
+                let part = (ptr + skip, len - skip);
+                skip = 0;
+                Some(part)
+            }
+        })
+        .take(max)
+}
+
+/// The iovecs of what is left to send after `skip` bytes, at most [`MAX_IOV`] of them.
+pub fn gather_iovecs<'a>(
+    header: &'a [u8],
+    sources: &[(usize, usize)],
+    skip: usize,
+) -> Vec<IoSlice<'a>> {
+    let mut iov = Vec::with_capacity((sources.len() + 1).min(MAX_IOV));
+    if skip < header.len() {
+        iov.push(IoSlice::new(&header[skip..]));
+    }
+    let skip = skip.saturating_sub(header.len());
+    for (ptr, len) in remaining(sources, skip, MAX_IOV - iov.len()) {
+        // SAFETY: the range lies inside one (ptr, len) from MemoryMap::range, in registered
+        // memory that outlives the map (held by the caller's Arc); the core keeps these source
+        // pages pinned (no release, no reuse) until this operation is reported.
+        iov.push(IoSlice::new(unsafe {
+            std::slice::from_raw_parts(ptr as *const u8, len)
+        }));
+    }
+    iov
+}
+
+/// The iovecs of what is left to receive into `targets` after `skip` bytes, at most
+/// [`MAX_IOV`] of them.
+pub fn scatter_iovecs<'a>(targets: &[(usize, usize)], skip: usize) -> Vec<IoSliceMut<'a>> {
+    remaining(targets, skip, MAX_IOV)
+        .map(|(ptr, len)| {
+            // SAFETY: the range lies inside one (ptr, len) from MemoryMap::range (registered
+            // memory the caller's Arc keeps alive) and the core accepted the write for this
+            // room's pages, so nobody else touches them until the room is released.
+            IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
+        })
+        .collect()
 }

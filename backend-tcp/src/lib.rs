@@ -25,7 +25,10 @@ pub use frame::{
     WriteHeader, ACK_LEN, FRAME_WRITE, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN,
     WRITE_HEADER_LEN,
 };
-pub use io_common::{prepare_op, Limits, Preamble, ServeError, ServeStats, WriteCheck};
+pub use io_common::{
+    gather_iovecs, prepare_op, scatter_iovecs, Limits, Preamble, ServeError, ServeStats,
+    WriteCheck, MAX_IOV,
+};
 pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 
 #[cfg(feature = "tokio")]

@@ -348,7 +348,7 @@ mod glommio_bench {
     use glommio::{LocalExecutorBuilder, Placement};
     use kvferry_core::layout::PageSet;
     use kvferry_core::{Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp};
-    use kvferry_tcp::stream::{read_ack, serve_writes_on, write_op};
+    use kvferry_tcp::stream::{read_ack, serve_writes_on};
     use kvferry_tcp::{prepare_op, Limits, MemoryMap, WriteCheck};
 
     use super::{median, scattered, GrantCheck};
@@ -468,7 +468,7 @@ mod glommio_bench {
                 let mut stream = TcpStream::connect(addr).await.map_err(io_error)?;
                 let _ = stream.set_nodelay(true);
                 let bytes = slices.iter().map(|s| s.len).sum();
-                let (mut header, mut stage) = (Vec::new(), Vec::new());
+                let mut header = Vec::new();
                 let mut times = Vec::with_capacity(rounds);
                 for i in 0..rounds {
                     let op = TransferOp {
@@ -483,7 +483,7 @@ mod glommio_bench {
                     };
                     let t0 = Instant::now();
                     let (sources, _) = prepare_op(&op, &src, &mut header);
-                    write_op(&mut stream, &header, &sources, &mut stage).await?;
+                    kvferry_glommio::write_gather(&mut stream, &header, &sources).await?;
                     read_ack(&mut stream).await?;
                     times.push(t0.elapsed());
                 }

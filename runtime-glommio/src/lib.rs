@@ -39,9 +39,8 @@ pub use kvferry_driver::{
 use kvferry_sync::{Acked, ConnSet, LedgerState, Start};
 use kvferry_tcp::stream::{
     answer_data_on, hello_control, hello_data, read_ack, read_preamble_on, serve_writes_on,
-    write_op,
 };
-use kvferry_tcp::{prepare_op, DataHello, Limits, MemoryMap, Preamble, WriteCheck};
+use kvferry_tcp::{gather_iovecs, prepare_op, DataHello, Limits, MemoryMap, Preamble, WriteCheck};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
@@ -1393,7 +1392,6 @@ async fn write_loop(
     shard: Weak<Shard>,
 ) {
     let mut header = Vec::with_capacity(4096);
-    let mut stage = Vec::new();
     while let Some(op) = rx.recv().await {
         let (sources, bad) = prepare_op(&op, &memory, &mut header);
         let start = ledger.borrow_mut().start(op.id, bad);
@@ -1410,12 +1408,52 @@ async fn write_loop(
             }
             Start::Write => {}
         }
-        if let Err(e) = write_op(&mut write, &header, &sources, &mut stage).await {
+        if let Err(e) = write_gather(&mut write, &header, &sources).await {
             debug!(error = %e, "data connection write failed");
             break;
         }
     }
     fail_pending(&ledger, &shard);
+}
+
+/// Writes `header` then every source range straight from registered memory with as few
+/// `sendmsg` calls as the kernel allows (glommio's sockets have no vectored write, and
+/// staging through a buffer costs a copy of every byte). When the socket is full, glommio's
+/// own write of the next contiguous piece waits for room.
+pub async fn write_gather(
+    stream: &mut TcpStream,
+    header: &[u8],
+    sources: &[(usize, usize)],
+) -> std::io::Result<()> {
+    use futures_lite::AsyncWriteExt;
+    use rustix::net::{sendmsg, SendAncillaryBuffer, SendFlags};
+    let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
+    let mut done = 0usize;
+    while done < total {
+        let iov = gather_iovecs(header, sources, done);
+        let sent = {
+            // SAFETY: the descriptor stays open for as long as `stream`, which outlives the call.
+            let fd = unsafe { BorrowedFd::borrow_raw(stream.as_raw_fd()) };
+            sendmsg(
+                fd,
+                &iov,
+                &mut SendAncillaryBuffer::default(),
+                SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+            )
+        };
+        match sent {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => {
+                let piece = &iov[0][..iov[0].len().min(64 * 1024)];
+                stream.write_all(piece).await?;
+                done += piece.len();
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 async fn ack_loop(read: TcpStream, ledger: Rc<RefCell<LedgerState>>, shard: Weak<Shard>) {
