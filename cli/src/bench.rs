@@ -468,7 +468,9 @@ mod glommio_bench {
                 let mut stream = TcpStream::connect(addr).await.map_err(io_error)?;
                 let _ = stream.set_nodelay(true);
                 let bytes = slices.iter().map(|s| s.len).sum();
-                let mut header = Vec::new();
+                let (mut header, mut stage) = (Vec::new(), Vec::new());
+                // KVFERRY_GLOMMIO_PLAIN=1: the staged write instead of sendmsg gather (A/B).
+                let plain = std::env::var_os("KVFERRY_GLOMMIO_PLAIN").is_some();
                 let mut times = Vec::with_capacity(rounds);
                 for i in 0..rounds {
                     let op = TransferOp {
@@ -483,7 +485,12 @@ mod glommio_bench {
                     };
                     let t0 = Instant::now();
                     let (sources, _) = prepare_op(&op, &src, &mut header);
-                    kvferry_glommio::write_gather(&mut stream, &header, &sources).await?;
+                    if plain {
+                        kvferry_tcp::stream::write_op(&mut stream, &header, &sources, &mut stage)
+                            .await?;
+                    } else {
+                        kvferry_glommio::write_gather(&mut stream, &header, &sources).await?;
+                    }
                     read_ack(&mut stream).await?;
                     times.push(t0.elapsed());
                 }
