@@ -5,7 +5,7 @@ use std::io;
 use std::sync::Arc;
 
 use kvferry_core::{TransferId, TransferOp, TransferOutcome};
-use kvferry_sync::{Acked, Landing, OpLedger, Start};
+use kvferry_sync::{Acked, OpLedger, Start};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -18,7 +18,7 @@ use crate::frame::{
     KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    gather_iovecs, prepare_op, scatter_iovecs, EndThrough, Limits, Preamble, ServeError,
+    admit, gather_iovecs, prepare_op, scatter_iovecs, Admission, Limits, Preamble, ServeError,
     ServeStats, WriteCheck,
 };
 use crate::memory::MemoryMap;
@@ -121,12 +121,7 @@ async fn write_loop(
         match ledger.start(op.id, bad) {
             Start::Gone => continue,
             Start::Closed => {
-                let outcome = if bad {
-                    TransferOutcome::Fatal
-                } else {
-                    TransferOutcome::Transient
-                };
-                report(op.id, outcome);
+                report(op.id, Start::unsent(bad));
                 continue;
             }
             Start::Write => {}
@@ -219,41 +214,15 @@ pub async fn serve_writes(
         table.resize(h.slices as usize * SLICE_DESC_LEN, 0);
         stream.read_exact(&mut table).await?;
         let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
-        if check.inject_reset(h.room, h.op) {
-            return Err(ServeError::Io(io::Error::new(
-                io::ErrorKind::ConnectionReset,
-                "injected reset",
-            )));
-        }
-        let verdict = check.begin(h.room, h.generation, &slices);
-        // Held until the payload is applied or abandoned (a cancelled task drops it): the
-        // core keeps the room's pages while it is out.
-        let refused = verdict.err();
-        let landing = verdict
-            .ok()
-            .map(|permit| Landing::new(permit, EndThrough(check.clone())));
-        // Bounds against this process's registrations, whatever the core said.
-        let targets: Option<Vec<(usize, usize)>> = landing.as_ref().and_then(|_| {
-            slices
-                .iter()
-                .map(|s| {
-                    memory
-                        .range(s.region, s.dst_offset, s.len)
-                        .ok()
-                        .map(|p| (p as usize, s.len as usize))
-                })
-                .collect()
-        });
-        let status = match targets {
-            Some(targets) => {
+        let status = match admit(&check, &memory, &h, &slices)? {
+            Admission::Apply { landing, targets } => {
                 read_scatter(&stream, &targets).await?;
                 drop(landing);
                 stats.applied += 1;
                 stats.bytes += h.payload;
                 AckStatus::Applied
             }
-            None => {
-                drop(landing);
+            Admission::Refuse(refused) => {
                 discard(&mut stream, h.payload).await?;
                 stats.refused += 1;
                 debug!(room = %h.room, op = %h.op, ?refused, "write refused");

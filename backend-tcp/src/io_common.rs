@@ -4,7 +4,7 @@
 use std::io::{self, IoSlice, IoSliceMut};
 
 use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, WritePermit, WriteRefused};
-use kvferry_sync::EndWrite;
+use kvferry_sync::{EndWrite, Landing};
 use tracing::warn;
 
 use crate::frame::{encode_slice, DataHello, FrameError, WriteHeader};
@@ -193,4 +193,64 @@ pub fn scatter_iovecs<'a>(targets: &[(usize, usize)], skip: usize) -> Vec<IoSlic
             IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
         })
         .collect()
+}
+
+/// What a receiver does with one write whose header and table it read.
+#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
+pub(crate) enum Admission<P>
+where
+    P: std::ops::Deref,
+    P::Target: WriteCheck,
+{
+    /// Apply the payload into `targets`; `landing` holds the room's pages until dropped.
+    Apply {
+        /// The core's permit, handed back on drop.
+        landing: Landing<EndThrough<P>>,
+        /// Destination ranges in registered memory.
+        targets: Vec<(usize, usize)>,
+    },
+    /// Read the payload into a discard buffer (the core's reason, if it refused).
+    Refuse(Option<WriteRefused>),
+}
+
+/// Asks the core (through `check`) whether the write of `h` may land, and resolves its
+/// destinations against this process's registrations whatever the core said: the one
+/// admission step of every receive path. An injected reset is an error.
+#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
+pub(crate) fn admit<P>(
+    check: &P,
+    memory: &MemoryMap,
+    h: &WriteHeader,
+    slices: &[Slice],
+) -> Result<Admission<P>, ServeError>
+where
+    P: std::ops::Deref + Clone,
+    P::Target: WriteCheck,
+{
+    if check.inject_reset(h.room, h.op) {
+        return Err(ServeError::Io(io::Error::new(
+            io::ErrorKind::ConnectionReset,
+            "injected reset",
+        )));
+    }
+    let permit = match check.begin(h.room, h.generation, slices) {
+        Ok(p) => p,
+        Err(refused) => return Ok(Admission::Refuse(Some(refused))),
+    };
+    // Held until the payload is applied or abandoned (a cancelled task drops it): the core
+    // keeps the room's pages while it is out.
+    let landing = Landing::new(permit, EndThrough(check.clone()));
+    let targets: Option<Vec<(usize, usize)>> = slices
+        .iter()
+        .map(|s| {
+            memory
+                .range(s.region, s.dst_offset, s.len)
+                .ok()
+                .map(|p| (p as usize, s.len as usize))
+        })
+        .collect();
+    Ok(match targets {
+        Some(targets) => Admission::Apply { landing, targets },
+        None => Admission::Refuse(None),
+    })
 }

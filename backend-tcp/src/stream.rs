@@ -9,14 +9,13 @@ use std::rc::Rc;
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use kvferry_core::TransferId;
-use kvferry_sync::Landing;
 use tracing::debug;
 
 use crate::frame::{
     decode_ack, decode_slices, encode_ack, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
     KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
-use crate::io_common::{EndThrough, Limits, Preamble, ServeError, ServeStats, WriteCheck};
+use crate::io_common::{admit, Admission, Limits, Preamble, ServeError, ServeStats, WriteCheck};
 use crate::memory::MemoryMap;
 
 /// Slices at least this long move straight between the socket and registered memory; shorter
@@ -89,39 +88,15 @@ pub async fn serve_writes_on<S: AsyncRead + AsyncWrite + Unpin>(
         table.resize(h.slices as usize * SLICE_DESC_LEN, 0);
         stream.read_exact(&mut table).await?;
         let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
-        if check.inject_reset(h.room, h.op) {
-            return Err(ServeError::Io(io::Error::new(
-                io::ErrorKind::ConnectionReset,
-                "injected reset",
-            )));
-        }
-        let verdict = check.begin(h.room, h.generation, &slices);
-        let refused = verdict.err();
-        // Held until the payload is applied or abandoned (a cancelled task drops it).
-        let landing = verdict
-            .ok()
-            .map(|permit| Landing::new(permit, EndThrough(check.clone())));
-        let targets: Option<Vec<(usize, usize)>> = landing.as_ref().and_then(|_| {
-            slices
-                .iter()
-                .map(|s| {
-                    memory
-                        .range(s.region, s.dst_offset, s.len)
-                        .ok()
-                        .map(|p| (p as usize, s.len as usize))
-                })
-                .collect()
-        });
-        let status = match targets {
-            Some(targets) => {
+        let status = match admit(&check, memory, &h, &slices)? {
+            Admission::Apply { landing, targets } => {
                 read_scatter(stream, &targets, &mut stage).await?;
                 drop(landing);
                 stats.applied += 1;
                 stats.bytes += h.payload;
                 AckStatus::Applied
             }
-            None => {
-                drop(landing);
+            Admission::Refuse(refused) => {
                 discard(stream, h.payload, &mut stage).await?;
                 stats.refused += 1;
                 debug!(room = %h.room, op = %h.op, ?refused, "write refused");

@@ -382,6 +382,30 @@ impl RoomBook {
     }
 }
 
+/// Hands `item` to the next of `senders` that takes it, starting after the one used last
+/// (`next`), so operations spread over a session's data connections; gives it back if none
+/// takes it (every connection closed: the driver parks it until one attaches).
+pub fn round_robin<S: ?Sized, T>(
+    senders: &[&S],
+    next: &mut usize,
+    item: T,
+    send: impl Fn(&S, T) -> Result<(), T>,
+) -> Result<(), T> {
+    let n = senders.len();
+    let mut item = item;
+    for k in 0..n {
+        let i = (*next + k) % n;
+        match send(senders[i], item) {
+            Ok(()) => {
+                *next = i + 1;
+                return Ok(());
+            }
+            Err(back) => item = back,
+        }
+    }
+    Err(item)
+}
+
 /// Compares a presented cluster token with ours in time independent of where they differ.
 pub fn token_matches(presented: &[u8], ours: &[u8]) -> bool {
     presented.len() == ours.len()

@@ -32,7 +32,7 @@ use kvferry_core::{
     NodeId, Role, RoomId, SessionId, SessionState, Slice, TargetId, TransferId, TransferOp,
     TransferOutcome, WritePermit, WriteRefused,
 };
-use kvferry_driver::{export_metrics, shard_of, token_matches, RoomBook};
+use kvferry_driver::{export_metrics, round_robin, shard_of, token_matches, RoomBook};
 pub use kvferry_driver::{
     Announcement, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView,
 };
@@ -1322,19 +1322,7 @@ fn dispatch(io: &mut SessionIo, op: TransferOp) -> Result<(), TransferOp> {
             DataConn::Receiver(_) => None,
         })
         .collect();
-    let n = senders.len();
-    let mut op = op;
-    for k in 0..n {
-        let i = (io.next_sender + k) % n;
-        match senders[i].send(op) {
-            Ok(()) => {
-                io.next_sender = i + 1;
-                return Ok(());
-            }
-            Err(back) => op = back,
-        }
-    }
-    Err(op)
+    round_robin(&senders, &mut io.next_sender, op, |s, op| s.send(op))
 }
 
 /// Two handles on one socket (reads on one task, writes on another, no lock between them).
@@ -1398,12 +1386,7 @@ async fn write_loop(
         match start {
             Start::Gone => continue,
             Start::Closed => {
-                let outcome = if bad {
-                    TransferOutcome::Fatal
-                } else {
-                    TransferOutcome::Transient
-                };
-                report(&shard, op.id, outcome);
+                report(&shard, op.id, Start::unsent(bad));
                 continue;
             }
             Start::Write => {}

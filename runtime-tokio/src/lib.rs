@@ -36,7 +36,7 @@ pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
     RoomHandle, RoomView,
 };
-use kvferry_driver::{token_matches, RoomBook};
+use kvferry_driver::{round_robin, token_matches, RoomBook};
 
 struct SessionIo {
     control_tx: mpsc::UnboundedSender<Vec<u8>>,
@@ -648,19 +648,7 @@ fn dispatch(
             DataConn::Receiver(_) => None,
         })
         .collect();
-    let n = senders.len();
-    let mut op = op;
-    for k in 0..n {
-        let i = (io.next_sender + k) % n;
-        match senders[i].send(op) {
-            Ok(()) => {
-                io.next_sender = i + 1;
-                return Ok(());
-            }
-            Err(back) => op = back,
-        }
-    }
-    Err(op)
+    round_robin(&senders, &mut io.next_sender, op, |s, op| s.send(op))
 }
 
 /// Reports every parked operation of a session as transient (it was never written).

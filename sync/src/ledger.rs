@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use kvferry_core::TransferId;
+use kvferry_core::{TransferId, TransferOutcome};
 
 use crate::loom::{lock, Mutex};
 
@@ -33,6 +33,18 @@ pub enum Start {
     Closed,
     /// Already reported by a close: drop it.
     Gone,
+}
+
+impl Start {
+    /// The outcome to report for an operation the writer got back as [`Start::Closed`]:
+    /// fatal when it could not be prepared (`failed`), else transient (never written).
+    pub fn unsent(failed: bool) -> TransferOutcome {
+        if failed {
+            TransferOutcome::Fatal
+        } else {
+            TransferOutcome::Transient
+        }
+    }
 }
 
 /// What an acknowledgement matched.
