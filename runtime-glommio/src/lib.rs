@@ -931,7 +931,12 @@ impl Shard {
     }
 
     fn listen(self: &Rc<Self>, addr: SocketAddr) -> Result<SocketAddr, NodeError> {
-        let listener = TcpListener::bind(addr).map_err(std::io::Error::from)?;
+        // glommio's own bind sets SO_REUSEPORT, which would let a second node silently share
+        // (and steal connections from) an address in use; bind plainly and hand it over.
+        let plain = std::net::TcpListener::bind(addr)?;
+        plain.set_nonblocking(true)?;
+        // SAFETY: `plain` is a fresh listening socket whose ownership moves to glommio.
+        let listener = unsafe { TcpListener::from_raw_fd(plain.into_raw_fd()) };
         let local = listener.local_addr().map_err(std::io::Error::from)?;
         let weak = Rc::downgrade(self);
         let task = glommio::spawn_local(async move {

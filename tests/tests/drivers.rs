@@ -586,3 +586,17 @@ async fn rooms_meet_their_peer_whatever_the_shard_counts() {
         assert_all_clean(&report, 60);
     }
 }
+
+/// A second node cannot take an address another node listens on (a glommio listener must
+/// not share its port through SO_REUSEPORT and steal connections).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_listener_on_a_taken_address_is_refused() {
+    for runtime in [Runtime::Tokio, kvferry_tests::GLOMMIO] {
+        let shape = small_shape();
+        let at = free_ports(2);
+        let (_first, addrs, _server) = prefill_on(runtime, &shape, fast_core(), 1, at).await;
+        let second = start_on(runtime, Role::Prefill, &shape, fast_core(), 2);
+        let taken = second.listen(addrs[0]).await;
+        assert!(taken.is_err(), "{runtime:?}: {taken:?}");
+    }
+}
