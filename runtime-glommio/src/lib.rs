@@ -13,7 +13,10 @@
 //! order, arms one timer from `poll_timeout` and carries out operations and fences through
 //! `kvferry-tcp`; it never decides a retry, a timeout or a room's state. Within a shard there
 //! is no lock: the endpoint lives in a `RefCell` owned by the shard's thread. The embedder's
-//! calls reach a shard as closures over a channel and come back through a oneshot.
+//! calls reach a shard as closures over a channel and come back through a oneshot; dropping a
+//! call's future after it was sent loses only the answer (the call still takes effect: a
+//! room opened that way can still be aborted by its id), and `RoomHandle` waits are
+//! cancel-safe as on tokio.
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
