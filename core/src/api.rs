@@ -232,6 +232,13 @@ pub enum Event {
         /// The session.
         session: SessionId,
     },
+    /// The peer's data-plane backend sent bytes for ours ([`crate::Endpoint::send_transport`]).
+    TransportReceived {
+        /// The session.
+        session: SessionId,
+        /// The bytes, as sent.
+        payload: Vec<u8>,
+    },
 }
 
 /// Something the driver must do to its connections, from [`crate::Endpoint::poll_action`].
@@ -319,6 +326,10 @@ pub enum ApiError {
     InvalidTransition(InvalidTransition),
     /// The endpoint was shut down.
     ShutDown,
+    /// The session has not completed its handshake (or is closing).
+    SessionNotReady(SessionId),
+    /// A transport payload longer than [`crate::codec::MAX_TRANSPORT_LEN`].
+    TransportTooLong(usize),
 }
 
 impl fmt::Display for ApiError {
@@ -338,6 +349,12 @@ impl fmt::Display for ApiError {
             ApiError::RoomConcluded(r, s) => write!(f, "{r} already concluded as {s:?}"),
             ApiError::UnknownSession(s) => write!(f, "{s} is not open"),
             ApiError::NoSources => write!(f, "a receiver room needs at least one source"),
+            ApiError::SessionNotReady(s) => write!(f, "{s} has not completed its handshake"),
+            ApiError::TransportTooLong(n) => write!(
+                f,
+                "a transport payload of {n} bytes exceeds {} bytes",
+                crate::codec::MAX_TRANSPORT_LEN
+            ),
             ApiError::PageOutOfRange { page, pages } => {
                 write!(f, "page {page} is outside the pool of {pages} pages")
             }

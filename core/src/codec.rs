@@ -19,6 +19,8 @@ pub const HEADER_LEN: usize = 6;
 pub const MAX_TOKEN_LEN: usize = 64;
 /// Longest detail text of an error frame.
 pub const MAX_DETAIL_LEN: usize = 256;
+/// Longest payload of a [`Message::Transport`] frame.
+pub const MAX_TRANSPORT_LEN: usize = 16 * 1024;
 
 /// Everything two endpoints say to each other on the control connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,6 +95,12 @@ pub enum Message {
         code: ErrorCode,
         /// Human-readable detail, at most [`MAX_DETAIL_LEN`] bytes.
         detail: String,
+    },
+    /// Bytes for the peer's data-plane backend, opaque to the core (for example the RDMA
+    /// hello: queue pair and rkeys), at most [`MAX_TRANSPORT_LEN`].
+    Transport {
+        /// The backend's bytes.
+        payload: Vec<u8>,
     },
 }
 
@@ -199,6 +207,7 @@ mod ty {
     pub(super) const PROBE: u8 = 9;
     pub(super) const PROBE_ACK: u8 = 10;
     pub(super) const ERROR: u8 = 11;
+    pub(super) const TRANSPORT: u8 = 12;
 }
 
 /// A frame that cannot be decoded. The session that sent it earns a strike.
@@ -359,6 +368,12 @@ impl Message {
                 }
                 out.put_u16_le(end as u16);
                 out.put_slice(&detail.as_bytes()[..end]);
+            }
+            Message::Transport { payload } => {
+                out.put_u8(ty::TRANSPORT);
+                let end = payload.len().min(MAX_TRANSPORT_LEN);
+                out.put_u16_le(end as u16);
+                out.put_slice(&payload[..end]);
             }
         }
         let len = (out.len() - start - 4) as u32;
@@ -629,6 +644,15 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
             let detail =
                 String::from_utf8(r.take(len)?.to_vec()).map_err(|_| r.invalid("detail"))?;
             Message::Error { code, detail }
+        }
+        ty::TRANSPORT => {
+            let len = r.u16()? as usize;
+            if len > MAX_TRANSPORT_LEN {
+                return Err(r.invalid("transport length"));
+            }
+            Message::Transport {
+                payload: r.take(len)?.to_vec(),
+            }
         }
         other => return Err(DecodeError::UnknownType(other)),
     };

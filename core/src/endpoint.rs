@@ -798,6 +798,38 @@ impl Endpoint {
         self.mark_ready(session);
     }
 
+    /// Sends bytes from this side's data-plane backend to the peer's (for example the RDMA
+    /// hello); the peer's endpoint emits [`Event::TransportReceived`]. Only on an established
+    /// session, at most [`crate::codec::MAX_TRANSPORT_LEN`] bytes.
+    pub fn send_transport(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        payload: &[u8],
+    ) -> Result<(), ApiError> {
+        let _ = self.clock(now);
+        if payload.len() > crate::codec::MAX_TRANSPORT_LEN {
+            return Err(ApiError::TransportTooLong(payload.len()));
+        }
+        let s = self
+            .sessions
+            .get(&session)
+            .ok_or(ApiError::UnknownSession(session))?;
+        if !matches!(
+            s.state,
+            SessionState::Established | SessionState::Blacklisted
+        ) {
+            return Err(ApiError::SessionNotReady(session));
+        }
+        self.transmits.push_back((
+            session,
+            Message::Transport {
+                payload: payload.to_vec(),
+            },
+        ));
+        Ok(())
+    }
+
     /// Decode: the embedder's current free capacity, advertised in heartbeats.
     pub fn set_capacity(&mut self, capacity: Capacity) {
         self.capacity = capacity;
@@ -1814,6 +1846,12 @@ impl Endpoint {
             }
             Message::Probe { nonce } => {
                 self.transmits.push_back((sid, Message::ProbeAck { nonce }))
+            }
+            Message::Transport { payload } => {
+                self.events.push_back(Event::TransportReceived {
+                    session: sid,
+                    payload,
+                });
             }
             Message::ProbeAck { nonce } => self.on_probe_ack(now, sid, nonce),
             Message::Error { code, detail } => {
@@ -3200,5 +3238,6 @@ fn message_name(m: &Message) -> &'static str {
         Message::Probe { .. } => "Probe",
         Message::ProbeAck { .. } => "ProbeAck",
         Message::Error { .. } => "Error",
+        Message::Transport { .. } => "Transport",
     }
 }

@@ -71,6 +71,10 @@ fn every_message() -> Vec<Message> {
             code: ErrorCode::BadToken,
             detail: "cluster token mismatch".into(),
         },
+        Message::Transport {
+            payload: vec![1, 2, 3, 0xFF],
+        },
+        Message::Transport { payload: vec![] },
     ]
 }
 
@@ -239,4 +243,24 @@ proptest! {
         buf[i] ^= 1 << bit;
         let _ = Message::decode(&buf, MAX);
     }
+}
+
+#[test]
+fn a_transport_payload_longer_than_the_limit_is_refused() {
+    use kvferry_core::codec::MAX_TRANSPORT_LEN;
+    // Hand-built: header, type 12, a length one past the limit, and that many bytes.
+    let len = MAX_TRANSPORT_LEN + 1;
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&((2 + 2 + len) as u32).to_le_bytes());
+    frame.push(1);
+    frame.push(12);
+    frame.extend_from_slice(&(len as u16).to_le_bytes());
+    frame.extend(std::iter::repeat_n(7u8, len));
+    assert_eq!(
+        Message::decode(&frame, MAX),
+        Err(DecodeError::InvalidField {
+            ty: 12,
+            field: "transport length"
+        })
+    );
 }

@@ -285,3 +285,34 @@ fn a_permit_is_refused_for_a_concluded_room() {
         Err(kvferry_core::WriteRefused::UnknownRoom)
     );
 }
+
+#[test]
+fn transport_bytes_reach_the_peers_backend_unchanged_and_only_on_a_ready_session() {
+    let mut t = Pair::new();
+    let hello = vec![0xAB; 300];
+    t.p.send_transport(t.now, t.sp, &hello).unwrap();
+    t.pump();
+    let got: Vec<Vec<u8>> = std::iter::from_fn(|| t.d.poll_event())
+        .filter_map(|e| match e {
+            kvferry_core::Event::TransportReceived { session, payload } if session == t.sd => {
+                Some(payload)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(got, vec![hello]);
+    let too_long = vec![0u8; kvferry_core::codec::MAX_TRANSPORT_LEN + 1];
+    assert_eq!(
+        t.p.send_transport(t.now, t.sp, &too_long),
+        Err(kvferry_core::ApiError::TransportTooLong(too_long.len()))
+    );
+    let fresh = t.p.open_session(t.now);
+    assert_eq!(
+        t.p.send_transport(t.now, fresh, b"x"),
+        Err(kvferry_core::ApiError::SessionNotReady(fresh))
+    );
+    assert_eq!(
+        t.p.send_transport(t.now, SessionId(999), b"x"),
+        Err(kvferry_core::ApiError::UnknownSession(SessionId(999)))
+    );
+}
