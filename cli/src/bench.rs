@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry_core::layout::PageSet;
 use kvferry_core::{
     Generation, Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp,
     TransferOutcome, WritePermit, WriteRefused,
@@ -37,36 +36,76 @@ pub struct BenchResult {
     pub target: &'static str,
 }
 
-/// Receiver-side validation as the core does it: every slice must stay inside the pages
-/// granted to the room.
-pub(crate) struct GrantCheck {
-    pub(crate) pages: PageSet,
-    pub(crate) page_bytes: u64,
+/// The receiver's admission through a real core, as the drivers do it: a decode endpoint
+/// that completed a handshake and holds room 1 with every page granted, behind a lock;
+/// every write takes a permit (`begin_write`, all slices checked) and hands it back.
+pub(crate) struct CoreCheck {
+    endpoint: std::sync::Mutex<kvferry_core::Endpoint>,
+    session: SessionId,
 }
 
-impl WriteCheck for GrantCheck {
+impl CoreCheck {
+    /// A decode endpoint for `layout` with room 1 (generation 0) granted all `pages`.
+    pub(crate) fn new(layout: Layout) -> std::io::Result<CoreCheck> {
+        use kvferry_core::{Config, Endpoint, EndpointInfo, Grant, Incarnation, NodeId, Role};
+        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+        let now = Instant::now();
+        // The bench never advances the endpoints' clocks: no deadline can end the room.
+        let config = Config::default();
+        let mut p = Endpoint::new(
+            config.clone(),
+            EndpointInfo::new(Role::Prefill, NodeId(1), Incarnation(1), layout),
+            1,
+            now,
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        let mut d = Endpoint::new(
+            config,
+            EndpointInfo::new(Role::Decode, NodeId(2), Incarnation(2), layout),
+            2,
+            now,
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        let sp = p.open_session(now);
+        let sd = d.open_session(now);
+        for _ in 0..4 {
+            let mut buf = Vec::new();
+            while p.poll_transmit(&mut buf).is_some() {}
+            d.handle_input(now, sd, &buf);
+            buf.clear();
+            while d.poll_transmit(&mut buf).is_some() {}
+            p.handle_input(now, sp, &buf);
+        }
+        let grant = Grant {
+            pages: (0..layout.pages).collect(),
+            aux_slot: None,
+            state_slot: None,
+            receivers: 1,
+        };
+        d.open_receiver(now, RoomId(1), 0, &[sd], Some(grant))
+            .map_err(|e| invalid(e.to_string()))?;
+        Ok(CoreCheck {
+            endpoint: std::sync::Mutex::new(d),
+            session: sd,
+        })
+    }
+}
+
+impl WriteCheck for CoreCheck {
     fn begin(
         &self,
         room: RoomId,
         generation: Generation,
         slices: &[Slice],
     ) -> Result<WritePermit, WriteRefused> {
-        for s in slices {
-            let first = (s.dst_offset / self.page_bytes) as u32;
-            let last = ((s.dst_offset + s.len - 1) / self.page_bytes) as u32;
-            if !self.pages.contains_range(first, last) {
-                return Err(WriteRefused::PageNotGranted);
-            }
-        }
-        Ok(WritePermit {
-            session: SessionId(1),
-            room: Some(room),
-            generation,
-            epoch: 0,
-        })
+        let mut e = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());
+        e.begin_write(Instant::now(), self.session, room, generation, slices)
     }
 
-    fn end(&self, _permit: WritePermit) {}
+    fn end(&self, permit: WritePermit) {
+        let mut e = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());
+        e.end_write(Instant::now(), permit);
+    }
 }
 
 async fn socket_pair() -> std::io::Result<(TcpStream, TcpStream)> {
@@ -98,11 +137,7 @@ impl Kv {
         let src = Arc::new(MemoryMap::allocate(layout));
         let dst = Arc::new(MemoryMap::allocate(layout));
         let (a, b) = socket_pair().await?;
-        let all: Vec<u32> = (0..pages).collect();
-        let check = Arc::new(GrantCheck {
-            pages: PageSet::new(&all),
-            page_bytes: u64::from(page_bytes),
-        });
+        let check = Arc::new(CoreCheck::new(layout)?);
         let limits = Limits {
             max_slices: 8192,
             max_bytes: 1 << 30,
@@ -346,12 +381,11 @@ mod glommio_bench {
 
     use glommio::net::{TcpListener, TcpStream};
     use glommio::{LocalExecutorBuilder, Placement};
-    use kvferry_core::layout::PageSet;
     use kvferry_core::{Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp};
     use kvferry_tcp::stream::{read_ack, serve_writes_on};
     use kvferry_tcp::{prepare_op, Limits, MemoryMap, WriteCheck};
 
-    use super::{median, scattered, GrantCheck};
+    use super::{median, scattered, CoreCheck};
 
     fn io_error(e: impl std::fmt::Display) -> std::io::Error {
         std::io::Error::other(e.to_string())
@@ -429,7 +463,7 @@ mod glommio_bench {
         };
         let src = Arc::new(MemoryMap::allocate(layout));
         let dst = Arc::new(MemoryMap::allocate(layout));
-        let all: Vec<u32> = (0..pages).collect();
+        let check = CoreCheck::new(layout)?;
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let receiver = LocalExecutorBuilder::new(placement(1))
             .io_memory(1 << 20)
@@ -446,10 +480,7 @@ mod glommio_bench {
                     return;
                 };
                 let _ = stream.set_nodelay(true);
-                let check: Rc<dyn WriteCheck> = Rc::new(GrantCheck {
-                    pages: PageSet::new(&all),
-                    page_bytes: u64::from(page_bytes),
-                });
+                let check: Rc<dyn WriteCheck> = Rc::new(check);
                 let limits = Limits {
                     max_slices: 8192,
                     max_bytes: 1 << 30,
@@ -569,4 +600,39 @@ pub async fn scaling(rooms: u64) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeE
         });
     }
     Ok(points)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bench_admits_writes_through_a_real_core_and_refuses_others() {
+        let layout = Layout {
+            layers: 1,
+            planes: 1,
+            page_bytes: 4096,
+            pages: 16,
+            aux_bytes: 0,
+            state_bytes: 0,
+            slots: 0,
+        };
+        let check = CoreCheck::new(layout).unwrap();
+        let slice = |off: u64, len: u64| Slice {
+            region: Region::Kv { layer: 0, plane: 0 },
+            src_offset: 0,
+            dst_offset: off,
+            len,
+        };
+        let permit = check.begin(RoomId(1), 0, &[slice(0, 16 * 4096)]).unwrap();
+        check.end(permit);
+        assert_eq!(
+            check.begin(RoomId(2), 0, &[slice(0, 4096)]),
+            Err(WriteRefused::UnknownRoom)
+        );
+        assert_eq!(
+            check.begin(RoomId(1), 0, &[slice(16 * 4096, 4096)]),
+            Err(WriteRefused::OutOfRegion)
+        );
+    }
 }
