@@ -193,6 +193,44 @@ pub struct Announcement {
     pub pages: u32,
 }
 
+/// Where a prefill's room announcements go: the one receiver the embedder holds (the latest
+/// [`Announcer::subscribe`] wins). Lossless, unlike an event broadcast. Cheap to clone; every
+/// shard of a node holds the same one.
+#[derive(Clone, Debug, Default)]
+pub struct Announcer(Arc<std::sync::Mutex<Option<mpsc::UnboundedSender<Announcement>>>>);
+
+impl Announcer {
+    /// A new receiver of every later announcement (replaces the previous one).
+    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<Announcement> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = Some(tx);
+        }
+        rx
+    }
+
+    /// Forwards a [`Event::RoomAnnounced`] to the receiver, if any; other events are ignored.
+    pub fn on_event(&self, event: &Event) {
+        if let Event::RoomAnnounced {
+            room,
+            generation,
+            pages,
+            ..
+        } = *event
+        {
+            if let Ok(slot) = self.0.lock() {
+                if let Some(tx) = slot.as_ref() {
+                    let _ = tx.send(Announcement {
+                        room,
+                        generation,
+                        pages,
+                    });
+                }
+            }
+        }
+    }
+}
+
 /// A peer as the embedder names it: the list of its addresses (one per shard of the peer;
 /// one for a tokio node). Room `r` moves over the session to address `r mod len`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

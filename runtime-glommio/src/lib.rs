@@ -35,7 +35,7 @@ use kvferry_core::{
     NodeId, Role, RoomId, SessionId, SessionState, Slice, TargetId, TransferId, TransferOp,
     TransferOutcome, WritePermit, WriteRefused,
 };
-use kvferry_driver::{export_metrics, round_robin, shard_of, token_matches, RoomBook};
+use kvferry_driver::{export_metrics, round_robin, shard_of, token_matches, Announcer, RoomBook};
 pub use kvferry_driver::{
     Announcement, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView,
 };
@@ -101,7 +101,7 @@ struct NodeShared {
     memory: Arc<MemoryMap>,
     /// How each peer is reached: `[peer][shard][address]`.
     peers: Mutex<Vec<Vec<Vec<Link>>>>,
-    announcements: Arc<Mutex<Option<mpsc::UnboundedSender<Announcement>>>>,
+    announcements: Announcer,
     threads: Mutex<Vec<glommio::ExecutorJoinHandle<()>>>,
     handshake_timeout: Duration,
 }
@@ -167,7 +167,7 @@ impl GlommioNode {
         let n = shards.shards.max(1);
         ensure_memlock(n)?;
         let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
-        let announcements = Arc::new(Mutex::new(None));
+        let announcements = Announcer::default();
         let mut senders = Vec::with_capacity(n);
         let mut threads = Vec::with_capacity(n);
         for i in 0..n {
@@ -481,11 +481,7 @@ impl KvNode for GlommioNode {
     }
 
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        if let Ok(mut slot) = self.shared.announcements.lock() {
-            *slot = Some(tx);
-        }
-        rx
+        self.shared.announcements.subscribe()
     }
 
     async fn shutdown(&self) {
@@ -529,7 +525,7 @@ struct ShardSetup {
     config: NodeConfig,
     info: EndpointInfo,
     memory: Arc<MemoryMap>,
-    announcements: Arc<Mutex<Option<mpsc::UnboundedSender<Announcement>>>>,
+    announcements: Announcer,
     rx: flume::Receiver<Cmd>,
 }
 
@@ -558,7 +554,7 @@ struct Shard {
     limits: Limits,
     data_connections: usize,
     faults: Cell<Option<FaultPlan>>,
-    announcements: Arc<Mutex<Option<mpsc::UnboundedSender<Announcement>>>>,
+    announcements: Announcer,
     wake: LocalSender<()>,
     stopped: Cell<bool>,
     /// Tasks that live as long as the shard (listeners, the timer).
@@ -890,22 +886,7 @@ impl Shard {
                     self.open_data_connections(session, addr, self.data_connections);
                 }
             }
-            Event::RoomAnnounced {
-                room,
-                generation,
-                pages,
-                ..
-            } => {
-                if let Ok(slot) = self.announcements.lock() {
-                    if let Some(tx) = slot.as_ref() {
-                        let _ = tx.send(Announcement {
-                            room,
-                            generation,
-                            pages,
-                        });
-                    }
-                }
-            }
+            Event::RoomAnnounced { .. } => self.announcements.on_event(event),
             Event::PeerError {
                 session,
                 code,

@@ -36,7 +36,7 @@ pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
     RoomHandle, RoomView,
 };
-use kvferry_driver::{round_robin, token_matches, RoomBook};
+use kvferry_driver::{round_robin, token_matches, Announcer, RoomBook};
 
 struct SessionIo {
     control_tx: mpsc::UnboundedSender<Vec<u8>>,
@@ -89,7 +89,7 @@ struct Shared {
     info: EndpointInfo,
     limits: Limits,
     faults: Mutex<Option<FaultPlan>>,
-    announcements: Mutex<Option<mpsc::UnboundedSender<Announcement>>>,
+    announcements: Announcer,
     /// How each peer named through [`KvNode`] is reached, one link per peer address.
     peers: Mutex<Vec<Vec<Link>>>,
     stopped: watch::Sender<bool>,
@@ -161,7 +161,7 @@ impl Node {
             info: config.info,
             limits,
             faults: Mutex::new(config.faults),
-            announcements: Mutex::new(None),
+            announcements: Announcer::default(),
             peers: Mutex::new(Vec::new()),
             stopped,
         });
@@ -304,11 +304,7 @@ impl Node {
     /// Prefill: every room a decode asks for before this node opened it, without loss. The
     /// embedder opens each with [`Node::open_sender`]. A second call replaces the first.
     pub fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        if let Ok(mut slot) = self.shared.announcements.lock() {
-            *slot = Some(tx);
-        }
-        rx
+        self.shared.announcements.subscribe()
     }
 
     /// Every core event from now on (a lagging subscriber loses the oldest ones).
@@ -675,22 +671,7 @@ fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
                 open_data_connections(shared, session, addr);
             }
         }
-        Event::RoomAnnounced {
-            room,
-            generation,
-            pages,
-            ..
-        } => {
-            if let Ok(slot) = shared.announcements.lock() {
-                if let Some(tx) = slot.as_ref() {
-                    let _ = tx.send(Announcement {
-                        room,
-                        generation,
-                        pages,
-                    });
-                }
-            }
-        }
+        Event::RoomAnnounced { .. } => shared.announcements.on_event(event),
         Event::SessionBlacklisted { session } => warn!(%session, "session blacklisted"),
         Event::SessionRecovered { session } => info!(%session, "session recovered"),
         _ => {}
