@@ -14,12 +14,12 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use crate::frame::{
-    decode_ack, decode_slices, encode_ack, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
-    KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+    decode_ack, decode_slices, encode_ack, AckStatus, DataHello, WriteHeader, ACK_LEN,
+    KIND_CONTROL, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    admit, gather_iovecs, prepare_op, scatter_iovecs, Admission, Limits, Preamble, ServeError,
-    ServeStats, WriteCheck,
+    admit, gather_iovecs, preamble_kind, prepare_op, scatter_iovecs, Admission, Limits, Preamble,
+    PreambleKind, ServeError, ServeStats, WriteCheck, DATA_HELLO_FIXED_LEN, PREAMBLE_HEAD_LEN,
 };
 use crate::memory::MemoryMap;
 
@@ -290,28 +290,22 @@ pub async fn connect_control(addr: std::net::SocketAddr) -> io::Result<TcpStream
 
 /// Reads the preamble of an accepted connection (bounded, total).
 pub async fn read_preamble(stream: &mut TcpStream) -> Result<Preamble, ServeError> {
-    let mut head = [0u8; 5];
+    let mut head = [0u8; PREAMBLE_HEAD_LEN];
     stream.read_exact(&mut head).await?;
-    if head[..4] != MAGIC {
-        return Err(ServeError::Frame(FrameError::BadMagic));
+    if let PreambleKind::Control = preamble_kind(&head)? {
+        return Ok(Preamble::Control);
     }
-    match head[4] {
-        KIND_CONTROL => Ok(Preamble::Control),
-        KIND_DATA => {
-            let mut fixed = [0u8; 17];
-            stream.read_exact(&mut fixed).await?;
-            let (node, incarnation, token_len) =
-                DataHello::decode_fixed(&fixed).map_err(ServeError::Frame)?;
-            let mut token = vec![0u8; token_len];
-            stream.read_exact(&mut token).await?;
-            Ok(Preamble::Data(DataHello {
-                node,
-                incarnation,
-                token,
-            }))
-        }
-        other => Err(ServeError::Frame(FrameError::UnknownType(other))),
-    }
+    let mut fixed = [0u8; DATA_HELLO_FIXED_LEN];
+    stream.read_exact(&mut fixed).await?;
+    let (node, incarnation, token_len) =
+        DataHello::decode_fixed(&fixed).map_err(ServeError::Frame)?;
+    let mut token = vec![0u8; token_len];
+    stream.read_exact(&mut token).await?;
+    Ok(Preamble::Data(DataHello {
+        node,
+        incarnation,
+        token,
+    }))
 }
 
 /// Accepts (0) or refuses (1) a data connection after its preamble.

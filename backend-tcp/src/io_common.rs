@@ -7,7 +7,9 @@ use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, WritePermi
 use kvferry_sync::{EndWrite, Landing};
 use tracing::warn;
 
-use crate::frame::{encode_slice, DataHello, FrameError, WriteHeader};
+use crate::frame::{
+    encode_slice, DataHello, FrameError, WriteHeader, KIND_CONTROL, KIND_DATA, MAGIC,
+};
 use crate::memory::MemoryMap;
 
 /// Decides whether a write may be applied: the driver asks the core's `begin_write` and
@@ -253,4 +255,33 @@ where
         Some(targets) => Admission::Apply { landing, targets },
         None => Admission::Refuse(None),
     })
+}
+
+/// Length of a connection's first bytes: the magic and the kind.
+#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
+pub(crate) const PREAMBLE_HEAD_LEN: usize = 5;
+/// Length of a data hello's fixed part, after the head.
+#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
+pub(crate) const DATA_HELLO_FIXED_LEN: usize = 17;
+
+/// What the head of a preamble announces.
+#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
+pub(crate) enum PreambleKind {
+    /// A control connection: done.
+    Control,
+    /// A data connection: [`DATA_HELLO_FIXED_LEN`] bytes follow, then the token.
+    Data,
+}
+
+/// Checks a preamble's head (magic, kind): the one place both stream types validate it.
+#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
+pub(crate) fn preamble_kind(head: &[u8; PREAMBLE_HEAD_LEN]) -> Result<PreambleKind, ServeError> {
+    if head[..4] != MAGIC {
+        return Err(ServeError::Frame(FrameError::BadMagic));
+    }
+    match head[4] {
+        KIND_CONTROL => Ok(PreambleKind::Control),
+        KIND_DATA => Ok(PreambleKind::Data),
+        other => Err(ServeError::Frame(FrameError::UnknownType(other))),
+    }
 }
