@@ -108,6 +108,19 @@ impl WriteCheck for CoreCheck {
     }
 }
 
+/// The bench's memory: one KV region of `pages` pages, nothing else.
+pub(crate) fn flat_layout(page_bytes: u32, pages: u32) -> Layout {
+    Layout {
+        layers: 1,
+        planes: 1,
+        page_bytes,
+        pages,
+        aux_bytes: 0,
+        state_bytes: 0,
+        slots: 0,
+    }
+}
+
 async fn socket_pair() -> std::io::Result<(TcpStream, TcpStream)> {
     let l = TcpListener::bind("127.0.0.1:0").await?;
     let a = TcpStream::connect(l.local_addr()?).await?;
@@ -125,15 +138,7 @@ struct Kv {
 
 impl Kv {
     async fn new(page_bytes: u32, pages: u32) -> std::io::Result<Kv> {
-        let layout = Layout {
-            layers: 1,
-            planes: 1,
-            page_bytes,
-            pages,
-            aux_bytes: 0,
-            state_bytes: 0,
-            slots: 0,
-        };
+        let layout = flat_layout(page_bytes, pages);
         let src = Arc::new(MemoryMap::allocate(layout));
         let dst = Arc::new(MemoryMap::allocate(layout));
         let (a, b) = socket_pair().await?;
@@ -381,11 +386,11 @@ mod glommio_bench {
 
     use glommio::net::{TcpListener, TcpStream};
     use glommio::{LocalExecutorBuilder, Placement};
-    use kvferry_core::{Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp};
+    use kvferry_core::{OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp};
     use kvferry_tcp::stream::{read_ack, serve_writes_on};
     use kvferry_tcp::{prepare_op, Limits, MemoryMap, WriteCheck};
 
-    use super::{median, scattered, CoreCheck};
+    use super::{flat_layout, median, scattered, CoreCheck};
 
     fn io_error(e: impl std::fmt::Display) -> std::io::Error {
         std::io::Error::other(e.to_string())
@@ -452,15 +457,7 @@ mod glommio_bench {
         rounds: usize,
     ) -> std::io::Result<Vec<Duration>> {
         kvferry_glommio::ensure_memlock(2).map_err(io_error)?;
-        let layout = Layout {
-            layers: 1,
-            planes: 1,
-            page_bytes,
-            pages,
-            aux_bytes: 0,
-            state_bytes: 0,
-            slots: 0,
-        };
+        let layout = flat_layout(page_bytes, pages);
         let src = Arc::new(MemoryMap::allocate(layout));
         let dst = Arc::new(MemoryMap::allocate(layout));
         let check = CoreCheck::new(layout)?;
@@ -608,16 +605,7 @@ mod tests {
 
     #[test]
     fn the_bench_admits_writes_through_a_real_core_and_refuses_others() {
-        let layout = Layout {
-            layers: 1,
-            planes: 1,
-            page_bytes: 4096,
-            pages: 16,
-            aux_bytes: 0,
-            state_bytes: 0,
-            slots: 0,
-        };
-        let check = CoreCheck::new(layout).unwrap();
+        let check = CoreCheck::new(flat_layout(4096, 16)).unwrap();
         let slice = |off: u64, len: u64| Slice {
             region: Region::Kv { layer: 0, plane: 0 },
             src_offset: 0,

@@ -727,47 +727,44 @@ impl Sim {
 
     /// The sender read the write's source pages: check that they still belong to the room.
     fn check_source(&mut self, f: &InFlight) {
-        let Some(room) = f.op.room else { return };
-        let key = (room, f.op.generation);
-        let page_bytes = u64::from(self.nodes[f.src].info.layout.page_bytes);
-        for slice in f.op.slices.iter() {
-            if !matches!(slice.region, Region::Kv { .. }) {
-                continue;
-            }
-            let sfirst = slice.src_offset / page_bytes;
-            let slast = (slice.src_offset + slice.len - 1) / page_bytes;
-            for p in sfirst..=slast {
-                let owner = self.nodes[f.src].pages.get(p as usize).copied().flatten();
-                if owner != Some(key) {
-                    self.violations.push(format!(
-                        "node {}: read of {room} from source page {p} owned by {owner:?}",
-                        f.src
-                    ));
-                }
-            }
-        }
+        self.check_owner(f, f.src, |s| s.src_offset, ("read", "from source page"));
     }
 
     /// The write's bytes land in the destination: every page must still be the room's.
     fn land_dst(&mut self, f: &InFlight) {
+        if let (Some(room), Some(first)) = (f.op.room, f.op.slices.first()) {
+            if let Some(set) = self.unlanded.get_mut(&(room, f.op.generation)) {
+                set.remove(&(f.src, first.region.code(), first.dst_offset));
+            }
+        }
+        self.check_owner(f, f.dst, |s| s.dst_offset, ("write", "landed on page"));
+    }
+
+    /// Every KV page the write's slices touch on `node` (at the offsets `offset` picks) must
+    /// belong to the write's room; each one that does not is a violation worded with `what`
+    /// (the access, and where).
+    fn check_owner(
+        &mut self,
+        f: &InFlight,
+        node: usize,
+        offset: impl Fn(&crate::layout::Slice) -> u64,
+        what: (&str, &str),
+    ) {
         let Some(room) = f.op.room else { return };
         let key = (room, f.op.generation);
-        if let (Some(set), Some(first)) = (self.unlanded.get_mut(&key), f.op.slices.first()) {
-            set.remove(&(f.src, first.region.code(), first.dst_offset));
-        }
-        let page_bytes = u64::from(self.nodes[f.dst].info.layout.page_bytes);
+        let page_bytes = u64::from(self.nodes[node].info.layout.page_bytes);
         for slice in f.op.slices.iter() {
             if !matches!(slice.region, Region::Kv { .. }) {
                 continue;
             }
-            let first = slice.dst_offset / page_bytes;
-            let last = (slice.dst_offset + slice.len - 1) / page_bytes;
+            let first = offset(slice) / page_bytes;
+            let last = (offset(slice) + slice.len - 1) / page_bytes;
             for p in first..=last {
-                let owner = self.nodes[f.dst].pages.get(p as usize).copied().flatten();
+                let owner = self.nodes[node].pages.get(p as usize).copied().flatten();
                 if owner != Some(key) {
+                    let (access, place) = what;
                     self.violations.push(format!(
-                        "node {}: write of {room} landed on page {p} owned by {owner:?}",
-                        f.dst
+                        "node {node}: {access} of {room} {place} {p} owned by {owner:?}"
                     ));
                 }
             }
