@@ -160,6 +160,19 @@ pub enum Event {
         /// The new state.
         state: KvPoll,
     },
+    /// Prefill: every operation of `layer`, and of every owned layer before it, has been
+    /// acknowledged by every receiver, so that much of the room's KV sits in decode's memory and
+    /// the source pages of those layers (or a staging buffer holding them) may be reused.
+    /// Emitted once per owned layer, in layer order, only after the room's last chunk was
+    /// sent, and always before the room's `Success`.
+    LayerDelivered {
+        /// The room.
+        room: RoomId,
+        /// Its generation.
+        generation: Generation,
+        /// The layer.
+        layer: u16,
+    },
     /// No write to (decode) or read from (prefill) the room's pages can happen any more:
     /// the embedder may reuse them. Always after the room's terminal state.
     Releasable {

@@ -3,6 +3,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use foldhash::fast::FixedState;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -159,6 +160,10 @@ struct SenderRoom {
     ops_live: u32,
     /// Operations with an attempt in flight (reads of source pages may be happening).
     ops_in_flight: u32,
+    /// Live operations per owned layer (empty until the first KV operation is planned).
+    layer_live: Vec<u32>,
+    /// Owned layers, from the first, whose every operation was acknowledged and reported.
+    layers_delivered: u16,
     stage: Option<ProgressStage>,
     last_progress_sent: Option<Instant>,
     drained_acked: bool,
@@ -210,6 +215,8 @@ struct Op {
     generation: Generation,
     kind: OpKind,
     slices: Arc<[Slice]>,
+    /// Owned-layer indexes (from the endpoint's first layer) the operation writes.
+    layers: Range<usize>,
     bytes: u64,
     attempt: u32,
     phase: OpPhase,
@@ -1428,7 +1435,7 @@ impl Endpoint {
                         "transfer recovered after retry"
                     );
                 }
-                self.op_finished(now, op.room, op.generation);
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
             }
             TransferOutcome::Transient
                 if op.attempt < self.config.transfer_retries
@@ -1454,13 +1461,13 @@ impl Endpoint {
                 if let Some(room) = room_live {
                     self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedByPeer));
                 }
-                self.op_finished(now, op.room, op.generation);
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
             }
             TransferOutcome::Transient | TransferOutcome::Fatal => {
                 let first = op.slices.first().copied();
                 let Some(room) = room_live else {
                     // The room already concluded (aborted): the failure says nothing new.
-                    self.op_finished(now, op.room, op.generation);
+                    self.op_finished(now, op.room, op.generation, op.layers.clone());
                     return;
                 };
                 self.counters.ops_exhausted += 1;
@@ -1476,7 +1483,7 @@ impl Endpoint {
                 );
                 // Fail first: with this operation gone the room must not look complete.
                 self.conclude(now, room, KvPoll::Failed(FailureReason::TransferFailed));
-                self.op_finished(now, op.room, op.generation);
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
                 let threshold = self.config.session_failure_threshold;
                 let blacklist = match self.sessions.get_mut(&op.session) {
                     Some(s) if s.state == SessionState::Established => {
@@ -1493,7 +1500,13 @@ impl Endpoint {
     }
 
     /// One operation of a room is gone for good (done or given up).
-    fn op_finished(&mut self, now: Instant, room: Option<RoomId>, generation: Generation) {
+    fn op_finished(
+        &mut self,
+        now: Instant,
+        room: Option<RoomId>,
+        generation: Generation,
+        layers: Range<usize>,
+    ) {
         let Some(room) = room else { return };
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
@@ -1503,12 +1516,49 @@ impl Endpoint {
         }
         if let Side::Sender(s) = &mut r.side {
             s.ops_live = s.ops_live.saturating_sub(1);
+            if let Some(live) = s.layer_live.get_mut(layers) {
+                for n in live {
+                    *n = n.saturating_sub(1);
+                }
+            }
         }
         r.last_activity = now;
         if r.state.is_terminal() {
             self.maybe_release(now, room);
         } else {
+            self.report_delivered_layers(room);
             self.check_sender_complete(now, room);
+        }
+    }
+
+    /// Emits `LayerDelivered` for every owned layer, in order, whose operations are all
+    /// planned (no chunk still holds it back) and acknowledged, once the last chunk was sent.
+    fn report_delivered_layers(&mut self, room: RoomId) {
+        let first_layer = self.local.layer_start;
+        let owned = self.owned_layers();
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
+            return;
+        }
+        let generation = r.generation;
+        let Side::Sender(s) = &mut r.side else { return };
+        if !s.last_seen {
+            return;
+        }
+        while usize::from(s.layers_delivered) < owned {
+            let l = usize::from(s.layers_delivered);
+            let planned = s.chunks.iter().all(|c| c.planned.get(l));
+            if !planned || s.layer_live.get(l).is_some_and(|&n| n > 0) {
+                break;
+            }
+            s.layers_delivered += 1;
+            self.events.push_back(Event::LayerDelivered {
+                room,
+                generation,
+                layer: first_layer + l as u16,
+            });
         }
     }
 
@@ -1704,6 +1754,7 @@ impl Endpoint {
                         generation: 0,
                         kind: OpKind::Probe,
                         slices,
+                        layers: 0..0,
                         bytes: 8,
                         attempt: 1,
                         phase: OpPhase::Queued,
@@ -2935,7 +2986,7 @@ impl Endpoint {
         }
         let generation = r.generation;
         let Side::Sender(s) = &mut r.side else { return };
-        let mut new_ops: Vec<(SessionId, OpKind, Vec<Slice>)> = Vec::new();
+        let mut new_ops: Vec<(SessionId, OpKind, Range<usize>, Vec<Slice>)> = Vec::new();
         let mut overflow = false;
         for c in s.chunks.iter_mut() {
             let end = c.dst_start as usize + c.src.len();
@@ -2964,7 +3015,7 @@ impl Endpoint {
                 for x in &s.receivers {
                     let dst = &x.dst[c.dst_start as usize..end];
                     for slices in plan_kv(&layout, layers.clone(), &c.src, dst, limits) {
-                        new_ops.push((x.session, OpKind::Kv, slices));
+                        new_ops.push((x.session, OpKind::Kv, start..l, slices));
                     }
                 }
             }
@@ -2985,15 +3036,23 @@ impl Endpoint {
             for x in &s.receivers {
                 let slices = plan_aux(&layout, s.aux_src, x.aux_slot, s.state_src, x.state_slot);
                 if !slices.is_empty() {
-                    new_ops.push((x.session, OpKind::Aux, slices));
+                    new_ops.push((x.session, OpKind::Aux, 0..0, slices));
                 }
             }
             s.aux_src = None;
             s.state_src = None;
         }
         s.ops_live += new_ops.len() as u32;
+        if s.layer_live.len() < owned {
+            s.layer_live.resize(owned, 0);
+        }
+        for (_, _, layers, _) in &new_ops {
+            for n in &mut s.layer_live[layers.clone()] {
+                *n += 1;
+            }
+        }
         let any = !new_ops.is_empty();
-        for (sid, kind, slices) in new_ops {
+        for (sid, kind, layers, slices) in new_ops {
             let bytes = slices.iter().map(|x| x.len).sum();
             self.counters.ops_planned += 1;
             self.counters.bytes_planned += bytes;
@@ -3006,6 +3065,7 @@ impl Endpoint {
                     generation,
                     kind,
                     slices: Arc::from(slices),
+                    layers,
                     bytes,
                     attempt: 1,
                     phase: OpPhase::Queued,
@@ -3022,6 +3082,7 @@ impl Endpoint {
             self.set_state(room, KvPoll::Transferring);
             self.send_progress(now, room, ProgressStage::Transferring);
         }
+        self.report_delivered_layers(room);
         self.check_sender_complete(now, room);
     }
 
@@ -3142,7 +3203,7 @@ impl Endpoint {
                 self.settle_attempt(now, id, outcome);
             } else if let Some(mut op) = self.ops.remove(&id) {
                 self.timers.cancel(&mut op.timer);
-                self.op_finished(now, op.room, op.generation);
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
             }
         }
     }

@@ -126,6 +126,46 @@ impl SimNode {
         }
     }
 
+    /// Where a sender room's `LayerDelivered` events break their promise: every owned layer
+    /// once, in order, before `Success`, and none after the room concluded.
+    fn layer_delivery_mismatches(&self, i: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut delivered: HashMap<(RoomId, Generation), Vec<u16>> = HashMap::new();
+        let mut concluded: HashSet<(RoomId, Generation)> = HashSet::new();
+        for (_, e) in &self.events {
+            match *e {
+                Event::LayerDelivered {
+                    room,
+                    generation,
+                    layer,
+                } => {
+                    if concluded.contains(&(room, generation)) {
+                        out.push(format!("node {i}: {room} layer {layer} delivered after its end"));
+                    }
+                    delivered.entry((room, generation)).or_default().push(layer);
+                }
+                Event::RoomState {
+                    room,
+                    generation,
+                    state,
+                } if state.is_terminal() => {
+                    concluded.insert((room, generation));
+                    if state == KvPoll::Success && self.info.role == Role::Prefill {
+                        let want: Vec<u16> = (self.info.layer_start..self.info.layer_end).collect();
+                        let got = delivered.remove(&(room, generation)).unwrap_or_default();
+                        if got != want {
+                            out.push(format!(
+                                "node {i}: {room} succeeded after layers {got:?} were delivered"
+                            ));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
     /// Number of events of this node matching `f`.
     pub fn count_events(&self, f: impl Fn(&Event) -> bool) -> usize {
         self.events.iter().filter(|(_, e)| f(e)).count()
@@ -1104,6 +1144,7 @@ impl Sim {
                     c.sessions_blacklisted
                 ));
             }
+            out.extend(n.layer_delivery_mismatches(i));
             let rec = n.count_events(|e| matches!(e, Event::SessionRecovered { .. })) as u64;
             if rec != c.sessions_recovered {
                 out.push(format!(

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{failed, open_room, run_ms, send_all, state};
+use common::{failed, open_room, run_ms, send_all, state, state_at};
 use kvferry_core::codec::Message;
 use kvferry_core::consensus::{combine, ConsensusLog};
 use kvferry_core::sim::{small_layout, Faults, Sim, Workload};
@@ -763,6 +763,88 @@ fn s25_seed_004_layerwise_ops_leave_only_when_their_layer_is_ready() {
     sim.drain(p);
     run_ms(&mut sim, 10);
     assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
+    common::assert_invariants(&sim);
+}
+
+#[test]
+fn s25_each_layer_is_reported_delivered_once_acknowledged_and_before_success() {
+    let (mut sim, p, d) = common::pair(254, common::config());
+    open_room(&mut sim, d, &[p], 1, 8);
+    run_ms(&mut sim, 2);
+    send_all(&mut sim, p, 1, 8, true);
+    let delivered = |sim: &Sim| -> Vec<u16> {
+        sim.nodes[p]
+            .events
+            .iter()
+            .filter_map(|(_, e)| match e {
+                Event::LayerDelivered { room, layer, .. } if *room == RoomId(1) => Some(*layer),
+                _ => None,
+            })
+            .collect()
+    };
+    for layer in 0..4 {
+        let now = sim.now;
+        sim.nodes[p]
+            .endpoint
+            .mark_layer_ready(now, &[RoomId(1)], layer)
+            .unwrap();
+        sim.drain(p);
+        assert_eq!(
+            delivered(&sim).len(),
+            usize::from(layer),
+            "layer {layer} is not delivered before its operations were acknowledged"
+        );
+        run_ms(&mut sim, 5);
+        assert_eq!(delivered(&sim), (0..=layer).collect::<Vec<_>>());
+    }
+    let success = state_at(&sim, p, 1, KvPoll::Success).expect("the room succeeded");
+    let last = sim.nodes[p]
+        .events
+        .iter()
+        .rev()
+        .find_map(|(t, e)| matches!(e, Event::LayerDelivered { .. }).then_some(*t))
+        .unwrap();
+    assert!(last <= success);
+    common::assert_invariants(&sim);
+}
+
+#[test]
+fn s25_a_whole_batch_room_reports_every_layer_delivered_at_once() {
+    let (mut sim, p, d) = common::pair(255, common::config());
+    open_room(&mut sim, d, &[p], 1, 8);
+    run_ms(&mut sim, 2);
+    send_all(&mut sim, p, 1, 8, false);
+    run_ms(&mut sim, 20);
+    assert_eq!(state(&sim, p, 1), Some(KvPoll::Success));
+    let n = sim.nodes[p].count_events(|e| matches!(e, Event::LayerDelivered { .. }));
+    assert_eq!(n, 4);
+    common::assert_invariants(&sim);
+}
+
+#[test]
+fn s25_a_failed_room_reports_no_further_layer_delivered() {
+    let (mut sim, p, d) = common::pair(256, common::config());
+    open_room(&mut sim, d, &[p], 1, 8);
+    run_ms(&mut sim, 2);
+    send_all(&mut sim, p, 1, 8, true);
+    let now = sim.now;
+    sim.nodes[p]
+        .endpoint
+        .mark_layer_ready(now, &[RoomId(1)], 0)
+        .unwrap();
+    sim.drain(p);
+    run_ms(&mut sim, 5);
+    sim.faults.op_fatal = 1.0;
+    let now = sim.now;
+    sim.nodes[p]
+        .endpoint
+        .mark_layer_ready(now, &[RoomId(1)], 1)
+        .unwrap();
+    sim.drain(p);
+    run_ms(&mut sim, 50);
+    assert!(matches!(state(&sim, p, 1), Some(KvPoll::Failed(_))));
+    let n = sim.nodes[p].count_events(|e| matches!(e, Event::LayerDelivered { .. }));
+    assert_eq!(n, 1, "only layer 0 arrived");
     common::assert_invariants(&sim);
 }
 

@@ -63,6 +63,9 @@ pub struct RoomView {
     pub state: KvPoll,
     /// Whether the pages may be reused.
     pub releasable: bool,
+    /// Prefill: the highest layer that, with every owned layer before it, decode holds
+    /// (see [`Event::LayerDelivered`]).
+    pub delivered_through: Option<u16>,
 }
 
 /// Awaits one room's progress. Cancel-safe: dropping a wait loses nothing.
@@ -93,6 +96,21 @@ impl RoomHandle {
         match self.rx.wait_for(|v| v.state.is_terminal()).await {
             Ok(v) => v.state,
             Err(_) => KvPoll::Failed(FailureReason::Shutdown),
+        }
+    }
+
+    /// Prefill: waits until `layer` (and every owned layer before it) sits in decode's
+    /// memory; `Err` with the room's state if it failed first.
+    pub async fn layer_delivered(&mut self, layer: u16) -> Result<(), KvPoll> {
+        let reached = |v: &RoomView| v.delivered_through.is_some_and(|d| d >= layer);
+        match self
+            .rx
+            .wait_for(|v| reached(v) || matches!(v.state, KvPoll::Failed(_)))
+            .await
+        {
+            Ok(v) if reached(&v) => Ok(()),
+            Ok(v) => Err(v.state),
+            Err(_) => Err(KvPoll::Failed(FailureReason::Shutdown)),
         }
     }
 
@@ -384,6 +402,7 @@ impl RoomBook {
             watch::channel(RoomView {
                 state,
                 releasable: false,
+                delivered_through: None,
             })
             .0
         });
@@ -404,6 +423,11 @@ impl RoomBook {
                 }
                 if matches!(state, KvPoll::Failed(_)) {
                     self.failed_at.insert(room, Instant::now());
+                }
+            }
+            Event::LayerDelivered { room, layer, .. } => {
+                if let Some(tx) = self.rooms.get(&room) {
+                    tx.send_modify(|v| v.delivered_through = Some(layer));
                 }
             }
             Event::Releasable { room, .. } => {
