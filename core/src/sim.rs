@@ -140,7 +140,9 @@ impl SimNode {
                     layer,
                 } => {
                     if concluded.contains(&(room, generation)) {
-                        out.push(format!("node {i}: {room} layer {layer} delivered after its end"));
+                        out.push(format!(
+                            "node {i}: {room} layer {layer} delivered after its end"
+                        ));
                     }
                     delivered.entry((room, generation)).or_default().push(layer);
                 }

@@ -72,11 +72,11 @@ async fn layerwise_rooms_succeed(p: Runtime, d: Runtime) {
     assert_all_clean(&report, 40);
 }
 
-/// Aborts (20 %) race real transfers: pages stay quarantined until no write can land, so the
+/// Aborts (half the rooms) race real transfers: pages stay quarantined until no write can land, so the
 /// free-pattern check before every reuse finds no stray write.
 async fn aborted_rooms_give_their_pages_back_clean(p: Runtime, d: Runtime) {
     let run = DecodeRun {
-        abort_rate: 0.2,
+        abort_rate: 0.5,
         seed: 3,
         ..rooms(300, 1)
     };
@@ -86,7 +86,9 @@ async fn aborted_rooms_give_their_pages_back_clean(p: Runtime, d: Runtime) {
         .get("aborted_locally")
         .copied()
         .unwrap_or(0);
-    assert!(aborted > 10, "{report:?}");
+    // Aborts land 0-3 ms after opening and a room takes about 2 ms here, so how many catch
+    // their room still in flight depends on the machine; enough must, for the race to count.
+    assert!(aborted > 5, "{report:?}");
     assert_eq!(
         (report.pages_corrupted, report.rooms_unfinished),
         (0, 0),
@@ -528,10 +530,14 @@ async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runtime, d: Run
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert_eq!(
-        h.view().state,
-        KvPoll::WaitingForInput,
-        "writes not finished"
+    // Prefill may already have said it is transferring; what matters is that it is not done.
+    assert!(
+        matches!(
+            h.view().state,
+            KvPoll::WaitingForInput | KvPoll::Transferring
+        ),
+        "writes not finished: {:?}",
+        h.view().state
     );
     for proxy in &proxies {
         proxy.set(|f| f.blackhole_until = Some(Instant::now() + Duration::from_secs(30)));
