@@ -3,6 +3,7 @@
 //! half that requests rooms and verifies every byte, the report, and the data-plane benchmark.
 
 pub mod bench;
+pub mod overlap;
 pub mod proxy;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -810,23 +811,22 @@ fn rdma_available() -> Result<(), String> {
     }
 }
 
-/// Why `demo --gpu` cannot run here: a typed answer, never a panic.
+/// `demo --gpu`: the overlap demo with KV in GPU memory. Without the `gpu` feature: a typed
+/// answer that says how to get one, never a panic.
 #[cfg(not(feature = "gpu"))]
-pub fn gpu_demo_unavailable() -> String {
-    "this kvferry was built without GPU support: rebuild with `cargo build --release -p kvferry-cli --features gpu`, or run without --gpu".to_owned()
+pub async fn gpu_overlap_demo(
+    _batch: &overlap::Batch,
+    _core: Config,
+    _runtime: Runtime,
+    _compute: Duration,
+) -> Result<overlap::OverlapReport, String> {
+    Err("this kvferry was built without GPU support: rebuild with `cargo build --release -p kvferry-cli --features gpu`, or run without --gpu".to_owned())
 }
 
-/// Why `demo --gpu` cannot run here: a typed answer, never a panic.
 #[cfg(feature = "gpu")]
-pub fn gpu_demo_unavailable() -> String {
-    match kvferry_gpu::cuda::probe() {
-        Err(e) => format!("{e}"),
-        Ok(info) => format!(
-            "found {} ({} device(s)) but the GPU demo pipeline (device regions staged through the data path, per-layer kernels) is not implemented in this build: run without --gpu",
-            info.name, info.devices
-        ),
-    }
-}
+pub mod gpu_demo;
+#[cfg(feature = "gpu")]
+pub use gpu_demo::gpu_overlap_demo;
 
 /// Which driver runs a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -45,11 +45,21 @@ enum Command {
         /// Seed of the injected faults and aborts.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Place the KV regions in GPU memory and drive layer readiness from CUDA events
-        /// (builds with the `gpu` feature, hosts with an NVIDIA GPU).
+        /// Run the overlap demo instead: one batch whose forward pass runs layer by layer
+        /// (--layer-compute-us each, 20 ms when 0), moved layerwise and then as one whole
+        /// batch, timed per layer against the ideal overlap.
+        #[arg(long)]
+        overlap: bool,
+        /// Rooms in the overlap demo's batch.
+        #[arg(long, default_value_t = 16)]
+        batch: u32,
+        /// The overlap demo with the KV regions in GPU memory, a CUDA kernel per layer and
+        /// layer readiness from CUDA events (builds with the `gpu` feature, hosts with an
+        /// NVIDIA GPU).
         #[arg(long)]
         gpu: bool,
-        /// With --gpu: write the compute/transfer timeline as SVG to this file.
+        /// Write the overlap demo's compute/transfer timeline as SVG to this file (implies
+        /// --overlap).
         #[arg(long)]
         timeline: Option<PathBuf>,
     },
@@ -273,6 +283,55 @@ fn progress_bar(rooms: u64, json: bool) -> (Option<Progress>, Option<indicatif::
     (Some(Arc::new(move |n| b.set_position(n))), Some(bar))
 }
 
+/// `demo --overlap`, `--timeline` or `--gpu`: layerwise against whole batch on one batch.
+async fn overlap_demo(
+    shape: &ShapeArgs,
+    common: &CommonArgs,
+    rooms: u32,
+    gpu: bool,
+    timeline: Option<PathBuf>,
+) -> Result<(), String> {
+    if rooms == 0 {
+        return Err("--batch must be at least 1".to_owned());
+    }
+    let config = load_config(common.config.as_ref())?;
+    let runtime = common.runtime()?;
+    let mut shape = shape.shape();
+    let compute = if shape.layer_compute.is_zero() {
+        Duration::from_millis(20)
+    } else {
+        shape.layer_compute
+    };
+    shape.layerwise = true;
+    let batch = kvferry_cli::overlap::Batch {
+        shape,
+        rooms,
+        first_room: 1,
+    };
+    let report = if gpu {
+        kvferry_cli::gpu_overlap_demo(&batch, config, runtime, compute).await?
+    } else {
+        kvferry_cli::overlap::run_overlap_demo(&batch, config, runtime, compute).await?
+    };
+    if let Some(path) = &timeline {
+        let runs: Vec<&kvferry_gpu::Timeline> = report.runs.iter().map(|r| &r.timeline).collect();
+        std::fs::write(path, kvferry_gpu::Timeline::svg(&runs))
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    if common.json {
+        println!("{}", report.json());
+    } else {
+        print!("{}", report.text());
+        if let Some(path) = &timeline {
+            println!("timeline written to {}", path.display());
+        }
+    }
+    if !report.clean() {
+        return Err("the overlap demo lost or corrupted pages".to_owned());
+    }
+    Ok(())
+}
+
 fn print_report(report: &Report, json: bool) {
     if json {
         println!("{}", report.to_json());
@@ -306,11 +365,13 @@ async fn run(cli: Cli) -> Result<(), String> {
             fault_rate,
             abort_rate,
             seed,
+            overlap,
+            batch,
             gpu,
             timeline,
         } => {
-            if gpu || timeline.is_some() {
-                return Err(kvferry_cli::gpu_demo_unavailable());
+            if overlap || gpu || timeline.is_some() {
+                return overlap_demo(&shape, &common, batch, gpu, timeline).await;
             }
             for (name, p) in [("--fault-rate", fault_rate), ("--abort-rate", abort_rate)] {
                 if !(0.0..=1.0).contains(&p) {

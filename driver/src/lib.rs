@@ -414,6 +414,14 @@ impl RoomBook {
         self.rooms.remove(&room);
     }
 
+    /// Whether `event` is one the book follows (drivers hand it these).
+    pub fn follows(event: &Event) -> bool {
+        matches!(
+            event,
+            Event::RoomState { .. } | Event::Releasable { .. } | Event::LayerDelivered { .. }
+        )
+    }
+
     /// Applies a room event of the core to its handles.
     pub fn on_event(&mut self, event: &Event) {
         match *event {

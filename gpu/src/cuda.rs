@@ -4,9 +4,15 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError,
+    PinnedHostSlice,
+};
 
 use crate::{GpuError, LayerEvent};
+
+/// The `cudarc` this crate was built with, for kernels the embedder compiles and launches.
+pub use cudarc;
 
 fn driver(e: DriverError) -> GpuError {
     GpuError::Driver(format!("{e:?}"))
@@ -78,6 +84,121 @@ impl Gpu {
         stream.record_event(None).map(GpuEvent).map_err(driver)
     }
 
+    /// Another stream on this GPU (decode's copies into device memory use their own).
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>, GpuError> {
+        self.ctx.new_stream().map_err(driver)
+    }
+
+    /// A zeroed device region whose uses the caller orders with events ([`Gpu::wait_for`])
+    /// instead of cudarc's per-slice tracking. Tracking would make the next layer's kernel
+    /// wait for the previous layer's copy out of the same region and undo the overlap.
+    pub fn alloc_ordered(&self, bytes: usize) -> Result<DeviceRegion, GpuError> {
+        // SAFETY: the region created while tracking is off is used only through this crate's
+        // copies and the embedder's kernels, which order themselves with recorded events and
+        // stream waits; the allocation is complete before it is returned (synchronize below).
+        unsafe { self.ctx.disable_event_tracking() };
+        let buf = self.compute.alloc_zeros::<u8>(bytes);
+        // SAFETY: restores the default for every later allocation.
+        unsafe { self.ctx.enable_event_tracking() };
+        let buf = buf.map_err(driver)?;
+        self.compute.synchronize().map_err(driver)?;
+        Ok(DeviceRegion { buf })
+    }
+
+    /// Page-locked host memory of `bytes` bytes, zeroed, that the CPU reads at full speed
+    /// (not write-combined): staging memory the network sends from and receives into.
+    pub fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer, GpuError> {
+        // SAFETY: flag 0 is plain page-locked memory; it is zeroed below before any use.
+        let mut buf =
+            unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }.map_err(driver)?;
+        let ptr = buf.as_mut_ptr().map_err(driver)?;
+        // SAFETY: `ptr` is valid for `bytes.max(1)` bytes, just allocated and not shared.
+        unsafe { std::ptr::write_bytes(ptr, 0, bytes.max(1)) };
+        Ok(PinnedBuffer {
+            buf,
+            ptr,
+            len: bytes,
+        })
+    }
+
+    /// Makes `stream` wait (on the GPU, not the host) for everything before `event`.
+    pub fn wait_for(&self, stream: &Arc<CudaStream>, event: &GpuEvent) -> Result<(), GpuError> {
+        stream.wait(&event.0).map_err(driver)
+    }
+
+    /// Queues a copy of `len` bytes at `offset` of `src` to `dst` on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// `dst` must stay valid for `len` bytes, and untouched by anyone else, until an event
+    /// recorded on `stream` after this call has completed; page-locked memory makes the copy
+    /// asynchronous.
+    pub unsafe fn copy_to_host_async(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &DeviceRegion,
+        offset: usize,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        src.check(offset, len)?;
+        let (base, _guard) = src.buf.device_ptr(stream);
+        // SAFETY: the range is inside `src` (checked); the caller keeps `dst` valid until the
+        // copy is known complete.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                dst.cast(),
+                base + offset as u64,
+                len,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(driver)
+    }
+
+    /// Queues a copy of `len` bytes from `src` into `dst` at `offset` on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// `src` must stay valid and unchanged for `len` bytes until an event recorded on `stream`
+    /// after this call has completed.
+    pub unsafe fn copy_to_device_async(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &DeviceRegion,
+        offset: usize,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        dst.check(offset, len)?;
+        let (base, _guard) = dst.buf.device_ptr(stream);
+        // SAFETY: the range is inside `dst` (checked); the caller keeps `src` valid until the
+        // copy is known complete; nothing else writes `dst` there (the caller's ordering).
+        unsafe {
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                base + offset as u64,
+                src.cast(),
+                len,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(driver)
+    }
+
+    /// Compiles CUDA C `source` with NVRTC and loads `function` from it.
+    pub fn compile(&self, source: &str, function: &str) -> Result<CudaFunction, GpuError> {
+        // SAFETY: only tries to load the NVRTC library; no NVRTC call is made.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(GpuError::NoNvrtc);
+        }
+        let ptx =
+            cudarc::nvrtc::compile_ptx(source).map_err(|e| GpuError::Compile(format!("{e:?}")))?;
+        let module = self.ctx.load_module(ptx).map_err(driver)?;
+        module.load_function(function).map_err(driver)
+    }
+
     /// Copies host bytes into a device region (waits for the copy).
     pub fn upload(&self, host: &[u8], dst: &mut DeviceRegion) -> Result<(), GpuError> {
         self.copy.memcpy_htod(host, &mut dst.buf).map_err(driver)?;
@@ -103,6 +224,27 @@ pub struct DeviceRegion {
 }
 
 impl DeviceRegion {
+    fn check(&self, offset: usize, len: usize) -> Result<(), GpuError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.buf.len() => Ok(()),
+            _ => Err(GpuError::OutOfRange {
+                offset,
+                len,
+                size: self.buf.len(),
+            }),
+        }
+    }
+
+    /// The device memory, to pass to a kernel.
+    pub fn slice(&self) -> &CudaSlice<u8> {
+        &self.buf
+    }
+
+    /// The device memory, to pass to a kernel that writes it.
+    pub fn slice_mut(&mut self) -> &mut CudaSlice<u8> {
+        &mut self.buf
+    }
+
     /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.buf.len()
@@ -111,6 +253,43 @@ impl DeviceRegion {
     /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.buf.len() == 0
+    }
+}
+
+/// Page-locked host memory (staging between GPU memory and the network).
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    buf: PinnedHostSlice<u8>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer owns its allocation (freed on drop through its context); `ptr` is only an
+// address into it, and who touches which bytes when is the holder's contract, as for any
+// registered memory.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Its base address (valid while the buffer lives).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its context (the buffer must not outlive uses queued on it).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.buf.context()
     }
 }
 

@@ -9,6 +9,19 @@ pub enum GpuError {
     NoDevice,
     /// A CUDA driver call failed.
     Driver(String),
+    /// No NVRTC library (`libnvrtc.so`) to compile kernels with.
+    NoNvrtc,
+    /// NVRTC refused a kernel's source.
+    Compile(String),
+    /// A copy reached outside a device region.
+    OutOfRange {
+        /// Start of the copy in the region.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// The region's size.
+        size: usize,
+    },
     /// The waiter thread is gone (the node shut down).
     Stopped,
 }
@@ -22,6 +35,15 @@ impl std::fmt::Display for GpuError {
             ),
             GpuError::NoDevice => write!(f, "the CUDA driver reports no GPU: run without --gpu"),
             GpuError::Driver(e) => write!(f, "CUDA driver error: {e}"),
+            GpuError::NoNvrtc => write!(
+                f,
+                "no NVRTC library (libnvrtc.so) to compile the demo's kernels: install the CUDA toolkit's nvrtc (e.g. cuda-nvrtc-12-x), or run without --gpu"
+            ),
+            GpuError::Compile(e) => write!(f, "NVRTC could not compile a kernel: {e}"),
+            GpuError::OutOfRange { offset, len, size } => write!(
+                f,
+                "a copy of {len} bytes at {offset} reaches outside a {size}-byte device region"
+            ),
             GpuError::Stopped => write!(f, "the GPU event waiter has stopped"),
         }
     }

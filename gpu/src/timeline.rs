@@ -46,6 +46,14 @@ pub struct Timeline {
     pub layers: Vec<LayerTimes>,
     /// A transfer of every layer at once after the last layer's compute.
     pub batch: Option<Span>,
+    /// When decode held the whole KV where it computes from, if that is later than the last
+    /// transfer (a copy from the landing memory into GPU memory).
+    pub held: Option<Duration>,
+    /// One layer's transfer on an otherwise idle link, when measured apart from this run
+    /// (a whole-batch run's transfer divided by the layers): what the ideal adds to compute.
+    /// Layerwise transfers queue behind each other when the link is the bottleneck, so the
+    /// longest of them overstates it.
+    pub layer_transfer: Option<Duration>,
 }
 
 impl Timeline {
@@ -57,24 +65,39 @@ impl Timeline {
             .filter_map(|l| l.transfer.map(|t| t.end))
             .max()
             .unwrap_or_default();
-        per_layer.max(self.batch.map_or(Duration::ZERO, |b| b.end))
+        per_layer
+            .max(self.batch.map_or(Duration::ZERO, |b| b.end))
+            .max(self.held.unwrap_or_default())
     }
 
-    /// The ideal: every layer's compute back to back plus one layer's transfer (the longest
-    /// measured; a whole batch counts as one layer's share of it).
+    /// The ideal: every layer's compute back to back plus one layer's transfer
+    /// ([`Timeline::layer_transfer`] when known; else a whole batch's share per layer, else
+    /// the longest layer transfer measured).
     pub fn ideal(&self) -> Duration {
         let compute: Duration = self.layers.iter().map(|l| l.compute.len()).sum();
-        let one = self
-            .layers
-            .iter()
-            .filter_map(|l| l.transfer.map(|t| t.len()))
-            .max()
+        compute + self.one_layer_transfer()
+    }
+
+    /// One layer's transfer, as [`Timeline::ideal`] counts it.
+    pub fn one_layer_transfer(&self) -> Duration {
+        self.layer_transfer
             .or_else(|| {
                 self.batch
                     .map(|b| b.len() / (self.layers.len().max(1) as u32))
             })
-            .unwrap_or_default();
-        compute + one
+            .or_else(|| {
+                self.layers
+                    .iter()
+                    .filter_map(|l| l.transfer.map(|t| t.len()))
+                    .max()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Mean compute per layer.
+    pub fn compute_per_layer(&self) -> Duration {
+        let compute: Duration = self.layers.iter().map(|l| l.compute.len()).sum();
+        compute / (self.layers.len().max(1) as u32)
     }
 
     /// `complete_at / ideal` (1.0 is perfect overlap; the target is <= 1.1).

@@ -128,6 +128,8 @@ fn layerwise() -> Timeline {
             })
             .collect(),
         batch: None,
+        held: None,
+        layer_transfer: None,
     }
 }
 
@@ -154,6 +156,26 @@ fn a_whole_batch_transfer_is_measured_against_the_same_ideal() {
         "40 ms compute + a quarter of the batch"
     );
     assert!(t.vs_ideal() > 1.25);
+}
+
+#[test]
+fn a_separately_measured_layer_transfer_replaces_the_queued_ones_in_the_ideal() {
+    let mut t = layerwise();
+    // Transfer-bound: layer transfers queue up and the last one ends late.
+    t.layers[3].transfer = Some(ms(40, 60));
+    assert_eq!(t.ideal(), Duration::from_millis(60), "longest measured");
+    t.layer_transfer = Some(Duration::from_millis(4));
+    assert_eq!(t.ideal(), Duration::from_millis(44));
+    assert!((t.vs_ideal() - 60.0 / 44.0).abs() < 1e-9);
+}
+
+#[test]
+fn a_copy_into_gpu_memory_after_the_last_transfer_counts_toward_completion() {
+    let mut t = layerwise();
+    t.held = Some(Duration::from_millis(47));
+    assert_eq!(t.complete_at(), Duration::from_millis(47));
+    t.held = Some(Duration::from_millis(30));
+    assert_eq!(t.complete_at(), Duration::from_millis(44), "never earlier");
 }
 
 #[test]

@@ -871,7 +871,7 @@ impl Shard {
 
     fn on_event(self: &Rc<Self>, event: &Event) {
         match *event {
-            Event::RoomState { .. } | Event::Releasable { .. } => {
+            ref e if RoomBook::follows(e) => {
                 self.state.borrow_mut().rooms.on_event(event);
             }
             Event::SessionEstablished { session, peer } => {

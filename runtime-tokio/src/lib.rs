@@ -664,7 +664,7 @@ fn unpark(inner: &mut Inner, sid: SessionId) {
 
 fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
     match *event {
-        Event::RoomState { .. } | Event::Releasable { .. } => inner.rooms.on_event(event),
+        ref e if RoomBook::follows(e) => inner.rooms.on_event(event),
         Event::SessionEstablished { session, peer } => {
             info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
             if let Some(addr) = inner.io.get(&session).and_then(|io| io.peer_addr) {

@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use kvferry_cli::overlap::{run_host_overlap, Batch};
 use kvferry_cli::{run_decode, run_pair, DecodeRun, Shape};
 use kvferry_core::{Capacity, Chunk, Config, FailureReason, Grant, KvPoll, Role, RoomId};
 use kvferry_tests::proxy::FaultProxy;
@@ -32,6 +33,58 @@ async fn many_concurrent_rooms_succeed_with_every_byte_verified(p: Runtime, d: R
     let report = pair(p, d, fast_core(), rooms(300, 1)).await;
     assert_all_clean(&report, 300);
     assert_eq!(report.pages_verified, 300 * 8 * 4 * 2);
+}
+
+/// One batch whose host forward pass takes 10 ms per layer, moved layerwise and then as a
+/// whole batch: every byte verifies, each layer reaches decode after its compute and in
+/// layer order, and the whole batch leaves only after the last layer.
+async fn a_layerwise_batch_delivers_each_layer_after_its_compute(p: Runtime, d: Runtime) {
+    let batch = Batch {
+        shape: Shape {
+            layers: 4,
+            ..small_shape()
+        },
+        rooms: 4,
+        first_room: 1,
+    };
+    let shape = batch.shape_for_layout();
+    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 1);
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 2);
+    let report = run_host_overlap(&prefill, &decode, &batch, Duration::from_millis(10))
+        .await
+        .unwrap();
+    assert!(report.clean(), "{}", report.text());
+    let pages = u64::from(batch.rooms) * 4 * 2 * u64::from(batch.shape.pages_per_room);
+    let [layerwise, whole] = report.runs.as_slice() else {
+        panic!("two runs");
+    };
+    assert_eq!(
+        (layerwise.pages_verified, whole.pages_verified),
+        (pages, pages)
+    );
+    let mut previous = Duration::ZERO;
+    for l in &layerwise.timeline.layers {
+        let t = l.transfer.expect("layerwise runs time each layer");
+        assert!(
+            t.end >= l.compute.end,
+            "layer {} reached decode before it was computed",
+            l.layer
+        );
+        assert!(
+            t.end >= previous,
+            "layer {} delivered out of order",
+            l.layer
+        );
+        previous = t.end;
+    }
+    let b = whole
+        .timeline
+        .batch
+        .expect("the whole batch is one transfer");
+    assert_eq!(b.start, whole.timeline.layers[3].compute.end);
+    assert!(b.end > b.start && whole.timeline.layers.iter().all(|l| l.transfer.is_none()));
+    decode.shutdown().await;
+    prefill.shutdown().await;
 }
 
 async fn chunked_rooms_succeed(p: Runtime, d: Runtime) {
@@ -568,6 +621,7 @@ on_every_driver!(
     many_concurrent_rooms_succeed_with_every_byte_verified,
     chunked_rooms_succeed,
     layerwise_rooms_succeed,
+    a_layerwise_batch_delivers_each_layer_after_its_compute,
     aborted_rooms_give_their_pages_back_clean,
     two_decodes_share_one_prefill,
     a_prefill_dropped_mid_transfer_fails_decode_rooms_with_a_reason,
