@@ -13,11 +13,17 @@ if [ -n "${RXE_NETDEV:-}" ] && [ -z "$(ls /sys/class/infiniband 2>/dev/null)" ];
     rdma link add rxe0 type rxe netdev "$RXE_NETDEV" 2>&1; echo "rdma link add: rc=$?"
     ls /sys/class/infiniband 2>&1
 fi
-echo "== rdma feature tests (completion table, QP lifecycle, handshake, device discovery)"
+echo "== rdma feature tests (completion table, QP lifecycle, handshake, device discovery, verbs)"
 cargo test -p kvferry-rdma --features rdma -- --nocapture || exit 1
+echo "== rooms end to end over RDMA (tokio driver): many rooms, aborts and the fence, layerwise"
+cargo test -p kvferry-tests --release --features rdma --test rdma -- --nocapture || exit 1
 echo "== CLI with RDMA"
 cargo build --release -p kvferry-cli --features rdma || exit 1
-./target/release/kvferry demo --backend rdma --rooms 64
-echo "demo --backend rdma: rc=$?"
-./target/release/kvferry bench --backend rdma
-echo "bench --backend rdma: rc=$?"
+rc=0
+./target/release/kvferry demo --backend rdma || rc=1
+echo "demo --backend rdma: rc=$rc"
+./target/release/kvferry demo --backend rdma --abort-rate 0.1 --rooms 2000 --concurrency 64 || rc=1
+./target/release/kvferry demo --overlap --backend rdma || rc=1
+./target/release/kvferry bench --backend rdma --iterations 3 || rc=1
+echo "rdma-check: rc=$rc"
+exit $rc

@@ -33,8 +33,13 @@ impl std::fmt::Display for RdmaError {
                 f,
                 "no RDMA device (ls /sys/class/infiniband is empty); add one (e.g. rdma link add rxe0 type rxe netdev eth0) or use --backend tcp"
             ),
-            RdmaError::DeviceNotFound(name) => write!(f, "no RDMA device named {name}"),
-            RdmaError::Verbs { call, errno } => write!(f, "{call} failed (errno {errno})"),
+            RdmaError::DeviceNotFound(name) => {
+                write!(f, "no RDMA device named {name}; name another one, or use --backend tcp")
+            }
+            RdmaError::Verbs { call, errno } => write!(
+                f,
+                "{call} failed (errno {errno}); check the device and its port, or use --backend tcp"
+            ),
         }
     }
 }

@@ -20,6 +20,8 @@ mod wc;
 #[cfg(feature = "rdma")]
 pub mod device;
 #[cfg(feature = "rdma")]
+pub mod link;
+#[cfg(feature = "rdma")]
 pub mod verbs;
 
 pub use handshake::{writable, HandshakeError, RdmaHello, RemoteRegion, PSN_MASK};

@@ -93,6 +93,11 @@ impl MemoryRegistration {
         }
     }
 
+    /// The registered range's first address.
+    pub fn base(&self) -> u64 {
+        self.addr
+    }
+
     /// Whether `[addr, addr + len)` lies inside this registration.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
         addr >= self.addr
@@ -436,6 +441,11 @@ impl RcQueuePair {
         })?;
         self.lifecycle.fence();
         Ok(())
+    }
+
+    /// Where the QP is in its lifecycle.
+    pub fn state(&self) -> crate::QpState {
+        self.lifecycle.state()
     }
 
     /// Whether the fence is complete: nothing of this QP can land any more.

@@ -624,3 +624,84 @@ mod tests {
         );
     }
 }
+
+/// One workload moved between two tokio nodes on loopback over TCP and over RDMA, in one run.
+#[derive(Clone, Debug)]
+pub struct BackendPoint {
+    /// What moved.
+    pub workload: &'static str,
+    /// GB/s over TCP data connections.
+    pub tcp_gbps: f64,
+    /// GB/s over RDMA WRITEs.
+    pub rdma_gbps: f64,
+    /// Every page of both runs verified, none corrupted or unfinished.
+    pub clean: bool,
+}
+
+/// `bench --backend rdma`: the same room workloads through a prefill and a decode node, once
+/// over TCP and once over RDMA, best of `iterations` each (every byte verified every time).
+pub async fn backends(
+    iterations: usize,
+    device: Option<String>,
+) -> Result<Vec<BackendPoint>, kvferry_tokio::NodeError> {
+    let workloads: [(&'static str, crate::Shape, u64); 3] = [
+        (
+            "64 MiB rooms",
+            crate::Shape {
+                page_bytes: 256 * 1024,
+                pages_per_room: 16,
+                concurrency: 4,
+                ..crate::Shape::default()
+            },
+            16,
+        ),
+        ("8 MiB rooms of 16 KiB pages", crate::Shape::default(), 128),
+        (
+            "1 MiB rooms of 4 KiB pages",
+            crate::Shape {
+                page_bytes: 4096,
+                ..crate::Shape::default()
+            },
+            256,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (workload, shape, rooms) in workloads {
+        let mut best = [0.0f64; 2];
+        let mut clean = true;
+        for _ in 0..iterations.max(1) {
+            for (k, backend) in [
+                kvferry_tokio::DataBackend::Tcp,
+                kvferry_tokio::DataBackend::Rdma {
+                    device: device.clone(),
+                    port: 1,
+                },
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let report = crate::run_demo(
+                    shape.clone(),
+                    kvferry_core::Config::default(),
+                    rooms,
+                    crate::DemoFaults::default(),
+                    None,
+                    crate::Runtime::Tokio,
+                    backend,
+                )
+                .await?;
+                clean &= report.pages_corrupted == 0
+                    && report.rooms_unfinished == 0
+                    && report.rooms_succeeded == rooms;
+                best[k] = best[k].max(report.throughput_gbps);
+            }
+        }
+        out.push(BackendPoint {
+            workload,
+            tcp_gbps: best[0],
+            rdma_gbps: best[1],
+            clean,
+        });
+    }
+    Ok(out)
+}

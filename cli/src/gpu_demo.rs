@@ -371,6 +371,7 @@ pub async fn gpu_overlap_demo(
     batch: &Batch,
     core: Config,
     runtime: Runtime,
+    backend: crate::DataBackend,
     compute: Duration,
 ) -> Result<OverlapReport, String> {
     let info = kvferry_gpu::cuda::probe().map_err(gpu_err)?;
@@ -402,9 +403,14 @@ pub async fn gpu_overlap_demo(
 
     let token = b"kvferry-demo".to_vec();
     let start = |role: Role, seed: u64, map: Arc<MemoryMap>| {
-        let cfg = node_config(role, &shape, core.clone(), &token, seed);
+        let mut cfg = node_config(role, &shape, core.clone(), &token, seed);
+        cfg.backend = backend.clone();
         runtime.start(cfg, map).map_err(|e| e.to_string())
     };
+    if backend != crate::DataBackend::Tcp {
+        // GPUDirect (registering device memory with the NIC) is not written: say so.
+        tracing::warn!("GPU KV is staged through page-locked host memory over RDMA too (GPUDirect registration is not implemented)");
+    }
     let prefill = start(Role::Prefill, 1, prefill_staging.map.clone())?;
     let decode = start(Role::Decode, 2, decode_staging.map.clone())?;
     let result = async {
@@ -476,6 +482,7 @@ pub async fn gpu_overlap_demo(
         Ok::<_, String>(OverlapReport {
             memory: format!("GPU ({})", info.name),
             runtime: crate::runtime_label(prefill.runtime(), decode.runtime()),
+            backend: decode.backend().to_owned(),
             layers: batch.shape.layers,
             rooms: batch.rooms,
             layer_bytes: batch.layer_bytes(),

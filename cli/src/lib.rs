@@ -17,6 +17,7 @@ use kvferry_core::{
 };
 use kvferry_glommio::{GlommioNode, ShardConfig};
 use kvferry_tcp::MemoryMap;
+pub use kvferry_tokio::DataBackend;
 use kvferry_tokio::{Announcement, KvNode, Node, NodeConfig, NodeError, PeerId, RoomHandle};
 use tracing::warn;
 
@@ -156,6 +157,7 @@ pub fn node_config(role: Role, shape: &Shape, core: Config, token: &[u8], seed: 
         data_connections: shape.data_connections,
         seed,
         faults: None,
+        backend: Default::default(),
     }
 }
 
@@ -791,6 +793,15 @@ impl Backend {
             other => Err(format!("unknown backend {other:?} (tcp or rdma)")),
         }
     }
+
+    /// The node config's data plane for this backend (RDMA: `device`, or the first one, port
+    /// 1).
+    pub fn data_backend(self, device: Option<String>) -> kvferry_tokio::DataBackend {
+        match self {
+            Backend::Tcp => kvferry_tokio::DataBackend::Tcp,
+            Backend::Rdma => kvferry_tokio::DataBackend::Rdma { device, port: 1 },
+        }
+    }
 }
 
 #[cfg(not(feature = "rdma"))]
@@ -801,13 +812,8 @@ fn rdma_available() -> Result<(), String> {
 #[cfg(feature = "rdma")]
 fn rdma_available() -> Result<(), String> {
     match kvferry_rdma::device::Device::open(None) {
-        Err(e) => Err(format!(
-            "RDMA is not available on this host: {e}. Run the same command with --backend tcp to use TCP instead"
-        )),
-        Ok(d) => Err(format!(
-            "found RDMA device {} but the drivers do not carry operations over RDMA yet (the verbs layer exists, the control-channel hello and the driver integration do not): run the same command with --backend tcp",
-            d.name()
-        )),
+        Err(e) => Err(format!("RDMA is not available on this host: {e}")),
+        Ok(_) => Ok(()),
     }
 }
 
@@ -818,6 +824,7 @@ pub async fn gpu_overlap_demo(
     _batch: &overlap::Batch,
     _core: Config,
     _runtime: Runtime,
+    _backend: DataBackend,
     _compute: Duration,
 ) -> Result<overlap::OverlapReport, String> {
     Err("this kvferry was built without GPU support: rebuild with `cargo build --release -p kvferry-cli --features gpu`, or run without --gpu".to_owned())
@@ -895,6 +902,10 @@ macro_rules! both {
 impl KvNode for AnyNode {
     fn runtime(&self) -> &'static str {
         both!(self, n => n.runtime())
+    }
+
+    fn backend(&self) -> &'static str {
+        both!(self, n => n.backend())
     }
 
     fn memory(&self) -> &Arc<MemoryMap> {
@@ -1000,7 +1011,7 @@ pub async fn run_pair<P: KvNode, D: KvNode>(
     tokio::time::sleep(Duration::from_millis(20)).await;
     let mut report = run_decode(decode, peer, run).await;
     report.runtime = runtime_label(prefill.runtime(), decode.runtime());
-    report.backend = "tcp".to_owned();
+    report.backend = decode.backend().to_owned();
     add_counters(
         &mut report,
         &prefill.counters().await,
@@ -1020,10 +1031,13 @@ pub async fn run_demo(
     faults: DemoFaults,
     progress: Option<Progress>,
     runtime: Runtime,
+    backend: kvferry_tokio::DataBackend,
 ) -> Result<Report, NodeError> {
     let token = b"kvferry-demo".to_vec();
-    let prefill_cfg = node_config(Role::Prefill, &shape, core.clone(), &token, 1);
+    let mut prefill_cfg = node_config(Role::Prefill, &shape, core.clone(), &token, 1);
     let mut decode_cfg = node_config(Role::Decode, &shape, core, &token, 2);
+    prefill_cfg.backend = backend.clone();
+    decode_cfg.backend = backend;
     if faults.fault_rate > 0.0 {
         decode_cfg.faults = Some(kvferry_tokio::FaultPlan {
             rate: faults.fault_rate,

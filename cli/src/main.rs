@@ -131,9 +131,13 @@ enum Command {
         /// Which data plane to measure against raw TCP: tokio, glommio, or all.
         #[arg(long, default_value = "tokio")]
         runtime: String,
-        /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature).
+        /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature): with rdma,
+        /// room workloads through two tokio nodes over TCP and over RDMA, side by side.
         #[arg(long, default_value = "tcp")]
         backend: String,
+        /// With --backend rdma: the RDMA device to use (default: the first one).
+        #[arg(long)]
+        rdma_device: Option<String>,
         /// Instead of the data-plane workloads: room lifecycles per second through the
         /// glommio driver with 1, 2, ... shards up to the number of cores.
         #[arg(long)]
@@ -219,15 +223,26 @@ struct CommonArgs {
     /// Shards (executors, one per core) for --runtime glommio.
     #[arg(long, default_value_t = 1)]
     shards: usize,
-    /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature).
+    /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature; tokio runtime).
     #[arg(long, default_value = "tcp")]
     backend: String,
+    /// With --backend rdma: the RDMA device to use (default: the first one).
+    #[arg(long)]
+    rdma_device: Option<String>,
 }
 
 impl CommonArgs {
     fn runtime(&self) -> Result<Runtime, String> {
-        kvferry_cli::Backend::parse(&self.backend)?;
-        Runtime::parse(&self.runtime, self.shards)
+        let backend = kvferry_cli::Backend::parse(&self.backend)?;
+        let runtime = Runtime::parse(&self.runtime, self.shards)?;
+        if backend == kvferry_cli::Backend::Rdma && runtime != Runtime::Tokio {
+            return Err("--backend rdma runs on the tokio driver: use --runtime tokio".to_owned());
+        }
+        Ok(runtime)
+    }
+
+    fn data_backend(&self) -> Result<kvferry_cli::DataBackend, String> {
+        Ok(kvferry_cli::Backend::parse(&self.backend)?.data_backend(self.rdma_device.clone()))
     }
 }
 
@@ -309,9 +324,17 @@ async fn overlap_demo(
         first_room: 1,
     };
     let report = if gpu {
-        kvferry_cli::gpu_overlap_demo(&batch, config, runtime, compute).await?
+        kvferry_cli::gpu_overlap_demo(&batch, config, runtime, common.data_backend()?, compute)
+            .await?
     } else {
-        kvferry_cli::overlap::run_overlap_demo(&batch, config, runtime, compute).await?
+        kvferry_cli::overlap::run_overlap_demo(
+            &batch,
+            config,
+            runtime,
+            common.data_backend()?,
+            compute,
+        )
+        .await?
     };
     if let Some(path) = &timeline {
         let runs: Vec<&kvferry_gpu::Timeline> = report.runs.iter().map(|r| &r.timeline).collect();
@@ -393,6 +416,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                 faults,
                 progress,
                 common.runtime()?,
+                common.data_backend()?,
             )
             .await
             .map_err(|e| e.to_string())?;
@@ -479,7 +503,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             };
             let mut report = run_decode(&node, peer, run).await;
             report.runtime = node.runtime().to_owned();
-            report.backend = "tcp".to_owned();
+            report.backend = node.backend().to_owned();
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
@@ -554,11 +578,42 @@ async fn run(cli: Cli) -> Result<(), String> {
             iterations,
             runtime,
             backend,
+            rdma_device,
             scaling,
             scaling_rooms,
             json,
         } => {
-            kvferry_cli::Backend::parse(&backend)?;
+            if kvferry_cli::Backend::parse(&backend)? == kvferry_cli::Backend::Rdma {
+                let points = kvferry_cli::bench::backends(iterations.min(3), rdma_device)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                for p in &points {
+                    let ratio = p.rdma_gbps / p.tcp_gbps.max(1e-9);
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({ "workload": p.workload, "runtime": "tokio", "tcp_gbps": p.tcp_gbps, "rdma_gbps": p.rdma_gbps, "rdma_vs_tcp": ratio, "clean": p.clean })
+                        );
+                    } else {
+                        println!(
+                            "{:<28} tcp {:>7.3} GB/s  rdma {:>7.3} GB/s  rdma/tcp {:>6.3}  {}",
+                            p.workload,
+                            p.tcp_gbps,
+                            p.rdma_gbps,
+                            ratio,
+                            if p.clean {
+                                "every byte verified"
+                            } else {
+                                "LOST OR CORRUPTED PAGES"
+                            }
+                        );
+                    }
+                }
+                if points.iter().any(|p| !p.clean) {
+                    return Err("pages were lost or corrupted".to_owned());
+                }
+                return Ok(());
+            }
             if scaling {
                 let points = kvferry_cli::bench::scaling(scaling_rooms)
                     .await
@@ -629,7 +684,8 @@ fn start_node(
     let config = load_config(common.config.as_ref())?;
     install_metrics(common.metrics_addr)?;
     let shape = shape.shape();
-    let cfg = node_config(role, &shape, config, common.token.as_bytes(), rand_seed());
+    let mut cfg = node_config(role, &shape, config, common.token.as_bytes(), rand_seed());
+    cfg.backend = common.data_backend()?;
     let node = runtime
         .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
         .map_err(|e| e.to_string())?;

@@ -447,6 +447,8 @@ pub struct OverlapReport {
     pub memory: String,
     /// The runtime of the nodes.
     pub runtime: String,
+    /// The data plane (`tcp`, `rdma`).
+    pub backend: String,
     /// Layers of the model.
     pub layers: u16,
     /// Rooms in the batch.
@@ -487,12 +489,13 @@ impl OverlapReport {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "overlap demo: {} rooms x {} layers, {:.1} MiB per layer, KV in {} memory, runtime {}",
+            "overlap demo: {} rooms x {} layers, {:.1} MiB per layer, KV in {} memory, runtime {}, backend {}",
             self.rooms,
             self.layers,
             self.layer_bytes as f64 / (1u64 << 20) as f64,
             self.memory,
-            self.runtime
+            self.runtime,
+            self.backend
         );
         if let Some((d2h, h2d)) = self.staging_gbps {
             let _ = writeln!(
@@ -558,7 +561,7 @@ impl OverlapReport {
         serde_json::json!({
             "memory": self.memory,
             "runtime": self.runtime,
-            "backend": "tcp",
+            "backend": self.backend,
             "layers": self.layers,
             "rooms": self.rooms,
             "layer_bytes": self.layer_bytes,
@@ -635,6 +638,7 @@ pub async fn run_host_overlap<P: KvNode, D: KvNode>(
     Ok(OverlapReport {
         memory: "host".to_owned(),
         runtime: crate::runtime_label(prefill.runtime(), decode.runtime()),
+        backend: decode.backend().to_owned(),
         layers: batch.shape.layers,
         rooms: batch.rooms,
         layer_bytes: batch.layer_bytes(),
@@ -649,13 +653,15 @@ pub async fn run_overlap_demo(
     batch: &Batch,
     core: kvferry_core::Config,
     runtime: crate::Runtime,
+    backend: crate::DataBackend,
     compute: Duration,
 ) -> Result<OverlapReport, String> {
     let token = b"kvferry-demo".to_vec();
     let shape = batch.shape_for_layout();
     let layout = shape.layout();
     let start = |role: Role, seed: u64| {
-        let cfg = crate::node_config(role, &shape, core.clone(), &token, seed);
+        let mut cfg = crate::node_config(role, &shape, core.clone(), &token, seed);
+        cfg.backend = backend.clone();
         runtime
             .start(cfg, Arc::new(MemoryMap::allocate(layout)))
             .map_err(|e| e.to_string())

@@ -26,7 +26,15 @@ fn batch() -> Batch {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gpu_overlap_demo_verifies_every_byte_or_says_why_it_cannot_run() {
     let fast = kvferry_core::Config::default();
-    match gpu_overlap_demo(&batch(), fast, Runtime::Tokio, Duration::from_millis(5)).await {
+    let batch = batch();
+    let demo = gpu_overlap_demo(
+        &batch,
+        fast,
+        Runtime::Tokio,
+        Default::default(),
+        Duration::from_millis(5),
+    );
+    match demo.await {
         Ok(report) => {
             eprintln!("{}", report.text());
             assert!(report.clean(), "{}", report.text());

@@ -33,6 +33,24 @@ pub struct NodeConfig {
     pub seed: u64,
     /// Injected data-path faults (demos and tests only; `None` in production).
     pub faults: Option<FaultPlan>,
+    /// Which data plane carries the operations.
+    pub backend: DataBackend,
+}
+
+/// Which data plane carries a node's operations (the control channel is TCP either way).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DataBackend {
+    /// Data connections over TCP (every driver).
+    #[default]
+    Tcp,
+    /// One-sided RDMA WRITEs on an RC queue pair per session (the tokio driver built with
+    /// its `rdma` feature).
+    Rdma {
+        /// The device to open (`None`: the first one).
+        device: Option<String>,
+        /// Its port (usually 1).
+        port: u8,
+    },
 }
 
 /// Reproducible data-path fault injection: each incoming write batch resets its data
@@ -144,6 +162,8 @@ pub enum NodeError {
     PeerUnavailable(PeerId),
     /// The runtime could not start (what failed and how to fix it).
     Runtime(String),
+    /// The data-plane backend could not start (what failed and how to fix it).
+    Backend(String),
 }
 
 impl std::fmt::Display for NodeError {
@@ -182,6 +202,7 @@ impl std::fmt::Display for NodeError {
                 write!(f, "peer {} is not connected right now (reconnecting)", p.0)
             }
             NodeError::Runtime(why) => write!(f, "the runtime could not start: {why}"),
+            NodeError::Backend(why) => write!(f, "the data plane could not start: {why}"),
         }
     }
 }
@@ -286,6 +307,11 @@ pub fn shard_of(room: RoomId, n: usize) -> usize {
 pub trait KvNode: Clone + Send + Sync + 'static {
     /// Which runtime runs this node (`"tokio"`, `"glommio"`).
     fn runtime(&self) -> &'static str;
+
+    /// Which data plane carries its operations (`"tcp"`, `"rdma"`).
+    fn backend(&self) -> &'static str {
+        "tcp"
+    }
 
     /// The registered memory the node moves bytes from and into.
     fn memory(&self) -> &Arc<MemoryMap>;

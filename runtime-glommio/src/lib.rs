@@ -37,7 +37,8 @@ use kvferry_core::{
 };
 use kvferry_driver::{export_metrics, round_robin, shard_of, token_matches, Announcer, RoomBook};
 pub use kvferry_driver::{
-    Announcement, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView,
+    Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
+    RoomView,
 };
 use kvferry_sync::{Acked, ConnSet, LedgerState, Start};
 use kvferry_tcp::stream::{
@@ -164,6 +165,11 @@ impl GlommioNode {
         memory: Arc<MemoryMap>,
         shards: ShardConfig,
     ) -> Result<GlommioNode, NodeError> {
+        if config.backend != DataBackend::Tcp {
+            return Err(NodeError::Backend(
+                "the glommio driver carries data over TCP only; RDMA runs on the tokio driver (--runtime tokio)".to_owned(),
+            ));
+        }
         let n = shards.shards.max(1);
         ensure_memlock(n)?;
         let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());

@@ -25,6 +25,7 @@ fn a_too_low_memlock_limit_is_a_typed_error_that_names_the_fix() {
         data_connections: 1,
         seed: 1,
         faults: None,
+        backend: Default::default(),
     };
     let err = GlommioNode::start(
         config,

@@ -32,9 +32,12 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
+#[cfg(feature = "rdma")]
+mod rdma;
+
 pub use kvferry_driver::{
-    export_metrics, shard_of, Announcement, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
-    RoomHandle, RoomView,
+    export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
+    NodeError, PeerId, RoomHandle, RoomView,
 };
 use kvferry_driver::{round_robin, token_matches, Announcer, RoomBook};
 
@@ -48,6 +51,9 @@ struct SessionIo {
     next_sender: usize,
     /// Operations waiting for a data connection (the core's operation timeout bounds them).
     parked: Vec<kvferry_core::TransferOp>,
+    /// The session's queue pair when the node moves data over RDMA.
+    #[cfg(feature = "rdma")]
+    rdma: Option<rdma::SessionRdma>,
 }
 
 /// One data connection of a session: prefill writes on it, decode serves writes from it.
@@ -93,6 +99,9 @@ struct Shared {
     /// How each peer named through [`KvNode`] is reached, one link per peer address.
     peers: Mutex<Vec<Vec<Link>>>,
     stopped: watch::Sender<bool>,
+    /// The registered memory and device when data moves over RDMA.
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<kvferry_rdma::link::RdmaNode>>,
 }
 
 /// A running kvferry endpoint on tokio. Cheap to clone; the last [`Node::shutdown`] or drop
@@ -138,6 +147,22 @@ impl Node {
                     e.to_string(),
                 ))
             })?;
+        #[cfg(feature = "rdma")]
+        let rdma = match &config.backend {
+            DataBackend::Tcp => None,
+            DataBackend::Rdma { device, port } => Some(rdma::open(
+                &memory,
+                config.info.role == Role::Decode,
+                device.as_deref(),
+                *port,
+            )?),
+        };
+        #[cfg(not(feature = "rdma"))]
+        if config.backend != DataBackend::Tcp {
+            return Err(NodeError::Backend(
+                "this build has no RDMA support: rebuild with the `rdma` feature, or use --backend tcp".to_owned(),
+            ));
+        }
         let (events, _) = broadcast::channel(65536);
         let (stopped, _) = watch::channel(false);
         let limits = Limits {
@@ -164,6 +189,8 @@ impl Node {
             announcements: Announcer::default(),
             peers: Mutex::new(Vec::new()),
             stopped,
+            #[cfg(feature = "rdma")]
+            rdma,
         });
         let weak = Arc::downgrade(&shared);
         let role = shared.info.role;
@@ -453,6 +480,14 @@ impl KvNode for Node {
         "tokio"
     }
 
+    fn backend(&self) -> &'static str {
+        #[cfg(feature = "rdma")]
+        if self.shared.rdma.is_some() {
+            return "rdma";
+        }
+        "tcp"
+    }
+
     fn memory(&self) -> &Arc<MemoryMap> {
         &self.shared.memory
     }
@@ -604,6 +639,11 @@ fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
         let now = Instant::now();
         while let Some(op) = inner.endpoint.poll_transfer(now) {
             progressed = true;
+            #[cfg(feature = "rdma")]
+            if let Some(node) = shared.rdma.clone() {
+                rdma::post(inner, &node, op);
+                continue;
+            }
             let id = op.id;
             match inner.io.get_mut(&op.session) {
                 Some(io) if !io.data.is_closing() => {
@@ -667,11 +707,25 @@ fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
         ref e if RoomBook::follows(e) => inner.rooms.on_event(event),
         Event::SessionEstablished { session, peer } => {
             info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
+            #[cfg(feature = "rdma")]
+            if let Some(node) = shared.rdma.clone() {
+                rdma::establish(shared, inner, &node, session);
+                return;
+            }
             if let Some(addr) = inner.io.get(&session).and_then(|io| io.peer_addr) {
                 open_data_connections(shared, session, addr);
             }
         }
         Event::RoomAnnounced { .. } => shared.announcements.on_event(event),
+        #[cfg(feature = "rdma")]
+        Event::TransportReceived {
+            session,
+            ref payload,
+        } => {
+            if let Some(node) = shared.rdma.clone() {
+                rdma::on_hello(shared, inner, &node, session, payload);
+            }
+        }
         Event::SessionBlacklisted { session } => warn!(%session, "session blacklisted"),
         Event::SessionRecovered { session } => info!(%session, "session recovered"),
         _ => {}
@@ -742,6 +796,8 @@ fn attach_control(
             data: ConnSet::default(),
             next_sender: 0,
             parked: Vec::new(),
+            #[cfg(feature = "rdma")]
+            rdma: None,
         },
     );
     drain(shared, &mut inner);
@@ -911,6 +967,11 @@ fn start_connect(shared: &Arc<Shared>, inner: &mut Inner, target: TargetId) {
 /// write, confirm to the core, then re-open them if this side opens data connections.
 fn start_fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
     unpark(inner, sid);
+    #[cfg(feature = "rdma")]
+    if shared.rdma.is_some() {
+        rdma::fence(shared, inner, sid);
+        return;
+    }
     let Some(io) = inner.io.get_mut(&sid) else {
         inner.endpoint.handle_fence_complete(Instant::now(), sid);
         return;
@@ -945,6 +1006,10 @@ fn start_close(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
         return; // already closing
     };
     let tasks = std::mem::take(&mut io.tasks);
+    #[cfg(feature = "rdma")]
+    if let Some(r) = io.rdma.take() {
+        r.close();
+    }
     let weak = Arc::downgrade(shared);
     shared.runtime.spawn(async move {
         // Let the writer flush a final error frame before the socket goes.

@@ -12,7 +12,7 @@ use kvferry_core::{Capacity, Chunk, Config, FailureReason, Grant, KvPoll, Role, 
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
     assert_all_clean, fast_core, free_ports, on_every_driver, prefill_on, rooms, small_shape,
-    start_on, KvNode, Runtime,
+    start_on, KvNode, Runtime, GLOMMIO,
 };
 use kvferry_tokio::FaultPlan;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -658,5 +658,46 @@ async fn a_second_listener_on_a_taken_address_is_refused() {
         let second = start_on(runtime, Role::Prefill, &shape, fast_core(), 2);
         let taken = second.listen(addrs[0]).await;
         assert!(taken.is_err(), "{runtime:?}: {taken:?}");
+    }
+}
+
+/// The glommio driver moves data over TCP only: asking it for RDMA is a typed refusal that
+/// names the driver that can.
+#[test]
+fn glommio_refuses_the_rdma_backend_and_names_tokio() {
+    let shape = small_shape();
+    let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, fast_core(), b"t", 1);
+    cfg.backend = kvferry_cli::DataBackend::Rdma {
+        device: None,
+        port: 1,
+    };
+    let memory = std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout()));
+    match GLOMMIO.start(cfg, memory) {
+        Err(kvferry_tokio::NodeError::Backend(why)) => assert!(why.contains("tokio"), "{why}"),
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("glommio accepted RDMA"),
+    }
+}
+
+/// A tokio node built without the `rdma` feature, asked for RDMA, says how to get it.
+#[cfg(not(feature = "rdma"))]
+#[tokio::test]
+async fn tokio_without_rdma_built_in_refuses_the_rdma_backend() {
+    let shape = small_shape();
+    let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, fast_core(), b"t", 1);
+    cfg.backend = kvferry_cli::DataBackend::Rdma {
+        device: None,
+        port: 1,
+    };
+    let memory = std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout()));
+    match Runtime::Tokio.start(cfg, memory) {
+        Err(kvferry_tokio::NodeError::Backend(why)) => {
+            assert!(
+                why.contains("rdma") && why.contains("--backend tcp"),
+                "{why}"
+            )
+        }
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("started without RDMA support"),
     }
 }

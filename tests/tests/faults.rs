@@ -30,9 +30,17 @@ async fn soak(runtime: Runtime) {
         abort_rate: 0.05,
         seed: 7,
     };
-    let report = run_demo(shape, fast_core(), 2000, faults, None, runtime)
-        .await
-        .expect("demo runs");
+    let report = run_demo(
+        shape,
+        fast_core(),
+        2000,
+        faults,
+        None,
+        runtime,
+        Default::default(),
+    )
+    .await
+    .expect("demo runs");
     assert_eq!(report.rooms_unfinished, 0, "{report:?}");
     assert_eq!(report.pages_corrupted, 0, "{report:?}");
     assert_eq!(report.rooms_succeeded + report.rooms_failed, 2000);
@@ -108,9 +116,17 @@ async fn f01(runtime: Runtime) {
         abort_rate: 0.0,
         seed: 11,
     };
-    let report = run_demo(small_shape(), core, 200, faults, None, runtime)
-        .await
-        .expect("demo runs");
+    let report = run_demo(
+        small_shape(),
+        core,
+        200,
+        faults,
+        None,
+        runtime,
+        Default::default(),
+    )
+    .await
+    .expect("demo runs");
     kvferry_tests::assert_all_clean(&report, 200);
     assert!(report.retries > 0);
 }

@@ -1,0 +1,321 @@
+//! The RDMA data plane on tokio (feature `rdma`): per session one RC queue pair from
+//! `kvferry-rdma`, its hello carried in the core's `Transport` frames, operations posted as
+//! chained RDMA WRITEs, completions awaited on the completion channel's descriptor with
+//! `AsyncFd` (no spinning), and the fence as "QP to the error state, wait for the flush".
+//! Every outcome reaches the core through `handle_transfer_result`, as over TCP.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use kvferry_core::{Region, SessionId, TransferOp, TransferOutcome};
+use kvferry_rdma::link::{completions, HelloOutcome, RdmaLink, RdmaNode};
+use kvferry_rdma::verbs::RcQueuePair;
+use kvferry_tcp::MemoryMap;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::oneshot;
+use tracing::{debug, info, warn};
+
+use crate::{drain, Inner, NodeError, Shared};
+
+/// A session's RDMA side: its link and the task that awaits the current QP's completions.
+pub(crate) struct SessionRdma {
+    link: RdmaLink,
+    /// The core's fence is in progress (the QP was moved to the error state on purpose).
+    fencing: bool,
+    /// Dropping it tells the completion task to report what is left and let go of its QP.
+    _watcher: oneshot::Sender<()>,
+}
+
+impl SessionRdma {
+    /// The session ends: its QP goes to the error state (nothing more lands) and its
+    /// completion task reports what flushes before letting go of it.
+    pub(crate) fn close(mut self) {
+        let _ = self.link.fence();
+    }
+}
+
+/// Opens the device and registers every region of `memory` (remote write on decode).
+pub(crate) fn open(
+    memory: &MemoryMap,
+    remote_write: bool,
+    device: Option<&str>,
+    port: u8,
+) -> Result<Arc<RdmaNode>, NodeError> {
+    let layout = *memory.layout();
+    let mut regions = Vec::new();
+    let mut add = |region: Region| {
+        if let Some(len) = layout.region_len(region) {
+            if let Ok(ptr) = memory.range(region, 0, len) {
+                regions.push((region, ptr, len as usize));
+            }
+        }
+    };
+    for layer in 0..layout.layers {
+        for plane in 0..layout.planes {
+            add(Region::Kv { layer, plane });
+        }
+    }
+    add(Region::Aux);
+    add(Region::State);
+    add(Region::Scratch);
+    // SAFETY: the ranges belong to `memory`, which the node keeps (an `Arc` in `Shared`) for
+    // as long as it keeps the `RdmaNode` that registered them.
+    let node = unsafe { RdmaNode::open(device, port, &regions, remote_write) }
+        .map_err(|e| NodeError::Backend(e.to_string()))?;
+    info!(
+        device = node.device_name(),
+        remote_write, "RDMA data plane ready"
+    );
+    Ok(Arc::new(node))
+}
+
+fn psn(sid: SessionId) -> u32 {
+    let t = Instant::now().elapsed().as_nanos() as u64 ^ std::process::id() as u64;
+    let mut z = u64::from(sid.0) ^ t ^ 0x9E37_79B9_7F4A_7C15;
+    z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    (z >> 20) as u32
+}
+
+/// The session is established: create its QP, send the hello, watch completions.
+pub(crate) fn establish(shared: &Arc<Shared>, inner: &mut Inner, node: &RdmaNode, sid: SessionId) {
+    let (link, hello) = match node.link(psn(sid)) {
+        Ok(x) => x,
+        Err(e) => {
+            warn!(session = %sid, error = %e, "no RDMA queue pair for the session");
+            return;
+        }
+    };
+    let watcher = watch(shared, sid, link.queue_pair());
+    if let Some(io) = inner.io.get_mut(&sid) {
+        io.rdma = Some(SessionRdma {
+            link,
+            fencing: false,
+            _watcher: watcher,
+        });
+    }
+    send_hello(inner, sid, &hello);
+}
+
+fn send_hello(inner: &mut Inner, sid: SessionId, hello: &[u8]) {
+    if let Err(e) = inner.endpoint.send_transport(Instant::now(), sid, hello) {
+        warn!(session = %sid, error = %e, "could not send the RDMA hello");
+    }
+}
+
+/// The peer's hello arrived: connect (or start over), then post what waited.
+pub(crate) fn on_hello(
+    shared: &Arc<Shared>,
+    inner: &mut Inner,
+    node: &RdmaNode,
+    sid: SessionId,
+    payload: &[u8],
+) {
+    let Some(r) = inner.io.get_mut(&sid).and_then(|io| io.rdma.as_mut()) else {
+        debug!(session = %sid, "RDMA hello for a session without a queue pair");
+        return;
+    };
+    match r.link.on_hello(node, payload, psn(sid)) {
+        Ok(HelloOutcome::Connected) => info!(session = %sid, "RDMA queue pair connected"),
+        Ok(HelloOutcome::Replaced { hello }) => {
+            info!(session = %sid, "the peer started over: RDMA queue pair replaced");
+            r._watcher = watch(shared, sid, r.link.queue_pair());
+            send_hello(inner, sid, &hello);
+        }
+        Err(e) => {
+            warn!(session = %sid, error = %e, "RDMA hello refused");
+            return;
+        }
+    }
+    let parked = inner
+        .io
+        .get_mut(&sid)
+        .map(|io| std::mem::take(&mut io.parked))
+        .unwrap_or_default();
+    for op in parked {
+        post(inner, node, op);
+    }
+}
+
+/// Posts `op` on its session's QP; holds it if the QP is not connected yet, or reports the
+/// outcome at once if no post can succeed.
+pub(crate) fn post(inner: &mut Inner, node: &RdmaNode, op: TransferOp) {
+    let Some(io) = inner.io.get_mut(&op.session) else {
+        inner
+            .endpoint
+            .handle_transfer_result(Instant::now(), op.id, TransferOutcome::Transient);
+        return;
+    };
+    let Some(r) = io.rdma.as_mut() else {
+        io.parked.push(op);
+        return;
+    };
+    match r.link.post(node, &op) {
+        Ok(()) => {}
+        Err(e) => match e.outcome() {
+            None => io.parked.push(op),
+            Some(outcome) => {
+                debug!(session = %op.session, error = ?e, "RDMA post failed");
+                inner
+                    .endpoint
+                    .handle_transfer_result(Instant::now(), op.id, outcome);
+            }
+        },
+    }
+}
+
+/// The core's fence: the session's QP goes to the error state; once every outstanding write
+/// has completed flushed, nothing of it can land, the fence is confirmed, and a new QP (with
+/// a new hello) replaces it.
+pub(crate) fn fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
+    let Some(r) = inner.io.get_mut(&sid).and_then(|io| io.rdma.as_mut()) else {
+        inner.endpoint.handle_fence_complete(Instant::now(), sid);
+        return;
+    };
+    r.fencing = true;
+    if let Err(e) = r.link.fence() {
+        warn!(session = %sid, error = %e, "could not move the queue pair to the error state");
+    }
+    // The fence is about this QP: a hello may replace it meanwhile, and the new one is not
+    // what has to drain.
+    let fenced = r.link.queue_pair();
+    let weak = Arc::downgrade(shared);
+    shared.runtime.spawn(async move {
+        while !fenced.lock().map_or(true, |q| q.is_drained()) {
+            if weak.strong_count() == 0 {
+                return; // the node is gone
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let Some(shared) = weak.upgrade() else { return };
+        let Some(node) = shared.rdma.clone() else {
+            return;
+        };
+        let mut inner = shared.lock();
+        inner.endpoint.handle_fence_complete(Instant::now(), sid);
+        info!(session = %sid, "session fenced (RDMA queue pair drained)");
+        if let Some(r) = inner.io.get_mut(&sid).and_then(|io| io.rdma.as_mut()) {
+            r.fencing = false;
+            if r.link.is_current(&fenced) {
+                match r.link.renew(&node, psn(sid)) {
+                    Ok(hello) => {
+                        r._watcher = watch(&shared, sid, r.link.queue_pair());
+                        send_hello(&mut inner, sid, &hello);
+                    }
+                    Err(e) => {
+                        warn!(session = %sid, error = %e, "no new queue pair after the fence")
+                    }
+                }
+            }
+        }
+        drain(&shared, &mut inner);
+    });
+}
+
+/// The completion channel's descriptor, kept open by the QP it belongs to.
+struct QpFd {
+    qp: Arc<Mutex<RcQueuePair>>,
+    fd: RawFd,
+}
+
+impl AsRawFd for QpFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd
+    }
+}
+
+/// Awaits `qp`'s completion channel and reports every finished operation to the core. When
+/// told to stop (its QP was replaced), it reports what the old QP still flushes, then drops
+/// its registration before the QP, so the descriptor is never reused under it.
+fn watch(shared: &Arc<Shared>, sid: SessionId, qp: Arc<Mutex<RcQueuePair>>) -> oneshot::Sender<()> {
+    let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
+    let weak = Arc::downgrade(shared);
+    let fd = qp.lock().map(|q| q.completion_fd()).unwrap_or(-1);
+    shared.runtime.spawn(async move {
+        // SAFETY: the descriptor belongs to the completion channel of the QP that `QpFd`
+        // keeps alive (an `Arc`), so it stays open and the same for the AsyncFd's lifetime;
+        // `as_raw_fd` always returns it.
+        let registered =
+            unsafe { AsyncFd::register_with_interest(QpFd { qp, fd }, Interest::READABLE) };
+        let afd = match registered {
+            Ok(a) => a,
+            Err(e) => {
+                warn!(session = %sid, error = %e, "cannot await the completion channel");
+                return;
+            }
+        };
+        let report = |qp: &Mutex<RcQueuePair>| -> bool {
+            let done = match completions(qp) {
+                Ok(d) => d,
+                Err(e) => {
+                    warn!(session = %sid, error = %e, "polling completions failed");
+                    Vec::new()
+                }
+            };
+            let Some(shared) = weak.upgrade() else {
+                return false;
+            };
+            if !done.is_empty() {
+                let mut inner = shared.lock();
+                let now = Instant::now();
+                for (id, outcome) in done {
+                    inner.endpoint.handle_transfer_result(now, id, outcome);
+                }
+                drain(&shared, &mut inner);
+            }
+            true
+        };
+        loop {
+            let ready = tokio::select! {
+                r = afd.readable() => r,
+                _ = &mut stop_rx => break,
+            };
+            let Ok(mut guard) = ready else { break };
+            let alive = report(&afd.get_ref().qp);
+            guard.clear_ready();
+            if !alive {
+                return;
+            }
+            restart_if_broken(&weak, sid, &afd.get_ref().qp);
+        }
+        // Replaced: the old QP is in the error state; collect its flushed work requests.
+        let qp = afd.get_ref().qp.clone();
+        for _ in 0..1000 {
+            if !report(&qp) || qp.lock().map_or(true, |q| q.is_drained()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        drop(afd);
+    });
+    stop_tx
+}
+
+/// A queue pair that went to the error state by itself (a failed work request, not a fence)
+/// carries nothing more: once its work requests have flushed, a new one replaces it and the
+/// peer gets its hello (and replaces its own), as a broken TCP data connection is re-opened.
+/// The core still decides about the operations that failed: they were reported to it.
+fn restart_if_broken(weak: &Weak<Shared>, sid: SessionId, qp: &Arc<Mutex<RcQueuePair>>) {
+    let Some(shared) = weak.upgrade() else { return };
+    let Some(node) = shared.rdma.clone() else {
+        return;
+    };
+    let mut inner = shared.lock();
+    let Some(r) = inner.io.get_mut(&sid).and_then(|io| io.rdma.as_mut()) else {
+        return;
+    };
+    if r.fencing || !r.link.is_current(qp) || !r.link.is_drained() {
+        return;
+    }
+    match r.link.renew(&node, psn(sid)) {
+        Ok(hello) => {
+            warn!(session = %sid, "RDMA queue pair failed; replacing it");
+            // Replacing the watcher ends the task that called us once it returns.
+            r._watcher = watch(&shared, sid, r.link.queue_pair());
+            send_hello(&mut inner, sid, &hello);
+            drain(&shared, &mut inner);
+        }
+        Err(e) => warn!(session = %sid, error = %e, "no new queue pair after a failure"),
+    }
+}
