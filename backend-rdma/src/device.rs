@@ -162,6 +162,21 @@ impl Device {
         &self.name
     }
 
+    /// The most work requests one send queue of this device may hold.
+    pub fn max_qp_wr(&self) -> Result<u32, RdmaError> {
+        // SAFETY: zeroed is a valid initial value for this plain C struct.
+        let mut attr: rdma_sys::ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        let rc = unsafe { rdma_sys::ibv_query_device(self.ctx, &mut attr) };
+        if rc != 0 {
+            return Err(RdmaError::Verbs {
+                call: "ibv_query_device",
+                errno: rc,
+            });
+        }
+        Ok(attr.max_qp_wr.max(1) as u32)
+    }
+
     /// The open context.
     pub(crate) fn ctx(&self) -> *mut rdma_sys::ibv_context {
         self.ctx

@@ -17,9 +17,10 @@ use crate::device::{Device, RdmaError};
 use crate::verbs::{LocalPiece, MemoryRegistration, RcQueuePair};
 use crate::{writable, HandshakeError, QpState, RdmaHello, RemoteRegion};
 
-/// Send queue depth of a session's QP (operations in flight are bounded by the core's
-/// `max_ops_in_flight`, and each operation is one work request per slice).
-const QP_DEPTH: u32 = 4096;
+/// The deepest send queue a session's QP asks for. An operation is one work request per
+/// slice, so the core's `max_ops_in_flight x max_op_slices` can exceed any device: a post
+/// that does not fit fails at once (a full send queue) and the core retries it later.
+const QP_DEPTH_MAX: u32 = 16384;
 
 /// A node's RDMA side: the device, the port, and every region of its layout registered.
 #[derive(Debug)]
@@ -28,6 +29,8 @@ pub struct RdmaNode {
     port: u8,
     regions: Vec<(Region, MemoryRegistration)>,
     announce: Vec<RemoteRegion>,
+    /// Send queue (and completion queue) depth: the device's limit, at most `QP_DEPTH_MAX`.
+    depth: u32,
 }
 
 impl RdmaNode {
@@ -45,6 +48,7 @@ impl RdmaNode {
         remote_write: bool,
     ) -> Result<RdmaNode, RdmaError> {
         let device = Arc::new(Device::open(device)?);
+        let depth = device.max_qp_wr()?.min(QP_DEPTH_MAX);
         let mut registered = Vec::with_capacity(regions.len());
         let mut announce = Vec::new();
         for &(region, base, len) in regions {
@@ -61,6 +65,7 @@ impl RdmaNode {
             port,
             regions: registered,
             announce,
+            depth,
         })
     }
 
@@ -71,7 +76,7 @@ impl RdmaNode {
 
     /// A new queue pair for a session, and the hello to send the peer.
     pub fn link(&self, psn: u32) -> Result<(RdmaLink, Vec<u8>), RdmaError> {
-        let qp = RcQueuePair::new(&self.device, self.port, QP_DEPTH, psn)?;
+        let qp = RcQueuePair::new(&self.device, self.port, self.depth, psn)?;
         let hello = self.hello(&qp)?;
         Ok((
             RdmaLink {
@@ -202,8 +207,8 @@ impl RdmaLink {
             self.peer = Some(hello);
             return Ok(HelloOutcome::Connected);
         }
-        let mut qp =
-            RcQueuePair::new(&node.device, node.port, QP_DEPTH, psn).map_err(HelloError::Verbs)?;
+        let mut qp = RcQueuePair::new(&node.device, node.port, node.depth, psn)
+            .map_err(HelloError::Verbs)?;
         qp.connect(&hello).map_err(HelloError::Verbs)?;
         let ours = node.hello(&qp).map_err(HelloError::Verbs)?;
         // The old QP goes to the error state so nothing of it lands any more; its task
@@ -247,7 +252,7 @@ impl RdmaLink {
     /// After a completed fence: a new QP in INIT, the peer forgotten until its next hello;
     /// returns the hello to send.
     pub fn renew(&mut self, node: &RdmaNode, psn: u32) -> Result<Vec<u8>, RdmaError> {
-        let qp = RcQueuePair::new(&node.device, node.port, QP_DEPTH, psn)?;
+        let qp = RcQueuePair::new(&node.device, node.port, node.depth, psn)?;
         let hello = node.hello(&qp)?;
         self.qp = Arc::new(Mutex::new(qp));
         self.peer = None;

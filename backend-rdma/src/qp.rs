@@ -142,6 +142,12 @@ impl QpLifecycle {
         Some((op, classify(status)))
     }
 
+    /// A post the device refused (`ibv_post_send` failed: nothing of it was queued, the QP
+    /// is unchanged): forget its work request; returns the operation.
+    pub fn cancel(&mut self, wr_id: u64) -> Option<TransferId> {
+        self.outstanding.remove(&wr_id)
+    }
+
     /// The core asked for a fence: the QP goes to the error state (`ibv_modify_qp` to ERR);
     /// every outstanding work request will complete flushed.
     pub fn fence(&mut self) {

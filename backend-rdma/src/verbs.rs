@@ -258,11 +258,19 @@ impl RcQueuePair {
             call: "qp lifecycle",
             errno: 0,
         };
+        // The path MTU is the smaller of the two ports' active MTUs.
+        // SAFETY: zeroed is a valid initial value for this plain C struct.
+        let mut port: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        check("ibv_query_port", unsafe {
+            ___ibv_query_port(self.device.ctx(), self.port, &mut port)
+        })?;
+        let mtu = (port.active_mtu as u8).min(remote.mtu).max(1);
         self.lifecycle.to_rtr(remote).map_err(lifecycle_err)?;
         // SAFETY: zeroed is a valid initial value for this plain C struct.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTR;
-        attr.path_mtu = ibv_mtu::Type::from(remote.mtu);
+        attr.path_mtu = ibv_mtu::Type::from(mtu);
         attr.dest_qp_num = remote.qpn;
         attr.rq_psn = remote.psn;
         attr.max_dest_rd_atomic = 1;
@@ -273,7 +281,8 @@ impl RcQueuePair {
             attr.ah_attr.is_global = 1;
             attr.ah_attr.grh.dgid = ibv_gid { raw: remote.gid };
             attr.ah_attr.grh.sgid_index = 0;
-            attr.ah_attr.grh.hop_limit = 1;
+            // Enough for routed RoCE v2; on one subnet it is never reached.
+            attr.ah_attr.grh.hop_limit = 64;
         }
         let mask = ibv_qp_attr_mask::IBV_QP_STATE
             | ibv_qp_attr_mask::IBV_QP_AV
@@ -366,8 +375,9 @@ impl RcQueuePair {
         // (verbs copies them into the send queue).
         let rc = unsafe { ibv_post_send(self.qp, base, &mut bad) };
         if rc != 0 {
-            // Nothing of it will complete: settle it now as a fatal local error.
-            let _ = self.lifecycle.complete(wr_id, Some(WcStatus::LocQpOpErr));
+            // Nothing of it was queued and the QP is unchanged (a full send queue reads
+            // ENOMEM): forget it; the caller reports the operation.
+            let _ = self.lifecycle.cancel(wr_id);
             return Err(RdmaError::Verbs {
                 call: "ibv_post_send",
                 errno: rc,

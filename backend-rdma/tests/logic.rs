@@ -147,6 +147,22 @@ fn an_error_completion_puts_the_queue_pair_in_error() {
 }
 
 #[test]
+fn a_post_the_device_refused_leaves_the_queue_pair_usable() {
+    let mut qp = ready();
+    let a = qp.post(TransferId(1)).unwrap();
+    // ibv_post_send failed (a full send queue): nothing was queued.
+    assert_eq!(qp.cancel(a), Some(TransferId(1)));
+    assert_eq!(qp.cancel(a), None, "forgotten once");
+    assert_eq!(qp.state(), QpState::Rts);
+    assert_eq!(qp.outstanding(), 0);
+    let b = qp.post(TransferId(2)).unwrap();
+    assert_eq!(
+        qp.complete(b, Some(WcStatus::Success)),
+        Some((TransferId(2), TransferOutcome::Done))
+    );
+}
+
+#[test]
 fn the_rdma_hello_round_trips_and_refuses_what_cannot_connect() {
     let h = hello();
     let mut b = Vec::new();
