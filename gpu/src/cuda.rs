@@ -142,6 +142,9 @@ impl Gpu {
         len: usize,
     ) -> Result<(), GpuError> {
         src.check(offset, len)?;
+        // Raw driver calls need the context current on this thread (copies run on the
+        // demo's forward and landing threads).
+        self.ctx.bind_to_thread().map_err(driver)?;
         let (base, _guard) = src.buf.device_ptr(stream);
         // SAFETY: the range is inside `src` (checked); the caller keeps `dst` valid until the
         // copy is known complete.
@@ -172,6 +175,7 @@ impl Gpu {
         len: usize,
     ) -> Result<(), GpuError> {
         dst.check(offset, len)?;
+        self.ctx.bind_to_thread().map_err(driver)?;
         let (base, _guard) = dst.buf.device_ptr(stream);
         // SAFETY: the range is inside `dst` (checked); the caller keeps `src` valid until the
         // copy is known complete; nothing else writes `dst` there (the caller's ordering).
