@@ -23,7 +23,10 @@
 //!    them out through [`Endpoint::poll_transfer`]; the driver reports each with
 //!    [`Endpoint::handle_transfer_result`]. Transient failures are retried with jittered
 //!    backoff; exhausted operations fail the room and count against the session, which is
-//!    blacklisted at `session_failure_threshold` and probed until it recovers.
+//!    blacklisted at `session_failure_threshold` and probed until it recovers. Once the last
+//!    chunk was sent, [`Event::LayerDelivered`] tells prefill, layer by layer and in order,
+//!    when every operation of a layer was acknowledged (what overlap measurements and staging
+//!    buffers need).
 //! 4. **Conclusion.** When every operation of the last chunk is acknowledged, prefill sends
 //!    `RoomStatus(Success)`; decode reaches `Success` once every source said so. Any failure
 //!    is pushed to the other side at once with its typed [`FailureReason`].
