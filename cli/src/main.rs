@@ -142,6 +142,10 @@ enum Command {
         /// glommio driver with 1, 2, ... shards up to the number of cores.
         #[arg(long)]
         scaling: bool,
+        /// Instead of the data-plane workloads: how late the GPU layer waiter reports a
+        /// completed layer, and its CPU cost, per poll policy (host events; no GPU needed).
+        #[arg(long)]
+        layer_events: bool,
         /// Rooms per point of the scaling sweep.
         #[arg(long, default_value_t = 4000)]
         scaling_rooms: u64,
@@ -580,9 +584,32 @@ async fn run(cli: Cli) -> Result<(), String> {
             backend,
             rdma_device,
             scaling,
+            layer_events,
             scaling_rooms,
             json,
         } => {
+            if layer_events {
+                let points = tokio::task::spawn_blocking(|| kvferry_cli::bench::layer_events(2000))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                for p in &points {
+                    let (spin, every) = (p.policy.spin.as_micros(), p.policy.interval.as_micros());
+                    let cpu = p.cpu_cores.map_or("n/a".to_owned(), |c| format!("{c:.2}"));
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({ "spin_us": spin, "interval_us": every, "late_median_us": p.median.as_secs_f64() * 1e6, "late_p99_us": p.p99.as_secs_f64() * 1e6, "cpu_cores": p.cpu_cores })
+                        );
+                    } else {
+                        println!(
+                            "waiter spin {spin:>5} us, poll every {every:>5} us: reported {:>7.1} us late (median), {:>7.1} us (p99), CPU {cpu} cores",
+                            p.median.as_secs_f64() * 1e6,
+                            p.p99.as_secs_f64() * 1e6,
+                        );
+                    }
+                }
+                return Ok(());
+            }
             if kvferry_cli::Backend::parse(&backend)? == kvferry_cli::Backend::Rdma {
                 let points = kvferry_cli::bench::backends(iterations.min(3), rdma_device)
                     .await
