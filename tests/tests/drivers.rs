@@ -87,6 +87,59 @@ async fn a_layerwise_batch_delivers_each_layer_after_its_compute(p: Runtime, d: 
     prefill.shutdown().await;
 }
 
+/// The forward pass fails after two of four layers: the batch reports the failure, and every
+/// room on both sides still ends (Failed) and releases its pages; nothing waits forever.
+async fn a_forward_pass_that_fails_mid_batch_fails_every_room(p: Runtime, d: Runtime) {
+    use kvferry_cli::overlap::{run_batch, BatchMode, LayerSignal};
+    let batch = Batch {
+        shape: Shape {
+            layers: 4,
+            ..small_shape()
+        },
+        rooms: 4,
+        first_room: 1,
+    };
+    let shape = batch.shape_for_layout();
+    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 1);
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 2);
+    let addrs = prefill.listen(any_port()).await.unwrap();
+    let peer = decode.connect(addrs).await.unwrap();
+    let forward = || {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for layer in 0..2 {
+            let at = Instant::now();
+            let _ = tx.send(LayerSignal::Computed { layer, at });
+            let _ = tx.send(LayerSignal::Staged { layer, at });
+        }
+        let _ = tx.send(LayerSignal::Failed("kernel 2 faulted".to_owned()));
+        rx
+    };
+    let mode = BatchMode {
+        layerwise: true,
+        deadline: Duration::from_secs(10),
+    };
+    let result = run_batch(&prefill, &decode, peer, &batch, mode, forward, None).await;
+    assert_eq!(result.unwrap_err(), "kernel 2 faulted");
+    let t0 = Instant::now();
+    loop {
+        let (pc, dc) = (prefill.counters().await, decode.counters().await);
+        if pc.rooms_failed_total() == 4
+            && dc.rooms_failed_total() == 4
+            && pc.rooms_released == 4
+            && dc.rooms_released == 4
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "rooms did not end: prefill {pc:?} decode {dc:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    decode.shutdown().await;
+    prefill.shutdown().await;
+}
+
 async fn chunked_rooms_succeed(p: Runtime, d: Runtime) {
     let shape = Shape {
         chunks: 3,
@@ -622,6 +675,7 @@ on_every_driver!(
     chunked_rooms_succeed,
     layerwise_rooms_succeed,
     a_layerwise_batch_delivers_each_layer_after_its_compute,
+    a_forward_pass_that_fails_mid_batch_fails_every_room,
     aborted_rooms_give_their_pages_back_clean,
     two_decodes_share_one_prefill,
     a_prefill_dropped_mid_transfer_fails_decode_rooms_with_a_reason,
