@@ -121,40 +121,26 @@ struct DeviceKv {
 fn staging_bandwidth(gpu: &Gpu, dev: &DeviceKv, host: &Staging) -> Result<(f64, f64), String> {
     let stream = gpu.new_stream().map_err(gpu_err)?;
     let bytes = (dev.kv_len * host.kv.len()) as f64;
-    let t = Instant::now();
-    for (r, buf) in host.kv.iter().enumerate() {
-        // SAFETY: the staging buffers are not in use by any node yet; the stream is
-        // synchronized before they are.
-        unsafe {
-            gpu.copy_to_host_async(
-                &stream,
-                &dev.region,
-                r * dev.kv_len,
-                buf.as_mut_ptr(),
-                dev.kv_len,
-            )
+    let mut gbps = [0.0; 2];
+    for (k, to_host) in [true, false].into_iter().enumerate() {
+        let t = Instant::now();
+        for (r, buf) in host.kv.iter().enumerate() {
+            let (at, ptr, len) = (r * dev.kv_len, buf.as_mut_ptr(), dev.kv_len);
+            // SAFETY: the staging buffers are not in use by any node yet; the stream is
+            // synchronized before they are.
+            let queued = unsafe {
+                if to_host {
+                    gpu.copy_to_host_async(&stream, &dev.region, at, ptr, len)
+                } else {
+                    gpu.copy_to_device_async(&stream, &dev.region, at, ptr, len)
+                }
+            };
+            queued.map_err(gpu_err)?;
         }
-        .map_err(gpu_err)?;
+        stream.synchronize().map_err(|e| format!("{e:?}"))?;
+        gbps[k] = bytes / t.elapsed().as_secs_f64() / 1e9;
     }
-    stream.synchronize().map_err(|e| format!("{e:?}"))?;
-    let d2h = bytes / t.elapsed().as_secs_f64() / 1e9;
-    let t = Instant::now();
-    for (r, buf) in host.kv.iter().enumerate() {
-        // SAFETY: as above.
-        unsafe {
-            gpu.copy_to_device_async(
-                &stream,
-                &dev.region,
-                r * dev.kv_len,
-                buf.as_mut_ptr(),
-                dev.kv_len,
-            )
-        }
-        .map_err(gpu_err)?;
-    }
-    stream.synchronize().map_err(|e| format!("{e:?}"))?;
-    let h2d = bytes / t.elapsed().as_secs_f64() / 1e9;
-    Ok((d2h, h2d))
+    Ok((gbps[0], gbps[1]))
 }
 
 /// Starts the GPU forward pass of `batch` on its own thread: per layer a kernel, an event, a

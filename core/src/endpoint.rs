@@ -1536,14 +1536,9 @@ impl Endpoint {
     fn report_delivered_layers(&mut self, room: RoomId) {
         let first_layer = self.local.layer_start;
         let owned = self.owned_layers();
-        let Some(r) = self.rooms.get_mut(&room) else {
+        let Some((generation, s)) = live_sender(&mut self.rooms, room) else {
             return;
         };
-        if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
-            return;
-        }
-        let generation = r.generation;
-        let Side::Sender(s) = &mut r.side else { return };
         if !s.last_seen {
             return;
         }
@@ -2978,14 +2973,9 @@ impl Endpoint {
         let first_layer = self.local.layer_start;
         let owned = self.owned_layers();
         let writes_aux = self.local.writes_aux;
-        let Some(r) = self.rooms.get_mut(&room) else {
+        let Some((generation, s)) = live_sender(&mut self.rooms, room) else {
             return;
         };
-        if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
-            return;
-        }
-        let generation = r.generation;
-        let Side::Sender(s) = &mut r.side else { return };
         let mut new_ops: Vec<(SessionId, OpKind, Range<usize>, Vec<Slice>)> = Vec::new();
         let mut overflow = false;
         for c in s.chunks.iter_mut() {
@@ -3300,5 +3290,22 @@ fn message_name(m: &Message) -> &'static str {
         Message::ProbeAck { .. } => "ProbeAck",
         Message::Error { .. } => "Error",
         Message::Transport { .. } => "Transport",
+    }
+}
+
+/// A sender room past its bootstrap and not concluded, with its generation: the rooms whose
+/// layers may be planned and reported delivered.
+fn live_sender(
+    rooms: &mut Map<RoomId, Room>,
+    room: RoomId,
+) -> Option<(Generation, &mut SenderRoom)> {
+    let r = rooms.get_mut(&room)?;
+    if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
+        return None;
+    }
+    let generation = r.generation;
+    match &mut r.side {
+        Side::Sender(s) => Some((generation, s)),
+        Side::Receiver(_) => None,
     }
 }

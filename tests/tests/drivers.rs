@@ -35,10 +35,8 @@ async fn many_concurrent_rooms_succeed_with_every_byte_verified(p: Runtime, d: R
     assert_eq!(report.pages_verified, 300 * 8 * 4 * 2);
 }
 
-/// One batch whose host forward pass takes 10 ms per layer, moved layerwise and then as a
-/// whole batch: every byte verifies, each layer reaches decode after its compute and in
-/// layer order, and the whole batch leaves only after the last layer.
-async fn a_layerwise_batch_delivers_each_layer_after_its_compute(p: Runtime, d: Runtime) {
+/// A batch of 4 rooms x 4 layers, and a prefill and a decode node registered for it.
+fn batch_pair(p: Runtime, d: Runtime) -> (Batch, kvferry_tests::AnyNode, kvferry_tests::AnyNode) {
     let batch = Batch {
         shape: Shape {
             layers: 4,
@@ -50,6 +48,14 @@ async fn a_layerwise_batch_delivers_each_layer_after_its_compute(p: Runtime, d: 
     let shape = batch.shape_for_layout();
     let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 1);
     let decode = start_on(d, Role::Decode, &shape, fast_core(), 2);
+    (batch, prefill, decode)
+}
+
+/// One batch whose host forward pass takes 10 ms per layer, moved layerwise and then as a
+/// whole batch: every byte verifies, each layer reaches decode after its compute and in
+/// layer order, and the whole batch leaves only after the last layer.
+async fn a_layerwise_batch_delivers_each_layer_after_its_compute(p: Runtime, d: Runtime) {
+    let (batch, prefill, decode) = batch_pair(p, d);
     let report = run_host_overlap(&prefill, &decode, &batch, Duration::from_millis(10))
         .await
         .unwrap();
@@ -91,17 +97,7 @@ async fn a_layerwise_batch_delivers_each_layer_after_its_compute(p: Runtime, d: 
 /// room on both sides still ends (Failed) and releases its pages; nothing waits forever.
 async fn a_forward_pass_that_fails_mid_batch_fails_every_room(p: Runtime, d: Runtime) {
     use kvferry_cli::overlap::{run_batch, BatchMode, LayerSignal};
-    let batch = Batch {
-        shape: Shape {
-            layers: 4,
-            ..small_shape()
-        },
-        rooms: 4,
-        first_room: 1,
-    };
-    let shape = batch.shape_for_layout();
-    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 1);
-    let decode = start_on(d, Role::Decode, &shape, fast_core(), 2);
+    let (batch, prefill, decode) = batch_pair(p, d);
     let addrs = prefill.listen(any_port()).await.unwrap();
     let peer = decode.connect(addrs).await.unwrap();
     let forward = || {
@@ -715,10 +711,11 @@ async fn a_second_listener_on_a_taken_address_is_refused() {
     }
 }
 
-/// The glommio driver moves data over TCP only: asking it for RDMA is a typed refusal that
-/// names the driver that can.
-#[test]
-fn glommio_refuses_the_rdma_backend_and_names_tokio() {
+/// A decode node's config that asks for RDMA, and its memory.
+fn rdma_decode_config() -> (
+    kvferry_tokio::NodeConfig,
+    std::sync::Arc<kvferry_tcp::MemoryMap>,
+) {
     let shape = small_shape();
     let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, fast_core(), b"t", 1);
     cfg.backend = kvferry_cli::DataBackend::Rdma {
@@ -726,6 +723,14 @@ fn glommio_refuses_the_rdma_backend_and_names_tokio() {
         port: 1,
     };
     let memory = std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout()));
+    (cfg, memory)
+}
+
+/// The glommio driver moves data over TCP only: asking it for RDMA is a typed refusal that
+/// names the driver that can.
+#[test]
+fn glommio_refuses_the_rdma_backend_and_names_tokio() {
+    let (cfg, memory) = rdma_decode_config();
     match GLOMMIO.start(cfg, memory) {
         Err(kvferry_tokio::NodeError::Backend(why)) => assert!(why.contains("tokio"), "{why}"),
         Err(e) => panic!("another error: {e}"),
@@ -737,13 +742,7 @@ fn glommio_refuses_the_rdma_backend_and_names_tokio() {
 #[cfg(not(feature = "rdma"))]
 #[tokio::test]
 async fn tokio_without_rdma_built_in_refuses_the_rdma_backend() {
-    let shape = small_shape();
-    let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, fast_core(), b"t", 1);
-    cfg.backend = kvferry_cli::DataBackend::Rdma {
-        device: None,
-        port: 1,
-    };
-    let memory = std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout()));
+    let (cfg, memory) = rdma_decode_config();
     match Runtime::Tokio.start(cfg, memory) {
         Err(kvferry_tokio::NodeError::Backend(why)) => {
             assert!(
