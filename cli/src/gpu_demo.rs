@@ -400,17 +400,9 @@ pub async fn gpu_overlap_demo(
     let prefill = start(Role::Prefill, 1, prefill_staging.map.clone())?;
     let decode = start(Role::Decode, 2, decode_staging.map.clone())?;
     let result = async {
-        let addrs = prefill
-            .listen(([127, 0, 0, 1], 0).into())
-            .await
-            .map_err(|e| e.to_string())?;
-        let peer = decode.connect(addrs).await.map_err(|e| e.to_string())?;
+        let peer = overlap::connect_loopback(&prefill, &decode).await?;
         let mut runs = Vec::new();
-        for (k, layerwise) in [true, false].into_iter().enumerate() {
-            let batch = Batch {
-                first_room: batch.first_room + k as u64 * u64::from(batch.rooms),
-                ..batch.clone()
-            };
+        for (layerwise, batch) in overlap::both_modes(batch) {
             overlap::clear_destination(&decode_staging.map, &batch);
             let (landed_tx, landed_rx) = mpsc::unbounded_channel();
             let lander = land_on_gpu(

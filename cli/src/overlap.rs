@@ -581,6 +581,33 @@ impl OverlapReport {
     }
 }
 
+/// Listens on loopback with `prefill` and connects `decode` to it.
+pub async fn connect_loopback<P: KvNode, D: KvNode>(
+    prefill: &P,
+    decode: &D,
+) -> Result<PeerId, String> {
+    let addrs = prefill
+        .listen(([127, 0, 0, 1], 0).into())
+        .await
+        .map_err(|e| e.to_string())?;
+    decode.connect(addrs).await.map_err(|e| e.to_string())
+}
+
+/// The overlap demo's two runs of `batch`: layerwise, then whole batch, on distinct room ids
+/// (so bytes left from the first run never verify in the second).
+pub fn both_modes(batch: &Batch) -> [(bool, Batch); 2] {
+    [true, false].map(|layerwise| {
+        let k = u64::from(!layerwise);
+        (
+            layerwise,
+            Batch {
+                first_room: batch.first_room + k * u64::from(batch.rooms),
+                ..batch.clone()
+            },
+        )
+    })
+}
+
 /// The host overlap demo: both nodes in this process on loopback, the forward pass on the
 /// host taking `compute` per layer; runs the batch layerwise, then as a whole batch.
 pub async fn run_host_overlap<P: KvNode, D: KvNode>(
@@ -589,17 +616,9 @@ pub async fn run_host_overlap<P: KvNode, D: KvNode>(
     batch: &Batch,
     compute: Duration,
 ) -> Result<OverlapReport, String> {
-    let addrs = prefill
-        .listen(([127, 0, 0, 1], 0).into())
-        .await
-        .map_err(|e| e.to_string())?;
-    let peer = decode.connect(addrs).await.map_err(|e| e.to_string())?;
+    let peer = connect_loopback(prefill, decode).await?;
     let mut runs = Vec::new();
-    for (k, layerwise) in [true, false].into_iter().enumerate() {
-        let batch = Batch {
-            first_room: batch.first_room + k as u64 * u64::from(batch.rooms),
-            ..batch.clone()
-        };
+    for (layerwise, batch) in both_modes(batch) {
         clear_destination(decode.memory(), &batch);
         let memory = prefill.memory().clone();
         let b = batch.clone();
