@@ -71,8 +71,13 @@ pub(crate) fn open(
     Ok(Arc::new(node))
 }
 
+/// A fresh initial packet sequence number per queue pair (so a late packet of an old QP is
+/// not in the new one's window).
 fn psn(sid: SessionId) -> u32 {
-    let t = Instant::now().elapsed().as_nanos() as u64 ^ std::process::id() as u64;
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id());
     let mut z = u64::from(sid.0) ^ t ^ 0x9E37_79B9_7F4A_7C15;
     z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     (z >> 20) as u32
