@@ -432,13 +432,15 @@ mod glommio_bench {
         Ok(median(times))
     }
 
+    /// The driver's default spin, or `KVFERRY_SPIN_US` (0 turns it off, for A/B runs).
     fn spin() -> Duration {
-        Duration::from_micros(
-            std::env::var("KVFERRY_SPIN_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-        )
+        std::env::var("KVFERRY_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(
+                kvferry_glommio::DEFAULT_SPIN_BEFORE_PARK,
+                Duration::from_micros,
+            )
     }
 
     fn placement(cpu: usize) -> Placement {

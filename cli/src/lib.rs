@@ -874,7 +874,10 @@ impl Runtime {
             Runtime::Glommio { shards } => AnyNode::Glommio(GlommioNode::start(
                 cfg,
                 memory,
-                ShardConfig { shards, pin: true },
+                ShardConfig {
+                    shards,
+                    ..ShardConfig::default()
+                },
             )?),
         })
     }

@@ -33,6 +33,7 @@ fn a_too_low_memlock_limit_is_a_typed_error_that_names_the_fix() {
         ShardConfig {
             shards: 2,
             pin: false,
+            ..ShardConfig::default()
         },
     )
     .unwrap_err();
