@@ -70,7 +70,7 @@ pub async fn read_ack<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<(TransferId
 
 /// Serves write batches on a data connection (decode), as [`crate::serve_writes`] does on
 /// tokio: validate with `check`, apply into registered memory, acknowledge.
-pub async fn serve_writes_on<S: AsyncRead + AsyncWrite + Unpin>(
+pub async fn serve_writes_on<S: ScatterRead>(
     stream: &mut S,
     memory: &MemoryMap,
     check: Rc<dyn WriteCheck>,
@@ -93,7 +93,7 @@ pub async fn serve_writes_on<S: AsyncRead + AsyncWrite + Unpin>(
         let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
         let status = match admit(&check, memory, &h, &slices)? {
             Admission::Apply { landing, targets } => {
-                read_scatter(stream, &targets, &mut stage).await?;
+                stream.read_into(&targets, &mut stage).await?;
                 drop(landing);
                 stats.applied += 1;
                 stats.bytes += h.payload;
@@ -111,9 +111,25 @@ pub async fn serve_writes_on<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
+/// How a receiving connection reads a write's payload into its destination ranges. The
+/// default reads through the stream (large ranges straight, runs of small ones through a
+/// staging buffer); a transport that can scatter straight from its socket overrides it.
+pub trait ScatterRead: AsyncRead + AsyncWrite + Unpin + Sized {
+    /// Reads exactly the bytes of `targets` (address, length) into them.
+    fn read_into<'a>(
+        &'a mut self,
+        targets: &'a [(usize, usize)],
+        stage: &'a mut Vec<u8>,
+    ) -> impl std::future::Future<Output = io::Result<()>> + 'a {
+        read_scatter(self, targets, stage)
+    }
+}
+
+impl<R: AsyncRead + AsyncWrite + Unpin> ScatterRead for futures_lite::io::BufReader<R> {}
+
 /// Reads exactly the bytes of `targets` into them: large ones straight, runs of small ones
 /// through `stage`.
-async fn read_scatter<R: AsyncRead + Unpin>(
+pub async fn read_scatter<R: AsyncRead + Unpin>(
     r: &mut R,
     targets: &[(usize, usize)],
     stage: &mut Vec<u8>,

@@ -484,8 +484,15 @@ mod glommio_bench {
                     max_slices: 8192,
                     max_bytes: 1 << 30,
                 };
-                let mut stream = futures_lite::io::BufReader::with_capacity(256 * 1024, stream);
-                let _ = serve_writes_on(&mut stream, &dst, check, limits).await;
+                let buffered = futures_lite::io::BufReader::with_capacity(256 * 1024, stream);
+                // KVFERRY_GLOMMIO_STAGED=1: read payloads through the buffer (A/B).
+                if std::env::var_os("KVFERRY_GLOMMIO_STAGED").is_some() {
+                    let mut stream = buffered;
+                    let _ = serve_writes_on(&mut stream, &dst, check, limits).await;
+                } else {
+                    let mut stream = kvferry_glommio::ScatterConn(buffered);
+                    let _ = serve_writes_on(&mut stream, &dst, check, limits).await;
+                }
             })
             .map_err(io_error)?;
         let addr = addr_rx

@@ -50,6 +50,9 @@ use tracing::{debug, info, warn};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
+mod scatter;
+pub use scatter::ScatterConn;
+
 /// glommio needs at least this much locked memory per executor.
 const MEMLOCK_MIN: u64 = 512 * 1024;
 /// Receive buffer of a data connection (larger reads go straight to registered memory).
@@ -1103,7 +1106,8 @@ impl Shard {
                 let limits = self.limits;
                 DataConn::Receiver(glommio::spawn_local(async move {
                     // One receive usually brings header, table and a small payload at once.
-                    let mut stream = futures_lite::io::BufReader::with_capacity(RECV_BUF, stream);
+                    let mut stream =
+                        ScatterConn(futures_lite::io::BufReader::with_capacity(RECV_BUF, stream));
                     match serve_writes_on(&mut stream, &memory, check, limits).await {
                         Ok(stats) => debug!(
                             applied = stats.applied,
