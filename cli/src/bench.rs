@@ -276,6 +276,31 @@ pub async fn run(iterations: usize, runtimes: Runtimes) -> std::io::Result<Vec<B
     Ok(out)
 }
 
+/// [`run`] `rounds` times back to back; per workload and runtime, the round with the median
+/// ratio. Each round measures raw, tokio and glommio within seconds of each other, so a
+/// machine whose load drifts (a shared CI box) skews the ratio of one round, not the median.
+pub async fn run_rounds(
+    iterations: usize,
+    runtimes: Runtimes,
+    rounds: usize,
+) -> std::io::Result<Vec<BenchResult>> {
+    let mut all: Vec<Vec<BenchResult>> = Vec::new();
+    for _ in 0..rounds.max(1) {
+        all.push(run(iterations, runtimes).await?);
+    }
+    let mut out = Vec::new();
+    for (i, first) in all[0].iter().enumerate() {
+        let mut same: Vec<BenchResult> = all.iter().filter_map(|r| r.get(i).cloned()).collect();
+        same.sort_by(|a, b| a.ratio.total_cmp(&b.ratio));
+        out.push(
+            same.get(same.len() / 2)
+                .cloned()
+                .unwrap_or_else(|| first.clone()),
+        );
+    }
+    Ok(out)
+}
+
 /// The tokio data plane against the raw pair.
 async fn run_tokio(iterations: usize) -> std::io::Result<Vec<BenchResult>> {
     let iterations = iterations.max(1);

@@ -128,6 +128,10 @@ enum Command {
         /// Iterations per workload (the 4 KiB round trip runs 100x as many).
         #[arg(long, default_value_t = 7)]
         iterations: usize,
+        /// Repeat the whole measurement this many times and report, per workload and runtime,
+        /// the round with the median ratio (steadier on a machine whose load drifts).
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
         /// Which data plane to measure against raw TCP: tokio, glommio, or all.
         #[arg(long, default_value = "tokio")]
         runtime: String,
@@ -580,6 +584,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         }
         Command::Bench {
             iterations,
+            rounds,
             runtime,
             backend,
             rdma_device,
@@ -679,7 +684,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                     ))
                 }
             };
-            let results = kvferry_cli::bench::run(iterations, runtimes)
+            let results = kvferry_cli::bench::run_rounds(iterations, runtimes, rounds)
                 .await
                 .map_err(|e| e.to_string())?;
             for r in &results {
