@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{failed, open_room, run_ms, send_all, state, state_at};
+use common::{failed, mark_layer, open_room, run_ms, send_all, state, state_at};
 use kvferry_core::codec::Message;
 use kvferry_core::consensus::{combine, ConsensusLog};
 use kvferry_core::sim::{small_layout, Faults, Sim, Workload};
@@ -738,12 +738,7 @@ fn s25_seed_004_layerwise_ops_leave_only_when_their_layer_is_ready() {
     assert_eq!(sim.ops_emitted, 0, "nothing moves before a layer is ready");
     for layer in 0..3 {
         let before = sim.ops_emitted;
-        let now = sim.now;
-        sim.nodes[p]
-            .endpoint
-            .mark_layer_ready(now, &[RoomId(1)], layer)
-            .unwrap();
-        sim.drain(p);
+        mark_layer(&mut sim, p, 1, layer);
         assert!(
             sim.ops_emitted > before,
             "layer {layer} moves as soon as it is ready"
@@ -755,12 +750,7 @@ fn s25_seed_004_layerwise_ops_leave_only_when_their_layer_is_ready() {
         Some(KvPoll::Transferring),
         "not done without the last layer"
     );
-    let now = sim.now;
-    sim.nodes[p]
-        .endpoint
-        .mark_layer_ready(now, &[RoomId(1)], 3)
-        .unwrap();
-    sim.drain(p);
+    mark_layer(&mut sim, p, 1, 3);
     run_ms(&mut sim, 10);
     assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
     common::assert_invariants(&sim);
@@ -783,12 +773,7 @@ fn s25_each_layer_is_reported_delivered_once_acknowledged_and_before_success() {
             .collect()
     };
     for layer in 0..4 {
-        let now = sim.now;
-        sim.nodes[p]
-            .endpoint
-            .mark_layer_ready(now, &[RoomId(1)], layer)
-            .unwrap();
-        sim.drain(p);
+        mark_layer(&mut sim, p, 1, layer);
         assert_eq!(
             delivered(&sim).len(),
             usize::from(layer),
@@ -827,20 +812,10 @@ fn s25_a_failed_room_reports_no_further_layer_delivered() {
     open_room(&mut sim, d, &[p], 1, 8);
     run_ms(&mut sim, 2);
     send_all(&mut sim, p, 1, 8, true);
-    let now = sim.now;
-    sim.nodes[p]
-        .endpoint
-        .mark_layer_ready(now, &[RoomId(1)], 0)
-        .unwrap();
-    sim.drain(p);
+    mark_layer(&mut sim, p, 1, 0);
     run_ms(&mut sim, 5);
     sim.faults.op_fatal = 1.0;
-    let now = sim.now;
-    sim.nodes[p]
-        .endpoint
-        .mark_layer_ready(now, &[RoomId(1)], 1)
-        .unwrap();
-    sim.drain(p);
+    mark_layer(&mut sim, p, 1, 1);
     run_ms(&mut sim, 50);
     assert!(matches!(state(&sim, p, 1), Some(KvPoll::Failed(_))));
     let n = sim.nodes[p].count_events(|e| matches!(e, Event::LayerDelivered { .. }));
@@ -854,12 +829,7 @@ fn s25_a_missing_layer_fails_the_room_instead_of_reporting_success() {
     open_room(&mut sim, d, &[p], 1, 8);
     send_all(&mut sim, p, 1, 8, true);
     for layer in 0..3 {
-        let now = sim.now;
-        sim.nodes[p]
-            .endpoint
-            .mark_layer_ready(now, &[RoomId(1)], layer)
-            .unwrap();
-        sim.drain(p);
+        mark_layer(&mut sim, p, 1, layer);
     }
     run_ms(&mut sim, 3_000);
     assert_eq!(state(&sim, d, 1), failed(R::WaitingTimeout));
@@ -873,22 +843,12 @@ fn s25_a_failed_layer_operation_fails_the_room() {
     open_room(&mut sim, d, &[p], 1, 8);
     send_all(&mut sim, p, 1, 8, true);
     for layer in 0..2 {
-        let now = sim.now;
-        sim.nodes[p]
-            .endpoint
-            .mark_layer_ready(now, &[RoomId(1)], layer)
-            .unwrap();
-        sim.drain(p);
+        mark_layer(&mut sim, p, 1, layer);
     }
     run_ms(&mut sim, 5);
     sim.faults.op_fatal = 1.0;
     for layer in 2..4 {
-        let now = sim.now;
-        sim.nodes[p]
-            .endpoint
-            .mark_layer_ready(now, &[RoomId(1)], layer)
-            .unwrap();
-        sim.drain(p);
+        mark_layer(&mut sim, p, 1, layer);
     }
     run_ms(&mut sim, 50);
     assert_eq!(state(&sim, d, 1), failed(R::TransferFailed));

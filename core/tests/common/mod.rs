@@ -112,6 +112,16 @@ pub fn send_all(sim: &mut Sim, p: usize, room: u64, pages: u32, layerwise: bool)
     sim.drain(p);
 }
 
+/// Prefill `p` says `layer` of `room` finished its forward pass, and its outputs are drained.
+pub fn mark_layer(sim: &mut Sim, p: usize, room: u64, layer: u16) {
+    let now = sim.now;
+    sim.nodes[p]
+        .endpoint
+        .mark_layer_ready(now, &[RoomId(room)], layer)
+        .expect("layer ready");
+    sim.drain(p);
+}
+
 /// The state of `room` on node `n`.
 pub fn state(sim: &Sim, n: usize, room: u64) -> Option<KvPoll> {
     sim.nodes[n].endpoint.room_state(RoomId(room))
