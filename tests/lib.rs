@@ -94,6 +94,22 @@ pub use kvferry_tokio::KvNode;
 /// The glommio configuration the generic suite runs: two shards (one per core here).
 pub const GLOMMIO: Runtime = Runtime::Glommio { shards: 2 };
 
+/// A node config of `role` (test token, `core`) whose data moves over RDMA on the host's first
+/// device, port 1.
+pub fn rdma_config(
+    role: Role,
+    shape: &Shape,
+    core: Config,
+    seed: u64,
+) -> kvferry_tokio::NodeConfig {
+    let mut cfg = node_config(role, shape, core, b"test-token", seed);
+    cfg.backend = kvferry_cli::DataBackend::Rdma {
+        device: None,
+        port: 1,
+    };
+    cfg
+}
+
 /// Starts a node of `role` on `runtime` with its own memory.
 pub fn start_on(runtime: Runtime, role: Role, shape: &Shape, core: Config, seed: u64) -> AnyNode {
     let cfg = node_config(role, shape, core, b"test-token", seed);

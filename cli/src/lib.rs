@@ -134,6 +134,95 @@ fn kv_regions(shape: &Shape) -> impl Iterator<Item = (u16, u8)> + '_ {
     (0..shape.layers).flat_map(move |l| (0..shape.planes).map(move |p| (l, p)))
 }
 
+/// Writes the pattern of `layer` of `room` into its pages (`src[i]` holds the room's page i),
+/// every plane; `page` is scratch of one page.
+fn fill_room_layer(
+    memory: &MemoryMap,
+    shape: &Shape,
+    room: RoomId,
+    layer: u16,
+    src: &[u32],
+    page: &mut [u8],
+) {
+    for plane in 0..shape.planes {
+        for (i, &p) in src.iter().enumerate() {
+            fill_pattern(page, room, layer, plane, i as u32);
+            let _ = memory.write(
+                Region::Kv { layer, plane },
+                u64::from(p) * u64::from(shape.page_bytes),
+                page,
+            );
+        }
+    }
+}
+
+/// Writes the free pattern into `pages` of every KV region, so a stray write shows.
+fn write_free(memory: &MemoryMap, shape: &Shape, pages: impl Iterator<Item = u32> + Clone) {
+    let mut free = vec![0u8; shape.page_bytes as usize];
+    fill_words(&mut free, FREE_WORD);
+    for (layer, plane) in kv_regions(shape) {
+        for p in pages.clone() {
+            let _ = memory.write(
+                Region::Kv { layer, plane },
+                u64::from(p) * u64::from(shape.page_bytes),
+                &free,
+            );
+        }
+    }
+}
+
+/// A room's aux row: its id in every word.
+fn aux_row(room: RoomId) -> [u8; AUX_BYTES as usize] {
+    let mut aux = [0u8; AUX_BYTES as usize];
+    fill_words(&mut aux, room.0);
+    aux
+}
+
+/// What one room's pages and aux row held against its pattern.
+struct RoomCheck {
+    /// Pages read.
+    pages: u64,
+    /// Pages that did not hold the room's pattern.
+    bad_pages: u64,
+    /// Whether the aux row held the room's id.
+    aux_ok: bool,
+}
+
+/// Checks every page of `room` (`pages[i]` holds its page i) and its aux row in `aux_slot`,
+/// reading through `read` (host memory, or a copy back from GPU memory); logs what is wrong.
+fn check_room(
+    shape: &Shape,
+    room: RoomId,
+    pages: &[u32],
+    aux_slot: u32,
+    mut read: impl FnMut(Region, u64, &mut [u8]) -> bool,
+) -> RoomCheck {
+    let mut buf = vec![0u8; shape.page_bytes as usize];
+    let mut check = RoomCheck {
+        pages: 0,
+        bad_pages: 0,
+        aux_ok: true,
+    };
+    for (layer, plane) in kv_regions(shape) {
+        for (i, &p) in pages.iter().enumerate() {
+            let offset = u64::from(p) * u64::from(shape.page_bytes);
+            check.pages += 1;
+            let read_ok = read(Region::Kv { layer, plane }, offset, &mut buf);
+            if !read_ok || !check_pattern(&buf, room, layer, plane, i as u32) {
+                check.bad_pages += 1;
+                warn!(%room, page = p, layer, plane, still_free = all_words(&buf, FREE_WORD), first_word = ?&buf[..8], "page holds the wrong bytes");
+            }
+        }
+    }
+    let mut aux = [0u8; AUX_BYTES as usize];
+    let offset = u64::from(aux_slot) * u64::from(AUX_BYTES);
+    if !read(Region::Aux, offset, &mut aux) || !all_words(&aux, room.0) {
+        check.aux_ok = false;
+        warn!(%room, "aux row holds the wrong bytes");
+    }
+    check
+}
+
 /// Builds a node config for one side of the demo or the split commands.
 pub fn node_config(role: Role, shape: &Shape, core: Config, token: &[u8], seed: u64) -> NodeConfig {
     let mut info = kvferry_core::EndpointInfo::new(
@@ -255,28 +344,13 @@ pub async fn serve_prefill<N: KvNode>(node: N, shape: Shape) {
 
 async fn send_room<N: KvNode>(node: &N, shape: &Shape, room: RoomId, src: &[u32], aux_slot: u32) {
     let memory = node.memory();
-    let page_bytes = shape.page_bytes as usize;
-    let mut page = vec![0u8; page_bytes];
-    let fill_layer = |layer: u16, page: &mut Vec<u8>| {
-        for plane in 0..shape.planes {
-            for (i, &p) in src.iter().enumerate() {
-                fill_pattern(page, room, layer, plane, i as u32);
-                let _ = memory.write(
-                    Region::Kv { layer, plane },
-                    u64::from(p) * page_bytes as u64,
-                    page,
-                );
-            }
-        }
-    };
-    let mut aux = [0u8; AUX_BYTES as usize];
-    for w in aux.chunks_exact_mut(8) {
-        w.copy_from_slice(&room.0.to_le_bytes());
-    }
+    let mut page = vec![0u8; shape.page_bytes as usize];
+    let fill_layer =
+        |layer: u16, page: &mut Vec<u8>| fill_room_layer(memory, shape, room, layer, src, page);
     let _ = memory.write(
         Region::Aux,
         u64::from(aux_slot) * u64::from(AUX_BYTES),
-        &aux,
+        &aux_row(room),
     );
     let chunks = shape.chunks.clamp(1, src.len().max(1) as u32) as usize;
     let per = src.len().div_ceil(chunks);
@@ -495,19 +569,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
     let layout = shape.layout();
     let memory = node.memory().clone();
     // Every free page carries the free pattern, checked when it is handed out again.
-    {
-        let mut page = vec![0u8; shape.page_bytes as usize];
-        fill_words(&mut page, FREE_WORD);
-        for (layer, plane) in kv_regions(&shape) {
-            for p in 0..layout.pages {
-                let _ = memory.write(
-                    Region::Kv { layer, plane },
-                    u64::from(p) * u64::from(shape.page_bytes),
-                    &page,
-                );
-            }
-        }
-    }
+    write_free(&memory, &shape, 0..layout.pages);
     let pages = Arc::new(Mutex::new(Pages {
         pool: Pool::new(layout.pages),
         slots: Pool::new(layout.slots),
@@ -688,30 +750,11 @@ async fn decode_room<N: KvNode>(
             }
             let state = tokio::time::timeout(deadline, handle.terminal()).await.ok();
             if state == Some(KvPoll::Success) {
-                for (layer, plane) in kv_regions(shape) {
-                    for (i, &p) in dst.iter().enumerate() {
-                        let _ = memory.read(
-                            Region::Kv { layer, plane },
-                            u64::from(p) * page_bytes,
-                            &mut buf,
-                        );
-                        verified.fetch_add(1, Relaxed);
-                        if !check_pattern(&buf, room, layer, plane, i as u32) {
-                            corrupted.fetch_add(1, Relaxed);
-                            warn!(%room, page = p, layer, plane, still_free = all_words(&buf, FREE_WORD), first_word = ?&buf[..8], "page holds the wrong bytes");
-                        }
-                    }
-                }
-                let mut aux = [0u8; AUX_BYTES as usize];
-                let _ = memory.read(
-                    Region::Aux,
-                    u64::from(slot) * u64::from(AUX_BYTES),
-                    &mut aux,
-                );
-                if !all_words(&aux, room.0) {
-                    corrupted.fetch_add(1, Relaxed);
-                    warn!(%room, "aux row holds the wrong bytes");
-                }
+                let check = check_room(shape, room, &dst, slot, |region, offset, out| {
+                    memory.read(region, offset, out).is_ok()
+                });
+                verified.fetch_add(check.pages, Relaxed);
+                corrupted.fetch_add(check.bad_pages + u64::from(!check.aux_ok), Relaxed);
             }
             if state.is_some() {
                 // Pages go back only when the core says nothing can write them any more.
@@ -721,17 +764,7 @@ async fn decode_room<N: KvNode>(
                 {
                     return None;
                 }
-                let mut free = vec![0u8; shape.page_bytes as usize];
-                fill_words(&mut free, FREE_WORD);
-                for (layer, plane) in kv_regions(shape) {
-                    for &p in &dst {
-                        let _ = memory.write(
-                            Region::Kv { layer, plane },
-                            u64::from(p) * page_bytes,
-                            &free,
-                        );
-                    }
-                }
+                write_free(memory, shape, dst.iter().copied());
                 if let Ok(mut pg) = pages.lock() {
                     pg.pool.give(&dst);
                     pg.slots.give(&[slot]);

@@ -17,7 +17,7 @@ use kvferry_tcp::MemoryMap;
 use kvferry_tokio::{KvNode, PeerId};
 use tokio::sync::mpsc;
 
-use crate::{check_pattern, fill_pattern, fill_words, kv_regions, Shape, AUX_BYTES, FREE_WORD};
+use crate::{aux_row, check_room, fill_room_layer, write_free, Shape, AUX_BYTES};
 
 /// One batch of rooms that go through the forward pass together.
 #[derive(Clone, Debug)]
@@ -144,73 +144,46 @@ impl BatchTimes {
 
 /// Fills decode's pages with the free pattern, so that only bytes this batch delivered verify.
 pub fn clear_destination(memory: &MemoryMap, batch: &Batch) {
-    let shape = &batch.shape;
-    let mut page = vec![0u8; shape.page_bytes as usize];
-    fill_words(&mut page, FREE_WORD);
-    for (layer, plane) in kv_regions(shape) {
-        for p in 0..batch.rooms * shape.pages_per_room {
-            let _ = memory.write(
-                Region::Kv { layer, plane },
-                u64::from(p) * u64::from(shape.page_bytes),
-                &page,
-            );
-        }
-    }
+    write_free(
+        memory,
+        &batch.shape,
+        0..batch.rooms * batch.shape.pages_per_room,
+    );
 }
 
 /// Writes the pattern of `layer` of every room of the batch into the source memory: what a
 /// host forward pass produces, and what the GPU kernel must produce too.
 pub fn fill_layer(memory: &MemoryMap, batch: &Batch, layer: u16) {
-    let shape = &batch.shape;
-    let mut page = vec![0u8; shape.page_bytes as usize];
-    for plane in 0..shape.planes {
-        for i in 0..batch.rooms {
-            for (k, p) in batch.pages(i).into_iter().enumerate() {
-                fill_pattern(&mut page, batch.room(i), layer, plane, k as u32);
-                let _ = memory.write(
-                    Region::Kv { layer, plane },
-                    u64::from(p) * u64::from(shape.page_bytes),
-                    &page,
-                );
-            }
-        }
+    let mut page = vec![0u8; batch.shape.page_bytes as usize];
+    for i in 0..batch.rooms {
+        let pages = batch.pages(i);
+        fill_room_layer(
+            memory,
+            &batch.shape,
+            batch.room(i),
+            layer,
+            &pages,
+            &mut page,
+        );
     }
 }
 
 /// Checks every page and aux row of every room that succeeded, reading through `read`
 /// (`(region, offset, out)`): decode's host memory, or a copy back from GPU memory.
-/// Returns (pages verified, pages corrupted).
+/// Returns (pages verified, pages and aux rows corrupted).
 pub fn verify(
     batch: &Batch,
     succeeded: &[bool],
     mut read: impl FnMut(Region, u64, &mut [u8]) -> bool,
 ) -> (u64, u64) {
-    let shape = &batch.shape;
-    let mut page = vec![0u8; shape.page_bytes as usize];
     let (mut ok, mut bad) = (0, 0);
     for i in 0..batch.rooms {
         if !succeeded[i as usize] {
             continue;
         }
-        let room = batch.room(i);
-        for (layer, plane) in kv_regions(shape) {
-            for (k, p) in batch.pages(i).into_iter().enumerate() {
-                let offset = u64::from(p) * u64::from(shape.page_bytes);
-                let good = read(Region::Kv { layer, plane }, offset, &mut page)
-                    && check_pattern(&page, room, layer, plane, k as u32);
-                if good {
-                    ok += 1;
-                } else {
-                    bad += 1;
-                }
-            }
-        }
-        let mut aux = [0u8; AUX_BYTES as usize];
-        let aux_ok = read(Region::Aux, u64::from(i) * u64::from(AUX_BYTES), &mut aux)
-            && aux.chunks_exact(8).all(|w| w == room.0.to_le_bytes());
-        if !aux_ok {
-            bad += 1;
-        }
+        let check = check_room(&batch.shape, batch.room(i), &batch.pages(i), i, &mut read);
+        ok += check.pages - check.bad_pages;
+        bad += check.bad_pages + u64::from(!check.aux_ok);
     }
     (ok, bad)
 }
@@ -288,11 +261,11 @@ pub async fn run_batch<P: KvNode, D: KvNode>(
     let mut senders = Vec::with_capacity(n);
     for i in 0..batch.rooms {
         let room = batch.room(i);
-        let mut aux = [0u8; AUX_BYTES as usize];
-        for w in aux.chunks_exact_mut(8) {
-            w.copy_from_slice(&room.0.to_le_bytes());
-        }
-        let _ = source.write(Region::Aux, u64::from(i) * u64::from(AUX_BYTES), &aux);
+        let _ = source.write(
+            Region::Aux,
+            u64::from(i) * u64::from(AUX_BYTES),
+            &aux_row(room),
+        );
         let h = prefill
             .open_sender(room, 0)
             .await

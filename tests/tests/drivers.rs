@@ -717,11 +717,7 @@ fn rdma_decode_config() -> (
     std::sync::Arc<kvferry_tcp::MemoryMap>,
 ) {
     let shape = small_shape();
-    let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, fast_core(), b"t", 1);
-    cfg.backend = kvferry_cli::DataBackend::Rdma {
-        device: None,
-        port: 1,
-    };
+    let cfg = kvferry_tests::rdma_config(Role::Decode, &shape, fast_core(), 1);
     let memory = std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout()));
     (cfg, memory)
 }

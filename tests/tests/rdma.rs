@@ -8,17 +8,13 @@
 
 use std::sync::Arc;
 
-use kvferry_cli::{node_config, run_pair, AnyNode, DataBackend, DecodeRun, Runtime, Shape};
+use kvferry_cli::{run_pair, AnyNode, DecodeRun, Runtime, Shape};
 use kvferry_core::{Config, Role};
 use kvferry_tcp::MemoryMap;
-use kvferry_tests::{assert_all_clean, fast_core, rooms, KvNode};
+use kvferry_tests::{assert_all_clean, fast_core, rdma_config, rooms, KvNode};
 
 fn start_rdma(role: Role, shape: &Shape, core: Config, seed: u64) -> Result<AnyNode, String> {
-    let mut cfg = node_config(role, shape, core, b"test-token", seed);
-    cfg.backend = DataBackend::Rdma {
-        device: None,
-        port: 1,
-    };
+    let cfg = rdma_config(role, shape, core, seed);
     Runtime::Tokio
         .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
         .map_err(|e| e.to_string())
