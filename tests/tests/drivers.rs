@@ -550,7 +550,9 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
         .open_receiver(room, 0, vec![peer], Some(grant))
         .await
         .unwrap();
-    // Prefill opens the room when decode's request arrives and sends 4 layers x 2 x 4 MiB.
+    // Prefill opens the room when decode's request arrives and sends layer by layer, 2 x 4 MiB
+    // per layer. Only layers 0 and 1 are ever computed, so however fast this machine moves
+    // them, the room is still in flight when decode aborts.
     let a = announced.recv().await.unwrap();
     assert_eq!(a.room, room);
     prefill.open_sender(room, 0).await.unwrap();
@@ -559,9 +561,12 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
         last: true,
         aux_slot: Some(0),
         state_slot: None,
-        layerwise: false,
+        layerwise: true,
     };
     prefill.send_chunk(room, chunk).await.unwrap();
+    for layer in 0..2 {
+        prefill.mark_layer_ready(vec![room], layer).await.unwrap();
+    }
     tokio::time::sleep(Duration::from_micros(300)).await;
     decode.abort(room).await.unwrap();
     let aborted_at = Instant::now();
