@@ -533,11 +533,6 @@ mod glommio_bench {
                 let (mut header, mut stage) = (Vec::new(), Vec::new());
                 // KVFERRY_GLOMMIO_PLAIN=1: the staged write instead of sendmsg gather (A/B).
                 let plain = std::env::var_os("KVFERRY_GLOMMIO_PLAIN").is_some();
-                // KVFERRY_GLOMMIO_ZC=1: io_uring SENDMSG_ZC instead of sendmsg gather (A/B).
-                let mut zero_copy = match std::env::var_os("KVFERRY_GLOMMIO_ZC") {
-                    Some(_) => Some(kvferry_glommio::ZeroCopySender::new(src.clone())?),
-                    None => None,
-                };
                 let mut times = Vec::with_capacity(rounds);
                 for i in 0..rounds {
                     let op = TransferOp {
@@ -552,9 +547,7 @@ mod glommio_bench {
                     };
                     let t0 = Instant::now();
                     let (sources, _) = prepare_op(&op, &src, &mut header);
-                    if let Some(sender) = zero_copy.as_mut() {
-                        sender.send(&stream, &header, &sources).await?;
-                    } else if plain {
+                    if plain {
                         kvferry_tcp::stream::write_op(&mut stream, &header, &sources, &mut stage)
                             .await?;
                     } else {

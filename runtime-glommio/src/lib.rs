@@ -51,9 +51,7 @@ use tracing::{debug, info, warn};
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
 mod scatter;
-mod zero_copy;
 pub use scatter::ScatterConn;
-pub use zero_copy::ZeroCopySender;
 
 /// glommio needs at least this much locked memory per executor.
 const MEMLOCK_MIN: u64 = 512 * 1024;
