@@ -159,8 +159,9 @@ impl Kv {
         })
     }
 
-    /// Sends one operation and waits for its acknowledgement.
-    async fn op(&mut self, slices: Arc<[Slice]>) -> Duration {
+    /// Sends one operation and waits for its acknowledgement; an operation that is not
+    /// applied is an error (a bench figure is only worth something if every byte landed).
+    async fn op(&mut self, slices: Arc<[Slice]>) -> std::io::Result<Duration> {
         self.next += 1;
         let bytes = slices.iter().map(|s| s.len).sum();
         let op = TransferOp {
@@ -175,11 +176,13 @@ impl Kv {
         };
         let t0 = Instant::now();
         if self.sender.send(op).is_err() {
-            return Duration::MAX;
+            return Err(std::io::Error::other("the tokio data connection closed"));
         }
         match self.done.recv().await {
-            Some((_, TransferOutcome::Done)) => t0.elapsed(),
-            _ => Duration::MAX,
+            Some((_, TransferOutcome::Done)) => Ok(t0.elapsed()),
+            other => Err(std::io::Error::other(format!(
+                "the tokio data plane did not apply an operation: {other:?}"
+            ))),
         }
     }
 }
@@ -207,14 +210,13 @@ impl Raw {
         })
     }
 
-    async fn round(&mut self) -> Duration {
+    /// One message out and its one-byte answer back.
+    async fn round(&mut self) -> std::io::Result<Duration> {
         let t0 = Instant::now();
         let mut ack = [0u8; 1];
-        if self.a.write_all(&self.buf).await.is_err() || self.a.read_exact(&mut ack).await.is_err()
-        {
-            return Duration::MAX;
-        }
-        t0.elapsed()
+        self.a.write_all(&self.buf).await?;
+        self.a.read_exact(&mut ack).await?;
+        Ok(t0.elapsed())
     }
 }
 
@@ -246,161 +248,170 @@ pub struct Runtimes {
     pub glommio: bool,
 }
 
-/// Runs every workload `iterations` times (the 4 KiB round trip 100x that) and reports.
-pub async fn run(iterations: usize, runtimes: Runtimes) -> std::io::Result<Vec<BenchResult>> {
-    let mut out = Vec::new();
-    for r in run_tokio(iterations).await? {
-        if runtimes.tokio {
-            out.push(r.clone());
-        }
-        if runtimes.glommio {
-            let g = glommio_bench::workload(r.workload, iterations).await?;
-            let kvferry = match r.unit {
-                "GB/s" => (64u64 << 20) as f64 / g.as_secs_f64() / 1e9,
-                "ms" => g.as_secs_f64() * 1e3,
-                _ => g.as_secs_f64() * 1e6,
-            };
-            let ratio = if r.unit == "ms" {
-                r.raw / kvferry
-            } else {
-                kvferry / r.raw
-            };
-            out.push(BenchResult {
-                runtime: "glommio",
-                kvferry,
-                ratio,
-                ..r
-            });
-        }
-    }
-    Ok(out)
+/// One bench workload: what each operation moves and how its figure reads.
+struct Workload {
+    name: &'static str,
+    /// `GB/s` (higher is better), `ms` per batch or `us` per acknowledged operation.
+    unit: &'static str,
+    target: &'static str,
+    page: u32,
+    pages: u32,
+    slices: Arc<[Slice]>,
+    /// Operations per runtime per block.
+    ops: usize,
 }
 
-/// [`run`] `rounds` times back to back; per workload and runtime, the round with the median
-/// ratio. Each round measures raw, tokio and glommio within seconds of each other, so a
-/// machine whose load drifts (a shared CI box) skews the ratio of one round, not the median.
+fn workloads(iterations: usize) -> [Workload; 4] {
+    let whole = |len: u64, dst_offset: u64| -> Arc<[Slice]> {
+        vec![Slice {
+            region: Region::Kv { layer: 0, plane: 0 },
+            src_offset: 0,
+            dst_offset,
+            len,
+        }]
+        .into()
+    };
+    [
+        Workload {
+            name: "transfer_64MiB",
+            unit: "GB/s",
+            target: ">= 0.9",
+            page: 16 * 1024,
+            pages: 4096,
+            slices: whole(64 << 20, 0),
+            ops: iterations,
+        },
+        // Paged batches against raw bulk throughput of the same bytes.
+        Workload {
+            name: "batch_1024x16KiB",
+            unit: "ms",
+            target: ">= 0.8",
+            page: 16 * 1024,
+            pages: 2048,
+            slices: scattered(1024, 16 * 1024),
+            ops: iterations,
+        },
+        Workload {
+            name: "batch_4096x4KiB",
+            unit: "ms",
+            target: "works",
+            page: 4096,
+            pages: 8192,
+            slices: scattered(4096, 4096),
+            ops: iterations,
+        },
+        // One acknowledged 4 KiB operation against a 4 KiB request / 1 byte reply round trip.
+        Workload {
+            name: "op_4KiB_acked",
+            unit: "us",
+            target: "<= 2.0",
+            page: 4096,
+            pages: 16,
+            slices: whole(4096, 4096),
+            ops: iterations * 100,
+        },
+    ]
+}
+
+/// Measures every workload on raw TCP and the chosen runtimes, in `rounds` interleaved blocks.
+///
+/// Per workload, each block runs `iterations` operations (the 4 KiB round trip 100x that)
+/// on each of raw, tokio and glommio back to back, after one warm-up operation each, and the
+/// order rotates from block to block. A machine whose load drifts (a shared CI box) then
+/// slows every contender alike, and each figure is the median of all its operations.
 pub async fn run_rounds(
     iterations: usize,
     runtimes: Runtimes,
     rounds: usize,
 ) -> std::io::Result<Vec<BenchResult>> {
-    let mut all: Vec<Vec<BenchResult>> = Vec::new();
-    for _ in 0..rounds.max(1) {
-        all.push(run(iterations, runtimes).await?);
-    }
     let mut out = Vec::new();
-    for (i, first) in all[0].iter().enumerate() {
-        let mut same: Vec<BenchResult> = all.iter().filter_map(|r| r.get(i).cloned()).collect();
-        same.sort_by(|a, b| a.ratio.total_cmp(&b.ratio));
-        out.push(
-            same.get(same.len() / 2)
-                .cloned()
-                .unwrap_or_else(|| first.clone()),
-        );
+    for w in workloads(iterations.max(1)) {
+        out.extend(measure(&w, runtimes, rounds.max(1)).await?);
     }
     Ok(out)
 }
 
-/// The tokio data plane against the raw pair.
-async fn run_tokio(iterations: usize) -> std::io::Result<Vec<BenchResult>> {
-    let iterations = iterations.max(1);
-    let mut out = Vec::new();
-    let gb = |bytes: u64, d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
-
-    // 64 MiB transfers.
-    let big = 64u64 << 20;
-    let mut kv = Kv::new(16 * 1024, 4096).await?;
-    let whole: Arc<[Slice]> = vec![Slice {
-        region: Region::Kv { layer: 0, plane: 0 },
-        src_offset: 0,
-        dst_offset: 0,
-        len: big,
-    }]
-    .into();
-    let mut raw = Raw::new(big as usize).await?;
-    let (mut k, mut r) = (Vec::new(), Vec::new());
-    for _ in 0..iterations {
-        k.push(kv.op(whole.clone()).await);
-        r.push(raw.round().await);
-    }
-    let (kt, rt) = (median(k), median(r));
-    out.push(result(
-        "transfer_64MiB",
-        "GB/s",
-        gb(big, kt),
-        gb(big, rt),
-        ">= 0.9",
-    ));
-
-    // Paged batches against raw bulk throughput of the same bytes.
-    for (name, n, page) in [
-        ("batch_1024x16KiB", 1024u32, 16 * 1024u32),
-        ("batch_4096x4KiB", 4096, 4 * 1024),
-    ] {
-        let bytes = u64::from(n) * u64::from(page);
-        let mut kv = Kv::new(page, 2 * n).await?;
-        let slices = scattered(n, u64::from(page));
-        let mut raw = Raw::new(bytes as usize).await?;
-        let (mut k, mut r) = (Vec::new(), Vec::new());
-        for _ in 0..iterations {
-            k.push(kv.op(slices.clone()).await);
-            r.push(raw.round().await);
+async fn measure(
+    w: &Workload,
+    runtimes: Runtimes,
+    blocks: usize,
+) -> std::io::Result<Vec<BenchResult>> {
+    let bytes: u64 = w.slices.iter().map(|s| s.len).sum();
+    let mut raw = Raw::new(bytes as usize).await?;
+    let mut kv = match runtimes.tokio {
+        true => Some(Kv::new(w.page, w.pages).await?),
+        false => None,
+    };
+    let pair = match runtimes.glommio {
+        true => Some(glommio_bench::Pair::start(w.page, w.pages).await?),
+        false => None,
+    };
+    let (mut r, mut k, mut g) = (Vec::new(), Vec::new(), Vec::new());
+    for block in 0..blocks {
+        // Each contender warms up, then runs its share; who goes first rotates.
+        for turn in 0..3 {
+            match (block + turn) % 3 {
+                0 => {
+                    raw.round().await?;
+                    for _ in 0..w.ops {
+                        r.push(raw.round().await?);
+                    }
+                }
+                1 => {
+                    if let Some(kv) = kv.as_mut() {
+                        kv.op(w.slices.clone()).await?;
+                        for _ in 0..w.ops {
+                            k.push(kv.op(w.slices.clone()).await?);
+                        }
+                    }
+                }
+                _ => {
+                    if let Some(pair) = pair.as_ref() {
+                        let mut times = pair.ops(w.slices.clone(), w.ops + 1).await?;
+                        times.remove(0);
+                        g.extend(times);
+                    }
+                }
+            }
         }
-        let (kt, rt) = (median(k), median(r));
-        let target = if n == 1024 { ">= 0.8" } else { "works" };
+    }
+    if let Some(pair) = pair {
+        pair.finish().await?;
+    }
+    let raw_t = median(r);
+    let mut out = Vec::new();
+    for (runtime, times) in [("tokio", k), ("glommio", g)] {
+        if times.is_empty() {
+            continue;
+        }
+        let t = median(times);
+        let (kvferry, raw, ratio) = match w.unit {
+            "GB/s" => {
+                let gb = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
+                (gb(t), gb(raw_t), raw_t.as_secs_f64() / t.as_secs_f64())
+            }
+            "ms" => (
+                t.as_secs_f64() * 1e3,
+                raw_t.as_secs_f64() * 1e3,
+                raw_t.as_secs_f64() / t.as_secs_f64(),
+            ),
+            _ => (
+                t.as_secs_f64() * 1e6,
+                raw_t.as_secs_f64() * 1e6,
+                t.as_secs_f64() / raw_t.as_secs_f64(),
+            ),
+        };
         out.push(BenchResult {
-            workload: name,
-            runtime: "tokio",
-            unit: "ms",
-            kvferry: kt.as_secs_f64() * 1e3,
-            raw: rt.as_secs_f64() * 1e3,
-            ratio: rt.as_secs_f64() / kt.as_secs_f64(),
-            target,
+            workload: w.name,
+            runtime,
+            unit: w.unit,
+            kvferry,
+            raw,
+            ratio,
+            target: w.target,
         });
     }
-
-    // One acknowledged 4 KiB operation against a 4 KiB request / 1 byte reply round trip.
-    let mut kv = Kv::new(4096, 16).await?;
-    let one: Arc<[Slice]> = vec![Slice {
-        region: Region::Kv { layer: 0, plane: 0 },
-        src_offset: 0,
-        dst_offset: 4096,
-        len: 4096,
-    }]
-    .into();
-    let mut raw = Raw::new(4096).await?;
-    let (mut k, mut r) = (Vec::new(), Vec::new());
-    for _ in 0..iterations * 100 {
-        k.push(kv.op(one.clone()).await);
-        r.push(raw.round().await);
-    }
-    let (kt, rt) = (median(k), median(r));
-    out.push(result(
-        "op_4KiB_acked",
-        "us",
-        kt.as_secs_f64() * 1e6,
-        rt.as_secs_f64() * 1e6,
-        "<= 2.0",
-    ));
     Ok(out)
-}
-
-fn result(
-    workload: &'static str,
-    unit: &'static str,
-    kvferry: f64,
-    raw: f64,
-    target: &'static str,
-) -> BenchResult {
-    BenchResult {
-        workload,
-        runtime: "tokio",
-        unit,
-        kvferry,
-        raw,
-        ratio: kvferry / raw,
-        target,
-    }
 }
 
 /// The glommio data plane on the bench workloads.
@@ -411,50 +422,71 @@ mod glommio_bench {
 
     use glommio::net::{TcpListener, TcpStream};
     use glommio::{LocalExecutorBuilder, Placement};
-    use kvferry_core::{OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp};
+    use kvferry_core::{OpKind, RoomId, SessionId, Slice, TransferId, TransferOp};
     use kvferry_tcp::stream::{read_ack, serve_writes_on};
-    use kvferry_tcp::{prepare_op, Limits, MemoryMap, WriteCheck};
+    use kvferry_tcp::{prepare_op, AckStatus, Limits, MemoryMap, WriteCheck};
 
-    use super::{flat_layout, median, scattered, CoreCheck};
+    use super::{flat_layout, CoreCheck};
+
+    /// Operations to run back to back, and where to send their times.
+    type Request = (
+        Arc<[Slice]>,
+        usize,
+        tokio::sync::oneshot::Sender<std::io::Result<Vec<Duration>>>,
+    );
+
+    /// A glommio sender and receiver executor pair (one per core where the machine allows)
+    /// with one data connection between them, running operations on request.
+    pub(super) struct Pair {
+        requests: flume::Sender<Request>,
+        sender: glommio::ExecutorJoinHandle<std::io::Result<()>>,
+        receiver: glommio::ExecutorJoinHandle<()>,
+    }
+
+    impl Pair {
+        /// Starts both executors over memory of `pages` pages of `page_bytes`.
+        pub(super) async fn start(page_bytes: u32, pages: u32) -> std::io::Result<Pair> {
+            tokio::task::spawn_blocking(move || spawn(page_bytes, pages))
+                .await
+                .map_err(io_error)?
+        }
+
+        /// The times of `n` operations of `slices`, each written and acknowledged before the
+        /// next.
+        pub(super) async fn ops(
+            &self,
+            slices: Arc<[Slice]>,
+            n: usize,
+        ) -> std::io::Result<Vec<Duration>> {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let gone = || io_error("the glommio sender executor ended");
+            self.requests
+                .send_async((slices, n, tx))
+                .await
+                .map_err(|_| gone())?;
+            rx.await.map_err(|_| gone())?
+        }
+
+        /// Closes the connection and joins both executors.
+        pub(super) async fn finish(self) -> std::io::Result<()> {
+            let Pair {
+                requests,
+                sender,
+                receiver,
+            } = self;
+            drop(requests);
+            tokio::task::spawn_blocking(move || {
+                let sent = sender.join().map_err(io_error)?;
+                let _ = receiver.join();
+                sent
+            })
+            .await
+            .map_err(io_error)?
+        }
+    }
 
     fn io_error(e: impl std::fmt::Display) -> std::io::Error {
         std::io::Error::other(e.to_string())
-    }
-
-    /// The median time of one operation of `workload` through glommio's data plane.
-    pub(super) async fn workload(name: &str, iterations: usize) -> std::io::Result<Duration> {
-        let (page, pages, slices, rounds): (u32, u32, Arc<[Slice]>, usize) = match name {
-            "transfer_64MiB" => (
-                16 * 1024,
-                4096,
-                vec![Slice {
-                    region: Region::Kv { layer: 0, plane: 0 },
-                    src_offset: 0,
-                    dst_offset: 0,
-                    len: 64 << 20,
-                }]
-                .into(),
-                iterations,
-            ),
-            "batch_1024x16KiB" => (16 * 1024, 2048, scattered(1024, 16 * 1024), iterations),
-            "batch_4096x4KiB" => (4096, 8192, scattered(4096, 4096), iterations),
-            _ => (
-                4096,
-                16,
-                vec![Slice {
-                    region: Region::Kv { layer: 0, plane: 0 },
-                    src_offset: 0,
-                    dst_offset: 4096,
-                    len: 4096,
-                }]
-                .into(),
-                iterations * 100,
-            ),
-        };
-        let times = tokio::task::spawn_blocking(move || run(page, pages, slices, rounds))
-            .await
-            .map_err(io_error)??;
-        Ok(median(times))
     }
 
     /// The driver's default spin, or `KVFERRY_SPIN_US` (0 turns it off, for A/B runs).
@@ -477,12 +509,7 @@ mod glommio_bench {
         }
     }
 
-    fn run(
-        page_bytes: u32,
-        pages: u32,
-        slices: Arc<[Slice]>,
-        rounds: usize,
-    ) -> std::io::Result<Vec<Duration>> {
+    fn spawn(page_bytes: u32, pages: u32) -> std::io::Result<Pair> {
         kvferry_glommio::ensure_memlock(2).map_err(io_error)?;
         let layout = flat_layout(page_bytes, pages);
         let src = Arc::new(MemoryMap::allocate(layout));
@@ -523,45 +550,71 @@ mod glommio_bench {
         let addr = addr_rx
             .recv_timeout(Duration::from_secs(5))
             .map_err(io_error)?;
+        let (requests, incoming) = flume::unbounded::<Request>();
         let sender = LocalExecutorBuilder::new(placement(0))
             .io_memory(1 << 20)
             .spin_before_park(spin())
             .spawn(move || async move {
                 let mut stream = TcpStream::connect(addr).await.map_err(io_error)?;
                 let _ = stream.set_nodelay(true);
-                let bytes = slices.iter().map(|s| s.len).sum();
                 let (mut header, mut stage) = (Vec::new(), Vec::new());
                 // KVFERRY_GLOMMIO_PLAIN=1: the staged write instead of sendmsg gather (A/B).
                 let plain = std::env::var_os("KVFERRY_GLOMMIO_PLAIN").is_some();
-                let mut times = Vec::with_capacity(rounds);
-                for i in 0..rounds {
-                    let op = TransferOp {
-                        id: TransferId(i as u64 + 1),
-                        session: SessionId(1),
-                        room: Some(RoomId(1)),
-                        generation: 0,
-                        kind: OpKind::Kv,
-                        attempt: 1,
-                        slices: slices.clone(),
-                        bytes,
-                    };
-                    let t0 = Instant::now();
-                    let (sources, _) = prepare_op(&op, &src, &mut header);
-                    if plain {
-                        kvferry_tcp::stream::write_op(&mut stream, &header, &sources, &mut stage)
-                            .await?;
-                    } else {
-                        kvferry_glommio::write_gather(&mut stream, &header, &sources).await?;
+                let mut next = 0u64;
+                while let Ok((slices, n, reply)) = incoming.recv_async().await {
+                    let bytes = slices.iter().map(|s| s.len).sum();
+                    let mut times = Vec::with_capacity(n);
+                    let mut failed = None;
+                    for _ in 0..n {
+                        next += 1;
+                        let op = TransferOp {
+                            id: TransferId(next),
+                            session: SessionId(1),
+                            room: Some(RoomId(1)),
+                            generation: 0,
+                            kind: OpKind::Kv,
+                            attempt: 1,
+                            slices: slices.clone(),
+                            bytes,
+                        };
+                        let t0 = Instant::now();
+                        let (sources, _) = prepare_op(&op, &src, &mut header);
+                        let sent = if plain {
+                            kvferry_tcp::stream::write_op(&mut stream, &header, &sources, &mut stage)
+                                .await
+                        } else {
+                            kvferry_glommio::write_gather(&mut stream, &header, &sources).await
+                        };
+                        match sent.and(read_ack(&mut stream).await) {
+                            Ok((_, AckStatus::Applied)) => times.push(t0.elapsed()),
+                            Ok((_, status)) => {
+                                failed = Some(io_error(format!("operation {status:?}")));
+                                break;
+                            }
+                            Err(e) => {
+                                failed = Some(e);
+                                break;
+                            }
+                        }
                     }
-                    read_ack(&mut stream).await?;
-                    times.push(t0.elapsed());
+                    match failed {
+                        None => {
+                            let _ = reply.send(Ok(times));
+                        }
+                        Some(e) => {
+                            let _ = reply.send(Err(io_error(&e)));
+                            return Err(e);
+                        }
+                    }
                 }
-                Ok::<_, std::io::Error>(times)
+                Ok(())
             })
             .map_err(io_error)?;
-        let times = sender.join().map_err(io_error)??;
-        let _ = receiver.join();
-        Ok(times)
+        Ok(Pair {
+            requests,
+            sender,
+            receiver,
+        })
     }
 }
 

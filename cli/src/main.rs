@@ -125,12 +125,12 @@ enum Command {
     },
     /// Measure the TCP data plane against a plain socket pair.
     Bench {
-        /// Iterations per workload (the 4 KiB round trip runs 100x as many).
+        /// Operations per workload, runtime and round (the 4 KiB round trip runs 100x as many).
         #[arg(long, default_value_t = 7)]
         iterations: usize,
-        /// Repeat the whole measurement this many times and report, per workload and runtime,
-        /// the round with the median ratio (steadier on a machine whose load drifts).
-        #[arg(long, default_value_t = 1)]
+        /// Interleaved rounds per workload: each runs raw, tokio and glommio back to back in a
+        /// rotating order, so load that drifts slows all of them alike.
+        #[arg(long, default_value_t = 3)]
         rounds: usize,
         /// Which data plane to measure against raw TCP: tokio, glommio, or all.
         #[arg(long, default_value = "tokio")]
