@@ -580,8 +580,13 @@ mod glommio_bench {
                         let t0 = Instant::now();
                         let (sources, _) = prepare_op(&op, &src, &mut header);
                         let sent = if plain {
-                            kvferry_tcp::stream::write_op(&mut stream, &header, &sources, &mut stage)
-                                .await
+                            kvferry_tcp::stream::write_op(
+                                &mut stream,
+                                &header,
+                                &sources,
+                                &mut stage,
+                            )
+                            .await
                         } else {
                             kvferry_glommio::write_gather(&mut stream, &header, &sources).await
                         };
@@ -689,6 +694,26 @@ pub async fn scaling(rooms: u64) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_round_measures_every_workload_on_both_runtimes_against_raw() {
+        let both = Runtimes {
+            tokio: true,
+            glommio: true,
+        };
+        let results = run_rounds(1, both, 1).await.unwrap();
+        let names: Vec<_> = results.iter().map(|r| (r.workload, r.runtime)).collect();
+        let mut expected = Vec::new();
+        for w in workloads(1) {
+            expected.push((w.name, "tokio"));
+            expected.push((w.name, "glommio"));
+        }
+        assert_eq!(names, expected);
+        for r in &results {
+            assert!(r.kvferry.is_finite() && r.kvferry > 0.0, "{r:?}");
+            assert!(r.raw.is_finite() && r.raw > 0.0, "{r:?}");
+        }
+    }
 
     #[test]
     fn the_bench_admits_writes_through_a_real_core_and_refuses_others() {
