@@ -636,10 +636,18 @@ pub struct ScalePoint {
     pub speedup: f64,
     /// speedup / shards (1.0 is linear).
     pub efficiency: f64,
+    /// Every room succeeded and every page verified.
+    pub clean: bool,
 }
 
 /// Room lifecycles per second through a glommio prefill and decode pair on loopback, with 1,
 /// 2, ... shards each up to the number of cores (small rooms: 2 layers x K/V x one 4 KiB page).
+///
+/// A point with `k` shards runs on cores `0..k` only: shard `i` of both nodes is pinned to
+/// core `i`, and the embedder that opens, fills, verifies and releases the rooms runs on a
+/// tokio runtime of `k` threads confined to the same cores. Otherwise the one-shard point
+/// would get a second core for free (the embedder's), and the curve would say nothing about
+/// how the driver scales with cores.
 pub async fn scaling(rooms: u64) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeError> {
     use crate::{node_config, run_pair, DecodeRun, Runtime, Shape};
     use kvferry_core::Role;
@@ -660,13 +668,15 @@ pub async fn scaling(rooms: u64) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeE
         let runtime = Runtime::Glommio { shards };
         let core = kvferry_core::Config::default();
         let token = b"kvferry-bench";
-        let p = runtime.start(
+        let p = runtime.start_beside(
             node_config(Role::Prefill, &shape, core.clone(), token, 1),
             Arc::new(MemoryMap::allocate(shape.layout())),
+            shards,
         )?;
-        let d = runtime.start(
+        let d = runtime.start_beside(
             node_config(Role::Decode, &shape, core, token, 2),
             Arc::new(MemoryMap::allocate(shape.layout())),
+            shards,
         )?;
         let run = DecodeRun {
             rooms,
@@ -677,7 +687,12 @@ pub async fn scaling(rooms: u64) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeE
             abort_rate: 0.0,
             seed: 0,
         };
-        let report = run_pair(&p, &d, run).await?;
+        let embedder = confined_runtime(shards)?;
+        let report = embedder
+            .spawn(async move { run_pair(&p, &d, run).await })
+            .await
+            .map_err(|e| kvferry_tokio::NodeError::Runtime(e.to_string()))??;
+        embedder.shutdown_background();
         let rooms_per_s = report.rooms_succeeded as f64 / report.elapsed_s.max(1e-9);
         let base = points.first().map_or(rooms_per_s, |p| p.rooms_per_s);
         points.push(ScalePoint {
@@ -686,9 +701,27 @@ pub async fn scaling(rooms: u64) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeE
             gbps: report.throughput_gbps,
             speedup: rooms_per_s / base,
             efficiency: rooms_per_s / base / shards as f64,
+            clean: report.rooms_succeeded == rooms && report.pages_corrupted == 0,
         });
     }
     Ok(points)
+}
+
+/// A tokio runtime of `cores` threads, every one of them confined to cores `0..cores`.
+fn confined_runtime(cores: usize) -> Result<tokio::runtime::Runtime, kvferry_tokio::NodeError> {
+    let mut set = rustix::process::CpuSet::new();
+    for cpu in 0..cores {
+        set.set(cpu);
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores)
+        .on_thread_start(move || {
+            // Unconfined is still a valid (if less telling) measurement: carry on.
+            let _ = rustix::process::sched_setaffinity(None, &set);
+        })
+        .enable_all()
+        .build()
+        .map_err(|e| kvferry_tokio::NodeError::Runtime(e.to_string()))
 }
 
 #[cfg(test)]
@@ -712,6 +745,17 @@ mod tests {
         for r in &results {
             assert!(r.kvferry.is_finite() && r.kvferry > 0.0, "{r:?}");
             assert!(r.raw.is_finite() && r.raw > 0.0, "{r:?}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_scaling_sweep_has_a_clean_point_per_core() {
+        let points = scaling(300).await.unwrap();
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        assert_eq!(points.len(), cores);
+        for (i, p) in points.iter().enumerate() {
+            assert_eq!(p.shards, i + 1);
+            assert!(p.clean && p.rooms_per_s > 0.0, "{p:?}");
         }
     }
 

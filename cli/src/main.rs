@@ -151,7 +151,7 @@ enum Command {
         #[arg(long)]
         layer_events: bool,
         /// Rooms per point of the scaling sweep.
-        #[arg(long, default_value_t = 4000)]
+        #[arg(long, default_value_t = 20000)]
         scaling_rooms: u64,
         /// Print one JSON object per workload instead of a table.
         #[arg(long)]
@@ -654,12 +654,13 @@ async fn run(cli: Cli) -> Result<(), String> {
                     if json {
                         println!(
                             "{}",
-                            serde_json::json!({ "runtime": "glommio", "shards": p.shards, "rooms_per_s": p.rooms_per_s, "gbps": p.gbps, "speedup": p.speedup, "efficiency": p.efficiency })
+                            serde_json::json!({ "runtime": "glommio", "shards": p.shards, "rooms_per_s": p.rooms_per_s, "gbps": p.gbps, "speedup": p.speedup, "efficiency": p.efficiency, "clean": p.clean })
                         );
                     } else {
                         println!(
-                            "glommio shards {:>2}  {:>10.0} rooms/s  {:>7.3} GB/s  speedup {:>5.2}  efficiency {:>5.2}",
-                            p.shards, p.rooms_per_s, p.gbps, p.speedup, p.efficiency
+                            "glommio shards {:>2}  {:>10.0} rooms/s  {:>7.3} GB/s  speedup {:>5.2}  efficiency {:>5.2}  {}",
+                            p.shards, p.rooms_per_s, p.gbps, p.speedup, p.efficiency,
+                            if p.clean { "all rooms verified" } else { "ROOMS FAILED OR CORRUPTED" }
                         );
                     }
                 }

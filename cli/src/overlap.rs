@@ -655,7 +655,11 @@ pub async fn run_overlap_demo(
         let mut cfg = crate::node_config(role, &shape, core.clone(), &token, seed);
         cfg.backend = backend.clone();
         runtime
-            .start(cfg, Arc::new(MemoryMap::allocate(layout)))
+            .start_beside(
+                cfg,
+                Arc::new(MemoryMap::allocate(layout)),
+                runtime.executors(),
+            )
             .map_err(|e| e.to_string())
     };
     let prefill = start(Role::Prefill, 1)?;
