@@ -1,7 +1,9 @@
 //! The data plane over any `futures-io` byte stream (glommio's io_uring sockets and other
-//! completion-based runtimes): the same frames and the same rules as the tokio path, with the
-//! gather and scatter done by coalescing small slices through one staging buffer and moving
-//! large slices straight from and into registered memory.
+//! completion-based runtimes): the same frames and the same rules as the tokio path. The
+//! default scatter coalesces small slices through one staging buffer and moves large slices
+//! straight into registered memory; a transport that can scatter from its socket overrides it
+//! ([`ScatterRead`]). Senders gather with their runtime's vectored write (glommio:
+//! `kvferry_glommio::write_gather`).
 
 use std::io;
 use std::rc::Rc;
@@ -24,42 +26,8 @@ use crate::memory::MemoryMap;
 /// Slices at least this long move straight between the socket and registered memory; shorter
 /// ones are coalesced through the staging buffer (one send or receive for many of them).
 pub const DIRECT_MIN: usize = 64 * 1024;
-/// Most bytes staged before a send.
+/// Most bytes staged per read of small slices.
 const STAGE_MAX: usize = 256 * 1024;
-
-/// Writes one prepared operation: `header` (header + slice table), then every source range.
-pub async fn write_op<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    header: &[u8],
-    sources: &[(usize, usize)],
-    stage: &mut Vec<u8>,
-) -> io::Result<()> {
-    stage.clear();
-    stage.extend_from_slice(header);
-    for &(ptr, len) in sources {
-        // SAFETY: (ptr, len) comes from MemoryMap::range, inside registered memory that the
-        // caller's Arc<MemoryMap> keeps alive; the core keeps these source pages pinned (no
-        // release, no reuse) until this operation is reported.
-        let src = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-        if len >= DIRECT_MIN {
-            if !stage.is_empty() {
-                w.write_all(stage).await?;
-                stage.clear();
-            }
-            w.write_all(src).await?;
-        } else {
-            if stage.len() + len > STAGE_MAX {
-                w.write_all(stage).await?;
-                stage.clear();
-            }
-            stage.extend_from_slice(src);
-        }
-    }
-    if !stage.is_empty() {
-        w.write_all(stage).await?;
-    }
-    w.flush().await
-}
 
 /// Reads one acknowledgement.
 pub async fn read_ack<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<(TransferId, AckStatus)> {

@@ -420,11 +420,12 @@ mod glommio_bench {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
+    use glommio::channels::local_channel;
     use glommio::net::{TcpListener, TcpStream};
     use glommio::{LocalExecutorBuilder, Placement};
-    use kvferry_core::{OpKind, RoomId, SessionId, Slice, TransferId, TransferOp};
-    use kvferry_tcp::stream::{read_ack, serve_writes_on};
-    use kvferry_tcp::{prepare_op, AckStatus, Limits, MemoryMap, WriteCheck};
+    use kvferry_core::{OpKind, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome};
+    use kvferry_tcp::stream::serve_writes_on;
+    use kvferry_tcp::{Limits, MemoryMap, WriteCheck};
 
     use super::{flat_layout, CoreCheck};
 
@@ -555,16 +556,19 @@ mod glommio_bench {
             .io_memory(1 << 20)
             .spin_before_park(spin())
             .spawn(move || async move {
-                let mut stream = TcpStream::connect(addr).await.map_err(io_error)?;
+                let stream = TcpStream::connect(addr).await.map_err(io_error)?;
                 let _ = stream.set_nodelay(true);
-                let (mut header, mut stage) = (Vec::new(), Vec::new());
-                // KVFERRY_GLOMMIO_PLAIN=1: the staged write instead of sendmsg gather (A/B).
-                let plain = std::env::var_os("KVFERRY_GLOMMIO_PLAIN").is_some();
+                // The driver's own sending side: writer task, ack reader task, ledger.
+                let (done_tx, done_rx) = local_channel::new_unbounded();
+                let report: kvferry_glommio::LocalReport = Rc::new(move |id, outcome| {
+                    let _ = done_tx.try_send((id, outcome));
+                });
+                let sender = kvferry_glommio::DataSender::spawn(stream, src, report)?;
                 let mut next = 0u64;
+                let mut failed = None;
                 while let Ok((slices, n, reply)) = incoming.recv_async().await {
                     let bytes = slices.iter().map(|s| s.len).sum();
                     let mut times = Vec::with_capacity(n);
-                    let mut failed = None;
                     for _ in 0..n {
                         next += 1;
                         let op = TransferOp {
@@ -578,41 +582,32 @@ mod glommio_bench {
                             bytes,
                         };
                         let t0 = Instant::now();
-                        let (sources, _) = prepare_op(&op, &src, &mut header);
-                        let sent = if plain {
-                            kvferry_tcp::stream::write_op(
-                                &mut stream,
-                                &header,
-                                &sources,
-                                &mut stage,
-                            )
-                            .await
-                        } else {
-                            kvferry_glommio::write_gather(&mut stream, &header, &sources).await
-                        };
-                        match sent.and(read_ack(&mut stream).await) {
-                            Ok((_, AckStatus::Applied)) => times.push(t0.elapsed()),
-                            Ok((_, status)) => {
-                                failed = Some(io_error(format!("operation {status:?}")));
-                                break;
-                            }
-                            Err(e) => {
-                                failed = Some(e);
+                        if sender.send(op).is_err() {
+                            failed = Some(io_error("the glommio data connection closed"));
+                            break;
+                        }
+                        match done_rx.recv().await {
+                            Some((_, TransferOutcome::Done)) => times.push(t0.elapsed()),
+                            other => {
+                                failed = Some(io_error(format!(
+                                    "the glommio data plane did not apply an operation: {other:?}"
+                                )));
                                 break;
                             }
                         }
                     }
-                    match failed {
+                    match &failed {
                         None => {
                             let _ = reply.send(Ok(times));
                         }
                         Some(e) => {
-                            let _ = reply.send(Err(io_error(&e)));
-                            return Err(e);
+                            let _ = reply.send(Err(io_error(e)));
+                            break;
                         }
                     }
                 }
-                Ok(())
+                sender.close().await;
+                failed.map_or(Ok(()), Err)
             })
             .map_err(io_error)?;
         Ok(Pair {

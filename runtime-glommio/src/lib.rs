@@ -603,7 +603,7 @@ struct SessionIo {
 
 /// One data connection of a session.
 enum DataConn {
-    Sender(LocalDataSender),
+    Sender(DataSender),
     Receiver(Task<()>),
 }
 
@@ -618,18 +618,50 @@ impl DataConn {
     }
 }
 
-/// The sending side of one data connection on this shard: a writer task and an ack reader
-/// task over two handles of the same socket, and the connection's ledger in a `RefCell`.
-struct LocalDataSender {
+/// Where a [`DataSender`] reports each operation's outcome (on the shard's own thread).
+pub type LocalReport = Rc<dyn Fn(TransferId, TransferOutcome)>;
+
+/// The sending side of one data connection on a shard: a writer task and an ack reader task
+/// over two handles of the same socket, and the connection's ledger in a `RefCell`. Every
+/// operation handed to [`DataSender::send`] is reported exactly once.
+pub struct DataSender {
     ops: LocalSender<TransferOp>,
     ledger: Rc<RefCell<LedgerState>>,
     writer: Task<()>,
     reader: Task<()>,
-    shard: Weak<Shard>,
+    report: LocalReport,
 }
 
-impl LocalDataSender {
-    fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
+impl DataSender {
+    /// Starts the writer and ack reader of `stream` (call on a glommio executor); sources are
+    /// read from `memory`.
+    pub fn spawn(
+        stream: TcpStream,
+        memory: Arc<MemoryMap>,
+        report: LocalReport,
+    ) -> std::io::Result<Self> {
+        let (read, write) = split(stream)?;
+        let (tx, rx) = local_channel::new_unbounded::<TransferOp>();
+        let ledger = Rc::new(RefCell::new(LedgerState::default()));
+        let writer = glommio::spawn_local(write_loop(
+            write,
+            rx,
+            memory,
+            ledger.clone(),
+            report.clone(),
+        ));
+        let reader = glommio::spawn_local(ack_loop(read, ledger.clone(), report.clone()));
+        Ok(DataSender {
+            ops: tx,
+            ledger,
+            writer,
+            reader,
+            report,
+        })
+    }
+
+    /// Queues an operation; gives it back if the connection is closed.
+    pub fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
         if !self.ledger.borrow_mut().enqueue(op.id) {
             return Err(op);
         }
@@ -644,14 +676,13 @@ impl LocalDataSender {
         })
     }
 
-    async fn close(self) {
+    /// Stops both tasks; every operation not yet reported is reported `Transient`.
+    pub async fn close(self) {
         let _ = self.writer.cancel().await;
         let _ = self.reader.cancel().await;
         let failed = self.ledger.borrow_mut().close();
-        if let Some(shard) = self.shard.upgrade() {
-            for id in failed {
-                shard.transfer_result(id, TransferOutcome::Transient);
-            }
+        for id in failed {
+            (self.report)(id, TransferOutcome::Transient);
         }
     }
 }
@@ -815,6 +846,16 @@ impl Shard {
                 Err(e)
             }
         }
+    }
+
+    /// A data connection's report: each outcome goes to this shard's core while it lives.
+    fn report(self: &Rc<Self>) -> LocalReport {
+        let shard = Rc::downgrade(self);
+        Rc::new(move |id, outcome| {
+            if let Some(shard) = shard.upgrade() {
+                shard.transfer_result(id, outcome);
+            }
+        })
     }
 
     fn transfer_result(self: &Rc<Self>, id: TransferId, outcome: TransferOutcome) {
@@ -1089,7 +1130,7 @@ impl Shard {
             return; // dropping the stream closes it
         }
         let conn = match self.info.role {
-            Role::Prefill => match LocalDataSender::spawn(self, stream) {
+            Role::Prefill => match DataSender::spawn(stream, self.memory.clone(), self.report()) {
                 Ok(s) => DataConn::Sender(s),
                 Err(e) => {
                     warn!(session = %sid, error = %e, "cannot split a data connection");
@@ -1323,7 +1364,7 @@ impl Shard {
 
 /// Hands an operation to the next open data connection of the session, round-robin.
 fn dispatch(io: &mut SessionIo, op: TransferOp) -> Result<(), TransferOp> {
-    let senders: Vec<&LocalDataSender> = io
+    let senders: Vec<&DataSender> = io
         .data
         .iter()
         .filter_map(|c| match c {
@@ -1345,39 +1386,10 @@ fn split(stream: TcpStream) -> std::io::Result<(TcpStream, TcpStream)> {
     Ok((stream, other))
 }
 
-impl LocalDataSender {
-    fn spawn(shard: &Rc<Shard>, stream: TcpStream) -> std::io::Result<Self> {
-        let (read, write) = split(stream)?;
-        let (tx, rx) = local_channel::new_unbounded::<TransferOp>();
-        let ledger = Rc::new(RefCell::new(LedgerState::default()));
-        let writer = glommio::spawn_local(write_loop(
-            write,
-            rx,
-            shard.memory.clone(),
-            ledger.clone(),
-            Rc::downgrade(shard),
-        ));
-        let reader = glommio::spawn_local(ack_loop(read, ledger.clone(), Rc::downgrade(shard)));
-        Ok(LocalDataSender {
-            ops: tx,
-            ledger,
-            writer,
-            reader,
-            shard: Rc::downgrade(shard),
-        })
-    }
-}
-
-fn report(shard: &Weak<Shard>, id: TransferId, outcome: TransferOutcome) {
-    if let Some(shard) = shard.upgrade() {
-        shard.transfer_result(id, outcome);
-    }
-}
-
-fn fail_pending(ledger: &RefCell<LedgerState>, shard: &Weak<Shard>) {
+fn fail_pending(ledger: &RefCell<LedgerState>, report: &LocalReport) {
     let failed = ledger.borrow_mut().close();
     for id in failed {
-        report(shard, id, TransferOutcome::Transient);
+        report(id, TransferOutcome::Transient);
     }
 }
 
@@ -1386,7 +1398,7 @@ async fn write_loop(
     rx: LocalReceiver<TransferOp>,
     memory: Arc<MemoryMap>,
     ledger: Rc<RefCell<LedgerState>>,
-    shard: Weak<Shard>,
+    report: LocalReport,
 ) {
     let mut header = Vec::with_capacity(4096);
     while let Some(op) = rx.recv().await {
@@ -1395,7 +1407,7 @@ async fn write_loop(
         match start {
             Start::Gone => continue,
             Start::Closed => {
-                report(&shard, op.id, Start::unsent(bad));
+                report(op.id, Start::unsent(bad));
                 continue;
             }
             Start::Write => {}
@@ -1405,7 +1417,7 @@ async fn write_loop(
             break;
         }
     }
-    fail_pending(&ledger, &shard);
+    fail_pending(&ledger, &report);
 }
 
 /// Writes `header` then every source range straight from registered memory with as few
@@ -1448,7 +1460,7 @@ pub async fn write_gather(
     Ok(())
 }
 
-async fn ack_loop(read: TcpStream, ledger: Rc<RefCell<LedgerState>>, shard: Weak<Shard>) {
+async fn ack_loop(read: TcpStream, ledger: Rc<RefCell<LedgerState>>, report: LocalReport) {
     // Pipelined operations' acknowledgements arrive together: read them in one go.
     let mut read = futures_lite::io::BufReader::with_capacity(4096, read);
     loop {
@@ -1463,7 +1475,7 @@ async fn ack_loop(read: TcpStream, ledger: Rc<RefCell<LedgerState>>, shard: Weak
         if let Acked::OutOfOrder(expected) = acked {
             warn!(got = %id, ?expected, "acknowledgement out of order, closing the data connection");
             if let Some(e) = expected {
-                report(&shard, e, TransferOutcome::Transient);
+                report(e, TransferOutcome::Transient);
             }
             break;
         }
@@ -1471,9 +1483,9 @@ async fn ack_loop(read: TcpStream, ledger: Rc<RefCell<LedgerState>>, shard: Weak
             kvferry_tcp::AckStatus::Applied => TransferOutcome::Done,
             kvferry_tcp::AckStatus::Refused => TransferOutcome::Refused,
         };
-        report(&shard, id, outcome);
+        report(id, outcome);
     }
-    fail_pending(&ledger, &shard);
+    fail_pending(&ledger, &report);
 }
 
 /// Reads an accepted connection's preamble and hands it to the shard.
