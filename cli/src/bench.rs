@@ -636,19 +636,23 @@ pub struct ScalePoint {
 }
 
 /// Room lifecycles per second through a glommio prefill and decode pair on loopback, with 1,
-/// 2, ... shards each up to the number of cores (small rooms: 2 layers x K/V x one 4 KiB page).
+/// 2, ... shards each up to `most` (default: the number of cores; small rooms: 2 layers x
+/// K/V x one 4 KiB page).
 ///
 /// A point with `k` shards runs on cores `0..k` only: shard `i` of both nodes is pinned to
 /// core `i`, and the embedder that opens, fills, verifies and releases the rooms runs on a
 /// tokio runtime of `k` threads confined to the same cores. Otherwise the one-shard point
 /// would get a second core for free (the embedder's), and the curve would say nothing about
 /// how the driver scales with cores.
-pub async fn scaling(rooms: u64) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeError> {
+pub async fn scaling(
+    rooms: u64,
+    most: Option<usize>,
+) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeError> {
     use crate::{node_config, run_pair, DecodeRun, Runtime, Shape};
     use kvferry_core::Role;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let mut points: Vec<ScalePoint> = Vec::new();
-    for shards in 1..=cores {
+    for shards in 1..=most.unwrap_or(cores).max(1) {
         let shape = Shape {
             layers: 2,
             planes: 2,
@@ -745,7 +749,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_scaling_sweep_has_a_clean_point_per_core() {
-        let points = scaling(300).await.unwrap();
+        let points = scaling(300, None).await.unwrap();
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         assert_eq!(points.len(), cores);
         for (i, p) in points.iter().enumerate() {

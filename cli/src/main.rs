@@ -153,6 +153,9 @@ enum Command {
         /// Rooms per point of the scaling sweep.
         #[arg(long, default_value_t = 20000)]
         scaling_rooms: u64,
+        /// With --scaling: the most shards to sweep to (default: the number of cores).
+        #[arg(long)]
+        shards: Option<usize>,
         /// Print one JSON object per workload instead of a table.
         #[arg(long)]
         json: bool,
@@ -591,6 +594,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             scaling,
             layer_events,
             scaling_rooms,
+            shards,
             json,
         } => {
             if layer_events {
@@ -647,7 +651,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                 return Ok(());
             }
             if scaling {
-                let points = kvferry_cli::bench::scaling(scaling_rooms)
+                let points = kvferry_cli::bench::scaling(scaling_rooms, shards)
                     .await
                     .map_err(|e| e.to_string())?;
                 for p in &points {
