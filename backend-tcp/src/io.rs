@@ -18,8 +18,8 @@ use crate::frame::{
     KIND_CONTROL, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    admit, gather_iovecs, preamble_kind, prepare_op, scatter_iovecs, Admission, Limits, Preamble,
-    PreambleKind, ServeError, ServeStats, WriteCheck, DATA_HELLO_FIXED_LEN, PREAMBLE_HEAD_LEN,
+    admit, gather_iovecs, prepare_op, scatter_iovecs, Admission, Limits, Preamble, PreambleReader,
+    ServeError, ServeStats, WriteCheck, PREAMBLE_PIECE_MAX,
 };
 use crate::memory::MemoryMap;
 
@@ -290,22 +290,15 @@ pub async fn connect_control(addr: std::net::SocketAddr) -> io::Result<TcpStream
 
 /// Reads the preamble of an accepted connection (bounded, total).
 pub async fn read_preamble(stream: &mut TcpStream) -> Result<Preamble, ServeError> {
-    let mut head = [0u8; PREAMBLE_HEAD_LEN];
-    stream.read_exact(&mut head).await?;
-    if let PreambleKind::Control = preamble_kind(&head)? {
-        return Ok(Preamble::Control);
+    let mut reader = PreambleReader::default();
+    let mut buf = [0u8; PREAMBLE_PIECE_MAX];
+    loop {
+        let piece = &mut buf[..reader.need()];
+        stream.read_exact(piece).await?;
+        if let Some(preamble) = reader.feed(piece)? {
+            return Ok(preamble);
+        }
     }
-    let mut fixed = [0u8; DATA_HELLO_FIXED_LEN];
-    stream.read_exact(&mut fixed).await?;
-    let (node, incarnation, token_len) =
-        DataHello::decode_fixed(&fixed).map_err(ServeError::Frame)?;
-    let mut token = vec![0u8; token_len];
-    stream.read_exact(&mut token).await?;
-    Ok(Preamble::Data(DataHello {
-        node,
-        incarnation,
-        token,
-    }))
 }
 
 /// Accepts (0) or refuses (1) a data connection after its preamble.

@@ -3,7 +3,10 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 
-use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, WritePermit, WriteRefused};
+use kvferry_core::{
+    Generation, Incarnation, NodeId, RoomId, Slice, TransferId, TransferOp, WritePermit,
+    WriteRefused,
+};
 use kvferry_sync::{EndWrite, Landing};
 use tracing::warn;
 
@@ -258,30 +261,168 @@ where
 }
 
 /// Length of a connection's first bytes: the magic and the kind.
-#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
 pub(crate) const PREAMBLE_HEAD_LEN: usize = 5;
 /// Length of a data hello's fixed part, after the head.
-#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
 pub(crate) const DATA_HELLO_FIXED_LEN: usize = 17;
+/// The longest piece a [`PreambleReader`] asks for (a data hello's token).
+pub(crate) const PREAMBLE_PIECE_MAX: usize = 64;
 
-/// What the head of a preamble announces.
-#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
-pub(crate) enum PreambleKind {
-    /// A control connection: done.
-    Control,
-    /// A data connection: [`DATA_HELLO_FIXED_LEN`] bytes follow, then the token.
-    Data,
+/// Parses a connection's preamble without doing IO, the one place every stream type does:
+/// read [`PreambleReader::need`] bytes, hand them to [`PreambleReader::feed`], repeat until it
+/// yields the preamble. Bounded (at most 5 + 17 + 64 bytes) and total (bad input is an error).
+#[derive(Debug, Default)]
+pub struct PreambleReader(PreambleStage);
+
+#[derive(Debug, Default)]
+enum PreambleStage {
+    /// The magic and the kind.
+    #[default]
+    Head,
+    /// A data hello's node, incarnation and token length.
+    Fixed,
+    /// A data hello's token.
+    Token {
+        node: NodeId,
+        incarnation: Incarnation,
+        len: usize,
+    },
 }
 
-/// Checks a preamble's head (magic, kind): the one place both stream types validate it.
-#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
-pub(crate) fn preamble_kind(head: &[u8; PREAMBLE_HEAD_LEN]) -> Result<PreambleKind, ServeError> {
-    if head[..4] != MAGIC {
-        return Err(ServeError::Frame(FrameError::BadMagic));
+impl PreambleReader {
+    /// How many bytes [`PreambleReader::feed`] wants next.
+    pub fn need(&self) -> usize {
+        match self.0 {
+            PreambleStage::Head => PREAMBLE_HEAD_LEN,
+            PreambleStage::Fixed => DATA_HELLO_FIXED_LEN,
+            PreambleStage::Token { len, .. } => len,
+        }
     }
-    match head[4] {
-        KIND_CONTROL => Ok(PreambleKind::Control),
-        KIND_DATA => Ok(PreambleKind::Data),
-        other => Err(ServeError::Frame(FrameError::UnknownType(other))),
+
+    /// Takes exactly [`PreambleReader::need`] bytes; the preamble once it is complete.
+    pub fn feed(&mut self, bytes: &[u8]) -> Result<Option<Preamble>, ServeError> {
+        if bytes.len() != self.need() {
+            return Err(ServeError::Frame(FrameError::Malformed("preamble piece")));
+        }
+        match self.0 {
+            PreambleStage::Head => {
+                if bytes[..4] != MAGIC {
+                    return Err(ServeError::Frame(FrameError::BadMagic));
+                }
+                match bytes[4] {
+                    KIND_CONTROL => Ok(Some(Preamble::Control)),
+                    KIND_DATA => {
+                        self.0 = PreambleStage::Fixed;
+                        Ok(None)
+                    }
+                    other => Err(ServeError::Frame(FrameError::UnknownType(other))),
+                }
+            }
+            PreambleStage::Fixed => {
+                let fixed: &[u8; DATA_HELLO_FIXED_LEN] = bytes
+                    .try_into()
+                    .map_err(|_| ServeError::Frame(FrameError::Malformed("data hello")))?;
+                let (node, incarnation, len) =
+                    DataHello::decode_fixed(fixed).map_err(ServeError::Frame)?;
+                // Readers size their buffer by this bound; never ask for more.
+                if len > PREAMBLE_PIECE_MAX {
+                    return Err(ServeError::Frame(FrameError::Malformed("token length")));
+                }
+                self.0 = PreambleStage::Token {
+                    node,
+                    incarnation,
+                    len,
+                };
+                Ok(None)
+            }
+            PreambleStage::Token {
+                node, incarnation, ..
+            } => Ok(Some(Preamble::Data(DataHello {
+                node,
+                incarnation,
+                token: bytes.to_vec(),
+            }))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `bytes` the way a stream reader does: `need()` bytes at a time.
+    fn parse(bytes: &[u8]) -> Result<Option<Preamble>, ServeError> {
+        let mut reader = PreambleReader::default();
+        let mut at = 0;
+        loop {
+            let n = reader.need();
+            let Some(piece) = bytes.get(at..at + n) else {
+                return Ok(None);
+            };
+            at += n;
+            if let Some(p) = reader.feed(piece)? {
+                return Ok(Some(p));
+            }
+        }
+    }
+
+    #[test]
+    fn a_control_preamble_is_the_magic_and_the_control_kind() {
+        let mut bytes = MAGIC.to_vec();
+        bytes.push(KIND_CONTROL);
+        assert!(matches!(parse(&bytes), Ok(Some(Preamble::Control))));
+    }
+
+    #[test]
+    fn a_data_preamble_carries_the_senders_hello_and_token() {
+        let hello = DataHello {
+            node: NodeId(7),
+            incarnation: Incarnation(3),
+            token: b"secret".to_vec(),
+        };
+        match parse(&hello.encode()) {
+            Ok(Some(Preamble::Data(got))) => assert_eq!(got, hello),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_data_preamble_may_have_an_empty_token() {
+        let hello = DataHello {
+            node: NodeId(1),
+            incarnation: Incarnation(1),
+            token: Vec::new(),
+        };
+        assert!(matches!(parse(&hello.encode()), Ok(Some(Preamble::Data(h))) if h == hello));
+    }
+
+    #[test]
+    fn wrong_magic_unknown_kind_and_long_tokens_are_refused() {
+        assert!(matches!(
+            parse(b"HTTP/"),
+            Err(ServeError::Frame(FrameError::BadMagic))
+        ));
+        let mut bytes = MAGIC.to_vec();
+        bytes.push(0xee);
+        assert!(matches!(
+            parse(&bytes),
+            Err(ServeError::Frame(FrameError::UnknownType(0xee)))
+        ));
+        let mut long = DataHello {
+            node: NodeId(1),
+            incarnation: Incarnation(1),
+            token: Vec::new(),
+        }
+        .encode();
+        *long.last_mut().unwrap() = 65;
+        assert!(matches!(
+            parse(&long),
+            Err(ServeError::Frame(FrameError::Malformed(_)))
+        ));
+    }
+
+    #[test]
+    fn a_piece_of_the_wrong_length_is_refused() {
+        let mut reader = PreambleReader::default();
+        assert!(reader.feed(&MAGIC).is_err());
     }
 }

@@ -26,8 +26,8 @@ pub use frame::{
     WRITE_HEADER_LEN,
 };
 pub use io_common::{
-    gather_iovecs, prepare_op, scatter_iovecs, Limits, Preamble, ServeError, ServeStats,
-    WriteCheck, MAX_IOV,
+    gather_iovecs, prepare_op, scatter_iovecs, Limits, Preamble, PreambleReader, ServeError,
+    ServeStats, WriteCheck, MAX_IOV,
 };
 pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 

@@ -18,8 +18,8 @@ use crate::frame::{
     KIND_CONTROL, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    admit, preamble_kind, Admission, Limits, Preamble, PreambleKind, ServeError, ServeStats,
-    WriteCheck, DATA_HELLO_FIXED_LEN, PREAMBLE_HEAD_LEN,
+    admit, Admission, Limits, Preamble, PreambleReader, ServeError, ServeStats, WriteCheck,
+    PREAMBLE_PIECE_MAX,
 };
 use crate::memory::MemoryMap;
 
@@ -181,22 +181,15 @@ pub async fn hello_control<S: AsyncWrite + Unpin>(stream: &mut S) -> io::Result<
 pub async fn read_preamble_on<S: AsyncRead + Unpin>(
     stream: &mut S,
 ) -> Result<Preamble, ServeError> {
-    let mut head = [0u8; PREAMBLE_HEAD_LEN];
-    stream.read_exact(&mut head).await?;
-    if let PreambleKind::Control = preamble_kind(&head)? {
-        return Ok(Preamble::Control);
+    let mut reader = PreambleReader::default();
+    let mut buf = [0u8; PREAMBLE_PIECE_MAX];
+    loop {
+        let piece = &mut buf[..reader.need()];
+        stream.read_exact(piece).await?;
+        if let Some(preamble) = reader.feed(piece)? {
+            return Ok(preamble);
+        }
     }
-    let mut fixed = [0u8; DATA_HELLO_FIXED_LEN];
-    stream.read_exact(&mut fixed).await?;
-    let (node, incarnation, token_len) =
-        DataHello::decode_fixed(&fixed).map_err(ServeError::Frame)?;
-    let mut token = vec![0u8; token_len];
-    stream.read_exact(&mut token).await?;
-    Ok(Preamble::Data(DataHello {
-        node,
-        incarnation,
-        token,
-    }))
 }
 
 /// Accepts (0) or refuses (1) a data connection after its preamble.
