@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_core::{
-    Generation, Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp,
-    TransferOutcome, WritePermit, WriteRefused,
+    Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome,
 };
-use kvferry_tcp::{serve_writes, DataSender, Limits, MemoryMap, Report, WriteCheck};
+use kvferry_driver::{CoreCheck, EndpointAccess, FaultPlan};
+use kvferry_tcp::{serve_writes, DataSender, Limits, MemoryMap, Report};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -36,76 +36,72 @@ pub struct BenchResult {
     pub target: &'static str,
 }
 
-/// The receiver's admission through a real core, as the drivers do it: a decode endpoint
-/// that completed a handshake and holds room 1 with every page granted, behind a lock;
-/// every write takes a permit (`begin_write`, all slices checked) and hands it back.
-pub(crate) struct CoreCheck {
-    endpoint: std::sync::Mutex<kvferry_core::Endpoint>,
-    session: SessionId,
-}
+/// The receiver's admission: the drivers' own [`CoreCheck`] over a decode endpoint that
+/// completed a handshake and holds room 1 with every page granted, behind a lock; every write
+/// takes a permit (`begin_write`, all slices checked) and hands it back.
+pub(crate) type BenchCheck = CoreCheck<LockedEndpoint>;
 
-impl CoreCheck {
-    /// A decode endpoint for `layout` with room 1 (generation 0) granted all `pages`.
-    pub(crate) fn new(layout: Layout) -> std::io::Result<CoreCheck> {
-        use kvferry_core::{Config, Endpoint, EndpointInfo, Grant, Incarnation, NodeId, Role};
-        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
-        let now = Instant::now();
-        // The bench never advances the endpoints' clocks: no deadline can end the room.
-        let config = Config::default();
-        let mut p = Endpoint::new(
-            config.clone(),
-            EndpointInfo::new(Role::Prefill, NodeId(1), Incarnation(1), layout),
-            1,
-            now,
-        )
-        .map_err(|e| invalid(e.to_string()))?;
-        let mut d = Endpoint::new(
-            config,
-            EndpointInfo::new(Role::Decode, NodeId(2), Incarnation(2), layout),
-            2,
-            now,
-        )
-        .map_err(|e| invalid(e.to_string()))?;
-        let sp = p.open_session(now);
-        let sd = d.open_session(now);
-        for _ in 0..4 {
-            let mut buf = Vec::new();
-            while p.poll_transmit(&mut buf).is_some() {}
-            d.handle_input(now, sd, &buf);
-            buf.clear();
-            while d.poll_transmit(&mut buf).is_some() {}
-            p.handle_input(now, sp, &buf);
-        }
-        let grant = Grant {
-            pages: (0..layout.pages).collect(),
-            aux_slot: None,
-            state_slot: None,
-            receivers: 1,
-        };
-        d.open_receiver(now, RoomId(1), 0, &[sd], Some(grant))
-            .map_err(|e| invalid(e.to_string()))?;
-        Ok(CoreCheck {
-            endpoint: std::sync::Mutex::new(d),
-            session: sd,
-        })
-    }
-}
+/// The bench's endpoint behind a lock (nothing to drain: no session sends anything).
+pub(crate) struct LockedEndpoint(std::sync::Mutex<kvferry_core::Endpoint>);
 
-impl WriteCheck for CoreCheck {
-    fn begin(
+impl EndpointAccess for LockedEndpoint {
+    fn run<T>(
         &self,
-        room: RoomId,
-        generation: Generation,
-        slices: &[Slice],
-    ) -> Result<WritePermit, WriteRefused> {
-        let mut e = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());
-        e.begin_write(Instant::now(), self.session, room, generation, slices)
+        f: impl FnOnce(&mut kvferry_core::Endpoint, Instant) -> T,
+        _drain: impl FnOnce(&T) -> bool,
+    ) -> Option<T> {
+        let mut e = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        Some(f(&mut e, Instant::now()))
     }
 
-    fn end(&self, permit: WritePermit) {
-        let mut e = self.endpoint.lock().unwrap_or_else(|p| p.into_inner());
-        e.end_write(Instant::now(), permit);
+    fn faults(&self) -> Option<FaultPlan> {
+        None
     }
+}
+
+/// A decode endpoint for `layout` with room 1 (generation 0) granted all `pages`.
+pub(crate) fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
+    use kvferry_core::{Config, Endpoint, EndpointInfo, Grant, Incarnation, NodeId, Role};
+    let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+    let now = Instant::now();
+    // The bench never advances the endpoints' clocks: no deadline can end the room.
+    let config = Config::default();
+    let mut p = Endpoint::new(
+        config.clone(),
+        EndpointInfo::new(Role::Prefill, NodeId(1), Incarnation(1), layout),
+        1,
+        now,
+    )
+    .map_err(|e| invalid(e.to_string()))?;
+    let mut d = Endpoint::new(
+        config,
+        EndpointInfo::new(Role::Decode, NodeId(2), Incarnation(2), layout),
+        2,
+        now,
+    )
+    .map_err(|e| invalid(e.to_string()))?;
+    let sp = p.open_session(now);
+    let sd = d.open_session(now);
+    for _ in 0..4 {
+        let mut buf = Vec::new();
+        while p.poll_transmit(&mut buf).is_some() {}
+        d.handle_input(now, sd, &buf);
+        buf.clear();
+        while d.poll_transmit(&mut buf).is_some() {}
+        p.handle_input(now, sp, &buf);
+    }
+    let grant = Grant {
+        pages: (0..layout.pages).collect(),
+        aux_slot: None,
+        state_slot: None,
+        receivers: 1,
+    };
+    d.open_receiver(now, RoomId(1), 0, &[sd], Some(grant))
+        .map_err(|e| invalid(e.to_string()))?;
+    Ok(CoreCheck {
+        access: LockedEndpoint(std::sync::Mutex::new(d)),
+        session: sd,
+    })
 }
 
 /// The bench's memory: one KV region of `pages` pages, nothing else.
@@ -142,7 +138,7 @@ impl Kv {
         let src = Arc::new(MemoryMap::allocate(layout));
         let dst = Arc::new(MemoryMap::allocate(layout));
         let (a, b) = socket_pair().await?;
-        let check = Arc::new(CoreCheck::new(layout)?);
+        let check = Arc::new(bench_check(layout)?);
         let limits = Limits {
             max_slices: 8192,
             max_bytes: 1 << 30,
@@ -427,7 +423,7 @@ mod glommio_bench {
     use kvferry_tcp::stream::serve_writes_on;
     use kvferry_tcp::{Limits, MemoryMap, WriteCheck};
 
-    use super::{flat_layout, CoreCheck};
+    use super::{bench_check, flat_layout};
 
     /// Operations to run back to back, and where to send their times.
     type Request = (
@@ -515,7 +511,7 @@ mod glommio_bench {
         let layout = flat_layout(page_bytes, pages);
         let src = Arc::new(MemoryMap::allocate(layout));
         let dst = Arc::new(MemoryMap::allocate(layout));
-        let check = CoreCheck::new(layout)?;
+        let check = bench_check(layout)?;
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let receiver = LocalExecutorBuilder::new(placement(1))
             .io_memory(1 << 20)
@@ -726,6 +722,8 @@ fn confined_runtime(cores: usize) -> Result<tokio::runtime::Runtime, kvferry_tok
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvferry_core::WriteRefused;
+    use kvferry_tcp::WriteCheck;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_round_measures_every_workload_on_both_runtimes_against_raw() {
@@ -760,7 +758,7 @@ mod tests {
 
     #[test]
     fn the_bench_admits_writes_through_a_real_core_and_refuses_others() {
-        let check = CoreCheck::new(flat_layout(4096, 16)).unwrap();
+        let check = bench_check(flat_layout(4096, 16)).unwrap();
         let slice = |off: u64, len: u64| Slice {
             region: Region::Kv { layer: 0, plane: 0 },
             src_offset: 0,

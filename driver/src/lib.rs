@@ -2,8 +2,10 @@
 //!
 //! Owns the embedder-facing API that both drivers implement ([`KvNode`]), the types it speaks
 //! (room handles, node errors, configuration, announcements), the bookkeeping that turns the
-//! core's room events into handle updates ([`RoomBook`]) and the metrics export. Must never
-//! do IO, spawn a task, or decide anything about a room: that is the core's.
+//! core's room events into handle updates ([`RoomBook`]), the receive path's admission
+//! through the core ([`CoreCheck`], reached through each driver's [`EndpointAccess`]) and the
+//! metrics export. Must never do IO, spawn a task, or decide anything about a room: that is
+//! the core's.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,9 +15,9 @@ use std::time::Instant;
 use foldhash::fast::FixedState;
 use kvferry_core::{
     ApiError, Chunk, Config, Counters, Endpoint, EndpointInfo, Event, FailureReason, Generation,
-    Grant, KvPoll, Role, RoomId, TransferId,
+    Grant, KvPoll, Role, RoomId, SessionId, Slice, TransferId, WritePermit, WriteRefused,
 };
-use kvferry_tcp::MemoryMap;
+use kvferry_tcp::{MemoryMap, WriteCheck};
 use tokio::sync::{mpsc, watch};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
@@ -545,5 +547,55 @@ pub fn export_metrics(endpoint: &Endpoint, role: Role) {
         metrics::counter!("kvferry_session_ops_failed_total", "role" => role, "session" => session.clone()).absolute(st.ops_failed);
         metrics::gauge!("kvferry_session_ops_in_flight", "role" => role, "session" => session)
             .set(f64::from(st.in_flight));
+    }
+}
+
+/// How a receive path reaches its node's core endpoint: each driver says how it gets at the
+/// endpoint (a lock, a shard's cell) and how it then handles the endpoint's outputs.
+pub trait EndpointAccess {
+    /// Runs `f` on the endpoint, then handles its outputs if `drain(&result)`; `None` when the
+    /// node is gone.
+    fn run<T>(
+        &self,
+        f: impl FnOnce(&mut Endpoint, Instant) -> T,
+        drain: impl FnOnce(&T) -> bool,
+    ) -> Option<T>;
+
+    /// The fault plan in force (demos and tests).
+    fn faults(&self) -> Option<FaultPlan>;
+}
+
+/// The receive path's admission on every driver: the node's core decides each write (every
+/// slice against the room's granted pages) and takes every permit back.
+pub struct CoreCheck<A> {
+    /// The way to the endpoint.
+    pub access: A,
+    /// The session the data connection belongs to.
+    pub session: SessionId,
+}
+
+impl<A: EndpointAccess> WriteCheck for CoreCheck<A> {
+    fn inject_reset(&self, room: RoomId, op: TransferId) -> bool {
+        self.access.faults().is_some_and(|f| f.hits(room, op))
+    }
+
+    fn begin(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<WritePermit, WriteRefused> {
+        // A refusal may have changed a room's state (its outputs go out now); an accepted
+        // write changes nothing until it ends.
+        self.access
+            .run(
+                |e, now| e.begin_write(now, self.session, room, generation, slices),
+                |r| r.is_err(),
+            )
+            .unwrap_or(Err(WriteRefused::UnknownRoom))
+    }
+
+    fn end(&self, permit: WritePermit) {
+        self.access.run(|e, now| e.end_write(now, permit), |_| true);
     }
 }

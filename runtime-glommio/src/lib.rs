@@ -32,10 +32,13 @@ use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement, Task};
 use kvferry_core::{
     Action, ApiError, Chunk, Counters, Endpoint, EndpointInfo, Event, Generation, Grant, KvPoll,
-    NodeId, Role, RoomId, SessionId, SessionState, Slice, TargetId, TransferId, TransferOp,
-    TransferOutcome, WritePermit, WriteRefused,
+    NodeId, Role, RoomId, SessionId, SessionState, TargetId, TransferId, TransferOp,
+    TransferOutcome,
 };
-use kvferry_driver::{export_metrics, round_robin, shard_of, token_matches, Announcer, RoomBook};
+use kvferry_driver::{
+    export_metrics, round_robin, shard_of, token_matches, Announcer, CoreCheck, EndpointAccess,
+    RoomBook,
+};
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
     RoomView,
@@ -1140,7 +1143,7 @@ impl Shard {
             Role::Decode => {
                 let weak = Rc::downgrade(self);
                 let check: Rc<dyn WriteCheck> = Rc::new(CoreCheck {
-                    shard: Rc::downgrade(self),
+                    access: ShardAccess(Rc::downgrade(self)),
                     session: sid,
                 });
                 let memory = self.memory.clone();
@@ -1545,43 +1548,24 @@ async fn accept(weak: Weak<Shard>, mut stream: TcpStream) {
     }
 }
 
-/// The receive path's admission: the shard's core decides, permits go back to it.
-struct CoreCheck {
-    shard: Weak<Shard>,
-    session: SessionId,
-}
+/// The receive path's way to this shard's endpoint: its cell, then a drain.
+struct ShardAccess(Weak<Shard>);
 
-impl WriteCheck for CoreCheck {
-    fn inject_reset(&self, room: RoomId, op: TransferId) -> bool {
-        self.shard
-            .upgrade()
-            .and_then(|s| s.faults.get())
-            .is_some_and(|f| f.hits(room, op))
-    }
-
-    fn begin(
+impl EndpointAccess for ShardAccess {
+    fn run<T>(
         &self,
-        room: RoomId,
-        generation: Generation,
-        slices: &[Slice],
-    ) -> Result<WritePermit, WriteRefused> {
-        let Some(shard) = self.shard.upgrade() else {
-            return Err(WriteRefused::UnknownRoom);
-        };
-        let result = {
-            let mut st = shard.state.borrow_mut();
-            st.endpoint
-                .begin_write(Instant::now(), self.session, room, generation, slices)
-        };
-        if result.is_err() {
+        f: impl FnOnce(&mut Endpoint, Instant) -> T,
+        after: impl FnOnce(&T) -> bool,
+    ) -> Option<T> {
+        let shard = self.0.upgrade()?;
+        let out = f(&mut shard.state.borrow_mut().endpoint, Instant::now());
+        if after(&out) {
             shard.drain();
         }
-        result
+        Some(out)
     }
 
-    fn end(&self, permit: WritePermit) {
-        if let Some(shard) = self.shard.upgrade() {
-            shard.with_endpoint(|e, now| e.end_write(now, permit));
-        }
+    fn faults(&self) -> Option<FaultPlan> {
+        self.0.upgrade().and_then(|s| s.faults.get())
     }
 }

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use foldhash::fast::FixedState;
 use kvferry_core::{
     Action, ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event,
-    FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, Slice, TargetId, TransferId,
-    TransferOutcome, WritePermit, WriteRefused,
+    FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, TargetId, TransferId,
+    TransferOutcome,
 };
 use kvferry_sync::ConnSet;
 use kvferry_tcp::{
@@ -39,7 +39,7 @@ pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
     NodeError, PeerId, RoomHandle, RoomView,
 };
-use kvferry_driver::{round_robin, token_matches, Announcer, RoomBook};
+use kvferry_driver::{round_robin, token_matches, Announcer, CoreCheck, EndpointAccess, RoomBook};
 
 struct SessionIo {
     control_tx: mpsc::UnboundedSender<Vec<u8>>,
@@ -887,7 +887,7 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
         Role::Decode => {
             let weak = Arc::downgrade(shared);
             let check: Arc<dyn WriteCheck + Send + Sync> = Arc::new(CoreCheck {
-                shared: Arc::downgrade(shared),
+                access: SharedAccess(Arc::downgrade(shared)),
                 session: sid,
             });
             let memory = shared.memory.clone();
@@ -1052,45 +1052,27 @@ async fn reopen_after_break(weak: &Weak<Shared>, sid: SessionId) {
     }
 }
 
-struct CoreCheck {
-    shared: Weak<Shared>,
-    session: SessionId,
-}
+/// The receive path's way to this node's endpoint: its lock, then a drain.
+struct SharedAccess(Weak<Shared>);
 
-impl WriteCheck for CoreCheck {
-    fn inject_reset(&self, room: RoomId, op: TransferId) -> bool {
-        self.shared
-            .upgrade()
-            .and_then(|s| s.faults.lock().ok().and_then(|f| *f))
-            .is_some_and(|f| f.hits(room, op))
-    }
-
-    fn begin(
+impl EndpointAccess for SharedAccess {
+    fn run<T>(
         &self,
-        room: RoomId,
-        generation: Generation,
-        slices: &[Slice],
-    ) -> Result<WritePermit, WriteRefused> {
-        let Some(shared) = self.shared.upgrade() else {
-            return Err(WriteRefused::UnknownRoom);
-        };
+        f: impl FnOnce(&mut Endpoint, Instant) -> T,
+        after: impl FnOnce(&T) -> bool,
+    ) -> Option<T> {
+        let shared = self.0.upgrade()?;
         let mut inner = shared.lock();
-        let result =
-            inner
-                .endpoint
-                .begin_write(Instant::now(), self.session, room, generation, slices);
-        if result.is_err() {
+        let out = f(&mut inner.endpoint, Instant::now());
+        if after(&out) {
             drain(&shared, &mut inner);
         }
-        result
+        Some(out)
     }
 
-    fn end(&self, permit: WritePermit) {
-        let Some(shared) = self.shared.upgrade() else {
-            return;
-        };
-        let mut inner = shared.lock();
-        inner.endpoint.end_write(Instant::now(), permit);
-        drain(&shared, &mut inner);
+    fn faults(&self) -> Option<FaultPlan> {
+        self.0
+            .upgrade()
+            .and_then(|s| s.faults.lock().ok().and_then(|f| *f))
     }
 }
