@@ -244,6 +244,29 @@ pub struct Runtimes {
     pub glommio: bool,
 }
 
+/// How many times better glommio did than tokio on each workload both ran (1.0 is a tie;
+/// the thread-per-core issue's target is at least 1.0 everywhere in one run).
+pub fn glommio_vs_tokio(results: &[BenchResult]) -> Vec<(&'static str, f64)> {
+    let find = |workload: &str, runtime: &str| {
+        results
+            .iter()
+            .find(|r| r.workload == workload && r.runtime == runtime)
+    };
+    let mut out = Vec::new();
+    for r in results.iter().filter(|r| r.runtime == "tokio") {
+        let (Some(t), Some(g)) = (find(r.workload, "tokio"), find(r.workload, "glommio")) else {
+            continue;
+        };
+        // `ratio` is kvferry against raw: higher is better except for a latency (us).
+        let advantage = match r.unit {
+            "us" => t.ratio / g.ratio,
+            _ => g.ratio / t.ratio,
+        };
+        out.push((r.workload, advantage));
+    }
+    out
+}
+
 /// One bench workload: what each operation moves and how its figure reads.
 struct Workload {
     name: &'static str,
@@ -754,6 +777,34 @@ mod tests {
             assert_eq!(p.shards, i + 1);
             assert!(p.clean && p.rooms_per_s > 0.0, "{p:?}");
         }
+    }
+
+    #[test]
+    fn glommio_against_tokio_is_better_when_faster_whatever_the_unit() {
+        let r = |workload, runtime, unit, ratio| BenchResult {
+            workload,
+            runtime,
+            unit,
+            kvferry: 1.0,
+            raw: 1.0,
+            ratio,
+            target: "",
+        };
+        let results = [
+            r("bulk", "tokio", "GB/s", 1.0),
+            r("bulk", "glommio", "GB/s", 1.2),
+            r("batch", "tokio", "ms", 0.9),
+            r("batch", "glommio", "ms", 0.6),
+            r("op", "tokio", "us", 1.5),
+            r("op", "glommio", "us", 0.75),
+            r("tokio only", "tokio", "us", 1.0),
+        ];
+        let v = glommio_vs_tokio(&results);
+        let names: Vec<_> = v.iter().map(|(w, _)| *w).collect();
+        assert_eq!(names, ["bulk", "batch", "op"]);
+        assert!((v[0].1 - 1.2).abs() < 1e-9);
+        assert!((v[1].1 - 0.6 / 0.9).abs() < 1e-9);
+        assert!((v[2].1 - 2.0).abs() < 1e-9);
     }
 
     #[test]

@@ -705,6 +705,19 @@ async fn run(cli: Cli) -> Result<(), String> {
                     );
                 }
             }
+            for (workload, advantage) in kvferry_cli::bench::glommio_vs_tokio(&results) {
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({ "workload": workload, "glommio_vs_tokio": advantage, "target": ">= 1.0" })
+                    );
+                } else {
+                    println!(
+                        "{:<18} glommio vs tokio {:>6.3}x  (target >= 1.0, higher is better)",
+                        workload, advantage
+                    );
+                }
+            }
             Ok(())
         }
     }
