@@ -335,8 +335,8 @@ fn workloads(iterations: usize) -> [Workload; 4] {
 /// Measures every workload on raw TCP and the chosen runtimes, in `rounds` interleaved blocks.
 ///
 /// Per workload, each block runs `iterations` operations (the 4 KiB round trip 100x that)
-/// on each of raw, tokio and glommio back to back, after one warm-up operation each, and the
-/// order rotates from block to block. A machine whose load drifts (a shared CI box) then
+/// on each of raw, tokio and glommio back to back, after one warm-up operation each, in an
+/// order that goes through all six permutations from block to block. A machine whose load drifts (a shared CI box) then
 /// slows every contender alike, and each figure is the median of all its operations.
 pub async fn run_rounds(
     iterations: usize,
@@ -367,9 +367,19 @@ async fn measure(
     };
     let (mut r, mut k, mut g) = (Vec::new(), Vec::new(), Vec::new());
     for block in 0..blocks {
-        // Each contender warms up, then runs its share; who goes first rotates.
-        for turn in 0..3 {
-            match (block + turn) % 3 {
+        // Each contender warms up, then runs its share. The order goes through all six
+        // permutations: a rotation alone keeps who follows whom, and the one that follows
+        // another's burst (threads still spinning, caches cold) pays for it.
+        const ORDERS: [[usize; 3]; 6] = [
+            [0, 1, 2],
+            [1, 2, 0],
+            [2, 0, 1],
+            [0, 2, 1],
+            [2, 1, 0],
+            [1, 0, 2],
+        ];
+        for turn in ORDERS[block % ORDERS.len()] {
+            match turn {
                 0 => {
                     raw.round().await?;
                     for _ in 0..w.ops {

@@ -128,9 +128,9 @@ enum Command {
         /// Operations per workload, runtime and round (the 4 KiB round trip runs 100x as many).
         #[arg(long, default_value_t = 7)]
         iterations: usize,
-        /// Interleaved rounds per workload: each runs raw, tokio and glommio back to back in a
-        /// rotating order, so load that drifts slows all of them alike.
-        #[arg(long, default_value_t = 3)]
+        /// Interleaved rounds per workload: each runs raw, tokio and glommio back to back, in
+        /// each of the six orders in turn, so load that drifts slows all of them alike.
+        #[arg(long, default_value_t = 6)]
         rounds: usize,
         /// Which data plane to measure against raw TCP: tokio, glommio, or all.
         #[arg(long, default_value = "tokio")]
