@@ -368,8 +368,8 @@ async fn measure(
     let (mut r, mut k, mut g) = (Vec::new(), Vec::new(), Vec::new());
     for block in 0..blocks {
         // Each contender warms up, then runs its share. The order goes through all six
-        // permutations: a rotation alone keeps who follows whom, and the one that follows
-        // another's burst (threads still spinning, caches cold) pays for it.
+        // permutations: a rotation alone keeps who follows whom, and position alone moved an
+        // A/A pair of identical glommio contenders by 11-16 % on 4 KiB batches.
         const ORDERS: [[usize; 3]; 6] = [
             [0, 1, 2],
             [1, 2, 0],
