@@ -2,8 +2,8 @@
 //! completion-based runtimes): the same frames and the same rules as the tokio path. The
 //! default scatter coalesces small slices through one staging buffer and moves large slices
 //! straight into registered memory; a transport that can scatter from its socket overrides it
-//! ([`ScatterRead`]). Senders gather with their runtime's vectored write (glommio:
-//! `kvferry_glommio::write_gather`).
+//! ([`ScatterRead`]). Senders gather with their runtime's vectored write (glommio's
+//! `DataSender` does so with non-blocking `sendmsg`).
 
 use std::io;
 use std::rc::Rc;

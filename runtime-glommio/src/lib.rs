@@ -1427,7 +1427,7 @@ async fn write_loop(
 /// `sendmsg` calls as the kernel allows (glommio's sockets have no vectored write, and
 /// staging through a buffer costs a copy of every byte). When the socket is full, glommio's
 /// own write of the next contiguous piece waits for room.
-pub async fn write_gather(
+async fn write_gather(
     stream: &mut TcpStream,
     header: &[u8],
     sources: &[(usize, usize)],
