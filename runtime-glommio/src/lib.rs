@@ -11,7 +11,9 @@
 //!
 //! Like the tokio driver it feeds the core's inputs, drains its outputs in the documented
 //! order, arms one timer from `poll_timeout` and carries out operations and fences through
-//! `kvferry-tcp`; it never decides a retry, a timeout or a room's state. Within a shard there
+//! `kvferry-tcp`; it never decides a retry, a timeout or a room's state. The sending side of
+//! a data connection ([`DataSender`]) and the receiving side ([`ScatterConn`]) are public, so
+//! `kvferry bench` measures exactly the path a shard uses. Within a shard there
 //! is no lock: the endpoint lives in a `RefCell` owned by the shard's thread. The embedder's
 //! calls reach a shard as closures over a channel and come back through a oneshot; dropping a
 //! call's future after it was sent loses only the answer (the call still takes effect: a
