@@ -917,7 +917,7 @@ impl Runtime {
     /// other node of a demo or bench pair). Shard `i` of every node is pinned to core `i`, so
     /// with a neighbour (or more shards than cores) two executors share a core, and a shard
     /// spinning before it parks takes the core from the one beside it: such shards park at
-    /// once (the 2-core scaling sweep ran 3-30 % more rooms/s so).
+    /// once (the 2-core scaling sweep ran 3-37 % more rooms/s so).
     pub fn start_beside(
         &self,
         cfg: NodeConfig,
