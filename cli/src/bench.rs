@@ -104,6 +104,21 @@ pub(crate) fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
     })
 }
 
+/// Operation `id` of the bench's one room: `slices` of its KV, as the core would plan it.
+pub(crate) fn bench_op(id: u64, slices: Arc<[Slice]>) -> TransferOp {
+    let bytes = slices.iter().map(|s| s.len).sum();
+    TransferOp {
+        id: TransferId(id),
+        session: SessionId(1),
+        room: Some(RoomId(1)),
+        generation: 0,
+        kind: OpKind::Kv,
+        attempt: 1,
+        slices,
+        bytes,
+    }
+}
+
 /// The bench's memory: one KV region of `pages` pages, nothing else.
 pub(crate) fn flat_layout(page_bytes: u32, pages: u32) -> Layout {
     Layout {
@@ -159,17 +174,7 @@ impl Kv {
     /// applied is an error (a bench figure is only worth something if every byte landed).
     async fn op(&mut self, slices: Arc<[Slice]>) -> std::io::Result<Duration> {
         self.next += 1;
-        let bytes = slices.iter().map(|s| s.len).sum();
-        let op = TransferOp {
-            id: TransferId(self.next),
-            session: SessionId(1),
-            room: Some(RoomId(1)),
-            generation: 0,
-            kind: OpKind::Kv,
-            attempt: 1,
-            slices,
-            bytes,
-        };
+        let op = bench_op(self.next, slices);
         let t0 = Instant::now();
         if self.sender.send(op).is_err() {
             return Err(std::io::Error::other("the tokio data connection closed"));
@@ -247,22 +252,18 @@ pub struct Runtimes {
 /// How many times better glommio did than tokio on each workload both ran (1.0 is a tie;
 /// the thread-per-core issue's target is at least 1.0 everywhere in one run).
 pub fn glommio_vs_tokio(results: &[BenchResult]) -> Vec<(&'static str, f64)> {
-    let find = |workload: &str, runtime: &str| {
-        results
-            .iter()
-            .find(|r| r.workload == workload && r.runtime == runtime)
-    };
     let mut out = Vec::new();
-    for r in results.iter().filter(|r| r.runtime == "tokio") {
-        let (Some(t), Some(g)) = (find(r.workload, "tokio"), find(r.workload, "glommio")) else {
+    for t in results.iter().filter(|r| r.runtime == "tokio") {
+        let glommio = |r: &&BenchResult| r.workload == t.workload && r.runtime == "glommio";
+        let Some(g) = results.iter().find(glommio) else {
             continue;
         };
         // `ratio` is kvferry against raw: higher is better except for a latency (us).
-        let advantage = match r.unit {
+        let advantage = match t.unit {
             "us" => t.ratio / g.ratio,
             _ => g.ratio / t.ratio,
         };
-        out.push((r.workload, advantage));
+        out.push((t.workload, advantage));
     }
     out
 }
@@ -336,8 +337,9 @@ fn workloads(iterations: usize) -> [Workload; 4] {
 ///
 /// Per workload, each block runs `iterations` operations (the 4 KiB round trip 100x that)
 /// on each of raw, tokio and glommio back to back, after one warm-up operation each, in an
-/// order that goes through all six permutations from block to block. A machine whose load drifts (a shared CI box) then
-/// slows every contender alike, and each figure is the median of all its operations.
+/// order that goes through all six permutations from block to block. A machine whose load
+/// drifts (a shared CI box) then slows every contender alike, and each figure is the median
+/// of all its operations.
 pub async fn run_rounds(
     iterations: usize,
     runtimes: Runtimes,
@@ -452,11 +454,11 @@ mod glommio_bench {
     use glommio::channels::local_channel;
     use glommio::net::{TcpListener, TcpStream};
     use glommio::{LocalExecutorBuilder, Placement};
-    use kvferry_core::{OpKind, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome};
+    use kvferry_core::{Slice, TransferOutcome};
     use kvferry_tcp::stream::serve_writes_on;
     use kvferry_tcp::{Limits, MemoryMap, WriteCheck};
 
-    use super::{bench_check, flat_layout};
+    use super::{bench_check, bench_op, flat_layout};
 
     /// Operations to run back to back, and where to send their times.
     type Request = (
@@ -596,20 +598,10 @@ mod glommio_bench {
                 let mut next = 0u64;
                 let mut failed = None;
                 while let Ok((slices, n, reply)) = incoming.recv_async().await {
-                    let bytes = slices.iter().map(|s| s.len).sum();
                     let mut times = Vec::with_capacity(n);
                     for _ in 0..n {
                         next += 1;
-                        let op = TransferOp {
-                            id: TransferId(next),
-                            session: SessionId(1),
-                            room: Some(RoomId(1)),
-                            generation: 0,
-                            kind: OpKind::Kv,
-                            attempt: 1,
-                            slices: slices.clone(),
-                            bytes,
-                        };
+                        let op = bench_op(next, slices.clone());
                         let t0 = Instant::now();
                         if sender.send(op).is_err() {
                             failed = Some(io_error("the glommio data connection closed"));
