@@ -688,15 +688,13 @@ pub async fn scaling(
         let runtime = Runtime::Glommio { shards };
         let core = kvferry_core::Config::default();
         let token = b"kvferry-bench";
-        let p = runtime.start_beside(
+        let p = runtime.start_paired(
             node_config(Role::Prefill, &shape, core.clone(), token, 1),
             Arc::new(MemoryMap::allocate(shape.layout())),
-            shards,
         )?;
-        let d = runtime.start_beside(
+        let d = runtime.start_paired(
             node_config(Role::Decode, &shape, core, token, 2),
             Arc::new(MemoryMap::allocate(shape.layout())),
-            shards,
         )?;
         let run = DecodeRun {
             rooms,

@@ -391,9 +391,7 @@ pub async fn gpu_overlap_demo(
     let start = |role: Role, seed: u64, map: Arc<MemoryMap>| {
         let mut cfg = node_config(role, &shape, core.clone(), &token, seed);
         cfg.backend = backend.clone();
-        runtime
-            .start_beside(cfg, map, runtime.executors())
-            .map_err(|e| e.to_string())
+        runtime.start_paired(cfg, map).map_err(|e| e.to_string())
     };
     if backend != crate::DataBackend::Tcp {
         // GPUDirect (registering device memory with the NIC) is not written: say so.

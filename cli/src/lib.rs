@@ -902,27 +902,27 @@ impl Runtime {
 
     /// Starts a node of this runtime (inside a tokio runtime for `Tokio`).
     pub fn start(&self, cfg: NodeConfig, memory: Arc<MemoryMap>) -> Result<AnyNode, NodeError> {
-        self.start_beside(cfg, memory, 0)
+        self.start_with(cfg, memory, false)
     }
 
-    /// The executors (glommio shards) a node of this runtime pins to cores.
-    pub fn executors(&self) -> usize {
-        match *self {
-            Runtime::Tokio => 0,
-            Runtime::Glommio { shards } => shards,
-        }
-    }
-
-    /// Starts a node that shares this process with `neighbours` other pinned executors (the
-    /// other node of a demo or bench pair). Shard `i` of every node is pinned to core `i`, so
-    /// with a neighbour (or more shards than cores) two executors share a core, and a shard
-    /// spinning before it parks takes the core from the one beside it: such shards park at
-    /// once (the 2-core scaling sweep ran 3-37 % more rooms/s so).
-    pub fn start_beside(
+    /// Starts one node of a pair that shares this process (a demo or bench prefill and
+    /// decode of this runtime). Shard `i` of every node is pinned to core `i`, so two
+    /// executors share each core, and a shard spinning before it parks takes the core from
+    /// the one beside it: such shards park at once (the 2-core scaling sweep ran 3-37 % more
+    /// rooms/s so).
+    pub fn start_paired(
         &self,
         cfg: NodeConfig,
         memory: Arc<MemoryMap>,
-        neighbours: usize,
+    ) -> Result<AnyNode, NodeError> {
+        self.start_with(cfg, memory, true)
+    }
+
+    fn start_with(
+        &self,
+        cfg: NodeConfig,
+        memory: Arc<MemoryMap>,
+        paired: bool,
     ) -> Result<AnyNode, NodeError> {
         Ok(match *self {
             Runtime::Tokio => AnyNode::Tokio(Node::start(cfg, memory)?),
@@ -932,7 +932,7 @@ impl Runtime {
                     shards,
                     ..ShardConfig::default()
                 };
-                if neighbours > 0 || shards > cores {
+                if paired || shards > cores {
                     config.spin_before_park = std::time::Duration::ZERO;
                 }
                 AnyNode::Glommio(GlommioNode::start(cfg, memory, config)?)
@@ -1106,10 +1106,8 @@ pub async fn run_demo(
         });
     }
     let layout = shape.layout();
-    let beside = runtime.executors();
-    let prefill =
-        runtime.start_beside(prefill_cfg, Arc::new(MemoryMap::allocate(layout)), beside)?;
-    let decode = runtime.start_beside(decode_cfg, Arc::new(MemoryMap::allocate(layout)), beside)?;
+    let prefill = runtime.start_paired(prefill_cfg, Arc::new(MemoryMap::allocate(layout)))?;
+    let decode = runtime.start_paired(decode_cfg, Arc::new(MemoryMap::allocate(layout)))?;
     let run = DecodeRun {
         rooms,
         shape,

@@ -655,11 +655,7 @@ pub async fn run_overlap_demo(
         let mut cfg = crate::node_config(role, &shape, core.clone(), &token, seed);
         cfg.backend = backend.clone();
         runtime
-            .start_beside(
-                cfg,
-                Arc::new(MemoryMap::allocate(layout)),
-                runtime.executors(),
-            )
+            .start_paired(cfg, Arc::new(MemoryMap::allocate(layout)))
             .map_err(|e| e.to_string())
     };
     let prefill = start(Role::Prefill, 1)?;
