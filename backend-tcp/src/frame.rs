@@ -17,6 +17,10 @@ pub const ACK_LEN: usize = 9;
 /// Frame type of a write batch.
 pub const FRAME_WRITE: u8 = 1;
 
+/// The longest cluster token a data hello carries (longer ones are cut on send, refused on
+/// receive).
+pub const MAX_TOKEN_LEN: usize = 64;
+
 /// A data connection's introduction: who is connecting, proven by the cluster token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DataHello {
@@ -36,7 +40,7 @@ impl DataHello {
         out.push(KIND_DATA);
         out.extend_from_slice(&self.node.0.to_le_bytes());
         out.extend_from_slice(&self.incarnation.0.to_le_bytes());
-        let n = self.token.len().min(64);
+        let n = self.token.len().min(MAX_TOKEN_LEN);
         out.push(n as u8);
         out.extend_from_slice(&self.token[..n]);
         out
@@ -56,7 +60,7 @@ impl DataHello {
                 .map_err(|_| FrameError::Malformed("incarnation"))?,
         ));
         let token_len = b[16] as usize;
-        if token_len > 64 {
+        if token_len > MAX_TOKEN_LEN {
             return Err(FrameError::Malformed("token length"));
         }
         Ok((node, inc, token_len))

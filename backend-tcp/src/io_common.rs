@@ -11,7 +11,7 @@ use kvferry_sync::{EndWrite, Landing};
 use tracing::warn;
 
 use crate::frame::{
-    encode_slice, DataHello, FrameError, WriteHeader, KIND_CONTROL, KIND_DATA, MAGIC,
+    encode_slice, DataHello, FrameError, WriteHeader, KIND_CONTROL, KIND_DATA, MAGIC, MAX_TOKEN_LEN,
 };
 use crate::memory::MemoryMap;
 
@@ -264,12 +264,19 @@ where
 pub(crate) const PREAMBLE_HEAD_LEN: usize = 5;
 /// Length of a data hello's fixed part, after the head.
 pub(crate) const DATA_HELLO_FIXED_LEN: usize = 17;
-/// The longest piece a [`PreambleReader`] asks for (a data hello's token).
-pub(crate) const PREAMBLE_PIECE_MAX: usize = 64;
+/// The longest piece a [`PreambleReader`] asks for (a data hello's fixed part or its token,
+/// which [`DataHello::decode_fixed`] bounds): the stream readers' buffer size.
+#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
+pub(crate) const PREAMBLE_PIECE_MAX: usize = if MAX_TOKEN_LEN > DATA_HELLO_FIXED_LEN {
+    MAX_TOKEN_LEN
+} else {
+    DATA_HELLO_FIXED_LEN
+};
 
 /// Parses a connection's preamble without doing IO, the one place every stream type does:
 /// read [`PreambleReader::need`] bytes, hand them to [`PreambleReader::feed`], repeat until it
-/// yields the preamble. Bounded (at most 5 + 17 + 64 bytes) and total (bad input is an error).
+/// yields the preamble. Bounded (at most 5 + 17 + [`MAX_TOKEN_LEN`] bytes) and total (bad
+/// input is an error).
 #[derive(Debug, Default)]
 pub struct PreambleReader(PreambleStage);
 
@@ -323,10 +330,6 @@ impl PreambleReader {
                     .map_err(|_| ServeError::Frame(FrameError::Malformed("data hello")))?;
                 let (node, incarnation, len) =
                     DataHello::decode_fixed(fixed).map_err(ServeError::Frame)?;
-                // Readers size their buffer by this bound; never ask for more.
-                if len > PREAMBLE_PIECE_MAX {
-                    return Err(ServeError::Frame(FrameError::Malformed("token length")));
-                }
                 self.0 = PreambleStage::Token {
                     node,
                     incarnation,

@@ -22,8 +22,8 @@ pub mod stream;
 
 pub use frame::{
     decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError,
-    WriteHeader, ACK_LEN, FRAME_WRITE, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN,
-    WRITE_HEADER_LEN,
+    WriteHeader, ACK_LEN, FRAME_WRITE, KIND_CONTROL, KIND_DATA, MAGIC, MAX_TOKEN_LEN,
+    SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 pub use io_common::{
     gather_iovecs, prepare_op, scatter_iovecs, Limits, Preamble, PreambleReader, ServeError,

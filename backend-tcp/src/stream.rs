@@ -24,7 +24,7 @@ use crate::io_common::{
 use crate::memory::MemoryMap;
 
 /// Slices at least this long move straight between the socket and registered memory; shorter
-/// ones are coalesced through the staging buffer (one send or receive for many of them).
+/// ones are coalesced through the staging buffer (one receive for many of them).
 pub const DIRECT_MIN: usize = 64 * 1024;
 /// Most bytes staged per read of small slices.
 const STAGE_MAX: usize = 256 * 1024;
