@@ -685,10 +685,7 @@ impl DataSender {
     pub async fn close(self) {
         let _ = self.writer.cancel().await;
         let _ = self.reader.cancel().await;
-        let failed = self.ledger.borrow_mut().close();
-        for id in failed {
-            (self.report)(id, TransferOutcome::Transient);
-        }
+        fail_pending(&self.ledger, &self.report);
     }
 }
 
