@@ -217,7 +217,7 @@ pub async fn serve_writes(
         let status = match admit(&check, &memory, &h, &slices)? {
             Admission::Apply { landing, targets } => {
                 read_scatter(&stream, &targets).await?;
-                drop(landing);
+                landing.applied();
                 stats.applied += 1;
                 stats.bytes += h.payload;
                 AckStatus::Applied

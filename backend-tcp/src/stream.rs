@@ -62,7 +62,7 @@ pub async fn serve_writes_on<S: ScatterRead>(
         let status = match admit(&check, memory, &h, &slices)? {
             Admission::Apply { landing, targets } => {
                 stream.read_into(&targets, &mut stage).await?;
-                drop(landing);
+                landing.applied();
                 stats.applied += 1;
                 stats.bytes += h.payload;
                 AckStatus::Applied

@@ -27,6 +27,8 @@ impl WriteCheck for AllowRoom {
                 room: Some(room),
                 generation,
                 epoch: 0,
+                seq: 0,
+                applied: false,
             })
         } else {
             Err(WriteRefused::UnknownRoom)

@@ -96,23 +96,31 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Word `i` of the pattern of (room, layer, plane, page index within the room). Words 0 and 1
+/// spell the room and (layer, plane, index) themselves, so two distinct pages never hold the
+/// same bytes (pages are at least 16 bytes); the rest is a hash of all four.
+fn pattern_word(room: RoomId, layer: u16, plane: u8, index: u32, i: usize) -> u64 {
+    let place = (u64::from(layer) << 40) | (u64::from(plane) << 32) | u64::from(index);
+    match i {
+        0 => room.0,
+        1 => place ^ 0x6b76_0000_0000_0000,
+        _ => mix(mix(room.0) ^ place) ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    }
+}
+
 /// Fills `page` with the pattern of (room, layer, plane, page index within the room).
 pub fn fill_pattern(page: &mut [u8], room: RoomId, layer: u16, plane: u8, index: u32) {
-    let seed =
-        mix(room.0 ^ (u64::from(layer) << 40) ^ (u64::from(plane) << 36) ^ (u64::from(index) << 4));
     for (i, w) in page.chunks_exact_mut(8).enumerate() {
-        w.copy_from_slice(&(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
+        w.copy_from_slice(&pattern_word(room, layer, plane, index, i).to_le_bytes());
     }
 }
 
 /// Whether `page` holds exactly the pattern of (room, layer, plane, index).
 pub fn check_pattern(page: &[u8], room: RoomId, layer: u16, plane: u8, index: u32) -> bool {
-    let seed =
-        mix(room.0 ^ (u64::from(layer) << 40) ^ (u64::from(plane) << 36) ^ (u64::from(index) << 4));
     page.chunks_exact(8).enumerate().all(|(i, w)| {
         let mut a = [0u8; 8];
         a.copy_from_slice(w);
-        u64::from_le_bytes(a) == seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        u64::from_le_bytes(a) == pattern_word(room, layer, plane, index, i)
     })
 }
 
@@ -413,7 +421,10 @@ pub struct Report {
     pub failed_by_reason: BTreeMap<String, u64>,
     /// Rooms with no terminal state when the run ended.
     pub rooms_unfinished: u64,
-    /// Payload bytes acknowledged by decode.
+    /// Rooms the node refused to open, by the embedder-API error (`room_exists`, ...).
+    pub refused_by_error: BTreeMap<String, u64>,
+    /// Bytes that landed in successful rooms and were verified (pages and aux rows that held
+    /// exactly what prefill wrote).
     pub bytes_transferred: u64,
     /// Wall time of the run.
     pub elapsed_s: f64,
@@ -427,10 +438,18 @@ pub struct Report {
     pub sessions_blacklisted: u64,
     /// Sessions recovered by a probe.
     pub sessions_recovered: u64,
-    /// Pages whose bytes were checked.
+    /// Pages of successful rooms whose bytes were checked.
     pub pages_verified: u64,
-    /// Pages whose bytes were wrong (a successful room's page, or a free page written to).
+    /// Of those, pages whose bytes were wrong (never more than `pages_verified`).
     pub pages_corrupted: u64,
+    /// Aux rows of successful rooms checked.
+    pub aux_verified: u64,
+    /// Of those, aux rows that held the wrong bytes.
+    pub aux_corrupted: u64,
+    /// Free pages checked before reuse.
+    pub free_pages_checked: u64,
+    /// Of those, free pages something wrote into (a stray write).
+    pub free_pages_written: u64,
 }
 
 impl Report {
@@ -444,6 +463,7 @@ impl Report {
             "rooms_failed": self.rooms_failed,
             "failed_by_reason": self.failed_by_reason,
             "rooms_unfinished": self.rooms_unfinished,
+            "refused_by_error": self.refused_by_error,
             "bytes_transferred": self.bytes_transferred,
             "elapsed_s": self.elapsed_s,
             "throughput_gbps": self.throughput_gbps,
@@ -453,7 +473,16 @@ impl Report {
             "sessions_recovered": self.sessions_recovered,
             "pages_verified": self.pages_verified,
             "pages_corrupted": self.pages_corrupted,
+            "aux_verified": self.aux_verified,
+            "aux_corrupted": self.aux_corrupted,
+            "free_pages_checked": self.free_pages_checked,
+            "free_pages_written": self.free_pages_written,
         })
+    }
+
+    /// Whether anything checked held the wrong bytes: the run must not pass.
+    pub fn corrupted(&self) -> bool {
+        self.pages_corrupted + self.aux_corrupted + self.free_pages_written > 0
     }
 
     /// The human-readable table.
@@ -514,12 +543,31 @@ impl Report {
                 self.sessions_blacklisted, self.sessions_recovered
             ),
         );
+        for (error, n) in &self.refused_by_error {
+            row(&mut s, &format!("  refused: {error}"), n.to_string());
+        }
         row(
             &mut s,
             "pages",
             format!(
                 "{} verified, {} corrupted",
                 self.pages_verified, self.pages_corrupted
+            ),
+        );
+        row(
+            &mut s,
+            "aux rows",
+            format!(
+                "{} verified, {} corrupted",
+                self.aux_verified, self.aux_corrupted
+            ),
+        );
+        row(
+            &mut s,
+            "free pages",
+            format!(
+                "{} checked, {} written to",
+                self.free_pages_checked, self.free_pages_written
             ),
         );
         s
@@ -574,8 +622,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
         pool: Pool::new(layout.pages),
         slots: Pool::new(layout.slots),
     }));
-    let verified = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let corrupted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let tally = Arc::new(Tally::default());
     let started = Instant::now();
     let semaphore = Arc::new(tokio::sync::Semaphore::new(shape.concurrency.max(1)));
     let mut tasks = Vec::new();
@@ -589,8 +636,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
         let shape = shape.clone();
         let pages = pages.clone();
         let memory = memory.clone();
-        let verified = verified.clone();
-        let corrupted = corrupted.clone();
+        let tally = tally.clone();
         let finished = finished.clone();
         let progress = run.progress.clone();
         let deadline = run.deadline;
@@ -605,8 +651,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
                 room,
                 &pages,
                 &memory,
-                &verified,
-                &corrupted,
+                &tally,
                 deadline,
                 abort_after,
             )
@@ -629,11 +674,11 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
             continue;
         };
         match outcome {
-            Some(KvPoll::Success) => {
+            RoomOutcome::Ended(KvPoll::Success) => {
                 report.rooms_succeeded += 1;
                 latencies.push(latency);
             }
-            Some(KvPoll::Failed(reason)) => {
+            RoomOutcome::Ended(KvPoll::Failed(reason)) => {
                 report.rooms_failed += 1;
                 *report
                     .failed_by_reason
@@ -641,14 +686,19 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
                     .or_default() += 1;
                 latencies.push(latency);
             }
-            _ => report.rooms_unfinished += 1,
+            RoomOutcome::Refused(error) => {
+                *report.refused_by_error.entry(error).or_default() += 1;
+            }
+            RoomOutcome::Ended(_) | RoomOutcome::Unfinished => report.rooms_unfinished += 1,
         }
     }
-    report.rooms_unfinished += run
-        .rooms
-        .saturating_sub(report.rooms_succeeded + report.rooms_failed + report.rooms_unfinished);
+    let refused: u64 = report.refused_by_error.values().sum();
+    report.rooms_unfinished += run.rooms.saturating_sub(
+        report.rooms_succeeded + report.rooms_failed + report.rooms_unfinished + refused,
+    );
     report.elapsed_s = started.elapsed().as_secs_f64();
-    report.bytes_transferred = report.rooms_succeeded * shape.room_bytes();
+    use std::sync::atomic::Ordering::Relaxed;
+    report.bytes_transferred = tally.bytes_verified.load(Relaxed);
     report.throughput_gbps = report.bytes_transferred as f64 / report.elapsed_s.max(1e-9) / 1e9;
     latencies.sort();
     let pct = |q: f64| -> f64 {
@@ -659,9 +709,53 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
         latencies[i].as_secs_f64() * 1e3
     };
     report.latency_ms = (pct(0.5), pct(0.99), pct(1.0));
-    report.pages_verified = verified.load(std::sync::atomic::Ordering::Relaxed);
-    report.pages_corrupted = corrupted.load(std::sync::atomic::Ordering::Relaxed);
+    report.pages_verified = tally.pages_verified.load(Relaxed);
+    report.pages_corrupted = tally.pages_corrupted.load(Relaxed);
+    report.aux_verified = tally.aux_verified.load(Relaxed);
+    report.aux_corrupted = tally.aux_corrupted.load(Relaxed);
+    report.free_pages_checked = tally.free_checked.load(Relaxed);
+    report.free_pages_written = tally.free_written.load(Relaxed);
     report
+}
+
+/// What the decode run checked, shared by its room tasks.
+#[derive(Default)]
+struct Tally {
+    pages_verified: std::sync::atomic::AtomicU64,
+    pages_corrupted: std::sync::atomic::AtomicU64,
+    aux_verified: std::sync::atomic::AtomicU64,
+    aux_corrupted: std::sync::atomic::AtomicU64,
+    free_checked: std::sync::atomic::AtomicU64,
+    free_written: std::sync::atomic::AtomicU64,
+    /// Bytes of successful rooms that held exactly what prefill wrote.
+    bytes_verified: std::sync::atomic::AtomicU64,
+}
+
+/// How one decode room ended, as the node reported it.
+enum RoomOutcome {
+    /// The core's terminal state (or the last state seen).
+    Ended(KvPoll),
+    /// The node refused to open the room; the embedder-API error, in snake_case.
+    Refused(String),
+    /// No terminal state within the run's deadline.
+    Unfinished,
+}
+
+/// The variant name of an error, in snake_case (`RoomExists(..)` -> `room_exists`).
+fn error_kind(e: &NodeError) -> String {
+    let debug = match e {
+        NodeError::Api(api) => format!("{api:?}"),
+        other => format!("{other:?}"),
+    };
+    let name: String = debug.chars().take_while(|c| c.is_alphanumeric()).collect();
+    let mut out = String::new();
+    for (i, c) in name.chars().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -672,22 +766,26 @@ async fn decode_room<N: KvNode>(
     room: RoomId,
     pages: &Mutex<Pages>,
     memory: &MemoryMap,
-    verified: &std::sync::atomic::AtomicU64,
-    corrupted: &std::sync::atomic::AtomicU64,
+    tally: &Tally,
     deadline: Duration,
     abort_after: Option<Duration>,
-) -> Option<KvPoll> {
+) -> RoomOutcome {
     use std::sync::atomic::Ordering::Relaxed;
     let page_bytes = u64::from(shape.page_bytes);
     // Pages come back only on Releasable, so with `concurrency` rooms they always suffice.
     let (dst, slot) = loop {
         let got = {
-            let mut p = pages.lock().ok()?;
+            let Ok(mut p) = pages.lock() else {
+                return RoomOutcome::Unfinished;
+            };
             match (
                 p.pool.free.len() >= shape.pages_per_room as usize,
                 !p.slots.free.is_empty(),
             ) {
-                (true, true) => Some((p.pool.take(shape.pages_per_room)?, p.slots.take(1)?[0])),
+                (true, true) => p
+                    .pool
+                    .take(shape.pages_per_room)
+                    .zip(p.slots.take(1).map(|s| s[0])),
                 _ => None,
             }
         };
@@ -705,83 +803,74 @@ async fn decode_room<N: KvNode>(
                 u64::from(p) * page_bytes,
                 &mut buf,
             );
+            tally.free_checked.fetch_add(1, Relaxed);
             if !all_words(&buf, FREE_WORD) {
-                corrupted.fetch_add(1, Relaxed);
+                tally.free_written.fetch_add(1, Relaxed);
                 warn!(%room, page = p, layer, plane, "a free page was written to");
             }
         }
     }
+    let give_back = |dst: &[u32]| {
+        if let Ok(mut pg) = pages.lock() {
+            pg.pool.give(dst);
+            pg.slots.give(&[slot]);
+        }
+    };
     let grant = Grant {
         pages: dst.clone(),
         aux_slot: Some(slot),
         state_slot: None,
         receivers: 1,
     };
-    // A persistent peer that is away (reconnecting) is waited for, up to the deadline.
-    let until = Instant::now() + deadline;
-    let opened = loop {
-        match node
-            .open_receiver(room, 0, vec![peer], Some(grant.clone()))
-            .await
-        {
-            Err(NodeError::PeerUnavailable(_)) if Instant::now() < until => {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            Err(NodeError::PeerUnavailable(_)) => {
-                if let Ok(mut pg) = pages.lock() {
-                    pg.pool.give(&dst);
-                    pg.slots.give(&[slot]);
-                }
-                return Some(KvPoll::Failed(FailureReason::PeerUnreachable));
-            }
-            other => break other,
-        }
-    };
-    let result = match opened {
-        Ok(mut handle) => {
-            if let Some(delay) = abort_after {
-                // The client gives up mid-flight; its pages must not be reused until no write
-                // can land any more (the free-pattern check catches any that does).
-                let mut watch = handle.clone();
-                tokio::select! {
-                    _ = watch.terminal() => {}
-                    _ = tokio::time::sleep(delay) => { let _ = node.abort(room).await; }
-                }
-            }
-            let state = tokio::time::timeout(deadline, handle.terminal()).await.ok();
-            if state == Some(KvPoll::Success) {
-                let check = check_room(shape, room, &dst, slot, |region, offset, out| {
-                    memory.read(region, offset, out).is_ok()
-                });
-                verified.fetch_add(check.pages, Relaxed);
-                corrupted.fetch_add(check.bad_pages + u64::from(!check.aux_ok), Relaxed);
-            }
-            if state.is_some() {
-                // Pages go back only when the core says nothing can write them any more.
-                if tokio::time::timeout(deadline, handle.releasable())
-                    .await
-                    .is_err()
-                {
-                    return None;
-                }
-                write_free(memory, shape, dst.iter().copied());
-                if let Ok(mut pg) = pages.lock() {
-                    pg.pool.give(&dst);
-                    pg.slots.give(&[slot]);
-                }
-            }
-            state
-        }
+    // A persistent peer that is away is waited for by the core, up to its unreachable window.
+    let mut handle = match node.open_receiver(room, 0, vec![peer], Some(grant)).await {
+        Ok(h) => h,
         Err(e) => {
             warn!(%room, error = %e, "room could not be opened");
-            if let Ok(mut pg) = pages.lock() {
-                pg.pool.give(&dst);
-                pg.slots.give(&[slot]);
-            }
-            Some(KvPoll::Failed(FailureReason::ProtocolError))
+            give_back(&dst);
+            return RoomOutcome::Refused(error_kind(&e));
         }
     };
-    result
+    if let Some(delay) = abort_after {
+        // The client gives up mid-flight; its pages must not be reused until no write
+        // can land any more (the free-pattern check catches any that does).
+        let mut watch = handle.clone();
+        tokio::select! {
+            _ = watch.terminal() => {}
+            _ = tokio::time::sleep(delay) => { let _ = node.abort(room).await; }
+        }
+    }
+    let Ok(state) = tokio::time::timeout(deadline, handle.terminal()).await else {
+        return RoomOutcome::Unfinished;
+    };
+    if state == KvPoll::Success {
+        let check = check_room(shape, room, &dst, slot, |region, offset, out| {
+            memory.read(region, offset, out).is_ok()
+        });
+        tally.pages_verified.fetch_add(check.pages, Relaxed);
+        tally.pages_corrupted.fetch_add(check.bad_pages, Relaxed);
+        tally.aux_verified.fetch_add(1, Relaxed);
+        tally
+            .aux_corrupted
+            .fetch_add(u64::from(!check.aux_ok), Relaxed);
+        let good = (check.pages - check.bad_pages) * page_bytes
+            + if check.aux_ok {
+                u64::from(AUX_BYTES)
+            } else {
+                0
+            };
+        tally.bytes_verified.fetch_add(good, Relaxed);
+    }
+    // Pages go back only when the core says nothing can write them any more.
+    if tokio::time::timeout(deadline, handle.releasable())
+        .await
+        .is_err()
+    {
+        return RoomOutcome::Unfinished;
+    }
+    write_free(memory, shape, dst.iter().copied());
+    give_back(&dst);
+    RoomOutcome::Ended(state)
 }
 
 /// The counters of a finished run folded into its report.

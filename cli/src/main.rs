@@ -82,9 +82,11 @@ enum Command {
         /// Rooms to request.
         #[arg(long, default_value_t = 256)]
         rooms: u64,
-        /// First room id (use distinct ranges for several decodes against one prefill).
-        #[arg(long, default_value_t = 1)]
-        first_room: u64,
+        /// First room id. Default: a fresh range for every run, so a re-run or a restarted
+        /// decode never reuses room ids that prefill already concluded (a reused id is
+        /// refused with `room_id_reused`).
+        #[arg(long)]
+        first_room: Option<u64>,
         #[command(flatten)]
         shape: ShapeArgs,
         #[command(flatten)]
@@ -390,6 +392,33 @@ async fn main() {
     }
 }
 
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM (what systemd and Kubernetes send).
+async fn stop_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let terminate = async {
+        match term.as_mut() {
+            Some(t) => {
+                t.recv().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}
+
+/// A room-id range no earlier run used: the clock and the process id, in the high bits.
+fn fresh_room_range() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let z = (nanos ^ (u64::from(std::process::id()) << 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    // Room ids of one run stay below 2^32 apart, so they never wrap.
+    (z >> 1) & !0xFFFF_FFFF
+}
+
 async fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Demo {
@@ -435,10 +464,13 @@ async fn run(cli: Cli) -> Result<(), String> {
                 bar.finish_and_clear();
             }
             print_report(&report, common.json);
-            if report.pages_corrupted > 0 || report.rooms_unfinished > 0 {
+            if report.corrupted() || report.rooms_unfinished > 0 {
                 return Err(format!(
-                    "{} corrupted pages, {} unfinished rooms",
-                    report.pages_corrupted, report.rooms_unfinished
+                    "{} corrupted pages, {} corrupted aux rows, {} free pages written, {} unfinished rooms",
+                    report.pages_corrupted,
+                    report.aux_corrupted,
+                    report.free_pages_written,
+                    report.rooms_unfinished
                 ));
             }
             Ok(())
@@ -457,7 +489,8 @@ async fn run(cli: Cli) -> Result<(), String> {
                 list.join(",")
             );
             let server = tokio::spawn(serve_prefill(node.clone(), shape));
-            let _ = tokio::signal::ctrl_c().await;
+            stop_signal().await;
+            eprintln!("kvferry prefill: shutting down (peers are told)");
             node.shutdown().await;
             server.abort();
             Ok(())
@@ -501,8 +534,18 @@ async fn run(cli: Cli) -> Result<(), String> {
                 .connect_persistent(connect.clone())
                 .await
                 .map_err(|e| e.to_string())?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            // SIGTERM or SIGINT: the node shuts down (its peers are told), every room still
+            // open fails with `shutdown`, and the report is printed as usual.
+            let stopper = {
+                let node = node.clone();
+                tokio::spawn(async move {
+                    stop_signal().await;
+                    eprintln!("kvferry decode: shutting down, finishing the report");
+                    node.shutdown().await;
+                })
+            };
             let (progress, bar) = progress_bar(rooms, common.json);
+            let first_room = first_room.unwrap_or_else(fresh_room_range);
             let run = DecodeRun {
                 rooms,
                 shape,
@@ -523,8 +566,15 @@ async fn run(cli: Cli) -> Result<(), String> {
                 &kvferry_core::Counters::default(),
                 &node.counters().await,
             );
+            stopper.abort();
             node.shutdown().await;
             print_report(&report, common.json);
+            if report.corrupted() {
+                return Err(format!(
+                    "{} corrupted pages, {} corrupted aux rows, {} free pages written",
+                    report.pages_corrupted, report.aux_corrupted, report.free_pages_written
+                ));
+            }
             Ok(())
         }
         Command::Proxy {

@@ -269,6 +269,17 @@ pub enum Action {
     Connect(crate::ids::TargetId),
 }
 
+/// How a receiver room reaches one of its sources: a session the embedder opened, or a
+/// target the core keeps connected (its session changes across reconnects).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Link {
+    /// A session opened by the embedder.
+    Session(SessionId),
+    /// A persistent target ([`crate::Endpoint::add_target`]): rooms toward it wait for its
+    /// session up to `unreachable_timeout` from when it went down.
+    Target(crate::ids::TargetId),
+}
+
 /// Why a peer was refused at the handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RejectReason {
@@ -308,6 +319,8 @@ pub enum ApiError {
     RoomConcluded(RoomId, KvPoll),
     /// No open session has this id.
     UnknownSession(SessionId),
+    /// No target has this id (never added, or removed).
+    UnknownTarget(crate::ids::TargetId),
     /// A receiver room needs at least one source session.
     NoSources,
     /// A page index beyond the registered pool.
@@ -361,6 +374,7 @@ impl fmt::Display for ApiError {
             ),
             ApiError::RoomConcluded(r, s) => write!(f, "{r} already concluded as {s:?}"),
             ApiError::UnknownSession(s) => write!(f, "{s} is not open"),
+            ApiError::UnknownTarget(t) => write!(f, "{t} is not a target of this endpoint"),
             ApiError::NoSources => write!(f, "a receiver room needs at least one source"),
             ApiError::SessionNotReady(s) => write!(f, "{s} has not completed its handshake"),
             ApiError::TransportTooLong(n) => write!(
@@ -406,6 +420,21 @@ pub struct WritePermit {
     pub generation: Generation,
     /// The session's fence epoch when the permit was given (older permits are void).
     pub epoch: u32,
+    /// Which write of the session this is: the core keeps what it covers under this number.
+    pub seq: u64,
+    /// Set by the receive path once every byte was applied ([`WritePermit::applied`]);
+    /// a permit handed back without it was abandoned and lands nothing.
+    pub applied: bool,
+}
+
+impl WritePermit {
+    /// The same permit, marked as applied: every byte of the write is in place.
+    pub fn applied(self) -> Self {
+        WritePermit {
+            applied: true,
+            ..self
+        }
+    }
 }
 
 /// Why a data-plane write was refused by [`crate::Endpoint::check_write`].

@@ -172,10 +172,13 @@ pub enum ErrorCode {
     ProtocolViolation,
     /// The endpoint is shutting down.
     Shutdown,
+    /// Nothing arrived from the peer for the liveness window (or no hello in time): the
+    /// link or the peer went silent. Not a protocol violation.
+    HeartbeatsMissed,
 }
 
 impl ErrorCode {
-    const ALL: [ErrorCode; 7] = [
+    const ALL: [ErrorCode; 8] = [
         ErrorCode::Malformed,
         ErrorCode::BadToken,
         ErrorCode::VersionMismatch,
@@ -183,6 +186,7 @@ impl ErrorCode {
         ErrorCode::WrongRole,
         ErrorCode::ProtocolViolation,
         ErrorCode::Shutdown,
+        ErrorCode::HeartbeatsMissed,
     ];
 
     fn code(self) -> u16 {

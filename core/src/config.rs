@@ -51,8 +51,12 @@ pub struct Config {
     pub protocol_strikes: u32,
     /// First delay before reconnecting a target, doubling per failure (`KVFERRY_RECONNECT_INTERVAL_MS`, 100).
     pub reconnect_interval: Duration,
-    /// Cap of the reconnect backoff (`KVFERRY_RECONNECT_MAX_INTERVAL_MS`, 5000).
+    /// Cap of the reconnect backoff (`KVFERRY_RECONNECT_MAX_INTERVAL_MS`, 500): a peer that
+    /// restarts at the same address is found again within this.
     pub reconnect_max_interval: Duration,
+    /// Decode: rooms toward a target without a session fail with `PeerUnreachable` once the
+    /// target has been down this long (`KVFERRY_UNREACHABLE_TIMEOUT_MS`, 10000).
+    pub unreachable_timeout: Duration,
 }
 
 impl Default for Config {
@@ -80,7 +84,8 @@ impl Default for Config {
             pending_requests: 65536,
             protocol_strikes: 3,
             reconnect_interval: Duration::from_millis(100),
-            reconnect_max_interval: Duration::from_secs(5),
+            reconnect_max_interval: Duration::from_millis(500),
+            unreachable_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -186,6 +191,10 @@ const FIELDS: &[(&str, Field)] = &[
         "RECONNECT_MAX_INTERVAL_MS",
         Field::Millis(|c| &mut c.reconnect_max_interval),
     ),
+    (
+        "UNREACHABLE_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.unreachable_timeout),
+    ),
 ];
 
 /// Prefix of every environment variable the core reads.
@@ -278,6 +287,7 @@ impl Config {
             ("HANDSHAKE_TIMEOUT_MS", self.handshake_timeout),
             ("OPERATION_TIMEOUT_MS", self.operation_timeout),
             ("RECONNECT_INTERVAL_MS", self.reconnect_interval),
+            ("UNREACHABLE_TIMEOUT_MS", self.unreachable_timeout),
         ];
         for (key, v) in positive_times {
             if v.is_zero() {

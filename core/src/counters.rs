@@ -45,6 +45,9 @@ pub struct Counters {
     pub rooms_failed: [u64; FailureReason::ALL.len()],
     /// Rooms whose pages were declared releasable.
     pub rooms_released: u64,
+    /// Room messages refused because the room id was already used for another decode
+    /// (another node, or an earlier incarnation).
+    pub rooms_refused_reused: u64,
 }
 
 impl Counters {
@@ -69,6 +72,7 @@ impl Counters {
         self.writes_refused += other.writes_refused;
         self.rooms_succeeded += other.rooms_succeeded;
         self.rooms_released += other.rooms_released;
+        self.rooms_refused_reused += other.rooms_refused_reused;
         for (a, b) in self.rooms_failed.iter_mut().zip(other.rooms_failed) {
             *a += b;
         }
@@ -106,6 +110,7 @@ impl Counters {
             ("writes_refused", self.writes_refused),
             ("rooms_succeeded", self.rooms_succeeded),
             ("rooms_released", self.rooms_released),
+            ("rooms_refused_reused", self.rooms_refused_reused),
         ]
         .into_iter()
     }

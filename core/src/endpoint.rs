@@ -11,13 +11,14 @@ use smallvec::SmallVec;
 use tracing::{debug, info, warn};
 
 use crate::api::{
-    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, OpKind, PeerInfo, RejectReason,
-    SessionState, SessionStats, TransferOp, TransferOutcome, WritePermit, WriteRefused,
+    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, Link, OpKind, PeerInfo,
+    RejectReason, SessionState, SessionStats, TransferOp, TransferOutcome, WritePermit,
+    WriteRefused,
 };
 use crate::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest};
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
-use crate::ids::{Generation, NodeId, RoomId, SessionId, TargetId, TransferId};
+use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId};
 use crate::layout::{page_runs, PageSet, Region, Slice};
 use crate::plan::{plan_aux, plan_kv, OpLimits};
 use crate::rng::Rng;
@@ -81,6 +82,8 @@ pub struct Endpoint {
     hasher: FixedState,
     targets: Map<TargetId, Target>,
     next_target: u32,
+    /// Write permits given so far (numbers them).
+    next_permit: u64,
 }
 
 /// A peer to stay connected to: the core decides when to (re)connect.
@@ -89,7 +92,15 @@ struct Target {
     session: Option<SessionId>,
     backoff: Duration,
     timer: Option<TimerKey>,
+    /// Since when the target has had no established session (`None`: it has one).
+    down_since: Option<Instant>,
+    /// Receiver rooms waiting for this target's session.
+    waiting: Vec<RoomId>,
+    unreachable_timer: Option<TimerKey>,
 }
+
+/// Who a peer is across connections: its node name and process incarnation.
+type PeerIdentity = (NodeId, Incarnation);
 
 #[derive(Debug)]
 struct Session {
@@ -119,11 +130,14 @@ struct Session {
     target: Option<TargetId>,
     /// Bumped by every completed fence: permits of an older epoch are void.
     epoch: u32,
+    /// Its writes land without this endpoint seeing them (RDMA): `Success` of its rooms
+    /// rests on the source's word, bound to the peer's incarnation, not on landed bytes.
+    one_sided: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct RememberedBlacklist {
-    incarnation: crate::ids::Incarnation,
+    incarnation: Incarnation,
     until: Instant,
 }
 
@@ -151,6 +165,9 @@ struct SenderRoom {
     expected: u8,
     saturated: bool,
     announced_by: SmallVec<[SessionId; 2]>,
+    /// Identities of the decode endpoints that announced or requested the room: only they
+    /// are ever answered from its outcome.
+    peers: SmallVec<[PeerIdentity; 2]>,
     chunks: VecDeque<HeldChunk>,
     next_dst: u32,
     last_seen: bool,
@@ -193,6 +210,11 @@ struct ReceiverRoom {
     aux_slot: Option<u32>,
     state_slot: Option<u32>,
     queue_position: u32,
+    /// Opened through targets of which some had no session yet: the sources are attached
+    /// (and the grant sent) once all of them are up. Empty once attached.
+    waiting_for: SmallVec<[Link; 2]>,
+    /// A grant given while the room waits for its targets.
+    held_grant: Option<Grant>,
 }
 
 #[derive(Debug)]
@@ -206,6 +228,101 @@ struct Source {
     /// Writes of this source authorized by `begin_write` and not yet ended: they may be
     /// landing in the room's pages right now.
     landing: u32,
+    /// Every (owned layer, plane, granted page) unit plus the aux row and state slot this
+    /// source must write, as a bitmap of what applied writes covered (set with the grant).
+    coverage: Coverage,
+    /// Units of writes begun and not yet ended, by permit number.
+    pending: SmallVec<[(u64, Vec<u32>); 2]>,
+}
+
+/// Which units of a room one source must write, and which applied writes covered.
+#[derive(Debug, Default)]
+struct Coverage {
+    bits: Vec<u64>,
+    /// Units required.
+    expected: u32,
+    /// Units required and covered.
+    covered: u32,
+    /// First layer the source owns.
+    layer_start: u16,
+    /// Layers the source owns (within this endpoint's layout).
+    layers: u16,
+    planes: u8,
+    pages: u32,
+    aux: bool,
+    state: bool,
+}
+
+impl Coverage {
+    fn new(layout: &crate::layout::Layout, peer: Option<PeerInfo>, grant: &Grant) -> Self {
+        let Some(p) = peer else {
+            return Coverage::default();
+        };
+        let layers = p.layer_end.min(layout.layers).saturating_sub(p.layer_start);
+        let pages = PageSet::new(&grant.pages).len();
+        let aux = p.writes_aux && grant.aux_slot.is_some() && layout.aux_bytes > 0;
+        let state = p.writes_aux && grant.state_slot.is_some() && layout.state_bytes > 0;
+        let units = u32::from(layers) * u32::from(layout.planes) * pages + 2;
+        Coverage {
+            bits: vec![0; (units as usize).div_ceil(64)],
+            expected: units - 2 + u32::from(aux) + u32::from(state),
+            covered: 0,
+            layer_start: p.layer_start,
+            layers,
+            planes: layout.planes,
+            pages,
+            aux,
+            state,
+        }
+    }
+
+    /// The unit of (layer, plane, page rank), or of the aux row / state slot.
+    fn kv_unit(&self, layer: u16, plane: u8, rank: u32) -> Option<u32> {
+        let l = layer
+            .checked_sub(self.layer_start)
+            .filter(|l| *l < self.layers)?;
+        Some((u32::from(l) * u32::from(self.planes) + u32::from(plane)) * self.pages + rank)
+    }
+
+    fn slot_unit(&self, state: bool) -> u32 {
+        u32::from(self.layers) * u32::from(self.planes) * self.pages + u32::from(state)
+    }
+
+    fn mark(&mut self, unit: u32) {
+        let (w, b) = ((unit / 64) as usize, unit % 64);
+        let Some(word) = self.bits.get_mut(w) else {
+            return;
+        };
+        if *word & (1 << b) != 0 {
+            return;
+        }
+        *word |= 1 << b;
+        let kv_units = self.slot_unit(false);
+        let required = unit < kv_units
+            || (unit == kv_units && self.aux)
+            || (unit == kv_units + 1 && self.state);
+        if required {
+            self.covered += 1;
+        }
+    }
+
+    fn complete(&self) -> bool {
+        self.covered >= self.expected
+    }
+}
+
+impl Source {
+    fn new(session: SessionId) -> Self {
+        Source {
+            session,
+            granted: false,
+            done: false,
+            drained: false,
+            landing: 0,
+            coverage: Coverage::default(),
+            pending: SmallVec::new(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -237,35 +354,73 @@ struct PendingRoom {
     notices: SmallVec<[(SessionId, u32); 1]>,
 }
 
-/// Bounded memory of concluded rooms: answers late messages and refuses stale generations.
+/// Bounded memory of concluded rooms: answers late messages of the room's own peers and
+/// refuses stale generations. It never answers another peer (a reused room id).
 #[derive(Debug, Default)]
 struct Tombstones {
-    /// (generation, outcome, seq, whether a room record existed here).
-    map: Map<RoomId, (Generation, KvPoll, u64, bool)>,
+    map: Map<RoomId, Tombstone>,
     order: VecDeque<(RoomId, u64)>,
     seq: u64,
     cap: usize,
 }
 
+#[derive(Debug)]
+struct Tombstone {
+    generation: Generation,
+    outcome: KvPoll,
+    seq: u64,
+    /// Whether a room record existed here (`false`: a verdict reached before it opened).
+    opened: bool,
+    /// The peers that took part: the only ones answered from `outcome`.
+    peers: SmallVec<[PeerIdentity; 1]>,
+}
+
 impl Tombstones {
     /// Remembers a room that was opened here and concluded.
-    fn insert(&mut self, room: RoomId, generation: Generation, outcome: KvPoll) {
-        self.remember(room, generation, outcome, true);
+    fn insert(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        outcome: KvPoll,
+        peers: SmallVec<[PeerIdentity; 1]>,
+    ) {
+        self.remember(room, generation, outcome, true, peers);
     }
 
     /// Remembers a verdict reached before the room was opened here (prefill only).
-    fn insert_verdict(&mut self, room: RoomId, generation: Generation, reason: FailureReason) {
-        self.remember(room, generation, KvPoll::Failed(reason), false);
+    fn insert_verdict(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        reason: FailureReason,
+        peers: SmallVec<[PeerIdentity; 1]>,
+    ) {
+        self.remember(room, generation, KvPoll::Failed(reason), false, peers);
     }
 
-    fn remember(&mut self, room: RoomId, generation: Generation, outcome: KvPoll, opened: bool) {
+    fn remember(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        outcome: KvPoll,
+        opened: bool,
+        peers: SmallVec<[PeerIdentity; 1]>,
+    ) {
         self.seq += 1;
-        self.map
-            .insert(room, (generation, outcome, self.seq, opened));
+        self.map.insert(
+            room,
+            Tombstone {
+                generation,
+                outcome,
+                seq: self.seq,
+                opened,
+                peers,
+            },
+        );
         self.order.push_back((room, self.seq));
         while self.order.len() > self.cap {
             if let Some((old, seq)) = self.order.pop_front() {
-                if self.map.get(&old).is_some_and(|e| e.2 == seq) {
+                if self.map.get(&old).is_some_and(|e| e.seq == seq) {
                     self.map.remove(&old);
                 }
             }
@@ -273,13 +428,26 @@ impl Tombstones {
     }
 
     fn get(&self, room: RoomId) -> Option<(Generation, KvPoll)> {
-        self.map.get(&room).map(|e| (e.0, e.1))
+        self.map.get(&room).map(|e| (e.generation, e.outcome))
+    }
+
+    /// Whether `who` took part in the remembered room (a tombstone nobody took part in, such
+    /// as a prefill room that timed out unrequested, answers everyone: it can only say Failed).
+    fn took_part(&self, room: RoomId, who: Option<PeerIdentity>) -> bool {
+        self.map
+            .get(&room)
+            .is_some_and(|e| e.peers.is_empty() || who.is_some_and(|w| e.peers.contains(&w)))
     }
 
     /// A verdict for a room never opened here, to deliver when it is opened.
     fn verdict(&self, room: RoomId) -> Option<(Generation, FailureReason)> {
         match self.map.get(&room) {
-            Some(&(g, KvPoll::Failed(reason), _, false)) => Some((g, reason)),
+            Some(Tombstone {
+                generation,
+                outcome: KvPoll::Failed(reason),
+                opened: false,
+                ..
+            }) => Some((*generation, *reason)),
             _ => None,
         }
     }
@@ -375,6 +543,7 @@ impl Endpoint {
             capacity: Capacity::default(),
             targets: Map::with_hasher(hasher.clone()),
             next_target: 0,
+            next_permit: 0,
             hasher,
         })
     }
@@ -597,10 +766,11 @@ impl Endpoint {
             rooms: Set::with_hasher(self.hasher.clone()),
             strikes: 0,
             capacity: None,
-            close_reason: FailureReason::PeerUnreachable,
+            close_reason: FailureReason::ConnectionLost,
             stats: SessionStats::default(),
             target: None,
             epoch: 0,
+            one_sided: false,
         };
         self.timers.set(
             &mut session.handshake_timer,
@@ -627,7 +797,7 @@ impl Endpoint {
     /// ([`Action::Connect`]) and again, with exponential backoff and jitter, whenever the
     /// session drops or the connection attempt fails, until [`Endpoint::remove_target`].
     pub fn add_target(&mut self, now: Instant) -> TargetId {
-        let _ = self.clock(now);
+        let now = self.clock(now);
         self.next_target += 1;
         let id = TargetId(self.next_target);
         let backoff = self.config.reconnect_interval;
@@ -637,6 +807,9 @@ impl Endpoint {
                 session: None,
                 backoff,
                 timer: None,
+                down_since: Some(now),
+                waiting: Vec::new(),
+                unreachable_timer: None,
             },
         );
         self.actions.push_back(Action::Connect(id));
@@ -647,6 +820,7 @@ impl Endpoint {
     pub fn remove_target(&mut self, target: TargetId) {
         if let Some(mut t) = self.targets.remove(&target) {
             self.timers.cancel(&mut t.timer);
+            self.timers.cancel(&mut t.unreachable_timer);
         }
     }
 
@@ -677,12 +851,29 @@ impl Endpoint {
         }
     }
 
+    /// The session `link` stands for now, if it has an established one.
+    pub fn link_session(&self, link: Link) -> Option<SessionId> {
+        match link {
+            Link::Session(s) => Some(s),
+            Link::Target(t) => self.target_session(t),
+        }
+    }
+
     fn schedule_reconnect(&mut self, now: Instant, target: TargetId) {
         let max = self.config.reconnect_max_interval;
+        let window = self.config.unreachable_timeout;
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
         t.session = None;
+        let since = *t.down_since.get_or_insert(now);
+        if !t.waiting.is_empty() && t.unreachable_timer.is_none() {
+            self.timers.set(
+                &mut t.unreachable_timer,
+                since + window,
+                Timer::Unreachable(target),
+            );
+        }
         let base = t.backoff;
         let jitter = Duration::from_nanos(self.rng.below(base.as_nanos() as u64 / 4 + 1));
         self.timers
@@ -749,6 +940,13 @@ impl Endpoint {
             return;
         };
         let reason = s.close_reason;
+        match s.peer {
+            Some(peer) if reason != FailureReason::Shutdown => {
+                warn!(%session, node = %peer.node, %reason, rooms = s.rooms.len(), "lost the peer");
+            }
+            Some(peer) => info!(%session, node = %peer.node, "session closed by our shutdown"),
+            None => {}
+        }
         if let (SessionState::Blacklisted, Some(peer)) = (s.state, s.peer) {
             let until = s.last_targeted + self.config.blacklist_idle_timeout;
             self.blacklist_memory.insert(
@@ -871,13 +1069,7 @@ impl Endpoint {
         let mut rr = ReceiverRoom::default();
         for &sid in sources {
             if rr.sources.iter().all(|s| s.session != sid) {
-                rr.sources.push(Source {
-                    session: sid,
-                    granted: false,
-                    done: false,
-                    drained: false,
-                    landing: 0,
-                });
+                rr.sources.push(Source::new(sid));
             }
         }
         let mut record = Room {
@@ -912,6 +1104,172 @@ impl Endpoint {
         }
         self.fail_if_sources_unusable(now, room);
         Ok(())
+    }
+
+    /// Decode: opens a receiver room fed through `links`: sessions, or targets the core keeps
+    /// connected. A target without a session now is waited for: the room stays
+    /// `Bootstrapping` (a grant given meanwhile is held) until every target is up, and fails
+    /// with [`FailureReason::PeerUnreachable`] once one has been down for
+    /// `unreachable_timeout` (at once if it already has).
+    pub fn open_receiver_via(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        links: &[Link],
+        grant: Option<Grant>,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        if let Some(sessions) = self.resolve_links(links)? {
+            return self.open_receiver(now, room, generation, &sessions, grant);
+        }
+        self.check_open(Role::Decode, room, generation)?;
+        if let Some(g) = &grant {
+            self.check_grant(g)?;
+        }
+        let rr = ReceiverRoom {
+            waiting_for: links.iter().copied().collect(),
+            held_grant: grant,
+            ..ReceiverRoom::default()
+        };
+        let mut record = Room {
+            generation,
+            state: KvPoll::Bootstrapping,
+            bootstrap_timer: None,
+            waiting_timer: None,
+            abort_timer: None,
+            last_activity: now,
+            side: Side::Receiver(rr),
+        };
+        self.timers.set(
+            &mut record.bootstrap_timer,
+            now + self.config.bootstrap_timeout,
+            Timer::Bootstrap(room),
+        );
+        self.rooms.insert(room, record);
+        self.emit_state(room, generation, KvPoll::Bootstrapping);
+        let window = self.config.unreachable_timeout;
+        let mut expired = false;
+        for link in links {
+            let Link::Target(t) = *link else { continue };
+            if self.target_session(t).is_some() {
+                continue;
+            }
+            let Some(target) = self.targets.get_mut(&t) else {
+                continue;
+            };
+            let since = *target.down_since.get_or_insert(now);
+            if since + window <= now {
+                expired = true;
+                continue;
+            }
+            target.waiting.push(room);
+            if target.unreachable_timer.is_none() {
+                self.timers.set(
+                    &mut target.unreachable_timer,
+                    since + window,
+                    Timer::Unreachable(t),
+                );
+            }
+        }
+        if expired {
+            info!(%room, "room toward a peer that has been unreachable for the whole window");
+            self.conclude(now, room, KvPoll::Failed(FailureReason::PeerUnreachable));
+        }
+        Ok(())
+    }
+
+    /// The sessions behind `links` if every one has an established session now; `None` if a
+    /// target has none yet.
+    fn resolve_links(&self, links: &[Link]) -> Result<Option<Vec<SessionId>>, ApiError> {
+        if links.is_empty() {
+            return Err(ApiError::NoSources);
+        }
+        let mut sessions = Vec::with_capacity(links.len());
+        let mut all = true;
+        for link in links {
+            match *link {
+                Link::Session(sid) => sessions.push(sid),
+                Link::Target(t) => {
+                    if !self.targets.contains_key(&t) {
+                        return Err(ApiError::UnknownTarget(t));
+                    }
+                    match self.target_session(t) {
+                        Some(sid) => sessions.push(sid),
+                        None => all = false,
+                    }
+                }
+            }
+        }
+        Ok(all.then_some(sessions))
+    }
+
+    /// A target's session is established: rooms waiting for it attach their sources now.
+    fn target_up(&mut self, now: Instant, target: TargetId) {
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        if let Some(since) = t.down_since.take() {
+            info!(%target, down_ms = now.saturating_duration_since(since).as_millis() as u64, "peer is reachable again");
+        }
+        self.timers.cancel(&mut t.unreachable_timer);
+        let waiting = std::mem::take(&mut t.waiting);
+        for room in waiting {
+            let links = match self.rooms.get(&room).map(|r| (&r.side, r.state)) {
+                Some((Side::Receiver(rr), KvPoll::Bootstrapping)) if !rr.waiting_for.is_empty() => {
+                    rr.waiting_for.clone()
+                }
+                _ => continue,
+            };
+            let Ok(Some(sessions)) = self.resolve_links(&links) else {
+                // Still waiting for another target; it holds the room in its own list.
+                continue;
+            };
+            self.attach_sources(now, room, &sessions);
+        }
+    }
+
+    /// Attaches the sessions of a room that waited for its targets, then sends its grant (or
+    /// the pending notice).
+    fn attach_sources(&mut self, now: Instant, room: RoomId, sessions: &[SessionId]) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
+        rr.waiting_for.clear();
+        for &sid in sessions {
+            if rr.sources.iter().all(|s| s.session != sid) {
+                rr.sources.push(Source::new(sid));
+            }
+        }
+        let grant = rr.held_grant.take();
+        for &sid in sessions {
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.rooms.insert(room);
+            }
+        }
+        debug!(%room, "room attached to its sources");
+        if let Some(g) = grant {
+            self.apply_grant(now, room, g);
+        } else {
+            self.send_to_sources(room, |room, generation| Message::RoomPending {
+                room,
+                generation,
+                queue_position: 0,
+            });
+        }
+        self.fail_if_sources_unusable(now, room);
+    }
+
+    /// Decode: the data path of `session` writes without this endpoint seeing each write
+    /// (one-sided RDMA). Its rooms then succeed on the source's word, bound to the peer's
+    /// incarnation, instead of on bytes counted through [`Endpoint::end_write`].
+    pub fn set_one_sided(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.one_sided = true;
+        }
     }
 
     /// Decode: the room waits for capacity behind `position` others (0: being allocated).
@@ -950,7 +1308,16 @@ impl Endpoint {
         if r.state != KvPoll::Bootstrapping {
             return Err(ApiError::AlreadyGranted(room));
         }
+        if matches!(&r.side, Side::Receiver(rr) if rr.held_grant.is_some()) {
+            return Err(ApiError::AlreadyGranted(room));
+        }
         self.check_grant(&grant)?;
+        if let Some(Side::Receiver(rr)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
+            if !rr.waiting_for.is_empty() {
+                rr.held_grant = Some(grant);
+                return Ok(());
+            }
+        }
         self.apply_grant(now, room, grant);
         Ok(())
     }
@@ -1010,9 +1377,13 @@ impl Endpoint {
         }
         let epoch = self.sessions.get(&session).map_or(0, |s| s.epoch);
         let holds_pages = slices.iter().any(|s| s.region != Region::Scratch);
+        self.next_permit += 1;
+        let seq = self.next_permit;
         if holds_pages {
+            let units = self.write_units(room, session, slices);
             if let Some(src) = self.source_mut(room, generation, session) {
                 src.landing += 1;
+                src.pending.push((seq, units));
             }
         }
         Ok(WritePermit {
@@ -1020,6 +1391,8 @@ impl Endpoint {
             room: holds_pages.then_some(room),
             generation,
             epoch,
+            seq,
+            applied: false,
         })
     }
 
@@ -1036,9 +1409,57 @@ impl Endpoint {
             return;
         };
         src.landing = src.landing.saturating_sub(1);
+        if let Some(i) = src.pending.iter().position(|(seq, _)| *seq == permit.seq) {
+            let (_, units) = src.pending.swap_remove(i);
+            if permit.applied {
+                for u in units {
+                    src.coverage.mark(u);
+                }
+            }
+        }
         if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
             self.maybe_release(now, room);
         }
+    }
+
+    /// Decode: the coverage units a write of (already checked) `slices` fills entirely.
+    fn write_units(&self, room: RoomId, session: SessionId, slices: &[Slice]) -> Vec<u32> {
+        let mut units = Vec::new();
+        let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else {
+            return units;
+        };
+        let Some(cov) = rr
+            .sources
+            .iter()
+            .find(|s| s.session == session)
+            .map(|s| &s.coverage)
+        else {
+            return units;
+        };
+        let layout = &self.local.layout;
+        for s in slices {
+            match s.region {
+                Region::Kv { layer, plane } => {
+                    let page = u64::from(layout.page_bytes);
+                    let first = s.dst_offset.div_ceil(page);
+                    let end = (s.dst_offset + s.len) / page;
+                    for p in first..end {
+                        let rank = rr.pages.as_ref().and_then(|ps| ps.rank(p as u32));
+                        if let Some(u) = rank.and_then(|r| cov.kv_unit(layer, plane, r)) {
+                            units.push(u);
+                        }
+                    }
+                }
+                Region::Aux if s.len >= u64::from(layout.aux_bytes) => {
+                    units.push(cov.slot_unit(false));
+                }
+                Region::State if s.len >= u64::from(layout.state_bytes) => {
+                    units.push(cov.slot_unit(true));
+                }
+                _ => {}
+            }
+        }
+        units
     }
 
     /// Decode: the source entry of `session` in room `(room, generation)`.
@@ -1681,7 +2102,7 @@ impl Endpoint {
                     self.close_session(
                         now,
                         sid,
-                        ErrorCode::ProtocolViolation,
+                        ErrorCode::HeartbeatsMissed,
                         "no hello in time",
                         FailureReason::PeerUnreachable,
                     );
@@ -1698,6 +2119,27 @@ impl Endpoint {
                 t.timer = None;
                 self.actions.push_back(Action::Connect(target));
             }
+            Timer::Unreachable(target) => {
+                let Some(t) = self.targets.get_mut(&target) else {
+                    return;
+                };
+                if t.unreachable_timer != Some(key) {
+                    return;
+                }
+                t.unreachable_timer = None;
+                let waiting = std::mem::take(&mut t.waiting);
+                if !waiting.is_empty() {
+                    warn!(%target, rooms = waiting.len(), "peer unreachable for the whole window, failing the rooms waiting for it");
+                }
+                for room in waiting {
+                    let still = self.rooms.get(&room).is_some_and(|r| {
+                        matches!(&r.side, Side::Receiver(rr) if rr.waiting_for.contains(&Link::Target(target)))
+                    });
+                    if still {
+                        self.conclude(now, room, KvPoll::Failed(FailureReason::PeerUnreachable));
+                    }
+                }
+            }
             Timer::Liveness(sid) => {
                 let window = self.config.heartbeat_interval * self.config.heartbeat_misses;
                 let Some(s) = self.sessions.get_mut(&sid) else {
@@ -1713,13 +2155,13 @@ impl Endpoint {
                         .set(&mut s.liveness_timer, due, Timer::Liveness(sid));
                     return;
                 }
-                warn!(session = %sid, "peer silent for too long");
+                warn!(session = %sid, "peer silent for the whole liveness window");
                 self.close_session(
                     now,
                     sid,
-                    ErrorCode::ProtocolViolation,
+                    ErrorCode::HeartbeatsMissed,
                     "heartbeats missed",
-                    FailureReason::PeerUnreachable,
+                    FailureReason::PeerSilent,
                 );
             }
             Timer::Probe(sid) => {
@@ -1914,9 +2356,10 @@ impl Endpoint {
                 let reason = match code {
                     ErrorCode::IncompatibleLayout
                     | ErrorCode::VersionMismatch
-                    | ErrorCode::WrongRole
-                    | ErrorCode::BadToken => FailureReason::IncompatiblePeer,
-                    ErrorCode::Shutdown => FailureReason::PeerUnreachable,
+                    | ErrorCode::WrongRole => FailureReason::IncompatiblePeer,
+                    ErrorCode::BadToken => FailureReason::Unauthorized,
+                    ErrorCode::Shutdown => FailureReason::PeerShutdown,
+                    ErrorCode::HeartbeatsMissed => FailureReason::PeerSilent,
                     ErrorCode::Malformed | ErrorCode::ProtocolViolation => {
                         FailureReason::ProtocolError
                     }
@@ -2021,7 +2464,7 @@ impl Endpoint {
                         old,
                         ErrorCode::Shutdown,
                         "superseded by a new connection",
-                        FailureReason::PeerUnreachable,
+                        FailureReason::ConnectionLost,
                     );
                 }
             }
@@ -2046,8 +2489,12 @@ impl Endpoint {
         self.events
             .push_back(Event::SessionEstablished { session: sid, peer });
         let reset = self.config.reconnect_interval;
-        if let Some(t) = s.target.and_then(|t| self.targets.get_mut(&t)) {
+        let target = s.target;
+        if let Some(t) = target.and_then(|t| self.targets.get_mut(&t)) {
             t.backoff = reset;
+        }
+        if let Some(t) = target {
+            self.target_up(now, t);
         }
         if let Some(mem) = remembered {
             if mem.incarnation == h.incarnation && mem.until > now {
@@ -2112,11 +2559,18 @@ impl Endpoint {
         {
             return;
         }
+        if self.refuse_if_served_elsewhere(sid, room, generation) {
+            return;
+        }
+        let who = self.identity(sid);
         match self.rooms.get_mut(&room) {
             Some(r) if r.generation == generation => {
                 if let Side::Sender(s) = &mut r.side {
                     if !s.announced_by.contains(&sid) {
                         s.announced_by.push(sid);
+                    }
+                    if let Some(w) = who.filter(|w| !s.peers.contains(w)) {
+                        s.peers.push(w);
                     }
                     s.saturated = pos > 0;
                 }
@@ -2147,6 +2601,7 @@ impl Endpoint {
         let (room, generation) = (req.room, req.generation);
         if self.answer_if_concluded(sid, room, generation)
             || self.refuse_if_blacklisted(now, sid, room, generation)
+            || self.refuse_if_served_elsewhere(sid, room, generation)
         {
             return;
         }
@@ -2220,6 +2675,15 @@ impl Endpoint {
             aux_slot: req.aux_slot,
             state_slot: req.state_slot,
         });
+        if let Some(w) = self
+            .sessions
+            .get(&sid)
+            .and_then(|x| x.peer)
+            .map(|p| (p.node, p.incarnation))
+            .filter(|w| !s.peers.contains(w))
+        {
+            s.peers.push(w);
+        }
         s.expected = s.expected.max(req.receivers);
         if !s.announced_by.contains(&sid) {
             s.announced_by.push(sid);
@@ -2255,6 +2719,23 @@ impl Endpoint {
         reason: FailureReason,
     ) {
         info!(%room, session = %sid, %reason, "peer aborted the room");
+        let feeds = |r: &Room| match &r.side {
+            Side::Sender(s) => {
+                s.receivers.iter().any(|x| x.session == sid) || s.announced_by.contains(&sid)
+            }
+            Side::Receiver(_) => false,
+        };
+        if self
+            .rooms
+            .get(&room)
+            .is_some_and(|r| r.generation == generation && !feeds(r))
+        {
+            // Another decode's abort of a room id this one serves (a refused reuse): it
+            // touches nothing here.
+            self.transmits
+                .push_back((sid, Message::AbortAck { room, generation }));
+            return;
+        }
         match self.rooms.get(&room) {
             Some(r) if r.generation == generation => {
                 if !r.state.is_terminal() {
@@ -2299,8 +2780,13 @@ impl Endpoint {
                     .get(room)
                     .is_some_and(|(g, _)| g >= generation);
                 if !newer {
-                    self.tombstones
-                        .insert_verdict(room, generation, FailureReason::AbortedByPeer);
+                    let who = self.identity(sid).into_iter().collect();
+                    self.tombstones.insert_verdict(
+                        room,
+                        generation,
+                        FailureReason::AbortedByPeer,
+                        who,
+                    );
                 }
                 self.transmits
                     .push_back((sid, Message::AbortAck { room, generation }));
@@ -2336,6 +2822,14 @@ impl Endpoint {
             None => {
                 if !src.granted {
                     self.strike(sid, "success before the request", false);
+                    return;
+                }
+                let one_sided = self.sessions.get(&sid).is_some_and(|s| s.one_sided);
+                if !one_sided && !src.coverage.complete() && !r.state.is_terminal() {
+                    // Success means the bytes are here: a word without them is a violation.
+                    warn!(%room, session = %sid, covered = src.coverage.covered, expected = src.coverage.expected, "source reported success for pages that never landed");
+                    self.counters.protocol_errors += 1;
+                    self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
                     return;
                 }
                 src.done = true;
@@ -2545,6 +3039,11 @@ impl Endpoint {
         let mut targets: SmallVec<[SessionId; 2]> = SmallVec::new();
         for src in rr.sources.iter_mut() {
             src.granted = true;
+            src.coverage = Coverage::new(
+                &self.local.layout,
+                self.sessions.get(&src.session).and_then(|s| s.peer),
+                &grant,
+            );
             targets.push(src.session);
         }
         self.timers.cancel(&mut r.bootstrap_timer);
@@ -2633,7 +3132,12 @@ impl Endpoint {
         {
             return false;
         }
+        let took_part = self.tombstones.took_part(room, self.identity(sid));
         match self.tombstones.get(room) {
+            Some((g, _)) if g >= generation && !took_part => {
+                self.refuse_reused(sid, room, generation);
+                true
+            }
             Some((g, outcome)) if g == generation => {
                 let failure = outcome.failure();
                 debug!(%room, session = %sid, ?outcome, "late message for a concluded room answered");
@@ -2646,6 +3150,50 @@ impl Endpoint {
             }
             _ => false,
         }
+    }
+
+    /// Who the peer behind `sid` is, once its hello arrived.
+    fn identity(&self, sid: SessionId) -> Option<PeerIdentity> {
+        self.sessions
+            .get(&sid)
+            .and_then(|s| s.peer)
+            .map(|p| (p.node, p.incarnation))
+    }
+
+    /// A live room already served by other decode endpoints (every receiver it expects has
+    /// requested it, or it concluded) is never joined by a new one: that is a reused room id.
+    fn refuse_if_served_elsewhere(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) -> bool {
+        let who = self.identity(sid);
+        let Some(r) = self.rooms.get(&room) else {
+            return false;
+        };
+        let Side::Sender(s) = &r.side else {
+            return false;
+        };
+        let known = who.is_some_and(|w| s.peers.contains(&w))
+            || s.receivers.iter().any(|x| x.session == sid)
+            || s.announced_by.contains(&sid);
+        let full =
+            r.state != KvPoll::Bootstrapping && s.receivers.len() >= usize::from(s.expected.max(1));
+        let other_generation = r.generation != generation && !known;
+        if known || !(full || r.state.is_terminal() || other_generation) {
+            return false;
+        }
+        self.refuse_reused(sid, room, generation);
+        true
+    }
+
+    /// Refuses a room message from a decode that did not take part in the room this id
+    /// names here: the room id was reused (another decode node, or a restarted one).
+    fn refuse_reused(&mut self, sid: SessionId, room: RoomId, generation: Generation) {
+        info!(%room, session = %sid, "room id already used for another decode, refused");
+        self.counters.rooms_refused_reused += 1;
+        self.answer_with_outcome(sid, room, generation, Some(FailureReason::RoomIdReused));
     }
 
     /// New rooms toward a blacklisted session fail at bootstrap, before any compute.
@@ -2674,7 +3222,9 @@ impl Endpoint {
                 if let Some(p) = self.pending.remove(&room) {
                     self.reject_pending(room, p, reason);
                 }
-                self.tombstones.insert_verdict(room, generation, reason);
+                let who = self.identity(sid).into_iter().collect();
+                self.tombstones
+                    .insert_verdict(room, generation, reason, who);
             }
         }
         true
@@ -2738,6 +3288,7 @@ impl Endpoint {
     fn reject_pending(&mut self, room: RoomId, p: PendingRoom, reason: FailureReason) {
         let generation = p.generation;
         let mut told: SmallVec<[SessionId; 2]> = SmallVec::new();
+        let mut peers: SmallVec<[PeerIdentity; 1]> = SmallVec::new();
         for sid in p
             .requests
             .iter()
@@ -2747,9 +3298,13 @@ impl Endpoint {
             if !told.contains(&sid) {
                 told.push(sid);
                 self.answer_with_outcome(sid, room, generation, Some(reason));
+                if let Some(w) = self.identity(sid) {
+                    peers.push(w);
+                }
             }
         }
-        self.tombstones.insert_verdict(room, generation, reason);
+        self.tombstones
+            .insert_verdict(room, generation, reason, peers);
     }
 
     fn emit_state(&mut self, room: RoomId, generation: Generation, state: KvPoll) {
@@ -2943,6 +3498,10 @@ impl Endpoint {
         ] {
             self.timers.cancel(t);
         }
+        let peers: SmallVec<[PeerIdentity; 1]> = match &r.side {
+            Side::Sender(s) => s.peers.iter().copied().collect(),
+            Side::Receiver(_) => SmallVec::new(),
+        };
         let sessions: SmallVec<[SessionId; 4]> = match &r.side {
             Side::Sender(s) => s
                 .receivers
@@ -2957,7 +3516,7 @@ impl Endpoint {
                 s.rooms.remove(&room);
             }
         }
-        self.tombstones.insert(room, generation, r.state);
+        self.tombstones.insert(room, generation, r.state, peers);
         self.counters.rooms_released += 1;
         self.events
             .push_back(Event::Releasable { room, generation });

@@ -165,6 +165,8 @@ pub fn page_runs(pages: &[u32]) -> SmallVec<[PageRun; 4]> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PageSet {
     runs: Vec<PageRun>,
+    /// Pages in the runs before each run.
+    before: Vec<u32>,
 }
 
 impl PageSet {
@@ -173,9 +175,35 @@ impl PageSet {
         let mut sorted = pages.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
-        PageSet {
-            runs: page_runs(&sorted).into_vec(),
+        let runs = page_runs(&sorted).into_vec();
+        let mut before = Vec::with_capacity(runs.len());
+        let mut n = 0u32;
+        for r in &runs {
+            before.push(n);
+            n = n.saturating_add(r.len);
         }
+        PageSet { runs, before }
+    }
+
+    /// Number of pages in the set.
+    pub fn len(&self) -> u32 {
+        self.runs
+            .last()
+            .zip(self.before.last())
+            .map_or(0, |(r, b)| b.saturating_add(r.len))
+    }
+
+    /// Whether the set has no page.
+    pub fn is_empty(&self) -> bool {
+        self.runs.is_empty()
+    }
+
+    /// The position of `page` among the set's pages in ascending order, if it belongs.
+    pub fn rank(&self, page: u32) -> Option<u32> {
+        let i = self.runs.partition_point(|r| r.start <= page);
+        let r = self.runs.get(i.checked_sub(1)?)?;
+        (u64::from(page) < u64::from(r.start) + u64::from(r.len))
+            .then(|| self.before[i - 1] + (page - r.start))
     }
 
     /// Whether every page in `first..=last` belongs to the set.

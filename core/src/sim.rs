@@ -92,6 +92,9 @@ pub struct SimNode {
     pub events: Vec<(Instant, Event)>,
     /// When the data path of a peer session is down (transient failures), until when.
     pub data_down_until: HashMap<SessionId, Instant, FixedState>,
+    /// Per room attempt of this lifetime: the (region code, page) pairs whose every byte a
+    /// write landed here since its pages were allocated. `Success` needs all granted ones.
+    landed: HashMap<(RoomId, Generation), LandedUnits, FixedState>,
     info: EndpointInfo,
     config: Config,
     seed: u64,
@@ -110,6 +113,8 @@ impl SimNode {
         for &p in &got {
             self.pages[p as usize] = Some((room, generation));
         }
+        // A new lifetime of this room attempt: nothing of it has landed yet.
+        self.landed.remove(&(room, generation));
         self.owned
             .entry((room, generation))
             .or_default()
@@ -124,6 +129,25 @@ impl SimNode {
                 self.free_pages.push(p);
             }
         }
+    }
+
+    /// The first granted (layer, plane, page) of a room attempt that no write landed on since
+    /// its pages were allocated, worded for a violation; `None` if every one landed.
+    fn unlanded_page(&self, key: (RoomId, Generation)) -> Option<String> {
+        let layout = self.info.layout;
+        let pages = self.owned.get(&key)?;
+        let landed = self.landed.get(&key);
+        for &p in pages {
+            for layer in 0..layout.layers {
+                for plane in 0..layout.planes {
+                    let code = Region::Kv { layer, plane }.code();
+                    if !landed.is_some_and(|l| l.contains(&(code, u64::from(p)))) {
+                        return Some(format!("page {p} of layer {layer} plane {plane}"));
+                    }
+                }
+            }
+        }
+        None
     }
 
     /// Where a sender room's `LayerDelivered` events break their promise: every owned layer
@@ -176,6 +200,9 @@ impl SimNode {
 
 /// An operation across its attempts: (source node, first slice's region code, its offset).
 type LogicalOp = (usize, u32, u64);
+
+/// (region code, page or slot) pairs a write covered entirely.
+type LandedUnits = HashSet<(u32, u64), FixedState>;
 
 /// Marks the end of a link whose process restarted.
 const DEAD_SESSION: SessionId = SessionId(u32::MAX);
@@ -307,7 +334,8 @@ pub struct Sim {
     next_orphan: u64,
     /// Logical operations (source node, first destination slice) of each room attempt that
     /// have not landed yet: a room may only succeed once its set is empty.
-    unlanded: HashMap<(RoomId, Generation), HashSet<LogicalOp, FixedState>, FixedState>,
+    /// Keyed by (destination node, room, generation).
+    unlanded: HashMap<(usize, RoomId, Generation), HashSet<LogicalOp, FixedState>, FixedState>,
     rx: HashMap<(usize, SessionId), Vec<u8>, FixedState>,
 }
 
@@ -385,6 +413,7 @@ impl Sim {
             concluded_at: HashMap::default(),
             events: Vec::new(),
             data_down_until: HashMap::default(),
+            landed: HashMap::default(),
             info,
             config,
             seed,
@@ -446,6 +475,13 @@ impl Sim {
         }
         node.free_pages = (0..node.info.layout.pages).rev().collect();
         node.owned.clear();
+        // The new process knows nothing of the old one's rooms: the same ids may come again.
+        node.landed.clear();
+        node.states.clear();
+        node.released.clear();
+        node.concluded_at.clear();
+        node.events.clear();
+        self.unlanded.retain(|k, _| k.0 != n);
         self.inflight.retain(|_, f| f.src != n && f.dst != n);
         self.orphans.retain(|_, f| f.dst != n);
         self.rx.retain(|k, _| k.0 != n);
@@ -640,12 +676,6 @@ impl Sim {
 
     fn start_op(&mut self, n: usize, op: TransferOp) {
         self.ops_emitted += 1;
-        if let (Some(room), Some(first)) = (op.room, op.slices.first()) {
-            self.unlanded
-                .entry((room, op.generation))
-                .or_default()
-                .insert((n, first.region.code(), first.dst_offset));
-        }
         if let Some(room) = op.room {
             let key = (room, op.generation);
             let node = &self.nodes[n];
@@ -676,6 +706,13 @@ impl Sim {
         };
         let l = &self.links[li];
         let (dst, dst_session) = if dir == 0 { l.b } else { l.a };
+        if let (Some(room), Some(first)) = (op.room, op.slices.first()) {
+            self.unlanded
+                .entry((dst, room, op.generation))
+                .or_default()
+                .insert((n, first.region.code(), first.dst_offset));
+        }
+        let l = &self.links[li];
         let up = l.up;
         let blackholed = l.blackhole_until > self.now;
         let down = self.nodes[n]
@@ -753,9 +790,11 @@ impl Sim {
         }
     }
 
-    /// The receiver is done with a write (landed or abandoned): its permit goes back.
-    fn end_write(&mut self, f: &InFlight) {
+    /// The receiver is done with a write (`landed`: every byte applied; else abandoned): its
+    /// permit goes back.
+    fn end_write(&mut self, f: &InFlight, landed: bool) {
         if let Some(permit) = f.permit {
+            let permit = if landed { permit.applied() } else { permit };
             self.nodes[f.dst].endpoint.end_write(self.now, permit);
             self.drain(f.dst);
         }
@@ -775,8 +814,32 @@ impl Sim {
     /// The write's bytes land in the destination: every page must still be the room's.
     fn land_dst(&mut self, f: &InFlight) {
         if let (Some(room), Some(first)) = (f.op.room, f.op.slices.first()) {
-            if let Some(set) = self.unlanded.get_mut(&(room, f.op.generation)) {
+            if let Some(set) = self.unlanded.get_mut(&(f.dst, room, f.op.generation)) {
                 set.remove(&(f.src, first.region.code(), first.dst_offset));
+            }
+        }
+        if let Some(room) = f.op.room {
+            let layout = self.nodes[f.dst].info.layout;
+            let landed = self.nodes[f.dst]
+                .landed
+                .entry((room, f.op.generation))
+                .or_default();
+            for slice in f.op.slices.iter() {
+                let unit = match slice.region {
+                    Region::Kv { .. } => u64::from(layout.page_bytes),
+                    Region::Aux => u64::from(layout.aux_bytes),
+                    Region::State => u64::from(layout.state_bytes),
+                    Region::Scratch => continue,
+                };
+                if unit == 0 {
+                    continue;
+                }
+                // Only whole units count: a page half written is not there.
+                let first = slice.dst_offset.div_ceil(unit);
+                let end = (slice.dst_offset + slice.len) / unit;
+                for i in first..end {
+                    landed.insert((slice.region.code(), i));
+                }
             }
         }
         self.check_owner(f, f.dst, |s| s.dst_offset, ("write", "landed on page"));
@@ -834,11 +897,21 @@ impl Sim {
                 let is_decode = node.info.role == Role::Decode;
                 if *state == KvPoll::Success
                     && is_decode
-                    && self.unlanded.get(&key).is_some_and(|s| !s.is_empty())
+                    && self
+                        .unlanded
+                        .get(&(n, *room, *generation))
+                        .is_some_and(|s| !s.is_empty())
                 {
                     self.violations.push(format!(
                         "node {n}: {room} succeeded with operations that never landed"
                     ));
+                }
+                if *state == KvPoll::Success && is_decode {
+                    if let Some(missing) = self.nodes[n].unlanded_page(key) {
+                        self.violations.push(format!(
+                            "node {n}: {room} succeeded but {missing} was never written in this lifetime"
+                        ));
+                    }
                 }
                 let node = &mut self.nodes[n];
                 if state.is_terminal() {
@@ -941,10 +1014,11 @@ impl Sim {
                 let Some(f) = self.inflight.remove(&(node, id)) else {
                     return;
                 };
-                if f.outcome == TransferOutcome::Done {
+                let landed = f.outcome == TransferOutcome::Done;
+                if landed {
                     self.land(&f);
                 }
-                self.end_write(&f);
+                self.end_write(&f, landed);
                 self.nodes[node]
                     .endpoint
                     .handle_transfer_result(self.now, id, f.outcome);
@@ -953,7 +1027,7 @@ impl Sim {
             Pending::OrphanLands { key } => {
                 if let Some(f) = self.orphans.remove(&key) {
                     self.land_dst(&f);
-                    self.end_write(&f);
+                    self.end_write(&f, true);
                 }
             }
             Pending::Fence { node, session } => {
@@ -977,7 +1051,7 @@ impl Sim {
                     .collect();
                 for key in broken {
                     if let Some(f) = self.inflight.remove(&key) {
-                        self.end_write(&f);
+                        self.end_write(&f, false);
                         self.nodes[f.src].endpoint.handle_transfer_result(
                             self.now,
                             f.op.id,
@@ -1015,7 +1089,7 @@ impl Sim {
                         .retain(|_, f| !(f.dst == n && f.dst_session == s));
                     for key in broken {
                         if let Some(f) = self.inflight.remove(&key) {
-                            self.end_write(&f);
+                            self.end_write(&f, false);
                             self.nodes[f.src].endpoint.handle_transfer_result(
                                 self.now,
                                 f.op.id,

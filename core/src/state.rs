@@ -15,7 +15,8 @@ pub enum FailureReason {
     DecodeSaturated,
     /// Decode saw no progress for the room within `waiting_timeout`, or the end-to-end budget ran out.
     WaitingTimeout,
-    /// The session carrying this room died: heartbeats stopped or the connection closed.
+    /// No session to the peer could be established within `unreachable_timeout` (connection
+    /// refused, no route, handshake never completed). Retry once the peer is back.
     PeerUnreachable,
     /// The peer restarted (new incarnation); everything of its previous life is void.
     PeerRestarted,
@@ -33,11 +34,26 @@ pub enum FailureReason {
     IncompatiblePeer,
     /// The local endpoint is shutting down.
     Shutdown,
+    /// Prefill already concluded this room id for another decode (another node, or an earlier
+    /// incarnation of this one); it is never answered from that room's outcome. Open the
+    /// request again under a fresh room id (or a higher generation).
+    RoomIdReused,
+    /// Nothing arrived from the peer for the liveness window (`heartbeat_interval` x
+    /// `heartbeat_misses`), or the peer said it heard nothing from us: a black-holed link or a
+    /// hung peer process (the two look the same from one end).
+    PeerSilent,
+    /// The connection to the peer closed without a shutdown notice: the peer process died or
+    /// the connection was reset.
+    ConnectionLost,
+    /// The peer announced that it is shutting down (SIGTERM, SIGINT, or its embedder's call).
+    PeerShutdown,
+    /// The peer refused our cluster token, or we refused its token.
+    Unauthorized,
 }
 
 impl FailureReason {
     /// All variants, in wire-code order.
-    pub const ALL: [FailureReason; 12] = [
+    pub const ALL: [FailureReason; 17] = [
         FailureReason::BootstrapTimeout,
         FailureReason::DecodeSaturated,
         FailureReason::WaitingTimeout,
@@ -50,6 +66,11 @@ impl FailureReason {
         FailureReason::ProtocolError,
         FailureReason::IncompatiblePeer,
         FailureReason::Shutdown,
+        FailureReason::RoomIdReused,
+        FailureReason::PeerSilent,
+        FailureReason::ConnectionLost,
+        FailureReason::PeerShutdown,
+        FailureReason::Unauthorized,
     ];
 
     /// The one-byte code used on the wire (see `docs/PROTOCOL.md`).
@@ -82,6 +103,11 @@ impl FailureReason {
             FailureReason::ProtocolError => "protocol_error",
             FailureReason::IncompatiblePeer => "incompatible_peer",
             FailureReason::Shutdown => "shutdown",
+            FailureReason::RoomIdReused => "room_id_reused",
+            FailureReason::PeerSilent => "peer_silent",
+            FailureReason::ConnectionLost => "connection_lost",
+            FailureReason::PeerShutdown => "peer_shutdown",
+            FailureReason::Unauthorized => "unauthorized",
         }
     }
 
@@ -91,15 +117,20 @@ impl FailureReason {
             FailureReason::BootstrapTimeout => "no decode asked for the room (or no pages were granted) before the bootstrap deadline; check that the router sent the request to both sides and KVFERRY_BOOTSTRAP_TIMEOUT_MS",
             FailureReason::DecodeSaturated => "decode had no KV capacity for the room until the bootstrap deadline; add decode capacity or admit fewer rooms",
             FailureReason::WaitingTimeout => "nothing moved for the room within the waiting deadline; check that prefill is computing and sending it, and KVFERRY_WAITING_TIMEOUT_MS",
-            FailureReason::PeerUnreachable => "the peer stopped answering (heartbeats missed or the connection closed); check the peer process and the network",
+            FailureReason::PeerUnreachable => "no connection to the peer could be made within the unreachable window (refused, no route, or no handshake); check that the peer runs at that address and KVFERRY_UNREACHABLE_TIMEOUT_MS",
             FailureReason::PeerRestarted => "the peer restarted, so its earlier rooms are void; resubmit the request",
             FailureReason::SessionBlacklisted => "the link to this peer failed repeatedly and is blacklisted until a probe succeeds; check the data path (network, registered memory)",
             FailureReason::TransferFailed => "a data transfer failed after all retries; check the data path and KVFERRY_TRANSFER_RETRIES",
             FailureReason::AbortedLocally => "this endpoint's scheduler aborted the room",
             FailureReason::AbortedByPeer => "the peer aborted or failed the room (its scheduler gave up or it refused a write)",
             FailureReason::ProtocolError => "the peer violated the protocol for this room (a write outside its pages, a malformed request); check both sides run compatible kvferry versions",
-            FailureReason::IncompatiblePeer => "the peer was refused at the handshake (token, role, protocol version or memory layout); check --token and that both sides use the same model shape",
+            FailureReason::IncompatiblePeer => "the peer was refused at the handshake (role, protocol version or memory layout); check that both sides use the same kvferry version and model shape",
             FailureReason::Shutdown => "the endpoint is shutting down",
+            FailureReason::RoomIdReused => "prefill already concluded this room id for another decode (another node or an earlier incarnation of this one); resubmit the request under a fresh room id",
+            FailureReason::PeerSilent => "nothing arrived from the peer for the liveness window (a black-holed link or a hung peer); check the network path and the peer process, and KVFERRY_HEARTBEAT_INTERVAL_MS / KVFERRY_HEARTBEAT_MISSES",
+            FailureReason::ConnectionLost => "the connection to the peer closed without a shutdown notice (the peer died or the connection was reset); check the peer process",
+            FailureReason::PeerShutdown => "the peer announced it is shutting down; resubmit the request to a live peer",
+            FailureReason::Unauthorized => "the cluster token was refused; check that both sides use the same --token / KVFERRY_TOKEN",
         }
     }
 
@@ -118,6 +149,10 @@ impl FailureReason {
                 | FailureReason::AbortedLocally
                 | FailureReason::AbortedByPeer
                 | FailureReason::Shutdown
+                | FailureReason::RoomIdReused
+                | FailureReason::PeerSilent
+                | FailureReason::ConnectionLost
+                | FailureReason::PeerShutdown
         )
     }
 }

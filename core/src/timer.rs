@@ -30,6 +30,8 @@ pub enum Timer {
     BlacklistIdle(SessionId),
     /// Time to reconnect to a target whose session dropped.
     Reconnect(crate::ids::TargetId),
+    /// A target has been without a session for `unreachable_timeout`: rooms waiting for it fail.
+    Unreachable(crate::ids::TargetId),
 }
 
 /// Opaque key of an armed timer, kept by its owner to disarm it.

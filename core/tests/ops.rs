@@ -227,7 +227,7 @@ fn releasable(d: &mut Endpoint, room: RoomId) -> bool {
 fn land_all(t: &mut Pair, room: RoomId, ops: &[TransferOp]) {
     for op in ops {
         let permit = t.d.begin_write(t.now, t.sd, room, 0, &op.slices).unwrap();
-        t.d.end_write(t.now, permit);
+        t.d.end_write(t.now, permit.applied());
         t.p.handle_transfer_result(t.now, op.id, TransferOutcome::Done);
     }
     t.pump();

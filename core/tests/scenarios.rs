@@ -561,7 +561,7 @@ fn s16_silent_prefill_fails_exactly_its_sessions_rooms_by_liveness() {
     run_ms(&mut sim, 1_000);
     assert_eq!(
         state(&sim, d, 1),
-        failed(R::PeerUnreachable),
+        failed(R::PeerSilent),
         "3 x 250 ms heartbeats missed"
     );
     assert_eq!(

@@ -13,6 +13,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use foldhash::fast::FixedState;
+/// How a driver reaches one address of a peer (re-exported from the core, which decides
+/// how long a room waits for a target that is down).
+pub use kvferry_core::Link;
 use kvferry_core::{
     ApiError, Chunk, Config, Counters, Endpoint, EndpointInfo, Event, FailureReason, Generation,
     Grant, KvPoll, Role, RoomId, SessionId, Slice, TransferId, WritePermit, WriteRefused,
@@ -276,26 +279,6 @@ impl Announcer {
 /// one for a tokio node). Room `r` moves over the session to address `r mod len`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeerId(pub u32);
-
-/// How a driver reaches one address of a peer: a session opened once, or a target the core
-/// keeps connected.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Link {
-    /// A session opened by `connect`.
-    Session(kvferry_core::SessionId),
-    /// A persistent target (its session changes across reconnects).
-    Target(kvferry_core::TargetId),
-}
-
-impl Link {
-    /// The session to use now, if any.
-    pub fn session(self, endpoint: &Endpoint) -> Option<kvferry_core::SessionId> {
-        match self {
-            Link::Session(s) => Some(s),
-            Link::Target(t) => endpoint.target_session(t),
-        }
-    }
-}
 
 /// The shard (or peer address) that owns room `room` among `n`: `room mod n`. Both sides of
 /// a transfer apply it, so a room meets its peer on the same shard whatever the runtimes.

@@ -395,17 +395,10 @@ impl KvNode for GlommioNode {
         grant: Option<Grant>,
     ) -> Result<RoomHandle, NodeError> {
         let links = self.links_for(room, &peers)?;
+        let links: Vec<Link> = links.into_iter().map(|(_, l)| l).collect();
         self.on_room(room, move |s| {
-            let sources: Result<Vec<SessionId>, NodeError> = {
-                let st = s.state.borrow();
-                links
-                    .iter()
-                    .map(|&(p, l)| l.session(&st.endpoint).ok_or(NodeError::PeerUnavailable(p)))
-                    .collect()
-            };
-            let sources = sources?;
             s.open_room(room, |e, now| {
-                e.open_receiver(now, room, generation, &sources, grant)
+                e.open_receiver_via(now, room, generation, &links, grant)
             })
             .map_err(NodeError::Api)
         })

@@ -445,24 +445,14 @@ impl Node {
 }
 
 impl Node {
-    /// The sessions that carry `room` from or to each of `peers` (address `room mod n`).
-    fn sessions_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<SessionId>, NodeError> {
-        let links: Vec<(PeerId, Link)> = {
-            let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-            peers
-                .iter()
-                .map(|p| {
-                    let links = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
-                    Ok((*p, links[shard_of(room, links.len())]))
-                })
-                .collect::<Result<_, NodeError>>()?
-        };
-        let inner = self.shared.lock();
-        links
-            .into_iter()
-            .map(|(p, l)| {
-                l.session(&inner.endpoint)
-                    .ok_or(NodeError::PeerUnavailable(p))
+    /// The links that carry `room` from or to each of `peers` (address `room mod n`).
+    fn links_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<Link>, NodeError> {
+        let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers
+            .iter()
+            .map(|p| {
+                let links = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
+                Ok(links[shard_of(room, links.len())])
             })
             .collect()
     }
@@ -523,10 +513,15 @@ impl KvNode for Node {
         peers: Vec<PeerId>,
         grant: Option<Grant>,
     ) -> Result<RoomHandle, NodeError> {
-        let sources = self.sessions_for(room, &peers)?;
-        Ok(Node::open_receiver(
-            self, room, generation, &sources, grant,
-        )?)
+        let links = self.links_for(room, &peers)?;
+        let handle = self.watch_room(room, KvPoll::Bootstrapping);
+        match self.with(|e, now| e.open_receiver_via(now, room, generation, &links, grant)) {
+            Ok(()) => Ok(handle),
+            Err(err) => {
+                self.forget_room(room);
+                Err(err.into())
+            }
+        }
     }
 
     async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {

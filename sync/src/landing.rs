@@ -30,10 +30,11 @@ impl<E: EndWrite> Landing<E> {
         }
     }
 
-    /// The write was applied (or abandoned): hand the permit back now.
-    pub fn end(mut self) {
+    /// Every byte of the write was applied: hand the permit back now, marked applied (the
+    /// core counts these bytes toward the room's `Success`). Dropping instead abandons it.
+    pub fn applied(mut self) {
         if let Some(p) = self.permit.take() {
-            self.to.end_write(p);
+            self.to.end_write(p.applied());
         }
     }
 }

@@ -235,7 +235,7 @@ fn receive_races_abort(path: ReceivePath) {
                 };
                 page.with_mut(|p| unsafe { *p = 1 });
                 if let Some(l) = landing {
-                    l.end();
+                    l.applied();
                 }
             })
         };

@@ -1,0 +1,189 @@
+//! Room identity across restarts and peers: `Success` on decode means every granted byte of
+//! *this* room landed in *this* lifetime. A reused room id (a restarted decode, a second
+//! decode with overlapping ids) is refused with `RoomIdReused`, never answered from an
+//! earlier room's outcome; a restarted prefill serves the ids fresh.
+#![allow(clippy::unwrap_used)] // tests may panic
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_invariants, failed, open_room, run_ms, send_all, state};
+use kvferry_core::codec::Message;
+use kvferry_core::sim::{small_layout, Faults, Sim};
+use kvferry_core::{FailureReason as R, Grant, KvPoll, RoomId};
+
+/// Decode `d` opens `room` (generation `generation`) toward prefill `p` with fresh pages,
+/// without prefill opening anything: what a decode that re-runs a request does.
+fn reopen_on_decode(sim: &mut Sim, d: usize, p: usize, room: u64, generation: u32) {
+    let now = sim.now;
+    let dst = sim.nodes[d].alloc(RoomId(room), generation, 4).unwrap();
+    let sid = sim.session(d, p).unwrap();
+    let grant = Grant {
+        pages: dst,
+        aux_slot: Some(room as u32),
+        state_slot: None,
+        receivers: 1,
+    };
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(room), generation, &[sid], Some(grant))
+        .unwrap();
+    sim.drain(d);
+}
+
+fn succeed_room(sim: &mut Sim, d: usize, p: usize, room: u64) {
+    open_room(sim, d, &[p], room, 4);
+    send_all(sim, p, room, 4, false);
+    run_ms(sim, 50);
+    assert_eq!(state(sim, d, room), Some(KvPoll::Success));
+}
+
+#[test]
+fn a_restarted_decode_reusing_a_concluded_room_id_is_refused_not_answered_success() {
+    let (mut sim, p, d) = common::pair(1501, common::config());
+    succeed_room(&mut sim, d, p, 1);
+    sim.restart(d);
+    sim.connect(d, p);
+    run_ms(&mut sim, 20);
+    reopen_on_decode(&mut sim, d, p, 1, 0);
+    run_ms(&mut sim, 20);
+    assert_eq!(state(&sim, d, 1), failed(R::RoomIdReused));
+    assert_eq!(sim.nodes[p].endpoint.counters().rooms_refused_reused, 1);
+    assert_invariants(&sim);
+}
+
+#[test]
+fn a_second_decode_with_an_overlapping_concluded_room_id_is_refused() {
+    let mut sim = Sim::new(1502, Faults::default());
+    let layout = small_layout(1024);
+    let config = common::config();
+    let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
+    let a = sim.add_decode(config.clone(), layout, 0);
+    let b = sim.add_decode(config, layout, 0);
+    sim.connect(a, p);
+    sim.connect(b, p);
+    run_ms(&mut sim, 5);
+    succeed_room(&mut sim, a, p, 7);
+    reopen_on_decode(&mut sim, b, p, 7, 0);
+    run_ms(&mut sim, 20);
+    assert_eq!(state(&sim, b, 7), failed(R::RoomIdReused));
+    assert_eq!(
+        state(&sim, a, 7),
+        Some(KvPoll::Success),
+        "a's room stands as it was"
+    );
+    assert_invariants(&sim);
+}
+
+#[test]
+fn two_decodes_requesting_one_room_id_at_once_get_one_room_and_one_refusal() {
+    let mut sim = Sim::new(1503, Faults::default());
+    let layout = small_layout(1024);
+    let config = common::config();
+    let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
+    let a = sim.add_decode(config.clone(), layout, 0);
+    let b = sim.add_decode(config, layout, 0);
+    sim.connect(a, p);
+    sim.connect(b, p);
+    run_ms(&mut sim, 5);
+    // Both requests reach prefill before its sender room opens.
+    reopen_on_decode(&mut sim, a, p, 9, 0);
+    run_ms(&mut sim, 2);
+    reopen_on_decode(&mut sim, b, p, 9, 0);
+    run_ms(&mut sim, 2);
+    let now = sim.now;
+    sim.nodes[p]
+        .endpoint
+        .open_sender(now, RoomId(9), 0)
+        .unwrap();
+    sim.drain(p);
+    send_all(&mut sim, p, 9, 4, false);
+    run_ms(&mut sim, 50);
+    assert_eq!(state(&sim, a, 9), Some(KvPoll::Success));
+    assert_eq!(state(&sim, b, 9), failed(R::RoomIdReused));
+    assert_invariants(&sim);
+}
+
+#[test]
+fn a_live_room_already_served_refuses_a_late_request_from_another_decode() {
+    let mut sim = Sim::new(1504, Faults::default());
+    sim.faults.op_delay = (Duration::from_millis(5), Duration::from_millis(10));
+    let layout = small_layout(1024);
+    let config = common::config();
+    let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
+    let a = sim.add_decode(config.clone(), layout, 0);
+    let b = sim.add_decode(config, layout, 0);
+    sim.connect(a, p);
+    sim.connect(b, p);
+    run_ms(&mut sim, 5);
+    open_room(&mut sim, a, &[p], 3, 4);
+    send_all(&mut sim, p, 3, 4, false);
+    run_ms(&mut sim, 1);
+    reopen_on_decode(&mut sim, b, p, 3, 0);
+    run_ms(&mut sim, 50);
+    assert_eq!(state(&sim, a, 3), Some(KvPoll::Success));
+    assert_eq!(state(&sim, b, 3), failed(R::RoomIdReused));
+    assert_invariants(&sim);
+}
+
+#[test]
+fn a_restarted_prefill_serves_a_room_id_fresh_and_every_page_lands_again() {
+    let (mut sim, p, d) = common::pair(1505, common::config());
+    succeed_room(&mut sim, d, p, 1);
+    sim.restart(p);
+    sim.connect(d, p);
+    run_ms(&mut sim, 20);
+    // Decode's own record of room 1 generation 0 stands: the retry is generation 1.
+    reopen_on_decode(&mut sim, d, p, 1, 1);
+    let now = sim.now;
+    sim.nodes[p]
+        .endpoint
+        .open_sender(now, RoomId(1), 1)
+        .unwrap();
+    sim.drain(p);
+    let src = sim.nodes[p].alloc(RoomId(1), 1, 4).unwrap();
+    let now = sim.now;
+    sim.nodes[p]
+        .endpoint
+        .send_chunk(
+            now,
+            RoomId(1),
+            kvferry_core::Chunk {
+                pages: src,
+                last: true,
+                aux_slot: Some(1),
+                state_slot: None,
+                layerwise: false,
+            },
+        )
+        .unwrap();
+    sim.drain(p);
+    run_ms(&mut sim, 50);
+    assert_eq!(
+        sim.nodes[d].states.get(&(RoomId(1), 1)),
+        Some(&KvPoll::Success)
+    );
+    assert_invariants(&sim);
+}
+
+#[test]
+fn a_success_word_without_the_bytes_fails_the_room_as_a_protocol_error() {
+    let (mut sim, p, d) = common::pair(1506, common::config());
+    open_room(&mut sim, d, &[p], 5, 4);
+    run_ms(&mut sim, 5);
+    // A broken (or old, tombstone-answering) prefill claims success with nothing written.
+    let sid = sim.session(d, p).unwrap();
+    let mut frame = Vec::new();
+    Message::RoomStatus {
+        room: RoomId(5),
+        generation: 0,
+        failure: None,
+    }
+    .encode(&mut frame);
+    let now = sim.now;
+    sim.nodes[d].endpoint.handle_input(now, sid, &frame);
+    sim.drain(d);
+    assert_eq!(state(&sim, d, 5), failed(R::ProtocolError));
+    assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
