@@ -2013,7 +2013,12 @@ impl Endpoint {
                     }
                     Side::Receiver(rr) => rr.queue_position > 0,
                 };
-                let reason = if saturated {
+                let unreachable =
+                    matches!(&r.side, Side::Receiver(rr) if !rr.waiting_for.is_empty());
+                let reason = if unreachable {
+                    // Still waiting for a target's session: that is why it never bootstrapped.
+                    FailureReason::PeerUnreachable
+                } else if saturated {
                     FailureReason::DecodeSaturated
                 } else {
                     FailureReason::BootstrapTimeout
@@ -2842,8 +2847,10 @@ impl Endpoint {
                 }
             }
             Some(reason) => {
+                // The peer's own local reasons, seen from here.
                 let reason = match reason {
                     FailureReason::AbortedLocally => FailureReason::AbortedByPeer,
+                    FailureReason::Shutdown => FailureReason::PeerShutdown,
                     r => r,
                 };
                 if !r.state.is_terminal() {

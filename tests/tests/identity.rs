@@ -1,0 +1,191 @@
+//! Over real sockets: `Success` means the bytes are there, and a peer that is gone is known.
+//! A decode re-run (or a second decode) reusing room ids gets `room_id_reused`, never a
+//! success for pages nobody wrote; a restarted prefill serves the same ids fresh; a decode
+//! whose prefill is killed or stopped ends every room within the unreachable window.
+#![allow(clippy::unwrap_used)] // tests may panic
+
+use std::time::{Duration, Instant};
+
+use kvferry_cli::{run_decode, Report};
+use kvferry_core::{Config, Role};
+use kvferry_tests::{fast_core, free_ports, prefill_on, rooms, start_on, KvNode, Runtime};
+
+fn core() -> Config {
+    Config {
+        unreachable_timeout: Duration::from_secs(1),
+        reconnect_interval: Duration::from_millis(20),
+        reconnect_max_interval: Duration::from_millis(100),
+        ..fast_core()
+    }
+}
+
+async fn decode_run(at: Vec<std::net::SocketAddr>, n: u64, first: u64, seed: u64) -> Report {
+    let decode = start_on(
+        Runtime::Tokio,
+        Role::Decode,
+        &rooms(n, first).shape,
+        core(),
+        seed,
+    );
+    let peer = decode.connect_persistent(at).await.unwrap();
+    let report = run_decode(&decode, peer, rooms(n, first)).await;
+    decode.shutdown().await;
+    report
+}
+
+fn assert_honest(report: &Report) {
+    assert!(!report.corrupted(), "{report:?}");
+    assert!(
+        report.pages_corrupted <= report.pages_verified,
+        "{report:?}"
+    );
+    assert_eq!(report.rooms_unfinished, 0, "{report:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_run_twice_with_the_same_room_ids_is_refused_not_given_success() {
+    let shape = rooms(1, 1).shape;
+    let (prefill, addrs, _server) = prefill_on(
+        Runtime::Tokio,
+        &shape,
+        core(),
+        1,
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await;
+    let first = decode_run(addrs.clone(), 20, 100, 2).await;
+    assert_eq!(first.rooms_succeeded, 20, "{first:?}");
+    assert_eq!(
+        first.bytes_transferred,
+        20 * shape.room_bytes(),
+        "every byte landed and was verified"
+    );
+    assert_honest(&first);
+    // The same decode command again: a new incarnation with the same room ids.
+    let again = decode_run(addrs.clone(), 20, 100, 3).await;
+    assert_eq!(again.rooms_succeeded, 0, "{again:?}");
+    assert_eq!(again.failed_by_reason.get("room_id_reused"), Some(&20));
+    assert_eq!(again.bytes_transferred, 0, "no byte moved");
+    assert_honest(&again);
+    // Fresh ids are served as usual.
+    let fresh = decode_run(addrs, 20, 1_000, 4).await;
+    assert_eq!(fresh.rooms_succeeded, 20, "{fresh:?}");
+    assert_honest(&fresh);
+    prefill.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_decodes_with_overlapping_room_ids_never_both_succeed_for_one_id() {
+    let shape = rooms(1, 1).shape;
+    let (prefill, addrs, _server) = prefill_on(
+        Runtime::Tokio,
+        &shape,
+        core(),
+        11,
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await;
+    let (a, b) = tokio::join!(
+        decode_run(addrs.clone(), 30, 500, 12),
+        decode_run(addrs.clone(), 30, 515, 13)
+    );
+    for r in [&a, &b] {
+        assert_honest(r);
+        let reused = r
+            .failed_by_reason
+            .get("room_id_reused")
+            .copied()
+            .unwrap_or(0);
+        assert_eq!(r.rooms_succeeded + reused, 30, "{r:?}");
+    }
+    // Ids 515..530 were asked by both: each one served exactly once.
+    let reused = |r: &Report| {
+        r.failed_by_reason
+            .get("room_id_reused")
+            .copied()
+            .unwrap_or(0)
+    };
+    assert_eq!(reused(&a) + reused(&b), 15, "{a:?} {b:?}");
+    prefill.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_prefill_serves_the_same_room_ids_fresh() {
+    let shape = rooms(1, 1).shape;
+    let at = free_ports(1);
+    let (prefill, addrs, server) = prefill_on(Runtime::Tokio, &shape, core(), 21, at).await;
+    let first = decode_run(addrs.clone(), 10, 1, 22).await;
+    assert_eq!(first.rooms_succeeded, 10, "{first:?}");
+    prefill.shutdown().await;
+    server.abort();
+    drop(prefill);
+    let (prefill, addrs, _server) = prefill_on(Runtime::Tokio, &shape, core(), 23, at).await;
+    let again = decode_run(addrs, 10, 1, 24).await;
+    assert_eq!(again.rooms_succeeded, 10, "{again:?}");
+    assert_honest(&again);
+    prefill.shutdown().await;
+}
+
+/// Decode against a prefill that goes away mid-run (`graceful`: it shuts down and says so;
+/// else it just vanishes). Every room ends, counted under a reason, within the unreachable
+/// window of the loss, and none is corrupted.
+async fn prefill_lost_mid_run(graceful: bool) -> (Report, Duration) {
+    let shape = rooms(1, 1).shape;
+    let (prefill, addrs, server) = prefill_on(
+        Runtime::Tokio,
+        &shape,
+        core(),
+        31,
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await;
+    let decode = start_on(Runtime::Tokio, Role::Decode, &shape, core(), 32);
+    let peer = decode.connect_persistent(addrs).await.unwrap();
+    let run = tokio::spawn({
+        let decode = decode.clone();
+        async move { run_decode(&decode, peer, rooms(3_000, 1)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lost = Instant::now();
+    if graceful {
+        prefill.shutdown().await;
+    }
+    server.abort();
+    drop(prefill);
+    let report = tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .expect("decode ends")
+        .unwrap();
+    let took = lost.elapsed();
+    decode.shutdown().await;
+    assert_honest(&report);
+    assert_eq!(
+        report.rooms_succeeded + report.rooms_failed,
+        3_000,
+        "{report:?}"
+    );
+    let by_reason: u64 = report.failed_by_reason.values().sum();
+    assert_eq!(by_reason, report.rooms_failed);
+    (report, took)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_stops_fails_decode_rooms_with_peer_shutdown_then_unreachable() {
+    let (report, took) = prefill_lost_mid_run(true).await;
+    assert!(
+        report.failed_by_reason.contains_key("peer_unreachable"),
+        "{report:?}"
+    );
+    let allowed = ["peer_shutdown", "peer_unreachable"];
+    assert!(
+        report
+            .failed_by_reason
+            .keys()
+            .all(|k| allowed.contains(&k.as_str())),
+        "{report:?}"
+    );
+    assert!(
+        took < Duration::from_secs(8),
+        "ended {took:?} after the loss"
+    );
+}
