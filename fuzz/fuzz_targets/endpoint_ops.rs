@@ -4,6 +4,10 @@
 //! operation after a room failed, no room succeeds with operations missing). At the end,
 //! with faults off and every deadline passed: nothing is left behind and the counters agree
 //! with the events.
+//!
+//! A second decode asks for the same room ids, and either side may restart (a new
+//! incarnation, all its memory freed) and reconnect: no room id reused across decodes or
+//! incarnations may succeed without every granted page landing in its own lifetime.
 #![no_main]
 
 use std::time::Duration;
@@ -17,7 +21,9 @@ fuzz_target!(|data: &[u8]| {
     let layout = small_layout(256);
     let p = sim.add_prefill(fast_config(), layout, 0, 0..layout.layers);
     let d = sim.add_decode(fast_config(), layout, 0);
+    let d2 = sim.add_decode(fast_config(), layout, 0);
     sim.connect(d, p);
+    sim.connect(d2, p);
     let _ = sim.run_for(Duration::from_millis(5), 100_000);
     let mut bytes = data.iter().copied();
     let mut next = move || bytes.next();
@@ -27,14 +33,25 @@ fuzz_target!(|data: &[u8]| {
         let arg = next().unwrap_or(0);
         let sd = sim.session(d, p);
         let sp = sim.session(p, d);
-        match op % 10 {
-            0 => {
-                if sim.nodes[d].endpoint.room_state(room).is_none() {
-                    if let (Some(sd), Some(dst)) = (sd, sim.nodes[d].alloc(room, 0, u32::from(arg % 12) + 1)) {
+        match op % 13 {
+            0 | 10 => {
+                let dn = if op % 13 == 0 { d } else { d2 };
+                if sim.nodes[dn].endpoint.room_state(room).is_none() {
+                    if let (Some(sd), Some(dst)) = (sim.session(dn, p), sim.nodes[dn].alloc(room, 0, u32::from(arg % 12) + 1)) {
                         let grant = (arg & 0x80 == 0).then(|| Grant { pages: dst, aux_slot: Some(1), state_slot: None, receivers: 1 });
-                        let _ = sim.nodes[d].endpoint.open_receiver(now, room, 0, &[sd], grant);
+                        let _ = sim.nodes[dn].endpoint.open_receiver(now, room, 0, &[sd], grant);
                     }
                 }
+            }
+            11 => {
+                let _ = sim.nodes[d2].endpoint.abort(now, room);
+            }
+            12 => {
+                // A process restarts behind the same address and its peers reconnect.
+                let n = [p, d, d2][usize::from(arg % 3)];
+                sim.restart(n);
+                sim.connect(d, p);
+                sim.connect(d2, p);
             }
             1 => {
                 let _ = sim.nodes[p].endpoint.open_sender(now, room, 0);
@@ -79,13 +96,14 @@ fuzz_target!(|data: &[u8]| {
         }
         sim.drain(p);
         sim.drain(d);
+        sim.drain(d2);
         assert!(sim.violations.is_empty(), "{:?}", sim.violations);
     }
     sim.faults = Faults::default();
     sim.run_for(Duration::from_secs(20), 5_000_000).expect("no livelock");
     assert!(sim.violations.is_empty(), "{:?}", sim.violations);
     assert!(sim.counter_mismatches().is_empty(), "{:?}", sim.counter_mismatches());
-    for n in [p, d] {
+    for n in [p, d, d2] {
         assert_eq!(sim.nodes[n].endpoint.live_rooms(), 0);
         assert_eq!(sim.nodes[n].endpoint.live_ops(), 0);
         for room in 0..6 {
