@@ -1072,27 +1072,12 @@ impl Endpoint {
                 rr.sources.push(Source::new(sid));
             }
         }
-        let mut record = Room {
-            generation,
-            state: KvPoll::Bootstrapping,
-            bootstrap_timer: None,
-            waiting_timer: None,
-            abort_timer: None,
-            last_activity: now,
-            side: Side::Receiver(rr),
-        };
-        self.timers.set(
-            &mut record.bootstrap_timer,
-            now + self.config.bootstrap_timeout,
-            Timer::Bootstrap(room),
-        );
         for &sid in sources {
             if let Some(s) = self.sessions.get_mut(&sid) {
                 s.rooms.insert(room);
             }
         }
-        self.rooms.insert(room, record);
-        self.emit_state(room, generation, KvPoll::Bootstrapping);
+        self.insert_bootstrapping_receiver(now, room, generation, rr);
         if let Some(g) = grant {
             self.apply_grant(now, room, g);
         } else {
@@ -1132,22 +1117,7 @@ impl Endpoint {
             held_grant: grant,
             ..ReceiverRoom::default()
         };
-        let mut record = Room {
-            generation,
-            state: KvPoll::Bootstrapping,
-            bootstrap_timer: None,
-            waiting_timer: None,
-            abort_timer: None,
-            last_activity: now,
-            side: Side::Receiver(rr),
-        };
-        self.timers.set(
-            &mut record.bootstrap_timer,
-            now + self.config.bootstrap_timeout,
-            Timer::Bootstrap(room),
-        );
-        self.rooms.insert(room, record);
-        self.emit_state(room, generation, KvPoll::Bootstrapping);
+        self.insert_bootstrapping_receiver(now, room, generation, rr);
         let window = self.config.unreachable_timeout;
         let mut expired = false;
         for link in links {
@@ -1177,6 +1147,32 @@ impl Endpoint {
             self.conclude(now, room, KvPoll::Failed(FailureReason::PeerUnreachable));
         }
         Ok(())
+    }
+
+    /// Records a new receiver room in `Bootstrapping`, with its bootstrap deadline armed.
+    fn insert_bootstrapping_receiver(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        rr: ReceiverRoom,
+    ) {
+        let mut record = Room {
+            generation,
+            state: KvPoll::Bootstrapping,
+            bootstrap_timer: None,
+            waiting_timer: None,
+            abort_timer: None,
+            last_activity: now,
+            side: Side::Receiver(rr),
+        };
+        self.timers.set(
+            &mut record.bootstrap_timer,
+            now + self.config.bootstrap_timeout,
+            Timer::Bootstrap(room),
+        );
+        self.rooms.insert(room, record);
+        self.emit_state(room, generation, KvPoll::Bootstrapping);
     }
 
     /// The sessions behind `links` if every one has an established session now; `None` if a
