@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the system packages the project's optional features need (idempotent).
 #   rdma: libibverbs (rdma-sys links it), librdmacm, and libclang for rdma-sys's bindgen.
+#   link faults: nftables and iproute2 (the network-namespace outage test drops packets).
 set -euo pipefail
 need=()
-for pkg in libibverbs-dev librdmacm-dev libclang-dev ibverbs-providers; do
+for pkg in libibverbs-dev librdmacm-dev libclang-dev ibverbs-providers nftables iproute2; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -eq 0 ]; then

@@ -31,6 +31,7 @@ pub fn fast_core() -> Config {
         waiting_timeout: Duration::from_secs(2),
         abort_ack_timeout: Duration::from_millis(500),
         heartbeat_interval: Duration::from_millis(200),
+        progress_interval: Duration::from_millis(200),
         operation_timeout: Duration::from_millis(1000),
         retry_backoff: Duration::from_millis(5),
         ..Config::default()

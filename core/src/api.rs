@@ -219,6 +219,16 @@ pub enum Event {
         /// The new session.
         new: SessionId,
     },
+    /// A fresh connection to the same peer process took a silent session's work over: its
+    /// rooms, queued operations and failure count now live on `new`, and nothing was lost.
+    SessionResumed {
+        /// The peer's stable name.
+        node: NodeId,
+        /// The silent session, closed without failing anything.
+        old: SessionId,
+        /// The session that carries on.
+        new: SessionId,
+    },
     /// Prefill: a decode asked for a room this endpoint has not opened yet. The embedder
     /// opens it with [`crate::Endpoint::open_sender`] (or lets its bootstrap fail).
     RoomAnnounced {
@@ -264,9 +274,25 @@ pub enum Action {
     /// Close every connection of the session, then call
     /// [`crate::Endpoint::handle_disconnected`].
     CloseSession(SessionId),
-    /// Open a control connection to this target's address, then call
-    /// [`crate::Endpoint::open_session_for`] (or [`crate::Endpoint::handle_connect_failed`]).
-    Connect(crate::ids::TargetId),
+    /// Open a control connection to this target's address within `timeout`, then call
+    /// [`crate::Endpoint::open_session_for`] (or [`crate::Endpoint::handle_connect_failed`]
+    /// with what went wrong). Also asked while the target's session is silent: a fresh
+    /// connection that completes its handshake takes the silent session's work over.
+    Connect {
+        /// The target to reach.
+        target: crate::ids::TargetId,
+        /// Give up on this attempt after this long and report [`ConnectFailure::NoAnswer`].
+        timeout: core::time::Duration,
+    },
+}
+
+/// Why a connection attempt to a target failed: the evidence behind a room's reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnectFailure {
+    /// The host answered and refused (nothing listens at the port): the process is down.
+    Refused,
+    /// No answer within the attempt's timeout, or no route to the host: the link is down.
+    NoAnswer,
 }
 
 /// How a receiver room reaches one of its sources: a session the embedder opened, or a
@@ -458,6 +484,9 @@ pub enum WriteRefused {
     SlotNotGranted,
     /// The writer does not own this layer.
     LayerNotOwned,
+    /// The writer's session was taken over by a fresh connection: its writes are void (the
+    /// operations are retried there), and the room does not fail for them.
+    SessionSuperseded,
 }
 
 impl fmt::Display for WriteRefused {

@@ -24,10 +24,20 @@ pub struct Config {
     pub waiting_timeout: Duration,
     /// Decode: wait for every drain acknowledgement before fencing (`KVFERRY_ABORT_ACK_TIMEOUT_MS`, 5000).
     pub abort_ack_timeout: Duration,
-    /// Interval of heartbeats and room progress keepalives (`KVFERRY_HEARTBEAT_INTERVAL_MS`, 5000).
+    /// Interval of heartbeats on every session (`KVFERRY_HEARTBEAT_INTERVAL_MS`, 500).
     pub heartbeat_interval: Duration,
-    /// Missed heartbeat intervals after which a session is dead (`KVFERRY_HEARTBEAT_MISSES`, 3).
+    /// Missed heartbeat intervals after which a session is dead: the liveness window is
+    /// `heartbeat_interval × heartbeat_misses` (`KVFERRY_HEARTBEAT_MISSES`, 30, so 15 s).
     pub heartbeat_misses: u32,
+    /// Interval of room progress keepalives from prefill (`KVFERRY_PROGRESS_INTERVAL_MS`, 5000).
+    pub progress_interval: Duration,
+    /// A session that heard nothing for this long has its link checked with fresh
+    /// connections, so a healed link is used at once instead of after the old connection's
+    /// retransmission backoff (`KVFERRY_SILENCE_TIMEOUT_MS`, 1000; above the heartbeat interval).
+    pub silence_timeout: Duration,
+    /// Longest wait for one connection attempt to a target; an attempt without an answer is
+    /// evidence of an unreachable link (`KVFERRY_CONNECT_TIMEOUT_MS`, 200).
+    pub connect_timeout: Duration,
     /// Deadline for the peer's hello after a session opened (`KVFERRY_HANDSHAKE_TIMEOUT_MS`, 10000).
     pub handshake_timeout: Duration,
     /// An attempt not reported within this is treated as a transient failure and its session
@@ -71,8 +81,11 @@ impl Default for Config {
             bootstrap_timeout: Duration::from_secs(300),
             waiting_timeout: Duration::from_secs(300),
             abort_ack_timeout: Duration::from_secs(5),
-            heartbeat_interval: Duration::from_secs(5),
-            heartbeat_misses: 3,
+            heartbeat_interval: Duration::from_millis(500),
+            heartbeat_misses: 30,
+            progress_interval: Duration::from_secs(5),
+            silence_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(200),
             handshake_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(30),
             max_op_bytes: 64 << 20,
@@ -157,6 +170,18 @@ const FIELDS: &[(&str, Field)] = &[
     (
         "HEARTBEAT_MISSES",
         Field::Count(|c| &mut c.heartbeat_misses),
+    ),
+    (
+        "PROGRESS_INTERVAL_MS",
+        Field::Millis(|c| &mut c.progress_interval),
+    ),
+    (
+        "SILENCE_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.silence_timeout),
+    ),
+    (
+        "CONNECT_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.connect_timeout),
     ),
     (
         "HANDSHAKE_TIMEOUT_MS",
@@ -284,6 +309,8 @@ impl Config {
             ("BOOTSTRAP_TIMEOUT_MS", self.bootstrap_timeout),
             ("WAITING_TIMEOUT_MS", self.waiting_timeout),
             ("ABORT_ACK_TIMEOUT_MS", self.abort_ack_timeout),
+            ("PROGRESS_INTERVAL_MS", self.progress_interval),
+            ("CONNECT_TIMEOUT_MS", self.connect_timeout),
             ("HANDSHAKE_TIMEOUT_MS", self.handshake_timeout),
             ("OPERATION_TIMEOUT_MS", self.operation_timeout),
             ("RECONNECT_INTERVAL_MS", self.reconnect_interval),
@@ -299,6 +326,13 @@ impl Config {
                 "PROBE_MAX_INTERVAL_MS",
                 self.probe_max_interval.as_millis().to_string(),
                 "must not be below KVFERRY_PROBE_INTERVAL_MS",
+            );
+        }
+        if self.silence_timeout <= self.heartbeat_interval {
+            return bad(
+                "SILENCE_TIMEOUT_MS",
+                self.silence_timeout.as_millis().to_string(),
+                "must be above KVFERRY_HEARTBEAT_INTERVAL_MS (a healthy peer is never that silent)",
             );
         }
         if self.max_op_bytes == 0 {

@@ -27,6 +27,8 @@ pub struct Counters {
     pub sessions_recovered: u64,
     /// Blacklisted sessions forgotten after their idle timeout.
     pub sessions_expired: u64,
+    /// Silent sessions taken over by a fresh connection to the same peer process.
+    pub sessions_resumed: u64,
     /// Sessions rejected at the handshake (token, version, role, layout).
     pub sessions_rejected: u64,
     /// Probes sent to blacklisted sessions.
@@ -65,6 +67,7 @@ impl Counters {
         self.sessions_recovered += other.sessions_recovered;
         self.sessions_expired += other.sessions_expired;
         self.sessions_rejected += other.sessions_rejected;
+        self.sessions_resumed += other.sessions_resumed;
         self.probes_sent += other.probes_sent;
         self.fences += other.fences;
         self.protocol_errors += other.protocol_errors;
@@ -103,6 +106,7 @@ impl Counters {
             ("sessions_recovered", self.sessions_recovered),
             ("sessions_expired", self.sessions_expired),
             ("sessions_rejected", self.sessions_rejected),
+            ("sessions_resumed", self.sessions_resumed),
             ("probes_sent", self.probes_sent),
             ("fences", self.fences),
             ("protocol_errors", self.protocol_errors),

@@ -11,8 +11,8 @@ use smallvec::SmallVec;
 use tracing::{debug, info, warn};
 
 use crate::api::{
-    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, Link, OpKind, PeerInfo,
-    RejectReason, SessionState, SessionStats, TransferOp, TransferOutcome, WritePermit,
+    Action, ApiError, Capacity, Chunk, ConnectFailure, EndpointInfo, Event, Grant, Link, OpKind,
+    PeerInfo, RejectReason, SessionState, SessionStats, TransferOp, TransferOutcome, WritePermit,
     WriteRefused,
 };
 use crate::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest};
@@ -84,6 +84,23 @@ pub struct Endpoint {
     next_target: u32,
     /// Write permits given so far (numbers them).
     next_permit: u64,
+    /// Sessions taken over by a fresh connection, with the session that carries on: their
+    /// writes are refused and their late messages ignored until their connection is gone.
+    superseded: Map<SessionId, SessionId>,
+}
+
+/// What the connection attempts to a target found, since its session went silent or down:
+/// the evidence that names the reason of rooms failed for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinkEvidence {
+    /// The host refused: nothing listens at the port.
+    Refused,
+    /// No answer within the connect timeout, or no route.
+    NoAnswer,
+    /// A connection was made but no hello came back: the peer process does not answer.
+    Silent,
+    /// The peer answered and refused us at the handshake (token, role, layout, version).
+    Rejected(FailureReason),
 }
 
 /// A peer to stay connected to: the core decides when to (re)connect.
@@ -97,6 +114,12 @@ struct Target {
     /// Receiver rooms waiting for this target's session.
     waiting: Vec<RoomId>,
     unreachable_timer: Option<TimerKey>,
+    /// A connection attempt asked of the driver and not yet reported.
+    dialing: bool,
+    /// A fresh connection checking the link while the session is silent, in its handshake.
+    check: Option<SessionId>,
+    /// What the attempts since the session went silent or down found.
+    evidence: Option<LinkEvidence>,
 }
 
 /// Who a peer is across connections: its node name and process incarnation.
@@ -110,8 +133,19 @@ struct Session {
     handshake_timer: Option<TimerKey>,
     heartbeat_timer: Option<TimerKey>,
     liveness_timer: Option<TimerKey>,
+    silence_timer: Option<TimerKey>,
     probe_timer: Option<TimerKey>,
     idle_timer: Option<TimerKey>,
+    /// Accepted by our listener: our hello goes out only after the peer's hello proved it
+    /// knows the cluster token.
+    inbound: bool,
+    /// The silence of this session was logged (reset when the peer is heard again).
+    silence_noted: bool,
+    /// Accepted side: the silent session of the same peer process this one will take over
+    /// once the peer uses it (its first message after the hello) or the old one ends. The
+    /// dialer may give up on a fresh connection whose hello was late; until it uses it, the
+    /// old session keeps its work.
+    resumes: Option<SessionId>,
     /// Consecutive exhausted operations.
     failures: u32,
     probe_backoff: Duration,
@@ -215,6 +249,8 @@ struct ReceiverRoom {
     waiting_for: SmallVec<[Link; 2]>,
     /// A grant given while the room waits for its targets.
     held_grant: Option<Grant>,
+    /// The request sent with the grant, kept to send again on a session that takes over.
+    request: Option<Box<RoomRequest>>,
 }
 
 #[derive(Debug)]
@@ -225,14 +261,12 @@ struct Source {
     done: bool,
     /// The source acknowledged the drain, or its session was fenced or closed.
     drained: bool,
-    /// Writes of this source authorized by `begin_write` and not yet ended: they may be
-    /// landing in the room's pages right now.
-    landing: u32,
     /// Every (owned layer, plane, granted page) unit plus the aux row and state slot this
     /// source must write, as a bitmap of what applied writes covered (set with the grant).
     coverage: Coverage,
-    /// Units of writes begun and not yet ended, by permit number.
-    pending: SmallVec<[(u64, Vec<u32>); 2]>,
+    /// Writes authorized by `begin_write` and not yet ended, which may be landing in the
+    /// room's pages right now: (permit number, the session that wrote it, its units).
+    pending: SmallVec<[(u64, SessionId, Vec<u32>); 2]>,
 }
 
 /// Which units of a room one source must write, and which applied writes covered.
@@ -318,7 +352,6 @@ impl Source {
             granted: false,
             done: false,
             drained: false,
-            landing: 0,
             coverage: Coverage::default(),
             pending: SmallVec::new(),
         }
@@ -338,6 +371,9 @@ struct Op {
     attempt: u32,
     phase: OpPhase,
     timer: Option<TimerKey>,
+    /// In flight on a connection that a fresh one took over: whatever its report says but
+    /// `Done`, it runs again on the new session without counting an attempt.
+    superseded: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -544,6 +580,7 @@ impl Endpoint {
             targets: Map::with_hasher(hasher.clone()),
             next_target: 0,
             next_permit: 0,
+            superseded: Map::with_hasher(hasher.clone()),
             hasher,
         })
     }
@@ -739,9 +776,36 @@ impl Endpoint {
 
     // ---------------------------------------------------------------- sessions
 
-    /// A control connection to a peer is up (either direction): returns its session handle
-    /// and queues our hello on it.
+    /// This side opened a control connection to a peer: returns its session handle and
+    /// queues our hello on it (the connector speaks first).
     pub fn open_session(&mut self, now: Instant) -> SessionId {
+        let sid = self.new_session(now, false);
+        let hello = self.our_hello();
+        self.transmits.push_back((sid, hello));
+        sid
+    }
+
+    /// Our listener accepted a control connection: returns its session handle. Our hello
+    /// goes out only once the peer's hello carried the right cluster token.
+    pub fn accept_session(&mut self, now: Instant) -> SessionId {
+        self.new_session(now, true)
+    }
+
+    fn our_hello(&self) -> Message {
+        Message::Hello(Hello {
+            role: self.local.role,
+            rank: self.local.rank,
+            node: self.local.node,
+            incarnation: self.local.incarnation,
+            token: SmallVec::from_slice(&self.local.token),
+            layout: self.local.layout,
+            layer_start: self.local.layer_start,
+            layer_end: self.local.layer_end,
+            writes_aux: self.local.writes_aux,
+        })
+    }
+
+    fn new_session(&mut self, now: Instant, inbound: bool) -> SessionId {
         let now = self.clock(now);
         self.next_session += 1;
         let sid = SessionId(self.next_session);
@@ -752,8 +816,12 @@ impl Endpoint {
             handshake_timer: None,
             heartbeat_timer: None,
             liveness_timer: None,
+            silence_timer: None,
             probe_timer: None,
             idle_timer: None,
+            inbound,
+            silence_noted: false,
+            resumes: None,
             failures: 0,
             probe_backoff: self.config.probe_interval,
             probe_nonce: None,
@@ -778,18 +846,6 @@ impl Endpoint {
             Timer::Handshake(sid),
         );
         self.sessions.insert(sid, session);
-        let hello = Hello {
-            role: self.local.role,
-            rank: self.local.rank,
-            node: self.local.node,
-            incarnation: self.local.incarnation,
-            token: SmallVec::from_slice(&self.local.token),
-            layout: self.local.layout,
-            layer_start: self.local.layer_start,
-            layer_end: self.local.layer_end,
-            writes_aux: self.local.writes_aux,
-        };
-        self.transmits.push_back((sid, Message::Hello(hello)));
         sid
     }
 
@@ -810,9 +866,15 @@ impl Endpoint {
                 down_since: Some(now),
                 waiting: Vec::new(),
                 unreachable_timer: None,
+                dialing: true,
+                check: None,
+                evidence: None,
             },
         );
-        self.actions.push_back(Action::Connect(id));
+        self.actions.push_back(Action::Connect {
+            target: id,
+            timeout: self.config.connect_timeout,
+        });
         id
     }
 
@@ -824,22 +886,69 @@ impl Endpoint {
         }
     }
 
-    /// The driver connected to a target: like [`Endpoint::open_session`], bound to it.
+    /// The driver connected to a target: like [`Endpoint::open_session`], bound to it. While
+    /// the target's session is silent this is a link check: if its handshake completes with
+    /// the same peer process, it takes the silent session's work over.
     pub fn open_session_for(&mut self, now: Instant, target: TargetId) -> SessionId {
         let sid = self.open_session(now);
+        let check_deadline = self.last_now + self.config.silence_timeout;
+        let live = self.target_session(target);
         if let Some(t) = self.targets.get_mut(&target) {
-            t.session = Some(sid);
+            t.dialing = false;
+            if live.is_some() {
+                t.check = Some(sid);
+            } else {
+                t.session = Some(sid);
+            }
             if let Some(s) = self.sessions.get_mut(&sid) {
                 s.target = Some(target);
+                if live.is_some() {
+                    // A link check: a peer that took the connection but says nothing is silent.
+                    self.timers.set(
+                        &mut s.handshake_timer,
+                        check_deadline,
+                        Timer::Handshake(sid),
+                    );
+                }
             }
         }
         sid
     }
 
-    /// The driver could not connect to a target; the core retries after its backoff.
-    pub fn handle_connect_failed(&mut self, now: Instant, target: TargetId) {
+    /// The driver could not connect to a target: the failure is evidence for the reason of
+    /// rooms that wait for it, and the core tries again (at once after a timeout, which paced
+    /// the attempt already; with backoff after a refusal).
+    pub fn handle_connect_failed(
+        &mut self,
+        now: Instant,
+        target: TargetId,
+        failure: ConnectFailure,
+    ) {
         let now = self.clock(now);
-        self.schedule_reconnect(now, target);
+        let live = self.target_session(target).is_some();
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        t.dialing = false;
+        t.evidence = Some(match failure {
+            ConnectFailure::Refused => LinkEvidence::Refused,
+            ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
+        });
+        if live {
+            // A silent session's link check: its silence timer paces the next one.
+            return;
+        }
+        self.schedule_reconnect(now, target, failure == ConnectFailure::NoAnswer);
+    }
+
+    /// The reason for rooms that gave up on `target`, from what its connection attempts found.
+    fn unreachable_reason(&self, target: TargetId) -> FailureReason {
+        match self.targets.get(&target).and_then(|t| t.evidence) {
+            Some(LinkEvidence::Refused) => FailureReason::ConnectionRefused,
+            Some(LinkEvidence::Silent) => FailureReason::PeerSilent,
+            Some(LinkEvidence::Rejected(reason)) => reason,
+            Some(LinkEvidence::NoAnswer) | None => FailureReason::PeerUnreachable,
+        }
     }
 
     /// The established session of a target, if it has one now.
@@ -859,8 +968,11 @@ impl Endpoint {
         }
     }
 
-    fn schedule_reconnect(&mut self, now: Instant, target: TargetId) {
+    /// Arms the next connection attempt. `paced`: the last attempt timed out, so it already
+    /// waited; try again after the shortest interval (a healed link is found within it).
+    fn schedule_reconnect(&mut self, now: Instant, target: TargetId, paced: bool) {
         let max = self.config.reconnect_max_interval;
+        let shortest = self.config.reconnect_interval;
         let window = self.config.unreachable_timeout;
         let Some(t) = self.targets.get_mut(&target) else {
             return;
@@ -874,11 +986,13 @@ impl Endpoint {
                 Timer::Unreachable(target),
             );
         }
-        let base = t.backoff;
+        let base = if paced { shortest } else { t.backoff };
         let jitter = Duration::from_nanos(self.rng.below(base.as_nanos() as u64 / 4 + 1));
         self.timers
             .set(&mut t.timer, now + base + jitter, Timer::Reconnect(target));
-        t.backoff = (base * 2).min(max);
+        if !paced {
+            t.backoff = (base * 2).min(max);
+        }
     }
 
     /// Bytes arrived on a session's control connection. Consumes every complete frame and
@@ -888,6 +1002,10 @@ impl Endpoint {
     /// it (the whole buffer is then reported as consumed).
     pub fn handle_input(&mut self, now: Instant, session: SessionId, buf: &[u8]) -> usize {
         let now = self.clock(now);
+        if self.superseded.contains_key(&session) {
+            // Sent before the peer moved to the fresh connection; it sends again what counts.
+            return buf.len();
+        }
         let mut used = 0;
         loop {
             match self.sessions.get(&session).map(|s| s.state) {
@@ -936,11 +1054,16 @@ impl Endpoint {
     /// nothing of this session can be written any more (this counts as a fence).
     pub fn handle_disconnected(&mut self, now: Instant, session: SessionId) {
         let now = self.clock(now);
+        self.hand_over_before_end(now, session);
         let Some(s) = self.sessions.get(&session) else {
             return;
         };
         let reason = s.close_reason;
+        let successor = self.superseded.get(&session).copied();
         match s.peer {
+            _ if successor.is_some() => {
+                debug!(%session, "superseded connection closed");
+            }
             Some(peer) if reason != FailureReason::Shutdown => {
                 warn!(%session, node = %peer.node, %reason, rooms = s.rooms.len(), "lost the peer");
             }
@@ -965,11 +1088,13 @@ impl Endpoint {
         self.fail_session_rooms(now, session, reason);
         self.settle_session_ops(now, session, false);
         self.fence_done(now, session);
+        self.superseded.remove(&session);
         if let Some(mut s) = self.sessions.remove(&session) {
             for t in [
                 &mut s.handshake_timer,
                 &mut s.heartbeat_timer,
                 &mut s.liveness_timer,
+                &mut s.silence_timer,
                 &mut s.probe_timer,
                 &mut s.idle_timer,
             ] {
@@ -977,13 +1102,25 @@ impl Endpoint {
             }
         }
         self.events.push_back(Event::SessionClosed { session });
+        let refused = matches!(
+            reason,
+            FailureReason::Unauthorized | FailureReason::IncompatiblePeer
+        );
+        for t in self.targets.values_mut() {
+            if refused && (t.check == Some(session) || t.session == Some(session)) {
+                t.evidence = Some(LinkEvidence::Rejected(reason));
+            }
+            if t.check == Some(session) {
+                t.check = None;
+            }
+        }
         let target = self
             .targets
             .iter()
             .find(|(_, t)| t.session == Some(session))
             .map(|(id, _)| *id);
         if let Some(target) = target {
-            self.schedule_reconnect(now, target);
+            self.schedule_reconnect(now, target, false);
         }
     }
 
@@ -1094,8 +1231,9 @@ impl Endpoint {
     /// Decode: opens a receiver room fed through `links`: sessions, or targets the core keeps
     /// connected. A target without a session now is waited for: the room stays
     /// `Bootstrapping` (a grant given meanwhile is held) until every target is up, and fails
-    /// with [`FailureReason::PeerUnreachable`] once one has been down for
-    /// `unreachable_timeout` (at once if it already has).
+    /// once one has been down for `unreachable_timeout` (at once if it already has), with the
+    /// reason its connection attempts found: [`FailureReason::ConnectionRefused`],
+    /// [`FailureReason::PeerUnreachable`] (no answer), or the peer's refusal at the handshake.
     pub fn open_receiver_via(
         &mut self,
         now: Instant,
@@ -1119,7 +1257,7 @@ impl Endpoint {
         };
         self.insert_bootstrapping_receiver(now, room, generation, rr);
         let window = self.config.unreachable_timeout;
-        let mut expired = false;
+        let mut expired = None;
         for link in links {
             let Link::Target(t) = *link else { continue };
             if self.target_session(t).is_some() {
@@ -1130,7 +1268,7 @@ impl Endpoint {
             };
             let since = *target.down_since.get_or_insert(now);
             if since + window <= now {
-                expired = true;
+                expired = Some(t);
                 continue;
             }
             target.waiting.push(room);
@@ -1142,9 +1280,10 @@ impl Endpoint {
                 );
             }
         }
-        if expired {
-            info!(%room, "room toward a peer that has been unreachable for the whole window");
-            self.conclude(now, room, KvPoll::Failed(FailureReason::PeerUnreachable));
+        if let Some(t) = expired {
+            let reason = self.unreachable_reason(t);
+            info!(%room, %reason, "room toward a peer that has been unreachable for the whole window");
+            self.conclude(now, room, KvPoll::Failed(reason));
         }
         Ok(())
     }
@@ -1185,7 +1324,13 @@ impl Endpoint {
         let mut all = true;
         for link in links {
             match *link {
-                Link::Session(sid) => sessions.push(sid),
+                Link::Session(mut sid) => {
+                    // A session taken over lives on in the one that took it.
+                    while let Some(&to) = self.superseded.get(&sid) {
+                        sid = to;
+                    }
+                    sessions.push(sid);
+                }
                 Link::Target(t) => {
                     if !self.targets.contains_key(&t) {
                         return Err(ApiError::UnknownTarget(t));
@@ -1333,6 +1478,9 @@ impl Endpoint {
         slice: &Slice,
     ) -> Result<(), WriteRefused> {
         let now = self.clock(now);
+        if self.superseded.contains_key(&session) {
+            return Err(WriteRefused::SessionSuperseded);
+        }
         let result = self.check_write_inner(session, room, generation, slice);
         if let Err(refused) = result {
             self.counters.writes_refused += 1;
@@ -1378,8 +1526,7 @@ impl Endpoint {
         if holds_pages {
             let units = self.write_units(room, session, slices);
             if let Some(src) = self.source_mut(room, generation, session) {
-                src.landing += 1;
-                src.pending.push((seq, units));
+                src.pending.push((seq, session, units));
             }
         }
         Ok(WritePermit {
@@ -1401,16 +1548,24 @@ impl Endpoint {
         if current != Some(permit.epoch) {
             return;
         }
-        let Some(src) = self.source_mut(room, permit.generation, permit.session) else {
+        // By permit number: the source may have moved to a session that took this one over.
+        let Some(Side::Receiver(rr)) = self
+            .rooms
+            .get_mut(&room)
+            .filter(|r| r.generation == permit.generation)
+            .map(|r| &mut r.side)
+        else {
             return;
         };
-        src.landing = src.landing.saturating_sub(1);
-        if let Some(i) = src.pending.iter().position(|(seq, _)| *seq == permit.seq) {
-            let (_, units) = src.pending.swap_remove(i);
-            if permit.applied {
-                for u in units {
-                    src.coverage.mark(u);
+        for src in rr.sources.iter_mut() {
+            if let Some(i) = src.pending.iter().position(|p| p.0 == permit.seq) {
+                let (_, _, units) = src.pending.swap_remove(i);
+                if permit.applied {
+                    for u in units {
+                        src.coverage.mark(u);
+                    }
                 }
+                break;
             }
         }
         if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
@@ -1820,6 +1975,23 @@ impl Endpoint {
             self.on_probe_result(now, op.session, id, outcome);
             return;
         }
+        if op.superseded && outcome != TransferOutcome::Done {
+            // Its connection was taken over: not a data-path failure, run it again as new.
+            op.superseded = false;
+            if room_live.is_none() {
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
+                return;
+            }
+            op.phase = OpPhase::Queued;
+            let session = op.session;
+            let new_id = self.alloc_op_id();
+            self.ops.insert(new_id, op);
+            if let Some(s) = self.sessions.get_mut(&session) {
+                s.queue.push_front(new_id);
+            }
+            self.mark_ready(session);
+            return;
+        }
         match outcome {
             TransferOutcome::Transient => self.counters.transient_failures += 1,
             TransferOutcome::Fatal => self.counters.fatal_failures += 1,
@@ -2009,11 +2181,16 @@ impl Endpoint {
                     }
                     Side::Receiver(rr) => rr.queue_position > 0,
                 };
-                let unreachable =
-                    matches!(&r.side, Side::Receiver(rr) if !rr.waiting_for.is_empty());
-                let reason = if unreachable {
+                let down_target = match &r.side {
+                    Side::Receiver(rr) => rr.waiting_for.iter().find_map(|l| match *l {
+                        Link::Target(t) => Some(t),
+                        Link::Session(_) => None,
+                    }),
+                    Side::Sender(_) => None,
+                };
+                let reason = if let Some(t) = down_target {
                     // Still waiting for a target's session: that is why it never bootstrapped.
-                    FailureReason::PeerUnreachable
+                    self.unreachable_reason(t)
                 } else if saturated {
                     FailureReason::DecodeSaturated
                 } else {
@@ -2054,7 +2231,7 @@ impl Endpoint {
                 let undrained: SmallVec<[SessionId; 2]> = rr
                     .sources
                     .iter()
-                    .filter(|s| (s.granted && !s.drained && !s.done) || s.landing > 0)
+                    .filter(|s| (s.granted && !s.drained && !s.done) || !s.pending.is_empty())
                     .map(|s| s.session)
                     .collect();
                 for sid in undrained {
@@ -2071,6 +2248,11 @@ impl Endpoint {
                 }
                 op.timer = None;
                 let session = op.session;
+                if op.superseded {
+                    // It hangs on a connection already replaced: the new one is not at fault.
+                    self.settle_attempt(now, id, TransferOutcome::Transient);
+                    return;
+                }
                 warn!(%session, room = ?op.room, "transfer attempt timed out; fencing the session");
                 // The attempt may still be writing: fence before anything else is sent.
                 self.fence(session);
@@ -2100,12 +2282,23 @@ impl Endpoint {
                 }
                 s.handshake_timer = None;
                 if s.state == SessionState::Handshaking {
+                    let target = s.target;
+                    if let Some(t) = target.and_then(|t| self.targets.get_mut(&t)) {
+                        // The connection was taken and nothing answered: the process is stuck.
+                        t.evidence = Some(LinkEvidence::Silent);
+                        if t.check == Some(sid) {
+                            // A link check given up: close it quietly (no error that a late
+                            // delivery could turn against the session it was checking).
+                            self.request_close(sid);
+                            return;
+                        }
+                    }
                     self.close_session(
                         now,
                         sid,
                         ErrorCode::HeartbeatsMissed,
                         "no hello in time",
-                        FailureReason::PeerUnreachable,
+                        FailureReason::PeerSilent,
                     );
                 }
             }
@@ -2118,8 +2311,12 @@ impl Endpoint {
                     return;
                 }
                 t.timer = None;
-                self.actions.push_back(Action::Connect(target));
+                if t.dialing || self.target_session(target).is_some() {
+                    return;
+                }
+                self.dial(target);
             }
+            Timer::Silence(sid) => self.on_silence_timer(now, sid, key),
             Timer::Unreachable(target) => {
                 let Some(t) = self.targets.get_mut(&target) else {
                     return;
@@ -2129,15 +2326,16 @@ impl Endpoint {
                 }
                 t.unreachable_timer = None;
                 let waiting = std::mem::take(&mut t.waiting);
+                let reason = self.unreachable_reason(target);
                 if !waiting.is_empty() {
-                    warn!(%target, rooms = waiting.len(), "peer unreachable for the whole window, failing the rooms waiting for it");
+                    warn!(%target, rooms = waiting.len(), %reason, "peer unreachable for the whole window, failing the rooms waiting for it");
                 }
                 for room in waiting {
                     let still = self.rooms.get(&room).is_some_and(|r| {
                         matches!(&r.side, Side::Receiver(rr) if rr.waiting_for.contains(&Link::Target(target)))
                     });
                     if still {
-                        self.conclude(now, room, KvPoll::Failed(FailureReason::PeerUnreachable));
+                        self.conclude(now, room, KvPoll::Failed(reason));
                     }
                 }
             }
@@ -2156,13 +2354,33 @@ impl Endpoint {
                         .set(&mut s.liveness_timer, due, Timer::Liveness(sid));
                     return;
                 }
-                warn!(session = %sid, "peer silent for the whole liveness window");
+                // What fresh connections found during the silence names the cause; without
+                // any (a listener cannot dial), the peer is silent.
+                if self.sessions.values().any(|x| x.resumes == Some(sid)) {
+                    self.hand_over_before_end(now, sid);
+                    return;
+                }
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
+                let evidence = s
+                    .target
+                    .filter(|_| !self.superseded.contains_key(&sid))
+                    .and_then(|t| self.targets.get(&t))
+                    .and_then(|t| t.evidence);
+                let reason = match evidence {
+                    Some(LinkEvidence::NoAnswer) => FailureReason::PeerUnreachable,
+                    Some(LinkEvidence::Refused) => FailureReason::ConnectionRefused,
+                    Some(LinkEvidence::Rejected(r)) => r,
+                    Some(LinkEvidence::Silent) | None => FailureReason::PeerSilent,
+                };
+                warn!(session = %sid, %reason, "peer silent for the whole liveness window");
                 self.close_session(
                     now,
                     sid,
                     ErrorCode::HeartbeatsMissed,
                     "heartbeats missed",
-                    FailureReason::PeerSilent,
+                    reason,
                 );
             }
             Timer::Probe(sid) => {
@@ -2197,6 +2415,7 @@ impl Endpoint {
                         attempt: 1,
                         phase: OpPhase::Queued,
                         timer: None,
+                        superseded: false,
                     },
                 );
                 if let Some(s) = self.sessions.get_mut(&sid) {
@@ -2242,6 +2461,68 @@ impl Endpoint {
         }
     }
 
+    /// Asks the driver for one connection attempt to `target`.
+    fn dial(&mut self, target: TargetId) {
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        t.dialing = true;
+        self.actions.push_back(Action::Connect {
+            target,
+            timeout: self.config.connect_timeout,
+        });
+    }
+
+    /// A session that heard nothing for `silence_timeout` gets its link checked with fresh
+    /// connections, one attempt per `connect_timeout`, until it is heard again, a fresh
+    /// connection takes it over, or its liveness window ends.
+    fn on_silence_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
+        let silence = self.config.silence_timeout;
+        let pace = self.config.connect_timeout;
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.silence_timer != Some(key) {
+            return;
+        }
+        s.silence_timer = None;
+        if !matches!(
+            s.state,
+            SessionState::Established | SessionState::Blacklisted
+        ) {
+            return;
+        }
+        let due = s.last_rx + silence;
+        if due > now {
+            self.timers
+                .set(&mut s.silence_timer, due, Timer::Silence(sid));
+            return;
+        }
+        self.timers
+            .set(&mut s.silence_timer, now + pace, Timer::Silence(sid));
+        let Some(target) = s.target else {
+            // Only the side that dials can check the link; the other waits for its peer's.
+            return;
+        };
+        let first = !s.silence_noted;
+        s.silence_noted = true;
+        let quiet_ms = now.saturating_duration_since(s.last_rx).as_millis() as u64;
+        let node = s.peer.map(|p| p.node);
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        if t.session != Some(sid) {
+            return;
+        }
+        if first {
+            t.evidence = None;
+            info!(session = %sid, ?node, quiet_ms, "peer silent; checking the link with fresh connections");
+        }
+        if !t.dialing && t.check.is_none() {
+            self.dial(target);
+        }
+    }
+
     fn on_heartbeat_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
         let interval = self.config.heartbeat_interval;
         let Some(s) = self.sessions.get_mut(&sid) else {
@@ -2274,8 +2555,9 @@ impl Endpoint {
         if self.local.role != Role::Prefill {
             return;
         }
-        // Keepalive progress for rooms that said nothing this interval, so decode's deadline
-        // measures whether prefill is alive and moving, not how long its queues are.
+        // Keepalive progress for rooms that said nothing for a progress interval, so decode's
+        // deadline measures whether prefill is alive and moving, not how long its queues are.
+        let interval = self.config.progress_interval;
         for room in rooms {
             let Some(r) = self.rooms.get_mut(&room) else {
                 continue;
@@ -2312,7 +2594,12 @@ impl Endpoint {
             return;
         };
         s.last_rx = now;
+        s.silence_noted = false;
         let established = s.peer.is_some();
+        if s.resumes.is_some() && !matches!(msg, Message::Hello(_) | Message::Error { .. }) {
+            // The dialer uses the fresh connection: it took the work over on its side.
+            self.commit_resume(now, sid);
+        }
         match msg {
             Message::Hello(h) => {
                 if established {
@@ -2321,28 +2608,7 @@ impl Endpoint {
                     self.on_hello(now, sid, h);
                 }
             }
-            _ if !established => self.strike(sid, "message before hello", false),
-            Message::Heartbeat {
-                free_pages,
-                queued_rooms,
-            } => {
-                if let Some(s) = self.sessions.get_mut(&sid) {
-                    s.capacity = Some(Capacity {
-                        free_pages,
-                        queued_rooms,
-                    });
-                }
-            }
-            Message::Probe { nonce } => {
-                self.transmits.push_back((sid, Message::ProbeAck { nonce }))
-            }
-            Message::Transport { payload } => {
-                self.events.push_back(Event::TransportReceived {
-                    session: sid,
-                    payload,
-                });
-            }
-            Message::ProbeAck { nonce } => self.on_probe_ack(now, sid, nonce),
+            // Also before the hello: a listener refuses a bad token without saying who it is.
             Message::Error { code, detail } => {
                 if code == ErrorCode::Shutdown {
                     info!(session = %sid, %detail, "peer is closing the session");
@@ -2371,6 +2637,28 @@ impl Endpoint {
                 self.fail_session_rooms(now, sid, reason);
                 self.request_close(sid);
             }
+            _ if !established => self.strike(sid, "message before hello", false),
+            Message::Heartbeat {
+                free_pages,
+                queued_rooms,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.capacity = Some(Capacity {
+                        free_pages,
+                        queued_rooms,
+                    });
+                }
+            }
+            Message::Probe { nonce } => {
+                self.transmits.push_back((sid, Message::ProbeAck { nonce }))
+            }
+            Message::Transport { payload } => {
+                self.events.push_back(Event::TransportReceived {
+                    session: sid,
+                    payload,
+                });
+            }
+            Message::ProbeAck { nonce } => self.on_probe_ack(now, sid, nonce),
             Message::RoomPending {
                 room,
                 generation,
@@ -2436,16 +2724,29 @@ impl Endpoint {
             layer_end: h.layer_end,
             writes_aux: h.writes_aux,
         };
-        // A known peer: a new incarnation voids its previous life; the same one is a
-        // reconnect that replaces a stale connection.
+        let inbound = self.sessions.get(&sid).is_some_and(|s| s.inbound);
+        if inbound {
+            // The peer proved it knows the token: only now do we say who we are.
+            let hello = self.our_hello();
+            self.transmits.push_back((sid, hello));
+        }
+        // A known peer: a new incarnation voids its previous life; the same one on a fresh
+        // connection takes the old session's work over (the old link went silent).
+        let mut resumed_from = None;
+        let mut was_blacklisted = false;
         if let Some(&old) = self.nodes.get(&h.node) {
             if old != sid {
-                let old_inc = self
+                let (old_inc, old_state) = self
                     .sessions
                     .get(&old)
-                    .and_then(|s| s.peer)
-                    .map(|p| p.incarnation);
-                if old_inc != Some(h.incarnation) {
+                    .map(|s| (s.peer.map(|p| p.incarnation), Some(s.state)))
+                    .unwrap_or((None, None));
+                if old_inc == Some(h.incarnation)
+                    && old_state == Some(SessionState::Established)
+                    && !self.superseded.contains_key(&old)
+                {
+                    resumed_from = Some(old);
+                } else if old_inc != Some(h.incarnation) {
                     info!(node = %h.node, old = %old, new = %sid, "peer restarted");
                     self.events.push_back(Event::PeerRestarted {
                         node: h.node,
@@ -2460,6 +2761,9 @@ impl Endpoint {
                         FailureReason::PeerRestarted,
                     );
                 } else {
+                    // Blacklisted (its rooms failed already) or closing: the new session
+                    // starts clean, except that a blacklist stands until a probe succeeds.
+                    was_blacklisted = old_state == Some(SessionState::Blacklisted);
                     self.close_session(
                         now,
                         old,
@@ -2470,15 +2774,22 @@ impl Endpoint {
                 }
             }
         }
-        self.nodes.insert(h.node, sid);
+        let pending_resume = resumed_from.filter(|_| inbound);
+        if pending_resume.is_some() {
+            resumed_from = None;
+        } else {
+            self.nodes.insert(h.node, sid);
+        }
         let remembered = self.blacklist_memory.remove(&h.node);
         let interval = self.config.heartbeat_interval;
         let window = interval * self.config.heartbeat_misses;
+        let silence = self.config.silence_timeout;
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
         s.peer = Some(peer);
         s.state = SessionState::Established;
+        s.resumes = pending_resume;
         self.timers.cancel(&mut s.handshake_timer);
         self.timers.set(
             &mut s.heartbeat_timer,
@@ -2487,21 +2798,208 @@ impl Endpoint {
         );
         self.timers
             .set(&mut s.liveness_timer, now + window, Timer::Liveness(sid));
+        self.timers
+            .set(&mut s.silence_timer, now + silence, Timer::Silence(sid));
+        let target = s.target;
+        if let Some(old) = resumed_from {
+            self.take_over(now, h.node, old, sid);
+        }
         self.events
             .push_back(Event::SessionEstablished { session: sid, peer });
         let reset = self.config.reconnect_interval;
-        let target = s.target;
         if let Some(t) = target.and_then(|t| self.targets.get_mut(&t)) {
             t.backoff = reset;
+            t.session = Some(sid);
+            t.check = None;
+            t.evidence = None;
+            self.timers.cancel(&mut t.timer);
         }
         if let Some(t) = target {
             self.target_up(now, t);
         }
-        if let Some(mem) = remembered {
-            if mem.incarnation == h.incarnation && mem.until > now {
-                // Same process reconnected: its blacklist stands until a probe succeeds.
-                self.blacklist(now, sid);
+        if resumed_from.is_some() {
+            self.replay(sid);
+        }
+        let remembered =
+            remembered.is_some_and(|m| m.incarnation == h.incarnation && m.until > now);
+        if was_blacklisted || remembered {
+            // Same process reconnected: its blacklist stands until a probe succeeds.
+            self.blacklist(now, sid);
+        }
+    }
+
+    /// A fresh connection of the same peer process takes over the work of `old`, whose link
+    /// went silent: rooms, operations and failure count move to `new`, and nothing fails.
+    /// Operations in flight on the old connection run again on the new one once their old
+    /// attempt reports (the dialing side closes the old connection at once; the accepting
+    /// side waits for that close, so a close can never overtake the peer's take-over).
+    fn take_over(&mut self, now: Instant, node: NodeId, old: SessionId, new: SessionId) {
+        let Some(o) = self.sessions.get_mut(&old) else {
+            return;
+        };
+        let rooms = std::mem::take(&mut o.rooms);
+        let queue = std::mem::take(&mut o.queue);
+        let (failures, capacity, in_flight) = (o.failures, o.capacity, o.in_flight);
+        o.in_flight = 0;
+        for t in [
+            &mut o.heartbeat_timer,
+            &mut o.silence_timer,
+            &mut o.probe_timer,
+            &mut o.idle_timer,
+        ] {
+            self.timers.cancel(t);
+        }
+        for op in self.ops.values_mut().filter(|op| op.session == old) {
+            op.session = new;
+            op.superseded = op.phase == OpPhase::InFlight;
+        }
+        for room in &rooms {
+            let Some(r) = self.rooms.get_mut(room) else {
+                continue;
+            };
+            match &mut r.side {
+                Side::Sender(x) => {
+                    for rcv in x.receivers.iter_mut().filter(|x| x.session == old) {
+                        rcv.session = new;
+                    }
+                    for a in x.announced_by.iter_mut().filter(|a| **a == old) {
+                        *a = new;
+                    }
+                }
+                Side::Receiver(rr) => {
+                    for src in rr.sources.iter_mut().filter(|s| s.session == old) {
+                        src.session = new;
+                    }
+                    for l in rr.waiting_for.iter_mut() {
+                        if *l == Link::Session(old) {
+                            *l = Link::Session(new);
+                        }
+                    }
+                }
             }
+        }
+        for p in self.pending.values_mut() {
+            for (s, _) in p.requests.iter_mut().filter(|(s, _)| *s == old) {
+                *s = new;
+            }
+            for (s, _) in p.notices.iter_mut().filter(|(s, _)| *s == old) {
+                *s = new;
+            }
+        }
+        let moved = rooms.len();
+        let Some(n) = self.sessions.get_mut(&new) else {
+            return;
+        };
+        n.rooms.extend(rooms);
+        n.queue.extend(queue);
+        n.failures = failures;
+        n.capacity = n.capacity.or(capacity);
+        n.in_flight += in_flight;
+        let inbound = n.inbound;
+        self.nodes.insert(node, new);
+        self.superseded.insert(old, new);
+        self.counters.sessions_resumed += 1;
+        info!(%node, %old, %new, rooms = moved, "link back: a fresh connection took the silent session over");
+        self.events
+            .push_back(Event::SessionResumed { node, old, new });
+        if !inbound {
+            // We dialed, so the peer took over or will at our first message (sent now): the
+            // old connection can go.
+            self.transmits.push_back((
+                new,
+                Message::Heartbeat {
+                    free_pages: self.capacity.free_pages,
+                    queued_rooms: self.capacity.queued_rooms,
+                },
+            ));
+            self.request_close(old);
+        }
+        let _ = now;
+        self.mark_ready(new);
+    }
+
+    /// Accepted side: the fresh session `sid` takes over the silent one it was waiting for.
+    fn commit_resume(&mut self, now: Instant, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        let Some(old) = s.resumes.take() else {
+            return;
+        };
+        let Some(who) = s.peer.map(|p| (p.node, p.incarnation)) else {
+            return;
+        };
+        let node = who.0;
+        let same = self.sessions.get(&old).is_some_and(|o| {
+            o.state == SessionState::Established
+                && o.peer.map(|p| (p.node, p.incarnation)) == Some(who)
+        });
+        if !same || self.superseded.contains_key(&old) {
+            self.nodes.insert(node, sid);
+            return;
+        }
+        self.take_over(now, node, old, sid);
+        self.replay(sid);
+    }
+
+    /// Accepted side: `old` is ending; a fresh session of the same peer waiting to take it
+    /// over does so now, so the end fails nothing.
+    fn hand_over_before_end(&mut self, now: Instant, old: SessionId) {
+        let heir = self
+            .sessions
+            .iter()
+            .find(|(_, s)| s.resumes == Some(old))
+            .map(|(id, _)| *id);
+        if let Some(heir) = heir {
+            self.commit_resume(now, heir);
+        }
+    }
+
+    /// After a take-over: says again on `sid` what the peer may have lost with the old
+    /// connection. Each message is one the peer treats as a duplicate if it had it.
+    fn replay(&mut self, sid: SessionId) {
+        let Some(s) = self.sessions.get(&sid) else {
+            return;
+        };
+        let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        for room in rooms {
+            let Some(r) = self.rooms.get(&room) else {
+                continue;
+            };
+            let generation = r.generation;
+            let state = r.state;
+            let msg = match &r.side {
+                Side::Sender(x)
+                    if state.is_terminal() && x.receivers.iter().any(|x| x.session == sid) =>
+                {
+                    self.answer_with_outcome(sid, room, generation, state.failure());
+                    continue;
+                }
+                Side::Sender(_) => continue,
+                Side::Receiver(rr) => {
+                    let Some(src) = rr.sources.iter().find(|s| s.session == sid) else {
+                        continue;
+                    };
+                    match state.failure() {
+                        Some(reason) if !src.done && !src.drained => Message::Abort {
+                            room,
+                            generation,
+                            reason,
+                        },
+                        _ if state.is_terminal() => continue,
+                        _ if src.granted => match &rr.request {
+                            Some(req) => Message::RoomRequest((**req).clone()),
+                            None => continue,
+                        },
+                        _ => Message::RoomPending {
+                            room,
+                            generation,
+                            queue_position: rr.queue_position,
+                        },
+                    }
+                }
+            };
+            self.transmits.push_back((sid, msg));
         }
     }
 
@@ -2525,7 +3023,11 @@ impl Endpoint {
             ),
         };
         let now = self.last_now;
-        self.close_session(now, sid, code, &detail, FailureReason::IncompatiblePeer);
+        let reason = match reason {
+            RejectReason::BadToken => FailureReason::Unauthorized,
+            _ => FailureReason::IncompatiblePeer,
+        };
+        self.close_session(now, sid, code, &detail, reason);
     }
 
     fn strike(&mut self, sid: SessionId, what: &str, fatal: bool) {
@@ -3056,18 +3558,20 @@ impl Endpoint {
             now + self.config.waiting_timeout,
             Timer::Waiting(room),
         );
+        let request = RoomRequest {
+            room,
+            generation,
+            receivers: grant.receivers.max(1),
+            pages: runs,
+            aux_slot: grant.aux_slot,
+            state_slot: grant.state_slot,
+        };
         for sid in targets {
-            self.transmits.push_back((
-                sid,
-                Message::RoomRequest(RoomRequest {
-                    room,
-                    generation,
-                    receivers: grant.receivers.max(1),
-                    pages: runs.clone(),
-                    aux_slot: grant.aux_slot,
-                    state_slot: grant.state_slot,
-                }),
-            ));
+            self.transmits
+                .push_back((sid, Message::RoomRequest(request.clone())));
+        }
+        if let Some(Side::Receiver(rr)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
+            rr.request = Some(Box::new(request));
         }
         self.set_state(room, KvPoll::WaitingForInput);
     }
@@ -3402,7 +3906,7 @@ impl Endpoint {
             Side::Receiver(rr) => {
                 // A write still landing holds the pages whatever the outcome; the abort timer
                 // bounds how long (it fences the session).
-                let mut waiting = rr.sources.iter().any(|s| s.landing > 0);
+                let mut waiting = rr.sources.iter().any(|s| !s.pending.is_empty());
                 if let Some(reason) = failure {
                     for src in rr.sources.iter_mut() {
                         if src.done {
@@ -3485,7 +3989,7 @@ impl Endpoint {
             Side::Receiver(rr) => rr
                 .sources
                 .iter()
-                .all(|s| (s.drained || s.done) && s.landing == 0),
+                .all(|s| (s.drained || s.done) && s.pending.is_empty()),
         };
         if !ready {
             return;
@@ -3622,6 +4126,7 @@ impl Endpoint {
                     attempt: 1,
                     phase: OpPhase::Queued,
                     timer: None,
+                    superseded: false,
                 },
             );
             if let Some(x) = self.sessions.get_mut(&sid) {
@@ -3767,21 +4272,35 @@ impl Endpoint {
         };
         // Nothing written before the fence can land any more: its permits are void.
         s.epoch = s.epoch.wrapping_add(1);
-        let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        let mut rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        // Writes of this connection may be pending in rooms a fresh session took over.
+        let mut next = self.superseded.get(&sid).copied();
+        while let Some(to) = next {
+            if let Some(x) = self.sessions.get(&to) {
+                rooms.extend(x.rooms.iter().copied());
+            }
+            next = self.superseded.get(&to).copied();
+        }
         for room in rooms {
             let Some(r) = self.rooms.get_mut(&room) else {
                 continue;
             };
             let terminal = r.state.is_terminal();
+            let mut touched = !matches!(r.side, Side::Receiver(_));
             if let Side::Receiver(rr) = &mut r.side {
-                for src in rr.sources.iter_mut().filter(|s| s.session == sid) {
-                    src.landing = 0;
-                    if terminal {
-                        src.drained = true;
+                for src in rr.sources.iter_mut() {
+                    let before = src.pending.len();
+                    src.pending.retain(|p| p.1 != sid);
+                    touched |= src.pending.len() != before;
+                    if src.session == sid {
+                        touched = true;
+                        if terminal {
+                            src.drained = true;
+                        }
                     }
                 }
             }
-            if terminal {
+            if terminal && touched {
                 self.maybe_release(now, room);
             }
         }

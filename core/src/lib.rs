@@ -58,9 +58,9 @@ pub mod state;
 mod timer;
 
 pub use api::{
-    Action, ApiError, Capacity, Chunk, EndpointInfo, Event, Grant, Link, OpKind, PeerInfo,
-    RejectReason, SessionState, SessionStats, Sessions, TransferOp, TransferOutcome, WritePermit,
-    WriteRefused,
+    Action, ApiError, Capacity, Chunk, ConnectFailure, EndpointInfo, Event, Grant, Link, OpKind,
+    PeerInfo, RejectReason, SessionState, SessionStats, Sessions, TransferOp, TransferOutcome,
+    WritePermit, WriteRefused,
 };
 pub use config::{Config, ConfigError};
 pub use counters::Counters;

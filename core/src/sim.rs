@@ -122,6 +122,12 @@ impl SimNode {
         Some(got)
     }
 
+    /// Gives back the pages of a room attempt the endpoint refused to open (they were never
+    /// handed to it).
+    pub fn give_back(&mut self, room: RoomId, generation: Generation) {
+        self.free(room, generation);
+    }
+
     fn free(&mut self, room: RoomId, generation: Generation) {
         for p in self.owned.remove(&(room, generation)).unwrap_or_default() {
             if self.pages[p as usize] == Some((room, generation)) {
@@ -363,6 +369,10 @@ pub fn fast_config() -> Config {
         waiting_timeout: Duration::from_secs(2),
         abort_ack_timeout: Duration::from_millis(500),
         heartbeat_interval: Duration::from_millis(250),
+        heartbeat_misses: 3,
+        progress_interval: Duration::from_millis(250),
+        silence_timeout: Duration::from_millis(500),
+        connect_timeout: Duration::from_millis(100),
         handshake_timeout: Duration::from_secs(1),
         operation_timeout: Duration::from_millis(500),
         ..Config::default()
@@ -511,7 +521,7 @@ impl Sim {
     /// Connects two nodes with a fresh control connection; returns (session on a, session on b).
     pub fn connect(&mut self, a: usize, b: usize) -> (SessionId, SessionId) {
         let sa = self.nodes[a].endpoint.open_session(self.now);
-        let sb = self.nodes[b].endpoint.open_session(self.now);
+        let sb = self.nodes[b].endpoint.accept_session(self.now);
         self.links.push(Link {
             a: (a, sa),
             b: (b, sb),
@@ -609,7 +619,7 @@ impl Sim {
                         self.push(self.now, Pending::Close { node: n, session })
                     }
                     // The simulation manages its links itself (connect, reset_link).
-                    Action::Connect(_) => {}
+                    Action::Connect { .. } => {}
                 }
             }
             while let Some(op) = self.nodes[n].endpoint.poll_transfer(self.now) {
@@ -1073,10 +1083,15 @@ impl Sim {
                     return;
                 };
                 let l = &mut self.links[li];
-                let ends = [l.a, l.b];
                 let was_up = l.up;
                 l.up = false;
-                for (n, s) in ends {
+                // Through a black hole the far end learns nothing: its own timers decide.
+                let ends: Vec<(usize, SessionId)> = if l.blackhole_until > self.now {
+                    vec![(node, session)]
+                } else {
+                    vec![l.a, l.b]
+                };
+                for &(n, s) in &ends {
                     let broken: Vec<(usize, TransferId)> = self
                         .inflight
                         .iter()
@@ -1099,21 +1114,16 @@ impl Sim {
                         }
                     }
                 }
-                for (n, s) in ends {
+                for &(n, s) in &ends {
                     if s != DEAD_SESSION {
                         self.nodes[n].endpoint.handle_disconnected(self.now, s);
                         self.drain(n);
                     }
                 }
+                let (a, b) = (self.links[li].a.0, self.links[li].b.0);
                 if let (true, Some(after)) = (was_up, self.faults.reconnect_after) {
                     let at = self.now + after;
-                    self.push(
-                        at,
-                        Pending::Reconnect {
-                            a: ends[0].0,
-                            b: ends[1].0,
-                        },
-                    );
+                    self.push(at, Pending::Reconnect { a, b });
                 }
             }
             Pending::Reconnect { a, b } => {

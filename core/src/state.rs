@@ -15,8 +15,9 @@ pub enum FailureReason {
     DecodeSaturated,
     /// Decode saw no progress for the room within `waiting_timeout`, or the end-to-end budget ran out.
     WaitingTimeout,
-    /// No session to the peer could be established within `unreachable_timeout` (connection
-    /// refused, no route, handshake never completed). Retry once the peer is back.
+    /// The peer's address gave no answer at all: connection attempts timed out or found no
+    /// route for the whole `unreachable_timeout` (a room waiting for the peer), or for the
+    /// liveness window of a silent session (a black-holed link). Retry once the link is back.
     PeerUnreachable,
     /// The peer restarted (new incarnation); everything of its previous life is void.
     PeerRestarted,
@@ -39,8 +40,8 @@ pub enum FailureReason {
     /// request again under a fresh room id (or a higher generation).
     RoomIdReused,
     /// Nothing arrived from the peer for the liveness window (`heartbeat_interval` x
-    /// `heartbeat_misses`), or the peer said it heard nothing from us: a black-holed link or a
-    /// hung peer process (the two look the same from one end).
+    /// `heartbeat_misses`) while its address still took connections (a hung peer process), or
+    /// the peer said it heard nothing from us.
     PeerSilent,
     /// The connection to the peer closed without a shutdown notice: the peer process died or
     /// the connection was reset.
@@ -49,11 +50,14 @@ pub enum FailureReason {
     PeerShutdown,
     /// The peer refused our cluster token, or we refused its token.
     Unauthorized,
+    /// The peer's host answered but nothing listened at the port (connection refused) for the
+    /// whole unreachable window: the peer process is down while its machine is up.
+    ConnectionRefused,
 }
 
 impl FailureReason {
     /// All variants, in wire-code order.
-    pub const ALL: [FailureReason; 17] = [
+    pub const ALL: [FailureReason; 18] = [
         FailureReason::BootstrapTimeout,
         FailureReason::DecodeSaturated,
         FailureReason::WaitingTimeout,
@@ -71,6 +75,7 @@ impl FailureReason {
         FailureReason::ConnectionLost,
         FailureReason::PeerShutdown,
         FailureReason::Unauthorized,
+        FailureReason::ConnectionRefused,
     ];
 
     /// The one-byte code used on the wire (see `docs/PROTOCOL.md`).
@@ -108,6 +113,7 @@ impl FailureReason {
             FailureReason::ConnectionLost => "connection_lost",
             FailureReason::PeerShutdown => "peer_shutdown",
             FailureReason::Unauthorized => "unauthorized",
+            FailureReason::ConnectionRefused => "connection_refused",
         }
     }
 
@@ -117,7 +123,7 @@ impl FailureReason {
             FailureReason::BootstrapTimeout => "no decode asked for the room (or no pages were granted) before the bootstrap deadline; check that the router sent the request to both sides and KVFERRY_BOOTSTRAP_TIMEOUT_MS",
             FailureReason::DecodeSaturated => "decode had no KV capacity for the room until the bootstrap deadline; add decode capacity or admit fewer rooms",
             FailureReason::WaitingTimeout => "nothing moved for the room within the waiting deadline; check that prefill is computing and sending it, and KVFERRY_WAITING_TIMEOUT_MS",
-            FailureReason::PeerUnreachable => "no connection to the peer could be made within the unreachable window (refused, no route, or no handshake); check that the peer runs at that address and KVFERRY_UNREACHABLE_TIMEOUT_MS",
+            FailureReason::PeerUnreachable => "the peer's address gave no answer (connection attempts timed out or found no route) for the whole window; check the network path to the peer, KVFERRY_UNREACHABLE_TIMEOUT_MS and KVFERRY_CONNECT_TIMEOUT_MS",
             FailureReason::PeerRestarted => "the peer restarted, so its earlier rooms are void; resubmit the request",
             FailureReason::SessionBlacklisted => "the link to this peer failed repeatedly and is blacklisted until a probe succeeds; check the data path (network, registered memory)",
             FailureReason::TransferFailed => "a data transfer failed after all retries; check the data path and KVFERRY_TRANSFER_RETRIES",
@@ -127,10 +133,11 @@ impl FailureReason {
             FailureReason::IncompatiblePeer => "the peer was refused at the handshake (role, protocol version or memory layout); check that both sides use the same kvferry version and model shape",
             FailureReason::Shutdown => "the endpoint is shutting down",
             FailureReason::RoomIdReused => "prefill already concluded this room id for another decode (another node or an earlier incarnation of this one); resubmit the request under a fresh room id",
-            FailureReason::PeerSilent => "nothing arrived from the peer for the liveness window (a black-holed link or a hung peer); check the network path and the peer process, and KVFERRY_HEARTBEAT_INTERVAL_MS / KVFERRY_HEARTBEAT_MISSES",
+            FailureReason::PeerSilent => "nothing arrived from the peer for the liveness window while its address still took connections (a hung or overloaded peer process); check the peer process, and KVFERRY_HEARTBEAT_INTERVAL_MS / KVFERRY_HEARTBEAT_MISSES",
             FailureReason::ConnectionLost => "the connection to the peer closed without a shutdown notice (the peer died or the connection was reset); check the peer process",
             FailureReason::PeerShutdown => "the peer announced it is shutting down; resubmit the request to a live peer",
             FailureReason::Unauthorized => "the cluster token was refused; check that both sides use the same --token / KVFERRY_TOKEN",
+            FailureReason::ConnectionRefused => "nothing listened at the peer's address (connection refused) for the whole unreachable window: the peer process is down; start it, or check the address",
         }
     }
 
@@ -153,6 +160,7 @@ impl FailureReason {
                 | FailureReason::PeerSilent
                 | FailureReason::ConnectionLost
                 | FailureReason::PeerShutdown
+                | FailureReason::ConnectionRefused
         )
     }
 }

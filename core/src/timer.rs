@@ -24,6 +24,8 @@ pub enum Timer {
     Heartbeat(SessionId),
     /// The peer has been silent for too long.
     Liveness(SessionId),
+    /// Time to look whether a session went silent (and check its link with a fresh connection).
+    Silence(SessionId),
     /// Time to probe a blacklisted session.
     Probe(SessionId),
     /// A blacklisted session nobody targets is forgotten.

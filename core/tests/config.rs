@@ -15,8 +15,26 @@ fn defaults_are_the_documented_starting_points() {
     assert_eq!(c.bootstrap_timeout, Duration::from_secs(300));
     assert_eq!(c.waiting_timeout, Duration::from_secs(300));
     assert_eq!(c.abort_ack_timeout, Duration::from_secs(5));
-    assert_eq!(c.heartbeat_interval, Duration::from_secs(5));
+    assert_eq!(c.heartbeat_interval, Duration::from_millis(500));
+    assert_eq!(
+        c.heartbeat_interval * c.heartbeat_misses,
+        Duration::from_secs(15),
+        "liveness window"
+    );
+    assert_eq!(c.progress_interval, Duration::from_secs(5));
+    assert_eq!(c.silence_timeout, Duration::from_secs(1));
+    assert_eq!(c.connect_timeout, Duration::from_millis(200));
     assert!(c.validate().is_ok());
+}
+
+#[test]
+fn a_silence_timeout_within_one_heartbeat_is_refused() {
+    let err = Config::from_vars([
+        ("KVFERRY_HEARTBEAT_INTERVAL_MS", "1000"),
+        ("KVFERRY_SILENCE_TIMEOUT_MS", "1000"),
+    ])
+    .unwrap_err();
+    assert_eq!(err.name, "KVFERRY_SILENCE_TIMEOUT_MS");
 }
 
 #[test]

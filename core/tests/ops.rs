@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use kvferry_core::sim::{fast_config, small_layout};
 use kvferry_core::{
-    Chunk, Endpoint, EndpointInfo, FailureReason, Grant, Incarnation, KvPoll, NodeId, OpKind, Role,
-    RoomId, SessionId, TransferOp, TransferOutcome,
+    Chunk, ConnectFailure, Endpoint, EndpointInfo, FailureReason, Grant, Incarnation, KvPoll,
+    NodeId, OpKind, Role, RoomId, SessionId, TransferOp, TransferOutcome,
 };
 
 struct Pair {
@@ -168,21 +168,25 @@ fn a_target_is_reconnected_with_exponential_backoff_until_removed() {
     )
     .unwrap();
     let t = d.add_target(now);
-    assert_eq!(d.poll_action(), Some(Action::Connect(t)), "connect at once");
-    d.handle_connect_failed(now, t);
+    let connect = Some(Action::Connect {
+        target: t,
+        timeout: fast_config().connect_timeout,
+    });
+    assert_eq!(d.poll_action(), connect, "connect at once");
+    d.handle_connect_failed(now, t, ConnectFailure::Refused);
     let (first, why) = d.poll_timeout().unwrap();
     assert_eq!(why, Timer::Reconnect(t));
     assert!(first - now >= Duration::from_millis(100) && first - now <= Duration::from_millis(125));
     d.handle_timeout(first);
-    assert_eq!(d.poll_action(), Some(Action::Connect(t)));
-    d.handle_connect_failed(first, t);
+    assert_eq!(d.poll_action(), connect);
+    d.handle_connect_failed(first, t, ConnectFailure::Refused);
     let (second, _) = d.poll_timeout().unwrap();
     assert!(
         second - first >= Duration::from_millis(200),
         "the backoff doubles"
     );
     d.handle_timeout(second);
-    assert_eq!(d.poll_action(), Some(Action::Connect(t)));
+    assert_eq!(d.poll_action(), connect);
     let sid = d.open_session_for(second, t);
     assert_eq!(d.target_session(t), None, "not before the handshake");
     d.handle_disconnected(second, sid);
@@ -191,7 +195,7 @@ fn a_target_is_reconnected_with_exponential_backoff_until_removed() {
     d.remove_target(t);
     d.handle_timeout(third);
     while let Some(a) = d.poll_action() {
-        assert_ne!(a, Action::Connect(t), "a removed target is left alone");
+        assert_ne!(Some(a), connect, "a removed target is left alone");
     }
 }
 

@@ -25,6 +25,18 @@ use tokio::sync::{mpsc, watch};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
+/// What a failed connection attempt tells the core: refused (the host is up, nothing listens)
+/// or no answer (timed out, no route). Drivers report it with `handle_connect_failed`.
+pub fn connect_failure(e: &std::io::Error) -> kvferry_core::ConnectFailure {
+    use std::io::ErrorKind;
+    match e.kind() {
+        ErrorKind::ConnectionRefused
+        | ErrorKind::ConnectionReset
+        | ErrorKind::ConnectionAborted => kvferry_core::ConnectFailure::Refused,
+        _ => kvferry_core::ConnectFailure::NoAnswer,
+    }
+}
+
 /// Everything needed to start a node (any driver).
 #[derive(Clone, Debug)]
 pub struct NodeConfig {

@@ -6,8 +6,10 @@
 //! with the events.
 //!
 //! A second decode asks for the same room ids, and either side may restart (a new
-//! incarnation, all its memory freed) and reconnect: no room id reused across decodes or
-//! incarnations may succeed without every granted page landing in its own lifetime.
+//! incarnation, all its memory freed) and reconnect, or lose its link into a black hole and
+//! dial again (the fresh connection takes the silent session over): no room id reused across
+//! decodes, incarnations or connections may succeed without every granted page landing in
+//! its own lifetime.
 #![no_main]
 
 use std::time::Duration;
@@ -39,12 +41,24 @@ fuzz_target!(|data: &[u8]| {
                 if sim.nodes[dn].endpoint.room_state(room).is_none() {
                     if let (Some(sd), Some(dst)) = (sim.session(dn, p), sim.nodes[dn].alloc(room, 0, u32::from(arg % 12) + 1)) {
                         let grant = (arg & 0x80 == 0).then(|| Grant { pages: dst, aux_slot: Some(1), state_slot: None, receivers: 1 });
-                        let _ = sim.nodes[dn].endpoint.open_receiver(now, room, 0, &[sd], grant);
+                        if sim.nodes[dn].endpoint.open_receiver(now, room, 0, &[sd], grant).is_err() {
+                            // Refused: the embedder keeps its pages, the room owns nothing.
+                            sim.nodes[dn].give_back(room, 0);
+                        }
                     }
                 }
             }
             11 => {
                 let _ = sim.nodes[d2].endpoint.abort(now, room);
+            }
+            12 if arg & 0x80 != 0 => {
+                // A black hole on one decode's link, then a fresh connection that takes its
+                // silent session over (or, past the window, finds it gone).
+                let dn = if arg & 1 == 0 { d } else { d2 };
+                let until = now + Duration::from_millis(u64::from(arg % 16) * 100);
+                sim.blackhole(dn, p, until);
+                let _ = sim.run_for(Duration::from_millis(u64::from(arg % 8) * 50), 1_000_000);
+                sim.connect(dn, p);
             }
             12 => {
                 // A process restarts behind the same address and its peers reconnect.

@@ -38,8 +38,8 @@ use kvferry_core::{
     TransferOutcome,
 };
 use kvferry_driver::{
-    export_metrics, round_robin, shard_of, token_matches, Announcer, CoreCheck, EndpointAccess,
-    RoomBook,
+    connect_failure, export_metrics, round_robin, shard_of, token_matches, Announcer, CoreCheck,
+    EndpointAccess, RoomBook,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
@@ -881,7 +881,7 @@ impl Shard {
                 match action {
                     Action::FenceSession(sid) => self.start_fence(sid),
                     Action::CloseSession(sid) => self.start_close(sid),
-                    Action::Connect(target) => self.start_connect(target),
+                    Action::Connect { target, timeout } => self.start_connect(target, timeout),
                 }
             }
             loop {
@@ -1055,9 +1055,10 @@ impl Shard {
         let sid = {
             let mut st = self.state.borrow_mut();
             let now = Instant::now();
-            let sid = match target {
-                Some(t) => st.endpoint.open_session_for(now, t),
-                None => st.endpoint.open_session(now),
+            let sid = match (target, peer_addr) {
+                (Some(t), _) => st.endpoint.open_session_for(now, t),
+                (None, Some(_)) => st.endpoint.open_session(now),
+                (None, None) => st.endpoint.accept_session(now),
             };
             // The session's io exists before any task of it can run (and drain).
             st.io.insert(
@@ -1236,7 +1237,7 @@ impl Shard {
     }
 
     /// Carries out a connect the core asked for; a failure is reported back to it.
-    fn start_connect(self: &Rc<Self>, target: TargetId) {
+    fn start_connect(self: &Rc<Self>, target: TargetId, timeout: Duration) {
         let Some(addr) = self.state.borrow().targets.get(&target).copied() else {
             return;
         };
@@ -1249,7 +1250,7 @@ impl Shard {
                 Ok::<_, std::io::Error>(stream)
             };
             let timeout = async {
-                glommio::timer::sleep(Duration::from_secs(5)).await;
+                glommio::timer::sleep(timeout).await;
                 Err(std::io::Error::from(std::io::ErrorKind::TimedOut))
             };
             let result = futures_lite::future::or(opened, timeout).await;
@@ -1258,9 +1259,10 @@ impl Shard {
                 Ok(stream) => {
                     shard.attach_control(stream, Some(addr), Some(target));
                 }
-                Err(_) => {
-                    debug!(%target, %addr, "connect failed");
-                    shard.with_endpoint(|e, now| e.handle_connect_failed(now, target));
+                Err(err) => {
+                    debug!(%target, %addr, error = %err, "connect failed");
+                    let failure = connect_failure(&err);
+                    shard.with_endpoint(|e, now| e.handle_connect_failed(now, target, failure));
                 }
             }
         })

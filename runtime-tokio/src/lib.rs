@@ -35,11 +35,13 @@ type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 #[cfg(feature = "rdma")]
 mod rdma;
 
+use kvferry_driver::{
+    connect_failure, round_robin, token_matches, Announcer, CoreCheck, EndpointAccess, RoomBook,
+};
 pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
     NodeError, PeerId, RoomHandle, RoomView,
 };
-use kvferry_driver::{round_robin, token_matches, Announcer, CoreCheck, EndpointAccess, RoomBook};
 
 struct SessionIo {
     control_tx: mpsc::UnboundedSender<Vec<u8>>,
@@ -628,7 +630,9 @@ fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
             match action {
                 Action::FenceSession(sid) => start_fence(shared, inner, sid),
                 Action::CloseSession(sid) => start_close(shared, inner, sid),
-                Action::Connect(target) => start_connect(shared, inner, target),
+                Action::Connect { target, timeout } => {
+                    start_connect(shared, inner, target, timeout)
+                }
             }
         }
         let now = Instant::now();
@@ -738,9 +742,10 @@ fn attach_control(
     let (mut read, mut write) = stream.into_split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut inner = shared.lock();
-    let sid = match target {
-        Some(t) => inner.endpoint.open_session_for(Instant::now(), t),
-        None => inner.endpoint.open_session(Instant::now()),
+    let sid = match (target, peer_addr) {
+        (Some(t), _) => inner.endpoint.open_session_for(Instant::now(), t),
+        (None, Some(_)) => inner.endpoint.open_session(Instant::now()),
+        (None, None) => inner.endpoint.accept_session(Instant::now()),
     };
     let span = info_span!("kvferry_session", session = %sid);
     let writer = shared.runtime.spawn(
@@ -936,22 +941,27 @@ fn open_data_connections_n(shared: &Arc<Shared>, sid: SessionId, addr: SocketAdd
 }
 
 /// Carries out a connect the core asked for; a failure is reported back to it.
-fn start_connect(shared: &Arc<Shared>, inner: &mut Inner, target: TargetId) {
+fn start_connect(shared: &Arc<Shared>, inner: &mut Inner, target: TargetId, timeout: Duration) {
     let Some(&addr) = inner.targets.get(&target) else {
         return;
     };
     let weak = Arc::downgrade(shared);
     shared.runtime.spawn(async move {
-        let result = tokio::time::timeout(Duration::from_secs(5), connect_control(addr)).await;
+        let result = match tokio::time::timeout(timeout, connect_control(addr)).await {
+            Ok(r) => r,
+            Err(_) => Err(std::io::Error::from(std::io::ErrorKind::TimedOut)),
+        };
         let Some(shared) = weak.upgrade() else { return };
         match result {
-            Ok(Ok(stream)) => {
+            Ok(stream) => {
                 attach_control(&shared, stream, Some(addr), Some(target));
             }
-            _ => {
-                debug!(%target, %addr, "connect failed");
+            Err(e) => {
+                debug!(%target, %addr, error = %e, "connect failed");
                 let mut inner = shared.lock();
-                inner.endpoint.handle_connect_failed(Instant::now(), target);
+                inner
+                    .endpoint
+                    .handle_connect_failed(Instant::now(), target, connect_failure(&e));
                 drain(&shared, &mut inner);
             }
         }

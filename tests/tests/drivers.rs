@@ -606,11 +606,8 @@ async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runtime, d: Run
         pages_per_room: 64,
         ..small_shape()
     };
-    // Liveness outlasts the abort-ack timeout, so the fence is what releases the pages.
-    let core = Config {
-        heartbeat_interval: Duration::from_secs(2),
-        ..fast_core()
-    };
+    // Liveness (6 s) outlasts the abort-ack timeout, so the fence is what releases the pages.
+    let core = fast_core();
     let (_prefill, addrs, _server) = prefill_on(p, &shape, core.clone(), 81, any_port()).await;
     let mut proxies = Vec::new();
     for (i, &addr) in addrs.iter().enumerate() {

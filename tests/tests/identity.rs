@@ -170,22 +170,35 @@ async fn prefill_lost_mid_run(graceful: bool) -> (Report, Duration) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prefill_that_stops_fails_decode_rooms_with_peer_shutdown_then_unreachable() {
+async fn a_prefill_that_stops_fails_decode_rooms_with_peer_shutdown_then_connection_refused() {
     let (report, took) = prefill_lost_mid_run(true).await;
+    assert_reasons(&report, &["peer_shutdown", "connection_refused"]);
     assert!(
-        report.failed_by_reason.contains_key("peer_unreachable"),
-        "{report:?}"
+        report.failed_by_reason.contains_key("connection_refused"),
+        "rooms still waiting learn that nothing listens any more: {report:?}"
     );
-    let allowed = ["peer_shutdown", "peer_unreachable"];
+    assert!(
+        took < Duration::from_secs(8),
+        "ended {took:?} after the loss"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_vanishes_fails_decode_rooms_with_connection_lost_then_connection_refused() {
+    let (report, took) = prefill_lost_mid_run(false).await;
+    assert_reasons(&report, &["connection_lost", "connection_refused"]);
+    assert!(
+        took < Duration::from_secs(8),
+        "ended {took:?} after the loss"
+    );
+}
+
+fn assert_reasons(report: &Report, allowed: &[&str]) {
     assert!(
         report
             .failed_by_reason
             .keys()
             .all(|k| allowed.contains(&k.as_str())),
         "{report:?}"
-    );
-    assert!(
-        took < Duration::from_secs(8),
-        "ended {took:?} after the loss"
     );
 }

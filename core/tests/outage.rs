@@ -1,0 +1,139 @@
+//! Outages shorter than the liveness window lose no room: a fresh connection of the same peer
+//! process takes the silent session's rooms, queued and in-flight operations over, both sides
+//! say again what the old connection may have swallowed, and the old connection's late writes
+//! and messages count for nothing. An outage past the window fails the session's rooms.
+#![allow(clippy::unwrap_used)] // tests may panic
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_invariants, failed, open_room, run_ms, send_all, state};
+use kvferry_core::{Event, FailureReason as R, KvPoll, RoomId};
+
+fn resumed(sim: &kvferry_core::sim::Sim, n: usize) -> usize {
+    sim.nodes[n].count_events(|e| matches!(e, Event::SessionResumed { .. }))
+}
+
+#[test]
+fn a_fresh_connection_during_a_short_outage_takes_the_rooms_over_and_loses_none() {
+    let (mut sim, p, d) = common::pair(901, common::config());
+    for room in 1..=4 {
+        open_room(&mut sim, d, &[p], room, 4);
+    }
+    run_ms(&mut sim, 2);
+    // The link goes dark with every room's request delivered and nothing sent yet.
+    let now = sim.now;
+    sim.blackhole(d, p, now + Duration::from_secs(3600));
+    for room in 1..=4 {
+        send_all(&mut sim, p, room, 4, false);
+    }
+    run_ms(&mut sim, 300);
+    for room in 1..=4 {
+        assert_eq!(
+            state(&sim, d, room),
+            Some(KvPoll::WaitingForInput),
+            "the writes hang"
+        );
+    }
+    // The decode dials again (what its silence timer asks of a driver) and the link is fine.
+    sim.connect(d, p);
+    run_ms(&mut sim, 100);
+    for room in 1..=4 {
+        assert_eq!(state(&sim, d, room), Some(KvPoll::Success), "room {room}");
+        assert_eq!(state(&sim, p, room), Some(KvPoll::Success), "room {room}");
+    }
+    assert_eq!((resumed(&sim, d), resumed(&sim, p)), (1, 1));
+    assert_eq!(sim.nodes[d].endpoint.counters().sessions_resumed, 1);
+    assert_eq!(sim.nodes[d].endpoint.counters().rooms_failed_total(), 0);
+    assert_eq!(sim.nodes[p].endpoint.counters().rooms_failed_total(), 0);
+    assert_eq!(
+        sim.nodes[p].endpoint.counters().ops_exhausted,
+        0,
+        "the re-runs count no attempt"
+    );
+    run_ms(&mut sim, 2_000);
+    assert_invariants(&sim);
+    assert_eq!(sim.nodes[d].endpoint.live_rooms(), 0, "every room released");
+}
+
+#[test]
+fn a_request_swallowed_by_the_dead_connection_is_sent_again_on_the_fresh_one() {
+    let (mut sim, p, d) = common::pair(902, common::config());
+    let now = sim.now;
+    sim.blackhole(d, p, now + Duration::from_secs(3600));
+    // Opened while the link is dark: the request never reaches prefill on the old connection.
+    open_room(&mut sim, d, &[p], 7, 4);
+    send_all(&mut sim, p, 7, 4, false);
+    run_ms(&mut sim, 200);
+    assert_eq!(
+        state(&sim, p, 7),
+        Some(KvPoll::Bootstrapping),
+        "prefill never heard of it"
+    );
+    sim.connect(d, p);
+    run_ms(&mut sim, 100);
+    assert_eq!(state(&sim, d, 7), Some(KvPoll::Success));
+    assert_eq!(state(&sim, p, 7), Some(KvPoll::Success));
+    run_ms(&mut sim, 2_000);
+    assert_invariants(&sim);
+}
+
+#[test]
+fn an_abort_swallowed_by_the_dead_connection_is_sent_again_and_the_pages_wait_for_its_ack() {
+    let (mut sim, p, d) = common::pair(904, common::config());
+    open_room(&mut sim, d, &[p], 5, 4);
+    run_ms(&mut sim, 2);
+    let now = sim.now;
+    sim.blackhole(d, p, now + Duration::from_secs(3600));
+    sim.nodes[d].endpoint.abort(now, RoomId(5)).unwrap();
+    sim.drain(d);
+    run_ms(&mut sim, 300);
+    assert_eq!(
+        state(&sim, p, 5),
+        Some(KvPoll::WaitingForInput),
+        "prefill never heard it"
+    );
+    assert!(
+        common::released_at(&sim, d, 5).is_none(),
+        "no release without the drain ack"
+    );
+    sim.connect(d, p);
+    run_ms(&mut sim, 50);
+    assert_eq!(state(&sim, p, 5), failed(R::AbortedByPeer));
+    assert!(
+        common::released_at(&sim, d, 5).is_some(),
+        "released after the ack"
+    );
+    assert_invariants(&sim);
+}
+
+#[test]
+fn an_outage_past_the_liveness_window_fails_the_rooms_as_peer_silent_on_both_sides() {
+    let (mut sim, p, d) = common::pair(905, common::config());
+    open_room(&mut sim, d, &[p], 9, 4);
+    run_ms(&mut sim, 2);
+    let now = sim.now;
+    sim.blackhole(d, p, now + Duration::from_secs(3600));
+    run_ms(&mut sim, 1_000);
+    // Nothing dialed (the simulation has no targets): the only evidence is the silence.
+    assert_eq!(state(&sim, d, 9), failed(R::PeerSilent));
+    assert_eq!(state(&sim, p, 9), failed(R::PeerSilent));
+    assert_eq!(resumed(&sim, d), 0);
+    assert_invariants(&sim);
+}
+
+#[test]
+fn a_fresh_connection_to_a_restarted_peer_takes_nothing_over() {
+    let (mut sim, p, d) = common::pair(906, common::config());
+    open_room(&mut sim, d, &[p], 4, 4);
+    run_ms(&mut sim, 2);
+    let now = sim.now;
+    sim.blackhole(d, p, now + Duration::from_secs(3600));
+    sim.restart(p);
+    sim.connect(d, p);
+    run_ms(&mut sim, 50);
+    assert_eq!(state(&sim, d, 4), failed(R::PeerRestarted));
+    assert_eq!(resumed(&sim, d), 0);
+    assert_invariants(&sim);
+}
