@@ -574,8 +574,21 @@ impl Report {
     }
 }
 
-/// Progress callback: rooms finished so far.
-pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
+/// One room of a decode run ended.
+#[derive(Clone, Debug)]
+pub struct RoomEnd {
+    /// Rooms ended so far, this one included.
+    pub finished: u64,
+    /// The room.
+    pub room: RoomId,
+    /// `success`, a failure reason (`peer_unreachable`, ...), `refused:<error>` or `unfinished`.
+    pub outcome: String,
+    /// When it ended, since the run started.
+    pub at: Duration,
+}
+
+/// Progress callback: called once per room as it ends.
+pub type Progress = Arc<dyn Fn(&RoomEnd) + Send + Sync>;
 
 /// Options of a decode run.
 #[derive(Clone)]
@@ -658,7 +671,18 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
             .await;
             let n = finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             if let Some(p) = progress {
-                p(n);
+                let outcome = match &outcome {
+                    RoomOutcome::Ended(KvPoll::Success) => "success".to_owned(),
+                    RoomOutcome::Ended(KvPoll::Failed(r)) => r.as_str().to_owned(),
+                    RoomOutcome::Refused(e) => format!("refused:{e}"),
+                    RoomOutcome::Ended(_) | RoomOutcome::Unfinished => "unfinished".to_owned(),
+                };
+                p(&RoomEnd {
+                    finished: n,
+                    room,
+                    outcome,
+                    at: started.elapsed(),
+                });
             }
             (outcome, t0.elapsed())
         }));

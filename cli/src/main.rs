@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use kvferry_cli::{
     add_counters, node_config, run_decode, run_demo, serve_prefill, AnyNode, DecodeRun, DemoFaults,
-    Progress, Report, Runtime, Shape,
+    Progress, Report, RoomEnd, Runtime, Shape,
 };
 use kvferry_core::{Config, Role};
 use kvferry_tcp::MemoryMap;
@@ -87,6 +87,9 @@ enum Command {
         /// refused with `room_id_reused`).
         #[arg(long)]
         first_room: Option<u64>,
+        /// Write one line per room as it ends: milliseconds since the start, room id, outcome.
+        #[arg(long)]
+        room_log: Option<PathBuf>,
         #[command(flatten)]
         shape: ShapeArgs,
         #[command(flatten)]
@@ -297,6 +300,22 @@ fn install_metrics(addr: Option<SocketAddr>) -> Result<(), String> {
     Ok(())
 }
 
+/// Appends each ended room to `path` (then tells `inner`, the progress bar, if any).
+fn room_logger(path: &std::path::Path, inner: Option<Progress>) -> Result<Progress, String> {
+    use std::io::Write;
+    let file =
+        std::fs::File::create(path).map_err(|e| format!("--room-log {}: {e}", path.display()))?;
+    let file = std::sync::Mutex::new(std::io::LineWriter::new(file));
+    Ok(Arc::new(move |e: &RoomEnd| {
+        if let Ok(mut f) = file.lock() {
+            let _ = writeln!(f, "{} {} {}", e.at.as_millis(), e.room.0, e.outcome);
+        }
+        if let Some(p) = &inner {
+            p(e);
+        }
+    }))
+}
+
 fn progress_bar(rooms: u64, json: bool) -> (Option<Progress>, Option<indicatif::ProgressBar>) {
     if json {
         return (None, None);
@@ -308,7 +327,10 @@ fn progress_bar(rooms: u64, json: bool) -> (Option<Progress>, Option<indicatif::
         bar.set_style(style);
     }
     let b = bar.clone();
-    (Some(Arc::new(move |n| b.set_position(n))), Some(bar))
+    (
+        Some(Arc::new(move |e: &RoomEnd| b.set_position(e.finished))),
+        Some(bar),
+    )
 }
 
 /// `demo --overlap`, `--timeline` or `--gpu`: layerwise against whole batch on one batch.
@@ -499,6 +521,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             connect,
             rooms,
             first_room,
+            room_log,
             shape,
             common,
         } => {
@@ -545,6 +568,10 @@ async fn run(cli: Cli) -> Result<(), String> {
                 })
             };
             let (progress, bar) = progress_bar(rooms, common.json);
+            let progress = match room_log {
+                Some(path) => Some(room_logger(&path, progress)?),
+                None => progress,
+            };
             let first_room = first_room.unwrap_or_else(fresh_room_range);
             let run = DecodeRun {
                 rooms,

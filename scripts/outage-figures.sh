@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Real link faults between two network namespaces joined by a veth pair: a prefill in one, a
+# decode in the other, every packet dropped by nft for a while (a black hole, as a pulled
+# cable or a dead switch port looks), and a prefill killed and restarted at its address.
+# Prints, per fault: rooms that failed (by reason), and the time from the heal (or the
+# restart) to the first room that succeeded after it. Needs root, ip netns, nft.
+#
+#   scripts/outage-figures.sh [outage seconds ...]      (default: 10 40)
+#   KVFERRY_BIN=target/release/kvferry scripts/outage-figures.sh 2 5
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${KVFERRY_BIN:-target/release/kvferry}
+OUTAGES=("$@")
+[ ${#OUTAGES[@]} -eq 0 ] && OUTAGES=(10 40)
+ROOMS=${ROOMS:-200000}
+P=kvf-fig-p
+D=kvf-fig-d
+WORK=$(mktemp -d)
+PREFILL_PID=""
+
+cleanup() {
+    [ -n "$PREFILL_PID" ] && kill -9 "$PREFILL_PID" 2>/dev/null || true
+    ip netns del "$P" 2>/dev/null || true
+    ip netns del "$D" 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+cleanup_ns() { ip netns del "$P" 2>/dev/null || true; ip netns del "$D" 2>/dev/null || true; }
+cleanup_ns
+
+[ -x "$BIN" ] || cargo build --release -p kvferry-cli --bin kvferry
+ip netns add "$P"
+ip netns add "$D"
+ip link add kvf-fig0 type veth peer name kvf-fig1
+ip link set kvf-fig0 netns "$P"
+ip link set kvf-fig1 netns "$D"
+ip -n "$P" addr add 10.77.0.1/24 dev kvf-fig0
+ip -n "$D" addr add 10.77.0.2/24 dev kvf-fig1
+for ns in "$P" "$D"; do ip -n "$ns" link set lo up; done
+ip -n "$P" link set kvf-fig0 up
+ip -n "$D" link set kvf-fig1 up
+
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+
+start_prefill() {
+    ip netns exec "$P" "$BIN" prefill --listen 10.77.0.1:7411 --pages-per-room 16 >"$WORK/prefill.log" 2>&1 &
+    PREFILL_PID=$!
+    for _ in $(seq 100); do
+        grep -q "listening" "$WORK/prefill.log" 2>/dev/null && return
+        sleep 0.05
+    done
+}
+
+black_hole() { # on | off
+    if [ "$1" = on ]; then
+        ip netns exec "$D" nft -f - <<'EOF'
+table inet kvf_fig {
+    chain in { type filter hook input priority 0; policy accept; iifname "kvf-fig1" drop; }
+    chain out { type filter hook output priority 0; policy accept; oifname "kvf-fig1" drop; }
+}
+EOF
+    else
+        ip netns exec "$D" nft delete table inet kvf_fig
+    fi
+}
+
+# Summarises a room log from time $1 (ms since the decode started): failures by reason, and
+# the first success at or after it.
+summarise() {
+    local from=$1 log=$2
+    awk -v from="$from" '
+        $3 != "success" && $3 != "shutdown" && $3 !~ /^refused:shut_down/ { failed[$3]++ ; nfail++ }
+        $3 == "success" && $1 >= from && first == "" { first = $1 - from }
+        END {
+            printf "rooms failed: %d", nfail + 0
+            for (r in failed) printf " %s=%d", r, failed[r]
+            printf "; first success %s ms after\n", (first == "" ? "none" : first)
+        }' "$log"
+}
+
+start_decode() { # log file; prints the start time
+    ip netns exec "$D" "$BIN" decode --connect 10.77.0.1:7411 --rooms "$ROOMS" --pages-per-room 16 \
+        --concurrency 4 --json --room-log "$1" >"$1.report" 2>"$1.err" &
+    DECODE_PID=$!
+}
+
+start_prefill
+echo "== link black holes (nft drop on the decode's veth), liveness window 15 s"
+for secs in "${OUTAGES[@]}"; do
+    log="$WORK/outage-$secs.log"
+    t0=$(now_ms)
+    start_decode "$log"
+    sleep 3
+    black_hole on
+    sleep "$secs"
+    black_hole off
+    heal=$(( $(now_ms) - t0 ))
+    sleep 4
+    kill -INT "$DECODE_PID"; wait "$DECODE_PID" || true
+    echo "outage ${secs} s: $(summarise "$heal" "$log") the heal"
+done
+
+echo "== prefill killed (SIGKILL) and restarted at the same address"
+log="$WORK/restart.log"
+t0=$(now_ms)
+start_decode "$log"
+sleep 3
+kill -9 "$PREFILL_PID"; wait "$PREFILL_PID" 2>/dev/null || true
+sleep 1
+restart=$(( $(now_ms) - t0 ))
+start_prefill
+sleep 4
+kill -INT "$DECODE_PID"; wait "$DECODE_PID" || true
+echo "prefill restart: $(summarise "$restart" "$log") the restart"
