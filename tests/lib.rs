@@ -38,6 +38,17 @@ pub fn fast_core() -> Config {
     }
 }
 
+/// `fast_core` with short peer-loss windows: rooms waiting for a peer that is down give up
+/// after 1 s, and a lost peer is dialed again every 20-100 ms.
+pub fn peer_loss_core() -> Config {
+    Config {
+        unreachable_timeout: Duration::from_secs(1),
+        reconnect_interval: Duration::from_millis(20),
+        reconnect_max_interval: Duration::from_millis(100),
+        ..fast_core()
+    }
+}
+
 /// Starts a node of `role` with its own memory.
 pub fn start(role: Role, shape: &Shape, core: Config, seed: u64) -> Node {
     let cfg = node_config(role, shape, core, b"test-token", seed);

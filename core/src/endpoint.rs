@@ -103,6 +103,18 @@ enum LinkEvidence {
     Rejected(FailureReason),
 }
 
+impl LinkEvidence {
+    /// The reason of rooms that gave up on a link this evidence describes.
+    fn reason(self) -> FailureReason {
+        match self {
+            LinkEvidence::Refused => FailureReason::ConnectionRefused,
+            LinkEvidence::NoAnswer => FailureReason::PeerUnreachable,
+            LinkEvidence::Silent => FailureReason::PeerSilent,
+            LinkEvidence::Rejected(reason) => reason,
+        }
+    }
+}
+
 /// A peer to stay connected to: the core decides when to (re)connect.
 #[derive(Debug)]
 struct Target {
@@ -943,12 +955,11 @@ impl Endpoint {
 
     /// The reason for rooms that gave up on `target`, from what its connection attempts found.
     fn unreachable_reason(&self, target: TargetId) -> FailureReason {
-        match self.targets.get(&target).and_then(|t| t.evidence) {
-            Some(LinkEvidence::Refused) => FailureReason::ConnectionRefused,
-            Some(LinkEvidence::Silent) => FailureReason::PeerSilent,
-            Some(LinkEvidence::Rejected(reason)) => reason,
-            Some(LinkEvidence::NoAnswer) | None => FailureReason::PeerUnreachable,
-        }
+        // A target is only ever waited for after an attempt failed; without one, say so.
+        self.targets
+            .get(&target)
+            .and_then(|t| t.evidence)
+            .map_or(FailureReason::PeerUnreachable, LinkEvidence::reason)
     }
 
     /// The established session of a target, if it has one now.
@@ -1054,7 +1065,7 @@ impl Endpoint {
     /// nothing of this session can be written any more (this counts as a fence).
     pub fn handle_disconnected(&mut self, now: Instant, session: SessionId) {
         let now = self.clock(now);
-        self.hand_over_before_end(now, session);
+        self.hand_over_before_end(session);
         let Some(s) = self.sessions.get(&session) else {
             return;
         };
@@ -1203,28 +1214,12 @@ impl Endpoint {
         if let Some(g) = &grant {
             self.check_grant(g)?;
         }
-        let mut rr = ReceiverRoom::default();
-        for &sid in sources {
-            if rr.sources.iter().all(|s| s.session != sid) {
-                rr.sources.push(Source::new(sid));
-            }
-        }
-        for &sid in sources {
-            if let Some(s) = self.sessions.get_mut(&sid) {
-                s.rooms.insert(room);
-            }
-        }
+        let rr = ReceiverRoom {
+            held_grant: grant,
+            ..ReceiverRoom::default()
+        };
         self.insert_bootstrapping_receiver(now, room, generation, rr);
-        if let Some(g) = grant {
-            self.apply_grant(now, room, g);
-        } else {
-            self.send_to_sources(room, |room, generation| Message::RoomPending {
-                room,
-                generation,
-                queue_position: 0,
-            });
-        }
-        self.fail_if_sources_unusable(now, room);
+        self.attach_sources(now, room, sources);
         Ok(())
     }
 
@@ -1370,8 +1365,8 @@ impl Endpoint {
         }
     }
 
-    /// Attaches the sessions of a room that waited for its targets, then sends its grant (or
-    /// the pending notice).
+    /// Attaches a new room's sessions (at once, or once its targets are up), then sends its
+    /// grant (or the pending notice).
     fn attach_sources(&mut self, now: Instant, room: RoomId, sessions: &[SessionId]) {
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
@@ -2356,8 +2351,7 @@ impl Endpoint {
                 }
                 // What fresh connections found during the silence names the cause; without
                 // any (a listener cannot dial), the peer is silent.
-                if self.sessions.values().any(|x| x.resumes == Some(sid)) {
-                    self.hand_over_before_end(now, sid);
+                if self.hand_over_before_end(sid) {
                     return;
                 }
                 let Some(s) = self.sessions.get_mut(&sid) else {
@@ -2368,12 +2362,8 @@ impl Endpoint {
                     .filter(|_| !self.superseded.contains_key(&sid))
                     .and_then(|t| self.targets.get(&t))
                     .and_then(|t| t.evidence);
-                let reason = match evidence {
-                    Some(LinkEvidence::NoAnswer) => FailureReason::PeerUnreachable,
-                    Some(LinkEvidence::Refused) => FailureReason::ConnectionRefused,
-                    Some(LinkEvidence::Rejected(r)) => r,
-                    Some(LinkEvidence::Silent) | None => FailureReason::PeerSilent,
-                };
+                // Without a link check (the accepting side never dials) the peer is silent.
+                let reason = evidence.map_or(FailureReason::PeerSilent, LinkEvidence::reason);
                 warn!(session = %sid, %reason, "peer silent for the whole liveness window");
                 self.close_session(
                     now,
@@ -2598,7 +2588,7 @@ impl Endpoint {
         let established = s.peer.is_some();
         if s.resumes.is_some() && !matches!(msg, Message::Hello(_) | Message::Error { .. }) {
             // The dialer uses the fresh connection: it took the work over on its side.
-            self.commit_resume(now, sid);
+            self.commit_resume(sid);
         }
         match msg {
             Message::Hello(h) => {
@@ -2802,7 +2792,7 @@ impl Endpoint {
             .set(&mut s.silence_timer, now + silence, Timer::Silence(sid));
         let target = s.target;
         if let Some(old) = resumed_from {
-            self.take_over(now, h.node, old, sid);
+            self.take_over(h.node, old, sid);
         }
         self.events
             .push_back(Event::SessionEstablished { session: sid, peer });
@@ -2833,7 +2823,7 @@ impl Endpoint {
     /// Operations in flight on the old connection run again on the new one once their old
     /// attempt reports (the dialing side closes the old connection at once; the accepting
     /// side waits for that close, so a close can never overtake the peer's take-over).
-    fn take_over(&mut self, now: Instant, node: NodeId, old: SessionId, new: SessionId) {
+    fn take_over(&mut self, node: NodeId, old: SessionId, new: SessionId) {
         let Some(o) = self.sessions.get_mut(&old) else {
             return;
         };
@@ -2914,12 +2904,11 @@ impl Endpoint {
             ));
             self.request_close(old);
         }
-        let _ = now;
         self.mark_ready(new);
     }
 
     /// Accepted side: the fresh session `sid` takes over the silent one it was waiting for.
-    fn commit_resume(&mut self, now: Instant, sid: SessionId) {
+    fn commit_resume(&mut self, sid: SessionId) {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
@@ -2938,21 +2927,22 @@ impl Endpoint {
             self.nodes.insert(node, sid);
             return;
         }
-        self.take_over(now, node, old, sid);
+        self.take_over(node, old, sid);
         self.replay(sid);
     }
 
     /// Accepted side: `old` is ending; a fresh session of the same peer waiting to take it
-    /// over does so now, so the end fails nothing.
-    fn hand_over_before_end(&mut self, now: Instant, old: SessionId) {
+    /// over does so now, so the end fails nothing. Whether there was one.
+    fn hand_over_before_end(&mut self, old: SessionId) -> bool {
         let heir = self
             .sessions
             .iter()
             .find(|(_, s)| s.resumes == Some(old))
             .map(|(id, _)| *id);
         if let Some(heir) = heir {
-            self.commit_resume(now, heir);
+            self.commit_resume(heir);
         }
+        heir.is_some()
     }
 
     /// After a take-over: says again on `sid` what the peer may have lost with the old

@@ -32,6 +32,20 @@ fn reopen_on_decode(sim: &mut Sim, d: usize, p: usize, room: u64, generation: u3
     sim.drain(d);
 }
 
+/// One prefill and two decodes (`a`, `b`) whose room ids overlap, past the handshake.
+fn two_decodes(seed: u64) -> (Sim, usize, usize, usize) {
+    let mut sim = Sim::new(seed, Faults::default());
+    let layout = small_layout(1024);
+    let config = common::config();
+    let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
+    let a = sim.add_decode(config.clone(), layout, 0);
+    let b = sim.add_decode(config, layout, 0);
+    sim.connect(a, p);
+    sim.connect(b, p);
+    run_ms(&mut sim, 5);
+    (sim, p, a, b)
+}
+
 fn succeed_room(sim: &mut Sim, d: usize, p: usize, room: u64) {
     open_room(sim, d, &[p], room, 4);
     send_all(sim, p, room, 4, false);
@@ -55,15 +69,7 @@ fn a_restarted_decode_reusing_a_concluded_room_id_is_refused_not_answered_succes
 
 #[test]
 fn a_second_decode_with_an_overlapping_concluded_room_id_is_refused() {
-    let mut sim = Sim::new(1502, Faults::default());
-    let layout = small_layout(1024);
-    let config = common::config();
-    let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
-    let a = sim.add_decode(config.clone(), layout, 0);
-    let b = sim.add_decode(config, layout, 0);
-    sim.connect(a, p);
-    sim.connect(b, p);
-    run_ms(&mut sim, 5);
+    let (mut sim, p, a, b) = two_decodes(1502);
     succeed_room(&mut sim, a, p, 7);
     reopen_on_decode(&mut sim, b, p, 7, 0);
     run_ms(&mut sim, 20);
@@ -78,15 +84,7 @@ fn a_second_decode_with_an_overlapping_concluded_room_id_is_refused() {
 
 #[test]
 fn two_decodes_requesting_one_room_id_at_once_get_one_room_and_one_refusal() {
-    let mut sim = Sim::new(1503, Faults::default());
-    let layout = small_layout(1024);
-    let config = common::config();
-    let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
-    let a = sim.add_decode(config.clone(), layout, 0);
-    let b = sim.add_decode(config, layout, 0);
-    sim.connect(a, p);
-    sim.connect(b, p);
-    run_ms(&mut sim, 5);
+    let (mut sim, p, a, b) = two_decodes(1503);
     // Both requests reach prefill before its sender room opens.
     reopen_on_decode(&mut sim, a, p, 9, 0);
     run_ms(&mut sim, 2);
@@ -107,16 +105,8 @@ fn two_decodes_requesting_one_room_id_at_once_get_one_room_and_one_refusal() {
 
 #[test]
 fn a_live_room_already_served_refuses_a_late_request_from_another_decode() {
-    let mut sim = Sim::new(1504, Faults::default());
+    let (mut sim, p, a, b) = two_decodes(1504);
     sim.faults.op_delay = (Duration::from_millis(5), Duration::from_millis(10));
-    let layout = small_layout(1024);
-    let config = common::config();
-    let p = sim.add_prefill(config.clone(), layout, 0, 0..layout.layers);
-    let a = sim.add_decode(config.clone(), layout, 0);
-    let b = sim.add_decode(config, layout, 0);
-    sim.connect(a, p);
-    sim.connect(b, p);
-    run_ms(&mut sim, 5);
     open_room(&mut sim, a, &[p], 3, 4);
     send_all(&mut sim, p, 3, 4, false);
     run_ms(&mut sim, 1);

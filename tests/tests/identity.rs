@@ -8,15 +8,10 @@ use std::time::{Duration, Instant};
 
 use kvferry_cli::{run_decode, Report};
 use kvferry_core::{Config, Role};
-use kvferry_tests::{fast_core, free_ports, prefill_on, rooms, start_on, KvNode, Runtime};
+use kvferry_tests::{free_ports, peer_loss_core, prefill_on, rooms, start_on, KvNode, Runtime};
 
 fn core() -> Config {
-    Config {
-        unreachable_timeout: Duration::from_secs(1),
-        reconnect_interval: Duration::from_millis(20),
-        reconnect_max_interval: Duration::from_millis(100),
-        ..fast_core()
-    }
+    peer_loss_core()
 }
 
 async fn decode_run(at: Vec<std::net::SocketAddr>, n: u64, first: u64, seed: u64) -> Report {

@@ -11,18 +11,15 @@ use kvferry_cli::{run_decode, Report};
 use kvferry_core::{Config, Role};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
-    fast_core, free_ports, prefill_on, rooms, small_shape, start_on, KvNode, Runtime,
+    free_ports, peer_loss_core, prefill_on, rooms, small_shape, start_on, KvNode, Runtime,
 };
 
 /// Short windows: liveness 6 s (200 ms × 30), unreachable 1 s; a room's own silence
 /// deadline (10 s) outlasts the liveness window, as the defaults' 300 s do.
 fn core() -> Config {
     Config {
-        unreachable_timeout: Duration::from_secs(1),
         waiting_timeout: Duration::from_secs(10),
-        reconnect_interval: Duration::from_millis(20),
-        reconnect_max_interval: Duration::from_millis(100),
-        ..fast_core()
+        ..peer_loss_core()
     }
 }
 
