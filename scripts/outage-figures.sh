@@ -7,22 +7,33 @@
 #
 #   scripts/outage-figures.sh [outage seconds ...]      (default: 10 40)
 #   KVFERRY_BIN=target/release/kvferry scripts/outage-figures.sh 2 5
+#
+# CHECK=1 turns the figures into a test (what .ci/run does, with a 3 s liveness window):
+# an outage shorter than the window (WINDOW_S) loses no room, a longer one fails rooms only as
+# peer_unreachable, a SIGKILLed prefill's rooms fail only as connection_lost, and after every
+# heal or restart new rooms succeed within HEAL_BOUND_MS (generous: it catches a return to
+# waiting on TCP retransmission backoff, ~5 s, not a noisy machine's 100 ms).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${KVFERRY_BIN:-target/release/kvferry}
 OUTAGES=("$@")
 [ ${#OUTAGES[@]} -eq 0 ] && OUTAGES=(10 40)
 ROOMS=${ROOMS:-200000}
+CHECK=${CHECK:-0}
+WINDOW_S=${WINDOW_S:-15}
+HEAL_BOUND_MS=${HEAL_BOUND_MS:-2000}
+FAILED_CHECKS=0
 P=kvf-fig-p
 D=kvf-fig-d
-WORK=$(mktemp -d)
+KEEP=${WORK:+1}
+WORK=${WORK:-$(mktemp -d)}   # a given WORK (logs of every process) is kept
 PREFILL_PID=""
 
 cleanup() {
     [ -n "$PREFILL_PID" ] && kill -9 "$PREFILL_PID" 2>/dev/null || true
     ip netns del "$P" 2>/dev/null || true
     ip netns del "$D" 2>/dev/null || true
-    rm -rf "$WORK"
+    [ -n "$KEEP" ] || rm -rf "$WORK"
 }
 trap cleanup EXIT
 cleanup_ns() { ip netns del "$P" 2>/dev/null || true; ip netns del "$D" 2>/dev/null || true; }
@@ -65,17 +76,40 @@ EOF
 }
 
 # Summarises a room log from time $1 (ms since the decode started): failures by reason, and
-# the first success at or after it.
+# the first success at or after it. Sets NFAIL, REASONS (sorted, space-separated), FIRST and
+# SUMMARY (one line for people).
 summarise() {
-    local from=$1 log=$2
-    awk -v from="$from" '
+    local from=$1 log=$2 out
+    out=$(awk -v from="$from" '
         $3 != "success" && $3 != "shutdown" && $3 !~ /^refused:shut_down/ { failed[$3]++ ; nfail++ }
         $3 == "success" && $1 >= from && first == "" { first = $1 - from }
         END {
-            printf "rooms failed: %d", nfail + 0
+            printf "%d %s", nfail + 0, (first == "" ? "none" : first)
             for (r in failed) printf " %s=%d", r, failed[r]
-            printf "; first success %s ms after\n", (first == "" ? "none" : first)
-        }' "$log"
+            printf "\n"
+        }' "$log")
+    read -r NFAIL FIRST REASONS <<<"$out"
+    REASONS=$(tr ' ' '\n' <<<"$REASONS" | sort | tr '\n' ' ')
+    SUMMARY="rooms failed: $NFAIL ${REASONS}; first success $FIRST ms after"
+}
+
+# In CHECK mode: $1 names the fault, $2 the only reason a failed room may carry ("" for none).
+check() {
+    [ "$CHECK" = 1 ] || return 0
+    local what=$1 allowed=$2 bad=""
+    if [ -z "$allowed" ] && [ "$NFAIL" -ne 0 ]; then bad="lost $NFAIL rooms"; fi
+    for r in $REASONS; do
+        [ "${r%%=*}" = "$allowed" ] || bad="$bad; a room failed as ${r%%=*}"
+    done
+    if [ "$FIRST" = none ]; then
+        bad="$bad; no room succeeded after it"
+    elif [ "$FIRST" -gt "$HEAL_BOUND_MS" ]; then
+        bad="$bad; first success $FIRST ms after it (bound $HEAL_BOUND_MS ms)"
+    fi
+    if [ -n "$bad" ]; then
+        echo "FAILED $what: ${bad#; }" >&2
+        FAILED_CHECKS=$((FAILED_CHECKS + 1))
+    fi
 }
 
 start_decode() { # log file; prints the start time
@@ -85,7 +119,7 @@ start_decode() { # log file; prints the start time
 }
 
 start_prefill
-echo "== link black holes (nft drop on the decode's veth), liveness window 15 s"
+echo "== link black holes (nft drop on the decode's veth), liveness window ${WINDOW_S} s"
 for secs in "${OUTAGES[@]}"; do
     log="$WORK/outage-$secs.log"
     t0=$(now_ms)
@@ -97,7 +131,13 @@ for secs in "${OUTAGES[@]}"; do
     heal=$(( $(now_ms) - t0 ))
     sleep 4
     kill -INT "$DECODE_PID"; wait "$DECODE_PID" || true
-    echo "outage ${secs} s: $(summarise "$heal" "$log") the heal"
+    summarise "$heal" "$log"
+    echo "outage ${secs} s: $SUMMARY the heal"
+    if awk -v s="$secs" -v w="$WINDOW_S" 'BEGIN { exit !(s < w) }'; then
+        check "outage ${secs} s (shorter than the window)" ""
+    else
+        check "outage ${secs} s (longer than the window)" peer_unreachable
+    fi
 done
 
 echo "== prefill killed (SIGKILL) and restarted at the same address"
@@ -111,4 +151,10 @@ restart=$(( $(now_ms) - t0 ))
 start_prefill
 sleep 4
 kill -INT "$DECODE_PID"; wait "$DECODE_PID" || true
-echo "prefill restart: $(summarise "$restart" "$log") the restart"
+summarise "$restart" "$log"
+echo "prefill restart: $SUMMARY the restart"
+check "prefill restart" connection_lost
+if [ "$FAILED_CHECKS" -ne 0 ]; then
+    echo "$FAILED_CHECKS outage checks failed (logs: see above)" >&2
+    exit 1
+fi

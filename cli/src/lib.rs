@@ -423,6 +423,8 @@ pub struct Report {
     pub rooms_unfinished: u64,
     /// Rooms the node refused to open, by the embedder-API error (`room_exists`, ...).
     pub refused_by_error: BTreeMap<String, u64>,
+    /// Rooms never opened because the node shut down first (SIGINT or SIGTERM mid-run).
+    pub rooms_not_opened: u64,
     /// Bytes that landed in successful rooms and were verified (pages and aux rows that held
     /// exactly what prefill wrote).
     pub bytes_transferred: u64,
@@ -464,6 +466,7 @@ impl Report {
             "failed_by_reason": self.failed_by_reason,
             "rooms_unfinished": self.rooms_unfinished,
             "refused_by_error": self.refused_by_error,
+            "rooms_not_opened": self.rooms_not_opened,
             "bytes_transferred": self.bytes_transferred,
             "elapsed_s": self.elapsed_s,
             "throughput_gbps": self.throughput_gbps,
@@ -509,6 +512,16 @@ impl Report {
                 &mut s,
                 &format!("  failed: {reason}"),
                 format!("{n}  ({why})"),
+            );
+        }
+        for (error, n) in &self.refused_by_error {
+            row(&mut s, &format!("  refused: {error}"), n.to_string());
+        }
+        if self.rooms_not_opened > 0 {
+            row(
+                &mut s,
+                "  not opened",
+                format!("{}  (the node shut down first)", self.rooms_not_opened),
             );
         }
         row(
@@ -640,10 +653,17 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
     let semaphore = Arc::new(tokio::sync::Semaphore::new(shape.concurrency.max(1)));
     let mut tasks = Vec::new();
     let finished = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // Set by the first room the node refuses because it shut down: no later room is opened.
+    let shut_down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut opened = 0;
     for i in 0..run.rooms {
         let Ok(permit) = semaphore.clone().acquire_owned().await else {
             break;
         };
+        if shut_down.load(std::sync::atomic::Ordering::Relaxed) {
+            break;
+        }
+        opened += 1;
         let room = RoomId(run.first_room + i);
         let node = node.clone();
         let shape = shape.clone();
@@ -652,6 +672,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
         let tally = tally.clone();
         let finished = finished.clone();
         let progress = run.progress.clone();
+        let shut_down = shut_down.clone();
         let deadline = run.deadline;
         let abort_after = abort_plan(run.abort_rate, run.seed, room);
         tasks.push(tokio::spawn(async move {
@@ -669,6 +690,9 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
                 abort_after,
             )
             .await;
+            if matches!(&outcome, RoomOutcome::Refused(e) if e == SHUT_DOWN) {
+                shut_down.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             let n = finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             if let Some(p) = progress {
                 let outcome = match &outcome {
@@ -689,6 +713,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
     }
     let mut report = Report {
         rooms_total: run.rooms,
+        rooms_not_opened: run.rooms - opened,
         ..Report::default()
     };
     let mut latencies = Vec::new();
@@ -717,7 +742,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
         }
     }
     let refused: u64 = report.refused_by_error.values().sum();
-    report.rooms_unfinished += run.rooms.saturating_sub(
+    report.rooms_unfinished += opened.saturating_sub(
         report.rooms_succeeded + report.rooms_failed + report.rooms_unfinished + refused,
     );
     report.elapsed_s = started.elapsed().as_secs_f64();
@@ -764,6 +789,9 @@ enum RoomOutcome {
     /// No terminal state within the run's deadline.
     Unfinished,
 }
+
+/// [`error_kind`] of a node (or its endpoint) that is shut down.
+const SHUT_DOWN: &str = "shut_down";
 
 /// The variant name of an error, in snake_case (`RoomExists(..)` -> `room_exists`).
 fn error_kind(e: &NodeError) -> String {

@@ -197,3 +197,44 @@ fn assert_reasons(report: &Report, allowed: &[&str]) {
         "{report:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_stopped_mid_run_opens_no_more_rooms_and_reports_every_one() {
+    let shape = rooms(1, 1).shape;
+    let (prefill, addrs, _server) = prefill_on(
+        Runtime::Tokio,
+        &shape,
+        core(),
+        41,
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await;
+    let decode = start_on(Runtime::Tokio, Role::Decode, &shape, core(), 42);
+    let peer = decode.connect_persistent(addrs).await.unwrap();
+    let total = 1_000_000;
+    let run = tokio::spawn({
+        let decode = decode.clone();
+        async move { run_decode(&decode, peer, rooms(total, 1)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // What SIGINT or SIGTERM does in `kvferry decode`.
+    decode.shutdown().await;
+    let report = tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("the run ends once its node is shut down, not after a million refusals")
+        .unwrap();
+    assert_honest(&report);
+    assert!(report.rooms_succeeded > 0, "{report:?}");
+    assert!(report.rooms_not_opened > 0, "{report:?}");
+    let refused: u64 = report.refused_by_error.values().sum();
+    assert!(
+        refused <= 8,
+        "at most the rooms already opening (concurrency 8): {report:?}"
+    );
+    assert_eq!(
+        report.rooms_succeeded + report.rooms_failed + refused + report.rooms_not_opened,
+        total,
+        "every room is accounted for: {report:?}"
+    );
+    prefill.shutdown().await;
+}
