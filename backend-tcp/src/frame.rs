@@ -1,6 +1,7 @@
 //! Data-plane frames (see `docs/PROTOCOL.md`, "Data plane"). Decoders are total.
 
-use kvferry_core::{Generation, Incarnation, NodeId, Region, RoomId, Slice, TransferId};
+use kvferry_core::auth::{Nonce, Proof, SessionTag, PROOF_LEN, TAG_LEN};
+use kvferry_core::{Generation, Region, RoomId, Slice, TransferId};
 
 /// First bytes of every connection to a kvferry listener.
 pub const MAGIC: [u8; 4] = *b"KVF1";
@@ -17,53 +18,45 @@ pub const ACK_LEN: usize = 9;
 /// Frame type of a write batch.
 pub const FRAME_WRITE: u8 = 1;
 
-/// The longest cluster token a data hello carries (longer ones are cut on send, refused on
-/// receive).
-pub const MAX_TOKEN_LEN: usize = 64;
+/// Length of a data listener's challenge, sent right after the connector's magic and kind.
+pub const DATA_CHALLENGE_LEN: usize = kvferry_core::auth::NONCE_LEN;
+/// Length of a data hello: the session's tag and the proof.
+pub const DATA_HELLO_LEN: usize = kvferry_core::auth::TAG_LEN + kvferry_core::auth::PROOF_LEN;
 
-/// A data connection's introduction: who is connecting, proven by the cluster token.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A data connection's answer to its listener's challenge: which session it belongs to, and
+/// proof that it holds that session's key (never the cluster token).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DataHello {
-    /// The connecting endpoint's node.
-    pub node: NodeId,
-    /// Its incarnation: the data connection belongs to this life of the peer only.
-    pub incarnation: Incarnation,
-    /// Cluster token.
-    pub token: Vec<u8>,
+    /// The session's tag ([`kvferry_core::SessionKey::tag`]).
+    pub tag: SessionTag,
+    /// [`kvferry_core::SessionKey::prove`] over the listener's challenge.
+    pub proof: Proof,
 }
 
 impl DataHello {
-    /// Encodes the hello, magic and kind included.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(22 + self.token.len());
-        out.extend_from_slice(&MAGIC);
-        out.push(KIND_DATA);
-        out.extend_from_slice(&self.node.0.to_le_bytes());
-        out.extend_from_slice(&self.incarnation.0.to_le_bytes());
-        let n = self.token.len().min(MAX_TOKEN_LEN);
-        out.push(n as u8);
-        out.extend_from_slice(&self.token[..n]);
+    /// The answer to `challenge` for the session of `key`.
+    pub fn answer(key: &kvferry_core::SessionKey, challenge: &Nonce) -> Self {
+        DataHello {
+            tag: key.tag(),
+            proof: key.prove(challenge),
+        }
+    }
+
+    /// Encodes the hello (tag, then proof).
+    pub fn encode(&self) -> [u8; DATA_HELLO_LEN] {
+        let mut out = [0u8; DATA_HELLO_LEN];
+        out[..TAG_LEN].copy_from_slice(&self.tag);
+        out[TAG_LEN..].copy_from_slice(&self.proof);
         out
     }
 
-    /// Decodes the 17 fixed bytes after magic and kind; returns the hello without its token
-    /// and the token length still to read.
-    pub fn decode_fixed(b: &[u8; 17]) -> Result<(NodeId, Incarnation, usize), FrameError> {
-        let node = NodeId(u64::from_le_bytes(
-            b[0..8]
-                .try_into()
-                .map_err(|_| FrameError::Malformed("node"))?,
-        ));
-        let inc = Incarnation(u64::from_le_bytes(
-            b[8..16]
-                .try_into()
-                .map_err(|_| FrameError::Malformed("incarnation"))?,
-        ));
-        let token_len = b[16] as usize;
-        if token_len > MAX_TOKEN_LEN {
-            return Err(FrameError::Malformed("token length"));
-        }
-        Ok((node, inc, token_len))
+    /// Decodes a hello; every 48 bytes are one (the listener's check decides).
+    pub fn decode(b: &[u8; DATA_HELLO_LEN]) -> Self {
+        let mut tag = [0u8; TAG_LEN];
+        tag.copy_from_slice(&b[..TAG_LEN]);
+        let mut proof = [0u8; PROOF_LEN];
+        proof.copy_from_slice(&b[TAG_LEN..]);
+        DataHello { tag, proof }
     }
 }
 
@@ -232,8 +225,6 @@ pub enum FrameError {
     },
     /// A field holds an impossible value.
     Malformed(&'static str),
-    /// The cluster token does not match.
-    BadToken,
     /// No established session matches the connecting peer.
     UnknownPeer,
 }
@@ -250,7 +241,6 @@ impl std::fmt::Display for FrameError {
                 write!(f, "{bytes} payload bytes exceed the maximum {max}")
             }
             FrameError::Malformed(what) => write!(f, "malformed {what}"),
-            FrameError::BadToken => write!(f, "cluster token mismatch"),
             FrameError::UnknownPeer => write!(f, "no established session for this peer"),
         }
     }

@@ -15,7 +15,8 @@ use tracing::{debug, warn};
 
 use crate::frame::{
     decode_ack, decode_slices, encode_ack, AckStatus, DataHello, WriteHeader, ACK_LEN,
-    KIND_CONTROL, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+    DATA_CHALLENGE_LEN, DATA_HELLO_LEN, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN,
+    WRITE_HEADER_LEN,
 };
 use crate::io_common::{
     admit, gather_iovecs, prepare_op, scatter_iovecs, Admission, Limits, Preamble, PreambleReader,
@@ -263,11 +264,21 @@ async fn discard(stream: &mut TcpStream, mut n: u64) -> io::Result<()> {
     Ok(())
 }
 
-/// Opens a data connection to a kvferry listener and introduces it.
-pub async fn connect_data(addr: std::net::SocketAddr, hello: &DataHello) -> io::Result<TcpStream> {
+/// Opens a data connection to a kvferry listener and proves it belongs to the session of
+/// `key`: reads the listener's challenge, answers it, and waits for the verdict.
+pub async fn connect_data(
+    addr: std::net::SocketAddr,
+    key: &kvferry_core::SessionKey,
+) -> io::Result<TcpStream> {
     let mut stream = TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
-    stream.write_all(&hello.encode()).await?;
+    stream.write_all(&MAGIC).await?;
+    stream.write_all(&[KIND_DATA]).await?;
+    let mut challenge = [0u8; DATA_CHALLENGE_LEN];
+    stream.read_exact(&mut challenge).await?;
+    stream
+        .write_all(&DataHello::answer(key, &challenge).encode())
+        .await?;
     let mut answer = [0u8; 1];
     stream.read_exact(&mut answer).await?;
     if answer[0] != 0 {
@@ -277,6 +288,18 @@ pub async fn connect_data(addr: std::net::SocketAddr, hello: &DataHello) -> io::
         ));
     }
     Ok(stream)
+}
+
+/// Listener side of a data connection, after its preamble: sends `challenge` and reads the
+/// hello that answers it (the caller checks it, then [`answer_data`]).
+pub async fn challenge_data(
+    stream: &mut TcpStream,
+    challenge: &kvferry_core::auth::Nonce,
+) -> io::Result<DataHello> {
+    stream.write_all(challenge).await?;
+    let mut hello = [0u8; DATA_HELLO_LEN];
+    stream.read_exact(&mut hello).await?;
+    Ok(DataHello::decode(&hello))
 }
 
 /// Opens a control connection to a kvferry listener.

@@ -3,16 +3,13 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 
-use kvferry_core::{
-    Generation, Incarnation, NodeId, RoomId, Slice, TransferId, TransferOp, WritePermit,
-    WriteRefused,
-};
+use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, WritePermit, WriteRefused};
 use kvferry_sync::{EndWrite, Landing};
 use tracing::warn;
 
-use crate::frame::{
-    encode_slice, DataHello, FrameError, WriteHeader, KIND_CONTROL, KIND_DATA, MAGIC, MAX_TOKEN_LEN,
-};
+#[cfg(test)]
+use crate::frame::DataHello;
+use crate::frame::{encode_slice, FrameError, WriteHeader, KIND_CONTROL, KIND_DATA, MAGIC};
 use crate::memory::MemoryMap;
 
 /// Decides whether a write may be applied: the driver asks the core's `begin_write` and
@@ -103,8 +100,11 @@ impl From<io::Error> for ServeError {
 pub enum Preamble {
     /// The core's control frames follow.
     Control,
-    /// Write batches follow, once the caller answered (accept or refuse).
-    Data(DataHello),
+    /// A data connection: the listener sends its challenge, reads the [`DataHello`]
+    /// answering it, and accepts or refuses; then write batches follow.
+    ///
+    /// [`DataHello`]: crate::DataHello
+    Data,
 }
 
 /// Encodes `op`'s header and slice table into `header` and resolves every source range in
@@ -262,47 +262,21 @@ where
 
 /// Length of a connection's first bytes: the magic and the kind.
 pub(crate) const PREAMBLE_HEAD_LEN: usize = 5;
-/// Length of a data hello's fixed part, after the head.
-pub(crate) const DATA_HELLO_FIXED_LEN: usize = 17;
-/// The longest piece a [`PreambleReader`] asks for (a data hello's fixed part or its token,
-/// which [`DataHello::decode_fixed`] bounds): the stream readers' buffer size.
+/// The longest piece a [`PreambleReader`] asks for: the stream readers' buffer size.
 #[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
-pub(crate) const PREAMBLE_PIECE_MAX: usize = if MAX_TOKEN_LEN > DATA_HELLO_FIXED_LEN {
-    MAX_TOKEN_LEN
-} else {
-    DATA_HELLO_FIXED_LEN
-};
+pub(crate) const PREAMBLE_PIECE_MAX: usize = PREAMBLE_HEAD_LEN;
 
 /// Parses a connection's preamble without doing IO, the one place every stream type does:
 /// read [`PreambleReader::need`] bytes, hand them to [`PreambleReader::feed`], repeat until it
-/// yields the preamble. Bounded (at most 5 + 17 + [`MAX_TOKEN_LEN`] bytes) and total (bad
-/// input is an error).
+/// yields the preamble. Bounded (5 bytes) and total (bad input is an error). A data
+/// connection's hello follows only after the listener sent its challenge.
 #[derive(Debug, Default)]
-pub struct PreambleReader(PreambleStage);
-
-#[derive(Debug, Default)]
-enum PreambleStage {
-    /// The magic and the kind.
-    #[default]
-    Head,
-    /// A data hello's node, incarnation and token length.
-    Fixed,
-    /// A data hello's token.
-    Token {
-        node: NodeId,
-        incarnation: Incarnation,
-        len: usize,
-    },
-}
+pub struct PreambleReader(());
 
 impl PreambleReader {
     /// How many bytes [`PreambleReader::feed`] wants next.
     pub fn need(&self) -> usize {
-        match self.0 {
-            PreambleStage::Head => PREAMBLE_HEAD_LEN,
-            PreambleStage::Fixed => DATA_HELLO_FIXED_LEN,
-            PreambleStage::Token { len, .. } => len,
-        }
+        PREAMBLE_HEAD_LEN
     }
 
     /// Takes exactly [`PreambleReader::need`] bytes; the preamble once it is complete.
@@ -310,40 +284,13 @@ impl PreambleReader {
         if bytes.len() != self.need() {
             return Err(ServeError::Frame(FrameError::Malformed("preamble piece")));
         }
-        match self.0 {
-            PreambleStage::Head => {
-                if bytes[..4] != MAGIC {
-                    return Err(ServeError::Frame(FrameError::BadMagic));
-                }
-                match bytes[4] {
-                    KIND_CONTROL => Ok(Some(Preamble::Control)),
-                    KIND_DATA => {
-                        self.0 = PreambleStage::Fixed;
-                        Ok(None)
-                    }
-                    other => Err(ServeError::Frame(FrameError::UnknownType(other))),
-                }
-            }
-            PreambleStage::Fixed => {
-                let fixed: &[u8; DATA_HELLO_FIXED_LEN] = bytes
-                    .try_into()
-                    .map_err(|_| ServeError::Frame(FrameError::Malformed("data hello")))?;
-                let (node, incarnation, len) =
-                    DataHello::decode_fixed(fixed).map_err(ServeError::Frame)?;
-                self.0 = PreambleStage::Token {
-                    node,
-                    incarnation,
-                    len,
-                };
-                Ok(None)
-            }
-            PreambleStage::Token {
-                node, incarnation, ..
-            } => Ok(Some(Preamble::Data(DataHello {
-                node,
-                incarnation,
-                token: bytes.to_vec(),
-            }))),
+        if bytes[..4] != MAGIC {
+            return Err(ServeError::Frame(FrameError::BadMagic));
+        }
+        match bytes[4] {
+            KIND_CONTROL => Ok(Some(Preamble::Control)),
+            KIND_DATA => Ok(Some(Preamble::Data)),
+            other => Err(ServeError::Frame(FrameError::UnknownType(other))),
         }
     }
 }
@@ -352,20 +299,8 @@ impl PreambleReader {
 mod tests {
     use super::*;
 
-    /// Feeds `bytes` the way a stream reader does: `need()` bytes at a time.
     fn parse(bytes: &[u8]) -> Result<Option<Preamble>, ServeError> {
-        let mut reader = PreambleReader::default();
-        let mut at = 0;
-        loop {
-            let n = reader.need();
-            let Some(piece) = bytes.get(at..at + n) else {
-                return Ok(None);
-            };
-            at += n;
-            if let Some(p) = reader.feed(piece)? {
-                return Ok(Some(p));
-            }
-        }
+        PreambleReader::default().feed(bytes)
     }
 
     #[test]
@@ -376,30 +311,23 @@ mod tests {
     }
 
     #[test]
-    fn a_data_preamble_carries_the_senders_hello_and_token() {
-        let hello = DataHello {
-            node: NodeId(7),
-            incarnation: Incarnation(3),
-            token: b"secret".to_vec(),
-        };
-        match parse(&hello.encode()) {
-            Ok(Some(Preamble::Data(got))) => assert_eq!(got, hello),
-            other => panic!("{other:?}"),
-        }
+    fn a_data_preamble_is_the_magic_and_the_data_kind() {
+        let mut bytes = MAGIC.to_vec();
+        bytes.push(KIND_DATA);
+        assert!(matches!(parse(&bytes), Ok(Some(Preamble::Data))));
     }
 
     #[test]
-    fn a_data_preamble_may_have_an_empty_token() {
+    fn a_data_hello_round_trips() {
         let hello = DataHello {
-            node: NodeId(1),
-            incarnation: Incarnation(1),
-            token: Vec::new(),
+            tag: [1; 16],
+            proof: [2; 32],
         };
-        assert!(matches!(parse(&hello.encode()), Ok(Some(Preamble::Data(h))) if h == hello));
+        assert_eq!(DataHello::decode(&hello.encode()), hello);
     }
 
     #[test]
-    fn wrong_magic_unknown_kind_and_long_tokens_are_refused() {
+    fn wrong_magic_and_unknown_kind_are_refused() {
         assert!(matches!(
             parse(b"HTTP/"),
             Err(ServeError::Frame(FrameError::BadMagic))
@@ -409,17 +337,6 @@ mod tests {
         assert!(matches!(
             parse(&bytes),
             Err(ServeError::Frame(FrameError::UnknownType(0xee)))
-        ));
-        let mut long = DataHello {
-            node: NodeId(1),
-            incarnation: Incarnation(1),
-            token: Vec::new(),
-        }
-        .encode();
-        *long.last_mut().unwrap() = 65;
-        assert!(matches!(
-            parse(&long),
-            Err(ServeError::Frame(FrameError::Malformed(_)))
         ));
     }
 

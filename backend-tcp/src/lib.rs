@@ -22,8 +22,8 @@ pub mod stream;
 
 pub use frame::{
     decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError,
-    WriteHeader, ACK_LEN, FRAME_WRITE, KIND_CONTROL, KIND_DATA, MAGIC, MAX_TOKEN_LEN,
-    SLICE_DESC_LEN, WRITE_HEADER_LEN,
+    WriteHeader, ACK_LEN, DATA_CHALLENGE_LEN, DATA_HELLO_LEN, FRAME_WRITE, KIND_CONTROL, KIND_DATA,
+    MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 pub use io_common::{
     gather_iovecs, prepare_op, scatter_iovecs, Limits, Preamble, PreambleReader, ServeError,
@@ -33,5 +33,6 @@ pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 
 #[cfg(feature = "tokio")]
 pub use io::{
-    answer_data, connect_control, connect_data, read_preamble, serve_writes, DataSender, Report,
+    answer_data, challenge_data, connect_control, connect_data, read_preamble, serve_writes,
+    DataSender, Report,
 };

@@ -15,7 +15,8 @@ use tracing::debug;
 
 use crate::frame::{
     decode_ack, decode_slices, encode_ack, AckStatus, DataHello, WriteHeader, ACK_LEN,
-    KIND_CONTROL, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+    DATA_CHALLENGE_LEN, DATA_HELLO_LEN, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN,
+    WRITE_HEADER_LEN,
 };
 use crate::io_common::{
     admit, Admission, Limits, Preamble, PreambleReader, ServeError, ServeStats, WriteCheck,
@@ -152,12 +153,20 @@ async fn discard<R: AsyncRead + Unpin>(
     Ok(())
 }
 
-/// Introduces a freshly opened data connection and waits for the peer's answer.
+/// Introduces a freshly opened data connection: reads the listener's challenge, answers it
+/// for the session of `key`, and waits for the verdict.
 pub async fn hello_data<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
-    hello: &DataHello,
+    key: &kvferry_core::SessionKey,
 ) -> io::Result<()> {
-    stream.write_all(&hello.encode()).await?;
+    stream.write_all(&MAGIC).await?;
+    stream.write_all(&[KIND_DATA]).await?;
+    stream.flush().await?;
+    let mut challenge = [0u8; DATA_CHALLENGE_LEN];
+    stream.read_exact(&mut challenge).await?;
+    stream
+        .write_all(&DataHello::answer(key, &challenge).encode())
+        .await?;
     stream.flush().await?;
     let mut answer = [0u8; 1];
     stream.read_exact(&mut answer).await?;
@@ -168,6 +177,19 @@ pub async fn hello_data<S: AsyncRead + AsyncWrite + Unpin>(
         ));
     }
     Ok(())
+}
+
+/// Listener side of a data connection, after its preamble: sends `challenge` and reads the
+/// hello that answers it (the caller checks it, then [`answer_data_on`]).
+pub async fn challenge_data_on<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    challenge: &kvferry_core::auth::Nonce,
+) -> io::Result<DataHello> {
+    stream.write_all(challenge).await?;
+    stream.flush().await?;
+    let mut hello = [0u8; DATA_HELLO_LEN];
+    stream.read_exact(&mut hello).await?;
+    Ok(DataHello::decode(&hello))
 }
 
 /// Introduces a freshly opened control connection.

@@ -81,7 +81,7 @@ pub(crate) fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
     )
     .map_err(|e| invalid(e.to_string()))?;
     let sp = p.open_session(now);
-    let sd = d.open_session(now);
+    let sd = d.accept_session(now);
     for _ in 0..4 {
         let mut buf = Vec::new();
         while p.poll_transmit(&mut buf).is_some() {}

@@ -52,7 +52,7 @@ impl Pair {
         let mut prefill = Endpoint::new(fast_config(), pi, 1, now).expect("config");
         let mut decode = Endpoint::new(fast_config(), di, 2, now).expect("config");
         let sp = prefill.open_session(now);
-        let sd = decode.open_session(now);
+        let sd = decode.accept_session(now);
         let mut pair = Pair {
             now,
             prefill,

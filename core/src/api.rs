@@ -68,6 +68,10 @@ pub struct PeerInfo {
     pub layer_end: u16,
     /// Whether it writes aux data.
     pub writes_aux: bool,
+    /// How often it sends heartbeats.
+    pub heartbeat_interval: core::time::Duration,
+    /// How many of them may go missing before it may be given up.
+    pub heartbeat_misses: u32,
 }
 
 /// Decode's page grant for a room: where every source writes.
@@ -318,6 +322,30 @@ pub enum RejectReason {
     /// The peer speaks another protocol version.
     VersionMismatch,
 }
+
+/// Why a data connection was not admitted to a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataRefusal {
+    /// No session of ours has the tag it named (never, or no longer).
+    UnknownSession,
+    /// Its proof does not answer our challenge with that session's key (a replay, or a
+    /// connection that does not hold the key).
+    BadProof,
+    /// The session it named is closing.
+    SessionEnded,
+}
+
+impl fmt::Display for DataRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DataRefusal::UnknownSession => "no session has that tag",
+            DataRefusal::BadProof => "the proof does not answer the challenge",
+            DataRefusal::SessionEnded => "the session is closing",
+        })
+    }
+}
+
+impl std::error::Error for DataRefusal {}
 
 /// Misuse of the endpoint API by the embedder. Nothing changed when this is returned.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,16 +7,20 @@ use bytes::BufMut;
 use core::fmt;
 use smallvec::SmallVec;
 
+use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 use crate::ids::{Generation, Incarnation, NodeId, RoomId};
 use crate::layout::{Layout, PageRun};
 use crate::state::{FailureReason, Role};
 
-/// The protocol version this crate speaks.
-pub const PROTOCOL_VERSION: u8 = 1;
+/// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
+/// challenge and proofs (a version 1 peer is refused: [`ErrorCode::VersionMismatch`]).
+pub const PROTOCOL_VERSION: u8 = 2;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
-/// Longest cluster token carried in a hello.
-pub const MAX_TOKEN_LEN: usize = 64;
+/// Longest heartbeat interval a hello may announce (10 minutes).
+pub const MAX_HEARTBEAT_INTERVAL_MS: u32 = 600_000;
+/// Most missed heartbeats a hello may announce.
+pub const MAX_HEARTBEAT_MISSES: u32 = 10_000;
 /// Longest detail text of an error frame.
 pub const MAX_DETAIL_LEN: usize = 256;
 /// Longest payload of a [`Message::Transport`] frame.
@@ -25,7 +29,15 @@ pub const MAX_TRANSPORT_LEN: usize = 16 * 1024;
 /// Everything two endpoints say to each other on the control connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
-    /// First frame on every session, both directions.
+    /// First frame on every session, both directions: a fresh nonce the other side's proof
+    /// must cover. The connector sends its own first; the listener answers with its own.
+    Challenge {
+        /// 32 fresh, unpredictable bytes.
+        nonce: Nonce,
+    },
+    /// Second frame on every session, both directions: who the sender is, with its proof of
+    /// the cluster token. The connector's goes first; the listener's only once the
+    /// connector's proof checked out.
     Hello(Hello),
     /// Decode -> prefill: decode knows the room but has not granted pages yet.
     RoomPending {
@@ -104,7 +116,8 @@ pub enum Message {
     },
 }
 
-/// The handshake: who the peer is and what memory it registered.
+/// The handshake: who the peer is, what memory it registered, how often it speaks, and its
+/// proof of the cluster token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Hello {
     /// Prefill or decode.
@@ -115,8 +128,6 @@ pub struct Hello {
     pub node: NodeId,
     /// Process start identity.
     pub incarnation: Incarnation,
-    /// Shared cluster secret, compared in constant time.
-    pub token: SmallVec<[u8; 32]>,
     /// Registered memory.
     pub layout: Layout,
     /// First layer this endpoint writes (prefill PP stage), inclusive.
@@ -125,6 +136,14 @@ pub struct Hello {
     pub layer_end: u16,
     /// Whether this endpoint writes the aux and state data (the last PP stage).
     pub writes_aux: bool,
+    /// How often the sender sends a heartbeat, in milliseconds (at least 1).
+    pub heartbeat_interval_ms: u32,
+    /// How many of its heartbeats may go missing before its peer may give up (at least 1):
+    /// the sender's liveness window is `heartbeat_interval_ms × heartbeat_misses`.
+    pub heartbeat_misses: u32,
+    /// HMAC-SHA256 proof of the cluster token over both nonces and the hellos (see
+    /// `docs/PROTOCOL.md`, "Authentication"). Computed with these 32 bytes set to zero.
+    pub proof: Proof,
 }
 
 /// Decode's page grant for one room.
@@ -175,10 +194,12 @@ pub enum ErrorCode {
     /// Nothing arrived from the peer for the liveness window (or no hello in time): the
     /// link or the peer went silent. Not a protocol violation.
     HeartbeatsMissed,
+    /// A hello field holds an impossible value; the detail names the field.
+    InvalidHello,
 }
 
 impl ErrorCode {
-    const ALL: [ErrorCode; 8] = [
+    const ALL: [ErrorCode; 9] = [
         ErrorCode::Malformed,
         ErrorCode::BadToken,
         ErrorCode::VersionMismatch,
@@ -187,6 +208,7 @@ impl ErrorCode {
         ErrorCode::ProtocolViolation,
         ErrorCode::Shutdown,
         ErrorCode::HeartbeatsMissed,
+        ErrorCode::InvalidHello,
     ];
 
     fn code(self) -> u16 {
@@ -212,7 +234,11 @@ mod ty {
     pub(super) const PROBE_ACK: u8 = 10;
     pub(super) const ERROR: u8 = 11;
     pub(super) const TRANSPORT: u8 = 12;
+    pub(super) const CHALLENGE: u8 = 13;
 }
+
+/// Frame type code of [`Message::Hello`] (errors in a hello close the session at once).
+pub const HELLO_TYPE: u8 = ty::HELLO;
 
 /// A frame that cannot be decoded. The session that sent it earns a strike.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -277,19 +303,23 @@ impl Message {
         out.put_u32_le(0);
         out.put_u8(PROTOCOL_VERSION);
         match self {
+            Message::Challenge { nonce } => {
+                out.put_u8(ty::CHALLENGE);
+                out.put_slice(nonce);
+            }
             Message::Hello(h) => {
                 out.put_u8(ty::HELLO);
                 out.put_u8(h.role.code());
                 out.put_u16_le(h.rank);
                 out.put_u64_le(h.node.0);
                 out.put_u64_le(h.incarnation.0);
-                let token = &h.token[..h.token.len().min(MAX_TOKEN_LEN)];
-                out.put_u8(token.len() as u8);
-                out.put_slice(token);
                 put_layout(out, &h.layout);
                 out.put_u16_le(h.layer_start);
                 out.put_u16_le(h.layer_end);
                 out.put_u8(u8::from(h.writes_aux));
+                out.put_u32_le(h.heartbeat_interval_ms);
+                out.put_u32_le(h.heartbeat_misses);
+                out.put_slice(&h.proof);
             }
             Message::RoomPending {
                 room,
@@ -478,6 +508,12 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(a))
     }
 
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
     fn opt_u32(&mut self) -> Result<Option<u32>, DecodeError> {
         Ok(Some(self.u32()?).filter(|v| *v != u32::MAX))
     }
@@ -507,16 +543,14 @@ impl<'a> Reader<'a> {
 fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
     let mut r = Reader { buf: body, ty };
     let msg = match ty {
+        ty::CHALLENGE => Message::Challenge {
+            nonce: r.array::<NONCE_LEN>()?,
+        },
         ty::HELLO => {
             let role = Role::from_code(r.u8()?).ok_or(r.invalid("role"))?;
             let rank = r.u16()?;
             let node = NodeId(r.u64()?);
             let incarnation = Incarnation(r.u64()?);
-            let token_len = r.u8()? as usize;
-            if token_len > MAX_TOKEN_LEN {
-                return Err(r.invalid("token length"));
-            }
-            let token = SmallVec::from_slice(r.take(token_len)?);
             let layout = Layout {
                 layers: r.u16()?,
                 planes: r.u8()?,
@@ -532,9 +566,12 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
             if layout.page_bytes == 0 {
                 return Err(r.invalid("page_bytes"));
             }
+            if layout.layers == 0 {
+                return Err(r.invalid("layers"));
+            }
             let layer_start = r.u16()?;
             let layer_end = r.u16()?;
-            if layer_start > layer_end || layer_end > layout.layers {
+            if layer_start >= layer_end || layer_end > layout.layers {
                 return Err(r.invalid("layer range"));
             }
             let writes_aux = match r.u8()? {
@@ -542,16 +579,26 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                 1 => true,
                 _ => return Err(r.invalid("writes_aux")),
             };
+            let heartbeat_interval_ms = r.u32()?;
+            if !(1..=MAX_HEARTBEAT_INTERVAL_MS).contains(&heartbeat_interval_ms) {
+                return Err(r.invalid("heartbeat_interval_ms"));
+            }
+            let heartbeat_misses = r.u32()?;
+            if !(1..=MAX_HEARTBEAT_MISSES).contains(&heartbeat_misses) {
+                return Err(r.invalid("heartbeat_misses"));
+            }
             Message::Hello(Hello {
                 role,
                 rank,
                 node,
                 incarnation,
-                token,
                 layout,
                 layer_start,
                 layer_end,
                 writes_aux,
+                heartbeat_interval_ms,
+                heartbeat_misses,
+                proof: r.array::<PROOF_LEN>()?,
             })
         }
         ty::ROOM_PENDING => {

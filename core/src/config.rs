@@ -321,6 +321,24 @@ impl Config {
                 return bad(key, "0".into(), "must be positive");
             }
         }
+        // Announced in every hello: a peer refuses values outside these bounds.
+        if self.heartbeat_interval < Duration::from_millis(1)
+            || self.heartbeat_interval
+                > Duration::from_millis(u64::from(crate::codec::MAX_HEARTBEAT_INTERVAL_MS))
+        {
+            return bad(
+                "HEARTBEAT_INTERVAL_MS",
+                self.heartbeat_interval.as_millis().to_string(),
+                "must be 1 to 600000 ms",
+            );
+        }
+        if self.heartbeat_misses > crate::codec::MAX_HEARTBEAT_MISSES {
+            return bad(
+                "HEARTBEAT_MISSES",
+                self.heartbeat_misses.to_string(),
+                "must be at most 10000",
+            );
+        }
         if self.probe_max_interval < self.probe_interval {
             return bad(
                 "PROBE_MAX_INTERVAL_MS",

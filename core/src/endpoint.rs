@@ -11,11 +11,16 @@ use smallvec::SmallVec;
 use tracing::{debug, info, warn};
 
 use crate::api::{
-    Action, ApiError, Capacity, Chunk, ConnectFailure, EndpointInfo, Event, Grant, Link, OpKind,
-    PeerInfo, RejectReason, SessionState, SessionStats, TransferOp, TransferOutcome, WritePermit,
-    WriteRefused,
+    Action, ApiError, Capacity, Chunk, ConnectFailure, DataRefusal, EndpointInfo, Event, Grant,
+    Link, OpKind, PeerInfo, RejectReason, SessionState, SessionStats, TransferOp, TransferOutcome,
+    WritePermit, WriteRefused,
 };
-use crate::codec::{DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest};
+use crate::auth::{
+    connector_proof, constant_time_eq, listener_proof, Nonce, Nonces, Proof, SessionKey, SessionTag,
+};
+use crate::codec::{
+    DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HELLO_TYPE,
+};
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
 use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId};
@@ -57,6 +62,8 @@ pub struct Endpoint {
     config: Config,
     local: EndpointInfo,
     rng: Rng,
+    /// Challenges for peers: unpredictable without the cluster token and our seed.
+    nonces: Nonces,
     last_now: Instant,
     shut_down: bool,
     sessions: Map<SessionId, Session>,
@@ -151,6 +158,13 @@ struct Session {
     /// Accepted by our listener: our hello goes out only after the peer's hello proved it
     /// knows the cluster token.
     inbound: bool,
+    /// The handshake's authentication so far, then the session's key.
+    auth: Auth,
+    /// How long this session may stay silent before it is given up: the longer of our
+    /// liveness window and the one the peer announced.
+    window: Duration,
+    /// Silence after which the link is checked: longer than the peer's heartbeat interval.
+    silence: Duration,
     /// The silence of this session was logged (reset when the peer is heard again).
     silence_noted: bool,
     /// Accepted side: the silent session of the same peer process this one will take over
@@ -179,6 +193,45 @@ struct Session {
     /// Its writes land without this endpoint seeing them (RDMA): `Success` of its rooms
     /// rests on the source's word, bound to the peer's incarnation, not on landed bytes.
     one_sided: bool,
+}
+
+/// Where a session's handshake stands (see `docs/PROTOCOL.md`, "Handshake").
+#[derive(Debug)]
+enum Auth {
+    /// Connector: our challenge went out; the listener's is awaited.
+    ConnectorChallenged { ours: Nonce },
+    /// Connector: our hello went out (kept with its proof zeroed, as the transcript); the
+    /// listener's hello is awaited.
+    ConnectorHello {
+        ours: Nonce,
+        theirs: Nonce,
+        hello: Vec<u8>,
+    },
+    /// Listener: the connector's challenge is awaited.
+    ListenerWaiting,
+    /// Listener: our challenge went out; the connector's hello is awaited.
+    ListenerChallenged { theirs: Nonce, ours: Nonce },
+    /// Both proofs checked out.
+    Done(SessionKey),
+}
+
+/// Why a hello did not complete the handshake.
+enum HandshakeError {
+    /// Refused with a typed reason (and an `Error` frame).
+    Refused(RejectReason),
+    /// It came before the challenges were exchanged.
+    OutOfOrder,
+}
+
+/// A hello as its proof covers it: the frame as encoded, with the proof bytes zero.
+fn hello_transcript(h: &Hello) -> Vec<u8> {
+    let mut v = Vec::with_capacity(96);
+    Message::Hello(Hello {
+        proof: [0; 32],
+        ..h.clone()
+    })
+    .encode(&mut v);
+    v
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -529,14 +582,6 @@ impl LayerBits {
     }
 }
 
-/// Compares two byte strings in time independent of where they differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 impl Endpoint {
     /// A new endpoint. `seed` drives every random choice (jitter, nonces); `now` is the start.
     pub fn new(
@@ -566,10 +611,12 @@ impl Endpoint {
             map: Map::with_hasher(hasher.clone()),
             ..tombstones
         };
+        let nonces = Nonces::new(&local.token, seed, local.node.0, local.incarnation.0);
         Ok(Endpoint {
             config,
             local,
             rng: Rng::new(seed),
+            nonces,
             last_now: now,
             shut_down: false,
             sessions: Map::with_hasher(hasher.clone()),
@@ -791,33 +838,81 @@ impl Endpoint {
     /// This side opened a control connection to a peer: returns its session handle and
     /// queues our hello on it (the connector speaks first).
     pub fn open_session(&mut self, now: Instant) -> SessionId {
-        let sid = self.new_session(now, false);
-        let hello = self.our_hello();
-        self.transmits.push_back((sid, hello));
+        let ours = self.nonces.fresh();
+        let sid = self.new_session(now, Auth::ConnectorChallenged { ours });
+        self.transmits
+            .push_back((sid, Message::Challenge { nonce: ours }));
         sid
     }
 
-    /// Our listener accepted a control connection: returns its session handle. Our hello
-    /// goes out only once the peer's hello carried the right cluster token.
+    /// Our listener accepted a control connection: returns its session handle. We send our
+    /// challenge once the connector sent its own, and our hello only once the connector's
+    /// hello proved it knows the cluster token: before that a stranger learns nothing.
     pub fn accept_session(&mut self, now: Instant) -> SessionId {
-        self.new_session(now, true)
+        self.new_session(now, Auth::ListenerWaiting)
     }
 
-    fn our_hello(&self) -> Message {
-        Message::Hello(Hello {
+    /// Our hello, its proof still zero.
+    fn our_hello(&self) -> Hello {
+        Hello {
             role: self.local.role,
             rank: self.local.rank,
             node: self.local.node,
             incarnation: self.local.incarnation,
-            token: SmallVec::from_slice(&self.local.token),
             layout: self.local.layout,
             layer_start: self.local.layer_start,
             layer_end: self.local.layer_end,
             writes_aux: self.local.writes_aux,
-        })
+            heartbeat_interval_ms: self
+                .config
+                .heartbeat_interval
+                .as_millis()
+                .clamp(1, u128::from(u32::MAX)) as u32,
+            heartbeat_misses: self.config.heartbeat_misses.max(1),
+            proof: [0; 32],
+        }
     }
 
-    fn new_session(&mut self, now: Instant, inbound: bool) -> SessionId {
+    /// The key binding data connections to `session`, once its handshake completed.
+    pub fn data_key(&self, session: SessionId) -> Option<SessionKey> {
+        match &self.sessions.get(&session)?.auth {
+            Auth::Done(key) => Some(key.clone()),
+            _ => None,
+        }
+    }
+
+    /// A fresh challenge for a data connection our listener accepted.
+    pub fn data_challenge(&mut self) -> Nonce {
+        self.nonces.fresh()
+    }
+
+    /// Admits a data connection that answered `challenge` with `proof` for the session named
+    /// by `tag`: the session it belongs to, if that session is usable and the proof is right.
+    pub fn admit_data(
+        &self,
+        challenge: &Nonce,
+        tag: &SessionTag,
+        proof: &Proof,
+    ) -> Result<SessionId, DataRefusal> {
+        let (sid, key) = self
+            .sessions
+            .iter()
+            .find_map(|(sid, s)| match &s.auth {
+                Auth::Done(key) if key.tag() == *tag => Some((*sid, key)),
+                _ => None,
+            })
+            .ok_or(DataRefusal::UnknownSession)?;
+        if !key.verify(challenge, proof) {
+            return Err(DataRefusal::BadProof);
+        }
+        match self.sessions.get(&sid).map(|s| s.state) {
+            Some(SessionState::Established | SessionState::Blacklisted) => Ok(sid),
+            _ => Err(DataRefusal::SessionEnded),
+        }
+    }
+
+    fn new_session(&mut self, now: Instant, auth: Auth) -> SessionId {
+        let inbound = matches!(auth, Auth::ListenerWaiting);
         let now = self.clock(now);
         self.next_session += 1;
         let sid = SessionId(self.next_session);
@@ -832,6 +927,9 @@ impl Endpoint {
             probe_timer: None,
             idle_timer: None,
             inbound,
+            auth,
+            window: self.config.heartbeat_interval * self.config.heartbeat_misses,
+            silence: self.config.silence_timeout,
             silence_noted: false,
             resumes: None,
             failures: 0,
@@ -1029,6 +1127,27 @@ impl Endpoint {
                     used += n;
                     self.handle_message(now, session, msg);
                 }
+                Err(err)
+                    if self
+                        .sessions
+                        .get(&session)
+                        .is_some_and(|s| s.peer.is_none()) =>
+                {
+                    // Nothing is skipped before the handshake completed: say what was wrong
+                    // and close at once, rather than leave the peer to its handshake timeout.
+                    let (code, what) = match err {
+                        DecodeError::UnknownVersion(_) => {
+                            self.reject(session, RejectReason::VersionMismatch);
+                            return buf.len();
+                        }
+                        DecodeError::InvalidField { ty, field } if ty == HELLO_TYPE => {
+                            (ErrorCode::InvalidHello, format!("hello: invalid {field}"))
+                        }
+                        other => (ErrorCode::Malformed, other.to_string()),
+                    };
+                    self.refuse_handshake(session, code, &what);
+                    return buf.len();
+                }
                 Err(err) => {
                     let skippable = matches!(
                         err,
@@ -1037,15 +1156,6 @@ impl Endpoint {
                             | DecodeError::TrailingBytes { .. }
                             | DecodeError::InvalidField { .. }
                     );
-                    if matches!(err, DecodeError::UnknownVersion(_))
-                        && self
-                            .sessions
-                            .get(&session)
-                            .is_some_and(|s| s.peer.is_none())
-                    {
-                        self.reject(session, RejectReason::VersionMismatch);
-                        return buf.len();
-                    }
                     self.strike(session, &err.to_string(), !skippable);
                     if !skippable {
                         return buf.len();
@@ -2335,10 +2445,10 @@ impl Endpoint {
                 }
             }
             Timer::Liveness(sid) => {
-                let window = self.config.heartbeat_interval * self.config.heartbeat_misses;
                 let Some(s) = self.sessions.get_mut(&sid) else {
                     return;
                 };
+                let window = s.window;
                 if s.liveness_timer != Some(key) {
                     return;
                 }
@@ -2467,11 +2577,11 @@ impl Endpoint {
     /// connections, one attempt per `connect_timeout`, until it is heard again, a fresh
     /// connection takes it over, or its liveness window ends.
     fn on_silence_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
-        let silence = self.config.silence_timeout;
         let pace = self.config.connect_timeout;
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
+        let silence = s.silence;
         if s.silence_timer != Some(key) {
             return;
         }
@@ -2586,11 +2696,23 @@ impl Endpoint {
         s.last_rx = now;
         s.silence_noted = false;
         let established = s.peer.is_some();
-        if s.resumes.is_some() && !matches!(msg, Message::Hello(_) | Message::Error { .. }) {
+        if s.resumes.is_some()
+            && !matches!(
+                msg,
+                Message::Challenge { .. } | Message::Hello(_) | Message::Error { .. }
+            )
+        {
             // The dialer uses the fresh connection: it took the work over on its side.
             self.commit_resume(sid);
         }
         match msg {
+            Message::Challenge { nonce } => {
+                if established {
+                    self.strike(sid, "a challenge after the handshake", false);
+                } else {
+                    self.on_challenge(sid, nonce);
+                }
+            }
             Message::Hello(h) => {
                 if established {
                     self.strike(sid, "second hello", false);
@@ -2617,9 +2739,9 @@ impl Endpoint {
                     ErrorCode::BadToken => FailureReason::Unauthorized,
                     ErrorCode::Shutdown => FailureReason::PeerShutdown,
                     ErrorCode::HeartbeatsMissed => FailureReason::PeerSilent,
-                    ErrorCode::Malformed | ErrorCode::ProtocolViolation => {
-                        FailureReason::ProtocolError
-                    }
+                    ErrorCode::Malformed
+                    | ErrorCode::ProtocolViolation
+                    | ErrorCode::InvalidHello => FailureReason::ProtocolError,
                 };
                 if let Some(s) = self.sessions.get_mut(&sid) {
                     s.close_reason = reason;
@@ -2627,7 +2749,10 @@ impl Endpoint {
                 self.fail_session_rooms(now, sid, reason);
                 self.request_close(sid);
             }
-            _ if !established => self.strike(sid, "message before hello", false),
+            other if !established => {
+                let what = format!("{} before the handshake completed", message_name(&other));
+                self.refuse_handshake(sid, ErrorCode::ProtocolViolation, &what);
+            }
             Message::Heartbeat {
                 free_pages,
                 queued_rooms,
@@ -2694,15 +2819,123 @@ impl Endpoint {
         }
     }
 
+    /// The peer's challenge: a listener answers with its own, a connector with its hello.
+    fn on_challenge(&mut self, sid: SessionId, theirs: Nonce) {
+        let Some(s) = self.sessions.get(&sid) else {
+            return;
+        };
+        match s.auth {
+            Auth::ListenerWaiting => {
+                let ours = self.nonces.fresh();
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.auth = Auth::ListenerChallenged { theirs, ours };
+                }
+                self.transmits
+                    .push_back((sid, Message::Challenge { nonce: ours }));
+            }
+            Auth::ConnectorChallenged { ours } => {
+                let mut hello = self.our_hello();
+                let transcript = hello_transcript(&hello);
+                hello.proof = connector_proof(&self.local.token, &ours, &theirs, &transcript);
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.auth = Auth::ConnectorHello {
+                        ours,
+                        theirs,
+                        hello: transcript,
+                    };
+                }
+                self.transmits.push_back((sid, Message::Hello(hello)));
+            }
+            Auth::ListenerChallenged { theirs: seen, .. }
+            | Auth::ConnectorHello { theirs: seen, .. }
+                if seen == theirs =>
+            {
+                // The same challenge again: harmless, but not what a peer should send.
+                self.strike(sid, "a repeated challenge", false)
+            }
+            _ => self.refuse_handshake(sid, ErrorCode::ProtocolViolation, "a second challenge"),
+        }
+    }
+
+    /// Closes a session whose handshake broke a rule, saying which, at once.
+    fn refuse_handshake(&mut self, sid: SessionId, code: ErrorCode, what: &str) {
+        self.counters.protocol_errors += 1;
+        warn!(session = %sid, ?code, %what, "handshake refused");
+        let now = self.last_now;
+        self.close_session(now, sid, code, what, FailureReason::ProtocolError);
+    }
+
+    /// Checks the peer's proof of the cluster token: the session's key and, on a listener,
+    /// the hello to answer with (sent only once every other check passed too).
+    fn authenticate(
+        &self,
+        sid: SessionId,
+        h: &Hello,
+    ) -> Result<(SessionKey, Option<Hello>), HandshakeError> {
+        let token = &self.local.token;
+        let theirs = hello_transcript(h);
+        let Some(s) = self.sessions.get(&sid) else {
+            return Err(HandshakeError::Refused(RejectReason::BadToken));
+        };
+        match &s.auth {
+            Auth::ListenerChallenged { theirs: c, ours: l } => {
+                if !constant_time_eq(&connector_proof(token, c, l, &theirs), &h.proof) {
+                    return Err(HandshakeError::Refused(RejectReason::BadToken));
+                }
+                let mut ours = self.our_hello();
+                ours.proof = listener_proof(token, c, l, &theirs, &hello_transcript(&ours));
+                Ok((SessionKey::derive(token, c, l), Some(ours)))
+            }
+            Auth::ConnectorHello {
+                ours: c,
+                theirs: l,
+                hello,
+            } => {
+                if !constant_time_eq(&listener_proof(token, c, l, hello, &theirs), &h.proof) {
+                    return Err(HandshakeError::Refused(RejectReason::BadToken));
+                }
+                Ok((SessionKey::derive(token, c, l), None))
+            }
+            Auth::ListenerWaiting | Auth::ConnectorChallenged { .. } | Auth::Done(_) => {
+                Err(HandshakeError::OutOfOrder)
+            }
+        }
+    }
+
     fn on_hello(&mut self, now: Instant, sid: SessionId, h: Hello) {
-        if !constant_time_eq(&h.token, &self.local.token) {
-            return self.reject(sid, RejectReason::BadToken);
-        }
-        if h.role == self.local.role {
-            return self.reject(sid, RejectReason::WrongRole);
-        }
-        if let Err(m) = self.local.layout.compatible(&h.layout) {
-            return self.reject(sid, RejectReason::IncompatibleLayout(m.field));
+        // The proof first: who we are and what we expect (role, layout) is told only to a
+        // peer that knows the token.
+        let checked = self.authenticate(sid, &h).and_then(|auth| {
+            if h.role == self.local.role {
+                return Err(HandshakeError::Refused(RejectReason::WrongRole));
+            }
+            if let Err(m) = self.local.layout.compatible(&h.layout) {
+                return Err(HandshakeError::Refused(RejectReason::IncompatibleLayout(
+                    m.field,
+                )));
+            }
+            Ok(auth)
+        });
+        let (key, reply) = match checked {
+            Ok(auth) => auth,
+            Err(HandshakeError::OutOfOrder) => {
+                return self.refuse_handshake(
+                    sid,
+                    ErrorCode::ProtocolViolation,
+                    "a hello before the challenges were exchanged",
+                )
+            }
+            Err(HandshakeError::Refused(r)) => return self.reject(sid, r),
+        };
+        let inbound = match self.sessions.get_mut(&sid) {
+            Some(s) => {
+                s.auth = Auth::Done(key);
+                s.inbound
+            }
+            None => return,
+        };
+        if let Some(hello) = reply {
+            self.transmits.push_back((sid, Message::Hello(hello)));
         }
         let peer = PeerInfo {
             role: h.role,
@@ -2713,13 +2946,9 @@ impl Endpoint {
             layer_start: h.layer_start,
             layer_end: h.layer_end,
             writes_aux: h.writes_aux,
+            heartbeat_interval: Duration::from_millis(u64::from(h.heartbeat_interval_ms)),
+            heartbeat_misses: h.heartbeat_misses,
         };
-        let inbound = self.sessions.get(&sid).is_some_and(|s| s.inbound);
-        if inbound {
-            // The peer proved it knows the token: only now do we say who we are.
-            let hello = self.our_hello();
-            self.transmits.push_back((sid, hello));
-        }
         // A known peer: a new incarnation voids its previous life; the same one on a fresh
         // connection takes the old session's work over (the old link went silent).
         let mut resumed_from = None;
@@ -2772,12 +3001,17 @@ impl Endpoint {
         }
         let remembered = self.blacklist_memory.remove(&h.node);
         let interval = self.config.heartbeat_interval;
-        let window = interval * self.config.heartbeat_misses;
-        let silence = self.config.silence_timeout;
+        // Both ends give up on a silent session at the same moment: the longer of the two
+        // announced liveness windows. Link checks wait out at least two of its heartbeats.
+        let window = (interval * self.config.heartbeat_misses)
+            .max(peer.heartbeat_interval * peer.heartbeat_misses);
+        let silence = self.config.silence_timeout.max(peer.heartbeat_interval * 2);
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
         s.peer = Some(peer);
+        s.window = window;
+        s.silence = silence;
         s.state = SessionState::Established;
         s.resumes = pending_resume;
         self.timers.cancel(&mut s.handshake_timer);
@@ -3071,9 +3305,9 @@ impl Endpoint {
                     s.rooms.insert(room);
                 }
             }
-            Some(r) if r.generation > generation => self.counters.stale_messages += 1,
+            Some(r) if r.generation > generation => self.refuse_stale(sid, room, generation),
             _ => {
-                if let Some(p) = self.pending_entry(room, generation) {
+                if let Some(p) = self.pending_entry(sid, room, generation) {
                     let first = p.notices.is_empty() && p.requests.is_empty();
                     p.notices.retain(|(s, _)| *s != sid);
                     p.notices.push((sid, pos));
@@ -3101,12 +3335,12 @@ impl Endpoint {
         match self.rooms.get(&room) {
             Some(r) if r.generation == generation => {}
             Some(r) if r.generation > generation => {
-                self.counters.stale_messages += 1;
+                self.refuse_stale(sid, room, generation);
                 return;
             }
             _ => {
                 let pages = req.pages.iter().map(|r| r.len).sum();
-                if let Some(p) = self.pending_entry(room, generation) {
+                if let Some(p) = self.pending_entry(sid, room, generation) {
                     let first = p.requests.is_empty();
                     p.requests.retain(|(s, _)| *s != sid);
                     p.requests.push((sid, req));
@@ -3642,11 +3876,19 @@ impl Endpoint {
                 true
             }
             Some((g, _)) if g > generation => {
-                self.counters.stale_messages += 1;
+                self.refuse_stale(sid, room, generation);
                 true
             }
             _ => false,
         }
+    }
+
+    /// A request or notice for an attempt older than one this endpoint already holds: the
+    /// decode learns at once that this attempt is void (a late duplicate is ignored there).
+    fn refuse_stale(&mut self, sid: SessionId, room: RoomId, generation: Generation) {
+        self.counters.stale_messages += 1;
+        debug!(%room, generation, session = %sid, "request for an older generation refused");
+        self.answer_with_outcome(sid, room, generation, Some(FailureReason::StaleGeneration));
     }
 
     /// Who the peer behind `sid` is, once its hello arrived.
@@ -3748,10 +3990,15 @@ impl Endpoint {
             .push_back((sid, Message::AbortAck { room, generation }));
     }
 
-    fn pending_entry(&mut self, room: RoomId, generation: Generation) -> Option<&mut PendingRoom> {
+    fn pending_entry(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) -> Option<&mut PendingRoom> {
         if let Some(p) = self.pending.get(&room) {
             if p.generation > generation {
-                self.counters.stale_messages += 1;
+                self.refuse_stale(sid, room, generation);
                 return None;
             }
             if p.generation < generation {
@@ -4349,6 +4596,7 @@ impl Endpoint {
 
 fn message_name(m: &Message) -> &'static str {
     match m {
+        Message::Challenge { .. } => "Challenge",
         Message::Hello(_) => "Hello",
         Message::RoomPending { .. } => "RoomPending",
         Message::RoomRequest(_) => "RoomRequest",

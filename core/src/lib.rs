@@ -44,6 +44,7 @@
 #![deny(missing_docs)]
 
 mod api;
+pub mod auth;
 pub mod codec;
 pub mod config;
 pub mod consensus;
@@ -58,10 +59,11 @@ pub mod state;
 mod timer;
 
 pub use api::{
-    Action, ApiError, Capacity, Chunk, ConnectFailure, EndpointInfo, Event, Grant, Link, OpKind,
-    PeerInfo, RejectReason, SessionState, SessionStats, Sessions, TransferOp, TransferOutcome,
-    WritePermit, WriteRefused,
+    Action, ApiError, Capacity, Chunk, ConnectFailure, DataRefusal, EndpointInfo, Event, Grant,
+    Link, OpKind, PeerInfo, RejectReason, SessionState, SessionStats, Sessions, TransferOp,
+    TransferOutcome, WritePermit, WriteRefused,
 };
+pub use auth::SessionKey;
 pub use config::{Config, ConfigError};
 pub use counters::Counters;
 pub use endpoint::Endpoint;

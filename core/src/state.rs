@@ -53,11 +53,13 @@ pub enum FailureReason {
     /// The peer's host answered but nothing listened at the port (connection refused) for the
     /// whole unreachable window: the peer process is down while its machine is up.
     ConnectionRefused,
+    /// The peer already holds a newer attempt (generation) of this room: this one is void.
+    StaleGeneration,
 }
 
 impl FailureReason {
     /// All variants, in wire-code order.
-    pub const ALL: [FailureReason; 18] = [
+    pub const ALL: [FailureReason; 19] = [
         FailureReason::BootstrapTimeout,
         FailureReason::DecodeSaturated,
         FailureReason::WaitingTimeout,
@@ -76,6 +78,7 @@ impl FailureReason {
         FailureReason::PeerShutdown,
         FailureReason::Unauthorized,
         FailureReason::ConnectionRefused,
+        FailureReason::StaleGeneration,
     ];
 
     /// The one-byte code used on the wire (see `docs/PROTOCOL.md`).
@@ -114,6 +117,7 @@ impl FailureReason {
             FailureReason::PeerShutdown => "peer_shutdown",
             FailureReason::Unauthorized => "unauthorized",
             FailureReason::ConnectionRefused => "connection_refused",
+            FailureReason::StaleGeneration => "stale_generation",
         }
     }
 
@@ -138,6 +142,7 @@ impl FailureReason {
             FailureReason::PeerShutdown => "the peer announced it is shutting down; resubmit the request to a live peer",
             FailureReason::Unauthorized => "the cluster token was refused; check that both sides use the same --token / KVFERRY_TOKEN",
             FailureReason::ConnectionRefused => "nothing listened at the peer's address (connection refused) for the whole unreachable window: the peer process is down; start it, or check the address",
+            FailureReason::StaleGeneration => "the peer already holds a newer attempt (generation) of this room, so this attempt is void; retry under a generation above the newest one used",
         }
     }
 
@@ -161,6 +166,7 @@ impl FailureReason {
                 | FailureReason::ConnectionLost
                 | FailureReason::PeerShutdown
                 | FailureReason::ConnectionRefused
+                | FailureReason::StaleGeneration
         )
     }
 }

@@ -18,12 +18,15 @@ fn every_message() -> Vec<Message> {
             rank: 3,
             node: NodeId(77),
             incarnation: Incarnation(0x1234_5678_9ABC),
-            token: smallvec![1, 2, 3, 4],
             layout: small_layout(4096),
             layer_start: 1,
             layer_end: 3,
             writes_aux: false,
+            heartbeat_interval_ms: 500,
+            heartbeat_misses: 30,
+            proof: [0xA5; 32],
         }),
+        Message::Challenge { nonce: [7; 32] },
         Message::RoomPending {
             room,
             generation: 2,
@@ -126,7 +129,7 @@ fn an_unknown_version_and_type_are_typed_errors() {
         Err(DecodeError::UnknownVersion(9))
     );
     assert_eq!(
-        Message::decode(&[2, 0, 0, 0, 1, 200], MAX),
+        Message::decode(&[2, 0, 0, 0, 2, 200], MAX),
         Err(DecodeError::UnknownType(200))
     );
     assert_eq!(
@@ -195,10 +198,42 @@ fn invalid_field_values_name_the_field() {
     );
 }
 
+/// A hello with each impossible value in turn: the error names the field (and the endpoint
+/// sends it back in an `InvalidHello` error frame).
+#[test]
+fn every_impossible_hello_value_is_named() {
+    let Message::Hello(good) = every_message()[0].clone() else {
+        unreachable!("the first message is a hello")
+    };
+    // (field, body offset, bytes written there). Offsets: role 6, rank 7, node 9,
+    // incarnation 17, layout 25 (layers, planes 27, page_bytes 28, ...), layer_start 48,
+    // layer_end 50, writes_aux 52, heartbeat interval 53, misses 57.
+    let cases: [(&str, usize, &[u8]); 8] = [
+        ("role", 6, &[3]),
+        ("planes", 27, &[3]),
+        ("page_bytes", 28, &[0; 4]),
+        ("layers", 25, &[0; 2]),
+        ("layer range", 50, &[200]),
+        ("writes_aux", 52, &[2]),
+        ("heartbeat_interval_ms", 53, &[0; 4]),
+        ("heartbeat_misses", 57, &[0xFF; 4]),
+    ];
+    for (field, at, bytes) in cases {
+        let mut buf = Vec::new();
+        Message::Hello(good.clone()).encode(&mut buf);
+        buf[at..at + bytes.len()].copy_from_slice(bytes);
+        assert_eq!(
+            Message::decode(&buf, MAX),
+            Err(DecodeError::InvalidField { ty: 1, field }),
+            "{field}"
+        );
+    }
+}
+
 /// Found by cargo-fuzz: a lossy decode of invalid UTF-8 re-encoded to other bytes.
 #[test]
 fn an_error_detail_that_is_not_utf8_is_refused() {
-    let crash = [0x0a, 0, 0, 0, 1, 0x0b, 1, 0, 4, 0, 0, 0, 0, 0xee];
+    let crash = [0x0a, 0, 0, 0, 2, 0x0b, 1, 0, 4, 0, 0, 0, 0, 0xee];
     assert_eq!(
         Message::decode(&crash, MAX),
         Err(DecodeError::InvalidField {
@@ -217,7 +252,7 @@ fn header_is_length_version_type() {
     }
     .encode(&mut buf);
     assert_eq!(buf.len(), HEADER_LEN + 8);
-    assert_eq!(&buf[..6], &[10, 0, 0, 0, 1, 8]);
+    assert_eq!(&buf[..6], &[10, 0, 0, 0, 2, 8]);
 }
 
 proptest! {
@@ -235,7 +270,7 @@ proptest! {
     }
 
     #[test]
-    fn a_flipped_bit_in_a_valid_frame_is_an_error_or_another_valid_frame(which in 0usize..12, pos in any::<prop::sample::Index>(), bit in 0u8..8) {
+    fn a_flipped_bit_in_a_valid_frame_is_an_error_or_another_valid_frame(which in 0usize..13, pos in any::<prop::sample::Index>(), bit in 0u8..8) {
         let msg = every_message()[which].clone();
         let mut buf = Vec::new();
         msg.encode(&mut buf);
@@ -252,7 +287,7 @@ fn a_transport_payload_longer_than_the_limit_is_refused() {
     let len = MAX_TRANSPORT_LEN + 1;
     let mut frame = Vec::new();
     frame.extend_from_slice(&((2 + 2 + len) as u32).to_le_bytes());
-    frame.push(1);
+    frame.push(2);
     frame.push(12);
     frame.extend_from_slice(&(len as u16).to_le_bytes());
     frame.extend(std::iter::repeat_n(7u8, len));

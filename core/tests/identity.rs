@@ -177,3 +177,46 @@ fn a_success_word_without_the_bytes_fails_the_room_as_a_protocol_error() {
     assert_eq!(state(&sim, d, 5), failed(R::ProtocolError));
     assert!(sim.violations.is_empty(), "{:?}", sim.violations);
 }
+
+/// An older attempt's request from a decode that took part in the newer one (a late or
+/// foreign duplicate: this crate's decode refuses to open it locally) is answered at once.
+#[test]
+fn a_request_for_an_older_generation_than_prefill_holds_is_answered_stale_at_once() {
+    let (mut sim, p, d) = common::pair(1510, common::config());
+    reopen_on_decode(&mut sim, d, p, 9, 1);
+    let now = sim.now;
+    sim.nodes[p]
+        .endpoint
+        .open_sender(now, RoomId(9), 1)
+        .unwrap();
+    sim.drain(p);
+    run_ms(&mut sim, 5);
+    let sp = sim.session(p, d).unwrap();
+    let mut old = Vec::new();
+    Message::RoomRequest(kvferry_core::codec::RoomRequest {
+        room: RoomId(9),
+        generation: 0,
+        receivers: 1,
+        pages: smallvec::smallvec![kvferry_core::PageRun { start: 0, len: 4 }],
+        aux_slot: None,
+        state_slot: None,
+    })
+    .encode(&mut old);
+    sim.nodes[p].endpoint.handle_input(now, sp, &old);
+    let answers: Vec<_> = std::iter::from_fn(|| sim.nodes[p].endpoint.poll_message()).collect();
+    assert!(
+        answers.iter().any(|(s, m)| *s == sp
+            && *m
+                == Message::RoomStatus {
+                    room: RoomId(9),
+                    generation: 0,
+                    failure: Some(R::StaleGeneration),
+                }),
+        "{answers:?}"
+    );
+    assert_eq!(
+        state(&sim, p, 9),
+        Some(KvPoll::WaitingForInput),
+        "the newer attempt is untouched"
+    );
+}

@@ -46,7 +46,7 @@ impl Pair {
             sd: SessionId(0),
         };
         pair.sp = pair.p.open_session(now);
-        pair.sd = pair.d.open_session(now);
+        pair.sd = pair.d.accept_session(now);
         pair.pump();
         pair
     }

@@ -499,16 +499,6 @@ pub fn round_robin<S: ?Sized, T>(
     Err(item)
 }
 
-/// Compares a presented cluster token with ours in time independent of where they differ.
-pub fn token_matches(presented: &[u8], ours: &[u8]) -> bool {
-    presented.len() == ours.len()
-        && presented
-            .iter()
-            .zip(ours)
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
-
 /// The `role` label of metrics.
 pub fn role_label(role: Role) -> &'static str {
     match role {

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use kvferry_core::sim::{fast_config, small_layout, Faults, Sim};
 use kvferry_core::{Grant, Region, RoomId};
-use kvferry_tcp::{decode_ack, decode_slices, DataHello, WriteHeader, ACK_LEN, WRITE_HEADER_LEN};
+use kvferry_tcp::{
+    decode_ack, decode_slices, DataHello, WriteHeader, ACK_LEN, DATA_HELLO_LEN, WRITE_HEADER_LEN,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -31,10 +33,10 @@ fuzz_target!(|data: &[u8]| {
         a.copy_from_slice(&data[..ACK_LEN]);
         let _ = decode_ack(&a);
     }
-    if data.len() >= 17 {
-        let mut f = [0u8; 17];
-        f.copy_from_slice(&data[..17]);
-        let _ = DataHello::decode_fixed(&f);
+    if data.len() >= DATA_HELLO_LEN {
+        let mut f = [0u8; DATA_HELLO_LEN];
+        f.copy_from_slice(&data[..DATA_HELLO_LEN]);
+        assert_eq!(DataHello::decode(&f).encode(), f);
     }
 });
 

@@ -38,8 +38,8 @@ use kvferry_core::{
     TransferOutcome,
 };
 use kvferry_driver::{
-    connect_failure, export_metrics, round_robin, shard_of, token_matches, Announcer, CoreCheck,
-    EndpointAccess, RoomBook,
+    connect_failure, export_metrics, round_robin, shard_of, Announcer, CoreCheck, EndpointAccess,
+    RoomBook,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
@@ -47,9 +47,10 @@ pub use kvferry_driver::{
 };
 use kvferry_sync::{Acked, ConnSet, LedgerState, Start};
 use kvferry_tcp::stream::{
-    answer_data_on, hello_control, hello_data, read_ack, read_preamble_on, serve_writes_on,
+    answer_data_on, challenge_data_on, hello_control, hello_data, read_ack, read_preamble_on,
+    serve_writes_on,
 };
-use kvferry_tcp::{gather_iovecs, prepare_op, DataHello, Limits, MemoryMap, Preamble, WriteCheck};
+use kvferry_tcp::{gather_iovecs, prepare_op, Limits, MemoryMap, Preamble, WriteCheck};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
@@ -1190,20 +1191,19 @@ impl Shard {
         self.drain();
     }
 
+    /// Opens `n` data connections of `sid`, each proving the session's key.
     fn open_data_connections(self: &Rc<Self>, sid: SessionId, addr: SocketAddr, n: usize) {
-        let hello = DataHello {
-            node: self.info.node,
-            incarnation: self.info.incarnation,
-            token: self.info.token.clone(),
+        let Some(key) = self.state.borrow().endpoint.data_key(sid) else {
+            return;
         };
         for _ in 0..n {
             let weak = Rc::downgrade(self);
-            let hello = hello.clone();
+            let key = key.clone();
             glommio::spawn_local(async move {
                 let opened = async {
                     let mut stream = TcpStream::connect(addr).await?;
                     let _ = stream.set_nodelay(true);
-                    hello_data(&mut stream, &hello).await?;
+                    hello_data(&mut stream, &key).await?;
                     Ok::<_, std::io::Error>(stream)
                 }
                 .await;
@@ -1509,35 +1509,46 @@ async fn accept(weak: Weak<Shard>, mut stream: TcpStream) {
         Preamble::Control => {
             shard.attach_control(stream, None, None);
         }
-        Preamble::Data(hello) => {
-            if !token_matches(&hello.token, &shard.info.token) {
-                warn!("data connection with a wrong token refused");
-                let _ = answer_data_on(&mut stream, false).await;
-                return;
-            }
-            // The peer opens data connections once it saw our hello; ours may still be
-            // reading its hello, so give the handshake a moment.
-            let mut session = None;
-            for _ in 0..200 {
-                session = shard
+        Preamble::Data => {
+            // The core's challenge; the answer names the session and proves its key.
+            let (challenge, wait) = {
+                let mut st = shard.state.borrow_mut();
+                let wait = st.endpoint.config().handshake_timeout;
+                (st.endpoint.data_challenge(), wait)
+            };
+            let read = async { challenge_data_on(&mut stream, &challenge).await.map(Some) };
+            let timeout = async {
+                glommio::timer::sleep(wait).await;
+                Ok(None)
+            };
+            let hello = match futures_lite::future::or(read, timeout).await {
+                Ok(Some(hello)) => hello,
+                Ok(None) => {
+                    warn!("no data hello in time; connection dropped");
+                    return;
+                }
+                Err(e) => {
+                    debug!(error = %e, "data connection ended before its hello");
+                    return;
+                }
+            };
+            let admitted =
+                shard
                     .state
                     .borrow()
                     .endpoint
-                    .session_of(hello.node, hello.incarnation);
-                if session.is_some() {
-                    break;
+                    .admit_data(&challenge, &hello.tag, &hello.proof);
+            match admitted {
+                Ok(sid) => {
+                    if answer_data_on(&mut stream, true).await.is_ok() {
+                        shard.attach_data(sid, stream);
+                    }
                 }
-                glommio::timer::sleep(Duration::from_millis(5)).await;
+                Err(refusal) => {
+                    warn!(%refusal, "data connection refused");
+                    let _ = answer_data_on(&mut stream, false).await;
+                }
             }
-            let Some(sid) = session else {
-                warn!(node = %hello.node, "data connection for no established session refused");
-                let _ = answer_data_on(&mut stream, false).await;
-                return;
-            };
-            if answer_data_on(&mut stream, true).await.is_err() {
-                return;
-            }
-            shard.attach_data(sid, stream);
         }
     }
 }

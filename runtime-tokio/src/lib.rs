@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 use foldhash::fast::FixedState;
 use kvferry_core::{
     Action, ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event,
-    FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, TargetId, TransferId,
-    TransferOutcome,
+    FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, SessionKey, TargetId,
+    TransferId, TransferOutcome,
 };
 use kvferry_sync::ConnSet;
 use kvferry_tcp::{
-    answer_data, connect_control, connect_data, read_preamble, serve_writes, DataHello, DataSender,
-    Limits, MemoryMap, Preamble, Report, WriteCheck,
+    answer_data, challenge_data, connect_control, connect_data, read_preamble, serve_writes,
+    DataSender, Limits, MemoryMap, Preamble, Report, WriteCheck,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -36,7 +36,7 @@ type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 mod rdma;
 
 use kvferry_driver::{
-    connect_failure, round_robin, token_matches, Announcer, CoreCheck, EndpointAccess, RoomBook,
+    connect_failure, round_robin, Announcer, CoreCheck, EndpointAccess, RoomBook,
 };
 pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
@@ -711,8 +711,9 @@ fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
                 rdma::establish(shared, inner, &node, session);
                 return;
             }
-            if let Some(addr) = inner.io.get(&session).and_then(|io| io.peer_addr) {
-                open_data_connections(shared, session, addr);
+            let addr = inner.io.get(&session).and_then(|io| io.peer_addr);
+            if let (Some(addr), Some(key)) = (addr, inner.endpoint.data_key(session)) {
+                open_data_connections(shared, session, addr, key);
             }
         }
         Event::RoomAnnounced { .. } => shared.announcements.on_event(event),
@@ -822,34 +823,40 @@ async fn accept(weak: Weak<Shared>, mut stream: TcpStream, peer: SocketAddr) {
         Preamble::Control => {
             attach_control(&shared, stream, None, None);
         }
-        Preamble::Data(hello) => {
-            if !token_matches(&hello.token, &shared.info.token) {
-                warn!(%peer, "data connection with a wrong token refused");
-                let _ = answer_data(&mut stream, false).await;
-                return;
-            }
-            // The peer opens data connections once it saw our hello; ours may still be
-            // reading its hello, so give the handshake a moment.
-            let mut session = None;
-            for _ in 0..200 {
-                session = shared
-                    .lock()
-                    .endpoint
-                    .session_of(hello.node, hello.incarnation);
-                if session.is_some() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            let Some(sid) = session else {
-                warn!(%peer, node = %hello.node, "data connection for no established session refused");
-                let _ = answer_data(&mut stream, false).await;
-                return;
+        Preamble::Data => {
+            // The core's challenge; the answer names the session and proves its key.
+            let (challenge, wait) = {
+                let mut inner = shared.lock();
+                let wait = inner.endpoint.config().handshake_timeout;
+                (inner.endpoint.data_challenge(), wait)
             };
-            if answer_data(&mut stream, true).await.is_err() {
-                return;
+            let hello =
+                match tokio::time::timeout(wait, challenge_data(&mut stream, &challenge)).await {
+                    Ok(Ok(hello)) => hello,
+                    Ok(Err(e)) => {
+                        debug!(%peer, error = %e, "data connection ended before its hello");
+                        return;
+                    }
+                    Err(_) => {
+                        warn!(%peer, "no data hello in time; connection dropped");
+                        return;
+                    }
+                };
+            let admitted = shared
+                .lock()
+                .endpoint
+                .admit_data(&challenge, &hello.tag, &hello.proof);
+            match admitted {
+                Ok(sid) => {
+                    if answer_data(&mut stream, true).await.is_ok() {
+                        attach_data(&shared, sid, stream);
+                    }
+                }
+                Err(refusal) => {
+                    warn!(%peer, %refusal, "data connection refused");
+                    let _ = answer_data(&mut stream, false).await;
+                }
             }
-            attach_data(&shared, sid, stream);
         }
     }
 }
@@ -914,21 +921,23 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
     drain(shared, &mut inner);
 }
 
-fn open_data_connections(shared: &Arc<Shared>, sid: SessionId, addr: SocketAddr) {
-    open_data_connections_n(shared, sid, addr, shared.data_connections);
+fn open_data_connections(shared: &Arc<Shared>, sid: SessionId, addr: SocketAddr, key: SessionKey) {
+    open_data_connections_n(shared, sid, addr, shared.data_connections, key);
 }
 
-fn open_data_connections_n(shared: &Arc<Shared>, sid: SessionId, addr: SocketAddr, n: usize) {
-    let hello = DataHello {
-        node: shared.info.node,
-        incarnation: shared.info.incarnation,
-        token: shared.info.token.clone(),
-    };
+/// Opens `n` data connections of `sid`, each proving the session's `key`.
+fn open_data_connections_n(
+    shared: &Arc<Shared>,
+    sid: SessionId,
+    addr: SocketAddr,
+    n: usize,
+    key: SessionKey,
+) {
     for _ in 0..n {
         let weak = Arc::downgrade(shared);
-        let hello = hello.clone();
+        let key = key.clone();
         shared.runtime.spawn(async move {
-            match connect_data(addr, &hello).await {
+            match connect_data(addr, &key).await {
                 Ok(stream) => {
                     if let Some(shared) = weak.upgrade() {
                         attach_data(&shared, sid, stream);
@@ -989,14 +998,15 @@ fn start_fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
             c.close().await;
         }
         let Some(shared) = weak.upgrade() else { return };
-        {
+        let key = {
             let mut inner = shared.lock();
             inner.endpoint.handle_fence_complete(Instant::now(), sid);
             drain(&shared, &mut inner);
-        }
+            inner.endpoint.data_key(sid)
+        };
         info!(session = %sid, "session fenced");
-        if let Some(addr) = addr {
-            open_data_connections(&shared, sid, addr);
+        if let (Some(addr), Some(key)) = (addr, key) {
+            open_data_connections(&shared, sid, addr, key);
         }
     });
 }
@@ -1050,10 +1060,10 @@ async fn reopen_after_break(weak: &Weak<Shared>, sid: SessionId) {
         if io.data.is_closing() {
             return;
         }
-        io.peer_addr
+        (io.peer_addr, inner.endpoint.data_key(sid))
     };
-    if let Some(addr) = addr {
-        open_data_connections_n(&shared, sid, addr, 1);
+    if let (Some(addr), Some(key)) = addr {
+        open_data_connections_n(&shared, sid, addr, 1, key);
     }
 }
 

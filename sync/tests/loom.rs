@@ -118,7 +118,7 @@ fn decode_with_room() -> Decode {
     )
     .unwrap();
     let sp = p.open_session(now);
-    let sd = d.open_session(now);
+    let sd = d.accept_session(now);
     let pump = |p: &mut Endpoint, d: &mut Endpoint| loop {
         let mut buf = Vec::new();
         let mut moved = false;

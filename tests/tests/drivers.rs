@@ -260,7 +260,8 @@ async fn a_prefill_dropped_mid_transfer_fails_decode_rooms_with_a_reason(p: Runt
     decode.shutdown().await;
 }
 
-/// Garbage, an oversized length and a wrong token are refused; a healthy decode keeps working.
+/// Garbage, an oversized length and a data connection without a session key are refused; a
+/// healthy decode keeps working.
 async fn hostile_sockets_are_refused_while_other_peers_keep_working(p: Runtime, d: Runtime) {
     let shape = small_shape();
     let (prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 41, any_port()).await;
@@ -272,12 +273,15 @@ async fn hostile_sockets_are_refused_while_other_peers_keep_working(p: Runtime, 
         let mut huge = TcpStream::connect(addr).await.unwrap();
         huge.write_all(b"KVF1\x01").await.unwrap();
         huge.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
-        // 3: a data connection with a wrong token.
+        // 3: a data connection that does not hold a session key: it reads the challenge and
+        // answers with a made-up tag and proof.
         let mut forged = TcpStream::connect(addr).await.unwrap();
+        forged.write_all(b"KVF1\x02").await.unwrap();
+        let mut challenge = [0u8; kvferry_tcp::DATA_CHALLENGE_LEN];
+        forged.read_exact(&mut challenge).await.unwrap();
         let hello = kvferry_tcp::DataHello {
-            node: kvferry_core::NodeId(9),
-            incarnation: kvferry_core::Incarnation(9),
-            token: b"wrong".to_vec(),
+            tag: [9; 16],
+            proof: challenge,
         };
         forged.write_all(&hello.encode()).await.unwrap();
         let mut answer = [0u8; 1];
@@ -286,7 +290,10 @@ async fn hostile_sockets_are_refused_while_other_peers_keep_working(p: Runtime, 
             .await
             .map(|_| answer[0] != 0)
             .unwrap_or(true);
-        assert!(refused, "a wrong token gets no data connection");
+        assert!(
+            refused,
+            "a connection without the session key gets no data connection"
+        );
         for s in [&mut junk, &mut huge] {
             assert!(kvferry_tests::closed_by_peer(s, Duration::from_secs(3)).await);
         }
