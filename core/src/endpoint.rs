@@ -3235,7 +3235,10 @@ impl Endpoint {
             reason,
         });
         let (code, detail) = match reason {
-            RejectReason::BadToken => (ErrorCode::BadToken, "cluster token mismatch".to_owned()),
+            RejectReason::BadToken => (
+                ErrorCode::BadToken,
+                "cluster token mismatch (the proof of the token did not check out)".to_owned(),
+            ),
             RejectReason::WrongRole => (ErrorCode::WrongRole, "same role on both ends".to_owned()),
             RejectReason::IncompatibleLayout(f) => (
                 ErrorCode::IncompatibleLayout,
@@ -3243,7 +3246,10 @@ impl Endpoint {
             ),
             RejectReason::VersionMismatch => (
                 ErrorCode::VersionMismatch,
-                "protocol version differs".to_owned(),
+                format!(
+                    "protocol version differs (this node speaks version {})",
+                    crate::codec::PROTOCOL_VERSION
+                ),
             ),
         };
         let now = self.last_now;
