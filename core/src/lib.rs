@@ -8,9 +8,13 @@
 //! [`sim`]) feeds it inputs with the current time and carries out its outputs.
 //!
 //! 1. **Sessions.** When a control connection to a peer is up, the driver calls
-//!    [`Endpoint::open_session`]; both sides exchange a [`codec::Hello`] (version, role, rank,
-//!    incarnation, cluster token, memory [`Layout`]). A bad token, same role or an incompatible
-//!    layout rejects that peer only.
+//!    [`Endpoint::open_session`] (it dialed) or [`Endpoint::accept_session`] (it accepted).
+//!    Both sides exchange challenges, then a [`codec::Hello`] (role, rank, node, incarnation,
+//!    memory [`Layout`], heartbeat interval) carrying an HMAC proof of the cluster token over
+//!    both challenges ([`auth`]); the token itself never goes on the wire, and a listener
+//!    says who it is only to a connector that proved the token. A wrong proof, same role or
+//!    an incompatible layout rejects that peer only. Data connections prove the session's
+//!    key ([`Endpoint::data_key`], [`Endpoint::admit_data`]).
 //! 2. **Rooms.** A room is one request's KV handoff, named by a router-chosen [`RoomId`] and a
 //!    [`Generation`] (attempt). Decode opens a receiver room with [`Endpoint::open_receiver`]
 //!    naming its source sessions and grants pages ([`Endpoint::grant_pages`], or at once);
