@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use kvferry_core::{TransferId, TransferOp, TransferOutcome};
 use kvferry_sync::{Acked, OpLedger, Start};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -23,6 +23,7 @@ use crate::io_common::{
     ServeError, ServeStats, WriteCheck, PREAMBLE_PIECE_MAX,
 };
 use crate::memory::MemoryMap;
+use crate::tls::{Conn, TlsSetup};
 
 /// Called once per operation handed to a [`DataSender`], with how it ended.
 pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;
@@ -52,19 +53,39 @@ fn fail_pending(ledger: &OpLedger, report: &Report) {
 
 impl DataSender {
     /// Takes over an established data connection (preamble already exchanged).
-    pub fn spawn(stream: TcpStream, memory: Arc<MemoryMap>, report: Report) -> Self {
-        let _ = stream.set_nodelay(true);
-        let (read, write) = stream.into_split();
+    pub fn spawn(conn: impl Into<Conn>, memory: Arc<MemoryMap>, report: Report) -> Self {
+        let conn = conn.into();
+        let _ = conn.tcp().set_nodelay(true);
         let (tx, rx) = mpsc::unbounded_channel();
         let ledger = Arc::new(OpLedger::new());
-        let writer = tokio::spawn(write_loop(
-            write,
-            rx,
-            memory,
-            ledger.clone(),
-            report.clone(),
-        ));
-        let reader = tokio::spawn(ack_loop(read, ledger.clone(), report.clone()));
+        let (writer, reader) = match conn {
+            Conn::Plain(stream) => {
+                let (read, write) = stream.into_split();
+                (
+                    tokio::spawn(write_loop(
+                        Writer::Plain(write),
+                        rx,
+                        memory,
+                        ledger.clone(),
+                        report.clone(),
+                    )),
+                    tokio::spawn(ack_loop(read, ledger.clone(), report.clone())),
+                )
+            }
+            tls @ Conn::Tls(_) => {
+                let (read, write) = tokio::io::split(tls);
+                (
+                    tokio::spawn(write_loop(
+                        Writer::Tls(write),
+                        rx,
+                        memory,
+                        ledger.clone(),
+                        report.clone(),
+                    )),
+                    tokio::spawn(ack_loop(read, ledger.clone(), report.clone())),
+                )
+            }
+        };
         DataSender {
             ops: tx,
             ledger,
@@ -107,8 +128,45 @@ impl DataSender {
     }
 }
 
+/// The writing half of a data connection.
+enum Writer {
+    /// Vectored writes straight from registered memory.
+    Plain(OwnedWriteHalf),
+    /// Through rustls: each piece is copied into TLS records.
+    Tls(WriteHalf<Conn>),
+}
+
+impl Writer {
+    async fn write_gather(&mut self, header: &[u8], sources: &[(usize, usize)]) -> io::Result<()> {
+        match self {
+            Writer::Plain(w) => write_gather(w, header, sources).await,
+            Writer::Tls(w) => {
+                let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
+                let mut done = 0usize;
+                while done < total {
+                    let iov = gather_iovecs(header, sources, done);
+                    let Some(first) = iov.first() else { break };
+                    let n = w.write(first).await?;
+                    if n == 0 {
+                        return Err(io::ErrorKind::WriteZero.into());
+                    }
+                    done += n;
+                }
+                w.flush().await
+            }
+        }
+    }
+
+    async fn shutdown(&mut self) {
+        let _ = match self {
+            Writer::Plain(w) => w.shutdown().await,
+            Writer::Tls(w) => w.shutdown().await,
+        };
+    }
+}
+
 async fn write_loop(
-    mut write: OwnedWriteHalf,
+    mut write: Writer,
     mut rx: mpsc::UnboundedReceiver<TransferOp>,
     memory: Arc<MemoryMap>,
     ledger: Arc<OpLedger>,
@@ -127,7 +185,7 @@ async fn write_loop(
             }
             Start::Write => {}
         }
-        if let Err(e) = write_gather(&mut write, &header, &sources).await {
+        if let Err(e) = write.write_gather(&header, &sources).await {
             debug!(error = %e, "data connection write failed");
             break;
         }
@@ -135,7 +193,7 @@ async fn write_loop(
     // Everything queued or unacknowledged failed transiently.
     fail_pending(&ledger, &report);
     rx.close();
-    let _ = write.shutdown().await;
+    write.shutdown().await;
 }
 
 /// Writes `header` then every source range with as few `writev` calls as the kernel allows.
@@ -162,7 +220,7 @@ async fn write_gather(
     Ok(())
 }
 
-async fn ack_loop(mut read: OwnedReadHalf, ledger: Arc<OpLedger>, report: Report) {
+async fn ack_loop<R: AsyncRead + Unpin>(mut read: R, ledger: Arc<OpLedger>, report: Report) {
     let mut buf = [0u8; ACK_LEN];
     loop {
         if let Err(e) = read.read_exact(&mut buf).await {
@@ -195,12 +253,13 @@ async fn ack_loop(mut read: OwnedReadHalf, ledger: Arc<OpLedger>, report: Report
 /// Refused writes are read into a discard buffer (never into registered memory) and
 /// acknowledged as refused. A malformed header ends the connection. Returns on EOF.
 pub async fn serve_writes(
-    mut stream: TcpStream,
+    stream: impl Into<Conn>,
     memory: Arc<MemoryMap>,
     check: Arc<dyn WriteCheck + Send + Sync>,
     limits: Limits,
 ) -> Result<ServeStats, ServeError> {
-    let _ = stream.set_nodelay(true);
+    let mut stream = stream.into();
+    let _ = stream.tcp().set_nodelay(true);
     let mut stats = ServeStats::default();
     let mut header = [0u8; WRITE_HEADER_LEN];
     let mut table = Vec::new();
@@ -217,7 +276,7 @@ pub async fn serve_writes(
         let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
         let status = match admit(&check, &memory, &h, &slices)? {
             Admission::Apply { landing, targets } => {
-                read_scatter(&stream, &targets).await?;
+                read_scatter(&mut stream, &targets).await?;
                 landing.applied();
                 stats.applied += 1;
                 stats.bytes += h.payload;
@@ -231,13 +290,30 @@ pub async fn serve_writes(
             }
         };
         stream.write_all(&encode_ack(h.op, status)).await?;
+        stream.flush().await?;
     }
 }
 
-/// Reads exactly the bytes of `targets` into them, with as few `readv` calls as possible.
-async fn read_scatter(stream: &TcpStream, targets: &[(usize, usize)]) -> io::Result<()> {
+/// Reads exactly the bytes of `targets` into them: with as few `readv` calls as possible on
+/// plain TCP, through rustls's buffers on TLS.
+async fn read_scatter(stream: &mut Conn, targets: &[(usize, usize)]) -> io::Result<()> {
     let total: usize = targets.iter().map(|t| t.1).sum();
     let mut done = 0usize;
+    let stream = match stream {
+        Conn::Plain(s) => s,
+        tls @ Conn::Tls(_) => {
+            while done < total {
+                let mut iov = scatter_iovecs(targets, done);
+                let Some(first) = iov.first_mut() else { break };
+                let n = tls.read(first).await?;
+                if n == 0 {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                done += n;
+            }
+            return Ok(());
+        }
+    };
     while done < total {
         stream.readable().await?;
         let result = {
@@ -254,7 +330,7 @@ async fn read_scatter(stream: &TcpStream, targets: &[(usize, usize)]) -> io::Res
     Ok(())
 }
 
-async fn discard(stream: &mut TcpStream, mut n: u64) -> io::Result<()> {
+async fn discard<R: AsyncRead + Unpin>(stream: &mut R, mut n: u64) -> io::Result<()> {
     let mut sink = vec![0u8; 64 * 1024];
     while n > 0 {
         let k = (n as usize).min(sink.len());
@@ -264,21 +340,42 @@ async fn discard(stream: &mut TcpStream, mut n: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// Opens a TCP connection to `addr` (with TLS on top when `tls` is given).
+async fn open(addr: std::net::SocketAddr, tls: Option<&TlsSetup>) -> io::Result<Conn> {
+    let tcp = TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    match tls {
+        Some(tls) => tls.connect(tcp).await,
+        None => Ok(Conn::Plain(tcp)),
+    }
+}
+
+/// Takes an accepted TCP connection (running the server side of TLS when `tls` is given).
+pub async fn accept_conn(tcp: TcpStream, tls: Option<&TlsSetup>) -> io::Result<Conn> {
+    let _ = tcp.set_nodelay(true);
+    match tls {
+        Some(tls) => tls.accept(tcp).await,
+        None => Ok(Conn::Plain(tcp)),
+    }
+}
+
 /// Opens a data connection to a kvferry listener and proves it belongs to the session of
 /// `key`: reads the listener's challenge, answers it, and waits for the verdict.
 pub async fn connect_data(
     addr: std::net::SocketAddr,
     key: &kvferry_core::SessionKey,
-) -> io::Result<TcpStream> {
-    let mut stream = TcpStream::connect(addr).await?;
-    stream.set_nodelay(true)?;
+    tls: Option<&TlsSetup>,
+) -> io::Result<Conn> {
+    let mut stream = open(addr, tls).await?;
     stream.write_all(&MAGIC).await?;
     stream.write_all(&[KIND_DATA]).await?;
+    stream.flush().await?;
     let mut challenge = [0u8; DATA_CHALLENGE_LEN];
     stream.read_exact(&mut challenge).await?;
     stream
         .write_all(&DataHello::answer(key, &challenge).encode())
         .await?;
+    stream.flush().await?;
     let mut answer = [0u8; 1];
     stream.read_exact(&mut answer).await?;
     if answer[0] != 0 {
@@ -292,27 +389,31 @@ pub async fn connect_data(
 
 /// Listener side of a data connection, after its preamble: sends `challenge` and reads the
 /// hello that answers it (the caller checks it, then [`answer_data`]).
-pub async fn challenge_data(
-    stream: &mut TcpStream,
+pub async fn challenge_data<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
     challenge: &kvferry_core::auth::Nonce,
 ) -> io::Result<DataHello> {
     stream.write_all(challenge).await?;
+    stream.flush().await?;
     let mut hello = [0u8; DATA_HELLO_LEN];
     stream.read_exact(&mut hello).await?;
     Ok(DataHello::decode(&hello))
 }
 
-/// Opens a control connection to a kvferry listener.
-pub async fn connect_control(addr: std::net::SocketAddr) -> io::Result<TcpStream> {
-    let mut stream = TcpStream::connect(addr).await?;
-    stream.set_nodelay(true)?;
+/// Opens a control connection to a kvferry listener (TLS first when `tls` is given).
+pub async fn connect_control(
+    addr: std::net::SocketAddr,
+    tls: Option<&TlsSetup>,
+) -> io::Result<Conn> {
+    let mut stream = open(addr, tls).await?;
     stream.write_all(&MAGIC).await?;
     stream.write_all(&[KIND_CONTROL]).await?;
+    stream.flush().await?;
     Ok(stream)
 }
 
 /// Reads the preamble of an accepted connection (bounded, total).
-pub async fn read_preamble(stream: &mut TcpStream) -> Result<Preamble, ServeError> {
+pub async fn read_preamble<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Preamble, ServeError> {
     let mut reader = PreambleReader::default();
     let mut buf = [0u8; PREAMBLE_PIECE_MAX];
     loop {
@@ -325,6 +426,7 @@ pub async fn read_preamble(stream: &mut TcpStream) -> Result<Preamble, ServeErro
 }
 
 /// Accepts (0) or refuses (1) a data connection after its preamble.
-pub async fn answer_data(stream: &mut TcpStream, accept: bool) -> io::Result<()> {
-    stream.write_all(&[u8::from(!accept)]).await
+pub async fn answer_data<S: AsyncWrite + Unpin>(stream: &mut S, accept: bool) -> io::Result<()> {
+    stream.write_all(&[u8::from(!accept)]).await?;
+    stream.flush().await
 }

@@ -19,6 +19,9 @@ mod memory;
 mod io;
 #[cfg(feature = "futures-io")]
 pub mod stream;
+#[cfg(feature = "tokio")]
+pub mod tls;
+mod tls_files;
 
 pub use frame::{
     decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError,
@@ -30,9 +33,12 @@ pub use io_common::{
     ServeStats, WriteCheck, MAX_IOV,
 };
 pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
+#[cfg(feature = "tokio")]
+pub use tls::{Conn, TlsError, TlsSetup};
+pub use tls_files::TlsFiles;
 
 #[cfg(feature = "tokio")]
 pub use io::{
-    answer_data, challenge_data, connect_control, connect_data, read_preamble, serve_writes,
-    DataSender, Report,
+    accept_conn, answer_data, challenge_data, connect_control, connect_data, read_preamble,
+    serve_writes, DataSender, Report,
 };

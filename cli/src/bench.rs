@@ -891,7 +891,7 @@ pub async fn backends(
                     crate::DemoFaults::default(),
                     None,
                     crate::Runtime::Tokio,
-                    backend,
+                    backend.into(),
                 )
                 .await?;
                 clean &= report.pages_corrupted == 0
@@ -907,6 +907,85 @@ pub async fn backends(
             clean,
         });
     }
+    Ok(out)
+}
+
+/// One workload moved between two tokio nodes on loopback with TLS off and on, in one run.
+#[derive(Clone, Debug)]
+pub struct TlsPoint {
+    /// What moved.
+    pub workload: &'static str,
+    /// GB/s over plain TCP.
+    pub plain_gbps: f64,
+    /// GB/s with TLS on every connection.
+    pub tls_gbps: f64,
+    /// Every page of every run verified, none corrupted or unfinished.
+    pub clean: bool,
+}
+
+/// `bench --tls`: the same room workloads through a prefill and a decode node, plain and
+/// with TLS, alternating, best of `iterations` each (every byte verified every time). The
+/// certificates are a throwaway CA's, written under the system's temporary directory.
+pub async fn tls(iterations: usize) -> Result<Vec<TlsPoint>, kvferry_tokio::NodeError> {
+    let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
+    let files =
+        crate::testcert::throwaway(&dir, "kvferry").map_err(kvferry_tokio::NodeError::Io)?;
+    let workloads: [(&'static str, crate::Shape, u64); 3] = [
+        (
+            "64 MiB rooms",
+            crate::Shape {
+                page_bytes: 256 * 1024,
+                pages_per_room: 16,
+                concurrency: 4,
+                ..crate::Shape::default()
+            },
+            16,
+        ),
+        ("8 MiB rooms of 16 KiB pages", crate::Shape::default(), 128),
+        (
+            "1 MiB rooms of 4 KiB pages",
+            crate::Shape {
+                page_bytes: 4096,
+                ..crate::Shape::default()
+            },
+            256,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (workload, shape, rooms) in workloads {
+        let mut best = [0.0f64; 2];
+        let mut clean = true;
+        for i in 0..iterations.max(1) {
+            // Alternate which goes first, so drifting load hits both alike.
+            for k in [i % 2, 1 - i % 2] {
+                let link = crate::DemoLink {
+                    backend: kvferry_tokio::DataBackend::Tcp,
+                    tls: (k == 1).then(|| files.clone()),
+                };
+                let report = crate::run_demo(
+                    shape.clone(),
+                    kvferry_core::Config::default(),
+                    rooms,
+                    crate::DemoFaults::default(),
+                    None,
+                    crate::Runtime::Tokio,
+                    link,
+                )
+                .await?;
+                clean &= report.pages_corrupted == 0
+                    && report.rooms_unfinished == 0
+                    && report.rooms_succeeded == rooms;
+                best[k] = best[k].max(report.throughput_gbps);
+            }
+        }
+        out.push(TlsPoint {
+            workload,
+            plain_gbps: best[0],
+            tls_gbps: best[1],
+            clean,
+        });
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(out)
 }
 

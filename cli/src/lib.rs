@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod overlap;
 pub mod proxy;
+pub mod testcert;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -255,6 +256,7 @@ pub fn node_config(role: Role, shape: &Shape, core: Config, token: &[u8], seed: 
         seed,
         faults: None,
         backend: Default::default(),
+        tls: None,
     }
 }
 
@@ -1225,6 +1227,21 @@ pub async fn run_pair<P: KvNode, D: KvNode>(
     Ok(report)
 }
 
+/// How the demo's two nodes are linked: the data plane, and TLS or not.
+#[derive(Clone, Debug, Default)]
+pub struct DemoLink {
+    /// TCP data connections or RDMA.
+    pub backend: kvferry_tokio::DataBackend,
+    /// TLS on every connection (tokio runtime).
+    pub tls: Option<kvferry_tcp::TlsFiles>,
+}
+
+impl From<kvferry_tokio::DataBackend> for DemoLink {
+    fn from(backend: kvferry_tokio::DataBackend) -> Self {
+        DemoLink { backend, tls: None }
+    }
+}
+
 /// Runs prefill and decode in this process on loopback and moves `rooms` rooms end to end.
 pub async fn run_demo(
     shape: Shape,
@@ -1233,13 +1250,16 @@ pub async fn run_demo(
     faults: DemoFaults,
     progress: Option<Progress>,
     runtime: Runtime,
-    backend: kvferry_tokio::DataBackend,
+    link: DemoLink,
 ) -> Result<Report, NodeError> {
+    let DemoLink { backend, tls } = link;
     let token = b"kvferry-demo".to_vec();
     let mut prefill_cfg = node_config(Role::Prefill, &shape, core.clone(), &token, 1);
     let mut decode_cfg = node_config(Role::Decode, &shape, core, &token, 2);
     prefill_cfg.backend = backend.clone();
     decode_cfg.backend = backend;
+    prefill_cfg.tls = tls.clone();
+    decode_cfg.tls = tls;
     if faults.fault_rate > 0.0 {
         decode_cfg.faults = Some(kvferry_tokio::FaultPlan {
             rate: faults.fault_rate,

@@ -161,6 +161,10 @@ enum Command {
         /// With --scaling: the most shards to sweep to (default: the number of cores).
         #[arg(long)]
         shards: Option<usize>,
+        /// Instead of the data-plane workloads: room workloads through two tokio nodes with
+        /// TLS off and on, side by side (a throwaway CA; every byte verified).
+        #[arg(long)]
+        tls: bool,
         /// Print one JSON object per workload instead of a table.
         #[arg(long)]
         json: bool,
@@ -227,6 +231,19 @@ struct CommonArgs {
     /// TOML file of core knobs (keys as in KVFERRY_* without the prefix, any case).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// TLS on every connection: this node's certificate chain (PEM). Needs --tls-key and
+    /// --tls-ca; the tokio runtime only.
+    #[arg(long, env = "KVFERRY_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// TLS: this node's private key (PEM).
+    #[arg(long, env = "KVFERRY_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// TLS: the CA certificates peers' certificates must chain to (PEM).
+    #[arg(long, env = "KVFERRY_TLS_CA", requires = "tls_cert")]
+    tls_ca: Option<PathBuf>,
+    /// TLS: the name a listener's certificate must carry (DNS name or IP address).
+    #[arg(long, env = "KVFERRY_TLS_SERVER_NAME", default_value = "kvferry")]
+    tls_server_name: String,
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
@@ -255,6 +272,16 @@ impl CommonArgs {
             return Err("--backend rdma runs on the tokio driver: use --runtime tokio".to_owned());
         }
         Ok(runtime)
+    }
+
+    /// The TLS files, when --tls-cert (and with it --tls-key and --tls-ca) was given.
+    fn tls(&self) -> Option<kvferry_tcp::TlsFiles> {
+        Some(kvferry_tcp::TlsFiles {
+            cert: self.tls_cert.clone()?,
+            key: self.tls_key.clone()?,
+            ca: self.tls_ca.clone()?,
+            server_name: self.tls_server_name.clone(),
+        })
     }
 
     fn data_backend(&self) -> Result<kvferry_cli::DataBackend, String> {
@@ -478,7 +505,10 @@ async fn run(cli: Cli) -> Result<(), String> {
                 faults,
                 progress,
                 common.runtime()?,
-                common.data_backend()?,
+                kvferry_cli::DemoLink {
+                    backend: common.data_backend()?,
+                    tls: common.tls(),
+                },
             )
             .await
             .map_err(|e| e.to_string())?;
@@ -672,6 +702,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             layer_events,
             scaling_rooms,
             shards,
+            tls,
             json,
         } => {
             if layer_events {
@@ -693,6 +724,37 @@ async fn run(cli: Cli) -> Result<(), String> {
                             p.p99.as_secs_f64() * 1e6,
                         );
                     }
+                }
+                return Ok(());
+            }
+            if tls {
+                let points = kvferry_cli::bench::tls(iterations.min(3))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                for p in &points {
+                    let ratio = p.tls_gbps / p.plain_gbps.max(1e-9);
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({ "workload": p.workload, "runtime": "tokio", "plain_gbps": p.plain_gbps, "tls_gbps": p.tls_gbps, "tls_vs_plain": ratio, "clean": p.clean })
+                        );
+                    } else {
+                        println!(
+                            "{:<28} plain {:>7.3} GB/s  tls {:>7.3} GB/s  tls/plain {:>6.3}  {}",
+                            p.workload,
+                            p.plain_gbps,
+                            p.tls_gbps,
+                            ratio,
+                            if p.clean {
+                                "every byte verified"
+                            } else {
+                                "LOST OR CORRUPTED PAGES"
+                            }
+                        );
+                    }
+                }
+                if points.iter().any(|p| !p.clean) {
+                    return Err("pages were lost or corrupted".to_owned());
                 }
                 return Ok(());
             }
@@ -813,6 +875,7 @@ fn start_node(
     let shape = shape.shape();
     let mut cfg = node_config(role, &shape, config, common.token.as_bytes(), rand_seed());
     cfg.backend = common.data_backend()?;
+    cfg.tls = common.tls();
     let node = runtime
         .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
         .map_err(|e| e.to_string())?;

@@ -1185,6 +1185,10 @@ impl Endpoint {
             _ if successor.is_some() => {
                 debug!(%session, "superseded connection closed");
             }
+            Some(peer) if reason == FailureReason::PeerShutdown && s.rooms.is_empty() => {
+                // An orderly goodbye with nothing at stake is not a loss worth a warning.
+                info!(%session, node = %peer.node, "peer shut down");
+            }
             Some(peer) if reason != FailureReason::Shutdown => {
                 warn!(%session, node = %peer.node, %reason, rooms = s.rooms.len(), "lost the peer");
             }

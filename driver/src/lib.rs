@@ -52,6 +52,9 @@ pub struct NodeConfig {
     pub faults: Option<FaultPlan>,
     /// Which data plane carries the operations.
     pub backend: DataBackend,
+    /// TLS on every control and data connection (`None`: plain TCP). The cluster-token
+    /// proofs of the handshake run inside it either way.
+    pub tls: Option<kvferry_tcp::TlsFiles>,
 }
 
 /// Which data plane carries a node's operations (the control channel is TCP either way).
@@ -181,6 +184,8 @@ pub enum NodeError {
     Runtime(String),
     /// The data-plane backend could not start (what failed and how to fix it).
     Backend(String),
+    /// TLS was asked for and could not be set up (a file, a key, the runtime).
+    Tls(String),
 }
 
 impl std::fmt::Display for NodeError {
@@ -220,6 +225,7 @@ impl std::fmt::Display for NodeError {
             }
             NodeError::Runtime(why) => write!(f, "the runtime could not start: {why}"),
             NodeError::Backend(why) => write!(f, "the data plane could not start: {why}"),
+            NodeError::Tls(why) => write!(f, "TLS: {why}"),
         }
     }
 }

@@ -188,6 +188,12 @@ impl GlommioNode {
                 "the glommio driver carries data over TCP only; RDMA runs on the tokio driver (--runtime tokio)".to_owned(),
             ));
         }
+        if config.tls.is_some() {
+            return Err(NodeError::Tls(
+                "the glommio driver has no TLS yet; TLS runs on the tokio driver (--runtime tokio)"
+                    .to_owned(),
+            ));
+        }
         let n = shards.shards.max(1);
         ensure_memlock(n)?;
         let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());

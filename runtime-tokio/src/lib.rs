@@ -21,8 +21,8 @@ use kvferry_core::{
 };
 use kvferry_sync::ConnSet;
 use kvferry_tcp::{
-    answer_data, challenge_data, connect_control, connect_data, read_preamble, serve_writes,
-    DataSender, Limits, MemoryMap, Preamble, Report, WriteCheck,
+    accept_conn, answer_data, challenge_data, connect_control, connect_data, read_preamble,
+    serve_writes, Conn, DataSender, Limits, MemoryMap, Preamble, Report, TlsSetup, WriteCheck,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -96,6 +96,8 @@ struct Shared {
     data_connections: usize,
     info: EndpointInfo,
     limits: Limits,
+    /// TLS on every connection, when configured.
+    tls: Option<TlsSetup>,
     faults: Mutex<Option<FaultPlan>>,
     announcements: Announcer,
     /// How each peer named through [`KvNode`] is reached, one link per peer address.
@@ -165,6 +167,10 @@ impl Node {
                 "this build has no RDMA support: rebuild with the `rdma` feature, or use --backend tcp".to_owned(),
             ));
         }
+        let tls = match &config.tls {
+            Some(files) => Some(TlsSetup::load(files).map_err(|e| NodeError::Tls(e.to_string()))?),
+            None => None,
+        };
         let (events, _) = broadcast::channel(65536);
         let (stopped, _) = watch::channel(false);
         let limits = Limits {
@@ -187,6 +193,7 @@ impl Node {
             data_connections: config.data_connections.max(1),
             info: config.info,
             limits,
+            tls,
             faults: Mutex::new(config.faults),
             announcements: Announcer::default(),
             peers: Mutex::new(Vec::new()),
@@ -235,7 +242,8 @@ impl Node {
     /// Connects to a peer's listener and completes the handshake; returns the session.
     pub async fn connect(&self, addr: SocketAddr) -> Result<SessionId, NodeError> {
         use kvferry_core::SessionState;
-        let stream = connect_control(addr).await?;
+        let tls = self.shared.tls.clone();
+        let stream = connect_control(addr, tls.as_ref()).await?;
         let mut events = self.shared.events.subscribe();
         let sid = attach_control(&self.shared, stream, Some(addr), None);
         let deadline = tokio::time::Instant::now() + self.config().handshake_timeout;
@@ -735,12 +743,12 @@ fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
 /// Registers a control connection with the core and starts its reader and writer.
 fn attach_control(
     shared: &Arc<Shared>,
-    stream: TcpStream,
+    stream: Conn,
     peer_addr: Option<SocketAddr>,
     target: Option<TargetId>,
 ) -> SessionId {
-    let _ = stream.set_nodelay(true);
-    let (mut read, mut write) = stream.into_split();
+    let _ = stream.tcp().set_nodelay(true);
+    let (mut read, mut write) = tokio::io::split(stream);
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let mut inner = shared.lock();
     let sid = match (target, peer_addr) {
@@ -755,7 +763,7 @@ fn attach_control(
                 while let Ok(more) = rx.try_recv() {
                     frame.extend_from_slice(&more);
                 }
-                if write.write_all(&frame).await.is_err() {
+                if write.write_all(&frame).await.is_err() || write.flush().await.is_err() {
                     break;
                 }
             }
@@ -805,19 +813,28 @@ fn attach_control(
     sid
 }
 
-async fn accept(weak: Weak<Shared>, mut stream: TcpStream, peer: SocketAddr) {
-    let preamble =
-        match tokio::time::timeout(Duration::from_secs(5), read_preamble(&mut stream)).await {
-            Ok(Ok(p)) => p,
-            Ok(Err(e)) => {
-                warn!(%peer, error = %e, "refused a connection");
-                return;
-            }
-            Err(_) => {
-                warn!(%peer, "no preamble in time; connection dropped");
-                return;
-            }
-        };
+async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
+    let Some(tls) = weak.upgrade().map(|s| s.tls.clone()) else {
+        return;
+    };
+    let opened = async {
+        let mut stream = accept_conn(tcp, tls.as_ref())
+            .await
+            .map_err(kvferry_tcp::ServeError::Io)?;
+        let preamble = read_preamble(&mut stream).await?;
+        Ok::<_, kvferry_tcp::ServeError>((stream, preamble))
+    };
+    let (mut stream, preamble) = match tokio::time::timeout(Duration::from_secs(5), opened).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => {
+            warn!(%peer, error = %e, "refused a connection");
+            return;
+        }
+        Err(_) => {
+            warn!(%peer, "no preamble in time; connection dropped");
+            return;
+        }
+    };
     let Some(shared) = weak.upgrade() else { return };
     match preamble {
         Preamble::Control => {
@@ -862,7 +879,7 @@ async fn accept(weak: Weak<Shared>, mut stream: TcpStream, peer: SocketAddr) {
 }
 
 /// Puts an accepted or opened data connection to work for `sid`, by role.
-fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: TcpStream) {
+fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: Conn) {
     let mut inner = shared.lock();
     let Some(io) = inner.io.get_mut(&sid) else {
         return;
@@ -936,8 +953,9 @@ fn open_data_connections_n(
     for _ in 0..n {
         let weak = Arc::downgrade(shared);
         let key = key.clone();
+        let tls = shared.tls.clone();
         shared.runtime.spawn(async move {
-            match connect_data(addr, &key).await {
+            match connect_data(addr, &key, tls.as_ref()).await {
                 Ok(stream) => {
                     if let Some(shared) = weak.upgrade() {
                         attach_data(&shared, sid, stream);
@@ -955,8 +973,10 @@ fn start_connect(shared: &Arc<Shared>, inner: &mut Inner, target: TargetId, time
         return;
     };
     let weak = Arc::downgrade(shared);
+    let tls = shared.tls.clone();
     shared.runtime.spawn(async move {
-        let result = match tokio::time::timeout(timeout, connect_control(addr)).await {
+        let result = match tokio::time::timeout(timeout, connect_control(addr, tls.as_ref())).await
+        {
             Ok(r) => r,
             Err(_) => Err(std::io::Error::from(std::io::ErrorKind::TimedOut)),
         };
