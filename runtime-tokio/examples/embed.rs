@@ -78,7 +78,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     decode.memory().read(k0, 10 * 4096, &mut page)?;
     assert!(page.iter().all(|&b| b == 7));
     println!(
-        "room {room}: {} bytes of layer 0 K verified on decode",
+        "{room}: {} bytes of layer 0 K verified on decode",
         page.len()
     );
 
