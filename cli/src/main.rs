@@ -87,7 +87,8 @@ enum Command {
         /// refused with `room_id_reused`).
         #[arg(long)]
         first_room: Option<u64>,
-        /// Write one line per room as it ends: milliseconds since the start, room id, outcome.
+        /// Write one line per room as it ends: wall-clock milliseconds since the Unix epoch
+        /// (to line up with outside events), room id, outcome.
         #[arg(long)]
         room_log: Option<PathBuf>,
         #[command(flatten)]
@@ -335,7 +336,8 @@ fn room_logger(path: &std::path::Path, inner: Option<Progress>) -> Result<Progre
     let file = std::sync::Mutex::new(std::io::LineWriter::new(file));
     Ok(Arc::new(move |e: &RoomEnd| {
         if let Ok(mut f) = file.lock() {
-            let _ = writeln!(f, "{} {} {}", e.at.as_millis(), e.room.0, e.outcome);
+            let now = std::time::UNIX_EPOCH.elapsed().unwrap_or_default();
+            let _ = writeln!(f, "{} {} {}", now.as_millis(), e.room.0, e.outcome);
         }
         if let Some(p) = &inner {
             p(e);

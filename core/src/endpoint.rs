@@ -3059,8 +3059,10 @@ impl Endpoint {
     /// A fresh connection of the same peer process takes over the work of `old`, whose link
     /// went silent: rooms, operations and failure count move to `new`, and nothing fails.
     /// Operations in flight on the old connection run again on the new one once their old
-    /// attempt reports (the dialing side closes the old connection at once; the accepting
-    /// side waits for that close, so a close can never overtake the peer's take-over).
+    /// attempt reports. The dialing side takes over when the peer's hello arrives and closes
+    /// the old connection at once; the accepting side takes over only once the dialer used
+    /// the new connection (or the old one ended), so its own close of the old connection can
+    /// never overtake the dialer's take-over.
     fn take_over(&mut self, node: NodeId, old: SessionId, new: SessionId) {
         let Some(o) = self.sessions.get_mut(&old) else {
             return;
@@ -3131,8 +3133,7 @@ impl Endpoint {
         self.events
             .push_back(Event::SessionResumed { node, old, new });
         if !inbound {
-            // We dialed, so the peer took over or will at our first message (sent now): the
-            // old connection can go.
+            // We dialed, so the peer takes over at our first message (sent now).
             self.transmits.push_back((
                 new,
                 Message::Heartbeat {
@@ -3140,8 +3141,12 @@ impl Endpoint {
                     queued_rooms: self.capacity.queued_rooms,
                 },
             ));
-            self.request_close(old);
         }
+        // Both sides now carry on over `new`, so the old connection can go. The accepting
+        // side closes it too rather than wait for the dialer's close: that close may sit
+        // behind the old connection's TCP retransmission backoff for seconds, and until then
+        // the operations in flight on it would not report.
+        self.request_close(old);
         self.mark_ready(new);
     }
 
