@@ -1,0 +1,611 @@
+//! Sessions: opening and accepting them, the challenges, proofs and hellos, refusals and strikes, and the control frames' dispatch.
+
+use super::*;
+
+impl Endpoint {
+    /// This side opened a control connection to a peer: returns its session handle and
+    /// queues our hello on it (the connector speaks first).
+    pub fn open_session(&mut self, now: Instant) -> SessionId {
+        let ours = self.nonces.fresh();
+        let sid = self.new_session(now, Auth::ConnectorChallenged { ours });
+        self.transmits
+            .push_back((sid, Message::Challenge { nonce: ours }));
+        sid
+    }
+
+    /// Our listener accepted a control connection: returns its session handle. We send our
+    /// challenge once the connector sent its own, and our hello only once the connector's
+    /// hello proved it knows the cluster token: before that a stranger learns nothing.
+    pub fn accept_session(&mut self, now: Instant) -> SessionId {
+        self.new_session(now, Auth::ListenerWaiting)
+    }
+
+    /// Our hello, its proof still zero.
+    pub(super) fn our_hello(&self) -> Hello {
+        Hello {
+            role: self.local.role,
+            rank: self.local.rank,
+            node: self.local.node,
+            incarnation: self.local.incarnation,
+            layout: self.local.layout,
+            layer_start: self.local.layer_start,
+            layer_end: self.local.layer_end,
+            writes_aux: self.local.writes_aux,
+            heartbeat_interval_ms: self
+                .config
+                .heartbeat_interval
+                .as_millis()
+                .clamp(1, u128::from(u32::MAX)) as u32,
+            heartbeat_misses: self.config.heartbeat_misses.max(1),
+            proof: [0; 32],
+        }
+    }
+
+    /// The key binding data connections to `session`, once its handshake completed.
+    pub fn data_key(&self, session: SessionId) -> Option<SessionKey> {
+        match &self.sessions.get(&session)?.auth {
+            Auth::Done(key) => Some(key.clone()),
+            _ => None,
+        }
+    }
+
+    /// A fresh challenge for a data connection our listener accepted.
+    pub fn data_challenge(&mut self) -> Nonce {
+        self.nonces.fresh()
+    }
+
+    /// Admits a data connection that answered `challenge` with `proof` for the session named
+    /// by `tag`: the session it belongs to, if that session is usable and the proof is right.
+    pub fn admit_data(
+        &self,
+        challenge: &Nonce,
+        tag: &SessionTag,
+        proof: &Proof,
+    ) -> Result<SessionId, DataRefusal> {
+        let (sid, key) = self
+            .sessions
+            .iter()
+            .find_map(|(sid, s)| match &s.auth {
+                Auth::Done(key) if key.tag() == *tag => Some((*sid, key)),
+                _ => None,
+            })
+            .ok_or(DataRefusal::UnknownSession)?;
+        if !key.verify(challenge, proof) {
+            return Err(DataRefusal::BadProof);
+        }
+        match self.sessions.get(&sid).map(|s| s.state) {
+            Some(SessionState::Established | SessionState::Blacklisted) => Ok(sid),
+            _ => Err(DataRefusal::SessionEnded),
+        }
+    }
+
+    pub(super) fn new_session(&mut self, now: Instant, auth: Auth) -> SessionId {
+        let inbound = matches!(auth, Auth::ListenerWaiting);
+        let now = self.clock(now);
+        self.next_session += 1;
+        let sid = SessionId(self.next_session);
+        let mut session = Session {
+            state: SessionState::Handshaking,
+            peer: None,
+            last_rx: now,
+            handshake_timer: None,
+            heartbeat_timer: None,
+            liveness_timer: None,
+            silence_timer: None,
+            probe_timer: None,
+            idle_timer: None,
+            inbound,
+            auth,
+            window: self.config.heartbeat_interval * self.config.heartbeat_misses,
+            silence: self.config.silence_timeout,
+            silence_noted: false,
+            resumes: None,
+            failures: 0,
+            probe_backoff: self.config.probe_interval,
+            probe_nonce: None,
+            probe_op: None,
+            last_targeted: now,
+            queue: VecDeque::new(),
+            in_flight: 0,
+            in_ready: false,
+            fencing: false,
+            rooms: Set::with_hasher(self.hasher.clone()),
+            strikes: 0,
+            capacity: None,
+            close_reason: FailureReason::ConnectionLost,
+            stats: SessionStats::default(),
+            target: None,
+            epoch: 0,
+            one_sided: false,
+        };
+        self.timers.set(
+            &mut session.handshake_timer,
+            now + self.config.handshake_timeout,
+            Timer::Handshake(sid),
+        );
+        self.sessions.insert(sid, session);
+        sid
+    }
+
+    /// Bytes arrived on a session's control connection. Consumes every complete frame and
+    /// returns how many bytes were used; the caller keeps the rest for the next call.
+    ///
+    /// Malformed frames earn the session a strike; a broken framing or too many strikes close
+    /// it (the whole buffer is then reported as consumed).
+    pub fn handle_input(&mut self, now: Instant, session: SessionId, buf: &[u8]) -> usize {
+        let now = self.clock(now);
+        if self.superseded.contains_key(&session) {
+            // Sent before the peer moved to the fresh connection; it sends again what counts.
+            return buf.len();
+        }
+        let mut used = 0;
+        loop {
+            match self.sessions.get(&session).map(|s| s.state) {
+                None | Some(SessionState::Closing) => return buf.len(),
+                Some(_) => {}
+            }
+            match Message::decode(&buf[used..], self.config.max_frame_len) {
+                Ok(None) => return used,
+                Ok(Some((msg, n))) => {
+                    used += n;
+                    self.handle_message(now, session, msg);
+                }
+                Err(err)
+                    if self
+                        .sessions
+                        .get(&session)
+                        .is_some_and(|s| s.peer.is_none()) =>
+                {
+                    // Nothing is skipped before the handshake completed: say what was wrong
+                    // and close at once, rather than leave the peer to its handshake timeout.
+                    let (code, what) = match err {
+                        DecodeError::UnknownVersion(_) => {
+                            self.reject(session, RejectReason::VersionMismatch);
+                            return buf.len();
+                        }
+                        DecodeError::InvalidField { ty, field } if ty == HELLO_TYPE => {
+                            (ErrorCode::InvalidHello, format!("hello: invalid {field}"))
+                        }
+                        other => (ErrorCode::Malformed, other.to_string()),
+                    };
+                    self.refuse_handshake(session, code, &what);
+                    return buf.len();
+                }
+                Err(err) => {
+                    let skippable = matches!(
+                        err,
+                        DecodeError::UnknownType(_)
+                            | DecodeError::Truncated { .. }
+                            | DecodeError::TrailingBytes { .. }
+                            | DecodeError::InvalidField { .. }
+                    );
+                    self.strike(session, &err.to_string(), !skippable);
+                    if !skippable {
+                        return buf.len();
+                    }
+                    // The length prefix was sane: skip exactly this frame.
+                    let len = buf[used..used + 4]
+                        .try_into()
+                        .map(u32::from_le_bytes)
+                        .unwrap_or(0);
+                    used += 4 + len as usize;
+                }
+            }
+        }
+    }
+
+    pub(super) fn handle_message(&mut self, now: Instant, sid: SessionId, msg: Message) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        s.last_rx = now;
+        s.silence_noted = false;
+        let established = s.peer.is_some();
+        if s.resumes.is_some()
+            && !matches!(
+                msg,
+                Message::Challenge { .. } | Message::Hello(_) | Message::Error { .. }
+            )
+        {
+            // The dialer uses the fresh connection: it took the work over on its side.
+            self.commit_resume(sid);
+        }
+        match msg {
+            Message::Challenge { nonce } => {
+                if established {
+                    self.strike(sid, "a challenge after the handshake", false);
+                } else {
+                    self.on_challenge(sid, nonce);
+                }
+            }
+            Message::Hello(h) => {
+                if established {
+                    self.strike(sid, "second hello", false);
+                } else {
+                    self.on_hello(now, sid, h);
+                }
+            }
+            // Also before the hello: a listener refuses a bad token without saying who it is.
+            Message::Error { code, detail } => {
+                if code == ErrorCode::Shutdown {
+                    info!(session = %sid, %detail, "peer is closing the session");
+                } else {
+                    warn!(session = %sid, ?code, %detail, "peer reported an error");
+                }
+                self.events.push_back(Event::PeerError {
+                    session: sid,
+                    code,
+                    detail: detail.clone(),
+                });
+                let reason = match code {
+                    ErrorCode::IncompatibleLayout
+                    | ErrorCode::VersionMismatch
+                    | ErrorCode::WrongRole => FailureReason::IncompatiblePeer,
+                    ErrorCode::BadToken => FailureReason::Unauthorized,
+                    ErrorCode::Shutdown => FailureReason::PeerShutdown,
+                    ErrorCode::HeartbeatsMissed => FailureReason::PeerSilent,
+                    ErrorCode::Malformed
+                    | ErrorCode::ProtocolViolation
+                    | ErrorCode::InvalidHello => FailureReason::ProtocolError,
+                };
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.close_reason = reason;
+                }
+                self.fail_session_rooms(now, sid, reason);
+                self.request_close(sid);
+            }
+            other if !established => {
+                let what = format!("{} before the handshake completed", message_name(&other));
+                self.refuse_handshake(sid, ErrorCode::ProtocolViolation, &what);
+            }
+            Message::Heartbeat {
+                free_pages,
+                queued_rooms,
+            } => {
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.capacity = Some(Capacity {
+                        free_pages,
+                        queued_rooms,
+                    });
+                }
+            }
+            Message::Probe { nonce } => {
+                self.transmits.push_back((sid, Message::ProbeAck { nonce }))
+            }
+            Message::Transport { payload } => {
+                self.events.push_back(Event::TransportReceived {
+                    session: sid,
+                    payload,
+                });
+            }
+            Message::ProbeAck { nonce } => self.on_probe_ack(now, sid, nonce),
+            Message::RoomPending {
+                room,
+                generation,
+                queue_position,
+            } if self.local.role == Role::Prefill => {
+                self.on_room_pending(now, sid, room, generation, queue_position)
+            }
+            Message::RoomRequest(req) if self.local.role == Role::Prefill => {
+                self.on_room_request(now, sid, req)
+            }
+            Message::Abort {
+                room,
+                generation,
+                reason,
+            } if self.local.role == Role::Prefill => {
+                self.on_abort(now, sid, room, generation, reason)
+            }
+            Message::RoomStatus {
+                room,
+                generation,
+                failure,
+            } if self.local.role == Role::Decode => {
+                self.on_room_status(now, sid, room, generation, failure)
+            }
+            Message::Progress {
+                room,
+                generation,
+                stage,
+            } if self.local.role == Role::Decode => {
+                self.on_progress(now, sid, room, generation, stage)
+            }
+            Message::AbortAck { room, generation } if self.local.role == Role::Decode => {
+                self.on_abort_ack(now, sid, room, generation)
+            }
+            other => {
+                let what = format!(
+                    "{:?} sent to a {:?} endpoint",
+                    message_name(&other),
+                    self.local.role
+                );
+                self.strike(sid, &what, false);
+            }
+        }
+    }
+
+    /// The peer's challenge: a listener answers with its own, a connector with its hello.
+    pub(super) fn on_challenge(&mut self, sid: SessionId, theirs: Nonce) {
+        let Some(s) = self.sessions.get(&sid) else {
+            return;
+        };
+        match s.auth {
+            Auth::ListenerWaiting => {
+                let ours = self.nonces.fresh();
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.auth = Auth::ListenerChallenged { theirs, ours };
+                }
+                self.transmits
+                    .push_back((sid, Message::Challenge { nonce: ours }));
+            }
+            Auth::ConnectorChallenged { ours } => {
+                let mut hello = self.our_hello();
+                let transcript = hello_transcript(&hello);
+                hello.proof = connector_proof(&self.local.token, &ours, &theirs, &transcript);
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.auth = Auth::ConnectorHello {
+                        ours,
+                        theirs,
+                        hello: transcript,
+                    };
+                }
+                self.transmits.push_back((sid, Message::Hello(hello)));
+            }
+            Auth::ListenerChallenged { theirs: seen, .. }
+            | Auth::ConnectorHello { theirs: seen, .. }
+                if seen == theirs =>
+            {
+                // The same challenge again: harmless, but not what a peer should send.
+                self.strike(sid, "a repeated challenge", false)
+            }
+            _ => self.refuse_handshake(sid, ErrorCode::ProtocolViolation, "a second challenge"),
+        }
+    }
+
+    /// Closes a session whose handshake broke a rule, saying which, at once.
+    pub(super) fn refuse_handshake(&mut self, sid: SessionId, code: ErrorCode, what: &str) {
+        self.counters.protocol_errors += 1;
+        warn!(session = %sid, ?code, %what, "handshake refused");
+        let now = self.last_now;
+        self.close_session(now, sid, code, what, FailureReason::ProtocolError);
+    }
+
+    /// Checks the peer's proof of the cluster token: the session's key and, on a listener,
+    /// the hello to answer with (sent only once every other check passed too).
+    pub(super) fn authenticate(
+        &self,
+        sid: SessionId,
+        h: &Hello,
+    ) -> Result<(SessionKey, Option<Hello>), HandshakeError> {
+        let token = &self.local.token;
+        let theirs = hello_transcript(h);
+        let Some(s) = self.sessions.get(&sid) else {
+            return Err(HandshakeError::Refused(RejectReason::BadToken));
+        };
+        match &s.auth {
+            Auth::ListenerChallenged { theirs: c, ours: l } => {
+                if !constant_time_eq(&connector_proof(token, c, l, &theirs), &h.proof) {
+                    return Err(HandshakeError::Refused(RejectReason::BadToken));
+                }
+                let mut ours = self.our_hello();
+                ours.proof = listener_proof(token, c, l, &theirs, &hello_transcript(&ours));
+                Ok((SessionKey::derive(token, c, l), Some(ours)))
+            }
+            Auth::ConnectorHello {
+                ours: c,
+                theirs: l,
+                hello,
+            } => {
+                if !constant_time_eq(&listener_proof(token, c, l, hello, &theirs), &h.proof) {
+                    return Err(HandshakeError::Refused(RejectReason::BadToken));
+                }
+                Ok((SessionKey::derive(token, c, l), None))
+            }
+            Auth::ListenerWaiting | Auth::ConnectorChallenged { .. } | Auth::Done(_) => {
+                Err(HandshakeError::OutOfOrder)
+            }
+        }
+    }
+
+    pub(super) fn on_hello(&mut self, now: Instant, sid: SessionId, h: Hello) {
+        // The proof first: who we are and what we expect (role, layout) is told only to a
+        // peer that knows the token.
+        let checked = self.authenticate(sid, &h).and_then(|auth| {
+            if h.role == self.local.role {
+                return Err(HandshakeError::Refused(RejectReason::WrongRole));
+            }
+            if let Err(m) = self.local.layout.compatible(&h.layout) {
+                return Err(HandshakeError::Refused(RejectReason::IncompatibleLayout(
+                    m.field,
+                )));
+            }
+            Ok(auth)
+        });
+        let (key, reply) = match checked {
+            Ok(auth) => auth,
+            Err(HandshakeError::OutOfOrder) => {
+                return self.refuse_handshake(
+                    sid,
+                    ErrorCode::ProtocolViolation,
+                    "a hello before the challenges were exchanged",
+                )
+            }
+            Err(HandshakeError::Refused(r)) => return self.reject(sid, r),
+        };
+        let inbound = match self.sessions.get_mut(&sid) {
+            Some(s) => {
+                s.auth = Auth::Done(key);
+                s.inbound
+            }
+            None => return,
+        };
+        if let Some(hello) = reply {
+            self.transmits.push_back((sid, Message::Hello(hello)));
+        }
+        let peer = PeerInfo {
+            role: h.role,
+            rank: h.rank,
+            node: h.node,
+            incarnation: h.incarnation,
+            layout: h.layout,
+            layer_start: h.layer_start,
+            layer_end: h.layer_end,
+            writes_aux: h.writes_aux,
+            heartbeat_interval: Duration::from_millis(u64::from(h.heartbeat_interval_ms)),
+            heartbeat_misses: h.heartbeat_misses,
+        };
+        // A known peer: a new incarnation voids its previous life; the same one on a fresh
+        // connection takes the old session's work over (the old link went silent).
+        let mut resumed_from = None;
+        let mut was_blacklisted = false;
+        if let Some(&old) = self.nodes.get(&h.node) {
+            if old != sid {
+                let (old_inc, old_state) = self
+                    .sessions
+                    .get(&old)
+                    .map(|s| (s.peer.map(|p| p.incarnation), Some(s.state)))
+                    .unwrap_or((None, None));
+                if old_inc == Some(h.incarnation)
+                    && old_state == Some(SessionState::Established)
+                    && !self.superseded.contains_key(&old)
+                {
+                    resumed_from = Some(old);
+                } else if old_inc != Some(h.incarnation) {
+                    info!(node = %h.node, old = %old, new = %sid, "peer restarted");
+                    self.events.push_back(Event::PeerRestarted {
+                        node: h.node,
+                        old,
+                        new: sid,
+                    });
+                    self.close_session(
+                        now,
+                        old,
+                        ErrorCode::Shutdown,
+                        "superseded by a new incarnation",
+                        FailureReason::PeerRestarted,
+                    );
+                } else {
+                    // Blacklisted (its rooms failed already) or closing: the new session
+                    // starts clean, except that a blacklist stands until a probe succeeds.
+                    was_blacklisted = old_state == Some(SessionState::Blacklisted);
+                    self.close_session(
+                        now,
+                        old,
+                        ErrorCode::Shutdown,
+                        "superseded by a new connection",
+                        FailureReason::ConnectionLost,
+                    );
+                }
+            }
+        }
+        let pending_resume = resumed_from.filter(|_| inbound);
+        if pending_resume.is_some() {
+            resumed_from = None;
+        } else {
+            self.nodes.insert(h.node, sid);
+        }
+        let remembered = self.blacklist_memory.remove(&h.node);
+        let interval = self.config.heartbeat_interval;
+        // Both ends give up on a silent session at the same moment: the longer of the two
+        // announced liveness windows. Link checks wait out at least two of its heartbeats.
+        let window = (interval * self.config.heartbeat_misses)
+            .max(peer.heartbeat_interval * peer.heartbeat_misses);
+        let silence = self.config.silence_timeout.max(peer.heartbeat_interval * 2);
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        s.peer = Some(peer);
+        s.window = window;
+        s.silence = silence;
+        s.state = SessionState::Established;
+        s.resumes = pending_resume;
+        self.timers.cancel(&mut s.handshake_timer);
+        self.timers.set(
+            &mut s.heartbeat_timer,
+            now + interval,
+            Timer::Heartbeat(sid),
+        );
+        self.timers
+            .set(&mut s.liveness_timer, now + window, Timer::Liveness(sid));
+        self.timers
+            .set(&mut s.silence_timer, now + silence, Timer::Silence(sid));
+        let target = s.target;
+        if let Some(old) = resumed_from {
+            self.take_over(h.node, old, sid);
+        }
+        self.events
+            .push_back(Event::SessionEstablished { session: sid, peer });
+        let reset = self.config.reconnect_interval;
+        if let Some(t) = target.and_then(|t| self.targets.get_mut(&t)) {
+            t.backoff = reset;
+            t.session = Some(sid);
+            t.check = None;
+            t.evidence = None;
+            self.timers.cancel(&mut t.timer);
+        }
+        if let Some(t) = target {
+            self.target_up(now, t);
+        }
+        if resumed_from.is_some() {
+            self.replay(sid);
+        }
+        let remembered =
+            remembered.is_some_and(|m| m.incarnation == h.incarnation && m.until > now);
+        if was_blacklisted || remembered {
+            // Same process reconnected: its blacklist stands until a probe succeeds.
+            self.blacklist(now, sid);
+        }
+    }
+
+    pub(super) fn reject(&mut self, sid: SessionId, reason: RejectReason) {
+        warn!(session = %sid, ?reason, "peer refused at handshake");
+        self.counters.sessions_rejected += 1;
+        self.events.push_back(Event::SessionRejected {
+            session: sid,
+            reason,
+        });
+        let (code, detail) = match reason {
+            RejectReason::BadToken => (
+                ErrorCode::BadToken,
+                "cluster token mismatch (the proof of the token did not check out)".to_owned(),
+            ),
+            RejectReason::WrongRole => (ErrorCode::WrongRole, "same role on both ends".to_owned()),
+            RejectReason::IncompatibleLayout(f) => (
+                ErrorCode::IncompatibleLayout,
+                format!("layout field {f} differs"),
+            ),
+            RejectReason::VersionMismatch => (
+                ErrorCode::VersionMismatch,
+                format!(
+                    "protocol version differs (this node speaks version {})",
+                    crate::codec::PROTOCOL_VERSION
+                ),
+            ),
+        };
+        let now = self.last_now;
+        let reason = match reason {
+            RejectReason::BadToken => FailureReason::Unauthorized,
+            _ => FailureReason::IncompatiblePeer,
+        };
+        self.close_session(now, sid, code, &detail, reason);
+    }
+
+    pub(super) fn strike(&mut self, sid: SessionId, what: &str, fatal: bool) {
+        self.counters.protocol_errors += 1;
+        let limit = self.config.protocol_strikes;
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        s.strikes += 1;
+        warn!(session = %sid, strikes = s.strikes, %what, "protocol error from peer");
+        if fatal || s.strikes >= limit {
+            let now = self.last_now;
+            let code = if fatal {
+                ErrorCode::Malformed
+            } else {
+                ErrorCode::ProtocolViolation
+            };
+            self.close_session(now, sid, code, what, FailureReason::ProtocolError);
+        }
+    }
+}

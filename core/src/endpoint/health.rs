@@ -1,0 +1,425 @@
+//! Data-path results: retries, the failure threshold, blacklist and probes, fences.
+
+use super::*;
+
+impl Endpoint {
+    /// A data-path operation finished. Unknown ids (already settled, superseded) are ignored.
+    pub fn handle_transfer_result(
+        &mut self,
+        now: Instant,
+        id: TransferId,
+        outcome: TransferOutcome,
+    ) {
+        let now = self.clock(now);
+        let Some(op) = self.ops.get_mut(&id) else {
+            self.counters.stale_messages += 1;
+            return;
+        };
+        if op.phase != OpPhase::InFlight {
+            return;
+        }
+        self.timers.cancel(&mut op.timer);
+        self.settle_attempt(now, id, outcome);
+    }
+
+    /// Takes an attempt that was in flight out of flight and decides what happens next.
+    pub(super) fn settle_attempt(
+        &mut self,
+        now: Instant,
+        id: TransferId,
+        outcome: TransferOutcome,
+    ) {
+        let Some(mut op) = self.ops.remove(&id) else {
+            return;
+        };
+        self.timers.cancel(&mut op.timer);
+        if let Some(s) = self.sessions.get_mut(&op.session) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+        }
+        self.mark_ready(op.session);
+        let room_live = op.room.and_then(|room| {
+            let r = self.rooms.get_mut(&room)?;
+            if let Side::Sender(s) = &mut r.side {
+                s.ops_in_flight = s.ops_in_flight.saturating_sub(1);
+            }
+            (r.generation == op.generation && !r.state.is_terminal()).then_some(room)
+        });
+        if op.kind == OpKind::Probe {
+            self.on_probe_result(now, op.session, id, outcome);
+            return;
+        }
+        if op.superseded && outcome != TransferOutcome::Done {
+            // Its connection was taken over: not a data-path failure, run it again as new.
+            op.superseded = false;
+            if room_live.is_none() {
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
+                return;
+            }
+            op.phase = OpPhase::Queued;
+            let session = op.session;
+            let new_id = self.alloc_op_id();
+            self.ops.insert(new_id, op);
+            if let Some(s) = self.sessions.get_mut(&session) {
+                s.queue.push_front(new_id);
+            }
+            self.mark_ready(session);
+            return;
+        }
+        match outcome {
+            TransferOutcome::Transient => self.counters.transient_failures += 1,
+            TransferOutcome::Fatal => self.counters.fatal_failures += 1,
+            _ => {}
+        }
+        if let Some(s) = self.sessions.get_mut(&op.session) {
+            if outcome == TransferOutcome::Done {
+                s.stats.ops_done += 1;
+                s.stats.bytes_done += op.bytes;
+            } else {
+                s.stats.ops_failed += 1;
+            }
+        }
+        let session_usable = self
+            .sessions
+            .get(&op.session)
+            .is_some_and(|s| s.state == SessionState::Established);
+        match outcome {
+            TransferOutcome::Done => {
+                if let Some(s) = self.sessions.get_mut(&op.session) {
+                    s.failures = 0;
+                }
+                self.counters.bytes_transferred += op.bytes;
+                if op.attempt > 1 {
+                    self.counters.retry_recoveries += 1;
+                    warn!(
+                        session = %op.session,
+                        room = ?op.room,
+                        attempts = op.attempt,
+                        "transfer recovered after retry"
+                    );
+                }
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
+            }
+            TransferOutcome::Transient
+                if op.attempt < self.config.transfer_retries
+                    && room_live.is_some()
+                    && session_usable =>
+            {
+                self.counters.retries += 1;
+                let step = self.config.retry_backoff;
+                let jitter = self.rng.below(step.as_nanos() as u64 / 2 + 1);
+                let delay = step * op.attempt + Duration::from_nanos(jitter);
+                debug!(session = %op.session, room = ?op.room, attempt = op.attempt, ?delay, "transfer attempt failed, retrying");
+                op.attempt += 1;
+                op.phase = OpPhase::RetryWait;
+                // A new id per attempt: a late report of the old attempt cannot be mistaken.
+                let new_id = self.alloc_op_id();
+                self.timers
+                    .set(&mut op.timer, now + delay, Timer::Retry(new_id));
+                self.ops.insert(new_id, op);
+            }
+            TransferOutcome::Refused => {
+                warn!(session = %op.session, room = ?op.room, "destination refused the write");
+                // Fail first: with this operation gone the room must not look complete.
+                if let Some(room) = room_live {
+                    self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedByPeer));
+                }
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
+            }
+            TransferOutcome::Transient | TransferOutcome::Fatal => {
+                let first = op.slices.first().copied();
+                let Some(room) = room_live else {
+                    // The room already concluded (aborted): the failure says nothing new.
+                    self.op_finished(now, op.room, op.generation, op.layers.clone());
+                    return;
+                };
+                self.counters.ops_exhausted += 1;
+                warn!(
+                    session = %op.session,
+                    room = ?op.room,
+                    attempts = op.attempt,
+                    slices = op.slices.len(),
+                    bytes = op.bytes,
+                    first_slice = ?first,
+                    ?outcome,
+                    "transfer failed after retries"
+                );
+                // Fail first: with this operation gone the room must not look complete.
+                self.conclude(now, room, KvPoll::Failed(FailureReason::TransferFailed));
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
+                let threshold = self.config.session_failure_threshold;
+                let blacklist = match self.sessions.get_mut(&op.session) {
+                    Some(s) if s.state == SessionState::Established => {
+                        s.failures += 1;
+                        s.failures >= threshold
+                    }
+                    _ => false,
+                };
+                if blacklist {
+                    self.blacklist(now, op.session);
+                }
+            }
+        }
+    }
+
+    /// One operation of a room is gone for good (done or given up).
+    pub(super) fn op_finished(
+        &mut self,
+        now: Instant,
+        room: Option<RoomId>,
+        generation: Generation,
+        layers: Range<usize>,
+    ) {
+        let Some(room) = room else { return };
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.generation != generation {
+            return;
+        }
+        if let Side::Sender(s) = &mut r.side {
+            s.ops_live = s.ops_live.saturating_sub(1);
+            if let Some(live) = s.layer_live.get_mut(layers) {
+                for n in live {
+                    *n = n.saturating_sub(1);
+                }
+            }
+        }
+        r.last_activity = now;
+        if r.state.is_terminal() {
+            self.maybe_release(now, room);
+        } else {
+            self.report_delivered_layers(room);
+            self.check_sender_complete(now, room);
+        }
+    }
+
+    /// Emits `LayerDelivered` for every owned layer, in order, whose operations are all
+    /// planned (no chunk still holds it back) and acknowledged, once the last chunk was sent.
+    pub(super) fn report_delivered_layers(&mut self, room: RoomId) {
+        let first_layer = self.local.layer_start;
+        let owned = self.owned_layers();
+        let Some((generation, s)) = live_sender(&mut self.rooms, room) else {
+            return;
+        };
+        if !s.last_seen {
+            return;
+        }
+        while usize::from(s.layers_delivered) < owned {
+            let l = usize::from(s.layers_delivered);
+            let planned = s.chunks.iter().all(|c| c.planned.get(l));
+            if !planned || s.layer_live.get(l).is_some_and(|&n| n > 0) {
+                break;
+            }
+            s.layers_delivered += 1;
+            self.events.push_back(Event::LayerDelivered {
+                room,
+                generation,
+                layer: first_layer + l as u16,
+            });
+        }
+    }
+
+    pub(super) fn on_probe_result(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        id: TransferId,
+        outcome: TransferOutcome,
+    ) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.probe_op != Some(id) {
+            return;
+        }
+        s.probe_op = None;
+        if s.state != SessionState::Blacklisted {
+            return;
+        }
+        if outcome == TransferOutcome::Done {
+            // The data path works; confirm the peer's control loop answers too.
+            let nonce = self.rng.next_u64();
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.probe_nonce = Some(nonce);
+            }
+            self.transmits.push_back((sid, Message::Probe { nonce }));
+            // If the ack never comes, the next probe timer tries again.
+        }
+        self.schedule_probe(now, sid);
+    }
+
+    pub(super) fn on_probe_ack(&mut self, now: Instant, sid: SessionId, nonce: u64) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.state != SessionState::Blacklisted || s.probe_nonce != Some(nonce) {
+            return;
+        }
+        s.probe_nonce = None;
+        s.state = SessionState::Established;
+        s.failures = 0;
+        s.probe_backoff = self.config.probe_interval;
+        self.timers.cancel(&mut s.probe_timer);
+        self.timers.cancel(&mut s.idle_timer);
+        self.counters.sessions_recovered += 1;
+        info!(session = %sid, "blacklisted session recovered after a successful probe");
+        self.events
+            .push_back(Event::SessionRecovered { session: sid });
+        let _ = now;
+        self.mark_ready(sid);
+    }
+
+    pub(super) fn blacklist(&mut self, now: Instant, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.state == SessionState::Blacklisted {
+            return;
+        }
+        s.state = SessionState::Blacklisted;
+        s.probe_backoff = self.config.probe_interval;
+        s.last_targeted = now;
+        let idle = now + self.config.blacklist_idle_timeout;
+        self.timers
+            .set(&mut s.idle_timer, idle, Timer::BlacklistIdle(sid));
+        self.counters.sessions_blacklisted += 1;
+        warn!(session = %sid, failures = s.failures, "session blacklisted");
+        self.events
+            .push_back(Event::SessionBlacklisted { session: sid });
+        self.fail_session_rooms(now, sid, FailureReason::SessionBlacklisted);
+        self.schedule_probe(now, sid);
+    }
+
+    pub(super) fn schedule_probe(&mut self, now: Instant, sid: SessionId) {
+        let max = self.config.probe_max_interval;
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.state != SessionState::Blacklisted {
+            return;
+        }
+        let base = s.probe_backoff;
+        let jitter = Duration::from_nanos(self.rng.below(base.as_nanos() as u64 / 4 + 1));
+        self.timers
+            .set(&mut s.probe_timer, now + base + jitter, Timer::Probe(sid));
+        s.probe_backoff = (base * 2).min(max);
+    }
+
+    pub(super) fn fail_session_rooms(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        reason: FailureReason,
+    ) {
+        let Some(s) = self.sessions.get(&sid) else {
+            return;
+        };
+        let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        for room in rooms {
+            let involved = match self.rooms.get(&room).map(|r| &r.side) {
+                Some(Side::Sender(x)) => {
+                    x.receivers.iter().any(|x| x.session == sid) || x.announced_by.contains(&sid)
+                }
+                Some(Side::Receiver(_)) => true,
+                None => false,
+            };
+            if involved {
+                self.conclude(now, room, KvPoll::Failed(reason));
+            }
+        }
+        // Prefill: requests buffered for rooms not yet opened must not linger either.
+        if self.local.role == Role::Prefill {
+            let stale: Vec<RoomId> = self
+                .pending
+                .iter()
+                .filter(|(_, p)| {
+                    p.requests.iter().any(|x| x.0 == sid) || p.notices.iter().any(|x| x.0 == sid)
+                })
+                .map(|(r, _)| *r)
+                .collect();
+            for room in stale {
+                if let Some(p) = self.pending.remove(&room) {
+                    // Tell the requesters now: they must not wait for a deadline to learn it.
+                    self.reject_pending(room, p, reason);
+                }
+            }
+        }
+    }
+
+    /// After a fence or a close: every attempt of the session still in flight is settled.
+    pub(super) fn settle_session_ops(&mut self, now: Instant, sid: SessionId, retry: bool) {
+        let ids: Vec<TransferId> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| op.session == sid && (op.phase == OpPhase::InFlight || !retry))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            let phase = self.ops.get(&id).map(|o| o.phase);
+            if phase == Some(OpPhase::InFlight) {
+                let outcome = if retry {
+                    TransferOutcome::Transient
+                } else {
+                    TransferOutcome::Fatal
+                };
+                self.settle_attempt(now, id, outcome);
+            } else if let Some(mut op) = self.ops.remove(&id) {
+                self.timers.cancel(&mut op.timer);
+                self.op_finished(now, op.room, op.generation, op.layers.clone());
+            }
+        }
+    }
+
+    /// Decode: a fenced or closed session can no longer write; its sources count as drained.
+    pub(super) fn fence_done(&mut self, now: Instant, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        // Nothing written before the fence can land any more: its permits are void.
+        s.epoch = s.epoch.wrapping_add(1);
+        let mut rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        // Writes of this connection may be pending in rooms a fresh session took over.
+        let mut next = self.superseded.get(&sid).copied();
+        while let Some(to) = next {
+            if let Some(x) = self.sessions.get(&to) {
+                rooms.extend(x.rooms.iter().copied());
+            }
+            next = self.superseded.get(&to).copied();
+        }
+        for room in rooms {
+            let Some(r) = self.rooms.get_mut(&room) else {
+                continue;
+            };
+            let terminal = r.state.is_terminal();
+            let mut touched = !matches!(r.side, Side::Receiver(_));
+            if let Side::Receiver(rr) = &mut r.side {
+                for src in rr.sources.iter_mut() {
+                    let before = src.pending.len();
+                    src.pending.retain(|p| p.1 != sid);
+                    touched |= src.pending.len() != before;
+                    if src.session == sid {
+                        touched = true;
+                        if terminal {
+                            src.drained = true;
+                        }
+                    }
+                }
+            }
+            if terminal && touched {
+                self.maybe_release(now, room);
+            }
+        }
+    }
+
+    pub(super) fn fence(&mut self, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.fencing || s.state == SessionState::Closing {
+            return;
+        }
+        s.fencing = true;
+        self.counters.fences += 1;
+        self.actions.push_back(Action::FenceSession(sid));
+    }
+}

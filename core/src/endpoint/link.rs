@@ -1,0 +1,685 @@
+//! Links to peers: targets the core keeps connected, link checks of silent sessions, taking a silent session over, and closing sessions.
+
+use super::*;
+
+impl Endpoint {
+    /// Registers a peer to stay connected to. The core asks for a connection at once
+    /// ([`Action::Connect`]) and again, with exponential backoff and jitter, whenever the
+    /// session drops or the connection attempt fails, until [`Endpoint::remove_target`].
+    pub fn add_target(&mut self, now: Instant) -> TargetId {
+        let now = self.clock(now);
+        self.next_target += 1;
+        let id = TargetId(self.next_target);
+        let backoff = self.config.reconnect_interval;
+        self.targets.insert(
+            id,
+            Target {
+                session: None,
+                backoff,
+                timer: None,
+                down_since: Some(now),
+                waiting: Vec::new(),
+                unreachable_timer: None,
+                dialing: true,
+                check: None,
+                evidence: None,
+            },
+        );
+        self.actions.push_back(Action::Connect {
+            target: id,
+            timeout: self.config.connect_timeout,
+        });
+        id
+    }
+
+    /// Stops reconnecting a target (its current session, if any, stays until it ends).
+    pub fn remove_target(&mut self, target: TargetId) {
+        if let Some(mut t) = self.targets.remove(&target) {
+            self.timers.cancel(&mut t.timer);
+            self.timers.cancel(&mut t.unreachable_timer);
+        }
+    }
+
+    /// The driver connected to a target: like [`Endpoint::open_session`], bound to it. While
+    /// the target's session is silent this is a link check: if its handshake completes with
+    /// the same peer process, it takes the silent session's work over.
+    pub fn open_session_for(&mut self, now: Instant, target: TargetId) -> SessionId {
+        let sid = self.open_session(now);
+        let check_deadline = self.last_now + self.config.silence_timeout;
+        let live = self.target_session(target);
+        if let Some(t) = self.targets.get_mut(&target) {
+            t.dialing = false;
+            if live.is_some() {
+                t.check = Some(sid);
+            } else {
+                t.session = Some(sid);
+            }
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.target = Some(target);
+                if live.is_some() {
+                    // A link check: a peer that took the connection but says nothing is silent.
+                    self.timers.set(
+                        &mut s.handshake_timer,
+                        check_deadline,
+                        Timer::Handshake(sid),
+                    );
+                }
+            }
+        }
+        sid
+    }
+
+    /// The driver could not connect to a target: the failure is evidence for the reason of
+    /// rooms that wait for it, and the core tries again (at once after a timeout, which paced
+    /// the attempt already; with backoff after a refusal).
+    pub fn handle_connect_failed(
+        &mut self,
+        now: Instant,
+        target: TargetId,
+        failure: ConnectFailure,
+    ) {
+        let now = self.clock(now);
+        let live = self.target_session(target).is_some();
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        t.dialing = false;
+        t.evidence = Some(match failure {
+            ConnectFailure::Refused => LinkEvidence::Refused,
+            ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
+        });
+        if live {
+            // A silent session's link check: its silence timer paces the next one.
+            return;
+        }
+        self.schedule_reconnect(now, target, failure == ConnectFailure::NoAnswer);
+    }
+
+    /// The reason for rooms that gave up on `target`, from what its connection attempts found.
+    pub(super) fn unreachable_reason(&self, target: TargetId) -> FailureReason {
+        // A target is only ever waited for after an attempt failed; without one, say so.
+        self.targets
+            .get(&target)
+            .and_then(|t| t.evidence)
+            .map_or(FailureReason::PeerUnreachable, LinkEvidence::reason)
+    }
+
+    /// The established session of a target, if it has one now.
+    pub fn target_session(&self, target: TargetId) -> Option<SessionId> {
+        let sid = self.targets.get(&target)?.session?;
+        match self.sessions.get(&sid)?.state {
+            SessionState::Established | SessionState::Blacklisted => Some(sid),
+            _ => None,
+        }
+    }
+
+    /// The session `link` stands for now, if it has an established one.
+    pub fn link_session(&self, link: Link) -> Option<SessionId> {
+        match link {
+            Link::Session(s) => Some(s),
+            Link::Target(t) => self.target_session(t),
+        }
+    }
+
+    /// Arms the next connection attempt. `paced`: the last attempt timed out, so it already
+    /// waited; try again after the shortest interval (a healed link is found within it).
+    pub(super) fn schedule_reconnect(&mut self, now: Instant, target: TargetId, paced: bool) {
+        let max = self.config.reconnect_max_interval;
+        let shortest = self.config.reconnect_interval;
+        let window = self.config.unreachable_timeout;
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        t.session = None;
+        let since = *t.down_since.get_or_insert(now);
+        if !t.waiting.is_empty() && t.unreachable_timer.is_none() {
+            self.timers.set(
+                &mut t.unreachable_timer,
+                since + window,
+                Timer::Unreachable(target),
+            );
+        }
+        let base = if paced { shortest } else { t.backoff };
+        let jitter = Duration::from_nanos(self.rng.below(base.as_nanos() as u64 / 4 + 1));
+        self.timers
+            .set(&mut t.timer, now + base + jitter, Timer::Reconnect(target));
+        if !paced {
+            t.backoff = (base * 2).min(max);
+        }
+    }
+
+    /// The session's control connection is gone and the driver closed its data connections:
+    /// nothing of this session can be written any more (this counts as a fence).
+    pub fn handle_disconnected(&mut self, now: Instant, session: SessionId) {
+        let now = self.clock(now);
+        self.hand_over_before_end(session);
+        let Some(s) = self.sessions.get(&session) else {
+            return;
+        };
+        let reason = s.close_reason;
+        let successor = self.superseded.get(&session).copied();
+        match s.peer {
+            _ if successor.is_some() => {
+                debug!(%session, "superseded connection closed");
+            }
+            Some(peer) if reason == FailureReason::PeerShutdown && s.rooms.is_empty() => {
+                // An orderly goodbye with nothing at stake is not a loss worth a warning.
+                info!(%session, node = %peer.node, "peer shut down");
+            }
+            Some(peer) if reason != FailureReason::Shutdown => {
+                warn!(%session, node = %peer.node, %reason, rooms = s.rooms.len(), "lost the peer");
+            }
+            Some(peer) => info!(%session, node = %peer.node, "session closed by our shutdown"),
+            None => {}
+        }
+        if let (SessionState::Blacklisted, Some(peer)) = (s.state, s.peer) {
+            let until = s.last_targeted + self.config.blacklist_idle_timeout;
+            self.blacklist_memory.insert(
+                peer.node,
+                RememberedBlacklist {
+                    incarnation: peer.incarnation,
+                    until,
+                },
+            );
+        }
+        if let Some(peer) = s.peer {
+            if self.nodes.get(&peer.node) == Some(&session) {
+                self.nodes.remove(&peer.node);
+            }
+        }
+        self.fail_session_rooms(now, session, reason);
+        self.settle_session_ops(now, session, false);
+        self.fence_done(now, session);
+        self.superseded.remove(&session);
+        if let Some(mut s) = self.sessions.remove(&session) {
+            for t in [
+                &mut s.handshake_timer,
+                &mut s.heartbeat_timer,
+                &mut s.liveness_timer,
+                &mut s.silence_timer,
+                &mut s.probe_timer,
+                &mut s.idle_timer,
+            ] {
+                self.timers.cancel(t);
+            }
+        }
+        self.events.push_back(Event::SessionClosed { session });
+        let refused = matches!(
+            reason,
+            FailureReason::Unauthorized | FailureReason::IncompatiblePeer
+        );
+        for t in self.targets.values_mut() {
+            if refused && (t.check == Some(session) || t.session == Some(session)) {
+                t.evidence = Some(LinkEvidence::Rejected(reason));
+            }
+            if t.check == Some(session) {
+                t.check = None;
+            }
+        }
+        let target = self
+            .targets
+            .iter()
+            .find(|(_, t)| t.session == Some(session))
+            .map(|(id, _)| *id);
+        if let Some(target) = target {
+            self.schedule_reconnect(now, target, false);
+        }
+    }
+
+    /// The driver carried out [`Action::FenceSession`]: no write of this session that was in
+    /// flight before can land any more.
+    pub fn handle_fence_complete(&mut self, now: Instant, session: SessionId) {
+        let now = self.clock(now);
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        if !s.fencing {
+            return;
+        }
+        s.fencing = false;
+        self.settle_session_ops(now, session, true);
+        self.fence_done(now, session);
+        self.mark_ready(session);
+    }
+
+    /// Sends bytes from this side's data-plane backend to the peer's (for example the RDMA
+    /// hello); the peer's endpoint emits [`Event::TransportReceived`]. Only on an established
+    /// session, at most [`crate::codec::MAX_TRANSPORT_LEN`] bytes.
+    pub fn send_transport(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        payload: &[u8],
+    ) -> Result<(), ApiError> {
+        let _ = self.clock(now);
+        if payload.len() > crate::codec::MAX_TRANSPORT_LEN {
+            return Err(ApiError::TransportTooLong(payload.len()));
+        }
+        let s = self
+            .sessions
+            .get(&session)
+            .ok_or(ApiError::UnknownSession(session))?;
+        if !matches!(
+            s.state,
+            SessionState::Established | SessionState::Blacklisted
+        ) {
+            return Err(ApiError::SessionNotReady(session));
+        }
+        self.transmits.push_back((
+            session,
+            Message::Transport {
+                payload: payload.to_vec(),
+            },
+        ));
+        Ok(())
+    }
+
+    /// The sessions behind `links` if every one has an established session now; `None` if a
+    /// target has none yet.
+    pub(super) fn resolve_links(&self, links: &[Link]) -> Result<Option<Vec<SessionId>>, ApiError> {
+        if links.is_empty() {
+            return Err(ApiError::NoSources);
+        }
+        let mut sessions = Vec::with_capacity(links.len());
+        let mut all = true;
+        for link in links {
+            match *link {
+                Link::Session(mut sid) => {
+                    // A session taken over lives on in the one that took it.
+                    while let Some(&to) = self.superseded.get(&sid) {
+                        sid = to;
+                    }
+                    sessions.push(sid);
+                }
+                Link::Target(t) => {
+                    if !self.targets.contains_key(&t) {
+                        return Err(ApiError::UnknownTarget(t));
+                    }
+                    match self.target_session(t) {
+                        Some(sid) => sessions.push(sid),
+                        None => all = false,
+                    }
+                }
+            }
+        }
+        Ok(all.then_some(sessions))
+    }
+
+    /// A target's session is established: rooms waiting for it attach their sources now.
+    pub(super) fn target_up(&mut self, now: Instant, target: TargetId) {
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        if let Some(since) = t.down_since.take() {
+            info!(%target, down_ms = now.saturating_duration_since(since).as_millis() as u64, "peer is reachable again");
+        }
+        self.timers.cancel(&mut t.unreachable_timer);
+        let waiting = std::mem::take(&mut t.waiting);
+        for room in waiting {
+            let links = match self.rooms.get(&room).map(|r| (&r.side, r.state)) {
+                Some((Side::Receiver(rr), KvPoll::Bootstrapping)) if !rr.waiting_for.is_empty() => {
+                    rr.waiting_for.clone()
+                }
+                _ => continue,
+            };
+            let Ok(Some(sessions)) = self.resolve_links(&links) else {
+                // Still waiting for another target; it holds the room in its own list.
+                continue;
+            };
+            self.attach_sources(now, room, &sessions);
+        }
+    }
+
+    /// Asks the driver for one connection attempt to `target`.
+    pub(super) fn dial(&mut self, target: TargetId) {
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        t.dialing = true;
+        self.actions.push_back(Action::Connect {
+            target,
+            timeout: self.config.connect_timeout,
+        });
+    }
+
+    /// A session that heard nothing for `silence_timeout` gets its link checked with fresh
+    /// connections, one attempt per `connect_timeout`, until it is heard again, a fresh
+    /// connection takes it over, or its liveness window ends.
+    pub(super) fn on_silence_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
+        let pace = self.config.connect_timeout;
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        let silence = s.silence;
+        if !fired(&mut s.silence_timer, key) {
+            return;
+        }
+        if !matches!(
+            s.state,
+            SessionState::Established | SessionState::Blacklisted
+        ) {
+            return;
+        }
+        let due = s.last_rx + silence;
+        if due > now {
+            self.timers
+                .set(&mut s.silence_timer, due, Timer::Silence(sid));
+            return;
+        }
+        self.timers
+            .set(&mut s.silence_timer, now + pace, Timer::Silence(sid));
+        let Some(target) = s.target else {
+            // Only the side that dials can check the link; the other waits for its peer's.
+            return;
+        };
+        let first = !s.silence_noted;
+        s.silence_noted = true;
+        let quiet_ms = now.saturating_duration_since(s.last_rx).as_millis() as u64;
+        let node = s.peer.map(|p| p.node);
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        if t.session != Some(sid) {
+            return;
+        }
+        if first {
+            t.evidence = None;
+            info!(session = %sid, ?node, quiet_ms, "peer silent; checking the link with fresh connections");
+        }
+        if !t.dialing && t.check.is_none() {
+            self.dial(target);
+        }
+    }
+
+    pub(super) fn on_heartbeat_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
+        let interval = self.config.heartbeat_interval;
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if !fired(&mut s.heartbeat_timer, key) {
+            return;
+        }
+        if s.state == SessionState::Closing {
+            return;
+        }
+        self.timers.set(
+            &mut s.heartbeat_timer,
+            now + interval,
+            Timer::Heartbeat(sid),
+        );
+        let rooms: SmallVec<[RoomId; 16]> = s.rooms.iter().copied().collect();
+        let (free_pages, queued_rooms) = match self.local.role {
+            Role::Decode => (self.capacity.free_pages, self.capacity.queued_rooms),
+            Role::Prefill => (0, 0),
+        };
+        self.transmits.push_back((
+            sid,
+            Message::Heartbeat {
+                free_pages,
+                queued_rooms,
+            },
+        ));
+        if self.local.role != Role::Prefill {
+            return;
+        }
+        // Keepalive progress for rooms that said nothing for a progress interval, so decode's
+        // deadline measures whether prefill is alive and moving, not how long its queues are.
+        let interval = self.config.progress_interval;
+        for room in rooms {
+            let Some(r) = self.rooms.get_mut(&room) else {
+                continue;
+            };
+            if r.state.is_terminal() {
+                continue;
+            }
+            let Side::Sender(s) = &mut r.side else {
+                continue;
+            };
+            let Some(stage) = s.stage else { continue };
+            if s.last_progress_sent.is_some_and(|t| t + interval > now) {
+                continue;
+            }
+            s.last_progress_sent = Some(now);
+            let generation = r.generation;
+            if s.receivers.iter().any(|x| x.session == sid) {
+                self.transmits.push_back((
+                    sid,
+                    Message::Progress {
+                        room,
+                        generation,
+                        stage,
+                    },
+                ));
+            }
+        }
+    }
+
+    /// A fresh connection of the same peer process takes over the work of `old`, whose link
+    /// went silent: rooms, operations and failure count move to `new`, and nothing fails.
+    /// Operations in flight on the old connection run again on the new one once their old
+    /// attempt reports. The dialing side takes over when the peer's hello arrives and closes
+    /// the old connection at once; the accepting side takes over only once the dialer used
+    /// the new connection (or the old one ended), so its own close of the old connection can
+    /// never overtake the dialer's take-over.
+    pub(super) fn take_over(&mut self, node: NodeId, old: SessionId, new: SessionId) {
+        let Some(o) = self.sessions.get_mut(&old) else {
+            return;
+        };
+        let rooms = std::mem::take(&mut o.rooms);
+        let queue = std::mem::take(&mut o.queue);
+        let (failures, capacity, in_flight) = (o.failures, o.capacity, o.in_flight);
+        o.in_flight = 0;
+        for t in [
+            &mut o.heartbeat_timer,
+            &mut o.silence_timer,
+            &mut o.probe_timer,
+            &mut o.idle_timer,
+        ] {
+            self.timers.cancel(t);
+        }
+        for op in self.ops.values_mut().filter(|op| op.session == old) {
+            op.session = new;
+            op.superseded = op.phase == OpPhase::InFlight;
+        }
+        for room in &rooms {
+            let Some(r) = self.rooms.get_mut(room) else {
+                continue;
+            };
+            match &mut r.side {
+                Side::Sender(x) => {
+                    for rcv in x.receivers.iter_mut().filter(|x| x.session == old) {
+                        rcv.session = new;
+                    }
+                    for a in x.announced_by.iter_mut().filter(|a| **a == old) {
+                        *a = new;
+                    }
+                }
+                Side::Receiver(rr) => {
+                    for src in rr.sources.iter_mut().filter(|s| s.session == old) {
+                        src.session = new;
+                    }
+                    for l in rr.waiting_for.iter_mut() {
+                        if *l == Link::Session(old) {
+                            *l = Link::Session(new);
+                        }
+                    }
+                }
+            }
+        }
+        for p in self.pending.values_mut() {
+            for (s, _) in p.requests.iter_mut().filter(|(s, _)| *s == old) {
+                *s = new;
+            }
+            for (s, _) in p.notices.iter_mut().filter(|(s, _)| *s == old) {
+                *s = new;
+            }
+        }
+        let moved = rooms.len();
+        let Some(n) = self.sessions.get_mut(&new) else {
+            return;
+        };
+        n.rooms.extend(rooms);
+        n.queue.extend(queue);
+        n.failures = failures;
+        n.capacity = n.capacity.or(capacity);
+        n.in_flight += in_flight;
+        let inbound = n.inbound;
+        self.nodes.insert(node, new);
+        self.superseded.insert(old, new);
+        self.counters.sessions_resumed += 1;
+        info!(%node, %old, %new, rooms = moved, "link back: a fresh connection took the silent session over");
+        self.events
+            .push_back(Event::SessionResumed { node, old, new });
+        if !inbound {
+            // We dialed, so the peer takes over at our first message (sent now).
+            self.transmits.push_back((
+                new,
+                Message::Heartbeat {
+                    free_pages: self.capacity.free_pages,
+                    queued_rooms: self.capacity.queued_rooms,
+                },
+            ));
+        }
+        // Both sides now carry on over `new`, so the old connection can go. The accepting
+        // side closes it too rather than wait for the dialer's close: that close may sit
+        // behind the old connection's TCP retransmission backoff for seconds, and until then
+        // the operations in flight on it would not report.
+        self.request_close(old);
+        self.mark_ready(new);
+    }
+
+    /// Accepted side: the fresh session `sid` takes over the silent one it was waiting for.
+    pub(super) fn commit_resume(&mut self, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        let Some(old) = s.resumes.take() else {
+            return;
+        };
+        let Some(who) = s.peer.map(|p| (p.node, p.incarnation)) else {
+            return;
+        };
+        let node = who.0;
+        let same = self.sessions.get(&old).is_some_and(|o| {
+            o.state == SessionState::Established
+                && o.peer.map(|p| (p.node, p.incarnation)) == Some(who)
+        });
+        if !same || self.superseded.contains_key(&old) {
+            self.nodes.insert(node, sid);
+            return;
+        }
+        self.take_over(node, old, sid);
+        self.replay(sid);
+    }
+
+    /// Accepted side: `old` is ending; a fresh session of the same peer waiting to take it
+    /// over does so now, so the end fails nothing. Whether there was one.
+    pub(super) fn hand_over_before_end(&mut self, old: SessionId) -> bool {
+        let heir = self
+            .sessions
+            .iter()
+            .find(|(_, s)| s.resumes == Some(old))
+            .map(|(id, _)| *id);
+        if let Some(heir) = heir {
+            self.commit_resume(heir);
+        }
+        heir.is_some()
+    }
+
+    /// After a take-over: says again on `sid` what the peer may have lost with the old
+    /// connection. Each message is one the peer treats as a duplicate if it had it.
+    pub(super) fn replay(&mut self, sid: SessionId) {
+        let Some(s) = self.sessions.get(&sid) else {
+            return;
+        };
+        let rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        for room in rooms {
+            let Some(r) = self.rooms.get(&room) else {
+                continue;
+            };
+            let generation = r.generation;
+            let state = r.state;
+            let msg = match &r.side {
+                Side::Sender(x)
+                    if state.is_terminal() && x.receivers.iter().any(|x| x.session == sid) =>
+                {
+                    self.answer_with_outcome(sid, room, generation, state.failure());
+                    continue;
+                }
+                Side::Sender(_) => continue,
+                Side::Receiver(rr) => {
+                    let Some(src) = rr.sources.iter().find(|s| s.session == sid) else {
+                        continue;
+                    };
+                    match state.failure() {
+                        Some(reason) if !src.done && !src.drained => Message::Abort {
+                            room,
+                            generation,
+                            reason,
+                        },
+                        _ if state.is_terminal() => continue,
+                        _ if src.granted => match &rr.request {
+                            Some(req) => Message::RoomRequest((**req).clone()),
+                            None => continue,
+                        },
+                        _ => Message::RoomPending {
+                            room,
+                            generation,
+                            queue_position: rr.queue_position,
+                        },
+                    }
+                }
+            };
+            self.transmits.push_back((sid, msg));
+        }
+    }
+
+    pub(super) fn mark_ready(&mut self, sid: SessionId) {
+        let max = self.config.max_ops_in_flight;
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if !s.in_ready && !s.fencing && s.in_flight < max && !s.queue.is_empty() {
+            s.in_ready = true;
+            self.ready_sessions.push_back(sid);
+        }
+    }
+
+    pub(super) fn request_close(&mut self, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.state == SessionState::Closing {
+            return;
+        }
+        s.state = SessionState::Closing;
+        self.actions.push_back(Action::CloseSession(sid));
+    }
+
+    /// Tells the peer why, fails the session's rooms and asks the driver to close it.
+    pub(super) fn close_session(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        code: ErrorCode,
+        detail: &str,
+        reason: FailureReason,
+    ) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if s.state == SessionState::Closing {
+            return;
+        }
+        s.close_reason = reason;
+        self.transmits.push_back((
+            sid,
+            Message::Error {
+                code,
+                detail: detail.to_owned(),
+            },
+        ));
+        self.fail_session_rooms(now, sid, reason);
+        self.request_close(sid);
+    }
+}

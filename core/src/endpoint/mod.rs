@@ -1,0 +1,939 @@
+//! [`Endpoint`]: the deterministic state machine of one prefill or decode rank.
+
+mod handshake;
+mod health;
+mod link;
+mod receiver;
+mod rooms;
+mod sender;
+mod timers;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use foldhash::fast::FixedState;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
+use tracing::{debug, info, warn};
+
+use crate::api::{
+    Action, ApiError, Capacity, Chunk, ConnectFailure, DataRefusal, EndpointInfo, Event, Grant,
+    Link, OpKind, PeerInfo, RejectReason, SessionState, SessionStats, TransferOp, TransferOutcome,
+    WritePermit, WriteRefused,
+};
+use crate::auth::{
+    connector_proof, constant_time_eq, listener_proof, Nonce, Nonces, Proof, SessionKey, SessionTag,
+};
+use crate::codec::{
+    DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HELLO_TYPE,
+};
+use crate::config::{Config, ConfigError};
+use crate::counters::Counters;
+use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId};
+use crate::layout::{page_runs, PageSet, Region, Slice};
+use crate::plan::{plan_aux, plan_kv, OpLimits};
+use crate::rng::Rng;
+use crate::state::{FailureReason, KvPoll, Role};
+use crate::timer::{Timer, TimerKey, TimerTable};
+
+/// Hash maps seeded from the endpoint seed: deterministic iteration for equal inputs, and
+/// keys chosen by peers cannot be aimed at a hasher they do not know.
+type Map<K, V> = HashMap<K, V, FixedState>;
+type Set<K> = HashSet<K, FixedState>;
+
+/// One prefill or decode rank: every room, session, operation and deadline it owns.
+///
+/// # Method groups
+///
+/// - **Getters**: [`Endpoint::room_state`], [`Endpoint::session_state`],
+///   [`Endpoint::counters`], [`Endpoint::peer_capacity`], ...
+/// - **Inputs** (`handle_*`, each with `now`): control bytes from a peer, a finished
+///   data-path operation, a fired timer, a session connected, disconnected or fenced.
+/// - **Commands** from the embedding scheduler: decode opens receiver rooms and grants pages;
+///   prefill opens sender rooms, sends chunks and marks layers ready; both abort or fail rooms.
+/// - **Outputs** (`poll_*`): control frames to send, data-path operations to run, actions on
+///   connections, scheduler events, and the next deadline.
+///
+/// # Drain contract
+///
+/// After every input or command, the driver drains, in this order: [`Endpoint::poll_transmit`]
+/// until `None`, [`Endpoint::poll_action`] until `None`, [`Endpoint::poll_transfer`] until
+/// `None`, [`Endpoint::poll_event`] until `None`, and finally re-arms its single timer from
+/// [`Endpoint::poll_timeout`]. When the timer fires it calls [`Endpoint::handle_timeout`].
+/// Times passed in must not decrease; an earlier time is treated as the latest one seen.
+///
+/// Nothing here reads a clock, does IO, spawns or panics on peer input.
+#[derive(Debug)]
+pub struct Endpoint {
+    config: Config,
+    local: EndpointInfo,
+    rng: Rng,
+    /// Challenges for peers: unpredictable without the cluster token and our seed.
+    nonces: Nonces,
+    last_now: Instant,
+    shut_down: bool,
+    sessions: Map<SessionId, Session>,
+    next_session: u32,
+    /// Established sessions by peer node, to notice restarts and duplicates.
+    nodes: Map<NodeId, SessionId>,
+    /// Blacklists of peers whose connection dropped, so a reconnect cannot launder them.
+    blacklist_memory: Map<NodeId, RememberedBlacklist>,
+    rooms: Map<RoomId, Room>,
+    tombstones: Tombstones,
+    /// Prefill: room messages that arrived before the sender room was opened.
+    pending: Map<RoomId, PendingRoom>,
+    pending_order: VecDeque<(RoomId, Generation)>,
+    ops: Map<TransferId, Op>,
+    next_op: u64,
+    ready_sessions: VecDeque<SessionId>,
+    timers: TimerTable,
+    transmits: VecDeque<(SessionId, Message)>,
+    actions: VecDeque<Action>,
+    events: VecDeque<Event>,
+    counters: Counters,
+    capacity: Capacity,
+    hasher: FixedState,
+    targets: Map<TargetId, Target>,
+    next_target: u32,
+    /// Write permits given so far (numbers them).
+    next_permit: u64,
+    /// Sessions taken over by a fresh connection, with the session that carries on: their
+    /// writes are refused and their late messages ignored until their connection is gone.
+    superseded: Map<SessionId, SessionId>,
+}
+
+/// What the connection attempts to a target found, since its session went silent or down:
+/// the evidence that names the reason of rooms failed for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinkEvidence {
+    /// The host refused: nothing listens at the port.
+    Refused,
+    /// No answer within the connect timeout, or no route.
+    NoAnswer,
+    /// A connection was made but no hello came back: the peer process does not answer.
+    Silent,
+    /// The peer answered and refused us at the handshake (token, role, layout, version).
+    Rejected(FailureReason),
+}
+
+impl LinkEvidence {
+    /// The reason of rooms that gave up on a link this evidence describes.
+    fn reason(self) -> FailureReason {
+        match self {
+            LinkEvidence::Refused => FailureReason::ConnectionRefused,
+            LinkEvidence::NoAnswer => FailureReason::PeerUnreachable,
+            LinkEvidence::Silent => FailureReason::PeerSilent,
+            LinkEvidence::Rejected(reason) => reason,
+        }
+    }
+}
+
+/// A peer to stay connected to: the core decides when to (re)connect.
+#[derive(Debug)]
+struct Target {
+    session: Option<SessionId>,
+    backoff: Duration,
+    timer: Option<TimerKey>,
+    /// Since when the target has had no established session (`None`: it has one).
+    down_since: Option<Instant>,
+    /// Receiver rooms waiting for this target's session.
+    waiting: Vec<RoomId>,
+    unreachable_timer: Option<TimerKey>,
+    /// A connection attempt asked of the driver and not yet reported.
+    dialing: bool,
+    /// A fresh connection checking the link while the session is silent, in its handshake.
+    check: Option<SessionId>,
+    /// What the attempts since the session went silent or down found.
+    evidence: Option<LinkEvidence>,
+}
+
+/// Who a peer is across connections: its node name and process incarnation.
+type PeerIdentity = (NodeId, Incarnation);
+
+#[derive(Debug)]
+struct Session {
+    state: SessionState,
+    peer: Option<PeerInfo>,
+    last_rx: Instant,
+    handshake_timer: Option<TimerKey>,
+    heartbeat_timer: Option<TimerKey>,
+    liveness_timer: Option<TimerKey>,
+    silence_timer: Option<TimerKey>,
+    probe_timer: Option<TimerKey>,
+    idle_timer: Option<TimerKey>,
+    /// Accepted by our listener: our hello goes out only after the peer's hello proved it
+    /// knows the cluster token.
+    inbound: bool,
+    /// The handshake's authentication so far, then the session's key.
+    auth: Auth,
+    /// How long this session may stay silent before it is given up: the longer of our
+    /// liveness window and the one the peer announced.
+    window: Duration,
+    /// Silence after which the link is checked: longer than the peer's heartbeat interval.
+    silence: Duration,
+    /// The silence of this session was logged (reset when the peer is heard again).
+    silence_noted: bool,
+    /// Accepted side: the silent session of the same peer process this one will take over
+    /// once the peer uses it (its first message after the hello) or the old one ends. The
+    /// dialer may give up on a fresh connection whose hello was late; until it uses it, the
+    /// old session keeps its work.
+    resumes: Option<SessionId>,
+    /// Consecutive exhausted operations.
+    failures: u32,
+    probe_backoff: Duration,
+    probe_nonce: Option<u64>,
+    probe_op: Option<TransferId>,
+    last_targeted: Instant,
+    queue: VecDeque<TransferId>,
+    in_flight: u32,
+    in_ready: bool,
+    fencing: bool,
+    rooms: Set<RoomId>,
+    strikes: u32,
+    capacity: Option<Capacity>,
+    close_reason: FailureReason,
+    stats: SessionStats,
+    target: Option<TargetId>,
+    /// Bumped by every completed fence: permits of an older epoch are void.
+    epoch: u32,
+    /// Its writes land without this endpoint seeing them (RDMA): `Success` of its rooms
+    /// rests on the source's word, bound to the peer's incarnation, not on landed bytes.
+    one_sided: bool,
+}
+
+/// Where a session's handshake stands (see `docs/PROTOCOL.md`, "Handshake").
+#[derive(Debug)]
+enum Auth {
+    /// Connector: our challenge went out; the listener's is awaited.
+    ConnectorChallenged { ours: Nonce },
+    /// Connector: our hello went out (kept with its proof zeroed, as the transcript); the
+    /// listener's hello is awaited.
+    ConnectorHello {
+        ours: Nonce,
+        theirs: Nonce,
+        hello: Vec<u8>,
+    },
+    /// Listener: the connector's challenge is awaited.
+    ListenerWaiting,
+    /// Listener: our challenge went out; the connector's hello is awaited.
+    ListenerChallenged { theirs: Nonce, ours: Nonce },
+    /// Both proofs checked out.
+    Done(SessionKey),
+}
+
+/// Why a hello did not complete the handshake.
+enum HandshakeError {
+    /// Refused with a typed reason (and an `Error` frame).
+    Refused(RejectReason),
+    /// It came before the challenges were exchanged.
+    OutOfOrder,
+}
+
+/// A hello as its proof covers it: the frame as encoded, with the proof bytes zero.
+fn hello_transcript(h: &Hello) -> Vec<u8> {
+    let mut v = Vec::with_capacity(96);
+    Message::Hello(Hello {
+        proof: [0; 32],
+        ..h.clone()
+    })
+    .encode(&mut v);
+    v
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RememberedBlacklist {
+    incarnation: Incarnation,
+    until: Instant,
+}
+
+#[derive(Debug)]
+struct Room {
+    generation: Generation,
+    state: KvPoll,
+    bootstrap_timer: Option<TimerKey>,
+    waiting_timer: Option<TimerKey>,
+    abort_timer: Option<TimerKey>,
+    /// Prefill: last chunk, layer mark or finished op. Decode: last word from a source.
+    last_activity: Instant,
+    side: Side,
+}
+
+#[derive(Debug)]
+enum Side {
+    Sender(SenderRoom),
+    Receiver(ReceiverRoom),
+}
+
+#[derive(Debug, Default)]
+struct SenderRoom {
+    receivers: SmallVec<[Receiver; 2]>,
+    expected: u8,
+    saturated: bool,
+    announced_by: SmallVec<[SessionId; 2]>,
+    /// Identities of the decode endpoints that announced or requested the room: only they
+    /// are ever answered from its outcome.
+    peers: SmallVec<[PeerIdentity; 2]>,
+    chunks: VecDeque<HeldChunk>,
+    next_dst: u32,
+    last_seen: bool,
+    aux_src: Option<u32>,
+    state_src: Option<u32>,
+    /// Operations queued, waiting for a retry or in flight.
+    ops_live: u32,
+    /// Operations with an attempt in flight (reads of source pages may be happening).
+    ops_in_flight: u32,
+    /// Live operations per owned layer (empty until the first KV operation is planned).
+    layer_live: Vec<u32>,
+    /// Owned layers, from the first, whose every operation was acknowledged and reported.
+    layers_delivered: u16,
+    stage: Option<ProgressStage>,
+    last_progress_sent: Option<Instant>,
+    drained_acked: bool,
+}
+
+#[derive(Debug)]
+struct Receiver {
+    session: SessionId,
+    dst: Vec<u32>,
+    aux_slot: Option<u32>,
+    state_slot: Option<u32>,
+}
+
+#[derive(Debug)]
+struct HeldChunk {
+    src: Vec<u32>,
+    dst_start: u32,
+    layerwise: bool,
+    released: LayerBits,
+    planned: LayerBits,
+}
+
+#[derive(Debug, Default)]
+struct ReceiverRoom {
+    sources: SmallVec<[Source; 2]>,
+    pages: Option<PageSet>,
+    aux_slot: Option<u32>,
+    state_slot: Option<u32>,
+    queue_position: u32,
+    /// Opened through targets of which some had no session yet: the sources are attached
+    /// (and the grant sent) once all of them are up. Empty once attached.
+    waiting_for: SmallVec<[Link; 2]>,
+    /// A grant given while the room waits for its targets.
+    held_grant: Option<Grant>,
+    /// The request sent with the grant, kept to send again on a session that takes over.
+    request: Option<Box<RoomRequest>>,
+}
+
+#[derive(Debug)]
+struct Source {
+    session: SessionId,
+    granted: bool,
+    /// The source reported Success: all its writes were acknowledged.
+    done: bool,
+    /// The source acknowledged the drain, or its session was fenced or closed.
+    drained: bool,
+    /// Every (owned layer, plane, granted page) unit plus the aux row and state slot this
+    /// source must write, as a bitmap of what applied writes covered (set with the grant).
+    coverage: Coverage,
+    /// Writes authorized by `begin_write` and not yet ended, which may be landing in the
+    /// room's pages right now: (permit number, the session that wrote it, its units).
+    pending: SmallVec<[(u64, SessionId, Vec<u32>); 2]>,
+}
+
+/// Which units of a room one source must write, and which applied writes covered.
+#[derive(Debug, Default)]
+struct Coverage {
+    bits: Vec<u64>,
+    /// Units required.
+    expected: u32,
+    /// Units required and covered.
+    covered: u32,
+    /// First layer the source owns.
+    layer_start: u16,
+    /// Layers the source owns (within this endpoint's layout).
+    layers: u16,
+    planes: u8,
+    pages: u32,
+    aux: bool,
+    state: bool,
+}
+
+impl Coverage {
+    fn new(layout: &crate::layout::Layout, peer: Option<PeerInfo>, grant: &Grant) -> Self {
+        let Some(p) = peer else {
+            return Coverage::default();
+        };
+        let layers = p.layer_end.min(layout.layers).saturating_sub(p.layer_start);
+        let pages = PageSet::new(&grant.pages).len();
+        let aux = p.writes_aux && grant.aux_slot.is_some() && layout.aux_bytes > 0;
+        let state = p.writes_aux && grant.state_slot.is_some() && layout.state_bytes > 0;
+        let units = u32::from(layers) * u32::from(layout.planes) * pages + 2;
+        Coverage {
+            bits: vec![0; (units as usize).div_ceil(64)],
+            expected: units - 2 + u32::from(aux) + u32::from(state),
+            covered: 0,
+            layer_start: p.layer_start,
+            layers,
+            planes: layout.planes,
+            pages,
+            aux,
+            state,
+        }
+    }
+
+    /// The unit of (layer, plane, page rank), or of the aux row / state slot.
+    fn kv_unit(&self, layer: u16, plane: u8, rank: u32) -> Option<u32> {
+        let l = layer
+            .checked_sub(self.layer_start)
+            .filter(|l| *l < self.layers)?;
+        Some((u32::from(l) * u32::from(self.planes) + u32::from(plane)) * self.pages + rank)
+    }
+
+    fn slot_unit(&self, state: bool) -> u32 {
+        u32::from(self.layers) * u32::from(self.planes) * self.pages + u32::from(state)
+    }
+
+    fn mark(&mut self, unit: u32) {
+        let (w, b) = ((unit / 64) as usize, unit % 64);
+        let Some(word) = self.bits.get_mut(w) else {
+            return;
+        };
+        if *word & (1 << b) != 0 {
+            return;
+        }
+        *word |= 1 << b;
+        let kv_units = self.slot_unit(false);
+        let required = unit < kv_units
+            || (unit == kv_units && self.aux)
+            || (unit == kv_units + 1 && self.state);
+        if required {
+            self.covered += 1;
+        }
+    }
+
+    fn complete(&self) -> bool {
+        self.covered >= self.expected
+    }
+}
+
+impl Source {
+    fn new(session: SessionId) -> Self {
+        Source {
+            session,
+            granted: false,
+            done: false,
+            drained: false,
+            coverage: Coverage::default(),
+            pending: SmallVec::new(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Op {
+    session: SessionId,
+    room: Option<RoomId>,
+    generation: Generation,
+    kind: OpKind,
+    slices: Arc<[Slice]>,
+    /// Owned-layer indexes (from the endpoint's first layer) the operation writes.
+    layers: Range<usize>,
+    bytes: u64,
+    attempt: u32,
+    phase: OpPhase,
+    timer: Option<TimerKey>,
+    /// In flight on a connection that a fresh one took over: whatever its report says but
+    /// `Done`, it runs again on the new session without counting an attempt.
+    superseded: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpPhase {
+    Queued,
+    InFlight,
+    RetryWait,
+}
+
+#[derive(Debug, Default)]
+struct PendingRoom {
+    generation: Generation,
+    requests: SmallVec<[(SessionId, RoomRequest); 1]>,
+    notices: SmallVec<[(SessionId, u32); 1]>,
+}
+
+/// Bounded memory of concluded rooms: answers late messages of the room's own peers and
+/// refuses stale generations. It never answers another peer (a reused room id).
+#[derive(Debug, Default)]
+struct Tombstones {
+    map: Map<RoomId, Tombstone>,
+    order: VecDeque<(RoomId, u64)>,
+    seq: u64,
+    cap: usize,
+}
+
+#[derive(Debug)]
+struct Tombstone {
+    generation: Generation,
+    outcome: KvPoll,
+    seq: u64,
+    /// Whether a room record existed here (`false`: a verdict reached before it opened).
+    opened: bool,
+    /// The peers that took part: the only ones answered from `outcome`.
+    peers: SmallVec<[PeerIdentity; 1]>,
+}
+
+impl Tombstones {
+    /// Remembers a room that was opened here and concluded.
+    fn insert(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        outcome: KvPoll,
+        peers: SmallVec<[PeerIdentity; 1]>,
+    ) {
+        self.remember(room, generation, outcome, true, peers);
+    }
+
+    /// Remembers a verdict reached before the room was opened here (prefill only).
+    fn insert_verdict(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        reason: FailureReason,
+        peers: SmallVec<[PeerIdentity; 1]>,
+    ) {
+        self.remember(room, generation, KvPoll::Failed(reason), false, peers);
+    }
+
+    fn remember(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        outcome: KvPoll,
+        opened: bool,
+        peers: SmallVec<[PeerIdentity; 1]>,
+    ) {
+        self.seq += 1;
+        self.map.insert(
+            room,
+            Tombstone {
+                generation,
+                outcome,
+                seq: self.seq,
+                opened,
+                peers,
+            },
+        );
+        self.order.push_back((room, self.seq));
+        while self.order.len() > self.cap {
+            if let Some((old, seq)) = self.order.pop_front() {
+                if self.map.get(&old).is_some_and(|e| e.seq == seq) {
+                    self.map.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn get(&self, room: RoomId) -> Option<(Generation, KvPoll)> {
+        self.map.get(&room).map(|e| (e.generation, e.outcome))
+    }
+
+    /// Whether `who` took part in the remembered room (a tombstone nobody took part in, such
+    /// as a prefill room that timed out unrequested, answers everyone: it can only say Failed).
+    fn took_part(&self, room: RoomId, who: Option<PeerIdentity>) -> bool {
+        self.map
+            .get(&room)
+            .is_some_and(|e| e.peers.is_empty() || who.is_some_and(|w| e.peers.contains(&w)))
+    }
+
+    /// A verdict for a room never opened here, to deliver when it is opened.
+    fn verdict(&self, room: RoomId) -> Option<(Generation, FailureReason)> {
+        match self.map.get(&room) {
+            Some(Tombstone {
+                generation,
+                outcome: KvPoll::Failed(reason),
+                opened: false,
+                ..
+            }) => Some((*generation, *reason)),
+            _ => None,
+        }
+    }
+}
+
+/// Bitset over the layers this endpoint owns.
+#[derive(Debug, Clone, Default)]
+struct LayerBits(SmallVec<[u64; 2]>);
+
+impl LayerBits {
+    fn new(n: usize) -> Self {
+        LayerBits(SmallVec::from_elem(0, n.div_ceil(64).max(1)))
+    }
+    fn all(n: usize) -> Self {
+        let mut b = Self::new(n);
+        for i in 0..n {
+            b.set(i);
+        }
+        b
+    }
+    fn get(&self, i: usize) -> bool {
+        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+    fn set(&mut self, i: usize) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            *w |= 1 << (i % 64);
+        }
+    }
+    fn count(&self) -> u32 {
+        self.0.iter().map(|w| w.count_ones()).sum()
+    }
+}
+
+impl Endpoint {
+    /// A new endpoint. `seed` drives every random choice (jitter, nonces); `now` is the start.
+    pub fn new(
+        config: Config,
+        local: EndpointInfo,
+        seed: u64,
+        now: Instant,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let owned = local.layer_start < local.layer_end && local.layer_end <= local.layout.layers;
+        if !owned || local.layout.page_bytes == 0 || !(1..=2).contains(&local.layout.planes) {
+            return Err(ConfigError {
+                name: "layout".into(),
+                value: format!(
+                    "{:?} layers {}..{}",
+                    local.layout, local.layer_start, local.layer_end
+                ),
+                reason: "needs 1-2 planes, page_bytes > 0 and a non-empty owned layer range",
+            });
+        }
+        let tombstones = Tombstones {
+            cap: config.tombstones as usize,
+            ..Tombstones::default()
+        };
+        let hasher = FixedState::with_seed(seed.rotate_left(17) ^ 0x6b76_6665_7272_7900);
+        let tombstones = Tombstones {
+            map: Map::with_hasher(hasher.clone()),
+            ..tombstones
+        };
+        let nonces = Nonces::new(&local.token, seed, local.node.0, local.incarnation.0);
+        Ok(Endpoint {
+            config,
+            local,
+            rng: Rng::new(seed),
+            nonces,
+            last_now: now,
+            shut_down: false,
+            sessions: Map::with_hasher(hasher.clone()),
+            next_session: 0,
+            nodes: Map::with_hasher(hasher.clone()),
+            blacklist_memory: Map::with_hasher(hasher.clone()),
+            rooms: Map::with_hasher(hasher.clone()),
+            tombstones,
+            pending: Map::with_hasher(hasher.clone()),
+            pending_order: VecDeque::new(),
+            ops: Map::with_hasher(hasher.clone()),
+            next_op: 0,
+            ready_sessions: VecDeque::new(),
+            timers: TimerTable::default(),
+            transmits: VecDeque::new(),
+            actions: VecDeque::new(),
+            events: VecDeque::new(),
+            counters: Counters::default(),
+            capacity: Capacity::default(),
+            targets: Map::with_hasher(hasher.clone()),
+            next_target: 0,
+            next_permit: 0,
+            superseded: Map::with_hasher(hasher.clone()),
+            hasher,
+        })
+    }
+
+    /// This endpoint's identity.
+    pub fn info(&self) -> &EndpointInfo {
+        &self.local
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// State of a live room, or the outcome of a concluded one still remembered.
+    pub fn room_state(&self, room: RoomId) -> Option<KvPoll> {
+        match self.rooms.get(&room) {
+            Some(r) => Some(r.state),
+            None => self.tombstones.get(room).map(|t| t.1),
+        }
+    }
+
+    /// Generation of a live room.
+    pub fn room_generation(&self, room: RoomId) -> Option<Generation> {
+        self.rooms.get(&room).map(|r| r.generation)
+    }
+
+    /// Number of room records held (live or waiting to become releasable).
+    pub fn live_rooms(&self) -> usize {
+        self.rooms.len()
+    }
+
+    /// Ids of the rooms held, in no particular order.
+    pub fn room_ids(&self) -> impl Iterator<Item = RoomId> + '_ {
+        self.rooms.keys().copied()
+    }
+
+    /// Number of room operations queued, waiting for a retry, or in flight (probes excluded).
+    pub fn live_ops(&self) -> usize {
+        self.ops.values().filter(|op| op.room.is_some()).count()
+    }
+
+    /// Number of armed deadlines.
+    pub fn armed_timers(&self) -> usize {
+        self.timers.len()
+    }
+
+    /// State of a session.
+    pub fn session_state(&self, session: SessionId) -> Option<SessionState> {
+        self.sessions.get(&session).map(|s| s.state)
+    }
+
+    /// Who is behind an established session.
+    pub fn peer(&self, session: SessionId) -> Option<PeerInfo> {
+        self.sessions.get(&session).and_then(|s| s.peer)
+    }
+
+    /// Capacity last advertised by the decode peer of a session (prefill admission control).
+    pub fn peer_capacity(&self, session: SessionId) -> Option<Capacity> {
+        self.sessions.get(&session).and_then(|s| s.capacity)
+    }
+
+    /// Per-session data-path figures, for exporters.
+    pub fn session_stats(&self, session: SessionId) -> Option<SessionStats> {
+        self.sessions.get(&session).map(|s| SessionStats {
+            in_flight: s.in_flight,
+            queued: s.queue.len() as u32,
+            ..s.stats
+        })
+    }
+
+    /// Sessions blacklisted right now.
+    pub fn blacklisted_sessions(&self) -> usize {
+        self.sessions
+            .values()
+            .filter(|s| s.state == SessionState::Blacklisted)
+            .count()
+    }
+
+    /// Consecutive exhausted operations of a session.
+    pub fn session_failures(&self, session: SessionId) -> Option<u32> {
+        self.sessions.get(&session).map(|s| s.failures)
+    }
+
+    /// Ids of the open sessions.
+    pub fn session_ids(&self) -> impl Iterator<Item = SessionId> + '_ {
+        self.sessions.keys().copied()
+    }
+
+    /// The established (or blacklisted) session whose peer is `node` in its `incarnation`:
+    /// how a driver attaches a data connection that names its peer to the right session.
+    pub fn session_of(
+        &self,
+        node: NodeId,
+        incarnation: crate::ids::Incarnation,
+    ) -> Option<SessionId> {
+        let sid = *self.nodes.get(&node)?;
+        let s = self.sessions.get(&sid)?;
+        let usable = matches!(
+            s.state,
+            SessionState::Established | SessionState::Blacklisted
+        );
+        (usable && s.peer.is_some_and(|p| p.incarnation == incarnation)).then_some(sid)
+    }
+
+    /// Encodes the next control frame into `buf` and returns the session to send it on.
+    #[must_use]
+    pub fn poll_transmit(&mut self, buf: &mut Vec<u8>) -> Option<SessionId> {
+        let (session, msg) = self.transmits.pop_front()?;
+        msg.encode(buf);
+        Some(session)
+    }
+
+    /// The next control message, not encoded (for drivers that batch or inspect).
+    #[must_use]
+    pub fn poll_message(&mut self) -> Option<(SessionId, Message)> {
+        self.transmits.pop_front()
+    }
+
+    /// The next connection action the driver must carry out.
+    #[must_use]
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// The next data-path operation to run; sessions are served round-robin, each up to
+    /// `max_ops_in_flight` operations, so one slow peer never holds back the others.
+    #[must_use]
+    pub fn poll_transfer(&mut self, now: Instant) -> Option<TransferOp> {
+        let now = self.clock(now);
+        while let Some(sid) = self.ready_sessions.pop_front() {
+            let max = self.config.max_ops_in_flight;
+            let Some(session) = self.sessions.get_mut(&sid) else {
+                continue;
+            };
+            session.in_ready = false;
+            if session.fencing || session.in_flight >= max {
+                continue;
+            }
+            let Some(id) = session.queue.pop_front() else {
+                continue;
+            };
+            let Some(op) = self.ops.get_mut(&id) else {
+                // Dropped while queued (room concluded): the id is stale.
+                self.mark_ready(sid);
+                continue;
+            };
+            session.in_flight += 1;
+            op.phase = OpPhase::InFlight;
+            let out = TransferOp {
+                id,
+                session: sid,
+                room: op.room,
+                generation: op.generation,
+                kind: op.kind,
+                attempt: op.attempt,
+                slices: op.slices.clone(),
+                bytes: op.bytes,
+            };
+            let at = now + self.config.operation_timeout;
+            self.timers.set(&mut op.timer, at, Timer::Operation(id));
+            if let Some(room) = op.room {
+                if let Some(Side::Sender(s)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
+                    s.ops_in_flight += 1;
+                }
+            }
+            self.mark_ready(sid);
+            return Some(out);
+        }
+        None
+    }
+
+    /// The next event for the embedding scheduler.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// The earliest deadline and why it exists. Call [`Endpoint::handle_timeout`] at it.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<(Instant, Timer)> {
+        self.timers.next()
+    }
+
+    /// Decode: the embedder's current free capacity, advertised in heartbeats.
+    pub fn set_capacity(&mut self, capacity: Capacity) {
+        self.capacity = capacity;
+    }
+
+    fn clock(&mut self, now: Instant) -> Instant {
+        if now > self.last_now {
+            self.last_now = now;
+        }
+        self.last_now
+    }
+
+    fn alloc_op_id(&mut self) -> TransferId {
+        self.next_op += 1;
+        TransferId(self.next_op)
+    }
+
+    fn owned_layers(&self) -> usize {
+        usize::from(self.local.layer_end - self.local.layer_start)
+    }
+
+    fn emit_state(&mut self, room: RoomId, generation: Generation, state: KvPoll) {
+        self.events.push_back(Event::RoomState {
+            room,
+            generation,
+            state,
+        });
+    }
+
+    /// Non-terminal forward move. An impossible one is refused and logged, never a panic.
+    fn set_state(&mut self, room: RoomId, to: KvPoll) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.state == to {
+            return;
+        }
+        match r.state.transition(to) {
+            Ok(s) => {
+                r.state = s;
+                let generation = r.generation;
+                self.emit_state(room, generation, s);
+            }
+            Err(e) => debug!(%room, error = %e, "transition refused"),
+        }
+    }
+
+    fn count_terminal(&mut self, state: KvPoll) {
+        match state {
+            KvPoll::Success => self.counters.rooms_succeeded += 1,
+            KvPoll::Failed(reason) => self.counters.rooms_failed[reason.index()] += 1,
+            _ => {}
+        }
+    }
+}
+
+/// Whether the timer that fired under `key` is still the one `slot` holds (not re-armed or
+/// cancelled since); if so the slot is cleared, since that timer is spent.
+fn fired(slot: &mut Option<TimerKey>, key: TimerKey) -> bool {
+    if *slot != Some(key) {
+        return false;
+    }
+    *slot = None;
+    true
+}
+
+fn message_name(m: &Message) -> &'static str {
+    match m {
+        Message::Challenge { .. } => "Challenge",
+        Message::Hello(_) => "Hello",
+        Message::RoomPending { .. } => "RoomPending",
+        Message::RoomRequest(_) => "RoomRequest",
+        Message::RoomStatus { .. } => "RoomStatus",
+        Message::Progress { .. } => "Progress",
+        Message::Abort { .. } => "Abort",
+        Message::AbortAck { .. } => "AbortAck",
+        Message::Heartbeat { .. } => "Heartbeat",
+        Message::Probe { .. } => "Probe",
+        Message::ProbeAck { .. } => "ProbeAck",
+        Message::Error { .. } => "Error",
+        Message::Transport { .. } => "Transport",
+    }
+}
+
+/// A sender room past its bootstrap and not concluded, with its generation: the rooms whose
+/// layers may be planned and reported delivered.
+fn live_sender(
+    rooms: &mut Map<RoomId, Room>,
+    room: RoomId,
+) -> Option<(Generation, &mut SenderRoom)> {
+    let r = rooms.get_mut(&room)?;
+    if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
+        return None;
+    }
+    let generation = r.generation;
+    match &mut r.side {
+        Side::Sender(s) => Some((generation, s)),
+        Side::Receiver(_) => None,
+    }
+}

@@ -1,0 +1,671 @@
+//! Decode: receiver rooms, page grants, write admission and the landing proof, and what sources say about a room.
+
+use super::*;
+
+impl Endpoint {
+    /// Decode: opens a receiver room fed by `sources` (one session per prefill rank feeding it).
+    ///
+    /// With `grant`, the pages are given now and the request is sent at once; without, the
+    /// room stays `Bootstrapping` until [`Endpoint::grant_pages`] (the sources are told it is
+    /// pending so their deadlines know why).
+    pub fn open_receiver(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        sources: &[SessionId],
+        grant: Option<Grant>,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        self.check_open(Role::Decode, room, generation)?;
+        if sources.is_empty() {
+            return Err(ApiError::NoSources);
+        }
+        if let Some(missing) = sources.iter().find(|s| !self.sessions.contains_key(s)) {
+            return Err(ApiError::UnknownSession(*missing));
+        }
+        if let Some(g) = &grant {
+            self.check_grant(g)?;
+        }
+        let rr = ReceiverRoom {
+            held_grant: grant,
+            ..ReceiverRoom::default()
+        };
+        self.insert_bootstrapping_receiver(now, room, generation, rr);
+        self.attach_sources(now, room, sources);
+        Ok(())
+    }
+
+    /// Decode: opens a receiver room fed through `links`: sessions, or targets the core keeps
+    /// connected. A target without a session now is waited for: the room stays
+    /// `Bootstrapping` (a grant given meanwhile is held) until every target is up, and fails
+    /// once one has been down for `unreachable_timeout` (at once if it already has), with the
+    /// reason its connection attempts found: [`FailureReason::ConnectionRefused`],
+    /// [`FailureReason::PeerUnreachable`] (no answer), or the peer's refusal at the handshake.
+    pub fn open_receiver_via(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        links: &[Link],
+        grant: Option<Grant>,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        if let Some(sessions) = self.resolve_links(links)? {
+            return self.open_receiver(now, room, generation, &sessions, grant);
+        }
+        self.check_open(Role::Decode, room, generation)?;
+        if let Some(g) = &grant {
+            self.check_grant(g)?;
+        }
+        let rr = ReceiverRoom {
+            waiting_for: links.iter().copied().collect(),
+            held_grant: grant,
+            ..ReceiverRoom::default()
+        };
+        self.insert_bootstrapping_receiver(now, room, generation, rr);
+        let window = self.config.unreachable_timeout;
+        let mut expired = None;
+        for link in links {
+            let Link::Target(t) = *link else { continue };
+            if self.target_session(t).is_some() {
+                continue;
+            }
+            let Some(target) = self.targets.get_mut(&t) else {
+                continue;
+            };
+            let since = *target.down_since.get_or_insert(now);
+            if since + window <= now {
+                expired = Some(t);
+                continue;
+            }
+            target.waiting.push(room);
+            if target.unreachable_timer.is_none() {
+                self.timers.set(
+                    &mut target.unreachable_timer,
+                    since + window,
+                    Timer::Unreachable(t),
+                );
+            }
+        }
+        if let Some(t) = expired {
+            let reason = self.unreachable_reason(t);
+            info!(%room, %reason, "room toward a peer that has been unreachable for the whole window");
+            self.conclude(now, room, KvPoll::Failed(reason));
+        }
+        Ok(())
+    }
+
+    /// Records a new receiver room in `Bootstrapping`, with its bootstrap deadline armed.
+    pub(super) fn insert_bootstrapping_receiver(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        rr: ReceiverRoom,
+    ) {
+        let mut record = Room {
+            generation,
+            state: KvPoll::Bootstrapping,
+            bootstrap_timer: None,
+            waiting_timer: None,
+            abort_timer: None,
+            last_activity: now,
+            side: Side::Receiver(rr),
+        };
+        self.timers.set(
+            &mut record.bootstrap_timer,
+            now + self.config.bootstrap_timeout,
+            Timer::Bootstrap(room),
+        );
+        self.rooms.insert(room, record);
+        self.emit_state(room, generation, KvPoll::Bootstrapping);
+    }
+
+    /// Attaches a new room's sessions (at once, or once its targets are up), then sends its
+    /// grant (or the pending notice).
+    pub(super) fn attach_sources(&mut self, now: Instant, room: RoomId, sessions: &[SessionId]) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
+        rr.waiting_for.clear();
+        for &sid in sessions {
+            if rr.sources.iter().all(|s| s.session != sid) {
+                rr.sources.push(Source::new(sid));
+            }
+        }
+        let grant = rr.held_grant.take();
+        for &sid in sessions {
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.rooms.insert(room);
+            }
+        }
+        debug!(%room, "room attached to its sources");
+        if let Some(g) = grant {
+            self.apply_grant(now, room, g);
+        } else {
+            self.send_to_sources(room, |room, generation| Message::RoomPending {
+                room,
+                generation,
+                queue_position: 0,
+            });
+        }
+        self.fail_if_sources_unusable(now, room);
+    }
+
+    /// Decode: the data path of `session` writes without this endpoint seeing each write
+    /// (one-sided RDMA). Its rooms then succeed on the source's word, bound to the peer's
+    /// incarnation, instead of on bytes counted through [`Endpoint::end_write`].
+    pub fn set_one_sided(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.one_sided = true;
+        }
+    }
+
+    /// Decode: the room waits for capacity behind `position` others (0: being allocated).
+    /// The sources learn it, so a prefill deadline expiring says `DecodeSaturated`.
+    pub fn set_queue_position(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        position: u32,
+    ) -> Result<(), ApiError> {
+        let _ = self.clock(now);
+        let r = self.live_room(room, Role::Decode)?;
+        if r.state != KvPoll::Bootstrapping {
+            return Err(ApiError::AlreadyGranted(room));
+        }
+        if let Side::Receiver(rr) = &mut r.side {
+            rr.queue_position = position;
+        }
+        self.send_to_sources(room, |room, generation| Message::RoomPending {
+            room,
+            generation,
+            queue_position: position,
+        });
+        Ok(())
+    }
+
+    /// Decode: grants the room its pages and sends the request to every source.
+    pub fn grant_pages(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        grant: Grant,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        let r = self.live_room(room, Role::Decode)?;
+        if r.state != KvPoll::Bootstrapping {
+            return Err(ApiError::AlreadyGranted(room));
+        }
+        if matches!(&r.side, Side::Receiver(rr) if rr.held_grant.is_some()) {
+            return Err(ApiError::AlreadyGranted(room));
+        }
+        self.check_grant(&grant)?;
+        if let Some(Side::Receiver(rr)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
+            if !rr.waiting_for.is_empty() {
+                rr.held_grant = Some(grant);
+                return Ok(());
+            }
+        }
+        self.apply_grant(now, room, grant);
+        Ok(())
+    }
+
+    /// Decode: may the peer behind `session` write `slice` for `(room, generation)`?
+    ///
+    /// Checks the room is live and of that generation, the session is a granted source, the
+    /// region exists and the range stays inside the room's pages (or its aux row / state slot).
+    /// Scratch-region writes (probes) only need a session. A refused write inside a live room
+    /// fails that room with `ProtocolError`.
+    pub fn check_write(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slice: &Slice,
+    ) -> Result<(), WriteRefused> {
+        let now = self.clock(now);
+        if self.superseded.contains_key(&session) {
+            return Err(WriteRefused::SessionSuperseded);
+        }
+        let result = self.check_write_inner(session, room, generation, slice);
+        if let Err(refused) = result {
+            self.counters.writes_refused += 1;
+            warn!(%room, %session, ?refused, ?slice, "data-plane write refused");
+            let live = self
+                .rooms
+                .get(&room)
+                .is_some_and(|r| r.generation == generation && !r.state.is_terminal());
+            let out_of_bounds = matches!(
+                refused,
+                WriteRefused::OutOfRegion
+                    | WriteRefused::PageNotGranted
+                    | WriteRefused::SlotNotGranted
+                    | WriteRefused::LayerNotOwned
+                    | WriteRefused::UnknownRegion
+                    | WriteRefused::NotASource
+            );
+            if live && out_of_bounds {
+                self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+            }
+        }
+        result
+    }
+
+    /// Decode: authorizes one whole write (every slice, as [`Endpoint::check_write`]) and
+    /// counts it as landing until [`Endpoint::end_write`]: the room's pages are not released
+    /// while it is out. Drivers call this, not `check_write`, before applying a payload.
+    pub fn begin_write(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<WritePermit, WriteRefused> {
+        for slice in slices {
+            self.check_write(now, session, room, generation, slice)?;
+        }
+        let epoch = self.sessions.get(&session).map_or(0, |s| s.epoch);
+        let holds_pages = slices.iter().any(|s| s.region != Region::Scratch);
+        self.next_permit += 1;
+        let seq = self.next_permit;
+        if holds_pages {
+            let units = self.write_units(room, session, slices);
+            if let Some(src) = self.source_mut(room, generation, session) {
+                src.pending.push((seq, session, units));
+            }
+        }
+        Ok(WritePermit {
+            session,
+            room: holds_pages.then_some(room),
+            generation,
+            epoch,
+            seq,
+            applied: false,
+        })
+    }
+
+    /// Decode: a write authorized by [`Endpoint::begin_write`] was applied or abandoned; its
+    /// room's pages may be released now. Void permits (older fence epoch) are ignored.
+    pub fn end_write(&mut self, now: Instant, permit: WritePermit) {
+        let now = self.clock(now);
+        let Some(room) = permit.room else { return };
+        let current = self.sessions.get(&permit.session).map(|s| s.epoch);
+        if current != Some(permit.epoch) {
+            return;
+        }
+        // By permit number: the source may have moved to a session that took this one over.
+        let Some(Side::Receiver(rr)) = self
+            .rooms
+            .get_mut(&room)
+            .filter(|r| r.generation == permit.generation)
+            .map(|r| &mut r.side)
+        else {
+            return;
+        };
+        for src in rr.sources.iter_mut() {
+            if let Some(i) = src.pending.iter().position(|p| p.0 == permit.seq) {
+                let (_, _, units) = src.pending.swap_remove(i);
+                if permit.applied {
+                    for u in units {
+                        src.coverage.mark(u);
+                    }
+                }
+                break;
+            }
+        }
+        if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
+            self.maybe_release(now, room);
+        }
+    }
+
+    /// Decode: the coverage units a write of (already checked) `slices` fills entirely.
+    pub(super) fn write_units(
+        &self,
+        room: RoomId,
+        session: SessionId,
+        slices: &[Slice],
+    ) -> Vec<u32> {
+        let mut units = Vec::new();
+        let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else {
+            return units;
+        };
+        let Some(cov) = rr
+            .sources
+            .iter()
+            .find(|s| s.session == session)
+            .map(|s| &s.coverage)
+        else {
+            return units;
+        };
+        let layout = &self.local.layout;
+        for s in slices {
+            match s.region {
+                Region::Kv { layer, plane } => {
+                    let page = u64::from(layout.page_bytes);
+                    let first = s.dst_offset.div_ceil(page);
+                    let end = (s.dst_offset + s.len) / page;
+                    for p in first..end {
+                        let rank = rr.pages.as_ref().and_then(|ps| ps.rank(p as u32));
+                        if let Some(u) = rank.and_then(|r| cov.kv_unit(layer, plane, r)) {
+                            units.push(u);
+                        }
+                    }
+                }
+                Region::Aux if s.len >= u64::from(layout.aux_bytes) => {
+                    units.push(cov.slot_unit(false));
+                }
+                Region::State if s.len >= u64::from(layout.state_bytes) => {
+                    units.push(cov.slot_unit(true));
+                }
+                _ => {}
+            }
+        }
+        units
+    }
+
+    /// Decode: the source entry of `session` in room `(room, generation)`.
+    pub(super) fn source_mut(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        session: SessionId,
+    ) -> Option<&mut Source> {
+        let r = self.rooms.get_mut(&room)?;
+        if r.generation != generation {
+            return None;
+        }
+        let Side::Receiver(rr) = &mut r.side else {
+            return None;
+        };
+        rr.sources.iter_mut().find(|s| s.session == session)
+    }
+
+    pub(super) fn check_write_inner(
+        &self,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slice: &Slice,
+    ) -> Result<(), WriteRefused> {
+        let layout = &self.local.layout;
+        let region_len = layout
+            .region_len(slice.region)
+            .ok_or(WriteRefused::UnknownRegion)?;
+        let end = slice
+            .dst_offset
+            .checked_add(slice.len)
+            .ok_or(WriteRefused::OutOfRegion)?;
+        if end > region_len || slice.len == 0 {
+            return Err(WriteRefused::OutOfRegion);
+        }
+        if slice.region == Region::Scratch {
+            return match self.sessions.get(&session).map(|s| s.state) {
+                Some(SessionState::Established | SessionState::Blacklisted) => Ok(()),
+                _ => Err(WriteRefused::NotASource),
+            };
+        }
+        let r = self.rooms.get(&room).ok_or(WriteRefused::UnknownRoom)?;
+        if r.generation != generation {
+            return Err(WriteRefused::StaleGeneration);
+        }
+        if r.state.is_terminal() {
+            return Err(WriteRefused::RoomConcluded);
+        }
+        let Side::Receiver(rr) = &r.side else {
+            return Err(WriteRefused::UnknownRoom);
+        };
+        if !rr.sources.iter().any(|s| s.session == session && s.granted) {
+            return Err(WriteRefused::NotASource);
+        }
+        match slice.region {
+            Region::Kv { layer, .. } => {
+                let peer = self.sessions.get(&session).and_then(|s| s.peer);
+                if peer.is_some_and(|p| layer < p.layer_start || layer >= p.layer_end) {
+                    return Err(WriteRefused::LayerNotOwned);
+                }
+                let page = u64::from(layout.page_bytes);
+                let first = (slice.dst_offset / page) as u32;
+                let last = ((end - 1) / page) as u32;
+                let pages = rr.pages.as_ref().ok_or(WriteRefused::PageNotGranted)?;
+                if pages.contains_range(first, last) {
+                    Ok(())
+                } else {
+                    Err(WriteRefused::PageNotGranted)
+                }
+            }
+            Region::Aux | Region::State => {
+                let (slot, item) = if slice.region == Region::Aux {
+                    (rr.aux_slot, layout.aux_bytes)
+                } else {
+                    (rr.state_slot, layout.state_bytes)
+                };
+                let slot = slot.ok_or(WriteRefused::SlotNotGranted)?;
+                let start = u64::from(slot) * u64::from(item);
+                if slice.dst_offset >= start && end <= start + u64::from(item) {
+                    Ok(())
+                } else {
+                    Err(WriteRefused::SlotNotGranted)
+                }
+            }
+            Region::Scratch => Ok(()),
+        }
+    }
+
+    pub(super) fn on_room_status(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        failure: Option<FailureReason>,
+    ) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            self.counters.stale_messages += 1;
+            return;
+        };
+        if r.generation != generation {
+            self.counters.stale_messages += 1;
+            return;
+        }
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
+        let Some(src) = rr.sources.iter_mut().find(|s| s.session == sid) else {
+            self.strike(sid, "status for a room it does not feed", false);
+            return;
+        };
+        r.last_activity = now;
+        match failure {
+            None => {
+                if !src.granted {
+                    self.strike(sid, "success before the request", false);
+                    return;
+                }
+                let one_sided = self.sessions.get(&sid).is_some_and(|s| s.one_sided);
+                if !one_sided && !src.coverage.complete() && !r.state.is_terminal() {
+                    // Success means the bytes are here: a word without them is a violation.
+                    warn!(%room, session = %sid, covered = src.coverage.covered, expected = src.coverage.expected, "source reported success for pages that never landed");
+                    self.counters.protocol_errors += 1;
+                    self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+                    return;
+                }
+                src.done = true;
+                src.drained = true;
+                let all_done = rr.sources.iter().all(|s| s.done);
+                if r.state.is_terminal() {
+                    self.maybe_release(now, room);
+                } else if all_done {
+                    self.conclude(now, room, KvPoll::Success);
+                }
+            }
+            Some(reason) => {
+                // The peer's own local reasons, seen from here.
+                let reason = match reason {
+                    FailureReason::AbortedLocally => FailureReason::AbortedByPeer,
+                    FailureReason::Shutdown => FailureReason::PeerShutdown,
+                    r => r,
+                };
+                if !r.state.is_terminal() {
+                    self.conclude(now, room, KvPoll::Failed(reason));
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_progress(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        stage: ProgressStage,
+    ) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            self.counters.stale_messages += 1;
+            return;
+        };
+        if r.generation != generation || r.state.is_terminal() {
+            self.counters.stale_messages += 1;
+            return;
+        }
+        let Side::Receiver(rr) = &r.side else { return };
+        if !rr.sources.iter().any(|s| s.session == sid && s.granted) {
+            return;
+        }
+        r.last_activity = now;
+        if stage == ProgressStage::Transferring && r.state == KvPoll::WaitingForInput {
+            self.set_state(room, KvPoll::Transferring);
+        }
+    }
+
+    pub(super) fn on_abort_ack(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            self.counters.stale_messages += 1;
+            return;
+        };
+        if r.generation != generation {
+            self.counters.stale_messages += 1;
+            return;
+        }
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
+        if let Some(src) = rr.sources.iter_mut().find(|s| s.session == sid) {
+            src.drained = true;
+        }
+        if r.state.is_terminal() {
+            self.maybe_release(now, room);
+        }
+    }
+
+    pub(super) fn check_grant(&self, g: &Grant) -> Result<(), ApiError> {
+        let l = &self.local.layout;
+        if let Some(&page) = g.pages.iter().find(|p| **p >= l.pages) {
+            return Err(ApiError::PageOutOfRange {
+                page,
+                pages: l.pages,
+            });
+        }
+        for (slot, item) in [(g.aux_slot, l.aux_bytes), (g.state_slot, l.state_bytes)] {
+            if let Some(slot) = slot {
+                if slot >= l.slots || item == 0 {
+                    return Err(ApiError::SlotOutOfRange {
+                        slot,
+                        slots: l.slots,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn apply_grant(&mut self, now: Instant, room: RoomId, grant: Grant) {
+        let runs = page_runs(&grant.pages);
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let generation = r.generation;
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
+        rr.pages = Some(PageSet::new(&grant.pages));
+        rr.aux_slot = grant.aux_slot;
+        rr.state_slot = grant.state_slot;
+        let mut targets: SmallVec<[SessionId; 2]> = SmallVec::new();
+        for src in rr.sources.iter_mut() {
+            src.granted = true;
+            src.coverage = Coverage::new(
+                &self.local.layout,
+                self.sessions.get(&src.session).and_then(|s| s.peer),
+                &grant,
+            );
+            targets.push(src.session);
+        }
+        self.timers.cancel(&mut r.bootstrap_timer);
+        r.last_activity = now;
+        self.timers.set(
+            &mut r.waiting_timer,
+            now + self.config.waiting_timeout,
+            Timer::Waiting(room),
+        );
+        let request = RoomRequest {
+            room,
+            generation,
+            receivers: grant.receivers.max(1),
+            pages: runs,
+            aux_slot: grant.aux_slot,
+            state_slot: grant.state_slot,
+        };
+        for sid in targets {
+            self.transmits
+                .push_back((sid, Message::RoomRequest(request.clone())));
+        }
+        if let Some(Side::Receiver(rr)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
+            rr.request = Some(Box::new(request));
+        }
+        self.set_state(room, KvPoll::WaitingForInput);
+    }
+
+    pub(super) fn fail_if_sources_unusable(&mut self, now: Instant, room: RoomId) {
+        let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else {
+            return;
+        };
+        let closing = rr
+            .sources
+            .iter()
+            .filter_map(|s| self.sessions.get(&s.session))
+            .find(|s| s.state == SessionState::Closing)
+            .map(|s| s.close_reason);
+        if let Some(reason) = closing {
+            self.conclude(now, room, KvPoll::Failed(reason));
+        }
+    }
+
+    pub(super) fn send_to_sources(
+        &mut self,
+        room: RoomId,
+        make: impl Fn(RoomId, Generation) -> Message,
+    ) {
+        let Some(r) = self.rooms.get(&room) else {
+            return;
+        };
+        let Side::Receiver(rr) = &r.side else { return };
+        for src in &rr.sources {
+            self.transmits
+                .push_back((src.session, make(room, r.generation)));
+        }
+    }
+}

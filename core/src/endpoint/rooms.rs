@@ -1,0 +1,289 @@
+//! Both roles: aborting, failing and concluding rooms, and releasing their pages.
+
+use super::*;
+
+impl Endpoint {
+    /// Aborts a room locally. Decode keeps its pages quarantined until every source drained
+    /// or was fenced; prefill stops issuing operations and tells its receivers.
+    pub fn abort(&mut self, now: Instant, room: RoomId) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        let r = self.rooms.get(&room).ok_or(ApiError::UnknownRoom(room))?;
+        if r.state.is_terminal() {
+            return Err(ApiError::RoomConcluded(room, r.state));
+        }
+        self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedLocally));
+        Ok(())
+    }
+
+    /// Fails a room softly, for instance on a consensus verdict. Works from any non-terminal
+    /// state (including `Bootstrapping`); returns `false` when the room was already terminal
+    /// or unknown, so applying the same verdict twice is harmless.
+    pub fn fail_room(&mut self, now: Instant, room: RoomId, reason: FailureReason) -> bool {
+        let now = self.clock(now);
+        match self.rooms.get(&room) {
+            Some(r) if !r.state.is_terminal() => {
+                self.conclude(now, room, KvPoll::Failed(reason));
+                true
+            }
+            Some(_) => false,
+            None => {
+                // Prefill may hold requests for a room it has not opened yet: answer them.
+                if let Some(p) = self.pending.remove(&room) {
+                    self.reject_pending(room, p, reason);
+                    true
+                } else {
+                    false
+                }
+            }
+        }
+    }
+
+    /// Shuts the endpoint down: every live room fails with `Shutdown`, every session is told
+    /// and closed. Later commands fail with [`ApiError::ShutDown`].
+    pub fn shutdown(&mut self, now: Instant) {
+        let now = self.clock(now);
+        self.shut_down = true;
+        let rooms: Vec<RoomId> = self.rooms.keys().copied().collect();
+        for room in rooms {
+            if self
+                .rooms
+                .get(&room)
+                .is_some_and(|r| !r.state.is_terminal())
+            {
+                self.conclude(now, room, KvPoll::Failed(FailureReason::Shutdown));
+            }
+        }
+        let sessions: Vec<SessionId> = self.sessions.keys().copied().collect();
+        for sid in sessions {
+            self.close_session(
+                now,
+                sid,
+                ErrorCode::Shutdown,
+                "shutting down",
+                FailureReason::Shutdown,
+            );
+        }
+    }
+
+    pub(super) fn check_open(
+        &self,
+        role: Role,
+        room: RoomId,
+        generation: Generation,
+    ) -> Result<(), ApiError> {
+        if self.local.role != role {
+            return Err(ApiError::WrongRole { needs: role });
+        }
+        if self.shut_down {
+            return Err(ApiError::ShutDown);
+        }
+        if self.rooms.contains_key(&room) {
+            return Err(ApiError::RoomExists(room));
+        }
+        if let Some((used, _)) = self.tombstones.get(room) {
+            if used >= generation {
+                return Err(ApiError::StaleGeneration {
+                    room,
+                    generation,
+                    used,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn live_room(&mut self, room: RoomId, role: Role) -> Result<&mut Room, ApiError> {
+        if self.local.role != role {
+            return Err(ApiError::WrongRole { needs: role });
+        }
+        let r = self
+            .rooms
+            .get_mut(&room)
+            .ok_or(ApiError::UnknownRoom(room))?;
+        if r.state.is_terminal() {
+            return Err(ApiError::RoomConcluded(room, r.state));
+        }
+        Ok(r)
+    }
+
+    /// Moves a room to a terminal state and starts whatever must follow (notify, drain,
+    /// quarantine). Refused (no-op) if the room is already terminal.
+    pub(super) fn conclude(&mut self, now: Instant, room: RoomId, to: KvPoll) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let Ok(state) = r.state.transition(to) else {
+            return;
+        };
+        r.state = state;
+        let generation = r.generation;
+        self.timers.cancel(&mut r.bootstrap_timer);
+        self.timers.cancel(&mut r.waiting_timer);
+        self.count_terminal(state);
+        self.emit_state(room, generation, state);
+        match state {
+            KvPoll::Failed(reason) => debug!(%room, %reason, "room failed"),
+            _ => debug!(%room, "room succeeded"),
+        }
+        let failure = state.failure();
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        match &mut r.side {
+            Side::Sender(s) => {
+                s.chunks.clear();
+                for x in &s.receivers {
+                    self.transmits.push_back((
+                        x.session,
+                        Message::RoomStatus {
+                            room,
+                            generation,
+                            failure,
+                        },
+                    ));
+                }
+                // Decode sessions that only announced the room learn it too.
+                for sid in &s.announced_by {
+                    if !s.receivers.iter().any(|x| x.session == *sid) {
+                        self.transmits.push_back((
+                            *sid,
+                            Message::RoomStatus {
+                                room,
+                                generation,
+                                failure,
+                            },
+                        ));
+                        self.transmits
+                            .push_back((*sid, Message::AbortAck { room, generation }));
+                    }
+                }
+                if failure.is_some() {
+                    self.drop_room_ops(room, generation);
+                }
+            }
+            Side::Receiver(rr) => {
+                // A write still landing holds the pages whatever the outcome; the abort timer
+                // bounds how long (it fences the session).
+                let mut waiting = rr.sources.iter().any(|s| !s.pending.is_empty());
+                if let Some(reason) = failure {
+                    for src in rr.sources.iter_mut() {
+                        if src.done {
+                            continue;
+                        }
+                        if !src.granted {
+                            src.drained = true;
+                        }
+                        waiting |= !src.drained;
+                        self.transmits.push_back((
+                            src.session,
+                            Message::Abort {
+                                room,
+                                generation,
+                                reason,
+                            },
+                        ));
+                    }
+                }
+                if waiting {
+                    self.timers.set(
+                        &mut r.abort_timer,
+                        now + self.config.abort_ack_timeout,
+                        Timer::AbortAck(room),
+                    );
+                }
+            }
+        }
+        self.maybe_release(now, room);
+    }
+
+    /// Removes every queued or retry-waiting operation of a room; in-flight ones settle later.
+    pub(super) fn drop_room_ops(&mut self, room: RoomId, generation: Generation) {
+        let mut dropped = 0u32;
+        let ids: Vec<TransferId> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| {
+                op.room == Some(room)
+                    && op.generation == generation
+                    && op.phase != OpPhase::InFlight
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if let Some(mut op) = self.ops.remove(&id) {
+                self.timers.cancel(&mut op.timer);
+                dropped += 1;
+            }
+        }
+        if let Some(Side::Sender(s)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
+            s.ops_live = s.ops_live.saturating_sub(dropped);
+        }
+    }
+
+    /// Emits `Releasable` and forgets the room once nothing can touch its pages any more.
+    pub(super) fn maybe_release(&mut self, now: Instant, room: RoomId) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if !r.state.is_terminal() {
+            return;
+        }
+        let generation = r.generation;
+        let ready = match &mut r.side {
+            Side::Sender(s) => {
+                if s.ops_in_flight > 0 {
+                    false
+                } else {
+                    if r.state != KvPoll::Success && !s.drained_acked {
+                        s.drained_acked = true;
+                        for x in &s.receivers {
+                            self.transmits
+                                .push_back((x.session, Message::AbortAck { room, generation }));
+                        }
+                    }
+                    true
+                }
+            }
+            Side::Receiver(rr) => rr
+                .sources
+                .iter()
+                .all(|s| (s.drained || s.done) && s.pending.is_empty()),
+        };
+        if !ready {
+            return;
+        }
+        let _ = now;
+        let Some(mut r) = self.rooms.remove(&room) else {
+            return;
+        };
+        for t in [
+            &mut r.bootstrap_timer,
+            &mut r.waiting_timer,
+            &mut r.abort_timer,
+        ] {
+            self.timers.cancel(t);
+        }
+        let peers: SmallVec<[PeerIdentity; 1]> = match &r.side {
+            Side::Sender(s) => s.peers.iter().copied().collect(),
+            Side::Receiver(_) => SmallVec::new(),
+        };
+        let sessions: SmallVec<[SessionId; 4]> = match &r.side {
+            Side::Sender(s) => s
+                .receivers
+                .iter()
+                .map(|x| x.session)
+                .chain(s.announced_by.iter().copied())
+                .collect(),
+            Side::Receiver(rr) => rr.sources.iter().map(|s| s.session).collect(),
+        };
+        for sid in sessions {
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                s.rooms.remove(&room);
+            }
+        }
+        self.tombstones.insert(room, generation, r.state, peers);
+        self.counters.rooms_released += 1;
+        self.events
+            .push_back(Event::Releasable { room, generation });
+    }
+}

@@ -1,0 +1,773 @@
+//! Prefill: sender rooms, chunks and layers, planning operations, and answering room requests (pending rooms, tombstones, reused ids).
+
+use super::*;
+
+impl Endpoint {
+    /// Prefill: opens a sender room. It is `Bootstrapping` until every decode rank that will
+    /// read it sent its request (requests that arrived earlier are applied now).
+    pub fn open_sender(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        if self.local.role != Role::Prefill {
+            return Err(ApiError::WrongRole {
+                needs: Role::Prefill,
+            });
+        }
+        if self.shut_down {
+            return Err(ApiError::ShutDown);
+        }
+        if self.rooms.contains_key(&room) {
+            return Err(ApiError::RoomExists(room));
+        }
+        // A failure decided before the room was opened (decode aborted, session blacklisted,
+        // consensus) is delivered at once, so prefill never computes a doomed room.
+        let early = match (self.tombstones.verdict(room), self.tombstones.get(room)) {
+            (Some((g, reason)), _) if g == generation => Some(reason),
+            (_, Some((g, _))) if g >= generation => {
+                return Err(ApiError::StaleGeneration {
+                    room,
+                    generation,
+                    used: g,
+                })
+            }
+            _ => None,
+        };
+        let mut record = Room {
+            generation,
+            state: KvPoll::Bootstrapping,
+            bootstrap_timer: None,
+            waiting_timer: None,
+            abort_timer: None,
+            last_activity: now,
+            side: Side::Sender(SenderRoom::default()),
+        };
+        if let Some(reason) = early {
+            record.state = KvPoll::Failed(reason);
+            self.rooms.insert(room, record);
+            self.emit_state(room, generation, KvPoll::Failed(reason));
+            self.count_terminal(KvPoll::Failed(reason));
+            self.maybe_release(now, room);
+            return Ok(());
+        }
+        self.timers.set(
+            &mut record.bootstrap_timer,
+            now + self.config.bootstrap_timeout,
+            Timer::Bootstrap(room),
+        );
+        self.rooms.insert(room, record);
+        self.emit_state(room, generation, KvPoll::Bootstrapping);
+        if let Some(p) = self.pending.remove(&room) {
+            if p.generation == generation {
+                for (sid, pos) in p.notices {
+                    self.on_room_pending(now, sid, room, generation, pos);
+                }
+                for (sid, req) in p.requests {
+                    self.on_room_request(now, sid, req);
+                }
+            } else if p.generation > generation {
+                self.pending.insert(room, p);
+            }
+        }
+        Ok(())
+    }
+
+    /// Prefill: the next chunk of a room. Its pages go to the next granted destination pages.
+    /// May be called while the room is still `Bootstrapping`; planning waits for the requests.
+    pub fn send_chunk(&mut self, now: Instant, room: RoomId, chunk: Chunk) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        let layers = self.owned_layers();
+        let pages = self.local.layout.pages;
+        let slots = self.local.layout.slots;
+        let max_queued = self.config.max_queued_ops;
+        if let Some(&page) = chunk.pages.iter().find(|p| **p >= pages) {
+            return Err(ApiError::PageOutOfRange { page, pages });
+        }
+        for slot in [chunk.aux_slot, chunk.state_slot].into_iter().flatten() {
+            if slot >= slots {
+                return Err(ApiError::SlotOutOfRange { slot, slots });
+            }
+        }
+        let sessions = &self.sessions;
+        let full = match self.rooms.get(&room).map(|r| &r.side) {
+            Some(Side::Sender(s)) => s.receivers.iter().map(|x| x.session).find(|sid| {
+                sessions
+                    .get(sid)
+                    .is_some_and(|x| x.queue.len() as u32 >= max_queued)
+            }),
+            _ => None,
+        };
+        let r = self.live_room(room, Role::Prefill)?;
+        let Side::Sender(s) = &mut r.side else {
+            return Err(ApiError::UnknownRoom(room));
+        };
+        if s.last_seen {
+            return Err(ApiError::ChunkAfterLast(room));
+        }
+        if let Some(sid) = full {
+            return Err(ApiError::SessionQueueFull(sid));
+        }
+        let n = chunk.pages.len() as u32;
+        s.chunks.push_back(HeldChunk {
+            src: chunk.pages,
+            dst_start: s.next_dst,
+            layerwise: chunk.layerwise,
+            released: if chunk.layerwise {
+                LayerBits::new(layers)
+            } else {
+                LayerBits::all(layers)
+            },
+            planned: LayerBits::new(layers),
+        });
+        s.next_dst += n;
+        if chunk.last {
+            s.last_seen = true;
+            s.aux_src = chunk.aux_slot;
+            s.state_src = chunk.state_slot;
+        }
+        r.last_activity = now;
+        self.plan_room(now, room);
+        Ok(())
+    }
+
+    /// Prefill: layer `layer` of every named room finished its forward pass; its operations
+    /// may go now. Applies to every chunk already sent that still holds that layer.
+    pub fn mark_layer_ready(
+        &mut self,
+        now: Instant,
+        rooms: &[RoomId],
+        layer: u16,
+    ) -> Result<(), ApiError> {
+        let now = self.clock(now);
+        if self.local.role != Role::Prefill {
+            return Err(ApiError::WrongRole {
+                needs: Role::Prefill,
+            });
+        }
+        if layer < self.local.layer_start || layer >= self.local.layer_end {
+            return Err(ApiError::LayerOutOfRange { layer });
+        }
+        let idx = usize::from(layer - self.local.layer_start);
+        for &room in rooms {
+            let Some(r) = self.rooms.get_mut(&room) else {
+                continue;
+            };
+            if r.state.is_terminal() {
+                continue;
+            }
+            if let Side::Sender(s) = &mut r.side {
+                for c in s.chunks.iter_mut() {
+                    c.released.set(idx);
+                }
+                r.last_activity = now;
+            }
+            self.plan_room(now, room);
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_room_pending(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        pos: u32,
+    ) {
+        if self.answer_if_concluded(sid, room, generation)
+            || self.refuse_if_blacklisted(now, sid, room, generation)
+        {
+            return;
+        }
+        if self.refuse_if_served_elsewhere(sid, room, generation) {
+            return;
+        }
+        let who = self.identity(sid);
+        match self.rooms.get_mut(&room) {
+            Some(r) if r.generation == generation => {
+                if let Side::Sender(s) = &mut r.side {
+                    if !s.announced_by.contains(&sid) {
+                        s.announced_by.push(sid);
+                    }
+                    if let Some(w) = who.filter(|w| !s.peers.contains(w)) {
+                        s.peers.push(w);
+                    }
+                    s.saturated = pos > 0;
+                }
+                if let Some(s) = self.sessions.get_mut(&sid) {
+                    s.rooms.insert(room);
+                }
+            }
+            Some(r) if r.generation > generation => self.refuse_stale(sid, room, generation),
+            _ => {
+                if let Some(p) = self.pending_entry(sid, room, generation) {
+                    let first = p.notices.is_empty() && p.requests.is_empty();
+                    p.notices.retain(|(s, _)| *s != sid);
+                    p.notices.push((sid, pos));
+                    if first {
+                        self.events.push_back(Event::RoomAnnounced {
+                            room,
+                            generation,
+                            session: sid,
+                            pages: 0,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_room_request(&mut self, now: Instant, sid: SessionId, req: RoomRequest) {
+        let (room, generation) = (req.room, req.generation);
+        if self.answer_if_concluded(sid, room, generation)
+            || self.refuse_if_blacklisted(now, sid, room, generation)
+            || self.refuse_if_served_elsewhere(sid, room, generation)
+        {
+            return;
+        }
+        match self.rooms.get(&room) {
+            Some(r) if r.generation == generation => {}
+            Some(r) if r.generation > generation => {
+                self.refuse_stale(sid, room, generation);
+                return;
+            }
+            _ => {
+                let pages = req.pages.iter().map(|r| r.len).sum();
+                if let Some(p) = self.pending_entry(sid, room, generation) {
+                    let first = p.requests.is_empty();
+                    p.requests.retain(|(s, _)| *s != sid);
+                    p.requests.push((sid, req));
+                    if first {
+                        self.events.push_back(Event::RoomAnnounced {
+                            room,
+                            generation,
+                            session: sid,
+                            pages,
+                        });
+                    }
+                }
+                return;
+            }
+        }
+        // Validate against the peer's registered memory before accepting anything.
+        let peer_layout = self
+            .sessions
+            .get(&sid)
+            .and_then(|s| s.peer)
+            .map(|p| p.layout);
+        let valid = peer_layout.is_some_and(|l| {
+            req.pages
+                .iter()
+                .all(|run| u64::from(run.start) + u64::from(run.len) <= u64::from(l.pages))
+                && [req.aux_slot, req.state_slot]
+                    .iter()
+                    .flatten()
+                    .all(|s| *s < l.slots)
+        });
+        if !valid {
+            warn!(%room, session = %sid, "room request outside the peer's registered memory");
+            self.counters.protocol_errors += 1;
+            self.answer_with_outcome(sid, room, generation, Some(FailureReason::ProtocolError));
+            self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+            return;
+        }
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.state.is_terminal() {
+            // Concluded but still draining: tell this late requester the outcome.
+            let failure = r.state.failure();
+            self.answer_with_outcome(sid, room, generation, failure);
+            return;
+        }
+        let Side::Sender(s) = &mut r.side else { return };
+        if s.receivers.iter().any(|x| x.session == sid) {
+            self.counters.stale_messages += 1;
+            return;
+        }
+        let mut dst = Vec::with_capacity(req.pages.iter().map(|r| r.len as usize).sum());
+        for run in &req.pages {
+            dst.extend(run.start..run.start + run.len);
+        }
+        s.receivers.push(Receiver {
+            session: sid,
+            dst,
+            aux_slot: req.aux_slot,
+            state_slot: req.state_slot,
+        });
+        if let Some(w) = self
+            .sessions
+            .get(&sid)
+            .and_then(|x| x.peer)
+            .map(|p| (p.node, p.incarnation))
+            .filter(|w| !s.peers.contains(w))
+        {
+            s.peers.push(w);
+        }
+        s.expected = s.expected.max(req.receivers);
+        if !s.announced_by.contains(&sid) {
+            s.announced_by.push(sid);
+        }
+        let bootstrapped = s.receivers.len() >= usize::from(s.expected);
+        if let Some(x) = self.sessions.get_mut(&sid) {
+            x.rooms.insert(room);
+            x.last_targeted = now;
+        }
+        if bootstrapped {
+            self.set_state(room, KvPoll::WaitingForInput);
+            let Some(r) = self.rooms.get_mut(&room) else {
+                return;
+            };
+            self.timers.cancel(&mut r.bootstrap_timer);
+            r.last_activity = now;
+            self.timers.set(
+                &mut r.waiting_timer,
+                now + self.config.waiting_timeout,
+                Timer::Waiting(room),
+            );
+            self.send_progress(now, room, ProgressStage::Queued);
+            self.plan_room(now, room);
+        }
+    }
+
+    pub(super) fn on_abort(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        reason: FailureReason,
+    ) {
+        info!(%room, session = %sid, %reason, "peer aborted the room");
+        let feeds = |r: &Room| match &r.side {
+            Side::Sender(s) => {
+                s.receivers.iter().any(|x| x.session == sid) || s.announced_by.contains(&sid)
+            }
+            Side::Receiver(_) => false,
+        };
+        if self
+            .rooms
+            .get(&room)
+            .is_some_and(|r| r.generation == generation && !feeds(r))
+        {
+            // Another decode's abort of a room id this one serves (a refused reuse): it
+            // touches nothing here.
+            self.transmits
+                .push_back((sid, Message::AbortAck { room, generation }));
+            return;
+        }
+        match self.rooms.get(&room) {
+            Some(r) if r.generation == generation => {
+                if !r.state.is_terminal() {
+                    self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedByPeer));
+                } else {
+                    // Duplicate or late abort: ack again once drained.
+                    self.maybe_release(now, room);
+                    if self
+                        .rooms
+                        .get(&room)
+                        .is_some_and(|r| matches!(&r.side, Side::Sender(s) if s.ops_in_flight == 0))
+                    {
+                        self.transmits
+                            .push_back((sid, Message::AbortAck { room, generation }));
+                    }
+                }
+                if !self
+                    .rooms
+                    .get(&room)
+                    .is_some_and(|r| r.generation == generation)
+                {
+                    // Released right away: the ack went out with the release.
+                }
+            }
+            Some(r) if r.generation > generation => {
+                // An older attempt: it was drained before the new one could open.
+                self.transmits
+                    .push_back((sid, Message::AbortAck { room, generation }));
+            }
+            _ => {
+                // Not open (yet, or any more): nothing of it is in flight. Remember the verdict
+                // so a later open fails at once instead of computing a doomed room.
+                if let Some(p) = self.pending.remove(&room) {
+                    if p.generation == generation {
+                        self.reject_pending(room, p, FailureReason::AbortedByPeer);
+                    } else {
+                        self.pending.insert(room, p);
+                    }
+                }
+                let newer = self
+                    .tombstones
+                    .get(room)
+                    .is_some_and(|(g, _)| g >= generation);
+                if !newer {
+                    let who = self.identity(sid).into_iter().collect();
+                    self.tombstones.insert_verdict(
+                        room,
+                        generation,
+                        FailureReason::AbortedByPeer,
+                        who,
+                    );
+                }
+                self.transmits
+                    .push_back((sid, Message::AbortAck { room, generation }));
+            }
+        }
+    }
+
+    pub(super) fn send_progress(&mut self, now: Instant, room: RoomId, stage: ProgressStage) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let generation = r.generation;
+        let Side::Sender(s) = &mut r.side else { return };
+        if s.stage == Some(stage) {
+            return;
+        }
+        s.stage = Some(stage);
+        s.last_progress_sent = Some(now);
+        for x in &s.receivers {
+            self.transmits.push_back((
+                x.session,
+                Message::Progress {
+                    room,
+                    generation,
+                    stage,
+                },
+            ));
+        }
+    }
+
+    /// Answers a room message about a concluded room at once, from the tombstones.
+    pub(super) fn answer_if_concluded(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) -> bool {
+        if self
+            .rooms
+            .get(&room)
+            .is_some_and(|r| r.generation >= generation)
+        {
+            return false;
+        }
+        let took_part = self.tombstones.took_part(room, self.identity(sid));
+        match self.tombstones.get(room) {
+            Some((g, _)) if g >= generation && !took_part => {
+                self.refuse_reused(sid, room, generation);
+                true
+            }
+            Some((g, outcome)) if g == generation => {
+                let failure = outcome.failure();
+                debug!(%room, session = %sid, ?outcome, "late message for a concluded room answered");
+                self.answer_with_outcome(sid, room, generation, failure);
+                true
+            }
+            Some((g, _)) if g > generation => {
+                self.refuse_stale(sid, room, generation);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A request or notice for an attempt older than one this endpoint already holds: the
+    /// decode learns at once that this attempt is void (a late duplicate is ignored there).
+    pub(super) fn refuse_stale(&mut self, sid: SessionId, room: RoomId, generation: Generation) {
+        self.counters.stale_messages += 1;
+        debug!(%room, generation, session = %sid, "request for an older generation refused");
+        self.answer_with_outcome(sid, room, generation, Some(FailureReason::StaleGeneration));
+    }
+
+    /// Who the peer behind `sid` is, once its hello arrived.
+    pub(super) fn identity(&self, sid: SessionId) -> Option<PeerIdentity> {
+        self.sessions
+            .get(&sid)
+            .and_then(|s| s.peer)
+            .map(|p| (p.node, p.incarnation))
+    }
+
+    /// A live room already served by other decode endpoints (every receiver it expects has
+    /// requested it, or it concluded) is never joined by a new one: that is a reused room id.
+    pub(super) fn refuse_if_served_elsewhere(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) -> bool {
+        let who = self.identity(sid);
+        let Some(r) = self.rooms.get(&room) else {
+            return false;
+        };
+        let Side::Sender(s) = &r.side else {
+            return false;
+        };
+        let known = who.is_some_and(|w| s.peers.contains(&w))
+            || s.receivers.iter().any(|x| x.session == sid)
+            || s.announced_by.contains(&sid);
+        let full =
+            r.state != KvPoll::Bootstrapping && s.receivers.len() >= usize::from(s.expected.max(1));
+        let other_generation = r.generation != generation && !known;
+        if known || !(full || r.state.is_terminal() || other_generation) {
+            return false;
+        }
+        self.refuse_reused(sid, room, generation);
+        true
+    }
+
+    /// Refuses a room message from a decode that did not take part in the room this id
+    /// names here: the room id was reused (another decode node, or a restarted one).
+    pub(super) fn refuse_reused(&mut self, sid: SessionId, room: RoomId, generation: Generation) {
+        info!(%room, session = %sid, "room id already used for another decode, refused");
+        self.counters.rooms_refused_reused += 1;
+        self.answer_with_outcome(sid, room, generation, Some(FailureReason::RoomIdReused));
+    }
+
+    /// New rooms toward a blacklisted session fail at bootstrap, before any compute.
+    pub(super) fn refuse_if_blacklisted(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) -> bool {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return true;
+        };
+        if s.state != SessionState::Blacklisted {
+            return false;
+        }
+        s.last_targeted = now;
+        let reason = FailureReason::SessionBlacklisted;
+        self.answer_with_outcome(sid, room, generation, Some(reason));
+        match self.rooms.get(&room) {
+            Some(r) if r.generation == generation && !r.state.is_terminal() => {
+                self.conclude(now, room, KvPoll::Failed(reason));
+            }
+            Some(_) => {}
+            None => {
+                if let Some(p) = self.pending.remove(&room) {
+                    self.reject_pending(room, p, reason);
+                }
+                let who = self.identity(sid).into_iter().collect();
+                self.tombstones
+                    .insert_verdict(room, generation, reason, who);
+            }
+        }
+        true
+    }
+
+    /// Tells a decode session a room's outcome and that nothing of it is, or will be, in
+    /// flight from here (late requests, rooms refused before they opened).
+    pub(super) fn answer_with_outcome(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        failure: Option<FailureReason>,
+    ) {
+        self.transmits.push_back((
+            sid,
+            Message::RoomStatus {
+                room,
+                generation,
+                failure,
+            },
+        ));
+        self.transmits
+            .push_back((sid, Message::AbortAck { room, generation }));
+    }
+
+    pub(super) fn pending_entry(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) -> Option<&mut PendingRoom> {
+        if let Some(p) = self.pending.get(&room) {
+            if p.generation > generation {
+                self.refuse_stale(sid, room, generation);
+                return None;
+            }
+            if p.generation < generation {
+                self.pending.remove(&room);
+            }
+        }
+        if !self.pending.contains_key(&room) {
+            while self.pending.len() >= self.config.pending_requests as usize {
+                let Some((old, g)) = self.pending_order.pop_front() else {
+                    break;
+                };
+                if self.pending.get(&old).is_some_and(|p| p.generation == g) {
+                    if let Some(p) = self.pending.remove(&old) {
+                        // Evicted before the sender opened: the requesters must not wait forever.
+                        self.reject_pending(old, p, FailureReason::BootstrapTimeout);
+                    }
+                }
+            }
+            self.pending_order.push_back((room, generation));
+            self.pending.insert(
+                room,
+                PendingRoom {
+                    generation,
+                    ..PendingRoom::default()
+                },
+            );
+        }
+        self.pending.get_mut(&room)
+    }
+
+    pub(super) fn reject_pending(&mut self, room: RoomId, p: PendingRoom, reason: FailureReason) {
+        let generation = p.generation;
+        let mut told: SmallVec<[SessionId; 2]> = SmallVec::new();
+        let mut peers: SmallVec<[PeerIdentity; 1]> = SmallVec::new();
+        for sid in p
+            .requests
+            .iter()
+            .map(|x| x.0)
+            .chain(p.notices.iter().map(|x| x.0))
+        {
+            if !told.contains(&sid) {
+                told.push(sid);
+                self.answer_with_outcome(sid, room, generation, Some(reason));
+                if let Some(w) = self.identity(sid) {
+                    peers.push(w);
+                }
+            }
+        }
+        self.tombstones
+            .insert_verdict(room, generation, reason, peers);
+    }
+
+    /// Plans every released, not yet planned layer of a bootstrapped sender room.
+    pub(super) fn plan_room(&mut self, now: Instant, room: RoomId) {
+        let limits = OpLimits {
+            max_bytes: self.config.max_op_bytes,
+            max_slices: self.config.max_op_slices,
+        };
+        let layout = self.local.layout;
+        let first_layer = self.local.layer_start;
+        let owned = self.owned_layers();
+        let writes_aux = self.local.writes_aux;
+        let Some((generation, s)) = live_sender(&mut self.rooms, room) else {
+            return;
+        };
+        let mut new_ops: Vec<(SessionId, OpKind, Range<usize>, Vec<Slice>)> = Vec::new();
+        let mut overflow = false;
+        for c in s.chunks.iter_mut() {
+            let end = c.dst_start as usize + c.src.len();
+            if s.receivers.iter().any(|x| x.dst.len() < end) {
+                overflow = true;
+                break;
+            }
+            // Layers ready now and not yet planned, grouped into consecutive ranges so that
+            // whole-batch chunks become as few operations as the limits allow.
+            let mut l = 0;
+            while l < owned {
+                if !c.released.get(l) || c.planned.get(l) {
+                    l += 1;
+                    continue;
+                }
+                let start = l;
+                while l < owned
+                    && c.released.get(l)
+                    && !c.planned.get(l)
+                    && (!c.layerwise || l == start)
+                {
+                    c.planned.set(l);
+                    l += 1;
+                }
+                let layers = first_layer + start as u16..first_layer + l as u16;
+                for x in &s.receivers {
+                    let dst = &x.dst[c.dst_start as usize..end];
+                    for slices in plan_kv(&layout, layers.clone(), &c.src, dst, limits) {
+                        new_ops.push((x.session, OpKind::Kv, start..l, slices));
+                    }
+                }
+            }
+        }
+        if overflow {
+            warn!(%room, "chunk exceeds the pages decode granted");
+            self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+            return;
+        }
+        while s
+            .chunks
+            .front()
+            .is_some_and(|c| c.planned.count() as usize == owned)
+        {
+            s.chunks.pop_front();
+        }
+        if s.last_seen && s.chunks.is_empty() && writes_aux {
+            for x in &s.receivers {
+                let slices = plan_aux(&layout, s.aux_src, x.aux_slot, s.state_src, x.state_slot);
+                if !slices.is_empty() {
+                    new_ops.push((x.session, OpKind::Aux, 0..0, slices));
+                }
+            }
+            s.aux_src = None;
+            s.state_src = None;
+        }
+        s.ops_live += new_ops.len() as u32;
+        if s.layer_live.len() < owned {
+            s.layer_live.resize(owned, 0);
+        }
+        for (_, _, layers, _) in &new_ops {
+            for n in &mut s.layer_live[layers.clone()] {
+                *n += 1;
+            }
+        }
+        let any = !new_ops.is_empty();
+        for (sid, kind, layers, slices) in new_ops {
+            let bytes = slices.iter().map(|x| x.len).sum();
+            self.counters.ops_planned += 1;
+            self.counters.bytes_planned += bytes;
+            let id = self.alloc_op_id();
+            self.ops.insert(
+                id,
+                Op {
+                    session: sid,
+                    room: Some(room),
+                    generation,
+                    kind,
+                    slices: Arc::from(slices),
+                    layers,
+                    bytes,
+                    attempt: 1,
+                    phase: OpPhase::Queued,
+                    timer: None,
+                    superseded: false,
+                },
+            );
+            if let Some(x) = self.sessions.get_mut(&sid) {
+                x.queue.push_back(id);
+                x.last_targeted = now;
+            }
+            self.mark_ready(sid);
+        }
+        if any {
+            self.set_state(room, KvPoll::Transferring);
+            self.send_progress(now, room, ProgressStage::Transferring);
+        }
+        self.report_delivered_layers(room);
+        self.check_sender_complete(now, room);
+    }
+
+    pub(super) fn check_sender_complete(&mut self, now: Instant, room: RoomId) {
+        let Some(r) = self.rooms.get(&room) else {
+            return;
+        };
+        let Side::Sender(s) = &r.side else { return };
+        let complete = !r.state.is_terminal()
+            && r.state != KvPoll::Bootstrapping
+            && s.last_seen
+            && s.chunks.is_empty()
+            && s.ops_live == 0;
+        if complete {
+            self.conclude(now, room, KvPoll::Success);
+        }
+    }
+}
