@@ -1494,10 +1494,17 @@ async fn ack_loop(read: TcpStream, ledger: Rc<RefCell<LedgerState>>, report: Loc
 /// Reads an accepted connection's preamble and hands it to the shard.
 async fn accept(weak: Weak<Shard>, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
+    // A connection that says nothing gets as long as a handshake, then is dropped.
+    let Some(wait) = weak
+        .upgrade()
+        .map(|s| s.state.borrow().endpoint.config().handshake_timeout)
+    else {
+        return;
+    };
     let preamble = {
         let read = read_preamble_on(&mut stream);
         let timeout = async {
-            glommio::timer::sleep(Duration::from_secs(5)).await;
+            glommio::timer::sleep(wait).await;
             Err(kvferry_tcp::ServeError::Io(
                 std::io::ErrorKind::TimedOut.into(),
             ))

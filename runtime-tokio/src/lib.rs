@@ -814,7 +814,11 @@ fn attach_control(
 }
 
 async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
-    let Some(tls) = weak.upgrade().map(|s| s.tls.clone()) else {
+    // A connection that says nothing gets as long as a handshake, then is dropped.
+    let Some((tls, wait)) = weak.upgrade().map(|s| {
+        let wait = s.lock().endpoint.config().handshake_timeout;
+        (s.tls.clone(), wait)
+    }) else {
         return;
     };
     let opened = async {
@@ -824,7 +828,7 @@ async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
         let preamble = read_preamble(&mut stream).await?;
         Ok::<_, kvferry_tcp::ServeError>((stream, preamble))
     };
-    let (mut stream, preamble) = match tokio::time::timeout(Duration::from_secs(5), opened).await {
+    let (mut stream, preamble) = match tokio::time::timeout(wait, opened).await {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => {
             warn!(%peer, error = %e, "refused a connection");
