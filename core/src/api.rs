@@ -254,6 +254,12 @@ pub enum Event {
         /// The peer's explanation.
         detail: String,
     },
+    /// [`crate::Endpoint::shutdown`] is complete: every session closed (`unclosed` 0), or
+    /// `shutdown_timeout` passed with `unclosed` sessions still closing. The driver may stop.
+    ShutDown {
+        /// Sessions whose connections had not closed by then.
+        unclosed: usize,
+    },
     /// A session ended; the driver's connections of it are closed.
     SessionClosed {
         /// The session.

@@ -40,6 +40,9 @@ pub struct Config {
     pub connect_timeout: Duration,
     /// Deadline for the peer's hello after a session opened (`KVFERRY_HANDSHAKE_TIMEOUT_MS`, 10000).
     pub handshake_timeout: Duration,
+    /// How long a shutdown waits for every session's connections to close before it is
+    /// reported complete anyway (`KVFERRY_SHUTDOWN_TIMEOUT_MS`, 2000).
+    pub shutdown_timeout: Duration,
     /// An attempt not reported within this is treated as a transient failure and its session
     /// is fenced (`KVFERRY_OPERATION_TIMEOUT_MS`, 30000).
     pub operation_timeout: Duration,
@@ -87,6 +90,7 @@ impl Default for Config {
             silence_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_millis(200),
             handshake_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(2),
             operation_timeout: Duration::from_secs(30),
             max_op_bytes: 64 << 20,
             max_op_slices: 4096,
@@ -182,6 +186,10 @@ const FIELDS: &[(&str, Field)] = &[
     (
         "CONNECT_TIMEOUT_MS",
         Field::Millis(|c| &mut c.connect_timeout),
+    ),
+    (
+        "SHUTDOWN_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.shutdown_timeout),
     ),
     (
         "HANDSHAKE_TIMEOUT_MS",
@@ -311,6 +319,7 @@ impl Config {
             ("ABORT_ACK_TIMEOUT_MS", self.abort_ack_timeout),
             ("PROGRESS_INTERVAL_MS", self.progress_interval),
             ("CONNECT_TIMEOUT_MS", self.connect_timeout),
+            ("SHUTDOWN_TIMEOUT_MS", self.shutdown_timeout),
             ("HANDSHAKE_TIMEOUT_MS", self.handshake_timeout),
             ("OPERATION_TIMEOUT_MS", self.operation_timeout),
             ("RECONNECT_INTERVAL_MS", self.reconnect_interval),

@@ -34,6 +34,8 @@ pub enum Timer {
     Reconnect(crate::ids::TargetId),
     /// A target has been without a session for `unreachable_timeout`: rooms waiting for it fail.
     Unreachable(crate::ids::TargetId),
+    /// A shutdown waited `shutdown_timeout` for its sessions to close: it is complete anyway.
+    Shutdown,
 }
 
 /// Opaque key of an armed timer, kept by its owner to disarm it.

@@ -320,3 +320,29 @@ fn transport_bytes_reach_the_peers_backend_unchanged_and_only_on_a_ready_session
         Err(kvferry_core::ApiError::UnknownSession(SessionId(999)))
     );
 }
+
+#[test]
+fn a_shutdown_completes_when_its_last_session_closes_or_at_its_timeout() {
+    use kvferry_core::Event;
+    use std::time::Duration;
+    let shut_down = |e: &mut Endpoint| {
+        std::iter::from_fn(|| e.poll_event()).find_map(|ev| match ev {
+            Event::ShutDown { unclosed } => Some(unclosed),
+            _ => None,
+        })
+    };
+    let mut t = Pair::new();
+    t.p.shutdown(t.now);
+    assert_eq!(shut_down(&mut t.p), None, "its session is still closing");
+    // The driver closed the session's connections.
+    t.p.handle_disconnected(t.now, t.sp);
+    assert_eq!(shut_down(&mut t.p), Some(0));
+    assert!(t.p.shutdown_complete());
+    // A session whose connections never close: complete at the timeout, and says so.
+    let timeout = t.d.config().shutdown_timeout;
+    t.d.shutdown(t.now);
+    t.d.handle_timeout(t.now + timeout - Duration::from_millis(1));
+    assert_eq!(shut_down(&mut t.d), None);
+    t.d.handle_timeout(t.now + timeout);
+    assert_eq!(shut_down(&mut t.d), Some(1));
+}

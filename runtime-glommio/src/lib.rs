@@ -583,6 +583,8 @@ struct Shard {
     stopped: Cell<bool>,
     /// Tasks that live as long as the shard (listeners, the timer).
     background: RefCell<Vec<Task<()>>>,
+    /// Told when the core reports the shutdown complete.
+    shutdown_done: RefCell<Option<LocalSender<()>>>,
 }
 
 struct ShardState {
@@ -733,6 +735,7 @@ async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(),
         wake,
         stopped: Cell::new(false),
         background: RefCell::new(Vec::new()),
+        shutdown_done: RefCell::new(None),
     });
     let timer = glommio::spawn_local(drive(Rc::downgrade(&shard), wake_rx));
     shard.background.borrow_mut().push(timer);
@@ -935,6 +938,11 @@ impl Shard {
         match *event {
             ref e if RoomBook::follows(e) => {
                 self.state.borrow_mut().rooms.on_event(event);
+            }
+            Event::ShutDown { .. } => {
+                if let Some(tx) = self.shutdown_done.borrow_mut().take() {
+                    let _ = tx.try_send(());
+                }
             }
             Event::SessionEstablished { session, peer } => {
                 info!(shard = self.index, %session, node = %peer.node, "session established");
@@ -1354,12 +1362,14 @@ impl Shard {
         .detach();
     }
 
-    /// Fails every room, tells every peer, and waits (bounded) until every session closed.
+    /// Fails every room, tells every peer, and waits until the core says the shutdown is
+    /// complete (every session closed, or its shutdown timeout).
     async fn shutdown(self: Rc<Self>) {
+        let (tx, rx) = local_channel::new_bounded::<()>(1);
+        *self.shutdown_done.borrow_mut() = Some(tx);
         self.with_endpoint(|e, now| e.shutdown(now));
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while Instant::now() < deadline && !self.state.borrow().io.is_empty() {
-            glommio::timer::sleep(Duration::from_millis(5)).await;
+        if !self.state.borrow().endpoint.shutdown_complete() {
+            let _ = rx.recv().await;
         }
         self.stop();
     }

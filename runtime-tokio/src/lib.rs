@@ -441,13 +441,19 @@ impl Node {
 
     /// Fails every room, tells every peer, closes every connection and stops the tasks.
     pub async fn shutdown(&self) {
+        // The core says when it is done: every session closed, or its shutdown timeout.
+        let mut events = self.shared.events.subscribe();
         self.with(|e, now| e.shutdown(now));
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-        while tokio::time::Instant::now() < deadline {
-            if self.shared.lock().io.is_empty() {
-                break;
+        loop {
+            match events.recv().await {
+                Ok(Event::ShutDown { .. }) | Err(broadcast::error::RecvError::Closed) => break,
+                Err(broadcast::error::RecvError::Lagged(_))
+                    if self.shared.lock().endpoint.shutdown_complete() =>
+                {
+                    break
+                }
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let _ = self.shared.stopped.send(true);
         self.shared.wake.notify_one();

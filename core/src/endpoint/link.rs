@@ -224,6 +224,9 @@ impl Endpoint {
         if let Some(target) = target {
             self.schedule_reconnect(now, target, false);
         }
+        if self.sessions.is_empty() {
+            self.finish_shutdown();
+        }
     }
 
     /// The driver carried out [`Action::FenceSession`]: no write of this session that was in

@@ -74,6 +74,10 @@ pub struct Endpoint {
     nonces: Nonces,
     last_now: Instant,
     shut_down: bool,
+    /// Armed by a shutdown while sessions are still closing.
+    shutdown_timer: Option<TimerKey>,
+    /// [`Event::ShutDown`] went out.
+    shutdown_complete: bool,
     sessions: Map<SessionId, Session>,
     next_session: u32,
     /// Established sessions by peer node, to notice restarts and duplicates.
@@ -627,6 +631,8 @@ impl Endpoint {
             nonces,
             last_now: now,
             shut_down: false,
+            shutdown_timer: None,
+            shutdown_complete: false,
             sessions: Map::with_hasher(hasher.clone()),
             next_session: 0,
             nodes: Map::with_hasher(hasher.clone()),

@@ -63,6 +63,35 @@ impl Endpoint {
                 FailureReason::Shutdown,
             );
         }
+        if self.sessions.is_empty() {
+            self.finish_shutdown();
+        } else if self.shutdown_timer.is_none() && !self.shutdown_complete {
+            let due = now + self.config.shutdown_timeout;
+            self.timers
+                .set(&mut self.shutdown_timer, due, Timer::Shutdown);
+        }
+    }
+
+    /// Whether the shutdown completed ([`Event::ShutDown`] went out).
+    pub fn shutdown_complete(&self) -> bool {
+        self.shutdown_complete
+    }
+
+    /// Reports the shutdown complete, once: when the last session closed, or at its timeout.
+    pub(super) fn finish_shutdown(&mut self) {
+        if !self.shut_down || self.shutdown_complete {
+            return;
+        }
+        self.shutdown_complete = true;
+        self.timers.cancel(&mut self.shutdown_timer);
+        let unclosed = self.sessions.len();
+        if unclosed > 0 {
+            warn!(
+                unclosed,
+                "shutdown timeout: sessions still closing are dropped"
+            );
+        }
+        self.events.push_back(Event::ShutDown { unclosed });
     }
 
     pub(super) fn check_open(

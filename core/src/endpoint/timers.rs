@@ -167,6 +167,11 @@ impl Endpoint {
                 self.dial(target);
             }
             Timer::Silence(sid) => self.on_silence_timer(now, sid, key),
+            Timer::Shutdown => {
+                if fired(&mut self.shutdown_timer, key) {
+                    self.finish_shutdown();
+                }
+            }
             Timer::Unreachable(target) => {
                 let Some(t) = self.targets.get_mut(&target) else {
                     return;
