@@ -294,6 +294,9 @@ pub enum Action {
         /// Give up on this attempt after this long and report [`ConnectFailure::NoAnswer`].
         timeout: core::time::Duration,
     },
+    /// Open one more data connection of this session (this side dialed it), proving the
+    /// session's key ([`crate::Endpoint::data_key`]): it replaces one that broke.
+    OpenDataConnection(SessionId),
 }
 
 /// Why a connection attempt to a target failed: the evidence behind a room's reason.

@@ -43,6 +43,10 @@ pub struct Config {
     /// How long a shutdown waits for every session's connections to close before it is
     /// reported complete anyway (`KVFERRY_SHUTDOWN_TIMEOUT_MS`, 2000).
     pub shutdown_timeout: Duration,
+    /// First wait before a broken data connection of a live session is replaced; doubles
+    /// for each further loss within `reconnect_max_interval`, up to it
+    /// (`KVFERRY_DATA_RECONNECT_INTERVAL_MS`, 10).
+    pub data_reconnect_interval: Duration,
     /// An attempt not reported within this is treated as a transient failure and its session
     /// is fenced (`KVFERRY_OPERATION_TIMEOUT_MS`, 30000).
     pub operation_timeout: Duration,
@@ -91,6 +95,7 @@ impl Default for Config {
             connect_timeout: Duration::from_millis(200),
             handshake_timeout: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(2),
+            data_reconnect_interval: Duration::from_millis(10),
             operation_timeout: Duration::from_secs(30),
             max_op_bytes: 64 << 20,
             max_op_slices: 4096,
@@ -190,6 +195,10 @@ const FIELDS: &[(&str, Field)] = &[
     (
         "SHUTDOWN_TIMEOUT_MS",
         Field::Millis(|c| &mut c.shutdown_timeout),
+    ),
+    (
+        "DATA_RECONNECT_INTERVAL_MS",
+        Field::Millis(|c| &mut c.data_reconnect_interval),
     ),
     (
         "HANDSHAKE_TIMEOUT_MS",
@@ -320,6 +329,7 @@ impl Config {
             ("PROGRESS_INTERVAL_MS", self.progress_interval),
             ("CONNECT_TIMEOUT_MS", self.connect_timeout),
             ("SHUTDOWN_TIMEOUT_MS", self.shutdown_timeout),
+            ("DATA_RECONNECT_INTERVAL_MS", self.data_reconnect_interval),
             ("HANDSHAKE_TIMEOUT_MS", self.handshake_timeout),
             ("OPERATION_TIMEOUT_MS", self.operation_timeout),
             ("RECONNECT_INTERVAL_MS", self.reconnect_interval),

@@ -618,8 +618,9 @@ impl Sim {
                     Action::CloseSession(session) => {
                         self.push(self.now, Pending::Close { node: n, session })
                     }
-                    // The simulation manages its links itself (connect, reset_link).
-                    Action::Connect { .. } => {}
+                    // The simulation manages its links itself (connect, reset_link), and its
+                    // data path has no connections to replace.
+                    Action::Connect { .. } | Action::OpenDataConnection(_) => {}
                 }
             }
             while let Some(op) = self.nodes[n].endpoint.poll_transfer(self.now) {

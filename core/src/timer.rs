@@ -36,6 +36,8 @@ pub enum Timer {
     Unreachable(crate::ids::TargetId),
     /// A shutdown waited `shutdown_timeout` for its sessions to close: it is complete anyway.
     Shutdown,
+    /// Time to replace a session's broken data connections.
+    DataReconnect(SessionId),
 }
 
 /// Opaque key of an armed timer, kept by its owner to disarm it.

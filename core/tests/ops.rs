@@ -346,3 +346,33 @@ fn a_shutdown_completes_when_its_last_session_closes_or_at_its_timeout() {
     t.d.handle_timeout(t.now + timeout);
     assert_eq!(shut_down(&mut t.d), Some(1));
 }
+
+#[test]
+fn a_broken_data_connection_is_replaced_by_the_dialer_after_a_growing_wait() {
+    use kvferry_core::Action;
+    use std::time::Duration;
+    let opens = |e: &mut Endpoint| {
+        std::iter::from_fn(|| e.poll_action())
+            .filter(|a| matches!(a, Action::OpenDataConnection(_)))
+            .count()
+    };
+    let mut t = Pair::new();
+    let base = t.p.config().data_reconnect_interval;
+    // The dialer (prefill here) replaces it after the first wait.
+    t.p.handle_data_connection_lost(t.now, t.sp);
+    t.p.handle_timeout(t.now + base - Duration::from_micros(1));
+    assert_eq!(opens(&mut t.p), 0, "not before the wait");
+    t.p.handle_timeout(t.now + base);
+    assert_eq!(opens(&mut t.p), 1);
+    // Another loss right after waits twice as long.
+    let later = t.now + base;
+    t.p.handle_data_connection_lost(later, t.sp);
+    t.p.handle_timeout(later + base);
+    assert_eq!(opens(&mut t.p), 0);
+    t.p.handle_timeout(later + 2 * base);
+    assert_eq!(opens(&mut t.p), 1);
+    // The accepting side never dials: it waits for the dialer's connection.
+    t.d.handle_data_connection_lost(t.now, t.sd);
+    t.d.handle_timeout(t.now + Duration::from_secs(1));
+    assert_eq!(opens(&mut t.d), 0);
+}

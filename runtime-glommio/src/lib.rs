@@ -892,6 +892,18 @@ impl Shard {
                     Action::FenceSession(sid) => self.start_fence(sid),
                     Action::CloseSession(sid) => self.start_close(sid),
                     Action::Connect { target, timeout } => self.start_connect(target, timeout),
+                    Action::OpenDataConnection(sid) => {
+                        let addr = self
+                            .state
+                            .borrow()
+                            .io
+                            .get(&sid)
+                            .filter(|io| !io.data.is_closing())
+                            .and_then(|io| io.peer_addr);
+                        if let Some(addr) = addr {
+                            self.open_data_connections(sid, addr, 1);
+                        }
+                    }
                 }
             }
             loop {
@@ -1169,10 +1181,10 @@ impl Shard {
                         Err(e) => debug!(error = %e, "data connection ended"),
                     }
                     drop(stream);
-                    // A fence cancels this task before it gets here: this end was a break.
-                    glommio::timer::sleep(Duration::from_millis(10)).await;
+                    // A fence cancels this task before it gets here: this end was a break, and
+                    // the core decides whether and when it is replaced.
                     if let Some(shard) = weak.upgrade() {
-                        shard.reopen_after_break(sid);
+                        shard.with_endpoint(|e, now| e.handle_data_connection_lost(now, sid));
                     }
                 }))
             }
@@ -1231,22 +1243,6 @@ impl Shard {
                 }
             })
             .detach();
-        }
-    }
-
-    fn reopen_after_break(self: &Rc<Self>, sid: SessionId) {
-        let addr = {
-            let mut st = self.state.borrow_mut();
-            let Some(io) = st.io.get_mut(&sid) else {
-                return;
-            };
-            if io.data.is_closing() {
-                return;
-            }
-            io.peer_addr
-        };
-        if let Some(addr) = addr {
-            self.open_data_connections(sid, addr, 1);
         }
     }
 

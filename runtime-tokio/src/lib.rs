@@ -647,6 +647,15 @@ fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
                 Action::Connect { target, timeout } => {
                     start_connect(shared, inner, target, timeout)
                 }
+                Action::OpenDataConnection(sid) => {
+                    let open = inner.io.get(&sid).filter(|io| !io.data.is_closing());
+                    if let (Some(addr), Some(key)) = (
+                        open.and_then(|io| io.peer_addr),
+                        inner.endpoint.data_key(sid),
+                    ) {
+                        open_data_connections_n(shared, sid, addr, 1, key);
+                    }
+                }
             }
         }
         let now = Instant::now();
@@ -937,7 +946,7 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: Conn) {
                         Err(e) => debug!(error = %e, "data connection ended"),
                     }
                     // A fence aborts this task before it gets here: this end was a break.
-                    reopen_after_break(&weak, sid).await;
+                    data_connection_lost(&weak, sid);
                 }
                 .instrument(info_span!("kvferry_data", session = %sid)),
             );
@@ -1074,27 +1083,21 @@ fn start_close(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
     });
 }
 
-/// The connector side replaces a data connection that broke while its session lives on.
-async fn reopen_after_break(weak: &Weak<Shared>, sid: SessionId) {
-    tokio::time::sleep(Duration::from_millis(10)).await;
+/// A data connection of `sid` ended on its own: the core decides whether and when it is
+/// replaced ([`Action::OpenDataConnection`]).
+fn data_connection_lost(weak: &Weak<Shared>, sid: SessionId) {
     let Some(shared) = weak.upgrade() else { return };
-    let addr = {
-        let mut inner = shared.lock();
-        let Some(io) = inner.io.get_mut(&sid) else {
-            return;
-        };
+    let mut inner = shared.lock();
+    if let Some(io) = inner.io.get_mut(&sid) {
         io.data.retain(|c| match c {
             DataConn::Receiver(t) => !t.is_finished(),
             DataConn::Sender(_) => true,
         });
-        if io.data.is_closing() {
-            return;
-        }
-        (io.peer_addr, inner.endpoint.data_key(sid))
-    };
-    if let (Some(addr), Some(key)) = addr {
-        open_data_connections_n(&shared, sid, addr, 1, key);
     }
+    inner
+        .endpoint
+        .handle_data_connection_lost(Instant::now(), sid);
+    drain(&shared, &mut inner);
 }
 
 /// The receive path's way to this node's endpoint: its lock, then a drain.

@@ -167,6 +167,24 @@ impl Endpoint {
                 self.dial(target);
             }
             Timer::Silence(sid) => self.on_silence_timer(now, sid, key),
+            Timer::DataReconnect(sid) => {
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
+                if !fired(&mut s.data_timer, key) {
+                    return;
+                }
+                let live = matches!(
+                    s.state,
+                    SessionState::Established | SessionState::Blacklisted
+                );
+                let n = std::mem::take(&mut s.data_lost);
+                if live && !s.fencing {
+                    for _ in 0..n {
+                        self.actions.push_back(Action::OpenDataConnection(sid));
+                    }
+                }
+            }
             Timer::Shutdown => {
                 if fired(&mut self.shutdown_timer, key) {
                     self.finish_shutdown();
