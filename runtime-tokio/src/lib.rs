@@ -443,8 +443,12 @@ impl Node {
     pub async fn shutdown(&self) {
         // The core says when it is done: every session closed, or its shutdown timeout.
         let mut events = self.shared.events.subscribe();
-        self.with(|e, now| e.shutdown(now));
-        loop {
+        let complete = self.with(|e, now| {
+            e.shutdown(now);
+            e.shutdown_complete()
+        });
+        // A second call finds the shutdown complete already: its event went out before.
+        while !complete {
             match events.recv().await {
                 Ok(Event::ShutDown { .. }) | Err(broadcast::error::RecvError::Closed) => break,
                 Err(broadcast::error::RecvError::Lagged(_))

@@ -238,3 +238,22 @@ async fn a_decode_stopped_mid_run_opens_no_more_rooms_and_reports_every_one() {
     );
     prefill.shutdown().await;
 }
+
+/// What `kvferry decode` does on SIGINT: its signal task shuts the node down, and the run
+/// shuts it down again when it ends. Both calls return, on both drivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_shut_down_twice_returns_both_times() {
+    for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
+        let shape = rooms(1, 1).shape;
+        let (prefill, addrs, _server) =
+            prefill_on(runtime, &shape, core(), 51, "127.0.0.1:0".parse().unwrap()).await;
+        let decode = start_on(runtime, Role::Decode, &shape, core(), 52);
+        decode.connect(addrs).await.unwrap();
+        for call in ["first", "second"] {
+            tokio::time::timeout(Duration::from_secs(10), decode.shutdown())
+                .await
+                .unwrap_or_else(|_| panic!("{runtime:?}: the {call} shutdown hangs"));
+        }
+        prefill.shutdown().await;
+    }
+}
