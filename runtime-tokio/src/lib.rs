@@ -448,15 +448,17 @@ impl Node {
             e.shutdown_complete()
         });
         // A second call finds the shutdown complete already: its event went out before.
-        while !complete {
-            match events.recv().await {
-                Ok(Event::ShutDown { .. }) | Err(broadcast::error::RecvError::Closed) => break,
-                Err(broadcast::error::RecvError::Lagged(_))
-                    if self.shared.lock().endpoint.shutdown_complete() =>
-                {
-                    break
+        if !complete {
+            loop {
+                match events.recv().await {
+                    Ok(Event::ShutDown { .. }) | Err(broadcast::error::RecvError::Closed) => break,
+                    Err(broadcast::error::RecvError::Lagged(_))
+                        if self.shared.lock().endpoint.shutdown_complete() =>
+                    {
+                        break
+                    }
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
                 }
-                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
             }
         }
         let _ = self.shared.stopped.send(true);
