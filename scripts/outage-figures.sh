@@ -118,6 +118,21 @@ start_decode() { # log file; prints the start time
     DECODE_PID=$!
 }
 
+# SIGINT, as a user's Ctrl-C: the decode must end with its report within 10 s.
+stop_decode() {
+    kill -INT "$DECODE_PID"
+    for _ in $(seq 100); do
+        kill -0 "$DECODE_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$DECODE_PID" 2>/dev/null; then
+        echo "FAILED: the decode did not exit within 10 s of SIGINT" >&2
+        FAILED_CHECKS=$((FAILED_CHECKS + 1))
+        kill -9 "$DECODE_PID"
+    fi
+    wait "$DECODE_PID" || true
+}
+
 start_prefill
 echo "== link black holes (nft drop on the decode's veth), liveness window ${WINDOW_S} s"
 for secs in "${OUTAGES[@]}"; do
@@ -129,7 +144,7 @@ for secs in "${OUTAGES[@]}"; do
     black_hole off
     heal=$(now_ms)
     sleep 4
-    kill -INT "$DECODE_PID"; wait "$DECODE_PID" || true
+    stop_decode
     summarise "$heal" "$log"
     echo "outage ${secs} s: $SUMMARY the heal"
     if awk -v s="$secs" -v w="$WINDOW_S" 'BEGIN { exit !(s < w) }'; then
@@ -148,7 +163,7 @@ sleep 1
 restart=$(now_ms)
 start_prefill
 sleep 4
-kill -INT "$DECODE_PID"; wait "$DECODE_PID" || true
+stop_decode
 summarise "$restart" "$log"
 echo "prefill restart: $SUMMARY the restart"
 check "prefill restart" connection_lost
