@@ -43,8 +43,8 @@ pub struct Config {
     /// How long a shutdown waits for every session's connections to close before it is
     /// reported complete anyway (`KVFERRY_SHUTDOWN_TIMEOUT_MS`, 2000).
     pub shutdown_timeout: Duration,
-    /// First wait before a broken data connection of a live session is replaced; doubles
-    /// for each further loss within `reconnect_max_interval`, up to it
+    /// Wait before a broken data connection of a live session is replaced (the session's
+    /// control connection is up, so the peer is there: a short, fixed wait)
     /// (`KVFERRY_DATA_RECONNECT_INTERVAL_MS`, 10).
     pub data_reconnect_interval: Duration,
     /// An attempt not reported within this is treated as a transient failure and its session

@@ -98,8 +98,6 @@ impl Endpoint {
             auth,
             data_lost: 0,
             data_timer: None,
-            data_backoff: self.config.data_reconnect_interval,
-            data_lost_at: None,
             window: self.config.heartbeat_interval * self.config.heartbeat_misses,
             silence: self.config.silence_timeout,
             silence_noted: false,

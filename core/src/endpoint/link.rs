@@ -230,12 +230,11 @@ impl Endpoint {
     }
 
     /// One data connection of a live session ended on its own (not by a fence or a close):
-    /// the side that dialed the session replaces it after a short, growing wait
+    /// the side that dialed the session replaces it after `data_reconnect_interval`
     /// ([`Action::OpenDataConnection`]); the other side waits for the dialer's.
     pub fn handle_data_connection_lost(&mut self, now: Instant, session: SessionId) {
         let now = self.clock(now);
-        let base = self.config.data_reconnect_interval;
-        let max = self.config.reconnect_max_interval.max(base);
+        let wait = self.config.data_reconnect_interval;
         let Some(s) = self.sessions.get_mut(&session) else {
             return;
         };
@@ -246,18 +245,10 @@ impl Endpoint {
         if !live || s.inbound || s.fencing || self.superseded.contains_key(&session) {
             return;
         }
-        if s.data_lost_at
-            .is_some_and(|t| now.saturating_duration_since(t) > max)
-        {
-            s.data_backoff = base;
-        }
-        s.data_lost_at = Some(now);
         s.data_lost += 1;
         if s.data_timer.is_none() {
-            let due = now + s.data_backoff;
             self.timers
-                .set(&mut s.data_timer, due, Timer::DataReconnect(session));
-            s.data_backoff = (s.data_backoff * 2).min(max);
+                .set(&mut s.data_timer, now + wait, Timer::DataReconnect(session));
         }
     }
 

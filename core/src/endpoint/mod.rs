@@ -172,12 +172,9 @@ struct Session {
     inbound: bool,
     /// The handshake's authentication so far, then the session's key.
     auth: Auth,
-    /// Broken data connections waiting to be replaced, their timer, the next wait, and when
-    /// the last one broke.
+    /// Broken data connections waiting to be replaced, and their timer.
     data_lost: u32,
     data_timer: Option<TimerKey>,
-    data_backoff: Duration,
-    data_lost_at: Option<Instant>,
     /// How long this session may stay silent before it is given up: the longer of our
     /// liveness window and the one the peer announced.
     window: Duration,
