@@ -829,107 +829,25 @@ mod tests {
     }
 }
 
-/// One workload moved between two tokio nodes on loopback over TCP and over RDMA, in one run.
+/// One workload moved between two tokio nodes on loopback over two kinds of link (plain TCP
+/// against RDMA, or against TLS), in one run.
 #[derive(Clone, Debug)]
-pub struct BackendPoint {
+pub struct LinkPoint {
     /// What moved.
     pub workload: &'static str,
-    /// GB/s over TCP data connections.
-    pub tcp_gbps: f64,
-    /// GB/s over RDMA WRITEs.
-    pub rdma_gbps: f64,
-    /// Every page of both runs verified, none corrupted or unfinished.
-    pub clean: bool,
-}
-
-/// `bench --backend rdma`: the same room workloads through a prefill and a decode node, once
-/// over TCP and once over RDMA, best of `iterations` each (every byte verified every time).
-pub async fn backends(
-    iterations: usize,
-    device: Option<String>,
-) -> Result<Vec<BackendPoint>, kvferry_tokio::NodeError> {
-    let workloads: [(&'static str, crate::Shape, u64); 3] = [
-        (
-            "64 MiB rooms",
-            crate::Shape {
-                page_bytes: 256 * 1024,
-                pages_per_room: 16,
-                concurrency: 4,
-                ..crate::Shape::default()
-            },
-            16,
-        ),
-        ("8 MiB rooms of 16 KiB pages", crate::Shape::default(), 128),
-        (
-            "1 MiB rooms of 4 KiB pages",
-            crate::Shape {
-                page_bytes: 4096,
-                ..crate::Shape::default()
-            },
-            256,
-        ),
-    ];
-    let mut out = Vec::new();
-    for (workload, shape, rooms) in workloads {
-        let mut best = [0.0f64; 2];
-        let mut clean = true;
-        for _ in 0..iterations.max(1) {
-            for (k, backend) in [
-                kvferry_tokio::DataBackend::Tcp,
-                kvferry_tokio::DataBackend::Rdma {
-                    device: device.clone(),
-                    port: 1,
-                },
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                let report = crate::run_demo(
-                    shape.clone(),
-                    kvferry_core::Config::default(),
-                    rooms,
-                    crate::DemoFaults::default(),
-                    None,
-                    crate::Runtime::Tokio,
-                    backend.into(),
-                )
-                .await?;
-                clean &= report.pages_corrupted == 0
-                    && report.rooms_unfinished == 0
-                    && report.rooms_succeeded == rooms;
-                best[k] = best[k].max(report.throughput_gbps);
-            }
-        }
-        out.push(BackendPoint {
-            workload,
-            tcp_gbps: best[0],
-            rdma_gbps: best[1],
-            clean,
-        });
-    }
-    Ok(out)
-}
-
-/// One workload moved between two tokio nodes on loopback with TLS off and on, in one run.
-#[derive(Clone, Debug)]
-pub struct TlsPoint {
-    /// What moved.
-    pub workload: &'static str,
-    /// GB/s over plain TCP.
-    pub plain_gbps: f64,
-    /// GB/s with TLS on every connection.
-    pub tls_gbps: f64,
+    /// GB/s over the first link, then over the second.
+    pub gbps: [f64; 2],
     /// Every page of every run verified, none corrupted or unfinished.
     pub clean: bool,
 }
 
-/// `bench --tls`: the same room workloads through a prefill and a decode node, plain and
-/// with TLS, alternating, best of `iterations` each (every byte verified every time). The
-/// certificates are a throwaway CA's, written under the system's temporary directory.
-pub async fn tls(iterations: usize) -> Result<Vec<TlsPoint>, kvferry_tokio::NodeError> {
-    let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
-    let files =
-        crate::testcert::throwaway(&dir, "kvferry").map_err(kvferry_tokio::NodeError::Io)?;
+/// The same room workloads through a prefill and a decode node over each of `links`,
+/// alternating which goes first so drifting load hits both alike, best of `iterations` each
+/// (every byte verified every time).
+async fn side_by_side(
+    iterations: usize,
+    links: [crate::DemoLink; 2],
+) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
     let workloads: [(&'static str, crate::Shape, u64); 3] = [
         (
             "64 MiB rooms",
@@ -953,15 +871,10 @@ pub async fn tls(iterations: usize) -> Result<Vec<TlsPoint>, kvferry_tokio::Node
     ];
     let mut out = Vec::new();
     for (workload, shape, rooms) in workloads {
-        let mut best = [0.0f64; 2];
+        let mut gbps = [0.0f64; 2];
         let mut clean = true;
         for i in 0..iterations.max(1) {
-            // Alternate which goes first, so drifting load hits both alike.
             for k in [i % 2, 1 - i % 2] {
-                let link = crate::DemoLink {
-                    backend: kvferry_tokio::DataBackend::Tcp,
-                    tls: (k == 1).then(|| files.clone()),
-                };
                 let report = crate::run_demo(
                     shape.clone(),
                     kvferry_core::Config::default(),
@@ -969,24 +882,50 @@ pub async fn tls(iterations: usize) -> Result<Vec<TlsPoint>, kvferry_tokio::Node
                     crate::DemoFaults::default(),
                     None,
                     crate::Runtime::Tokio,
-                    link,
+                    links[k].clone(),
                 )
                 .await?;
                 clean &= report.pages_corrupted == 0
                     && report.rooms_unfinished == 0
                     && report.rooms_succeeded == rooms;
-                best[k] = best[k].max(report.throughput_gbps);
+                gbps[k] = gbps[k].max(report.throughput_gbps);
             }
         }
-        out.push(TlsPoint {
+        out.push(LinkPoint {
             workload,
-            plain_gbps: best[0],
-            tls_gbps: best[1],
+            gbps,
             clean,
         });
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(out)
+}
+
+/// `bench --backend rdma`: the room workloads over TCP data connections and over RDMA.
+pub async fn backends(
+    iterations: usize,
+    device: Option<String>,
+) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
+    let rdma = kvferry_tokio::DataBackend::Rdma { device, port: 1 };
+    side_by_side(
+        iterations,
+        [kvferry_tokio::DataBackend::Tcp.into(), rdma.into()],
+    )
+    .await
+}
+
+/// `bench --tls`: the room workloads over plain TCP and with TLS on every connection. The
+/// certificates are a throwaway CA's, written under the system's temporary directory.
+pub async fn tls(iterations: usize) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
+    let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
+    let files =
+        crate::testcert::throwaway(&dir, "kvferry").map_err(kvferry_tokio::NodeError::Io)?;
+    let tls = crate::DemoLink {
+        tls: Some(files),
+        ..crate::DemoLink::default()
+    };
+    let points = side_by_side(iterations, [crate::DemoLink::default(), tls]).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    points
 }
 
 /// How fast the GPU layer waiter notices a completed layer, for one poll policy.

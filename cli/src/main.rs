@@ -328,6 +328,44 @@ fn install_metrics(addr: Option<SocketAddr>) -> Result<(), String> {
     Ok(())
 }
 
+/// Prints `bench --tls` or `--backend rdma` results: each workload over the two links named
+/// `names`, and their ratio; an error if any page was lost or corrupted.
+fn print_link_points(
+    points: &[kvferry_cli::bench::LinkPoint],
+    names: [&str; 2],
+    json: bool,
+) -> Result<(), String> {
+    let [a, b] = names;
+    for p in points {
+        let ratio = p.gbps[1] / p.gbps[0].max(1e-9);
+        if json {
+            let mut o =
+                serde_json::json!({ "workload": p.workload, "runtime": "tokio", "clean": p.clean });
+            o[format!("{a}_gbps")] = p.gbps[0].into();
+            o[format!("{b}_gbps")] = p.gbps[1].into();
+            o[format!("{b}_vs_{a}")] = ratio.into();
+            println!("{o}");
+        } else {
+            println!(
+                "{:<28} {a} {:>7.3} GB/s  {b} {:>7.3} GB/s  {b}/{a} {:>6.3}  {}",
+                p.workload,
+                p.gbps[0],
+                p.gbps[1],
+                ratio,
+                if p.clean {
+                    "every byte verified"
+                } else {
+                    "LOST OR CORRUPTED PAGES"
+                }
+            );
+        }
+    }
+    if points.iter().any(|p| !p.clean) {
+        return Err("pages were lost or corrupted".to_owned());
+    }
+    Ok(())
+}
+
 /// Appends each ended room to `path` (then tells `inner`, the progress bar, if any).
 fn room_logger(path: &std::path::Path, inner: Option<Progress>) -> Result<Progress, String> {
     use std::io::Write;
@@ -733,63 +771,13 @@ async fn run(cli: Cli) -> Result<(), String> {
                 let points = kvferry_cli::bench::tls(iterations.min(3))
                     .await
                     .map_err(|e| e.to_string())?;
-                for p in &points {
-                    let ratio = p.tls_gbps / p.plain_gbps.max(1e-9);
-                    if json {
-                        println!(
-                            "{}",
-                            serde_json::json!({ "workload": p.workload, "runtime": "tokio", "plain_gbps": p.plain_gbps, "tls_gbps": p.tls_gbps, "tls_vs_plain": ratio, "clean": p.clean })
-                        );
-                    } else {
-                        println!(
-                            "{:<28} plain {:>7.3} GB/s  tls {:>7.3} GB/s  tls/plain {:>6.3}  {}",
-                            p.workload,
-                            p.plain_gbps,
-                            p.tls_gbps,
-                            ratio,
-                            if p.clean {
-                                "every byte verified"
-                            } else {
-                                "LOST OR CORRUPTED PAGES"
-                            }
-                        );
-                    }
-                }
-                if points.iter().any(|p| !p.clean) {
-                    return Err("pages were lost or corrupted".to_owned());
-                }
-                return Ok(());
+                return print_link_points(&points, ["plain", "tls"], json);
             }
             if kvferry_cli::Backend::parse(&backend)? == kvferry_cli::Backend::Rdma {
                 let points = kvferry_cli::bench::backends(iterations.min(3), rdma_device)
                     .await
                     .map_err(|e| e.to_string())?;
-                for p in &points {
-                    let ratio = p.rdma_gbps / p.tcp_gbps.max(1e-9);
-                    if json {
-                        println!(
-                            "{}",
-                            serde_json::json!({ "workload": p.workload, "runtime": "tokio", "tcp_gbps": p.tcp_gbps, "rdma_gbps": p.rdma_gbps, "rdma_vs_tcp": ratio, "clean": p.clean })
-                        );
-                    } else {
-                        println!(
-                            "{:<28} tcp {:>7.3} GB/s  rdma {:>7.3} GB/s  rdma/tcp {:>6.3}  {}",
-                            p.workload,
-                            p.tcp_gbps,
-                            p.rdma_gbps,
-                            ratio,
-                            if p.clean {
-                                "every byte verified"
-                            } else {
-                                "LOST OR CORRUPTED PAGES"
-                            }
-                        );
-                    }
-                }
-                if points.iter().any(|p| !p.clean) {
-                    return Err("pages were lost or corrupted".to_owned());
-                }
-                return Ok(());
+                return print_link_points(&points, ["tcp", "rdma"], json);
             }
             if scaling {
                 let points = kvferry_cli::bench::scaling(scaling_rooms, shards)
