@@ -267,6 +267,21 @@ struct Room {
     side: Side,
 }
 
+impl Room {
+    /// A room just opened: Bootstrapping, no deadline armed yet.
+    fn bootstrapping(generation: Generation, now: Instant, side: Side) -> Room {
+        Room {
+            generation,
+            state: KvPoll::Bootstrapping,
+            bootstrap_timer: None,
+            waiting_timer: None,
+            abort_timer: None,
+            last_activity: now,
+            side,
+        }
+    }
+}
+
 #[derive(Debug)]
 enum Side {
     Sender(SenderRoom),
@@ -749,22 +764,6 @@ impl Endpoint {
     /// Ids of the open sessions.
     pub fn session_ids(&self) -> impl Iterator<Item = SessionId> + '_ {
         self.sessions.keys().copied()
-    }
-
-    /// The established (or blacklisted) session whose peer is `node` in its `incarnation`:
-    /// how a driver attaches a data connection that names its peer to the right session.
-    pub fn session_of(
-        &self,
-        node: NodeId,
-        incarnation: crate::ids::Incarnation,
-    ) -> Option<SessionId> {
-        let sid = *self.nodes.get(&node)?;
-        let s = self.sessions.get(&sid)?;
-        let usable = matches!(
-            s.state,
-            SessionState::Established | SessionState::Blacklisted
-        );
-        (usable && s.peer.is_some_and(|p| p.incarnation == incarnation)).then_some(sid)
     }
 
     /// Encodes the next control frame into `buf` and returns the session to send it on.

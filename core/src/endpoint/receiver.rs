@@ -104,15 +104,7 @@ impl Endpoint {
         generation: Generation,
         rr: ReceiverRoom,
     ) {
-        let mut record = Room {
-            generation,
-            state: KvPoll::Bootstrapping,
-            bootstrap_timer: None,
-            waiting_timer: None,
-            abort_timer: None,
-            last_activity: now,
-            side: Side::Receiver(rr),
-        };
+        let mut record = Room::bootstrapping(generation, now, Side::Receiver(rr));
         self.timers.set(
             &mut record.bootstrap_timer,
             now + self.config.bootstrap_timeout,

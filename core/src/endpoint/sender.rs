@@ -36,15 +36,7 @@ impl Endpoint {
             }
             _ => None,
         };
-        let mut record = Room {
-            generation,
-            state: KvPoll::Bootstrapping,
-            bootstrap_timer: None,
-            waiting_timer: None,
-            abort_timer: None,
-            last_activity: now,
-            side: Side::Sender(SenderRoom::default()),
-        };
+        let mut record = Room::bootstrapping(generation, now, Side::Sender(SenderRoom::default()));
         if let Some(reason) = early {
             record.state = KvPoll::Failed(reason);
             self.rooms.insert(room, record);
