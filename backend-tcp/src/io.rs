@@ -19,8 +19,8 @@ use crate::frame::{
     WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    admit, gather_iovecs, prepare_op, scatter_iovecs, Admission, Limits, Preamble, PreambleReader,
-    ServeError, ServeStats, WriteCheck, PREAMBLE_PIECE_MAX,
+    admit, gather_iovecs, parse_preamble, prepare_op, scatter_iovecs, Admission, Limits, Preamble,
+    ServeError, ServeStats, WriteCheck, PREAMBLE_LEN,
 };
 use crate::memory::MemoryMap;
 use crate::tls::{Conn, TlsSetup};
@@ -414,15 +414,9 @@ pub async fn connect_control(
 
 /// Reads the preamble of an accepted connection (bounded, total).
 pub async fn read_preamble<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Preamble, ServeError> {
-    let mut reader = PreambleReader::default();
-    let mut buf = [0u8; PREAMBLE_PIECE_MAX];
-    loop {
-        let piece = &mut buf[..reader.need()];
-        stream.read_exact(piece).await?;
-        if let Some(preamble) = reader.feed(piece)? {
-            return Ok(preamble);
-        }
-    }
+    let mut head = [0u8; PREAMBLE_LEN];
+    stream.read_exact(&mut head).await?;
+    parse_preamble(&head)
 }
 
 /// Accepts (0) or refuses (1) a data connection after its preamble.

@@ -260,38 +260,23 @@ where
     })
 }
 
-/// Length of a connection's first bytes: the magic and the kind.
-pub(crate) const PREAMBLE_HEAD_LEN: usize = 5;
-/// The longest piece a [`PreambleReader`] asks for: the stream readers' buffer size.
-#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
-pub(crate) const PREAMBLE_PIECE_MAX: usize = PREAMBLE_HEAD_LEN;
+/// Length of a connection's preamble: the magic and the kind. A data connection's hello
+/// follows only after the listener sent its challenge.
+pub const PREAMBLE_LEN: usize = 5;
 
 /// Parses a connection's preamble without doing IO, the one place every stream type does:
-/// read [`PreambleReader::need`] bytes, hand them to [`PreambleReader::feed`], repeat until it
-/// yields the preamble. Bounded (5 bytes) and total (bad input is an error). A data
-/// connection's hello follows only after the listener sent its challenge.
-#[derive(Debug, Default)]
-pub struct PreambleReader(());
-
-impl PreambleReader {
-    /// How many bytes [`PreambleReader::feed`] wants next.
-    pub fn need(&self) -> usize {
-        PREAMBLE_HEAD_LEN
+/// exactly [`PREAMBLE_LEN`] bytes, total (bad input is an error).
+pub fn parse_preamble(bytes: &[u8]) -> Result<Preamble, ServeError> {
+    if bytes.len() != PREAMBLE_LEN {
+        return Err(ServeError::Frame(FrameError::Malformed("preamble length")));
     }
-
-    /// Takes exactly [`PreambleReader::need`] bytes; the preamble once it is complete.
-    pub fn feed(&mut self, bytes: &[u8]) -> Result<Option<Preamble>, ServeError> {
-        if bytes.len() != self.need() {
-            return Err(ServeError::Frame(FrameError::Malformed("preamble piece")));
-        }
-        if bytes[..4] != MAGIC {
-            return Err(ServeError::Frame(FrameError::BadMagic));
-        }
-        match bytes[4] {
-            KIND_CONTROL => Ok(Some(Preamble::Control)),
-            KIND_DATA => Ok(Some(Preamble::Data)),
-            other => Err(ServeError::Frame(FrameError::UnknownType(other))),
-        }
+    if bytes[..4] != MAGIC {
+        return Err(ServeError::Frame(FrameError::BadMagic));
+    }
+    match bytes[4] {
+        KIND_CONTROL => Ok(Preamble::Control),
+        KIND_DATA => Ok(Preamble::Data),
+        other => Err(ServeError::Frame(FrameError::UnknownType(other))),
     }
 }
 
@@ -300,7 +285,7 @@ mod tests {
     use super::*;
 
     fn parse(bytes: &[u8]) -> Result<Option<Preamble>, ServeError> {
-        PreambleReader::default().feed(bytes)
+        parse_preamble(bytes).map(Some)
     }
 
     #[test]
@@ -341,8 +326,7 @@ mod tests {
     }
 
     #[test]
-    fn a_piece_of_the_wrong_length_is_refused() {
-        let mut reader = PreambleReader::default();
-        assert!(reader.feed(&MAGIC).is_err());
+    fn a_preamble_of_the_wrong_length_is_refused() {
+        assert!(parse_preamble(&MAGIC).is_err());
     }
 }

@@ -29,8 +29,8 @@ pub use frame::{
     MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 pub use io_common::{
-    gather_iovecs, prepare_op, scatter_iovecs, Limits, Preamble, PreambleReader, ServeError,
-    ServeStats, WriteCheck, MAX_IOV,
+    gather_iovecs, parse_preamble, prepare_op, scatter_iovecs, Limits, Preamble, ServeError,
+    ServeStats, WriteCheck, MAX_IOV, PREAMBLE_LEN,
 };
 pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 #[cfg(feature = "tokio")]

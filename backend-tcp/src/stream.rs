@@ -19,8 +19,8 @@ use crate::frame::{
     WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    admit, Admission, Limits, Preamble, PreambleReader, ServeError, ServeStats, WriteCheck,
-    PREAMBLE_PIECE_MAX,
+    admit, parse_preamble, Admission, Limits, Preamble, ServeError, ServeStats, WriteCheck,
+    PREAMBLE_LEN,
 };
 use crate::memory::MemoryMap;
 
@@ -203,15 +203,9 @@ pub async fn hello_control<S: AsyncWrite + Unpin>(stream: &mut S) -> io::Result<
 pub async fn read_preamble_on<S: AsyncRead + Unpin>(
     stream: &mut S,
 ) -> Result<Preamble, ServeError> {
-    let mut reader = PreambleReader::default();
-    let mut buf = [0u8; PREAMBLE_PIECE_MAX];
-    loop {
-        let piece = &mut buf[..reader.need()];
-        stream.read_exact(piece).await?;
-        if let Some(preamble) = reader.feed(piece)? {
-            return Ok(preamble);
-        }
-    }
+    let mut head = [0u8; PREAMBLE_LEN];
+    stream.read_exact(&mut head).await?;
+    parse_preamble(&head)
 }
 
 /// Accepts (0) or refuses (1) a data connection after its preamble.
