@@ -892,18 +892,7 @@ impl Shard {
                     Action::FenceSession(sid) => self.start_fence(sid),
                     Action::CloseSession(sid) => self.start_close(sid),
                     Action::Connect { target, timeout } => self.start_connect(target, timeout),
-                    Action::OpenDataConnection(sid) => {
-                        let addr = self
-                            .state
-                            .borrow()
-                            .io
-                            .get(&sid)
-                            .filter(|io| !io.data.is_closing())
-                            .and_then(|io| io.peer_addr);
-                        if let Some(addr) = addr {
-                            self.open_data_connections(sid, addr, 1);
-                        }
-                    }
+                    Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
                 }
             }
             loop {
@@ -958,15 +947,7 @@ impl Shard {
             }
             Event::SessionEstablished { session, peer } => {
                 info!(shard = self.index, %session, node = %peer.node, "session established");
-                let addr = self
-                    .state
-                    .borrow()
-                    .io
-                    .get(&session)
-                    .and_then(|io| io.peer_addr);
-                if let Some(addr) = addr {
-                    self.open_data_connections(session, addr, self.data_connections);
-                }
+                self.open_data_connections(session, self.data_connections);
             }
             Event::RoomAnnounced { .. } => self.announcements.on_event(event),
             Event::PeerError {
@@ -1217,9 +1198,19 @@ impl Shard {
         self.drain();
     }
 
-    /// Opens `n` data connections of `sid`, each proving the session's key.
-    fn open_data_connections(self: &Rc<Self>, sid: SessionId, addr: SocketAddr, n: usize) {
-        let Some(key) = self.state.borrow().endpoint.data_key(sid) else {
+    /// Opens `n` data connections of `sid` if this side dialed it (it knows the peer's
+    /// address) and its handshake gave it a key; each proves the key.
+    fn open_data_connections(self: &Rc<Self>, sid: SessionId, n: usize) {
+        let (addr, key) = {
+            let st = self.state.borrow();
+            let addr = st
+                .io
+                .get(&sid)
+                .filter(|io| !io.data.is_closing())
+                .and_then(|io| io.peer_addr);
+            (addr, st.endpoint.data_key(sid))
+        };
+        let (Some(addr), Some(key)) = (addr, key) else {
             return;
         };
         for _ in 0..n {
@@ -1302,11 +1293,9 @@ impl Shard {
         self.unpark(sid);
         let taken = {
             let mut st = self.state.borrow_mut();
-            st.io
-                .get_mut(&sid)
-                .map(|io| (io.data.fence(), io.peer_addr))
+            st.io.get_mut(&sid).map(|io| io.data.fence())
         };
-        let Some((conns, addr)) = taken else {
+        let Some(conns) = taken else {
             self.state
                 .borrow_mut()
                 .endpoint
@@ -1321,9 +1310,7 @@ impl Shard {
             let Some(shard) = weak.upgrade() else { return };
             shard.with_endpoint(|e, now| e.handle_fence_complete(now, sid));
             info!(shard = shard.index, session = %sid, "session fenced");
-            if let Some(addr) = addr {
-                shard.open_data_connections(sid, addr, shard.data_connections);
-            }
+            shard.open_data_connections(sid, shard.data_connections);
         })
         .detach();
     }

@@ -653,15 +653,7 @@ fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
                 Action::Connect { target, timeout } => {
                     start_connect(shared, inner, target, timeout)
                 }
-                Action::OpenDataConnection(sid) => {
-                    let open = inner.io.get(&sid).filter(|io| !io.data.is_closing());
-                    if let (Some(addr), Some(key)) = (
-                        open.and_then(|io| io.peer_addr),
-                        inner.endpoint.data_key(sid),
-                    ) {
-                        open_data_connections_n(shared, sid, addr, 1, key);
-                    }
-                }
+                Action::OpenDataConnection(sid) => open_data_connections(shared, inner, sid, 1),
             }
         }
         let now = Instant::now();
@@ -740,10 +732,7 @@ fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
                 rdma::establish(shared, inner, &node, session);
                 return;
             }
-            let addr = inner.io.get(&session).and_then(|io| io.peer_addr);
-            if let (Some(addr), Some(key)) = (addr, inner.endpoint.data_key(session)) {
-                open_data_connections(shared, session, addr, key);
-            }
+            open_data_connections(shared, inner, session, shared.data_connections);
         }
         Event::RoomAnnounced { .. } => shared.announcements.on_event(event),
         #[cfg(feature = "rdma")]
@@ -963,8 +952,20 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: Conn) {
     drain(shared, &mut inner);
 }
 
-fn open_data_connections(shared: &Arc<Shared>, sid: SessionId, addr: SocketAddr, key: SessionKey) {
-    open_data_connections_n(shared, sid, addr, shared.data_connections, key);
+/// Opens `n` data connections of `sid` if this side dialed it (it knows the peer's address)
+/// and its handshake gave it a key; each proves the key.
+fn open_data_connections(shared: &Arc<Shared>, inner: &Inner, sid: SessionId, n: usize) {
+    let Some(addr) = inner
+        .io
+        .get(&sid)
+        .filter(|io| !io.data.is_closing())
+        .and_then(|io| io.peer_addr)
+    else {
+        return;
+    };
+    if let Some(key) = inner.endpoint.data_key(sid) {
+        open_data_connections_n(shared, sid, addr, n, key);
+    }
 }
 
 /// Opens `n` data connections of `sid`, each proving the session's `key`.
@@ -1036,23 +1037,17 @@ fn start_fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
         return;
     };
     let conns = io.data.fence();
-    let addr = io.peer_addr;
     let weak = Arc::downgrade(shared);
     shared.runtime.spawn(async move {
         for c in conns {
             c.close().await;
         }
         let Some(shared) = weak.upgrade() else { return };
-        let key = {
-            let mut inner = shared.lock();
-            inner.endpoint.handle_fence_complete(Instant::now(), sid);
-            drain(&shared, &mut inner);
-            inner.endpoint.data_key(sid)
-        };
+        let mut inner = shared.lock();
+        inner.endpoint.handle_fence_complete(Instant::now(), sid);
+        drain(&shared, &mut inner);
         info!(session = %sid, "session fenced");
-        if let (Some(addr), Some(key)) = (addr, key) {
-            open_data_connections(&shared, sid, addr, key);
-        }
+        open_data_connections(&shared, &inner, sid, shared.data_connections);
     });
 }
 
