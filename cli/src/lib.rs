@@ -692,7 +692,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
                 abort_after,
             )
             .await;
-            if matches!(&outcome, RoomOutcome::Refused(e) if e == SHUT_DOWN) {
+            if matches!(outcome, RoomOutcome::Refused(_, true)) {
                 shut_down.store(true, std::sync::atomic::Ordering::Relaxed);
             }
             let n = finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
@@ -700,7 +700,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
                 let outcome = match &outcome {
                     RoomOutcome::Ended(KvPoll::Success) => "success".to_owned(),
                     RoomOutcome::Ended(KvPoll::Failed(r)) => r.as_str().to_owned(),
-                    RoomOutcome::Refused(e) => format!("refused:{e}"),
+                    RoomOutcome::Refused(e, _) => format!("refused:{e}"),
                     RoomOutcome::Ended(_) | RoomOutcome::Unfinished => "unfinished".to_owned(),
                 };
                 p(&RoomEnd {
@@ -737,7 +737,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
                     .or_default() += 1;
                 latencies.push(latency);
             }
-            RoomOutcome::Refused(error) => {
+            RoomOutcome::Refused(error, _) => {
                 *report.refused_by_error.entry(error).or_default() += 1;
             }
             RoomOutcome::Ended(_) | RoomOutcome::Unfinished => report.rooms_unfinished += 1,
@@ -786,14 +786,12 @@ struct Tally {
 enum RoomOutcome {
     /// The core's terminal state (or the last state seen).
     Ended(KvPoll),
-    /// The node refused to open the room; the embedder-API error, in snake_case.
-    Refused(String),
+    /// The node refused to open the room; the embedder-API error, in snake_case, and
+    /// whether the refusal was the node being shut down.
+    Refused(String, bool),
     /// No terminal state within the run's deadline.
     Unfinished,
 }
-
-/// [`error_kind`] of a node (or its endpoint) that is shut down.
-const SHUT_DOWN: &str = "shut_down";
 
 /// The variant name of an error, in snake_case (`RoomExists(..)` -> `room_exists`).
 fn error_kind(e: &NodeError) -> String {
@@ -882,7 +880,11 @@ async fn decode_room<N: KvNode>(
         Err(e) => {
             warn!(%room, error = %e, "room could not be opened");
             give_back(&dst);
-            return RoomOutcome::Refused(error_kind(&e));
+            let shut_down = matches!(
+                e,
+                NodeError::ShutDown | NodeError::Api(kvferry_core::ApiError::ShutDown)
+            );
+            return RoomOutcome::Refused(error_kind(&e), shut_down);
         }
     };
     if let Some(delay) = abort_after {
