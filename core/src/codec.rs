@@ -13,8 +13,9 @@ use crate::layout::{Layout, PageRun};
 use crate::state::{FailureReason, Role};
 
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
-/// challenge and proofs (a version 1 peer is refused: [`ErrorCode::VersionMismatch`]).
-pub const PROTOCOL_VERSION: u8 = 2;
+/// challenge and proofs; version 3 added the frame count to the heartbeat (an older peer is
+/// refused: [`ErrorCode::VersionMismatch`]).
+pub const PROTOCOL_VERSION: u8 = 3;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
 /// Longest heartbeat interval a hello may announce (10 minutes).
@@ -90,6 +91,9 @@ pub enum Message {
         free_pages: u32,
         /// Rooms queued for capacity (decode); a saturated decode has free_pages 0 or a queue.
         queued_rooms: u32,
+        /// Frames the sender of this heartbeat has received on this connection so far: tells
+        /// the peer whether its own frames get through, not only whether ours do.
+        frames_received: u64,
     },
     /// Control-level echo request; part of probing a blacklisted session.
     Probe {
@@ -380,10 +384,12 @@ impl Message {
             Message::Heartbeat {
                 free_pages,
                 queued_rooms,
+                frames_received,
             } => {
                 out.put_u8(ty::HEARTBEAT);
                 out.put_u32_le(*free_pages);
                 out.put_u32_le(*queued_rooms);
+                out.put_u64_le(*frames_received);
             }
             Message::Probe { nonce } => {
                 out.put_u8(ty::PROBE);
@@ -683,6 +689,7 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
         ty::HEARTBEAT => Message::Heartbeat {
             free_pages: r.u32()?,
             queued_rooms: r.u32()?,
+            frames_received: r.u64()?,
         },
         ty::PROBE => Message::Probe { nonce: r.u64()? },
         ty::PROBE_ACK => Message::ProbeAck { nonce: r.u64()? },

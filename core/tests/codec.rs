@@ -2,6 +2,7 @@
 
 use kvferry_core::codec::{
     DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HEADER_LEN,
+    PROTOCOL_VERSION,
 };
 use kvferry_core::sim::small_layout;
 use kvferry_core::{FailureReason, Incarnation, NodeId, PageRun, Role, RoomId};
@@ -67,6 +68,7 @@ fn every_message() -> Vec<Message> {
         Message::Heartbeat {
             free_pages: 10,
             queued_rooms: 2,
+            frames_received: 7,
         },
         Message::Probe { nonce: 42 },
         Message::ProbeAck { nonce: 42 },
@@ -129,7 +131,7 @@ fn an_unknown_version_and_type_are_typed_errors() {
         Err(DecodeError::UnknownVersion(9))
     );
     assert_eq!(
-        Message::decode(&[2, 0, 0, 0, 2, 200], MAX),
+        Message::decode(&[2, 0, 0, 0, PROTOCOL_VERSION, 200], MAX),
         Err(DecodeError::UnknownType(200))
     );
     assert_eq!(
@@ -233,7 +235,22 @@ fn every_impossible_hello_value_is_named() {
 /// Found by cargo-fuzz: a lossy decode of invalid UTF-8 re-encoded to other bytes.
 #[test]
 fn an_error_detail_that_is_not_utf8_is_refused() {
-    let crash = [0x0a, 0, 0, 0, 2, 0x0b, 1, 0, 4, 0, 0, 0, 0, 0xee];
+    let crash = [
+        0x0a,
+        0,
+        0,
+        0,
+        PROTOCOL_VERSION,
+        0x0b,
+        1,
+        0,
+        4,
+        0,
+        0,
+        0,
+        0,
+        0xee,
+    ];
     assert_eq!(
         Message::decode(&crash, MAX),
         Err(DecodeError::InvalidField {
@@ -249,10 +266,11 @@ fn header_is_length_version_type() {
     Message::Heartbeat {
         free_pages: 1,
         queued_rooms: 2,
+        frames_received: 3,
     }
     .encode(&mut buf);
-    assert_eq!(buf.len(), HEADER_LEN + 8);
-    assert_eq!(&buf[..6], &[10, 0, 0, 0, 2, 8]);
+    assert_eq!(buf.len(), HEADER_LEN + 16);
+    assert_eq!(&buf[..6], &[18, 0, 0, 0, PROTOCOL_VERSION, 8]);
 }
 
 proptest! {
@@ -287,7 +305,7 @@ fn a_transport_payload_longer_than_the_limit_is_refused() {
     let len = MAX_TRANSPORT_LEN + 1;
     let mut frame = Vec::new();
     frame.extend_from_slice(&((2 + 2 + len) as u32).to_le_bytes());
-    frame.push(2);
+    frame.push(PROTOCOL_VERSION);
     frame.push(12);
     frame.extend_from_slice(&(len as u16).to_le_bytes());
     frame.extend(std::iter::repeat_n(7u8, len));

@@ -88,6 +88,10 @@ impl Endpoint {
             state: SessionState::Handshaking,
             peer: None,
             last_rx: now,
+            frames_sent: 0,
+            frames_received: 0,
+            frames_confirmed: 0,
+            unconfirmed_since: None,
             handshake_timer: None,
             heartbeat_timer: None,
             liveness_timer: None,
@@ -100,7 +104,8 @@ impl Endpoint {
             data_timer: None,
             window: self.config.heartbeat_interval * self.config.heartbeat_misses,
             silence: self.config.silence_timeout,
-            silence_noted: false,
+            checking: false,
+            healthy_since: None,
             resumes: None,
             failures: 0,
             probe_backoff: self.config.probe_interval,
@@ -150,6 +155,7 @@ impl Endpoint {
                 Ok(None) => return used,
                 Ok(Some((msg, n))) => {
                     used += n;
+                    self.count_received(session);
                     self.handle_message(now, session, msg);
                 }
                 Err(err)
@@ -191,8 +197,16 @@ impl Endpoint {
                         .map(u32::from_le_bytes)
                         .unwrap_or(0);
                     used += 4 + len as usize;
+                    self.count_received(session);
                 }
             }
+        }
+    }
+
+    /// One more frame read from the session's connection (the count its heartbeats report).
+    fn count_received(&mut self, sid: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&sid) {
+            s.frames_received += 1;
         }
     }
 
@@ -201,7 +215,6 @@ impl Endpoint {
             return;
         };
         s.last_rx = now;
-        s.silence_noted = false;
         let established = s.peer.is_some();
         if s.resumes.is_some()
             && !matches!(
@@ -263,12 +276,19 @@ impl Endpoint {
             Message::Heartbeat {
                 free_pages,
                 queued_rooms,
+                frames_received,
             } => {
                 if let Some(s) = self.sessions.get_mut(&sid) {
                     s.capacity = Some(Capacity {
                         free_pages,
                         queued_rooms,
                     });
+                    if frames_received >= s.frames_sent {
+                        s.unconfirmed_since = None;
+                    } else if frames_received > s.frames_confirmed {
+                        s.unconfirmed_since = Some(now);
+                    }
+                    s.frames_confirmed = s.frames_confirmed.max(frames_received);
                 }
             }
             Message::Probe { nonce } => {

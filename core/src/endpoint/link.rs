@@ -79,7 +79,10 @@ impl Endpoint {
         failure: ConnectFailure,
     ) {
         let now = self.clock(now);
-        let live = self.target_session(target).is_some();
+        let live = self.target_session(target);
+        let checking = live
+            .and_then(|s| self.sessions.get(&s))
+            .is_some_and(|s| s.checking);
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
@@ -88,8 +91,13 @@ impl Endpoint {
             ConnectFailure::Refused => LinkEvidence::Refused,
             ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
         });
-        if live {
-            // A silent session's link check: its silence timer paces the next one.
+        if live.is_some() {
+            // A link check: an attempt that timed out paced itself, so the next one goes out
+            // at once (a heal is found within one connect timeout); after a refusal the
+            // silence timer paces the next one.
+            if checking && failure == ConnectFailure::NoAnswer {
+                self.dial(target);
+            }
             return;
         }
         self.schedule_reconnect(now, target, failure == ConnectFailure::NoAnswer);
@@ -368,9 +376,14 @@ impl Endpoint {
         });
     }
 
-    /// A session that heard nothing for `silence_timeout` gets its link checked with fresh
-    /// connections, one attempt per `connect_timeout`, until it is heard again, a fresh
-    /// connection takes it over, or its liveness window ends.
+    /// A session that heard nothing for `silence_timeout`, or whose peer confirmed none of our
+    /// outstanding frames for as long, gets its link checked with fresh connections, one
+    /// attempt per `connect_timeout`, until a fresh connection takes it over, the liveness
+    /// window ends, or the old connection has moved both ways again for a whole window.
+    /// One direction is enough to stall rooms: after an outage the peer's retransmissions may
+    /// arrive while ours sit in TCP's backoff. And an old control connection that moves again
+    /// says nothing of its data connections, each in a backoff of its own (up to seconds), so
+    /// the check goes on until fresh connections replace them all.
     pub(super) fn on_silence_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
         let pace = self.config.connect_timeout;
         let Some(s) = self.sessions.get_mut(&sid) else {
@@ -386,11 +399,23 @@ impl Endpoint {
         ) {
             return;
         }
-        let due = s.last_rx + silence;
+        let heard = s.last_rx + silence;
+        let confirmed = s.unconfirmed_since.map(|t| t + silence);
+        let due = confirmed.map_or(heard, |c| c.min(heard));
         if due > now {
-            self.timers
-                .set(&mut s.silence_timer, due, Timer::Silence(sid));
-            return;
+            let since = *s.healthy_since.get_or_insert(now);
+            if !s.checking || now.saturating_duration_since(since) >= s.window {
+                if s.checking {
+                    info!(session = %sid, "link check ended: the connection moved both ways for a whole window");
+                }
+                s.checking = false;
+                s.healthy_since = None;
+                self.timers
+                    .set(&mut s.silence_timer, due, Timer::Silence(sid));
+                return;
+            }
+        } else {
+            s.healthy_since = None;
         }
         self.timers
             .set(&mut s.silence_timer, now + pace, Timer::Silence(sid));
@@ -398,9 +423,12 @@ impl Endpoint {
             // Only the side that dials can check the link; the other waits for its peer's.
             return;
         };
-        let first = !s.silence_noted;
-        s.silence_noted = true;
+        let first = !s.checking;
+        s.checking = true;
         let quiet_ms = now.saturating_duration_since(s.last_rx).as_millis() as u64;
+        let unconfirmed_ms = s
+            .unconfirmed_since
+            .map(|t| now.saturating_duration_since(t).as_millis() as u64);
         let node = s.peer.map(|p| p.node);
         let Some(t) = self.targets.get_mut(&target) else {
             return;
@@ -410,7 +438,11 @@ impl Endpoint {
         }
         if first {
             t.evidence = None;
-            info!(session = %sid, ?node, quiet_ms, "peer silent; checking the link with fresh connections");
+            if heard <= now {
+                info!(session = %sid, ?node, quiet_ms, "peer silent; checking the link with fresh connections");
+            } else {
+                info!(session = %sid, ?node, ?unconfirmed_ms, "peer heard but our frames not confirmed; checking the link with fresh connections");
+            }
         }
         if !t.dialing && t.check.is_none() {
             self.dial(target);
@@ -438,11 +470,13 @@ impl Endpoint {
             Role::Decode => (self.capacity.free_pages, self.capacity.queued_rooms),
             Role::Prefill => (0, 0),
         };
+        let frames_received = s.frames_received;
         self.transmits.push_back((
             sid,
             Message::Heartbeat {
                 free_pages,
                 queued_rooms,
+                frames_received,
             },
         ));
         if self.local.role != Role::Prefill {
@@ -563,6 +597,7 @@ impl Endpoint {
                 Message::Heartbeat {
                     free_pages: self.capacity.free_pages,
                     queued_rooms: self.capacity.queued_rooms,
+                    frames_received: self.sessions.get(&new).map_or(0, |s| s.frames_received),
                 },
             ));
         }

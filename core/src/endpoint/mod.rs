@@ -161,6 +161,14 @@ struct Session {
     state: SessionState,
     peer: Option<PeerInfo>,
     last_rx: Instant,
+    /// Frames handed to the driver for this connection, and frames read from it.
+    frames_sent: u64,
+    frames_received: u64,
+    /// The most frames the peer's heartbeats said it received.
+    frames_confirmed: u64,
+    /// Since when frames we sent wait for the peer to confirm them, with no progress: a link
+    /// the peer is heard on can still swallow what we send (TCP retransmission backoff).
+    unconfirmed_since: Option<Instant>,
     handshake_timer: Option<TimerKey>,
     heartbeat_timer: Option<TimerKey>,
     liveness_timer: Option<TimerKey>,
@@ -180,8 +188,10 @@ struct Session {
     window: Duration,
     /// Silence after which the link is checked: longer than the peer's heartbeat interval.
     silence: Duration,
-    /// The silence of this session was logged (reset when the peer is heard again).
-    silence_noted: bool,
+    /// The dialer checks this session's link with fresh connections.
+    checking: bool,
+    /// During a check: since when both directions move again on the old connection.
+    healthy_since: Option<Instant>,
     /// Accepted side: the silent session of the same peer process this one will take over
     /// once the peer uses it (its first message after the hello) or the old one ends. The
     /// dialer may give up on a fresh connection whose hello was late; until it uses it, the
@@ -769,7 +779,7 @@ impl Endpoint {
     /// Encodes the next control frame into `buf` and returns the session to send it on.
     #[must_use]
     pub fn poll_transmit(&mut self, buf: &mut Vec<u8>) -> Option<SessionId> {
-        let (session, msg) = self.transmits.pop_front()?;
+        let (session, msg) = self.poll_message()?;
         msg.encode(buf);
         Some(session)
     }
@@ -777,7 +787,12 @@ impl Endpoint {
     /// The next control message, not encoded (for drivers that batch or inspect).
     #[must_use]
     pub fn poll_message(&mut self) -> Option<(SessionId, Message)> {
-        self.transmits.pop_front()
+        let (session, msg) = self.transmits.pop_front()?;
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.frames_sent += 1;
+            s.unconfirmed_since.get_or_insert(self.last_now);
+        }
+        Some((session, msg))
     }
 
     /// The next connection action the driver must carry out.
