@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvferry_cli::{node_config, Shape};
 use kvferry_core::{Config, Role};
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 use kvferry_tokio::Node;
 
 /// A small shape: 4 layers, K and V, 4 KiB pages, 8 pages per room.

@@ -20,10 +20,10 @@ use crate::frame::{
 };
 use crate::io_common::{
     admit, gather_iovecs, parse_preamble, prepare_op, scatter_iovecs, Admission, Limits, Preamble,
-    ServeError, ServeStats, WriteCheck, PREAMBLE_LEN,
+    ServeError, ServeStats, PREAMBLE_LEN,
 };
-use crate::memory::MemoryMap;
 use crate::tls::{Conn, TlsSetup};
+use kvferry_memory::{MemoryMap, WriteCheck};
 
 /// Called once per operation handed to a [`DataSender`], with how it ended.
 pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;

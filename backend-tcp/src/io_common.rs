@@ -3,36 +3,14 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 
-use kvferry_core::{Generation, RoomId, Slice, TransferId, TransferOp, WritePermit, WriteRefused};
+use kvferry_core::{Slice, TransferOp, WritePermit, WriteRefused};
 use kvferry_sync::{EndWrite, Landing};
 use tracing::warn;
 
 #[cfg(test)]
 use crate::frame::DataHello;
 use crate::frame::{encode_slice, FrameError, WriteHeader, KIND_CONTROL, KIND_DATA, MAGIC};
-use crate::memory::MemoryMap;
-
-/// Decides whether a write may be applied: the driver asks the core's `begin_write` and
-/// hands the permit back with `end_write` once the bytes are applied or abandoned.
-pub trait WriteCheck {
-    /// Fault injection for demos and tests: `true` resets the connection before this
-    /// operation's payload is applied (as a network failure would). Never in production use.
-    fn inject_reset(&self, _room: RoomId, _op: TransferId) -> bool {
-        false
-    }
-
-    /// Accepts (with a permit that holds the room's pages) or refuses every slice of one
-    /// operation for `(room, generation)`.
-    fn begin(
-        &self,
-        room: RoomId,
-        generation: Generation,
-        slices: &[Slice],
-    ) -> Result<WritePermit, WriteRefused>;
-
-    /// The write of `permit` was applied or abandoned.
-    fn end(&self, permit: WritePermit);
-}
+use kvferry_memory::{MemoryMap, WriteCheck};
 
 /// Hands permits back through a [`WriteCheck`] behind any pointer (`Arc` on tokio, `Rc` on
 /// a thread-per-core runtime).

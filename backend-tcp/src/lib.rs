@@ -1,7 +1,7 @@
 //! `kvferry-tcp`: kvferry's data plane over TCP.
 //!
 //! It owns the data-plane frames (a write batch: header, slice table, payload; one ack per
-//! batch), registered memory ([`MemoryMap`], [`HostBuffer`]), the sending side that gathers
+//! batch), the sending side that gathers
 //! source pages with vectored writes straight from registered memory, and the receiving side
 //! that validates every header and table and scatters payload straight into destination
 //! pages. It moves bytes; it never decides a retry, a timeout or a room's fate: those come
@@ -13,7 +13,6 @@
 
 mod frame;
 mod io_common;
-mod memory;
 
 #[cfg(feature = "tokio")]
 mod io;
@@ -30,9 +29,8 @@ pub use frame::{
 };
 pub use io_common::{
     gather_iovecs, parse_preamble, prepare_op, scatter_iovecs, Limits, Preamble, ServeError,
-    ServeStats, WriteCheck, MAX_IOV, PREAMBLE_LEN,
+    ServeStats, MAX_IOV, PREAMBLE_LEN,
 };
-pub use memory::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 #[cfg(feature = "tokio")]
 pub use tls::{Conn, TlsError, TlsSetup};
 pub use tls_files::TlsFiles;

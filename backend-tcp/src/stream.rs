@@ -19,10 +19,9 @@ use crate::frame::{
     WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    admit, parse_preamble, Admission, Limits, Preamble, ServeError, ServeStats, WriteCheck,
-    PREAMBLE_LEN,
+    admit, parse_preamble, Admission, Limits, Preamble, ServeError, ServeStats, PREAMBLE_LEN,
 };
-use crate::memory::MemoryMap;
+use kvferry_memory::{MemoryMap, WriteCheck};
 
 /// Slices at least this long move straight between the socket and registered memory; shorter
 /// ones are coalesced through the staging buffer (one receive for many of them).

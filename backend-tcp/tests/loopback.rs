@@ -9,7 +9,8 @@ use kvferry_core::{
     Generation, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome,
     WritePermit, WriteRefused,
 };
-use kvferry_tcp::{serve_writes, DataSender, Limits, MemoryMap, Report, WriteCheck};
+use kvferry_memory::{MemoryMap, WriteCheck};
+use kvferry_tcp::{serve_writes, DataSender, Limits, Report};
 use tokio::net::{TcpListener, TcpStream};
 
 struct AllowRoom(RoomId);

@@ -12,7 +12,8 @@ use kvferry_core::{
     Layout, OpKind, Region, RoomId, SessionId, Slice, TransferId, TransferOp, TransferOutcome,
 };
 use kvferry_driver::{CoreCheck, EndpointAccess, FaultPlan};
-use kvferry_tcp::{serve_writes, DataSender, Limits, MemoryMap, Report};
+use kvferry_memory::MemoryMap;
+use kvferry_tcp::{serve_writes, DataSender, Limits, Report};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -455,8 +456,9 @@ mod glommio_bench {
     use glommio::net::{TcpListener, TcpStream};
     use glommio::{LocalExecutorBuilder, Placement};
     use kvferry_core::{Slice, TransferOutcome};
+    use kvferry_memory::{MemoryMap, WriteCheck};
     use kvferry_tcp::stream::serve_writes_on;
-    use kvferry_tcp::{Limits, MemoryMap, WriteCheck};
+    use kvferry_tcp::Limits;
 
     use super::{bench_check, bench_op, flat_layout};
 
@@ -746,7 +748,7 @@ fn confined_runtime(cores: usize) -> Result<tokio::runtime::Runtime, kvferry_tok
 mod tests {
     use super::*;
     use kvferry_core::WriteRefused;
-    use kvferry_tcp::WriteCheck;
+    use kvferry_memory::WriteCheck;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_round_measures_every_workload_on_both_runtimes_against_raw() {

@@ -17,7 +17,7 @@ use kvferry_core::{Config, Layout, Role};
 use kvferry_gpu::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use kvferry_gpu::cuda::{DeviceRegion, Gpu, PinnedBuffer};
 use kvferry_gpu::{GpuError, LayerWaiter, PollPolicy, Readiness};
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 use kvferry_tokio::KvNode;
 use tokio::sync::mpsc;
 

@@ -17,7 +17,7 @@ use kvferry_core::{
     Region, Role, RoomId,
 };
 use kvferry_glommio::{GlommioNode, ShardConfig};
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 pub use kvferry_tokio::DataBackend;
 use kvferry_tokio::{Announcement, KvNode, Node, NodeConfig, NodeError, PeerId, RoomHandle};
 use tracing::warn;

@@ -11,7 +11,7 @@ use kvferry_cli::{
     Progress, Report, RoomEnd, Runtime, Shape,
 };
 use kvferry_core::{Config, Role};
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 use kvferry_tokio::KvNode;
 
 #[derive(Parser)]

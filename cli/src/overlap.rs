@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_core::{Chunk, Grant, KvPoll, Region, Role, RoomId};
 use kvferry_gpu::{LayerTimes, Span, Timeline};
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 use kvferry_tokio::{KvNode, PeerId};
 use tokio::sync::mpsc;
 

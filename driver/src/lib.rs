@@ -20,7 +20,7 @@ use kvferry_core::{
     ApiError, Chunk, Config, Counters, Endpoint, EndpointInfo, Event, FailureReason, Generation,
     Grant, KvPoll, Role, RoomId, SessionId, Slice, TransferId, WritePermit, WriteRefused,
 };
-use kvferry_tcp::{MemoryMap, WriteCheck};
+use kvferry_memory::{MemoryMap, WriteCheck};
 use tokio::sync::{mpsc, watch};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;

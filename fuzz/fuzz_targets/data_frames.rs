@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use kvferry_core::sim::{fast_config, small_layout, Faults, Sim};
 use kvferry_core::{Grant, Region, RoomId};
-use kvferry_tcp::{
-    decode_ack, decode_slices, DataHello, WriteHeader, ACK_LEN, DATA_HELLO_LEN, WRITE_HEADER_LEN,
-};
+use kvferry_tcp::{decode_ack, decode_slices, DataHello, WriteHeader, ACK_LEN, DATA_HELLO_LEN, WRITE_HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

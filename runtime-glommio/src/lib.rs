@@ -45,12 +45,13 @@ pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
     RoomView,
 };
+use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_sync::{Acked, ConnSet, LedgerState, Start};
 use kvferry_tcp::stream::{
     answer_data_on, challenge_data_on, hello_control, hello_data, read_ack, read_preamble_on,
     serve_writes_on,
 };
-use kvferry_tcp::{gather_iovecs, prepare_op, Limits, MemoryMap, Preamble, WriteCheck};
+use kvferry_tcp::{gather_iovecs, prepare_op, Limits, Preamble};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use kvferry_core::sim::small_layout;
 use kvferry_core::{Config, EndpointInfo, Incarnation, NodeId, Role};
 use kvferry_glommio::{GlommioNode, NodeConfig, NodeError, ShardConfig};
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 
 #[test]
 fn a_too_low_memlock_limit_is_a_typed_error_that_names_the_fix() {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use kvferry_core::{
     Chunk, Config, EndpointInfo, Grant, Incarnation, KvPoll, Layout, NodeId, Region, Role, RoomId,
 };
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 use kvferry_tokio::{Node, NodeConfig};
 
 /// A node of `role` over freshly allocated (registered) memory of `layout`.

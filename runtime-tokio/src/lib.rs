@@ -19,10 +19,11 @@ use kvferry_core::{
     FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, SessionKey, TargetId,
     TransferId, TransferOutcome,
 };
+use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_sync::ConnSet;
 use kvferry_tcp::{
     accept_conn, answer_data, challenge_data, connect_control, connect_data, read_preamble,
-    serve_writes, Conn, DataSender, Limits, MemoryMap, Preamble, Report, TlsSetup, WriteCheck,
+    serve_writes, Conn, DataSender, Limits, Preamble, Report, TlsSetup,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

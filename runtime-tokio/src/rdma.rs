@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{Region, SessionId, TransferOp, TransferOutcome};
+use kvferry_memory::MemoryMap;
 use kvferry_rdma::link::{completions, HelloOutcome, RdmaLink, RdmaNode};
 use kvferry_rdma::verbs::RcQueuePair;
-use kvferry_tcp::MemoryMap;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;

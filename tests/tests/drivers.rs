@@ -318,7 +318,7 @@ async fn a_mismatched_peer_gets_a_typed_error_at_connect(p: Runtime, d: Runtime)
     let stranger = d
         .start(
             cfg,
-            std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout())),
+            std::sync::Arc::new(kvferry_memory::MemoryMap::allocate(shape.layout())),
         )
         .unwrap();
     let err = stranger.connect(addrs.clone()).await.unwrap_err();
@@ -721,11 +721,11 @@ async fn a_second_listener_on_a_taken_address_is_refused() {
 /// A decode node's config that asks for RDMA, and its memory.
 fn rdma_decode_config() -> (
     kvferry_tokio::NodeConfig,
-    std::sync::Arc<kvferry_tcp::MemoryMap>,
+    std::sync::Arc<kvferry_memory::MemoryMap>,
 ) {
     let shape = small_shape();
     let cfg = kvferry_tests::rdma_config(Role::Decode, &shape, fast_core(), 1);
-    let memory = std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout()));
+    let memory = std::sync::Arc::new(kvferry_memory::MemoryMap::allocate(shape.layout()));
     (cfg, memory)
 }
 

@@ -10,7 +10,7 @@ use glommio::{LocalExecutorBuilder, Placement};
 use kvferry_cli::{node_config, Shape};
 use kvferry_core::{Chunk, Config, Grant, KvPoll, Region, Role, RoomId};
 use kvferry_glommio::{GlommioNode, KvNode, ShardConfig};
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 
 const ROOMS: u64 = 8;
 

@@ -157,7 +157,7 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
         cfg.info.writes_aux = layers.end == shape.layers;
         let node = kvferry_tokio::Node::start(
             cfg,
-            std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout())),
+            std::sync::Arc::new(kvferry_memory::MemoryMap::allocate(shape.layout())),
         )
         .unwrap();
         let addr = node.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
@@ -291,9 +291,8 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
         Endpoint, EndpointInfo, Incarnation, NodeId, Region, Slice, TransferId, TransferOp,
         TransferOutcome,
     };
-    use kvferry_tcp::{
-        answer_data, challenge_data, read_preamble, DataSender, MemoryMap, Preamble,
-    };
+    use kvferry_memory::MemoryMap;
+    use kvferry_tcp::{answer_data, challenge_data, read_preamble, DataSender, Preamble};
     use std::sync::{Arc, Mutex};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

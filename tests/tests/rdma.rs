@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use kvferry_cli::{run_pair, AnyNode, DecodeRun, Runtime, Shape};
 use kvferry_core::{Config, Role};
-use kvferry_tcp::MemoryMap;
+use kvferry_memory::MemoryMap;
 use kvferry_tests::{assert_all_clean, fast_core, rdma_config, rooms, KvNode};
 
 fn start_rdma(role: Role, shape: &Shape, core: Config, seed: u64) -> Result<AnyNode, String> {

@@ -31,7 +31,7 @@ async fn decode_against(at: Vec<SocketAddr>, token: &[u8], n: u64) -> Report {
     let decode = Runtime::Tokio
         .start(
             cfg,
-            std::sync::Arc::new(kvferry_tcp::MemoryMap::allocate(shape.layout())),
+            std::sync::Arc::new(kvferry_memory::MemoryMap::allocate(shape.layout())),
         )
         .unwrap();
     let peer = decode.connect_persistent(at).await.unwrap();

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use kvferry_cli::{node_config, run_decode, serve_prefill, testcert};
 use kvferry_core::Role;
-use kvferry_tcp::{MemoryMap, TlsFiles};
+use kvferry_memory::MemoryMap;
+use kvferry_tcp::TlsFiles;
 use kvferry_tests::{fast_core, rooms, small_shape, AnyNode, KvNode, Runtime};
 
 fn node(role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNode {
