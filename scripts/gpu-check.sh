@@ -12,7 +12,7 @@ ls /usr/lib/x86_64-linux-gnu/libnvrtc* /usr/local/cuda*/lib64/libnvrtc* 2>/dev/n
 echo "== gpu feature tests (probe, device regions, events, the layer waiter, the timeline)"
 cargo test -p kvferry-gpu --features gpu -- --nocapture || exit 1
 echo "== the GPU overlap demo as a test (skips with its reason where no GPU is usable)"
-cargo test -p kvferry-cli --features gpu --test gpu_demo -- --nocapture || exit 1
+cargo test -p kvferry-testkit --features gpu --test gpu_demo -- --nocapture || exit 1
 echo "== CLI: demo --gpu, compute-bound (20 ms per layer) and transfer-bound (2 ms per layer)"
 cargo build --release -p kvferry-cli --features gpu || exit 1
 rc=0

@@ -4,9 +4,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_cli::{node_config, Shape};
 use kvferry_core::{Config, Role};
 use kvferry_memory::MemoryMap;
+use kvferry_testkit::{node_config, Shape};
 use kvferry_tokio::Node;
 
 /// A small shape: 4 layers, K and V, 4 KiB pages, 8 pages per room.
@@ -66,12 +66,12 @@ pub async fn prefill(
         .listen("127.0.0.1:0".parse().expect("addr"))
         .await
         .expect("listen");
-    let server = tokio::spawn(kvferry_cli::serve_prefill(node.clone(), shape.clone()));
+    let server = tokio::spawn(kvferry_testkit::serve_prefill(node.clone(), shape.clone()));
     (node, addr, server)
 }
 
 /// Asserts that `n` rooms succeeded and no page was corrupted.
-pub fn assert_all_clean(report: &kvferry_cli::Report, n: u64) {
+pub fn assert_all_clean(report: &kvferry_testkit::Report, n: u64) {
     assert_eq!(
         (report.rooms_succeeded, report.pages_corrupted),
         (n, 0),
@@ -96,11 +96,11 @@ pub async fn closed_by_peer(stream: &mut tokio::net::TcpStream, within: Duration
 }
 
 /// The fault-injecting proxy (lives in the CLI crate so `kvferry proxy` can use it too).
-pub use kvferry_cli::proxy;
+pub use kvferry_testkit::proxy;
 
 // ------------------------------------------------------------------ any driver
 
-pub use kvferry_cli::{AnyNode, Runtime};
+pub use kvferry_testkit::{AnyNode, Runtime};
 pub use kvferry_tokio::KvNode;
 
 /// The glommio configuration the generic suite runs: two shards (one per core here).
@@ -115,7 +115,7 @@ pub fn rdma_config(
     seed: u64,
 ) -> kvferry_tokio::NodeConfig {
     let mut cfg = node_config(role, shape, core, b"test-token", seed);
-    cfg.backend = kvferry_cli::DataBackend::Rdma {
+    cfg.backend = kvferry_testkit::DataBackend::Rdma {
         device: None,
         port: 1,
     };
@@ -140,13 +140,13 @@ pub async fn prefill_on(
 ) -> (AnyNode, Vec<SocketAddr>, tokio::task::JoinHandle<()>) {
     let node = start_on(runtime, Role::Prefill, shape, core, seed);
     let addrs = node.listen(at).await.expect("listen");
-    let server = tokio::spawn(kvferry_cli::serve_prefill(node.clone(), shape.clone()));
+    let server = tokio::spawn(kvferry_testkit::serve_prefill(node.clone(), shape.clone()));
     (node, addrs, server)
 }
 
 /// A decode run of `n` rooms from room `first`, small shape, 30 s deadline.
-pub fn rooms(n: u64, first: u64) -> kvferry_cli::DecodeRun {
-    kvferry_cli::DecodeRun {
+pub fn rooms(n: u64, first: u64) -> kvferry_testkit::DecodeRun {
+    kvferry_testkit::DecodeRun {
         rooms: n,
         shape: small_shape(),
         first_room: first,

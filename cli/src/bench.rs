@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 /// One workload's figures on one runtime.
 #[derive(Clone, Debug)]
-pub struct BenchResult {
+pub(crate) struct BenchResult {
     /// Workload name.
     pub workload: &'static str,
     /// The runtime of kvferry's figure (`tokio`, `glommio`).
@@ -243,7 +243,7 @@ pub(crate) fn scattered(n: u32, page: u64) -> Arc<[Slice]> {
 
 /// Which runtimes a bench run measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Runtimes {
+pub(crate) struct Runtimes {
     /// Measure the tokio data plane.
     pub tokio: bool,
     /// Measure the glommio data plane.
@@ -252,7 +252,7 @@ pub struct Runtimes {
 
 /// How many times better glommio did than tokio on each workload both ran (1.0 is a tie;
 /// the thread-per-core issue's target is at least 1.0 everywhere in one run).
-pub fn glommio_vs_tokio(results: &[BenchResult]) -> Vec<(&'static str, f64)> {
+pub(crate) fn glommio_vs_tokio(results: &[BenchResult]) -> Vec<(&'static str, f64)> {
     let mut out = Vec::new();
     for t in results.iter().filter(|r| r.runtime == "tokio") {
         let glommio = |r: &&BenchResult| r.workload == t.workload && r.runtime == "glommio";
@@ -341,7 +341,7 @@ fn workloads(iterations: usize) -> [Workload; 4] {
 /// order that goes through all six permutations from block to block. A machine whose load
 /// drifts (a shared CI box) then slows every contender alike, and each figure is the median
 /// of all its operations.
-pub async fn run_rounds(
+pub(crate) async fn run_rounds(
     iterations: usize,
     runtimes: Runtimes,
     rounds: usize,
@@ -643,7 +643,7 @@ mod glommio_bench {
 
 /// One point of the glommio scaling sweep.
 #[derive(Clone, Debug)]
-pub struct ScalePoint {
+pub(crate) struct ScalePoint {
     /// Shards of both the prefill and the decode node.
     pub shards: usize,
     /// Room lifecycles (open, transfer, verify, release) per second.
@@ -667,12 +667,12 @@ pub struct ScalePoint {
 /// tokio runtime of `k` threads confined to the same cores. Otherwise the one-shard point
 /// would get a second core for free (the embedder's), and the curve would say nothing about
 /// how the driver scales with cores.
-pub async fn scaling(
+pub(crate) async fn scaling(
     rooms: u64,
     most: Option<usize>,
 ) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeError> {
-    use crate::{node_config, run_pair, DecodeRun, Runtime, Shape};
     use kvferry_core::Role;
+    use kvferry_testkit::{node_config, run_pair, DecodeRun, Runtime, Shape};
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let mut points: Vec<ScalePoint> = Vec::new();
     for shards in 1..=most.unwrap_or(cores).max(1) {
@@ -834,7 +834,7 @@ mod tests {
 /// One workload moved between two tokio nodes on loopback over two kinds of link (plain TCP
 /// against RDMA, or against TLS), in one run.
 #[derive(Clone, Debug)]
-pub struct LinkPoint {
+pub(crate) struct LinkPoint {
     /// What moved.
     pub workload: &'static str,
     /// GB/s over the first link, then over the second.
@@ -848,25 +848,29 @@ pub struct LinkPoint {
 /// (every byte verified every time).
 async fn side_by_side(
     iterations: usize,
-    links: [crate::DemoLink; 2],
+    links: [kvferry_testkit::DemoLink; 2],
 ) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
-    let workloads: [(&'static str, crate::Shape, u64); 3] = [
+    let workloads: [(&'static str, kvferry_testkit::Shape, u64); 3] = [
         (
             "64 MiB rooms",
-            crate::Shape {
+            kvferry_testkit::Shape {
                 page_bytes: 256 * 1024,
                 pages_per_room: 16,
                 concurrency: 4,
-                ..crate::Shape::default()
+                ..kvferry_testkit::Shape::default()
             },
             16,
         ),
-        ("8 MiB rooms of 16 KiB pages", crate::Shape::default(), 128),
+        (
+            "8 MiB rooms of 16 KiB pages",
+            kvferry_testkit::Shape::default(),
+            128,
+        ),
         (
             "1 MiB rooms of 4 KiB pages",
-            crate::Shape {
+            kvferry_testkit::Shape {
                 page_bytes: 4096,
-                ..crate::Shape::default()
+                ..kvferry_testkit::Shape::default()
             },
             256,
         ),
@@ -877,13 +881,13 @@ async fn side_by_side(
         let mut clean = true;
         for i in 0..iterations.max(1) {
             for k in [i % 2, 1 - i % 2] {
-                let report = crate::run_demo(
+                let report = kvferry_testkit::run_demo(
                     shape.clone(),
                     kvferry_core::Config::default(),
                     rooms,
-                    crate::DemoFaults::default(),
+                    kvferry_testkit::DemoFaults::default(),
                     None,
-                    crate::Runtime::Tokio,
+                    kvferry_testkit::Runtime::Tokio,
                     links[k].clone(),
                 )
                 .await?;
@@ -903,7 +907,7 @@ async fn side_by_side(
 }
 
 /// `bench --backend rdma`: the room workloads over TCP data connections and over RDMA.
-pub async fn backends(
+pub(crate) async fn backends(
     iterations: usize,
     device: Option<String>,
 ) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
@@ -917,22 +921,22 @@ pub async fn backends(
 
 /// `bench --tls`: the room workloads over plain TCP and with TLS on every connection. The
 /// certificates are a throwaway CA's, written under the system's temporary directory.
-pub async fn tls(iterations: usize) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
+pub(crate) async fn tls(iterations: usize) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
     let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
-    let files =
-        crate::testcert::throwaway(&dir, "kvferry").map_err(kvferry_tokio::NodeError::Io)?;
-    let tls = crate::DemoLink {
+    let files = kvferry_testkit::testcert::throwaway(&dir, "kvferry")
+        .map_err(kvferry_tokio::NodeError::Io)?;
+    let tls = kvferry_testkit::DemoLink {
         tls: Some(files),
-        ..crate::DemoLink::default()
+        ..kvferry_testkit::DemoLink::default()
     };
-    let points = side_by_side(iterations, [crate::DemoLink::default(), tls]).await;
+    let points = side_by_side(iterations, [kvferry_testkit::DemoLink::default(), tls]).await;
     let _ = std::fs::remove_dir_all(&dir);
     points
 }
 
 /// How fast the GPU layer waiter notices a completed layer, for one poll policy.
 #[derive(Clone, Debug)]
-pub struct WaiterPoint {
+pub(crate) struct WaiterPoint {
     /// The policy (spin, then sleep between polls).
     pub policy: kvferry_gpu::PollPolicy,
     /// Median time from an event completing to the embedder hearing of it.
@@ -962,7 +966,7 @@ fn cpu_seconds() -> Option<f64> {
 
 /// `bench --layer-events`: `events` layers complete 0.5-1.5 ms apart (one at a time, as a
 /// forward pass does); per poll policy, how late the waiter reports them and what it costs.
-pub fn layer_events(events: usize) -> Vec<WaiterPoint> {
+pub(crate) fn layer_events(events: usize) -> Vec<WaiterPoint> {
     use kvferry_gpu::{LayerWaiter, PollPolicy, Readiness};
     let policies = [
         PollPolicy::default(),

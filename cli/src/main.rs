@@ -1,4 +1,7 @@
-//! `kvferry`: demo, prefill, decode and bench.
+//! `kvferry`: demo, prefill, decode, proxy and bench: argument parsing and printing over the
+//! reference embedder in `kvferry-testkit`.
+
+mod bench;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -6,12 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use kvferry_cli::{
+use kvferry_core::{Config, Role};
+use kvferry_memory::MemoryMap;
+use kvferry_testkit::{
     add_counters, node_config, run_decode, run_demo, serve_prefill, AnyNode, DecodeRun, DemoFaults,
     Progress, Report, RoomEnd, Runtime, Shape,
 };
-use kvferry_core::{Config, Role};
-use kvferry_memory::MemoryMap;
 use kvferry_tokio::KvNode;
 
 #[derive(Parser)]
@@ -267,9 +270,9 @@ struct CommonArgs {
 
 impl CommonArgs {
     fn runtime(&self) -> Result<Runtime, String> {
-        let backend = kvferry_cli::Backend::parse(&self.backend)?;
+        let backend = kvferry_testkit::Backend::parse(&self.backend)?;
         let runtime = Runtime::parse(&self.runtime, self.shards)?;
-        if backend == kvferry_cli::Backend::Rdma && runtime != Runtime::Tokio {
+        if backend == kvferry_testkit::Backend::Rdma && runtime != Runtime::Tokio {
             return Err("--backend rdma runs on the tokio driver: use --runtime tokio".to_owned());
         }
         Ok(runtime)
@@ -285,8 +288,8 @@ impl CommonArgs {
         })
     }
 
-    fn data_backend(&self) -> Result<kvferry_cli::DataBackend, String> {
-        Ok(kvferry_cli::Backend::parse(&self.backend)?.data_backend(self.rdma_device.clone()))
+    fn data_backend(&self) -> Result<kvferry_testkit::DataBackend, String> {
+        Ok(kvferry_testkit::Backend::parse(&self.backend)?.data_backend(self.rdma_device.clone()))
     }
 }
 
@@ -331,7 +334,7 @@ fn install_metrics(addr: Option<SocketAddr>) -> Result<(), String> {
 /// Prints `bench --tls` or `--backend rdma` results: each workload over the two links named
 /// `names`, and their ratio; an error if any page was lost or corrupted.
 fn print_link_points(
-    points: &[kvferry_cli::bench::LinkPoint],
+    points: &[bench::LinkPoint],
     names: [&str; 2],
     json: bool,
 ) -> Result<(), String> {
@@ -420,16 +423,16 @@ async fn overlap_demo(
         shape.layer_compute
     };
     shape.layerwise = true;
-    let batch = kvferry_cli::overlap::Batch {
+    let batch = kvferry_testkit::overlap::Batch {
         shape,
         rooms,
         first_room: 1,
     };
     let report = if gpu {
-        kvferry_cli::gpu_overlap_demo(&batch, config, runtime, common.data_backend()?, compute)
+        kvferry_testkit::gpu_overlap_demo(&batch, config, runtime, common.data_backend()?, compute)
             .await?
     } else {
-        kvferry_cli::overlap::run_overlap_demo(
+        kvferry_testkit::overlap::run_overlap_demo(
             &batch,
             config,
             runtime,
@@ -545,7 +548,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                 faults,
                 progress,
                 common.runtime()?,
-                kvferry_cli::DemoLink {
+                kvferry_testkit::DemoLink {
                     backend: common.data_backend()?,
                     tls: common.tls(),
                 },
@@ -697,7 +700,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                     return Err(format!("{name} must be a probability in 0..=1, not {p}"));
                 }
             }
-            let proxy = kvferry_cli::proxy::FaultProxy::start_on(listen, upstream, seed)
+            let proxy = kvferry_testkit::proxy::FaultProxy::start_on(listen, upstream, seed)
                 .await
                 .map_err(|e| format!("proxy on {listen}: {e}"))?;
             proxy.set(|f| {
@@ -746,7 +749,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             json,
         } => {
             if layer_events {
-                let points = tokio::task::spawn_blocking(|| kvferry_cli::bench::layer_events(2000))
+                let points = tokio::task::spawn_blocking(|| bench::layer_events(2000))
                     .await
                     .map_err(|e| e.to_string())?;
                 for p in &points {
@@ -768,19 +771,19 @@ async fn run(cli: Cli) -> Result<(), String> {
                 return Ok(());
             }
             if tls {
-                let points = kvferry_cli::bench::tls(iterations.min(3))
+                let points = bench::tls(iterations.min(3))
                     .await
                     .map_err(|e| e.to_string())?;
                 return print_link_points(&points, ["plain", "tls"], json);
             }
-            if kvferry_cli::Backend::parse(&backend)? == kvferry_cli::Backend::Rdma {
-                let points = kvferry_cli::bench::backends(iterations.min(3), rdma_device)
+            if kvferry_testkit::Backend::parse(&backend)? == kvferry_testkit::Backend::Rdma {
+                let points = bench::backends(iterations.min(3), rdma_device)
                     .await
                     .map_err(|e| e.to_string())?;
                 return print_link_points(&points, ["tcp", "rdma"], json);
             }
             if scaling {
-                let points = kvferry_cli::bench::scaling(scaling_rooms, shards)
+                let points = bench::scaling(scaling_rooms, shards)
                     .await
                     .map_err(|e| e.to_string())?;
                 for p in &points {
@@ -800,15 +803,15 @@ async fn run(cli: Cli) -> Result<(), String> {
                 return Ok(());
             }
             let runtimes = match runtime.as_str() {
-                "tokio" => kvferry_cli::bench::Runtimes {
+                "tokio" => bench::Runtimes {
                     tokio: true,
                     glommio: false,
                 },
-                "glommio" => kvferry_cli::bench::Runtimes {
+                "glommio" => bench::Runtimes {
                     tokio: false,
                     glommio: true,
                 },
-                "all" => kvferry_cli::bench::Runtimes {
+                "all" => bench::Runtimes {
                     tokio: true,
                     glommio: true,
                 },
@@ -818,7 +821,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                     ))
                 }
             };
-            let results = kvferry_cli::bench::run_rounds(iterations, runtimes, rounds)
+            let results = bench::run_rounds(iterations, runtimes, rounds)
                 .await
                 .map_err(|e| e.to_string())?;
             for r in &results {
@@ -834,7 +837,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                     );
                 }
             }
-            for (workload, advantage) in kvferry_cli::bench::glommio_vs_tokio(&results) {
+            for (workload, advantage) in bench::glommio_vs_tokio(&results) {
                 if json {
                     println!(
                         "{}",

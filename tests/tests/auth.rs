@@ -7,9 +7,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvferry_cli::run_decode;
 use kvferry_core::codec::{ErrorCode, Message};
 use kvferry_core::Role;
+use kvferry_testkit::run_decode;
 use kvferry_tests::{fast_core, prefill_on, rooms, small_shape, start_on, KvNode, Runtime};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

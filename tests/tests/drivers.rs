@@ -6,9 +6,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvferry_cli::overlap::{run_host_overlap, Batch};
-use kvferry_cli::{run_decode, run_pair, DecodeRun, Shape};
 use kvferry_core::{Capacity, Chunk, Config, FailureReason, Grant, KvPoll, Role, RoomId};
+use kvferry_testkit::overlap::{run_host_overlap, Batch};
+use kvferry_testkit::{run_decode, run_pair, DecodeRun, Shape};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
     assert_all_clean, fast_core, free_ports, on_every_driver, prefill_on, rooms, small_shape,
@@ -23,7 +23,7 @@ fn any_port() -> SocketAddr {
 }
 
 /// Starts both sides and moves `run` end to end.
-async fn pair(p: Runtime, d: Runtime, core: Config, run: DecodeRun) -> kvferry_cli::Report {
+async fn pair(p: Runtime, d: Runtime, core: Config, run: DecodeRun) -> kvferry_testkit::Report {
     let prefill = start_on(p, Role::Prefill, &run.shape, core.clone(), 1);
     let decode = start_on(d, Role::Decode, &run.shape, core, 2);
     run_pair(&prefill, &decode, run).await.expect("pair runs")
@@ -96,7 +96,7 @@ async fn a_layerwise_batch_delivers_each_layer_after_its_compute(p: Runtime, d: 
 /// The forward pass fails after two of four layers: the batch reports the failure, and every
 /// room on both sides still ends (Failed) and releases its pages; nothing waits forever.
 async fn a_forward_pass_that_fails_mid_batch_fails_every_room(p: Runtime, d: Runtime) {
-    use kvferry_cli::overlap::{run_batch, BatchMode, LayerSignal};
+    use kvferry_testkit::overlap::{run_batch, BatchMode, LayerSignal};
     let (batch, prefill, decode) = batch_pair(p, d);
     let addrs = prefill.listen(any_port()).await.unwrap();
     let peer = decode.connect(addrs).await.unwrap();
@@ -313,7 +313,7 @@ async fn hostile_sockets_are_refused_while_other_peers_keep_working(p: Runtime, 
 async fn a_mismatched_peer_gets_a_typed_error_at_connect(p: Runtime, d: Runtime) {
     let shape = small_shape();
     let (_prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 51, any_port()).await;
-    let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, fast_core(), b"other", 52);
+    let mut cfg = kvferry_testkit::node_config(Role::Decode, &shape, fast_core(), b"other", 52);
     cfg.info.token = b"other-token".to_vec();
     let stranger = d
         .start(

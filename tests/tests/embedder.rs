@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use glommio::{LocalExecutorBuilder, Placement};
-use kvferry_cli::{node_config, Shape};
 use kvferry_core::{Chunk, Config, Grant, KvPoll, Region, Role, RoomId};
 use kvferry_glommio::{GlommioNode, KvNode, ShardConfig};
 use kvferry_memory::MemoryMap;
+use kvferry_testkit::{node_config, Shape};
 
 const ROOMS: u64 = 8;
 

@@ -6,7 +6,7 @@
 //! end of this file stay on the tokio driver, each saying why.
 #![allow(clippy::unwrap_used)] // tests may panic
 
-use kvferry_cli::{run_demo, DemoFaults, Shape};
+use kvferry_testkit::{run_demo, DemoFaults, Shape};
 use kvferry_tests::{fast_core, small_shape, Runtime, GLOMMIO};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,8 +77,8 @@ async fn soak(runtime: Runtime) {
 
 use std::time::{Duration, Instant};
 
-use kvferry_cli::{run_decode, DecodeRun};
 use kvferry_core::{Config, FailureReason, Grant, KvPoll, Role, RoomId};
+use kvferry_testkit::{run_decode, DecodeRun};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{prefill, start, KvNode};
 
@@ -144,7 +144,7 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
     let shape = small_shape();
     let mut ranks = Vec::new();
     for (rank, layers) in [(0u16, 0u16..1u16), (1, 1..3), (2, 3..4)] {
-        let mut cfg = kvferry_cli::node_config(
+        let mut cfg = kvferry_testkit::node_config(
             Role::Prefill,
             &shape,
             fast_core(),

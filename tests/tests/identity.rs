@@ -6,8 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_cli::{run_decode, Report};
 use kvferry_core::{Config, Role};
+use kvferry_testkit::{run_decode, Report};
 use kvferry_tests::{free_ports, peer_loss_core, prefill_on, rooms, start_on, KvNode, Runtime};
 
 fn core() -> Config {

@@ -8,9 +8,9 @@
 
 use std::sync::Arc;
 
-use kvferry_cli::{run_pair, AnyNode, DecodeRun, Runtime, Shape};
 use kvferry_core::{Config, Role};
 use kvferry_memory::MemoryMap;
+use kvferry_testkit::{run_pair, AnyNode, DecodeRun, Runtime, Shape};
 use kvferry_tests::{assert_all_clean, fast_core, rdma_config, rooms, KvNode};
 
 fn start_rdma(role: Role, shape: &Shape, core: Config, seed: u64) -> Result<AnyNode, String> {

@@ -7,8 +7,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvferry_cli::{run_decode, Report};
 use kvferry_core::{Config, Role};
+use kvferry_testkit::{run_decode, Report};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
     free_ports, peer_loss_core, prefill_on, rooms, small_shape, start_on, KvNode, Runtime,
@@ -26,7 +26,7 @@ fn core() -> Config {
 /// A decode (token `token`) runs `n` rooms against `at`, through a persistent target.
 async fn decode_against(at: Vec<SocketAddr>, token: &[u8], n: u64) -> Report {
     let shape = small_shape();
-    let mut cfg = kvferry_cli::node_config(Role::Decode, &shape, core(), token, 7);
+    let mut cfg = kvferry_testkit::node_config(Role::Decode, &shape, core(), token, 7);
     cfg.info.token = token.to_vec();
     let decode = Runtime::Tokio
         .start(

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_cli::{node_config, run_decode, serve_prefill, testcert};
 use kvferry_core::Role;
 use kvferry_memory::MemoryMap;
 use kvferry_tcp::TlsFiles;
+use kvferry_testkit::{node_config, run_decode, serve_prefill, testcert};
 use kvferry_tests::{fast_core, rooms, small_shape, AnyNode, KvNode, Runtime};
 
 fn node(role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNode {

@@ -107,6 +107,7 @@ impl Endpoint {
             checking: false,
             healthy_since: None,
             resumes: None,
+            handing_over: false,
             failures: 0,
             probe_backoff: self.config.probe_interval,
             probe_nonce: None,
@@ -541,6 +542,12 @@ impl Endpoint {
         s.silence = silence;
         s.state = SessionState::Established;
         s.resumes = pending_resume;
+        if let Some(o) = pending_resume.and_then(|o| self.sessions.get_mut(&o)) {
+            o.handing_over = true;
+        }
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
         self.timers.cancel(&mut s.handshake_timer);
         self.timers.set(
             &mut s.heartbeat_timer,

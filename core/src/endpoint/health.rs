@@ -48,8 +48,14 @@ impl Endpoint {
             self.on_probe_result(now, op.session, id, outcome);
             return;
         }
-        if op.superseded && outcome != TransferOutcome::Done {
-            // Its connection was taken over: not a data-path failure, run it again as new.
+        let moved = outcome == TransferOutcome::Refused
+            && self
+                .sessions
+                .get(&op.session)
+                .is_some_and(|s| s.handing_over);
+        if (op.superseded || moved) && outcome != TransferOutcome::Done {
+            // Its connection was taken over (or the dialer moved to the fresh one and refused
+            // what still came here): not a data-path failure, run it again as new.
             op.superseded = false;
             if room_live.is_none() {
                 self.op_finished(now, op.room, op.generation, op.layers.clone());

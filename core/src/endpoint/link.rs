@@ -200,6 +200,10 @@ impl Endpoint {
         self.fence_done(now, session);
         self.superseded.remove(&session);
         if let Some(mut s) = self.sessions.remove(&session) {
+            if let Some(old) = s.resumes.take() {
+                // A fresh connection that ended unused: the session it was to take over goes on.
+                self.resume_unused(old);
+            }
             for t in [
                 &mut s.handshake_timer,
                 &mut s.heartbeat_timer,
@@ -627,10 +631,19 @@ impl Endpoint {
         });
         if !same || self.superseded.contains_key(&old) {
             self.nodes.insert(node, sid);
+            self.resume_unused(old);
             return;
         }
         self.take_over(node, old, sid);
         self.replay(sid);
+    }
+
+    /// Accepted side: no fresh session will take `old` over after all; it carries writes again.
+    pub(super) fn resume_unused(&mut self, old: SessionId) {
+        if let Some(o) = self.sessions.get_mut(&old) {
+            o.handing_over = false;
+        }
+        self.mark_ready(old);
     }
 
     /// Accepted side: `old` is ending; a fresh session of the same peer waiting to take it

@@ -197,6 +197,10 @@ struct Session {
     /// dialer may give up on a fresh connection whose hello was late; until it uses it, the
     /// old session keeps its work.
     resumes: Option<SessionId>,
+    /// Accepted side: a fresh session waits to take this one over. The dialer may have moved
+    /// already and refuses writes that still come here, so none is started until the take-over
+    /// happens or the fresh session ends unused.
+    handing_over: bool,
     /// Consecutive exhausted operations.
     failures: u32,
     probe_backoff: Duration,
@@ -812,7 +816,7 @@ impl Endpoint {
                 continue;
             };
             session.in_ready = false;
-            if session.fencing || session.in_flight >= max {
+            if session.fencing || session.handing_over || session.in_flight >= max {
                 continue;
             }
             let Some(id) = session.queue.pop_front() else {

@@ -1,8 +1,12 @@
-//! The library behind the `kvferry` command: a synthetic model shape whose every page carries
-//! a pattern derived from (room, layer, plane, page), a prefill half that serves it, a decode
-//! half that requests rooms and verifies every byte, the report, and the data-plane benchmark.
+//! `kvferry-testkit`: the reference embedder that the `kvferry` command and the integration
+//! tests share. A synthetic model shape whose every page carries a pattern derived from
+//! (room, layer, plane, page), a prefill half that serves it, a decode half that requests
+//! rooms and verifies every byte, the report, the layerwise overlap and GPU demos, the fault
+//! proxy and throwaway TLS certificates.
+//!
+//! It embeds kvferry exactly as a user would, through the driver's API; it never reaches into
+//! the core's internals and is never a dependency of a kvferry library crate.
 
-pub mod bench;
 pub mod overlap;
 pub mod proxy;
 pub mod testcert;

@@ -7,8 +7,8 @@
 
 use std::time::Duration;
 
-use kvferry_cli::overlap::Batch;
-use kvferry_cli::{gpu_overlap_demo, Runtime, Shape};
+use kvferry_testkit::overlap::Batch;
+use kvferry_testkit::{gpu_overlap_demo, Runtime, Shape};
 
 fn batch() -> Batch {
     Batch {
