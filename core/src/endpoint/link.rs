@@ -453,6 +453,20 @@ impl Endpoint {
         }
     }
 
+    /// The heartbeat for `sid` now: decode's capacity (zero from prefill) and the frames read
+    /// from the session's connection so far.
+    fn heartbeat(&self, sid: SessionId) -> Message {
+        let (free_pages, queued_rooms) = match self.local.role {
+            Role::Decode => (self.capacity.free_pages, self.capacity.queued_rooms),
+            Role::Prefill => (0, 0),
+        };
+        Message::Heartbeat {
+            free_pages,
+            queued_rooms,
+            frames_received: self.sessions.get(&sid).map_or(0, |s| s.frames_received),
+        }
+    }
+
     pub(super) fn on_heartbeat_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
         let interval = self.config.heartbeat_interval;
         let Some(s) = self.sessions.get_mut(&sid) else {
@@ -470,19 +484,8 @@ impl Endpoint {
             Timer::Heartbeat(sid),
         );
         let rooms: SmallVec<[RoomId; 16]> = s.rooms.iter().copied().collect();
-        let (free_pages, queued_rooms) = match self.local.role {
-            Role::Decode => (self.capacity.free_pages, self.capacity.queued_rooms),
-            Role::Prefill => (0, 0),
-        };
-        let frames_received = s.frames_received;
-        self.transmits.push_back((
-            sid,
-            Message::Heartbeat {
-                free_pages,
-                queued_rooms,
-                frames_received,
-            },
-        ));
+        let heartbeat = self.heartbeat(sid);
+        self.transmits.push_back((sid, heartbeat));
         if self.local.role != Role::Prefill {
             return;
         }
@@ -596,14 +599,8 @@ impl Endpoint {
             .push_back(Event::SessionResumed { node, old, new });
         if !inbound {
             // We dialed, so the peer takes over at our first message (sent now).
-            self.transmits.push_back((
-                new,
-                Message::Heartbeat {
-                    free_pages: self.capacity.free_pages,
-                    queued_rooms: self.capacity.queued_rooms,
-                    frames_received: self.sessions.get(&new).map_or(0, |s| s.frames_received),
-                },
-            ));
+            let heartbeat = self.heartbeat(new);
+            self.transmits.push_back((new, heartbeat));
         }
         // Both sides now carry on over `new`, so the old connection can go. The accepting
         // side closes it too rather than wait for the dialer's close: that close may sit

@@ -31,7 +31,7 @@ impl Endpoint {
             held_grant: grant,
             ..ReceiverRoom::default()
         };
-        self.insert_bootstrapping_receiver(now, room, generation, rr);
+        self.insert_bootstrapping(now, room, generation, Side::Receiver(rr));
         self.attach_sources(now, room, sources);
         Ok(())
     }
@@ -63,7 +63,7 @@ impl Endpoint {
             held_grant: grant,
             ..ReceiverRoom::default()
         };
-        self.insert_bootstrapping_receiver(now, room, generation, rr);
+        self.insert_bootstrapping(now, room, generation, Side::Receiver(rr));
         let window = self.config.unreachable_timeout;
         let mut expired = None;
         for link in links {
@@ -94,24 +94,6 @@ impl Endpoint {
             self.conclude(now, room, KvPoll::Failed(reason));
         }
         Ok(())
-    }
-
-    /// Records a new receiver room in `Bootstrapping`, with its bootstrap deadline armed.
-    pub(super) fn insert_bootstrapping_receiver(
-        &mut self,
-        now: Instant,
-        room: RoomId,
-        generation: Generation,
-        rr: ReceiverRoom,
-    ) {
-        let mut record = Room::bootstrapping(generation, now, Side::Receiver(rr));
-        self.timers.set(
-            &mut record.bootstrap_timer,
-            now + self.config.bootstrap_timeout,
-            Timer::Bootstrap(room),
-        );
-        self.rooms.insert(room, record);
-        self.emit_state(room, generation, KvPoll::Bootstrapping);
     }
 
     /// Attaches a new room's sessions (at once, or once its targets are up), then sends its
@@ -458,14 +440,9 @@ impl Endpoint {
         generation: Generation,
         failure: Option<FailureReason>,
     ) {
-        let Some(r) = self.rooms.get_mut(&room) else {
-            self.counters.stale_messages += 1;
+        let Some(r) = room_of_message(&mut self.rooms, &mut self.counters, room, generation) else {
             return;
         };
-        if r.generation != generation {
-            self.counters.stale_messages += 1;
-            return;
-        }
         let Side::Receiver(rr) = &mut r.side else {
             return;
         };
@@ -519,11 +496,10 @@ impl Endpoint {
         generation: Generation,
         stage: ProgressStage,
     ) {
-        let Some(r) = self.rooms.get_mut(&room) else {
-            self.counters.stale_messages += 1;
+        let Some(r) = room_of_message(&mut self.rooms, &mut self.counters, room, generation) else {
             return;
         };
-        if r.generation != generation || r.state.is_terminal() {
+        if r.state.is_terminal() {
             self.counters.stale_messages += 1;
             return;
         }
@@ -544,14 +520,9 @@ impl Endpoint {
         room: RoomId,
         generation: Generation,
     ) {
-        let Some(r) = self.rooms.get_mut(&room) else {
-            self.counters.stale_messages += 1;
+        let Some(r) = room_of_message(&mut self.rooms, &mut self.counters, room, generation) else {
             return;
         };
-        if r.generation != generation {
-            self.counters.stale_messages += 1;
-            return;
-        }
         let Side::Receiver(rr) = &mut r.side else {
             return;
         };
@@ -658,6 +629,24 @@ impl Endpoint {
         for src in &rr.sources {
             self.transmits
                 .push_back((src.session, make(room, r.generation)));
+        }
+    }
+}
+
+/// The room a peer's message names, if it is the attempt the message is about; a message
+/// about another attempt, or a room gone, counts as stale. (Over the two fields, so the
+/// caller may use the endpoint's other state while it holds the room.)
+fn room_of_message<'a>(
+    rooms: &'a mut Map<RoomId, Room>,
+    counters: &mut Counters,
+    room: RoomId,
+    generation: Generation,
+) -> Option<&'a mut Room> {
+    match rooms.get_mut(&room) {
+        Some(r) if r.generation == generation => Some(r),
+        _ => {
+            counters.stale_messages += 1;
+            None
         }
     }
 }

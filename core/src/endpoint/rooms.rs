@@ -3,6 +3,24 @@
 use super::*;
 
 impl Endpoint {
+    /// Records a new room of either side in `Bootstrapping`, with its bootstrap deadline armed.
+    pub(super) fn insert_bootstrapping(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        side: Side,
+    ) {
+        let mut record = Room::bootstrapping(generation, now, side);
+        self.timers.set(
+            &mut record.bootstrap_timer,
+            now + self.config.bootstrap_timeout,
+            Timer::Bootstrap(room),
+        );
+        self.rooms.insert(room, record);
+        self.emit_state(room, generation, KvPoll::Bootstrapping);
+    }
+
     /// Aborts a room locally. Decode keeps its pages quarantined until every source drained
     /// or was fenced; prefill stops issuing operations and tells its receivers.
     pub fn abort(&mut self, now: Instant, room: RoomId) -> Result<(), ApiError> {

@@ -36,8 +36,9 @@ impl Endpoint {
             }
             _ => None,
         };
-        let mut record = Room::bootstrapping(generation, now, Side::Sender(SenderRoom::default()));
+        let side = Side::Sender(SenderRoom::default());
         if let Some(reason) = early {
+            let mut record = Room::bootstrapping(generation, now, side);
             record.state = KvPoll::Failed(reason);
             self.rooms.insert(room, record);
             self.emit_state(room, generation, KvPoll::Failed(reason));
@@ -45,13 +46,7 @@ impl Endpoint {
             self.maybe_release(now, room);
             return Ok(());
         }
-        self.timers.set(
-            &mut record.bootstrap_timer,
-            now + self.config.bootstrap_timeout,
-            Timer::Bootstrap(room),
-        );
-        self.rooms.insert(room, record);
-        self.emit_state(room, generation, KvPoll::Bootstrapping);
+        self.insert_bootstrapping(now, room, generation, side);
         if let Some(p) = self.pending.remove(&room) {
             if p.generation == generation {
                 for (sid, pos) in p.notices {
