@@ -1,11 +1,17 @@
-//! `kvferry-driver`: what every kvferry driver shares, whatever its runtime.
+//! `kvferry-driver`: the one driver loop, and what every runtime's driver shares.
 //!
-//! Owns the embedder-facing API that both drivers implement ([`KvNode`]), the types it speaks
-//! (room handles, node errors, configuration, announcements), the bookkeeping that turns the
-//! core's room events into handle updates ([`RoomBook`]), the receive path's admission
-//! through the core ([`CoreCheck`], reached through each driver's [`EndpointAccess`]) and the
-//! metrics export. Must never do IO, spawn a task, or decide anything about a room: that is
-//! the core's.
+//! Owns the driver loop itself ([`Driver`], generic over a runtime's [`Host`]): it feeds the
+//! core's inputs, drains its outputs under a budget, and asks the host to start the tasks
+//! that move bytes. Also the embedder-facing API that every runtime implements
+//! ([`KvNode`]), the types it speaks (room handles, node errors, configuration,
+//! announcements), the bookkeeping that turns the core's room events into handle updates
+//! ([`RoomBook`]), the receive path's admission through the core ([`CoreCheck`], reached
+//! through each runtime's [`EndpointAccess`]) and the metrics export. Must never do IO,
+//! spawn a task, wait, or decide anything about a room: the first three are the host's, the
+//! last is the core's.
+
+mod machine;
+pub use machine::{Connections, DataConn, Driver, FrameSink, Host, OpSink, SessionIo, TURN_BUDGET};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -538,6 +544,12 @@ pub fn export_metrics(endpoint: &Endpoint, role: Role) {
         metrics::counter!("kvferry_session_ops_failed_total", "role" => role, "session" => session.clone()).absolute(st.ops_failed);
         metrics::gauge!("kvferry_session_ops_in_flight", "role" => role, "session" => session)
             .set(f64::from(st.in_flight));
+    }
+}
+
+impl FrameSink for mpsc::UnboundedSender<Vec<u8>> {
+    fn send(&self, frame: Vec<u8>) {
+        let _ = mpsc::UnboundedSender::send(self, frame);
     }
 }
 

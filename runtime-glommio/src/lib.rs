@@ -28,34 +28,29 @@ use std::rc::{Rc, Weak};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use foldhash::fast::FixedState;
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement, Task};
 use kvferry_core::{
-    Action, ApiError, Chunk, Counters, Endpoint, EndpointInfo, Event, Generation, Grant, KvPoll,
-    NodeId, Role, RoomId, SessionId, SessionState, TargetId, TransferId, TransferOp,
-    TransferOutcome,
+    ApiError, Chunk, Counters, Endpoint, EndpointInfo, Generation, Grant, NodeId, Role, RoomId,
+    SessionId, SessionKey, TargetId, TransferId, TransferOp, TransferOutcome,
 };
 use kvferry_driver::{
-    connect_failure, export_metrics, round_robin, shard_of, Announcer, CoreCheck, EndpointAccess,
-    RoomBook,
+    shard_of, Announcer, CoreCheck, DataConn, Driver, EndpointAccess, FrameSink, Host, OpSink,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
     RoomView,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
-use kvferry_sync::{Acked, ConnSet, LedgerState, Start};
+use kvferry_sync::{Acked, LedgerState, Start};
 use kvferry_tcp::stream::{
     answer_data_on, challenge_data_on, hello_control, hello_data, read_ack, read_preamble_on,
     serve_writes_on,
 };
 use kvferry_tcp::{gather_iovecs, prepare_op, Limits, Preamble};
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, info, warn};
-
-type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
+use tracing::{debug, warn};
 
 mod scatter;
 pub use scatter::ScatterConn;
@@ -123,7 +118,6 @@ struct NodeShared {
     peers: Mutex<Vec<Vec<Vec<Link>>>>,
     announcements: Announcer,
     threads: Mutex<Vec<glommio::ExecutorJoinHandle<()>>>,
-    handshake_timeout: Duration,
 }
 
 struct StopOnDrop(Arc<NodeShared>);
@@ -251,7 +245,6 @@ impl GlommioNode {
             peers: Mutex::new(Vec::new()),
             announcements,
             threads: Mutex::new(threads),
-            handshake_timeout: config.core.handshake_timeout,
         });
         Ok(GlommioNode {
             _last: Arc::new(StopOnDrop(shared.clone())),
@@ -290,7 +283,7 @@ impl GlommioNode {
 
     /// The core's counters of one shard.
     pub async fn shard_counters(&self, shard: usize) -> Result<Counters, NodeError> {
-        self.call(shard, |s| s.state.borrow().endpoint.counters().clone())
+        self.call(shard, |s| s.driver.borrow().endpoint().counters().clone())
             .await
     }
 
@@ -346,7 +339,6 @@ impl KvNode for GlommioNode {
     }
 
     async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        let timeout = self.shared.handshake_timeout;
         let mut per_shard = Vec::with_capacity(self.shards());
         for i in 0..self.shards() {
             let mut sessions = Vec::with_capacity(addrs.len());
@@ -355,7 +347,7 @@ impl KvNode for GlommioNode {
                 self.call(i, move |s| {
                     let s = s.clone();
                     glommio::spawn_local(async move {
-                        let _ = tx.send(s.connect(addr, timeout).await);
+                        let _ = tx.send(s.connect(addr).await);
                     })
                     .detach();
                 })
@@ -376,17 +368,7 @@ impl KvNode for GlommioNode {
                 .call(i, move |s| {
                     addrs
                         .into_iter()
-                        .map(|a| {
-                            let target = {
-                                let mut st = s.state.borrow_mut();
-                                let t = st.endpoint.add_target(Instant::now());
-                                // Known before the drain carries out the core's first connect.
-                                st.targets.insert(t, a);
-                                t
-                            };
-                            s.drain();
-                            Link::Target(target)
-                        })
+                        .map(|a| Link::Target(s.drive(|d| d.add_target(a))))
                         .collect::<Vec<_>>()
                 })
                 .await?;
@@ -554,75 +536,33 @@ struct ShardSetup {
     rx: flume::Receiver<Cmd>,
 }
 
-/// Why a session ended before its handshake completed (kept to explain `connect` failures).
-#[derive(Clone, Debug)]
-enum Refusal {
-    Peer(String),
-    Rejected(kvferry_core::RejectReason),
-}
-
-impl Refusal {
-    fn into_error(self) -> NodeError {
-        match self {
-            Refusal::Peer(why) => NodeError::Refused(why),
-            Refusal::Rejected(r) => NodeError::Rejected(r),
-        }
-    }
-}
-
-/// One shard: an endpoint and everything around it, owned by one executor thread.
+/// One shard: an endpoint and the driver loop around it, owned by one executor thread.
 struct Shard {
-    index: usize,
-    state: RefCell<ShardState>,
+    driver: RefCell<Driver<ShardHost>>,
     memory: Arc<MemoryMap>,
     info: EndpointInfo,
     limits: Limits,
-    data_connections: usize,
     faults: Cell<Option<FaultPlan>>,
-    announcements: Announcer,
     wake: LocalSender<()>,
     stopped: Cell<bool>,
     /// Tasks that live as long as the shard (listeners, the timer).
     background: RefCell<Vec<Task<()>>>,
-    /// Told when the core reports the shutdown complete.
-    shutdown_done: RefCell<Option<LocalSender<()>>>,
+    /// Tasks the driver asked for, started once it is no longer borrowed.
+    spawns: RefCell<Vec<std::pin::Pin<Box<dyn Future<Output = ()>>>>>,
 }
 
-struct ShardState {
-    endpoint: Endpoint,
-    io: Map<SessionId, SessionIo>,
-    rooms: RoomBook,
-    armed: Option<Instant>,
-    metrics_at: Instant,
-    targets: Map<TargetId, SocketAddr>,
-    refusals: Map<SessionId, Refusal>,
+/// A shard's side of the driver loop: starts tasks on the shard's executor that report back
+/// to the driver in [`Shard::driver`].
+struct ShardHost {
+    shard: Weak<Shard>,
 }
 
-struct SessionIo {
-    control_tx: LocalSender<Vec<u8>>,
-    tasks: Vec<Task<()>>,
-    /// Set when this side connected: it opens the data connections.
-    peer_addr: Option<SocketAddr>,
-    data: ConnSet<DataConn>,
-    next_sender: usize,
-    /// Operations waiting for a data connection (the core's operation timeout bounds them).
-    parked: Vec<TransferOp>,
-}
+/// A control connection's writer queue.
+struct Control(LocalSender<Vec<u8>>);
 
-/// One data connection of a session.
-enum DataConn {
-    Sender(DataSender),
-    Receiver(Task<()>),
-}
-
-impl DataConn {
-    async fn close(self) {
-        match self {
-            DataConn::Sender(s) => s.close().await,
-            DataConn::Receiver(t) => {
-                let _ = t.cancel().await;
-            }
-        }
+impl FrameSink for Control {
+    fn send(&self, frame: Vec<u8>) {
+        let _ = self.0.try_send(frame);
     }
 }
 
@@ -692,6 +632,12 @@ impl DataSender {
     }
 }
 
+impl OpSink for DataSender {
+    fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
+        DataSender::send(self, op)
+    }
+}
+
 #[allow(clippy::panic)]
 fn unreachable_op() -> TransferOp {
     // try_send only ever gives the item back through Closed or WouldBlock.
@@ -713,30 +659,27 @@ async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(),
         }
     };
     let (wake, wake_rx) = local_channel::new_unbounded::<()>();
-    let shard = Rc::new(Shard {
-        index: setup.index,
-        state: RefCell::new(ShardState {
+    let shard = Rc::new_cyclic(|weak| Shard {
+        driver: RefCell::new(Driver::new(
             endpoint,
-            io: Map::default(),
-            rooms: RoomBook::new(setup.info.role),
-            armed: None,
-            metrics_at: now,
-            targets: Map::default(),
-            refusals: Map::default(),
-        }),
+            ShardHost {
+                shard: weak.clone(),
+            },
+            setup.config.data_connections,
+            setup.announcements,
+            now,
+        )),
         memory: setup.memory,
         limits: Limits {
             max_slices: setup.config.core.max_op_slices,
             max_bytes: setup.config.core.max_op_bytes,
         },
         info: setup.info,
-        data_connections: setup.config.data_connections.max(1),
         faults: Cell::new(setup.config.faults),
-        announcements: setup.announcements,
         wake,
         stopped: Cell::new(false),
         background: RefCell::new(Vec::new()),
-        shutdown_done: RefCell::new(None),
+        spawns: RefCell::new(Vec::new()),
     });
     let timer = glommio::spawn_local(drive(Rc::downgrade(&shard), wake_rx));
     shard.background.borrow_mut().push(timer);
@@ -752,47 +695,26 @@ async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(),
     for t in tasks {
         let _ = t.cancel().await;
     }
-    let io: Vec<SessionIo> = {
-        let mut st = shard.state.borrow_mut();
-        st.io.drain().map(|(_, io)| io).collect()
-    };
-    for mut io in io {
-        for c in io.data.close().unwrap_or_default() {
-            c.close().await;
+    let sessions = shard.drive(|d| d.take_all());
+    for (conns, tasks) in sessions {
+        for c in conns {
+            close_data(c).await;
         }
-        for t in io.tasks.drain(..) {
+        for t in tasks {
             let _ = t.cancel().await;
         }
     }
 }
 
-/// The shard's timer task: arms one timer from the core's deadline and feeds it back.
+/// The shard's driver task: one turn of the driver loop whenever its timer fires or it is
+/// woken, until the shard stops.
 async fn drive(weak: Weak<Shard>, wake: LocalReceiver<()>) {
     loop {
         let Some(shard) = weak.upgrade() else { return };
         if shard.stopped.get() {
             return;
         }
-        let deadline = {
-            let now = Instant::now();
-            let due = shard
-                .state
-                .borrow()
-                .endpoint
-                .poll_timeout()
-                .is_some_and(|(t, _)| t <= now);
-            if due {
-                shard.with_endpoint(|e, now| e.handle_timeout(now));
-            }
-            let mut st = shard.state.borrow_mut();
-            if now.duration_since(st.metrics_at) >= Duration::from_millis(500) {
-                st.metrics_at = now;
-                export_metrics(&st.endpoint, shard.info.role);
-            }
-            let next = st.endpoint.poll_timeout().map(|(t, _)| t);
-            st.armed = next;
-            next
-        };
+        let deadline = shard.drive(|d| d.turn(Instant::now()));
         drop(shard);
         let sleep = async {
             match deadline {
@@ -808,24 +730,144 @@ async fn drive(weak: Weak<Shard>, wake: LocalReceiver<()>) {
     }
 }
 
+impl ShardHost {
+    /// Starts `task` once the shard's driver is no longer borrowed (glommio may run a task
+    /// the moment it is spawned, and it would find the driver in use).
+    fn spawn(&self, task: impl Future<Output = ()> + 'static) {
+        if let Some(shard) = self.shard.upgrade() {
+            shard.spawns.borrow_mut().push(Box::pin(task));
+        }
+    }
+}
+
+impl Host for ShardHost {
+    type Sender = DataSender;
+    type Receiver = Task<()>;
+    type Control = Control;
+    type Task = Task<()>;
+    type SessionExt = ();
+
+    fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration) {
+        let weak = self.shard.clone();
+        self.spawn(async move {
+            let opened = async {
+                let mut stream = TcpStream::connect(addr).await?;
+                let _ = stream.set_nodelay(true);
+                hello_control(&mut stream).await?;
+                Ok::<_, std::io::Error>(stream)
+            };
+            let timeout = async {
+                glommio::timer::sleep(timeout).await;
+                Err(std::io::Error::from(std::io::ErrorKind::TimedOut))
+            };
+            let result = futures_lite::future::or(opened, timeout).await;
+            let Some(shard) = weak.upgrade() else { return };
+            match result {
+                Ok(stream) => {
+                    shard.attach_control(stream, Some(addr), Some(target), None);
+                }
+                Err(err) => {
+                    debug!(%target, %addr, error = %err, "connect failed");
+                    shard.drive(|d| d.connect_failed(target, &err));
+                }
+            }
+        });
+    }
+
+    fn open_data(&self, sid: SessionId, addr: SocketAddr, key: SessionKey, n: usize) {
+        for _ in 0..n {
+            let weak = self.shard.clone();
+            let key = key.clone();
+            self.spawn(async move {
+                let opened = async {
+                    let mut stream = TcpStream::connect(addr).await?;
+                    let _ = stream.set_nodelay(true);
+                    hello_data(&mut stream, &key).await?;
+                    Ok::<_, std::io::Error>(stream)
+                }
+                .await;
+                match opened {
+                    Ok(stream) => {
+                        if let Some(shard) = weak.upgrade() {
+                            shard.attach_data(sid, stream);
+                        }
+                    }
+                    Err(e) => warn!(session = %sid, error = %e, "data connection failed"),
+                }
+            });
+        }
+    }
+
+    fn fence(&self, sid: SessionId, conns: Vec<DataConn<Self>>) {
+        let weak = self.shard.clone();
+        self.spawn(async move {
+            for c in conns {
+                close_data(c).await;
+            }
+            if let Some(shard) = weak.upgrade() {
+                shard.drive(|d| d.fence_closed(sid));
+            }
+        });
+    }
+
+    fn close(&self, sid: SessionId, conns: Vec<DataConn<Self>>, tasks: Vec<Task<()>>) {
+        let weak = self.shard.clone();
+        self.spawn(async move {
+            // Let the writer flush a final error frame before the socket goes.
+            glommio::timer::sleep(Duration::from_millis(10)).await;
+            for c in conns {
+                close_data(c).await;
+            }
+            for t in tasks {
+                let _ = t.cancel().await;
+            }
+            if let Some(shard) = weak.upgrade() {
+                shard.drive(|d| d.closed(sid));
+            }
+        });
+    }
+
+    fn wake(&self) {
+        if let Some(shard) = self.shard.upgrade() {
+            let _ = shard.wake.try_send(());
+        }
+    }
+}
+
+/// Closes a data connection and waits until nothing of it can write any more.
+async fn close_data(conn: DataConn<ShardHost>) {
+    match conn {
+        DataConn::Sender(s) => s.close().await,
+        DataConn::Receiver(t) => {
+            let _ = t.cancel().await;
+        }
+    }
+}
+
 impl Shard {
+    /// Runs `f` on the driver, then starts the tasks it asked for (the only way in, so
+    /// no task ever finds the driver borrowed).
+    fn drive<T>(&self, f: impl FnOnce(&mut Driver<ShardHost>) -> T) -> T {
+        let out = f(&mut self.driver.borrow_mut());
+        loop {
+            let spawns = std::mem::take(&mut *self.spawns.borrow_mut());
+            if spawns.is_empty() {
+                return out;
+            }
+            for task in spawns {
+                glommio::spawn_local(task).detach();
+            }
+        }
+    }
+
     fn stop(&self) {
         self.stopped.set(true);
         let _ = self.wake.try_send(());
     }
 
     /// Runs `f` on the endpoint, then drains (the core's rule after every input).
-    fn with_endpoint<T>(self: &Rc<Self>, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
-        let out = {
-            let mut st = self.state.borrow_mut();
-            f(&mut st.endpoint, Instant::now())
-        };
-        self.drain();
-        out
-    }
-
     fn with<T>(self: &Rc<Self>, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
-        self.with_endpoint(f)
+        self.drive(|d| d.with(f))
     }
 
     fn open_room(
@@ -833,25 +875,7 @@ impl Shard {
         room: RoomId,
         f: impl FnOnce(&mut Endpoint, Instant) -> Result<(), ApiError>,
     ) -> Result<RoomHandle, ApiError> {
-        let handle = {
-            let mut st = self.state.borrow_mut();
-            let current = st
-                .endpoint
-                .room_state(room)
-                .unwrap_or(KvPoll::Bootstrapping);
-            st.rooms.watch(room, current)
-        };
-        let result = self.with_endpoint(f);
-        match result {
-            Ok(()) => Ok(handle),
-            Err(e) => {
-                let mut st = self.state.borrow_mut();
-                if st.endpoint.room_generation(room).is_none() {
-                    st.rooms.forget(room);
-                }
-                Err(e)
-            }
-        }
+        self.drive(|d| d.open_room(room, f))
     }
 
     /// A data connection's report: each outcome goes to this shard's core while it lives.
@@ -859,123 +883,9 @@ impl Shard {
         let shard = Rc::downgrade(self);
         Rc::new(move |id, outcome| {
             if let Some(shard) = shard.upgrade() {
-                shard.transfer_result(id, outcome);
+                shard.with(|e, now| e.handle_transfer_result(now, id, outcome));
             }
         })
-    }
-
-    fn transfer_result(self: &Rc<Self>, id: TransferId, outcome: TransferOutcome) {
-        self.with_endpoint(|e, now| e.handle_transfer_result(now, id, outcome));
-    }
-
-    /// Drains every output of the core, in the documented order, after an input.
-    fn drain(self: &Rc<Self>) {
-        loop {
-            let mut progressed = false;
-            let mut buf = Vec::new();
-            loop {
-                let sid = self.state.borrow_mut().endpoint.poll_transmit(&mut buf);
-                let Some(sid) = sid else { break };
-                progressed = true;
-                let st = self.state.borrow();
-                if let Some(io) = st.io.get(&sid) {
-                    let _ = io.control_tx.try_send(std::mem::take(&mut buf));
-                } else {
-                    tracing::trace!(shard = self.index, session = %sid, len = buf.len(), "transmit for a session without io dropped");
-                    buf.clear();
-                }
-            }
-            loop {
-                let action = self.state.borrow_mut().endpoint.poll_action();
-                let Some(action) = action else { break };
-                progressed = true;
-                match action {
-                    Action::FenceSession(sid) => self.start_fence(sid),
-                    Action::CloseSession(sid) => self.start_close(sid),
-                    Action::Connect { target, timeout } => self.start_connect(target, timeout),
-                    Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
-                }
-            }
-            loop {
-                let now = Instant::now();
-                let op = self.state.borrow_mut().endpoint.poll_transfer(now);
-                let Some(op) = op else { break };
-                progressed = true;
-                let id = op.id;
-                let mut st = self.state.borrow_mut();
-                let rejected = match st.io.get_mut(&op.session) {
-                    Some(io) if !io.data.is_closing() => match dispatch(io, op) {
-                        Ok(()) => false,
-                        Err(op) => {
-                            // No data connection yet (or all broke): wait for one.
-                            io.parked.push(op);
-                            false
-                        }
-                    },
-                    _ => true,
-                };
-                if rejected {
-                    st.endpoint
-                        .handle_transfer_result(now, id, TransferOutcome::Transient);
-                }
-            }
-            loop {
-                let event = self.state.borrow_mut().endpoint.poll_event();
-                let Some(event) = event else { break };
-                progressed = true;
-                self.on_event(&event);
-            }
-            if !progressed {
-                break;
-            }
-        }
-        let st = self.state.borrow();
-        let next = st.endpoint.poll_timeout().map(|(t, _)| t);
-        if st.armed.is_none() || next < st.armed {
-            let _ = self.wake.try_send(());
-        }
-    }
-
-    fn on_event(self: &Rc<Self>, event: &Event) {
-        match *event {
-            ref e if RoomBook::follows(e) => {
-                self.state.borrow_mut().rooms.on_event(event);
-            }
-            Event::ShutDown { .. } => {
-                if let Some(tx) = self.shutdown_done.borrow_mut().take() {
-                    let _ = tx.try_send(());
-                }
-            }
-            Event::SessionEstablished { session, peer } => {
-                info!(shard = self.index, %session, node = %peer.node, "session established");
-                self.open_data_connections(session, self.data_connections);
-            }
-            Event::RoomAnnounced { .. } => self.announcements.on_event(event),
-            Event::PeerError {
-                session,
-                code,
-                ref detail,
-            } => {
-                self.state
-                    .borrow_mut()
-                    .refusals
-                    .entry(session)
-                    .or_insert_with(|| Refusal::Peer(format!("{code:?}: {detail}")));
-            }
-            Event::SessionRejected { session, reason } => {
-                self.state
-                    .borrow_mut()
-                    .refusals
-                    .insert(session, Refusal::Rejected(reason));
-            }
-            Event::SessionBlacklisted { session } => {
-                warn!(shard = self.index, %session, "session blacklisted")
-            }
-            Event::SessionRecovered { session } => {
-                info!(shard = self.index, %session, "session recovered")
-            }
-            _ => {}
-        }
     }
 
     fn listen(self: &Rc<Self>, addr: SocketAddr) -> Result<SocketAddr, NodeError> {
@@ -1008,86 +918,52 @@ impl Shard {
         Ok(local)
     }
 
-    /// Opens a session to `addr` and waits (at most `timeout`) for its handshake.
-    async fn connect(
-        self: Rc<Self>,
-        addr: SocketAddr,
-        timeout: Duration,
-    ) -> Result<SessionId, NodeError> {
+    /// Opens a session to `addr` and waits for its handshake (the core's handshake timer
+    /// bounds the wait).
+    async fn connect(self: Rc<Self>, addr: SocketAddr) -> Result<SessionId, NodeError> {
         let mut stream = TcpStream::connect(addr)
             .await
             .map_err(std::io::Error::from)?;
         let _ = stream.set_nodelay(true);
         hello_control(&mut stream).await?;
-        let sid = self.attach_control(stream, Some(addr), None);
-        let deadline = Instant::now() + timeout;
-        loop {
-            let (state, refusal) = {
-                let st = self.state.borrow();
-                (
-                    st.endpoint.session_state(sid),
-                    st.refusals.get(&sid).cloned(),
-                )
-            };
-            match state {
-                Some(SessionState::Established | SessionState::Blacklisted) => return Ok(sid),
-                None | Some(SessionState::Closing) => {
-                    return Err(refusal.map_or(NodeError::HandshakeTimeout, Refusal::into_error))
-                }
-                Some(SessionState::Handshaking) => {}
-            }
-            if Instant::now() >= deadline {
-                return Err(NodeError::HandshakeTimeout);
-            }
-            glommio::timer::sleep(Duration::from_millis(1)).await;
-        }
+        let (tx, rx) = oneshot::channel();
+        self.attach_control(stream, Some(addr), None, Some(tx));
+        drop(self);
+        rx.await.map_err(|_| NodeError::ShutDown)?
     }
 
-    /// Registers a control connection with the core and starts its reader and writer.
+    /// Registers a control connection with the driver and starts its reader and writer;
+    /// `handshake` is told how the session's handshake ends.
     fn attach_control(
         self: &Rc<Self>,
         stream: TcpStream,
         peer_addr: Option<SocketAddr>,
         target: Option<TargetId>,
+        handshake: Option<oneshot::Sender<Result<SessionId, NodeError>>>,
     ) -> SessionId {
+        let (tx, rx) = local_channel::new_unbounded::<Vec<u8>>();
+        let sid = self.drive(|d| {
+            let sid = d.attach_control(Control(tx), peer_addr, target);
+            // Before the reader starts: no answer of the peer can come first.
+            if let Some(w) = handshake {
+                d.on_handshake(sid, w);
+            }
+            sid
+        });
         let (read, write) = match split(stream) {
             Ok(halves) => halves,
             Err(e) => {
-                warn!(error = %e, "cannot split a control connection");
+                warn!(session = %sid, error = %e, "cannot split a control connection");
                 // A session that closes at once: the core learns it like any other loss.
-                let sid = self.with_endpoint(|e, now| e.open_session(now));
-                self.with_endpoint(|e, now| e.handle_disconnected(now, sid));
+                self.drive(|d| d.control_ended(sid));
                 return sid;
             }
-        };
-        let (tx, rx) = local_channel::new_unbounded::<Vec<u8>>();
-        let sid = {
-            let mut st = self.state.borrow_mut();
-            let now = Instant::now();
-            let sid = match (target, peer_addr) {
-                (Some(t), _) => st.endpoint.open_session_for(now, t),
-                (None, Some(_)) => st.endpoint.open_session(now),
-                (None, None) => st.endpoint.accept_session(now),
-            };
-            // The session's io exists before any task of it can run (and drain).
-            st.io.insert(
-                sid,
-                SessionIo {
-                    control_tx: tx,
-                    tasks: Vec::new(),
-                    peer_addr,
-                    data: ConnSet::default(),
-                    next_sender: 0,
-                    parked: Vec::new(),
-                },
-            );
-            sid
         };
         let writer = glommio::spawn_local(async move {
             use futures_lite::AsyncWriteExt;
             let mut write = write;
             while let Some(frame) = rx.recv().await {
-                tracing::trace!(session = %sid, len = frame.len(), first = frame.get(4).copied(), "control frame out");
+                tracing::trace!(session = %sid, len = frame.len(), "control frame out");
                 if write.write_all(&frame).await.is_err() {
                     break;
                 }
@@ -1105,33 +981,23 @@ impl Shard {
                     Ok(n) => n,
                 };
                 let Some(shard) = weak.upgrade() else { return };
-                tracing::trace!(session = %sid, n, first = chunk.get(4).copied(), "control bytes in");
                 buf.extend_from_slice(&chunk[..n]);
-                let used = shard.with_endpoint(|e, now| e.handle_input(now, sid, &buf));
+                let used = shard.with(|e, now| e.handle_input(now, sid, &buf));
                 buf.drain(..used.min(buf.len()));
             }
             if let Some(shard) = weak.upgrade() {
                 debug!(session = %sid, "control connection ended");
-                shard.start_close(sid);
+                shard.drive(|d| d.control_ended(sid));
             }
         });
-        if let Some(io) = self.state.borrow_mut().io.get_mut(&sid) {
-            io.tasks.push(writer);
-            io.tasks.push(reader);
-        }
-        self.drain();
+        // Given back only if the session closed meanwhile: dropping them cancels them.
+        let _ = self.drive(|d| d.add_tasks(sid, vec![writer, reader]));
         sid
     }
 
     /// Puts an accepted or opened data connection to work for `sid`, by role.
     fn attach_data(self: &Rc<Self>, sid: SessionId, stream: TcpStream) {
-        if self
-            .state
-            .borrow()
-            .io
-            .get(&sid)
-            .map_or(true, |io| io.data.is_closing())
-        {
+        if !self.driver.borrow().wants_data(sid) {
             return; // dropping the stream closes it
         }
         let conn = match self.info.role {
@@ -1166,210 +1032,23 @@ impl Shard {
                     // A fence cancels this task before it gets here: this end was a break, and
                     // the core decides whether and when it is replaced.
                     if let Some(shard) = weak.upgrade() {
-                        shard.with_endpoint(|e, now| e.handle_data_connection_lost(now, sid));
+                        shard.drive(|d| d.data_connection_lost(sid));
                     }
                 }))
             }
         };
-        {
-            let mut st = self.state.borrow_mut();
-            let Some(io) = st.io.get_mut(&sid) else {
-                return;
-            };
-            // Cannot be refused: checked above, and nothing ran in between.
-            let _ = io.data.attach(conn);
-        }
-        let parked = {
-            let mut st = self.state.borrow_mut();
-            st.io
-                .get_mut(&sid)
-                .map(|io| std::mem::take(&mut io.parked))
-                .unwrap_or_default()
-        };
-        {
-            let mut st = self.state.borrow_mut();
-            if let Some(io) = st.io.get_mut(&sid) {
-                for op in parked {
-                    if let Err(op) = dispatch(io, op) {
-                        io.parked.push(op);
-                    }
-                }
-            }
-        }
-        self.drain();
-    }
-
-    /// Opens `n` data connections of `sid` if this side dialed it (it knows the peer's
-    /// address) and its handshake gave it a key; each proves the key.
-    fn open_data_connections(self: &Rc<Self>, sid: SessionId, n: usize) {
-        let (addr, key) = {
-            let st = self.state.borrow();
-            let addr = st
-                .io
-                .get(&sid)
-                .filter(|io| !io.data.is_closing())
-                .and_then(|io| io.peer_addr);
-            (addr, st.endpoint.data_key(sid))
-        };
-        let (Some(addr), Some(key)) = (addr, key) else {
-            return;
-        };
-        for _ in 0..n {
-            let weak = Rc::downgrade(self);
-            let key = key.clone();
-            glommio::spawn_local(async move {
-                let opened = async {
-                    let mut stream = TcpStream::connect(addr).await?;
-                    let _ = stream.set_nodelay(true);
-                    hello_data(&mut stream, &key).await?;
-                    Ok::<_, std::io::Error>(stream)
-                }
-                .await;
-                match opened {
-                    Ok(stream) => {
-                        if let Some(shard) = weak.upgrade() {
-                            shard.attach_data(sid, stream);
-                        }
-                    }
-                    Err(e) => warn!(session = %sid, error = %e, "data connection failed"),
-                }
-            })
-            .detach();
-        }
-    }
-
-    /// Carries out a connect the core asked for; a failure is reported back to it.
-    fn start_connect(self: &Rc<Self>, target: TargetId, timeout: Duration) {
-        let Some(addr) = self.state.borrow().targets.get(&target).copied() else {
-            return;
-        };
-        let weak = Rc::downgrade(self);
-        glommio::spawn_local(async move {
-            let opened = async {
-                let mut stream = TcpStream::connect(addr).await?;
-                let _ = stream.set_nodelay(true);
-                hello_control(&mut stream).await?;
-                Ok::<_, std::io::Error>(stream)
-            };
-            let timeout = async {
-                glommio::timer::sleep(timeout).await;
-                Err(std::io::Error::from(std::io::ErrorKind::TimedOut))
-            };
-            let result = futures_lite::future::or(opened, timeout).await;
-            let Some(shard) = weak.upgrade() else { return };
-            match result {
-                Ok(stream) => {
-                    shard.attach_control(stream, Some(addr), Some(target));
-                }
-                Err(err) => {
-                    debug!(%target, %addr, error = %err, "connect failed");
-                    let failure = connect_failure(&err);
-                    shard.with_endpoint(|e, now| e.handle_connect_failed(now, target, failure));
-                }
-            }
-        })
-        .detach();
-    }
-
-    /// Reports every parked operation of a session as transient (it was never written).
-    fn unpark(self: &Rc<Self>, sid: SessionId) {
-        let parked = {
-            let mut st = self.state.borrow_mut();
-            st.io
-                .get_mut(&sid)
-                .map(|io| std::mem::take(&mut io.parked))
-                .unwrap_or_default()
-        };
-        let now = Instant::now();
-        let mut st = self.state.borrow_mut();
-        for op in parked {
-            st.endpoint
-                .handle_transfer_result(now, op.id, TransferOutcome::Transient);
-        }
-    }
-
-    /// Carries out a fence: close the session's data connections, wait until nothing of them
-    /// can write, confirm to the core, then re-open them if this side opens them.
-    fn start_fence(self: &Rc<Self>, sid: SessionId) {
-        self.unpark(sid);
-        let taken = {
-            let mut st = self.state.borrow_mut();
-            st.io.get_mut(&sid).map(|io| io.data.fence())
-        };
-        let Some(conns) = taken else {
-            self.state
-                .borrow_mut()
-                .endpoint
-                .handle_fence_complete(Instant::now(), sid);
-            return;
-        };
-        let weak = Rc::downgrade(self);
-        glommio::spawn_local(async move {
-            for c in conns {
-                c.close().await;
-            }
-            let Some(shard) = weak.upgrade() else { return };
-            shard.with_endpoint(|e, now| e.handle_fence_complete(now, sid));
-            info!(shard = shard.index, session = %sid, "session fenced");
-            shard.open_data_connections(sid, shard.data_connections);
-        })
-        .detach();
-    }
-
-    /// Carries out a close: stop every connection of the session, then tell the core.
-    fn start_close(self: &Rc<Self>, sid: SessionId) {
-        self.unpark(sid);
-        let taken = {
-            let mut st = self.state.borrow_mut();
-            st.io.get_mut(&sid).and_then(|io| {
-                let conns = io.data.close()?;
-                Some((conns, std::mem::take(&mut io.tasks)))
-            })
-        };
-        let Some((conns, tasks)) = taken else {
-            return;
-        };
-        let weak = Rc::downgrade(self);
-        glommio::spawn_local(async move {
-            // Let the writer flush a final error frame before the socket goes.
-            glommio::timer::sleep(Duration::from_millis(10)).await;
-            for c in conns {
-                c.close().await;
-            }
-            for t in tasks {
-                let _ = t.cancel().await;
-            }
-            let Some(shard) = weak.upgrade() else { return };
-            shard.state.borrow_mut().io.remove(&sid);
-            shard.with_endpoint(|e, now| e.handle_disconnected(now, sid));
-        })
-        .detach();
+        // Cannot be refused: checked above, and nothing ran in between.
+        let _ = self.drive(|d| d.attach_data(sid, conn));
     }
 
     /// Fails every room, tells every peer, and waits until the core says the shutdown is
     /// complete (every session closed, or its shutdown timeout).
     async fn shutdown(self: Rc<Self>) {
-        let (tx, rx) = local_channel::new_bounded::<()>(1);
-        *self.shutdown_done.borrow_mut() = Some(tx);
-        self.with_endpoint(|e, now| e.shutdown(now));
-        if !self.state.borrow().endpoint.shutdown_complete() {
-            let _ = rx.recv().await;
-        }
+        let (tx, rx) = oneshot::channel();
+        self.drive(|d| d.shutdown(tx));
+        let _ = rx.await;
         self.stop();
     }
-}
-
-/// Hands an operation to the next open data connection of the session, round-robin.
-fn dispatch(io: &mut SessionIo, op: TransferOp) -> Result<(), TransferOp> {
-    let senders: Vec<&DataSender> = io
-        .data
-        .iter()
-        .filter_map(|c| match c {
-            DataConn::Sender(s) => Some(s),
-            DataConn::Receiver(_) => None,
-        })
-        .collect();
-    round_robin(&senders, &mut io.next_sender, op, |s, op| s.send(op))
 }
 
 /// Two handles on one socket (reads on one task, writes on another, no lock between them).
@@ -1491,7 +1170,7 @@ async fn accept(weak: Weak<Shard>, mut stream: TcpStream) {
     // A connection that says nothing gets as long as a handshake, then is dropped.
     let Some(wait) = weak
         .upgrade()
-        .map(|s| s.state.borrow().endpoint.config().handshake_timeout)
+        .map(|s| s.driver.borrow().endpoint().config().handshake_timeout)
     else {
         return;
     };
@@ -1514,14 +1193,15 @@ async fn accept(weak: Weak<Shard>, mut stream: TcpStream) {
     let Some(shard) = weak.upgrade() else { return };
     match preamble {
         Preamble::Control => {
-            shard.attach_control(stream, None, None);
+            shard.attach_control(stream, None, None, None);
         }
         Preamble::Data => {
             // The core's challenge; the answer names the session and proves its key.
             let (challenge, wait) = {
-                let mut st = shard.state.borrow_mut();
-                let wait = st.endpoint.config().handshake_timeout;
-                (st.endpoint.data_challenge(), wait)
+                shard.drive(|d| {
+                    let wait = d.endpoint().config().handshake_timeout;
+                    (d.endpoint_mut().data_challenge(), wait)
+                })
             };
             let read = async { challenge_data_on(&mut stream, &challenge).await.map(Some) };
             let timeout = async {
@@ -1541,9 +1221,9 @@ async fn accept(weak: Weak<Shard>, mut stream: TcpStream) {
             };
             let admitted =
                 shard
-                    .state
+                    .driver
                     .borrow()
-                    .endpoint
+                    .endpoint()
                     .admit_data(&challenge, &hello.tag, &hello.proof);
             match admitted {
                 Ok(sid) => {
@@ -1570,11 +1250,13 @@ impl EndpointAccess for ShardAccess {
         after: impl FnOnce(&T) -> bool,
     ) -> Option<T> {
         let shard = self.0.upgrade()?;
-        let out = f(&mut shard.state.borrow_mut().endpoint, Instant::now());
-        if after(&out) {
-            shard.drain();
-        }
-        Some(out)
+        Some(shard.drive(|d| {
+            let out = f(d.endpoint_mut(), Instant::now());
+            if after(&out) {
+                d.drain();
+            }
+            out
+        }))
     }
 
     fn faults(&self) -> Option<FaultPlan> {

@@ -1,10 +1,11 @@
 //! `kvferry-tokio`: the driver that runs a `kvferry-core` [`Endpoint`] on tokio.
 //!
-//! It owns sockets, timers and tasks, and nothing else: it feeds the core's inputs (control
-//! bytes, finished operations, fired timers, connections), drains its outputs in the documented
-//! order after every input, arms one timer from `poll_timeout`, and carries out data-path
-//! operations and fences through `kvferry-tcp`. It never decides a retry, a timeout or a
-//! room's state: if it ever needs such an `if`, the core's API is missing something.
+//! It is the tokio [`Host`] of the one driver loop ([`kvferry_driver::Driver`]): it owns
+//! sockets, tasks and the one timer, keeps the driver behind a mutex, and starts what the
+//! driver asks for (connects, data connections, fences, closes), carrying data-path
+//! operations through `kvferry-tcp` (or RDMA with the `rdma` feature). Every decision is the
+//! driver's or the core's: if this file ever needs an `if` about a retry, a timeout or a
+//! room's state, their API is missing something.
 //!
 //! Embedders get a [`Node`]: open rooms, send chunks, mark layers ready, abort, and await a
 //! room's terminal state and its release through a cancel-safe [`RoomHandle`].
@@ -13,88 +14,55 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use foldhash::fast::FixedState;
 use kvferry_core::{
-    Action, ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event,
-    FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId, SessionKey, TargetId,
-    TransferId, TransferOutcome,
+    ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event, FailureReason,
+    Generation, Grant, KvPoll, Role, RoomId, SessionId, SessionKey, TargetId, TransferId,
+    TransferOp, TransferOutcome,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
-use kvferry_sync::ConnSet;
 use kvferry_tcp::{
     accept_conn, answer_data, challenge_data, connect_control, connect_data, read_preamble,
     serve_writes, Conn, DataSender, Limits, Preamble, Report, TlsSetup,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{broadcast, mpsc, watch, Notify};
+use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
-use tracing::{debug, info, info_span, warn, Instrument};
-
-type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
+use tracing::{debug, info_span, warn, Instrument};
 
 #[cfg(feature = "rdma")]
 mod rdma;
 
-use kvferry_driver::{
-    connect_failure, round_robin, Announcer, CoreCheck, EndpointAccess, RoomBook,
-};
 pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
     NodeError, PeerId, RoomHandle, RoomView,
 };
+use kvferry_driver::{Announcer, CoreCheck, DataConn, Driver, EndpointAccess, Host, OpSink};
 
-struct SessionIo {
-    control_tx: mpsc::UnboundedSender<Vec<u8>>,
-    tasks: Vec<JoinHandle<()>>,
-    /// Set when this side connected: it opens the data connections.
-    peer_addr: Option<SocketAddr>,
-    /// Data connections; closing once the session is being closed (loom-modelled).
-    data: ConnSet<DataConn>,
-    next_sender: usize,
-    /// Operations waiting for a data connection (the core's operation timeout bounds them).
-    parked: Vec<kvferry_core::TransferOp>,
-    /// The session's queue pair when the node moves data over RDMA.
-    #[cfg(feature = "rdma")]
-    rdma: Option<rdma::SessionRdma>,
+/// The tokio side of the driver loop: starts tasks on the node's runtime that report back
+/// to the driver behind [`Shared::driver`].
+struct TokioHost {
+    shared: Weak<Shared>,
+    runtime: tokio::runtime::Handle,
+    tls: Option<TlsSetup>,
+    events: broadcast::Sender<Event>,
 }
 
-/// One data connection of a session: prefill writes on it, decode serves writes from it.
-enum DataConn {
-    Sender(DataSender),
-    Receiver(JoinHandle<()>),
-}
+/// The sending half of a TCP data connection.
+struct Sender(DataSender);
 
-impl DataConn {
-    /// Closes the connection and waits until nothing of it can write any more.
-    async fn close(self) {
-        match self {
-            DataConn::Sender(s) => s.close().await,
-            DataConn::Receiver(t) => {
-                t.abort();
-                let _ = t.await;
-            }
-        }
+impl OpSink for Sender {
+    fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
+        self.0.send(op)
     }
 }
 
-struct Inner {
-    endpoint: Endpoint,
-    io: Map<SessionId, SessionIo>,
-    rooms: RoomBook,
-    armed: Option<Instant>,
-    metrics_at: Instant,
-    /// Where each target lives.
-    targets: Map<TargetId, SocketAddr>,
-}
-
 struct Shared {
-    inner: Mutex<Inner>,
+    driver: Mutex<Driver<TokioHost>>,
     wake: Notify,
     memory: Arc<MemoryMap>,
     events: broadcast::Sender<Event>,
     runtime: tokio::runtime::Handle,
-    data_connections: usize,
     info: EndpointInfo,
     limits: Limits,
     /// TLS on every connection, when configured.
@@ -135,8 +103,8 @@ impl std::fmt::Debug for Node {
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Driver<TokioHost>> {
+        self.driver.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -178,29 +146,37 @@ impl Node {
             max_slices: config.core.max_op_slices,
             max_bytes: config.core.max_op_bytes,
         };
-        let shared = Arc::new(Shared {
-            inner: Mutex::new(Inner {
-                endpoint,
-                io: Map::default(),
-                rooms: RoomBook::new(config.info.role),
-                armed: None,
-                metrics_at: now,
-                targets: Map::default(),
-            }),
-            wake: Notify::new(),
-            memory,
-            events,
-            runtime: tokio::runtime::Handle::current(),
-            data_connections: config.data_connections.max(1),
-            info: config.info,
-            limits,
-            tls,
-            faults: Mutex::new(config.faults),
-            announcements: Announcer::default(),
-            peers: Mutex::new(Vec::new()),
-            stopped,
-            #[cfg(feature = "rdma")]
-            rdma,
+        let runtime = tokio::runtime::Handle::current();
+        let announcements = Announcer::default();
+        let shared = Arc::new_cyclic(|weak| {
+            let host = TokioHost {
+                shared: weak.clone(),
+                runtime: runtime.clone(),
+                tls: tls.clone(),
+                events: events.clone(),
+            };
+            Shared {
+                driver: Mutex::new(Driver::new(
+                    endpoint,
+                    host,
+                    config.data_connections,
+                    announcements.clone(),
+                    now,
+                )),
+                wake: Notify::new(),
+                memory,
+                events,
+                runtime,
+                info: config.info,
+                limits,
+                tls,
+                faults: Mutex::new(config.faults),
+                announcements,
+                peers: Mutex::new(Vec::new()),
+                stopped,
+                #[cfg(feature = "rdma")]
+                rdma,
+            }
         });
         let weak = Arc::downgrade(&shared);
         let role = shared.info.role;
@@ -242,79 +218,28 @@ impl Node {
 
     /// Connects to a peer's listener and completes the handshake; returns the session.
     pub async fn connect(&self, addr: SocketAddr) -> Result<SessionId, NodeError> {
-        use kvferry_core::SessionState;
-        let tls = self.shared.tls.clone();
-        let stream = connect_control(addr, tls.as_ref()).await?;
-        let mut events = self.shared.events.subscribe();
-        let sid = attach_control(&self.shared, stream, Some(addr), None);
-        let deadline = tokio::time::Instant::now() + self.config().handshake_timeout;
-        let mut refusal: Option<NodeError> = None;
-        // A refusal explains a closed session; events are sent before the lock is released,
-        // so reading them after seeing the state misses none.
-        let read_refusal = |events: &mut broadcast::Receiver<Event>,
-                            refusal: &mut Option<NodeError>| loop {
-            match events.try_recv() {
-                Ok(Event::PeerError {
-                    session,
-                    code,
-                    detail,
-                }) if session == sid => {
-                    refusal.get_or_insert(NodeError::Refused(format!("{code:?}: {detail}")));
-                }
-                Ok(Event::SessionRejected { session, reason }) if session == sid => {
-                    *refusal = Some(NodeError::Rejected(reason));
-                }
-                Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {}
-                Err(_) => break,
-            }
-        };
-        loop {
-            let state = self.shared.lock().endpoint.session_state(sid);
-            match state {
-                Some(SessionState::Established | SessionState::Blacklisted) => return Ok(sid),
-                None | Some(SessionState::Closing) => {
-                    read_refusal(&mut events, &mut refusal);
-                    return Err(refusal.unwrap_or(NodeError::HandshakeTimeout));
-                }
-                Some(SessionState::Handshaking) => {}
-            }
-            match tokio::time::timeout_at(deadline, events.recv()).await {
-                Err(_) => return Err(NodeError::HandshakeTimeout),
-                Ok(Err(broadcast::error::RecvError::Closed)) => return Err(NodeError::ShutDown),
-                Ok(Ok(Event::PeerError {
-                    session,
-                    code,
-                    detail,
-                })) if session == sid => {
-                    refusal.get_or_insert(NodeError::Refused(format!("{code:?}: {detail}")));
-                }
-                Ok(Ok(Event::SessionRejected { session, reason })) if session == sid => {
-                    refusal = Some(NodeError::Rejected(reason));
-                }
-                Ok(_) => {}
-            }
-        }
+        let stream = connect_control(addr, self.shared.tls.as_ref()).await?;
+        let (tx, rx) = oneshot::channel();
+        attach_control(&self.shared, stream, Some(addr), None, Some(tx));
+        // The core's handshake timer bounds the wait: it closes a session that stays silent.
+        rx.await.map_err(|_| NodeError::ShutDown)?
     }
 
     /// Keeps a session to the peer at `addr`, reconnecting with the core's backoff whenever it
     /// drops (a restarted peer is picked up without restarting this node). Rooms use the
     /// current session from [`Node::target_session`].
     pub fn connect_persistent(&self, addr: SocketAddr) -> TargetId {
-        let mut inner = self.shared.lock();
-        let target = inner.endpoint.add_target(Instant::now());
-        inner.targets.insert(target, addr);
-        drain(&self.shared, &mut inner);
-        target
+        self.shared.lock().add_target(addr)
     }
 
     /// The established session of a persistent peer, if it has one right now.
     pub fn target_session(&self, target: TargetId) -> Option<SessionId> {
-        self.shared.lock().endpoint.target_session(target)
+        self.shared.lock().endpoint().target_session(target)
     }
 
     /// The core's configuration.
     pub fn config(&self) -> Config {
-        self.shared.lock().endpoint.config().clone()
+        self.shared.lock().endpoint().config().clone()
     }
 
     /// The registered memory.
@@ -324,12 +249,12 @@ impl Node {
 
     /// A snapshot of the core's counters.
     pub fn counters(&self) -> Counters {
-        self.shared.lock().endpoint.counters().clone()
+        self.shared.lock().endpoint().counters().clone()
     }
 
     /// The state of a room (live or remembered).
     pub fn room_state(&self, room: RoomId) -> Option<KvPoll> {
-        self.shared.lock().endpoint.room_state(room)
+        self.shared.lock().endpoint().room_state(room)
     }
 
     /// Replaces the injected data-path faults (demos and tests only).
@@ -352,16 +277,7 @@ impl Node {
 
     /// Runs `f` on the endpoint, then drains its outputs.
     fn with<T>(&self, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
-        let mut inner = self.shared.lock();
-        let out = f(&mut inner.endpoint, Instant::now());
-        drain(&self.shared, &mut inner);
-        out
-    }
-
-    fn watch_room(&self, room: RoomId, state: KvPoll) -> RoomHandle {
-        let mut inner = self.shared.lock();
-        let current = inner.endpoint.room_state(room).unwrap_or(state);
-        inner.rooms.watch(room, current)
+        self.shared.lock().with(f)
     }
 
     /// Decode: opens a receiver room fed by `sources`; see [`Endpoint::open_receiver`].
@@ -372,14 +288,9 @@ impl Node {
         sources: &[SessionId],
         grant: Option<Grant>,
     ) -> Result<RoomHandle, ApiError> {
-        let handle = self.watch_room(room, KvPoll::Bootstrapping);
-        match self.with(|e, now| e.open_receiver(now, room, generation, sources, grant)) {
-            Ok(()) => Ok(handle),
-            Err(err) => {
-                self.forget_room(room);
-                Err(err)
-            }
-        }
+        self.shared.lock().open_room(room, |e, now| {
+            e.open_receiver(now, room, generation, sources, grant)
+        })
     }
 
     /// Decode: grants a room its pages.
@@ -403,21 +314,9 @@ impl Node {
         room: RoomId,
         generation: Generation,
     ) -> Result<RoomHandle, ApiError> {
-        let handle = self.watch_room(room, KvPoll::Bootstrapping);
-        match self.with(|e, now| e.open_sender(now, room, generation)) {
-            Ok(()) => Ok(handle),
-            Err(err) => {
-                self.forget_room(room);
-                Err(err)
-            }
-        }
-    }
-
-    fn forget_room(&self, room: RoomId) {
-        let mut inner = self.shared.lock();
-        if inner.endpoint.room_generation(room).is_none() {
-            inner.rooms.forget(room);
-        }
+        self.shared
+            .lock()
+            .open_room(room, |e, now| e.open_sender(now, room, generation))
     }
 
     /// Prefill: sends the next chunk of a room.
@@ -443,25 +342,9 @@ impl Node {
     /// Fails every room, tells every peer, closes every connection and stops the tasks.
     pub async fn shutdown(&self) {
         // The core says when it is done: every session closed, or its shutdown timeout.
-        let mut events = self.shared.events.subscribe();
-        let complete = self.with(|e, now| {
-            e.shutdown(now);
-            e.shutdown_complete()
-        });
-        // A second call finds the shutdown complete already: its event went out before.
-        if !complete {
-            loop {
-                match events.recv().await {
-                    Ok(Event::ShutDown { .. }) | Err(broadcast::error::RecvError::Closed) => break,
-                    Err(broadcast::error::RecvError::Lagged(_))
-                        if self.shared.lock().endpoint.shutdown_complete() =>
-                    {
-                        break
-                    }
-                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                }
-            }
-        }
+        let (tx, rx) = oneshot::channel();
+        self.shared.lock().shutdown(tx);
+        let _ = rx.await;
         let _ = self.shared.stopped.send(true);
         self.shared.wake.notify_one();
     }
@@ -537,14 +420,9 @@ impl KvNode for Node {
         grant: Option<Grant>,
     ) -> Result<RoomHandle, NodeError> {
         let links = self.links_for(room, &peers)?;
-        let handle = self.watch_room(room, KvPoll::Bootstrapping);
-        match self.with(|e, now| e.open_receiver_via(now, room, generation, &links, grant)) {
-            Ok(()) => Ok(handle),
-            Err(err) => {
-                self.forget_room(room);
-                Err(err.into())
-            }
-        }
+        Ok(self.shared.lock().open_room(room, |e, now| {
+            e.open_receiver_via(now, room, generation, &links, grant)
+        })?)
     }
 
     async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
@@ -596,28 +474,15 @@ impl KvNode for Node {
     }
 }
 
-/// The single driver task: arms one timer from the core's deadline and feeds it back.
+/// The single driver task: one turn of the driver loop whenever its timer fires or it is
+/// woken, until the node stops.
 async fn drive(weak: Weak<Shared>) {
     loop {
         let Some(shared) = weak.upgrade() else { return };
         if *shared.stopped.borrow() {
             return;
         }
-        let deadline = {
-            let mut inner = shared.lock();
-            let now = Instant::now();
-            if inner.endpoint.poll_timeout().is_some_and(|(t, _)| t <= now) {
-                inner.endpoint.handle_timeout(now);
-                drain(&shared, &mut inner);
-            }
-            if now.duration_since(inner.metrics_at) >= Duration::from_millis(500) {
-                inner.metrics_at = now;
-                export_metrics(&inner.endpoint, shared.info.role);
-            }
-            let next = inner.endpoint.poll_timeout().map(|(t, _)| t);
-            inner.armed = next;
-            next
-        };
+        let deadline = shared.lock().turn(Instant::now());
         let sleep = async {
             match deadline {
                 Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
@@ -633,140 +498,161 @@ async fn drive(weak: Weak<Shared>) {
     }
 }
 
-/// Drains every output of the core, in the documented order, after an input.
-fn drain(shared: &Arc<Shared>, inner: &mut Inner) {
-    loop {
-        let mut progressed = false;
-        let mut buf = Vec::new();
-        while let Some(sid) = inner.endpoint.poll_transmit(&mut buf) {
-            progressed = true;
-            if let Some(io) = inner.io.get(&sid) {
-                let _ = io.control_tx.send(std::mem::take(&mut buf));
-            } else {
-                buf.clear();
-            }
-        }
-        while let Some(action) = inner.endpoint.poll_action() {
-            progressed = true;
-            match action {
-                Action::FenceSession(sid) => start_fence(shared, inner, sid),
-                Action::CloseSession(sid) => start_close(shared, inner, sid),
-                Action::Connect { target, timeout } => {
-                    start_connect(shared, inner, target, timeout)
+impl Host for TokioHost {
+    type Sender = Sender;
+    type Receiver = JoinHandle<()>;
+    type Control = mpsc::UnboundedSender<Vec<u8>>;
+    type Task = JoinHandle<()>;
+    #[cfg(feature = "rdma")]
+    type SessionExt = Option<rdma::SessionRdma>;
+    #[cfg(not(feature = "rdma"))]
+    type SessionExt = ();
+
+    fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration) {
+        let weak = self.shared.clone();
+        let tls = self.tls.clone();
+        self.runtime.spawn(async move {
+            let result =
+                match tokio::time::timeout(timeout, connect_control(addr, tls.as_ref())).await {
+                    Ok(r) => r,
+                    Err(_) => Err(std::io::Error::from(std::io::ErrorKind::TimedOut)),
+                };
+            let Some(shared) = weak.upgrade() else { return };
+            match result {
+                Ok(stream) => {
+                    attach_control(&shared, stream, Some(addr), Some(target), None);
                 }
-                Action::OpenDataConnection(sid) => open_data_connections(shared, inner, sid, 1),
+                Err(e) => {
+                    debug!(%target, %addr, error = %e, "connect failed");
+                    shared.lock().connect_failed(target, &e);
+                }
             }
-        }
-        let now = Instant::now();
-        while let Some(op) = inner.endpoint.poll_transfer(now) {
-            progressed = true;
-            #[cfg(feature = "rdma")]
-            if let Some(node) = shared.rdma.clone() {
-                rdma::post(inner, &node, op);
-                continue;
-            }
-            let id = op.id;
-            match inner.io.get_mut(&op.session) {
-                Some(io) if !io.data.is_closing() => {
-                    if let Err(op) = dispatch(io, op) {
-                        // No data connection yet (or all broke): wait for one to attach.
-                        io.parked.push(op);
+        });
+    }
+
+    fn open_data(&self, sid: SessionId, addr: SocketAddr, key: SessionKey, n: usize) {
+        for _ in 0..n {
+            let weak = self.shared.clone();
+            let key = key.clone();
+            let tls = self.tls.clone();
+            self.runtime.spawn(async move {
+                match connect_data(addr, &key, tls.as_ref()).await {
+                    Ok(stream) => {
+                        if let Some(shared) = weak.upgrade() {
+                            attach_data(&shared, sid, stream);
+                        }
                     }
+                    Err(e) => warn!(session = %sid, error = %e, "data connection failed"),
                 }
-                _ => inner
-                    .endpoint
-                    .handle_transfer_result(now, id, TransferOutcome::Transient),
+            });
+        }
+    }
+
+    fn fence(&self, sid: SessionId, conns: Vec<DataConn<Self>>) {
+        let weak = self.shared.clone();
+        self.runtime.spawn(async move {
+            for c in conns {
+                close_data(c).await;
             }
-        }
-        while let Some(event) = inner.endpoint.poll_event() {
-            progressed = true;
-            on_event(shared, inner, &event);
-            let _ = shared.events.send(event);
-        }
-        if !progressed {
-            break;
-        }
-    }
-    if inner.endpoint.poll_timeout().map(|(t, _)| t) < inner.armed || inner.armed.is_none() {
-        shared.wake.notify_one();
-    }
-}
-
-/// Hands an operation to the next open data connection of the session, round-robin.
-fn dispatch(
-    io: &mut SessionIo,
-    op: kvferry_core::TransferOp,
-) -> Result<(), kvferry_core::TransferOp> {
-    let senders: Vec<&DataSender> = io
-        .data
-        .iter()
-        .filter_map(|c| match c {
-            DataConn::Sender(s) => Some(s),
-            DataConn::Receiver(_) => None,
-        })
-        .collect();
-    round_robin(&senders, &mut io.next_sender, op, |s, op| s.send(op))
-}
-
-/// Reports every parked operation of a session as transient (it was never written).
-fn unpark(inner: &mut Inner, sid: SessionId) {
-    let parked = inner
-        .io
-        .get_mut(&sid)
-        .map(|io| std::mem::take(&mut io.parked))
-        .unwrap_or_default();
-    let now = Instant::now();
-    for op in parked {
-        inner
-            .endpoint
-            .handle_transfer_result(now, op.id, TransferOutcome::Transient);
-    }
-}
-
-fn on_event(shared: &Arc<Shared>, inner: &mut Inner, event: &Event) {
-    match *event {
-        ref e if RoomBook::follows(e) => inner.rooms.on_event(event),
-        Event::SessionEstablished { session, peer } => {
-            info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
-            #[cfg(feature = "rdma")]
-            if let Some(node) = shared.rdma.clone() {
-                rdma::establish(shared, inner, &node, session);
-                return;
+            if let Some(shared) = weak.upgrade() {
+                shared.lock().fence_closed(sid);
             }
-            open_data_connections(shared, inner, session, shared.data_connections);
-        }
-        Event::RoomAnnounced { .. } => shared.announcements.on_event(event),
-        #[cfg(feature = "rdma")]
-        Event::TransportReceived {
-            session,
-            ref payload,
-        } => {
-            if let Some(node) = shared.rdma.clone() {
-                rdma::on_hello(shared, inner, &node, session, payload);
+        });
+    }
+
+    fn close(&self, sid: SessionId, conns: Vec<DataConn<Self>>, tasks: Vec<JoinHandle<()>>) {
+        let weak = self.shared.clone();
+        self.runtime.spawn(async move {
+            // Let the writer flush a final error frame before the socket goes.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            for c in conns {
+                close_data(c).await;
             }
+            for t in tasks {
+                t.abort();
+                let _ = t.await;
+            }
+            if let Some(shared) = weak.upgrade() {
+                shared.lock().closed(sid);
+            }
+        });
+    }
+
+    fn wake(&self) {
+        if let Some(shared) = self.shared.upgrade() {
+            shared.wake.notify_one();
         }
-        Event::SessionBlacklisted { session } => warn!(%session, "session blacklisted"),
-        Event::SessionRecovered { session } => info!(%session, "session recovered"),
-        _ => {}
+    }
+
+    fn publish(&self, event: Event) {
+        let _ = self.events.send(event);
+    }
+
+    fn receiver_finished(receiver: &JoinHandle<()>) -> bool {
+        receiver.is_finished()
+    }
+
+    #[cfg(feature = "rdma")]
+    fn establish(driver: &mut Driver<Self>, sid: SessionId) -> bool {
+        rdma::establish(driver, sid)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn transport(driver: &mut Driver<Self>, sid: SessionId, payload: &[u8]) {
+        rdma::on_hello(driver, sid, payload);
+    }
+
+    #[cfg(feature = "rdma")]
+    fn post(driver: &mut Driver<Self>, op: TransferOp) -> Option<TransferOp> {
+        rdma::post(driver, op)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn fence_own(driver: &mut Driver<Self>, sid: SessionId) -> bool {
+        rdma::fence(driver, sid)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn close_own(ext: &mut Self::SessionExt) {
+        if let Some(r) = ext.take() {
+            r.close();
+        }
     }
 }
 
-/// Registers a control connection with the core and starts its reader and writer.
+/// Closes a data connection and waits until nothing of it can write any more.
+async fn close_data(conn: DataConn<TokioHost>) {
+    match conn {
+        DataConn::Sender(s) => s.0.close().await,
+        DataConn::Receiver(t) => {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+/// Registers a control connection with the driver and starts its reader and writer;
+/// `handshake` is told how the session's handshake ends.
 fn attach_control(
     shared: &Arc<Shared>,
     stream: Conn,
     peer_addr: Option<SocketAddr>,
     target: Option<TargetId>,
+    handshake: Option<oneshot::Sender<Result<SessionId, NodeError>>>,
 ) -> SessionId {
     let _ = stream.tcp().set_nodelay(true);
     let (mut read, mut write) = tokio::io::split(stream);
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-    let mut inner = shared.lock();
-    let sid = match (target, peer_addr) {
-        (Some(t), _) => inner.endpoint.open_session_for(Instant::now(), t),
-        (None, Some(_)) => inner.endpoint.open_session(Instant::now()),
-        (None, None) => inner.endpoint.accept_session(Instant::now()),
+    let sid = {
+        let mut driver = shared.lock();
+        let sid = driver.attach_control(tx, peer_addr, target);
+        // Before the reader starts: no answer of the peer can come first.
+        if let Some(w) = handshake {
+            driver.on_handshake(sid, w);
+        }
+        sid
     };
+    let weak = Arc::downgrade(shared);
     let span = info_span!("kvferry_session", session = %sid);
     let writer = shared.runtime.spawn(
         async move {
@@ -781,7 +667,6 @@ fn attach_control(
         }
         .instrument(span.clone()),
     );
-    let weak = Arc::downgrade(shared);
     let reader = shared.runtime.spawn(
         async move {
             let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
@@ -793,41 +678,28 @@ fn attach_control(
                 };
                 let Some(shared) = weak.upgrade() else { return };
                 buf.extend_from_slice(&chunk[..n]);
-                let mut inner = shared.lock();
-                let used = inner.endpoint.handle_input(Instant::now(), sid, &buf);
-                drain(&shared, &mut inner);
-                drop(inner);
+                let used = shared.lock().with(|e, now| e.handle_input(now, sid, &buf));
                 buf.drain(..used.min(buf.len()));
             }
             if let Some(shared) = weak.upgrade() {
                 debug!("control connection ended");
-                let mut inner = shared.lock();
-                start_close(&shared, &mut inner, sid);
+                shared.lock().control_ended(sid);
             }
         }
         .instrument(span),
     );
-    inner.io.insert(
-        sid,
-        SessionIo {
-            control_tx: tx,
-            tasks: vec![writer, reader],
-            peer_addr,
-            data: ConnSet::default(),
-            next_sender: 0,
-            parked: Vec::new(),
-            #[cfg(feature = "rdma")]
-            rdma: None,
-        },
-    );
-    drain(shared, &mut inner);
+    if let Err(tasks) = shared.lock().add_tasks(sid, vec![writer, reader]) {
+        for t in tasks {
+            t.abort();
+        }
+    }
     sid
 }
 
 async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
     // A connection that says nothing gets as long as a handshake, then is dropped.
     let Some((tls, wait)) = weak.upgrade().map(|s| {
-        let wait = s.lock().endpoint.config().handshake_timeout;
+        let wait = s.lock().endpoint().config().handshake_timeout;
         (s.tls.clone(), wait)
     }) else {
         return;
@@ -853,14 +725,14 @@ async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
     let Some(shared) = weak.upgrade() else { return };
     match preamble {
         Preamble::Control => {
-            attach_control(&shared, stream, None, None);
+            attach_control(&shared, stream, None, None, None);
         }
         Preamble::Data => {
             // The core's challenge; the answer names the session and proves its key.
             let (challenge, wait) = {
-                let mut inner = shared.lock();
-                let wait = inner.endpoint.config().handshake_timeout;
-                (inner.endpoint.data_challenge(), wait)
+                let mut driver = shared.lock();
+                let wait = driver.endpoint().config().handshake_timeout;
+                (driver.endpoint_mut().data_challenge(), wait)
             };
             let hello =
                 match tokio::time::timeout(wait, challenge_data(&mut stream, &challenge)).await {
@@ -874,10 +746,11 @@ async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
                         return;
                     }
                 };
-            let admitted = shared
-                .lock()
-                .endpoint
-                .admit_data(&challenge, &hello.tag, &hello.proof);
+            let admitted =
+                shared
+                    .lock()
+                    .endpoint()
+                    .admit_data(&challenge, &hello.tag, &hello.proof);
             match admitted {
                 Ok(sid) => {
                     if answer_data(&mut stream, true).await.is_ok() {
@@ -895,33 +768,25 @@ async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
 
 /// Puts an accepted or opened data connection to work for `sid`, by role.
 fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: Conn) {
-    let mut inner = shared.lock();
-    let Some(io) = inner.io.get_mut(&sid) else {
-        return;
-    };
-    if io.data.is_closing() {
+    let mut driver = shared.lock();
+    if !driver.wants_data(sid) {
         return; // dropping the stream closes it
     }
-    match shared.info.role {
+    let conn = match shared.info.role {
         Role::Prefill => {
             let weak = Arc::downgrade(shared);
             let report: Report = Arc::new(move |id: TransferId, outcome: TransferOutcome| {
                 if let Some(shared) = weak.upgrade() {
-                    let mut inner = shared.lock();
-                    inner
-                        .endpoint
-                        .handle_transfer_result(Instant::now(), id, outcome);
-                    drain(&shared, &mut inner);
+                    shared
+                        .lock()
+                        .with(|e, now| e.handle_transfer_result(now, id, outcome));
                 }
             });
-            let sender = DataSender::spawn(stream, shared.memory.clone(), report);
-            // Cannot be refused: checked under this same lock above.
-            let _ = io.data.attach(DataConn::Sender(sender));
-            for op in std::mem::take(&mut io.parked) {
-                if let Err(op) = dispatch(io, op) {
-                    io.parked.push(op);
-                }
-            }
+            DataConn::Sender(Sender(DataSender::spawn(
+                stream,
+                shared.memory.clone(),
+                report,
+            )))
         }
         Role::Decode => {
             let weak = Arc::downgrade(shared);
@@ -931,175 +796,29 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: Conn) {
             });
             let memory = shared.memory.clone();
             let limits = shared.limits;
-            let task = shared.runtime.spawn(
-                async move {
-                    match serve_writes(stream, memory, check, limits).await {
-                        Ok(stats) => debug!(
-                            applied = stats.applied,
-                            refused = stats.refused,
-                            "data connection ended"
-                        ),
-                        Err(e) => debug!(error = %e, "data connection ended"),
+            DataConn::Receiver(
+                shared.runtime.spawn(
+                    async move {
+                        match serve_writes(stream, memory, check, limits).await {
+                            Ok(stats) => debug!(
+                                applied = stats.applied,
+                                refused = stats.refused,
+                                "data connection ended"
+                            ),
+                            Err(e) => debug!(error = %e, "data connection ended"),
+                        }
+                        // A fence aborts this task before it gets here: this end was a break.
+                        if let Some(shared) = weak.upgrade() {
+                            shared.lock().data_connection_lost(sid);
+                        }
                     }
-                    // A fence aborts this task before it gets here: this end was a break.
-                    data_connection_lost(&weak, sid);
-                }
-                .instrument(info_span!("kvferry_data", session = %sid)),
-            );
-            let _ = io.data.attach(DataConn::Receiver(task));
+                    .instrument(info_span!("kvferry_data", session = %sid)),
+                ),
+            )
         }
-    }
-    // Operations may have been waiting for a connection.
-    drain(shared, &mut inner);
-}
-
-/// Opens `n` data connections of `sid` if this side dialed it (it knows the peer's address)
-/// and its handshake gave it a key; each proves the key.
-fn open_data_connections(shared: &Arc<Shared>, inner: &Inner, sid: SessionId, n: usize) {
-    let Some(addr) = inner
-        .io
-        .get(&sid)
-        .filter(|io| !io.data.is_closing())
-        .and_then(|io| io.peer_addr)
-    else {
-        return;
     };
-    if let Some(key) = inner.endpoint.data_key(sid) {
-        open_data_connections_n(shared, sid, addr, n, key);
-    }
-}
-
-/// Opens `n` data connections of `sid`, each proving the session's `key`.
-fn open_data_connections_n(
-    shared: &Arc<Shared>,
-    sid: SessionId,
-    addr: SocketAddr,
-    n: usize,
-    key: SessionKey,
-) {
-    for _ in 0..n {
-        let weak = Arc::downgrade(shared);
-        let key = key.clone();
-        let tls = shared.tls.clone();
-        shared.runtime.spawn(async move {
-            match connect_data(addr, &key, tls.as_ref()).await {
-                Ok(stream) => {
-                    if let Some(shared) = weak.upgrade() {
-                        attach_data(&shared, sid, stream);
-                    }
-                }
-                Err(e) => warn!(session = %sid, error = %e, "data connection failed"),
-            }
-        });
-    }
-}
-
-/// Carries out a connect the core asked for; a failure is reported back to it.
-fn start_connect(shared: &Arc<Shared>, inner: &mut Inner, target: TargetId, timeout: Duration) {
-    let Some(&addr) = inner.targets.get(&target) else {
-        return;
-    };
-    let weak = Arc::downgrade(shared);
-    let tls = shared.tls.clone();
-    shared.runtime.spawn(async move {
-        let result = match tokio::time::timeout(timeout, connect_control(addr, tls.as_ref())).await
-        {
-            Ok(r) => r,
-            Err(_) => Err(std::io::Error::from(std::io::ErrorKind::TimedOut)),
-        };
-        let Some(shared) = weak.upgrade() else { return };
-        match result {
-            Ok(stream) => {
-                attach_control(&shared, stream, Some(addr), Some(target));
-            }
-            Err(e) => {
-                debug!(%target, %addr, error = %e, "connect failed");
-                let mut inner = shared.lock();
-                inner
-                    .endpoint
-                    .handle_connect_failed(Instant::now(), target, connect_failure(&e));
-                drain(&shared, &mut inner);
-            }
-        }
-    });
-}
-
-/// Carries out a fence: close the session's data connections, wait until nothing of them can
-/// write, confirm to the core, then re-open them if this side opens data connections.
-fn start_fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
-    unpark(inner, sid);
-    #[cfg(feature = "rdma")]
-    if shared.rdma.is_some() {
-        rdma::fence(shared, inner, sid);
-        return;
-    }
-    let Some(io) = inner.io.get_mut(&sid) else {
-        inner.endpoint.handle_fence_complete(Instant::now(), sid);
-        return;
-    };
-    let conns = io.data.fence();
-    let weak = Arc::downgrade(shared);
-    shared.runtime.spawn(async move {
-        for c in conns {
-            c.close().await;
-        }
-        let Some(shared) = weak.upgrade() else { return };
-        let mut inner = shared.lock();
-        inner.endpoint.handle_fence_complete(Instant::now(), sid);
-        drain(&shared, &mut inner);
-        info!(session = %sid, "session fenced");
-        open_data_connections(&shared, &inner, sid, shared.data_connections);
-    });
-}
-
-/// Carries out a close: stop every connection of the session, then tell the core.
-fn start_close(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
-    unpark(inner, sid);
-    let Some(io) = inner.io.get_mut(&sid) else {
-        return;
-    };
-    let Some(conns) = io.data.close() else {
-        return; // already closing
-    };
-    let tasks = std::mem::take(&mut io.tasks);
-    #[cfg(feature = "rdma")]
-    if let Some(r) = io.rdma.take() {
-        r.close();
-    }
-    let weak = Arc::downgrade(shared);
-    shared.runtime.spawn(async move {
-        // Let the writer flush a final error frame before the socket goes.
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        for c in conns {
-            c.close().await;
-        }
-        for t in tasks {
-            t.abort();
-            let _ = t.await;
-        }
-        let Some(shared) = weak.upgrade() else { return };
-        let mut inner = shared.lock();
-        inner.io.remove(&sid);
-        inner.endpoint.handle_disconnected(Instant::now(), sid);
-        drain(&shared, &mut inner);
-    });
-}
-
-/// A data connection of `sid` ended on its own: the core decides whether and when it is
-/// replaced ([`Action::OpenDataConnection`]).
-fn data_connection_lost(weak: &Weak<Shared>, sid: SessionId) {
-    let Some(shared) = weak.upgrade() else { return };
-    let mut inner = shared.lock();
-    if let Some(io) = inner.io.get_mut(&sid) {
-        io.data.retain(|c| match c {
-            DataConn::Receiver(t) => !t.is_finished(),
-            DataConn::Sender(_) => true,
-        });
-    }
-    inner
-        .endpoint
-        .handle_data_connection_lost(Instant::now(), sid);
-    drain(&shared, &mut inner);
+    // Cannot be refused: checked under this same lock above.
+    let _ = driver.attach_data(sid, conn);
 }
 
 /// The receive path's way to this node's endpoint: its lock, then a drain.
@@ -1112,10 +831,10 @@ impl EndpointAccess for SharedAccess {
         after: impl FnOnce(&T) -> bool,
     ) -> Option<T> {
         let shared = self.0.upgrade()?;
-        let mut inner = shared.lock();
-        let out = f(&mut inner.endpoint, Instant::now());
+        let mut driver = shared.lock();
+        let out = f(driver.endpoint_mut(), Instant::now());
         if after(&out) {
-            drain(&shared, &mut inner);
+            driver.drain();
         }
         Some(out)
     }

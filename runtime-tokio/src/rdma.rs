@@ -17,7 +17,9 @@ use tokio::io::Interest;
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
-use crate::{drain, Inner, NodeError, Shared};
+use kvferry_driver::Driver;
+
+use crate::{NodeError, Shared, TokioHost};
 
 /// A session's RDMA side: its link and the task that awaits the current QP's completions.
 pub(crate) struct SessionRdma {
@@ -83,100 +85,134 @@ fn psn(sid: SessionId) -> u32 {
     (z >> 20) as u32
 }
 
-/// The session is established: create its QP, send the hello, watch completions.
-pub(crate) fn establish(shared: &Arc<Shared>, inner: &mut Inner, node: &RdmaNode, sid: SessionId) {
+/// The node's RDMA device and its shared state, when data moves over RDMA.
+fn rdma_of(driver: &Driver<TokioHost>) -> Option<(Arc<Shared>, Arc<RdmaNode>)> {
+    let shared = driver.host().shared.upgrade()?;
+    let node = shared.rdma.clone()?;
+    Some((shared, node))
+}
+
+/// The session is established: create its QP, send the hello, watch completions. `false`
+/// when the node moves data over TCP.
+pub(crate) fn establish(driver: &mut Driver<TokioHost>, sid: SessionId) -> bool {
+    let Some((shared, node)) = rdma_of(driver) else {
+        return false;
+    };
     let (link, hello) = match node.link(psn(sid)) {
         Ok(x) => x,
         Err(e) => {
             warn!(session = %sid, error = %e, "no RDMA queue pair for the session");
-            return;
+            return true;
         }
     };
-    let watcher = watch(shared, sid, link.queue_pair());
-    if let Some(io) = inner.io.get_mut(&sid) {
-        io.rdma = Some(SessionRdma {
+    let watcher = watch(&shared, sid, link.queue_pair());
+    if let Some(io) = driver.session_io(sid) {
+        io.ext = Some(SessionRdma {
             link,
             fencing: false,
             _watcher: watcher,
         });
     }
-    send_hello(inner, sid, &hello);
+    send_hello(driver, sid, &hello);
+    true
 }
 
-fn send_hello(inner: &mut Inner, sid: SessionId, hello: &[u8]) {
-    if let Err(e) = inner.endpoint.send_transport(Instant::now(), sid, hello) {
+fn send_hello(driver: &mut Driver<TokioHost>, sid: SessionId, hello: &[u8]) {
+    if let Err(e) = driver
+        .endpoint_mut()
+        .send_transport(Instant::now(), sid, hello)
+    {
         warn!(session = %sid, error = %e, "could not send the RDMA hello");
     }
 }
 
 /// The peer's hello arrived: connect (or start over), then post what waited.
-pub(crate) fn on_hello(
-    shared: &Arc<Shared>,
-    inner: &mut Inner,
-    node: &RdmaNode,
-    sid: SessionId,
-    payload: &[u8],
-) {
-    let Some(r) = inner.io.get_mut(&sid).and_then(|io| io.rdma.as_mut()) else {
+pub(crate) fn on_hello(driver: &mut Driver<TokioHost>, sid: SessionId, payload: &[u8]) {
+    let Some((shared, node)) = rdma_of(driver) else {
+        return;
+    };
+    let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) else {
         debug!(session = %sid, "RDMA hello for a session without a queue pair");
         return;
     };
-    match r.link.on_hello(node, payload, psn(sid)) {
+    match r.link.on_hello(&node, payload, psn(sid)) {
         Ok(HelloOutcome::Connected) => info!(session = %sid, "RDMA queue pair connected"),
         Ok(HelloOutcome::Replaced { hello }) => {
             info!(session = %sid, "the peer started over: RDMA queue pair replaced");
-            r._watcher = watch(shared, sid, r.link.queue_pair());
-            send_hello(inner, sid, &hello);
+            r._watcher = watch(&shared, sid, r.link.queue_pair());
+            send_hello(driver, sid, &hello);
         }
         Err(e) => {
             warn!(session = %sid, error = %e, "RDMA hello refused");
             return;
         }
     }
-    let parked = inner
-        .io
-        .get_mut(&sid)
-        .map(|io| std::mem::take(&mut io.parked))
+    let parked = driver
+        .session_io(sid)
+        .map(|io| io.take_parked())
         .unwrap_or_default();
     for op in parked {
-        post(inner, node, op);
+        post_on(driver, &node, op);
     }
+}
+
+/// Posts `op` over RDMA when the node moves data that way; gives it back for TCP otherwise.
+pub(crate) fn post(driver: &mut Driver<TokioHost>, op: TransferOp) -> Option<TransferOp> {
+    let Some((_, node)) = rdma_of(driver) else {
+        return Some(op);
+    };
+    post_on(driver, &node, op);
+    None
 }
 
 /// Posts `op` on its session's QP; holds it if the QP is not connected yet, or reports the
 /// outcome at once if no post can succeed.
-pub(crate) fn post(inner: &mut Inner, node: &RdmaNode, op: TransferOp) {
-    let Some(io) = inner.io.get_mut(&op.session) else {
-        inner
-            .endpoint
-            .handle_transfer_result(Instant::now(), op.id, TransferOutcome::Transient);
+fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
+    let Some(io) = driver.session_io(op.session) else {
+        driver.endpoint_mut().handle_transfer_result(
+            Instant::now(),
+            op.id,
+            TransferOutcome::Transient,
+        );
         return;
     };
-    let Some(r) = io.rdma.as_mut() else {
-        io.parked.push(op);
+    let Some(r) = io.ext.as_mut() else {
+        io.park(op);
         return;
     };
-    match r.link.post(node, &op) {
-        Ok(()) => {}
+    let failed = match r.link.post(node, &op) {
+        Ok(()) => None,
         Err(e) => match e.outcome() {
-            None => io.parked.push(op),
+            None => {
+                io.park(op);
+                None
+            }
             Some(outcome) => {
                 debug!(session = %op.session, error = ?e, "RDMA post failed");
-                inner
-                    .endpoint
-                    .handle_transfer_result(Instant::now(), op.id, outcome);
+                Some((op.id, outcome))
             }
         },
+    };
+    if let Some((id, outcome)) = failed {
+        driver
+            .endpoint_mut()
+            .handle_transfer_result(Instant::now(), id, outcome);
     }
 }
 
 /// The core's fence: the session's QP goes to the error state; once every outstanding write
 /// has completed flushed, nothing of it can land, the fence is confirmed, and a new QP (with
 /// a new hello) replaces it.
-pub(crate) fn fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
-    let Some(r) = inner.io.get_mut(&sid).and_then(|io| io.rdma.as_mut()) else {
-        inner.endpoint.handle_fence_complete(Instant::now(), sid);
-        return;
+/// `false` when the node moves data over TCP.
+pub(crate) fn fence(driver: &mut Driver<TokioHost>, sid: SessionId) -> bool {
+    let Some((shared, _)) = rdma_of(driver) else {
+        return false;
+    };
+    let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) else {
+        driver
+            .endpoint_mut()
+            .handle_fence_complete(Instant::now(), sid);
+        return true;
     };
     r.fencing = true;
     if let Err(e) = r.link.fence() {
@@ -185,7 +221,7 @@ pub(crate) fn fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
     // The fence is about this QP: a hello may replace it meanwhile, and the new one is not
     // what has to drain.
     let fenced = r.link.queue_pair();
-    let weak = Arc::downgrade(shared);
+    let weak = Arc::downgrade(&shared);
     shared.runtime.spawn(async move {
         while !fenced.lock().map_or(true, |q| q.is_drained()) {
             if weak.strong_count() == 0 {
@@ -197,16 +233,18 @@ pub(crate) fn fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
         let Some(node) = shared.rdma.clone() else {
             return;
         };
-        let mut inner = shared.lock();
-        inner.endpoint.handle_fence_complete(Instant::now(), sid);
+        let mut driver = shared.lock();
+        driver
+            .endpoint_mut()
+            .handle_fence_complete(Instant::now(), sid);
         info!(session = %sid, "session fenced (RDMA queue pair drained)");
-        if let Some(r) = inner.io.get_mut(&sid).and_then(|io| io.rdma.as_mut()) {
+        if let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) {
             r.fencing = false;
             if r.link.is_current(&fenced) {
                 match r.link.renew(&node, psn(sid)) {
                     Ok(hello) => {
                         r._watcher = watch(&shared, sid, r.link.queue_pair());
-                        send_hello(&mut inner, sid, &hello);
+                        send_hello(&mut driver, sid, &hello);
                     }
                     Err(e) => {
                         warn!(session = %sid, error = %e, "no new queue pair after the fence")
@@ -214,8 +252,9 @@ pub(crate) fn fence(shared: &Arc<Shared>, inner: &mut Inner, sid: SessionId) {
                 }
             }
         }
-        drain(&shared, &mut inner);
+        driver.drain();
     });
+    true
 }
 
 /// The completion channel's descriptor, kept open by the QP it belongs to.
@@ -262,12 +301,11 @@ fn watch(shared: &Arc<Shared>, sid: SessionId, qp: Arc<Mutex<RcQueuePair>>) -> o
                 return false;
             };
             if !done.is_empty() {
-                let mut inner = shared.lock();
-                let now = Instant::now();
-                for (id, outcome) in done {
-                    inner.endpoint.handle_transfer_result(now, id, outcome);
-                }
-                drain(&shared, &mut inner);
+                shared.lock().with(|e, now| {
+                    for (id, outcome) in done {
+                        e.handle_transfer_result(now, id, outcome);
+                    }
+                });
             }
             true
         };
@@ -306,8 +344,8 @@ fn restart_if_broken(weak: &Weak<Shared>, sid: SessionId, qp: &Arc<Mutex<RcQueue
     let Some(node) = shared.rdma.clone() else {
         return;
     };
-    let mut inner = shared.lock();
-    let Some(r) = inner.io.get_mut(&sid).and_then(|io| io.rdma.as_mut()) else {
+    let mut driver = shared.lock();
+    let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) else {
         return;
     };
     if r.fencing || !r.link.is_current(qp) || !r.link.is_drained() {
@@ -318,8 +356,8 @@ fn restart_if_broken(weak: &Weak<Shared>, sid: SessionId, qp: &Arc<Mutex<RcQueue
             warn!(session = %sid, "RDMA queue pair failed; replacing it");
             // Replacing the watcher ends the task that called us once it returns.
             r._watcher = watch(&shared, sid, r.link.queue_pair());
-            send_hello(&mut inner, sid, &hello);
-            drain(&shared, &mut inner);
+            send_hello(&mut driver, sid, &hello);
+            driver.drain();
         }
         Err(e) => warn!(session = %sid, error = %e, "no new queue pair after a failure"),
     }

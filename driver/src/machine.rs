@@ -1,0 +1,663 @@
+//! The one driver loop: every runtime's driver is this state machine plus a [`Host`] that
+//! spawns the runtime's tasks and moves bytes.
+//!
+//! [`Driver`] owns a core [`Endpoint`] and what the loop needs around it (each session's
+//! connections, operations waiting for a data connection, room handles, targets' addresses,
+//! callers waiting for a handshake or for the shutdown). It feeds the core's inputs, drains
+//! its outputs in the documented order under a budget, and turns the core's actions into
+//! requests to its [`Host`]. It never waits and never does IO: the host starts tasks, and
+//! those tasks report back through the `Driver` methods named in each [`Host`] method's doc.
+//! The host keeps the driver behind whatever its runtime shares state with (a mutex on
+//! tokio, a cell on a thread-per-core shard) and never calls back into it from inside a
+//! [`Host`] method.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use foldhash::fast::FixedState;
+use kvferry_core::{
+    Action, ApiError, Endpoint, Event, KvPoll, Role, RoomId, SessionId, SessionKey, SessionState,
+    TargetId, TransferOp, TransferOutcome,
+};
+use kvferry_sync::ConnSet;
+use tokio::sync::oneshot;
+use tracing::{info, warn};
+
+use crate::RoomHandle;
+use crate::{connect_failure, export_metrics, round_robin, Announcer, NodeError, RoomBook};
+
+type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
+
+/// Outputs one drain handles before it yields: the rest waits for the next turn, so one
+/// busy node cannot hold its runtime's thread (or its lock) for an unbounded time.
+pub const TURN_BUDGET: usize = 4096;
+
+/// How often the core's counters are exported as metrics.
+const METRICS_EVERY: Duration = Duration::from_millis(500);
+
+/// Where a data connection's operations go: the sending half a host built for the driver.
+pub trait OpSink {
+    /// Queues `op` on the connection; gives it back if the connection is closed.
+    fn send(&self, op: TransferOp) -> Result<(), TransferOp>;
+}
+
+/// Where a control connection's frames go: the writer a host built for the driver.
+pub trait FrameSink {
+    /// Queues `frame` for the connection's writer (dropped if the writer has ended: the
+    /// reader's end reports the loss).
+    fn send(&self, frame: Vec<u8>);
+}
+
+/// One data connection of a session: prefill writes on it, decode serves writes from it.
+pub enum DataConn<H: Host> {
+    /// Prefill's sending half.
+    Sender(H::Sender),
+    /// Decode's receiving task.
+    Receiver(H::Receiver),
+}
+
+/// A session's data connections and control tasks, for a host to close.
+pub type Connections<H> = (Vec<DataConn<H>>, Vec<<H as Host>::Task>);
+
+/// What a runtime gives the driver loop: tasks that move bytes and report back. Each method
+/// only starts work (it must not wait, and must not call into the [`Driver`] it serves).
+pub trait Host: Sized + 'static {
+    /// Prefill's sending half of a data connection.
+    type Sender: OpSink;
+    /// Decode's task serving writes from a data connection.
+    type Receiver;
+    /// A control connection's writer.
+    type Control: FrameSink;
+    /// A task of a control connection (reader, writer), stopped when the session closes.
+    type Task;
+    /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
+    type SessionExt: Default;
+
+    /// Opens a control connection to `addr` within `timeout`, then calls
+    /// [`Driver::attach_control`] with `target`, or [`Driver::connect_failed`].
+    fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration);
+
+    /// Opens `n` data connections of `session` to `addr`, each proving `key`; each one that
+    /// opens is handed to [`Driver::attach_data`].
+    fn open_data(&self, session: SessionId, addr: SocketAddr, key: SessionKey, n: usize);
+
+    /// Closes `conns` until nothing of them can write any more, then calls
+    /// [`Driver::fence_closed`].
+    fn fence(&self, session: SessionId, conns: Vec<DataConn<Self>>);
+
+    /// Closes `conns` and stops `tasks` (the control writer's queued frames go out first),
+    /// then calls [`Driver::closed`].
+    fn close(&self, session: SessionId, conns: Vec<DataConn<Self>>, tasks: Vec<Self::Task>);
+
+    /// Makes the host's driver task call [`Driver::turn`] soon (a timer moved earlier, or a
+    /// drain ran out of budget).
+    fn wake(&self);
+
+    /// Hands an event to the embedder's subscribers once the driver has handled it.
+    fn publish(&self, _event: Event) {}
+
+    /// Whether a decode receiver task has ended (it can be dropped from its session).
+    fn receiver_finished(_receiver: &Self::Receiver) -> bool {
+        false
+    }
+
+    /// A data plane of the host's own (RDMA) takes a newly established session; `false`:
+    /// the driver opens TCP data connections.
+    fn establish(_driver: &mut Driver<Self>, _session: SessionId) -> bool {
+        false
+    }
+
+    /// The peer's data plane sent bytes for ours.
+    fn transport(_driver: &mut Driver<Self>, _session: SessionId, _payload: &[u8]) {}
+
+    /// A data plane of the host's own takes `op`; `Some(op)`: the driver dispatches it on a
+    /// TCP data connection.
+    fn post(_driver: &mut Driver<Self>, op: TransferOp) -> Option<TransferOp> {
+        Some(op)
+    }
+
+    /// A data plane of the host's own fences `session`; `false`: the driver fences its TCP
+    /// data connections.
+    fn fence_own(_driver: &mut Driver<Self>, _session: SessionId) -> bool {
+        false
+    }
+
+    /// The session is closing: release what [`Host::SessionExt`] holds.
+    fn close_own(_ext: &mut Self::SessionExt) {}
+}
+
+/// A session's connections as the driver sees them.
+pub struct SessionIo<H: Host> {
+    control: H::Control,
+    tasks: Vec<H::Task>,
+    /// Set when this side dialed: it opens the data connections.
+    peer_addr: Option<SocketAddr>,
+    /// Data connections; closing once the session is being closed (loom-modelled).
+    data: ConnSet<DataConn<H>>,
+    next_sender: usize,
+    /// Operations waiting for a data connection (the core's operation timeout bounds them).
+    parked: Vec<TransferOp>,
+    /// The host's own per-session state.
+    pub ext: H::SessionExt,
+}
+
+impl<H: Host> SessionIo<H> {
+    /// Holds `op` until the session's data path can take it.
+    pub fn park(&mut self, op: TransferOp) {
+        self.parked.push(op);
+    }
+
+    /// The operations held so far, to post now.
+    pub fn take_parked(&mut self) -> Vec<TransferOp> {
+        std::mem::take(&mut self.parked)
+    }
+}
+
+/// Who waits for a session's handshake, and why it was refused if it was.
+struct HandshakeWait {
+    waiters: Vec<oneshot::Sender<Result<SessionId, NodeError>>>,
+    refusal: Option<NodeError>,
+}
+
+/// The driver loop's state: a core endpoint and everything the loop keeps around it.
+pub struct Driver<H: Host> {
+    endpoint: Endpoint,
+    host: H,
+    io: Map<SessionId, SessionIo<H>>,
+    rooms: RoomBook,
+    targets: Map<TargetId, SocketAddr>,
+    handshakes: Map<SessionId, HandshakeWait>,
+    shutdown_waiters: Vec<oneshot::Sender<()>>,
+    armed: Option<Instant>,
+    metrics_at: Instant,
+    role: Role,
+    data_connections: usize,
+    announcements: Announcer,
+}
+
+impl<H: Host> Driver<H> {
+    /// A driver of `endpoint` whose tasks `host` starts; `data_connections` are opened per
+    /// session this side dials.
+    pub fn new(
+        endpoint: Endpoint,
+        host: H,
+        data_connections: usize,
+        announcements: Announcer,
+        now: Instant,
+    ) -> Self {
+        let role = endpoint.info().role;
+        Driver {
+            endpoint,
+            host,
+            io: Map::default(),
+            rooms: RoomBook::new(role),
+            targets: Map::default(),
+            handshakes: Map::default(),
+            shutdown_waiters: Vec::new(),
+            armed: None,
+            metrics_at: now,
+            role,
+            data_connections: data_connections.max(1),
+            announcements,
+        }
+    }
+
+    /// The core endpoint (read-only: inputs go through [`Driver::with`]).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// The core endpoint, for an input whose outputs the caller drains itself
+    /// ([`Driver::drain`]) or that has none (challenges, admissions).
+    pub fn endpoint_mut(&mut self) -> &mut Endpoint {
+        &mut self.endpoint
+    }
+
+    /// The host.
+    pub fn host(&self) -> &H {
+        &self.host
+    }
+
+    /// A session's connections, if the driver has any.
+    pub fn session_io(&mut self, session: SessionId) -> Option<&mut SessionIo<H>> {
+        self.io.get_mut(&session)
+    }
+
+    /// Runs `f` on the endpoint, then drains its outputs (the core's rule after every input).
+    pub fn with<T>(&mut self, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
+        let out = f(&mut self.endpoint, Instant::now());
+        self.drain();
+        out
+    }
+
+    /// One turn of the host's driver task: the outputs left from a budgeted drain, the
+    /// core's timer if it is due, metrics; returns when the next turn is due (now, if the
+    /// budget ran out with outputs left).
+    pub fn turn(&mut self, now: Instant) -> Option<Instant> {
+        let mut more = self.drain_some();
+        if self.endpoint.poll_timeout().is_some_and(|(t, _)| t <= now) {
+            self.endpoint.handle_timeout(now);
+            more |= self.drain_some();
+        }
+        if now.duration_since(self.metrics_at) >= METRICS_EVERY {
+            self.metrics_at = now;
+            export_metrics(&self.endpoint, self.role);
+        }
+        let next = self.endpoint.poll_timeout().map(|(t, _)| t);
+        self.armed = next;
+        if more {
+            return Some(now);
+        }
+        next
+    }
+
+    /// Drains the core's outputs in the documented order (transmits, actions, operations,
+    /// events), at most [`TURN_BUDGET`] of them; asks the host for a turn when the budget ran
+    /// out or the core's next deadline is earlier than the one the host's timer waits for.
+    pub fn drain(&mut self) {
+        let more = self.drain_some();
+        let next = self.endpoint.poll_timeout().map(|(t, _)| t);
+        let earlier = next.is_some_and(|t| self.armed.map_or(true, |a| t < a));
+        if more || earlier {
+            self.host.wake();
+        }
+    }
+
+    /// Drains at most [`TURN_BUDGET`] outputs; `true` if some are left.
+    fn drain_some(&mut self) -> bool {
+        let mut budget = TURN_BUDGET;
+        let mut buf = Vec::new();
+        loop {
+            let mut progressed = false;
+            while let Some(sid) = self.endpoint.poll_transmit(&mut buf) {
+                progressed = true;
+                match self.io.get(&sid) {
+                    Some(io) => io.control.send(std::mem::take(&mut buf)),
+                    None => buf.clear(),
+                }
+            }
+            while let Some(action) = self.endpoint.poll_action() {
+                progressed = true;
+                match action {
+                    Action::FenceSession(sid) => self.start_fence(sid),
+                    Action::CloseSession(sid) => self.start_close(sid),
+                    Action::Connect { target, timeout } => {
+                        if let Some(&addr) = self.targets.get(&target) {
+                            self.host.connect(target, addr, timeout);
+                        }
+                    }
+                    Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
+                }
+                budget -= 1;
+                if budget == 0 {
+                    return true;
+                }
+            }
+            let now = Instant::now();
+            while let Some(op) = self.endpoint.poll_transfer(now) {
+                progressed = true;
+                if let Some(op) = H::post(self, op) {
+                    self.dispatch(now, op);
+                }
+                budget -= 1;
+                if budget == 0 {
+                    return true;
+                }
+            }
+            while let Some(event) = self.endpoint.poll_event() {
+                progressed = true;
+                self.on_event(&event);
+                self.host.publish(event);
+                budget -= 1;
+                if budget == 0 {
+                    return true;
+                }
+            }
+            if !progressed {
+                return false;
+            }
+        }
+    }
+
+    /// Hands an operation to the next open data connection of its session, round-robin;
+    /// parks it while the session has none, reports it transient if the session is closing.
+    fn dispatch(&mut self, now: Instant, op: TransferOp) {
+        let id = op.id;
+        match self.io.get_mut(&op.session) {
+            Some(io) if !io.data.is_closing() => {
+                if let Err(op) = send_round_robin(io, op) {
+                    io.parked.push(op);
+                }
+            }
+            _ => self
+                .endpoint
+                .handle_transfer_result(now, id, TransferOutcome::Transient),
+        }
+    }
+
+    fn on_event(&mut self, event: &Event) {
+        match *event {
+            ref e if RoomBook::follows(e) => self.rooms.on_event(event),
+            Event::SessionEstablished { session, peer } => {
+                info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
+                if let Some(wait) = self.handshakes.remove(&session) {
+                    for w in wait.waiters {
+                        let _ = w.send(Ok(session));
+                    }
+                }
+                if !H::establish(self, session) {
+                    self.open_data_connections(session, self.data_connections);
+                }
+            }
+            Event::SessionClosed { session } => {
+                if let Some(wait) = self.handshakes.remove(&session) {
+                    let mut refusal = wait.refusal;
+                    for w in wait.waiters {
+                        let why = refusal.take().unwrap_or(NodeError::HandshakeTimeout);
+                        let _ = w.send(Err(why));
+                    }
+                }
+            }
+            Event::PeerError {
+                session,
+                code,
+                ref detail,
+            } => {
+                if let Some(wait) = self.handshakes.get_mut(&session) {
+                    wait.refusal
+                        .get_or_insert(NodeError::Refused(format!("{code:?}: {detail}")));
+                }
+            }
+            Event::SessionRejected { session, reason } => {
+                if let Some(wait) = self.handshakes.get_mut(&session) {
+                    wait.refusal = Some(NodeError::Rejected(reason));
+                }
+            }
+            Event::ShutDown { .. } => {
+                for w in self.shutdown_waiters.drain(..) {
+                    let _ = w.send(());
+                }
+            }
+            Event::RoomAnnounced { .. } => self.announcements.on_event(event),
+            Event::TransportReceived {
+                session,
+                ref payload,
+            } => H::transport(self, session, payload),
+            Event::SessionBlacklisted { session } => warn!(%session, "session blacklisted"),
+            Event::SessionRecovered { session } => info!(%session, "session recovered"),
+            _ => {}
+        }
+    }
+
+    /// Registers a control connection with the core: dialed by this side for `target`
+    /// (`peer_addr` and `target` set), dialed by the embedder (`peer_addr` only), or accepted
+    /// (neither). The host then starts the connection's reader and writer and hands them to
+    /// [`Driver::add_tasks`].
+    pub fn attach_control(
+        &mut self,
+        control: H::Control,
+        peer_addr: Option<SocketAddr>,
+        target: Option<TargetId>,
+    ) -> SessionId {
+        let now = Instant::now();
+        let sid = match (target, peer_addr) {
+            (Some(t), _) => self.endpoint.open_session_for(now, t),
+            (None, Some(_)) => self.endpoint.open_session(now),
+            (None, None) => self.endpoint.accept_session(now),
+        };
+        self.io.insert(
+            sid,
+            SessionIo {
+                control,
+                tasks: Vec::new(),
+                peer_addr,
+                data: ConnSet::default(),
+                next_sender: 0,
+                parked: Vec::new(),
+                ext: H::SessionExt::default(),
+            },
+        );
+        self.drain();
+        sid
+    }
+
+    /// The tasks of `session`'s control connection, stopped when it closes; given back if the
+    /// session closed meanwhile (the host stops them).
+    pub fn add_tasks(
+        &mut self,
+        session: SessionId,
+        tasks: Vec<H::Task>,
+    ) -> Result<(), Vec<H::Task>> {
+        match self.io.get_mut(&session) {
+            Some(io) if !io.data.is_closing() => {
+                io.tasks.extend(tasks);
+                Ok(())
+            }
+            _ => Err(tasks),
+        }
+    }
+
+    /// Tells `tx` when `session`'s handshake ends: `Ok` once established, else why not (the
+    /// peer's refusal, or [`NodeError::HandshakeTimeout`] when the core's timer closed it).
+    pub fn on_handshake(
+        &mut self,
+        session: SessionId,
+        tx: oneshot::Sender<Result<SessionId, NodeError>>,
+    ) {
+        match self.endpoint.session_state(session) {
+            Some(SessionState::Established | SessionState::Blacklisted) => {
+                let _ = tx.send(Ok(session));
+            }
+            Some(SessionState::Handshaking | SessionState::Closing) => {
+                self.handshakes
+                    .entry(session)
+                    .or_insert_with(|| HandshakeWait {
+                        waiters: Vec::new(),
+                        refusal: None,
+                    })
+                    .waiters
+                    .push(tx);
+            }
+            None => {
+                let _ = tx.send(Err(NodeError::HandshakeTimeout));
+            }
+        }
+    }
+
+    /// A control connection's reader ended: close the session.
+    pub fn control_ended(&mut self, session: SessionId) {
+        self.start_close(session);
+        self.drain();
+    }
+
+    /// Whether a data connection of `session` would be put to work (the session is known
+    /// and not closing): a host checks before it starts the connection's tasks.
+    pub fn wants_data(&self, session: SessionId) -> bool {
+        self.io
+            .get(&session)
+            .is_some_and(|io| !io.data.is_closing())
+    }
+
+    /// Puts an accepted or opened data connection to work for `session`, then sends the
+    /// operations that waited for one; gives `conn` back if the session is gone or closing.
+    pub fn attach_data(
+        &mut self,
+        session: SessionId,
+        conn: DataConn<H>,
+    ) -> Result<(), DataConn<H>> {
+        let Some(io) = self.io.get_mut(&session) else {
+            return Err(conn);
+        };
+        io.data.attach(conn)?;
+        for op in std::mem::take(&mut io.parked) {
+            if let Err(op) = send_round_robin(io, op) {
+                io.parked.push(op);
+            }
+        }
+        self.drain();
+        Ok(())
+    }
+
+    /// A data connection of `session` ended on its own: the core decides whether and when
+    /// it is replaced ([`Action::OpenDataConnection`]).
+    pub fn data_connection_lost(&mut self, session: SessionId) {
+        if let Some(io) = self.io.get_mut(&session) {
+            io.data.retain(|c| match c {
+                DataConn::Receiver(r) => !H::receiver_finished(r),
+                DataConn::Sender(_) => true,
+            });
+        }
+        self.endpoint
+            .handle_data_connection_lost(Instant::now(), session);
+        self.drain();
+    }
+
+    /// A connection attempt the core asked for ([`Host::connect`]) failed with `error`.
+    pub fn connect_failed(&mut self, target: TargetId, error: &std::io::Error) {
+        let failure = connect_failure(error);
+        self.endpoint
+            .handle_connect_failed(Instant::now(), target, failure);
+        self.drain();
+    }
+
+    /// A fence's connections are closed ([`Host::fence`]): confirm it to the core, then
+    /// re-open the data connections if this side opens them.
+    pub fn fence_closed(&mut self, session: SessionId) {
+        self.endpoint.handle_fence_complete(Instant::now(), session);
+        self.drain();
+        info!(%session, "session fenced");
+        self.open_data_connections(session, self.data_connections);
+    }
+
+    /// Every connection of `session` is closed ([`Host::close`]): the core forgets it.
+    pub fn closed(&mut self, session: SessionId) {
+        self.io.remove(&session);
+        self.endpoint.handle_disconnected(Instant::now(), session);
+        self.drain();
+    }
+
+    /// Keeps a session to the peer at `addr`, reconnecting with the core's backoff.
+    pub fn add_target(&mut self, addr: SocketAddr) -> TargetId {
+        let target = self.endpoint.add_target(Instant::now());
+        // Known before the drain carries out the core's first connect.
+        self.targets.insert(target, addr);
+        self.drain();
+        target
+    }
+
+    /// Opens a room through `open` and returns its handle; a room `open` refused is not
+    /// followed.
+    pub fn open_room(
+        &mut self,
+        room: RoomId,
+        open: impl FnOnce(&mut Endpoint, Instant) -> Result<(), ApiError>,
+    ) -> Result<RoomHandle, ApiError> {
+        let current = self
+            .endpoint
+            .room_state(room)
+            .unwrap_or(KvPoll::Bootstrapping);
+        let handle = self.rooms.watch(room, current);
+        match self.with(open) {
+            Ok(()) => Ok(handle),
+            Err(e) => {
+                if self.endpoint.room_generation(room).is_none() {
+                    self.rooms.forget(room);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts the core's shutdown; `done` is told when the core says it is complete.
+    pub fn shutdown(&mut self, done: oneshot::Sender<()>) {
+        self.endpoint.shutdown(Instant::now());
+        if self.endpoint.shutdown_complete() {
+            let _ = done.send(());
+        } else {
+            self.shutdown_waiters.push(done);
+        }
+        self.drain();
+    }
+
+    /// Every session's connections, taken for a host that stops (each closed by the host).
+    pub fn take_all(&mut self) -> Vec<Connections<H>> {
+        self.io
+            .drain()
+            .map(|(_, mut io)| (io.data.close().unwrap_or_default(), io.tasks))
+            .collect()
+    }
+
+    /// Opens `n` data connections of `session` if this side dialed it (it knows the peer's
+    /// address) and its handshake gave it a key; each proves the key.
+    fn open_data_connections(&mut self, session: SessionId, n: usize) {
+        let Some(addr) = self
+            .io
+            .get(&session)
+            .filter(|io| !io.data.is_closing())
+            .and_then(|io| io.peer_addr)
+        else {
+            return;
+        };
+        if let Some(key) = self.endpoint.data_key(session) {
+            self.host.open_data(session, addr, key, n);
+        }
+    }
+
+    /// Reports every parked operation of a session as transient (it was never written).
+    fn unpark(&mut self, session: SessionId) {
+        let parked = self
+            .io
+            .get_mut(&session)
+            .map(|io| std::mem::take(&mut io.parked))
+            .unwrap_or_default();
+        let now = Instant::now();
+        for op in parked {
+            self.endpoint
+                .handle_transfer_result(now, op.id, TransferOutcome::Transient);
+        }
+    }
+
+    /// Carries out a fence: the host closes the session's data connections, then
+    /// [`Driver::fence_closed`] confirms it.
+    fn start_fence(&mut self, session: SessionId) {
+        self.unpark(session);
+        if H::fence_own(self, session) {
+            return;
+        }
+        match self.io.get_mut(&session) {
+            Some(io) => {
+                let conns = io.data.fence();
+                self.host.fence(session, conns);
+            }
+            None => self.endpoint.handle_fence_complete(Instant::now(), session),
+        }
+    }
+
+    /// Carries out a close: the host stops every connection of the session, then
+    /// [`Driver::closed`] tells the core.
+    fn start_close(&mut self, session: SessionId) {
+        self.unpark(session);
+        let Some(io) = self.io.get_mut(&session) else {
+            return;
+        };
+        let Some(conns) = io.data.close() else {
+            return; // already closing
+        };
+        let tasks = std::mem::take(&mut io.tasks);
+        H::close_own(&mut io.ext);
+        self.host.close(session, conns, tasks);
+    }
+}
+
+/// Sends `op` on the session's data connections in turn.
+fn send_round_robin<H: Host>(io: &mut SessionIo<H>, op: TransferOp) -> Result<(), TransferOp> {
+    let senders: Vec<&H::Sender> = io
+        .data
+        .iter()
+        .filter_map(|c| match c {
+            DataConn::Sender(s) => Some(s),
+            DataConn::Receiver(_) => None,
+        })
+        .collect();
+    round_robin(&senders, &mut io.next_sender, op, |s, op| s.send(op))
+}
