@@ -1,0 +1,241 @@
+//! The driver loop against a recording host: two drivers wired frame by frame, no sockets,
+//! no runtime. Each test is one behaviour of `Driver` that every runtime inherits.
+
+#![allow(clippy::unwrap_used)] // tests may panic
+
+use std::cell::RefCell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use kvferry_core::{
+    Config, EndpointInfo, Event, Generation, Incarnation, Layout, NodeId, Role, RoomId, SessionId,
+    SessionKey, TargetId, TransferOp,
+};
+use kvferry_driver::{
+    Announcer, DataConn, Driver, FrameSink, Host, NodeError, OpSink, TURN_BUDGET,
+};
+use tokio::sync::oneshot;
+
+/// What the driver asked of its host, in order.
+#[derive(Default)]
+struct Log {
+    wakes: usize,
+    connects: Vec<TargetId>,
+    data_opened: Vec<(SessionId, usize)>,
+    closes: Vec<SessionId>,
+    published: Vec<Event>,
+}
+
+/// A host that starts nothing and records every request.
+struct Recorder(Rc<RefCell<Log>>);
+
+/// A control connection's bytes, as the writer would send them.
+#[derive(Clone, Default)]
+struct Wire(Rc<RefCell<Vec<u8>>>);
+
+impl FrameSink for Wire {
+    fn send(&self, frame: Vec<u8>) {
+        self.0.borrow_mut().extend_from_slice(&frame);
+    }
+}
+
+/// A data connection that takes every operation.
+struct Taker;
+
+impl OpSink for Taker {
+    fn send(&self, _op: TransferOp) -> Result<(), TransferOp> {
+        Ok(())
+    }
+}
+
+impl Host for Recorder {
+    type Sender = Taker;
+    type Receiver = ();
+    type Control = Wire;
+    type Task = ();
+    type SessionExt = ();
+
+    fn connect(&self, target: TargetId, _addr: SocketAddr, _timeout: Duration) {
+        self.0.borrow_mut().connects.push(target);
+    }
+
+    fn open_data(&self, session: SessionId, _addr: SocketAddr, _key: SessionKey, n: usize) {
+        self.0.borrow_mut().data_opened.push((session, n));
+    }
+
+    fn fence(&self, _session: SessionId, _conns: Vec<DataConn<Self>>) {}
+
+    fn close(&self, session: SessionId, _conns: Vec<DataConn<Self>>, _tasks: Vec<()>) {
+        self.0.borrow_mut().closes.push(session);
+    }
+
+    fn wake(&self) {
+        self.0.borrow_mut().wakes += 1;
+    }
+
+    fn publish(&self, event: Event) {
+        self.0.borrow_mut().published.push(event);
+    }
+}
+
+fn layout() -> Layout {
+    Layout {
+        layers: 2,
+        planes: 2,
+        page_bytes: 64,
+        pages: 16,
+        aux_bytes: 0,
+        state_bytes: 0,
+        slots: 4,
+    }
+}
+
+fn node(role: Role, id: u64, token: &[u8]) -> (Driver<Recorder>, Rc<RefCell<Log>>) {
+    let mut info = EndpointInfo::new(role, NodeId(id), Incarnation(id), layout());
+    info.token = token.to_vec();
+    let now = Instant::now();
+    let endpoint = kvferry_core::Endpoint::new(Config::default(), info, id, now).unwrap();
+    let log = Rc::new(RefCell::new(Log::default()));
+    let driver = Driver::new(
+        endpoint,
+        Recorder(log.clone()),
+        3,
+        Announcer::default(),
+        now,
+    );
+    (driver, log)
+}
+
+/// A room's first generation.
+const FIRST: Generation = 0;
+
+const PEER: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 1);
+
+/// Moves the bytes each side wrote to the other until neither writes more.
+fn pump(
+    a: &mut Driver<Recorder>,
+    a_sid: SessionId,
+    a_wire: &Wire,
+    b: &mut Driver<Recorder>,
+    b_sid: SessionId,
+    b_wire: &Wire,
+) {
+    for _ in 0..100 {
+        let to_b = std::mem::take(&mut *a_wire.0.borrow_mut());
+        let to_a = std::mem::take(&mut *b_wire.0.borrow_mut());
+        if to_a.is_empty() && to_b.is_empty() {
+            return;
+        }
+        if !to_b.is_empty() {
+            b.with(|e, now| e.handle_input(now, b_sid, &to_b));
+        }
+        if !to_a.is_empty() {
+            a.with(|e, now| e.handle_input(now, a_sid, &to_a));
+        }
+    }
+    panic!("the two drivers never went quiet");
+}
+
+/// A decode dialing a prefill, each driver recording; returns both sessions and wires.
+fn dial(
+    decode: &mut Driver<Recorder>,
+    prefill: &mut Driver<Recorder>,
+    handshake: oneshot::Sender<Result<SessionId, NodeError>>,
+) -> (SessionId, Wire, SessionId, Wire) {
+    let (d_wire, p_wire) = (Wire::default(), Wire::default());
+    let d_sid = decode.attach_control(d_wire.clone(), Some(PEER), None);
+    decode.on_handshake(d_sid, handshake);
+    let p_sid = prefill.attach_control(p_wire.clone(), None, None);
+    pump(decode, d_sid, &d_wire, prefill, p_sid, &p_wire);
+    (d_sid, d_wire, p_sid, p_wire)
+}
+
+#[test]
+fn a_caller_waiting_for_a_handshake_is_told_once_it_is_established() {
+    let (mut decode, d_log) = node(Role::Decode, 1, b"t");
+    let (mut prefill, p_log) = node(Role::Prefill, 2, b"t");
+    let (tx, mut rx) = oneshot::channel();
+    let (d_sid, ..) = dial(&mut decode, &mut prefill, tx);
+    assert_eq!(rx.try_recv().unwrap().unwrap(), d_sid);
+    // The side that dialed opens the data connections, as many as configured; the other none.
+    assert_eq!(d_log.borrow().data_opened, vec![(d_sid, 3)]);
+    assert!(p_log.borrow().data_opened.is_empty());
+}
+
+#[test]
+fn a_caller_waiting_for_a_handshake_learns_why_the_peer_refused() {
+    let (mut decode, d_log) = node(Role::Decode, 1, b"ours");
+    let (mut prefill, p_log) = node(Role::Prefill, 2, b"theirs");
+    let (tx, mut rx) = oneshot::channel();
+    let (d_sid, _, p_sid, _) = dial(&mut decode, &mut prefill, tx);
+    // The refusal closes the session; the host closes its connections and says so.
+    assert!(d_log.borrow().closes.contains(&d_sid));
+    decode.closed(d_sid);
+    if p_log.borrow().closes.contains(&p_sid) {
+        prefill.closed(p_sid);
+    }
+    match rx.try_recv().unwrap() {
+        Err(NodeError::Refused(_) | NodeError::Rejected(_)) => {}
+        other => panic!("expected the peer's refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_caller_waiting_for_a_silent_peer_is_told_when_the_core_gives_up() {
+    let (mut decode, log) = node(Role::Decode, 1, b"t");
+    let (tx, mut rx) = oneshot::channel();
+    let sid = decode.attach_control(Wire::default(), Some(PEER), None);
+    decode.on_handshake(sid, tx);
+    assert!(
+        rx.try_recv().is_err(),
+        "nothing is known before the peer answers"
+    );
+    let later = Instant::now() + Config::default().handshake_timeout + Duration::from_millis(1);
+    decode.turn(later);
+    assert_eq!(log.borrow().closes, vec![sid]);
+    decode.closed(sid);
+    assert!(matches!(
+        rx.try_recv().unwrap(),
+        Err(NodeError::HandshakeTimeout)
+    ));
+}
+
+#[test]
+fn a_drain_stops_at_its_budget_and_the_next_turn_finishes_it() {
+    let (mut prefill, log) = node(Role::Prefill, 2, b"t");
+    let rooms = TURN_BUDGET as u64 + 100;
+    let wakes_before = log.borrow().wakes;
+    prefill.with(|e, now| {
+        for r in 0..rooms {
+            e.open_sender(now, RoomId(r), FIRST).unwrap();
+        }
+    });
+    let published = log.borrow().published.len();
+    assert!(
+        published > 0 && published <= TURN_BUDGET,
+        "{published} events in one drain"
+    );
+    assert!(
+        log.borrow().wakes > wakes_before,
+        "a drain cut short asks for another turn"
+    );
+    let mut turns = 0;
+    while prefill
+        .turn(Instant::now())
+        .is_some_and(|t| t <= Instant::now())
+    {
+        turns += 1;
+        assert!(turns < 100);
+    }
+    let states = log
+        .borrow()
+        .published
+        .iter()
+        .filter(|e| matches!(e, Event::RoomState { .. }))
+        .count();
+    assert!(
+        states as u64 >= rooms,
+        "every room's event went out: {states} of {rooms}"
+    );
+}
