@@ -43,6 +43,10 @@ pub struct Config {
     /// How long a shutdown waits for every session's connections to close before it is
     /// reported complete anyway (`KVFERRY_SHUTDOWN_TIMEOUT_MS`, 2000).
     pub shutdown_timeout: Duration,
+    /// Longest wait for a closing session's last control frames (the error that says why) to
+    /// leave before its connection is dropped; the wait ends as soon as they are written
+    /// (`KVFERRY_CLOSE_LINGER_MS`, 100).
+    pub close_linger: Duration,
     /// Wait before a broken data connection of a live session is replaced (the session's
     /// control connection is up, so the peer is there: a short, fixed wait)
     /// (`KVFERRY_DATA_RECONNECT_INTERVAL_MS`, 10).
@@ -95,6 +99,7 @@ impl Default for Config {
             connect_timeout: Duration::from_millis(200),
             handshake_timeout: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(2),
+            close_linger: Duration::from_millis(100),
             data_reconnect_interval: Duration::from_millis(10),
             operation_timeout: Duration::from_secs(30),
             max_op_bytes: 64 << 20,
@@ -196,6 +201,7 @@ const FIELDS: &[(&str, Field)] = &[
         "SHUTDOWN_TIMEOUT_MS",
         Field::Millis(|c| &mut c.shutdown_timeout),
     ),
+    ("CLOSE_LINGER_MS", Field::Millis(|c| &mut c.close_linger)),
     (
         "DATA_RECONNECT_INTERVAL_MS",
         Field::Millis(|c| &mut c.data_reconnect_interval),

@@ -56,8 +56,8 @@ pub enum DataConn<H: Host> {
     Receiver(H::Receiver),
 }
 
-/// A session's data connections and control tasks, for a host to close.
-pub type Connections<H> = (Vec<DataConn<H>>, Vec<<H as Host>::Task>);
+/// A session's data connections and control connection tasks, for a host to close.
+pub type Connections<H> = (Vec<DataConn<H>>, Option<<H as Host>::ControlTasks>);
 
 /// What a runtime gives the driver loop: tasks that move bytes and report back. Each method
 /// only starts work (it must not wait, and must not call into the [`Driver`] it serves).
@@ -68,8 +68,8 @@ pub trait Host: Sized + 'static {
     type Receiver;
     /// A control connection's writer.
     type Control: FrameSink;
-    /// A task of a control connection (reader, writer), stopped when the session closes.
-    type Task;
+    /// A control connection's reader and writer tasks, stopped when the session closes.
+    type ControlTasks;
     /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
     type SessionExt: Default;
 
@@ -85,9 +85,17 @@ pub trait Host: Sized + 'static {
     /// [`Driver::fence_closed`].
     fn fence(&self, session: SessionId, conns: Vec<DataConn<Self>>);
 
-    /// Closes `conns` and stops `tasks` (the control writer's queued frames go out first),
-    /// then calls [`Driver::closed`].
-    fn close(&self, session: SessionId, conns: Vec<DataConn<Self>>, tasks: Vec<Self::Task>);
+    /// Stops `tasks`, then closes `conns`, then calls [`Driver::closed`]. The control
+    /// writer's queue is closed already: the writer ends once its last frames are written
+    /// (before any data connection closes, so the peer reads why first), and is stopped if
+    /// that takes longer than `linger`.
+    fn close(
+        &self,
+        session: SessionId,
+        conns: Vec<DataConn<Self>>,
+        tasks: Option<Self::ControlTasks>,
+        linger: Duration,
+    );
 
     /// Makes the host's driver task call [`Driver::turn`] soon (a timer moved earlier, or a
     /// drain ran out of budget).
@@ -128,8 +136,9 @@ pub trait Host: Sized + 'static {
 
 /// A session's connections as the driver sees them.
 pub struct SessionIo<H: Host> {
-    control: H::Control,
-    tasks: Vec<H::Task>,
+    /// The control writer's queue; dropped when the session closes, so the writer ends.
+    control: Option<H::Control>,
+    tasks: Option<H::ControlTasks>,
     /// Set when this side dialed: it opens the data connections.
     peer_addr: Option<SocketAddr>,
     /// Data connections; closing once the session is being closed (loom-modelled).
@@ -271,8 +280,8 @@ impl<H: Host> Driver<H> {
             let mut progressed = false;
             while let Some(sid) = self.endpoint.poll_transmit(&mut buf) {
                 progressed = true;
-                match self.io.get(&sid) {
-                    Some(io) => io.control.send(std::mem::take(&mut buf)),
+                match self.io.get(&sid).and_then(|io| io.control.as_ref()) {
+                    Some(control) => control.send(std::mem::take(&mut buf)),
                     None => buf.clear(),
                 }
             }
@@ -408,8 +417,8 @@ impl<H: Host> Driver<H> {
         self.io.insert(
             sid,
             SessionIo {
-                control,
-                tasks: Vec::new(),
+                control: Some(control),
+                tasks: None,
                 peer_addr,
                 data: ConnSet::default(),
                 next_sender: 0,
@@ -426,11 +435,11 @@ impl<H: Host> Driver<H> {
     pub fn add_tasks(
         &mut self,
         session: SessionId,
-        tasks: Vec<H::Task>,
-    ) -> Result<(), Vec<H::Task>> {
+        tasks: H::ControlTasks,
+    ) -> Result<(), H::ControlTasks> {
         match self.io.get_mut(&session) {
-            Some(io) if !io.data.is_closing() => {
-                io.tasks.extend(tasks);
+            Some(io) if !io.data.is_closing() && io.tasks.is_none() => {
+                io.tasks = Some(tasks);
                 Ok(())
             }
             _ => Err(tasks),
@@ -643,9 +652,11 @@ impl<H: Host> Driver<H> {
         let Some(conns) = io.data.close() else {
             return; // already closing
         };
-        let tasks = std::mem::take(&mut io.tasks);
+        let tasks = io.tasks.take();
+        io.control = None;
         H::close_own(&mut io.ext);
-        self.host.close(session, conns, tasks);
+        let linger = self.endpoint.config().close_linger;
+        self.host.close(session, conns, tasks, linger);
     }
 }
 

@@ -53,7 +53,7 @@ impl Host for Recorder {
     type Sender = Taker;
     type Receiver = ();
     type Control = Wire;
-    type Task = ();
+    type ControlTasks = ();
     type SessionExt = ();
 
     fn connect(&self, target: TargetId, _addr: SocketAddr, _timeout: Duration) {
@@ -66,7 +66,13 @@ impl Host for Recorder {
 
     fn fence(&self, _session: SessionId, _conns: Vec<DataConn<Self>>) {}
 
-    fn close(&self, session: SessionId, _conns: Vec<DataConn<Self>>, _tasks: Vec<()>) {
+    fn close(
+        &self,
+        session: SessionId,
+        _conns: Vec<DataConn<Self>>,
+        _tasks: Option<()>,
+        _linger: Duration,
+    ) {
         self.0.borrow_mut().closes.push(session);
     }
 

@@ -700,8 +700,9 @@ async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(),
         for c in conns {
             close_data(c).await;
         }
-        for t in tasks {
-            let _ = t.cancel().await;
+        if let Some(t) = tasks {
+            let _ = t.reader.cancel().await;
+            let _ = t.writer.cancel().await;
         }
     }
 }
@@ -744,7 +745,7 @@ impl Host for ShardHost {
     type Sender = DataSender;
     type Receiver = Task<()>;
     type Control = Control;
-    type Task = Task<()>;
+    type ControlTasks = ControlTasks;
     type SessionExt = ();
 
     fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration) {
@@ -810,16 +811,23 @@ impl Host for ShardHost {
         });
     }
 
-    fn close(&self, sid: SessionId, conns: Vec<DataConn<Self>>, tasks: Vec<Task<()>>) {
+    fn close(
+        &self,
+        sid: SessionId,
+        conns: Vec<DataConn<Self>>,
+        tasks: Option<ControlTasks>,
+        linger: Duration,
+    ) {
         let weak = self.shard.clone();
         self.spawn(async move {
-            // Let the writer flush a final error frame before the socket goes.
-            glommio::timer::sleep(Duration::from_millis(10)).await;
+            // The last control frames (why the session ends, or that its work moved to a
+            // fresh connection) go out before the data connections close: a peer that saw
+            // the data connections break first would count their operations as failed.
+            if let Some(t) = tasks {
+                t.stop(linger).await;
+            }
             for c in conns {
                 close_data(c).await;
-            }
-            for t in tasks {
-                let _ = t.cancel().await;
             }
             if let Some(shard) = weak.upgrade() {
                 shard.drive(|d| d.closed(sid));
@@ -831,6 +839,31 @@ impl Host for ShardHost {
         if let Some(shard) = self.shard.upgrade() {
             let _ = shard.wake.try_send(());
         }
+    }
+}
+
+/// A control connection's tasks.
+struct ControlTasks {
+    writer: Task<()>,
+    reader: Task<()>,
+}
+
+impl ControlTasks {
+    /// Stops reading at once; lets the writer send what is queued (its queue is closed, so it
+    /// ends by itself) for at most `linger`.
+    async fn stop(self, linger: Duration) {
+        let _ = self.reader.cancel().await;
+        let writer = self.writer;
+        let written = async {
+            writer.await;
+            true
+        };
+        let expired = async {
+            glommio::timer::sleep(linger).await;
+            false
+        };
+        // Dropping the writer's task when the linger expires cancels it.
+        let _ = futures_lite::future::or(written, expired).await;
     }
 }
 
@@ -991,7 +1024,7 @@ impl Shard {
             }
         });
         // Given back only if the session closed meanwhile: dropping them cancels them.
-        let _ = self.drive(|d| d.add_tasks(sid, vec![writer, reader]));
+        let _ = self.drive(|d| d.add_tasks(sid, ControlTasks { writer, reader }));
         sid
     }
 

@@ -502,7 +502,7 @@ impl Host for TokioHost {
     type Sender = Sender;
     type Receiver = JoinHandle<()>;
     type Control = mpsc::UnboundedSender<Vec<u8>>;
-    type Task = JoinHandle<()>;
+    type ControlTasks = ControlTasks;
     #[cfg(feature = "rdma")]
     type SessionExt = Option<rdma::SessionRdma>;
     #[cfg(not(feature = "rdma"))]
@@ -560,17 +560,23 @@ impl Host for TokioHost {
         });
     }
 
-    fn close(&self, sid: SessionId, conns: Vec<DataConn<Self>>, tasks: Vec<JoinHandle<()>>) {
+    fn close(
+        &self,
+        sid: SessionId,
+        conns: Vec<DataConn<Self>>,
+        tasks: Option<ControlTasks>,
+        linger: Duration,
+    ) {
         let weak = self.shared.clone();
         self.runtime.spawn(async move {
-            // Let the writer flush a final error frame before the socket goes.
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            // The last control frames (why the session ends, or that its work moved to a
+            // fresh connection) go out before the data connections close: a peer that saw
+            // the data connections break first would count their operations as failed.
+            if let Some(t) = tasks {
+                t.stop(linger).await;
+            }
             for c in conns {
                 close_data(c).await;
-            }
-            for t in tasks {
-                t.abort();
-                let _ = t.await;
             }
             if let Some(shared) = weak.upgrade() {
                 shared.lock().closed(sid);
@@ -616,6 +622,26 @@ impl Host for TokioHost {
     fn close_own(ext: &mut Self::SessionExt) {
         if let Some(r) = ext.take() {
             r.close();
+        }
+    }
+}
+
+/// A control connection's tasks.
+struct ControlTasks {
+    writer: JoinHandle<()>,
+    reader: JoinHandle<()>,
+}
+
+impl ControlTasks {
+    /// Stops reading at once; lets the writer send what is queued (its queue is closed, so it
+    /// ends by itself) for at most `linger`.
+    async fn stop(self, linger: Duration) {
+        self.reader.abort();
+        let _ = self.reader.await;
+        let mut writer = self.writer;
+        if tokio::time::timeout(linger, &mut writer).await.is_err() {
+            writer.abort();
+            let _ = writer.await;
         }
     }
 }
@@ -688,10 +714,12 @@ fn attach_control(
         }
         .instrument(span),
     );
-    if let Err(tasks) = shared.lock().add_tasks(sid, vec![writer, reader]) {
-        for t in tasks {
-            t.abort();
-        }
+    if let Err(tasks) = shared
+        .lock()
+        .add_tasks(sid, ControlTasks { writer, reader })
+    {
+        tasks.writer.abort();
+        tasks.reader.abort();
     }
     sid
 }
