@@ -601,35 +601,17 @@ async fn run(cli: Cli) -> Result<(), String> {
             let (node, shape) = start_node(Role::Decode, &shape, &common)?;
             let shown: Vec<String> = connect.iter().map(|a| a.to_string()).collect();
             let shown = shown.join(",");
-            // A first contact reports a refusal (token, layout) as a typed error; the
-            // persistent peer then carries the rooms and is reconnected if the prefill
-            // restarts.
-            let waited = std::time::Instant::now();
-            loop {
-                match node.connect(connect.clone()).await {
-                    Ok(_) => break,
-                    // A refusal will not change by retrying: say why and stop.
-                    Err(
-                        e @ (kvferry_tokio::NodeError::Refused(_)
-                        | kvferry_tokio::NodeError::Rejected(_)),
-                    ) => {
-                        return Err(format!("cannot reach prefill at {shown}: {e}"));
-                    }
-                    Err(e) if waited.elapsed() > Duration::from_secs(30) => {
-                        return Err(format!(
-                            "cannot reach prefill at {shown} (retried for 30 s): {e}"
-                        ));
-                    }
-                    Err(e) => {
-                        tracing::warn!(connect = %shown, error = %e, "first contact failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                }
-            }
+            // The persistent peer carries the rooms and is reconnected if the prefill
+            // restarts. Its first contact reports a refusal (token, layout) as a typed
+            // error at once; a prefill not up yet is waited for up to the core's
+            // unreachable timeout.
             let peer = node
                 .connect_persistent(connect.clone())
                 .await
                 .map_err(|e| e.to_string())?;
+            node.reach(peer)
+                .await
+                .map_err(|e| format!("cannot reach prefill at {shown}: {e}"))?;
             // SIGTERM or SIGINT: the node shuts down (its peers are told), every room still
             // open fails with `shutdown`, and the report is printed as usual.
             let stopper = {

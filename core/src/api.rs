@@ -265,6 +265,32 @@ pub enum Event {
         /// The session.
         session: SessionId,
     },
+    /// A target ([`crate::Endpoint::add_target`]) has an established session, at first
+    /// contact or again after it was down.
+    TargetUp {
+        /// The target.
+        target: crate::ids::TargetId,
+        /// Its session.
+        session: SessionId,
+    },
+    /// The peer at a target answered and refused us at the handshake (token, role, layout,
+    /// version): retrying will not help until one side is reconfigured. The core keeps
+    /// trying; rooms waiting for the target fail with `reason` once it has been down for
+    /// `unreachable_timeout`.
+    TargetRefused {
+        /// The target.
+        target: crate::ids::TargetId,
+        /// The reason rooms toward it fail with.
+        reason: crate::state::FailureReason,
+    },
+    /// A target has had no session for `unreachable_timeout` (once per time it goes down);
+    /// `reason` says what the attempts found, and is what rooms waiting for it fail with.
+    TargetUnreachable {
+        /// The target.
+        target: crate::ids::TargetId,
+        /// The reason rooms toward it fail with.
+        reason: crate::state::FailureReason,
+    },
     /// The peer's data-plane backend sent bytes for ours ([`crate::Endpoint::send_transport`]).
     TransportReceived {
         /// The session.

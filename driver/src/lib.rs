@@ -186,6 +186,9 @@ pub enum NodeError {
     UnknownPeer(PeerId),
     /// A persistent peer has no established session right now (it is being reconnected).
     PeerUnavailable(PeerId),
+    /// A persistent peer had no session for the core's whole `unreachable_timeout`; the
+    /// reason says what the connection attempts found.
+    Unreachable(FailureReason),
     /// The runtime could not start (what failed and how to fix it).
     Runtime(String),
     /// The data-plane backend could not start (what failed and how to fix it).
@@ -229,6 +232,10 @@ impl std::fmt::Display for NodeError {
             NodeError::PeerUnavailable(p) => {
                 write!(f, "peer {} is not connected right now (reconnecting)", p.0)
             }
+            NodeError::Unreachable(reason) => write!(
+                f,
+                "the peer stayed unreachable for the whole unreachable timeout ({reason})"
+            ),
             NodeError::Runtime(why) => write!(f, "the runtime could not start: {why}"),
             NodeError::Backend(why) => write!(f, "the data plane could not start: {why}"),
             NodeError::Tls(why) => write!(f, "TLS: {why}"),
@@ -407,6 +414,11 @@ pub trait KvNode: Clone + Send + Sync + 'static {
 
     /// Prefill: every room a decode asked for, lossless (one receiver at a time).
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement>;
+
+    /// Waits until every address of a persistent peer ([`KvNode::connect_persistent`]) has
+    /// had a session: the first contact. Fails at once if one of them refused us at the
+    /// handshake, or once one stayed unreachable for the core's `unreachable_timeout`.
+    fn reach(&self, peer: PeerId) -> impl Future<Output = Result<(), NodeError>> + Send;
 
     /// Fails every room, tells every peer, closes every connection and stops.
     fn shutdown(&self) -> impl Future<Output = ()> + Send;

@@ -141,6 +141,8 @@ pub struct SessionIo<H: Host> {
     tasks: Option<H::ControlTasks>,
     /// Set when this side dialed: it opens the data connections.
     peer_addr: Option<SocketAddr>,
+    /// The target this session was dialed for.
+    target: Option<TargetId>,
     /// Data connections; closing once the session is being closed (loom-modelled).
     data: ConnSet<DataConn<H>>,
     next_sender: usize,
@@ -176,6 +178,8 @@ pub struct Driver<H: Host> {
     rooms: RoomBook,
     targets: Map<TargetId, SocketAddr>,
     handshakes: Map<SessionId, HandshakeWait>,
+    /// Callers waiting for a target's first contact, and the last refusal of its sessions.
+    target_waits: Map<TargetId, HandshakeWait>,
     shutdown_waiters: Vec<oneshot::Sender<()>>,
     armed: Option<Instant>,
     metrics_at: Instant,
@@ -202,6 +206,7 @@ impl<H: Host> Driver<H> {
             rooms: RoomBook::new(role),
             targets: Map::default(),
             handshakes: Map::default(),
+            target_waits: Map::default(),
             shutdown_waiters: Vec::new(),
             armed: None,
             metrics_at: now,
@@ -372,14 +377,49 @@ impl<H: Host> Driver<H> {
                 code,
                 ref detail,
             } => {
-                if let Some(wait) = self.handshakes.get_mut(&session) {
+                let target = self.io.get(&session).and_then(|io| io.target);
+                let waits = [
+                    self.handshakes.get_mut(&session),
+                    target.and_then(|t| self.target_waits.get_mut(&t)),
+                ];
+                for wait in waits.into_iter().flatten() {
                     wait.refusal
                         .get_or_insert(NodeError::Refused(format!("{code:?}: {detail}")));
                 }
             }
             Event::SessionRejected { session, reason } => {
-                if let Some(wait) = self.handshakes.get_mut(&session) {
+                let target = self.io.get(&session).and_then(|io| io.target);
+                let waits = [
+                    self.handshakes.get_mut(&session),
+                    target.and_then(|t| self.target_waits.get_mut(&t)),
+                ];
+                for wait in waits.into_iter().flatten() {
                     wait.refusal = Some(NodeError::Rejected(reason));
+                }
+            }
+            Event::TargetUp { target, session } => {
+                if let Some(wait) = self.target_waits.remove(&target) {
+                    for w in wait.waiters {
+                        let _ = w.send(Ok(session));
+                    }
+                }
+            }
+            Event::TargetRefused { target, reason } => {
+                if let Some(wait) = self.target_waits.remove(&target) {
+                    let mut refusal = wait.refusal;
+                    for w in wait.waiters {
+                        let why = refusal
+                            .take()
+                            .unwrap_or_else(|| NodeError::Refused(reason.to_string()));
+                        let _ = w.send(Err(why));
+                    }
+                }
+            }
+            Event::TargetUnreachable { target, reason } => {
+                if let Some(wait) = self.target_waits.remove(&target) {
+                    for w in wait.waiters {
+                        let _ = w.send(Err(NodeError::Unreachable(reason)));
+                    }
                 }
             }
             Event::ShutDown { .. } => {
@@ -420,6 +460,7 @@ impl<H: Host> Driver<H> {
                 control: Some(control),
                 tasks: None,
                 peer_addr,
+                target,
                 data: ConnSet::default(),
                 next_sender: 0,
                 parked: Vec::new(),
@@ -471,6 +512,36 @@ impl<H: Host> Driver<H> {
                 let _ = tx.send(Err(NodeError::HandshakeTimeout));
             }
         }
+    }
+
+    /// Tells `tx` about `target`'s first contact: `Ok` with its session once it has one, the
+    /// peer's refusal if it refused us at the handshake, or [`NodeError::Unreachable`] once
+    /// the core gave up waiting for it (`unreachable_timeout`).
+    pub fn on_target(
+        &mut self,
+        target: TargetId,
+        tx: oneshot::Sender<Result<SessionId, NodeError>>,
+    ) {
+        if let Some(session) = self.endpoint.target_session(target) {
+            let _ = tx.send(Ok(session));
+            return;
+        }
+        if let Some(reason) = self.endpoint.target_refused(target) {
+            let _ = tx.send(Err(NodeError::Refused(reason.to_string())));
+            return;
+        }
+        if let Some(reason) = self.endpoint.target_unreachable(target) {
+            let _ = tx.send(Err(NodeError::Unreachable(reason)));
+            return;
+        }
+        self.target_waits
+            .entry(target)
+            .or_insert_with(|| HandshakeWait {
+                waiters: Vec::new(),
+                refusal: None,
+            })
+            .waiters
+            .push(tx);
     }
 
     /// A control connection's reader ended: close the session.

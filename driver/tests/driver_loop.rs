@@ -245,3 +245,70 @@ fn a_drain_stops_at_its_budget_and_the_next_turn_finishes_it() {
         "every room's event went out: {states} of {rooms}"
     );
 }
+
+/// A decode keeping a target at `PEER`: the first connection the core asks for is attached.
+fn dial_target(
+    decode: &mut Driver<Recorder>,
+    log: &Rc<RefCell<Log>>,
+    prefill: &mut Driver<Recorder>,
+) -> (TargetId, oneshot::Receiver<Result<SessionId, NodeError>>) {
+    let target = decode.add_target(PEER);
+    assert_eq!(
+        log.borrow().connects,
+        vec![target],
+        "the core dials at once"
+    );
+    let (tx, rx) = oneshot::channel();
+    decode.on_target(target, tx);
+    let (d_wire, p_wire) = (Wire::default(), Wire::default());
+    let d_sid = decode.attach_control(d_wire.clone(), Some(PEER), Some(target));
+    let p_sid = prefill.attach_control(p_wire.clone(), None, None);
+    pump(decode, d_sid, &d_wire, prefill, p_sid, &p_wire);
+    (target, rx)
+}
+
+#[test]
+fn a_caller_waiting_for_a_targets_first_contact_gets_its_session() {
+    let (mut decode, log) = node(Role::Decode, 1, b"t");
+    let (mut prefill, _) = node(Role::Prefill, 2, b"t");
+    let (target, mut rx) = dial_target(&mut decode, &log, &mut prefill);
+    let session = rx.try_recv().unwrap().unwrap();
+    assert_eq!(decode.endpoint().target_session(target), Some(session));
+}
+
+#[test]
+fn a_caller_waiting_for_a_target_learns_at_once_that_its_peer_refused_us() {
+    let (mut decode, log) = node(Role::Decode, 1, b"ours");
+    let (mut prefill, _) = node(Role::Prefill, 2, b"theirs");
+    let (_, mut rx) = dial_target(&mut decode, &log, &mut prefill);
+    let closed = log.borrow().closes.clone();
+    for sid in closed {
+        decode.closed(sid);
+    }
+    // Not after the unreachable timeout: a refusal does not heal by retrying.
+    match rx.try_recv().unwrap() {
+        Err(NodeError::Refused(_) | NodeError::Rejected(_)) => {}
+        other => panic!("expected the peer's refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_caller_waiting_for_a_target_nobody_answers_is_told_after_the_unreachable_timeout() {
+    let (mut decode, log) = node(Role::Decode, 1, b"t");
+    let target = decode.add_target(PEER);
+    let (tx, mut rx) = oneshot::channel();
+    decode.on_target(target, tx);
+    let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+    decode.connect_failed(target, &refused);
+    decode.turn(Instant::now() + Duration::from_millis(1));
+    assert!(rx.try_recv().is_err(), "still within the window");
+    assert!(!log.borrow().connects.is_empty());
+    let later = Instant::now() + Config::default().unreachable_timeout + Duration::from_millis(1);
+    decode.turn(later);
+    match rx.try_recv().unwrap() {
+        Err(NodeError::Unreachable(reason)) => {
+            assert_eq!(reason, kvferry_core::FailureReason::ConnectionRefused);
+        }
+        other => panic!("expected unreachable, got {other:?}"),
+    }
+}

@@ -491,6 +491,27 @@ impl KvNode for GlommioNode {
         self.shared.announcements.subscribe()
     }
 
+    async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
+        let per_shard = {
+            let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+            table
+                .get(peer.0 as usize)
+                .cloned()
+                .ok_or(NodeError::UnknownPeer(peer))?
+        };
+        for (i, links) in per_shard.into_iter().enumerate() {
+            for link in links {
+                // A session the embedder opened was reached when it was opened.
+                let Link::Target(target) = link else { continue };
+                let (tx, rx) = oneshot::channel();
+                self.call(i, move |s| s.drive(|d| d.on_target(target, tx)))
+                    .await?;
+                rx.await.map_err(|_| NodeError::ShutDown)??;
+            }
+        }
+        Ok(())
+    }
+
     async fn shutdown(&self) {
         for i in 0..self.shards() {
             let (tx, rx) = oneshot::channel();

@@ -469,6 +469,24 @@ impl KvNode for Node {
         Node::room_announcements(self)
     }
 
+    async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
+        let links = {
+            let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+            table
+                .get(peer.0 as usize)
+                .cloned()
+                .ok_or(NodeError::UnknownPeer(peer))?
+        };
+        for link in links {
+            // A session the embedder opened was reached when it was opened.
+            let Link::Target(target) = link else { continue };
+            let (tx, rx) = oneshot::channel();
+            self.shared.lock().on_target(target, tx);
+            rx.await.map_err(|_| NodeError::ShutDown)??;
+        }
+        Ok(())
+    }
+
     async fn shutdown(&self) {
         Node::shutdown(self).await;
     }

@@ -1192,6 +1192,10 @@ impl KvNode for AnyNode {
         both!(self, n => KvNode::room_announcements(n))
     }
 
+    async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
+        both!(self, n => KvNode::reach(n, peer).await)
+    }
+
     async fn shutdown(&self) {
         both!(self, n => KvNode::shutdown(n).await)
     }
@@ -1217,8 +1221,6 @@ pub async fn run_pair<P: KvNode, D: KvNode>(
         .await?;
     let server = tokio::spawn(serve_prefill(prefill.clone(), run.shape.clone()));
     let peer = decode.connect(addrs).await?;
-    // Give the data connections a moment to come up before the first room.
-    tokio::time::sleep(Duration::from_millis(20)).await;
     let mut report = run_decode(decode, peer, run).await;
     report.runtime = runtime_label(prefill.runtime(), decode.runtime());
     report.backend = decode.backend().to_owned();

@@ -11,6 +11,12 @@ impl Endpoint {
         self.next_target += 1;
         let id = TargetId(self.next_target);
         let backoff = self.config.reconnect_interval;
+        let mut unreachable_timer = None;
+        self.timers.set(
+            &mut unreachable_timer,
+            now + self.config.unreachable_timeout,
+            Timer::Unreachable(id),
+        );
         self.targets.insert(
             id,
             Target {
@@ -19,7 +25,8 @@ impl Endpoint {
                 timer: None,
                 down_since: Some(now),
                 waiting: Vec::new(),
-                unreachable_timer: None,
+                unreachable_timer,
+                unreachable_reported: false,
                 dialing: true,
                 check: None,
                 evidence: None,
@@ -121,6 +128,23 @@ impl Endpoint {
         }
     }
 
+    /// Why the peer at `target` refused us at the handshake, if its last attempt was refused
+    /// ([`Event::TargetRefused`]).
+    pub fn target_refused(&self, target: TargetId) -> Option<FailureReason> {
+        match self.targets.get(&target)?.evidence? {
+            LinkEvidence::Rejected(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// Why `target` is unreachable, once it has been down for the whole `unreachable_timeout`
+    /// ([`Event::TargetUnreachable`]).
+    pub fn target_unreachable(&self, target: TargetId) -> Option<FailureReason> {
+        let t = self.targets.get(&target)?;
+        t.unreachable_reported
+            .then(|| self.unreachable_reason(target))
+    }
+
     /// The session `link` stands for now, if it has an established one.
     pub fn link_session(&self, link: Link) -> Option<SessionId> {
         match link {
@@ -140,7 +164,7 @@ impl Endpoint {
         };
         t.session = None;
         let since = *t.down_since.get_or_insert(now);
-        if !t.waiting.is_empty() && t.unreachable_timer.is_none() {
+        if t.unreachable_timer.is_none() && !t.unreachable_reported {
             self.timers.set(
                 &mut t.unreachable_timer,
                 since + window,
@@ -220,9 +244,11 @@ impl Endpoint {
             reason,
             FailureReason::Unauthorized | FailureReason::IncompatiblePeer
         );
-        for t in self.targets.values_mut() {
+        for (&id, t) in self.targets.iter_mut() {
             if refused && (t.check == Some(session) || t.session == Some(session)) {
                 t.evidence = Some(LinkEvidence::Rejected(reason));
+                self.events
+                    .push_back(Event::TargetRefused { target: id, reason });
             }
             if t.check == Some(session) {
                 t.check = None;
@@ -352,6 +378,10 @@ impl Endpoint {
             info!(%target, down_ms = now.saturating_duration_since(since).as_millis() as u64, "peer is reachable again");
         }
         self.timers.cancel(&mut t.unreachable_timer);
+        t.unreachable_reported = false;
+        if let Some(session) = t.session {
+            self.events.push_back(Event::TargetUp { target, session });
+        }
         let waiting = std::mem::take(&mut t.waiting);
         for room in waiting {
             let links = match self.rooms.get(&room).map(|r| (&r.side, r.state)) {

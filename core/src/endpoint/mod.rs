@@ -145,6 +145,8 @@ struct Target {
     /// Receiver rooms waiting for this target's session.
     waiting: Vec<RoomId>,
     unreachable_timer: Option<TimerKey>,
+    /// `Event::TargetUnreachable` went out for the current time down.
+    unreachable_reported: bool,
     /// A connection attempt asked of the driver and not yet reported.
     dialing: bool,
     /// A fresh connection checking the link while the session is silent, in its handshake.

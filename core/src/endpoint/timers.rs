@@ -197,8 +197,11 @@ impl Endpoint {
                 if !fired(&mut t.unreachable_timer, key) {
                     return;
                 }
+                t.unreachable_reported = true;
                 let waiting = std::mem::take(&mut t.waiting);
                 let reason = self.unreachable_reason(target);
+                self.events
+                    .push_back(Event::TargetUnreachable { target, reason });
                 if !waiting.is_empty() {
                     warn!(%target, rooms = waiting.len(), %reason, "peer unreachable for the whole window, failing the rooms waiting for it");
                 }
