@@ -841,9 +841,7 @@ impl Host for ShardHost {
     ) {
         let weak = self.shard.clone();
         self.spawn(async move {
-            // The last control frames (why the session ends, or that its work moved to a
-            // fresh connection) go out before the data connections close: a peer that saw
-            // the data connections break first would count their operations as failed.
+            // Control frames first, then data connections: see `Host::close`.
             if let Some(t) = tasks {
                 t.stop(linger).await;
             }

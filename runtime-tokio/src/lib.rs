@@ -587,9 +587,7 @@ impl Host for TokioHost {
     ) {
         let weak = self.shared.clone();
         self.runtime.spawn(async move {
-            // The last control frames (why the session ends, or that its work moved to a
-            // fresh connection) go out before the data connections close: a peer that saw
-            // the data connections break first would count their operations as failed.
+            // Control frames first, then data connections: see `Host::close`.
             if let Some(t) = tasks {
                 t.stop(linger).await;
             }
