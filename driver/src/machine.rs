@@ -164,10 +164,81 @@ impl<H: Host> SessionIo<H> {
     }
 }
 
-/// Who waits for a session's handshake, and why it was refused if it was.
-struct HandshakeWait {
-    waiters: Vec<oneshot::Sender<Result<SessionId, NodeError>>>,
-    refusal: Option<NodeError>,
+/// Why a peer refused a session at its handshake, kept so that every waiter learns it.
+#[derive(Clone)]
+enum Refusal {
+    /// The peer's error frame: its code and explanation.
+    Peer(String),
+    /// This side refused the peer.
+    Rejected(kvferry_core::RejectReason),
+}
+
+impl Refusal {
+    fn error(&self) -> NodeError {
+        match self {
+            Refusal::Peer(why) => NodeError::Refused(why.clone()),
+            Refusal::Rejected(r) => NodeError::Rejected(*r),
+        }
+    }
+}
+
+/// Where a caller waiting for a session is told how the wait ended.
+type Answer = oneshot::Sender<Result<SessionId, NodeError>>;
+
+/// The callers waiting on one key, and the refusal seen so far.
+#[derive(Default)]
+struct Waiting {
+    callers: Vec<Answer>,
+    refusal: Option<Refusal>,
+}
+
+/// Callers waiting for a session (by handshake or by target), by key.
+struct Waits<K> {
+    waiting: Map<K, Waiting>,
+}
+
+impl<K: std::hash::Hash + Eq> Waits<K> {
+    fn new() -> Self {
+        Waits {
+            waiting: Map::default(),
+        }
+    }
+
+    fn add(&mut self, key: K, tx: Answer) {
+        self.waiting.entry(key).or_default().callers.push(tx);
+    }
+
+    /// Remembers a refusal for `key`'s waiters (`first`: keep one already noted).
+    fn note(&mut self, key: &K, refusal: Refusal, first: bool) {
+        if let Some(w) = self.waiting.get_mut(key) {
+            if !(first && w.refusal.is_some()) {
+                w.refusal = Some(refusal);
+            }
+        }
+    }
+
+    /// Tells every waiter for `key` its session.
+    fn succeed(&mut self, key: &K, session: SessionId) {
+        for tx in self
+            .waiting
+            .remove(key)
+            .map(|w| w.callers)
+            .unwrap_or_default()
+        {
+            let _ = tx.send(Ok(session));
+        }
+    }
+
+    /// Tells every waiter for `key` the refusal noted, else `otherwise`.
+    fn fail(&mut self, key: &K, otherwise: impl Fn() -> NodeError) {
+        let Some(w) = self.waiting.remove(key) else {
+            return;
+        };
+        for tx in w.callers {
+            let why = w.refusal.as_ref().map_or_else(&otherwise, Refusal::error);
+            let _ = tx.send(Err(why));
+        }
+    }
 }
 
 /// The driver loop's state: a core endpoint and everything the loop keeps around it.
@@ -177,9 +248,10 @@ pub struct Driver<H: Host> {
     io: Map<SessionId, SessionIo<H>>,
     rooms: RoomBook,
     targets: Map<TargetId, SocketAddr>,
-    handshakes: Map<SessionId, HandshakeWait>,
-    /// Callers waiting for a target's first contact, and the last refusal of its sessions.
-    target_waits: Map<TargetId, HandshakeWait>,
+    /// Callers waiting for a session's handshake.
+    handshakes: Waits<SessionId>,
+    /// Callers waiting for a target's first contact (refusals of any of its sessions).
+    target_waits: Waits<TargetId>,
     shutdown_waiters: Vec<oneshot::Sender<()>>,
     armed: Option<Instant>,
     metrics_at: Instant,
@@ -205,8 +277,8 @@ impl<H: Host> Driver<H> {
             io: Map::default(),
             rooms: RoomBook::new(role),
             targets: Map::default(),
-            handshakes: Map::default(),
-            target_waits: Map::default(),
+            handshakes: Waits::new(),
+            target_waits: Waits::new(),
             shutdown_waiters: Vec::new(),
             armed: None,
             metrics_at: now,
@@ -354,74 +426,30 @@ impl<H: Host> Driver<H> {
             ref e if RoomBook::follows(e) => self.rooms.on_event(event),
             Event::SessionEstablished { session, peer } => {
                 info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
-                if let Some(wait) = self.handshakes.remove(&session) {
-                    for w in wait.waiters {
-                        let _ = w.send(Ok(session));
-                    }
-                }
+                self.handshakes.succeed(&session, session);
                 if !H::establish(self, session) {
                     self.open_data_connections(session, self.data_connections);
                 }
             }
             Event::SessionClosed { session } => {
-                if let Some(wait) = self.handshakes.remove(&session) {
-                    let mut refusal = wait.refusal;
-                    for w in wait.waiters {
-                        let why = refusal.take().unwrap_or(NodeError::HandshakeTimeout);
-                        let _ = w.send(Err(why));
-                    }
-                }
+                self.handshakes
+                    .fail(&session, || NodeError::HandshakeTimeout);
             }
             Event::PeerError {
                 session,
                 code,
                 ref detail,
-            } => {
-                let target = self.io.get(&session).and_then(|io| io.target);
-                let waits = [
-                    self.handshakes.get_mut(&session),
-                    target.and_then(|t| self.target_waits.get_mut(&t)),
-                ];
-                for wait in waits.into_iter().flatten() {
-                    wait.refusal
-                        .get_or_insert(NodeError::Refused(format!("{code:?}: {detail}")));
-                }
-            }
+            } => self.note_refusal(session, Refusal::Peer(format!("{code:?}: {detail}")), true),
             Event::SessionRejected { session, reason } => {
-                let target = self.io.get(&session).and_then(|io| io.target);
-                let waits = [
-                    self.handshakes.get_mut(&session),
-                    target.and_then(|t| self.target_waits.get_mut(&t)),
-                ];
-                for wait in waits.into_iter().flatten() {
-                    wait.refusal = Some(NodeError::Rejected(reason));
-                }
+                self.note_refusal(session, Refusal::Rejected(reason), false)
             }
-            Event::TargetUp { target, session } => {
-                if let Some(wait) = self.target_waits.remove(&target) {
-                    for w in wait.waiters {
-                        let _ = w.send(Ok(session));
-                    }
-                }
-            }
-            Event::TargetRefused { target, reason } => {
-                if let Some(wait) = self.target_waits.remove(&target) {
-                    let mut refusal = wait.refusal;
-                    for w in wait.waiters {
-                        let why = refusal
-                            .take()
-                            .unwrap_or_else(|| NodeError::Refused(reason.to_string()));
-                        let _ = w.send(Err(why));
-                    }
-                }
-            }
-            Event::TargetUnreachable { target, reason } => {
-                if let Some(wait) = self.target_waits.remove(&target) {
-                    for w in wait.waiters {
-                        let _ = w.send(Err(NodeError::Unreachable(reason)));
-                    }
-                }
-            }
+            Event::TargetUp { target, session } => self.target_waits.succeed(&target, session),
+            Event::TargetRefused { target, reason } => self
+                .target_waits
+                .fail(&target, || NodeError::Refused(reason.to_string())),
+            Event::TargetUnreachable { target, reason } => self
+                .target_waits
+                .fail(&target, || NodeError::Unreachable(reason)),
             Event::ShutDown { .. } => {
                 for w in self.shutdown_waiters.drain(..) {
                     let _ = w.send(());
@@ -436,6 +464,14 @@ impl<H: Host> Driver<H> {
             Event::SessionRecovered { session } => info!(%session, "session recovered"),
             _ => {}
         }
+    }
+
+    /// Remembers why `session` was refused, for its handshake's waiters and its target's.
+    fn note_refusal(&mut self, session: SessionId, refusal: Refusal, first: bool) {
+        if let Some(target) = self.io.get(&session).and_then(|io| io.target) {
+            self.target_waits.note(&target, refusal.clone(), first);
+        }
+        self.handshakes.note(&session, refusal, first);
     }
 
     /// Registers a control connection with the core: dialed by this side for `target`
@@ -489,24 +525,13 @@ impl<H: Host> Driver<H> {
 
     /// Tells `tx` when `session`'s handshake ends: `Ok` once established, else why not (the
     /// peer's refusal, or [`NodeError::HandshakeTimeout`] when the core's timer closed it).
-    pub fn on_handshake(
-        &mut self,
-        session: SessionId,
-        tx: oneshot::Sender<Result<SessionId, NodeError>>,
-    ) {
+    pub fn on_handshake(&mut self, session: SessionId, tx: Answer) {
         match self.endpoint.session_state(session) {
             Some(SessionState::Established | SessionState::Blacklisted) => {
                 let _ = tx.send(Ok(session));
             }
             Some(SessionState::Handshaking | SessionState::Closing) => {
-                self.handshakes
-                    .entry(session)
-                    .or_insert_with(|| HandshakeWait {
-                        waiters: Vec::new(),
-                        refusal: None,
-                    })
-                    .waiters
-                    .push(tx);
+                self.handshakes.add(session, tx);
             }
             None => {
                 let _ = tx.send(Err(NodeError::HandshakeTimeout));
@@ -517,11 +542,7 @@ impl<H: Host> Driver<H> {
     /// Tells `tx` about `target`'s first contact: `Ok` with its session once it has one, the
     /// peer's refusal if it refused us at the handshake, or [`NodeError::Unreachable`] once
     /// the core gave up waiting for it (`unreachable_timeout`).
-    pub fn on_target(
-        &mut self,
-        target: TargetId,
-        tx: oneshot::Sender<Result<SessionId, NodeError>>,
-    ) {
+    pub fn on_target(&mut self, target: TargetId, tx: Answer) {
         if let Some(session) = self.endpoint.target_session(target) {
             let _ = tx.send(Ok(session));
             return;
@@ -534,14 +555,7 @@ impl<H: Host> Driver<H> {
             let _ = tx.send(Err(NodeError::Unreachable(reason)));
             return;
         }
-        self.target_waits
-            .entry(target)
-            .or_insert_with(|| HandshakeWait {
-                waiters: Vec::new(),
-                refusal: None,
-            })
-            .waiters
-            .push(tx);
+        self.target_waits.add(target, tx);
     }
 
     /// A control connection's reader ended: close the session.
@@ -569,7 +583,7 @@ impl<H: Host> Driver<H> {
             return Err(conn);
         };
         io.data.attach(conn)?;
-        for op in std::mem::take(&mut io.parked) {
+        for op in io.take_parked() {
             if let Err(op) = send_round_robin(io, op) {
                 io.parked.push(op);
             }
@@ -688,7 +702,7 @@ impl<H: Host> Driver<H> {
         let parked = self
             .io
             .get_mut(&session)
-            .map(|io| std::mem::take(&mut io.parked))
+            .map(SessionIo::take_parked)
             .unwrap_or_default();
         let now = Instant::now();
         for op in parked {

@@ -188,6 +188,24 @@ fn a_caller_waiting_for_a_handshake_learns_why_the_peer_refused() {
 }
 
 #[test]
+fn every_caller_waiting_for_a_handshake_learns_the_peers_refusal() {
+    let (mut decode, log) = node(Role::Decode, 1, b"ours");
+    let (mut prefill, _) = node(Role::Prefill, 2, b"theirs");
+    let (tx, mut first) = oneshot::channel();
+    let (d_sid, ..) = dial(&mut decode, &mut prefill, tx);
+    let (tx, mut second) = oneshot::channel();
+    decode.on_handshake(d_sid, tx);
+    assert!(log.borrow().closes.contains(&d_sid));
+    decode.closed(d_sid);
+    for rx in [&mut first, &mut second] {
+        match rx.try_recv().unwrap() {
+            Err(NodeError::Refused(_) | NodeError::Rejected(_)) => {}
+            other => panic!("expected the peer's refusal, got {other:?}"),
+        }
+    }
+}
+
+#[test]
 fn a_caller_waiting_for_a_silent_peer_is_told_when_the_core_gives_up() {
     let (mut decode, log) = node(Role::Decode, 1, b"t");
     let (tx, mut rx) = oneshot::channel();

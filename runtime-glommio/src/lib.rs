@@ -772,12 +772,7 @@ impl Host for ShardHost {
     fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration) {
         let weak = self.shard.clone();
         self.spawn(async move {
-            let opened = async {
-                let mut stream = TcpStream::connect(addr).await?;
-                let _ = stream.set_nodelay(true);
-                hello_control(&mut stream).await?;
-                Ok::<_, std::io::Error>(stream)
-            };
+            let opened = dial_control(addr);
             let timeout = async {
                 glommio::timer::sleep(timeout).await;
                 Err(std::io::Error::from(std::io::ErrorKind::TimedOut))
@@ -886,6 +881,14 @@ impl ControlTasks {
     }
 }
 
+/// Opens a control connection to `addr` and says so in its preamble.
+async fn dial_control(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let mut stream = TcpStream::connect(addr).await?;
+    let _ = stream.set_nodelay(true);
+    hello_control(&mut stream).await?;
+    Ok(stream)
+}
+
 /// Closes a data connection and waits until nothing of it can write any more.
 async fn close_data(conn: DataConn<ShardHost>) {
     match conn {
@@ -973,11 +976,7 @@ impl Shard {
     /// Opens a session to `addr` and waits for its handshake (the core's handshake timer
     /// bounds the wait).
     async fn connect(self: Rc<Self>, addr: SocketAddr) -> Result<SessionId, NodeError> {
-        let mut stream = TcpStream::connect(addr)
-            .await
-            .map_err(std::io::Error::from)?;
-        let _ = stream.set_nodelay(true);
-        hello_control(&mut stream).await?;
+        let stream = dial_control(addr).await?;
         let (tx, rx) = oneshot::channel();
         self.attach_control(stream, Some(addr), None, Some(tx));
         drop(self);
