@@ -14,7 +14,6 @@ use kvferry_memory::{MemoryMap, WriteCheck};
 
 /// Hands permits back through a [`WriteCheck`] behind any pointer (`Arc` on tokio, `Rc` on
 /// a thread-per-core runtime).
-#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
 pub(crate) struct EndThrough<P>(pub(crate) P);
 
 impl<P> EndWrite for EndThrough<P>
@@ -179,7 +178,6 @@ pub fn scatter_iovecs<'a>(targets: &[(usize, usize)], skip: usize) -> Vec<IoSlic
 }
 
 /// What a receiver does with one write whose header and table it read.
-#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
 pub(crate) enum Admission<P>
 where
     P: std::ops::Deref,
@@ -199,7 +197,6 @@ where
 /// Asks the core (through `check`) whether the write of `h` may land, and resolves its
 /// destinations against this process's registrations whatever the core said: the one
 /// admission step of every receive path. An injected reset is an error.
-#[cfg_attr(not(any(feature = "tokio", feature = "futures-io")), allow(dead_code))]
 pub(crate) fn admit<P>(
     check: &P,
     memory: &MemoryMap,

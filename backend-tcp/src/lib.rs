@@ -7,16 +7,20 @@
 //! pages. It moves bytes; it never decides a retry, a timeout or a room's fate: those come
 //! from `kvferry-core` through the driver.
 //!
-//! The tokio implementation lives behind the default `tokio` feature; the `futures-io`
-//! feature adds the same data plane over any `futures-io` stream ([`stream`], used by the
-//! glommio driver).
+//! The data plane is written once, against `futures-io` streams ([`send`], [`stream`], and
+//! the descriptor fast paths in [`fd`]); the `tokio` (default) and `glommio` features plug
+//! each runtime's sockets into it. `unsafe` here is limited to the syscalls on a socket's
+//! descriptor and the views of registered memory they read and write.
 
 mod frame;
 mod io_common;
 
+pub mod fd;
+#[cfg(feature = "glommio")]
+pub mod glommio;
 #[cfg(feature = "tokio")]
 mod io;
-#[cfg(feature = "futures-io")]
+pub mod send;
 pub mod stream;
 #[cfg(feature = "tokio")]
 pub mod tls;
@@ -38,5 +42,8 @@ pub use tls_files::TlsFiles;
 #[cfg(feature = "tokio")]
 pub use io::{
     accept_conn, answer_data, challenge_data, connect_control, connect_data, read_preamble,
-    serve_writes, DataSender, Report,
+    serve_writes, DataSender, Report, TokioIo,
 };
+
+/// Receive buffer of a data connection (larger reads go straight to registered memory).
+pub const RECV_BUF: usize = 256 * 1024;

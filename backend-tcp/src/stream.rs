@@ -1,12 +1,9 @@
-//! The data plane over any `futures-io` byte stream (glommio's io_uring sockets and other
-//! completion-based runtimes): the same frames and the same rules as the tokio path. The
-//! default scatter coalesces small slices through one staging buffer and moves large slices
-//! straight into registered memory; a transport that can scatter from its socket overrides it
-//! ([`ScatterRead`]). Senders gather with their runtime's vectored write (glommio's
-//! `DataSender` does so with non-blocking `sendmsg`).
+//! The receiving side of a data connection and the connection hellos, written once against
+//! `futures-io` streams for every runtime. The default scatter coalesces small slices through
+//! one staging buffer and moves large slices straight into registered memory; a plain socket
+//! scatters from its descriptor instead ([`crate::fd::ScatterConn`] overrides [`ScatterRead`]).
 
 use std::io;
-use std::rc::Rc;
 
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
@@ -36,14 +33,21 @@ pub async fn read_ack<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<(TransferId
     decode_ack(&buf).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
 }
 
-/// Serves write batches on a data connection (decode), as [`crate::serve_writes`] does on
-/// tokio: validate with `check`, apply into registered memory, acknowledge.
-pub async fn serve_writes_on<S: ScatterRead>(
+/// Serves write batches on a data connection (decode): validates each header and table with
+/// `check`, applies the payload into registered memory, then acknowledges. Refused writes are
+/// read into a discard buffer (never into registered memory) and acknowledged as refused. A
+/// malformed header ends the connection. Returns on end of stream.
+pub async fn serve_writes_on<S, P>(
     stream: &mut S,
     memory: &MemoryMap,
-    check: Rc<dyn WriteCheck>,
+    check: P,
     limits: Limits,
-) -> Result<ServeStats, ServeError> {
+) -> Result<ServeStats, ServeError>
+where
+    S: ScatterRead,
+    P: std::ops::Deref + Clone,
+    P::Target: WriteCheck,
+{
     let mut stats = ServeStats::default();
     let mut header = [0u8; WRITE_HEADER_LEN];
     let mut table = Vec::new();

@@ -570,14 +570,13 @@ mod glommio_bench {
                     max_slices: 8192,
                     max_bytes: 1 << 30,
                 };
-                let buffered = futures_lite::io::BufReader::with_capacity(256 * 1024, stream);
                 // KVFERRY_GLOMMIO_STAGED=1: read payloads through the buffer (A/B).
                 if std::env::var_os("KVFERRY_GLOMMIO_STAGED").is_some() {
-                    let mut stream = buffered;
+                    let mut stream =
+                        futures_lite::io::BufReader::with_capacity(kvferry_tcp::RECV_BUF, stream);
                     let _ = serve_writes_on(&mut stream, &dst, check, limits).await;
                 } else {
-                    let mut stream = kvferry_glommio::ScatterConn(buffered);
-                    let _ = serve_writes_on(&mut stream, &dst, check, limits).await;
+                    let _ = kvferry_tcp::glommio::serve_local(stream, &dst, check, limits).await;
                 }
             })
             .map_err(io_error)?;
@@ -593,10 +592,10 @@ mod glommio_bench {
                 let _ = stream.set_nodelay(true);
                 // The driver's own sending side: writer task, ack reader task, ledger.
                 let (done_tx, done_rx) = local_channel::new_unbounded();
-                let report: kvferry_glommio::LocalReport = Rc::new(move |id, outcome| {
+                let report: kvferry_tcp::glommio::LocalReport = Rc::new(move |id, outcome| {
                     let _ = done_tx.try_send((id, outcome));
                 });
-                let sender = kvferry_glommio::DataSender::spawn(stream, src, report)?;
+                let sender = kvferry_tcp::glommio::LocalDataSender::spawn(stream, src, report)?;
                 let mut next = 0u64;
                 let mut failed = None;
                 while let Ok((slices, n, reply)) = incoming.recv_async().await {

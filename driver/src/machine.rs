@@ -41,6 +41,14 @@ pub trait OpSink {
     fn send(&self, op: TransferOp) -> Result<(), TransferOp>;
 }
 
+impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
+    for kvferry_tcp::send::DataSender<T, R>
+{
+    fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
+        kvferry_tcp::send::DataSender::send(self, op)
+    }
+}
+
 /// Where a control connection's frames go: the writer a host built for the driver.
 pub trait FrameSink {
     /// Queues `frame` for the connection's writer (dropped if the writer has ended: the

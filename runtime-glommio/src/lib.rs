@@ -11,9 +11,8 @@
 //!
 //! Like the tokio driver it feeds the core's inputs, drains its outputs in the documented
 //! order, arms one timer from `poll_timeout` and carries out operations and fences through
-//! `kvferry-tcp`; it never decides a retry, a timeout or a room's state. The sending side of
-//! a data connection ([`DataSender`]) and the receiving side ([`ScatterConn`]) are public, so
-//! `kvferry bench` measures exactly the path a shard uses. Within a shard there
+//! `kvferry-tcp`, whose data plane (the same as tokio's) it runs on glommio's sockets; it
+//! never decides a retry, a timeout or a room's state. Within a shard there
 //! is no lock: the endpoint lives in a `RefCell` owned by the shard's thread. The embedder's
 //! calls reach a shard as closures over a channel and come back through a oneshot; dropping a
 //! call's future after it was sent loses only the answer (the call still takes effect: a
@@ -23,7 +22,7 @@
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, IntoRawFd};
+use std::os::fd::{FromRawFd, IntoRawFd};
 use std::rc::{Rc, Weak};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,32 +32,28 @@ use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement, Task};
 use kvferry_core::{
     ApiError, Chunk, Counters, Endpoint, EndpointInfo, Generation, Grant, NodeId, Role, RoomId,
-    SessionId, SessionKey, TargetId, TransferId, TransferOp, TransferOutcome,
+    SessionId, SessionKey, TargetId,
 };
 use kvferry_driver::{
-    shard_of, Announcer, CoreCheck, DataConn, Driver, EndpointAccess, FrameSink, Host, OpSink,
+    shard_of, Announcer, CoreCheck, DataConn, Driver, EndpointAccess, FrameSink, Host,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
     RoomView,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
-use kvferry_sync::{Acked, LedgerState, Start};
 use kvferry_tcp::stream::{
-    answer_data_on, challenge_data_on, hello_control, hello_data, read_ack, read_preamble_on,
-    serve_writes_on,
+    answer_data_on, challenge_data_on, hello_control, hello_data, read_preamble_on,
 };
-use kvferry_tcp::{gather_iovecs, prepare_op, Limits, Preamble};
+use kvferry_tcp::glommio::{serve_local, LocalDataSender as DataSender, LocalReport};
+use kvferry_tcp::fd::second_handle;
+use kvferry_tcp::{Limits, Preamble};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
-mod scatter;
-pub use scatter::ScatterConn;
 
 /// glommio needs at least this much locked memory per executor.
 const MEMLOCK_MIN: u64 = 512 * 1024;
-/// Receive buffer of a data connection (larger reads go straight to registered memory).
-const RECV_BUF: usize = 256 * 1024;
 /// The io_uring buffer memory each executor registers (small: the limit is shared).
 const IO_MEMORY: usize = 1 << 20;
 
@@ -587,84 +582,6 @@ impl FrameSink for Control {
     }
 }
 
-/// Where a [`DataSender`] reports each operation's outcome (on the shard's own thread).
-pub type LocalReport = Rc<dyn Fn(TransferId, TransferOutcome)>;
-
-/// The sending side of one data connection on a shard: a writer task and an ack reader task
-/// over two handles of the same socket, and the connection's ledger in a `RefCell`. Every
-/// operation handed to [`DataSender::send`] is reported exactly once.
-pub struct DataSender {
-    ops: LocalSender<TransferOp>,
-    ledger: Rc<RefCell<LedgerState>>,
-    writer: Task<()>,
-    reader: Task<()>,
-    report: LocalReport,
-}
-
-impl DataSender {
-    /// Starts the writer and ack reader of `stream` (call on a glommio executor); sources are
-    /// read from `memory`.
-    pub fn spawn(
-        stream: TcpStream,
-        memory: Arc<MemoryMap>,
-        report: LocalReport,
-    ) -> std::io::Result<Self> {
-        let (read, write) = split(stream)?;
-        let (tx, rx) = local_channel::new_unbounded::<TransferOp>();
-        let ledger = Rc::new(RefCell::new(LedgerState::default()));
-        let writer = glommio::spawn_local(write_loop(
-            write,
-            rx,
-            memory,
-            ledger.clone(),
-            report.clone(),
-        ));
-        let reader = glommio::spawn_local(ack_loop(read, ledger.clone(), report.clone()));
-        Ok(DataSender {
-            ops: tx,
-            ledger,
-            writer,
-            reader,
-            report,
-        })
-    }
-
-    /// Queues an operation; gives it back if the connection is closed.
-    pub fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
-        if !self.ledger.borrow_mut().enqueue(op.id) {
-            return Err(op);
-        }
-        self.ops.try_send(op).map_err(|e| {
-            let op = match e {
-                glommio::GlommioError::Closed(glommio::ResourceType::Channel(op))
-                | glommio::GlommioError::WouldBlock(glommio::ResourceType::Channel(op)) => op,
-                _ => unreachable_op(),
-            };
-            self.ledger.borrow_mut().unqueue(op.id);
-            op
-        })
-    }
-
-    /// Stops both tasks; every operation not yet reported is reported `Transient`.
-    pub async fn close(self) {
-        let _ = self.writer.cancel().await;
-        let _ = self.reader.cancel().await;
-        fail_pending(&self.ledger, &self.report);
-    }
-}
-
-impl OpSink for DataSender {
-    fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
-        DataSender::send(self, op)
-    }
-}
-
-#[allow(clippy::panic)]
-fn unreachable_op() -> TransferOp {
-    // try_send only ever gives the item back through Closed or WouldBlock.
-    panic!("glommio channel returned an error without the item")
-}
-
 async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(), String>>) {
     let now = Instant::now();
     let endpoint = match Endpoint::new(
@@ -1001,8 +918,8 @@ impl Shard {
             }
             sid
         });
-        let (read, write) = match split(stream) {
-            Ok(halves) => halves,
+        let (read, write) = match second_handle(&stream) {
+            Ok(write) => (stream, write),
             Err(e) => {
                 warn!(session = %sid, error = %e, "cannot split a control connection");
                 // A session that closes at once: the core learns it like any other loss.
@@ -1068,10 +985,7 @@ impl Shard {
                 let memory = self.memory.clone();
                 let limits = self.limits;
                 DataConn::Receiver(glommio::spawn_local(async move {
-                    // One receive usually brings header, table and a small payload at once.
-                    let mut stream =
-                        ScatterConn(futures_lite::io::BufReader::with_capacity(RECV_BUF, stream));
-                    match serve_writes_on(&mut stream, &memory, check, limits).await {
+                    match serve_local(stream, &memory, check, limits).await {
                         Ok(stats) => debug!(
                             applied = stats.applied,
                             refused = stats.refused,
@@ -1079,7 +993,6 @@ impl Shard {
                         ),
                         Err(e) => debug!(error = %e, "data connection ended"),
                     }
-                    drop(stream);
                     // A fence cancels this task before it gets here: this end was a break, and
                     // the core decides whether and when it is replaced.
                     if let Some(shard) = weak.upgrade() {
@@ -1100,119 +1013,6 @@ impl Shard {
         let _ = rx.await;
         self.stop();
     }
-}
-
-/// Two handles on one socket (reads on one task, writes on another, no lock between them).
-fn split(stream: TcpStream) -> std::io::Result<(TcpStream, TcpStream)> {
-    // SAFETY: the descriptor is open for as long as `stream` lives, which spans this call.
-    let borrowed = unsafe { BorrowedFd::borrow_raw(stream.as_raw_fd()) };
-    let dup = borrowed.try_clone_to_owned()?;
-    // SAFETY: `dup` is a fresh descriptor this function owns (a dup of a connected TCP
-    // socket); ownership passes to the new TcpStream, which closes it.
-    let other = unsafe { TcpStream::from_raw_fd(dup.into_raw_fd()) };
-    Ok((stream, other))
-}
-
-fn fail_pending(ledger: &RefCell<LedgerState>, report: &LocalReport) {
-    let failed = ledger.borrow_mut().close();
-    for id in failed {
-        report(id, TransferOutcome::Transient);
-    }
-}
-
-async fn write_loop(
-    mut write: TcpStream,
-    rx: LocalReceiver<TransferOp>,
-    memory: Arc<MemoryMap>,
-    ledger: Rc<RefCell<LedgerState>>,
-    report: LocalReport,
-) {
-    let mut header = Vec::with_capacity(4096);
-    while let Some(op) = rx.recv().await {
-        let (sources, bad) = prepare_op(&op, &memory, &mut header);
-        let start = ledger.borrow_mut().start(op.id, bad);
-        match start {
-            Start::Gone => continue,
-            Start::Closed => {
-                report(op.id, Start::unsent(bad));
-                continue;
-            }
-            Start::Write => {}
-        }
-        if let Err(e) = write_gather(&mut write, &header, &sources).await {
-            debug!(error = %e, "data connection write failed");
-            break;
-        }
-    }
-    fail_pending(&ledger, &report);
-}
-
-/// Writes `header` then every source range straight from registered memory with as few
-/// `sendmsg` calls as the kernel allows (glommio's sockets have no vectored write, and
-/// staging through a buffer costs a copy of every byte). When the socket is full, glommio's
-/// own write of the next contiguous piece waits for room.
-async fn write_gather(
-    stream: &mut TcpStream,
-    header: &[u8],
-    sources: &[(usize, usize)],
-) -> std::io::Result<()> {
-    use futures_lite::AsyncWriteExt;
-    use rustix::net::{sendmsg, SendAncillaryBuffer, SendFlags};
-    let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
-    let mut done = 0usize;
-    while done < total {
-        let iov = gather_iovecs(header, sources, done);
-        let sent = {
-            // SAFETY: the descriptor stays open for as long as `stream`, which outlives the call.
-            let fd = unsafe { BorrowedFd::borrow_raw(stream.as_raw_fd()) };
-            sendmsg(
-                fd,
-                &iov,
-                &mut SendAncillaryBuffer::default(),
-                SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
-            )
-        };
-        match sent {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(rustix::io::Errno::AGAIN) => {
-                let piece = &iov[0][..iov[0].len().min(64 * 1024)];
-                stream.write_all(piece).await?;
-                done += piece.len();
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
-}
-
-async fn ack_loop(read: TcpStream, ledger: Rc<RefCell<LedgerState>>, report: LocalReport) {
-    // Pipelined operations' acknowledgements arrive together: read them in one go.
-    let mut read = futures_lite::io::BufReader::with_capacity(4096, read);
-    loop {
-        let (id, status) = match read_ack(&mut read).await {
-            Ok(ack) => ack,
-            Err(e) => {
-                debug!(error = %e, "data connection closed");
-                break;
-            }
-        };
-        let acked = ledger.borrow_mut().acked(id);
-        if let Acked::OutOfOrder(expected) = acked {
-            warn!(got = %id, ?expected, "acknowledgement out of order, closing the data connection");
-            if let Some(e) = expected {
-                report(e, TransferOutcome::Transient);
-            }
-            break;
-        }
-        let outcome = match status {
-            kvferry_tcp::AckStatus::Applied => TransferOutcome::Done,
-            kvferry_tcp::AckStatus::Refused => TransferOutcome::Refused,
-        };
-        report(id, outcome);
-    }
-    fail_pending(&ledger, &report);
 }
 
 /// Reads an accepted connection's preamble and hands it to the shard.

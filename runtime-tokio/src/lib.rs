@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use kvferry_core::{
     ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event, FailureReason,
     Generation, Grant, KvPoll, Role, RoomId, SessionId, SessionKey, TargetId, TransferId,
-    TransferOp, TransferOutcome,
+    TransferOutcome,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::{
@@ -37,7 +37,7 @@ pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
     NodeError, PeerId, RoomHandle, RoomView,
 };
-use kvferry_driver::{Announcer, CoreCheck, DataConn, Driver, EndpointAccess, Host, OpSink};
+use kvferry_driver::{Announcer, CoreCheck, DataConn, Driver, EndpointAccess, Host};
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
 /// to the driver behind [`Shared::driver`].
@@ -46,15 +46,6 @@ struct TokioHost {
     runtime: tokio::runtime::Handle,
     tls: Option<TlsSetup>,
     events: broadcast::Sender<Event>,
-}
-
-/// The sending half of a TCP data connection.
-struct Sender(DataSender);
-
-impl OpSink for Sender {
-    fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
-        self.0.send(op)
-    }
 }
 
 struct Shared {
@@ -517,7 +508,7 @@ async fn drive(weak: Weak<Shared>) {
 }
 
 impl Host for TokioHost {
-    type Sender = Sender;
+    type Sender = DataSender;
     type Receiver = JoinHandle<()>;
     type Control = mpsc::UnboundedSender<Vec<u8>>;
     type ControlTasks = ControlTasks;
@@ -625,7 +616,7 @@ impl Host for TokioHost {
     }
 
     #[cfg(feature = "rdma")]
-    fn post(driver: &mut Driver<Self>, op: TransferOp) -> Option<TransferOp> {
+    fn post(driver: &mut Driver<Self>, op: kvferry_core::TransferOp) -> Option<kvferry_core::TransferOp> {
         rdma::post(driver, op)
     }
 
@@ -665,7 +656,7 @@ impl ControlTasks {
 /// Closes a data connection and waits until nothing of it can write any more.
 async fn close_data(conn: DataConn<TokioHost>) {
     match conn {
-        DataConn::Sender(s) => s.0.close().await,
+        DataConn::Sender(s) => s.close().await,
         DataConn::Receiver(t) => {
             t.abort();
             let _ = t.await;
@@ -826,11 +817,7 @@ fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: Conn) {
                         .with(|e, now| e.handle_transfer_result(now, id, outcome));
                 }
             });
-            DataConn::Sender(Sender(DataSender::spawn(
-                stream,
-                shared.memory.clone(),
-                report,
-            )))
+            DataConn::Sender(DataSender::spawn(stream, shared.memory.clone(), report))
         }
         Role::Decode => {
             let weak = Arc::downgrade(shared);

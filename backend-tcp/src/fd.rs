@@ -1,0 +1,175 @@
+//! The fast paths of a plain TCP data connection, for every runtime: an operation is
+//! gathered from registered memory with `sendmsg` and a payload scattered into destination
+//! pages with `recvmsg`, straight on the socket's descriptor while it has room or data. When
+//! it has none, the runtime's own `write`/`read` of the next piece waits for it, so any
+//! `futures-io` stream that exposes its descriptor gets them (tokio through [`crate::TokioIo`],
+//! glommio's io_uring sockets as they are).
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, IntoRawFd};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures_io::{AsyncRead, AsyncWrite};
+use futures_lite::io::{AsyncBufReadExt, BufReader};
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use rustix::net::{recvmsg, sendmsg, RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendFlags};
+
+use crate::io_common::{gather_iovecs, scatter_iovecs};
+use crate::send::GatherWrite;
+use crate::stream::ScatterRead;
+
+/// Most bytes the runtime's own read or write moves when the socket has no data or room.
+const PIECE: usize = 64 * 1024;
+
+/// A plain TCP writing half that gathers each operation with non-blocking `sendmsg` calls.
+#[derive(Debug)]
+pub struct GatherConn<S>(pub S);
+
+impl<S: AsyncWrite + AsRawFd + Unpin> GatherWrite for GatherConn<S> {
+    async fn write_gather(&mut self, header: &[u8], sources: &[(usize, usize)]) -> io::Result<()> {
+        let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
+        let mut done = 0usize;
+        while done < total {
+            let iov = gather_iovecs(header, sources, done);
+            let sent = {
+                // SAFETY: the descriptor stays open for as long as `self.0`, which outlives
+                // the call.
+                let fd = unsafe { BorrowedFd::borrow_raw(self.0.as_raw_fd()) };
+                sendmsg(
+                    fd,
+                    &iov,
+                    &mut SendAncillaryBuffer::default(),
+                    SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+                )
+            };
+            match sent {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => done += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => {
+                    // The socket is full: the runtime's own write waits for room.
+                    let piece = &iov[0][..iov[0].len().min(PIECE)];
+                    self.0.write_all(piece).await?;
+                    done += piece.len();
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    async fn finish(&mut self) {
+        let _ = self.0.close().await;
+    }
+}
+
+/// A plain TCP receiving connection: buffered for headers and tables, scattering payloads
+/// with non-blocking `recvmsg` calls.
+pub struct ScatterConn<S>(pub BufReader<S>);
+
+impl<S: AsyncRead + Unpin> ScatterConn<S> {
+    /// Wraps `stream` with a read buffer of `capacity` bytes (one receive usually brings a
+    /// write's header, table and a small payload at once).
+    pub fn new(stream: S, capacity: usize) -> Self {
+        ScatterConn(BufReader::with_capacity(capacity, stream))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for ScatterConn<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for ScatterConn<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(self.0.get_mut()).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(self.0.get_mut()).poll_flush(cx)
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(self.0.get_mut()).poll_close(cx)
+    }
+}
+
+/// Copies `bytes` into `targets` from byte `skip` of them on; returns how many it placed.
+fn place(targets: &[(usize, usize)], skip: usize, bytes: &[u8]) -> usize {
+    let mut at = 0;
+    for mut iov in scatter_iovecs(targets, skip) {
+        if at == bytes.len() {
+            break;
+        }
+        let n = iov.len().min(bytes.len() - at);
+        iov[..n].copy_from_slice(&bytes[at..at + n]);
+        at += n;
+    }
+    at
+}
+
+impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S> {
+    async fn read_into(
+        &mut self,
+        targets: &[(usize, usize)],
+        _stage: &mut Vec<u8>,
+    ) -> io::Result<()> {
+        let total: usize = targets.iter().map(|t| t.1).sum();
+        // What the read buffer already holds belongs to this payload first.
+        let buffered = self.0.buffer();
+        let mut done = place(targets, 0, &buffered[..buffered.len().min(total)]);
+        self.0.consume(done);
+        while done < total {
+            let mut iov = scatter_iovecs(targets, done);
+            let got = {
+                // SAFETY: the descriptor stays open for as long as the stream we borrow from.
+                let fd = unsafe { BorrowedFd::borrow_raw(self.0.get_ref().as_raw_fd()) };
+                recvmsg(
+                    fd,
+                    &mut iov,
+                    &mut RecvAncillaryBuffer::default(),
+                    RecvFlags::DONTWAIT,
+                )
+            };
+            match got {
+                Ok(r) if r.bytes == 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(r) => done += r.bytes,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => {
+                    // Nothing to read yet: the runtime's own read waits for data, straight
+                    // into the next destination range (the read buffer is empty here).
+                    let first = &mut iov[0];
+                    let n = first.len().min(PIECE);
+                    let got = self.0.get_mut().read(&mut first[..n]).await?;
+                    if got == 0 {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                    done += got;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A second handle on the socket of `stream`, so that one task reads while another writes
+/// with no lock between them.
+pub fn second_handle<S: AsRawFd + FromRawFd>(stream: &S) -> io::Result<S> {
+    // SAFETY: the descriptor is open for as long as `stream` lives, which spans this call.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(stream.as_raw_fd()) };
+    let dup = borrowed.try_clone_to_owned()?;
+    // SAFETY: `dup` is a fresh descriptor this function owns, a duplicate of the socket `S`
+    // was made from; ownership passes to the new `S`, which closes it.
+    Ok(unsafe { S::from_raw_fd(dup.into_raw_fd()) })
+}

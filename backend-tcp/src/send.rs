@@ -1,0 +1,254 @@
+//! The sending side of a data connection, written once for every runtime: a writer task that
+//! gathers each operation from registered memory, an acknowledgement reader task, and the
+//! ledger between them that hands every operation to exactly one reporter. A runtime only
+//! spawns the two tasks ([`DataSender::start`]) and says how to stop one ([`Task`]).
+
+use std::future::Future;
+use std::io;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use futures_io::{AsyncRead, AsyncWrite};
+use futures_lite::io::BufReader;
+use futures_lite::AsyncWriteExt;
+use kvferry_core::{TransferId, TransferOp, TransferOutcome};
+use kvferry_memory::MemoryMap;
+use kvferry_sync::{Acked, OpLedger, Start};
+use tracing::{debug, warn};
+
+use crate::frame::{AckStatus, SLICE_DESC_LEN, WRITE_HEADER_LEN};
+use crate::io_common::{gather_iovecs, prepare_op};
+use crate::stream::read_ack;
+
+/// Where a [`DataSender`] reports how each operation ended, exactly once per operation.
+pub trait Report: Clone + 'static {
+    /// Operation `id` ended with `outcome`.
+    fn report(&self, id: TransferId, outcome: TransferOutcome);
+}
+
+impl Report for Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync> {
+    fn report(&self, id: TransferId, outcome: TransferOutcome) {
+        self(id, outcome);
+    }
+}
+
+impl Report for Rc<dyn Fn(TransferId, TransferOutcome)> {
+    fn report(&self, id: TransferId, outcome: TransferOutcome) {
+        self(id, outcome);
+    }
+}
+
+/// A spawned task of a runtime, as a [`DataSender`] needs it: stopped when the connection
+/// closes.
+pub trait Task {
+    /// Cancels the task and waits until it can no longer run.
+    fn stop(self) -> impl Future<Output = ()>;
+}
+
+/// How the writing half of a data connection puts one operation on the wire.
+pub trait GatherWrite {
+    /// Writes `header`, then every `(address, length)` source range, in order.
+    fn write_gather(
+        &mut self,
+        header: &[u8],
+        sources: &[(usize, usize)],
+    ) -> impl Future<Output = io::Result<()>>;
+
+    /// Ends the write direction (the peer reads end of stream).
+    fn finish(&mut self) -> impl Future<Output = ()>;
+}
+
+/// A writing half that copies anyway (TLS): each contiguous piece goes through the stream's
+/// own `write`, and the operation is flushed at its end.
+#[derive(Debug)]
+pub struct Copying<S>(pub S);
+
+impl<S: AsyncWrite + Unpin> GatherWrite for Copying<S> {
+    async fn write_gather(&mut self, header: &[u8], sources: &[(usize, usize)]) -> io::Result<()> {
+        let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
+        let mut done = 0usize;
+        while done < total {
+            let iov = gather_iovecs(header, sources, done);
+            let Some(first) = iov.first() else { break };
+            let n = self.0.write(first).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            done += n;
+        }
+        self.0.flush().await
+    }
+
+    async fn finish(&mut self) {
+        let _ = self.0.close().await;
+    }
+}
+
+/// The sending side of one data connection (prefill): operations are pipelined, each
+/// gathered straight from registered memory, and completed by the peer's acknowledgement.
+/// Every operation handed to [`DataSender::send`] is reported exactly once.
+pub struct DataSender<T, R> {
+    ops: flume::Sender<TransferOp>,
+    ledger: Arc<OpLedger>,
+    report: R,
+    tasks: [T; 2],
+}
+
+impl<T, R> std::fmt::Debug for DataSender<T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataSender")
+            .field("in_flight", &self.ledger.in_flight())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The writer task of a [`DataSender`], for its runtime to spawn.
+pub struct Writing<W, R> {
+    write: W,
+    ops: flume::Receiver<TransferOp>,
+    memory: Arc<MemoryMap>,
+    ledger: Arc<OpLedger>,
+    report: R,
+}
+
+/// The acknowledgement reader task of a [`DataSender`], for its runtime to spawn.
+pub struct Acking<A, R> {
+    read: A,
+    ledger: Arc<OpLedger>,
+    report: R,
+}
+
+/// Marks the connection closed and reports every operation not acknowledged as transient.
+fn fail_pending<R: Report>(ledger: &OpLedger, report: &R) {
+    for id in ledger.close() {
+        report.report(id, TransferOutcome::Transient);
+    }
+}
+
+impl<T: Task, R: Report> DataSender<T, R> {
+    /// Takes over an established data connection (preamble and hello exchanged): `write` and
+    /// `read` are its two halves, `spawn` starts the writer and the acknowledgement reader on
+    /// the caller's runtime and returns their tasks.
+    pub fn start<W, A>(
+        write: W,
+        read: A,
+        memory: Arc<MemoryMap>,
+        report: R,
+        spawn: impl FnOnce(Writing<W, R>, Acking<A, R>) -> [T; 2],
+    ) -> Self
+    where
+        W: GatherWrite,
+        A: AsyncRead + Unpin,
+    {
+        let (tx, rx) = flume::unbounded();
+        let ledger = Arc::new(OpLedger::new());
+        let tasks = spawn(
+            Writing {
+                write,
+                ops: rx,
+                memory,
+                ledger: ledger.clone(),
+                report: report.clone(),
+            },
+            Acking {
+                read,
+                ledger: ledger.clone(),
+                report: report.clone(),
+            },
+        );
+        DataSender {
+            ops: tx,
+            ledger,
+            report,
+            tasks,
+        }
+    }
+
+    /// Queues an operation. Gives it back if the connection is already closed.
+    pub fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
+        if !self.ledger.enqueue(op.id) {
+            return Err(op);
+        }
+        self.ops.send(op).map_err(|e| {
+            self.ledger.unqueue(e.0.id);
+            e.0
+        })
+    }
+
+    /// Whether the connection broke or was closed.
+    pub fn is_closed(&self) -> bool {
+        self.ledger.is_closed()
+    }
+
+    /// Operations written and not yet acknowledged.
+    pub fn in_flight(&self) -> usize {
+        self.ledger.in_flight()
+    }
+
+    /// Closes the connection and waits until nothing of it can be written any more. Every
+    /// operation not acknowledged is reported as transient.
+    pub async fn close(self) {
+        let [writer, reader] = self.tasks;
+        writer.stop().await;
+        reader.stop().await;
+        fail_pending(&self.ledger, &self.report);
+    }
+}
+
+impl<W: GatherWrite, R: Report> Writing<W, R> {
+    /// Writes queued operations until the connection fails or the sender is dropped.
+    pub async fn run(mut self) {
+        let mut header = Vec::with_capacity(WRITE_HEADER_LEN + 64 * SLICE_DESC_LEN);
+        while let Ok(op) = self.ops.recv_async().await {
+            let (sources, bad) = prepare_op(&op, &self.memory, &mut header);
+            // The ledger hands each operation to exactly one reporter: close, this writer, or
+            // the ack reader.
+            match self.ledger.start(op.id, bad) {
+                Start::Gone => continue,
+                Start::Closed => {
+                    self.report.report(op.id, Start::unsent(bad));
+                    continue;
+                }
+                Start::Write => {}
+            }
+            if let Err(e) = self.write.write_gather(&header, &sources).await {
+                debug!(error = %e, "data connection write failed");
+                break;
+            }
+        }
+        // Everything queued or unacknowledged failed transiently.
+        fail_pending(&self.ledger, &self.report);
+        drop(self.ops);
+        self.write.finish().await;
+    }
+}
+
+impl<A: AsyncRead + Unpin, R: Report> Acking<A, R> {
+    /// Reads acknowledgements until the connection ends or one is out of order.
+    pub async fn run(self) {
+        // Pipelined operations' acknowledgements arrive together: read them in one go.
+        let mut read = BufReader::with_capacity(4096, self.read);
+        loop {
+            let (id, status) = match read_ack(&mut read).await {
+                Ok(ack) => ack,
+                Err(e) => {
+                    debug!(error = %e, "data connection closed");
+                    break;
+                }
+            };
+            if let Acked::OutOfOrder(expected) = self.ledger.acked(id) {
+                warn!(got = %id, ?expected, "acknowledgement out of order, closing the data connection");
+                if let Some(e) = expected {
+                    self.report.report(e, TransferOutcome::Transient);
+                }
+                break;
+            }
+            let outcome = match status {
+                AckStatus::Applied => TransferOutcome::Done,
+                AckStatus::Refused => TransferOutcome::Refused,
+            };
+            self.report.report(id, outcome);
+        }
+        fail_pending(&self.ledger, &self.report);
+    }
+}
