@@ -13,7 +13,9 @@ use std::task::{Context, Poll};
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::io::{AsyncBufReadExt, BufReader};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
-use rustix::net::{recvmsg, sendmsg, RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendFlags};
+use rustix::net::{
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendFlags,
+};
 
 use crate::io_common::{gather_iovecs, scatter_iovecs};
 use crate::send::GatherWrite;

@@ -18,8 +18,7 @@ use crate::fd::{GatherConn, ScatterConn};
 use crate::io_common::{Limits, Preamble, ServeError, ServeStats};
 use crate::send::{Copying, Task};
 use crate::stream::{
-    answer_data_on, challenge_data_on, hello_control, hello_data, read_preamble_on,
-    serve_writes_on,
+    answer_data_on, challenge_data_on, hello_control, hello_data, read_preamble_on, serve_writes_on,
 };
 use crate::tls::{Conn, TlsSetup};
 
@@ -139,7 +138,8 @@ pub async fn serve_writes(
             serve_writes_on(&mut conn, &memory, check, limits).await
         }
         tls @ Conn::Tls(_) => {
-            let mut conn = futures_lite::io::BufReader::with_capacity(crate::RECV_BUF, TokioIo(tls));
+            let mut conn =
+                futures_lite::io::BufReader::with_capacity(crate::RECV_BUF, TokioIo(tls));
             serve_writes_on(&mut conn, &memory, check, limits).await
         }
     }

@@ -1,7 +1,7 @@
 //! `kvferry`: demo, prefill, decode, proxy and bench: argument parsing and printing over the
 //! reference embedder in `kvferry-testkit`.
 
-mod bench;
+use kvferry_testkit::bench;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use kvferry_core::{Config, Role};
+use kvferry_driver::KvNode;
 use kvferry_memory::MemoryMap;
 use kvferry_testkit::{
     add_counters, node_config, run_decode, run_demo, serve_prefill, AnyNode, DecodeRun, DemoFaults,
     Progress, Report, RoomEnd, Runtime, Shape,
 };
-use kvferry_tokio::KvNode;
 
 #[derive(Parser)]
 #[command(

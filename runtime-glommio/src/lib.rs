@@ -42,15 +42,14 @@ pub use kvferry_driver::{
     RoomView,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
+use kvferry_tcp::fd::second_handle;
+use kvferry_tcp::glommio::{serve_local, LocalDataSender as DataSender, LocalReport};
 use kvferry_tcp::stream::{
     answer_data_on, challenge_data_on, hello_control, hello_data, read_preamble_on,
 };
-use kvferry_tcp::glommio::{serve_local, LocalDataSender as DataSender, LocalReport};
-use kvferry_tcp::fd::second_handle;
 use kvferry_tcp::{Limits, Preamble};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
-
 
 /// glommio needs at least this much locked memory per executor.
 const MEMLOCK_MIN: u64 = 512 * 1024;

@@ -616,7 +616,10 @@ impl Host for TokioHost {
     }
 
     #[cfg(feature = "rdma")]
-    fn post(driver: &mut Driver<Self>, op: kvferry_core::TransferOp) -> Option<kvferry_core::TransferOp> {
+    fn post(
+        driver: &mut Driver<Self>,
+        op: kvferry_core::TransferOp,
+    ) -> Option<kvferry_core::TransferOp> {
         rdma::post(driver, op)
     }
 

@@ -7,6 +7,7 @@
 //! It embeds kvferry exactly as a user would, through the driver's API; it never reaches into
 //! the core's internals and is never a dependency of a kvferry library crate.
 
+pub mod bench;
 pub mod overlap;
 pub mod proxy;
 pub mod testcert;

@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 /// One workload's figures on one runtime.
 #[derive(Clone, Debug)]
-pub(crate) struct BenchResult {
+pub struct BenchResult {
     /// Workload name.
     pub workload: &'static str,
     /// The runtime of kvferry's figure (`tokio`, `glommio`).
@@ -40,10 +40,10 @@ pub(crate) struct BenchResult {
 /// The receiver's admission: the drivers' own [`CoreCheck`] over a decode endpoint that
 /// completed a handshake and holds room 1 with every page granted, behind a lock; every write
 /// takes a permit (`begin_write`, all slices checked) and hands it back.
-pub(crate) type BenchCheck = CoreCheck<LockedEndpoint>;
+pub type BenchCheck = CoreCheck<LockedEndpoint>;
 
 /// The bench's endpoint behind a lock (nothing to drain: no session sends anything).
-pub(crate) struct LockedEndpoint(std::sync::Mutex<kvferry_core::Endpoint>);
+pub struct LockedEndpoint(std::sync::Mutex<kvferry_core::Endpoint>);
 
 impl EndpointAccess for LockedEndpoint {
     fn run<T>(
@@ -61,7 +61,7 @@ impl EndpointAccess for LockedEndpoint {
 }
 
 /// A decode endpoint for `layout` with room 1 (generation 0) granted all `pages`.
-pub(crate) fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
+pub fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
     use kvferry_core::{Config, Endpoint, EndpointInfo, Grant, Incarnation, NodeId, Role};
     let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
     let now = Instant::now();
@@ -106,7 +106,7 @@ pub(crate) fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
 }
 
 /// Operation `id` of the bench's one room: `slices` of its KV, as the core would plan it.
-pub(crate) fn bench_op(id: u64, slices: Arc<[Slice]>) -> TransferOp {
+pub fn bench_op(id: u64, slices: Arc<[Slice]>) -> TransferOp {
     let bytes = slices.iter().map(|s| s.len).sum();
     TransferOp {
         id: TransferId(id),
@@ -121,7 +121,7 @@ pub(crate) fn bench_op(id: u64, slices: Arc<[Slice]>) -> TransferOp {
 }
 
 /// The bench's memory: one KV region of `pages` pages, nothing else.
-pub(crate) fn flat_layout(page_bytes: u32, pages: u32) -> Layout {
+pub fn flat_layout(page_bytes: u32, pages: u32) -> Layout {
     Layout {
         layers: 1,
         planes: 1,
@@ -222,13 +222,14 @@ impl Raw {
     }
 }
 
-pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
+/// The median of `v` (zero when empty).
+pub fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
 /// Alternating pages on both sides, so no two slices coalesce: a paged batch.
-pub(crate) fn scattered(n: u32, page: u64) -> Arc<[Slice]> {
+pub fn scattered(n: u32, page: u64) -> Arc<[Slice]> {
     let region = Region::Kv { layer: 0, plane: 0 };
     (0..u64::from(n))
         .map(|i| Slice {
@@ -243,7 +244,7 @@ pub(crate) fn scattered(n: u32, page: u64) -> Arc<[Slice]> {
 
 /// Which runtimes a bench run measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Runtimes {
+pub struct Runtimes {
     /// Measure the tokio data plane.
     pub tokio: bool,
     /// Measure the glommio data plane.
@@ -252,7 +253,7 @@ pub(crate) struct Runtimes {
 
 /// How many times better glommio did than tokio on each workload both ran (1.0 is a tie;
 /// the thread-per-core issue's target is at least 1.0 everywhere in one run).
-pub(crate) fn glommio_vs_tokio(results: &[BenchResult]) -> Vec<(&'static str, f64)> {
+pub fn glommio_vs_tokio(results: &[BenchResult]) -> Vec<(&'static str, f64)> {
     let mut out = Vec::new();
     for t in results.iter().filter(|r| r.runtime == "tokio") {
         let glommio = |r: &&BenchResult| r.workload == t.workload && r.runtime == "glommio";
@@ -341,7 +342,7 @@ fn workloads(iterations: usize) -> [Workload; 4] {
 /// order that goes through all six permutations from block to block. A machine whose load
 /// drifts (a shared CI box) then slows every contender alike, and each figure is the median
 /// of all its operations.
-pub(crate) async fn run_rounds(
+pub async fn run_rounds(
     iterations: usize,
     runtimes: Runtimes,
     rounds: usize,
@@ -642,7 +643,7 @@ mod glommio_bench {
 
 /// One point of the glommio scaling sweep.
 #[derive(Clone, Debug)]
-pub(crate) struct ScalePoint {
+pub struct ScalePoint {
     /// Shards of both the prefill and the decode node.
     pub shards: usize,
     /// Room lifecycles (open, transfer, verify, release) per second.
@@ -666,12 +667,12 @@ pub(crate) struct ScalePoint {
 /// tokio runtime of `k` threads confined to the same cores. Otherwise the one-shard point
 /// would get a second core for free (the embedder's), and the curve would say nothing about
 /// how the driver scales with cores.
-pub(crate) async fn scaling(
+pub async fn scaling(
     rooms: u64,
     most: Option<usize>,
 ) -> Result<Vec<ScalePoint>, kvferry_tokio::NodeError> {
+    use crate::{node_config, run_pair, DecodeRun, Runtime, Shape};
     use kvferry_core::Role;
-    use kvferry_testkit::{node_config, run_pair, DecodeRun, Runtime, Shape};
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let mut points: Vec<ScalePoint> = Vec::new();
     for shards in 1..=most.unwrap_or(cores).max(1) {
@@ -833,7 +834,7 @@ mod tests {
 /// One workload moved between two tokio nodes on loopback over two kinds of link (plain TCP
 /// against RDMA, or against TLS), in one run.
 #[derive(Clone, Debug)]
-pub(crate) struct LinkPoint {
+pub struct LinkPoint {
     /// What moved.
     pub workload: &'static str,
     /// GB/s over the first link, then over the second.
@@ -847,29 +848,25 @@ pub(crate) struct LinkPoint {
 /// (every byte verified every time).
 async fn side_by_side(
     iterations: usize,
-    links: [kvferry_testkit::DemoLink; 2],
+    links: [crate::DemoLink; 2],
 ) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
-    let workloads: [(&'static str, kvferry_testkit::Shape, u64); 3] = [
+    let workloads: [(&'static str, crate::Shape, u64); 3] = [
         (
             "64 MiB rooms",
-            kvferry_testkit::Shape {
+            crate::Shape {
                 page_bytes: 256 * 1024,
                 pages_per_room: 16,
                 concurrency: 4,
-                ..kvferry_testkit::Shape::default()
+                ..crate::Shape::default()
             },
             16,
         ),
-        (
-            "8 MiB rooms of 16 KiB pages",
-            kvferry_testkit::Shape::default(),
-            128,
-        ),
+        ("8 MiB rooms of 16 KiB pages", crate::Shape::default(), 128),
         (
             "1 MiB rooms of 4 KiB pages",
-            kvferry_testkit::Shape {
+            crate::Shape {
                 page_bytes: 4096,
-                ..kvferry_testkit::Shape::default()
+                ..crate::Shape::default()
             },
             256,
         ),
@@ -880,13 +877,13 @@ async fn side_by_side(
         let mut clean = true;
         for i in 0..iterations.max(1) {
             for k in [i % 2, 1 - i % 2] {
-                let report = kvferry_testkit::run_demo(
+                let report = crate::run_demo(
                     shape.clone(),
                     kvferry_core::Config::default(),
                     rooms,
-                    kvferry_testkit::DemoFaults::default(),
+                    crate::DemoFaults::default(),
                     None,
-                    kvferry_testkit::Runtime::Tokio,
+                    crate::Runtime::Tokio,
                     links[k].clone(),
                 )
                 .await?;
@@ -906,7 +903,7 @@ async fn side_by_side(
 }
 
 /// `bench --backend rdma`: the room workloads over TCP data connections and over RDMA.
-pub(crate) async fn backends(
+pub async fn backends(
     iterations: usize,
     device: Option<String>,
 ) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
@@ -920,22 +917,22 @@ pub(crate) async fn backends(
 
 /// `bench --tls`: the room workloads over plain TCP and with TLS on every connection. The
 /// certificates are a throwaway CA's, written under the system's temporary directory.
-pub(crate) async fn tls(iterations: usize) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
+pub async fn tls(iterations: usize) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
     let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
-    let files = kvferry_testkit::testcert::throwaway(&dir, "kvferry")
-        .map_err(kvferry_tokio::NodeError::Io)?;
-    let tls = kvferry_testkit::DemoLink {
+    let files =
+        crate::testcert::throwaway(&dir, "kvferry").map_err(kvferry_tokio::NodeError::Io)?;
+    let tls = crate::DemoLink {
         tls: Some(files),
-        ..kvferry_testkit::DemoLink::default()
+        ..crate::DemoLink::default()
     };
-    let points = side_by_side(iterations, [kvferry_testkit::DemoLink::default(), tls]).await;
+    let points = side_by_side(iterations, [crate::DemoLink::default(), tls]).await;
     let _ = std::fs::remove_dir_all(&dir);
     points
 }
 
 /// How fast the GPU layer waiter notices a completed layer, for one poll policy.
 #[derive(Clone, Debug)]
-pub(crate) struct WaiterPoint {
+pub struct WaiterPoint {
     /// The policy (spin, then sleep between polls).
     pub policy: kvferry_gpu::PollPolicy,
     /// Median time from an event completing to the embedder hearing of it.
@@ -965,7 +962,7 @@ fn cpu_seconds() -> Option<f64> {
 
 /// `bench --layer-events`: `events` layers complete 0.5-1.5 ms apart (one at a time, as a
 /// forward pass does); per poll policy, how late the waiter reports them and what it costs.
-pub(crate) fn layer_events(events: usize) -> Vec<WaiterPoint> {
+pub fn layer_events(events: usize) -> Vec<WaiterPoint> {
     use kvferry_gpu::{LayerWaiter, PollPolicy, Readiness};
     let policies = [
         PollPolicy::default(),
