@@ -10,7 +10,9 @@
 //! spawn a task, wait, or decide anything about a room: the first three are the host's, the
 //! last is the core's.
 
+mod accept;
 mod machine;
+pub use accept::{accept, within, Accepted};
 pub use machine::{Connections, DataConn, Driver, FrameSink, Host, OpSink, SessionIo, TURN_BUDGET};
 
 use std::future::Future;

@@ -35,7 +35,7 @@ use kvferry_core::{
     SessionId, SessionKey, TargetId,
 };
 use kvferry_driver::{
-    shard_of, Announcer, CoreCheck, DataConn, Driver, EndpointAccess, FrameSink, Host,
+    shard_of, Accepted, Announcer, CoreCheck, DataConn, Driver, EndpointAccess, FrameSink, Host,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
@@ -44,10 +44,8 @@ pub use kvferry_driver::{
 use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::fd::second_handle;
 use kvferry_tcp::glommio::{serve_local, LocalDataSender as DataSender, LocalReport};
-use kvferry_tcp::stream::{
-    answer_data_on, challenge_data_on, hello_control, hello_data, read_preamble_on,
-};
-use kvferry_tcp::{Limits, Preamble};
+use kvferry_tcp::stream::{hello_control, hello_data};
+use kvferry_tcp::Limits;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
@@ -1014,79 +1012,22 @@ impl Shard {
     }
 }
 
-/// Reads an accepted connection's preamble and hands it to the shard.
+/// Reads an accepted connection's preamble (and a data connection's hello) and hands it to
+/// the shard.
 async fn accept(weak: Weak<Shard>, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
-    // A connection that says nothing gets as long as a handshake, then is dropped.
-    let Some(wait) = weak
-        .upgrade()
-        .map(|s| s.driver.borrow().endpoint().config().handshake_timeout)
-    else {
+    let access = ShardAccess(weak);
+    let peer = stream.peer_addr().ok();
+    let accepted = kvferry_driver::accept(&mut stream, &access, peer, glommio::timer::sleep).await;
+    let Some(shard) = access.0.upgrade() else {
         return;
     };
-    let preamble = {
-        let read = read_preamble_on(&mut stream);
-        let timeout = async {
-            glommio::timer::sleep(wait).await;
-            Err(kvferry_tcp::ServeError::Io(
-                std::io::ErrorKind::TimedOut.into(),
-            ))
-        };
-        match futures_lite::future::or(read, timeout).await {
-            Ok(p) => p,
-            Err(e) => {
-                warn!(error = %e, "refused a connection");
-                return;
-            }
-        }
-    };
-    let Some(shard) = weak.upgrade() else { return };
-    match preamble {
-        Preamble::Control => {
+    match accepted {
+        Some(Accepted::Control) => {
             shard.attach_control(stream, None, None, None);
         }
-        Preamble::Data => {
-            // The core's challenge; the answer names the session and proves its key.
-            let (challenge, wait) = {
-                shard.drive(|d| {
-                    let wait = d.endpoint().config().handshake_timeout;
-                    (d.endpoint_mut().data_challenge(), wait)
-                })
-            };
-            let read = async { challenge_data_on(&mut stream, &challenge).await.map(Some) };
-            let timeout = async {
-                glommio::timer::sleep(wait).await;
-                Ok(None)
-            };
-            let hello = match futures_lite::future::or(read, timeout).await {
-                Ok(Some(hello)) => hello,
-                Ok(None) => {
-                    warn!("no data hello in time; connection dropped");
-                    return;
-                }
-                Err(e) => {
-                    debug!(error = %e, "data connection ended before its hello");
-                    return;
-                }
-            };
-            let admitted =
-                shard
-                    .driver
-                    .borrow()
-                    .endpoint()
-                    .admit_data(&challenge, &hello.tag, &hello.proof);
-            match admitted {
-                Ok(sid) => {
-                    if answer_data_on(&mut stream, true).await.is_ok() {
-                        shard.attach_data(sid, stream);
-                    }
-                }
-                Err(refusal) => {
-                    warn!(%refusal, "data connection refused");
-                    let _ = answer_data_on(&mut stream, false).await;
-                }
-            }
-        }
+        Some(Accepted::Data(sid)) => shard.attach_data(sid, stream),
+        None => {}
     }
 }
 

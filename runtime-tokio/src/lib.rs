@@ -21,8 +21,8 @@ use kvferry_core::{
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::{
-    accept_conn, answer_data, challenge_data, connect_control, connect_data, read_preamble,
-    serve_writes, Conn, DataSender, Limits, Preamble, Report, TlsSetup,
+    accept_conn, connect_control, connect_data, serve_writes, Conn, DataSender, Limits, Report,
+    TlsSetup, TokioIo,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -37,7 +37,9 @@ pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
     NodeError, PeerId, RoomHandle, RoomView,
 };
-use kvferry_driver::{Announcer, CoreCheck, DataConn, Driver, EndpointAccess, Host};
+use kvferry_driver::{
+    within, Accepted, Announcer, CoreCheck, DataConn, Driver, EndpointAccess, Host,
+};
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
 /// to the driver behind [`Shared::driver`].
@@ -735,76 +737,43 @@ fn attach_control(
 }
 
 async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
-    // A connection that says nothing gets as long as a handshake, then is dropped.
-    let Some((tls, wait)) = weak.upgrade().map(|s| {
+    let access = SharedAccess(weak);
+    let Some((tls, wait)) = access.0.upgrade().map(|s| {
         let wait = s.lock().endpoint().config().handshake_timeout;
         (s.tls.clone(), wait)
     }) else {
         return;
     };
-    let opened = async {
-        let mut stream = accept_conn(tcp, tls.as_ref())
-            .await
-            .map_err(kvferry_tcp::ServeError::Io)?;
-        let preamble = read_preamble(&mut stream).await?;
-        Ok::<_, kvferry_tcp::ServeError>((stream, preamble))
-    };
-    let (mut stream, preamble) = match tokio::time::timeout(wait, opened).await {
-        Ok(Ok(p)) => p,
-        Ok(Err(e)) => {
+    let mut stream = match within(wait, tokio::time::sleep, accept_conn(tcp, tls.as_ref())).await {
+        Some(Ok(stream)) => stream,
+        Some(Err(e)) => {
             warn!(%peer, error = %e, "refused a connection");
             return;
         }
-        Err(_) => {
-            warn!(%peer, "no preamble in time; connection dropped");
+        None => {
+            warn!(%peer, "no TLS handshake in time; connection dropped");
             return;
         }
     };
-    let Some(shared) = weak.upgrade() else { return };
-    match preamble {
-        Preamble::Control => {
+    let accepted = kvferry_driver::accept(
+        &mut TokioIo(&mut stream),
+        &access,
+        Some(peer),
+        tokio::time::sleep,
+    )
+    .await;
+    let Some(shared) = access.0.upgrade() else {
+        return;
+    };
+    match accepted {
+        Some(Accepted::Control) => {
             attach_control(&shared, stream, None, None, None);
         }
-        Preamble::Data => {
-            // The core's challenge; the answer names the session and proves its key.
-            let (challenge, wait) = {
-                let mut driver = shared.lock();
-                let wait = driver.endpoint().config().handshake_timeout;
-                (driver.endpoint_mut().data_challenge(), wait)
-            };
-            let hello =
-                match tokio::time::timeout(wait, challenge_data(&mut stream, &challenge)).await {
-                    Ok(Ok(hello)) => hello,
-                    Ok(Err(e)) => {
-                        debug!(%peer, error = %e, "data connection ended before its hello");
-                        return;
-                    }
-                    Err(_) => {
-                        warn!(%peer, "no data hello in time; connection dropped");
-                        return;
-                    }
-                };
-            let admitted =
-                shared
-                    .lock()
-                    .endpoint()
-                    .admit_data(&challenge, &hello.tag, &hello.proof);
-            match admitted {
-                Ok(sid) => {
-                    if answer_data(&mut stream, true).await.is_ok() {
-                        attach_data(&shared, sid, stream);
-                    }
-                }
-                Err(refusal) => {
-                    warn!(%peer, %refusal, "data connection refused");
-                    let _ = answer_data(&mut stream, false).await;
-                }
-            }
-        }
+        Some(Accepted::Data(sid)) => attach_data(&shared, sid, stream),
+        None => {}
     }
 }
 
-/// Puts an accepted or opened data connection to work for `sid`, by role.
 fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: Conn) {
     let mut driver = shared.lock();
     if !driver.wants_data(sid) {

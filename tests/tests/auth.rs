@@ -202,3 +202,69 @@ async fn a_decodes_recorded_handshake_and_data_hellos_replayed_get_nothing() {
     assert!(refused, "a replayed data hello was admitted");
     decode.shutdown().await;
 }
+
+/// Reads until the peer closes; the time it took, or `None` if it was still open after `most`.
+async fn closed_within(s: &mut TcpStream, most: Duration) -> Option<Duration> {
+    let started = tokio::time::Instant::now();
+    let mut buf = [0u8; 256];
+    loop {
+        match tokio::time::timeout_at(started + most, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(started.elapsed()),
+            Ok(Ok(_)) => continue,
+            Err(_) => return None,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_says_nothing_is_dropped_after_the_handshake_timeout() {
+    let core = kvferry_core::Config {
+        handshake_timeout: Duration::from_millis(300),
+        ..fast_core()
+    };
+    for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
+        let (_prefill, addrs, _server) = prefill_on(
+            runtime,
+            &small_shape(),
+            core.clone(),
+            62,
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .await;
+        let mut silent = TcpStream::connect(addrs[0]).await.unwrap();
+        let took = closed_within(&mut silent, Duration::from_secs(3)).await;
+        assert!(
+            took.is_some_and(|t| t >= Duration::from_millis(250)),
+            "{runtime:?}: a silent connection was held {took:?} (handshake timeout 300 ms)"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_connection_that_never_answers_its_challenge_is_dropped_after_the_handshake_timeout()
+{
+    let core = kvferry_core::Config {
+        handshake_timeout: Duration::from_millis(300),
+        ..fast_core()
+    };
+    for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
+        let (_prefill, addrs, _server) = prefill_on(
+            runtime,
+            &small_shape(),
+            core.clone(),
+            63,
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .await;
+        let mut s = TcpStream::connect(addrs[0]).await.unwrap();
+        s.write_all(&kvferry_tcp::MAGIC).await.unwrap();
+        s.write_all(&[kvferry_tcp::KIND_DATA]).await.unwrap();
+        let mut challenge = [0u8; kvferry_tcp::DATA_CHALLENGE_LEN];
+        s.read_exact(&mut challenge).await.unwrap();
+        let took = closed_within(&mut s, Duration::from_secs(3)).await;
+        assert!(
+            took.is_some_and(|t| t >= Duration::from_millis(250)),
+            "{runtime:?}: an unanswered data challenge held the connection {took:?}"
+        );
+    }
+}

@@ -1,0 +1,96 @@
+//! What every runtime does with a connection its listener accepted, written once: read the
+//! preamble, and for a data connection run the core's challenge and ask the core which
+//! session the answer proves. Each wait is bounded by the core's `handshake_timeout`; the
+//! runtime only lends its timer.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures_io::{AsyncRead, AsyncWrite};
+use kvferry_core::SessionId;
+use kvferry_tcp::stream::{answer_data_on, challenge_data_on, read_preamble_on};
+use kvferry_tcp::Preamble;
+use tracing::{debug, warn};
+
+use crate::EndpointAccess;
+
+/// What an accepted connection turned out to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accepted {
+    /// A control connection: its handshake runs on it next.
+    Control,
+    /// A data connection the core admitted to this session (the peer was told so).
+    Data(SessionId),
+}
+
+/// Waits for `work`, or gives up after `wait` on the runtime's `sleep`.
+pub async fn within<T, F: Future<Output = ()>>(
+    wait: Duration,
+    sleep: impl FnOnce(Duration) -> F,
+    work: impl Future<Output = T>,
+) -> Option<T> {
+    futures_lite::future::or(async { Some(work.await) }, async {
+        sleep(wait).await;
+        None
+    })
+    .await
+}
+
+/// Reads an accepted connection's preamble and, for a data connection, its hello; `None`
+/// when the connection is to be dropped (said nothing in time, garbage, refused, node gone).
+pub async fn accept<S, A, F>(
+    stream: &mut S,
+    access: &A,
+    peer: Option<SocketAddr>,
+    sleep: impl Fn(Duration) -> F,
+) -> Option<Accepted>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    A: EndpointAccess,
+    F: Future<Output = ()>,
+{
+    // A connection that says nothing gets as long as a handshake, then is dropped.
+    let wait = access.run(|e, _| e.config().handshake_timeout, |_| false)?;
+    match within(wait, &sleep, read_preamble_on(stream)).await {
+        None => {
+            warn!(?peer, "no preamble in time; connection dropped");
+            None
+        }
+        Some(Err(e)) => {
+            warn!(?peer, error = %e, "refused a connection");
+            None
+        }
+        Some(Ok(Preamble::Control)) => Some(Accepted::Control),
+        Some(Ok(Preamble::Data)) => {
+            // The core's challenge; the answer names the session and proves its key.
+            let challenge = access.run(|e, _| e.data_challenge(), |_| false)?;
+            let hello = match within(wait, &sleep, challenge_data_on(stream, &challenge)).await {
+                Some(Ok(hello)) => hello,
+                Some(Err(e)) => {
+                    debug!(?peer, error = %e, "data connection ended before its hello");
+                    return None;
+                }
+                None => {
+                    warn!(?peer, "no data hello in time; connection dropped");
+                    return None;
+                }
+            };
+            let admitted = access.run(
+                |e, _| e.admit_data(&challenge, &hello.tag, &hello.proof),
+                |_| false,
+            )?;
+            match admitted {
+                Ok(sid) => {
+                    let told = within(wait, &sleep, answer_data_on(stream, true)).await;
+                    matches!(told, Some(Ok(()))).then_some(Accepted::Data(sid))
+                }
+                Err(refusal) => {
+                    warn!(?peer, %refusal, "data connection refused");
+                    let _ = within(wait, &sleep, answer_data_on(stream, false)).await;
+                    None
+                }
+            }
+        }
+    }
+}
