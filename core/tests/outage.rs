@@ -175,3 +175,43 @@ fn a_fresh_connection_that_takes_over_a_live_one_fails_no_room() {
     run_ms(&mut sim, 2_000);
     assert_invariants(&sim);
 }
+
+#[test]
+fn writes_that_used_their_last_attempt_in_the_dark_run_again_when_a_fresh_connection_takes_over()
+{
+    // Operations time out in the dark until their last attempt is in flight; then the decode
+    // dials again, takes over and closes the old connection. Prefill (the accepting side)
+    // learns that its old data connections broke before it hears that the old connection
+    // ended, while a fresh session of the same peer waits to take the old one over: those
+    // breaks are the hand-over, not a failed transfer.
+    let config = kvferry_core::Config {
+        operation_timeout: Duration::from_millis(100),
+        heartbeat_misses: 8,
+        ..common::config()
+    };
+    let (mut sim, p, d) = common::pair(908, config);
+    for room in 1..=4 {
+        open_room(&mut sim, d, &[p], room, 4);
+    }
+    run_ms(&mut sim, 2);
+    let now = sim.now;
+    sim.blackhole(d, p, now + Duration::from_millis(260));
+    for room in 1..=4 {
+        send_all(&mut sim, p, room, 4, false);
+    }
+    run_ms(&mut sim, 265);
+    assert!(
+        sim.nodes[p].endpoint.counters().retries >= 8,
+        "every write timed out twice in the dark: {:?}",
+        sim.nodes[p].endpoint.counters()
+    );
+    sim.connect(d, p);
+    run_ms(&mut sim, 200);
+    for room in 1..=4 {
+        assert_eq!(state(&sim, d, room), Some(KvPoll::Success), "room {room}");
+        assert_eq!(state(&sim, p, room), Some(KvPoll::Success), "room {room}");
+    }
+    assert_eq!(sim.nodes[p].endpoint.counters().ops_exhausted, 0);
+    run_ms(&mut sim, 2_000);
+    assert_invariants(&sim);
+}

@@ -48,11 +48,17 @@ impl Endpoint {
             self.on_probe_result(now, op.session, id, outcome);
             return;
         }
-        let moved = outcome == TransferOutcome::Refused
-            && self
-                .sessions
-                .get(&op.session)
-                .is_some_and(|s| s.handing_over);
+        // A fresh session of the same peer waits to take this one over (accepting side):
+        // the dialer may already have moved, refusing writes that still come here or closing
+        // the old connection, whose data connections then break before this side hears that
+        // it ended. Either is the hand-over, not a failed transfer.
+        let moved = matches!(
+            outcome,
+            TransferOutcome::Refused | TransferOutcome::Transient
+        ) && self
+            .sessions
+            .get(&op.session)
+            .is_some_and(|s| s.handing_over);
         if (op.superseded || moved) && outcome != TransferOutcome::Done {
             // Its connection was taken over (or the dialer moved to the fresh one and refused
             // what still came here): not a data-path failure, run it again as new.
