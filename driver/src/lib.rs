@@ -11,8 +11,10 @@
 //! last is the core's.
 
 mod accept;
+mod calls;
 mod machine;
 pub use accept::{accept, within, Accepted};
+pub use calls::{Embedder, ShardCalls};
 pub use machine::{Connections, DataConn, Driver, FrameSink, Host, OpSink, SessionIo, TURN_BUDGET};
 
 use std::future::Future;

@@ -31,11 +31,12 @@ use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement, Task};
 use kvferry_core::{
-    ApiError, Chunk, Counters, Endpoint, EndpointInfo, Generation, Grant, NodeId, Role, RoomId,
-    SessionId, SessionKey, TargetId,
+    Chunk, Counters, Endpoint, EndpointInfo, Generation, Grant, NodeId, Role, RoomId, SessionId,
+    SessionKey, TargetId,
 };
 use kvferry_driver::{
-    shard_of, Accepted, Announcer, CoreCheck, DataConn, Driver, EndpointAccess, FrameSink, Host,
+    Accepted, Announcer, CoreCheck, DataConn, Driver, Embedder, EndpointAccess, FrameSink, Host,
+    ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
@@ -97,17 +98,16 @@ impl std::fmt::Debug for GlommioNode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GlommioNode")
             .field("role", &self.shared.role)
-            .field("shards", &self.shared.shards.len())
+            .field("shards", &self.shared.rooms.calls().0.len())
             .finish_non_exhaustive()
     }
 }
 
 struct NodeShared {
     role: Role,
-    shards: Vec<flume::Sender<Cmd>>,
+    /// The room calls over every shard, and how each peer is reached.
+    rooms: Embedder<Shards>,
     memory: Arc<MemoryMap>,
-    /// How each peer is reached: `[peer][shard][address]`.
-    peers: Mutex<Vec<Vec<Vec<Link>>>>,
     announcements: Announcer,
     threads: Mutex<Vec<glommio::ExecutorJoinHandle<()>>>,
 }
@@ -116,7 +116,7 @@ struct StopOnDrop(Arc<NodeShared>);
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
-        for tx in &self.0.shards {
+        for tx in &self.0.rooms.calls().0 {
             let _ = tx.send(Box::new(|shard: &Rc<Shard>| shard.stop()));
         }
     }
@@ -232,9 +232,8 @@ impl GlommioNode {
         }
         let shared = Arc::new(NodeShared {
             role: config.info.role,
-            shards: senders,
+            rooms: Embedder::new(Shards(senders)),
             memory,
-            peers: Mutex::new(Vec::new()),
             announcements,
             threads: Mutex::new(threads),
         });
@@ -250,12 +249,32 @@ impl GlommioNode {
         T: Send + 'static,
         F: FnOnce(&Rc<Shard>) -> T + Send + 'static,
     {
+        self.shared.rooms.calls().run(shard, f)
+    }
+
+    /// The core's counters of one shard.
+    pub async fn shard_counters(&self, shard: usize) -> Result<Counters, NodeError> {
+        self.shared.rooms.shard_counters(shard).await
+    }
+}
+
+/// The node's way into its shards: one command channel to each shard's thread.
+struct Shards(Vec<flume::Sender<Cmd>>);
+
+impl Shards {
+    /// Runs `f` on shard `shard` (on its thread) and returns its result.
+    fn run<T, F>(&self, shard: usize, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
+    where
+        T: Send + 'static,
+        F: FnOnce(&Rc<Shard>) -> T + Send + 'static,
+    {
         let (tx, rx) = oneshot::channel();
-        let sent = self.shared.shards[shard]
-            .send(Box::new(move |s: &Rc<Shard>| {
+        let sent = self.0.get(shard).is_some_and(|s| {
+            s.send(Box::new(move |s: &Rc<Shard>| {
                 let _ = tx.send(f(s));
             }))
-            .is_ok();
+            .is_ok()
+        });
         async move {
             if !sent {
                 return Err(NodeError::ShutDown);
@@ -263,45 +282,22 @@ impl GlommioNode {
             rx.await.map_err(|_| NodeError::ShutDown)
         }
     }
-
-    /// Runs `f` on the shard that owns `room`.
-    fn on_room<T, F>(&self, room: RoomId, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
-    where
-        T: Send + 'static,
-        F: FnOnce(&Rc<Shard>) -> T + Send + 'static,
-    {
-        self.call(shard_of(room, self.shared.shards.len()), f)
-    }
-
-    /// The core's counters of one shard.
-    pub async fn shard_counters(&self, shard: usize) -> Result<Counters, NodeError> {
-        self.call(shard, |s| s.driver.borrow().endpoint().counters().clone())
-            .await
-    }
-
-    /// The link to each of `peers` on the shard owning `room` (address `room mod n`).
-    fn links_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<(PeerId, Link)>, NodeError> {
-        let shard = shard_of(room, self.shared.shards.len());
-        let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-        peers
-            .iter()
-            .map(|p| {
-                let per_shard = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
-                let links = &per_shard[shard];
-                Ok((*p, links[shard_of(room, links.len())]))
-            })
-            .collect()
-    }
-
-    fn add_peer(&self, per_shard: Vec<Vec<Link>>) -> PeerId {
-        let mut table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-        table.push(per_shard);
-        PeerId(table.len() as u32 - 1)
-    }
 }
 
-fn api(result: Result<Result<(), ApiError>, NodeError>) -> Result<(), NodeError> {
-    result?.map_err(NodeError::Api)
+impl ShardCalls for Shards {
+    type Host = ShardHost;
+
+    fn shards(&self) -> usize {
+        self.0.len()
+    }
+
+    fn call<T, F>(&self, shard: usize, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Driver<ShardHost>) -> T + Send + 'static,
+    {
+        self.run(shard, move |s| s.drive(f))
+    }
 }
 
 impl KvNode for GlommioNode {
@@ -314,7 +310,7 @@ impl KvNode for GlommioNode {
     }
 
     fn shards(&self) -> usize {
-        self.shared.shards.len()
+        self.shared.rooms.calls().shards()
     }
 
     async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
@@ -349,24 +345,11 @@ impl KvNode for GlommioNode {
             }
             per_shard.push(sessions);
         }
-        Ok(self.add_peer(per_shard))
+        Ok(self.shared.rooms.add_peer(per_shard))
     }
 
     async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        let mut per_shard = Vec::with_capacity(self.shards());
-        for i in 0..self.shards() {
-            let addrs = addrs.clone();
-            let links = self
-                .call(i, move |s| {
-                    addrs
-                        .into_iter()
-                        .map(|a| Link::Target(s.drive(|d| d.add_target(a))))
-                        .collect::<Vec<_>>()
-                })
-                .await?;
-            per_shard.push(links);
-        }
-        Ok(self.add_peer(per_shard))
+        self.shared.rooms.connect_persistent(addrs).await
     }
 
     async fn open_receiver(
@@ -376,23 +359,14 @@ impl KvNode for GlommioNode {
         peers: Vec<PeerId>,
         grant: Option<Grant>,
     ) -> Result<RoomHandle, NodeError> {
-        let links = self.links_for(room, &peers)?;
-        let links: Vec<Link> = links.into_iter().map(|(_, l)| l).collect();
-        self.on_room(room, move |s| {
-            s.open_room(room, |e, now| {
-                e.open_receiver_via(now, room, generation, &links, grant)
-            })
-            .map_err(NodeError::Api)
-        })
-        .await?
+        self.shared
+            .rooms
+            .open_receiver(room, generation, peers, grant)
+            .await
     }
 
     async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
-        api(self
-            .on_room(room, move |s| {
-                s.with(|e, now| e.grant_pages(now, room, grant))
-            })
-            .await)
+        self.shared.rooms.grant_pages(room, grant).await
     }
 
     async fn open_sender(
@@ -400,61 +374,23 @@ impl KvNode for GlommioNode {
         room: RoomId,
         generation: Generation,
     ) -> Result<RoomHandle, NodeError> {
-        self.on_room(room, move |s| {
-            s.open_room(room, |e, now| e.open_sender(now, room, generation))
-        })
-        .await?
-        .map_err(NodeError::Api)
+        self.shared.rooms.open_sender(room, generation).await
     }
 
     async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
-        api(self
-            .on_room(room, move |s| {
-                s.with(|e, now| e.send_chunk(now, room, chunk))
-            })
-            .await)
+        self.shared.rooms.send_chunk(room, chunk).await
     }
 
     async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
-        let n = self.shards();
-        let mut by_shard: Vec<Vec<RoomId>> = vec![Vec::new(); n];
-        for r in rooms {
-            by_shard[shard_of(r, n)].push(r);
-        }
-        for (i, rooms) in by_shard.into_iter().enumerate() {
-            if rooms.is_empty() {
-                continue;
-            }
-            api(self
-                .call(i, move |s| {
-                    s.with(|e, now| e.mark_layer_ready(now, &rooms, layer))
-                })
-                .await)?;
-        }
-        Ok(())
+        self.shared.rooms.mark_layer_ready(rooms, layer).await
     }
 
     async fn set_capacity(&self, capacity: kvferry_core::Capacity) {
-        // Each shard advertises its share, so the sum over a peer's sessions is the truth.
-        let n = self.shards() as u32;
-        for i in 0..self.shards() {
-            let extra = u32::from((i as u32) < capacity.free_pages % n);
-            let share = kvferry_core::Capacity {
-                free_pages: capacity.free_pages / n + extra,
-                queued_rooms: capacity.queued_rooms,
-            };
-            let _ = self
-                .call(i, move |s| s.with(|e, _| e.set_capacity(share)))
-                .await;
-        }
+        self.shared.rooms.set_capacity(capacity).await;
     }
 
     async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
-        api(self
-            .on_room(room, move |s| {
-                s.with(|e, now| e.set_queue_position(now, room, position))
-            })
-            .await)
+        self.shared.rooms.set_queue_position(room, position).await
     }
 
     async fn set_faults(&self, faults: Option<FaultPlan>) {
@@ -464,19 +400,11 @@ impl KvNode for GlommioNode {
     }
 
     async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
-        api(self
-            .on_room(room, move |s| s.with(|e, now| e.abort(now, room)))
-            .await)
+        self.shared.rooms.abort(room).await
     }
 
     async fn counters(&self) -> Counters {
-        let mut total = Counters::default();
-        for i in 0..self.shards() {
-            if let Ok(c) = self.shard_counters(i).await {
-                total.add(&c);
-            }
-        }
-        total
+        self.shared.rooms.counters().await
     }
 
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
@@ -484,24 +412,7 @@ impl KvNode for GlommioNode {
     }
 
     async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
-        let per_shard = {
-            let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-            table
-                .get(peer.0 as usize)
-                .cloned()
-                .ok_or(NodeError::UnknownPeer(peer))?
-        };
-        for (i, links) in per_shard.into_iter().enumerate() {
-            for link in links {
-                // A session the embedder opened was reached when it was opened.
-                let Link::Target(target) = link else { continue };
-                let (tx, rx) = oneshot::channel();
-                self.call(i, move |s| s.drive(|d| d.on_target(target, tx)))
-                    .await?;
-                rx.await.map_err(|_| NodeError::ShutDown)??;
-            }
-        }
-        Ok(())
+        self.shared.rooms.reach(peer).await
     }
 
     async fn shutdown(&self) {
@@ -837,14 +748,6 @@ impl Shard {
     /// Runs `f` on the endpoint, then drains (the core's rule after every input).
     fn with<T>(self: &Rc<Self>, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
         self.drive(|d| d.with(f))
-    }
-
-    fn open_room(
-        self: &Rc<Self>,
-        room: RoomId,
-        f: impl FnOnce(&mut Endpoint, Instant) -> Result<(), ApiError>,
-    ) -> Result<RoomHandle, ApiError> {
-        self.drive(|d| d.open_room(room, f))
     }
 
     /// A data connection's report: each outcome goes to this shard's core while it lives.

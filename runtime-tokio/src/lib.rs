@@ -38,7 +38,8 @@ pub use kvferry_driver::{
     NodeError, PeerId, RoomHandle, RoomView,
 };
 use kvferry_driver::{
-    within, Accepted, Announcer, CoreCheck, DataConn, Driver, EndpointAccess, Host,
+    within, Accepted, Announcer, CoreCheck, DataConn, Driver, Embedder, EndpointAccess, Host,
+    ShardCalls,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
@@ -62,8 +63,6 @@ struct Shared {
     tls: Option<TlsSetup>,
     faults: Mutex<Option<FaultPlan>>,
     announcements: Announcer,
-    /// How each peer named through [`KvNode`] is reached, one link per peer address.
-    peers: Mutex<Vec<Vec<Link>>>,
     stopped: watch::Sender<bool>,
     /// The registered memory and device when data moves over RDMA.
     #[cfg(feature = "rdma")]
@@ -75,7 +74,32 @@ struct Shared {
 #[derive(Clone)]
 pub struct Node {
     shared: Arc<Shared>,
+    /// The room calls of the embedder API, and how each peer named through it is reached.
+    rooms: Arc<Embedder<Locked>>,
     _last: Arc<StopOnDrop>,
+}
+
+/// The node's one driver, behind its lock: a tokio node is one shard.
+struct Locked(Arc<Shared>);
+
+impl ShardCalls for Locked {
+    type Host = TokioHost;
+
+    fn shards(&self) -> usize {
+        1
+    }
+
+    fn call<T, F>(
+        &self,
+        _shard: usize,
+        f: F,
+    ) -> impl std::future::Future<Output = Result<T, NodeError>> + Send
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Driver<TokioHost>) -> T + Send + 'static,
+    {
+        std::future::ready(Ok(f(&mut self.0.lock())))
+    }
 }
 
 /// Held by every clone of a [`Node`]: when the last one goes, the tasks stop.
@@ -165,7 +189,6 @@ impl Node {
                 tls,
                 faults: Mutex::new(config.faults),
                 announcements,
-                peers: Mutex::new(Vec::new()),
                 stopped,
                 #[cfg(feature = "rdma")]
                 rdma,
@@ -176,6 +199,7 @@ impl Node {
         tokio::spawn(drive(weak).instrument(info_span!("kvferry_driver", ?role)));
         Ok(Node {
             _last: Arc::new(StopOnDrop(shared.clone())),
+            rooms: Arc::new(Embedder::new(Locked(shared.clone()))),
             shared,
         })
     }
@@ -343,26 +367,6 @@ impl Node {
     }
 }
 
-impl Node {
-    /// The links that carry `room` from or to each of `peers` (address `room mod n`).
-    fn links_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<Link>, NodeError> {
-        let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-        peers
-            .iter()
-            .map(|p| {
-                let links = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
-                Ok(links[shard_of(room, links.len())])
-            })
-            .collect()
-    }
-
-    fn add_peer(&self, links: Vec<Link>) -> PeerId {
-        let mut table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-        table.push(links);
-        PeerId(table.len() as u32 - 1)
-    }
-}
-
 /// The runtime-neutral embedder API: a tokio node is one shard.
 impl KvNode for Node {
     fn runtime(&self) -> &'static str {
@@ -394,15 +398,11 @@ impl KvNode for Node {
         for addr in addrs {
             links.push(Link::Session(Node::connect(self, addr).await?));
         }
-        Ok(self.add_peer(links))
+        Ok(self.rooms.add_peer(vec![links]))
     }
 
     async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        let links = addrs
-            .into_iter()
-            .map(|a| Link::Target(Node::connect_persistent(self, a)))
-            .collect();
-        Ok(self.add_peer(links))
+        self.rooms.connect_persistent(addrs).await
     }
 
     async fn open_receiver(
@@ -412,14 +412,13 @@ impl KvNode for Node {
         peers: Vec<PeerId>,
         grant: Option<Grant>,
     ) -> Result<RoomHandle, NodeError> {
-        let links = self.links_for(room, &peers)?;
-        Ok(self.shared.lock().open_room(room, |e, now| {
-            e.open_receiver_via(now, room, generation, &links, grant)
-        })?)
+        self.rooms
+            .open_receiver(room, generation, peers, grant)
+            .await
     }
 
     async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
-        Ok(Node::grant_pages(self, room, grant)?)
+        self.rooms.grant_pages(room, grant).await
     }
 
     async fn open_sender(
@@ -427,23 +426,23 @@ impl KvNode for Node {
         room: RoomId,
         generation: Generation,
     ) -> Result<RoomHandle, NodeError> {
-        Ok(Node::open_sender(self, room, generation)?)
+        self.rooms.open_sender(room, generation).await
     }
 
     async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
-        Ok(Node::send_chunk(self, room, chunk)?)
+        self.rooms.send_chunk(room, chunk).await
     }
 
     async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
-        Ok(Node::mark_layer_ready(self, &rooms, layer)?)
+        self.rooms.mark_layer_ready(rooms, layer).await
     }
 
     async fn set_capacity(&self, capacity: Capacity) {
-        Node::set_capacity(self, capacity);
+        self.rooms.set_capacity(capacity).await;
     }
 
     async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
-        Ok(Node::set_queue_position(self, room, position)?)
+        self.rooms.set_queue_position(room, position).await
     }
 
     async fn set_faults(&self, faults: Option<FaultPlan>) {
@@ -451,11 +450,11 @@ impl KvNode for Node {
     }
 
     async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
-        Ok(Node::abort(self, room)?)
+        self.rooms.abort(room).await
     }
 
     async fn counters(&self) -> Counters {
-        Node::counters(self)
+        self.rooms.counters().await
     }
 
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
@@ -463,21 +462,7 @@ impl KvNode for Node {
     }
 
     async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
-        let links = {
-            let table = self.shared.peers.lock().unwrap_or_else(|p| p.into_inner());
-            table
-                .get(peer.0 as usize)
-                .cloned()
-                .ok_or(NodeError::UnknownPeer(peer))?
-        };
-        for link in links {
-            // A session the embedder opened was reached when it was opened.
-            let Link::Target(target) = link else { continue };
-            let (tx, rx) = oneshot::channel();
-            self.shared.lock().on_target(target, tx);
-            rx.await.map_err(|_| NodeError::ShutDown)??;
-        }
-        Ok(())
+        self.rooms.reach(peer).await
     }
 
     async fn shutdown(&self) {

@@ -1,0 +1,259 @@
+//! The embedder's room calls, written once for every runtime over [`ShardCalls`]: how a call
+//! reaches the driver of one shard is all a runtime supplies (a lock on tokio, a closure sent
+//! to the shard's thread on glommio). Room `r` lives on shard `r mod shards`
+//! ([`shard_of`]); a peer is the list of its addresses on every shard.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+
+use kvferry_core::{ApiError, Capacity, Chunk, Counters, Generation, Grant, Link, RoomId};
+use tokio::sync::oneshot;
+
+use crate::machine::{Driver, Host};
+use crate::{shard_of, NodeError, PeerId, RoomHandle};
+
+/// How an embedder's call reaches the driver of one of a node's shards.
+pub trait ShardCalls: Send + Sync + 'static {
+    /// The runtime side of the driver loop.
+    type Host: Host;
+
+    /// How many shards (drivers) the node runs; a tokio node is one.
+    fn shards(&self) -> usize;
+
+    /// Runs `f` on the driver of `shard` and gives back its result (`ShutDown` when the
+    /// shard is gone).
+    fn call<T, F>(&self, shard: usize, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Driver<Self::Host>) -> T + Send + 'static;
+}
+
+/// A node's room calls and its peer table over any runtime's shards.
+#[derive(Debug)]
+pub struct Embedder<C> {
+    calls: C,
+    /// Per peer, per shard of this node: the links to each of the peer's addresses.
+    peers: Mutex<Vec<Vec<Vec<Link>>>>,
+}
+
+fn api<T>(result: Result<Result<T, ApiError>, NodeError>) -> Result<T, NodeError> {
+    result?.map_err(NodeError::Api)
+}
+
+impl<C: ShardCalls> Embedder<C> {
+    /// Room calls over `calls`, with no peer yet.
+    pub fn new(calls: C) -> Self {
+        Embedder {
+            calls,
+            peers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The runtime's way into its shards.
+    pub fn calls(&self) -> &C {
+        &self.calls
+    }
+
+    /// Names a peer by its links, per shard of this node.
+    pub fn add_peer(&self, per_shard: Vec<Vec<Link>>) -> PeerId {
+        let mut table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        table.push(per_shard);
+        PeerId(table.len() as u32 - 1)
+    }
+
+    fn peer(&self, peer: PeerId) -> Result<Vec<Vec<Link>>, NodeError> {
+        let table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        table
+            .get(peer.0 as usize)
+            .cloned()
+            .ok_or(NodeError::UnknownPeer(peer))
+    }
+
+    /// The link to each of `peers` on the shard owning `room` (address `room mod n`).
+    fn links_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<Link>, NodeError> {
+        let shard = shard_of(room, self.calls.shards());
+        let table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers
+            .iter()
+            .map(|p| {
+                let per_shard = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
+                let links = per_shard.get(shard).ok_or(NodeError::UnknownPeer(*p))?;
+                if links.is_empty() {
+                    return Err(NodeError::UnknownPeer(*p));
+                }
+                Ok(links[shard_of(room, links.len())])
+            })
+            .collect()
+    }
+
+    fn on_room<T, F>(
+        &self,
+        room: RoomId,
+        f: F,
+    ) -> impl Future<Output = Result<T, NodeError>> + Send + '_
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Driver<C::Host>) -> T + Send + 'static,
+    {
+        self.calls.call(shard_of(room, self.calls.shards()), f)
+    }
+
+    /// A peer this node keeps connected to on every shard (dialed again whenever lost).
+    pub async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        let mut per_shard = Vec::with_capacity(self.calls.shards());
+        for shard in 0..self.calls.shards() {
+            let addrs = addrs.clone();
+            let links = self
+                .calls
+                .call(shard, move |d| {
+                    addrs
+                        .into_iter()
+                        .map(|a| Link::Target(d.add_target(a)))
+                        .collect::<Vec<_>>()
+                })
+                .await?;
+            per_shard.push(links);
+        }
+        Ok(self.add_peer(per_shard))
+    }
+
+    /// Waits until every persistent link to `peer` reached its first verdict.
+    pub async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
+        for (shard, links) in self.peer(peer)?.into_iter().enumerate() {
+            for link in links {
+                // A session the embedder opened was reached when it was opened.
+                let Link::Target(target) = link else { continue };
+                let (tx, rx) = oneshot::channel();
+                self.calls
+                    .call(shard, move |d| d.on_target(target, tx))
+                    .await?;
+                rx.await.map_err(|_| NodeError::ShutDown)??;
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode: opens a receiver room fed by `peers`.
+    pub async fn open_receiver(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        peers: Vec<PeerId>,
+        grant: Option<Grant>,
+    ) -> Result<RoomHandle, NodeError> {
+        let links = self.links_for(room, &peers)?;
+        api(self
+            .on_room(room, move |d| {
+                d.open_room(room, |e, now| {
+                    e.open_receiver_via(now, room, generation, &links, grant)
+                })
+            })
+            .await)
+    }
+
+    /// Decode: grants a room its pages.
+    pub async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
+        api(self
+            .on_room(room, move |d| {
+                d.with(|e, now| e.grant_pages(now, room, grant))
+            })
+            .await)
+    }
+
+    /// Prefill: opens a sender room.
+    pub async fn open_sender(
+        &self,
+        room: RoomId,
+        generation: Generation,
+    ) -> Result<RoomHandle, NodeError> {
+        api(self
+            .on_room(room, move |d| {
+                d.open_room(room, |e, now| e.open_sender(now, room, generation))
+            })
+            .await)
+    }
+
+    /// Prefill: sends the next chunk of a room.
+    pub async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
+        api(self
+            .on_room(room, move |d| {
+                d.with(|e, now| e.send_chunk(now, room, chunk))
+            })
+            .await)
+    }
+
+    /// Prefill: layer `layer` of `rooms` finished its forward pass.
+    pub async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
+        let n = self.calls.shards();
+        let mut by_shard: Vec<Vec<RoomId>> = vec![Vec::new(); n];
+        for r in rooms {
+            by_shard[shard_of(r, n)].push(r);
+        }
+        for (shard, rooms) in by_shard.into_iter().enumerate() {
+            if rooms.is_empty() {
+                continue;
+            }
+            api(self
+                .calls
+                .call(shard, move |d| {
+                    d.with(|e, now| e.mark_layer_ready(now, &rooms, layer))
+                })
+                .await)?;
+        }
+        Ok(())
+    }
+
+    /// Decode: free capacity advertised in heartbeats; each shard advertises its share, so
+    /// the sum over a peer's sessions is the truth.
+    pub async fn set_capacity(&self, capacity: Capacity) {
+        let n = self.calls.shards() as u32;
+        for shard in 0..n {
+            let extra = u32::from(shard < capacity.free_pages % n);
+            let share = Capacity {
+                free_pages: capacity.free_pages / n + extra,
+                queued_rooms: capacity.queued_rooms,
+            };
+            let _ = self
+                .calls
+                .call(shard as usize, move |d| {
+                    d.with(|e, _| e.set_capacity(share))
+                })
+                .await;
+        }
+    }
+
+    /// Decode: the room waits for capacity behind `position` others.
+    pub async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
+        api(self
+            .on_room(room, move |d| {
+                d.with(|e, now| e.set_queue_position(now, room, position))
+            })
+            .await)
+    }
+
+    /// Aborts a room locally.
+    pub async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
+        api(self
+            .on_room(room, move |d| d.with(|e, now| e.abort(now, room)))
+            .await)
+    }
+
+    /// The core's counters of one shard.
+    pub async fn shard_counters(&self, shard: usize) -> Result<Counters, NodeError> {
+        self.calls
+            .call(shard, |d| d.endpoint().counters().clone())
+            .await
+    }
+
+    /// The core's counters summed over every shard.
+    pub async fn counters(&self) -> Counters {
+        let mut total = Counters::default();
+        for shard in 0..self.calls.shards() {
+            if let Ok(c) = self.shard_counters(shard).await {
+                total.add(&c);
+            }
+        }
+        total
+    }
+}
