@@ -177,8 +177,7 @@ fn a_fresh_connection_that_takes_over_a_live_one_fails_no_room() {
 }
 
 #[test]
-fn writes_that_used_their_last_attempt_in_the_dark_run_again_when_a_fresh_connection_takes_over()
-{
+fn writes_that_used_their_last_attempt_in_the_dark_run_again_when_a_fresh_connection_takes_over() {
     // Operations time out in the dark until their last attempt is in flight; then the decode
     // dials again, takes over and closes the old connection. Prefill (the accepting side)
     // learns that its old data connections broke before it hears that the old connection
