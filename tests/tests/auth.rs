@@ -203,6 +203,24 @@ async fn a_decodes_recorded_handshake_and_data_hellos_replayed_get_nothing() {
     decode.shutdown().await;
 }
 
+/// A serving prefill whose handshake timeout is 300 ms, and its address.
+async fn impatient_prefill(runtime: Runtime, seed: u64) -> (kvferry_tests::AnyNode, SocketAddr) {
+    let core = kvferry_core::Config {
+        handshake_timeout: Duration::from_millis(300),
+        ..fast_core()
+    };
+    let (node, addrs, server) = prefill_on(
+        runtime,
+        &small_shape(),
+        core,
+        seed,
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await;
+    drop(server); // detached: it serves until the node shuts down
+    (node, addrs[0])
+}
+
 /// Reads until the peer closes; the time it took, or `None` if it was still open after `most`.
 async fn closed_within(s: &mut TcpStream, most: Duration) -> Option<Duration> {
     let started = tokio::time::Instant::now();
@@ -218,20 +236,9 @@ async fn closed_within(s: &mut TcpStream, most: Duration) -> Option<Duration> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_says_nothing_is_dropped_after_the_handshake_timeout() {
-    let core = kvferry_core::Config {
-        handshake_timeout: Duration::from_millis(300),
-        ..fast_core()
-    };
     for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
-        let (_prefill, addrs, _server) = prefill_on(
-            runtime,
-            &small_shape(),
-            core.clone(),
-            62,
-            "127.0.0.1:0".parse().unwrap(),
-        )
-        .await;
-        let mut silent = TcpStream::connect(addrs[0]).await.unwrap();
+        let (_prefill, addr) = impatient_prefill(runtime, 62).await;
+        let mut silent = TcpStream::connect(addr).await.unwrap();
         let took = closed_within(&mut silent, Duration::from_secs(3)).await;
         assert!(
             took.is_some_and(|t| t >= Duration::from_millis(250)),
@@ -243,20 +250,9 @@ async fn a_connection_that_says_nothing_is_dropped_after_the_handshake_timeout()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_connection_that_never_answers_its_challenge_is_dropped_after_the_handshake_timeout()
 {
-    let core = kvferry_core::Config {
-        handshake_timeout: Duration::from_millis(300),
-        ..fast_core()
-    };
     for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
-        let (_prefill, addrs, _server) = prefill_on(
-            runtime,
-            &small_shape(),
-            core.clone(),
-            63,
-            "127.0.0.1:0".parse().unwrap(),
-        )
-        .await;
-        let mut s = TcpStream::connect(addrs[0]).await.unwrap();
+        let (_prefill, addr) = impatient_prefill(runtime, 63).await;
+        let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(&kvferry_tcp::MAGIC).await.unwrap();
         s.write_all(&[kvferry_tcp::KIND_DATA]).await.unwrap();
         let mut challenge = [0u8; kvferry_tcp::DATA_CHALLENGE_LEN];
