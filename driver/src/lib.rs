@@ -15,7 +15,9 @@ mod calls;
 mod machine;
 pub use accept::{accept, within, Accepted};
 pub use calls::{Embedder, ShardCalls};
-pub use machine::{Connections, DataConn, Driver, FrameSink, Host, OpSink, SessionIo, TURN_BUDGET};
+pub use machine::{
+    Connections, DataConn, Driver, FrameSink, Host, OpSink, Release, SessionIo, TURN_BUDGET,
+};
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -89,20 +89,18 @@ pub trait Host: Sized + 'static {
     /// opens is handed to [`Driver::attach_data`].
     fn open_data(&self, session: SessionId, addr: SocketAddr, key: SessionKey, n: usize);
 
-    /// Closes `conns` until nothing of them can write any more, then calls
-    /// [`Driver::fence_closed`].
-    fn fence(&self, session: SessionId, conns: Vec<DataConn<Self>>);
-
-    /// Stops `tasks`, then closes `conns`, then calls [`Driver::closed`]. The control
-    /// writer's queue is closed already: the writer ends once its last frames are written
-    /// (before any data connection closes, so the peer reads why first), and is stopped if
-    /// that takes longer than `linger`.
-    fn close(
+    /// Stops `tasks` (a close's control tasks; none for a fence), then closes `conns` until
+    /// nothing of them can write any more, then calls [`Driver::released`] with `why`. The
+    /// control writer's queue is closed already: the writer ends once its last frames are
+    /// written (before any data connection closes, so the peer reads why first), and is
+    /// stopped if that takes longer than `linger`.
+    fn release(
         &self,
         session: SessionId,
         conns: Vec<DataConn<Self>>,
         tasks: Option<Self::ControlTasks>,
         linger: Duration,
+        why: Release,
     );
 
     /// Makes the host's driver task call [`Driver::turn`] soon (a timer moved earlier, or a
@@ -140,6 +138,15 @@ pub trait Host: Sized + 'static {
 
     /// The session is closing: release what [`Host::SessionExt`] holds.
     fn close_own(_ext: &mut Self::SessionExt) {}
+}
+
+/// Why a host releases a session's connections ([`Host::release`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    /// A fence: the data connections go, the session stays.
+    Fence,
+    /// A close: every connection of the session goes.
+    Close,
 }
 
 /// A session's connections as the driver sees them.
@@ -622,7 +629,15 @@ impl<H: Host> Driver<H> {
         self.drain();
     }
 
-    /// A fence's connections are closed ([`Host::fence`]): confirm it to the core, then
+    /// The connections a host released ([`Host::release`]) are closed.
+    pub fn released(&mut self, session: SessionId, why: Release) {
+        match why {
+            Release::Fence => self.fence_closed(session),
+            Release::Close => self.closed(session),
+        }
+    }
+
+    /// A fence's connections are closed: confirm it to the core, then
     /// re-open the data connections if this side opens them.
     pub fn fence_closed(&mut self, session: SessionId) {
         self.endpoint.handle_fence_complete(Instant::now(), session);
@@ -631,7 +646,7 @@ impl<H: Host> Driver<H> {
         self.open_data_connections(session, self.data_connections);
     }
 
-    /// Every connection of `session` is closed ([`Host::close`]): the core forgets it.
+    /// Every connection of `session` is closed: the core forgets it.
     pub fn closed(&mut self, session: SessionId) {
         self.io.remove(&session);
         self.endpoint.handle_disconnected(Instant::now(), session);
@@ -720,7 +735,7 @@ impl<H: Host> Driver<H> {
     }
 
     /// Carries out a fence: the host closes the session's data connections, then
-    /// [`Driver::fence_closed`] confirms it.
+    /// [`Driver::released`] confirms it.
     fn start_fence(&mut self, session: SessionId) {
         self.unpark(session);
         if H::fence_own(self, session) {
@@ -729,14 +744,15 @@ impl<H: Host> Driver<H> {
         match self.io.get_mut(&session) {
             Some(io) => {
                 let conns = io.data.fence();
-                self.host.fence(session, conns);
+                self.host
+                    .release(session, conns, None, Duration::ZERO, Release::Fence);
             }
             None => self.endpoint.handle_fence_complete(Instant::now(), session),
         }
     }
 
     /// Carries out a close: the host stops every connection of the session, then
-    /// [`Driver::closed`] tells the core.
+    /// [`Driver::released`] tells the core.
     fn start_close(&mut self, session: SessionId) {
         self.unpark(session);
         let Some(io) = self.io.get_mut(&session) else {
@@ -749,7 +765,8 @@ impl<H: Host> Driver<H> {
         io.control = None;
         H::close_own(&mut io.ext);
         let linger = self.endpoint.config().close_linger;
-        self.host.close(session, conns, tasks, linger);
+        self.host
+            .release(session, conns, tasks, linger, Release::Close);
     }
 }
 

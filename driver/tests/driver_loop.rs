@@ -13,7 +13,7 @@ use kvferry_core::{
     SessionKey, TargetId, TransferOp,
 };
 use kvferry_driver::{
-    Announcer, DataConn, Driver, FrameSink, Host, NodeError, OpSink, TURN_BUDGET,
+    Announcer, DataConn, Driver, FrameSink, Host, NodeError, OpSink, Release, TURN_BUDGET,
 };
 use tokio::sync::oneshot;
 
@@ -64,16 +64,17 @@ impl Host for Recorder {
         self.0.borrow_mut().data_opened.push((session, n));
     }
 
-    fn fence(&self, _session: SessionId, _conns: Vec<DataConn<Self>>) {}
-
-    fn close(
+    fn release(
         &self,
         session: SessionId,
         _conns: Vec<DataConn<Self>>,
         _tasks: Option<()>,
         _linger: Duration,
+        why: Release,
     ) {
-        self.0.borrow_mut().closes.push(session);
+        if why == Release::Close {
+            self.0.borrow_mut().closes.push(session);
+        }
     }
 
     fn wake(&self) {

@@ -36,7 +36,7 @@ use kvferry_core::{
 };
 use kvferry_driver::{
     Accepted, Announcer, CoreCheck, DataConn, Driver, Embedder, EndpointAccess, FrameSink, Host,
-    ShardCalls,
+    Release, ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
@@ -640,28 +640,17 @@ impl Host for ShardHost {
         }
     }
 
-    fn fence(&self, sid: SessionId, conns: Vec<DataConn<Self>>) {
-        let weak = self.shard.clone();
-        self.spawn(async move {
-            for c in conns {
-                close_data(c).await;
-            }
-            if let Some(shard) = weak.upgrade() {
-                shard.drive(|d| d.fence_closed(sid));
-            }
-        });
-    }
-
-    fn close(
+    fn release(
         &self,
         sid: SessionId,
         conns: Vec<DataConn<Self>>,
         tasks: Option<ControlTasks>,
         linger: Duration,
+        why: Release,
     ) {
         let weak = self.shard.clone();
         self.spawn(async move {
-            // Control frames first, then data connections: see `Host::close`.
+            // Control frames first, then data connections: see `Host::release`.
             if let Some(t) = tasks {
                 t.stop(linger).await;
             }
@@ -669,7 +658,7 @@ impl Host for ShardHost {
                 close_data(c).await;
             }
             if let Some(shard) = weak.upgrade() {
-                shard.drive(|d| d.closed(sid));
+                shard.drive(|d| d.released(sid, why));
             }
         });
     }

@@ -39,7 +39,7 @@ pub use kvferry_driver::{
 };
 use kvferry_driver::{
     within, Accepted, Announcer, CoreCheck, DataConn, Driver, Embedder, EndpointAccess, Host,
-    ShardCalls,
+    Release, ShardCalls,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
@@ -544,28 +544,17 @@ impl Host for TokioHost {
         }
     }
 
-    fn fence(&self, sid: SessionId, conns: Vec<DataConn<Self>>) {
-        let weak = self.shared.clone();
-        self.runtime.spawn(async move {
-            for c in conns {
-                close_data(c).await;
-            }
-            if let Some(shared) = weak.upgrade() {
-                shared.lock().fence_closed(sid);
-            }
-        });
-    }
-
-    fn close(
+    fn release(
         &self,
         sid: SessionId,
         conns: Vec<DataConn<Self>>,
         tasks: Option<ControlTasks>,
         linger: Duration,
+        why: Release,
     ) {
         let weak = self.shared.clone();
         self.runtime.spawn(async move {
-            // Control frames first, then data connections: see `Host::close`.
+            // Control frames first, then data connections: see `Host::release`.
             if let Some(t) = tasks {
                 t.stop(linger).await;
             }
@@ -573,7 +562,7 @@ impl Host for TokioHost {
                 close_data(c).await;
             }
             if let Some(shared) = weak.upgrade() {
-                shared.lock().closed(sid);
+                shared.lock().released(sid, why);
             }
         });
     }
