@@ -35,8 +35,8 @@ use kvferry_core::{
     SessionKey, TargetId,
 };
 use kvferry_driver::{
-    Accepted, Announcer, CoreCheck, DataConn, Driver, Embedder, EndpointAccess, FrameSink, Host,
-    Release, ShardCalls,
+    within, Accepted, Announcer, CoreCheck, DataConn, Driver, Embedder, EndpointAccess, FrameSink,
+    Host, Release, ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
@@ -597,12 +597,9 @@ impl Host for ShardHost {
     fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration) {
         let weak = self.shard.clone();
         self.spawn(async move {
-            let opened = dial_control(addr);
-            let timeout = async {
-                glommio::timer::sleep(timeout).await;
-                Err(std::io::Error::from(std::io::ErrorKind::TimedOut))
-            };
-            let result = futures_lite::future::or(opened, timeout).await;
+            let result = within(timeout, glommio::timer::sleep, dial_control(addr))
+                .await
+                .unwrap_or_else(|| Err(std::io::ErrorKind::TimedOut.into()));
             let Some(shard) = weak.upgrade() else { return };
             match result {
                 Ok(stream) => {
@@ -681,17 +678,8 @@ impl ControlTasks {
     /// ends by itself) for at most `linger`.
     async fn stop(self, linger: Duration) {
         let _ = self.reader.cancel().await;
-        let writer = self.writer;
-        let written = async {
-            writer.await;
-            true
-        };
-        let expired = async {
-            glommio::timer::sleep(linger).await;
-            false
-        };
         // Dropping the writer's task when the linger expires cancels it.
-        let _ = futures_lite::future::or(written, expired).await;
+        let _ = within(linger, glommio::timer::sleep, self.writer).await;
     }
 }
 
