@@ -62,10 +62,11 @@ pub async fn prefill(
     seed: u64,
 ) -> (Node, SocketAddr, tokio::task::JoinHandle<()>) {
     let node = start(Role::Prefill, shape, core, seed);
+    // A tokio node is one shard: one address.
     let addr = node
         .listen("127.0.0.1:0".parse().expect("addr"))
         .await
-        .expect("listen");
+        .expect("listen")[0];
     let server = tokio::spawn(kvferry_testkit::serve_prefill(node.clone(), shape.clone()));
     (node, addr, server)
 }

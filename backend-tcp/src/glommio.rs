@@ -24,6 +24,10 @@ impl Task for glommio::Task<()> {
     async fn stop(self) {
         let _ = self.cancel().await;
     }
+
+    fn abort(self) {
+        // Dropping a glommio task cancels it.
+    }
 }
 
 impl LocalDataSender {

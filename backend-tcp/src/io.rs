@@ -85,8 +85,12 @@ impl AsRawFd for TokioIo<OwnedReadHalf> {
 
 impl Task for JoinHandle<()> {
     async fn stop(self) {
-        self.abort();
+        JoinHandle::abort(&self);
         let _ = self.await;
+    }
+
+    fn abort(self) {
+        JoinHandle::abort(&self);
     }
 }
 

@@ -43,6 +43,9 @@ impl Report for Rc<dyn Fn(TransferId, TransferOutcome)> {
 pub trait Task {
     /// Cancels the task and waits until it can no longer run.
     fn stop(self) -> impl Future<Output = ()>;
+
+    /// Cancels the task without waiting.
+    fn abort(self);
 }
 
 /// How the writing half of a data connection puts one operation on the wire.

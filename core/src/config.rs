@@ -47,6 +47,9 @@ pub struct Config {
     /// leave before its connection is dropped; the wait ends as soon as they are written
     /// (`KVFERRY_CLOSE_LINGER_MS`, 100).
     pub close_linger: Duration,
+    /// Wait after a listener's accept failed (out of descriptors, say) before it accepts
+    /// again (`KVFERRY_ACCEPT_BACKOFF_MS`, 50).
+    pub accept_backoff: Duration,
     /// Wait before a broken data connection of a live session is replaced (the session's
     /// control connection is up, so the peer is there: a short, fixed wait)
     /// (`KVFERRY_DATA_RECONNECT_INTERVAL_MS`, 10).
@@ -100,6 +103,7 @@ impl Default for Config {
             handshake_timeout: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(2),
             close_linger: Duration::from_millis(100),
+            accept_backoff: Duration::from_millis(50),
             data_reconnect_interval: Duration::from_millis(10),
             operation_timeout: Duration::from_secs(30),
             max_op_bytes: 64 << 20,
@@ -202,6 +206,10 @@ const FIELDS: &[(&str, Field)] = &[
         Field::Millis(|c| &mut c.shutdown_timeout),
     ),
     ("CLOSE_LINGER_MS", Field::Millis(|c| &mut c.close_linger)),
+    (
+        "ACCEPT_BACKOFF_MS",
+        Field::Millis(|c| &mut c.accept_backoff),
+    ),
     (
         "DATA_RECONNECT_INTERVAL_MS",
         Field::Millis(|c| &mut c.data_reconnect_interval),

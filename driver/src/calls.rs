@@ -55,6 +55,32 @@ impl<C: ShardCalls> Embedder<C> {
         &self.calls
     }
 
+    /// Opens sessions from every shard to each of a peer's `addrs` (one per shard of the
+    /// peer) and waits for their handshakes; names the peer.
+    pub async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        let mut per_shard = Vec::with_capacity(self.calls.shards());
+        for shard in 0..self.calls.shards() {
+            let mut links = Vec::with_capacity(addrs.len());
+            for &addr in &addrs {
+                let (tx, rx) = oneshot::channel();
+                self.calls.call(shard, move |d| d.dial(addr, tx)).await?;
+                // The dial is bounded by the core's connect timeout, the handshake by its
+                // handshake timeout.
+                let session = rx.await.map_err(|_| NodeError::ShutDown)??;
+                links.push(Link::Session(session));
+            }
+            per_shard.push(links);
+        }
+        Ok(self.add_peer(per_shard))
+    }
+
+    /// Replaces the injected data-path faults on every shard (demos and tests).
+    pub async fn set_faults(&self, faults: Option<crate::FaultPlan>) {
+        for shard in 0..self.calls.shards() {
+            let _ = self.calls.call(shard, move |d| d.set_faults(faults)).await;
+        }
+    }
+
     /// Names a peer by its links, per shard of this node.
     pub fn add_peer(&self, per_shard: Vec<Vec<Link>>) -> PeerId {
         let mut table = self.peers.lock().unwrap_or_else(|p| p.into_inner());

@@ -13,11 +13,14 @@
 mod accept;
 mod calls;
 mod machine;
+pub mod runtime;
 pub use accept::{accept, within, Accepted};
 pub use calls::{Embedder, ShardCalls};
 pub use machine::{
-    Connections, DataConn, Driver, FrameSink, Host, OpSink, Release, SessionIo, TURN_BUDGET,
+    Answer, Connections, DataConn, Dial, Driver, FrameSink, Host, OpSink, Release, SessionIo,
+    TURN_BUDGET,
 };
+pub use runtime::{ControlQueue, ControlTasks, DriverAccess, Runtime};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -428,6 +431,132 @@ pub trait KvNode: Clone + Send + Sync + 'static {
 
     /// Fails every room, tells every peer, closes every connection and stops.
     fn shutdown(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// What a runtime's node says of itself: its embedder (every room call goes through it), its
+/// memory, how it listens and how it shuts down. Every such node is a [`KvNode`].
+pub trait RuntimeNode: Clone + Send + Sync + 'static {
+    /// How a call reaches one of the node's shards.
+    type Calls: ShardCalls;
+
+    /// The room calls and the peer table over the node's shards.
+    fn embedder(&self) -> &Embedder<Self::Calls>;
+
+    /// Which runtime runs this node (`"tokio"`, `"glommio"`).
+    fn runtime(&self) -> &'static str;
+
+    /// Which data plane carries its operations (`"tcp"`, `"rdma"`).
+    fn backend(&self) -> &'static str {
+        "tcp"
+    }
+
+    /// The registered memory the node moves bytes from and into.
+    fn memory(&self) -> &Arc<MemoryMap>;
+
+    /// Accepts peers on `addr` (port 0: any); returns one address per shard.
+    fn listen(
+        &self,
+        addr: SocketAddr,
+    ) -> impl Future<Output = Result<Vec<SocketAddr>, NodeError>> + Send;
+
+    /// Prefill: every room a decode asks for before this node opened it.
+    fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement>;
+
+    /// Fails every room, tells every peer, closes every connection and listener.
+    fn shutdown(&self) -> impl Future<Output = ()> + Send;
+}
+
+impl<N: RuntimeNode> KvNode for N {
+    fn runtime(&self) -> &'static str {
+        RuntimeNode::runtime(self)
+    }
+
+    fn backend(&self) -> &'static str {
+        RuntimeNode::backend(self)
+    }
+
+    fn memory(&self) -> &Arc<MemoryMap> {
+        RuntimeNode::memory(self)
+    }
+
+    fn shards(&self) -> usize {
+        self.embedder().calls().shards()
+    }
+
+    async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
+        RuntimeNode::listen(self, addr).await
+    }
+
+    async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        self.embedder().connect(addrs).await
+    }
+
+    async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        self.embedder().connect_persistent(addrs).await
+    }
+
+    async fn open_receiver(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        peers: Vec<PeerId>,
+        grant: Option<Grant>,
+    ) -> Result<RoomHandle, NodeError> {
+        let rooms = self.embedder();
+        rooms.open_receiver(room, generation, peers, grant).await
+    }
+
+    async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
+        self.embedder().grant_pages(room, grant).await
+    }
+
+    async fn open_sender(
+        &self,
+        room: RoomId,
+        generation: Generation,
+    ) -> Result<RoomHandle, NodeError> {
+        self.embedder().open_sender(room, generation).await
+    }
+
+    async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
+        self.embedder().send_chunk(room, chunk).await
+    }
+
+    async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
+        self.embedder().mark_layer_ready(rooms, layer).await
+    }
+
+    async fn set_capacity(&self, capacity: kvferry_core::Capacity) {
+        self.embedder().set_capacity(capacity).await;
+    }
+
+    async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
+        self.embedder().set_queue_position(room, position).await
+    }
+
+    async fn set_faults(&self, faults: Option<FaultPlan>) {
+        self.embedder().set_faults(faults).await;
+    }
+
+    async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
+        self.embedder().abort(room).await
+    }
+
+    async fn counters(&self) -> Counters {
+        self.embedder().counters().await
+    }
+
+    fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
+        RuntimeNode::room_announcements(self)
+    }
+
+    async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
+        self.embedder().reach(peer).await
+    }
+
+    async fn shutdown(&self) {
+        RuntimeNode::shutdown(self).await;
+    }
 }
 
 /// The driver's room handles: turns the core's room events into [`RoomHandle`] updates and

@@ -24,7 +24,9 @@ use tokio::sync::oneshot;
 use tracing::{info, warn};
 
 use crate::RoomHandle;
-use crate::{connect_failure, export_metrics, round_robin, Announcer, NodeError, RoomBook};
+use crate::{
+    connect_failure, export_metrics, round_robin, Announcer, FaultPlan, NodeError, RoomBook,
+};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
@@ -81,9 +83,10 @@ pub trait Host: Sized + 'static {
     /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
     type SessionExt: Default;
 
-    /// Opens a control connection to `addr` within `timeout`, then calls
-    /// [`Driver::attach_control`] with `target`, or [`Driver::connect_failed`].
-    fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration);
+    /// Opens a control connection to `addr` within `timeout` for `dial`, then calls
+    /// [`Driver::attach_control`] (with the dial's target, or its caller as the handshake's
+    /// waiter); on failure calls [`Driver::connect_failed`] or tells the caller.
+    fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial);
 
     /// Opens `n` data connections of `session` to `addr`, each proving `key`; each one that
     /// opens is handed to [`Driver::attach_data`].
@@ -138,6 +141,14 @@ pub trait Host: Sized + 'static {
 
     /// The session is closing: release what [`Host::SessionExt`] holds.
     fn close_own(_ext: &mut Self::SessionExt) {}
+}
+
+/// Who a control connection is dialed for ([`Host::connect`]).
+pub enum Dial {
+    /// A target the core keeps connected: the core hears how the attempt ended.
+    Target(TargetId),
+    /// An embedder's call: it hears how the handshake (or the dial) ended.
+    Caller(Answer),
 }
 
 /// Why a host releases a session's connections ([`Host::release`]).
@@ -198,7 +209,8 @@ impl Refusal {
 }
 
 /// Where a caller waiting for a session is told how the wait ended.
-type Answer = oneshot::Sender<Result<SessionId, NodeError>>;
+/// Where a caller waiting for a handshake or a target hears how it ended.
+pub type Answer = oneshot::Sender<Result<SessionId, NodeError>>;
 
 /// The callers waiting on one key, and the refusal seen so far.
 #[derive(Default)]
@@ -273,6 +285,8 @@ pub struct Driver<H: Host> {
     role: Role,
     data_connections: usize,
     announcements: Announcer,
+    /// Injected data-path faults (demos and tests).
+    faults: Option<FaultPlan>,
 }
 
 impl<H: Host> Driver<H> {
@@ -300,6 +314,7 @@ impl<H: Host> Driver<H> {
             role,
             data_connections: data_connections.max(1),
             announcements,
+            faults: None,
         }
     }
 
@@ -312,6 +327,16 @@ impl<H: Host> Driver<H> {
     /// ([`Driver::drain`]) or that has none (challenges, admissions).
     pub fn endpoint_mut(&mut self) -> &mut Endpoint {
         &mut self.endpoint
+    }
+
+    /// The data-path faults injected on this driver's receive path (demos and tests).
+    pub fn faults(&self) -> Option<FaultPlan> {
+        self.faults
+    }
+
+    /// Replaces the injected data-path faults.
+    pub fn set_faults(&mut self, faults: Option<FaultPlan>) {
+        self.faults = faults;
     }
 
     /// The host.
@@ -384,7 +409,7 @@ impl<H: Host> Driver<H> {
                     Action::CloseSession(sid) => self.start_close(sid),
                     Action::Connect { target, timeout } => {
                         if let Some(&addr) = self.targets.get(&target) {
-                            self.host.connect(target, addr, timeout);
+                            self.host.connect(addr, timeout, Dial::Target(target));
                         }
                     }
                     Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
@@ -651,6 +676,13 @@ impl<H: Host> Driver<H> {
         self.io.remove(&session);
         self.endpoint.handle_disconnected(Instant::now(), session);
         self.drain();
+    }
+
+    /// Dials a session to `addr` for an embedder's call, bounded by the core's
+    /// `connect_timeout`; `tx` hears how its handshake ends ([`Driver::on_handshake`]).
+    pub fn dial(&mut self, addr: SocketAddr, tx: Answer) {
+        let timeout = self.endpoint.config().connect_timeout;
+        self.host.connect(addr, timeout, Dial::Caller(tx));
     }
 
     /// Keeps a session to the peer at `addr`, reconnecting with the core's backoff.

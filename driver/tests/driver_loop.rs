@@ -13,7 +13,7 @@ use kvferry_core::{
     SessionKey, TargetId, TransferOp,
 };
 use kvferry_driver::{
-    Announcer, DataConn, Driver, FrameSink, Host, NodeError, OpSink, Release, TURN_BUDGET,
+    Announcer, DataConn, Dial, Driver, FrameSink, Host, NodeError, OpSink, Release, TURN_BUDGET,
 };
 use tokio::sync::oneshot;
 
@@ -56,8 +56,10 @@ impl Host for Recorder {
     type ControlTasks = ();
     type SessionExt = ();
 
-    fn connect(&self, target: TargetId, _addr: SocketAddr, _timeout: Duration) {
-        self.0.borrow_mut().connects.push(target);
+    fn connect(&self, _addr: SocketAddr, _timeout: Duration, dial: Dial) {
+        if let Dial::Target(target) = dial {
+            self.0.borrow_mut().connects.push(target);
+        }
     }
 
     fn open_data(&self, session: SessionId, _addr: SocketAddr, _key: SessionKey, n: usize) {

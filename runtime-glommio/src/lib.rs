@@ -27,16 +27,15 @@ use std::rc::{Rc, Weak};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
+use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement, Task};
 use kvferry_core::{
-    Chunk, Counters, Endpoint, EndpointInfo, Generation, Grant, NodeId, Role, RoomId, SessionId,
-    SessionKey, TargetId,
+    Counters, Endpoint, EndpointInfo, NodeId, Role, SessionId, SessionKey, TargetId,
 };
 use kvferry_driver::{
-    within, Accepted, Announcer, CoreCheck, DataConn, Driver, Embedder, EndpointAccess, FrameSink,
-    Host, Release, ShardCalls,
+    runtime, Announcer, Answer, ControlQueue, ControlTasks, CoreCheck, DataConn, Dial, Driver,
+    DriverAccess, Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
@@ -48,7 +47,7 @@ use kvferry_tcp::glommio::{serve_local, LocalDataSender as DataSender, LocalRepo
 use kvferry_tcp::stream::{hello_control, hello_data};
 use kvferry_tcp::Limits;
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, warn};
+use tracing::warn;
 
 /// glommio needs at least this much locked memory per executor.
 const MEMLOCK_MIN: u64 = 512 * 1024;
@@ -259,7 +258,7 @@ impl GlommioNode {
 }
 
 /// The node's way into its shards: one command channel to each shard's thread.
-struct Shards(Vec<flume::Sender<Cmd>>);
+pub struct Shards(Vec<flume::Sender<Cmd>>);
 
 impl Shards {
     /// Runs `f` on shard `shard` (on its thread) and returns its result.
@@ -300,7 +299,14 @@ impl ShardCalls for Shards {
     }
 }
 
-impl KvNode for GlommioNode {
+/// The embedder API ([`KvNode`]) of a glommio node: calls go to the shard owning the room.
+impl RuntimeNode for GlommioNode {
+    type Calls = Shards;
+
+    fn embedder(&self) -> &Embedder<Shards> {
+        &self.shared.rooms
+    }
+
     fn runtime(&self) -> &'static str {
         "glommio"
     }
@@ -309,13 +315,9 @@ impl KvNode for GlommioNode {
         &self.shared.memory
     }
 
-    fn shards(&self) -> usize {
-        self.shared.rooms.calls().shards()
-    }
-
     async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
-        let mut out = Vec::with_capacity(self.shards());
-        for i in 0..self.shards() {
+        let mut out = Vec::with_capacity(self.shared.rooms.calls().shards());
+        for i in 0..self.shared.rooms.calls().shards() {
             let mut a = addr;
             if a.port() != 0 {
                 a.set_port(addr.port().wrapping_add(i as u16));
@@ -326,97 +328,12 @@ impl KvNode for GlommioNode {
         Ok(out)
     }
 
-    async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        let mut per_shard = Vec::with_capacity(self.shards());
-        for i in 0..self.shards() {
-            let mut sessions = Vec::with_capacity(addrs.len());
-            for &addr in &addrs {
-                let (tx, rx) = oneshot::channel();
-                self.call(i, move |s| {
-                    let s = s.clone();
-                    glommio::spawn_local(async move {
-                        let _ = tx.send(s.connect(addr).await);
-                    })
-                    .detach();
-                })
-                .await?;
-                let sid = rx.await.map_err(|_| NodeError::ShutDown)??;
-                sessions.push(Link::Session(sid));
-            }
-            per_shard.push(sessions);
-        }
-        Ok(self.shared.rooms.add_peer(per_shard))
-    }
-
-    async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        self.shared.rooms.connect_persistent(addrs).await
-    }
-
-    async fn open_receiver(
-        &self,
-        room: RoomId,
-        generation: Generation,
-        peers: Vec<PeerId>,
-        grant: Option<Grant>,
-    ) -> Result<RoomHandle, NodeError> {
-        self.shared
-            .rooms
-            .open_receiver(room, generation, peers, grant)
-            .await
-    }
-
-    async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
-        self.shared.rooms.grant_pages(room, grant).await
-    }
-
-    async fn open_sender(
-        &self,
-        room: RoomId,
-        generation: Generation,
-    ) -> Result<RoomHandle, NodeError> {
-        self.shared.rooms.open_sender(room, generation).await
-    }
-
-    async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
-        self.shared.rooms.send_chunk(room, chunk).await
-    }
-
-    async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
-        self.shared.rooms.mark_layer_ready(rooms, layer).await
-    }
-
-    async fn set_capacity(&self, capacity: kvferry_core::Capacity) {
-        self.shared.rooms.set_capacity(capacity).await;
-    }
-
-    async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
-        self.shared.rooms.set_queue_position(room, position).await
-    }
-
-    async fn set_faults(&self, faults: Option<FaultPlan>) {
-        for i in 0..self.shards() {
-            let _ = self.call(i, move |s| s.faults.set(faults)).await;
-        }
-    }
-
-    async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
-        self.shared.rooms.abort(room).await
-    }
-
-    async fn counters(&self) -> Counters {
-        self.shared.rooms.counters().await
-    }
-
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
         self.shared.announcements.subscribe()
     }
 
-    async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
-        self.shared.rooms.reach(peer).await
-    }
-
     async fn shutdown(&self) {
-        for i in 0..self.shards() {
+        for i in 0..self.shared.rooms.calls().shards() {
             let (tx, rx) = oneshot::channel();
             let sent = self
                 .call(i, move |s| {
@@ -466,28 +383,21 @@ struct Shard {
     memory: Arc<MemoryMap>,
     info: EndpointInfo,
     limits: Limits,
-    faults: Cell<Option<FaultPlan>>,
     wake: LocalSender<()>,
     stopped: Cell<bool>,
     /// Tasks that live as long as the shard (listeners, the timer).
     background: RefCell<Vec<Task<()>>>,
+    /// The listeners' tasks.
+    listeners: RefCell<Vec<Task<()>>>,
     /// Tasks the driver asked for, started once it is no longer borrowed.
     spawns: RefCell<Vec<std::pin::Pin<Box<dyn Future<Output = ()>>>>>,
 }
 
 /// A shard's side of the driver loop: starts tasks on the shard's executor that report back
 /// to the driver in [`Shard::driver`].
-struct ShardHost {
+#[derive(Clone)]
+pub struct ShardHost {
     shard: Weak<Shard>,
-}
-
-/// A control connection's writer queue.
-struct Control(LocalSender<Vec<u8>>);
-
-impl FrameSink for Control {
-    fn send(&self, frame: Vec<u8>) {
-        let _ = self.0.try_send(frame);
-    }
 }
 
 async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(), String>>) {
@@ -521,13 +431,22 @@ async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(),
             max_bytes: setup.config.core.max_op_bytes,
         },
         info: setup.info,
-        faults: Cell::new(setup.config.faults),
         wake,
         stopped: Cell::new(false),
         background: RefCell::new(Vec::new()),
+        listeners: RefCell::new(Vec::new()),
         spawns: RefCell::new(Vec::new()),
     });
-    let timer = glommio::spawn_local(drive(Rc::downgrade(&shard), wake_rx));
+    shard.drive(|d| d.set_faults(setup.config.faults));
+    let weak = Rc::downgrade(&shard);
+    let host = shard.host();
+    let timer = glommio::spawn_local(async move {
+        let wake = &wake_rx;
+        let woken = || async {
+            wake.recv().await.is_some() && weak.upgrade().is_some_and(|s| !s.stopped.get())
+        };
+        runtime::run_driver(host, woken).await;
+    });
     shard.background.borrow_mut().push(timer);
     let _ = ready.send(Ok(()));
     while let Ok(cmd) = setup.rx.recv_async().await {
@@ -537,42 +456,17 @@ async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(),
         }
     }
     shard.stop();
-    let tasks = std::mem::take(&mut *shard.background.borrow_mut());
+    let mut tasks = std::mem::take(&mut *shard.background.borrow_mut());
+    tasks.append(&mut shard.listeners.borrow_mut());
     for t in tasks {
         let _ = t.cancel().await;
     }
     let sessions = shard.drive(|d| d.take_all());
     for (conns, tasks) in sessions {
-        for c in conns {
-            close_data(c).await;
-        }
+        runtime::close_all(conns).await;
         if let Some(t) = tasks {
             let _ = t.reader.cancel().await;
             let _ = t.writer.cancel().await;
-        }
-    }
-}
-
-/// The shard's driver task: one turn of the driver loop whenever its timer fires or it is
-/// woken, until the shard stops.
-async fn drive(weak: Weak<Shard>, wake: LocalReceiver<()>) {
-    loop {
-        let Some(shard) = weak.upgrade() else { return };
-        if shard.stopped.get() {
-            return;
-        }
-        let deadline = shard.drive(|d| d.turn(Instant::now()));
-        drop(shard);
-        let sleep = async {
-            match deadline {
-                Some(t) => glommio::timer::sleep(t.saturating_duration_since(Instant::now())).await,
-                None => glommio::timer::sleep(Duration::from_secs(3600)).await,
-            }
-            true
-        };
-        let woken = async { wake.recv().await.is_some() };
-        if !futures_lite::future::or(sleep, woken).await {
-            return;
         }
     }
 }
@@ -590,50 +484,17 @@ impl ShardHost {
 impl Host for ShardHost {
     type Sender = DataSender;
     type Receiver = Task<()>;
-    type Control = Control;
-    type ControlTasks = ControlTasks;
+    type Control = ControlQueue;
+    type ControlTasks = ControlTasks<Task<()>>;
     type SessionExt = ();
 
-    fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration) {
-        let weak = self.shard.clone();
-        self.spawn(async move {
-            let result = within(timeout, glommio::timer::sleep, dial_control(addr))
-                .await
-                .unwrap_or_else(|| Err(std::io::ErrorKind::TimedOut.into()));
-            let Some(shard) = weak.upgrade() else { return };
-            match result {
-                Ok(stream) => {
-                    shard.attach_control(stream, Some(addr), Some(target), None);
-                }
-                Err(err) => {
-                    debug!(%target, %addr, error = %err, "connect failed");
-                    shard.drive(|d| d.connect_failed(target, &err));
-                }
-            }
-        });
+    fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial) {
+        self.spawn(runtime::connect(self.clone(), addr, timeout, dial));
     }
 
     fn open_data(&self, sid: SessionId, addr: SocketAddr, key: SessionKey, n: usize) {
         for _ in 0..n {
-            let weak = self.shard.clone();
-            let key = key.clone();
-            self.spawn(async move {
-                let opened = async {
-                    let mut stream = TcpStream::connect(addr).await?;
-                    let _ = stream.set_nodelay(true);
-                    hello_data(&mut stream, &key).await?;
-                    Ok::<_, std::io::Error>(stream)
-                }
-                .await;
-                match opened {
-                    Ok(stream) => {
-                        if let Some(shard) = weak.upgrade() {
-                            shard.attach_data(sid, stream);
-                        }
-                    }
-                    Err(e) => warn!(session = %sid, error = %e, "data connection failed"),
-                }
-            });
+            self.spawn(runtime::open_data(self.clone(), sid, addr, key.clone()));
         }
     }
 
@@ -641,23 +502,18 @@ impl Host for ShardHost {
         &self,
         sid: SessionId,
         conns: Vec<DataConn<Self>>,
-        tasks: Option<ControlTasks>,
+        tasks: Option<ControlTasks<Task<()>>>,
         linger: Duration,
         why: Release,
     ) {
-        let weak = self.shard.clone();
-        self.spawn(async move {
-            // Control frames first, then data connections: see `Host::release`.
-            if let Some(t) = tasks {
-                t.stop(linger).await;
-            }
-            for c in conns {
-                close_data(c).await;
-            }
-            if let Some(shard) = weak.upgrade() {
-                shard.drive(|d| d.released(sid, why));
-            }
-        });
+        self.spawn(runtime::release(
+            self.clone(),
+            sid,
+            conns,
+            tasks,
+            linger,
+            why,
+        ));
     }
 
     fn wake(&self) {
@@ -667,37 +523,100 @@ impl Host for ShardHost {
     }
 }
 
-/// A control connection's tasks.
-struct ControlTasks {
-    writer: Task<()>,
-    reader: Task<()>,
-}
+impl Runtime for ShardHost {
+    type Host = ShardHost;
+    type Task = Task<()>;
+    type Sender = DataSender;
+    type Stream = TcpStream;
 
-impl ControlTasks {
-    /// Stops reading at once; lets the writer send what is queued (its queue is closed, so it
-    /// ends by itself) for at most `linger`.
-    async fn stop(self, linger: Duration) {
-        let _ = self.reader.cancel().await;
-        // Dropping the writer's task when the linger expires cancels it.
-        let _ = within(linger, glommio::timer::sleep, self.writer).await;
+    fn io(
+        stream: &mut TcpStream,
+    ) -> impl futures_io::AsyncRead + futures_io::AsyncWrite + Unpin + '_ {
+        stream
     }
-}
 
-/// Opens a control connection to `addr` and says so in its preamble.
-async fn dial_control(addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let mut stream = TcpStream::connect(addr).await?;
-    let _ = stream.set_nodelay(true);
-    hello_control(&mut stream).await?;
-    Ok(stream)
-}
+    fn drive<T>(&self, f: impl FnOnce(&mut Driver<ShardHost>) -> T) -> Option<T> {
+        Some(self.shard.upgrade()?.drive(f))
+    }
 
-/// Closes a data connection and waits until nothing of it can write any more.
-async fn close_data(conn: DataConn<ShardHost>) {
-    match conn {
-        DataConn::Sender(s) => s.close().await,
-        DataConn::Receiver(t) => {
-            let _ = t.cancel().await;
+    fn sleep(wait: Duration) -> impl Future<Output = ()> {
+        glommio::timer::sleep(wait)
+    }
+
+    async fn dial(&self, addr: SocketAddr, key: Option<SessionKey>) -> std::io::Result<TcpStream> {
+        let mut stream = TcpStream::connect(addr).await?;
+        let _ = stream.set_nodelay(true);
+        match key {
+            None => hello_control(&mut stream).await?,
+            Some(key) => hello_data(&mut stream, &key).await?,
         }
+        Ok(stream)
+    }
+
+    fn attach_control(
+        &self,
+        stream: TcpStream,
+        peer_addr: Option<SocketAddr>,
+        target: Option<TargetId>,
+        handshake: Option<Answer>,
+    ) {
+        let Some((sid, queue)) = runtime::register_control(self, peer_addr, target, handshake)
+        else {
+            return;
+        };
+        let write = match second_handle(&stream) {
+            Ok(write) => write,
+            Err(e) => {
+                warn!(session = %sid, error = %e, "cannot split a control connection");
+                // A session that closes at once: the core learns it like any other loss.
+                self.drive(|d| d.control_ended(sid));
+                return;
+            }
+        };
+        let tasks = ControlTasks {
+            writer: glommio::spawn_local(runtime::write_control(queue, write)),
+            reader: glommio::spawn_local(runtime::read_control(self.clone(), sid, stream)),
+        };
+        runtime::add_control_tasks(self, sid, tasks);
+    }
+
+    fn attach_data(&self, sid: SessionId, stream: TcpStream) {
+        let Some(shard) = self.shard.upgrade() else {
+            return;
+        };
+        if !shard.driver.borrow().wants_data(sid) {
+            return; // dropping the stream closes it
+        }
+        let memory = shard.memory.clone();
+        let conn = match shard.info.role {
+            Role::Prefill => {
+                let host = self.clone();
+                let report: LocalReport = Rc::new(move |id, outcome| {
+                    host.drive(|d| d.with(|e, now| e.handle_transfer_result(now, id, outcome)));
+                });
+                match DataSender::spawn(stream, memory, report) {
+                    Ok(s) => DataConn::Sender(s),
+                    Err(e) => {
+                        warn!(session = %sid, error = %e, "cannot split a data connection");
+                        return;
+                    }
+                }
+            }
+            Role::Decode => {
+                let check: Rc<dyn WriteCheck> = Rc::new(CoreCheck {
+                    access: DriverAccess(self.clone()),
+                    session: sid,
+                });
+                let limits = shard.limits;
+                let host = self.clone();
+                DataConn::Receiver(glommio::spawn_local(async move {
+                    let serve = serve_local(stream, &memory, check, limits);
+                    runtime::serve_data(host, sid, serve).await;
+                }))
+            }
+        };
+        // Cannot be refused: checked above, and nothing ran in between.
+        let _ = shard.drive(|d| d.attach_data(sid, conn));
     }
 }
 
@@ -722,19 +641,9 @@ impl Shard {
         let _ = self.wake.try_send(());
     }
 
-    /// Runs `f` on the endpoint, then drains (the core's rule after every input).
-    fn with<T>(self: &Rc<Self>, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
-        self.drive(|d| d.with(f))
-    }
-
-    /// A data connection's report: each outcome goes to this shard's core while it lives.
-    fn report(self: &Rc<Self>) -> LocalReport {
-        let shard = Rc::downgrade(self);
-        Rc::new(move |id, outcome| {
-            if let Some(shard) = shard.upgrade() {
-                shard.with(|e, now| e.handle_transfer_result(now, id, outcome));
-            }
-        })
+    /// The shard's host: the way its tasks reach its driver.
+    fn host(&self) -> ShardHost {
+        self.driver.borrow().host().clone()
     }
 
     fn listen(self: &Rc<Self>, addr: SocketAddr) -> Result<SocketAddr, NodeError> {
@@ -745,141 +654,23 @@ impl Shard {
         // SAFETY: `plain` is a fresh listening socket whose ownership moves to glommio.
         let listener = unsafe { TcpListener::from_raw_fd(plain.into_raw_fd()) };
         let local = listener.local_addr().map_err(std::io::Error::from)?;
-        let weak = Rc::downgrade(self);
+        let host = self.host();
         let task = glommio::spawn_local(async move {
-            loop {
-                match listener.accept().await {
-                    Ok(stream) => {
-                        let Some(shard) = weak.upgrade() else { return };
-                        if shard.stopped.get() {
-                            return;
-                        }
-                        glommio::spawn_local(accept(Rc::downgrade(&shard), stream)).detach();
-                    }
-                    Err(e) => {
-                        warn!(error = %e, "accept failed; backing off");
-                        glommio::timer::sleep(Duration::from_millis(50)).await;
-                    }
+            let take = {
+                let host = host.clone();
+                move |stream: TcpStream| {
+                    let _ = stream.set_nodelay(true);
+                    let peer = stream.peer_addr().ok();
+                    glommio::spawn_local(runtime::take_accepted(host.clone(), stream, peer))
+                        .detach();
                 }
-            }
+            };
+            let listener = &listener;
+            let accept = move || async move { Ok(listener.accept().await?) };
+            runtime::listen(host, accept, take).await;
         });
-        self.background.borrow_mut().push(task);
+        self.listeners.borrow_mut().push(task);
         Ok(local)
-    }
-
-    /// Opens a session to `addr` and waits for its handshake (the core's handshake timer
-    /// bounds the wait).
-    async fn connect(self: Rc<Self>, addr: SocketAddr) -> Result<SessionId, NodeError> {
-        let stream = dial_control(addr).await?;
-        let (tx, rx) = oneshot::channel();
-        self.attach_control(stream, Some(addr), None, Some(tx));
-        drop(self);
-        rx.await.map_err(|_| NodeError::ShutDown)?
-    }
-
-    /// Registers a control connection with the driver and starts its reader and writer;
-    /// `handshake` is told how the session's handshake ends.
-    fn attach_control(
-        self: &Rc<Self>,
-        stream: TcpStream,
-        peer_addr: Option<SocketAddr>,
-        target: Option<TargetId>,
-        handshake: Option<oneshot::Sender<Result<SessionId, NodeError>>>,
-    ) -> SessionId {
-        let (tx, rx) = local_channel::new_unbounded::<Vec<u8>>();
-        let sid = self.drive(|d| {
-            let sid = d.attach_control(Control(tx), peer_addr, target);
-            // Before the reader starts: no answer of the peer can come first.
-            if let Some(w) = handshake {
-                d.on_handshake(sid, w);
-            }
-            sid
-        });
-        let (read, write) = match second_handle(&stream) {
-            Ok(write) => (stream, write),
-            Err(e) => {
-                warn!(session = %sid, error = %e, "cannot split a control connection");
-                // A session that closes at once: the core learns it like any other loss.
-                self.drive(|d| d.control_ended(sid));
-                return sid;
-            }
-        };
-        let writer = glommio::spawn_local(async move {
-            use futures_lite::AsyncWriteExt;
-            let mut write = write;
-            while let Some(frame) = rx.recv().await {
-                tracing::trace!(session = %sid, len = frame.len(), "control frame out");
-                if write.write_all(&frame).await.is_err() {
-                    break;
-                }
-            }
-        });
-        let weak = Rc::downgrade(self);
-        let reader = glommio::spawn_local(async move {
-            use futures_lite::AsyncReadExt;
-            let mut read = read;
-            let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
-            let mut chunk = vec![0u8; 64 * 1024];
-            loop {
-                let n = match read.read(&mut chunk).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                };
-                let Some(shard) = weak.upgrade() else { return };
-                buf.extend_from_slice(&chunk[..n]);
-                let used = shard.with(|e, now| e.handle_input(now, sid, &buf));
-                buf.drain(..used.min(buf.len()));
-            }
-            if let Some(shard) = weak.upgrade() {
-                debug!(session = %sid, "control connection ended");
-                shard.drive(|d| d.control_ended(sid));
-            }
-        });
-        // Given back only if the session closed meanwhile: dropping them cancels them.
-        let _ = self.drive(|d| d.add_tasks(sid, ControlTasks { writer, reader }));
-        sid
-    }
-
-    /// Puts an accepted or opened data connection to work for `sid`, by role.
-    fn attach_data(self: &Rc<Self>, sid: SessionId, stream: TcpStream) {
-        if !self.driver.borrow().wants_data(sid) {
-            return; // dropping the stream closes it
-        }
-        let conn = match self.info.role {
-            Role::Prefill => match DataSender::spawn(stream, self.memory.clone(), self.report()) {
-                Ok(s) => DataConn::Sender(s),
-                Err(e) => {
-                    warn!(session = %sid, error = %e, "cannot split a data connection");
-                    return;
-                }
-            },
-            Role::Decode => {
-                let weak = Rc::downgrade(self);
-                let check: Rc<dyn WriteCheck> = Rc::new(CoreCheck {
-                    access: ShardAccess(Rc::downgrade(self)),
-                    session: sid,
-                });
-                let memory = self.memory.clone();
-                let limits = self.limits;
-                DataConn::Receiver(glommio::spawn_local(async move {
-                    match serve_local(stream, &memory, check, limits).await {
-                        Ok(stats) => debug!(
-                            applied = stats.applied,
-                            refused = stats.refused,
-                            "data connection ended"
-                        ),
-                        Err(e) => debug!(error = %e, "data connection ended"),
-                    }
-                    // A fence cancels this task before it gets here: this end was a break, and
-                    // the core decides whether and when it is replaced.
-                    if let Some(shard) = weak.upgrade() {
-                        shard.drive(|d| d.data_connection_lost(sid));
-                    }
-                }))
-            }
-        };
-        // Cannot be refused: checked above, and nothing ran in between.
-        let _ = self.drive(|d| d.attach_data(sid, conn));
     }
 
     /// Fails every room, tells every peer, and waits until the core says the shutdown is
@@ -888,49 +679,12 @@ impl Shard {
         let (tx, rx) = oneshot::channel();
         self.drive(|d| d.shutdown(tx));
         let _ = rx.await;
-        self.stop();
-    }
-}
-
-/// Reads an accepted connection's preamble (and a data connection's hello) and hands it to
-/// the shard.
-async fn accept(weak: Weak<Shard>, mut stream: TcpStream) {
-    let _ = stream.set_nodelay(true);
-    let access = ShardAccess(weak);
-    let peer = stream.peer_addr().ok();
-    let accepted = kvferry_driver::accept(&mut stream, &access, peer, glommio::timer::sleep).await;
-    let Some(shard) = access.0.upgrade() else {
-        return;
-    };
-    match accepted {
-        Some(Accepted::Control) => {
-            shard.attach_control(stream, None, None, None);
+        // The listeners close before the shutdown returns: a node restarted at the same
+        // address can bind it at once.
+        let listeners = std::mem::take(&mut *self.listeners.borrow_mut());
+        for l in listeners {
+            let _ = l.cancel().await;
         }
-        Some(Accepted::Data(sid)) => shard.attach_data(sid, stream),
-        None => {}
-    }
-}
-
-/// The receive path's way to this shard's endpoint: its cell, then a drain.
-struct ShardAccess(Weak<Shard>);
-
-impl EndpointAccess for ShardAccess {
-    fn run<T>(
-        &self,
-        f: impl FnOnce(&mut Endpoint, Instant) -> T,
-        after: impl FnOnce(&T) -> bool,
-    ) -> Option<T> {
-        let shard = self.0.upgrade()?;
-        Some(shard.drive(|d| {
-            let out = f(d.endpoint_mut(), Instant::now());
-            if after(&out) {
-                d.drain();
-            }
-            out
-        }))
-    }
-
-    fn faults(&self) -> Option<FaultPlan> {
-        self.0.upgrade().and_then(|s| s.faults.get())
+        self.stop();
     }
 }

@@ -11,7 +11,7 @@ use kvferry_core::{
     Chunk, Config, EndpointInfo, Grant, Incarnation, KvPoll, Layout, NodeId, Region, Role, RoomId,
 };
 use kvferry_memory::MemoryMap;
-use kvferry_tokio::{Node, NodeConfig};
+use kvferry_tokio::{KvNode, Node, NodeConfig};
 
 /// A node of `role` over freshly allocated (registered) memory of `layout`.
 fn start(role: Role, node: u64, layout: Layout) -> Result<Node, kvferry_tokio::NodeError> {
@@ -44,9 +44,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         slots: 8,
     };
     let prefill = start(Role::Prefill, 1, layout)?;
-    let addr = prefill.listen("127.0.0.1:0".parse()?).await?;
+    let addrs = prefill.listen("127.0.0.1:0".parse()?).await?;
     let decode = start(Role::Decode, 2, layout)?;
-    let session = decode.connect(addr).await?; // challenges, token proofs, hellos
+    let peer = decode.connect(addrs).await?; // challenges, token proofs, hellos
 
     // Prefill computed the prompt's KV into its pages 3 and 4 (here: one layer and plane).
     let k0 = Region::Kv { layer: 0, plane: 0 };
@@ -60,8 +60,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         state_slot: None,
         receivers: 1,
     };
-    let mut arriving = decode.open_receiver(room, 0, &[session], Some(grant))?;
-    let mut leaving = prefill.open_sender(room, 0)?;
+    let mut arriving = decode
+        .open_receiver(room, 0, vec![peer], Some(grant))
+        .await?;
+    let mut leaving = prefill.open_sender(room, 0).await?;
     let chunk = Chunk {
         pages: vec![3, 4],
         last: true,
@@ -69,7 +71,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         state_slot: None,
         layerwise: false,
     };
-    prefill.send_chunk(room, chunk)?;
+    prefill.send_chunk(room, chunk).await?;
 
     // Success means every granted byte landed, in this room's lifetime.
     assert_eq!(arriving.terminal().await, KvPoll::Success);

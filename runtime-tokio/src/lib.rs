@@ -15,36 +15,37 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{
-    ApiError, Capacity, Chunk, Config, Counters, Endpoint, EndpointInfo, Event, FailureReason,
-    Generation, Grant, KvPoll, Role, RoomId, SessionId, SessionKey, TargetId, TransferId,
-    TransferOutcome,
+    Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, Role, RoomId, SessionId,
+    SessionKey, TargetId, TransferId, TransferOutcome,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::{
     accept_conn, connect_control, connect_data, serve_writes, Conn, DataSender, Limits, Report,
     TlsSetup, TokioIo,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
-use tracing::{debug, info_span, warn, Instrument};
+use tracing::{info_span, warn, Instrument};
 
 #[cfg(feature = "rdma")]
 mod rdma;
+#[cfg(feature = "rdma")]
+pub use rdma::SessionRdma;
 
 pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
     NodeError, PeerId, RoomHandle, RoomView,
 };
 use kvferry_driver::{
-    within, Accepted, Announcer, CoreCheck, DataConn, Driver, Embedder, EndpointAccess, Host,
-    Release, ShardCalls,
+    runtime, within, Announcer, Answer, ControlQueue, ControlTasks, CoreCheck, DataConn, Dial,
+    Driver, DriverAccess, Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
 /// to the driver behind [`Shared::driver`].
-struct TokioHost {
+#[derive(Clone)]
+pub struct TokioHost {
     shared: Weak<Shared>,
     runtime: tokio::runtime::Handle,
     tls: Option<TlsSetup>,
@@ -56,14 +57,15 @@ struct Shared {
     wake: Notify,
     memory: Arc<MemoryMap>,
     events: broadcast::Sender<Event>,
+    /// Where the RDMA path spawns its completion watchers.
+    #[cfg(feature = "rdma")]
     runtime: tokio::runtime::Handle,
     info: EndpointInfo,
     limits: Limits,
-    /// TLS on every connection, when configured.
-    tls: Option<TlsSetup>,
-    faults: Mutex<Option<FaultPlan>>,
     announcements: Announcer,
     stopped: watch::Sender<bool>,
+    /// The listeners' tasks.
+    listeners: Mutex<Vec<JoinHandle<()>>>,
     /// The registered memory and device when data moves over RDMA.
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<kvferry_rdma::link::RdmaNode>>,
@@ -80,7 +82,7 @@ pub struct Node {
 }
 
 /// The node's one driver, behind its lock: a tokio node is one shard.
-struct Locked(Arc<Shared>);
+pub struct Locked(Arc<Shared>);
 
 impl ShardCalls for Locked {
     type Host = TokioHost;
@@ -121,8 +123,13 @@ impl std::fmt::Debug for Node {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Driver<TokioHost>> {
-        self.driver.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.driver)
     }
+}
+
+/// Locks `m`, whatever a panicking holder left in it.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Node {
@@ -183,20 +190,39 @@ impl Node {
                 wake: Notify::new(),
                 memory,
                 events,
+                #[cfg(feature = "rdma")]
                 runtime,
                 info: config.info,
                 limits,
-                tls,
-                faults: Mutex::new(config.faults),
                 announcements,
                 stopped,
+                listeners: Mutex::new(Vec::new()),
                 #[cfg(feature = "rdma")]
                 rdma,
             }
         });
         let weak = Arc::downgrade(&shared);
+        let woken = move || {
+            let weak = weak.clone();
+            async move {
+                let Some(shared) = weak.upgrade() else {
+                    return false;
+                };
+                let mut stopped = shared.stopped.subscribe();
+                tokio::select! {
+                    _ = shared.wake.notified() => true,
+                    _ = stopped.wait_for(|s| *s) => false,
+                }
+            }
+        };
+        let host = {
+            let mut driver = shared.lock();
+            driver.set_faults(config.faults);
+            driver.host().clone()
+        };
         let role = shared.info.role;
-        tokio::spawn(drive(weak).instrument(info_span!("kvferry_driver", ?role)));
+        let driver = runtime::run_driver(host, woken);
+        tokio::spawn(driver.instrument(info_span!("kvferry_driver", ?role)));
         Ok(Node {
             _last: Arc::new(StopOnDrop(shared.clone())),
             rooms: Arc::new(Embedder::new(Locked(shared.clone()))),
@@ -204,54 +230,9 @@ impl Node {
         })
     }
 
-    /// Listens for peers on `addr`; returns the bound address. Runs until shutdown.
-    pub async fn listen(&self, addr: SocketAddr) -> Result<SocketAddr, NodeError> {
-        let listener = TcpListener::bind(addr).await?;
-        let local = listener.local_addr()?;
-        let weak = Arc::downgrade(&self.shared);
-        let mut stopped = self.shared.stopped.subscribe();
-        tokio::spawn(
-            async move {
-                loop {
-                    tokio::select! {
-                        _ = async { let _ = stopped.wait_for(|s| *s).await; } => break,
-                        accepted = listener.accept() => match accepted {
-                            Ok((stream, peer)) => {
-                                let weak = weak.clone();
-                                tokio::spawn(async move { accept(weak, stream, peer).await });
-                            }
-                            Err(e) => {
-                                warn!(error = %e, "accept failed; backing off");
-                                tokio::time::sleep(Duration::from_millis(50)).await;
-                            }
-                        },
-                    }
-                }
-            }
-            .instrument(info_span!("kvferry_listener", %local)),
-        );
-        Ok(local)
-    }
-
-    /// Connects to a peer's listener and completes the handshake; returns the session.
-    pub async fn connect(&self, addr: SocketAddr) -> Result<SessionId, NodeError> {
-        let stream = connect_control(addr, self.shared.tls.as_ref()).await?;
-        let (tx, rx) = oneshot::channel();
-        attach_control(&self.shared, stream, Some(addr), None, Some(tx));
-        // The core's handshake timer bounds the wait: it closes a session that stays silent.
-        rx.await.map_err(|_| NodeError::ShutDown)?
-    }
-
-    /// Keeps a session to the peer at `addr`, reconnecting with the core's backoff whenever it
-    /// drops (a restarted peer is picked up without restarting this node). Rooms use the
-    /// current session from [`Node::target_session`].
-    pub fn connect_persistent(&self, addr: SocketAddr) -> TargetId {
-        self.shared.lock().add_target(addr)
-    }
-
-    /// The established session of a persistent peer, if it has one right now.
-    pub fn target_session(&self, target: TargetId) -> Option<SessionId> {
-        self.shared.lock().endpoint().target_session(target)
+    /// This node's host: the way its tasks reach its driver.
+    fn host(&self) -> TokioHost {
+        self.shared.lock().host().clone()
     }
 
     /// The core's configuration.
@@ -259,116 +240,32 @@ impl Node {
         self.shared.lock().endpoint().config().clone()
     }
 
-    /// The registered memory.
-    pub fn memory(&self) -> &Arc<MemoryMap> {
-        &self.shared.memory
-    }
-
-    /// A snapshot of the core's counters.
-    pub fn counters(&self) -> Counters {
-        self.shared.lock().endpoint().counters().clone()
-    }
-
     /// The state of a room (live or remembered).
     pub fn room_state(&self, room: RoomId) -> Option<KvPoll> {
         self.shared.lock().endpoint().room_state(room)
     }
 
-    /// Replaces the injected data-path faults (demos and tests only).
-    pub fn set_faults(&self, faults: Option<FaultPlan>) {
-        if let Ok(mut f) = self.shared.faults.lock() {
-            *f = faults;
-        }
-    }
-
-    /// Prefill: every room a decode asks for before this node opened it, without loss. The
-    /// embedder opens each with [`Node::open_sender`]. A second call replaces the first.
-    pub fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
-        self.shared.announcements.subscribe()
+    /// Fails a room softly (consensus verdicts); `false` if it was already terminal.
+    pub fn fail_room(&self, room: RoomId, reason: FailureReason) -> bool {
+        self.shared
+            .lock()
+            .with(|e, now| e.fail_room(now, room, reason))
     }
 
     /// Every core event from now on (a lagging subscriber loses the oldest ones).
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.shared.events.subscribe()
     }
-
-    /// Runs `f` on the endpoint, then drains its outputs.
-    fn with<T>(&self, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
-        self.shared.lock().with(f)
-    }
-
-    /// Decode: opens a receiver room fed by `sources`; see [`Endpoint::open_receiver`].
-    pub fn open_receiver(
-        &self,
-        room: RoomId,
-        generation: Generation,
-        sources: &[SessionId],
-        grant: Option<Grant>,
-    ) -> Result<RoomHandle, ApiError> {
-        self.shared.lock().open_room(room, |e, now| {
-            e.open_receiver(now, room, generation, sources, grant)
-        })
-    }
-
-    /// Decode: grants a room its pages.
-    pub fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), ApiError> {
-        self.with(|e, now| e.grant_pages(now, room, grant))
-    }
-
-    /// Decode: the room waits for capacity behind `position` others.
-    pub fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), ApiError> {
-        self.with(|e, now| e.set_queue_position(now, room, position))
-    }
-
-    /// Decode: free capacity advertised in heartbeats.
-    pub fn set_capacity(&self, capacity: Capacity) {
-        self.with(|e, _| e.set_capacity(capacity))
-    }
-
-    /// Prefill: opens a sender room.
-    pub fn open_sender(
-        &self,
-        room: RoomId,
-        generation: Generation,
-    ) -> Result<RoomHandle, ApiError> {
-        self.shared
-            .lock()
-            .open_room(room, |e, now| e.open_sender(now, room, generation))
-    }
-
-    /// Prefill: sends the next chunk of a room.
-    pub fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), ApiError> {
-        self.with(|e, now| e.send_chunk(now, room, chunk))
-    }
-
-    /// Prefill: layer `layer` of `rooms` finished its forward pass.
-    pub fn mark_layer_ready(&self, rooms: &[RoomId], layer: u16) -> Result<(), ApiError> {
-        self.with(|e, now| e.mark_layer_ready(now, rooms, layer))
-    }
-
-    /// Aborts a room locally.
-    pub fn abort(&self, room: RoomId) -> Result<(), ApiError> {
-        self.with(|e, now| e.abort(now, room))
-    }
-
-    /// Fails a room softly (consensus verdicts); `false` if it was already terminal.
-    pub fn fail_room(&self, room: RoomId, reason: FailureReason) -> bool {
-        self.with(|e, now| e.fail_room(now, room, reason))
-    }
-
-    /// Fails every room, tells every peer, closes every connection and stops the tasks.
-    pub async fn shutdown(&self) {
-        // The core says when it is done: every session closed, or its shutdown timeout.
-        let (tx, rx) = oneshot::channel();
-        self.shared.lock().shutdown(tx);
-        let _ = rx.await;
-        let _ = self.shared.stopped.send(true);
-        self.shared.wake.notify_one();
-    }
 }
 
-/// The runtime-neutral embedder API: a tokio node is one shard.
-impl KvNode for Node {
+/// The embedder API ([`KvNode`]) of a tokio node: one shard, behind its lock.
+impl RuntimeNode for Node {
+    type Calls = Locked;
+
+    fn embedder(&self) -> &Embedder<Locked> {
+        &self.rooms
+    }
+
     fn runtime(&self) -> &'static str {
         "tokio"
     }
@@ -385,111 +282,46 @@ impl KvNode for Node {
         &self.shared.memory
     }
 
-    fn shards(&self) -> usize {
-        1
-    }
-
     async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
-        Ok(vec![Node::listen(self, addr).await?])
-    }
-
-    async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        let mut links = Vec::with_capacity(addrs.len());
-        for addr in addrs {
-            links.push(Link::Session(Node::connect(self, addr).await?));
-        }
-        Ok(self.rooms.add_peer(vec![links]))
-    }
-
-    async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        self.rooms.connect_persistent(addrs).await
-    }
-
-    async fn open_receiver(
-        &self,
-        room: RoomId,
-        generation: Generation,
-        peers: Vec<PeerId>,
-        grant: Option<Grant>,
-    ) -> Result<RoomHandle, NodeError> {
-        self.rooms
-            .open_receiver(room, generation, peers, grant)
-            .await
-    }
-
-    async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
-        self.rooms.grant_pages(room, grant).await
-    }
-
-    async fn open_sender(
-        &self,
-        room: RoomId,
-        generation: Generation,
-    ) -> Result<RoomHandle, NodeError> {
-        self.rooms.open_sender(room, generation).await
-    }
-
-    async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
-        self.rooms.send_chunk(room, chunk).await
-    }
-
-    async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
-        self.rooms.mark_layer_ready(rooms, layer).await
-    }
-
-    async fn set_capacity(&self, capacity: Capacity) {
-        self.rooms.set_capacity(capacity).await;
-    }
-
-    async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
-        self.rooms.set_queue_position(room, position).await
-    }
-
-    async fn set_faults(&self, faults: Option<FaultPlan>) {
-        Node::set_faults(self, faults);
-    }
-
-    async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
-        self.rooms.abort(room).await
-    }
-
-    async fn counters(&self) -> Counters {
-        self.rooms.counters().await
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let host = self.host();
+        let mut stopped = self.shared.stopped.subscribe();
+        let serve = async move {
+            let take = {
+                let host = host.clone();
+                move |(tcp, peer)| {
+                    host.runtime.spawn(accept(host.clone(), tcp, peer));
+                }
+            };
+            let listener = &listener;
+            tokio::select! {
+                _ = stopped.wait_for(|s| *s) => {}
+                _ = runtime::listen(host, move || listener.accept(), take) => {}
+            }
+        };
+        let task = tokio::spawn(serve.instrument(info_span!("kvferry_listener", %local)));
+        lock(&self.shared.listeners).push(task);
+        Ok(vec![local])
     }
 
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
-        Node::room_announcements(self)
-    }
-
-    async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
-        self.rooms.reach(peer).await
+        self.shared.announcements.subscribe()
     }
 
     async fn shutdown(&self) {
-        Node::shutdown(self).await;
-    }
-}
-
-/// The single driver task: one turn of the driver loop whenever its timer fires or it is
-/// woken, until the node stops.
-async fn drive(weak: Weak<Shared>) {
-    loop {
-        let Some(shared) = weak.upgrade() else { return };
-        if *shared.stopped.borrow() {
-            return;
-        }
-        let deadline = shared.lock().turn(Instant::now());
-        let sleep = async {
-            match deadline {
-                Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
-                None => std::future::pending().await,
-            }
-        };
-        let mut stopped = shared.stopped.subscribe();
-        tokio::select! {
-            _ = sleep => {}
-            _ = shared.wake.notified() => {}
-            _ = async { let _ = stopped.wait_for(|s| *s).await; } => return,
+        // The core says when it is done: every session closed, or its shutdown timeout.
+        let (tx, rx) = oneshot::channel();
+        self.shared.lock().shutdown(tx);
+        let _ = rx.await;
+        let _ = self.shared.stopped.send(true);
+        self.shared.wake.notify_one();
+        // The listeners close before the shutdown returns: a node restarted at the same
+        // address can bind it at once.
+        let listeners = std::mem::take(&mut *lock(&self.shared.listeners));
+        for l in listeners {
+            l.abort();
+            let _ = l.await;
         }
     }
 }
@@ -497,50 +329,22 @@ async fn drive(weak: Weak<Shared>) {
 impl Host for TokioHost {
     type Sender = DataSender;
     type Receiver = JoinHandle<()>;
-    type Control = mpsc::UnboundedSender<Vec<u8>>;
-    type ControlTasks = ControlTasks;
+    type Control = ControlQueue;
+    type ControlTasks = ControlTasks<JoinHandle<()>>;
     #[cfg(feature = "rdma")]
     type SessionExt = Option<rdma::SessionRdma>;
     #[cfg(not(feature = "rdma"))]
     type SessionExt = ();
 
-    fn connect(&self, target: TargetId, addr: SocketAddr, timeout: Duration) {
-        let weak = self.shared.clone();
-        let tls = self.tls.clone();
-        self.runtime.spawn(async move {
-            let result =
-                match tokio::time::timeout(timeout, connect_control(addr, tls.as_ref())).await {
-                    Ok(r) => r,
-                    Err(_) => Err(std::io::Error::from(std::io::ErrorKind::TimedOut)),
-                };
-            let Some(shared) = weak.upgrade() else { return };
-            match result {
-                Ok(stream) => {
-                    attach_control(&shared, stream, Some(addr), Some(target), None);
-                }
-                Err(e) => {
-                    debug!(%target, %addr, error = %e, "connect failed");
-                    shared.lock().connect_failed(target, &e);
-                }
-            }
-        });
+    fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial) {
+        self.runtime
+            .spawn(runtime::connect(self.clone(), addr, timeout, dial));
     }
 
     fn open_data(&self, sid: SessionId, addr: SocketAddr, key: SessionKey, n: usize) {
         for _ in 0..n {
-            let weak = self.shared.clone();
-            let key = key.clone();
-            let tls = self.tls.clone();
-            self.runtime.spawn(async move {
-                match connect_data(addr, &key, tls.as_ref()).await {
-                    Ok(stream) => {
-                        if let Some(shared) = weak.upgrade() {
-                            attach_data(&shared, sid, stream);
-                        }
-                    }
-                    Err(e) => warn!(session = %sid, error = %e, "data connection failed"),
-                }
-            });
+            let task = runtime::open_data(self.clone(), sid, addr, key.clone());
+            self.runtime.spawn(task);
         }
     }
 
@@ -548,23 +352,12 @@ impl Host for TokioHost {
         &self,
         sid: SessionId,
         conns: Vec<DataConn<Self>>,
-        tasks: Option<ControlTasks>,
+        tasks: Option<ControlTasks<JoinHandle<()>>>,
         linger: Duration,
         why: Release,
     ) {
-        let weak = self.shared.clone();
-        self.runtime.spawn(async move {
-            // Control frames first, then data connections: see `Host::release`.
-            if let Some(t) = tasks {
-                t.stop(linger).await;
-            }
-            for c in conns {
-                close_data(c).await;
-            }
-            if let Some(shared) = weak.upgrade() {
-                shared.lock().released(sid, why);
-            }
-        });
+        let task = runtime::release(self.clone(), sid, conns, tasks, linger, why);
+        self.runtime.spawn(task);
     }
 
     fn wake(&self) {
@@ -612,213 +405,104 @@ impl Host for TokioHost {
     }
 }
 
-/// A control connection's tasks.
-struct ControlTasks {
-    writer: JoinHandle<()>,
-    reader: JoinHandle<()>,
-}
+impl Runtime for TokioHost {
+    type Host = TokioHost;
+    type Task = JoinHandle<()>;
+    type Sender = DataSender;
+    type Stream = Conn;
 
-impl ControlTasks {
-    /// Stops reading at once; lets the writer send what is queued (its queue is closed, so it
-    /// ends by itself) for at most `linger`.
-    async fn stop(self, linger: Duration) {
-        self.reader.abort();
-        let _ = self.reader.await;
-        let mut writer = self.writer;
-        if tokio::time::timeout(linger, &mut writer).await.is_err() {
-            writer.abort();
-            let _ = writer.await;
-        }
+    fn io(stream: &mut Conn) -> impl futures_io::AsyncRead + futures_io::AsyncWrite + Unpin + '_ {
+        TokioIo(stream)
     }
-}
 
-/// Closes a data connection and waits until nothing of it can write any more.
-async fn close_data(conn: DataConn<TokioHost>) {
-    match conn {
-        DataConn::Sender(s) => s.close().await,
-        DataConn::Receiver(t) => {
-            t.abort();
-            let _ = t.await;
-        }
-    }
-}
-
-/// Registers a control connection with the driver and starts its reader and writer;
-/// `handshake` is told how the session's handshake ends.
-fn attach_control(
-    shared: &Arc<Shared>,
-    stream: Conn,
-    peer_addr: Option<SocketAddr>,
-    target: Option<TargetId>,
-    handshake: Option<oneshot::Sender<Result<SessionId, NodeError>>>,
-) -> SessionId {
-    let _ = stream.tcp().set_nodelay(true);
-    let (mut read, mut write) = tokio::io::split(stream);
-    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-    let sid = {
-        let mut driver = shared.lock();
-        let sid = driver.attach_control(tx, peer_addr, target);
-        // Before the reader starts: no answer of the peer can come first.
-        if let Some(w) = handshake {
-            driver.on_handshake(sid, w);
-        }
-        sid
-    };
-    let weak = Arc::downgrade(shared);
-    let span = info_span!("kvferry_session", session = %sid);
-    let writer = shared.runtime.spawn(
-        async move {
-            while let Some(mut frame) = rx.recv().await {
-                while let Ok(more) = rx.try_recv() {
-                    frame.extend_from_slice(&more);
-                }
-                if write.write_all(&frame).await.is_err() || write.flush().await.is_err() {
-                    break;
-                }
-            }
-        }
-        .instrument(span.clone()),
-    );
-    let reader = shared.runtime.spawn(
-        async move {
-            let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
-            let mut chunk = vec![0u8; 64 * 1024];
-            loop {
-                let n = match read.read(&mut chunk).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                };
-                let Some(shared) = weak.upgrade() else { return };
-                buf.extend_from_slice(&chunk[..n]);
-                let used = shared.lock().with(|e, now| e.handle_input(now, sid, &buf));
-                buf.drain(..used.min(buf.len()));
-            }
-            if let Some(shared) = weak.upgrade() {
-                debug!("control connection ended");
-                shared.lock().control_ended(sid);
-            }
-        }
-        .instrument(span),
-    );
-    if let Err(tasks) = shared
-        .lock()
-        .add_tasks(sid, ControlTasks { writer, reader })
-    {
-        tasks.writer.abort();
-        tasks.reader.abort();
-    }
-    sid
-}
-
-async fn accept(weak: Weak<Shared>, tcp: TcpStream, peer: SocketAddr) {
-    let access = SharedAccess(weak);
-    let Some((tls, wait)) = access.0.upgrade().map(|s| {
-        let wait = s.lock().endpoint().config().handshake_timeout;
-        (s.tls.clone(), wait)
-    }) else {
-        return;
-    };
-    let mut stream = match within(wait, tokio::time::sleep, accept_conn(tcp, tls.as_ref())).await {
-        Some(Ok(stream)) => stream,
-        Some(Err(e)) => {
-            warn!(%peer, error = %e, "refused a connection");
-            return;
-        }
-        None => {
-            warn!(%peer, "no TLS handshake in time; connection dropped");
-            return;
-        }
-    };
-    let accepted = kvferry_driver::accept(
-        &mut TokioIo(&mut stream),
-        &access,
-        Some(peer),
-        tokio::time::sleep,
-    )
-    .await;
-    let Some(shared) = access.0.upgrade() else {
-        return;
-    };
-    match accepted {
-        Some(Accepted::Control) => {
-            attach_control(&shared, stream, None, None, None);
-        }
-        Some(Accepted::Data(sid)) => attach_data(&shared, sid, stream),
-        None => {}
-    }
-}
-
-fn attach_data(shared: &Arc<Shared>, sid: SessionId, stream: Conn) {
-    let mut driver = shared.lock();
-    if !driver.wants_data(sid) {
-        return; // dropping the stream closes it
-    }
-    let conn = match shared.info.role {
-        Role::Prefill => {
-            let weak = Arc::downgrade(shared);
-            let report: Report = Arc::new(move |id: TransferId, outcome: TransferOutcome| {
-                if let Some(shared) = weak.upgrade() {
-                    shared
-                        .lock()
-                        .with(|e, now| e.handle_transfer_result(now, id, outcome));
-                }
-            });
-            DataConn::Sender(DataSender::spawn(stream, shared.memory.clone(), report))
-        }
-        Role::Decode => {
-            let weak = Arc::downgrade(shared);
-            let check: Arc<dyn WriteCheck + Send + Sync> = Arc::new(CoreCheck {
-                access: SharedAccess(Arc::downgrade(shared)),
-                session: sid,
-            });
-            let memory = shared.memory.clone();
-            let limits = shared.limits;
-            DataConn::Receiver(
-                shared.runtime.spawn(
-                    async move {
-                        match serve_writes(stream, memory, check, limits).await {
-                            Ok(stats) => debug!(
-                                applied = stats.applied,
-                                refused = stats.refused,
-                                "data connection ended"
-                            ),
-                            Err(e) => debug!(error = %e, "data connection ended"),
-                        }
-                        // A fence aborts this task before it gets here: this end was a break.
-                        if let Some(shared) = weak.upgrade() {
-                            shared.lock().data_connection_lost(sid);
-                        }
-                    }
-                    .instrument(info_span!("kvferry_data", session = %sid)),
-                ),
-            )
-        }
-    };
-    // Cannot be refused: checked under this same lock above.
-    let _ = driver.attach_data(sid, conn);
-}
-
-/// The receive path's way to this node's endpoint: its lock, then a drain.
-struct SharedAccess(Weak<Shared>);
-
-impl EndpointAccess for SharedAccess {
-    fn run<T>(
-        &self,
-        f: impl FnOnce(&mut Endpoint, Instant) -> T,
-        after: impl FnOnce(&T) -> bool,
-    ) -> Option<T> {
-        let shared = self.0.upgrade()?;
-        let mut driver = shared.lock();
-        let out = f(driver.endpoint_mut(), Instant::now());
-        if after(&out) {
-            driver.drain();
-        }
+    fn drive<T>(&self, f: impl FnOnce(&mut Driver<TokioHost>) -> T) -> Option<T> {
+        let shared = self.shared.upgrade()?;
+        let out = f(&mut shared.lock());
         Some(out)
     }
 
-    fn faults(&self) -> Option<FaultPlan> {
-        self.0
-            .upgrade()
-            .and_then(|s| s.faults.lock().ok().and_then(|f| *f))
+    fn sleep(wait: Duration) -> impl std::future::Future<Output = ()> {
+        tokio::time::sleep(wait)
+    }
+
+    async fn dial(&self, addr: SocketAddr, key: Option<SessionKey>) -> std::io::Result<Conn> {
+        match key {
+            None => connect_control(addr, self.tls.as_ref()).await,
+            Some(key) => connect_data(addr, &key, self.tls.as_ref()).await,
+        }
+    }
+
+    fn attach_control(
+        &self,
+        stream: Conn,
+        peer_addr: Option<SocketAddr>,
+        target: Option<TargetId>,
+        handshake: Option<Answer>,
+    ) {
+        let _ = stream.tcp().set_nodelay(true);
+        let Some((sid, queue)) = runtime::register_control(self, peer_addr, target, handshake)
+        else {
+            return;
+        };
+        let (read, write) = tokio::io::split(stream);
+        let span = info_span!("kvferry_session", session = %sid);
+        let writer = runtime::write_control(queue, TokioIo(write)).instrument(span.clone());
+        let reader = runtime::read_control(self.clone(), sid, TokioIo(read)).instrument(span);
+        let tasks = ControlTasks {
+            writer: self.runtime.spawn(writer),
+            reader: self.runtime.spawn(reader),
+        };
+        runtime::add_control_tasks(self, sid, tasks);
+    }
+
+    fn attach_data(&self, sid: SessionId, stream: Conn) {
+        let Some(shared) = self.shared.upgrade() else {
+            return;
+        };
+        let mut driver = shared.lock();
+        if !driver.wants_data(sid) {
+            return; // dropping the stream closes it
+        }
+        let memory = shared.memory.clone();
+        let conn = match shared.info.role {
+            Role::Prefill => {
+                let host = self.clone();
+                let report: Report = Arc::new(move |id: TransferId, outcome: TransferOutcome| {
+                    host.drive(|d| d.with(|e, now| e.handle_transfer_result(now, id, outcome)));
+                });
+                DataConn::Sender(DataSender::spawn(stream, memory, report))
+            }
+            Role::Decode => {
+                let check: Arc<dyn WriteCheck + Send + Sync> = Arc::new(CoreCheck {
+                    access: DriverAccess(self.clone()),
+                    session: sid,
+                });
+                let serve = serve_writes(stream, memory, check, shared.limits);
+                let task = runtime::serve_data(self.clone(), sid, serve)
+                    .instrument(info_span!("kvferry_data", session = %sid));
+                DataConn::Receiver(self.runtime.spawn(task))
+            }
+        };
+        // Cannot be refused: checked under this same lock above.
+        let _ = driver.attach_data(sid, conn);
+    }
+}
+
+/// Takes a connection the listener accepted: TLS first where configured (bounded by the
+/// handshake timeout), then the preamble.
+async fn accept(host: TokioHost, tcp: TcpStream, peer: SocketAddr) {
+    let Some(wait) = host.drive(|d| d.endpoint().config().handshake_timeout) else {
+        return;
+    };
+    match within(
+        wait,
+        tokio::time::sleep,
+        accept_conn(tcp, host.tls.as_ref()),
+    )
+    .await
+    {
+        Some(Ok(stream)) => runtime::take_accepted(host, stream, Some(peer)).await,
+        Some(Err(e)) => warn!(%peer, error = %e, "refused a connection"),
+        None => warn!(%peer, "no TLS handshake in time; connection dropped"),
     }
 }

@@ -22,7 +22,7 @@ use kvferry_driver::Driver;
 use crate::{NodeError, Shared, TokioHost};
 
 /// A session's RDMA side: its link and the task that awaits the current QP's completions.
-pub(crate) struct SessionRdma {
+pub struct SessionRdma {
     link: RdmaLink,
     /// The core's fence is in progress (the QP was moved to the error state on purpose).
     fencing: bool,

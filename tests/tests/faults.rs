@@ -167,7 +167,7 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
     let d = start(Role::Decode, &shape, fast_core(), 130);
     let mut sources = Vec::new();
     for (_, addr, _) in &ranks {
-        sources.push(d.connect(*addr).await.unwrap());
+        sources.push(d.connect(addr.clone()).await.unwrap());
     }
     tokio::time::sleep(Duration::from_millis(30)).await;
     let room = RoomId(42);
@@ -176,7 +176,7 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
         .open_receiver(
             room,
             0,
-            &sources,
+            sources.clone(),
             Some(Grant {
                 pages: pages.clone(),
                 aux_slot: Some(1),
@@ -184,28 +184,31 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
                 receivers: 1,
             }),
         )
+        .await
         .unwrap();
     for (node, _, ann) in ranks.iter_mut() {
         let a = ann.recv().await.unwrap();
-        node.open_sender(a.room, a.generation).unwrap();
+        node.open_sender(a.room, a.generation).await.unwrap();
     }
     // Rank 2 is slow: it sends after a while. Rank 0 never gets input. Rank 1 aborts.
     let slow = ranks[2].0.clone();
     let slow_pages = pages.clone();
     let slow_task = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let _ = slow.send_chunk(
-            room,
-            kvferry_core::Chunk {
-                pages: slow_pages,
-                last: true,
-                aux_slot: Some(1),
-                state_slot: None,
-                layerwise: false,
-            },
-        );
+        let _ = slow
+            .send_chunk(
+                room,
+                kvferry_core::Chunk {
+                    pages: slow_pages,
+                    last: true,
+                    aux_slot: Some(1),
+                    state_slot: None,
+                    layerwise: false,
+                },
+            )
+            .await;
     });
-    ranks[1].0.abort(room).unwrap();
+    ranks[1].0.abort(room).await.unwrap();
     // The leader (rank 0) combines what it sees right now: skewed views, no assertion.
     let polls: Vec<KvPoll> = ranks
         .iter()
@@ -273,9 +276,9 @@ async fn f10_truncated_frames_and_repeated_garbage_disconnect_only_the_offender(
     // A truncated frame through the proxy ends that connection; nothing leaks to other peers.
     let proxy = FaultProxy::start(addr, 3).await.unwrap();
     let victim = start(Role::Decode, &shape, fast_core(), 143);
-    let _ = victim.connect(proxy.addr).await;
+    let _ = victim.connect(vec![proxy.addr]).await;
     proxy.set(|f| f.truncate_next = Some(3));
-    assert!(p.counters().protocol_errors >= 1);
+    assert!(p.counters().await.protocol_errors >= 1);
     let report = run_decode(&healthy, s, rooms(20, 500)).await;
     kvferry_tests::assert_all_clean(&report, 20);
 }
@@ -304,7 +307,7 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
     let d = start(Role::Decode, &shape, fast_core(), 151);
     let connect = tokio::spawn({
         let d = d.clone();
-        async move { d.connect(addr).await }
+        async move { d.connect(vec![addr]).await }
     });
     // The rogue speaks the real control protocol through a real core endpoint.
     let (mut control, _) = listener.accept().await.unwrap();
@@ -336,7 +339,7 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
         .open_receiver(
             RoomId(1),
             0,
-            &[session],
+            vec![session],
             Some(Grant {
                 pages,
                 aux_slot: None,
@@ -344,6 +347,7 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
                 receivers: 1,
             }),
         )
+        .await
         .unwrap();
     // Read the decode's room request.
     let mut buf = vec![0u8; 4096];
@@ -395,7 +399,7 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     assert_eq!(*outcome.lock().unwrap(), Some(TransferOutcome::Refused));
-    assert!(d.counters().writes_refused >= 1);
+    assert!(d.counters().await.writes_refused >= 1);
     assert_eq!(
         h.terminal().await,
         KvPoll::Failed(FailureReason::ProtocolError)

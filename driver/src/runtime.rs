@@ -1,0 +1,351 @@
+//! What a runtime lends the driver loop ([`Runtime`]), and the tasks every runtime runs,
+//! written once over it: dialing a control or a data connection, taking an accepted one,
+//! reading and writing a control connection, serving a data connection, releasing a
+//! session's connections, the listener's loop and the timer task that turns the driver.
+//!
+//! A runtime only spawns these futures and says how its sockets are dialed and split. The
+//! spawn stays in the adapter because tokio needs its tasks `Send` and a thread-per-core
+//! shard's are not: each adapter spawns the futures below with its own concrete types, so
+//! the same body is `Send` where it must be and local where it may be.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use futures_io::{AsyncRead, AsyncWrite};
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use kvferry_core::{Endpoint, SessionId, SessionKey, TargetId};
+use kvferry_tcp::send::Task;
+use kvferry_tcp::{ServeError, ServeStats};
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use crate::accept::{within, Accepted};
+use crate::machine::Answer;
+use crate::{DataConn, Dial, Driver, EndpointAccess, FaultPlan, Host, NodeError, OpSink, Release};
+
+/// A control connection's writer queue: the driver sends frames, the writer task drains it.
+pub type ControlQueue = mpsc::UnboundedSender<Vec<u8>>;
+
+/// What a runtime lends the driver loop: a way into its driver, its timer, and its sockets.
+/// Implemented by a cheap handle to one driver (a weak reference to a node or a shard).
+pub trait Runtime: Clone + 'static {
+    /// The host of the driver this handle reaches.
+    type Host: Host<
+        Control = ControlQueue,
+        ControlTasks = ControlTasks<Self::Task>,
+        Receiver = Self::Task,
+        Sender = Self::Sender,
+    >;
+    /// A spawned task of this runtime (awaiting it waits for its end).
+    type Task: Task + Future + Unpin;
+    /// Prefill's sending half of a data connection.
+    type Sender: OpSink + Close;
+    /// A connection of this runtime (TLS inside, where configured).
+    type Stream: 'static;
+
+    /// `stream` as the data plane's byte stream.
+    fn io(stream: &mut Self::Stream) -> impl AsyncRead + AsyncWrite + Unpin + '_;
+
+    /// Runs `f` on the driver; `None` once the node (or shard) is gone.
+    fn drive<T>(&self, f: impl FnOnce(&mut Driver<Self::Host>) -> T) -> Option<T>;
+
+    /// The runtime's timer.
+    fn sleep(wait: Duration) -> impl Future<Output = ()>;
+
+    /// Opens a connection to a kvferry listener and says what it is for: a control
+    /// connection (`key` is `None`) or a data connection proving `key`.
+    fn dial(
+        &self,
+        addr: SocketAddr,
+        key: Option<SessionKey>,
+    ) -> impl Future<Output = io::Result<Self::Stream>>;
+
+    /// Registers a control connection ([`register_control`]), then spawns [`read_control`]
+    /// and [`write_control`] on its two halves and hands them to [`add_control_tasks`].
+    fn attach_control(
+        &self,
+        stream: Self::Stream,
+        peer_addr: Option<SocketAddr>,
+        target: Option<TargetId>,
+        handshake: Option<Answer>,
+    );
+
+    /// Puts a data connection to work for `session`: prefill starts a sender, decode spawns
+    /// [`serve_data`]; both only if [`Driver::wants_data`].
+    fn attach_data(&self, session: SessionId, stream: Self::Stream);
+}
+
+/// How a data connection's sending half is closed.
+pub trait Close {
+    /// Closes the connection and waits until nothing of it can write any more.
+    fn close(self) -> impl Future<Output = ()>;
+}
+
+impl<T: Task, R: kvferry_tcp::send::Report> Close for kvferry_tcp::send::DataSender<T, R> {
+    async fn close(self) {
+        kvferry_tcp::send::DataSender::close(self).await;
+    }
+}
+
+/// A control connection's reader and writer tasks.
+pub struct ControlTasks<T> {
+    /// Reads frames into the core.
+    pub reader: T,
+    /// Writes the driver's frames.
+    pub writer: T,
+}
+
+impl<T: Task + Future + Unpin> ControlTasks<T> {
+    /// Stops reading at once; lets the writer send what is queued (its queue is closed, so it
+    /// ends by itself) for at most `linger`, then stops it.
+    pub async fn stop<F: Future<Output = ()>>(
+        self,
+        linger: Duration,
+        sleep: impl Fn(Duration) -> F,
+    ) {
+        self.reader.stop().await;
+        let mut writer = self.writer;
+        if within(linger, sleep, &mut writer).await.is_none() {
+            writer.stop().await;
+        }
+    }
+}
+
+/// The endpoint of the driver a [`Runtime`] handle reaches, for the receive path's
+/// [`crate::CoreCheck`].
+pub struct DriverAccess<R>(pub R);
+
+impl<R: Runtime> EndpointAccess for DriverAccess<R> {
+    fn run<T>(
+        &self,
+        f: impl FnOnce(&mut Endpoint, Instant) -> T,
+        drain: impl FnOnce(&T) -> bool,
+    ) -> Option<T> {
+        self.0.drive(|d| {
+            let out = f(d.endpoint_mut(), Instant::now());
+            if drain(&out) {
+                d.drain();
+            }
+            out
+        })
+    }
+
+    fn faults(&self) -> Option<FaultPlan> {
+        self.0.drive(|d| d.faults()).flatten()
+    }
+}
+
+/// Dials a control connection within `timeout` for `dial` and hands it to the driver, or
+/// says the attempt failed ([`Host::connect`]).
+pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, timeout: Duration, dial: Dial) {
+    let dialed = within(timeout, R::sleep, rt.dial(addr, None))
+        .await
+        .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()));
+    match (dialed, dial) {
+        (Ok(stream), Dial::Target(target)) => {
+            rt.attach_control(stream, Some(addr), Some(target), None);
+        }
+        (Ok(stream), Dial::Caller(tx)) => rt.attach_control(stream, Some(addr), None, Some(tx)),
+        (Err(e), Dial::Target(target)) => {
+            debug!(%target, %addr, error = %e, "connect failed");
+            rt.drive(|d| d.connect_failed(target, &e));
+        }
+        (Err(e), Dial::Caller(tx)) => {
+            let _ = tx.send(Err(NodeError::Io(e)));
+        }
+    }
+}
+
+/// Opens one data connection of `session` ([`Host::open_data`]) within the core's
+/// `connect_timeout`; one that does not open is a lost data connection, which the core
+/// replaces after its `data_reconnect_interval`.
+pub async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, key: SessionKey) {
+    let Some(wait) = rt.drive(|d| d.endpoint().config().connect_timeout) else {
+        return;
+    };
+    let opened = within(wait, R::sleep, rt.dial(addr, Some(key)))
+        .await
+        .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()));
+    match opened {
+        Ok(stream) => rt.attach_data(session, stream),
+        Err(e) => {
+            warn!(%session, error = %e, "data connection failed");
+            rt.drive(|d| d.data_connection_lost(session));
+        }
+    }
+}
+
+/// Stops a session's control tasks (a close's; none for a fence), then closes its data
+/// connections, then tells the driver ([`Host::release`]).
+pub async fn release<R: Runtime>(
+    rt: R,
+    session: SessionId,
+    conns: Vec<DataConn<R::Host>>,
+    tasks: Option<ControlTasks<R::Task>>,
+    linger: Duration,
+    why: Release,
+) {
+    // Control frames first, then data connections: see `Host::release`.
+    if let Some(t) = tasks {
+        t.stop(linger, R::sleep).await;
+    }
+    close_all(conns).await;
+    rt.drive(|d| d.released(session, why));
+}
+
+/// Closes data connections until nothing of them can write any more.
+pub async fn close_all<H: Host>(conns: Vec<DataConn<H>>)
+where
+    H::Sender: Close,
+    H::Receiver: Task,
+{
+    for conn in conns {
+        match conn {
+            DataConn::Sender(s) => s.close().await,
+            DataConn::Receiver(t) => t.stop().await,
+        }
+    }
+}
+
+/// Takes a connection a listener accepted: reads its preamble (and a data connection's
+/// hello) through [`crate::accept`] and hands it to the driver.
+pub async fn take_accepted<R: Runtime>(rt: R, mut stream: R::Stream, peer: Option<SocketAddr>) {
+    let access = DriverAccess(rt);
+    let accepted = crate::accept(&mut R::io(&mut stream), &access, peer, R::sleep).await;
+    match accepted {
+        Some(Accepted::Control) => access.0.attach_control(stream, None, None, None),
+        Some(Accepted::Data(session)) => access.0.attach_data(session, stream),
+        None => {}
+    }
+}
+
+/// Accepts connections until the node is gone, handing each to `take`; a failed accept
+/// (out of descriptors, say) waits the core's `accept_backoff` before the next.
+pub async fn listen<R, S, F>(rt: R, mut accept: impl FnMut() -> F, take: impl Fn(S))
+where
+    R: Runtime,
+    F: Future<Output = io::Result<S>>,
+{
+    loop {
+        match accept().await {
+            Ok(accepted) => take(accepted),
+            Err(e) => {
+                let Some(wait) = rt.drive(|d| d.endpoint().config().accept_backoff) else {
+                    return;
+                };
+                warn!(error = %e, ?wait, "accept failed; backing off");
+                R::sleep(wait).await;
+            }
+        }
+    }
+}
+
+/// Registers a control connection with the driver; returns its session and the queue its
+/// writer drains. `handshake` is told how the session's handshake ends.
+pub fn register_control<R: Runtime>(
+    rt: &R,
+    peer_addr: Option<SocketAddr>,
+    target: Option<TargetId>,
+    handshake: Option<Answer>,
+) -> Option<(SessionId, mpsc::UnboundedReceiver<Vec<u8>>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let session = rt.drive(|d| {
+        let session = d.attach_control(tx, peer_addr, target);
+        // Before the reader starts: no answer of the peer can come first.
+        if let Some(w) = handshake {
+            d.on_handshake(session, w);
+        }
+        session
+    })?;
+    Some((session, rx))
+}
+
+/// Hands a control connection's tasks to the driver; stops them if the session closed
+/// meanwhile.
+pub fn add_control_tasks<R: Runtime>(rt: &R, session: SessionId, tasks: ControlTasks<R::Task>) {
+    let refused = match rt.drive(|d| d.add_tasks(session, tasks)) {
+        Some(Ok(())) => return,
+        Some(Err(tasks)) => tasks,
+        None => return,
+    };
+    refused.reader.abort();
+    refused.writer.abort();
+}
+
+/// A control connection's reader: feeds what arrives to the core until the connection ends,
+/// then closes the session.
+pub async fn read_control<R: Runtime>(rt: R, session: SessionId, mut read: impl AsyncRead + Unpin) {
+    let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let n = match read.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let Some(used) = rt.drive(|d| d.with(|e, now| e.handle_input(now, session, &buf))) else {
+            return;
+        };
+        buf.drain(..used.min(buf.len()));
+    }
+    debug!(%session, "control connection ended");
+    rt.drive(|d| d.control_ended(session));
+}
+
+/// A control connection's writer: writes the driver's frames, coalescing what is queued,
+/// until the queue closes (the session closed) or the connection fails.
+pub async fn write_control(
+    mut queue: mpsc::UnboundedReceiver<Vec<u8>>,
+    mut write: impl AsyncWrite + Unpin,
+) {
+    while let Some(mut frame) = queue.recv().await {
+        while let Ok(more) = queue.try_recv() {
+            frame.extend_from_slice(&more);
+        }
+        if write.write_all(&frame).await.is_err() || write.flush().await.is_err() {
+            break;
+        }
+    }
+}
+
+/// Decode's data connection task: runs `serve` (the data plane's receiver) to its end, then
+/// tells the driver the connection was lost. A fence stops this task before it gets there.
+pub async fn serve_data<R: Runtime>(
+    rt: R,
+    session: SessionId,
+    serve: impl Future<Output = Result<ServeStats, ServeError>>,
+) {
+    match serve.await {
+        Ok(stats) => debug!(
+            %session,
+            applied = stats.applied,
+            refused = stats.refused,
+            "data connection ended"
+        ),
+        Err(e) => debug!(%session, error = %e, "data connection ended"),
+    }
+    // The core decides whether and when it is replaced.
+    rt.drive(|d| d.data_connection_lost(session));
+}
+
+/// The driver task: one [`Driver::turn`] whenever the core's timer is due or `woken`
+/// resolves `true`; ends when `woken` resolves `false` (the node stops) or the node is gone.
+pub async fn run_driver<R: Runtime, W: Future<Output = bool>>(rt: R, mut woken: impl FnMut() -> W) {
+    loop {
+        let Some(deadline) = rt.drive(|d| d.turn(Instant::now())) else {
+            return;
+        };
+        let timer = async {
+            match deadline {
+                Some(t) => R::sleep(t.saturating_duration_since(Instant::now())).await,
+                None => std::future::pending().await,
+            }
+            true
+        };
+        if !futures_lite::future::or(timer, woken()).await {
+            return;
+        }
+    }
+}
