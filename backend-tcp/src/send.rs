@@ -188,6 +188,15 @@ impl<T: Task, R: Report> DataSender<T, R> {
         self.ledger.in_flight()
     }
 
+    /// Stops the connection's tasks without waiting for them (a sender its driver did not
+    /// take). Every operation not acknowledged is reported as transient.
+    pub fn abort(self) {
+        let [writer, reader] = self.tasks;
+        writer.abort();
+        reader.abort();
+        fail_pending(&self.ledger, &self.report);
+    }
+
     /// Closes the connection and waits until nothing of it can be written any more. Every
     /// operation not acknowledged is reported as transient.
     pub async fn close(self) {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
-use kvferry_core::{Endpoint, SessionId, SessionKey, TargetId};
+use kvferry_core::{Endpoint, Role, SessionId, SessionKey, TargetId, TransferId, TransferOutcome};
 use kvferry_tcp::send::Task;
 use kvferry_tcp::{ServeError, ServeStats};
 use tokio::sync::mpsc;
@@ -23,7 +23,9 @@ use tracing::{debug, warn};
 
 use crate::accept::{within, Accepted};
 use crate::machine::Answer;
-use crate::{DataConn, Dial, Driver, EndpointAccess, FaultPlan, Host, NodeError, OpSink, Release};
+use crate::{
+    CoreCheck, DataConn, Dial, Driver, EndpointAccess, FaultPlan, Host, NodeError, OpSink, Release,
+};
 
 /// A control connection's writer queue: the driver sends frames, the writer task drains it.
 pub type ControlQueue = mpsc::UnboundedSender<Vec<u8>>;
@@ -72,20 +74,30 @@ pub trait Runtime: Clone + 'static {
         handshake: Option<Answer>,
     );
 
-    /// Puts a data connection to work for `session`: prefill starts a sender, decode spawns
-    /// [`serve_data`]; both only if [`Driver::wants_data`].
-    fn attach_data(&self, session: SessionId, stream: Self::Stream);
+    /// Starts prefill's sending half on a data connection; its outcomes go to [`report`].
+    fn start_sender(&self, stream: Self::Stream) -> io::Result<Self::Sender>;
+
+    /// Spawns decode's receiver on a data connection of `session`: [`serve_data`] over the
+    /// data plane's receiver, each write admitted by [`check`].
+    fn start_receiver(&self, session: SessionId, stream: Self::Stream) -> Self::Task;
 }
 
 /// How a data connection's sending half is closed.
 pub trait Close {
     /// Closes the connection and waits until nothing of it can write any more.
     fn close(self) -> impl Future<Output = ()>;
+
+    /// Stops the connection without waiting (it was never used).
+    fn abort(self);
 }
 
 impl<T: Task, R: kvferry_tcp::send::Report> Close for kvferry_tcp::send::DataSender<T, R> {
     async fn close(self) {
         kvferry_tcp::send::DataSender::close(self).await;
+    }
+
+    fn abort(self) {
+        kvferry_tcp::send::DataSender::abort(self);
     }
 }
 
@@ -137,6 +149,49 @@ impl<R: Runtime> EndpointAccess for DriverAccess<R> {
     }
 }
 
+/// Puts a data connection to work for `session` if the driver wants it ([`Driver::wants_data`]):
+/// prefill starts a sender on it, decode a receiver.
+pub fn attach_data<R: Runtime>(rt: &R, session: SessionId, stream: R::Stream) {
+    let wanted = rt.drive(|d| d.wants_data(session).then(|| d.endpoint().info().role));
+    let Some(Some(role)) = wanted else {
+        return; // dropping the stream closes it
+    };
+    let conn = match role {
+        Role::Prefill => match rt.start_sender(stream) {
+            Ok(sender) => DataConn::Sender(sender),
+            Err(e) => {
+                warn!(%session, error = %e, "cannot start a data connection");
+                return;
+            }
+        },
+        Role::Decode => DataConn::Receiver(rt.start_receiver(session, stream)),
+    };
+    // The session may have closed since: the connection then goes at once.
+    if let Some(Err(conn)) = rt.drive(|d| d.attach_data(session, conn)) {
+        match conn {
+            DataConn::Sender(s) => s.abort(),
+            DataConn::Receiver(t) => t.abort(),
+        }
+    }
+}
+
+/// Where a data connection's sender reports each operation's outcome: the core, through the
+/// driver `rt` reaches.
+pub fn report<R: Runtime>(rt: R) -> impl Fn(TransferId, TransferOutcome) + Clone + 'static {
+    move |id, outcome| {
+        rt.drive(|d| d.with(|e, now| e.handle_transfer_result(now, id, outcome)));
+    }
+}
+
+/// The receive path's admission of `session`'s writes: the core, through the driver `rt`
+/// reaches.
+pub fn check<R: Runtime>(rt: R, session: SessionId) -> CoreCheck<DriverAccess<R>> {
+    CoreCheck {
+        access: DriverAccess(rt),
+        session,
+    }
+}
+
 /// Dials a control connection within `timeout` for `dial` and hands it to the driver, or
 /// says the attempt failed ([`Host::connect`]).
 pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, timeout: Duration, dial: Dial) {
@@ -169,7 +224,7 @@ pub async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, 
         .await
         .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()));
     match opened {
-        Ok(stream) => rt.attach_data(session, stream),
+        Ok(stream) => attach_data(&rt, session, stream),
         Err(e) => {
             warn!(%session, error = %e, "data connection failed");
             rt.drive(|d| d.data_connection_lost(session));
@@ -216,7 +271,7 @@ pub async fn take_accepted<R: Runtime>(rt: R, mut stream: R::Stream, peer: Optio
     let accepted = crate::accept(&mut R::io(&mut stream), &access, peer, R::sleep).await;
     match accepted {
         Some(Accepted::Control) => access.0.attach_control(stream, None, None, None),
-        Some(Accepted::Data(session)) => access.0.attach_data(session, stream),
+        Some(Accepted::Data(session)) => attach_data(&access.0, session, stream),
         None => {}
     }
 }

@@ -1,23 +1,20 @@
-//! `kvferry-glommio`: the thread-per-core driver. One glommio executor (io_uring) per shard,
-//! pinned to a core where the machine allows; each shard owns its own `kvferry-core`
-//! [`Endpoint`], its own listener and its own sockets, and shares nothing with the others.
+//! `kvferry-glommio`: the thread-per-core runtime of the driver loop. One glommio executor
+//! (io_uring) per shard, pinned where the machine allows; each shard owns its own
+//! [`Driver`] (and so its own `kvferry-core` [`Endpoint`]), listener and sockets, and shares
+//! nothing with the others. It is the driver's [`Runtime`] and [`Host`] on glommio: it
+//! spawns, on the shard's thread, the tasks `kvferry_driver::runtime` writes once, and lends
+//! its timer and sockets. It must never decide a retry, a timeout or a room's state.
 //!
-//! Routing rule (the same on every driver, see [`kvferry_driver::shard_of`]): room `r` lives
+//! Routing rule (the same on every runtime, see [`kvferry_driver::shard_of`]): room `r` lives
 //! on shard `r mod shards`. Each shard is its own logical node towards peers (its node id is
-//! derived from the configured one, see [`shard_node`]) and listens on its own address; a peer is named
-//! by the list of its shard addresses, and room `r` uses the session to address
-//! `r mod len`. Every shard of this node connects to every address of a peer, so both sides
-//! agree on where a room lives whatever their shard counts.
-//!
-//! Like the tokio driver it feeds the core's inputs, drains its outputs in the documented
-//! order, arms one timer from `poll_timeout` and carries out operations and fences through
-//! `kvferry-tcp`, whose data plane (the same as tokio's) it runs on glommio's sockets; it
-//! never decides a retry, a timeout or a room's state. Within a shard there
-//! is no lock: the endpoint lives in a `RefCell` owned by the shard's thread. The embedder's
-//! calls reach a shard as closures over a channel and come back through a oneshot; dropping a
-//! call's future after it was sent loses only the answer (the call still takes effect: a
-//! room opened that way can still be aborted by its id), and `RoomHandle` waits are
-//! cancel-safe as on tokio.
+//! derived from the configured one, see [`shard_node`]) and listens on its own address; a
+//! peer is named by the list of its shard addresses, and room `r` uses the session to address
+//! `r mod len`. Within a shard there is no lock: the driver lives in a `RefCell` owned by the
+//! shard's thread. The embedder's calls reach a shard as closures over a channel; dropping a
+//! call's future after it was sent loses only the answer, and `RoomHandle` waits are
+//! cancel-safe.
+
+mod executor;
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
@@ -29,13 +26,11 @@ use std::time::{Duration, Instant};
 
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
-use glommio::{LocalExecutorBuilder, Placement, Task};
-use kvferry_core::{
-    Counters, Endpoint, EndpointInfo, NodeId, Role, SessionId, SessionKey, TargetId,
-};
+use glommio::Task;
+use kvferry_core::{Counters, Endpoint, Role, SessionId, SessionKey, TargetId};
 use kvferry_driver::{
-    runtime, Announcer, Answer, ControlQueue, ControlTasks, CoreCheck, DataConn, Dial, Driver,
-    DriverAccess, Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
+    runtime, Announcer, Answer, ControlQueue, ControlTasks, DataConn, Dial, Driver, Embedder, Host,
+    Release, Runtime, RuntimeNode, ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
@@ -49,40 +44,11 @@ use kvferry_tcp::Limits;
 use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
 
-/// glommio needs at least this much locked memory per executor.
-const MEMLOCK_MIN: u64 = 512 * 1024;
-/// The io_uring buffer memory each executor registers (small: the limit is shared).
-const IO_MEMORY: usize = 1 << 20;
+use executor::ShardSetup;
+pub use executor::{ensure_memlock, shard_node, ShardConfig, DEFAULT_SPIN_BEFORE_PARK};
 
 /// A closure run on a shard's thread with its state.
-type Cmd = Box<dyn FnOnce(&Rc<Shard>) + Send>;
-
-/// Everything to start a [`GlommioNode`] beyond the common [`NodeConfig`].
-#[derive(Clone, Copy, Debug)]
-pub struct ShardConfig {
-    /// Number of shards (executors); at least 1.
-    pub shards: usize,
-    /// Pin shard `i` to CPU `i mod cpus` (falls back to unpinned where not allowed).
-    pub pin: bool,
-    /// How long an executor keeps polling for work before it parks in the kernel.
-    pub spin_before_park: Duration,
-}
-
-/// The default [`ShardConfig::spin_before_park`]. Parking and waking through io_uring costs
-/// glommio about as much again as the round trip itself: an acked 4 KiB operation took
-/// 107-159 us without spinning and 68-71 us with 50 us of it (`kvferry bench`, three paired
-/// runs on 2 cores), and a shard spins only in the 50 us after it last had work.
-pub const DEFAULT_SPIN_BEFORE_PARK: Duration = Duration::from_micros(50);
-
-impl Default for ShardConfig {
-    fn default() -> Self {
-        ShardConfig {
-            shards: 1,
-            pin: true,
-            spin_before_park: DEFAULT_SPIN_BEFORE_PARK,
-        }
-    }
-}
+pub(crate) type Cmd = Box<dyn FnOnce(&Rc<Shard>) + Send>;
 
 /// A running kvferry node on glommio: `shards` executors, each a shard with its own endpoint.
 /// Cheap to clone, `Send + Sync`: call it from any thread or runtime. The last clone dropped
@@ -121,46 +87,6 @@ impl Drop for StopOnDrop {
     }
 }
 
-/// The node id shard `index` presents to peers: the configured id for shard 0, a hash of it
-/// and the index for the others (ids of distinct nodes' shards then collide only by chance,
-/// 2^-64, where `id + index` would collide for nodes whose ids are close).
-pub fn shard_node(node: NodeId, index: usize) -> NodeId {
-    if index == 0 {
-        return node;
-    }
-    let mut z = node.0 ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    NodeId(z ^ (z >> 31))
-}
-
-/// Raises the soft `RLIMIT_MEMLOCK` to the hard limit (allowed without privileges) and checks
-/// that every executor can lock what glommio needs.
-pub fn ensure_memlock(shards: usize) -> Result<(), NodeError> {
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-    let limit = getrlimit(Resource::Memlock);
-    let hard = limit.maximum;
-    let raised = Rlimit {
-        current: hard,
-        maximum: hard,
-    };
-    if limit.current != hard {
-        let _ = setrlimit(Resource::Memlock, raised);
-    }
-    let now = getrlimit(Resource::Memlock).current;
-    let need = (MEMLOCK_MIN.max(IO_MEMORY as u64 + 64 * 1024)) * shards as u64;
-    match now {
-        None => Ok(()),
-        Some(v) if v >= need => Ok(()),
-        Some(v) => Err(NodeError::Runtime(format!(
-            "RLIMIT_MEMLOCK is {v} bytes after raising the soft limit to the hard one; \
-             glommio needs at least {need} bytes for {shards} shard(s): \
-             run `ulimit -l unlimited` (or raise memlock in /etc/security/limits.conf) \
-             or use fewer shards"
-        ))),
-    }
-}
-
 impl GlommioNode {
     /// Starts `shards.shards` executors over `memory` (registered for `config.info.layout`).
     /// Callable from any thread; does not need a runtime.
@@ -180,55 +106,8 @@ impl GlommioNode {
                     .to_owned(),
             ));
         }
-        let n = shards.shards.max(1);
-        ensure_memlock(n)?;
-        let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
         let announcements = Announcer::default();
-        let mut senders = Vec::with_capacity(n);
-        let mut threads = Vec::with_capacity(n);
-        for i in 0..n {
-            let (tx, rx) = flume::unbounded::<Cmd>();
-            let mut info = config.info.clone();
-            info.node = shard_node(config.info.node, i);
-            let setup = ShardSetup {
-                index: i,
-                config: config.clone(),
-                info,
-                memory: memory.clone(),
-                announcements: announcements.clone(),
-                rx,
-            };
-            let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
-            let placement = if shards.pin {
-                Placement::Fixed(i % cpus)
-            } else {
-                Placement::Unbound
-            };
-            let spawn =
-                |placement: Placement, setup: ShardSetup, ready: std::sync::mpsc::Sender<_>| {
-                    LocalExecutorBuilder::new(placement)
-                        .name(&format!("kvferry-shard-{i}"))
-                        .io_memory(IO_MEMORY)
-                        .spin_before_park(shards.spin_before_park)
-                        .spawn(move || shard_main(setup, ready))
-                };
-            let handle = match spawn(placement, setup.clone(), ready_tx.clone()) {
-                Ok(h) => h,
-                Err(e) if shards.pin => {
-                    warn!(shard = i, error = %e, "cannot pin the shard; running it unpinned");
-                    spawn(Placement::Unbound, setup, ready_tx)
-                        .map_err(|e| NodeError::Runtime(format!("shard {i}: {e}")))?
-                }
-                Err(e) => return Err(NodeError::Runtime(format!("shard {i}: {e}"))),
-            };
-            match ready_rx.recv_timeout(Duration::from_secs(10)) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(NodeError::Runtime(format!("shard {i}: {e}"))),
-                Err(_) => return Err(NodeError::Runtime(format!("shard {i} did not start"))),
-            }
-            senders.push(tx);
-            threads.push(handle);
-        }
+        let (senders, threads) = executor::spawn_shards(&config, &memory, shards, &announcements)?;
         let shared = Arc::new(NodeShared {
             role: config.info.role,
             rooms: Embedder::new(Shards(senders)),
@@ -240,15 +119,6 @@ impl GlommioNode {
             _last: Arc::new(StopOnDrop(shared.clone())),
             shared,
         })
-    }
-
-    /// Runs `f` on shard `shard` and returns its result.
-    fn call<T, F>(&self, shard: usize, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
-    where
-        T: Send + 'static,
-        F: FnOnce(&Rc<Shard>) -> T + Send + 'static,
-    {
-        self.shared.rooms.calls().run(shard, f)
     }
 
     /// The core's counters of one shard.
@@ -322,7 +192,12 @@ impl RuntimeNode for GlommioNode {
             if a.port() != 0 {
                 a.set_port(addr.port().wrapping_add(i as u16));
             }
-            let local = self.call(i, move |s| s.listen(a)).await??;
+            let local = self
+                .shared
+                .rooms
+                .calls()
+                .run(i, move |s| s.listen(a))
+                .await??;
             out.push(local);
         }
         Ok(out)
@@ -335,8 +210,8 @@ impl RuntimeNode for GlommioNode {
     async fn shutdown(&self) {
         for i in 0..self.shared.rooms.calls().shards() {
             let (tx, rx) = oneshot::channel();
-            let sent = self
-                .call(i, move |s| {
+            let sent = (self.shared.rooms.calls())
+                .run(i, move |s| {
                     let s = s.clone();
                     glommio::spawn_local(async move {
                         s.shutdown().await;
@@ -367,22 +242,9 @@ impl RuntimeNode for GlommioNode {
 
 // ------------------------------------------------------------------------------- shards
 
-#[derive(Clone)]
-struct ShardSetup {
-    index: usize,
-    config: NodeConfig,
-    info: EndpointInfo,
-    memory: Arc<MemoryMap>,
-    announcements: Announcer,
-    rx: flume::Receiver<Cmd>,
-}
-
 /// One shard: an endpoint and the driver loop around it, owned by one executor thread.
 struct Shard {
     driver: RefCell<Driver<ShardHost>>,
-    memory: Arc<MemoryMap>,
-    info: EndpointInfo,
-    limits: Limits,
     wake: LocalSender<()>,
     stopped: Cell<bool>,
     /// Tasks that live as long as the shard (listeners, the timer).
@@ -398,9 +260,16 @@ struct Shard {
 #[derive(Clone)]
 pub struct ShardHost {
     shard: Weak<Shard>,
+    memory: Arc<MemoryMap>,
+    limits: Limits,
 }
 
-async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(), String>>) {
+/// A shard's thread: builds its endpoint and driver, says it is up, then runs the node's
+/// calls until it stops.
+pub(crate) async fn shard_main(
+    setup: ShardSetup,
+    ready: std::sync::mpsc::Sender<Result<(), String>>,
+) {
     let now = Instant::now();
     let endpoint = match Endpoint::new(
         setup.config.core.clone(),
@@ -420,17 +289,16 @@ async fn shard_main(setup: ShardSetup, ready: std::sync::mpsc::Sender<Result<(),
             endpoint,
             ShardHost {
                 shard: weak.clone(),
+                memory: setup.memory,
+                limits: Limits {
+                    max_slices: setup.config.core.max_op_slices,
+                    max_bytes: setup.config.core.max_op_bytes,
+                },
             },
             setup.config.data_connections,
             setup.announcements,
             now,
         )),
-        memory: setup.memory,
-        limits: Limits {
-            max_slices: setup.config.core.max_op_slices,
-            max_bytes: setup.config.core.max_op_bytes,
-        },
-        info: setup.info,
         wake,
         stopped: Cell::new(false),
         background: RefCell::new(Vec::new()),
@@ -580,43 +448,18 @@ impl Runtime for ShardHost {
         runtime::add_control_tasks(self, sid, tasks);
     }
 
-    fn attach_data(&self, sid: SessionId, stream: TcpStream) {
-        let Some(shard) = self.shard.upgrade() else {
-            return;
-        };
-        if !shard.driver.borrow().wants_data(sid) {
-            return; // dropping the stream closes it
-        }
-        let memory = shard.memory.clone();
-        let conn = match shard.info.role {
-            Role::Prefill => {
-                let host = self.clone();
-                let report: LocalReport = Rc::new(move |id, outcome| {
-                    host.drive(|d| d.with(|e, now| e.handle_transfer_result(now, id, outcome)));
-                });
-                match DataSender::spawn(stream, memory, report) {
-                    Ok(s) => DataConn::Sender(s),
-                    Err(e) => {
-                        warn!(session = %sid, error = %e, "cannot split a data connection");
-                        return;
-                    }
-                }
-            }
-            Role::Decode => {
-                let check: Rc<dyn WriteCheck> = Rc::new(CoreCheck {
-                    access: DriverAccess(self.clone()),
-                    session: sid,
-                });
-                let limits = shard.limits;
-                let host = self.clone();
-                DataConn::Receiver(glommio::spawn_local(async move {
-                    let serve = serve_local(stream, &memory, check, limits);
-                    runtime::serve_data(host, sid, serve).await;
-                }))
-            }
-        };
-        // Cannot be refused: checked above, and nothing ran in between.
-        let _ = shard.drive(|d| d.attach_data(sid, conn));
+    fn start_sender(&self, stream: TcpStream) -> std::io::Result<DataSender> {
+        let report: LocalReport = Rc::new(runtime::report(self.clone()));
+        DataSender::spawn(stream, self.memory.clone(), report)
+    }
+
+    fn start_receiver(&self, sid: SessionId, stream: TcpStream) -> Task<()> {
+        let check: Rc<dyn WriteCheck> = Rc::new(runtime::check(self.clone(), sid));
+        let (host, memory, limits) = (self.clone(), self.memory.clone(), self.limits);
+        glommio::spawn_local(async move {
+            let serve = serve_local(stream, &memory, check, limits);
+            runtime::serve_data(host, sid, serve).await;
+        })
     }
 }
 

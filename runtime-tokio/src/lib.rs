@@ -1,22 +1,23 @@
-//! `kvferry-tokio`: the driver that runs a `kvferry-core` [`Endpoint`] on tokio.
+//! `kvferry-tokio`: the tokio runtime of the driver loop.
 //!
-//! It is the tokio [`Host`] of the one driver loop ([`kvferry_driver::Driver`]): it owns
-//! sockets, tasks and the one timer, keeps the driver behind a mutex, and starts what the
-//! driver asks for (connects, data connections, fences, closes), carrying data-path
-//! operations through `kvferry-tcp` (or RDMA with the `rdma` feature). Every decision is the
-//! driver's or the core's: if this file ever needs an `if` about a retry, a timeout or a
-//! room's state, their API is missing something.
+//! It is the driver's [`Runtime`] and [`Host`] on tokio: it keeps the one
+//! [`kvferry_driver::Driver`] behind a mutex, spawns the tasks `kvferry_driver::runtime`
+//! writes once (connects, data connections, control readers and writers, releases, the
+//! timer), and lends its timer, its sockets and TLS; data moves through `kvferry-tcp` (or
+//! RDMA with the `rdma` feature). It must never decide a retry, a timeout or a room's state:
+//! if it needs an `if` about one, the core's API is missing something.
 //!
-//! Embedders get a [`Node`]: open rooms, send chunks, mark layers ready, abort, and await a
-//! room's terminal state and its release through a cancel-safe [`RoomHandle`].
+//! Embedders get a [`Node`], whose API is [`KvNode`]: open rooms, send chunks, mark layers
+//! ready, abort, and await a room's terminal state and its release through a cancel-safe
+//! [`RoomHandle`].
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{
-    Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, Role, RoomId, SessionId,
-    SessionKey, TargetId, TransferId, TransferOutcome,
+    Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionId, SessionKey,
+    TargetId,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::{
@@ -38,8 +39,8 @@ pub use kvferry_driver::{
     NodeError, PeerId, RoomHandle, RoomView,
 };
 use kvferry_driver::{
-    runtime, within, Announcer, Answer, ControlQueue, ControlTasks, CoreCheck, DataConn, Dial,
-    Driver, DriverAccess, Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
+    runtime, within, Announcer, Answer, ControlQueue, ControlTasks, DataConn, Dial, Driver,
+    Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
@@ -47,6 +48,8 @@ use kvferry_driver::{
 #[derive(Clone)]
 pub struct TokioHost {
     shared: Weak<Shared>,
+    memory: Arc<MemoryMap>,
+    limits: Limits,
     runtime: tokio::runtime::Handle,
     tls: Option<TlsSetup>,
     events: broadcast::Sender<Event>,
@@ -61,7 +64,6 @@ struct Shared {
     #[cfg(feature = "rdma")]
     runtime: tokio::runtime::Handle,
     info: EndpointInfo,
-    limits: Limits,
     announcements: Announcer,
     stopped: watch::Sender<bool>,
     /// The listeners' tasks.
@@ -149,7 +151,7 @@ impl Node {
             DataBackend::Tcp => None,
             DataBackend::Rdma { device, port } => Some(rdma::open(
                 &memory,
-                config.info.role == Role::Decode,
+                config.info.role == kvferry_core::Role::Decode,
                 device.as_deref(),
                 *port,
             )?),
@@ -175,6 +177,8 @@ impl Node {
         let shared = Arc::new_cyclic(|weak| {
             let host = TokioHost {
                 shared: weak.clone(),
+                memory: memory.clone(),
+                limits,
                 runtime: runtime.clone(),
                 tls: tls.clone(),
                 events: events.clone(),
@@ -193,7 +197,6 @@ impl Node {
                 #[cfg(feature = "rdma")]
                 runtime,
                 info: config.info,
-                limits,
                 announcements,
                 stopped,
                 listeners: Mutex::new(Vec::new()),
@@ -455,36 +458,17 @@ impl Runtime for TokioHost {
         runtime::add_control_tasks(self, sid, tasks);
     }
 
-    fn attach_data(&self, sid: SessionId, stream: Conn) {
-        let Some(shared) = self.shared.upgrade() else {
-            return;
-        };
-        let mut driver = shared.lock();
-        if !driver.wants_data(sid) {
-            return; // dropping the stream closes it
-        }
-        let memory = shared.memory.clone();
-        let conn = match shared.info.role {
-            Role::Prefill => {
-                let host = self.clone();
-                let report: Report = Arc::new(move |id: TransferId, outcome: TransferOutcome| {
-                    host.drive(|d| d.with(|e, now| e.handle_transfer_result(now, id, outcome)));
-                });
-                DataConn::Sender(DataSender::spawn(stream, memory, report))
-            }
-            Role::Decode => {
-                let check: Arc<dyn WriteCheck + Send + Sync> = Arc::new(CoreCheck {
-                    access: DriverAccess(self.clone()),
-                    session: sid,
-                });
-                let serve = serve_writes(stream, memory, check, shared.limits);
-                let task = runtime::serve_data(self.clone(), sid, serve)
-                    .instrument(info_span!("kvferry_data", session = %sid));
-                DataConn::Receiver(self.runtime.spawn(task))
-            }
-        };
-        // Cannot be refused: checked under this same lock above.
-        let _ = driver.attach_data(sid, conn);
+    fn start_sender(&self, stream: Conn) -> std::io::Result<DataSender> {
+        let report: Report = Arc::new(runtime::report(self.clone()));
+        Ok(DataSender::spawn(stream, self.memory.clone(), report))
+    }
+
+    fn start_receiver(&self, sid: SessionId, stream: Conn) -> JoinHandle<()> {
+        let check: Arc<dyn WriteCheck + Send + Sync> = Arc::new(runtime::check(self.clone(), sid));
+        let serve = serve_writes(stream, self.memory.clone(), check, self.limits);
+        let task = runtime::serve_data(self.clone(), sid, serve);
+        self.runtime
+            .spawn(task.instrument(info_span!("kvferry_data", session = %sid)))
     }
 }
 
