@@ -106,6 +106,8 @@ pub(crate) fn establish(driver: &mut Driver<TokioHost>, sid: SessionId) -> bool 
         }
     };
     let watcher = watch(&shared, sid, link.queue_pair());
+    // Decode sees no write of a one-sided path land: its rooms succeed on the source's word.
+    driver.endpoint_mut().set_one_sided(sid);
     if let Some(io) = driver.session_io(sid) {
         io.ext = Some(SessionRdma {
             link,
