@@ -221,6 +221,19 @@ impl RdmaLink {
 
     /// Posts `op`: one RDMA WRITE per slice, chained, the last one signalled.
     pub fn post(&mut self, node: &RdmaNode, op: &TransferOp) -> Result<(), PostError> {
+        self.post_as(node, op, false)
+    }
+
+    /// [`RdmaLink::post`], with `wrong_rkey` set: the first write names a key the peer never
+    /// registered, so the peer's device refuses it, this QP goes to the error state and the
+    /// rest of its work flushes, as when a peer's memory goes away (fault injection for demos
+    /// and tests; nothing is written anywhere).
+    pub fn post_as(
+        &mut self,
+        node: &RdmaNode,
+        op: &TransferOp,
+        wrong_rkey: bool,
+    ) -> Result<(), PostError> {
         let peer = self.peer.as_ref().ok_or(PostError::NotConnected)?;
         let mut local = Vec::with_capacity(op.slices.len());
         let mut remote = Vec::with_capacity(op.slices.len());
@@ -229,6 +242,12 @@ impl RdmaLink {
             local.push(node.local(s.region, s.src_offset, s.len).ok_or(missing)?);
             let missing = PostError::NoTarget { region: s.region };
             remote.push(peer.target(s).ok_or(missing)?);
+        }
+        if wrong_rkey {
+            if let Some((_, rkey)) = remote.first_mut() {
+                // Inverting the key's index bits names a memory region far past any registered.
+                *rkey = !*rkey;
+            }
         }
         let mut qp = lock(&self.qp);
         if qp.state() != QpState::Rts {

@@ -14,6 +14,10 @@ fn device() -> Option<Arc<Device>> {
     match Device::open(None) {
         Ok(d) => Some(Arc::new(d)),
         Err(e) => {
+            assert!(
+                std::env::var_os("KVFERRY_REQUIRE_RDMA").is_none(),
+                "KVFERRY_REQUIRE_RDMA is set and no RDMA device opens: {e}"
+            );
             eprintln!("SKIPPED: no RDMA device here ({e})");
             None
         }

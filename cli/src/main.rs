@@ -169,6 +169,10 @@ enum Command {
         /// TLS off and on, side by side (a throwaway CA; every byte verified).
         #[arg(long)]
         tls: bool,
+        /// With --tls or --backend rdma: one round with a sixteenth of each workload's rooms,
+        /// to check the path end to end on a slow link (noisier figures).
+        #[arg(long)]
+        quick: bool,
         /// Print one JSON object per workload instead of a table.
         #[arg(long)]
         json: bool,
@@ -331,38 +335,36 @@ fn install_metrics(addr: Option<SocketAddr>) -> Result<(), String> {
     Ok(())
 }
 
-/// Prints `bench --tls` or `--backend rdma` results: each workload over the two links named
-/// `names`, and their ratio; an error if any page was lost or corrupted.
-fn print_link_points(
-    points: &[bench::LinkPoint],
-    names: [&str; 2],
-    json: bool,
-) -> Result<(), String> {
+/// Prints one `bench --tls` or `--backend rdma` result: a workload over the two links named
+/// `names`, and their ratio.
+fn print_link_point(p: &bench::LinkPoint, names: [&str; 2], json: bool) {
     let [a, b] = names;
-    for p in points {
-        let ratio = p.gbps[1] / p.gbps[0].max(1e-9);
-        if json {
-            let mut o =
-                serde_json::json!({ "workload": p.workload, "runtime": "tokio", "clean": p.clean });
-            o[format!("{a}_gbps")] = p.gbps[0].into();
-            o[format!("{b}_gbps")] = p.gbps[1].into();
-            o[format!("{b}_vs_{a}")] = ratio.into();
-            println!("{o}");
-        } else {
-            println!(
-                "{:<28} {a} {:>7.3} GB/s  {b} {:>7.3} GB/s  {b}/{a} {:>6.3}  {}",
-                p.workload,
-                p.gbps[0],
-                p.gbps[1],
-                ratio,
-                if p.clean {
-                    "every byte verified"
-                } else {
-                    "LOST OR CORRUPTED PAGES"
-                }
-            );
-        }
+    let ratio = p.gbps[1] / p.gbps[0].max(1e-9);
+    if json {
+        let mut o =
+            serde_json::json!({ "workload": p.workload, "runtime": "tokio", "clean": p.clean });
+        o[format!("{a}_gbps")] = p.gbps[0].into();
+        o[format!("{b}_gbps")] = p.gbps[1].into();
+        o[format!("{b}_vs_{a}")] = ratio.into();
+        println!("{o}");
+    } else {
+        println!(
+            "{:<28} {a} {:>7.3} GB/s  {b} {:>7.3} GB/s  {b}/{a} {:>6.3}  {}",
+            p.workload,
+            p.gbps[0],
+            p.gbps[1],
+            ratio,
+            if p.clean {
+                "every byte verified"
+            } else {
+                "LOST OR CORRUPTED PAGES"
+            }
+        );
     }
+}
+
+/// An error if any workload of a link bench lost or corrupted a page.
+fn link_points_clean(points: &[bench::LinkPoint]) -> Result<(), String> {
     if points.iter().any(|p| !p.clean) {
         return Err("pages were lost or corrupted".to_owned());
     }
@@ -728,8 +730,20 @@ async fn run(cli: Cli) -> Result<(), String> {
             scaling_rooms,
             shards,
             tls,
+            quick,
             json,
         } => {
+            let links = if quick {
+                bench::LinkRun {
+                    iterations: 1,
+                    room_divisor: 16,
+                }
+            } else {
+                bench::LinkRun {
+                    iterations: iterations.min(3),
+                    room_divisor: 1,
+                }
+            };
             if layer_events {
                 let points = tokio::task::spawn_blocking(|| bench::layer_events(2000))
                     .await
@@ -753,16 +767,18 @@ async fn run(cli: Cli) -> Result<(), String> {
                 return Ok(());
             }
             if tls {
-                let points = bench::tls(iterations.min(3))
+                let mut print = |p: &bench::LinkPoint| print_link_point(p, ["plain", "tls"], json);
+                let points = bench::tls(links, &mut print)
                     .await
                     .map_err(|e| e.to_string())?;
-                return print_link_points(&points, ["plain", "tls"], json);
+                return link_points_clean(&points);
             }
             if kvferry_testkit::Backend::parse(&backend)? == kvferry_testkit::Backend::Rdma {
-                let points = bench::backends(iterations.min(3), rdma_device)
+                let mut print = |p: &bench::LinkPoint| print_link_point(p, ["tcp", "rdma"], json);
+                let points = bench::backends(links, rdma_device, &mut print)
                     .await
                     .map_err(|e| e.to_string())?;
-                return print_link_points(&points, ["tcp", "rdma"], json);
+                return link_points_clean(&points);
             }
             if scaling {
                 let points = bench::scaling(scaling_rooms, shards)

@@ -24,8 +24,8 @@ use crate::{NodeError, Shared, TokioHost};
 /// A session's RDMA side: its link and the task that awaits the current QP's completions.
 pub struct SessionRdma {
     link: RdmaLink,
-    /// The core's fence is in progress (the QP was moved to the error state on purpose).
-    fencing: bool,
+    /// The QP the core's fence moved to the error state, until its writes have flushed.
+    fencing: Option<Arc<Mutex<RcQueuePair>>>,
     /// Dropping it tells the completion task to report what is left and let go of its QP.
     _watcher: oneshot::Sender<()>,
 }
@@ -111,7 +111,7 @@ pub(crate) fn establish(driver: &mut Driver<TokioHost>, sid: SessionId) -> bool 
     if let Some(io) = driver.session_io(sid) {
         io.ext = Some(SessionRdma {
             link,
-            fencing: false,
+            fencing: None,
             _watcher: watcher,
         });
     }
@@ -170,6 +170,7 @@ pub(crate) fn post(driver: &mut Driver<TokioHost>, op: TransferOp) -> Option<Tra
 /// Posts `op` on its session's QP; holds it if the QP is not connected yet, or reports the
 /// outcome at once if no post can succeed.
 fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
+    let faults = driver.faults();
     let Some(io) = driver.session_io(op.session) else {
         driver.endpoint_mut().handle_transfer_result(
             Instant::now(),
@@ -182,7 +183,10 @@ fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
         io.park(op);
         return;
     };
-    let failed = match r.link.post(node, &op) {
+    // Injected faults (demos and tests): the write names a key the peer never registered, so
+    // its device refuses it and this QP fails, as it would if the peer's memory went away.
+    let poison = faults.is_some_and(|f| op.room.is_some_and(|room| f.hits(room, op.id)));
+    let failed = match r.link.post_as(node, &op, poison) {
         Ok(()) => None,
         Err(e) => match e.outcome() {
             None => {
@@ -202,12 +206,12 @@ fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
     }
 }
 
-/// The core's fence: the session's QP goes to the error state; once every outstanding write
-/// has completed flushed, nothing of it can land, the fence is confirmed, and a new QP (with
-/// a new hello) replaces it.
+/// The core's fence: the session's QP goes to the error state, and once every outstanding
+/// write has completed flushed (the completion task sees the last one), nothing of it can
+/// land: the fence is confirmed and a new QP (with a new hello) replaces it.
 /// `false` when the node moves data over TCP.
 pub(crate) fn fence(driver: &mut Driver<TokioHost>, sid: SessionId) -> bool {
-    let Some((shared, _)) = rdma_of(driver) else {
+    let Some((shared, node)) = rdma_of(driver) else {
         return false;
     };
     let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) else {
@@ -216,47 +220,56 @@ pub(crate) fn fence(driver: &mut Driver<TokioHost>, sid: SessionId) -> bool {
             .handle_fence_complete(Instant::now(), sid);
         return true;
     };
-    r.fencing = true;
     if let Err(e) = r.link.fence() {
         warn!(session = %sid, error = %e, "could not move the queue pair to the error state");
     }
     // The fence is about this QP: a hello may replace it meanwhile, and the new one is not
     // what has to drain.
     let fenced = r.link.queue_pair();
-    let weak = Arc::downgrade(&shared);
-    shared.runtime.spawn(async move {
-        while !fenced.lock().map_or(true, |q| q.is_drained()) {
-            if weak.strong_count() == 0 {
-                return; // the node is gone
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let Some(shared) = weak.upgrade() else { return };
-        let Some(node) = shared.rdma.clone() else {
-            return;
-        };
-        let mut driver = shared.lock();
-        driver
-            .endpoint_mut()
-            .handle_fence_complete(Instant::now(), sid);
-        info!(session = %sid, "session fenced (RDMA queue pair drained)");
-        if let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) {
-            r.fencing = false;
-            if r.link.is_current(&fenced) {
-                match r.link.renew(&node, psn(sid)) {
-                    Ok(hello) => {
-                        r._watcher = watch(&shared, sid, r.link.queue_pair());
-                        send_hello(&mut driver, sid, &hello);
-                    }
-                    Err(e) => {
-                        warn!(session = %sid, error = %e, "no new queue pair after the fence")
-                    }
-                }
-            }
-        }
-        driver.drain();
-    });
+    r.fencing = Some(fenced.clone());
+    // Nothing outstanding: the fence is complete now.
+    finish_fence(driver, &shared, &node, sid, &fenced);
     true
+}
+
+/// Completes `sid`'s fence if `qp` is the QP it fenced and every write of it has flushed:
+/// the core hears it, and if `qp` is still the session's, a new QP replaces it.
+fn finish_fence(
+    driver: &mut Driver<TokioHost>,
+    shared: &Arc<Shared>,
+    node: &RdmaNode,
+    sid: SessionId,
+    qp: &Arc<Mutex<RcQueuePair>>,
+) {
+    let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) else {
+        return;
+    };
+    let fenced = r.fencing.as_ref().is_some_and(|f| Arc::ptr_eq(f, qp));
+    if !fenced || !qp.lock().map_or(true, |q| q.is_drained()) {
+        return;
+    }
+    r.fencing = None;
+    let hello = if r.link.is_current(qp) {
+        match r.link.renew(node, psn(sid)) {
+            Ok(hello) => {
+                r._watcher = watch(shared, sid, r.link.queue_pair());
+                Some(hello)
+            }
+            Err(e) => {
+                warn!(session = %sid, error = %e, "no new queue pair after the fence");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    driver
+        .endpoint_mut()
+        .handle_fence_complete(Instant::now(), sid);
+    info!(session = %sid, "session fenced (RDMA queue pair drained)");
+    if let Some(hello) = hello {
+        send_hello(driver, sid, &hello);
+    }
 }
 
 /// The completion channel's descriptor, kept open by the QP it belongs to.
@@ -311,10 +324,35 @@ fn watch(shared: &Arc<Shared>, sid: SessionId, qp: Arc<Mutex<RcQueuePair>>) -> o
             }
             true
         };
+        // Once replaced, the old QP is in the error state: its outstanding writes flush as
+        // completions, collected until it is drained or the core's operation timeout passes
+        // (the core has timed those operations out by then).
+        let mut replaced = false;
+        let linger = weak.upgrade().map_or(Duration::ZERO, |s| {
+            s.lock().endpoint().config().operation_timeout
+        });
         loop {
-            let ready = tokio::select! {
-                r = afd.readable() => r,
-                _ = &mut stop_rx => break,
+            let ready = if replaced {
+                if afd.get_ref().qp.lock().map_or(true, |q| q.is_drained()) {
+                    break;
+                }
+                match tokio::time::timeout(linger, afd.readable()).await {
+                    Ok(r) => r,
+                    Err(_) => break,
+                }
+            } else {
+                tokio::select! {
+                    r = afd.readable() => r,
+                    _ = &mut stop_rx => {
+                        replaced = true;
+                        // What flushed before the replacement may already be in the queue.
+                        if !report(&afd.get_ref().qp) {
+                            return;
+                        }
+                        after_completions(&weak, sid, &afd.get_ref().qp);
+                        continue;
+                    }
+                }
             };
             let Ok(mut guard) = ready else { break };
             let alive = report(&afd.get_ref().qp);
@@ -322,45 +360,40 @@ fn watch(shared: &Arc<Shared>, sid: SessionId, qp: Arc<Mutex<RcQueuePair>>) -> o
             if !alive {
                 return;
             }
-            restart_if_broken(&weak, sid, &afd.get_ref().qp);
-        }
-        // Replaced: the old QP is in the error state; collect its flushed work requests.
-        let qp = afd.get_ref().qp.clone();
-        for _ in 0..1000 {
-            if !report(&qp) || qp.lock().map_or(true, |q| q.is_drained()) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            after_completions(&weak, sid, &afd.get_ref().qp);
         }
         drop(afd);
     });
     stop_tx
 }
 
-/// A queue pair that went to the error state by itself (a failed work request, not a fence)
-/// carries nothing more: once its work requests have flushed, a new one replaces it and the
-/// peer gets its hello (and replaces its own), as a broken TCP data connection is re-opened.
-/// The core still decides about the operations that failed: they were reported to it.
-fn restart_if_broken(weak: &Weak<Shared>, sid: SessionId, qp: &Arc<Mutex<RcQueuePair>>) {
+/// After `qp`'s completions reached the core: a fence of `qp` whose last write flushed is
+/// complete ([`finish_fence`]); a current QP that went to the error state by itself (a failed
+/// work request, not a fence) carries nothing more, and once drained a new one replaces it
+/// and the peer gets its hello (and replaces its own), as a broken TCP data connection is
+/// re-opened. The core still decides about the operations that failed: they were reported.
+fn after_completions(weak: &Weak<Shared>, sid: SessionId, qp: &Arc<Mutex<RcQueuePair>>) {
     let Some(shared) = weak.upgrade() else { return };
     let Some(node) = shared.rdma.clone() else {
         return;
     };
     let mut driver = shared.lock();
+    finish_fence(&mut driver, &shared, &node, sid, qp);
     let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) else {
+        driver.drain();
         return;
     };
-    if r.fencing || !r.link.is_current(qp) || !r.link.is_drained() {
-        return;
-    }
-    match r.link.renew(&node, psn(sid)) {
-        Ok(hello) => {
-            warn!(session = %sid, "RDMA queue pair failed; replacing it");
-            // Replacing the watcher ends the task that called us once it returns.
-            r._watcher = watch(&shared, sid, r.link.queue_pair());
-            send_hello(&mut driver, sid, &hello);
-            driver.drain();
+    let broken = r.fencing.is_none() && r.link.is_current(qp) && r.link.is_drained();
+    if broken {
+        match r.link.renew(&node, psn(sid)) {
+            Ok(hello) => {
+                warn!(session = %sid, "RDMA queue pair failed; replacing it");
+                // Replacing the watcher ends the task that called us once it returns.
+                r._watcher = watch(&shared, sid, r.link.queue_pair());
+                send_hello(&mut driver, sid, &hello);
+            }
+            Err(e) => warn!(session = %sid, error = %e, "no new queue pair after a failure"),
         }
-        Err(e) => warn!(session = %sid, error = %e, "no new queue pair after a failure"),
     }
+    driver.drain();
 }

@@ -843,12 +843,23 @@ pub struct LinkPoint {
     pub clean: bool,
 }
 
+/// How much of the link workloads a run moves.
+#[derive(Clone, Copy, Debug)]
+pub struct LinkRun {
+    /// Rounds per workload (the best of them counts).
+    pub iterations: usize,
+    /// Each workload moves its rooms divided by this (1: all of them).
+    pub room_divisor: u64,
+}
+
 /// The same room workloads through a prefill and a decode node over each of `links`,
 /// alternating which goes first so drifting load hits both alike, best of `iterations` each
-/// (every byte verified every time).
+/// (every byte verified every time). Each workload's point goes to `done` as soon as it is
+/// measured: on a slow link the whole run takes minutes.
 async fn side_by_side(
-    iterations: usize,
+    run: LinkRun,
     links: [crate::DemoLink; 2],
+    done: &mut dyn FnMut(&LinkPoint),
 ) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
     let workloads: [(&'static str, crate::Shape, u64); 3] = [
         (
@@ -873,9 +884,10 @@ async fn side_by_side(
     ];
     let mut out = Vec::new();
     for (workload, shape, rooms) in workloads {
+        let rooms = (rooms / run.room_divisor.max(1)).max(1);
         let mut gbps = [0.0f64; 2];
         let mut clean = true;
-        for i in 0..iterations.max(1) {
+        for i in 0..run.iterations.max(1) {
             for k in [i % 2, 1 - i % 2] {
                 let report = crate::run_demo(
                     shape.clone(),
@@ -893,31 +905,38 @@ async fn side_by_side(
                 gbps[k] = gbps[k].max(report.throughput_gbps);
             }
         }
-        out.push(LinkPoint {
+        let point = LinkPoint {
             workload,
             gbps,
             clean,
-        });
+        };
+        done(&point);
+        out.push(point);
     }
     Ok(out)
 }
 
 /// `bench --backend rdma`: the room workloads over TCP data connections and over RDMA.
 pub async fn backends(
-    iterations: usize,
+    run: LinkRun,
     device: Option<String>,
+    done: &mut dyn FnMut(&LinkPoint),
 ) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
     let rdma = kvferry_tokio::DataBackend::Rdma { device, port: 1 };
     side_by_side(
-        iterations,
+        run,
         [kvferry_tokio::DataBackend::Tcp.into(), rdma.into()],
+        done,
     )
     .await
 }
 
 /// `bench --tls`: the room workloads over plain TCP and with TLS on every connection. The
 /// certificates are a throwaway CA's, written under the system's temporary directory.
-pub async fn tls(iterations: usize) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
+pub async fn tls(
+    run: LinkRun,
+    done: &mut dyn FnMut(&LinkPoint),
+) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
     let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
     let files =
         crate::testcert::throwaway(&dir, "kvferry").map_err(kvferry_tokio::NodeError::Io)?;
@@ -925,7 +944,7 @@ pub async fn tls(iterations: usize) -> Result<Vec<LinkPoint>, kvferry_tokio::Nod
         tls: Some(files),
         ..crate::DemoLink::default()
     };
-    let points = side_by_side(iterations, [crate::DemoLink::default(), tls]).await;
+    let points = side_by_side(run, [crate::DemoLink::default(), tls], done).await;
     let _ = std::fs::remove_dir_all(&dir);
     points
 }

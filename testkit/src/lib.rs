@@ -1270,10 +1270,13 @@ pub async fn run_demo(
     prefill_cfg.tls = tls.clone();
     decode_cfg.tls = tls;
     if faults.fault_rate > 0.0 {
+        // Decode injects on the TCP receive path; prefill on the RDMA post path, which decode
+        // never sees.
         decode_cfg.faults = Some(kvferry_tokio::FaultPlan {
             rate: faults.fault_rate,
             seed: faults.seed,
         });
+        prefill_cfg.faults = decode_cfg.faults;
     }
     let layout = shape.layout();
     let prefill = runtime.start_paired(prefill_cfg, Arc::new(MemoryMap::allocate(layout)))?;

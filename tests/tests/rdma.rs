@@ -29,6 +29,10 @@ fn pair_or_skip(shape: &Shape) -> Option<(AnyNode, AnyNode)> {
     ) {
         (Ok(p), Ok(d)) => Some((p, d)),
         (Err(why), _) | (_, Err(why)) => {
+            assert!(
+                std::env::var_os("KVFERRY_REQUIRE_RDMA").is_none(),
+                "KVFERRY_REQUIRE_RDMA is set and no RDMA node starts: {why}"
+            );
             eprintln!("SKIPPED (no usable RDMA device here): {why}");
             assert!(
                 why.contains("--backend tcp"),
@@ -86,4 +90,36 @@ async fn layerwise_rooms_move_over_rdma() {
     let report = run_pair(&prefill, &decode, run).await.unwrap();
     assert_all_clean(&report, 60);
     assert_eq!(decode.backend(), "rdma");
+}
+
+/// A write the peer's device refuses (it names a key the peer never registered, as when the
+/// peer's memory went away) fails its room, with the refusal as the reason, and puts its
+/// queue pair in the error state mid-room: the QP's other writes flush, a new QP and hello
+/// replace it, and the core retries them there. Every room ends and no page is corrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_write_fails_its_room_and_the_flushed_writes_are_retried_on_a_new_queue_pair() {
+    let run = rooms(100, 1);
+    let Some((prefill, decode)) = pair_or_skip(&run.shape) else {
+        return;
+    };
+    prefill
+        .set_faults(Some(kvferry_tokio::FaultPlan {
+            rate: 0.02,
+            seed: 7,
+        }))
+        .await;
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    assert_eq!(
+        (report.pages_corrupted, report.rooms_unfinished),
+        (0, 0),
+        "{report:?}"
+    );
+    // The prefill saw its write refused by its peer; decode hears that reason.
+    let reasons: Vec<&String> = report.failed_by_reason.keys().collect();
+    assert_eq!(reasons, ["aborted_by_peer"], "{report:?}");
+    assert!(
+        report.retries > 0,
+        "flushed writes were retried: {report:?}"
+    );
+    assert!(report.rooms_succeeded > 0, "{report:?}");
 }
