@@ -94,6 +94,8 @@ mount -t sysfs sysfs /host/sys
 mount -t devtmpfs devtmpfs /host/dev
 mkdir -p /host/dev/shm /host/tmp/kvf-out
 mount -t tmpfs tmpfs /host/dev/shm
+ln -sf /proc/self/fd /host/dev/fd
+for i in 0 1 2; do ln -sf /proc/self/fd/$i /host/dev/$(echo stdin stdout stderr | cut -d' ' -f$((i + 1))); done
 mount -t 9p -o $o kvfout /host/tmp/kvf-out
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp
 chroot /host /bin/sh -c 'ip link set lo up && ip addr add 10.0.2.15/24 dev eth0 &&
