@@ -8,8 +8,8 @@
 #
 #   scripts/rdma-vm.sh [--timeout SECONDS] [--cpus N] [--mem MIB] COMMAND [ARGS...]
 #
-# The command runs as root in the current directory (read-only in the guest) with /tmp, /run
-# and /dev/shm as tmpfs; a file it writes under $KVF_OUT comes back in the host directory
+# The command runs as root in the current directory (read-only in the guest, wherever it is
+# on the host) with /tmp, /run and /dev/shm as tmpfs; a file it writes under $KVF_OUT comes back in the host directory
 # named by $KVF_OUT_HOST (a fresh temporary one when unset). Packages, the kernel and the
 # initramfs are cached in ${KVFERRY_CACHE:-~/.cache/kvferry}/vm; a missing package is
 # installed, never skipped.
@@ -97,6 +97,11 @@ mount -t tmpfs tmpfs /host/dev/shm
 ln -sf /proc/self/fd /host/dev/fd
 for i in 0 1 2; do ln -sf /proc/self/fd/$i /host/dev/$(echo stdin stdout stderr | cut -d' ' -f$((i + 1))); done
 mount -t 9p -o $o kvfout /host/tmp/kvf-out
+# The command's directory, shared on its own: it may sit under /tmp or /run, which the
+# tmpfs mounts above hide.
+cwd=$(cat /host/tmp/kvf-out/cwd)
+mkdir -p "/host$cwd" 2>/dev/null
+mount -t 9p -o $o,ro kvfcwd "/host$cwd" || echo "rdma-vm: cannot mount $cwd"
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp
 chroot /host /bin/sh -c 'ip link set lo up && ip addr add 10.0.2.15/24 dev eth0 &&
     ip link set eth0 up && rdma link add rxe0 type rxe netdev eth0' ||
@@ -119,6 +124,7 @@ fi
 out=${KVF_OUT_HOST:-$(mktemp -d /tmp/kvf-vm.XXXXXX)}
 mkdir -p "$out"
 rm -f "$out/rc"
+printf '%s' "$PWD" > "$out/cwd"
 {
     echo "export KVF_OUT=/tmp/kvf-out PATH=$PATH HOME=/tmp"
     for v in $(env | grep -oE '^(KVFERRY|RUST|CARGO_TERM)[A-Z_]*' || true); do
@@ -138,6 +144,7 @@ timeout --foreground "$timeout_s" qemu-system-x86_64 \
     -netdev user,id=n0 -device virtio-net-pci,netdev=n0,romfile= \
     -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
     -virtfs "local,path=$out,mount_tag=kvfout,security_model=none" \
+    -virtfs "local,path=$PWD,mount_tag=kvfcwd,security_model=none,readonly=on,multidevs=remap" \
     </dev/null | tr -d '\r' | awk '
         /@@kvf-vm-begin@@/ { on = 1; next }
         /@@kvf-vm-end@@/ { on = 0; next }
