@@ -2,13 +2,15 @@
 //!
 //! Owns the driver loop itself ([`Driver`], generic over a runtime's [`Host`]): it feeds the
 //! core's inputs, drains its outputs under a budget, and asks the host to start the tasks
-//! that move bytes. Also the embedder-facing API that every runtime implements
-//! ([`KvNode`]), the types it speaks (room handles, node errors, configuration,
-//! announcements), the bookkeeping that turns the core's room events into handle updates
-//! ([`RoomBook`]), the receive path's admission through the core ([`CoreCheck`], reached
-//! through each runtime's [`EndpointAccess`]) and the metrics export. Must never do IO,
-//! spawn a task, wait, or decide anything about a room: the first three are the host's, the
-//! last is the core's.
+//! that move bytes. Those tasks are written here once ([`runtime`], over the [`Runtime`]
+//! trait: dialing, accepting, control readers and writers, data connections, releases, the
+//! timer task), on the streams and the timer a runtime lends. Also the embedder-facing API
+//! ([`KvNode`], derived for every [`RuntimeNode`]), the types it speaks (room handles, node
+//! errors, configuration, announcements), the bookkeeping that turns the core's room events
+//! into handle updates ([`RoomBook`]), the receive path's admission through the core
+//! ([`CoreCheck`]) and the metrics export. Must never spawn a task or open a socket of its
+//! own (the runtime's), nor decide a retry, a timeout or anything about a room (the core's):
+//! every wait it writes is bounded by a core deadline or a [`kvferry_core::Config`] value.
 
 mod accept;
 mod calls;
