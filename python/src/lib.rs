@@ -1,0 +1,544 @@
+#![allow(unexpected_cfgs)] // pyo3 0.22's exception macro names a cfg newer compilers check
+#![allow(clippy::useless_conversion)] // pyo3 0.22's #[pymethods] expansion converts every PyResult
+//! `kvferry-python`: the native module of the `kvferry` Python package.
+//!
+//! Owns the translation between Python and the embedder API ([`kvferry_tokio::KvNode`]): a
+//! [`Node`] runs a tokio node on its own threads, over memory the caller registered by
+//! pointer and length; every call that can wait releases the GIL, `poll` never blocks, and
+//! every error reaches Python as a typed exception. It must never decide anything about a
+//! room (the core's) nor let a Python value reach memory outside the registered regions
+//! (the core checks every page index against the layout and the grant).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvferry_core::{
+    Chunk, Config, EndpointInfo, FailureReason, Grant, Incarnation, KvPoll, Layout, NodeId, Role,
+    RoomId,
+};
+use kvferry_memory::MemoryMap;
+use kvferry_tokio::{Announcement, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use tokio::sync::mpsc;
+
+pyo3::create_exception!(
+    _kvferry,
+    KvferryError,
+    PyException,
+    "Base of every kvferry error."
+);
+pyo3::create_exception!(
+    _kvferry,
+    InvalidArgument,
+    KvferryError,
+    "A call's argument is invalid (a page index out of range, a room id in use, a bad layout)."
+);
+pyo3::create_exception!(
+    _kvferry,
+    NodeClosed,
+    KvferryError,
+    "The node was shut down."
+);
+pyo3::create_exception!(
+    _kvferry,
+    ConnectError,
+    KvferryError,
+    "A peer could not be reached or refused the session (token, layout, role)."
+);
+pyo3::create_exception!(
+    _kvferry,
+    RoomFailed,
+    KvferryError,
+    "A room ended Failed; `args[0]` is the reason's snake_case name, `args[1]` its explanation."
+);
+pyo3::create_exception!(
+    _kvferry,
+    TimeoutFailure,
+    RoomFailed,
+    "bootstrap_timeout, waiting_timeout: a deadline passed."
+);
+pyo3::create_exception!(
+    _kvferry,
+    PeerFailure,
+    RoomFailed,
+    "The peer went away or cannot be used (unreachable, restarted, silent, lost, shut down, blacklisted)."
+);
+pyo3::create_exception!(
+    _kvferry,
+    TransferFailure,
+    RoomFailed,
+    "transfer_failed: the data path failed after every retry."
+);
+pyo3::create_exception!(
+    _kvferry,
+    AbortFailure,
+    RoomFailed,
+    "aborted_locally, aborted_by_peer."
+);
+pyo3::create_exception!(
+    _kvferry,
+    CapacityFailure,
+    RoomFailed,
+    "decode_saturated: the decode had no room for it before the deadline."
+);
+pyo3::create_exception!(
+    _kvferry,
+    ProtocolFailure,
+    RoomFailed,
+    "protocol_error, incompatible_peer, room_id_reused: a peer broke the contract."
+);
+pyo3::create_exception!(
+    _kvferry,
+    ShutdownFailure,
+    RoomFailed,
+    "shutdown: this node shut down."
+);
+
+/// The exception instance for a room that failed with `reason`.
+fn room_failure(reason: FailureReason) -> PyErr {
+    let args = (reason.as_str(), reason.explain());
+    use FailureReason as R;
+    match reason {
+        R::BootstrapTimeout | R::WaitingTimeout => TimeoutFailure::new_err(args),
+        R::PeerUnreachable
+        | R::PeerRestarted
+        | R::PeerSilent
+        | R::ConnectionLost
+        | R::PeerShutdown
+        | R::SessionBlacklisted => PeerFailure::new_err(args),
+        R::TransferFailed => TransferFailure::new_err(args),
+        R::AbortedLocally | R::AbortedByPeer => AbortFailure::new_err(args),
+        R::DecodeSaturated => CapacityFailure::new_err(args),
+        R::ProtocolError | R::IncompatiblePeer | R::RoomIdReused => ProtocolFailure::new_err(args),
+        R::Shutdown => ShutdownFailure::new_err(args),
+        #[allow(unreachable_patterns)]
+        _ => RoomFailed::new_err(args),
+    }
+}
+
+/// The exception for a node error.
+fn node_error(e: NodeError) -> PyErr {
+    match e {
+        NodeError::Api(e) => InvalidArgument::new_err(e.to_string()),
+        NodeError::ShutDown => NodeClosed::new_err(e.to_string()),
+        NodeError::UnknownPeer(_) => InvalidArgument::new_err(e.to_string()),
+        other => ConnectError::new_err(other.to_string()),
+    }
+}
+
+/// SGLang's `KVPoll` integer of a state.
+fn kvpoll(state: KvPoll) -> u8 {
+    match state {
+        KvPoll::Failed(_) => 0,
+        KvPoll::Bootstrapping => 1,
+        KvPoll::WaitingForInput => 2,
+        KvPoll::Transferring => 3,
+        KvPoll::Success => 4,
+    }
+}
+
+/// A `(pointer, length)` pair from Python.
+type Span = (usize, usize);
+
+/// A kvferry node (one prefill or decode rank) over memory the caller owns.
+///
+/// `kv` is one `(pointer, length)` per KV region in `layer * planes + plane` order (what
+/// `numpy.ndarray.ctypes.data` / `.nbytes` or `torch.Tensor.data_ptr()` give), each at least
+/// `pages * page_bytes` long; `aux` and `state` likewise when the layout has them. Lifetime
+/// rule: every buffer must stay allocated, and must not move, until `shutdown()` returns; a
+/// room's pages must not be touched between granting or sending them and the room's
+/// `releasable()`.
+#[pyclass(module = "kvferry._kvferry")]
+struct Node {
+    runtime: tokio::runtime::Runtime,
+    node: kvferry_tokio::Node,
+    rooms: Mutex<HashMap<u64, RoomHandle>>,
+    announcements: Mutex<mpsc::UnboundedReceiver<Announcement>>,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn parse_role(role: &str) -> PyResult<Role> {
+    match role {
+        "prefill" => Ok(Role::Prefill),
+        "decode" => Ok(Role::Decode),
+        other => Err(InvalidArgument::new_err(format!(
+            "role must be \"prefill\" or \"decode\", not {other:?}"
+        ))),
+    }
+}
+
+fn parse_layout(d: &Bound<'_, PyDict>) -> PyResult<Layout> {
+    fn get<'py, T: FromPyObject<'py>>(
+        d: &Bound<'py, PyDict>,
+        key: &str,
+        default: Option<T>,
+    ) -> PyResult<T> {
+        match d.get_item(key)? {
+            Some(v) => v
+                .extract()
+                .map_err(|e| InvalidArgument::new_err(format!("layout[{key:?}]: {e}"))),
+            None => {
+                default.ok_or_else(|| InvalidArgument::new_err(format!("layout needs {key:?}")))
+            }
+        }
+    }
+    Ok(Layout {
+        layers: get(d, "layers", None)?,
+        planes: get(d, "planes", Some(2))?,
+        page_bytes: get(d, "page_bytes", None)?,
+        pages: get(d, "pages", None)?,
+        aux_bytes: get(d, "aux_bytes", Some(0))?,
+        state_bytes: get(d, "state_bytes", Some(0))?,
+        slots: get(d, "slots", Some(0))?,
+    })
+}
+
+fn parse_addr(a: &str) -> PyResult<std::net::SocketAddr> {
+    a.parse()
+        .map_err(|e| InvalidArgument::new_err(format!("address {a:?}: {e}")))
+}
+
+impl Node {
+    fn check_open(&self) -> PyResult<()> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(NodeClosed::new_err("the node is shut down"));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the node's runtime with the GIL released.
+    fn block<T: Send, F>(&self, py: Python<'_>, f: F) -> PyResult<T>
+    where
+        F: std::future::Future<Output = Result<T, NodeError>> + Send,
+    {
+        self.check_open()?;
+        py.allow_threads(|| self.runtime.block_on(f))
+            .map_err(node_error)
+    }
+
+    fn follow(&self, room: u64, handle: RoomHandle) {
+        lock(&self.rooms).insert(room, handle);
+    }
+
+    fn view(&self, room: u64) -> PyResult<kvferry_tokio::RoomView> {
+        lock(&self.rooms)
+            .get(&room)
+            .map(RoomHandle::view)
+            .ok_or_else(|| InvalidArgument::new_err(format!("no room {room} on this node")))
+    }
+}
+
+#[pymethods]
+impl Node {
+    /// Starts a node. `role` is "prefill" or "decode"; `layout` a dict (layers, planes,
+    /// page_bytes, pages, aux_bytes, state_bytes, slots); `config` keyword arguments name the
+    /// `KVFERRY_*` knobs in lower case without the prefix (`transfer_retries=5`,
+    /// `bootstrap_timeout_ms=30000`) and override the environment.
+    #[new]
+    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, **config))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        role: &str,
+        layout: &Bound<'_, PyDict>,
+        kv: Vec<Span>,
+        aux: Option<Span>,
+        state: Option<Span>,
+        token: Vec<u8>,
+        node_id: Option<u64>,
+        rank: u16,
+        data_connections: usize,
+        config: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let role = parse_role(role)?;
+        let layout = parse_layout(layout)?;
+        let mut vars: Vec<(String, String)> = std::env::vars().collect();
+        if let Some(config) = config {
+            for (k, v) in config.iter() {
+                let k: String = k.extract()?;
+                vars.push((
+                    format!("KVFERRY_{}", k.to_uppercase()),
+                    v.str()?.to_string(),
+                ));
+            }
+        }
+        let core = Config::from_vars(vars).map_err(|e| InvalidArgument::new_err(e.to_string()))?;
+        let ptr = |(p, l): Span| (p as *mut u8, l);
+        let kv: Vec<(*mut u8, usize)> = kv.into_iter().map(ptr).collect();
+        // SAFETY: the caller promises (the class's lifetime rule) that each span is a live
+        // buffer of its length until shutdown; the map checks lengths against the layout.
+        let memory =
+            unsafe { MemoryMap::register_external(layout, &kv, aux.map(ptr), state.map(ptr)) }
+                .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;
+        let started = std::time::UNIX_EPOCH
+            .elapsed()
+            .map_or(1, |d| d.as_nanos() as u64);
+        let node = NodeId(node_id.unwrap_or(started ^ u64::from(std::process::id())));
+        let mut info = EndpointInfo::new(role, node, Incarnation(started | 1), layout);
+        info.token = token;
+        info.rank = rank;
+        let cfg = NodeConfig {
+            core,
+            info,
+            data_connections,
+            seed: started,
+            faults: None,
+            backend: Default::default(),
+            tls: None,
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvferry")
+            .enable_all()
+            .build()
+            .map_err(|e| KvferryError::new_err(format!("cannot start threads: {e}")))?;
+        let node = {
+            let _inside = runtime.enter();
+            kvferry_tokio::Node::start(cfg, Arc::new(memory)).map_err(node_error)?
+        };
+        let announcements = Mutex::new(KvNode::room_announcements(&node));
+        Ok(Node {
+            runtime,
+            node,
+            rooms: Mutex::new(HashMap::new()),
+            announcements,
+            closed: false.into(),
+        })
+    }
+
+    /// Accepts peers on `addr` ("host:port", port 0 for any); returns the bound addresses.
+    fn listen(&self, py: Python<'_>, addr: &str) -> PyResult<Vec<String>> {
+        let addr = parse_addr(addr)?;
+        let bound = self.block(py, self.node.listen(addr))?;
+        Ok(bound.iter().map(ToString::to_string).collect())
+    }
+
+    /// Opens sessions to a peer listening on `addrs` and waits for the handshakes; returns
+    /// the peer's id.
+    fn connect(&self, py: Python<'_>, addrs: Vec<String>) -> PyResult<u32> {
+        let addrs = addrs
+            .iter()
+            .map(|a| parse_addr(a))
+            .collect::<PyResult<_>>()?;
+        Ok(self.block(py, self.node.connect(addrs))?.0)
+    }
+
+    /// Names a peer the core keeps connected (reconnecting after losses) and waits for its
+    /// first contact; returns the peer's id.
+    fn connect_persistent(&self, py: Python<'_>, addrs: Vec<String>) -> PyResult<u32> {
+        let addrs = addrs
+            .iter()
+            .map(|a| parse_addr(a))
+            .collect::<PyResult<_>>()?;
+        let node = self.node.clone();
+        let peer = self.block(py, async move {
+            let peer = node.connect_persistent(addrs).await?;
+            node.reach(peer).await?;
+            Ok(peer)
+        })?;
+        Ok(peer.0)
+    }
+
+    /// Decode: opens room `room` fed by `peers`, with its pages granted now or later.
+    #[pyo3(signature = (room, peers, pages=None, aux_slot=None, state_slot=None, generation=0, receivers=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn open_receiver(
+        &self,
+        py: Python<'_>,
+        room: u64,
+        peers: Vec<u32>,
+        pages: Option<Vec<u32>>,
+        aux_slot: Option<u32>,
+        state_slot: Option<u32>,
+        generation: u32,
+        receivers: u8,
+    ) -> PyResult<()> {
+        let grant = pages.map(|pages| Grant {
+            pages,
+            aux_slot,
+            state_slot,
+            receivers,
+        });
+        let peers = peers.into_iter().map(PeerId).collect();
+        let handle = self.block(
+            py,
+            self.node
+                .open_receiver(RoomId(room), generation, peers, grant),
+        )?;
+        self.follow(room, handle);
+        Ok(())
+    }
+
+    /// Decode: grants a room opened without pages its destination pages.
+    #[pyo3(signature = (room, pages, aux_slot=None, state_slot=None, receivers=1))]
+    fn grant_pages(
+        &self,
+        py: Python<'_>,
+        room: u64,
+        pages: Vec<u32>,
+        aux_slot: Option<u32>,
+        state_slot: Option<u32>,
+        receivers: u8,
+    ) -> PyResult<()> {
+        let grant = Grant {
+            pages,
+            aux_slot,
+            state_slot,
+            receivers,
+        };
+        self.block(py, self.node.grant_pages(RoomId(room), grant))
+    }
+
+    /// Prefill: the next room a decode asked for, as `(room, generation, pages)`; waits up to
+    /// `timeout` seconds (0: do not wait), `None` if none came.
+    #[pyo3(signature = (timeout=0.0))]
+    fn next_announcement(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<(u64, u32, u32)>> {
+        self.check_open()?;
+        let wait = Duration::from_secs_f64(timeout.max(0.0));
+        let got = py.allow_threads(|| {
+            let mut rx = lock(&self.announcements);
+            self.runtime
+                .block_on(async { tokio::time::timeout(wait, rx.recv()).await.ok().flatten() })
+        });
+        Ok(got.map(|a| (a.room.0, a.generation, a.pages)))
+    }
+
+    /// Prefill: opens the sender side of room `room`.
+    #[pyo3(signature = (room, generation=0))]
+    fn open_sender(&self, py: Python<'_>, room: u64, generation: u32) -> PyResult<()> {
+        let handle = self.block(py, self.node.open_sender(RoomId(room), generation))?;
+        self.follow(room, handle);
+        Ok(())
+    }
+
+    /// Prefill: sends the next chunk of source `pages` of a room (`last` with its aux row
+    /// and state slot).
+    #[pyo3(signature = (room, pages, last=true, aux_slot=None, state_slot=None, layerwise=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn send_chunk(
+        &self,
+        py: Python<'_>,
+        room: u64,
+        pages: Vec<u32>,
+        last: bool,
+        aux_slot: Option<u32>,
+        state_slot: Option<u32>,
+        layerwise: bool,
+    ) -> PyResult<()> {
+        let chunk = Chunk {
+            pages,
+            last,
+            aux_slot,
+            state_slot,
+            layerwise,
+        };
+        self.block(py, self.node.send_chunk(RoomId(room), chunk))
+    }
+
+    /// Prefill: layer `layer` of `rooms` finished its forward pass (layerwise chunks).
+    fn mark_layer_ready(&self, py: Python<'_>, rooms: Vec<u64>, layer: u16) -> PyResult<()> {
+        let rooms = rooms.into_iter().map(RoomId).collect();
+        self.block(py, self.node.mark_layer_ready(rooms, layer))
+    }
+
+    /// Aborts a room; decode keeps its pages quarantined until `releasable()`.
+    fn abort(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+        self.block(py, self.node.abort(RoomId(room)))
+    }
+
+    /// The room's state as SGLang's `KVPoll` integer (Failed=0, Bootstrapping=1,
+    /// WaitingForInput=2, Transferring=3, Success=4). Never blocks.
+    fn poll(&self, room: u64) -> PyResult<u8> {
+        Ok(kvpoll(self.view(room)?.state))
+    }
+
+    /// The exception a failed room ended with (`None` unless its state is Failed).
+    fn failure(&self, room: u64) -> PyResult<Option<PyErr>> {
+        Ok(match self.view(room)?.state {
+            KvPoll::Failed(reason) => Some(room_failure(reason)),
+            _ => None,
+        })
+    }
+
+    /// Whether the room's pages may be reused (no write of it can land any more).
+    fn releasable(&self, room: u64) -> PyResult<bool> {
+        Ok(self.view(room)?.releasable)
+    }
+
+    /// Waits (GIL released) up to `timeout` seconds for the room to end; returns its
+    /// `KVPoll` integer.
+    fn wait(&self, py: Python<'_>, room: u64, timeout: f64) -> PyResult<u8> {
+        let mut handle = lock(&self.rooms)
+            .get(&room)
+            .cloned()
+            .ok_or_else(|| InvalidArgument::new_err(format!("no room {room} on this node")))?;
+        let wait = Duration::from_secs_f64(timeout.max(0.0));
+        let state = py.allow_threads(|| {
+            self.runtime.block_on(async {
+                match tokio::time::timeout(wait, handle.terminal()).await {
+                    Ok(state) => state,
+                    Err(_) => handle.view().state,
+                }
+            })
+        });
+        Ok(kvpoll(state))
+    }
+
+    /// Stops following a concluded room (its state is then forgotten by this object).
+    fn forget(&self, room: u64) {
+        lock(&self.rooms).remove(&room);
+    }
+
+    /// The core's counters, summed over the node.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.block(py, async { Ok(self.node.counters().await) })?;
+        let d = PyDict::new_bound(py);
+        d.set_item("rooms_succeeded", c.rooms_succeeded)?;
+        d.set_item("retries", c.retries)?;
+        d.set_item("bytes_transferred", c.bytes_transferred)?;
+        d.set_item("writes_refused", c.writes_refused)?;
+        d.set_item("protocol_errors", c.protocol_errors)?;
+        d.set_item("sessions_blacklisted", c.sessions_blacklisted)?;
+        Ok(d)
+    }
+
+    /// Fails every room, tells every peer and stops the node's threads' work. Later calls
+    /// raise `NodeClosed`.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        if self.closed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return Ok(());
+        }
+        py.allow_threads(|| self.runtime.block_on(self.node.shutdown()));
+        Ok(())
+    }
+}
+
+/// The native module.
+#[pymodule]
+fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Node>()?;
+    for (name, e) in [
+        ("KvferryError", py.get_type_bound::<KvferryError>()),
+        ("InvalidArgument", py.get_type_bound::<InvalidArgument>()),
+        ("NodeClosed", py.get_type_bound::<NodeClosed>()),
+        ("ConnectError", py.get_type_bound::<ConnectError>()),
+        ("RoomFailed", py.get_type_bound::<RoomFailed>()),
+        ("TimeoutFailure", py.get_type_bound::<TimeoutFailure>()),
+        ("PeerFailure", py.get_type_bound::<PeerFailure>()),
+        ("TransferFailure", py.get_type_bound::<TransferFailure>()),
+        ("AbortFailure", py.get_type_bound::<AbortFailure>()),
+        ("CapacityFailure", py.get_type_bound::<CapacityFailure>()),
+        ("ProtocolFailure", py.get_type_bound::<ProtocolFailure>()),
+        ("ShutdownFailure", py.get_type_bound::<ShutdownFailure>()),
+    ] {
+        m.add(name, e)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,158 @@
+"""The Python API end to end: a prefill process and a decode process over loopback, numpy
+arrays as the KV pool, every byte checked."""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import kvferry
+from kvferry import KVPoll
+
+LAYOUT = dict(layers=2, planes=2, page_bytes=4096, pages=16, aux_bytes=64, slots=4)
+REGIONS = LAYOUT["layers"] * LAYOUT["planes"]
+TOKEN = b"pytest-token"
+
+
+def pool(fill):
+    """One array per KV region (pages x page_bytes), and the aux rows."""
+    kv = np.zeros((REGIONS, LAYOUT["pages"], LAYOUT["page_bytes"]), dtype=np.uint8)
+    aux = np.zeros((LAYOUT["slots"], LAYOUT["aux_bytes"]), dtype=np.uint8)
+    if fill:
+        for r in range(REGIONS):
+            for p in range(LAYOUT["pages"]):
+                kv[r, p, :] = (np.arange(LAYOUT["page_bytes"]) * (r + 3) + p * 7) % 251
+        for s in range(LAYOUT["slots"]):
+            aux[s, :] = (np.arange(LAYOUT["aux_bytes"]) + 100 + s) % 256
+    return kv, aux
+
+
+def node(role, kv, aux, **config):
+    spans = [(kv[r].ctypes.data, kv[r].nbytes) for r in range(REGIONS)]
+    return kvferry.Node(role, LAYOUT, spans, aux=(aux.ctypes.data, aux.nbytes), token=TOKEN, **config)
+
+
+def serve_prefill(addr_queue, stop, send):
+    """A prefill that opens every room a decode asks for and sends source pages 1, 2, 3."""
+    kv, aux = pool(fill=True)
+    n = node("prefill", kv, aux)
+    addr_queue.put(n.listen("127.0.0.1:0")[0])
+    while not stop.is_set():
+        a = n.next_announcement(timeout=0.1)
+        if a is None:
+            continue
+        room, generation, _pages = a
+        n.open_sender(room, generation)
+        if send.is_set():
+            n.send_chunk(room, [1, 2, 3], last=True, aux_slot=2)
+    n.shutdown()
+
+
+@pytest.fixture
+def prefill():
+    ctx = mp.get_context("spawn")
+    addr_queue, stop, send = ctx.Queue(), ctx.Event(), ctx.Event()
+    send.set()
+    proc = ctx.Process(target=serve_prefill, args=(addr_queue, stop, send))
+    proc.start()
+    addr = addr_queue.get(timeout=30)
+    yield proc, addr, send
+    stop.set()
+    proc.join(timeout=10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def expected_pages():
+    src_kv, src_aux = pool(fill=True)
+    return src_kv[:, 1:4, :], src_aux[2]
+
+
+def test_a_room_moves_from_a_prefill_process_with_every_byte_checked(prefill):
+    _proc, addr, _send = prefill
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux)
+    peer = d.connect([addr])
+    d.open_receiver(7, [peer], pages=[5, 6, 7], aux_slot=0)
+    assert d.wait(7, 20.0) == KVPoll.Success
+    assert d.poll(7) == KVPoll.Success and d.failure(7) is None
+    want_kv, want_aux = expected_pages()
+    assert np.array_equal(kv[:, 5:8, :], want_kv)
+    assert np.array_equal(aux[0], want_aux)
+    # Nothing outside the granted pages was written.
+    assert not kv[:, :5, :].any() and not kv[:, 8:, :].any()
+    d.shutdown()
+
+
+def test_an_aborted_room_keeps_its_pages_until_releasable_and_they_are_reused_clean(prefill):
+    _proc, addr, send = prefill
+    send.clear()  # the prefill opens the room but sends nothing: it is in flight forever
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux)
+    peer = d.connect([addr])
+    d.open_receiver(11, [peer], pages=[5, 6, 7], aux_slot=0)
+    time.sleep(0.3)
+    d.abort(11)
+    assert d.poll(11) == KVPoll.Failed
+    assert isinstance(d.failure(11), kvferry.AbortFailure)
+    deadline = time.time() + 10
+    while not d.releasable(11):
+        assert time.time() < deadline, "the aborted room's pages were never released"
+        time.sleep(0.02)
+    # The pages are reused for the next room, which the prefill sends in full.
+    kv[:, 5:8, :] = 0xEE
+    send.set()
+    d.open_receiver(12, [peer], pages=[5, 6, 7], aux_slot=0)
+    assert d.wait(12, 20.0) == KVPoll.Success
+    want_kv, _ = expected_pages()
+    assert np.array_equal(kv[:, 5:8, :], want_kv)
+    d.shutdown()
+
+
+def test_a_killed_prefill_fails_the_room_with_a_peer_failure_within_its_deadline(prefill):
+    proc, addr, send = prefill
+    send.clear()
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux, waiting_timeout_ms=5000, bootstrap_timeout_ms=5000)
+    peer = d.connect([addr])
+    d.open_receiver(21, [peer], pages=[1, 2], aux_slot=0)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGKILL)
+    started = time.time()
+    assert d.wait(21, 15.0) == KVPoll.Failed
+    assert time.time() - started < 10
+    failure = d.failure(21)
+    assert isinstance(failure, kvferry.RoomFailed)
+    assert isinstance(failure, (kvferry.PeerFailure, kvferry.TimeoutFailure)), failure
+    d.shutdown()
+
+
+def test_bad_input_raises_the_documented_exceptions(prefill):
+    _proc, addr, _send = prefill
+    kv, aux = pool(fill=False)
+    with pytest.raises(kvferry.InvalidArgument):
+        kvferry.Node("sideways", LAYOUT, [(kv[0].ctypes.data, kv[0].nbytes)])
+    with pytest.raises(kvferry.InvalidArgument):  # too few and too short regions
+        kvferry.Node("decode", LAYOUT, [(kv[0].ctypes.data, 16)])
+    with pytest.raises(kvferry.InvalidArgument):
+        node("decode", kv, aux, transfer_retries="many")
+    d = node("decode", kv, aux)
+    peer = d.connect([addr])
+    with pytest.raises(kvferry.InvalidArgument):  # a page index past the pool
+        d.open_receiver(31, [peer], pages=[LAYOUT["pages"]], aux_slot=0)
+    with pytest.raises(kvferry.InvalidArgument):  # a peer nobody connected
+        d.open_receiver(32, [peer + 99], pages=[1], aux_slot=0)
+    d.open_receiver(33, [peer], pages=[1], aux_slot=0)
+    with pytest.raises(kvferry.InvalidArgument):  # the room id is in use
+        d.open_receiver(33, [peer], pages=[2], aux_slot=0)
+    with pytest.raises(kvferry.InvalidArgument):
+        d.poll(999)
+    d.shutdown()
+    with pytest.raises(kvferry.NodeClosed):
+        d.connect([addr])
+    with pytest.raises(kvferry.ConnectError):
+        other = node("decode", kv, aux)
+        other.connect(["127.0.0.1:1"])
