@@ -19,8 +19,8 @@ pub mod runtime;
 pub use accept::{accept, within, Accepted};
 pub use calls::{Embedder, ShardCalls};
 pub use machine::{
-    Answer, Connections, DataConn, Dial, Driver, FrameSink, Host, OpSink, Release, SessionIo,
-    TURN_BUDGET,
+    Answer, Connections, DataConn, Dial, Driver, FaultSwitch, FrameSink, Host, OpSink, Release,
+    SessionIo, TURN_BUDGET,
 };
 pub use runtime::{ControlQueue, ControlTasks, DriverAccess, Runtime};
 

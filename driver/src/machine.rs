@@ -143,6 +143,23 @@ pub trait Host: Sized + 'static {
     fn close_own(_ext: &mut Self::SessionExt) {}
 }
 
+/// The injected data-path faults of one driver, readable from its receive paths without
+/// the driver (demos and tests; `None` in production).
+#[derive(Clone, Debug, Default)]
+pub struct FaultSwitch(std::sync::Arc<std::sync::Mutex<Option<FaultPlan>>>);
+
+impl FaultSwitch {
+    /// The faults in force.
+    pub fn get(&self) -> Option<FaultPlan> {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Replaces the faults in force.
+    pub fn set(&self, faults: Option<FaultPlan>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = faults;
+    }
+}
+
 /// Who a control connection is dialed for ([`Host::connect`]).
 pub enum Dial {
     /// A target the core keeps connected: the core hears how the attempt ended.
@@ -285,8 +302,9 @@ pub struct Driver<H: Host> {
     role: Role,
     data_connections: usize,
     announcements: Announcer,
-    /// Injected data-path faults (demos and tests).
-    faults: Option<FaultPlan>,
+    /// Injected data-path faults (demos and tests), shared with the receive paths so a
+    /// write batch reads them without taking the driver.
+    faults: FaultSwitch,
 }
 
 impl<H: Host> Driver<H> {
@@ -314,7 +332,7 @@ impl<H: Host> Driver<H> {
             role,
             data_connections: data_connections.max(1),
             announcements,
-            faults: None,
+            faults: FaultSwitch::default(),
         }
     }
 
@@ -329,14 +347,19 @@ impl<H: Host> Driver<H> {
         &mut self.endpoint
     }
 
-    /// The data-path faults injected on this driver's receive path (demos and tests).
+    /// The data-path faults injected on this driver's data paths (demos and tests).
     pub fn faults(&self) -> Option<FaultPlan> {
-        self.faults
+        self.faults.get()
     }
 
     /// Replaces the injected data-path faults.
     pub fn set_faults(&mut self, faults: Option<FaultPlan>) {
-        self.faults = faults;
+        self.faults.set(faults);
+    }
+
+    /// The switch the receive paths read the injected faults from.
+    pub fn fault_switch(&self) -> FaultSwitch {
+        self.faults.clone()
     }
 
     /// The host.

@@ -24,7 +24,8 @@ use tracing::{debug, warn};
 use crate::accept::{within, Accepted};
 use crate::machine::Answer;
 use crate::{
-    CoreCheck, DataConn, Dial, Driver, EndpointAccess, FaultPlan, Host, NodeError, OpSink, Release,
+    CoreCheck, DataConn, Dial, Driver, EndpointAccess, FaultPlan, FaultSwitch, Host, NodeError,
+    OpSink, Release,
 };
 
 /// A control connection's writer queue: the driver sends frames, the writer task drains it.
@@ -126,8 +127,20 @@ impl<T: Task + Future + Unpin> ControlTasks<T> {
 }
 
 /// The endpoint of the driver a [`Runtime`] handle reaches, for the receive path's
-/// [`crate::CoreCheck`].
-pub struct DriverAccess<R>(pub R);
+/// [`crate::CoreCheck`]; the injected faults are read from the driver's [`FaultSwitch`],
+/// so a write batch takes the driver only for its admission.
+pub struct DriverAccess<R> {
+    rt: R,
+    faults: FaultSwitch,
+}
+
+impl<R: Runtime> DriverAccess<R> {
+    /// The way to `rt`'s driver (no faults if the node is gone).
+    pub fn new(rt: R) -> Self {
+        let faults = rt.drive(|d| d.fault_switch()).unwrap_or_default();
+        DriverAccess { rt, faults }
+    }
+}
 
 impl<R: Runtime> EndpointAccess for DriverAccess<R> {
     fn run<T>(
@@ -135,7 +148,7 @@ impl<R: Runtime> EndpointAccess for DriverAccess<R> {
         f: impl FnOnce(&mut Endpoint, Instant) -> T,
         drain: impl FnOnce(&T) -> bool,
     ) -> Option<T> {
-        self.0.drive(|d| {
+        self.rt.drive(|d| {
             let out = f(d.endpoint_mut(), Instant::now());
             if drain(&out) {
                 d.drain();
@@ -145,7 +158,7 @@ impl<R: Runtime> EndpointAccess for DriverAccess<R> {
     }
 
     fn faults(&self) -> Option<FaultPlan> {
-        self.0.drive(|d| d.faults()).flatten()
+        self.faults.get()
     }
 }
 
@@ -187,18 +200,27 @@ pub fn report<R: Runtime>(rt: R) -> impl Fn(TransferId, TransferOutcome) + Clone
 /// reaches.
 pub fn check<R: Runtime>(rt: R, session: SessionId) -> CoreCheck<DriverAccess<R>> {
     CoreCheck {
-        access: DriverAccess(rt),
+        access: DriverAccess::new(rt),
         session,
     }
+}
+
+/// [`Runtime::dial`] within `timeout`; an attempt that takes longer fails as timed out.
+async fn dial_within<R: Runtime>(
+    rt: &R,
+    addr: SocketAddr,
+    key: Option<SessionKey>,
+    timeout: Duration,
+) -> io::Result<R::Stream> {
+    within(timeout, R::sleep, rt.dial(addr, key))
+        .await
+        .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()))
 }
 
 /// Dials a control connection within `timeout` for `dial` and hands it to the driver, or
 /// says the attempt failed ([`Host::connect`]).
 pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, timeout: Duration, dial: Dial) {
-    let dialed = within(timeout, R::sleep, rt.dial(addr, None))
-        .await
-        .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()));
-    match (dialed, dial) {
+    match (dial_within(&rt, addr, None, timeout).await, dial) {
         (Ok(stream), Dial::Target(target)) => {
             rt.attach_control(stream, Some(addr), Some(target), None);
         }
@@ -220,10 +242,7 @@ pub async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, 
     let Some(wait) = rt.drive(|d| d.endpoint().config().connect_timeout) else {
         return;
     };
-    let opened = within(wait, R::sleep, rt.dial(addr, Some(key)))
-        .await
-        .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()));
-    match opened {
+    match dial_within(&rt, addr, Some(key), wait).await {
         Ok(stream) => attach_data(&rt, session, stream),
         Err(e) => {
             warn!(%session, error = %e, "data connection failed");
@@ -267,11 +286,11 @@ where
 /// Takes a connection a listener accepted: reads its preamble (and a data connection's
 /// hello) through [`crate::accept`] and hands it to the driver.
 pub async fn take_accepted<R: Runtime>(rt: R, mut stream: R::Stream, peer: Option<SocketAddr>) {
-    let access = DriverAccess(rt);
+    let access = DriverAccess::new(rt);
     let accepted = crate::accept(&mut R::io(&mut stream), &access, peer, R::sleep).await;
     match accepted {
-        Some(Accepted::Control) => access.0.attach_control(stream, None, None, None),
-        Some(Accepted::Data(session)) => attach_data(&access.0, session, stream),
+        Some(Accepted::Control) => access.rt.attach_control(stream, None, None, None),
+        Some(Accepted::Data(session)) => attach_data(&access.rt, session, stream),
         None => {}
     }
 }
