@@ -1,0 +1,472 @@
+"""kvferry as an SGLang transfer backend: manager, sender, receiver and bootstrap server.
+
+Each class subclasses SGLang's ``Common*`` class and keeps what SGLang owns: the bootstrap
+server and its ``/route`` registry, the TP/DP rank mapping (``try_ensure_parallel_info``,
+``_setup_bootstrap_infos``), the sender's chunk bookkeeping (``_prepare_send_indices``) and
+``KVTransferError``. What a room does is kvferry's: the prefill rank registers the address of
+its kvferry listener as its ``rank_port``, the decode rank keeps a persistent kvferry session
+to every prefill rank it pulls from, and rooms, grants, chunks, retries, blacklists, aborts,
+timeouts and the page quarantine all run in kvferry's core. SGLang's ZMQ status messages,
+heartbeat thread and abort-ack bookkeeping are not used.
+
+Supported: MHA and MLA pools whose KV buffers share one page size, prefill and decode with
+the same attention TP size, PP 1 and CP 1, device or host memory the process can address
+(the Python package moves host memory). Anything else is refused with a clear error when
+the manager starts or when a room meets it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+from sglang.srt.disaggregation.base.conn import (
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+    KVTransferError,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.server_args import ServerArgs
+
+import kvferry
+
+logger = logging.getLogger(__name__)
+
+# SGLang's timeouts become kvferry's unless a KVFERRY_* variable sets them: one deadline,
+# decided in one place (kvferry's core).
+_TIMEOUTS = (
+    ("bootstrap_timeout_ms", "KVFERRY_BOOTSTRAP_TIMEOUT_MS", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
+    ("waiting_timeout_ms", "KVFERRY_WAITING_TIMEOUT_MS", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"),
+)
+
+
+class UnsupportedLayout(ValueError):
+    """The model's KV pool or parallel layout is one the kvferry backend does not move."""
+
+
+def _layout_of(args: KVArgs) -> tuple:
+    """kvferry's layout and spans for SGLang's buffers: one region per KV buffer, and one
+    staging row per aux slot holding every aux buffer's item back to back."""
+    states = [p for comp in (getattr(args, "state_data_ptrs", None) or []) for p in comp]
+    if states:
+        raise UnsupportedLayout(
+            "kvferry backend: state buffers (mamba, SWA, DSA, ...) are not supported; "
+            f"this pool has {len(states)} (state types {list(args.state_types)})"
+        )
+    item_lens = list(args.kv_item_lens)
+    if not item_lens or len(set(item_lens)) != 1:
+        raise UnsupportedLayout(
+            "kvferry backend: every KV buffer must have the same page size, got "
+            f"{sorted(set(item_lens))}"
+        )
+    pages = min(n // i for n, i in zip(args.kv_data_lens, item_lens))
+    kv = [(int(p), pages * item_lens[0]) for p in args.kv_data_ptrs]
+    aux_items = list(args.aux_item_lens)
+    slots = min(n // i for n, i in zip(args.aux_data_lens, aux_items)) if aux_items else 0
+    layout = dict(
+        layers=len(kv),
+        planes=1,
+        page_bytes=item_lens[0],
+        pages=pages,
+        aux_bytes=sum(aux_items),
+        slots=slots,
+    )
+    return layout, kv
+
+
+class KvferryKVManager(CommonKVManager):
+    """One SGLang rank's kvferry node, over the KV and aux buffers of its ``KVArgs``."""
+
+    # A failed decode room keeps its pages until kvferry says no write can land.
+    supports_deferred_decode_kv_release = True
+    reports_transfer_latency = True
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: ServerArgs,
+        is_mla_backend: Optional[bool] = False,
+    ):
+        self.node: Optional[kvferry.Node] = None
+        self._layout, self._kv_spans = _layout_of(args)
+        slots, row = self._layout["slots"], self._layout["aux_bytes"]
+        self._aux_rows = np.zeros((max(slots, 1), max(row, 1)), dtype=np.uint8)
+        self._peers: Dict[str, int] = {}
+        self._peers_lock = threading.Lock()
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self.attn_cp_size > 1 or self.pp_size > 1:
+            raise UnsupportedLayout(
+                "kvferry backend: attention CP and PP must be 1, got "
+                f"CP {self.attn_cp_size}, PP {self.pp_size}"
+            )
+        if disaggregation_mode == DisaggregationMode.DECODE:
+            self.node = self._start_node("decode")
+            # SGLang's ZMQ rank socket carries nothing here; an open one would also block
+            # the interpreter's exit in zmq's context teardown.
+            self.server_socket.close(linger=0)
+
+    def _start_node(self, role: str) -> kvferry.Node:
+        config = {}
+        for knob, ours, theirs in _TIMEOUTS:
+            if ours not in os.environ:
+                config[knob] = int(getattr(envs, theirs).get() * 1000)
+        aux = None
+        if self._layout["slots"]:
+            aux = (self._aux_rows.ctypes.data, self._aux_rows.nbytes)
+        node = kvferry.Node(
+            role,
+            self._layout,
+            self._kv_spans,
+            aux=aux,
+            token=os.environ.get("KVFERRY_TOKEN", "").encode(),
+            rank=self.kv_args.engine_rank,
+            **config,
+        )
+        logger.info(
+            "kvferry %s node for engine rank %d: %s",
+            role,
+            self.kv_args.engine_rank,
+            self._layout,
+        )
+        return node
+
+    def register_to_bootstrap(self):
+        # The rank's contact port is its kvferry listener's: decode reaches it through
+        # SGLang's registry exactly as it would reach another backend's rank port.
+        if self.node is None:
+            self.node = self._start_node("prefill")
+            bound = self.node.listen(f"{self.local_ip}:0")[0]
+            self.server_socket.close(linger=0)
+            self.rank_port = int(bound.rsplit(":", 1)[1])
+        super().register_to_bootstrap()
+
+    def peer(self, rank_ip: str, rank_port: int) -> int:
+        """The kvferry peer of a prefill rank, connected once and kept by kvferry's core."""
+        addr = f"{rank_ip}:{rank_port}"
+        with self._peers_lock:
+            peer = self._peers.get(addr)
+            if peer is None:
+                peer = self.node.connect_persistent([addr])
+                self._peers[addr] = peer
+            return peer
+
+    def copy_aux(self, slot: int, into_rows: bool) -> None:
+        """Moves aux slot ``slot`` between SGLang's aux buffers and kvferry's staging row."""
+        row = self._aux_rows[slot].ctypes.data
+        offset = 0
+        for ptr, item in zip(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens):
+            theirs = ptr + slot * item
+            if into_rows:
+                ctypes.memmove(row + offset, theirs, item)
+            else:
+                ctypes.memmove(theirs, row + offset, item)
+            offset += item
+
+    def check_aux_slot(self, slot: Optional[int]) -> None:
+        if slot is not None and not 0 <= slot < self._layout["slots"]:
+            raise kvferry.InvalidArgument(
+                f"aux slot {slot} is outside the {self._layout['slots']} aux slots"
+            )
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        try:
+            return self.node.releasable(bootstrap_room)
+        except kvferry.InvalidArgument:
+            return True  # kvferry no longer holds the room: nothing of it can land
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        pass
+
+    def teardown(self) -> None:
+        if self.node is not None:
+            self.node.shutdown()
+        self._zmq_ctx.destroy(linger=0)
+
+    def failure_text(self, bootstrap_room: int) -> str:
+        """kvferry's reason for a failed room, as SGLang logs it."""
+        with self.failure_lock:
+            recorded = self.failure_records.pop(bootstrap_room, None)
+        if recorded is not None:
+            return recorded
+        try:
+            failure = self.node.failure(bootstrap_room)
+        except kvferry.KvferryError as e:
+            return str(e)
+        if failure is None:
+            return "kvferry: the room did not fail"
+        name, explanation = failure.args
+        return f"kvferry {name}: {explanation}"
+
+
+def _forget(mgr: KvferryKVManager, room: int) -> None:
+    try:
+        mgr.node.forget(room)
+    except kvferry.KvferryError:
+        pass
+
+
+def _fail(obj, reason: str) -> None:
+    obj.kv_mgr.record_failure(obj.bootstrap_room, reason)
+    obj.kv_mgr.update_status(obj.bootstrap_room, KVPoll.Failed)
+    obj.conclude_state = KVPoll.Failed
+
+
+class KvferryKVSender(CommonKVSender):
+    """A prefill room: kvferry's sender of ``bootstrap_room``, fed chunk by chunk."""
+
+    def __init__(
+        self,
+        mgr: KvferryKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        self._opened = False
+        if self.conclude_state is not None:
+            return
+        try:
+            mgr.node.open_sender(bootstrap_room, 0)
+            self._opened = True
+        except kvferry.KvferryError as e:
+            _fail(self, f"kvferry: cannot open room {bootstrap_room}: {e}")
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        super().init(num_kv_indices, aux_index)
+        try:
+            self.kv_mgr.check_aux_slot(aux_index)
+        except kvferry.InvalidArgument as e:
+            self._give_up(str(e))
+
+    def _give_up(self, reason: str) -> None:
+        if self._opened and self.conclude_state is None:
+            self.kv_mgr.node.abort(self.bootstrap_room)
+        _fail(self, reason)
+
+    def send(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        state_indices: Optional[List] = None,
+        num_kv_tokens: Optional[int] = None,
+        indices_event: Optional[object] = None,
+    ):
+        if self.conclude_state is not None:
+            return
+        kv_indices, _slice, last, skip = self._prepare_send_indices(kv_indices, state_indices)
+        if skip:
+            return
+        if state_indices:
+            self._give_up("kvferry backend: state indices are not supported")
+            return
+        if self._transfer_start_time is None:
+            self._transfer_start_time = time.perf_counter()
+        aux = self.aux_index if last else None
+        if aux is not None:
+            self.kv_mgr.copy_aux(aux, into_rows=True)
+        try:
+            self.kv_mgr.node.send_chunk(
+                self.bootstrap_room, np.asarray(kv_indices).tolist(), last=last, aux_slot=aux
+            )
+        except kvferry.KvferryError as e:
+            self._give_up(f"kvferry: chunk of room {self.bootstrap_room} refused: {e}")
+            return
+        self._record_transfer_indices(kv_indices, None)
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status = self.kv_mgr.node.poll(self.bootstrap_room)
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = status
+            if status == KVPoll.Success and self._transfer_start_time is not None:
+                self._transfer_metric.transfer_latency_s = (
+                    time.perf_counter() - self._transfer_start_time
+                )
+        return status
+
+    def poll_pp_consensus(self) -> KVPoll:
+        return self.poll()
+
+    def failure_exception(self):
+        self.conclude_state = KVPoll.Failed
+        reason = self.kv_mgr.failure_text(self.bootstrap_room)
+        self.clear()
+        raise KVTransferError(self.bootstrap_room, reason)
+
+    def abort(self):
+        if self._opened and self.conclude_state is None:
+            self.kv_mgr.node.abort(self.bootstrap_room)
+        super().abort()
+
+    def clear(self) -> None:
+        super().clear()
+        if self._opened:
+            _forget(self.kv_mgr, self.bootstrap_room)
+
+
+class KvferryKVReceiver(CommonKVReceiver):
+    """A decode room: kvferry's receiver of ``bootstrap_room`` from the mapped prefill rank."""
+
+    def __init__(
+        self,
+        mgr: KvferryKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: Optional[int] = None,
+    ):
+        self._opened = False
+        self._granted = False
+        self._aux_index: Optional[int] = None
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
+
+    def init(self, prefill_dp_rank: int):
+        if self.conclude_state == KVPoll.Failed:
+            return
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is None:
+            _fail(self, f"prefill at {self.bootstrap_addr} is not known (down, or never reached)")
+            return
+        if info.attn_tp_size != self.kv_mgr.attn_tp_size or info.pp_size != 1 or info.attn_cp_size != 1:
+            _fail(
+                self,
+                "kvferry backend: prefill and decode need the same attention TP and PP=CP=1; "
+                f"prefill TP {info.attn_tp_size} PP {info.pp_size} CP {info.attn_cp_size}, "
+                f"decode TP {self.kv_mgr.attn_tp_size}",
+            )
+            return
+        self.prefill_info = info
+        self.target_tp_rank = info.target_tp_rank
+        self.target_tp_ranks = info.target_tp_ranks
+        self.target_cp_ranks = info.target_cp_ranks
+        self.target_pp_ranks = info.target_pp_ranks
+        self.required_dst_info_num = info.required_dst_info_num
+        self.required_prefill_response_num = info.required_prefill_response_num
+        self.prefill_dp_rank = prefill_dp_rank
+        self._setup_bootstrap_infos()
+        if self.conclude_state == KVPoll.Failed or not self.bootstrap_infos:
+            return
+        try:
+            peers = [
+                self.kv_mgr.peer(b["rank_ip"], int(b["rank_port"]))
+                for b in self.bootstrap_infos
+                if not b["is_dummy"]
+            ]
+            self.kv_mgr.node.open_receiver(self.bootstrap_room, peers)
+            self._opened = True
+        except kvferry.KvferryError as e:
+            _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e}")
+            return
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
+
+    def _register_kv_args(self) -> bool:
+        # Nothing to register: kvferry's session handshake checks the layouts.
+        return self.bootstrap_infos is not None
+
+    def send_metadata(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        aux_index: Optional[int] = None,
+        state_indices: Optional[List] = None,
+        decode_prefix_len: Optional[int] = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices: Optional[npt.NDArray[np.int32]] = None,
+    ):
+        if not self._opened or self.conclude_state is not None:
+            return
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("Host KV destinations are not supported")
+        unsupported = None
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            unsupported = "state indices"
+        elif decode_prefix_len:
+            unsupported = "a decode-side prefix (decode_prefix_len)"
+        try:
+            if unsupported is not None:
+                raise kvferry.InvalidArgument(f"kvferry backend: {unsupported} is not supported")
+            self.kv_mgr.check_aux_slot(aux_index)
+            self.kv_mgr.node.grant_pages(
+                self.bootstrap_room, np.asarray(kv_indices).tolist(), aux_slot=aux_index
+            )
+        except kvferry.KvferryError as e:
+            self.kv_mgr.node.abort(self.bootstrap_room)
+            _fail(self, f"kvferry: pages of room {self.bootstrap_room} refused: {e}")
+            return
+        self._aux_index = aux_index
+        self._granted = True
+        self.init_time = time.time()
+
+    def _poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if not self._opened:
+            return self.kv_mgr.check_status(self.bootstrap_room)
+        status = self.kv_mgr.node.poll(self.bootstrap_room)
+        if status == KVPoll.Success:
+            if self._aux_index is not None:
+                self.kv_mgr.copy_aux(self._aux_index, into_rows=False)
+            self.conclude_state = status
+        elif status == KVPoll.Failed:
+            self.conclude_state = status
+        elif not self._granted:
+            # The session to the prefill rank is up: SGLang may allocate and send pages.
+            return KVPoll.WaitingForInput
+        return status
+
+    def failure_exception(self):
+        self.conclude_state = KVPoll.Failed
+        reason = self.kv_mgr.failure_text(self.bootstrap_room)
+        self.clear()
+        raise KVTransferError(self.bootstrap_room, reason)
+
+    def abort(self):
+        if self._opened:
+            self.kv_mgr.node.abort(self.bootstrap_room)
+        if self.conclude_state != KVPoll.Failed:
+            self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
+            self.conclude_state = KVPoll.Failed
+        self.abort_notified = True
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        # kvferry tells the prefill itself (its abort and fence); this only marks the room.
+        if self._opened and not self.abort_notified:
+            self.kv_mgr.node.abort(self.bootstrap_room)
+        self.abort_notified = True
+
+    def _clear(self) -> None:
+        super()._clear()
+        if self._opened:
+            # A room SGLang drops before kvferry concluded it is aborted, so no write of it
+            # can land after SGLang reuses the pages (kvferry quarantines them until then).
+            if self.kv_mgr.node.poll(self.bootstrap_room) not in (KVPoll.Success, KVPoll.Failed):
+                self.kv_mgr.node.abort(self.bootstrap_room)
+            _forget(self.kv_mgr, self.bootstrap_room)
+            self._opened = False
+
+
+class KvferryKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's own bootstrap server, unchanged: it maps ranks to kvferry listeners."""
+
+
+__all__ = [
+    "KvferryKVBootstrapServer",
+    "KvferryKVManager",
+    "KvferryKVReceiver",
+    "KvferryKVSender",
+    "UnsupportedLayout",
+]
