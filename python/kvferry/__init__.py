@@ -19,6 +19,8 @@ from ._kvferry import (  # noqa: F401
     ShutdownFailure,
     TimeoutFailure,
     TransferFailure,
+    enable_metrics,
+    metrics_text,
 )
 
 
@@ -47,4 +49,6 @@ __all__ = [
     "ShutdownFailure",
     "TimeoutFailure",
     "TransferFailure",
+    "enable_metrics",
+    "metrics_text",
 ]

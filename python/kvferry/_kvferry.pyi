@@ -18,6 +18,13 @@ class CapacityFailure(RoomFailed): ...
 class ProtocolFailure(RoomFailed): ...
 class ShutdownFailure(RoomFailed): ...
 
+def enable_metrics(addr: Optional[str] = None) -> None:
+    """Records every node's metrics in this process (the CLI's names and labels), served on
+    ``http://ADDR/metrics`` when ``addr`` is given. Once per process."""
+
+def metrics_text() -> str:
+    """Every node's metrics in Prometheus' text format (after ``enable_metrics``)."""
+
 class Node:
     """One prefill or decode rank over caller-owned memory.
 

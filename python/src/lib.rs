@@ -519,11 +519,92 @@ impl Node {
     }
 }
 
+/// The process's Prometheus recorder, once metrics are enabled.
+static METRICS: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+    std::sync::OnceLock::new();
+
+/// Records every node's metrics in this process (the names and labels of the CLI's
+/// `--metrics-addr`), served on `http://ADDR/metrics` when `addr` is given; once per process.
+#[pyfunction]
+#[pyo3(signature = (addr=None))]
+fn enable_metrics(py: Python<'_>, addr: Option<&str>) -> PyResult<()> {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    if METRICS.get().is_some() {
+        return Err(InvalidArgument::new_err("metrics are already enabled"));
+    }
+    let handle = match addr {
+        None => {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder)
+                .map_err(|e| KvferryError::new_err(format!("cannot record metrics: {e}")))?;
+            handle
+        }
+        Some(addr) => {
+            let addr = parse_addr(addr)?;
+            let (tx, rx) = std::sync::mpsc::channel();
+            // The exporter's HTTP listener runs on a thread of its own, outside every node.
+            std::thread::Builder::new()
+                .name("kvferry-metrics".into())
+                .spawn(move || {
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(r) => r,
+                        Err(e) => return drop(tx.send(Err(e.to_string()))),
+                    };
+                    let built = {
+                        let _inside = runtime.enter();
+                        PrometheusBuilder::new().with_http_listener(addr).build()
+                    };
+                    let (recorder, exporter) = match built {
+                        Ok(b) => b,
+                        Err(e) => return drop(tx.send(Err(e.to_string()))),
+                    };
+                    let handle = recorder.handle();
+                    if let Err(e) = metrics::set_global_recorder(recorder) {
+                        return drop(tx.send(Err(e.to_string())));
+                    }
+                    let _ = tx.send(Ok(handle));
+                    let _ = runtime.block_on(exporter);
+                })
+                .map_err(|e| KvferryError::new_err(format!("cannot start threads: {e}")))?;
+            py.allow_threads(move || rx.recv())
+                .map_err(|_| KvferryError::new_err("the metrics thread ended"))?
+                .map_err(|e| ConnectError::new_err(format!("cannot serve metrics on {addr}: {e}")))?
+        }
+    };
+    let _ = METRICS.set(handle);
+    Ok(())
+}
+
+/// Every node's metrics in Prometheus' text format (after `enable_metrics`).
+#[pyfunction]
+fn metrics_text() -> PyResult<String> {
+    let handle = METRICS
+        .get()
+        .ok_or_else(|| InvalidArgument::new_err("call kvferry.enable_metrics() first"))?;
+    handle.run_upkeep();
+    Ok(handle.render())
+}
+
 /// The native module.
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // kvferry's tracing events go to stderr, filtered by KVFERRY_LOG as in the CLI; an
+    // embedder that installed a subscriber of its own keeps it.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVFERRY_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
     m.add_class::<Node>()?;
+    m.add_function(wrap_pyfunction!(enable_metrics, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     for (name, e) in [
         ("KvferryError", py.get_type_bound::<KvferryError>()),
         ("InvalidArgument", py.get_type_bound::<InvalidArgument>()),

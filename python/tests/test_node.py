@@ -156,3 +156,30 @@ def test_bad_input_raises_the_documented_exceptions(prefill):
     with pytest.raises(kvferry.ConnectError):
         other = node("decode", kv, aux)
         other.connect(["127.0.0.1:1"])
+
+
+def test_metrics_are_served_in_prometheus_format_with_the_clis_names(prefill):
+    import socket
+    import urllib.request
+
+    _proc, addr, _send = prefill
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_addr = "127.0.0.1:%d" % s.getsockname()[1]
+    kvferry.enable_metrics(metrics_addr)
+    with pytest.raises(kvferry.InvalidArgument, match="already enabled"):
+        kvferry.enable_metrics()
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux)
+    d.open_receiver(90, [d.connect([addr])], pages=[1, 2, 3], aux_slot=0)
+    assert d.wait(90, 20.0) == KVPoll.Success
+    want = 'kvferry_rooms_succeeded_total{role="decode"} 1'
+    deadline = time.monotonic() + 10
+    while True:
+        served = urllib.request.urlopen("http://%s/metrics" % metrics_addr, timeout=5).read().decode()
+        if want in served or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert want in served, served
+    assert "kvferry_rooms_live" in kvferry.metrics_text()
+    d.shutdown()

@@ -123,6 +123,14 @@ class KvferryKVManager(CommonKVManager):
             self.server_socket.close(linger=0)
 
     def _start_node(self, role: str) -> kvferry.Node:
+        metrics = os.environ.get("KVFERRY_METRICS_ADDR")
+        if metrics:
+            # One exporter per scheduler process: engine rank r serves on port + r.
+            host, port = metrics.rsplit(":", 1)
+            try:
+                kvferry.enable_metrics(f"{host}:{int(port) + self.kv_args.engine_rank}")
+            except kvferry.InvalidArgument:
+                pass  # already enabled in this process
         config = {}
         for knob, ours, theirs in _TIMEOUTS:
             if ours not in os.environ:
