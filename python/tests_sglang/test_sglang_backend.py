@@ -85,10 +85,10 @@ def prefill_with_short_bootstrap():
     yield from _prefill({"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S)})
 
 
-def _prefill(env):
+def _prefill(env, port=None):
     ctx = mp.get_context("spawn")
     commands, results = ctx.Queue(), ctx.Queue()
-    port = roles.free_port()
+    port = port or roles.free_port()
     proc = ctx.Process(target=serve_prefill, args=(port, commands, results, env))
     proc.start()
     end = time.monotonic() + 120
@@ -242,7 +242,7 @@ def test_a_decode_room_whose_prefill_never_sends_fails_with_a_timeout_not_a_hang
         receiver.failure_exception()
 
 
-def test_a_prefill_killed_mid_room_fails_the_decode_room_with_a_peer_reason_and_frees_its_pages(prefill, decode):
+def test_a_prefill_killed_mid_room_fails_the_decode_room_with_a_peer_reason_and_a_restarted_prefill_serves_the_next(prefill, decode):
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError
 
@@ -261,6 +261,17 @@ def test_a_prefill_killed_mid_room_fails_the_decode_room_with_a_peer_reason_and_
     while not rank.manager.is_abort_release_safe(501, 1):
         assert time.monotonic() < end, "pages of a room whose prefill died never became releasable"
         time.sleep(0.01)
+    receiver.clear()
+    # The prefill comes back at the same bootstrap address (its kvferry port is new).
+    restarted = _prefill({}, port)
+    _proc, _port, commands, results = next(restarted)
+    commands.put((502, [9, 10], [2], 1, "send"))
+    receiver = bootstrap(rank, port, 502)
+    receiver.send_metadata(np.array([5, 6], dtype=np.int32), 1)
+    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+    assert np.array_equal(rank.kv[:, [5, 6], :], expected([9, 10]))
+    assert results.get(timeout=DEADLINE_S)[:3] == (502, KVPoll.Success, None)
+    next(restarted, None)
 
 
 def test_a_pool_with_state_buffers_is_refused_with_a_clear_error():

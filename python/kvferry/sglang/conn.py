@@ -207,6 +207,14 @@ class KvferryKVManager(CommonKVManager):
             self.node.shutdown()
         self._zmq_ctx.destroy(linger=0)
 
+    def forget_prefill(self, bootstrap_addr: str) -> None:
+        """Drops what SGLang cached about a prefill that went away, so the next room asks its
+        bootstrap server again (a restarted prefill listens on a new kvferry port)."""
+        self.prefill_info_table.pop(bootstrap_addr, None)
+        with self.connection_lock:
+            for key in [k for k in self.connection_pool if k.startswith(f"{bootstrap_addr}_")]:
+                del self.connection_pool[key]
+
     def failure_text(self, bootstrap_room: int) -> str:
         """kvferry's reason for a failed room, as SGLang logs it."""
         with self.failure_lock:
@@ -431,6 +439,8 @@ class KvferryKVReceiver(CommonKVReceiver):
             self.conclude_state = status
         elif status == KVPoll.Failed:
             self.conclude_state = status
+            if isinstance(self.kv_mgr.node.failure(self.bootstrap_room), kvferry.PeerFailure):
+                self.kv_mgr.forget_prefill(self.bootstrap_addr)
         elif not self._granted:
             # The session to the prefill rank is up: SGLang may allocate and send pages.
             return KVPoll.WaitingForInput
