@@ -269,6 +269,35 @@ fn s05_room_toward_saturated_decode_waits_with_a_known_reason_then_fails_decode_
     common::assert_invariants(&sim);
 }
 
+#[test]
+fn s05_a_queued_room_whose_decode_deadline_expires_first_fails_decode_saturated_on_prefill_too() {
+    let (mut sim, p, d) = common::pair(52, common::config());
+    let sd = sim.session(d, p).unwrap();
+    let now = sim.now;
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(1), 0, &[sd], None)
+        .unwrap();
+    sim.nodes[d]
+        .endpoint
+        .set_queue_position(now, RoomId(1), 3)
+        .unwrap();
+    sim.drain(d);
+    // Prefill opens its side later, so decode's deadline is the first to expire and prefill
+    // learns the verdict from decode's abort, not from a deadline of its own.
+    run_ms(&mut sim, 1_000);
+    let now = sim.now;
+    sim.nodes[p]
+        .endpoint
+        .open_sender(now, RoomId(1), 0)
+        .unwrap();
+    sim.drain(p);
+    run_ms(&mut sim, 1_200);
+    assert_eq!(state(&sim, d, 1), failed(R::DecodeSaturated));
+    assert_eq!(state(&sim, p, 1), failed(R::DecodeSaturated));
+    common::assert_invariants(&sim);
+}
+
 // ------------------------------------------------------------------ 6: late request
 
 #[test]

@@ -447,6 +447,13 @@ impl Node {
         self.block(py, self.node.mark_layer_ready(rooms, layer))
     }
 
+    /// Decode: a room opened without pages waits for KV capacity behind `position` others
+    /// (0: being allocated now); its bootstrap deadline then fails it as `decode_saturated`,
+    /// on both sides.
+    fn set_queue_position(&self, py: Python<'_>, room: u64, position: u32) -> PyResult<()> {
+        self.block(py, self.node.set_queue_position(RoomId(room), position))
+    }
+
     /// Aborts a room; decode keeps its pages quarantined until `releasable()`.
     fn abort(&self, py: Python<'_>, room: u64) -> PyResult<()> {
         self.block(py, self.node.abort(RoomId(room)))
@@ -572,7 +579,9 @@ fn enable_metrics(py: Python<'_>, addr: Option<&str>) -> PyResult<()> {
                 .map_err(|e| KvferryError::new_err(format!("cannot start threads: {e}")))?;
             py.allow_threads(move || rx.recv())
                 .map_err(|_| KvferryError::new_err("the metrics thread ended"))?
-                .map_err(|e| ConnectError::new_err(format!("cannot serve metrics on {addr}: {e}")))?
+                .map_err(|e| {
+                    ConnectError::new_err(format!("cannot serve metrics on {addr}: {e}"))
+                })?
         }
     };
     let _ = METRICS.set(handle);

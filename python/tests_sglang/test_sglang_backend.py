@@ -311,3 +311,20 @@ print(disagg_service.get_kv_class(backend, KVClassType.RECEIVER).__name__)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["KvferryKVManager", "KvferryKVReceiver"]
+
+
+@pytest.mark.parametrize("decode", [{"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S)}], indirect=True)
+def test_a_decode_with_no_kv_capacity_for_a_room_fails_it_as_decode_saturated_on_both_sides(prefill, decode):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    _proc, port, commands, results = prefill  # its own deadline is SGLang's default, 300 s
+    rank = decode(port)
+    commands.put((601, [1, 2], [2], 0, "send"))
+    receiver = bootstrap(rank, port, 601)  # SGLang never finds pages for it: no send_metadata
+    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="decode_saturated"):
+        receiver.failure_exception()
+    room, status, reason, _t, _b = results.get(timeout=DEADLINE_S)
+    assert (room, status) == (601, KVPoll.Failed)
+    assert "decode_saturated" in reason

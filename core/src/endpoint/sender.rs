@@ -329,6 +329,12 @@ impl Endpoint {
         reason: FailureReason,
     ) {
         info!(%room, session = %sid, %reason, "peer aborted the room");
+        // A decode that had no capacity for the room says so; any other decode verdict is,
+        // from here, the peer giving up.
+        let verdict = match reason {
+            FailureReason::DecodeSaturated => FailureReason::DecodeSaturated,
+            _ => FailureReason::AbortedByPeer,
+        };
         let feeds = |r: &Room| match &r.side {
             Side::Sender(s) => {
                 s.receivers.iter().any(|x| x.session == sid) || s.announced_by.contains(&sid)
@@ -349,7 +355,7 @@ impl Endpoint {
         match self.rooms.get(&room) {
             Some(r) if r.generation == generation => {
                 if !r.state.is_terminal() {
-                    self.conclude(now, room, KvPoll::Failed(FailureReason::AbortedByPeer));
+                    self.conclude(now, room, KvPoll::Failed(verdict));
                 } else {
                     // Duplicate or late abort: ack again once drained.
                     self.maybe_release(now, room);
@@ -380,7 +386,7 @@ impl Endpoint {
                 // so a later open fails at once instead of computing a doomed room.
                 if let Some(p) = self.pending.remove(&room) {
                     if p.generation == generation {
-                        self.reject_pending(room, p, FailureReason::AbortedByPeer);
+                        self.reject_pending(room, p, verdict);
                     } else {
                         self.pending.insert(room, p);
                     }
@@ -391,12 +397,8 @@ impl Endpoint {
                     .is_some_and(|(g, _)| g >= generation);
                 if !newer {
                     let who = self.identity(sid).into_iter().collect();
-                    self.tombstones.insert_verdict(
-                        room,
-                        generation,
-                        FailureReason::AbortedByPeer,
-                        who,
-                    );
+                    self.tombstones
+                        .insert_verdict(room, generation, verdict, who);
                 }
                 self.transmits
                     .push_back((sid, Message::AbortAck { room, generation }));

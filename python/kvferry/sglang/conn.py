@@ -385,6 +385,9 @@ class KvferryKVReceiver(CommonKVReceiver):
             ]
             self.kv_mgr.node.open_receiver(self.bootstrap_room, peers)
             self._opened = True
+            # Until send_metadata, SGLang holds the room for KV capacity: a deadline that
+            # expires meanwhile is decode_saturated on both sides, not a bare timeout.
+            self.kv_mgr.node.set_queue_position(self.bootstrap_room, 1)
         except kvferry.KvferryError as e:
             _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e}")
             return
@@ -442,7 +445,7 @@ class KvferryKVReceiver(CommonKVReceiver):
             if isinstance(self.kv_mgr.node.failure(self.bootstrap_room), kvferry.PeerFailure):
                 self.kv_mgr.forget_prefill(self.bootstrap_addr)
         elif not self._granted:
-            # The session to the prefill rank is up: SGLang may allocate and send pages.
+            # kvferry reached the prefill rank: SGLang may allocate and send pages.
             return KVPoll.WaitingForInput
         return status
 
