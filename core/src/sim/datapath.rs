@@ -37,10 +37,15 @@ impl Sim {
         let l = &self.links[li];
         let (dst, dst_session) = if dir == 0 { l.b } else { l.a };
         if let (Some(room), Some(first)) = (op.room, op.slices.first()) {
-            self.unlanded
-                .entry((dst, room, op.generation))
-                .or_default()
-                .insert((n, first.region.code(), first.dst_offset));
+            let key = (dst, room, op.generation);
+            let logical = (n, first.region.code(), first.dst_offset);
+            if !self
+                .landed_ops
+                .get(&key)
+                .is_some_and(|l| l.contains(&logical))
+            {
+                self.unlanded.entry(key).or_default().insert(logical);
+            }
         }
         let l = &self.links[li];
         let up = l.up;
@@ -144,9 +149,12 @@ impl Sim {
     /// The write's bytes land in the destination: every page must still be the room's.
     pub(super) fn land_dst(&mut self, f: &InFlight) {
         if let (Some(room), Some(first)) = (f.op.room, f.op.slices.first()) {
-            if let Some(set) = self.unlanded.get_mut(&(f.dst, room, f.op.generation)) {
-                set.remove(&(f.src, first.region.code(), first.dst_offset));
+            let key = (f.dst, room, f.op.generation);
+            let logical = (f.src, first.region.code(), first.dst_offset);
+            if let Some(set) = self.unlanded.get_mut(&key) {
+                set.remove(&logical);
             }
+            self.landed_ops.entry(key).or_default().insert(logical);
         }
         if let Some(room) = f.op.room {
             let layout = self.nodes[f.dst].info.layout;

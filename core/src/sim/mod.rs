@@ -347,6 +347,9 @@ pub struct Sim {
     /// have not landed yet: a room may only succeed once its set is empty.
     /// Keyed by (destination node, room, generation).
     unlanded: HashMap<(usize, RoomId, Generation), HashSet<LogicalOp, FixedState>, FixedState>,
+    /// Logical operations that landed once: a later attempt of one (a retry of a write whose
+    /// sender saw it fail while its bytes still landed) does not make it unlanded again.
+    landed_ops: HashMap<(usize, RoomId, Generation), HashSet<LogicalOp, FixedState>, FixedState>,
     rx: HashMap<(usize, SessionId), Vec<u8>, FixedState>,
 }
 
@@ -406,6 +409,7 @@ impl Sim {
             orphans: BTreeMap::new(),
             next_orphan: 0,
             unlanded: HashMap::default(),
+            landed_ops: HashMap::default(),
             rx: HashMap::default(),
         }
     }
@@ -497,6 +501,7 @@ impl Sim {
         node.concluded_at.clear();
         node.events.clear();
         self.unlanded.retain(|k, _| k.0 != n);
+        self.landed_ops.retain(|k, _| k.0 != n);
         self.inflight.retain(|_, f| f.src != n && f.dst != n);
         self.orphans.retain(|_, f| f.dst != n);
         self.rx.retain(|k, _| k.0 != n);
