@@ -293,6 +293,11 @@ class KvferryKVSender(CommonKVSender):
             return
         if self._transfer_start_time is None:
             self._transfer_start_time = time.perf_counter()
+        # An early send of a cached prefix under overlap scheduling: the previous forward may
+        # still be writing these pages on its stream, and kvferry reads them once queued.
+        wait_event, self._early_send_wait_event = self._early_send_wait_event, None
+        if wait_event is not None:
+            wait_event.synchronize()
         aux = self.aux_index if last else None
         if aux is not None:
             self.kv_mgr.copy_aux(aux, into_rows=True)

@@ -1,0 +1,288 @@
+#!/usr/bin/env bash
+# End-to-end check of kvferry as SGLang's PD transfer backend, on CPU, with no download
+# beyond PyPI: builds a tiny random-weight Llama and a word-level tokenizer into a temp dir,
+# serves it once without disaggregation (the reference), then as a prefill server and a
+# decode server with --disaggregation-transfer-backend kvferry, routes the same greedy
+# requests to both the way SGLang's router does (same bootstrap_host/port/room to prefill
+# and decode, concurrently), and fails unless every decode output equals the reference and
+# both servers logged their kvferry node.
+#
+# Needs the venv of sglang-venv.sh (created if missing) plus a few runtime packages that
+# SGLang's server imports and that venv lacks (installed below, pinned).
+#
+# CPU caveats, all SGLang's, none kvferry's:
+#  - SGLANG_USE_CPU_ENGINE=1 is what makes SGLang take its CPU paths; without it a CPU run
+#    ends in `from vllm._custom_ops import rotary_embedding` (rotary_embedding/base.py).
+#  - With it, SGLang imports a few CPU kernels from `sgl_kernel` unconditionally
+#    (kernels/ops/kvcache/cache_move.py, srt/mem_cache/allocation.py, kernels/ops/speculative/*),
+#    and sgl-kernel's CPU build is not published on PyPI (only CUDA wheels, no sdist). A
+#    pure-torch stand-in for the two ops a plain Llama uses goes on PYTHONPATH; it registers
+#    no torch.ops.sgl_kernel ops, so every layer takes its native torch path.
+#  - Decode: --disaggregation-decode-retraction-backup cpu_tensor, since the default
+#    host_pool pins host memory with cudaHostRegister.
+#  - Prefill: --disable-overlap-schedule, since the overlap loop's early send of a cached
+#    prefix records a torch.cuda.Event (disaggregation/prefill.py,
+#    maybe_send_cached_prefix_chunk). The early send itself stays on: the prompts share a
+#    prefix, so later rooms go to kvferry in two chunks.
+#
+# Env: KVFERRY_CACHE (venv root), KVFERRY_E2E_KEEP=1 keeps the temp dir (logs) on exit.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+venv=${KVFERRY_CACHE:-$HOME/.cache/kvferry}/sglang-0.5.23
+if [ -x "$venv/bin/python" ] && [ -f "$venv/.kvferry-complete-2" ]; then
+    py=$venv/bin/python
+else
+    py=$(bash "$here/sglang-venv.sh")
+fi
+"$py" -c 'import kvferry.sglang' 2>/dev/null || {
+    echo "kvferry is not installed in $venv (build it into that venv first)" >&2
+    exit 2
+}
+if ! "$py" -c 'import uvloop, openai, partial_json_parser, setproctitle, einops, jsonschema, xgrammar, soundfile, python_multipart' 2>/dev/null; then
+    echo "installing SGLang's server-side runtime imports into $venv" >&2
+    "$venv/bin/pip" install -q uvloop==0.23.0 openai==2.8.0 partial-json-parser==0.2.1.1.post7 \
+        setproctitle==1.3.8 einops==0.8.2 jsonschema==4.26.0 xgrammar==0.2.7 soundfile==0.13.1 \
+        python-multipart==0.0.34 >&2
+fi
+
+start=$SECONDS
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvferry-sglang-pd.XXXXXX")
+pgids=()
+stop_servers() {
+    local g
+    for g in "${pgids[@]}"; do kill -TERM -- "-$g" 2>/dev/null || true; done
+    for _ in $(seq 1 40); do # SGLang takes ~8 s to stop, then SIGKILLs its own tree
+        local alive=0
+        for g in "${pgids[@]}"; do kill -0 -- "-$g" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && break
+        sleep 0.5
+    done
+    for g in "${pgids[@]}"; do kill -KILL -- "-$g" 2>/dev/null || true; done
+    pgids=()
+}
+cleanup() {
+    local rc=$?
+    stop_servers
+    if [ "$rc" != 0 ]; then
+        for f in "$work"/*.log; do
+            [ -f "$f" ] || continue
+            echo "---- last lines of $f" >&2
+            grep -v -e Warning -e 'warnings.warn' -e 'Ignore import error' -e 'server_args=' "$f" | tail -25 >&2 || true
+        done
+    fi
+    if [ "${KVFERRY_E2E_KEEP:-0}" = 1 ]; then
+        echo "kept $work" >&2
+    else
+        rm -rf "$work"
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# ---- the tiny model, its tokenizer, and the sgl_kernel stand-in
+mkdir -p "$work/model" "$work/shim/sgl_kernel"
+cat >"$work/make_tiny.py" <<'EOF'
+import sys, torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+out = sys.argv[1]
+torch.manual_seed(0)
+words = ("the quick brown fox jumps over lazy dog a cat sat on mat hello world kv cache "
+         "prefill decode node moves pages from one to another server model token").split()
+vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+for w in words:
+    vocab.setdefault(w, len(vocab))
+for i in range(len(vocab), 1000):
+    vocab[f"w{i}"] = i
+tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tok.decoder = decoders.WordPiece(prefix="##")
+tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                        eos_token="</s>", pad_token="<pad>").save_pretrained(out)
+cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.5)  # large random weights: each token depends strongly on the KV
+model.to(torch.bfloat16).save_pretrained(out)
+EOF
+cat >"$work/shim/sgl_kernel/__init__.py" <<'EOF'
+"""Pure-torch stand-in for the sgl_kernel CPU ops SGLang imports under SGLANG_USE_CPU_ENGINE=1."""
+import ctypes
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
+                                 out_cache_loc, pool_len):
+    off = 0
+    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        req_to_token[r, s:e] = out_cache_loc[off:off + e - s].to(req_to_token.dtype)
+        off += e - s
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        for t, s in zip(tgt_loc.tolist(), src_loc.tolist()):
+            ctypes.memmove(ptr + t * stride, ptr + s * stride, stride)
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel stand-in: {name} is not implemented")
+
+    return missing
+EOF
+"$py" "$work/make_tiny.py" "$work/model" >"$work/make_tiny.log" 2>&1
+
+# ---- the requests, and the check
+cat >"$work/client.py" <<'EOF'
+"""client.py reference URL OUT | client.py pd PREFILL DECODE BOOTSTRAP_PORT REF"""
+import json, random, sys, threading, requests
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world kv cache",
+    "a cat sat on the mat and the dog sat on a mat",
+    "prefill node moves pages from one server to another server " * 4,
+    "decode",
+]
+PARAMS = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+def generate(url, body):
+    r = requests.post(url + "/generate", json=body, timeout=120)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+def pd_request(prefill, decode, bport, text, out, i):
+    body = {"text": text, "sampling_params": PARAMS, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bport, "bootstrap_room": random.randrange(1 << 63)}
+    res, errs = {}, []
+
+    def go(name, url):
+        try:
+            res[name] = generate(url, body)
+        except Exception as e:  # noqa: BLE001
+            errs.append(f"{name}: {e}")
+
+    ts = [threading.Thread(target=go, args=a) for a in (("prefill", prefill), ("decode", decode))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    out[i] = errs or res["decode"]["output_ids"]
+
+
+if sys.argv[1] == "reference":
+    ids = [generate(sys.argv[2], {"text": p, "sampling_params": PARAMS})["output_ids"] for p in PROMPTS]
+    json.dump(ids, open(sys.argv[3], "w"))
+    sys.exit(0)
+
+prefill, decode, bport, ref = sys.argv[2], sys.argv[3], int(sys.argv[4]), json.load(open(sys.argv[5]))
+failed = 0
+# One request at a time, then all at once (several kvferry rooms in flight).
+for mode in ("sequential", "concurrent"):
+    out = [None] * len(PROMPTS)
+    if mode == "sequential":
+        for i, p in enumerate(PROMPTS):
+            pd_request(prefill, decode, bport, p, out, i)
+    else:
+        ts = [threading.Thread(target=pd_request, args=(prefill, decode, bport, p, out, i))
+              for i, p in enumerate(PROMPTS)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    for i, (got, want) in enumerate(zip(out, ref)):
+        ok = got == want
+        failed += not ok
+        print(f"{mode:10} prompt {i}: {'ok ' if ok else 'MISMATCH'} decode={got}"
+              + ("" if ok else f" reference={want}"))
+print(f"{2 * len(PROMPTS) - failed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
+EOF
+
+read -r port_single port_prefill port_decode port_bootstrap nccl_single nccl_prefill nccl_decode < <(
+    "$py" - <<'EOF'
+import socket
+socks = [socket.socket() for _ in range(7)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])
+EOF
+)
+
+export SGLANG_USE_CPU_ENGINE=1
+export PYTHONPATH="$work/shim${PYTHONPATH:+:$PYTHONPATH}"
+common=(--model-path "$work/model" --device cpu --host 127.0.0.1 --attention-backend torch_native
+    --disable-cuda-graph --max-total-tokens 4096 --mem-fraction-static 0.05 --random-seed 0
+    --log-level info)
+
+launch() { # NAME MODULE ARGS...: starts a server in its own process group
+    local name=$1
+    shift
+    setsid "$py" -m "$@" >"$work/$name.log" 2>&1 &
+    pgids+=("$!")
+    disown "$!" # SGLang ends itself with SIGKILL: keep bash from reporting it
+}
+wait_healthy() { # NAME PORT
+    local deadline=$((SECONDS + 240))
+    until curl -sf -m 2 -o /dev/null "http://127.0.0.1:$2/health"; do
+        if ((SECONDS > deadline)); then
+            echo "$1 server did not become healthy in 240 s" >&2
+            return 1
+        fi
+        if grep -q -e 'Received sigquit' -e 'Scheduler hit an exception' "$work/$1.log"; then
+            echo "$1 server failed to start" >&2
+            return 1
+        fi
+        sleep 2
+    done
+    echo "$1 server healthy after $((SECONDS - start)) s"
+}
+
+# ---- reference: one server, no disaggregation
+launch single sglang.launch_server "${common[@]}" --port "$port_single" --nccl-port "$nccl_single"
+wait_healthy single "$port_single"
+"$py" "$work/client.py" reference "http://127.0.0.1:$port_single" "$work/reference.json"
+stop_servers
+
+# ---- PD: prefill through kvferry's launcher, decode through SGLang's own (the plugin entry
+# point registers kvferry there): both ways of selecting the backend are exercised.
+pd=(--disaggregation-transfer-backend kvferry --disaggregation-bootstrap-port "$port_bootstrap")
+launch prefill kvferry.sglang.launch_server "${common[@]}" "${pd[@]}" --port "$port_prefill" \
+    --nccl-port "$nccl_prefill" --disaggregation-mode prefill --disable-overlap-schedule
+launch decode sglang.launch_server "${common[@]}" "${pd[@]}" --port "$port_decode" \
+    --nccl-port "$nccl_decode" --disaggregation-mode decode \
+    --disaggregation-decode-retraction-backup cpu_tensor
+wait_healthy prefill "$port_prefill"
+wait_healthy decode "$port_decode"
+
+status=0
+"$py" "$work/client.py" pd "http://127.0.0.1:$port_prefill" "http://127.0.0.1:$port_decode" \
+    "$port_bootstrap" "$work/reference.json" || status=1
+for side in prefill decode; do
+    line=$(grep -m1 "kvferry $side node for engine rank" "$work/$side.log" || true)
+    if [ -z "$line" ]; then
+        echo "$side server did not log its kvferry node" >&2
+        status=1
+    else
+        echo "$side: ${line#*] }"
+    fi
+done
+if grep -E 'transfer failed|handshake failed|bootstrap failed|KVTransferError' "$work/prefill.log" "$work/decode.log" >&2; then
+    echo "a kvferry room failed (above)" >&2
+    status=1
+fi
+echo "sglang-pd-e2e: $([ "$status" = 0 ] && echo PASS || echo FAIL) in $((SECONDS - start)) s"
+exit "$status"
