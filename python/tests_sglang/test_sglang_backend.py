@@ -328,3 +328,11 @@ def test_a_decode_with_no_kv_capacity_for_a_room_fails_it_as_decode_saturated_on
     room, status, reason, _t, _b = results.get(timeout=DEADLINE_S)
     assert (room, status) == (601, KVPoll.Failed)
     assert "decode_saturated" in reason
+
+
+@pytest.mark.parametrize("decode", [{"KVFERRY_TRANSFER_RETRIES": "many"}], indirect=True)
+def test_kvferry_knobs_reach_the_backend_and_a_bad_one_stops_the_rank_with_its_name(decode):
+    import kvferry
+
+    with pytest.raises(kvferry.InvalidArgument, match="KVFERRY_TRANSFER_RETRIES"):
+        decode(roles.free_port())
