@@ -144,7 +144,7 @@ EOF
 
 # ---- the requests, and the check
 cat >"$work/client.py" <<'EOF'
-"""client.py reference URL OUT | client.py pd PREFILL DECODE BOOTSTRAP_PORT REF"""
+"""client.py reference URL OUT | client.py pd|probe PREFILL DECODE BOOTSTRAP_PORT REF"""
 import json, random, sys, threading, requests
 
 PROMPTS = [
@@ -189,6 +189,12 @@ if sys.argv[1] == "reference":
     sys.exit(0)
 
 prefill, decode, bport, ref = sys.argv[2], sys.argv[3], int(sys.argv[4]), json.load(open(sys.argv[5]))
+if sys.argv[1] == "probe":
+    # One request whose outcome is only reported (the first after a prefill restart may fail).
+    out = [None]
+    pd_request(prefill, decode, bport, PROMPTS[1], out, 0)
+    print(f"probe: {'ok' if out[0] == ref[1] else out[0]}")
+    sys.exit(0)
 failed = 0
 # One request at a time, then all at once (several kvferry rooms in flight).
 for mode in ("sequential", "concurrent"):
@@ -223,6 +229,9 @@ EOF
 )
 
 export SGLANG_USE_CPU_ENGINE=1
+# A prefill request whose decode never reaches it (the probe after the restart) ends in 20 s
+# instead of SGLang's default 300.
+export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=20
 export PYTHONPATH="$work/shim${PYTHONPATH:+:$PYTHONPATH}"
 common=(--model-path "$work/model" --device cpu --host 127.0.0.1 --attention-backend torch_native
     --disable-cuda-graph --max-total-tokens 4096 --mem-fraction-static 0.05 --random-seed 0
@@ -284,5 +293,18 @@ if grep -E 'transfer failed|handshake failed|bootstrap failed|KVTransferError' "
     echo "a kvferry room failed (above)" >&2
     status=1
 fi
+
+# ---- the prefill server is SIGKILLed and started again at the same addresses (its kvferry
+# listener gets a new port): decode must find it again through the bootstrap server. The
+# first request after the restart may fail (decode still had the old route); every request
+# after it must match the reference.
+kill -KILL -- "-${pgids[0]}"
+sleep 2
+launch prefill2 kvferry.sglang.launch_server "${common[@]}" "${pd[@]}" --port "$port_prefill" \
+    --nccl-port "$nccl_prefill" --disaggregation-mode prefill --disable-overlap-schedule
+wait_healthy prefill2 "$port_prefill"
+args=("http://127.0.0.1:$port_prefill" "http://127.0.0.1:$port_decode" "$port_bootstrap" "$work/reference.json")
+"$py" "$work/client.py" probe "${args[@]}" || status=1
+"$py" "$work/client.py" pd "${args[@]}" || status=1
 echo "sglang-pd-e2e: $([ "$status" = 0 ] && echo PASS || echo FAIL) in $((SECONDS - start)) s"
 exit "$status"

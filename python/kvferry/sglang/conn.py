@@ -390,12 +390,17 @@ class KvferryKVReceiver(CommonKVReceiver):
             ]
             self.kv_mgr.node.open_receiver(self.bootstrap_room, peers)
             self._opened = True
+        except kvferry.KvferryError as e:
+            if isinstance(e, kvferry.ConnectError):
+                self.kv_mgr.forget_prefill(self.bootstrap_addr)
+            _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e}")
+            return
+        try:
             # Until send_metadata, SGLang holds the room for KV capacity: a deadline that
             # expires meanwhile is decode_saturated on both sides, not a bare timeout.
             self.kv_mgr.node.set_queue_position(self.bootstrap_room, 1)
-        except kvferry.KvferryError as e:
-            _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e}")
-            return
+        except kvferry.InvalidArgument:
+            pass  # the room already ended (its prefill is unreachable): poll() reports why
         self.kv_mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
 
     def _register_kv_args(self) -> bool:
