@@ -336,3 +336,39 @@ def test_kvferry_knobs_reach_the_backend_and_a_bad_one_stops_the_rank_with_its_n
 
     with pytest.raises(kvferry.InvalidArgument, match="KVFERRY_TRANSFER_RETRIES"):
         decode(roles.free_port())
+
+
+@pytest.mark.parametrize("decode", [{"KVFERRY_UNREACHABLE_TIMEOUT_MS": "1000"}], indirect=True)
+def test_a_prefill_restarted_while_idle_is_found_again_after_one_room_fails_with_a_peer_reason(prefill, decode):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    proc, port, commands, results = prefill
+    rank = decode(port)
+    commands.put((701, [1], [1], 0, "send"))
+    receiver = bootstrap(rank, port, 701)
+    receiver.send_metadata(np.array([2], dtype=np.int32), 0)
+    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+    receiver.clear()
+    proc.kill()  # no room in flight: decode has nothing to notice it by
+    proc.join(timeout=DEADLINE_S)
+    restarted = _prefill({}, port)
+    _proc, _port, commands, results = next(restarted)
+    time.sleep(2)  # past the unreachable window: kvferry has given up on the old listener
+    # The first room still takes SGLang's cached route to the dead kvferry listener.
+    receiver = rank.receiver_class(rank.manager, f"127.0.0.1:{port}", 702)
+    receiver.init(0)
+    if poll_until(receiver, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput:
+        receiver.send_metadata(np.array([3], dtype=np.int32), 0)
+    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="connection_refused|peer_unreachable|connection_lost"):
+        receiver.failure_exception()
+    # The next one asks the bootstrap server again and reaches the new listener.
+    commands.put((703, [4, 5], [1, 1], 1, "send"))
+    receiver = bootstrap(rank, port, 703)
+    receiver.send_metadata(np.array([6, 7], dtype=np.int32), 1)
+    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+    assert np.array_equal(rank.kv[:, [6, 7], :], expected([4, 5]))
+    assert rank.aux_matches(1, 703)
+    assert results.get(timeout=DEADLINE_S)[:3] == (703, KVPoll.Success, None)
+    next(restarted, None)
