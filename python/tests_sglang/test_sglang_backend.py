@@ -254,6 +254,8 @@ def test_a_prefill_killed_mid_room_fails_the_decode_room_with_a_peer_reason_and_
     proc.join(timeout=DEADLINE_S)
     assert proc.exitcode == -signal.SIGKILL
     assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Failed
+    receiver.abort()  # SGLang aborts rooms that already failed: no exception reaches it
+    receiver.ensure_abort_notified(force_arm=True)
     with pytest.raises(KVTransferError) as failure:
         receiver.failure_exception()
     assert any(r in str(failure.value) for r in ("connection_lost", "peer_silent", "peer_unreachable", "peer_restarted")), str(failure.value)

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import numpy as np
 import numpy.typing as npt
@@ -110,6 +110,9 @@ class KvferryKVManager(CommonKVManager):
         self._aux_rows = np.zeros((max(slots, 1), max(row, 1)), dtype=np.uint8)
         self._peers: Dict[str, int] = {}
         self._peers_lock = threading.Lock()
+        # Rooms SGLang cleared while kvferry still quarantines their pages: followed until
+        # is_abort_release_safe sees them releasable.
+        self._held: Set[int] = set()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if self.attn_cp_size > 1 or self.pp_size > 1:
             raise UnsupportedLayout(
@@ -193,11 +196,30 @@ class KvferryKVManager(CommonKVManager):
                 f"aux slot {slot} is outside the {self._layout['slots']} aux slots"
             )
 
+    def abort_room(self, room: int) -> None:
+        """Aborts a room; one that already ended is left as it is (kvferry refuses to abort
+        a concluded room, and SGLang aborts failed rooms too)."""
+        try:
+            self.node.abort(room)
+        except kvferry.InvalidArgument:
+            pass
+
+    def release_or_hold(self, room: int) -> None:
+        """Stops following a room SGLang cleared, unless its pages are still quarantined."""
+        if self.is_abort_release_safe(room, 0):
+            _forget(self, room)
+        else:
+            self._held.add(room)
+
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         try:
-            return self.node.releasable(bootstrap_room)
+            safe = self.node.releasable(bootstrap_room)
         except kvferry.InvalidArgument:
-            return True  # kvferry no longer holds the room: nothing of it can land
+            return True  # never opened, or released and forgotten: nothing of it can land
+        if safe and bootstrap_room in self._held:
+            self._held.discard(bootstrap_room)
+            _forget(self, bootstrap_room)
+        return safe
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         pass
@@ -273,7 +295,7 @@ class KvferryKVSender(CommonKVSender):
 
     def _give_up(self, reason: str) -> None:
         if self._opened and self.conclude_state is None:
-            self.kv_mgr.node.abort(self.bootstrap_room)
+            self.kv_mgr.abort_room(self.bootstrap_room)
         _fail(self, reason)
 
     def send(
@@ -333,7 +355,7 @@ class KvferryKVSender(CommonKVSender):
 
     def abort(self):
         if self._opened and self.conclude_state is None:
-            self.kv_mgr.node.abort(self.bootstrap_room)
+            self.kv_mgr.abort_room(self.bootstrap_room)
         super().abort()
 
     def clear(self) -> None:
@@ -433,7 +455,7 @@ class KvferryKVReceiver(CommonKVReceiver):
                 self.bootstrap_room, np.asarray(kv_indices).tolist(), aux_slot=aux_index
             )
         except kvferry.KvferryError as e:
-            self.kv_mgr.node.abort(self.bootstrap_room)
+            self.kv_mgr.abort_room(self.bootstrap_room)
             _fail(self, f"kvferry: pages of room {self.bootstrap_room} refused: {e}")
             return
         self._aux_index = aux_index
@@ -467,7 +489,7 @@ class KvferryKVReceiver(CommonKVReceiver):
 
     def abort(self):
         if self._opened:
-            self.kv_mgr.node.abort(self.bootstrap_room)
+            self.kv_mgr.abort_room(self.bootstrap_room)
         if self.conclude_state != KVPoll.Failed:
             self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
             self.conclude_state = KVPoll.Failed
@@ -476,17 +498,16 @@ class KvferryKVReceiver(CommonKVReceiver):
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         # kvferry tells the prefill itself (its abort and fence); this only marks the room.
         if self._opened and not self.abort_notified:
-            self.kv_mgr.node.abort(self.bootstrap_room)
+            self.kv_mgr.abort_room(self.bootstrap_room)
         self.abort_notified = True
 
     def _clear(self) -> None:
         super()._clear()
         if self._opened:
-            # A room SGLang drops before kvferry concluded it is aborted, so no write of it
-            # can land after SGLang reuses the pages (kvferry quarantines them until then).
-            if self.kv_mgr.node.poll(self.bootstrap_room) not in (KVPoll.Success, KVPoll.Failed):
-                self.kv_mgr.node.abort(self.bootstrap_room)
-            _forget(self.kv_mgr, self.bootstrap_room)
+            # A room SGLang drops before kvferry concluded it is aborted, and it stays followed
+            # while kvferry quarantines its pages, so is_abort_release_safe can still say so.
+            self.kv_mgr.abort_room(self.bootstrap_room)
+            self.kv_mgr.release_or_hold(self.bootstrap_room)
             self._opened = False
 
 
