@@ -266,7 +266,17 @@ def _fail(obj, reason: str) -> None:
     obj.conclude_state = KVPoll.Failed
 
 
-class KvferryKVSender(CommonKVSender):
+class _KvferryRoom:
+    """What a kvferry room answers the same on both sides."""
+
+    def failure_exception(self):
+        self.conclude_state = KVPoll.Failed
+        reason = self.kv_mgr.failure_text(self.bootstrap_room)
+        self.clear()
+        raise KVTransferError(self.bootstrap_room, reason)
+
+
+class KvferryKVSender(_KvferryRoom, CommonKVSender):
     """A prefill room: kvferry's sender of ``bootstrap_room``, fed chunk by chunk."""
 
     def __init__(
@@ -347,12 +357,6 @@ class KvferryKVSender(CommonKVSender):
     def poll_pp_consensus(self) -> KVPoll:
         return self.poll()
 
-    def failure_exception(self):
-        self.conclude_state = KVPoll.Failed
-        reason = self.kv_mgr.failure_text(self.bootstrap_room)
-        self.clear()
-        raise KVTransferError(self.bootstrap_room, reason)
-
     def abort(self):
         if self._opened and self.conclude_state is None:
             self.kv_mgr.abort_room(self.bootstrap_room)
@@ -364,7 +368,7 @@ class KvferryKVSender(CommonKVSender):
             _forget(self.kv_mgr, self.bootstrap_room)
 
 
-class KvferryKVReceiver(CommonKVReceiver):
+class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
     """A decode room: kvferry's receiver of ``bootstrap_room`` from the mapped prefill rank."""
 
     def __init__(
@@ -480,12 +484,6 @@ class KvferryKVReceiver(CommonKVReceiver):
             # kvferry reached the prefill rank: SGLang may allocate and send pages.
             return KVPoll.WaitingForInput
         return status
-
-    def failure_exception(self):
-        self.conclude_state = KVPoll.Failed
-        reason = self.kv_mgr.failure_text(self.bootstrap_room)
-        self.clear()
-        raise KVTransferError(self.bootstrap_room, reason)
 
     def abort(self):
         if self._opened:
