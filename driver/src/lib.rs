@@ -280,39 +280,70 @@ pub struct Announcement {
 }
 
 /// Where a prefill's room announcements go: the one receiver the embedder holds (the latest
-/// [`Announcer::subscribe`] wins). Lossless, unlike an event broadcast. Cheap to clone; every
-/// shard of a node holds the same one.
+/// [`Announcer::subscribe`] wins). Lossless, unlike an event broadcast: an announcement that
+/// no receiver takes (none subscribed yet, or the last one was dropped) waits in a backlog
+/// that the next subscriber receives first, so a decode that asks for a room before the
+/// embedder subscribes is not left waiting for a sender that never opens. Cheap to clone;
+/// every shard of a node holds the same one.
 #[derive(Clone, Debug, Default)]
-pub struct Announcer(Arc<std::sync::Mutex<Option<mpsc::UnboundedSender<Announcement>>>>);
+pub struct Announcer(Arc<std::sync::Mutex<Announcements>>);
+
+/// The receiver's sender and the announcements no receiver took yet.
+#[derive(Debug, Default)]
+struct Announcements {
+    tx: Option<mpsc::UnboundedSender<Announcement>>,
+    backlog: std::collections::VecDeque<Announcement>,
+}
 
 impl Announcer {
-    /// A new receiver of every later announcement (replaces the previous one).
+    /// Announcements kept for a subscriber to come; beyond it the oldest are dropped (their
+    /// rooms fail `bootstrap_timeout` on both sides, as any room nobody opens).
+    pub const BACKLOG: usize = 65536;
+
+    /// A new receiver: first every announcement no receiver took, then every later one
+    /// (replaces the previous receiver).
     pub fn subscribe(&self) -> mpsc::UnboundedReceiver<Announcement> {
         let (tx, rx) = mpsc::unbounded_channel();
-        if let Ok(mut slot) = self.0.lock() {
-            *slot = Some(tx);
+        if let Ok(mut a) = self.0.lock() {
+            for announcement in std::mem::take(&mut a.backlog) {
+                let _ = tx.send(announcement);
+            }
+            a.tx = Some(tx);
         }
         rx
     }
 
-    /// Forwards a [`Event::RoomAnnounced`] to the receiver, if any; other events are ignored.
+    /// Forwards a [`Event::RoomAnnounced`] to the receiver, or keeps it for the next one;
+    /// other events are ignored.
     pub fn on_event(&self, event: &Event) {
-        if let Event::RoomAnnounced {
+        let Event::RoomAnnounced {
             room,
             generation,
             pages,
             ..
         } = *event
-        {
-            if let Ok(slot) = self.0.lock() {
-                if let Some(tx) = slot.as_ref() {
-                    let _ = tx.send(Announcement {
-                        room,
-                        generation,
-                        pages,
-                    });
-                }
+        else {
+            return;
+        };
+        let announcement = Announcement {
+            room,
+            generation,
+            pages,
+        };
+        let Ok(mut a) = self.0.lock() else {
+            return;
+        };
+        let unsent = match a.tx.as_ref() {
+            Some(tx) => tx.send(announcement).err().map(|e| e.0),
+            None => Some(announcement),
+        };
+        if let Some(announcement) = unsent {
+            a.tx = None;
+            if a.backlog.len() == Self::BACKLOG {
+                a.backlog.pop_front();
+                tracing::warn!(%room, "no receiver takes room announcements: dropped the oldest");
             }
+            a.backlog.push_back(announcement);
         }
     }
 }
@@ -423,7 +454,8 @@ pub trait KvNode: Clone + Send + Sync + 'static {
     /// The core's counters, summed over shards.
     fn counters(&self) -> impl Future<Output = Counters> + Send;
 
-    /// Prefill: every room a decode asked for, lossless (one receiver at a time).
+    /// Prefill: every room a decode asks for, lossless: those no receiver took yet (asked
+    /// for before this call) come first. One receiver at a time; this one replaces the last.
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement>;
 
     /// Waits until every address of a persistent peer ([`KvNode::connect_persistent`]) has
