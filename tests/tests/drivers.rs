@@ -472,6 +472,49 @@ async fn a_prefill_abort_reaches_decode_at_once(p: Runtime, d: Runtime) {
     h.releasable().await;
 }
 
+/// A decode asks for a room before the prefill's embedder subscribes to announcements (a
+/// persistent decode reconnecting to a prefill that just started listening): the room is
+/// announced once it subscribes, and succeeds, instead of waiting for a sender that never
+/// opens.
+async fn a_room_asked_for_before_the_prefill_subscribes_is_announced_when_it_does(
+    p: Runtime,
+    d: Runtime,
+) {
+    let shape = small_shape();
+    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 95);
+    let addrs = prefill.listen(any_port()).await.unwrap();
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 96);
+    let peer = decode.connect(addrs).await.expect("connect");
+    let grant = Grant {
+        pages: vec![1, 2],
+        aux_slot: None,
+        state_slot: None,
+        receivers: 1,
+    };
+    let mut h = decode
+        .open_receiver(RoomId(7), 0, vec![peer], Some(grant))
+        .await
+        .unwrap();
+    // The embedder is late: the request reaches prefill before anyone listens for it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut announced = prefill.room_announcements();
+    let a = tokio::time::timeout(Duration::from_secs(5), announced.recv())
+        .await
+        .expect("the early request is announced")
+        .unwrap();
+    assert_eq!((a.room, a.pages), (RoomId(7), 2));
+    prefill.open_sender(a.room, a.generation).await.unwrap();
+    let chunk = Chunk {
+        pages: vec![3, 4],
+        last: true,
+        aux_slot: None,
+        state_slot: None,
+        layerwise: false,
+    };
+    prefill.send_chunk(a.room, chunk).await.unwrap();
+    assert_eq!(h.terminal().await, KvPoll::Success);
+}
+
 /// A prefill restarted behind the same addresses (a new incarnation): the decode's persistent
 /// peer reconnects by itself and rooms keep flowing.
 async fn a_restarted_prefill_is_reconnected_and_used_again(p: Runtime, d: Runtime) {
@@ -687,6 +730,7 @@ on_every_driver!(
     a_failing_session_is_blacklisted_then_recovered_by_a_probe,
     a_saturated_decode_fails_rooms_with_decode_saturated_at_the_deadline,
     a_prefill_abort_reaches_decode_at_once,
+    a_room_asked_for_before_the_prefill_subscribes_is_announced_when_it_does,
     a_restarted_prefill_is_reconnected_and_used_again,
     a_stalled_decode_does_not_delay_rooms_toward_another_decode,
 );
