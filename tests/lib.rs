@@ -184,7 +184,9 @@ pub fn free_ports(n: u16) -> SocketAddr {
         seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
-        let base = 20_000 + (seed >> 33) as u16 % 30_000;
+        // Below Linux's ephemeral range (32768-60999): an outgoing connection cannot take
+        // the port between this check and the node's bind.
+        let base = 20_000 + (seed >> 33) as u16 % 12_000;
         let all_free = (0..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok());
         if all_free {
             return SocketAddr::from(([127, 0, 0, 1], base));

@@ -39,7 +39,17 @@ fn frames(mut bytes: &[u8]) -> Vec<Message> {
 /// A connector `c` and a listener `l` talking until neither has anything to say. Returns
 /// every byte the listener sent.
 fn handshake(c: &mut Endpoint, sc: SessionId, l: &mut Endpoint, sl: SessionId) -> Vec<u8> {
-    let now = Instant::now();
+    handshake_at(c, sc, l, sl, Instant::now())
+}
+
+/// [`handshake`] at a given instant (silence is counted from it).
+fn handshake_at(
+    c: &mut Endpoint,
+    sc: SessionId,
+    l: &mut Endpoint,
+    sl: SessionId,
+    now: Instant,
+) -> Vec<u8> {
     let mut from_listener = Vec::new();
     loop {
         let a = sent(c);
@@ -300,7 +310,9 @@ fn each_end_learns_the_others_heartbeats_and_both_use_the_longer_window() {
     let mut l = Endpoint::new(config, info, 2, Instant::now()).unwrap();
     let sc = c.open_session(Instant::now());
     let sl = l.accept_session(Instant::now());
-    handshake(&mut c, sc, &mut l, sl);
+    // Silence is counted from the handshake: the same instant as the checks below.
+    let start = Instant::now();
+    handshake_at(&mut c, sc, &mut l, sl, start);
     let peer = events(&mut c)
         .into_iter()
         .find_map(|e| match e {
@@ -312,7 +324,6 @@ fn each_end_learns_the_others_heartbeats_and_both_use_the_longer_window() {
     assert_eq!(peer.heartbeat_misses, 5);
     // The connector's own window is 250 ms × 3; the listener's 2 s is the one both use:
     // silent for 1.9 s, the session stands; at 2.1 s it is given up.
-    let start = Instant::now();
     for ms in (50..=1_900).step_by(50) {
         c.handle_timeout(start + Duration::from_millis(ms));
         let _ = sent(&mut c);

@@ -111,7 +111,9 @@ struct StopOnDrop(Arc<Shared>);
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
-        let _ = self.0.stopped.send(true);
+        // `send_replace`: `send` drops the value while no task holds a receiver (a driver
+        // mid-turn), and that driver would then never see the stop.
+        self.0.stopped.send_replace(true);
     }
 }
 
@@ -317,7 +319,7 @@ impl RuntimeNode for Node {
         let (tx, rx) = oneshot::channel();
         self.shared.lock().shutdown(tx);
         let _ = rx.await;
-        let _ = self.shared.stopped.send(true);
+        self.shared.stopped.send_replace(true);
         self.shared.wake.notify_one();
         // The listeners close before the shutdown returns: a node restarted at the same
         // address can bind it at once.

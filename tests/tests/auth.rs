@@ -222,8 +222,13 @@ async fn impatient_prefill(runtime: Runtime, seed: u64) -> (kvferry_tests::AnyNo
 }
 
 /// Reads until the peer closes; the time it took, or `None` if it was still open after `most`.
-async fn closed_within(s: &mut TcpStream, most: Duration) -> Option<Duration> {
-    let started = tokio::time::Instant::now();
+/// `started` is taken before the connect: the node's timer cannot start earlier, so a lower
+/// bound on the result holds however late this task runs.
+async fn closed_within(
+    s: &mut TcpStream,
+    started: tokio::time::Instant,
+    most: Duration,
+) -> Option<Duration> {
     let mut buf = [0u8; 256];
     loop {
         match tokio::time::timeout_at(started + most, s.read(&mut buf)).await {
@@ -238,8 +243,9 @@ async fn closed_within(s: &mut TcpStream, most: Duration) -> Option<Duration> {
 async fn a_connection_that_says_nothing_is_dropped_after_the_handshake_timeout() {
     for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
         let (_prefill, addr) = impatient_prefill(runtime, 62).await;
+        let started = tokio::time::Instant::now();
         let mut silent = TcpStream::connect(addr).await.unwrap();
-        let took = closed_within(&mut silent, Duration::from_secs(3)).await;
+        let took = closed_within(&mut silent, started, Duration::from_secs(3)).await;
         assert!(
             took.is_some_and(|t| t >= Duration::from_millis(250)),
             "{runtime:?}: a silent connection was held {took:?} (handshake timeout 300 ms)"
@@ -252,12 +258,13 @@ async fn a_data_connection_that_never_answers_its_challenge_is_dropped_after_the
 {
     for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
         let (_prefill, addr) = impatient_prefill(runtime, 63).await;
+        let started = tokio::time::Instant::now();
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(&kvferry_tcp::MAGIC).await.unwrap();
         s.write_all(&[kvferry_tcp::KIND_DATA]).await.unwrap();
         let mut challenge = [0u8; kvferry_tcp::DATA_CHALLENGE_LEN];
         s.read_exact(&mut challenge).await.unwrap();
-        let took = closed_within(&mut s, Duration::from_secs(3)).await;
+        let took = closed_within(&mut s, started, Duration::from_secs(3)).await;
         assert!(
             took.is_some_and(|t| t >= Duration::from_millis(250)),
             "{runtime:?}: an unanswered data challenge held the connection {took:?}"

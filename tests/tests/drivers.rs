@@ -385,18 +385,18 @@ async fn a_failing_session_is_blacklisted_then_recovered_by_a_probe(p: Runtime, 
         h.terminal().await,
         KvPoll::Failed(FailureReason::SessionBlacklisted)
     );
-    assert!(t0.elapsed() < Duration::from_millis(100));
-    // The link heals: a probe recovers the session.
+    // At once, not at the 2 s bootstrap deadline (the bound leaves room for a loaded machine).
+    assert!(t0.elapsed() < Duration::from_secs(1));
+    // The link heals: probes recover every blacklisted session (one per shard pair; each
+    // probes on its own timer).
     decode.set_faults(None).await;
     let until = Instant::now() + Duration::from_secs(5);
-    while prefill.counters().await.sessions_recovered == 0 && Instant::now() < until {
+    let recovered = |c: &kvferry_core::Counters| c.sessions_recovered >= c.sessions_blacklisted;
+    while !recovered(&prefill.counters().await) && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(
-        prefill.counters().await.sessions_recovered >= 1,
-        "a probe recovers the session"
-    );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = prefill.counters().await;
+    assert!(recovered(&c), "probes recover every session: {c:?}");
     let report = run_decode(&decode, peer, rooms(20, 100)).await;
     assert_all_clean(&report, 20);
 }
@@ -421,12 +421,13 @@ async fn a_saturated_decode_fails_rooms_with_decode_saturated_at_the_deadline(
             queued_rooms: 5,
         })
         .await;
+    // Before the open: prefill's deadline cannot start before decode's request.
+    let t0 = Instant::now();
     let mut h = decode
         .open_receiver(RoomId(1), 0, vec![peer], None)
         .await
         .unwrap();
     decode.set_queue_position(RoomId(1), 5).await.unwrap();
-    let t0 = Instant::now();
     let state = tokio::time::timeout(Duration::from_secs(6), h.terminal())
         .await
         .expect("no hang");
@@ -465,10 +466,8 @@ async fn a_prefill_abort_reaches_decode_at_once(p: Runtime, d: Runtime) {
         h.terminal().await,
         KvPoll::Failed(FailureReason::AbortedByPeer)
     );
-    assert!(
-        t0.elapsed() < Duration::from_millis(200),
-        "not at the deadline"
-    );
+    // Not at the 2 s waiting deadline (the bound leaves room for a loaded machine).
+    assert!(t0.elapsed() < Duration::from_secs(1), "not at the deadline");
     h.releasable().await;
 }
 
@@ -565,7 +564,8 @@ async fn a_stalled_decode_does_not_delay_rooms_toward_another_decode(p: Runtime,
     let report = run_decode(&fast, fast_peer, rooms(50, 1000)).await;
     assert_all_clean(&report, 50);
     assert!(
-        report.latency_ms.1 < 500.0,
+        // Blocked rooms would wait for the stalled ones' 2 s deadlines.
+        report.latency_ms.1 < 1000.0,
         "p99 {} ms: no head-of-line blocking",
         report.latency_ms.1
     );
@@ -580,10 +580,16 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
         pages_per_room: 64,
         ..small_shape()
     };
-    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 21);
+    // A fence timer far beyond the ack, so "released on the ack" cannot be confused with it
+    // however loaded the machine.
+    let core = Config {
+        abort_ack_timeout: Duration::from_secs(5),
+        ..fast_core()
+    };
+    let prefill = start_on(p, Role::Prefill, &shape, core.clone(), 21);
     let addrs = prefill.listen(any_port()).await.unwrap();
     let mut announced = prefill.room_announcements();
-    let decode = start_on(d, Role::Decode, &shape, fast_core(), 22);
+    let decode = start_on(d, Role::Decode, &shape, core, 22);
     let peer = decode.connect(addrs).await.unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
     let room = RoomId(7);
@@ -625,7 +631,7 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
     handle.releasable().await;
     assert_eq!(decode.counters().await.fences, 0, "released on the ack");
     assert!(
-        aborted_at.elapsed() < Duration::from_millis(500),
+        aborted_at.elapsed() < Duration::from_millis(2500),
         "released on the ack, not on the fence timer"
     );
     let until = Instant::now() + Duration::from_secs(2);

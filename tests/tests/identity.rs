@@ -216,7 +216,11 @@ async fn a_decode_stopped_mid_run_opens_no_more_rooms_and_reports_every_one() {
         let decode = decode.clone();
         async move { run_decode(&decode, peer, rooms(total, 1)).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Shut down mid-run, once rooms are flowing.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while decode.counters().await.rooms_succeeded == 0 && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // What SIGINT or SIGTERM does in `kvferry decode`.
     decode.shutdown().await;
     let report = tokio::time::timeout(Duration::from_secs(10), run)
