@@ -340,6 +340,50 @@ def test_kvferry_knobs_reach_the_backend_and_a_bad_one_stops_the_rank_with_its_n
         decode(roles.free_port())
 
 
+def test_a_prefill_restarted_at_a_fixed_listen_port_serves_the_very_next_room(decode):
+    """KVFERRY_LISTEN_PORT keeps a restarted prefill at the address decode knows: kvferry's
+    persistent session reconnects by itself, and no request fails after the restart."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    env = {"KVFERRY_LISTEN_PORT": str(roles.free_port())}
+    first = _prefill(env)
+    proc, port, commands, results = next(first)
+    rank = decode(port)
+    commands.put((801, [1], [1], 0, "send"))
+    receiver = bootstrap(rank, port, 801)
+    receiver.send_metadata(np.array([2], dtype=np.int32), 0)
+    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+    receiver.clear()
+    (kvferry_addr,) = rank.manager._peers  # the prefill rank's kvferry listener
+    assert kvferry_addr.endswith(f":{env['KVFERRY_LISTEN_PORT']}")
+    proc.kill()  # idle: decode notices only through its kvferry session
+    proc.join(timeout=DEADLINE_S)
+    restarted = _prefill(env, port)
+    _proc, _port, commands, results = next(restarted)
+    commands.put((802, [4, 5], [1, 1], 1, "send"))
+    receiver = bootstrap(rank, port, 802)
+    receiver.send_metadata(np.array([6, 7], dtype=np.int32), 1)
+    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+    assert np.array_equal(rank.kv[:, [6, 7], :], expected([4, 5]))
+    assert rank.aux_matches(1, 802)
+    assert results.get(timeout=DEADLINE_S)[:3] == (802, KVPoll.Success, None)
+    assert list(rank.manager._peers) == [kvferry_addr], "the same kvferry peer, reconnected"
+    next(restarted, None)
+
+
+def test_a_bad_listen_port_is_refused_naming_the_variable():
+    import kvferry
+    from kvferry.sglang.conn import listen_port
+
+    assert listen_port(None, 3) == 0
+    assert listen_port("", 3) == 0
+    assert listen_port("40000", 3) == 40003
+    with pytest.raises(kvferry.InvalidArgument, match="KVFERRY_LISTEN_PORT='forty'"):
+        listen_port("forty", 0)
+    with pytest.raises(kvferry.InvalidArgument, match="KVFERRY_LISTEN_PORT='65535'.*65536"):
+        listen_port("65535", 1)
+
+
 @pytest.mark.parametrize("decode", [{"KVFERRY_UNREACHABLE_TIMEOUT_MS": "1000"}], indirect=True)
 def test_a_prefill_restarted_while_idle_is_found_again_after_one_room_fails_with_a_peer_reason(prefill, decode):
     from sglang.srt.disaggregation.base.conn import KVPoll

@@ -4,9 +4,10 @@ Each class subclasses SGLang's ``Common*`` class and keeps what SGLang owns: the
 server and its ``/route`` registry, the TP/DP rank mapping (``try_ensure_parallel_info``,
 ``_setup_bootstrap_infos``), the sender's chunk bookkeeping (``_prepare_send_indices``) and
 ``KVTransferError``. What a room does is kvferry's: the prefill rank registers the address of
-its kvferry listener as its ``rank_port``, the decode rank keeps a persistent kvferry session
-to every prefill rank it pulls from, and rooms, grants, chunks, retries, blacklists, aborts,
-timeouts and the page quarantine all run in kvferry's core. SGLang's ZMQ status messages,
+its kvferry listener (a free port, or ``KVFERRY_LISTEN_PORT`` + engine rank) as its
+``rank_port``, the decode rank keeps a persistent kvferry session to every prefill rank it
+pulls from, and rooms, grants, chunks, retries, blacklists, aborts, timeouts and the page
+quarantine all run in kvferry's core. SGLang's ZMQ status messages,
 heartbeat thread and abort-ack bookkeeping are not used.
 
 Supported: MHA and MLA pools whose KV buffers share one page size, prefill and decode with
@@ -54,6 +55,30 @@ _TIMEOUTS = (
     ("bootstrap_timeout_ms", "KVFERRY_BOOTSTRAP_TIMEOUT_MS", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
     ("waiting_timeout_ms", "KVFERRY_WAITING_TIMEOUT_MS", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"),
 )
+
+
+def listen_port(base: Optional[str], engine_rank: int) -> int:
+    """The port of a prefill rank's kvferry listener: ``KVFERRY_LISTEN_PORT`` + engine rank,
+    or 0 (a free port, new at every start) when unset.
+
+    A fixed port keeps a restarted prefill at the address decode already knows: decode's
+    persistent kvferry sessions reconnect to it by themselves, and the first request after
+    the restart succeeds instead of failing on SGLang's cached route.
+    """
+    if base is None or base == "":
+        return 0
+    try:
+        port = int(base) + engine_rank
+    except ValueError:
+        raise kvferry.InvalidArgument(
+            f"invalid KVFERRY_LISTEN_PORT={base!r}: not a port number"
+        ) from None
+    if not 0 < port < 65536:
+        raise kvferry.InvalidArgument(
+            f"invalid KVFERRY_LISTEN_PORT={base!r}: engine rank {engine_rank} would listen on "
+            f"port {port}, outside 1..65535"
+        )
+    return port
 
 
 class UnsupportedLayout(ValueError):
@@ -163,7 +188,15 @@ class KvferryKVManager(CommonKVManager):
         # SGLang's registry exactly as it would reach another backend's rank port.
         if self.node is None:
             self.node = self._start_node("prefill")
-            bound = self.node.listen(f"{self.local_ip}:0")[0]
+            port = listen_port(os.environ.get("KVFERRY_LISTEN_PORT"), self.kv_args.engine_rank)
+            try:
+                bound = self.node.listen(f"{self.local_ip}:{port}")[0]
+            except kvferry.ConnectError as e:
+                raise kvferry.ConnectError(
+                    f"kvferry prefill engine rank {self.kv_args.engine_rank} cannot listen on "
+                    f"{self.local_ip}:{port} (KVFERRY_LISTEN_PORT + engine rank, or a free port "
+                    f"when unset): {e}"
+                ) from e
             self.server_socket.close(linger=0)
             self.rank_port = int(bound.rsplit(":", 1)[1])
         super().register_to_bootstrap()
@@ -231,7 +264,8 @@ class KvferryKVManager(CommonKVManager):
 
     def forget_prefill(self, bootstrap_addr: str) -> None:
         """Drops what SGLang cached about a prefill that went away, so the next room asks its
-        bootstrap server again (a restarted prefill listens on a new kvferry port)."""
+        bootstrap server again (a restarted prefill listens on a new kvferry port unless
+        ``KVFERRY_LISTEN_PORT`` fixes it)."""
         self.prefill_info_table.pop(bootstrap_addr, None)
         with self.connection_lock:
             for key in [k for k in self.connection_pool if k.startswith(f"{bootstrap_addr}_")]:
