@@ -5,7 +5,8 @@
 # decode server with --disaggregation-transfer-backend kvferry, routes the same greedy
 # requests to both the way SGLang's router does (same bootstrap_host/port/room to prefill
 # and decode, concurrently), and fails unless every decode output equals the reference and
-# both servers logged their kvferry node.
+# both servers logged their kvferry node, and that the decode's kvferry metrics (served at
+# KVFERRY_METRICS_ADDR) counted the rooms.
 #
 # Needs the venv of sglang-venv.sh (created if missing) plus a few runtime packages that
 # SGLang's server imports and that venv lacks (installed below, pinned).
@@ -218,10 +219,10 @@ print(f"{2 * len(PROMPTS) - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
 EOF
 
-read -r port_single port_prefill port_decode port_bootstrap nccl_single nccl_prefill nccl_decode < <(
+read -r port_single port_prefill port_decode port_bootstrap nccl_single nccl_prefill nccl_decode port_metrics < <(
     "$py" - <<'EOF'
 import socket
-socks = [socket.socket() for _ in range(7)]
+socks = [socket.socket() for _ in range(8)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*[s.getsockname()[1] for s in socks])
@@ -271,7 +272,8 @@ stop_servers
 pd=(--disaggregation-transfer-backend kvferry --disaggregation-bootstrap-port "$port_bootstrap")
 launch prefill kvferry.sglang.launch_server "${common[@]}" "${pd[@]}" --port "$port_prefill" \
     --nccl-port "$nccl_prefill" --disaggregation-mode prefill --disable-overlap-schedule
-launch decode sglang.launch_server "${common[@]}" "${pd[@]}" --port "$port_decode" \
+KVFERRY_METRICS_ADDR=127.0.0.1:$port_metrics \
+    launch decode sglang.launch_server "${common[@]}" "${pd[@]}" --port "$port_decode" \
     --nccl-port "$nccl_decode" --disaggregation-mode decode \
     --disaggregation-decode-retraction-backup cpu_tensor
 wait_healthy prefill "$port_prefill"
@@ -289,6 +291,16 @@ for side in prefill decode; do
         echo "$side: ${line#*] }"
     fi
 done
+# kvferry's metrics, served by the decode scheduler (engine rank 0: the port as given),
+# count every room the requests above moved.
+succeeded=$(curl -sf -m 5 "http://127.0.0.1:$port_metrics/metrics" |
+    awk '/^kvferry_rooms_succeeded_total\{.*role="decode"/ { print $2 }')
+if [ "${succeeded:-0}" -ge 10 ] 2>/dev/null; then
+    echo "decode metrics: kvferry_rooms_succeeded_total $succeeded"
+else
+    echo "decode metrics: kvferry_rooms_succeeded_total is '${succeeded}', want >= 10" >&2
+    status=1
+fi
 if grep -E 'transfer failed|handshake failed|bootstrap failed|KVTransferError' "$work/prefill.log" "$work/decode.log" >&2; then
     echo "a kvferry room failed (above)" >&2
     status=1

@@ -371,6 +371,17 @@ def test_a_prefill_restarted_at_a_fixed_listen_port_serves_the_very_next_room(de
     next(restarted, None)
 
 
+def test_a_bad_metrics_address_is_refused_naming_the_variable():
+    import kvferry
+    from kvferry.sglang.conn import metrics_addr
+
+    assert metrics_addr(None, 2) is None
+    assert metrics_addr("127.0.0.1:9400", 2) == "127.0.0.1:9402"
+    for bad in ("9400", "localhost", "host:port", ":9400", "host:65535"):
+        with pytest.raises(kvferry.InvalidArgument, match="KVFERRY_METRICS_ADDR"):
+            metrics_addr(bad, 1)
+
+
 def test_a_bad_listen_port_is_refused_naming_the_variable():
     import kvferry
     from kvferry.sglang.conn import listen_port

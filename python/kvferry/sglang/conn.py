@@ -81,6 +81,24 @@ def listen_port(base: Optional[str], engine_rank: int) -> int:
     return port
 
 
+def metrics_addr(value: Optional[str], engine_rank: int) -> Optional[str]:
+    """Where engine rank r serves its metrics: ``KVFERRY_METRICS_ADDR`` (``host:port``) with
+    port + r, one exporter per scheduler process; None when unset."""
+    if value is None or value == "":
+        return None
+    host, sep, port = value.rpartition(":")
+    try:
+        served = int(port) + engine_rank
+    except ValueError:
+        served = -1
+    if not sep or not host or not 0 < served < 65536:
+        raise kvferry.InvalidArgument(
+            f"invalid KVFERRY_METRICS_ADDR={value!r}: want host:port, with port + engine rank "
+            f"({engine_rank}) in 1..65535"
+        )
+    return f"{host}:{served}"
+
+
 class UnsupportedLayout(ValueError):
     """The model's KV pool or parallel layout is one the kvferry backend does not move."""
 
@@ -151,12 +169,10 @@ class KvferryKVManager(CommonKVManager):
             self.server_socket.close(linger=0)
 
     def _start_node(self, role: str) -> kvferry.Node:
-        metrics = os.environ.get("KVFERRY_METRICS_ADDR")
-        if metrics:
-            # One exporter per scheduler process: engine rank r serves on port + r.
-            host, port = metrics.rsplit(":", 1)
+        metrics = metrics_addr(os.environ.get("KVFERRY_METRICS_ADDR"), self.kv_args.engine_rank)
+        if metrics is not None:
             try:
-                kvferry.enable_metrics(f"{host}:{int(port) + self.kv_args.engine_rank}")
+                kvferry.enable_metrics(metrics)
             except kvferry.InvalidArgument:
                 pass  # already enabled in this process
         config = {}
