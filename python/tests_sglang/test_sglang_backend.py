@@ -152,6 +152,21 @@ def bootstrap(rank, port, room):
     return receiver
 
 
+def a_room_succeeds(rank, port, commands, results, room, src, chunks, dst, aux):
+    """One room from prefill pages ``src`` (sent in ``chunks``) into decode pages ``dst`` and
+    aux slot ``aux``: Success on both sides, every byte and the aux row checked."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    commands.put((room, src, chunks, aux, "send"))
+    receiver = bootstrap(rank, port, room)
+    receiver.send_metadata(np.array(dst, dtype=np.int32), aux)
+    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+    assert np.array_equal(rank.kv[:, dst, :], expected(src))
+    assert rank.aux_matches(aux, room)
+    assert results.get(timeout=DEADLINE_S)[:3] == (room, KVPoll.Success, None)
+    receiver.clear()
+
+
 def expected(src_pages):
     src = np.zeros((2 * roles.LAYERS, roles.PAGES, roles.PAGE_BYTES), dtype=np.uint8)
     roles.fill(src, 1)
@@ -343,30 +358,18 @@ def test_kvferry_knobs_reach_the_backend_and_a_bad_one_stops_the_rank_with_its_n
 def test_a_prefill_restarted_at_a_fixed_listen_port_serves_the_very_next_room(decode):
     """KVFERRY_LISTEN_PORT keeps a restarted prefill at the address decode knows: kvferry's
     persistent session reconnects by itself, and no request fails after the restart."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     env = {"KVFERRY_LISTEN_PORT": str(roles.free_port())}
     first = _prefill(env)
     proc, port, commands, results = next(first)
     rank = decode(port)
-    commands.put((801, [1], [1], 0, "send"))
-    receiver = bootstrap(rank, port, 801)
-    receiver.send_metadata(np.array([2], dtype=np.int32), 0)
-    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
-    receiver.clear()
+    a_room_succeeds(rank, port, commands, results, 801, [1], [1], [2], 0)
     (kvferry_addr,) = rank.manager._peers  # the prefill rank's kvferry listener
     assert kvferry_addr.endswith(f":{env['KVFERRY_LISTEN_PORT']}")
     proc.kill()  # idle: decode notices only through its kvferry session
     proc.join(timeout=DEADLINE_S)
     restarted = _prefill(env, port)
     _proc, _port, commands, results = next(restarted)
-    commands.put((802, [4, 5], [1, 1], 1, "send"))
-    receiver = bootstrap(rank, port, 802)
-    receiver.send_metadata(np.array([6, 7], dtype=np.int32), 1)
-    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
-    assert np.array_equal(rank.kv[:, [6, 7], :], expected([4, 5]))
-    assert rank.aux_matches(1, 802)
-    assert results.get(timeout=DEADLINE_S)[:3] == (802, KVPoll.Success, None)
+    a_room_succeeds(rank, port, commands, results, 802, [4, 5], [1, 1], [6, 7], 1)
     assert list(rank.manager._peers) == [kvferry_addr], "the same kvferry peer, reconnected"
     next(restarted, None)
 
@@ -421,11 +424,5 @@ def test_a_prefill_restarted_while_idle_is_found_again_after_one_room_fails_with
     with pytest.raises(KVTransferError, match="connection_refused|peer_unreachable|connection_lost"):
         receiver.failure_exception()
     # The next one asks the bootstrap server again and reaches the new listener.
-    commands.put((703, [4, 5], [1, 1], 1, "send"))
-    receiver = bootstrap(rank, port, 703)
-    receiver.send_metadata(np.array([6, 7], dtype=np.int32), 1)
-    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
-    assert np.array_equal(rank.kv[:, [6, 7], :], expected([4, 5]))
-    assert rank.aux_matches(1, 703)
-    assert results.get(timeout=DEADLINE_S)[:3] == (703, KVPoll.Success, None)
+    a_room_succeeds(rank, port, commands, results, 703, [4, 5], [1, 1], [6, 7], 1)
     next(restarted, None)

@@ -440,13 +440,22 @@ async fn a_saturated_decode_fails_rooms_with_decode_saturated_at_the_deadline(
     assert_eq!(c.failed(FailureReason::DecodeSaturated), 1, "{c:?}");
 }
 
-/// Prefill aborts a room: decode learns it at once, with the peer's reason.
-async fn a_prefill_abort_reaches_decode_at_once(p: Runtime, d: Runtime) {
+/// A prefill and a decode node (ids `ids`), connected, and decode's room `room` over pages 1
+/// and 2, opened; prefill's embedder has not subscribed to announcements yet.
+async fn a_room_asked_for(
+    p: Runtime,
+    d: Runtime,
+    ids: (u64, u64),
+    room: RoomId,
+) -> (
+    kvferry_tests::AnyNode,
+    kvferry_tests::AnyNode,
+    kvferry_tokio::RoomHandle,
+) {
     let shape = small_shape();
-    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 91);
+    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), ids.0);
     let addrs = prefill.listen(any_port()).await.unwrap();
-    let mut announced = prefill.room_announcements();
-    let decode = start_on(d, Role::Decode, &shape, fast_core(), 92);
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), ids.1);
     let peer = decode.connect(addrs).await.expect("connect");
     let grant = Grant {
         pages: vec![1, 2],
@@ -454,11 +463,17 @@ async fn a_prefill_abort_reaches_decode_at_once(p: Runtime, d: Runtime) {
         state_slot: None,
         receivers: 1,
     };
-    let mut h = decode
-        .open_receiver(RoomId(5), 0, vec![peer], Some(grant))
+    let h = decode
+        .open_receiver(room, 0, vec![peer], Some(grant))
         .await
         .unwrap();
-    let a = announced.recv().await.unwrap();
+    (prefill, decode, h)
+}
+
+/// Prefill aborts a room: decode learns it at once, with the peer's reason.
+async fn a_prefill_abort_reaches_decode_at_once(p: Runtime, d: Runtime) {
+    let (prefill, _decode, mut h) = a_room_asked_for(p, d, (91, 92), RoomId(5)).await;
+    let a = prefill.room_announcements().recv().await.unwrap();
     prefill.open_sender(a.room, a.generation).await.unwrap();
     let t0 = Instant::now();
     prefill.abort(RoomId(5)).await.unwrap();
@@ -479,21 +494,7 @@ async fn a_room_asked_for_before_the_prefill_subscribes_is_announced_when_it_doe
     p: Runtime,
     d: Runtime,
 ) {
-    let shape = small_shape();
-    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 95);
-    let addrs = prefill.listen(any_port()).await.unwrap();
-    let decode = start_on(d, Role::Decode, &shape, fast_core(), 96);
-    let peer = decode.connect(addrs).await.expect("connect");
-    let grant = Grant {
-        pages: vec![1, 2],
-        aux_slot: None,
-        state_slot: None,
-        receivers: 1,
-    };
-    let mut h = decode
-        .open_receiver(RoomId(7), 0, vec![peer], Some(grant))
-        .await
-        .unwrap();
+    let (prefill, _decode, mut h) = a_room_asked_for(p, d, (95, 96), RoomId(7)).await;
     // The embedder is late: the request reaches prefill before anyone listens for it.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut announced = prefill.room_announcements();
