@@ -194,6 +194,17 @@ pub fn free_ports(n: u16) -> SocketAddr {
     }
 }
 
+/// Sends the nodes' `tracing` events to the test's output when `KVFERRY_TEST_LOG` holds a
+/// filter (`KVFERRY_TEST_LOG=kvferry_core=debug cargo test ...`); does nothing otherwise.
+pub fn log_if_asked() {
+    if let Ok(filter) = std::env::var("KVFERRY_TEST_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 /// Runs one async scenario `fn(prefill_runtime, decode_runtime)` on every driver: tokio,
 /// glommio (2 shards), and a mixed pair (tokio prefill, glommio decode).
 #[macro_export]
@@ -203,16 +214,19 @@ macro_rules! on_every_driver {
             mod $name {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn tokio() {
+                    $crate::log_if_asked();
                     super::$name($crate::Runtime::Tokio, $crate::Runtime::Tokio).await;
                 }
 
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn glommio() {
+                    $crate::log_if_asked();
                     super::$name($crate::GLOMMIO, $crate::GLOMMIO).await;
                 }
 
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn tokio_prefill_glommio_decode() {
+                    $crate::log_if_asked();
                     super::$name($crate::Runtime::Tokio, $crate::GLOMMIO).await;
                 }
             }

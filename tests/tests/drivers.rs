@@ -539,6 +539,24 @@ async fn a_restarted_prefill_is_reconnected_and_used_again(p: Runtime, d: Runtim
     assert_all_clean(&run_decode(&decode, again, rooms(10, 200)).await, 10);
 }
 
+/// A decode that keeps a prefill connected and also connects to it explicitly has one
+/// session to it (the second connection takes the first over), and both of its handles to
+/// the peer keep serving rooms: the kept peer's target follows the take-over instead of
+/// dialing again and taking the explicit session over in turn, which left the explicit
+/// handle naming a session that no longer existed (`unknown_session`).
+async fn a_peer_connected_twice_serves_rooms_on_both_handles(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let (_prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 111, any_port()).await;
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 112);
+    let kept = decode.connect_persistent(addrs.clone()).await.unwrap();
+    assert_all_clean(&run_decode(&decode, kept, rooms(4, 1)).await, 4);
+    let explicit = decode.connect(addrs).await.unwrap();
+    // Several reconnect intervals (100 ms): a target left behind would have dialed again.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_all_clean(&run_decode(&decode, explicit, rooms(10, 100)).await, 10);
+    assert_all_clean(&run_decode(&decode, kept, rooms(10, 200)).await, 10);
+}
+
 /// One decode stops reading entirely; rooms toward another decode of the same prefill are
 /// not delayed (no head-of-line blocking).
 async fn a_stalled_decode_does_not_delay_rooms_toward_another_decode(p: Runtime, d: Runtime) {
@@ -739,6 +757,7 @@ on_every_driver!(
     a_prefill_abort_reaches_decode_at_once,
     a_room_asked_for_before_the_prefill_subscribes_is_announced_when_it_does,
     a_restarted_prefill_is_reconnected_and_used_again,
+    a_peer_connected_twice_serves_rooms_on_both_handles,
     a_stalled_decode_does_not_delay_rooms_toward_another_decode,
 );
 

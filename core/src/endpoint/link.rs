@@ -148,7 +148,7 @@ impl Endpoint {
     /// The session `link` stands for now, if it has an established one.
     pub fn link_session(&self, link: Link) -> Option<SessionId> {
         match link {
-            Link::Session(s) => Some(s),
+            Link::Session(s) => Some(self.heir(s)),
             Link::Target(t) => self.target_session(t),
         }
     }
@@ -222,7 +222,11 @@ impl Endpoint {
         self.fail_session_rooms(now, session, reason);
         self.settle_session_ops(now, session, false);
         self.fence_done(now, session);
-        self.superseded.remove(&session);
+        if self.superseded.remove(&session).is_none() {
+            // Ended for good: links to it (or to sessions it took over) now end with it.
+            self.heirs.retain(|_, heir| *heir != session);
+            self.remember_ended(session, reason);
+        }
         if let Some(mut s) = self.sessions.remove(&session) {
             if let Some(old) = s.resumes.take() {
                 // A fresh connection that ended unused: the session it was to take over goes on.
@@ -254,12 +258,13 @@ impl Endpoint {
                 t.check = None;
             }
         }
-        let target = self
+        let targets: Vec<TargetId> = self
             .targets
             .iter()
-            .find(|(_, t)| t.session == Some(session))
-            .map(|(id, _)| *id);
-        if let Some(target) = target {
+            .filter(|(_, t)| t.session == Some(session))
+            .map(|(id, _)| *id)
+            .collect();
+        for target in targets {
             self.schedule_reconnect(now, target, false);
         }
         if self.sessions.is_empty() {
@@ -348,13 +353,7 @@ impl Endpoint {
         let mut all = true;
         for link in links {
             match *link {
-                Link::Session(mut sid) => {
-                    // A session taken over lives on in the one that took it.
-                    while let Some(&to) = self.superseded.get(&sid) {
-                        sid = to;
-                    }
-                    sessions.push(sid);
-                }
+                Link::Session(sid) => sessions.push(self.heir(sid)),
                 Link::Target(t) => {
                     if !self.targets.contains_key(&t) {
                         return Err(ApiError::UnknownTarget(t));
@@ -551,6 +550,28 @@ impl Endpoint {
         }
     }
 
+    /// The live session that carries `session`'s work: itself, or the one that took it over.
+    pub(super) fn heir(&self, session: SessionId) -> SessionId {
+        self.heirs.get(&session).copied().unwrap_or(session)
+    }
+
+    /// Why `session` ended, if it ended for good recently.
+    pub(super) fn ended_reason(&self, session: SessionId) -> Option<FailureReason> {
+        self.ended.get(&session).copied()
+    }
+
+    /// Keeps why `session` ended, for rooms opened over it late (the last [`ENDED_KEPT`]).
+    fn remember_ended(&mut self, session: SessionId, reason: FailureReason) {
+        if self.ended.insert(session, reason).is_none() {
+            self.ended_order.push_back(session);
+        }
+        while self.ended_order.len() > ENDED_KEPT {
+            if let Some(old) = self.ended_order.pop_front() {
+                self.ended.remove(&old);
+            }
+        }
+    }
+
     /// A fresh connection of the same peer process takes over the work of `old`, whose link
     /// went silent: rooms, operations and failure count move to `new`, and nothing fails.
     /// Operations in flight on the old connection run again on the new one once their old
@@ -564,6 +585,7 @@ impl Endpoint {
         };
         let rooms = std::mem::take(&mut o.rooms);
         let queue = std::mem::take(&mut o.queue);
+        let old_target = o.target.take();
         let (failures, capacity, in_flight) = (o.failures, o.capacity, o.in_flight);
         o.in_flight = 0;
         for t in [
@@ -620,9 +642,20 @@ impl Endpoint {
         n.failures = failures;
         n.capacity = n.capacity.or(capacity);
         n.in_flight += in_flight;
+        n.target = n.target.or(old_target);
         let inbound = n.inbound;
         self.nodes.insert(node, new);
         self.superseded.insert(old, new);
+        // Whoever named the old session (an embedder's link, a target kept connected) now
+        // names the new one: a target that still pointed at the old session would see it
+        // close, dial again, and its fresh session would take this one over in turn.
+        for heir in self.heirs.values_mut().filter(|h| **h == old) {
+            *heir = new;
+        }
+        self.heirs.insert(old, new);
+        for t in self.targets.values_mut().filter(|t| t.session == Some(old)) {
+            t.session = Some(new);
+        }
         self.counters.sessions_resumed += 1;
         info!(%node, %old, %new, rooms = moved, "link back: a fresh connection took the silent session over");
         self.events

@@ -106,7 +106,17 @@ pub struct Endpoint {
     /// Sessions taken over by a fresh connection, with the session that carries on: their
     /// writes are refused and their late messages ignored until their connection is gone.
     superseded: Map<SessionId, SessionId>,
+    /// Every session taken over, with the live session that carries its work now: a link an
+    /// embedder holds to a taken-over session resolves to it. Kept while that heir lives.
+    heirs: Map<SessionId, SessionId>,
+    /// Sessions that ended for good, with their reason (the last [`ENDED_KEPT`]): a room
+    /// opened over one fails at once with that reason instead of being refused.
+    ended: Map<SessionId, FailureReason>,
+    ended_order: VecDeque<SessionId>,
 }
+
+/// How many ended sessions keep their reason for rooms opened over them late.
+const ENDED_KEPT: usize = 1024;
 
 /// What the connection attempts to a target found, since its session went silent or down:
 /// the evidence that names the reason of rooms failed for it.
@@ -688,6 +698,9 @@ impl Endpoint {
             next_target: 0,
             next_permit: 0,
             superseded: Map::with_hasher(hasher.clone()),
+            heirs: Map::with_hasher(hasher.clone()),
+            ended: Map::with_hasher(hasher.clone()),
+            ended_order: VecDeque::new(),
             hasher,
         })
     }

@@ -21,8 +21,15 @@ impl Endpoint {
         if sources.is_empty() {
             return Err(ApiError::NoSources);
         }
-        if let Some(missing) = sources.iter().find(|s| !self.sessions.contains_key(s)) {
-            return Err(ApiError::UnknownSession(*missing));
+        // A session taken over lives on in the one that took it.
+        let sources: Vec<SessionId> = sources.iter().map(|&s| self.heir(s)).collect();
+        let mut ended = None;
+        for &s in &sources {
+            if !self.sessions.contains_key(&s) {
+                // A session that ended is a peer lost, not a caller's mistake: the room fails
+                // with the reason the session ended for.
+                ended = Some(self.ended_reason(s).ok_or(ApiError::UnknownSession(s))?);
+            }
         }
         if let Some(g) = &grant {
             self.check_grant(g)?;
@@ -32,7 +39,12 @@ impl Endpoint {
             ..ReceiverRoom::default()
         };
         self.insert_bootstrapping(now, room, generation, Side::Receiver(rr));
-        self.attach_sources(now, room, sources);
+        if let Some(reason) = ended {
+            info!(%room, %reason, "room over a session that already ended");
+            self.conclude(now, room, KvPoll::Failed(reason));
+            return Ok(());
+        }
+        self.attach_sources(now, room, &sources);
         Ok(())
     }
 

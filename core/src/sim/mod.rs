@@ -23,7 +23,7 @@ use crate::api::{
 };
 use crate::config::Config;
 use crate::endpoint::Endpoint;
-use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TransferId};
+use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId};
 use crate::layout::{Layout, Region};
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
@@ -278,6 +278,11 @@ enum Pending {
         a: usize,
         b: usize,
     },
+    /// Node `node` carries out its core's [`Action::Connect`] for `target`.
+    Dial {
+        node: usize,
+        target: TargetId,
+    },
     Work(WorkItem),
 }
 
@@ -335,6 +340,8 @@ pub struct Sim {
     /// Releasable events seen on all nodes.
     pub releases: usize,
     links: Vec<Link>,
+    /// The peer node each node's targets ([`Sim::add_target`]) stand for.
+    targets: BTreeMap<(usize, TargetId), usize>,
     queue: BinaryHeap<Reverse<Queued>>,
     seq: u64,
     rng: Rng,
@@ -407,6 +414,7 @@ impl Sim {
             rng: Rng::new(seed ^ 0x5EED),
             inflight: BTreeMap::new(),
             orphans: BTreeMap::new(),
+            targets: BTreeMap::new(),
             next_orphan: 0,
             unlanded: HashMap::default(),
             landed_ops: HashMap::default(),
@@ -500,6 +508,8 @@ impl Sim {
         node.released.clear();
         node.concluded_at.clear();
         node.events.clear();
+        // The old process's targets went with it (a target toward `n` stays: it redials).
+        self.targets.retain(|k, _| k.0 != n);
         self.unlanded.retain(|k, _| k.0 != n);
         self.landed_ops.retain(|k, _| k.0 != n);
         self.inflight.retain(|_, f| f.src != n && f.dst != n);
@@ -532,16 +542,31 @@ impl Sim {
     pub fn connect(&mut self, a: usize, b: usize) -> (SessionId, SessionId) {
         let sa = self.nodes[a].endpoint.open_session(self.now);
         let sb = self.nodes[b].endpoint.accept_session(self.now);
+        self.add_link((a, sa), (b, sb));
+        (sa, sb)
+    }
+
+    /// A fresh control connection between two sessions just opened on either end.
+    pub(crate) fn add_link(&mut self, a: (usize, SessionId), b: (usize, SessionId)) {
         self.links.push(Link {
-            a: (a, sa),
-            b: (b, sb),
+            a,
+            b,
             up: true,
             last_delivery: [self.now; 2],
             blackhole_until: self.now,
         });
+        self.drain(a.0);
+        self.drain(b.0);
+    }
+
+    /// Makes node `a` keep a session to node `b` (a persistent peer): its core's connection
+    /// attempts reach `b` at once, and every session the core loses is dialed again on its
+    /// reconnect timer.
+    pub fn add_target(&mut self, a: usize, b: usize) -> TargetId {
+        let target = self.nodes[a].endpoint.add_target(self.now);
+        self.targets.insert((a, target), b);
         self.drain(a);
-        self.drain(b);
-        (sa, sb)
+        target
     }
 
     /// The current session of node `a` toward node `b`, if their link is up.
@@ -628,9 +653,12 @@ impl Sim {
                     Action::CloseSession(session) => {
                         self.push(self.now, Pending::Close { node: n, session })
                     }
-                    // The simulation manages its links itself (connect, reset_link), and its
-                    // data path has no connections to replace.
-                    Action::Connect { .. } | Action::OpenDataConnection(_) => {}
+                    Action::Connect { target, .. } => {
+                        self.push(self.now, Pending::Dial { node: n, target })
+                    }
+                    // Other links are made by the test (connect, reset_link), and the data path
+                    // has no connections to replace.
+                    Action::OpenDataConnection(_) => {}
                 }
             }
             while let Some(op) = self.nodes[n].endpoint.poll_transfer(self.now) {

@@ -249,6 +249,14 @@ impl Sim {
                     self.connect(a, b);
                 }
             }
+            Pending::Dial { node, target } => {
+                let Some(&peer) = self.targets.get(&(node, target)) else {
+                    return;
+                };
+                let sa = self.nodes[node].endpoint.open_session_for(self.now, target);
+                let sb = self.nodes[peer].endpoint.accept_session(self.now);
+                self.add_link((node, sa), (peer, sb));
+            }
             Pending::Work(w) => self.work(w),
         }
     }
