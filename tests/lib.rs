@@ -106,7 +106,10 @@ pub use kvferry_testkit::{AnyNode, Runtime};
 pub use kvferry_tokio::KvNode;
 
 /// The glommio configuration the generic suite runs: two shards (one per core here).
-pub const GLOMMIO: Runtime = Runtime::Glommio { shards: 2 };
+pub const GLOMMIO: Runtime = Runtime::Glommio {
+    shards: 2,
+    pin: false,
+};
 
 /// A node config of `role` (test token, `core`) whose data moves over RDMA on the host's first
 /// device, port 1.

@@ -264,6 +264,10 @@ struct CommonArgs {
     /// Shards (executors, one per core) for --runtime glommio.
     #[arg(long, default_value_t = 1)]
     shards: usize,
+    /// With --runtime glommio: pin each shard to a core of its own (only where the node owns
+    /// its cores; shards of a pinned node cannot move away from a busy core).
+    #[arg(long)]
+    pin: bool,
     /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature; tokio runtime).
     #[arg(long, default_value = "tcp")]
     backend: String,
@@ -275,7 +279,7 @@ struct CommonArgs {
 impl CommonArgs {
     fn runtime(&self) -> Result<Runtime, String> {
         let backend = kvferry_testkit::Backend::parse(&self.backend)?;
-        let runtime = Runtime::parse(&self.runtime, self.shards)?;
+        let runtime = Runtime::parse(&self.runtime, self.shards, self.pin)?;
         if backend == kvferry_testkit::Backend::Rdma && runtime != Runtime::Tokio {
             return Err("--backend rdma runs on the tokio driver: use --runtime tokio".to_owned());
         }

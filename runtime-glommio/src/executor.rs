@@ -1,7 +1,9 @@
-//! Starting a glommio node's executors: one thread per shard, pinned where the machine
-//! allows, each with the locked memory glommio needs.
+//! Starting a glommio node's executors: one thread per shard, each with the locked memory
+//! glommio needs, pinned to a core of its own only when asked and when this process has a
+//! free core for every shard.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use glommio::{ExecutorJoinHandle, LocalExecutorBuilder, Placement};
@@ -22,7 +24,10 @@ const IO_MEMORY: usize = 1 << 20;
 pub struct ShardConfig {
     /// Number of shards (executors); at least 1.
     pub shards: usize,
-    /// Pin shard `i` to CPU `i mod cpus` (falls back to unpinned where not allowed).
+    /// Pin each shard to a core of its own: a core this process may run on that no other
+    /// kvferry node of this process has pinned. When there are not that many free cores, no
+    /// shard is pinned (a warning says so). Off by default: a pinned shard cannot move away
+    /// from a core that busy neighbours share, so pin only where the node owns its cores.
     pub pin: bool,
     /// How long an executor keeps polling for work before it parks in the kernel.
     pub spin_before_park: Duration,
@@ -38,7 +43,7 @@ impl Default for ShardConfig {
     fn default() -> Self {
         ShardConfig {
             shards: 1,
-            pin: true,
+            pin: false,
             spin_before_park: DEFAULT_SPIN_BEFORE_PARK,
         }
     }
@@ -84,6 +89,50 @@ pub fn ensure_memlock(shards: usize) -> Result<(), NodeError> {
     }
 }
 
+/// The cores kvferry nodes of this process have pinned shards to.
+static PINNED: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
+
+/// Cores a node's shards are pinned to; they are free for another node once it drops.
+#[derive(Debug, Default)]
+pub(crate) struct CoreClaim(Vec<usize>);
+
+impl CoreClaim {
+    /// Claims `n` cores this process may run on and no other node has pinned; `None` (and
+    /// nothing claimed) if there are fewer.
+    fn take(n: usize) -> Option<CoreClaim> {
+        let allowed = rustix::process::sched_getaffinity(None).ok()?;
+        let mut pinned = PINNED.lock().unwrap_or_else(|p| p.into_inner());
+        let free: Vec<usize> = (0..rustix::process::CpuSet::MAX_CPU)
+            .filter(|&c| allowed.is_set(c) && !pinned.contains(&c))
+            .take(n)
+            .collect();
+        if free.len() < n {
+            return None;
+        }
+        pinned.extend(free.iter().copied());
+        Some(CoreClaim(free))
+    }
+
+    /// The claimed cores, shard `i`'s at index `i`.
+    pub(crate) fn cores(&self) -> &[usize] {
+        &self.0
+    }
+
+    /// The core of shard `i`, if the node pins its shards.
+    fn core(&self, i: usize) -> Option<usize> {
+        self.0.get(i).copied()
+    }
+}
+
+impl Drop for CoreClaim {
+    fn drop(&mut self) {
+        let mut pinned = PINNED.lock().unwrap_or_else(|p| p.into_inner());
+        for c in &self.0 {
+            pinned.remove(c);
+        }
+    }
+}
+
 /// What a shard's thread starts from.
 #[derive(Clone)]
 pub(crate) struct ShardSetup {
@@ -95,17 +144,33 @@ pub(crate) struct ShardSetup {
     pub(crate) rx: flume::Receiver<Cmd>,
 }
 
+/// The running shards of a node: their command channels, threads, and pinned cores.
+pub(crate) struct Started {
+    pub(crate) senders: Vec<flume::Sender<Cmd>>,
+    pub(crate) threads: Vec<ExecutorJoinHandle<()>>,
+    pub(crate) cores: CoreClaim,
+}
+
 /// Starts one executor per shard, each running [`shard_main`], and waits until each is up.
-#[allow(clippy::type_complexity)]
 pub(crate) fn spawn_shards(
     config: &NodeConfig,
     memory: &Arc<MemoryMap>,
     shards: ShardConfig,
     announcements: &Announcer,
-) -> Result<(Vec<flume::Sender<Cmd>>, Vec<ExecutorJoinHandle<()>>), NodeError> {
+) -> Result<Started, NodeError> {
     let n = shards.shards.max(1);
     ensure_memlock(n)?;
-    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let cores = if shards.pin {
+        CoreClaim::take(n).unwrap_or_else(|| {
+            warn!(
+                shards = n,
+                "fewer free cores than shards (cores this process may use that no other kvferry node pinned): no shard is pinned"
+            );
+            CoreClaim::default()
+        })
+    } else {
+        CoreClaim::default()
+    };
     let mut senders = Vec::with_capacity(n);
     let mut threads = Vec::with_capacity(n);
     for i in 0..n {
@@ -121,11 +186,7 @@ pub(crate) fn spawn_shards(
             rx,
         };
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
-        let placement = if shards.pin {
-            Placement::Fixed(i % cpus)
-        } else {
-            Placement::Unbound
-        };
+        let placement = cores.core(i).map_or(Placement::Unbound, Placement::Fixed);
         let spawn = |placement: Placement, setup: ShardSetup, ready: std::sync::mpsc::Sender<_>| {
             LocalExecutorBuilder::new(placement)
                 .name(&format!("kvferry-shard-{i}"))
@@ -135,7 +196,7 @@ pub(crate) fn spawn_shards(
         };
         let handle = match spawn(placement, setup.clone(), ready_tx.clone()) {
             Ok(h) => h,
-            Err(e) if shards.pin => {
+            Err(e) if cores.core(i).is_some() => {
                 warn!(shard = i, error = %e, "cannot pin the shard; running it unpinned");
                 spawn(Placement::Unbound, setup, ready_tx)
                     .map_err(|e| NodeError::Runtime(format!("shard {i}: {e}")))?
@@ -150,5 +211,9 @@ pub(crate) fn spawn_shards(
         senders.push(tx);
         threads.push(handle);
     }
-    Ok((senders, threads))
+    Ok(Started {
+        senders,
+        threads,
+        cores,
+    })
 }

@@ -1,5 +1,5 @@
 //! `kvferry-glommio`: the thread-per-core runtime of the driver loop. One glommio executor
-//! (io_uring) per shard, pinned where the machine allows; each shard owns its own
+//! (io_uring) per shard, pinned to a core of its own only when asked ([`ShardConfig::pin`]); each shard owns its own
 //! [`Driver`] (and so its own `kvferry-core` [`Endpoint`]), listener and sockets, and shares
 //! nothing with the others. It is the driver's [`Runtime`] and [`Host`] on glommio: it
 //! spawns, on the shard's thread, the tasks `kvferry_driver::runtime` writes once, and lends
@@ -75,6 +75,8 @@ struct NodeShared {
     memory: Arc<MemoryMap>,
     announcements: Announcer,
     threads: Mutex<Vec<glommio::ExecutorJoinHandle<()>>>,
+    /// The cores the shards are pinned to, given back when the node is gone.
+    cores: executor::CoreClaim,
 }
 
 struct StopOnDrop(Arc<NodeShared>);
@@ -107,18 +109,25 @@ impl GlommioNode {
             ));
         }
         let announcements = Announcer::default();
-        let (senders, threads) = executor::spawn_shards(&config, &memory, shards, &announcements)?;
+        let started = executor::spawn_shards(&config, &memory, shards, &announcements)?;
         let shared = Arc::new(NodeShared {
             role: config.info.role,
-            rooms: Embedder::new(Shards(senders)),
+            rooms: Embedder::new(Shards(started.senders)),
             memory,
             announcements,
-            threads: Mutex::new(threads),
+            threads: Mutex::new(started.threads),
+            cores: started.cores,
         });
         Ok(GlommioNode {
             _last: Arc::new(StopOnDrop(shared.clone())),
             shared,
         })
+    }
+
+    /// The core each shard is pinned to, in shard order; empty when no shard is pinned
+    /// ([`ShardConfig::pin`]).
+    pub fn pinned_cores(&self) -> &[usize] {
+        self.shared.cores.cores()
     }
 
     /// The core's counters of one shard.

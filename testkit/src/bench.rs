@@ -662,9 +662,10 @@ pub struct ScalePoint {
 /// 2, ... shards each up to `most` (default: the number of cores; small rooms: 2 layers x
 /// K/V x one 4 KiB page).
 ///
-/// A point with `k` shards runs on cores `0..k` only: shard `i` of both nodes is pinned to
-/// core `i`, and the embedder that opens, fills, verifies and releases the rooms runs on a
-/// tokio runtime of `k` threads confined to the same cores. Otherwise the one-shard point
+/// A point with `k` shards runs on cores `0..k` only: both nodes are started from a thread
+/// confined to those cores (their unpinned shards keep its affinity), and the embedder that
+/// opens, fills, verifies and releases the rooms runs on a tokio runtime of `k` threads
+/// confined to the same cores. Otherwise the one-shard point
 /// would get a second core for free (the embedder's), and the curve would say nothing about
 /// how the driver scales with cores.
 pub async fn scaling(
@@ -687,17 +688,22 @@ pub async fn scaling(
             layer_compute: Duration::ZERO,
             data_connections: 1,
         };
-        let runtime = Runtime::Glommio { shards };
+        let runtime = Runtime::Glommio { shards, pin: false };
         let core = kvferry_core::Config::default();
         let token = b"kvferry-bench";
-        let p = runtime.start_paired(
-            node_config(Role::Prefill, &shape, core.clone(), token, 1),
-            Arc::new(MemoryMap::allocate(shape.layout())),
-        )?;
-        let d = runtime.start_paired(
-            node_config(Role::Decode, &shape, core, token, 2),
-            Arc::new(MemoryMap::allocate(shape.layout())),
-        )?;
+        let nodes_shape = shape.clone();
+        let (p, d) = on_cores(shards, move || {
+            let shape = nodes_shape;
+            let p = runtime.start_paired(
+                node_config(Role::Prefill, &shape, core.clone(), token, 1),
+                Arc::new(MemoryMap::allocate(shape.layout())),
+            )?;
+            let d = runtime.start_paired(
+                node_config(Role::Decode, &shape, core, token, 2),
+                Arc::new(MemoryMap::allocate(shape.layout())),
+            )?;
+            Ok((p, d))
+        })?;
         let run = DecodeRun {
             rooms,
             shape: shape.clone(),
@@ -728,6 +734,25 @@ pub async fn scaling(
 }
 
 /// A tokio runtime of `cores` threads, every one of them confined to cores `0..cores`.
+/// Runs `start` on a thread confined to cores `0..cores`: threads it starts (a glommio node's
+/// unpinned shards) keep that affinity.
+fn on_cores<T: Send + 'static>(
+    cores: usize,
+    start: impl FnOnce() -> Result<T, kvferry_tokio::NodeError> + Send + 'static,
+) -> Result<T, kvferry_tokio::NodeError> {
+    let mut set = rustix::process::CpuSet::new();
+    for cpu in 0..cores {
+        set.set(cpu);
+    }
+    std::thread::spawn(move || {
+        // Unconfined is still a valid (if less telling) measurement: carry on.
+        let _ = rustix::process::sched_setaffinity(None, &set);
+        start()
+    })
+    .join()
+    .map_err(|_| kvferry_tokio::NodeError::Runtime("starting the nodes panicked".to_owned()))?
+}
+
 fn confined_runtime(cores: usize) -> Result<tokio::runtime::Runtime, kvferry_tokio::NodeError> {
     let mut set = rustix::process::CpuSet::new();
     for cpu in 0..cores {

@@ -1027,16 +1027,19 @@ pub enum Runtime {
     Glommio {
         /// Executors (one endpoint each).
         shards: usize,
+        /// Pin each shard to a core of its own ([`ShardConfig::pin`]).
+        pin: bool,
     },
 }
 
 impl Runtime {
-    /// Parses `tokio` or `glommio` (with `shards` for glommio).
-    pub fn parse(name: &str, shards: usize) -> Result<Runtime, String> {
+    /// Parses `tokio` or `glommio` (with `shards`, pinned or not, for glommio).
+    pub fn parse(name: &str, shards: usize, pin: bool) -> Result<Runtime, String> {
         match name {
             "tokio" => Ok(Runtime::Tokio),
             "glommio" => Ok(Runtime::Glommio {
                 shards: shards.max(1),
+                pin,
             }),
             other => Err(format!("unknown runtime {other:?} (tokio or glommio)")),
         }
@@ -1056,10 +1059,9 @@ impl Runtime {
     }
 
     /// Starts one node of a pair that shares this process (a demo or bench prefill and
-    /// decode of this runtime). Shard `i` of every node is pinned to core `i`, so two
-    /// executors share each core, and a shard spinning before it parks takes the core from
-    /// the one beside it: such shards park at once (the 2-core scaling sweep ran 3-37 % more
-    /// rooms/s so).
+    /// decode of this runtime). Both nodes' shards share the process's cores, so a shard
+    /// spinning before it parks takes a core from another node's shard: such shards park at
+    /// once (the 2-core scaling sweep ran 3-37 % more rooms/s so).
     pub fn start_paired(
         &self,
         cfg: NodeConfig,
@@ -1076,10 +1078,11 @@ impl Runtime {
     ) -> Result<AnyNode, NodeError> {
         Ok(match *self {
             Runtime::Tokio => AnyNode::Tokio(Node::start(cfg, memory)?),
-            Runtime::Glommio { shards } => {
+            Runtime::Glommio { shards, pin } => {
                 let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
                 let mut config = ShardConfig {
                     shards,
+                    pin,
                     ..ShardConfig::default()
                 };
                 if paired || shards > cores {

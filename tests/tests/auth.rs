@@ -54,7 +54,13 @@ async fn prefill(runtime: Runtime) -> (kvferry_tests::AnyNode, SocketAddr) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranger_reads_a_challenge_and_a_refusal_and_never_the_token() {
-    for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
+    for runtime in [
+        Runtime::Tokio,
+        Runtime::Glommio {
+            shards: 1,
+            pin: false,
+        },
+    ] {
         let (_prefill, addr) = prefill(runtime).await;
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(b"KVF1\x01").await.unwrap();
@@ -241,7 +247,13 @@ async fn closed_within(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_says_nothing_is_dropped_after_the_handshake_timeout() {
-    for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
+    for runtime in [
+        Runtime::Tokio,
+        Runtime::Glommio {
+            shards: 1,
+            pin: false,
+        },
+    ] {
         let (_prefill, addr) = impatient_prefill(runtime, 62).await;
         let started = tokio::time::Instant::now();
         let mut silent = TcpStream::connect(addr).await.unwrap();
@@ -256,7 +268,13 @@ async fn a_connection_that_says_nothing_is_dropped_after_the_handshake_timeout()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_connection_that_never_answers_its_challenge_is_dropped_after_the_handshake_timeout()
 {
-    for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
+    for runtime in [
+        Runtime::Tokio,
+        Runtime::Glommio {
+            shards: 1,
+            pin: false,
+        },
+    ] {
         let (_prefill, addr) = impatient_prefill(runtime, 63).await;
         let started = tokio::time::Instant::now();
         let mut s = TcpStream::connect(addr).await.unwrap();

@@ -766,8 +766,14 @@ on_every_driver!(
 /// three-shard glommio prefill, every room still meets its peer and every byte arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rooms_meet_their_peer_whatever_the_shard_counts() {
-    let three = Runtime::Glommio { shards: 3 };
-    let two = Runtime::Glommio { shards: 2 };
+    let three = Runtime::Glommio {
+        shards: 3,
+        pin: false,
+    };
+    let two = Runtime::Glommio {
+        shards: 2,
+        pin: false,
+    };
     for (p, d) in [(three, two), (two, three), (three, Runtime::Tokio)] {
         let report = pair(p, d, fast_core(), rooms(60, 1)).await;
         assert_all_clean(&report, 60);

@@ -247,7 +247,13 @@ async fn a_decode_stopped_mid_run_opens_no_more_rooms_and_reports_every_one() {
 /// shuts it down again when it ends. Both calls return, on both drivers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_shut_down_twice_returns_both_times() {
-    for runtime in [Runtime::Tokio, Runtime::Glommio { shards: 1 }] {
+    for runtime in [
+        Runtime::Tokio,
+        Runtime::Glommio {
+            shards: 1,
+            pin: false,
+        },
+    ] {
         let shape = rooms(1, 1).shape;
         let (prefill, addrs, _server) =
             prefill_on(runtime, &shape, core(), 51, "127.0.0.1:0".parse().unwrap()).await;

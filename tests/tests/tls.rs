@@ -92,9 +92,11 @@ async fn missing_tls_files_and_the_glommio_runtime_are_typed_errors() {
     assert!(err.to_string().contains("/nonexistent/node.pem"), "{err}");
     let mut cfg = node_config(Role::Decode, &shape, fast_core(), b"t", 78);
     cfg.tls = Some(testcert::throwaway(&dir("g"), "kvferry").unwrap());
-    let Err(err) =
-        (Runtime::Glommio { shards: 1 }).start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
-    else {
+    let Err(err) = (Runtime::Glommio {
+        shards: 1,
+        pin: false,
+    })
+    .start(cfg, Arc::new(MemoryMap::allocate(shape.layout()))) else {
         panic!("glommio started with TLS it cannot do")
     };
     assert!(err.to_string().contains("tokio"), "{err}");
