@@ -29,7 +29,8 @@ pub struct ShardConfig {
     /// shard is pinned (a warning says so). Off by default: a pinned shard cannot move away
     /// from a core that busy neighbours share, so pin only where the node owns its cores.
     pub pin: bool,
-    /// How long an executor keeps polling for work before it parks in the kernel.
+    /// How long an executor keeps polling for work before it parks in the kernel. Only a
+    /// pinned shard spins: glommio parks an unpinned executor at once.
     pub spin_before_park: Duration,
 }
 
