@@ -106,15 +106,31 @@ pub fn prepare_op(
     }
     let mut sources: Vec<(usize, usize)> = Vec::with_capacity(op.slices.len());
     for s in op.slices.iter() {
-        match memory.range(s.region, s.src_offset, s.len) {
+        match reachable(memory, s.region, s.src_offset, s.len) {
             Ok(p) => sources.push((p as usize, s.len as usize)),
             Err(e) => {
-                warn!(op = %op.id, error = %e, "source range not registered");
+                warn!(op = %op.id, error = %e, "source range cannot be read");
                 return (sources, true);
             }
         }
     }
     (sources, false)
+}
+
+/// A range's address if this process can move its bytes: host memory, or device memory the
+/// map reaches through a copy engine (the staged paths). Device memory without one is an
+/// error, so no CPU path ever dereferences a device address.
+fn reachable(
+    memory: &MemoryMap,
+    region: kvferry_core::Region,
+    offset: u64,
+    len: u64,
+) -> Result<*mut u8, kvferry_memory::AccessError> {
+    if memory.staging().is_some() {
+        Ok(memory.range(region, offset, len)?)
+    } else {
+        memory.host_range(region, offset, len)
+    }
 }
 
 /// Linux accepts at most this many iovecs per call.
@@ -223,8 +239,7 @@ where
     let targets: Option<Vec<(usize, usize)>> = slices
         .iter()
         .map(|s| {
-            memory
-                .range(s.region, s.dst_offset, s.len)
+            reachable(memory, s.region, s.dst_offset, s.len)
                 .ok()
                 .map(|p| (p as usize, s.len as usize))
         })

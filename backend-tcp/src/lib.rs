@@ -21,6 +21,7 @@ pub mod glommio;
 #[cfg(feature = "tokio")]
 mod io;
 pub mod send;
+mod staged;
 pub mod stream;
 #[cfg(feature = "tokio")]
 pub mod tls;
@@ -35,6 +36,7 @@ pub use io_common::{
     gather_iovecs, parse_preamble, prepare_op, scatter_iovecs, Limits, Preamble, ServeError,
     ServeStats, MAX_IOV, PREAMBLE_LEN,
 };
+pub use staged::DEPTH as STAGING_DEPTH;
 #[cfg(feature = "tokio")]
 pub use tls::{Conn, TlsError, TlsSetup};
 pub use tls_files::TlsFiles;

@@ -18,6 +18,7 @@ use tracing::{debug, warn};
 
 use crate::frame::{AckStatus, SLICE_DESC_LEN, WRITE_HEADER_LEN};
 use crate::io_common::{gather_iovecs, prepare_op};
+use crate::staged;
 use crate::stream::read_ack;
 
 /// Where a [`DataSender`] reports how each operation ended, exactly once per operation.
@@ -223,7 +224,14 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
                 }
                 Start::Write => {}
             }
-            if let Err(e) = self.write.write_gather(&header, &sources).await {
+            let written = match self.memory.staging() {
+                Some(staging) if staged::on_device(&self.memory, &op.slices) => {
+                    let pieces = staged::pieces(&self.memory, &op.slices, &sources);
+                    staged::write_staged(&mut self.write, &header, &pieces, staging).await
+                }
+                _ => self.write.write_gather(&header, &sources).await,
+            };
+            if let Err(e) = written {
                 debug!(error = %e, "data connection write failed");
                 break;
             }

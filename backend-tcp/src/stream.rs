@@ -18,6 +18,7 @@ use crate::frame::{
 use crate::io_common::{
     admit, parse_preamble, Admission, Limits, Preamble, ServeError, ServeStats, PREAMBLE_LEN,
 };
+use crate::staged;
 use kvferry_memory::{MemoryMap, WriteCheck};
 
 /// Slices at least this long move straight between the socket and registered memory; shorter
@@ -65,7 +66,13 @@ where
         let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
         let status = match admit(&check, memory, &h, &slices)? {
             Admission::Apply { landing, targets } => {
-                stream.read_into(&targets, &mut stage).await?;
+                match memory.staging() {
+                    Some(staging) if staged::on_device(memory, &slices) => {
+                        let pieces = staged::pieces(memory, &slices, &targets);
+                        staged::read_staged(stream, &pieces, staging).await?;
+                    }
+                    _ => stream.read_into(&targets, &mut stage).await?,
+                }
                 landing.applied();
                 stats.applied += 1;
                 stats.bytes += h.payload;

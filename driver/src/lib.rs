@@ -206,6 +206,39 @@ pub enum NodeError {
     Backend(String),
     /// TLS was asked for and could not be set up (a file, a key, the runtime).
     Tls(String),
+    /// A registered region is memory this node's data plane cannot reach (device memory
+    /// with no copy engine, or over a backend that cannot serve it yet).
+    UnreachableMemory {
+        /// The region.
+        region: kvferry_core::Region,
+        /// What memory it is.
+        kind: kvferry_memory::MemoryKind,
+        /// What would serve it.
+        fix: &'static str,
+    },
+}
+
+/// Refuses, before anything starts, memory the configured data plane cannot reach: a device
+/// region without a copy engine, or device memory over RDMA (not served yet). Never a
+/// crash, never a CPU read of a device address.
+pub fn check_memory(memory: &MemoryMap, backend: &DataBackend) -> Result<(), NodeError> {
+    if let Some((region, kind)) = memory.unreachable_region() {
+        return Err(NodeError::UnreachableMemory {
+            region,
+            kind,
+            fix: "register it with a copy engine (MemoryMap::with_staging; the CUDA engine of kvferry-gpu), or register host memory",
+        });
+    }
+    if !matches!(backend, DataBackend::Tcp) && memory.has_device_regions() {
+        if let Some((region, kind)) = memory.device_regions().next() {
+            return Err(NodeError::UnreachableMemory {
+                region,
+                kind,
+                fix: "the RDMA backend does not register device memory yet: use the tcp backend (staged through host buffers)",
+            });
+        }
+    }
+    Ok(())
 }
 
 impl std::fmt::Display for NodeError {
@@ -250,6 +283,12 @@ impl std::fmt::Display for NodeError {
             NodeError::Runtime(why) => write!(f, "the runtime could not start: {why}"),
             NodeError::Backend(why) => write!(f, "the data plane could not start: {why}"),
             NodeError::Tls(why) => write!(f, "TLS: {why}"),
+            NodeError::UnreachableMemory { region, kind, fix } => {
+                write!(
+                    f,
+                    "{region:?} is {kind}, which this node cannot reach: {fix}"
+                )
+            }
         }
     }
 }

@@ -1,12 +1,19 @@
 //! `kvferry-memory`: registered memory and the admission of writes into it.
 //!
-//! It owns the regions peers read from and write into ([`MemoryMap`], [`HostBuffer`]) and the
-//! question every data plane asks before it lands bytes there ([`WriteCheck`]). Every backend
+//! It owns the regions peers read from and write into ([`MemoryMap`], [`HostBuffer`]), what
+//! memory each is (host, or a GPU's: [`MemoryKind`]), how device memory is reached (a
+//! [`CopyEngine`] and its bounded pool of [`Staging`] buffers), and the question every data
+//! plane asks before it lands bytes there ([`WriteCheck`]). Every backend
 //! (TCP, RDMA, GPU) and every driver may depend on it; it depends on nothing but the core. It
 //! never moves bytes over a wire and never decides a room's fate.
 
 mod admission;
 mod region;
+mod staging;
 
 pub use admission::WriteCheck;
-pub use region::{HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
+pub use region::{AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
+pub use staging::{
+    CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, HostCopyEngine, InFlightCopies,
+    MemoryKind, Staging, StagingBuffer, StagingConfig,
+};

@@ -2,9 +2,12 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout as AllocLayout};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use kvferry_core::layout::SCRATCH_BYTES;
 use kvferry_core::{Layout, Region};
+
+use crate::staging::{CopyDirection, CopyError, CopyJob, InFlightCopies, MemoryKind, Staging};
 
 /// Alignment of [`HostBuffer`]s: a page, so DMA-capable paths can use them later.
 pub const PAGE_ALIGN: usize = 4096;
@@ -64,7 +67,7 @@ impl HostBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
-    fn raw(&self) -> *mut u8 {
+    pub(crate) fn raw(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 }
@@ -80,11 +83,71 @@ impl Drop for HostBuffer {
     }
 }
 
-/// One registered region: base pointer and length.
+/// One registered region: base pointer, length, and what memory it is.
 #[derive(Clone, Copy, Debug)]
 struct Extent {
     ptr: *mut u8,
     len: usize,
+    kind: MemoryKind,
+}
+
+/// One region an embedder registers: its base, its length and what memory it is.
+#[derive(Clone, Copy, Debug)]
+pub struct ExternalRegion {
+    /// First byte.
+    pub ptr: *mut u8,
+    /// Bytes.
+    pub len: usize,
+    /// Host memory, or a device's.
+    pub kind: MemoryKind,
+}
+
+impl ExternalRegion {
+    /// Host memory at `ptr`.
+    pub fn host(ptr: *mut u8, len: usize) -> Self {
+        ExternalRegion {
+            ptr,
+            len,
+            kind: MemoryKind::Host,
+        }
+    }
+}
+
+/// Why a registered range could not be read or written by this process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AccessError {
+    /// The range is not registered.
+    OutOfBounds(OutOfBounds),
+    /// The range is device memory and this map has no copy engine to reach it.
+    NoCopyEngine {
+        /// The region.
+        region: Region,
+        /// What memory it is.
+        kind: MemoryKind,
+    },
+    /// The copy engine failed.
+    Copy(CopyError),
+}
+
+impl std::fmt::Display for AccessError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AccessError::OutOfBounds(e) => e.fmt(f),
+            AccessError::NoCopyEngine { region, kind } => write!(
+                f,
+                "{region:?} is {kind}, and no copy engine was registered to reach it"
+            ),
+            AccessError::Copy(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for AccessError {}
+
+impl From<OutOfBounds> for AccessError {
+    fn from(e: OutOfBounds) -> Self {
+        AccessError::OutOfBounds(e)
+    }
 }
 
 /// Where every region of a layout lives in this process.
@@ -100,6 +163,7 @@ pub struct MemoryMap {
     aux: Option<Extent>,
     state: Option<Extent>,
     scratch: Extent,
+    staging: Option<Arc<Staging>>,
     _owned: Vec<HostBuffer>,
 }
 
@@ -144,12 +208,17 @@ impl MemoryMap {
             kv.push(Extent {
                 ptr: b.raw(),
                 len: b.len(),
+                kind: MemoryKind::Host,
             });
             owned.push(b);
         }
         let mut extent = |len: usize| {
             let b = HostBuffer::new(len.max(1));
-            let e = Extent { ptr: b.raw(), len };
+            let e = Extent {
+                ptr: b.raw(),
+                len,
+                kind: MemoryKind::Host,
+            };
             owned.push(b);
             e
         };
@@ -164,8 +233,74 @@ impl MemoryMap {
             aux,
             state,
             scratch,
+            staging: None,
             _owned: owned,
         }
+    }
+
+    /// Like [`MemoryMap::allocate`], with the KV regions standing for memory of CUDA device
+    /// `device` (they live on the host): the staged paths run over it through a
+    /// [`crate::HostCopyEngine`] on machines without a GPU.
+    pub fn allocate_as_device(layout: Layout, device: u32) -> Self {
+        let mut map = MemoryMap::allocate(layout);
+        for e in map.kv.iter_mut() {
+            e.kind = MemoryKind::Cuda { device };
+        }
+        map
+    }
+
+    /// Reaches this map's device regions through `staging` (its engine and buffer pool).
+    pub fn with_staging(mut self, staging: Arc<Staging>) -> Self {
+        self.staging = Some(staging);
+        self
+    }
+
+    /// The copy engine and staging pool device regions are reached through, if any.
+    pub fn staging(&self) -> Option<&Arc<Staging>> {
+        self.staging.as_ref()
+    }
+
+    /// What memory `region` is (`None`: not registered).
+    pub fn kind(&self, region: Region) -> Option<MemoryKind> {
+        self.extent(region).map(|e| e.kind)
+    }
+
+    /// Whether any region is device memory.
+    pub fn has_device_regions(&self) -> bool {
+        self.regions().any(|(_, e)| e.kind != MemoryKind::Host)
+    }
+
+    /// The first device region this map cannot reach (no copy engine), if any: a node over
+    /// such memory must refuse to start, naming it.
+    pub fn unreachable_region(&self) -> Option<(Region, MemoryKind)> {
+        if self.staging.is_some() {
+            return None;
+        }
+        self.device_regions().next()
+    }
+
+    /// Every device region and what memory it is.
+    pub fn device_regions(&self) -> impl Iterator<Item = (Region, MemoryKind)> + '_ {
+        self.regions()
+            .filter(|(_, e)| e.kind != MemoryKind::Host)
+            .map(|(r, e)| (r, e.kind))
+    }
+
+    fn regions(&self) -> impl Iterator<Item = (Region, Extent)> + '_ {
+        let planes = self.layout.planes.max(1);
+        let kv = self.kv.iter().enumerate().map(move |(i, e)| {
+            let region = Region::Kv {
+                layer: (i / usize::from(planes)) as u16,
+                plane: (i % usize::from(planes)) as u8,
+            };
+            (region, *e)
+        });
+        let others = [
+            self.aux.map(|e| (Region::Aux, e)),
+            self.state.map(|e| (Region::State, e)),
+            Some((Region::Scratch, self.scratch)),
+        ];
+        kv.chain(others.into_iter().flatten())
     }
 
     /// Registers memory the embedder owns (GPU-mapped host memory, a KV pool, ...).
@@ -184,6 +319,31 @@ impl MemoryMap {
         aux: Option<(*mut u8, usize)>,
         state: Option<(*mut u8, usize)>,
     ) -> Result<Self, OutOfBounds> {
+        let kv: Vec<ExternalRegion> = kv
+            .iter()
+            .map(|&(p, l)| ExternalRegion::host(p, l))
+            .collect();
+        let aux = aux.map(|(p, l)| ExternalRegion::host(p, l));
+        let state = state.map(|(p, l)| ExternalRegion::host(p, l));
+        // SAFETY: the caller's contract, unchanged.
+        unsafe { MemoryMap::register_regions(layout, &kv, aux, state) }
+    }
+
+    /// Registers memory the embedder owns, each region host or device memory (a GPU's KV
+    /// pool). Device regions are never read or written by the CPU: the data plane reaches
+    /// them through the copy engine given with [`MemoryMap::with_staging`], and a node over
+    /// device memory it cannot reach refuses to start ([`MemoryMap::unreachable_region`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`MemoryMap::register_external`]; a device region's pointer must be a device
+    /// address of its device valid for its length.
+    pub unsafe fn register_regions(
+        layout: Layout,
+        kv: &[ExternalRegion],
+        aux: Option<ExternalRegion>,
+        state: Option<ExternalRegion>,
+    ) -> Result<Self, OutOfBounds> {
         let kv_len = layout.pages as usize * layout.page_bytes as usize;
         let bad = |region| OutOfBounds {
             region,
@@ -194,21 +354,26 @@ impl MemoryMap {
             return Err(bad(Region::Kv { layer: 0, plane: 0 }));
         }
         let mut extents = Vec::with_capacity(kv.len());
-        for (i, &(ptr, len)) in kv.iter().enumerate() {
-            if ptr.is_null() || len < kv_len {
+        for (i, r) in kv.iter().enumerate() {
+            if r.ptr.is_null() || r.len < kv_len {
                 let planes = u32::from(layout.planes);
                 return Err(bad(Region::Kv {
                     layer: (i as u32 / planes) as u16,
                     plane: (i as u32 % planes) as u8,
                 }));
             }
-            extents.push(Extent { ptr, len: kv_len });
+            extents.push(Extent {
+                ptr: r.ptr,
+                len: kv_len,
+                kind: r.kind,
+            });
         }
-        let check = |want: u64, given: Option<(*mut u8, usize)>, region| match (want, given) {
+        let check = |want: u64, given: Option<ExternalRegion>, region| match (want, given) {
             (0, _) => Ok(None),
-            (w, Some((ptr, len))) if !ptr.is_null() && len as u64 >= w => Ok(Some(Extent {
-                ptr,
+            (w, Some(r)) if !r.ptr.is_null() && r.len as u64 >= w => Ok(Some(Extent {
+                ptr: r.ptr,
                 len: w as usize,
+                kind: r.kind,
             })),
             (w, _) => Err(OutOfBounds {
                 region,
@@ -230,6 +395,7 @@ impl MemoryMap {
         let scratch = Extent {
             ptr: scratch_buf.raw(),
             len: SCRATCH_BYTES as usize,
+            kind: MemoryKind::Host,
         };
         Ok(MemoryMap {
             layout,
@@ -237,6 +403,7 @@ impl MemoryMap {
             aux,
             state,
             scratch,
+            staging: None,
             _owned: vec![scratch_buf],
         })
     }
@@ -259,7 +426,23 @@ impl MemoryMap {
         }
     }
 
-    /// Base pointer of `len` bytes at `offset` in `region`, bounds-checked.
+    /// Base pointer of `len` bytes at `offset` in `region`, bounds-checked, if the CPU may
+    /// touch them: an error for device memory, which only a copy engine reaches.
+    pub fn host_range(
+        &self,
+        region: Region,
+        offset: u64,
+        len: u64,
+    ) -> Result<*mut u8, AccessError> {
+        let ptr = self.range(region, offset, len)?;
+        match self.kind(region) {
+            Some(MemoryKind::Host) | None => Ok(ptr),
+            Some(kind) => Err(AccessError::NoCopyEngine { region, kind }),
+        }
+    }
+
+    /// Base pointer of `len` bytes at `offset` in `region`, bounds-checked, whatever memory it
+    /// is (a device address for device regions: never dereference it on the CPU).
     pub fn range(&self, region: Region, offset: u64, len: u64) -> Result<*mut u8, OutOfBounds> {
         let oob = OutOfBounds {
             region,
@@ -275,20 +458,97 @@ impl MemoryMap {
         Ok(unsafe { e.ptr.add(offset as usize) })
     }
 
-    /// Reads a registered range (tests, verification). The caller must own the pages per the
-    /// core (room concluded on decode, or not yet sent on prefill).
-    pub fn read(&self, region: Region, offset: u64, out: &mut [u8]) -> Result<(), OutOfBounds> {
+    /// Reads a registered range (tests, verification); device memory through the copy
+    /// engine, waiting on this thread. The caller must own the pages per the core (room
+    /// concluded on decode, or not yet sent on prefill).
+    pub fn read(&self, region: Region, offset: u64, out: &mut [u8]) -> Result<(), AccessError> {
         let ptr = self.range(region, offset, out.len() as u64)?;
-        // SAFETY: range() checked the bounds; the page-ownership contract excludes writers.
-        unsafe { std::ptr::copy_nonoverlapping(ptr, out.as_mut_ptr(), out.len()) };
-        Ok(())
+        match self.kind(region) {
+            Some(MemoryKind::Cuda { device }) => self.staged_blocking(
+                region,
+                device,
+                CopyDirection::DeviceToHost,
+                ptr as usize,
+                out,
+            ),
+            _ => {
+                // SAFETY: range() checked the bounds; host memory; the page-ownership
+                // contract excludes writers.
+                unsafe { std::ptr::copy_nonoverlapping(ptr, out.as_mut_ptr(), out.len()) };
+                Ok(())
+            }
+        }
     }
 
-    /// Writes a registered range (filling source pages, free patterns). Same contract as `read`.
-    pub fn write(&self, region: Region, offset: u64, data: &[u8]) -> Result<(), OutOfBounds> {
+    /// Writes a registered range (filling source pages, free patterns); device memory
+    /// through the copy engine. Same contract as `read`.
+    pub fn write(&self, region: Region, offset: u64, data: &[u8]) -> Result<(), AccessError> {
         let ptr = self.range(region, offset, data.len() as u64)?;
-        // SAFETY: range() checked the bounds; the page-ownership contract excludes other users.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr, data.len()) };
+        match self.kind(region) {
+            Some(MemoryKind::Cuda { device }) => {
+                let mut data = data.to_vec();
+                self.staged_blocking(
+                    region,
+                    device,
+                    CopyDirection::HostToDevice,
+                    ptr as usize,
+                    &mut data,
+                )
+            }
+            _ => {
+                // SAFETY: range() checked the bounds; host memory; the page-ownership
+                // contract excludes other users.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr, data.len()) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies between device address `device_addr` and `host` through a buffer of its own
+    /// (never the data plane's pool: a thread waiting here must not wait for buffers that
+    /// tasks of its own runtime hold), waiting on this thread.
+    fn staged_blocking(
+        &self,
+        region: Region,
+        device: u32,
+        direction: CopyDirection,
+        device_addr: usize,
+        host: &mut [u8],
+    ) -> Result<(), AccessError> {
+        let Some(staging) = &self.staging else {
+            return Err(AccessError::NoCopyEngine {
+                region,
+                kind: MemoryKind::Cuda { device },
+            });
+        };
+        let mut buf = HostBuffer::new(host.len().min(staging.config().buffer_bytes));
+        let addr = buf.raw() as usize;
+        let mut done = 0;
+        while done < host.len() {
+            let n = buf.len().min(host.len() - done);
+            if direction == CopyDirection::HostToDevice {
+                buf.as_mut_slice()[..n].copy_from_slice(&host[done..done + n]);
+            }
+            let job = match direction {
+                CopyDirection::DeviceToHost => CopyJob {
+                    dst: addr,
+                    src: device_addr + done,
+                    len: n,
+                },
+                CopyDirection::HostToDevice => CopyJob {
+                    dst: device_addr + done,
+                    src: addr,
+                    len: n,
+                },
+            };
+            let mut copies = InFlightCopies::default();
+            copies.start(staging, device, direction, vec![job]);
+            copies.wait_blocking().map_err(AccessError::Copy)?;
+            if direction == CopyDirection::DeviceToHost {
+                host[done..done + n].copy_from_slice(&buf.as_slice()[..n]);
+            }
+            done += n;
+        }
         Ok(())
     }
 }

@@ -108,6 +108,7 @@ impl GlommioNode {
                     .to_owned(),
             ));
         }
+        kvferry_driver::check_memory(&memory, &config.backend)?;
         let announcements = Announcer::default();
         let started = executor::spawn_shards(&config, &memory, shards, &announcements)?;
         let shared = Arc::new(NodeShared {

@@ -140,6 +140,7 @@ impl Node {
     /// Starts a node over `memory` (which must be registered for `config.info.layout`).
     /// Must be called inside a tokio runtime.
     pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
+        kvferry_driver::check_memory(&memory, &config.backend)?;
         let now = Instant::now();
         let endpoint = Endpoint::new(config.core.clone(), config.info.clone(), config.seed, now)
             .map_err(|e| {

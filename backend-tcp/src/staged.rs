@@ -1,0 +1,229 @@
+//! Operations whose pages are device memory, over TCP: staged through host buffers.
+//!
+//! Prefill copies the operation's payload, one staging buffer at a time, from device memory
+//! into buffers of the node's pool, and writes buffer k to the socket while the engine still
+//! fills buffer k+1. Decode reads each buffer's worth of payload from the socket and copies
+//! it to the device while it reads the next; it acknowledges only after every copy landed,
+//! so an acknowledged byte is in device memory. The wire is the same as for host memory: a
+//! host decode can receive from a device prefill and the other way round.
+//!
+//! Copies in flight are waited for before their buffers go back to the pool and before a
+//! write's permit is handed back, even when the task is cancelled mid-copy (a fence): no
+//! engine ever writes into a buffer someone else uses or into pages the core released.
+
+use std::collections::VecDeque;
+use std::io;
+
+use kvferry_core::Slice;
+use kvferry_memory::{
+    CopyDirection, CopyJob, InFlightCopies, MemoryKind, MemoryMap, Staging, StagingBuffer,
+};
+
+use crate::send::GatherWrite;
+
+/// Buffers one connection keeps in flight: one on the wire (or being read), the next being
+/// copied.
+pub const DEPTH: usize = 2;
+
+/// One contiguous range of an operation, where it lives.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Piece {
+    addr: usize,
+    len: usize,
+    kind: MemoryKind,
+}
+
+/// The ranges of `slices` (addresses from registered memory) with their memory kinds.
+pub(crate) fn pieces(memory: &MemoryMap, slices: &[Slice], addrs: &[(usize, usize)]) -> Vec<Piece> {
+    slices
+        .iter()
+        .zip(addrs)
+        .map(|(s, &(addr, len))| Piece {
+            addr,
+            len,
+            kind: memory.kind(s.region).unwrap_or(MemoryKind::Host),
+        })
+        .collect()
+}
+
+/// Whether any of `slices` is device memory (the operation is staged).
+pub(crate) fn on_device(memory: &MemoryMap, slices: &[Slice]) -> bool {
+    slices
+        .iter()
+        .any(|s| !matches!(memory.kind(s.region), Some(MemoryKind::Host) | None))
+}
+
+/// The copies that move payload bytes `lo..hi` between `pieces` and `buffer` (whose byte 0
+/// is payload byte `lo`): device pieces become engine jobs per device, host pieces are
+/// copied here with the CPU.
+fn plan(
+    pieces: &[Piece],
+    lo: usize,
+    hi: usize,
+    buffer: &mut StagingBuffer,
+    direction: CopyDirection,
+) -> Vec<(u32, Vec<CopyJob>)> {
+    let mut jobs: Vec<(u32, Vec<CopyJob>)> = Vec::new();
+    let base = buffer.addr();
+    let mut at = 0usize;
+    for p in pieces {
+        let (start, end) = (at, at + p.len);
+        at = end;
+        let (a, b) = (start.max(lo), end.min(hi));
+        if a >= b {
+            continue;
+        }
+        let mem = p.addr + (a - start);
+        let staged = base + (a - lo);
+        let len = b - a;
+        match p.kind {
+            MemoryKind::Cuda { device } => {
+                let job = match direction {
+                    CopyDirection::DeviceToHost => CopyJob {
+                        dst: staged,
+                        src: mem,
+                        len,
+                    },
+                    CopyDirection::HostToDevice => CopyJob {
+                        dst: mem,
+                        src: staged,
+                        len,
+                    },
+                };
+                match jobs.iter_mut().find(|(d, _)| *d == device) {
+                    Some((_, list)) => list.push(job),
+                    None => jobs.push((device, vec![job])),
+                }
+            }
+            MemoryKind::Host => {
+                let range = a - lo..b - lo;
+                // SAFETY: `mem..mem+len` lies inside one registered host range resolved by
+                // MemoryMap::range for this operation, whose pages the core holds for it.
+                unsafe {
+                    match direction {
+                        CopyDirection::DeviceToHost => buffer.as_mut_slice()[range]
+                            .copy_from_slice(std::slice::from_raw_parts(mem as *const u8, len)),
+                        CopyDirection::HostToDevice => {
+                            std::slice::from_raw_parts_mut(mem as *mut u8, len)
+                                .copy_from_slice(&buffer.as_slice()[range])
+                        }
+                    }
+                }
+            }
+        }
+    }
+    jobs
+}
+
+fn copy_failed(e: kvferry_memory::CopyError) -> io::Error {
+    io::Error::other(e)
+}
+
+/// A buffer being filled or emptied by the engine. Fields drop in order: the copies are
+/// waited for before the buffer goes back to the pool.
+struct Stage {
+    copies: InFlightCopies,
+    buffer: StagingBuffer,
+    len: usize,
+}
+
+/// A buffer now if the connection already holds one, else wait for one: a connection never
+/// waits for the pool while it holds buffers another copy or write will free, so
+/// connections sharing a pool cannot block each other for good.
+async fn next_buffer(staging: &Staging, held: usize) -> Option<StagingBuffer> {
+    if held == 0 {
+        return Some(staging.acquire().await);
+    }
+    staging.try_acquire()
+}
+
+/// Prefill: writes `header`, then the payload of `pieces` staged through `staging`.
+/// An error leaves the frame half written: the caller closes the connection.
+pub(crate) async fn write_staged<W: GatherWrite>(
+    write: &mut W,
+    header: &[u8],
+    pieces: &[Piece],
+    staging: &Staging,
+) -> io::Result<()> {
+    let total: usize = pieces.iter().map(|p| p.len).sum();
+    let size = staging.config().buffer_bytes;
+    write.write_gather(header, &[]).await?;
+    let mut stages: VecDeque<Stage> = VecDeque::new();
+    let mut next = 0usize;
+    while next < total || !stages.is_empty() {
+        while stages.len() < DEPTH && next < total {
+            let Some(mut buffer) = next_buffer(staging, stages.len()).await else {
+                break;
+            };
+            let hi = (next + size.min(buffer.len())).min(total);
+            let mut copies = InFlightCopies::default();
+            for (device, jobs) in plan(pieces, next, hi, &mut buffer, CopyDirection::DeviceToHost) {
+                copies.start(staging, device, CopyDirection::DeviceToHost, jobs);
+            }
+            stages.push_back(Stage {
+                copies,
+                buffer,
+                len: hi - next,
+            });
+            next = hi;
+        }
+        let Some(mut stage) = stages.pop_front() else {
+            break;
+        };
+        stage.copies.all().await.map_err(copy_failed)?;
+        write
+            .write_gather(&[], &[(stage.buffer.addr(), stage.len)])
+            .await?;
+    }
+    Ok(())
+}
+
+/// Decode: reads the payload of `pieces` from `read`, staged through `staging`, and copies it
+/// into place; returns once every byte is at its destination.
+pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
+    read: &mut R,
+    pieces: &[Piece],
+    staging: &Staging,
+) -> io::Result<()> {
+    use futures_lite::AsyncReadExt;
+    let total: usize = pieces.iter().map(|p| p.len).sum();
+    let size = staging.config().buffer_bytes;
+    let mut stages: VecDeque<Stage> = VecDeque::new();
+    let mut next = 0usize;
+    while next < total {
+        let buffer = match next_buffer(staging, stages.len()).await {
+            Some(b) => b,
+            None => {
+                // Every buffer of the pool is out: the oldest of ours frees when its copy lands.
+                if let Some(mut oldest) = stages.pop_front() {
+                    oldest.copies.all().await.map_err(copy_failed)?;
+                }
+                continue;
+            }
+        };
+        let mut buffer = buffer;
+        let hi = (next + size.min(buffer.len())).min(total);
+        read.read_exact(&mut buffer.as_mut_slice()[..hi - next])
+            .await?;
+        let mut copies = InFlightCopies::default();
+        for (device, jobs) in plan(pieces, next, hi, &mut buffer, CopyDirection::HostToDevice) {
+            copies.start(staging, device, CopyDirection::HostToDevice, jobs);
+        }
+        stages.push_back(Stage {
+            copies,
+            buffer,
+            len: hi - next,
+        });
+        next = hi;
+        while stages.len() >= DEPTH {
+            if let Some(mut oldest) = stages.pop_front() {
+                oldest.copies.all().await.map_err(copy_failed)?;
+            }
+        }
+    }
+    for mut stage in stages.drain(..) {
+        let _ = stage.len;
+        stage.copies.all().await.map_err(copy_failed)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,391 @@
+//! Memory the CPU cannot touch (a GPU's), and how the data plane reaches it: a copy engine
+//! that moves bytes between device memory and host staging buffers, and the bounded pool of
+//! those buffers.
+//!
+//! The data plane never dereferences a device address. It copies the pages of an operation
+//! into staging buffers on the engine (prefill) or from them (decode), one buffer at a time,
+//! so the wire works on one buffer while the engine fills the next. The pool is bounded: a
+//! sender or receiver that finds it empty waits for a buffer, it never allocates more.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::region::HostBuffer;
+
+/// What kind of memory a registered region is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Host memory the CPU reads and writes.
+    Host,
+    /// Memory of CUDA device `device`: reached only through a [`CopyEngine`] (or RDMA that
+    /// can register it).
+    Cuda {
+        /// The device ordinal.
+        device: u32,
+    },
+}
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemoryKind::Host => write!(f, "host memory"),
+            MemoryKind::Cuda { device } => write!(f, "CUDA device {device} memory"),
+        }
+    }
+}
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyDirection {
+    /// From device memory into a staging buffer (prefill, before the wire).
+    DeviceToHost,
+    /// From a staging buffer into device memory (decode, before the acknowledgement).
+    HostToDevice,
+}
+
+/// One contiguous copy: `len` bytes from address `src` to address `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyJob {
+    /// Destination address.
+    pub dst: usize,
+    /// Source address.
+    pub src: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// A copy the engine could not carry out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyError(pub String);
+
+impl std::fmt::Display for CopyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "copy failed: {}", self.0)
+    }
+}
+
+impl std::error::Error for CopyError {}
+
+/// Called once when a batch of copies landed (or the first of them failed).
+pub type CopyDone = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
+
+/// Moves bytes between device memory and host staging buffers, off the caller's thread.
+pub trait CopyEngine: Send + Sync + 'static {
+    /// The engine's name, for logs and metrics (`cuda`, `host`).
+    fn name(&self) -> &'static str;
+
+    /// Starts `jobs` in order on the engine's copy stream of `device`, and calls `done` once
+    /// every byte of them is at its destination. Must not block on the copies.
+    fn start(&self, device: u32, direction: CopyDirection, jobs: Vec<CopyJob>, done: CopyDone);
+
+    /// Prepares a staging buffer for full-speed copies (page-locks it for DMA); called once
+    /// per buffer before first use.
+    fn pin(&self, _buffer: &mut HostBuffer) -> Result<(), CopyError> {
+        Ok(())
+    }
+}
+
+/// A copy engine for machines without a GPU: a worker thread that copies with the CPU after
+/// a fixed delay per batch, so the staged pipeline (ordering, overlap, the bounded pool,
+/// faults mid-copy) runs in CI over memory registered as device memory but living on the
+/// host.
+#[derive(Debug)]
+pub struct HostCopyEngine {
+    jobs: flume::Sender<(CopyDirection, Vec<CopyJob>, CopyDone)>,
+}
+
+impl HostCopyEngine {
+    /// An engine whose every batch takes at least `delay`.
+    pub fn new(delay: Duration) -> Arc<Self> {
+        Self::failing(delay, None)
+    }
+
+    /// An engine that fails every batch of `fail.0`'s direction after the first `fail.1` of
+    /// them (fault tests).
+    pub fn failing(delay: Duration, fail: Option<(CopyDirection, u64)>) -> Arc<Self> {
+        let (tx, rx) = flume::unbounded::<(CopyDirection, Vec<CopyJob>, CopyDone)>();
+        std::thread::Builder::new()
+            .name("kvferry-host-copy".to_owned())
+            .spawn(move || {
+                let mut seen = 0u64;
+                while let Ok((direction, jobs, done)) = rx.recv() {
+                    if !delay.is_zero() {
+                        std::thread::sleep(delay);
+                    }
+                    if let Some((failing, ok)) = fail {
+                        if failing == direction {
+                            seen += 1;
+                            if seen > ok {
+                                done(Err(CopyError("injected copy failure".to_owned())));
+                                continue;
+                            }
+                        }
+                    }
+                    for j in &jobs {
+                        // SAFETY: the staged paths hand only ranges of registered memory
+                        // (bounds-checked by MemoryMap) and of staging buffers they hold until
+                        // `done` runs; "device" memory of this engine is host memory.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                j.src as *const u8,
+                                j.dst as *mut u8,
+                                j.len,
+                            )
+                        };
+                    }
+                    done(Ok(()));
+                }
+            })
+            .map(|_| ())
+            .unwrap_or_else(|e| panic!("cannot start the host copy thread: {e}"));
+        Arc::new(HostCopyEngine { jobs: tx })
+    }
+}
+
+impl CopyEngine for HostCopyEngine {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn start(&self, _device: u32, direction: CopyDirection, jobs: Vec<CopyJob>, done: CopyDone) {
+        if let Err(flume::SendError((_, _, done))) = self.jobs.send((direction, jobs, done)) {
+            done(Err(CopyError("the host copy thread is gone".to_owned())));
+        }
+    }
+}
+
+/// How much host memory a node stages device bytes through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingConfig {
+    /// Buffers in the pool (`KVFERRY_STAGING_BUFFERS`, 16).
+    pub buffers: usize,
+    /// Bytes per buffer (`KVFERRY_STAGING_BUFFER_BYTES`, 1 MiB).
+    pub buffer_bytes: usize,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        StagingConfig {
+            buffers: 16,
+            buffer_bytes: 1 << 20,
+        }
+    }
+}
+
+/// A copy engine and the bounded pool of staging buffers it copies through.
+pub struct Staging {
+    engine: Arc<dyn CopyEngine>,
+    free: flume::Receiver<HostBuffer>,
+    home: flume::Sender<HostBuffer>,
+    config: StagingConfig,
+    taken: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staging")
+            .field("engine", &self.engine.name())
+            .field("config", &self.config)
+            .field("free", &self.free.len())
+            .finish()
+    }
+}
+
+impl Staging {
+    /// Allocates and pins `config.buffers` buffers of `config.buffer_bytes` for `engine`.
+    pub fn new(engine: Arc<dyn CopyEngine>, config: StagingConfig) -> Result<Arc<Self>, CopyError> {
+        if config.buffers == 0 || config.buffer_bytes == 0 {
+            return Err(CopyError(format!(
+                "a staging pool needs at least one buffer of at least one byte (got {} of {})",
+                config.buffers, config.buffer_bytes
+            )));
+        }
+        let (home, free) = flume::bounded(config.buffers);
+        for _ in 0..config.buffers {
+            let mut b = HostBuffer::new(config.buffer_bytes);
+            engine.pin(&mut b)?;
+            let _ = home.send(b);
+        }
+        Ok(Arc::new(Staging {
+            engine,
+            free,
+            home,
+            config,
+            taken: std::sync::atomic::AtomicU64::new(0),
+        }))
+    }
+
+    /// The engine that copies through this pool.
+    pub fn engine(&self) -> &Arc<dyn CopyEngine> {
+        &self.engine
+    }
+
+    /// The pool's size.
+    pub fn config(&self) -> StagingConfig {
+        self.config
+    }
+
+    /// Buffers free right now.
+    pub fn free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Buffers taken from the pool so far (each staged piece of an operation takes one).
+    pub fn taken(&self) -> u64 {
+        self.taken.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A free buffer; waits while every buffer is in use.
+    pub async fn acquire(&self) -> StagingBuffer {
+        self.taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The pool holds a sender itself, so the channel never disconnects.
+        let buffer = self.free.recv_async().await.ok();
+        StagingBuffer {
+            buffer,
+            home: self.home.clone(),
+        }
+    }
+
+    /// A free buffer if one is free now.
+    pub fn try_acquire(&self) -> Option<StagingBuffer> {
+        let buffer = self.free.try_recv().ok()?;
+        self.taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(StagingBuffer {
+            buffer: Some(buffer),
+            home: self.home.clone(),
+        })
+    }
+}
+
+/// A staging buffer taken from a [`Staging`] pool; goes back to it when dropped.
+#[derive(Debug)]
+pub struct StagingBuffer {
+    buffer: Option<HostBuffer>,
+    home: flume::Sender<HostBuffer>,
+}
+
+impl StagingBuffer {
+    /// Address of the buffer's first byte.
+    pub fn addr(&self) -> usize {
+        self.buffer
+            .as_ref()
+            .map_or(0, |b| b.as_slice().as_ptr() as usize)
+    }
+
+    /// The buffer's length.
+    pub fn len(&self) -> usize {
+        self.buffer.as_ref().map_or(0, HostBuffer::len)
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The buffer's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.buffer.as_ref().map_or(&[], HostBuffer::as_slice)
+    }
+
+    /// The buffer's bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.buffer
+            .as_mut()
+            .map_or(&mut [], HostBuffer::as_mut_slice)
+    }
+}
+
+impl Drop for StagingBuffer {
+    fn drop(&mut self) {
+        if let Some(b) = self.buffer.take() {
+            let _ = self.home.send(b);
+        }
+    }
+}
+
+/// Copies started on an engine and not yet known to have landed. Dropping it waits for them
+/// (on this thread): a task cancelled mid-copy (a fence, a closed connection) must not let
+/// the room's pages or the staging buffers go while an engine still writes into them. Declare
+/// it after what it protects, so it is dropped first.
+#[derive(Debug, Default)]
+pub struct InFlightCopies {
+    pending: Vec<flume::Receiver<Result<(), CopyError>>>,
+}
+
+impl InFlightCopies {
+    /// Starts `jobs` on `staging`'s engine and tracks them.
+    pub fn start(
+        &mut self,
+        staging: &Staging,
+        device: u32,
+        direction: CopyDirection,
+        jobs: Vec<CopyJob>,
+    ) {
+        let (tx, rx) = flume::bounded(1);
+        self.pending.push(rx);
+        staging.engine.start(
+            device,
+            direction,
+            jobs,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+    }
+
+    /// Waits for the oldest batch; `None` if none is pending.
+    pub async fn next(&mut self) -> Option<Result<(), CopyError>> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        let rx = self.pending.remove(0);
+        Some(
+            rx.recv_async()
+                .await
+                .unwrap_or_else(|_| Err(CopyError("the copy engine dropped a batch".to_owned()))),
+        )
+    }
+
+    /// Waits for every pending batch; the first error, if any.
+    pub async fn all(&mut self) -> Result<(), CopyError> {
+        let mut first = Ok(());
+        while let Some(r) = self.next().await {
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// Batches started and not yet waited for.
+    pub fn len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Whether nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// Waits on this thread for every pending batch.
+    pub fn wait_blocking(&mut self) -> Result<(), CopyError> {
+        let mut first = Ok(());
+        for rx in self.pending.drain(..) {
+            let r = rx
+                .recv()
+                .unwrap_or_else(|_| Err(CopyError("the copy engine dropped a batch".to_owned())));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+impl Drop for InFlightCopies {
+    fn drop(&mut self) {
+        let _ = self.wait_blocking();
+    }
+}

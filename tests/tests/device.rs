@@ -1,0 +1,155 @@
+//! KV in device memory over TCP, staged through host buffers, on every driver. The KV regions
+//! are registered as CUDA device 0 memory and reached only through a copy engine: here the
+//! host engine (a thread that copies after a delay), which runs the same staged pipeline the
+//! CUDA engine does. Every byte is verified through the engine; a node over device memory it
+//! cannot reach refuses to start, naming the region.
+#![allow(clippy::unwrap_used)] // tests may panic
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry_core::{Region, Role};
+use kvferry_memory::{
+    CopyDirection, HostCopyEngine, MemoryKind, MemoryMap, Staging, StagingConfig,
+};
+use kvferry_testkit::{node_config, run_pair, DecodeRun, Report};
+use kvferry_tests::{
+    assert_all_clean, fast_core, on_every_driver, rooms, small_shape, use_test_backend, Runtime,
+};
+use kvferry_tokio::NodeError;
+
+/// Device memory for `small_shape`, reached through a host engine with `delay` per batch and
+/// a pool of `buffers` buffers of `bytes` each.
+fn device_memory(engine: Arc<HostCopyEngine>, buffers: usize, bytes: usize) -> Arc<MemoryMap> {
+    let staging = Staging::new(
+        engine,
+        StagingConfig {
+            buffers,
+            buffer_bytes: bytes,
+        },
+    )
+    .unwrap();
+    Arc::new(MemoryMap::allocate_as_device(small_shape().layout(), 0).with_staging(staging))
+}
+
+/// Moves `run` between a prefill over `prefill_memory` and a decode over `decode_memory`.
+async fn move_rooms(
+    p: Runtime,
+    d: Runtime,
+    prefill_memory: Arc<MemoryMap>,
+    decode_memory: Arc<MemoryMap>,
+    run: DecodeRun,
+) -> Report {
+    let shape = small_shape();
+    let mut pc = node_config(Role::Prefill, &shape, fast_core(), b"test-token", 1);
+    let mut dc = node_config(Role::Decode, &shape, fast_core(), b"test-token", 2);
+    use_test_backend(p, &mut pc);
+    use_test_backend(d, &mut dc);
+    let prefill = p.start(pc, prefill_memory).unwrap();
+    let decode = d.start(dc, decode_memory).unwrap();
+    run_pair(&prefill, &decode, run).await.unwrap()
+}
+
+/// Each operation (a room's pages of one layer and plane, 32 KiB) spans four 8 KiB buffers,
+/// and each copy takes 200 us: slices are copied while earlier ones are on the wire.
+async fn device_rooms_move_staged_with_every_byte_verified(p: Runtime, d: Runtime) {
+    let engine = || HostCopyEngine::new(Duration::from_micros(200));
+    let (prefill, decode) = (
+        device_memory(engine(), 4, 8192),
+        device_memory(engine(), 4, 8192),
+    );
+    let report = move_rooms(p, d, prefill.clone(), decode.clone(), rooms(20, 1)).await;
+    assert_all_clean(&report, 20);
+    assert_eq!(report.pages_verified, 20 * 8 * 4 * 2);
+    // Only the data plane takes pool buffers (verification copies through its own): both
+    // sides staged, four buffers per 32 KiB operation at least.
+    for side in [&prefill, &decode] {
+        let taken = side.staging().unwrap().taken();
+        assert!(taken >= 20 * 8 * 4, "{taken} staged buffers");
+    }
+}
+
+/// A device prefill feeds a host decode and the other way round: the wire is the same.
+async fn device_and_host_nodes_move_rooms_between_them(p: Runtime, d: Runtime) {
+    let engine = || HostCopyEngine::new(Duration::ZERO);
+    let host = || Arc::new(MemoryMap::allocate(small_shape().layout()));
+    let to_host = move_rooms(p, d, device_memory(engine(), 4, 8192), host(), rooms(10, 1)).await;
+    assert_all_clean(&to_host, 10);
+    let to_device = move_rooms(p, d, host(), device_memory(engine(), 4, 8192), rooms(10, 1)).await;
+    assert_all_clean(&to_device, 10);
+}
+
+/// One staging buffer for the whole node, shared by two data connections each way: a
+/// connection waits for the pool only while it holds no buffer, so they never block each
+/// other for good.
+async fn a_pool_of_one_buffer_serves_every_connection(p: Runtime, d: Runtime) {
+    let engine = || HostCopyEngine::new(Duration::from_micros(50));
+    let report = move_rooms(
+        p,
+        d,
+        device_memory(engine(), 1, 4096),
+        device_memory(engine(), 1, 4096),
+        rooms(20, 1),
+    )
+    .await;
+    assert_all_clean(&report, 20);
+}
+
+/// Prefill's engine fails every device-to-host copy after its 40th: the connection carrying
+/// the half-written operation closes, the core retries, and every room ends, in `Success` with
+/// every byte right or in `Failed` with a reason; none hangs, none lands garbage.
+async fn a_copy_engine_failing_mid_transfer_never_lands_garbage(p: Runtime, d: Runtime) {
+    let failing = HostCopyEngine::failing(Duration::ZERO, Some((CopyDirection::DeviceToHost, 40)));
+    let run = DecodeRun {
+        deadline: Duration::from_secs(20),
+        ..rooms(20, 1)
+    };
+    let report = move_rooms(
+        p,
+        d,
+        device_memory(failing, 4, 8192),
+        device_memory(HostCopyEngine::new(Duration::ZERO), 4, 8192),
+        run,
+    )
+    .await;
+    assert_eq!(report.pages_corrupted, 0, "{report:?}");
+    assert_eq!(report.free_pages_written, 0, "{report:?}");
+    assert_eq!(report.rooms_unfinished, 0, "{report:?}");
+    assert_eq!(
+        report.rooms_succeeded + report.rooms_failed,
+        20,
+        "{report:?}"
+    );
+    assert!(
+        report.rooms_failed > 0,
+        "the engine failed for good: {report:?}"
+    );
+}
+
+on_every_driver!(
+    device_rooms_move_staged_with_every_byte_verified,
+    device_and_host_nodes_move_rooms_between_them,
+    a_pool_of_one_buffer_serves_every_connection,
+    a_copy_engine_failing_mid_transfer_never_lands_garbage,
+);
+
+/// Device memory without a copy engine: refused at start with the region and the fix, on
+/// both drivers (nothing reads a device address on the CPU).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_memory_without_a_copy_engine_is_refused_at_start_naming_the_region() {
+    for runtime in [Runtime::Tokio, kvferry_tests::GLOMMIO] {
+        let shape = small_shape();
+        let mut cfg = node_config(Role::Decode, &shape, fast_core(), b"test-token", 3);
+        use_test_backend(runtime, &mut cfg);
+        let memory = Arc::new(MemoryMap::allocate_as_device(shape.layout(), 1));
+        let err = runtime.start(cfg, memory).unwrap_err();
+        let NodeError::UnreachableMemory { region, kind, .. } = &err else {
+            panic!("not an unreachable-memory error: {err}");
+        };
+        assert_eq!(*region, Region::Kv { layer: 0, plane: 0 });
+        assert_eq!(*kind, MemoryKind::Cuda { device: 1 });
+        let said = err.to_string();
+        assert!(said.contains("CUDA device 1"), "{said}");
+        assert!(said.contains("copy engine"), "names the fix: {said}");
+    }
+}
