@@ -19,9 +19,32 @@ from ._kvferry import (  # noqa: F401
     ShutdownFailure,
     TimeoutFailure,
     TransferFailure,
+    UnsupportedMemory,
     enable_metrics,
     metrics_text,
 )
+
+
+def tensor_spans(tensors):
+    """``(spans, kv_device)`` for ``Node(kv=spans, kv_device=kv_device)`` over torch tensors
+    (or numpy arrays): each one's address and size in bytes, and the CUDA device they all live
+    on (``None`` for host memory). Tensors on different devices, or some on a GPU and some on
+    the host, are refused: a node's KV lives in one place."""
+    spans, devices = [], set()
+    for t in tensors:
+        if hasattr(t, "data_ptr"):
+            if not t.is_contiguous():
+                raise InvalidArgument("tensor_spans: a KV tensor must be contiguous")
+            spans.append((int(t.data_ptr()), int(t.numel() * t.element_size())))
+            devices.add(t.device.index if t.device.type == "cuda" else None)
+            if t.device.type not in ("cuda", "cpu"):
+                raise InvalidArgument(f"tensor_spans: {t.device.type} tensors are not supported")
+        else:
+            spans.append((int(t.ctypes.data), int(t.nbytes)))
+            devices.add(None)
+    if len(devices) > 1:
+        raise InvalidArgument(f"tensor_spans: KV tensors on several devices {sorted(map(str, devices))}")
+    return spans, (devices.pop() if devices else None)
 
 
 class KVPoll:
@@ -49,6 +72,8 @@ __all__ = [
     "ShutdownFailure",
     "TimeoutFailure",
     "TransferFailure",
+    "UnsupportedMemory",
     "enable_metrics",
+    "tensor_spans",
     "metrics_text",
 ]

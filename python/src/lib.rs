@@ -17,7 +17,7 @@ use kvferry_core::{
     Chunk, Config, EndpointInfo, FailureReason, Grant, Incarnation, KvPoll, Layout, NodeId, Role,
     RoomId,
 };
-use kvferry_memory::MemoryMap;
+use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
 use kvferry_tokio::{Announcement, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -35,6 +35,12 @@ pyo3::create_exception!(
     InvalidArgument,
     KvferryError,
     "A call's argument is invalid (a page index out of range, a room id in use, a bad layout)."
+);
+pyo3::create_exception!(
+    _kvferry,
+    UnsupportedMemory,
+    KvferryError,
+    "Registered memory this node cannot reach (GPU memory in a build without a copy engine for it); names the region."
 );
 pyo3::create_exception!(
     _kvferry,
@@ -157,6 +163,7 @@ fn node_error(e: NodeError) -> PyErr {
         NodeError::Api(e) => InvalidArgument::new_err(e.to_string()),
         NodeError::ShutDown => NodeClosed::new_err(e.to_string()),
         NodeError::UnknownPeer(_) => InvalidArgument::new_err(e.to_string()),
+        NodeError::UnreachableMemory { .. } => UnsupportedMemory::new_err(e.to_string()),
         other => ConnectError::new_err(other.to_string()),
     }
 }
@@ -179,7 +186,10 @@ type Span = (usize, usize);
 ///
 /// `kv` is one `(pointer, length)` per KV region in `layer * planes + plane` order (what
 /// `numpy.ndarray.ctypes.data` / `.nbytes` or `torch.Tensor.data_ptr()` give), each at least
-/// `pages * page_bytes` long; `aux` and `state` likewise when the layout has them. Lifetime
+/// `pages * page_bytes` long; `aux` and `state` likewise when the layout has them. With
+/// `kv_device=N` the KV regions are memory of CUDA device N (`torch.Tensor.data_ptr()` of a
+/// CUDA tensor): never read by the CPU, refused with `UnsupportedMemory` where no copy engine
+/// reaches it. Lifetime
 /// rule: every buffer must stay allocated, and must not move, until `shutdown()` returns; a
 /// room's pages must not be touched between granting or sending them and the room's
 /// `releasable()`.
@@ -274,7 +284,7 @@ impl Node {
     /// `KVFERRY_*` knobs in lower case without the prefix (`transfer_retries=5`,
     /// `bootstrap_timeout_ms=30000`) and override the environment.
     #[new]
-    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, **config))]
+    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, **config))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         role: &str,
@@ -286,6 +296,7 @@ impl Node {
         node_id: Option<u64>,
         rank: u16,
         data_connections: usize,
+        kv_device: Option<u32>,
         config: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let role = parse_role(role)?;
@@ -301,12 +312,21 @@ impl Node {
             }
         }
         let core = Config::from_vars(vars).map_err(|e| InvalidArgument::new_err(e.to_string()))?;
-        let ptr = |(p, l): Span| (p as *mut u8, l);
-        let kv: Vec<(*mut u8, usize)> = kv.into_iter().map(ptr).collect();
+        let host = |(p, l): Span| ExternalRegion::host(p as *mut u8, l);
+        let kind = kv_device.map_or(MemoryKind::Host, |device| MemoryKind::Cuda { device });
+        let kv: Vec<ExternalRegion> = kv
+            .into_iter()
+            .map(|(p, l)| ExternalRegion {
+                ptr: p as *mut u8,
+                len: l,
+                kind,
+            })
+            .collect();
         // SAFETY: the caller promises (the class's lifetime rule) that each span is a live
-        // buffer of its length until shutdown; the map checks lengths against the layout.
+        // buffer of its length until shutdown, of the memory kind it names; the map checks
+        // lengths against the layout, and no CPU path reads a device region.
         let memory =
-            unsafe { MemoryMap::register_external(layout, &kv, aux.map(ptr), state.map(ptr)) }
+            unsafe { MemoryMap::register_regions(layout, &kv, aux.map(host), state.map(host)) }
                 .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;
         let started = std::time::UNIX_EPOCH
             .elapsed()
@@ -650,6 +670,10 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("KvferryError", py.get_type_bound::<KvferryError>()),
         ("InvalidArgument", py.get_type_bound::<InvalidArgument>()),
         ("NodeClosed", py.get_type_bound::<NodeClosed>()),
+        (
+            "UnsupportedMemory",
+            py.get_type_bound::<UnsupportedMemory>(),
+        ),
         ("ConnectError", py.get_type_bound::<ConnectError>()),
         ("RoomFailed", py.get_type_bound::<RoomFailed>()),
         ("TimeoutFailure", py.get_type_bound::<TimeoutFailure>()),

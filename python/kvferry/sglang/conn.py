@@ -46,6 +46,7 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 import kvferry
+from kvferry.sglang.devices import kv_device_of
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,14 @@ class KvferryKVManager(CommonKVManager):
     ):
         self.node: Optional[kvferry.Node] = None
         self._layout, self._kv_spans = _layout_of(args)
+        try:
+            # GPU pools are registered as device memory: a wheel that cannot reach it refuses
+            # at start (UnsupportedMemory), it never reads a device address with the CPU.
+            self._kv_device = kv_device_of(
+                getattr(server_args, "device", None), getattr(args, "gpu_id", 0)
+            )
+        except ValueError as e:
+            raise UnsupportedLayout(str(e)) from None
         slots, row = self._layout["slots"], self._layout["aux_bytes"]
         self._aux_rows = np.zeros((max(slots, 1), max(row, 1)), dtype=np.uint8)
         self._peers: Dict[str, int] = {}
@@ -189,6 +198,7 @@ class KvferryKVManager(CommonKVManager):
             aux=aux,
             token=os.environ.get("KVFERRY_TOKEN", "").encode(),
             rank=self.kv_args.engine_rank,
+            kv_device=self._kv_device,
             **config,
         )
         logger.info(
