@@ -228,6 +228,13 @@ pub struct DeviceRegion {
 }
 
 impl DeviceRegion {
+    /// The region's device address, to register it with kvferry as device memory
+    /// (`kvferry_memory::MemoryKind::Cuda`).
+    pub fn device_addr(&self, gpu: &Gpu) -> u64 {
+        let (ptr, _sync) = self.buf.device_ptr(gpu.compute_stream());
+        ptr
+    }
+
     fn check(&self, offset: usize, len: usize) -> Result<(), GpuError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.buf.len() => Ok(()),

@@ -5,7 +5,8 @@
 //! ready in the core; no runtime thread ever blocks on the GPU and the core never sees a CUDA
 //! type), the overlap timeline of a layerwise transfer and its SVG drawing ([`Timeline`]),
 //! and, behind the `gpu` feature, CUDA through `cudarc` with dynamic loading ([`cuda`]):
-//! device regions, pinned staging and events. Without the feature nothing loads or links
+//! device regions, pinned staging and events, and the data plane's CUDA copy engine
+//! ([`engine::CudaCopyEngine`]). Without the feature nothing loads or links
 //! CUDA. Like every backend piece it moves bytes and time; decisions stay in the core.
 
 mod error;
@@ -14,6 +15,8 @@ mod waiter;
 
 #[cfg(feature = "gpu")]
 pub mod cuda;
+#[cfg(feature = "gpu")]
+pub mod engine;
 
 pub use error::GpuError;
 pub use timeline::{LayerTimes, Span, Timeline};

@@ -56,3 +56,101 @@ fn an_event_completes_after_the_work_recorded_before_it() {
         std::thread::sleep(Duration::from_micros(50));
     }
 }
+
+#[test]
+fn the_cuda_copy_engine_without_a_gpu_is_a_typed_error() {
+    match kvferry_gpu::engine::CudaCopyEngine::open(&[0]) {
+        Ok(_) => eprintln!("GPU present: the engine opened"),
+        Err(e) => assert!(
+            matches!(
+                e,
+                GpuError::NoLibcuda | GpuError::NoDevice | GpuError::Driver(_)
+            ),
+            "{e:?}"
+        ),
+    }
+}
+
+/// A layout of 2 layers x K/V, 64 pages of 16 KiB, over device regions of `g`.
+fn device_memory(
+    g: &Gpu,
+) -> (
+    Vec<kvferry_gpu::cuda::DeviceRegion>,
+    kvferry_memory::MemoryMap,
+) {
+    use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
+    let layout = kvferry_core::sim::small_layout(64);
+    let layout = kvferry_core::Layout {
+        page_bytes: 16384,
+        ..layout
+    };
+    let bytes = layout.pages as usize * layout.page_bytes as usize;
+    let regions: Vec<_> = (0..layout.kv_regions())
+        .map(|_| g.alloc(bytes).unwrap())
+        .collect();
+    let kv: Vec<ExternalRegion> = regions
+        .iter()
+        .map(|r| ExternalRegion {
+            ptr: r.device_addr(g) as *mut u8,
+            len: bytes,
+            kind: MemoryKind::Cuda { device: 0 },
+        })
+        .collect();
+    let aux = (layout.aux_bytes > 0).then(|| vec![0u8; (layout.slots * layout.aux_bytes) as usize]);
+    let aux = aux.map(|a| {
+        let a = Box::leak(a.into_boxed_slice());
+        ExternalRegion::host(a.as_mut_ptr(), a.len())
+    });
+    // SAFETY: device regions of `g`, alive as long as the returned vector; aux leaked.
+    let map = unsafe { MemoryMap::register_regions(layout, &kv, aux, None) }.unwrap();
+    (regions, map)
+}
+
+#[test]
+fn device_pages_stage_through_the_cuda_engine_both_ways() {
+    use kvferry_core::Region;
+    use kvferry_memory::{Staging, StagingConfig};
+    let Some(g) = gpu() else { return };
+    let (_regions, map) = device_memory(&g);
+    let engine = kvferry_gpu::engine::CudaCopyEngine::for_memory(&map).unwrap();
+    let staging = Staging::new(engine, StagingConfig::default()).unwrap();
+    let map = map.with_staging(staging);
+    let page: Vec<u8> = (0..16384).map(|i| (i * 13 + 5) as u8).collect();
+    let region = Region::Kv { layer: 1, plane: 1 };
+    map.write(region, 7 * 16384, &page).unwrap();
+    let mut back = vec![0u8; page.len()];
+    map.read(region, 7 * 16384, &mut back).unwrap();
+    assert_eq!(back, page);
+}
+
+#[test]
+fn the_driver_tells_a_device_pointer_from_a_host_one() {
+    use kvferry_gpu::engine::{check_kinds, pointer_kind};
+    use kvferry_memory::MemoryKind;
+    let Some(g) = gpu() else { return };
+    let (regions, map) = device_memory(&g);
+    assert_eq!(
+        pointer_kind(regions[0].device_addr(&g) as *const u8).unwrap(),
+        MemoryKind::Cuda { device: 0 }
+    );
+    let host = [0u8; 64];
+    assert_eq!(pointer_kind(host.as_ptr()).unwrap(), MemoryKind::Host);
+    assert_eq!(check_kinds(&map).unwrap(), None);
+    // The same device pointers registered as host memory: named, never read.
+    let layout = *map.layout();
+    let bytes = layout.pages as usize * layout.page_bytes as usize;
+    let kv: Vec<(*mut u8, usize)> = regions
+        .iter()
+        .map(|r| (r.device_addr(&g) as *mut u8, bytes))
+        .collect();
+    let aux = vec![0u8; (layout.slots * layout.aux_bytes).max(1) as usize];
+    let aux = (layout.aux_bytes > 0).then_some((aux.as_ptr() as *mut u8, aux.len()));
+    // SAFETY: registered only to be checked; never read.
+    let wrong =
+        unsafe { kvferry_memory::MemoryMap::register_external(layout, &kv, aux, None) }.unwrap();
+    let found = check_kinds(&wrong)
+        .unwrap()
+        .expect("a device pointer registered as host");
+    assert_eq!(found.actual, MemoryKind::Cuda { device: 0 });
+    assert_eq!(found.registered, MemoryKind::Host);
+}

@@ -279,6 +279,11 @@ impl MemoryMap {
         self.device_regions().next()
     }
 
+    /// Every region and what memory it is.
+    pub fn kinds(&self) -> impl Iterator<Item = (Region, MemoryKind)> + '_ {
+        self.regions().map(|(r, e)| (r, e.kind))
+    }
+
     /// Every device region and what memory it is.
     pub fn device_regions(&self) -> impl Iterator<Item = (Region, MemoryKind)> + '_ {
         self.regions()

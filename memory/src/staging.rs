@@ -83,6 +83,9 @@ pub trait CopyEngine: Send + Sync + 'static {
     fn pin(&self, _buffer: &mut HostBuffer) -> Result<(), CopyError> {
         Ok(())
     }
+
+    /// Undoes [`CopyEngine::pin`] before the buffer is freed.
+    fn unpin(&self, _buffer: &mut HostBuffer) {}
 }
 
 /// A copy engine for machines without a GPU: a worker thread that copies with the CPU after
@@ -256,6 +259,15 @@ impl Staging {
             buffer: Some(buffer),
             home: self.home.clone(),
         })
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // Every buffer is back: nothing of the data plane holds the pool any more.
+        while let Ok(mut b) = self.free.try_recv() {
+            self.engine.unpin(&mut b);
+        }
     }
 }
 

@@ -1,0 +1,244 @@
+//! The CUDA copy engine of the staged data plane, and the check of what a registered pointer
+//! really is. Thin on purpose: the pipeline around it (ordering, overlap, the bounded pool,
+//! faults mid-copy) is `kvferry-tcp`'s and runs in CI over `kvferry_memory::HostCopyEngine`.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{CudaContext, CudaStream};
+use kvferry_core::Region;
+use kvferry_memory::{
+    CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, HostBuffer, MemoryKind, MemoryMap,
+};
+
+use crate::cuda::probe;
+use crate::GpuError;
+
+fn check(r: CUresult, what: &str) -> Result<(), CopyError> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CopyError(format!("{what}: {r:?}")))
+    }
+}
+
+/// One device's context and the stream its staging copies run on (in order).
+struct DeviceCopies {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+/// Copies between device memory and staging buffers with `cuMemcpy*Async` on one copy
+/// stream per device; a batch's completion is a host function queued behind its copies, so
+/// no thread waits on the GPU.
+pub struct CudaCopyEngine {
+    devices: BTreeMap<u32, DeviceCopies>,
+}
+
+impl std::fmt::Debug for CudaCopyEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCopyEngine")
+            .field("devices", &self.devices.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl CudaCopyEngine {
+    /// An engine for `devices` (ordinals); a typed error where there is no GPU or driver.
+    pub fn open(devices: &[u32]) -> Result<Arc<Self>, GpuError> {
+        probe()?;
+        let mut map = BTreeMap::new();
+        for &d in devices {
+            let ctx =
+                CudaContext::new(d as usize).map_err(|e| GpuError::Driver(format!("{e:?}")))?;
+            let stream = ctx
+                .new_stream()
+                .map_err(|e| GpuError::Driver(format!("{e:?}")))?;
+            map.insert(d, DeviceCopies { ctx, stream });
+        }
+        Ok(Arc::new(CudaCopyEngine { devices: map }))
+    }
+
+    /// An engine for every device `memory`'s regions live on.
+    pub fn for_memory(memory: &MemoryMap) -> Result<Arc<Self>, GpuError> {
+        let mut devices: Vec<u32> = memory
+            .device_regions()
+            .filter_map(|(_, k)| match k {
+                MemoryKind::Cuda { device } => Some(device),
+                MemoryKind::Host => None,
+            })
+            .collect();
+        devices.sort_unstable();
+        devices.dedup();
+        Self::open(&devices)
+    }
+
+    fn any(&self) -> Option<&DeviceCopies> {
+        self.devices.values().next()
+    }
+}
+
+/// What a batch's host function receives.
+struct Completion {
+    done: CopyDone,
+    result: Result<(), CopyError>,
+}
+
+unsafe extern "C" fn complete(user: *mut c_void) {
+    // SAFETY: `user` is the Box<Completion> leaked by `start` for exactly this one call.
+    let c = unsafe { Box::from_raw(user.cast::<Completion>()) };
+    (c.done)(c.result);
+}
+
+impl CopyEngine for CudaCopyEngine {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn start(&self, device: u32, direction: CopyDirection, jobs: Vec<CopyJob>, done: CopyDone) {
+        let Some(dev) = self.devices.get(&device) else {
+            done(Err(CopyError(format!(
+                "no copy stream for CUDA device {device}"
+            ))));
+            return;
+        };
+        if let Err(e) = dev.ctx.bind_to_thread() {
+            done(Err(CopyError(format!(
+                "binding CUDA device {device}: {e:?}"
+            ))));
+            return;
+        }
+        let stream = dev.stream.cu_stream();
+        let mut result = Ok(());
+        for j in &jobs {
+            // SAFETY: the staged paths pass ranges of registered device memory (bounds-checked
+            // by MemoryMap) and of staging buffers they hold until `done` runs.
+            let r = unsafe {
+                match direction {
+                    CopyDirection::DeviceToHost => sys::cuMemcpyDtoHAsync_v2(
+                        j.dst as *mut c_void,
+                        j.src as sys::CUdeviceptr,
+                        j.len,
+                        stream,
+                    ),
+                    CopyDirection::HostToDevice => sys::cuMemcpyHtoDAsync_v2(
+                        j.dst as sys::CUdeviceptr,
+                        j.src as *const c_void,
+                        j.len,
+                        stream,
+                    ),
+                }
+            };
+            if let Err(e) = check(r, "cuMemcpyAsync") {
+                result = Err(e);
+                break;
+            }
+        }
+        let user = Box::into_raw(Box::new(Completion { done, result }));
+        // SAFETY: `complete` takes the box back exactly once, after every copy queued above.
+        let r = unsafe { sys::cuLaunchHostFunc(stream, Some(complete), user.cast()) };
+        if r != CUresult::CUDA_SUCCESS {
+            // SAFETY: the host function was not queued, so the box is still ours.
+            let c = unsafe { Box::from_raw(user) };
+            let waited = dev
+                .stream
+                .synchronize()
+                .map_err(|e| CopyError(format!("{e:?}")));
+            let result = c.result.and(waited).and(check(r, "cuLaunchHostFunc"));
+            (c.done)(result);
+        }
+    }
+
+    fn pin(&self, buffer: &mut HostBuffer) -> Result<(), CopyError> {
+        let Some(dev) = self.any() else {
+            return Ok(());
+        };
+        dev.ctx
+            .bind_to_thread()
+            .map_err(|e| CopyError(format!("{e:?}")))?;
+        let slice = buffer.as_mut_slice();
+        // SAFETY: page-locks the buffer's own allocation; `unpin` undoes it before it is freed.
+        let r = unsafe { sys::cuMemHostRegister_v2(slice.as_mut_ptr().cast(), slice.len(), 0) };
+        check(r, "cuMemHostRegister")
+    }
+
+    fn unpin(&self, buffer: &mut HostBuffer) {
+        if let Some(dev) = self.any() {
+            if dev.ctx.bind_to_thread().is_ok() {
+                // SAFETY: the buffer was registered by `pin` and is not in use any more.
+                let _ =
+                    unsafe { sys::cuMemHostUnregister(buffer.as_mut_slice().as_mut_ptr().cast()) };
+            }
+        }
+    }
+}
+
+/// What the driver says the memory at `ptr` is: host memory it does not know, or a device's.
+pub fn pointer_kind(ptr: *const u8) -> Result<MemoryKind, GpuError> {
+    probe()?;
+    let mut memory_type: u32 = 0;
+    // SAFETY: asks the driver about an address; writes one u32 into `memory_type`.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut memory_type as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr as sys::CUdeviceptr,
+        )
+    };
+    if r != CUresult::CUDA_SUCCESS {
+        // Memory the driver never saw (plain malloc) is host memory.
+        return Ok(MemoryKind::Host);
+    }
+    if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Ok(MemoryKind::Host);
+    }
+    let mut ordinal: i32 = 0;
+    // SAFETY: as above, one i32.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr as sys::CUdeviceptr,
+        )
+    };
+    if r != CUresult::CUDA_SUCCESS {
+        return Err(GpuError::Driver(format!(
+            "device ordinal of {ptr:?}: {r:?}"
+        )));
+    }
+    Ok(MemoryKind::Cuda {
+        device: ordinal as u32,
+    })
+}
+
+/// A region registered as one kind of memory that the driver says is another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KindMismatch {
+    /// The region.
+    pub region: Region,
+    /// What it was registered as.
+    pub registered: MemoryKind,
+    /// What the driver says it is.
+    pub actual: MemoryKind,
+}
+
+/// Asks the driver what every region of `memory` is and names the first registered as the
+/// wrong kind (a device pointer registered as host would be read by the CPU).
+pub fn check_kinds(memory: &MemoryMap) -> Result<Option<KindMismatch>, GpuError> {
+    for (region, registered) in memory.kinds() {
+        let ptr = memory
+            .range(region, 0, 0)
+            .map_err(|e| GpuError::Driver(e.to_string()))?;
+        let actual = pointer_kind(ptr)?;
+        if actual != registered {
+            return Ok(Some(KindMismatch {
+                region,
+                registered,
+                actual,
+            }));
+        }
+    }
+    Ok(None)
+}
