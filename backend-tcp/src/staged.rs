@@ -227,3 +227,143 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use kvferry_memory::{CopyDone, CopyEngine, HostBuffer, StagingConfig};
+
+    use super::*;
+
+    /// What happened, in order.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    enum Step {
+        Copy(usize),
+        Write(Vec<u8>),
+    }
+
+    type Steps = Arc<Mutex<Vec<Step>>>;
+
+    /// Copies at once with the CPU and records each batch's length.
+    struct Recording(Steps);
+
+    impl CopyEngine for Recording {
+        fn name(&self) -> &'static str {
+            "recording"
+        }
+
+        fn start(&self, _device: u32, _d: CopyDirection, jobs: Vec<CopyJob>, done: CopyDone) {
+            for j in &jobs {
+                // SAFETY: the test's own buffers, alive for the test.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(j.src as *const u8, j.dst as *mut u8, j.len)
+                };
+            }
+            let len = jobs.iter().map(|j| j.len).sum();
+            self.0.lock().unwrap().push(Step::Copy(len));
+            done(Ok(()));
+        }
+    }
+
+    /// Records every write's bytes.
+    struct Wire(Steps);
+
+    impl GatherWrite for Wire {
+        async fn write_gather(
+            &mut self,
+            header: &[u8],
+            sources: &[(usize, usize)],
+        ) -> io::Result<()> {
+            let mut bytes = header.to_vec();
+            for &(p, l) in sources {
+                // SAFETY: staging buffers the pipeline holds while it writes them.
+                bytes.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
+            }
+            self.0.lock().unwrap().push(Step::Write(bytes));
+            Ok(())
+        }
+
+        async fn finish(&mut self) {}
+    }
+
+    #[test]
+    fn buffer_k_goes_on_the_wire_after_buffer_k_plus_1_started_copying_and_every_byte_is_in_order()
+    {
+        let steps: Steps = Arc::default();
+        let staging = Staging::new(
+            Arc::new(Recording(steps.clone())),
+            StagingConfig {
+                buffers: 4,
+                buffer_bytes: 1000,
+            },
+        )
+        .unwrap();
+        // A device piece of 3500 bytes between two host pieces: five buffers' worth in all.
+        let mut device = HostBuffer::new(3500);
+        let mut host = HostBuffer::new(700);
+        for (i, b) in device.as_mut_slice().iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        for (i, b) in host.as_mut_slice().iter_mut().enumerate() {
+            *b = (i % 13) as u8 + 100;
+        }
+        let piece = |b: &HostBuffer, range: std::ops::Range<usize>, kind| Piece {
+            addr: b.as_slice().as_ptr() as usize + range.start,
+            len: range.len(),
+            kind,
+        };
+        let pieces = [
+            piece(&host, 0..300, MemoryKind::Host),
+            piece(&device, 0..3500, MemoryKind::Cuda { device: 0 }),
+            piece(&host, 300..700, MemoryKind::Host),
+        ];
+        let mut wire = Wire(steps.clone());
+        futures_lite::future::block_on(write_staged(&mut wire, b"HDR", &pieces, &staging)).unwrap();
+        let steps = steps.lock().unwrap().clone();
+        // Every byte, in payload order, after the header.
+        let mut expected = b"HDR".to_vec();
+        expected.extend_from_slice(&host.as_slice()[0..300]);
+        expected.extend_from_slice(device.as_slice());
+        expected.extend_from_slice(&host.as_slice()[300..700]);
+        let sent: Vec<u8> = steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Write(b) => Some(b.clone()),
+                Step::Copy(_) => None,
+            })
+            .flatten()
+            .collect();
+        assert_eq!(sent, expected);
+        // Five buffers: the first four hold device bytes (copied by the engine), the fifth
+        // only host bytes (no batch).
+        let copies: Vec<usize> = steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Copy(n) => Some(*n),
+                Step::Write(_) => None,
+            })
+            .collect();
+        assert_eq!(copies, vec![700, 1000, 1000, 800]);
+        // Buffer k is written only after buffer k+1's copy started.
+        let position = |want: &dyn Fn(&Step) -> bool, nth: usize| {
+            steps
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| want(s))
+                .nth(nth)
+                .map(|(i, _)| i)
+        };
+        for k in 0..copies.len() - 1 {
+            let copy_next = position(&|s| matches!(s, Step::Copy(_)), k + 1).unwrap();
+            // Write 0 is the header; buffer k is write k + 1.
+            let write_k = position(&|s| matches!(s, Step::Write(_)), k + 1).unwrap();
+            assert!(
+                copy_next < write_k,
+                "buffer {k} written before buffer {} was copying: {steps:?}",
+                k + 1
+            );
+        }
+        assert_eq!(staging.free(), 4, "every buffer back in the pool");
+    }
+}
