@@ -160,9 +160,9 @@ impl CopyEngine for HostCopyEngine {
 /// How much host memory a node stages device bytes through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StagingConfig {
-    /// Buffers in the pool (`KVFERRY_STAGING_BUFFERS`, 16).
+    /// Buffers in the pool (default 16).
     pub buffers: usize,
-    /// Bytes per buffer (`KVFERRY_STAGING_BUFFER_BYTES`, 1 MiB).
+    /// Bytes per buffer (default 1 MiB): the unit the engine copies and the wire sends.
     pub buffer_bytes: usize,
 }
 
