@@ -79,6 +79,31 @@ async fn device_and_host_nodes_move_rooms_between_them(p: Runtime, d: Runtime) {
     assert_all_clean(&to_device, 10);
 }
 
+/// Layer by layer, in two chunks, with 300 us of compute per layer: each layer's operations
+/// stage and leave once the layer is marked ready, as for host memory.
+async fn layerwise_device_rooms_move_each_layer_once_ready(p: Runtime, d: Runtime) {
+    let engine = || HostCopyEngine::new(Duration::from_micros(100));
+    let shape = kvferry_testkit::Shape {
+        layerwise: true,
+        layer_compute: Duration::from_micros(300),
+        chunks: 2,
+        ..small_shape()
+    };
+    let run = DecodeRun {
+        shape,
+        ..rooms(20, 1)
+    };
+    let report = move_rooms(
+        p,
+        d,
+        device_memory(engine(), 4, 8192),
+        device_memory(engine(), 4, 8192),
+        run,
+    )
+    .await;
+    assert_all_clean(&report, 20);
+}
+
 /// One staging buffer for the whole node, shared by two data connections each way: a
 /// connection waits for the pool only while it holds no buffer, so they never block each
 /// other for good.
@@ -129,6 +154,7 @@ async fn a_copy_engine_failing_mid_transfer_never_lands_garbage(p: Runtime, d: R
 on_every_driver!(
     device_rooms_move_staged_with_every_byte_verified,
     device_and_host_nodes_move_rooms_between_them,
+    layerwise_device_rooms_move_each_layer_once_ready,
     a_pool_of_one_buffer_serves_every_connection,
     a_copy_engine_failing_mid_transfer_never_lands_garbage,
 );
