@@ -48,7 +48,13 @@ EOF
     rm -f "$json"
     cargo build --release -p kvferry-cli --features gpu
     cp target/release/kvferry "$dir/bin/kvferry"
+    # The abi3 wheel (CUDA copy engine inside, loaded at run time) and its GPU test.
+    local py=${KVFERRY_CACHE:-$HOME/.cache/kvferry}/py
+    [ -x "$py/bin/python" ] || python3 -m venv "$py"
+    CARGO_TARGET_DIR="$PWD/target/python" "$py/bin/pip" wheel -q --no-deps ./python -w "$dir/wheel"
+    cp python/tests/test_gpu_rooms.py "$dir/"
     strip "$dir"/bin/* 2>/dev/null || true
+    set +e
     cp "$0" "$dir/gpu-check.sh"
     local size
     size=$(du -sm "$dir" | cut -f1)
@@ -73,6 +79,15 @@ run() {
         "$t" --nocapture --test-threads 1 2>&1 | tee -a "$out/tests.log" || rc=1
     done
     grep -h '^{"check"' "$out/tests.log" >"$out/figures.jsonl" 2>/dev/null || true
+    echo "== the wheel over torch CUDA tensors, prefill and decode processes"
+    local site="$out/site"
+    if python3 -m pip install -q --no-deps --target "$site" "$dir"/wheel/*.whl; then
+        PYTHONPATH="$site" python3 "$dir/test_gpu_rooms.py" 2>&1 | tee "$out/python.log" || rc=1
+        grep -h '^{"check"' "$out/python.log" >>"$out/figures.jsonl" 2>/dev/null || true
+    else
+        echo "cannot install the wheel" >&2
+        rc=1
+    fi
     echo "== CLI: demo --gpu, compute-bound (20 ms per layer) and transfer-bound (2 ms per layer)"
     local k="$dir/bin/kvferry"
     "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 20000 \

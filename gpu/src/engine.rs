@@ -178,6 +178,11 @@ impl CopyEngine for CudaCopyEngine {
 /// What the driver says the memory at `ptr` is: host memory it does not know, or a device's.
 pub fn pointer_kind(ptr: *const u8) -> Result<MemoryKind, GpuError> {
     probe()?;
+    Ok(kind_of(ptr))
+}
+
+/// [`pointer_kind`] once the driver is known to be loaded and initialised.
+fn kind_of(ptr: *const u8) -> MemoryKind {
     let mut memory_type: u32 = 0;
     // SAFETY: asks the driver about an address; writes one u32 into `memory_type`.
     let r = unsafe {
@@ -189,10 +194,10 @@ pub fn pointer_kind(ptr: *const u8) -> Result<MemoryKind, GpuError> {
     };
     if r != CUresult::CUDA_SUCCESS {
         // Memory the driver never saw (plain malloc) is host memory.
-        return Ok(MemoryKind::Host);
+        return MemoryKind::Host;
     }
     if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        return Ok(MemoryKind::Host);
+        return MemoryKind::Host;
     }
     let mut ordinal: i32 = 0;
     // SAFETY: as above, one i32.
@@ -203,14 +208,15 @@ pub fn pointer_kind(ptr: *const u8) -> Result<MemoryKind, GpuError> {
             ptr as sys::CUdeviceptr,
         )
     };
-    if r != CUresult::CUDA_SUCCESS {
-        return Err(GpuError::Driver(format!(
-            "device ordinal of {ptr:?}: {r:?}"
-        )));
+    // Device memory whose ordinal the driver does not give is still device memory: call it
+    // device 0 rather than host, so it is never read by the CPU.
+    MemoryKind::Cuda {
+        device: if r == CUresult::CUDA_SUCCESS {
+            ordinal as u32
+        } else {
+            0
+        },
     }
-    Ok(MemoryKind::Cuda {
-        device: ordinal as u32,
-    })
 }
 
 /// A region registered as one kind of memory that the driver says is another.
@@ -227,11 +233,12 @@ pub struct KindMismatch {
 /// Asks the driver what every region of `memory` is and names the first registered as the
 /// wrong kind (a device pointer registered as host would be read by the CPU).
 pub fn check_kinds(memory: &MemoryMap) -> Result<Option<KindMismatch>, GpuError> {
+    probe()?;
     for (region, registered) in memory.kinds() {
         let ptr = memory
             .range(region, 0, 0)
             .map_err(|e| GpuError::Driver(e.to_string()))?;
-        let actual = pointer_kind(ptr)?;
+        let actual = kind_of(ptr);
         if actual != registered {
             return Ok(Some(KindMismatch {
                 region,

@@ -46,6 +46,8 @@ class Node:
         rank: int = 0,
         data_connections: int = 2,
         kv_device: Optional[int] = None,
+        staging_buffers: int = 16,
+        staging_buffer_bytes: int = 1 << 20,
         **config: object,
     ) -> None: ...
     def listen(self, addr: str) -> list[str]: ...

@@ -179,6 +179,36 @@ fn kvpoll(state: KvPoll) -> u8 {
     }
 }
 
+/// Checks what the driver says each registered pointer is (where CUDA is usable) and gives
+/// device memory a CUDA copy engine with a staging pool of `buffers` x `bytes`: a device
+/// pointer registered as host, or device memory no engine can reach, is refused naming the
+/// region, before anything reads it.
+fn reach_device_memory(memory: MemoryMap, buffers: usize, bytes: usize) -> PyResult<MemoryMap> {
+    use kvferry_gpu::engine::{check_kinds, CudaCopyEngine};
+    use kvferry_memory::{Staging, StagingConfig};
+    if let Ok(Some(m)) = check_kinds(&memory) {
+        return Err(UnsupportedMemory::new_err(format!(
+            "{:?} was registered as {} but the CUDA driver says it is {} (pass kv_device=N for GPU KV)",
+            m.region, m.registered, m.actual
+        )));
+    }
+    let Some((region, kind)) = memory.unreachable_region() else {
+        return Ok(memory);
+    };
+    let engine = CudaCopyEngine::for_memory(&memory).map_err(|e| {
+        UnsupportedMemory::new_err(format!(
+            "{region:?} is {kind}, and no CUDA copy engine can reach it here: {e}"
+        ))
+    })?;
+    let config = StagingConfig {
+        buffers,
+        buffer_bytes: bytes,
+    };
+    let staging = Staging::new(engine, config)
+        .map_err(|e| UnsupportedMemory::new_err(format!("staging pool for {kind}: {e}")))?;
+    Ok(memory.with_staging(staging))
+}
+
 /// A `(pointer, length)` pair from Python.
 type Span = (usize, usize);
 
@@ -188,8 +218,9 @@ type Span = (usize, usize);
 /// `numpy.ndarray.ctypes.data` / `.nbytes` or `torch.Tensor.data_ptr()` give), each at least
 /// `pages * page_bytes` long; `aux` and `state` likewise when the layout has them. With
 /// `kv_device=N` the KV regions are memory of CUDA device N (`torch.Tensor.data_ptr()` of a
-/// CUDA tensor): never read by the CPU, refused with `UnsupportedMemory` where no copy engine
-/// reaches it. Lifetime
+/// CUDA tensor): never read by the CPU, staged through `staging_buffers` page-locked buffers
+/// of `staging_buffer_bytes` by the CUDA copy engine, refused with `UnsupportedMemory` where
+/// CUDA is not usable. Lifetime
 /// rule: every buffer must stay allocated, and must not move, until `shutdown()` returns; a
 /// room's pages must not be touched between granting or sending them and the room's
 /// `releasable()`.
@@ -284,7 +315,7 @@ impl Node {
     /// `KVFERRY_*` knobs in lower case without the prefix (`transfer_retries=5`,
     /// `bootstrap_timeout_ms=30000`) and override the environment.
     #[new]
-    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, **config))]
+    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, **config))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         role: &str,
@@ -297,6 +328,8 @@ impl Node {
         rank: u16,
         data_connections: usize,
         kv_device: Option<u32>,
+        staging_buffers: usize,
+        staging_buffer_bytes: usize,
         config: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let role = parse_role(role)?;
@@ -328,6 +361,7 @@ impl Node {
         let memory =
             unsafe { MemoryMap::register_regions(layout, &kv, aux.map(host), state.map(host)) }
                 .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;
+        let memory = reach_device_memory(memory, staging_buffers, staging_buffer_bytes)?;
         let started = std::time::UNIX_EPOCH
             .elapsed()
             .map_or(1, |d| d.as_nanos() as u64);
