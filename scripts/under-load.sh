@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-1}
 per_core=${LOOPS_PER_CORE:-3}
-suites=(--test drivers --test wakeups --test embedder)
+suites=(--test drivers --test wakeups --test embedder --test device)
 
 # Build first: the loops are there to load the tests, not the compiler.
 cargo test -q -p kvferry-tests "${suites[@]}" --no-run

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_core::{Region, Role};
+use kvferry_core::{Config, Region, Role};
 use kvferry_memory::{
     CopyDirection, HostCopyEngine, MemoryKind, MemoryMap, Staging, StagingConfig,
 };
@@ -32,6 +32,19 @@ fn device_memory(engine: Arc<HostCopyEngine>, buffers: usize, bytes: usize) -> A
     Arc::new(MemoryMap::allocate_as_device(small_shape().layout(), 0).with_staging(staging))
 }
 
+/// `fast_core` with deadlines a slowed engine keeps on a loaded machine: the host engine is
+/// one thread that sleeps before every batch (verification included), and on a machine with
+/// three busy loops per core each sleep can take milliseconds. Rooms that must fail still
+/// fail within seconds (the failing engine breaks connections at once).
+fn staged_core() -> Config {
+    Config {
+        operation_timeout: Duration::from_secs(10),
+        waiting_timeout: Duration::from_secs(20),
+        bootstrap_timeout: Duration::from_secs(20),
+        ..fast_core()
+    }
+}
+
 /// Moves `run` between a prefill over `prefill_memory` and a decode over `decode_memory`.
 async fn move_rooms(
     p: Runtime,
@@ -41,8 +54,8 @@ async fn move_rooms(
     run: DecodeRun,
 ) -> Report {
     let shape = small_shape();
-    let mut pc = node_config(Role::Prefill, &shape, fast_core(), b"test-token", 1);
-    let mut dc = node_config(Role::Decode, &shape, fast_core(), b"test-token", 2);
+    let mut pc = node_config(Role::Prefill, &shape, staged_core(), b"test-token", 1);
+    let mut dc = node_config(Role::Decode, &shape, staged_core(), b"test-token", 2);
     use_test_backend(p, &mut pc);
     use_test_backend(d, &mut dc);
     let prefill = p.start(pc, prefill_memory).unwrap();
