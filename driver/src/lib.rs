@@ -238,6 +238,19 @@ pub fn check_memory(memory: &MemoryMap, backend: &DataBackend) -> Result<(), Nod
             });
         }
     }
+    if let (Some(staging), Some((region, kind))) =
+        (memory.staging(), memory.device_regions().next())
+    {
+        let config = staging.config();
+        tracing::info!(
+            ?region,
+            %kind,
+            engine = staging.engine().name(),
+            buffers = config.buffers,
+            buffer_bytes = config.buffer_bytes,
+            "device memory moves over TCP staged through host buffers"
+        );
+    }
     Ok(())
 }
 
