@@ -88,6 +88,8 @@ fn device_memory(
     let regions: Vec<_> = (0..layout.kv_regions())
         .map(|_| g.alloc(bytes).unwrap())
         .collect();
+    // The zeroing runs on the compute stream; the engine copies on its own.
+    g.compute_stream().synchronize().unwrap();
     let kv: Vec<ExternalRegion> = regions
         .iter()
         .map(|r| ExternalRegion {

@@ -37,6 +37,8 @@ fn device_memory(gpu: &Gpu, shape: &Shape) -> (Vec<DeviceRegion>, Arc<MemoryMap>
     let regions: Vec<DeviceRegion> = (0..layout.kv_regions())
         .map(|_| gpu.alloc(bytes).unwrap())
         .collect();
+    // The zeroing runs on the compute stream; the engine copies on its own.
+    gpu.compute_stream().synchronize().unwrap();
     let kv: Vec<ExternalRegion> = regions
         .iter()
         .map(|r| ExternalRegion {
