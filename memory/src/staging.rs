@@ -352,12 +352,14 @@ impl InFlightCopies {
         if self.pending.is_empty() {
             return None;
         }
-        let rx = self.pending.remove(0);
-        Some(
-            rx.recv_async()
-                .await
-                .unwrap_or_else(|_| Err(CopyError("the copy engine dropped a batch".to_owned()))),
-        )
+        // The batch stays tracked while this waits: a caller cancelled here still makes the
+        // drop wait for it.
+        let r = self.pending[0]
+            .recv_async()
+            .await
+            .unwrap_or_else(|_| Err(CopyError("the copy engine dropped a batch".to_owned())));
+        self.pending.remove(0);
+        Some(r)
     }
 
     /// Waits for every pending batch; the first error, if any.
@@ -399,5 +401,87 @@ impl InFlightCopies {
 impl Drop for InFlightCopies {
     fn drop(&mut self) {
         let _ = self.wait_blocking();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// Completes each batch only when the test says so, from another thread.
+    struct Gate(flume::Receiver<()>, Arc<AtomicBool>);
+
+    impl CopyEngine for Gate {
+        fn name(&self) -> &'static str {
+            "gate"
+        }
+
+        fn start(&self, _: u32, _: CopyDirection, _: Vec<CopyJob>, done: CopyDone) {
+            let (open, landed) = (self.0.clone(), self.1.clone());
+            std::thread::spawn(move || {
+                let _ = open.recv();
+                landed.store(true, Ordering::SeqCst);
+                done(Ok(()));
+            });
+        }
+    }
+
+    #[test]
+    fn a_wait_cancelled_mid_copy_still_makes_the_drop_wait_for_the_copy() {
+        let (open, gate) = flume::unbounded();
+        let landed = Arc::new(AtomicBool::new(false));
+        let staging = Staging::new(
+            Arc::new(Gate(gate, landed.clone())),
+            StagingConfig {
+                buffers: 1,
+                buffer_bytes: 64,
+            },
+        )
+        .unwrap();
+        let mut copies = InFlightCopies::default();
+        copies.start(&staging, 0, CopyDirection::HostToDevice, vec![]);
+        // Poll the wait once (the copy is not done), then drop it: a cancelled task.
+        {
+            let mut wait = std::pin::pin!(copies.next());
+            let waker = std::task::Waker::noop();
+            let mut cx = std::task::Context::from_waker(waker);
+            assert!(wait.as_mut().poll(&mut cx).is_pending());
+        }
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            let _ = open.send(());
+        });
+        drop(copies);
+        assert!(
+            landed.load(Ordering::SeqCst),
+            "the drop returned before the copy landed"
+        );
+        release.join().unwrap();
+    }
+
+    #[test]
+    fn a_pool_lends_each_buffer_once_and_takes_it_back_on_drop() {
+        let staging = Staging::new(
+            HostCopyEngine::new(Duration::ZERO),
+            StagingConfig {
+                buffers: 2,
+                buffer_bytes: 64,
+            },
+        )
+        .unwrap();
+        let a = staging.try_acquire().unwrap();
+        let b = staging.try_acquire().unwrap();
+        assert!(
+            staging.try_acquire().is_none(),
+            "bounded: a third buffer is never made"
+        );
+        assert_ne!(a.addr(), b.addr());
+        drop(a);
+        assert_eq!(staging.free(), 1);
+        drop(b);
+        assert_eq!((staging.free(), staging.taken()), (2, 2));
     }
 }
