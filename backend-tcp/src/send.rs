@@ -212,6 +212,8 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
     /// Writes queued operations until the connection fails or the sender is dropped.
     pub async fn run(mut self) {
         let mut header = Vec::with_capacity(WRITE_HEADER_LEN + 64 * SLICE_DESC_LEN);
+        // This connection's own staging buffer, made at its first staged operation.
+        let mut lane = None;
         while let Ok(op) = self.ops.recv_async().await {
             let (sources, bad) = prepare_op(&op, &self.memory, &mut header);
             // The ledger hands each operation to exactly one reporter: close, this writer, or
@@ -227,7 +229,13 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
             let written = match self.memory.staging() {
                 Some(staging) if staged::on_device(&self.memory, &op.slices) => {
                     let pieces = staged::pieces(&self.memory, &op.slices, &sources);
-                    staged::write_staged(&mut self.write, &header, &pieces, staging).await
+                    match staged::lane_of(&mut lane, staging) {
+                        Ok(own) => {
+                            staged::write_staged(&mut self.write, &header, &pieces, &own, staging)
+                                .await
+                        }
+                        Err(e) => Err(e),
+                    }
                 }
                 _ => self.write.write_gather(&header, &sources).await,
             };

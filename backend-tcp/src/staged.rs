@@ -127,14 +127,46 @@ struct Stage {
     len: usize,
 }
 
-/// A buffer now if the connection already holds one, else wait for one: a connection never
-/// waits for the pool while it holds buffers another copy or write will free, so
-/// connections sharing a pool cannot block each other for good.
-async fn next_buffer(staging: &Staging, held: usize) -> Option<StagingBuffer> {
-    if held == 0 {
-        return Some(staging.acquire().await);
+/// A connection's own staging buffer (its lane), made once per connection on first use, with
+/// the node's engine and buffer size. A connection never waits for the node's shared pool:
+/// it always has its lane, and takes a shared buffer for depth only when one is free. So
+/// connections cannot block each other, even while one of them waits on its socket (a full
+/// send buffer, a peer that stalls mid-write) holding buffers.
+pub(crate) fn lane(staging: &Staging) -> io::Result<std::sync::Arc<Staging>> {
+    Staging::new(
+        staging.engine().clone(),
+        kvferry_memory::StagingConfig {
+            buffers: 1,
+            buffer_bytes: staging.config().buffer_bytes,
+        },
+    )
+    .map_err(copy_failed)
+}
+
+/// The connection's lane, made on first use.
+pub(crate) fn lane_of(
+    slot: &mut Option<std::sync::Arc<Staging>>,
+    staging: &Staging,
+) -> io::Result<std::sync::Arc<Staging>> {
+    if let Some(l) = slot {
+        return Ok(l.clone());
     }
-    staging.try_acquire()
+    let l = lane(staging)?;
+    *slot = Some(l.clone());
+    Ok(l)
+}
+
+/// The next buffer: the lane's if free, else a free one of the shared pool; `None` when both
+/// are out (the caller frees one of its own first). Waits only for the lane, and only when
+/// the connection holds nothing, when the lane is free.
+async fn next_buffer(lane: &Staging, shared: &Staging, held: usize) -> Option<StagingBuffer> {
+    if let Some(b) = lane.try_acquire().or_else(|| shared.try_acquire()) {
+        return Some(b);
+    }
+    if held == 0 {
+        return Some(lane.acquire().await);
+    }
+    None
 }
 
 /// Prefill: writes `header`, then the payload of `pieces` staged through `staging`.
@@ -143,6 +175,7 @@ pub(crate) async fn write_staged<W: GatherWrite>(
     write: &mut W,
     header: &[u8],
     pieces: &[Piece],
+    lane: &Staging,
     staging: &Staging,
 ) -> io::Result<()> {
     let total: usize = pieces.iter().map(|p| p.len).sum();
@@ -152,7 +185,7 @@ pub(crate) async fn write_staged<W: GatherWrite>(
     let mut next = 0usize;
     while next < total || !stages.is_empty() {
         while stages.len() < DEPTH && next < total {
-            let Some(mut buffer) = next_buffer(staging, stages.len()).await else {
+            let Some(mut buffer) = next_buffer(lane, staging, stages.len()).await else {
                 break;
             };
             let hi = (next + size.min(buffer.len())).min(total);
@@ -183,6 +216,7 @@ pub(crate) async fn write_staged<W: GatherWrite>(
 pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
     read: &mut R,
     pieces: &[Piece],
+    lane: &Staging,
     staging: &Staging,
 ) -> io::Result<()> {
     use futures_lite::AsyncReadExt;
@@ -191,7 +225,7 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
     let mut stages: VecDeque<Stage> = VecDeque::new();
     let mut next = 0usize;
     while next < total {
-        let buffer = match next_buffer(staging, stages.len()).await {
+        let buffer = match next_buffer(lane, staging, stages.len()).await {
             Some(b) => b,
             None => {
                 // Every buffer of the pool is out: the oldest of ours frees when its copy lands.
@@ -319,7 +353,9 @@ mod tests {
             piece(&host, 300..700, MemoryKind::Host),
         ];
         let mut wire = Wire(steps.clone());
-        futures_lite::future::block_on(write_staged(&mut wire, b"HDR", &pieces, &staging)).unwrap();
+        let lane = lane(&staging).unwrap();
+        futures_lite::future::block_on(write_staged(&mut wire, b"HDR", &pieces, &lane, &staging))
+            .unwrap();
         let steps = steps.lock().unwrap().clone();
         // Every byte, in payload order, after the header.
         let mut expected = b"HDR".to_vec();
@@ -365,5 +401,6 @@ mod tests {
             );
         }
         assert_eq!(staging.free(), 4, "every buffer back in the pool");
+        assert_eq!(lane.free(), 1, "and the lane's");
     }
 }

@@ -53,6 +53,8 @@ where
     let mut header = [0u8; WRITE_HEADER_LEN];
     let mut table = Vec::new();
     let mut stage = Vec::new();
+    // This connection's own staging buffer, made at its first staged write.
+    let mut lane = None;
     loop {
         match stream.read_exact(&mut header).await {
             Ok(()) => {}
@@ -69,7 +71,8 @@ where
                 match memory.staging() {
                     Some(staging) if staged::on_device(memory, &slices) => {
                         let pieces = staged::pieces(memory, &slices, &targets);
-                        staged::read_staged(stream, &pieces, staging).await?;
+                        let own = staged::lane_of(&mut lane, staging)?;
+                        staged::read_staged(stream, &pieces, &own, staging).await?;
                     }
                     _ => stream.read_into(&targets, &mut stage).await?,
                 }

@@ -133,6 +133,48 @@ async fn a_pool_of_one_buffer_serves_every_connection(p: Runtime, d: Runtime) {
     assert_all_clean(&report, 20);
 }
 
+/// Operations of 2 MiB through buffers of 4 MiB, one shared buffer per node and two data
+/// connections each way: a connection that holds a buffer while its socket is full (the
+/// peer's reader waits for a buffer) must not stall the other. Each connection has a buffer
+/// of its own and takes shared ones only when free; with only the shared pool, prefill's
+/// writer and decode's reader of two connections could wait on each other for good.
+async fn connections_sharing_a_one_buffer_pool_never_wait_on_each_other(p: Runtime, d: Runtime) {
+    let shape = kvferry_testkit::Shape {
+        layers: 2,
+        page_bytes: 65536,
+        pages_per_room: 32,
+        concurrency: 4,
+        ..small_shape()
+    };
+    let memory = || {
+        let staging = Staging::new(
+            HostCopyEngine::new(Duration::ZERO),
+            StagingConfig {
+                buffers: 1,
+                buffer_bytes: 4 << 20,
+            },
+        )
+        .unwrap();
+        Arc::new(MemoryMap::allocate_as_device(shape.layout(), 0).with_staging(staging))
+    };
+    let mut pc = node_config(Role::Prefill, &shape, staged_core(), b"test-token", 1);
+    let mut dc = node_config(Role::Decode, &shape, staged_core(), b"test-token", 2);
+    use_test_backend(p, &mut pc);
+    use_test_backend(d, &mut dc);
+    let prefill = p.start(pc, memory()).unwrap();
+    let decode = d.start(dc, memory()).unwrap();
+    let run = DecodeRun {
+        shape: shape.clone(),
+        deadline: Duration::from_secs(60),
+        ..rooms(12, 1)
+    };
+    let report = tokio::time::timeout(Duration::from_secs(90), run_pair(&prefill, &decode, run))
+        .await
+        .expect("the connections blocked each other")
+        .unwrap();
+    assert_all_clean(&report, 12);
+}
+
 /// Prefill's engine fails every device-to-host copy after its 40th: the connection carrying
 /// the half-written operation closes, the core retries, and every room ends, in `Success` with
 /// every byte right or in `Failed` with a reason; none hangs, none lands garbage.
@@ -169,6 +211,7 @@ on_every_driver!(
     device_and_host_nodes_move_rooms_between_them,
     layerwise_device_rooms_move_each_layer_once_ready,
     a_pool_of_one_buffer_serves_every_connection,
+    connections_sharing_a_one_buffer_pool_never_wait_on_each_other,
     a_copy_engine_failing_mid_transfer_never_lands_garbage,
 );
 
