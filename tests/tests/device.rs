@@ -74,11 +74,12 @@ async fn device_rooms_move_staged_with_every_byte_verified(p: Runtime, d: Runtim
     let report = move_rooms(p, d, prefill.clone(), decode.clone(), rooms(20, 1)).await;
     assert_all_clean(&report, 20);
     assert_eq!(report.pages_verified, 20 * 8 * 4 * 2);
-    // Only the data plane takes pool buffers (verification copies through its own): both
-    // sides staged, four buffers per 32 KiB operation at least.
+    // Only the staged data plane takes the shared pool's buffers (each connection stages
+    // through a buffer of its own first, verification through buffers of its own): both sides
+    // staged, with a second buffer in flight at times.
     for side in [&prefill, &decode] {
         let taken = side.staging().unwrap().taken();
-        assert!(taken >= 20 * 8 * 4, "{taken} staged buffers");
+        assert!(taken > 0, "{taken} shared buffers taken");
     }
 }
 
