@@ -24,6 +24,30 @@ fn check(r: CUresult, what: &str) -> Result<(), CopyError> {
     }
 }
 
+/// Makes `ctx` current on this thread until dropped, then restores what was current: the
+/// engine runs on the embedder's threads (a Python thread that also runs torch) and must not
+/// change the device they work on.
+struct Current;
+
+impl Current {
+    fn push(ctx: &CudaContext) -> Result<Current, CopyError> {
+        // SAFETY: pushes a live context (held by the engine) on this thread's stack.
+        check(
+            unsafe { sys::cuCtxPushCurrent_v2(ctx.cu_ctx()) },
+            "cuCtxPushCurrent",
+        )?;
+        Ok(Current)
+    }
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context `push` pushed on this thread.
+        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+}
+
 /// One device's context and the stream its staging copies run on (in order).
 struct DeviceCopies {
     ctx: Arc<CudaContext>,
@@ -80,16 +104,20 @@ impl CudaCopyEngine {
     }
 }
 
-/// What a batch's host function receives.
+/// What a batch's stream callback receives.
 struct Completion {
     done: CopyDone,
     result: Result<(), CopyError>,
 }
 
-unsafe extern "C" fn complete(user: *mut c_void) {
+/// A stream callback (not a host function: the driver skips host functions once the context
+/// has an error, and the batch would never end; a callback runs with the error instead).
+/// Makes no CUDA call.
+unsafe extern "C" fn complete(_stream: sys::CUstream, status: CUresult, user: *mut c_void) {
     // SAFETY: `user` is the Box<Completion> leaked by `start` for exactly this one call.
     let c = unsafe { Box::from_raw(user.cast::<Completion>()) };
-    (c.done)(c.result);
+    let result = c.result.and(check(status, "copy stream"));
+    (c.done)(result);
 }
 
 impl CopyEngine for CudaCopyEngine {
@@ -104,12 +132,13 @@ impl CopyEngine for CudaCopyEngine {
             ))));
             return;
         };
-        if let Err(e) = dev.ctx.bind_to_thread() {
-            done(Err(CopyError(format!(
-                "binding CUDA device {device}: {e:?}"
-            ))));
-            return;
-        }
+        let current = match Current::push(&dev.ctx) {
+            Ok(c) => c,
+            Err(e) => {
+                done(Err(e));
+                return;
+            }
+        };
         let stream = dev.stream.cu_stream();
         let mut result = Ok(());
         for j in &jobs {
@@ -138,35 +167,41 @@ impl CopyEngine for CudaCopyEngine {
         }
         let user = Box::into_raw(Box::new(Completion { done, result }));
         // SAFETY: `complete` takes the box back exactly once, after every copy queued above.
-        let r = unsafe { sys::cuLaunchHostFunc(stream, Some(complete), user.cast()) };
+        let r = unsafe { sys::cuStreamAddCallback(stream, Some(complete), user.cast(), 0) };
         if r != CUresult::CUDA_SUCCESS {
-            // SAFETY: the host function was not queued, so the box is still ours.
+            // SAFETY: the callback was not queued, so the box is still ours.
             let c = unsafe { Box::from_raw(user) };
             let waited = dev
                 .stream
                 .synchronize()
                 .map_err(|e| CopyError(format!("{e:?}")));
-            let result = c.result.and(waited).and(check(r, "cuLaunchHostFunc"));
+            let result = c.result.and(waited).and(check(r, "cuStreamAddCallback"));
             (c.done)(result);
         }
+        drop(current);
     }
 
     fn pin(&self, buffer: &mut HostBuffer) -> Result<(), CopyError> {
         let Some(dev) = self.any() else {
             return Ok(());
         };
-        dev.ctx
-            .bind_to_thread()
-            .map_err(|e| CopyError(format!("{e:?}")))?;
+        let _current = Current::push(&dev.ctx)?;
         let slice = buffer.as_mut_slice();
-        // SAFETY: page-locks the buffer's own allocation; `unpin` undoes it before it is freed.
-        let r = unsafe { sys::cuMemHostRegister_v2(slice.as_mut_ptr().cast(), slice.len(), 0) };
+        // SAFETY: page-locks the buffer's own allocation, for every context (portable: copies
+        // of any device see it pinned); `unpin` undoes it before it is freed.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(
+                slice.as_mut_ptr().cast(),
+                slice.len(),
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
         check(r, "cuMemHostRegister")
     }
 
     fn unpin(&self, buffer: &mut HostBuffer) {
         if let Some(dev) = self.any() {
-            if dev.ctx.bind_to_thread().is_ok() {
+            if let Ok(_current) = Current::push(&dev.ctx) {
                 // SAFETY: the buffer was registered by `pin` and is not in use any more.
                 let _ =
                     unsafe { sys::cuMemHostUnregister(buffer.as_mut_slice().as_mut_ptr().cast()) };
@@ -178,11 +213,11 @@ impl CopyEngine for CudaCopyEngine {
 /// What the driver says the memory at `ptr` is: host memory it does not know, or a device's.
 pub fn pointer_kind(ptr: *const u8) -> Result<MemoryKind, GpuError> {
     probe()?;
-    Ok(kind_of(ptr))
+    kind_of(ptr)
 }
 
 /// [`pointer_kind`] once the driver is known to be loaded and initialised.
-fn kind_of(ptr: *const u8) -> MemoryKind {
+fn kind_of(ptr: *const u8) -> Result<MemoryKind, GpuError> {
     let mut memory_type: u32 = 0;
     // SAFETY: asks the driver about an address; writes one u32 into `memory_type`.
     let r = unsafe {
@@ -192,12 +227,16 @@ fn kind_of(ptr: *const u8) -> MemoryKind {
             ptr as sys::CUdeviceptr,
         )
     };
-    if r != CUresult::CUDA_SUCCESS {
+    if r == CUresult::CUDA_ERROR_INVALID_VALUE {
         // Memory the driver never saw (plain malloc) is host memory.
-        return MemoryKind::Host;
+        return Ok(MemoryKind::Host);
+    }
+    if r != CUresult::CUDA_SUCCESS {
+        // Any other answer says nothing about the pointer: do not call it host memory.
+        return Err(GpuError::Driver(format!("what memory {ptr:?} is: {r:?}")));
     }
     if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        return MemoryKind::Host;
+        return Ok(MemoryKind::Host);
     }
     let mut ordinal: i32 = 0;
     // SAFETY: as above, one i32.
@@ -210,13 +249,13 @@ fn kind_of(ptr: *const u8) -> MemoryKind {
     };
     // Device memory whose ordinal the driver does not give is still device memory: call it
     // device 0 rather than host, so it is never read by the CPU.
-    MemoryKind::Cuda {
+    Ok(MemoryKind::Cuda {
         device: if r == CUresult::CUDA_SUCCESS {
             ordinal as u32
         } else {
             0
         },
-    }
+    })
 }
 
 /// A region registered as one kind of memory that the driver says is another.
@@ -238,7 +277,7 @@ pub fn check_kinds(memory: &MemoryMap) -> Result<Option<KindMismatch>, GpuError>
         let ptr = memory
             .range(region, 0, 0)
             .map_err(|e| GpuError::Driver(e.to_string()))?;
-        let actual = kind_of(ptr);
+        let actual = kind_of(ptr)?;
         if actual != registered {
             return Ok(Some(KindMismatch {
                 region,

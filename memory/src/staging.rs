@@ -206,7 +206,13 @@ impl Staging {
         let (home, free) = flume::bounded(config.buffers);
         for _ in 0..config.buffers {
             let mut b = HostBuffer::new(config.buffer_bytes);
-            engine.pin(&mut b)?;
+            if let Err(e) = engine.pin(&mut b) {
+                // Those pinned already are unpinned before they are freed.
+                while let Ok(mut pinned) = free.try_recv() {
+                    engine.unpin(&mut pinned);
+                }
+                return Err(e);
+            }
             let _ = home.send(b);
         }
         Ok(Arc::new(Staging {
@@ -240,10 +246,10 @@ impl Staging {
 
     /// A free buffer; waits while every buffer is in use.
     pub async fn acquire(&self) -> StagingBuffer {
-        self.taken
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // The pool holds a sender itself, so the channel never disconnects.
         let buffer = self.free.recv_async().await.ok();
+        self.taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         StagingBuffer {
             buffer,
             home: self.home.clone(),
