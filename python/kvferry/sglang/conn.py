@@ -11,9 +11,9 @@ quarantine all run in kvferry's core. SGLang's ZMQ status messages,
 heartbeat thread and abort-ack bookkeeping are not used.
 
 Supported: MHA and MLA pools whose KV buffers share one page size, prefill and decode with
-the same attention TP size, PP 1 and CP 1, device or host memory the process can address
-(the Python package moves host memory). Anything else is refused with a clear error when
-the manager starts or when a room meets it.
+the same attention TP size, PP 1 and CP 1, pools in host memory or in the rank's GPU (staged
+through kvferry's CUDA copy engine; the CPU never reads a device pool). Anything else is
+refused with a clear error when the manager starts or when a room meets it.
 """
 
 from __future__ import annotations
