@@ -752,6 +752,21 @@ pub fn role_label(role: Role) -> &'static str {
     }
 }
 
+/// Publishes the staging pool device memory moves through: that this node stages (and with
+/// which engine), its size, what is free now, and the shared buffers taken so far (each
+/// connection's own buffer is not counted).
+pub fn export_staging_metrics(staging: &kvferry_memory::Staging, role: Role) {
+    let role = role_label(role);
+    let engine = staging.engine().name();
+    let config = staging.config();
+    metrics::gauge!("kvferry_staging_buffers", "role" => role, "engine" => engine)
+        .set(config.buffers as f64);
+    metrics::gauge!("kvferry_staging_buffers_free", "role" => role, "engine" => engine)
+        .set(staging.free() as f64);
+    metrics::counter!("kvferry_staging_buffers_taken_total", "role" => role, "engine" => engine)
+        .absolute(staging.taken());
+}
+
 /// Publishes the core's counters (absolute values) and gauges through the `metrics` facade.
 pub fn export_metrics(endpoint: &Endpoint, role: Role) {
     let role = role_label(role);

@@ -305,6 +305,8 @@ pub struct Driver<H: Host> {
     /// Injected data-path faults (demos and tests), shared with the receive paths so a
     /// write batch reads them without taking the driver.
     faults: FaultSwitch,
+    /// The shared staging pool device memory moves through, for its metrics.
+    staging: Option<std::sync::Arc<kvferry_memory::Staging>>,
 }
 
 impl<H: Host> Driver<H> {
@@ -333,7 +335,13 @@ impl<H: Host> Driver<H> {
             data_connections: data_connections.max(1),
             announcements,
             faults: FaultSwitch::default(),
+            staging: None,
         }
+    }
+
+    /// The shared staging pool of the node's device memory, exported with its metrics.
+    pub fn set_staging(&mut self, staging: Option<std::sync::Arc<kvferry_memory::Staging>>) {
+        self.staging = staging;
     }
 
     /// The core endpoint (read-only: inputs go through [`Driver::with`]).
@@ -391,6 +399,9 @@ impl<H: Host> Driver<H> {
         if now.duration_since(self.metrics_at) >= METRICS_EVERY {
             self.metrics_at = now;
             export_metrics(&self.endpoint, self.role);
+            if let Some(s) = &self.staging {
+                crate::export_staging_metrics(s, self.role);
+            }
         }
         let next = self.endpoint.poll_timeout().map(|(t, _)| t);
         self.armed = next;

@@ -316,6 +316,8 @@ pub(crate) async fn shard_main(
         spawns: RefCell::new(Vec::new()),
     });
     shard.drive(|d| d.set_faults(setup.config.faults));
+    let staging = shard.driver.borrow().host().memory.staging().cloned();
+    shard.drive(|d| d.set_staging(staging));
     let weak = Rc::downgrade(&shard);
     let host = shard.host();
     let timer = glommio::spawn_local(async move {

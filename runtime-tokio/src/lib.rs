@@ -224,6 +224,7 @@ impl Node {
         let host = {
             let mut driver = shared.lock();
             driver.set_faults(config.faults);
+            driver.set_staging(shared.memory.staging().cloned());
             driver.host().clone()
         };
         let role = shared.info.role;
