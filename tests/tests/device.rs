@@ -14,8 +14,7 @@ use kvferry_memory::{
 };
 use kvferry_testkit::{node_config, run_pair, DecodeRun, Report};
 use kvferry_tests::{
-    assert_all_clean, fast_core, on_every_driver, rooms, small_shape, use_test_backend, KvNode,
-    Runtime,
+    assert_all_clean, fast_core, on_every_driver, rooms, small_shape, use_test_backend, Runtime,
 };
 use kvferry_tokio::NodeError;
 
@@ -216,67 +215,6 @@ on_every_driver!(
     connections_sharing_a_one_buffer_pool_never_wait_on_each_other,
     a_copy_engine_failing_mid_transfer_never_lands_garbage,
 );
-
-/// A node over device memory publishes its staging pool: engine, size, free buffers, and
-/// the shared buffers taken (the only test in this binary that installs a recorder).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_staging_node_publishes_its_pool_in_its_metrics() {
-    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .install_recorder()
-        .unwrap();
-    let memory = || device_memory(HostCopyEngine::new(Duration::ZERO), 3, 8192);
-    let shape = small_shape();
-    let prefill = Runtime::Tokio
-        .start(
-            node_config(Role::Prefill, &shape, staged_core(), b"test-token", 1),
-            memory(),
-        )
-        .unwrap();
-    let decode = Runtime::Tokio
-        .start(
-            node_config(Role::Decode, &shape, staged_core(), b"test-token", 2),
-            memory(),
-        )
-        .unwrap();
-    // The nodes stay up while the metrics are read (run_pair would shut them down).
-    let addrs = prefill
-        .listen("127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    let _server = tokio::spawn(kvferry_testkit::serve_prefill(
-        prefill.clone(),
-        shape.clone(),
-    ));
-    let peer = decode.connect(addrs).await.unwrap();
-    let report = kvferry_testkit::run_decode(&decode, peer, rooms(10, 1)).await;
-    assert_all_clean(&report, 10);
-    // Metrics are published every 500 ms of driver turns.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let text = loop {
-        let text = recorder.render();
-        if text.contains("kvferry_staging_buffers_taken_total")
-            || std::time::Instant::now() > deadline
-        {
-            break text;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    for line in [
-        r#"kvferry_staging_buffers{role="decode",engine="host"} 3"#,
-        r#"kvferry_staging_buffers{role="prefill",engine="host"} 3"#,
-    ] {
-        assert!(
-            text.contains(line),
-            "{line} not in ({} bytes):\n{text}",
-            text.len()
-        );
-    }
-    assert!(text.contains("kvferry_staging_buffers_free{"), "{text}");
-    assert!(
-        text.contains("kvferry_staging_buffers_taken_total{"),
-        "{text}"
-    );
-}
 
 /// Device memory without a copy engine: refused at start with the region and the fix, on
 /// both drivers (nothing reads a device address on the CPU).
