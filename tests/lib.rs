@@ -49,6 +49,37 @@ pub fn peer_loss_core() -> Config {
     }
 }
 
+/// Device memory (CUDA device 0) for `small_shape`, reached through `engine` and a pool of
+/// `buffers` buffers of `bytes` each.
+pub fn device_memory(
+    engine: Arc<kvferry_memory::HostCopyEngine>,
+    buffers: usize,
+    bytes: usize,
+) -> Arc<MemoryMap> {
+    let staging = kvferry_memory::Staging::new(
+        engine,
+        kvferry_memory::StagingConfig {
+            buffers,
+            buffer_bytes: bytes,
+        },
+    )
+    .expect("staging pool");
+    Arc::new(MemoryMap::allocate_as_device(small_shape().layout(), 0).with_staging(staging))
+}
+
+/// `fast_core` with deadlines a slowed engine keeps on a loaded machine: the host engine is
+/// one thread that sleeps before every batch (verification included), and on a machine with
+/// three busy loops per core each sleep can take milliseconds. Rooms that must fail still
+/// fail within seconds (the failing engine breaks connections at once).
+pub fn staged_core() -> Config {
+    Config {
+        operation_timeout: Duration::from_secs(10),
+        waiting_timeout: Duration::from_secs(20),
+        bootstrap_timeout: Duration::from_secs(20),
+        ..fast_core()
+    }
+}
+
 /// Starts a node of `role` with its own memory.
 pub fn start(role: Role, shape: &Shape, core: Config, seed: u64) -> Node {
     let mut cfg = node_config(role, shape, core, b"test-token", seed);

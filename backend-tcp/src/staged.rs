@@ -143,6 +143,30 @@ pub(crate) fn lane(staging: &Staging) -> io::Result<std::sync::Arc<Staging>> {
     .map_err(copy_failed)
 }
 
+/// Starts the stage of payload bytes `next..` (as many as `buffer` holds, up to `total`):
+/// the engine's copies of its device pieces in `direction`, and the CPU's of its host pieces
+/// at once. Prefill's buffer is empty here (the engine fills it); decode's holds the bytes
+/// just read.
+fn start_stage(
+    pieces: &[Piece],
+    next: usize,
+    total: usize,
+    mut buffer: StagingBuffer,
+    direction: CopyDirection,
+    staging: &Staging,
+) -> Stage {
+    let hi = (next + buffer.len()).min(total);
+    let mut copies = InFlightCopies::default();
+    for (device, jobs) in plan(pieces, next, hi, &mut buffer, direction) {
+        copies.start(staging, device, direction, jobs);
+    }
+    Stage {
+        copies,
+        buffer,
+        len: hi - next,
+    }
+}
+
 /// The connection's lane, made on first use.
 pub(crate) fn lane_of(
     slot: &mut Option<std::sync::Arc<Staging>>,
@@ -179,26 +203,24 @@ pub(crate) async fn write_staged<W: GatherWrite>(
     staging: &Staging,
 ) -> io::Result<()> {
     let total: usize = pieces.iter().map(|p| p.len).sum();
-    let size = staging.config().buffer_bytes;
     write.write_gather(header, &[]).await?;
     let mut stages: VecDeque<Stage> = VecDeque::new();
     let mut next = 0usize;
     while next < total || !stages.is_empty() {
         while stages.len() < DEPTH && next < total {
-            let Some(mut buffer) = next_buffer(lane, staging, stages.len()).await else {
+            let Some(buffer) = next_buffer(lane, staging, stages.len()).await else {
                 break;
             };
-            let hi = (next + size.min(buffer.len())).min(total);
-            let mut copies = InFlightCopies::default();
-            for (device, jobs) in plan(pieces, next, hi, &mut buffer, CopyDirection::DeviceToHost) {
-                copies.start(staging, device, CopyDirection::DeviceToHost, jobs);
-            }
-            stages.push_back(Stage {
-                copies,
+            let stage = start_stage(
+                pieces,
+                next,
+                total,
                 buffer,
-                len: hi - next,
-            });
-            next = hi;
+                CopyDirection::DeviceToHost,
+                staging,
+            );
+            next += stage.len;
+            stages.push_back(stage);
         }
         let Some(mut stage) = stages.pop_front() else {
             break;
@@ -221,11 +243,10 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
 ) -> io::Result<()> {
     use futures_lite::AsyncReadExt;
     let total: usize = pieces.iter().map(|p| p.len).sum();
-    let size = staging.config().buffer_bytes;
     let mut stages: VecDeque<Stage> = VecDeque::new();
     let mut next = 0usize;
     while next < total {
-        let buffer = match next_buffer(lane, staging, stages.len()).await {
+        let mut buffer = match next_buffer(lane, staging, stages.len()).await {
             Some(b) => b,
             None => {
                 // Every buffer of the pool is out: the oldest of ours frees when its copy lands.
@@ -235,20 +256,18 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
                 continue;
             }
         };
-        let mut buffer = buffer;
-        let hi = (next + size.min(buffer.len())).min(total);
-        read.read_exact(&mut buffer.as_mut_slice()[..hi - next])
-            .await?;
-        let mut copies = InFlightCopies::default();
-        for (device, jobs) in plan(pieces, next, hi, &mut buffer, CopyDirection::HostToDevice) {
-            copies.start(staging, device, CopyDirection::HostToDevice, jobs);
-        }
-        stages.push_back(Stage {
-            copies,
+        let n = buffer.len().min(total - next);
+        read.read_exact(&mut buffer.as_mut_slice()[..n]).await?;
+        let stage = start_stage(
+            pieces,
+            next,
+            total,
             buffer,
-            len: hi - next,
-        });
-        next = hi;
+            CopyDirection::HostToDevice,
+            staging,
+        );
+        next += stage.len;
+        stages.push_back(stage);
         while stages.len() >= DEPTH {
             if let Some(mut oldest) = stages.pop_front() {
                 oldest.copies.all().await.map_err(copy_failed)?;
@@ -256,7 +275,6 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
         }
     }
     for mut stage in stages.drain(..) {
-        let _ = stage.len;
         stage.copies.all().await.map_err(copy_failed)?;
     }
     Ok(())

@@ -229,14 +229,15 @@ pub fn check_memory(memory: &MemoryMap, backend: &DataBackend) -> Result<(), Nod
             fix: "register it with a copy engine (MemoryMap::with_staging; the CUDA engine of kvferry-gpu), or register host memory",
         });
     }
-    if !matches!(backend, DataBackend::Tcp) && memory.has_device_regions() {
-        if let Some((region, kind)) = memory.device_regions().next() {
-            return Err(NodeError::UnreachableMemory {
-                region,
-                kind,
-                fix: "the RDMA backend does not register device memory yet: use the tcp backend (staged through host buffers)",
-            });
-        }
+    if let (false, Some((region, kind))) = (
+        matches!(backend, DataBackend::Tcp),
+        memory.device_regions().next(),
+    ) {
+        return Err(NodeError::UnreachableMemory {
+            region,
+            kind,
+            fix: "the RDMA backend does not register device memory yet: use the tcp backend (staged through host buffers)",
+        });
     }
     if let (Some(staging), Some((region, kind))) =
         (memory.staging(), memory.device_regions().next())

@@ -216,17 +216,28 @@ pub fn pointer_kind(ptr: *const u8) -> Result<MemoryKind, GpuError> {
     kind_of(ptr)
 }
 
-/// [`pointer_kind`] once the driver is known to be loaded and initialised.
-fn kind_of(ptr: *const u8) -> Result<MemoryKind, GpuError> {
-    let mut memory_type: u32 = 0;
-    // SAFETY: asks the driver about an address; writes one u32 into `memory_type`.
+/// One attribute of `ptr` as the driver reports it (`T` is the attribute's C type: `u32`
+/// for the memory type, `i32` for the device ordinal).
+fn attribute<T: Default>(ptr: *const u8, which: sys::CUpointer_attribute) -> (CUresult, T) {
+    let mut value = T::default();
+    // SAFETY: asks the driver about an address; it writes one value of the attribute's type,
+    // which the callers name as `T`.
     let r = unsafe {
         sys::cuPointerGetAttribute(
-            (&mut memory_type as *mut u32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            (&mut value as *mut T).cast(),
+            which,
             ptr as sys::CUdeviceptr,
         )
     };
+    (r, value)
+}
+
+/// [`pointer_kind`] once the driver is known to be loaded and initialised.
+fn kind_of(ptr: *const u8) -> Result<MemoryKind, GpuError> {
+    let (r, memory_type) = attribute::<u32>(
+        ptr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+    );
     if r == CUresult::CUDA_ERROR_INVALID_VALUE {
         // Memory the driver never saw (plain malloc) is host memory.
         return Ok(MemoryKind::Host);
@@ -238,15 +249,10 @@ fn kind_of(ptr: *const u8) -> Result<MemoryKind, GpuError> {
     if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
         return Ok(MemoryKind::Host);
     }
-    let mut ordinal: i32 = 0;
-    // SAFETY: as above, one i32.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut ordinal as *mut i32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr as sys::CUdeviceptr,
-        )
-    };
+    let (r, ordinal) = attribute::<i32>(
+        ptr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+    );
     // Device memory whose ordinal the driver does not give is still device memory: call it
     // device 0 rather than host, so it is never read by the CPU.
     Ok(MemoryKind::Cuda {

@@ -265,11 +265,6 @@ impl MemoryMap {
         self.extent(region).map(|e| e.kind)
     }
 
-    /// Whether any region is device memory.
-    pub fn has_device_regions(&self) -> bool {
-        self.regions().any(|(_, e)| e.kind != MemoryKind::Host)
-    }
-
     /// The first device region this map cannot reach (no copy engine), if any: a node over
     /// such memory must refuse to start, naming it.
     pub fn unreachable_region(&self) -> Option<(Region, MemoryKind)> {

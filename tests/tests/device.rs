@@ -8,42 +8,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_core::{Config, Region, Role};
+use kvferry_core::{Region, Role};
 use kvferry_memory::{
     CopyDirection, HostCopyEngine, MemoryKind, MemoryMap, Staging, StagingConfig,
 };
 use kvferry_testkit::{node_config, run_pair, DecodeRun, Report};
 use kvferry_tests::{
-    assert_all_clean, fast_core, on_every_driver, rooms, small_shape, use_test_backend, Runtime,
+    assert_all_clean, device_memory, fast_core, on_every_driver, rooms, small_shape, staged_core,
+    use_test_backend, Runtime,
 };
 use kvferry_tokio::NodeError;
-
-/// Device memory for `small_shape`, reached through a host engine with `delay` per batch and
-/// a pool of `buffers` buffers of `bytes` each.
-fn device_memory(engine: Arc<HostCopyEngine>, buffers: usize, bytes: usize) -> Arc<MemoryMap> {
-    let staging = Staging::new(
-        engine,
-        StagingConfig {
-            buffers,
-            buffer_bytes: bytes,
-        },
-    )
-    .unwrap();
-    Arc::new(MemoryMap::allocate_as_device(small_shape().layout(), 0).with_staging(staging))
-}
-
-/// `fast_core` with deadlines a slowed engine keeps on a loaded machine: the host engine is
-/// one thread that sleeps before every batch (verification included), and on a machine with
-/// three busy loops per core each sleep can take milliseconds. Rooms that must fail still
-/// fail within seconds (the failing engine breaks connections at once).
-fn staged_core() -> Config {
-    Config {
-        operation_timeout: Duration::from_secs(10),
-        waiting_timeout: Duration::from_secs(20),
-        bootstrap_timeout: Duration::from_secs(20),
-        ..fast_core()
-    }
-}
 
 /// Moves `run` between a prefill over `prefill_memory` and a decode over `decode_memory`.
 async fn move_rooms(

@@ -2,34 +2,14 @@
 //! the recorder is global, and other nodes of the process would publish the same names.
 #![allow(clippy::unwrap_used)] // tests may panic
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_core::{Config, Role};
-use kvferry_memory::{HostCopyEngine, MemoryMap, Staging, StagingConfig};
+use kvferry_core::Role;
+use kvferry_memory::HostCopyEngine;
 use kvferry_testkit::node_config;
-use kvferry_tests::{assert_all_clean, fast_core, rooms, small_shape, KvNode, Runtime};
-
-fn device_memory(buffers: usize) -> Arc<MemoryMap> {
-    let staging = Staging::new(
-        HostCopyEngine::new(Duration::ZERO),
-        StagingConfig {
-            buffers,
-            buffer_bytes: 8192,
-        },
-    )
-    .unwrap();
-    Arc::new(MemoryMap::allocate_as_device(small_shape().layout(), 0).with_staging(staging))
-}
-
-fn staged_core() -> Config {
-    Config {
-        operation_timeout: Duration::from_secs(10),
-        waiting_timeout: Duration::from_secs(20),
-        bootstrap_timeout: Duration::from_secs(20),
-        ..fast_core()
-    }
-}
+use kvferry_tests::{
+    assert_all_clean, device_memory, rooms, small_shape, staged_core, KvNode, Runtime,
+};
 
 /// Engine, size, free buffers, and the shared buffers taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -37,7 +17,7 @@ async fn a_staging_node_publishes_its_pool_in_its_metrics() {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .unwrap();
-    let memory = || device_memory(3);
+    let memory = || device_memory(HostCopyEngine::new(Duration::ZERO), 3, 8192);
     let shape = small_shape();
     let prefill = Runtime::Tokio
         .start(
