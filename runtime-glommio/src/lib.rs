@@ -315,9 +315,11 @@ pub(crate) async fn shard_main(
         listeners: RefCell::new(Vec::new()),
         spawns: RefCell::new(Vec::new()),
     });
-    shard.drive(|d| d.set_faults(setup.config.faults));
-    let staging = shard.driver.borrow().host().memory.staging().cloned();
-    shard.drive(|d| d.set_staging(staging));
+    shard.drive(|d| {
+        d.set_faults(setup.config.faults);
+        let staging = d.host().memory.staging().cloned();
+        d.set_staging(staging);
+    });
     let weak = Rc::downgrade(&shard);
     let host = shard.host();
     let timer = glommio::spawn_local(async move {
