@@ -19,7 +19,7 @@ if [ "${1:-}" = "--build" ]; then
     cargo test -q -p kvferry-rdma -p kvferry-tests --features kvferry-rdma/rdma,kvferry-tests/rdma \
         --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
-want = {"kvferry_rdma", "verbs", "logic", "rdma", "drivers"}
+want = {"kvferry_rdma", "verbs", "logic", "rdma", "drivers", "device"}
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -72,6 +72,12 @@ while read -r name exe; do
         drivers)
             run env KVFERRY_TEST_BACKEND=rdma "$exe" ::tokio --skip tokio_prefill --skip glommio \
                 "${tcp_only[@]}" --test-threads 1
+            ;;
+        # Device memory on RDMA nodes: no engine here exports a dma-buf, so each such node
+        # stages over TCP and its RDMA peer follows (the tcp_staged path, every byte checked).
+        device)
+            run env KVFERRY_TEST_BACKEND=rdma "$exe" ::tokio --skip tokio_prefill --skip glommio \
+                --test-threads 1
             ;;
         *) run "$exe" --test-threads 1 ;;
     esac

@@ -9,6 +9,7 @@
 //! QP is replaced by a new one, connected to the hello, and the new QP's hello goes back. The
 //! peer's QP is in INIT then, so that hello only connects it.
 
+use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvferry_core::{Region, TransferId, TransferOp, TransferOutcome};
@@ -22,6 +23,29 @@ use crate::{writable, HandshakeError, QpState, RdmaHello, RemoteRegion};
 /// that does not fit fails at once (a full send queue) and the core retries it later.
 const QP_DEPTH_MAX: u32 = 16384;
 
+/// Where a region's bytes are, for registration.
+#[derive(Debug)]
+pub enum RegionMemory<'a> {
+    /// Host memory.
+    Host {
+        /// First byte.
+        ptr: *mut u8,
+        /// Bytes.
+        len: usize,
+    },
+    /// Device memory exported as a dma-buf, addressed by its own device address.
+    DmaBuf {
+        /// The dma-buf.
+        fd: BorrowedFd<'a>,
+        /// Where the region starts inside it.
+        offset: u64,
+        /// The region's device address (operations name it).
+        iova: u64,
+        /// Bytes.
+        len: usize,
+    },
+}
+
 /// A node's RDMA side: the device, the port, and every region of its layout registered.
 #[derive(Debug)]
 pub struct RdmaNode {
@@ -31,6 +55,8 @@ pub struct RdmaNode {
     announce: Vec<RemoteRegion>,
     /// Send queue (and completion queue) depth: the device's limit, at most `QP_DEPTH_MAX`.
     depth: u32,
+    /// Whether some region is device memory registered through its dma-buf.
+    dma_buf: bool,
 }
 
 impl RdmaNode {
@@ -40,25 +66,39 @@ impl RdmaNode {
     ///
     /// # Safety
     ///
-    /// Every `(region, base, len)` must stay allocated and in place while the node lives.
+    /// Every region's memory must stay allocated and in place while the node lives.
     pub unsafe fn open(
         device: Option<&str>,
         port: u8,
-        regions: &[(Region, *mut u8, usize)],
+        regions: &[(Region, RegionMemory<'_>)],
         remote_write: bool,
     ) -> Result<RdmaNode, RdmaError> {
         let device = Arc::new(Device::open(device)?);
         let depth = device.max_qp_wr()?.min(QP_DEPTH_MAX);
         let mut registered = Vec::with_capacity(regions.len());
         let mut announce = Vec::new();
-        for &(region, base, len) in regions {
-            let remote = remote_write && writable(region);
-            // SAFETY: the caller keeps the range allocated and in place while we live.
-            let mr = unsafe { MemoryRegistration::new(&device, base, len, remote)? };
+        let mut dma_buf = false;
+        for (region, memory) in regions {
+            let remote = remote_write && writable(*region);
+            let mr = match *memory {
+                // SAFETY: the caller keeps the range allocated and in place while we live.
+                RegionMemory::Host { ptr, len } => unsafe {
+                    MemoryRegistration::new(&device, ptr, len, remote)?
+                },
+                RegionMemory::DmaBuf {
+                    fd,
+                    offset,
+                    iova,
+                    len,
+                } => {
+                    dma_buf = true;
+                    MemoryRegistration::dma_buf(&device, fd, offset, iova, len, remote)?
+                }
+            };
             if remote {
                 announce.push(mr.announce(region.code()));
             }
-            registered.push((region, mr));
+            registered.push((*region, mr));
         }
         Ok(RdmaNode {
             device,
@@ -66,7 +106,13 @@ impl RdmaNode {
             regions: registered,
             announce,
             depth,
+            dma_buf,
         })
+    }
+
+    /// Whether some region is device memory the NIC reaches directly (dma-buf).
+    pub fn registers_device_memory(&self) -> bool {
+        self.dma_buf
     }
 
     /// The device's name.

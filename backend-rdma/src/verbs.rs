@@ -3,7 +3,7 @@
 //! operation, completions through a completion channel whose descriptor a driver awaits
 //! (re-armed after each drain), and the fence as "error state, then drain".
 
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
 
 use kvferry_core::{TransferId, TransferOutcome};
@@ -11,6 +11,18 @@ use rdma_sys::*;
 
 use crate::device::{Device, RdmaError};
 use crate::{QpLifecycle, RdmaHello, RemoteRegion, WcStatus, PSN_MASK};
+
+// Exported by libibverbs since rdma-core 34 (IBVERBS_1.12); rdma-sys 0.3 does not bind it.
+extern "C" {
+    fn ibv_reg_dmabuf_mr(
+        pd: *mut ibv_pd,
+        offset: u64,
+        length: usize,
+        iova: u64,
+        fd: std::ffi::c_int,
+        access: std::ffi::c_int,
+    ) -> *mut ibv_mr;
+}
 
 fn verbs_err(call: &'static str) -> RdmaError {
     RdmaError::Verbs {
@@ -66,6 +78,46 @@ impl MemoryRegistration {
         Ok(MemoryRegistration {
             mr,
             addr: ptr as u64,
+            len: len as u64,
+            _device: device.clone(),
+        })
+    }
+
+    /// Registers `len` bytes of device memory exported as the dma-buf `fd`, starting
+    /// `offset` bytes into it, addressed by the NIC as `[iova, iova + len)` (the memory's own
+    /// device address, so operations name it as they name host memory). The access rules
+    /// are [`MemoryRegistration::new`]'s. Fails where the device or its driver cannot
+    /// register dma-bufs (soft-RoCE cannot): the caller stages instead.
+    pub fn dma_buf(
+        device: &Arc<Device>,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        iova: u64,
+        len: usize,
+        remote_write: bool,
+    ) -> Result<MemoryRegistration, RdmaError> {
+        let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
+        if remote_write {
+            access |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
+        }
+        // SAFETY: the PD is alive as long as `device`; the dma-buf is a live descriptor the
+        // kernel pins for the registration's life (it takes its own reference).
+        let mr = unsafe {
+            ibv_reg_dmabuf_mr(
+                device.pd(),
+                offset,
+                len,
+                iova,
+                fd.as_raw_fd(),
+                access.0 as i32,
+            )
+        };
+        if mr.is_null() {
+            return Err(verbs_err("ibv_reg_dmabuf_mr"));
+        }
+        Ok(MemoryRegistration {
+            mr,
+            addr: iova,
             len: len as u64,
             _device: device.clone(),
         })

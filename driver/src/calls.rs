@@ -7,7 +7,9 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 
-use kvferry_core::{ApiError, Capacity, Chunk, Counters, Generation, Grant, Link, RoomId};
+use kvferry_core::{
+    ApiError, Capacity, Chunk, Counters, Generation, Grant, Link, RoomId, SessionId,
+};
 use tokio::sync::oneshot;
 
 use crate::machine::{Driver, Host};
@@ -270,6 +272,18 @@ impl<C: ShardCalls> Embedder<C> {
         self.calls
             .call(shard, |d| d.endpoint().counters().clone())
             .await
+    }
+
+    /// The path each live session of every shard moves its operations on (sessions whose
+    /// path is not chosen yet are left out).
+    pub async fn data_paths(&self) -> Vec<(usize, SessionId, crate::DataPath)> {
+        let mut all = Vec::new();
+        for shard in 0..self.calls.shards() {
+            if let Ok(paths) = self.calls.call(shard, |d| d.session_paths()).await {
+                all.extend(paths.into_iter().map(|(sid, path)| (shard, sid, path)));
+            }
+        }
+        all
     }
 
     /// The core's counters summed over every shard.

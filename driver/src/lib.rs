@@ -90,6 +90,42 @@ pub enum DataBackend {
     },
 }
 
+/// The path one session's operations take, as logged when it is chosen and published as
+/// `kvferry_session_path{path}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DataPath {
+    /// TCP data connections from and into host memory.
+    Tcp,
+    /// TCP data connections, this node's device memory staged through host buffers.
+    TcpStaged,
+    /// One-sided RDMA WRITEs from and into host memory.
+    Rdma,
+    /// One-sided RDMA WRITEs with this node's device memory registered directly (dma-buf).
+    RdmaDmaBuf,
+}
+
+impl DataPath {
+    /// The label in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataPath::Tcp => "tcp",
+            DataPath::TcpStaged => "tcp_staged",
+            DataPath::Rdma => "rdma",
+            DataPath::RdmaDmaBuf => "rdma_dmabuf",
+        }
+    }
+
+    /// Whether the path is TCP.
+    pub fn is_tcp(self) -> bool {
+        matches!(self, DataPath::Tcp | DataPath::TcpStaged)
+    }
+}
+
+/// The `Transport` payload by which a node says it moves a session's data over TCP (no RDMA
+/// for this session: a TCP node, or device memory its NIC cannot register); a peer that
+/// offered RDMA moves that session over TCP too. `docs/PROTOCOL.md`, "Data path".
+pub const TCP_PATH: [u8; 1] = [0];
+
 /// Reproducible data-path fault injection: each incoming write batch resets its data
 /// connection with probability `rate`, decided by a hash of (seed, room, operation id).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -207,7 +243,7 @@ pub enum NodeError {
     /// TLS was asked for and could not be set up (a file, a key, the runtime).
     Tls(String),
     /// A registered region is memory this node's data plane cannot reach (device memory
-    /// with no copy engine, or over a backend that cannot serve it yet).
+    /// with no copy engine).
     UnreachableMemory {
         /// The region.
         region: kvferry_core::Region,
@@ -218,25 +254,15 @@ pub enum NodeError {
     },
 }
 
-/// Refuses, before anything starts, memory the configured data plane cannot reach: a device
-/// region without a copy engine, or device memory over RDMA (not served yet). Never a
-/// crash, never a CPU read of a device address.
+/// Refuses, before anything starts, memory the data plane cannot reach: a device region
+/// without a copy engine. Never a crash, never a CPU read of a device address. Over RDMA,
+/// device memory the NIC cannot register moves staged over TCP (the RDMA adapter decides).
 pub fn check_memory(memory: &MemoryMap, backend: &DataBackend) -> Result<(), NodeError> {
     if let Some((region, kind)) = memory.unreachable_region() {
         return Err(NodeError::UnreachableMemory {
             region,
             kind,
             fix: "register it with a copy engine (MemoryMap::with_staging; the CUDA engine of kvferry-gpu), or register host memory",
-        });
-    }
-    if let (false, Some((region, kind))) = (
-        matches!(backend, DataBackend::Tcp),
-        memory.device_regions().next(),
-    ) {
-        return Err(NodeError::UnreachableMemory {
-            region,
-            kind,
-            fix: "the RDMA backend does not register device memory yet: use the tcp backend (staged through host buffers)",
         });
     }
     if let (Some(staging), Some((region, kind))) =
@@ -249,7 +275,8 @@ pub fn check_memory(memory: &MemoryMap, backend: &DataBackend) -> Result<(), Nod
             engine = staging.engine().name(),
             buffers = config.buffers,
             buffer_bytes = config.buffer_bytes,
-            "device memory moves over TCP staged through host buffers"
+            rdma = matches!(backend, DataBackend::Rdma { .. }),
+            "device memory staged through host buffers where it moves over TCP"
         );
     }
     Ok(())
@@ -507,6 +534,9 @@ pub trait KvNode: Clone + Send + Sync + 'static {
     /// The core's counters, summed over shards.
     fn counters(&self) -> impl Future<Output = Counters> + Send;
 
+    /// The path each live session moves its operations on, per shard (`kvferry_session_path`).
+    fn data_paths(&self) -> impl Future<Output = Vec<(usize, SessionId, DataPath)>> + Send;
+
     /// Prefill: every room a decode asks for, lossless: those no receiver took yet (asked
     /// for before this call) come first. One receiver at a time; this one replaces the last.
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement>;
@@ -631,6 +661,10 @@ impl<N: RuntimeNode> KvNode for N {
 
     async fn counters(&self) -> Counters {
         self.embedder().counters().await
+    }
+
+    async fn data_paths(&self) -> Vec<(usize, SessionId, DataPath)> {
+        self.embedder().data_paths().await
     }
 
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {

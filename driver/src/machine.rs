@@ -21,11 +21,12 @@ use kvferry_core::{
 };
 use kvferry_sync::ConnSet;
 use tokio::sync::oneshot;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::RoomHandle;
 use crate::{
-    connect_failure, export_metrics, round_robin, Announcer, FaultPlan, NodeError, RoomBook,
+    connect_failure, export_metrics, round_robin, Announcer, DataPath, FaultPlan, NodeError,
+    RoomBook,
 };
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
@@ -191,6 +192,8 @@ pub struct SessionIo<H: Host> {
     next_sender: usize,
     /// Operations waiting for a data connection (the core's operation timeout bounds them).
     parked: Vec<TransferOp>,
+    /// The path its operations take, once chosen.
+    path: Option<DataPath>,
     /// The host's own per-session state.
     pub ext: H::SessionExt,
 }
@@ -204,6 +207,16 @@ impl<H: Host> SessionIo<H> {
     /// The operations held so far, to post now.
     pub fn take_parked(&mut self) -> Vec<TransferOp> {
         std::mem::take(&mut self.parked)
+    }
+
+    /// Sends the operations held so far on the open data connections, keeping what none
+    /// takes.
+    fn send_parked(&mut self) {
+        for op in self.take_parked() {
+            if let Err(op) = send_round_robin(self, op) {
+                self.parked.push(op);
+            }
+        }
     }
 }
 
@@ -402,6 +415,13 @@ impl<H: Host> Driver<H> {
             if let Some(s) = &self.staging {
                 crate::export_staging_metrics(s, self.role);
             }
+            let role = crate::role_label(self.role);
+            for (sid, io) in &self.io {
+                if let Some(path) = io.path {
+                    metrics::gauge!("kvferry_session_path", "role" => role, "session" => sid.0.to_string(), "path" => path.as_str())
+                        .set(1.0);
+                }
+            }
         }
         let next = self.endpoint.poll_timeout().map(|(t, _)| t);
         self.armed = next;
@@ -502,7 +522,14 @@ impl<H: Host> Driver<H> {
                 info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
                 self.handshakes.succeed(&session, session);
                 if !H::establish(self, session) {
-                    self.open_data_connections(session, self.data_connections);
+                    // A peer that offered RDMA hears that this session moves over TCP.
+                    if let Err(e) =
+                        self.endpoint
+                            .send_transport(Instant::now(), session, &crate::TCP_PATH)
+                    {
+                        debug!(%session, error = %e, "could not say the session moves over TCP");
+                    }
+                    self.use_tcp_path(session);
                 }
             }
             Event::SessionClosed { session } => {
@@ -574,6 +601,7 @@ impl<H: Host> Driver<H> {
                 data: ConnSet::default(),
                 next_sender: 0,
                 parked: Vec::new(),
+                path: None,
                 ext: H::SessionExt::default(),
             },
         );
@@ -657,11 +685,7 @@ impl<H: Host> Driver<H> {
             return Err(conn);
         };
         io.data.attach(conn)?;
-        for op in io.take_parked() {
-            if let Err(op) = send_round_robin(io, op) {
-                io.parked.push(op);
-            }
-        }
+        io.send_parked();
         self.drain();
         Ok(())
     }
@@ -768,6 +792,48 @@ impl<H: Host> Driver<H> {
             .drain()
             .map(|(_, mut io)| (io.data.close().unwrap_or_default(), io.tasks))
             .collect()
+    }
+
+    /// `session` moves its operations over TCP data connections (this node does no RDMA, or
+    /// the peer said it does none for this session): opened now if this side opens them,
+    /// the operations held meanwhile going out on them.
+    pub fn use_tcp_path(&mut self, session: SessionId) {
+        let path = if self.staging.is_some() {
+            DataPath::TcpStaged
+        } else {
+            DataPath::Tcp
+        };
+        self.set_path(session, path);
+        if let Some(io) = self.io.get_mut(&session) {
+            io.send_parked();
+        }
+        self.open_data_connections(session, self.data_connections);
+    }
+
+    /// Records (and logs) the path `session`'s operations take.
+    pub fn set_path(&mut self, session: SessionId, path: DataPath) {
+        if let Some(io) = self.io.get_mut(&session) {
+            if io.path != Some(path) {
+                info!(%session, path = path.as_str(), "data path chosen");
+                io.path = Some(path);
+            }
+        }
+    }
+
+    /// Every session whose path is chosen, with it.
+    pub fn session_paths(&self) -> Vec<(SessionId, DataPath)> {
+        let mut paths: Vec<_> = self
+            .io
+            .iter()
+            .filter_map(|(sid, io)| io.path.map(|p| (*sid, p)))
+            .collect();
+        paths.sort_by_key(|(sid, _)| sid.0);
+        paths
+    }
+
+    /// The path `session`'s operations take (`None`: not chosen yet, or no such session).
+    pub fn session_path(&self, session: SessionId) -> Option<DataPath> {
+        self.io.get(&session).and_then(|io| io.path)
     }
 
     /// Opens `n` data connections of `session` if this side dialed it (it knows the peer's

@@ -10,7 +10,8 @@ use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
 use kvferry_core::Region;
 use kvferry_memory::{
-    CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, HostBuffer, MemoryKind, MemoryMap,
+    CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf, HostBuffer, MemoryKind,
+    MemoryMap,
 };
 
 use crate::cuda::probe;
@@ -197,6 +198,50 @@ impl CopyEngine for CudaCopyEngine {
             )
         };
         check(r, "cuMemHostRegister")
+    }
+
+    fn export_dma_buf(&self, device: u32, addr: u64, len: usize) -> Result<DmaBuf, CopyError> {
+        let Some(dev) = self.devices.get(&device) else {
+            return Err(CopyError(format!("no context for CUDA device {device}")));
+        };
+        let _current = Current::push(&dev.ctx)?;
+        // The whole allocation is exported: its base and size are page-aligned, as the export
+        // requires, and the asked-for range lies inside it.
+        let mut base: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: asks the driver which allocation holds `addr`; it writes the two values.
+        check(
+            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) },
+            "cuMemGetAddressRange",
+        )?;
+        if addr < base || addr - base + len as u64 > size as u64 {
+            return Err(CopyError(format!(
+                "{len} bytes at {addr:#x} do not lie in one CUDA allocation"
+            )));
+        }
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: exports a live allocation of this context; the driver writes one descriptor.
+        let r = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                base,
+                size,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        };
+        check(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)")?;
+        if fd < 0 {
+            return Err(CopyError(
+                "the CUDA driver gave no dma-buf descriptor".to_owned(),
+            ));
+        }
+        // SAFETY: the driver handed this descriptor to us; nothing else owns it.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(DmaBuf {
+            fd,
+            offset: addr - base,
+        })
     }
 
     fn unpin(&self, buffer: &mut HostBuffer) {

@@ -14,6 +14,6 @@ mod staging;
 pub use admission::WriteCheck;
 pub use region::{AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 pub use staging::{
-    CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, HostCopyEngine, InFlightCopies,
-    MemoryKind, Staging, StagingBuffer, StagingConfig,
+    CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf, HostCopyEngine,
+    InFlightCopies, MemoryKind, Staging, StagingBuffer, StagingConfig,
 };

@@ -66,6 +66,16 @@ impl std::fmt::Display for CopyError {
 
 impl std::error::Error for CopyError {}
 
+/// Device memory exported for a NIC to register directly: the dma-buf, and where the
+/// exported range starts inside it.
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf's file descriptor (closed on drop; a registration keeps its own reference).
+    pub fd: std::os::fd::OwnedFd,
+    /// The offset of the asked-for address inside the dma-buf.
+    pub offset: u64,
+}
+
 /// Called once when a batch of copies landed (or the first of them failed).
 pub type CopyDone = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
@@ -86,6 +96,16 @@ pub trait CopyEngine: Send + Sync + 'static {
 
     /// Undoes [`CopyEngine::pin`] before the buffer is freed.
     fn unpin(&self, _buffer: &mut HostBuffer) {}
+
+    /// A dma-buf file descriptor for `len` bytes of `device`'s memory at `addr`, for an RDMA
+    /// NIC to register directly (GPUDirect); `Err` says why not. By default an engine
+    /// cannot, and the node moves such memory staged through host buffers instead.
+    fn export_dma_buf(&self, _device: u32, _addr: u64, _len: usize) -> Result<DmaBuf, CopyError> {
+        Err(CopyError(format!(
+            "the {} copy engine cannot export device memory as a dma-buf",
+            self.name()
+        )))
+    }
 }
 
 /// A copy engine for machines without a GPU: a worker thread that copies with the CPU after

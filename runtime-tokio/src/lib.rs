@@ -35,8 +35,8 @@ mod rdma;
 pub use rdma::SessionRdma;
 
 pub use kvferry_driver::{
-    export_metrics, shard_of, Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig,
-    NodeError, PeerId, RoomHandle, RoomView,
+    export_metrics, shard_of, Announcement, DataBackend, DataPath, FaultPlan, KvNode, Link,
+    NodeConfig, NodeError, PeerId, RoomHandle, RoomView,
 };
 use kvferry_driver::{
     runtime, within, Announcer, Answer, ControlQueue, ControlTasks, DataConn, Dial, Driver,
@@ -152,12 +152,12 @@ impl Node {
         #[cfg(feature = "rdma")]
         let rdma = match &config.backend {
             DataBackend::Tcp => None,
-            DataBackend::Rdma { device, port } => Some(rdma::open(
+            DataBackend::Rdma { device, port } => rdma::open(
                 &memory,
                 config.info.role == kvferry_core::Role::Decode,
                 device.as_deref(),
                 *port,
-            )?),
+            )?,
         };
         #[cfg(not(feature = "rdma"))]
         if config.backend != DataBackend::Tcp {

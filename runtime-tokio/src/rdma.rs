@@ -4,20 +4,21 @@
 //! `AsyncFd` (no spinning), and the fence as "QP to the error state, wait for the flush".
 //! Every outcome reaches the core through `handle_transfer_result`, as over TCP.
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{Region, SessionId, TransferOp, TransferOutcome};
-use kvferry_memory::MemoryMap;
-use kvferry_rdma::link::{completions, HelloOutcome, RdmaLink, RdmaNode};
+use kvferry_memory::{MemoryKind, MemoryMap};
+use kvferry_rdma::device::RdmaError;
+use kvferry_rdma::link::{completions, HelloOutcome, RdmaLink, RdmaNode, RegionMemory};
 use kvferry_rdma::verbs::RcQueuePair;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
-use kvferry_driver::Driver;
+use kvferry_driver::{DataPath, Driver, TCP_PATH};
 
 use crate::{NodeError, Shared, TokioHost};
 
@@ -38,39 +39,94 @@ impl SessionRdma {
     }
 }
 
-/// Opens the device and registers every region of `memory` (remote write on decode).
+/// Opens the device and registers every region of `memory` (remote write on decode): host
+/// memory as it is, device memory through the dma-buf its copy engine exports. `None`: some
+/// device region cannot be registered (the engine cannot export it, or the NIC cannot
+/// register dma-bufs), so every session of the node moves over TCP, staged through host
+/// buffers; the log says why.
 pub(crate) fn open(
     memory: &MemoryMap,
     remote_write: bool,
     device: Option<&str>,
     port: u8,
-) -> Result<Arc<RdmaNode>, NodeError> {
+) -> Result<Option<Arc<RdmaNode>>, NodeError> {
     let layout = *memory.layout();
-    let mut regions = Vec::new();
-    let mut add = |region: Region| {
-        if let Some(len) = layout.region_len(region) {
-            if let Ok(ptr) = memory.range(region, 0, len) {
-                regions.push((region, ptr, len as usize));
-            }
-        }
-    };
+    let mut wanted = Vec::new();
     for layer in 0..layout.layers {
         for plane in 0..layout.planes {
-            add(Region::Kv { layer, plane });
+            wanted.push(Region::Kv { layer, plane });
         }
     }
-    add(Region::Aux);
-    add(Region::State);
-    add(Region::Scratch);
+    wanted.extend([Region::Aux, Region::State, Region::Scratch]);
+    let mut host = Vec::new();
+    let mut exported = Vec::new();
+    for region in wanted {
+        let Some(len) = layout.region_len(region) else {
+            continue;
+        };
+        let Ok(ptr) = memory.range(region, 0, len) else {
+            continue;
+        };
+        match (memory.kind(region), memory.staging()) {
+            (Some(MemoryKind::Cuda { device }), Some(staging)) => {
+                match staging
+                    .engine()
+                    .export_dma_buf(device, ptr as u64, len as usize)
+                {
+                    Ok(buf) => exported.push((region, buf, ptr as u64, len as usize)),
+                    Err(e) => return Ok(staged(region, &e.to_string())),
+                }
+            }
+            _ => host.push((region, ptr, len as usize)),
+        }
+    }
+    let mut regions: Vec<(Region, RegionMemory<'_>)> = host
+        .iter()
+        .map(|&(region, ptr, len)| (region, RegionMemory::Host { ptr, len }))
+        .collect();
+    regions.extend(exported.iter().map(|(region, buf, iova, len)| {
+        (
+            *region,
+            RegionMemory::DmaBuf {
+                fd: buf.fd.as_fd(),
+                offset: buf.offset,
+                iova: *iova,
+                len: *len,
+            },
+        )
+    }));
     // SAFETY: the ranges belong to `memory`, which the node keeps (an `Arc` in `Shared`) for
     // as long as it keeps the `RdmaNode` that registered them.
-    let node = unsafe { RdmaNode::open(device, port, &regions, remote_write) }
-        .map_err(|e| NodeError::Backend(e.to_string()))?;
+    let node = match unsafe { RdmaNode::open(device, port, &regions, remote_write) } {
+        Ok(node) => node,
+        Err(
+            e @ RdmaError::Verbs {
+                call: "ibv_reg_dmabuf_mr",
+                ..
+            },
+        ) => {
+            let region = exported.first().map_or(Region::Scratch, |x| x.0);
+            return Ok(staged(region, &e.to_string()));
+        }
+        Err(e) => return Err(NodeError::Backend(e.to_string())),
+    };
     info!(
         device = node.device_name(),
-        remote_write, "RDMA data plane ready"
+        remote_write,
+        device_memory = node.registers_device_memory(),
+        "RDMA data plane ready"
     );
-    Ok(Arc::new(node))
+    Ok(Some(Arc::new(node)))
+}
+
+/// The node cannot give its NIC `region`: it moves every session over TCP, staged.
+fn staged(region: Region, why: &str) -> Option<Arc<RdmaNode>> {
+    warn!(
+        ?region,
+        why,
+        "device memory cannot be registered for RDMA: every session moves over TCP, staged through host buffers"
+    );
+    None
 }
 
 /// A fresh initial packet sequence number per queue pair (so a late packet of an old QP is
@@ -106,8 +162,6 @@ pub(crate) fn establish(driver: &mut Driver<TokioHost>, sid: SessionId) -> bool 
         }
     };
     let watcher = watch(&shared, sid, link.queue_pair());
-    // Decode sees no write of a one-sided path land: its rooms succeed on the source's word.
-    driver.endpoint_mut().set_one_sided(sid);
     if let Some(io) = driver.session_io(sid) {
         io.ext = Some(SessionRdma {
             link,
@@ -128,11 +182,20 @@ fn send_hello(driver: &mut Driver<TokioHost>, sid: SessionId, hello: &[u8]) {
     }
 }
 
-/// The peer's hello arrived: connect (or start over), then post what waited.
+/// The peer's hello arrived: connect (or start over), then post what waited. A peer that
+/// moves this session over TCP says so instead: the session's queue pair goes, and its
+/// operations take TCP data connections.
 pub(crate) fn on_hello(driver: &mut Driver<TokioHost>, sid: SessionId, payload: &[u8]) {
     let Some((shared, node)) = rdma_of(driver) else {
         return;
     };
+    if payload == TCP_PATH {
+        if let Some(r) = driver.session_io(sid).and_then(|io| io.ext.take()) {
+            r.close();
+        }
+        driver.use_tcp_path(sid);
+        return;
+    }
     let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) else {
         debug!(session = %sid, "RDMA hello for a session without a queue pair");
         return;
@@ -149,6 +212,15 @@ pub(crate) fn on_hello(driver: &mut Driver<TokioHost>, sid: SessionId, payload: 
             return;
         }
     }
+    // Decode sees no write of a one-sided path land: its rooms succeed on the source's word.
+    // The source's hello (this one) precedes its first `Done` on the control channel.
+    driver.endpoint_mut().set_one_sided(sid);
+    let path = if node.registers_device_memory() {
+        DataPath::RdmaDmaBuf
+    } else {
+        DataPath::Rdma
+    };
+    driver.set_path(sid, path);
     let parked = driver
         .session_io(sid)
         .map(|io| io.take_parked())
@@ -163,8 +235,16 @@ pub(crate) fn post(driver: &mut Driver<TokioHost>, op: TransferOp) -> Option<Tra
     let Some((_, node)) = rdma_of(driver) else {
         return Some(op);
     };
+    if on_tcp(driver, op.session) {
+        return Some(op);
+    }
     post_on(driver, &node, op);
     None
+}
+
+/// Whether the peer moves `sid` over TCP (it said so with [`TCP_PATH`]).
+fn on_tcp(driver: &Driver<TokioHost>, sid: SessionId) -> bool {
+    driver.session_path(sid).is_some_and(DataPath::is_tcp)
 }
 
 /// Posts `op` on its session's QP; holds it if the QP is not connected yet, or reports the
@@ -214,6 +294,9 @@ pub(crate) fn fence(driver: &mut Driver<TokioHost>, sid: SessionId) -> bool {
     let Some((shared, node)) = rdma_of(driver) else {
         return false;
     };
+    if on_tcp(driver, sid) {
+        return false;
+    }
     let Some(r) = driver.session_io(sid).and_then(|io| io.ext.as_mut()) else {
         driver
             .endpoint_mut()

@@ -418,6 +418,11 @@ pub struct Report {
     pub runtime: String,
     /// The data-plane backend (`tcp`).
     pub backend: String,
+    /// The data paths the prefill's sessions took (`tcp`, `tcp_staged`, `rdma`,
+    /// `rdma_dmabuf`; several joined by `+`).
+    pub prefill_path: String,
+    /// The data paths the decode's sessions took.
+    pub decode_path: String,
     /// Rooms requested.
     pub rooms_total: u64,
     /// Rooms that reached Success.
@@ -467,6 +472,8 @@ impl Report {
         serde_json::json!({
             "runtime": self.runtime,
             "backend": self.backend,
+            "prefill_path": self.prefill_path,
+            "decode_path": self.decode_path,
             "rooms_total": self.rooms_total,
             "rooms_succeeded": self.rooms_succeeded,
             "rooms_failed": self.rooms_failed,
@@ -501,6 +508,11 @@ impl Report {
         let row = |s: &mut String, k: &str, v: String| s.push_str(&format!("  {k:<22} {v}\n"));
         row(&mut s, "runtime", self.runtime.clone());
         row(&mut s, "backend", self.backend.clone());
+        row(
+            &mut s,
+            "data path",
+            format!("prefill {}, decode {}", self.prefill_path, self.decode_path),
+        );
         row(
             &mut s,
             "rooms",
@@ -1192,6 +1204,10 @@ impl KvNode for AnyNode {
         both!(self, n => KvNode::counters(n).await)
     }
 
+    async fn data_paths(&self) -> Vec<(usize, kvferry_core::SessionId, kvferry_tokio::DataPath)> {
+        both!(self, n => KvNode::data_paths(n).await)
+    }
+
     fn room_announcements(&self) -> tokio::sync::mpsc::UnboundedReceiver<Announcement> {
         both!(self, n => KvNode::room_announcements(n))
     }
@@ -1214,6 +1230,23 @@ pub fn runtime_label(prefill: &str, decode: &str) -> String {
     }
 }
 
+/// The distinct data paths of `node`'s sessions, joined by `+` (`none` without a session).
+pub async fn path_label<N: KvNode>(node: &N) -> String {
+    let mut labels: Vec<&str> = node
+        .data_paths()
+        .await
+        .into_iter()
+        .map(|(_, _, path)| path.as_str())
+        .collect();
+    labels.sort_unstable();
+    labels.dedup();
+    if labels.is_empty() {
+        "none".to_owned()
+    } else {
+        labels.join("+")
+    }
+}
+
 /// Moves `run.rooms` rooms from `prefill` to `decode` (both started, on loopback) and reports.
 pub async fn run_pair<P: KvNode, D: KvNode>(
     prefill: &P,
@@ -1228,6 +1261,8 @@ pub async fn run_pair<P: KvNode, D: KvNode>(
     let mut report = run_decode(decode, peer, run).await;
     report.runtime = runtime_label(prefill.runtime(), decode.runtime());
     report.backend = decode.backend().to_owned();
+    report.prefill_path = path_label(prefill).await;
+    report.decode_path = path_label(decode).await;
     add_counters(
         &mut report,
         &prefill.counters().await,

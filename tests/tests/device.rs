@@ -32,9 +32,24 @@ async fn move_rooms(
     let mut dc = node_config(Role::Decode, &shape, staged_core(), b"test-token", 2);
     use_test_backend(p, &mut pc);
     use_test_backend(d, &mut dc);
+    let staged = |memory: &MemoryMap| {
+        if memory.staging().is_some() {
+            "tcp_staged"
+        } else {
+            "tcp"
+        }
+    };
+    let want = (staged(&prefill_memory), staged(&decode_memory));
     let prefill = p.start(pc, prefill_memory).unwrap();
     let decode = d.start(dc, decode_memory).unwrap();
-    run_pair(&prefill, &decode, run).await.unwrap()
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    // Device memory always moves over TCP staged here (the host engine exports no dma-buf,
+    // so not even an RDMA node registers it), and its peer follows onto TCP.
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        want
+    );
+    report
 }
 
 /// Each operation (a room's pages of one layer and plane, 32 KiB) spans four 8 KiB buffers,

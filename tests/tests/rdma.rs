@@ -7,26 +7,52 @@
 #![allow(clippy::unwrap_used)] // tests may panic
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvferry_core::{Config, Role};
+use kvferry_memory::HostCopyEngine;
 use kvferry_memory::MemoryMap;
 use kvferry_testkit::{run_pair, AnyNode, DecodeRun, Runtime, Shape};
-use kvferry_tests::{assert_all_clean, fast_core, rdma_config, rooms, KvNode};
+use kvferry_tests::{
+    assert_all_clean, device_memory, fast_core, rdma_config, rooms, staged_core, KvNode,
+};
 
 fn start_rdma(role: Role, shape: &Shape, core: Config, seed: u64) -> Result<AnyNode, String> {
+    start_over(role, shape, core, seed, host_memory(shape))
+}
+
+fn host_memory(shape: &Shape) -> Arc<MemoryMap> {
+    Arc::new(MemoryMap::allocate(shape.layout()))
+}
+
+/// A node of `role` over RDMA with `memory`.
+fn start_over(
+    role: Role,
+    shape: &Shape,
+    core: Config,
+    seed: u64,
+    memory: Arc<MemoryMap>,
+) -> Result<AnyNode, String> {
     let cfg = rdma_config(role, shape, core, seed);
-    Runtime::Tokio
-        .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
-        .map_err(|e| e.to_string())
+    Runtime::Tokio.start(cfg, memory).map_err(|e| e.to_string())
 }
 
 /// Both nodes over RDMA, or `None` (with the reason printed and checked) where the host has
 /// no usable device.
 fn pair_or_skip(shape: &Shape) -> Option<(AnyNode, AnyNode)> {
-    match (
+    started_or_skip(
         start_rdma(Role::Prefill, shape, fast_core(), 1),
         start_rdma(Role::Decode, shape, fast_core(), 2),
-    ) {
+    )
+}
+
+/// Both nodes, or `None` (with the reason printed and checked) where the host has no usable
+/// device.
+fn started_or_skip(
+    prefill: Result<AnyNode, String>,
+    decode: Result<AnyNode, String>,
+) -> Option<(AnyNode, AnyNode)> {
+    match (prefill, decode) {
         (Ok(p), Ok(d)) => Some((p, d)),
         (Err(why), _) | (_, Err(why)) => {
             assert!(
@@ -53,6 +79,71 @@ async fn rooms_move_over_rdma_with_every_byte_verified() {
     assert_eq!(report.backend, "rdma");
     assert_all_clean(&report, 300);
     assert_eq!(report.pages_verified, 300 * 8 * 4 * 2);
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        ("rdma", "rdma")
+    );
+}
+
+/// Device memory whose engine exports no dma-buf (the host engine; on soft-RoCE the NIC could
+/// not register one either): the node starts, says why it stages, and every session of it
+/// moves over TCP staged through host buffers; its RDMA peer hears it and follows. Every
+/// byte verified, whichever side holds the device memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_memory_the_nic_cannot_register_moves_staged_over_tcp() {
+    for device_side in [Role::Decode, Role::Prefill] {
+        let shape = kvferry_tests::small_shape();
+        let device = || device_memory(HostCopyEngine::new(Duration::ZERO), 4, 8192);
+        let memory = |role| {
+            if role == device_side {
+                device()
+            } else {
+                host_memory(&shape)
+            }
+        };
+        let Some((prefill, decode)) = started_or_skip(
+            start_over(
+                Role::Prefill,
+                &shape,
+                staged_core(),
+                1,
+                memory(Role::Prefill),
+            ),
+            start_over(Role::Decode, &shape, staged_core(), 2, memory(Role::Decode)),
+        ) else {
+            return;
+        };
+        let report = run_pair(&prefill, &decode, rooms(50, 1)).await.unwrap();
+        assert_all_clean(&report, 50);
+        assert_eq!(report.pages_verified, 50 * 8 * 4 * 2);
+        let want = match device_side {
+            Role::Decode => ("tcp", "tcp_staged"),
+            Role::Prefill => ("tcp_staged", "tcp"),
+        };
+        let got = (report.prefill_path.as_str(), report.decode_path.as_str());
+        assert_eq!(got, want, "{device_side:?}");
+    }
+}
+
+/// An RDMA prefill and a decode configured for TCP: the decode says so, and the session moves
+/// over TCP rather than waiting for a hello that never comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rdma_node_and_a_tcp_node_move_rooms_over_tcp() {
+    let shape = kvferry_tests::small_shape();
+    let cfg = kvferry_testkit::node_config(Role::Decode, &shape, fast_core(), b"test-token", 2);
+    let tcp_decode = Runtime::Tokio
+        .start(cfg, host_memory(&shape))
+        .map_err(|e| e.to_string());
+    let Some((prefill, decode)) = started_or_skip(
+        start_rdma(Role::Prefill, &shape, fast_core(), 1),
+        tcp_decode,
+    ) else {
+        return;
+    };
+    let report = run_pair(&prefill, &decode, rooms(50, 1)).await.unwrap();
+    assert_all_clean(&report, 50);
+    let got = (report.prefill_path.as_str(), report.decode_path.as_str());
+    assert_eq!(got, ("tcp", "tcp"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
