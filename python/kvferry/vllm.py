@@ -1,0 +1,544 @@
+"""kvferry as a vLLM KV connector (vLLM 0.32.0, the version ``python/README.md`` pins).
+
+Selected with two config fields::
+
+    --kv-transfer-config '{"kv_connector": "KvferryConnector",
+                           "kv_connector_module_path": "kvferry.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_load_failure_policy": "recompute"}'
+
+One vLLM request is one kvferry room. The prefill (producer) computes the prompt, keeps its
+blocks when the request finishes and returns, in the response's ``kv_transfer_params``, where
+to reach its worker's kvferry node and the room's id. The decode (consumer) allocates blocks
+for the prompt tokens it does not hold, opens the room as receiver over those blocks and
+waits; the prefill's worker sends the tail of its blocks that the decode granted, and frees
+them only once kvferry says no write of the room can land any more. A room that fails is
+reported as a failed load (vLLM recomputes or fails the request, as its
+``kv_load_failure_policy`` says) with kvferry's reason in the log; it never hangs.
+
+This module is imported by every vLLM process (the API server included) when the config is
+built: it imports nothing heavy until a connector is constructed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+logger = logging.getLogger("kvferry.vllm")
+
+#: The vLLM version this connector is written and tested against.
+VLLM_VERSION = "0.32.0"
+
+# Keys of the kv_transfer_params the prefill returns (and the decode reads).
+_ROOM = "kvferry_room"
+_ADDRS = "kvferry_addrs"
+_SHAPE = "kvferry_shape"
+_DONE = "kvferry_consumed"
+
+#: The listener port of TP rank r is ``port + r`` (``kv_connector_extra_config``).
+DEFAULT_PORT = 14600
+#: How long a prefill keeps a finished request's blocks for a decode that never asks.
+DEFAULT_LEASE_S = 120.0
+
+
+def _extra(vllm_config) -> dict:
+    return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+
+
+def _local_ip() -> str:
+    """The address decode reaches this host on (the one that routes outward)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+def kv_shape(vllm_config) -> dict:
+    """What both sides must agree on for a block to mean the same bytes: vLLM's block size,
+    the KV dtype, the model's KV head count and head size, and the layer count."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    dtype = cache.cache_dtype
+    if dtype == "auto":
+        dtype = str(model.dtype).replace("torch.", "")
+    return {
+        "block_size": int(cache.block_size),
+        "kv_dtype": str(dtype),
+        "num_kv_heads": int(model.get_total_num_kv_heads()),
+        "head_size": int(model.get_head_size()),
+        "num_layers": int(model.get_total_num_hidden_layers()),
+    }
+
+
+def shape_mismatch(ours: dict, theirs: Any) -> Optional[str]:
+    """``None`` when the prefill's block shape is ours, else what differs with both values."""
+    if not isinstance(theirs, dict):
+        return f"the prefill sent no block shape ({_SHAPE}: {theirs!r})"
+    diffs = [
+        f"{key}: prefill {theirs.get(key)!r}, decode {value!r}"
+        for key, value in ours.items()
+        if theirs.get(key) != value
+    ]
+    return "; ".join(diffs) or None
+
+
+@dataclass
+class _Send:
+    """A finished prefill request whose blocks wait for its decode."""
+
+    room: int
+    blocks: list[int]
+    deadline: float
+
+
+@dataclass
+class _Recv:
+    """A decode request whose blocks a prefill fills."""
+
+    room: int
+    addrs: list[str]
+    blocks: list[int]
+    refused: Optional[str] = None
+
+
+@dataclass
+class KvferryMetadata(KVConnectorMetadata):
+    """What one scheduler step tells the workers."""
+
+    sends: dict[str, _Send] = field(default_factory=dict)
+    recvs: dict[str, _Recv] = field(default_factory=dict)
+    #: Decode requests that ended (abort, error) while their room was open.
+    aborts: set[str] = field(default_factory=set)
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    """kvferry's vLLM connector: the scheduler half decides which requests move and which
+    blocks they use; the worker half runs a kvferry node over vLLM's KV tensors."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._config = vllm_config
+        self._extra = _extra(vllm_config)
+        self._shape = kv_shape(vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError(
+                "kvferry.vllm serves TP 1 and PP 1 engines so far "
+                f"(this one: TP {parallel.tensor_parallel_size}, "
+                f"PP {parallel.pipeline_parallel_size})"
+            )
+        self._producer = vllm_config.kv_transfer_config.is_kv_producer
+        self._consumer = vllm_config.kv_transfer_config.is_kv_consumer
+        port = int(self._extra.get("port", DEFAULT_PORT))
+        host = str(self._extra.get("host") or _local_ip())
+        self._advertised = [f"{host}:{port}"]
+        self._listen = f"{self._extra.get('listen_host', '0.0.0.0')}:{port}"
+        self._lease = float(self._extra.get("lease_s", DEFAULT_LEASE_S))
+        # Room ids: a prefix drawn from this engine's id (a new one at every start, the
+        # same in its scheduler and worker processes) and a counter, so a restarted prefill
+        # never reuses an id its previous life handed out, and its worker knows at once an
+        # ask for a room of a previous life.
+        engine_id = str(vllm_config.kv_transfer_config.engine_id or secrets.token_hex(16))
+        digest = hashlib.sha256(engine_id.encode()).digest()
+        self._room_prefix = int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF
+        self._room_counter = 0
+        # Scheduler state, per step.
+        self._pending = KvferryMetadata()
+        self._loading: dict[str, int] = {}
+        self._worker: Optional[_Worker] = None
+
+    # ---- scheduler side -------------------------------------------------------------
+
+    def _next_room(self) -> int:
+        self._room_counter = (self._room_counter + 1) & 0xFFFF_FFFF
+        return (self._room_prefix << 32) | self._room_counter
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        params = request.kv_transfer_params
+        if not self._consumer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if params.get(_DONE):
+            return 0, False
+        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        params = request.kv_transfer_params
+        if not self._consumer or not params or not params.get("do_remote_prefill"):
+            return
+        if params.get(_DONE) or num_external_tokens <= 0:
+            return
+        # One transfer per request, even after a preemption or a failed load (which then
+        # recomputes).
+        params[_DONE] = True
+        block_ids = list(blocks.get_unhashed_block_ids())
+        need = -(-num_external_tokens // self._shape["block_size"])
+        block_ids = block_ids[-need:] if need else []
+        refused = shape_mismatch(self._shape, params.get(_SHAPE))
+        room, addrs = params.get(_ROOM), params.get(_ADDRS)
+        if refused is None and (not isinstance(room, int) or not addrs):
+            refused = f"kv_transfer_params carry no kvferry room ({_ROOM}={room!r}, {_ADDRS}={addrs!r})"
+        if refused is not None:
+            logger.error(
+                "kvferry: request %s cannot load its KV from the prefill: %s",
+                request.request_id,
+                refused,
+            )
+            room = 0
+        self._pending.recvs[request.request_id] = _Recv(
+            room=int(room or 0), addrs=list(addrs or []), blocks=block_ids, refused=refused
+        )
+        self._loading[request.request_id] = int(room or 0)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta, self._pending = self._pending, KvferryMetadata()
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_recving or ():
+            self._loading.pop(req_id, None)
+
+    def request_finished(self, request, block_ids: list[int]):
+        params = request.kv_transfer_params
+        req_id = request.request_id
+        if req_id in self._loading:
+            # A decode request that ended while its room was open: its worker aborts the
+            # room and reports it loaded once no write can land (vLLM holds its blocks).
+            self._pending.aborts.add(req_id)
+            return False, None
+        if not self._producer or not params or not params.get("do_remote_decode"):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ) or not block_ids:
+            return False, None
+        room = self._next_room()
+        self._pending.sends[req_id] = _Send(
+            room=room, blocks=list(block_ids), deadline=time.monotonic() + self._lease
+        )
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            _ROOM: room,
+            _ADDRS: self._advertised,
+            _SHAPE: self._shape,
+            "remote_num_tokens": request.num_computed_tokens,
+        }
+
+    # ---- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._worker = _Worker(self, kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.take(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: vLLM schedules a request only once its room succeeded.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        # A prefill sends a request's blocks once it finished (the decode learns the room
+        # from the response); nothing moves during the forward pass.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]):
+        if self._worker is None:
+            return None, None
+        sent, received, _ = self._worker.progress()
+        return sent or None, received or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sent, received, failed = self._worker.progress()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received, failed_recving=failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+
+def kv_regions(kv_caches: dict) -> tuple[list[tuple[int, int]], int, int]:
+    """``(spans, page_bytes, pages)`` of vLLM's KV tensors as kvferry regions: one region per
+    distinct layer tensor (layers that share a cache appear once), one page per vLLM block.
+    Refuses a tensor whose blocks are not contiguous, equal byte ranges."""
+    spans, seen, page_bytes, pages = [], set(), None, None
+    for name, t in kv_caches.items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        if not t.is_contiguous():
+            raise ValueError(f"kvferry.vllm: the KV cache of {name} is not contiguous")
+        blocks = int(t.shape[0])
+        block = int(t.stride(0) * t.element_size())
+        if block * blocks != t.numel() * t.element_size():
+            raise ValueError(
+                f"kvferry.vllm: the KV cache of {name} ({tuple(t.shape)}) is not block-major"
+            )
+        if page_bytes is None:
+            page_bytes, pages = block, blocks
+        elif (block, blocks) != (page_bytes, pages):
+            raise ValueError(
+                f"kvferry.vllm: layer {name} has {blocks} blocks of {block} bytes, "
+                f"others {pages} of {page_bytes}"
+            )
+        spans.append((int(t.data_ptr()), block * blocks))
+    if not spans:
+        raise ValueError("kvferry.vllm: vLLM registered no KV cache")
+    return spans, int(page_bytes), int(pages)
+
+
+class _Worker:
+    """The worker half: a kvferry node over vLLM's KV tensors, the rooms it serves, and a
+    thread that answers decodes' asks for rooms as they come."""
+
+    def __init__(self, connector: KvferryConnector, kv_caches: dict):
+        import kvferry
+
+        self._kvferry = kvferry
+        spans, page_bytes, pages = kv_regions(kv_caches)
+        device = next(iter(kv_caches.values())).device
+        self._producer = connector._producer
+        extra = connector._extra
+        metrics = extra.get("metrics_addr") or os.environ.get("KVFERRY_METRICS_ADDR")
+        try:
+            kvferry.enable_metrics(metrics)
+        except kvferry.InvalidArgument:
+            pass  # already enabled in this process
+        layout = {
+            "layers": len(spans),
+            "planes": 1,
+            "page_bytes": page_bytes,
+            "pages": pages,
+        }
+        knobs = {k: int(v) for k, v in extra.items() if k.endswith("_ms")}
+        self.node = kvferry.Node(
+            "prefill" if self._producer else "decode",
+            layout,
+            spans,
+            token=os.environ.get("KVFERRY_TOKEN", "").encode(),
+            kv_device=device.index if device.type == "cuda" else None,
+            **knobs,
+        )
+        logger.info("kvferry %s node over vLLM's KV: %s", "prefill" if self._producer else "decode", layout)
+        self._lock = threading.Lock()
+        self._peers: dict[tuple, int] = {}
+        # Prefill: rooms waiting for their decode, by room; asks that came before the room.
+        self._sends: dict[int, tuple[str, _Send]] = {}
+        self._asked: dict[int, tuple[int, float]] = {}
+        self._sending: dict[int, str] = {}
+        self._room_prefix = connector._room_prefix
+        # Decode: rooms being received, by request.
+        self._recvs: dict[str, _Recv] = {}
+        self._aborting: set[str] = set()
+        self._failed_now: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._stop = threading.Event()
+        self._asks = None
+        if self._producer:
+            self.node.listen(connector._listen)
+            self._asks = threading.Thread(target=self._answer_asks, name="kvferry-asks", daemon=True)
+            self._asks.start()
+
+    # ---- per step -------------------------------------------------------------------
+
+    def take(self, meta: KvferryMetadata) -> None:
+        with self._lock:
+            for req_id, send in meta.sends.items():
+                self._sends[send.room] = (req_id, send)
+                asked = self._asked.pop(send.room, None)
+                if asked is not None:
+                    self._start_send(send.room, asked[0])
+        for req_id, recv in meta.recvs.items():
+            self._open_recv(req_id, recv)
+        for req_id in meta.aborts:
+            recv = self._recvs.get(req_id)
+            if recv is not None and recv.room:
+                try:
+                    self.node.abort(recv.room)
+                except self._kvferry.InvalidArgument:
+                    pass  # it ended already
+                self._aborting.add(req_id)
+
+    def _open_recv(self, req_id: str, recv: _Recv) -> None:
+        self._recvs[req_id] = recv
+        if recv.refused is not None:
+            self._failed_now.add(req_id)
+            return
+        try:
+            peer = self._peer(recv.addrs)
+            self.node.open_receiver(recv.room, [peer], pages=recv.blocks)
+        except self._kvferry.KvferryError as e:
+            logger.error("kvferry: request %s: room %d not opened: %s", req_id, recv.room, e)
+            recv.refused = str(e)
+            self._failed_now.add(req_id)
+
+    def _peer(self, addrs: list[str]) -> int:
+        key = tuple(addrs)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = self.node.connect_persistent(list(addrs))
+            self._peers[key] = peer
+        return peer
+
+    def progress(self) -> tuple[set[str], set[str], set[str]]:
+        """Requests whose blocks are free to reuse (prefill), loaded or failed (decode)."""
+        sent: set[str] = set()
+        received: set[str] = set()
+        failed: set[str] = set()
+        kvferry = self._kvferry
+        now = time.monotonic()
+        with self._lock:
+            for room, req_id in list(self._sending.items()):
+                state = self.node.poll(room)
+                if state in (kvferry.KVPoll.Success, kvferry.KVPoll.Failed) and self.node.releasable(room):
+                    if state == kvferry.KVPoll.Failed:
+                        logger.warning("kvferry: room %d of request %s failed: %s", room, req_id, self.node.failure(room))
+                    del self._sending[room]
+                    self.node.forget(room)
+                    sent.add(req_id)
+            for room, (req_id, send) in list(self._sends.items()):
+                if room not in self._sending and now > send.deadline:
+                    logger.warning(
+                        "kvferry: no decode asked for room %d of request %s within %.0f s; its blocks are freed",
+                        room, req_id, send.deadline - now + (now - send.deadline),
+                    )
+                    del self._sends[room]
+                    sent.add(req_id)
+            for room, (_, at) in list(self._asked.items()):
+                if now - at > 10.0:
+                    # Asked for a room this prefill never had: a decode must not wait out its timeout.
+                    del self._asked[room]
+                    self._refuse(room, "no such room on this prefill")
+        for req_id in list(self._failed_now):
+            self._failed_now.discard(req_id)
+            recv = self._recvs.pop(req_id, None)
+            if recv is not None:
+                self._load_errors.update(recv.blocks)
+            received.add(req_id)
+            failed.add(req_id)
+        for req_id, recv in list(self._recvs.items()):
+            state = self.node.poll(recv.room)
+            if req_id in self._aborting:
+                if state in (kvferry.KVPoll.Success, kvferry.KVPoll.Failed) and self.node.releasable(recv.room):
+                    self._aborting.discard(req_id)
+                    del self._recvs[req_id]
+                    self.node.forget(recv.room)
+                    received.add(req_id)
+                continue
+            if state == kvferry.KVPoll.Success:
+                del self._recvs[req_id]
+                self.node.forget(recv.room)
+                received.add(req_id)
+            elif state == kvferry.KVPoll.Failed:
+                reason = self.node.failure(recv.room)
+                logger.error(
+                    "kvferry: request %s failed to load its KV (room %d): %s; vLLM recomputes it",
+                    req_id, recv.room, reason,
+                )
+                if self.node.releasable(recv.room):
+                    del self._recvs[req_id]
+                    self.node.forget(recv.room)
+                    self._load_errors.update(recv.blocks)
+                    received.add(req_id)
+                    failed.add(req_id)
+        return sent, received, failed
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- prefill: answering asks --------------------------------------------------------
+
+    def _answer_asks(self) -> None:
+        while not self._stop.is_set():
+            try:
+                got = self.node.next_announcement(0.2)
+            except self._kvferry.KvferryError:
+                return
+            if got is None:
+                continue
+            room, _generation, pages = got
+            with self._lock:
+                if room in self._sends:
+                    self._start_send(room, pages)
+                elif room >> 32 != self._room_prefix:
+                    self._refuse(room, "the prefill that had this room restarted")
+                else:
+                    self._asked[room] = (pages, time.monotonic())
+
+    def _start_send(self, room: int, pages: int) -> None:
+        """Sends the tail of the room's blocks the decode granted (it holds the rest)."""
+        req_id, send = self._sends.pop(room)
+        self._sending[room] = req_id
+        try:
+            self.node.open_sender(room)
+            if pages <= 0 or pages > len(send.blocks):
+                logger.error(
+                    "kvferry: room %d of request %s: the decode granted %d blocks, the prefill holds %d",
+                    room, req_id, pages, len(send.blocks),
+                )
+                self.node.abort(room)
+                return
+            self.node.send_chunk(room, send.blocks[-pages:], last=True)
+        except self._kvferry.KvferryError as e:
+            logger.error("kvferry: room %d of request %s not sent: %s", room, req_id, e)
+            try:
+                self.node.abort(room)
+            except self._kvferry.KvferryError:
+                pass
+
+    def _refuse(self, room: int, why: str) -> None:
+        logger.warning("kvferry: refusing room %d: %s", room, why)
+        try:
+            self.node.open_sender(room)
+            self.node.abort(room)
+            self.node.forget(room)
+        except self._kvferry.KvferryError:
+            pass
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._asks is not None:
+            self._asks.join(timeout=2)
+        self.node.shutdown()

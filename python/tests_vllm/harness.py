@@ -1,0 +1,251 @@
+"""One side of a disaggregated vLLM deployment without a model: vLLM's own ``Scheduler``
+with kvferry's connector (scheduler half), and the connector's worker half over real KV
+tensors, stepped as vLLM's engine core and model runner step them. The "forward pass" of a
+prefill writes each block of a request with bytes derived from the request's prompt, the
+block's index in the request and the layer, so a decode can check every byte it received.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Optional
+
+import torch
+
+BLOCK_SIZE = 32
+LAYERS = 2
+KV_HEADS = 2
+HEAD_SIZE = 32
+EOS = 2
+
+
+def tiny_model_dir() -> str:
+    """A directory holding a tiny Llama's ``config.json`` (no weights: the scheduler reads
+    the shape only)."""
+    d = os.path.join(tempfile.gettempdir(), "kvferry-vllm-tiny-llama")
+    os.makedirs(d, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "hidden_size": KV_HEADS * 2 * HEAD_SIZE,
+        "intermediate_size": 256,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": KV_HEADS * 2,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_SIZE,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": EOS,
+        "tie_word_embeddings": False,
+    }
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
+                policy: str = "recompute", extra: Optional[dict] = None,
+                max_num_batched_tokens: int = 64):
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model = ModelConfig(model=tiny_model_dir(), dtype=dtype, seed=0, skip_tokenizer_init=True)
+    scheduler = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cache = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True)
+    transfer = KVTransferConfig(
+        kv_connector="KvferryConnector",
+        kv_connector_module_path="kvferry.vllm",
+        kv_role=role,
+        kv_load_failure_policy=policy,
+        kv_connector_extra_config={
+            "port": port,
+            "host": "127.0.0.1",
+            "listen_host": "127.0.0.1",
+            "lease_s": 30,
+            "bootstrap_timeout_ms": 5000,
+            "unreachable_timeout_ms": 2000,
+            **(extra or {}),
+        },
+    )
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def pattern(prompt: list[int], block: int, layer: int, nbytes: int) -> torch.Tensor:
+    """The bytes a prefill's forward pass leaves in block ``block`` of a request."""
+    seed = (sum((i + 1) * t for i, t in enumerate(prompt)) * 1_000_003 + block * 7919 + layer * 104729) % (2**31)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+class Side:
+    """vLLM's scheduler and kvferry's worker connector of one engine, stepped by hand."""
+
+    def __init__(self, role: str, port: int, num_blocks: int = 256, **kw):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from kvferry.vllm import KvferryConnector
+
+        self.config = make_config(role, port, **kw)
+        block_size = self.config.cache_config.block_size
+        dtype = self.config.model_config.dtype
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                  kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=kv_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=block_size,
+            log_stats=True,
+        )
+        # vLLM's CPU layout: [num_blocks, num_kv_heads, block_size, 2 * head_size] per layer.
+        self.kv = {
+            name: torch.zeros((num_blocks, KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=dtype)
+            for name in names
+        }
+        self.worker = KvferryConnector(self.config, KVConnectorRole.WORKER, kv_config)
+        self.worker.register_kv_caches(self.kv)
+        self.block_bytes = KV_HEADS * block_size * 2 * HEAD_SIZE * self.kv[names[0]].element_size()
+        self.outputs: dict[str, object] = {}
+        self.load_failures: set[str] = set()
+        self.role = role
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, params: Optional[dict]):
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": params} if params else None)
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sp,
+                      pooling_params=None, mm_features=None,
+                      block_hasher=get_request_block_hasher(self.config.cache_config.block_size, sha256))
+        if params is not None:
+            req.kv_transfer_params = params
+        self.scheduler.add_request(req)
+        return req
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        blocks = self.scheduler.kv_cache_manager.get_blocks(request_id)
+        return blocks.get_block_ids()[0]
+
+    def block_bytes_of(self, block: int, layer: int) -> torch.Tensor:
+        name = f"model.layers.{layer}.self_attn.attn"
+        return self.kv[name][block].contiguous().view(torch.uint8).reshape(-1)
+
+    def step(self):
+        """One engine step: schedule, bind the metadata, the 'forward pass', the transfer
+        results, and vLLM's bookkeeping of them. Returns the requests that finished."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        self.worker.start_load_kv(None)
+        sampled = {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            # schedule() already counted the scheduled tokens as computed.
+            self._forward(req, req.num_computed_tokens - n, n)
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled[req_id] = [7] if done else []
+        self.worker.wait_for_save()
+        results = self.worker.get_transfer_results(out.finished_req_ids)
+        invalid = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        self.load_failures |= results.failed_recving
+        req_ids = list(sampled)
+        connector_out = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=invalid,
+        )
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled[r] for r in req_ids],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=connector_out,
+        )
+        finished = []
+        for eco in self.scheduler.update_from_output(out, mro).values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.outputs[o.request_id] = o
+                    finished.append(o)
+        return finished
+
+    def _forward(self, req, first: int, n: int) -> None:
+        """Writes the pattern into every block the scheduled tokens touch: a prefill's
+        compute, or a decode's that recomputes a prompt it could not load. A decode that
+        loaded the prompt recomputes only its last token, which would rewrite the same bytes:
+        it writes nothing, so the check sees exactly what kvferry delivered."""
+        params = req.kv_transfer_params or {}
+        if self.role == "kv_consumer" and params.get("do_remote_prefill") and req.request_id not in self.load_failures:
+            return
+        last = min(first + n, req.num_prompt_tokens)
+        if last <= first:
+            return
+        blocks = self.blocks_of(req.request_id)
+        bs = self.config.cache_config.block_size
+        for index in range(first // bs, (last - 1) // bs + 1):
+            for layer in range(LAYERS):
+                self.block_bytes_of(blocks[index], layer).copy_(
+                    pattern(req.prompt_token_ids, index, layer, self.block_bytes)
+                )
+
+    def check_blocks(self, request_id: str, prompt: list[int]) -> int:
+        """Checks every byte of the request's prompt blocks; returns the blocks checked."""
+        blocks = self.blocks_of(request_id)
+        bs = self.config.cache_config.block_size
+        n = -(-len(prompt) // bs)
+        for index in range(n):
+            for layer in range(LAYERS):
+                got = self.block_bytes_of(blocks[index], layer)
+                want = pattern(prompt, index, layer, self.block_bytes)
+                if not torch.equal(got, want):
+                    same = int((got == want).sum())
+                    raise AssertionError(
+                        f"{request_id}: block {index} layer {layer} differs "
+                        f"({same} of {want.numel()} bytes equal, zero: {not bool(got.any())})"
+                    )
+        return n
+
+    def idle(self) -> bool:
+        return not self.scheduler.requests
+
+    def shutdown(self):
+        self.worker.shutdown()
+        self.scheduler.shutdown()

@@ -1,0 +1,230 @@
+"""kvferry's vLLM connector driven by vLLM's own scheduler, in two processes: a prefill engine
+(vLLM ``Scheduler`` + the connector's worker half over real KV tensors) in a child process,
+a decode engine in the test's. Every byte of every transferred block is checked."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+
+import pytest
+
+from harness import Side, pattern
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
+    """The prefill engine: takes prompts, prefills them as vLLM schedules them (chunked),
+    and hands back each finished request's kv_transfer_params."""
+    side = Side("kv_producer", port, **kw)
+    outbox.put(("ready", None))
+    while True:
+        try:
+            while True:
+                cmd = inbox.get_nowait()
+                if cmd[0] == "stop":
+                    side.shutdown()
+                    outbox.put(("stopped", side.idle()))
+                    return
+                _, req_id, prompt = cmd
+                side.add(req_id, prompt, 1, {"do_remote_decode": True})
+        except queue.Empty:
+            pass
+        for o in side.step():
+            outbox.put(("params", (o.request_id, o.kv_transfer_params)))
+        time.sleep(0.002)
+
+
+class Prefill:
+    """The child process running the prefill engine."""
+
+    def __init__(self, port: int, **kw):
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_prefill_main, args=(port, kw, self.inbox, self.outbox), daemon=True)
+        self.proc.start()
+        kind, _ = self.outbox.get(timeout=120)
+        assert kind == "ready"
+
+    def prefill(self, req_id: str, prompt: list[int]) -> None:
+        self.inbox.put(("add", req_id, prompt))
+
+    def params(self, timeout: float = 60) -> tuple[str, dict]:
+        kind, value = self.outbox.get(timeout=timeout)
+        assert kind == "params", kind
+        return value
+
+    def stop(self) -> bool:
+        self.inbox.put(("stop",))
+        while True:
+            kind, value = self.outbox.get(timeout=30)
+            if kind == "stopped":
+                self.proc.join(timeout=10)
+                return value
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+
+
+def prompt_of(i: int, n: int) -> list[int]:
+    return [(i * 37 + k * 11) % 997 + 3 for k in range(n)]
+
+
+def run_decode(decode: Side, requests: dict[str, tuple[list[int], dict]], deadline: float = 60) -> dict:
+    """Adds each request to the decode with its prefill's params and steps until all finish;
+    checks every prompt block once the request runs on loaded KV. Returns blocks checked."""
+    from vllm.v1.request import RequestStatus
+
+    for req_id, (prompt, params) in requests.items():
+        decode.add(req_id, prompt, 3, dict(params))
+    checked = {}
+    end = time.monotonic() + deadline
+    while len(decode.outputs.keys() & requests.keys()) < len(requests):
+        assert time.monotonic() < end, f"decode still waits: {decode.scheduler.get_request_counts()}"
+        decode.step()
+        for req_id, (prompt, _) in requests.items():
+            req = decode.scheduler.requests.get(req_id)
+            if (req is not None and req_id not in checked and req.status == RequestStatus.RUNNING
+                    and req_id not in decode.load_failures):
+                checked[req_id] = decode.check_blocks(req_id, prompt)
+        time.sleep(0.002)
+    return checked
+
+
+@pytest.fixture
+def ports():
+    return free_port(), free_port()
+
+
+def test_rooms_move_through_vllms_scheduler_with_every_byte_checked(ports):
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1])
+    try:
+        # Prompts from under a block to several chunks of the 64-token budget.
+        lengths = [5, 32, 33, 64, 100, 150, 200, 257]
+        prompts = {f"r{i}": prompt_of(i, n) for i, n in enumerate(lengths)}
+        # Sequentially, then all at once.
+        for req_id, prompt in list(prompts.items())[:3]:
+            prefill.prefill(req_id, prompt)
+            rid, params = prefill.params()
+            assert params["do_remote_prefill"] and "kvferry_room" in params
+            checked = run_decode(decode, {rid: (prompt, params)})
+            assert checked == {rid: -(-len(prompt) // 32)}
+        rest = dict(list(prompts.items())[3:])
+        for req_id, prompt in rest.items():
+            prefill.prefill(req_id, prompt)
+        got = dict(prefill.params() for _ in rest)
+        checked = run_decode(decode, {r: (rest[r], got[r]) for r in rest})
+        assert checked == {r: -(-len(p) // 32) for r, p in rest.items()}
+        assert not decode.load_failures
+        # Every prefill request's blocks were released once its room ended.
+        deadline = time.monotonic() + 20
+        while not decode.idle() and time.monotonic() < deadline:
+            decode.step()
+        assert decode.idle()
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the prefill still holds requests (blocks never released)"
+
+
+def test_the_check_catches_a_shifted_block(ports):
+    """The byte check can fail: the decode's blocks shifted by one are caught."""
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1])
+    try:
+        prompt = prompt_of(1, 100)
+        prefill.prefill("s", prompt)
+        rid, params = prefill.params()
+        run_decode(decode, {rid: (prompt, params)})
+        # The same bytes, one block later: the check must refuse them.
+        decode.add("shifted", prompt, 3, None)
+        decode.step()
+        got = decode.blocks_of("shifted")
+        for index in range(1, 4):
+            for layer in range(2):
+                decode.block_bytes_of(got[index], layer).copy_(
+                    pattern(prompt, index - 1, layer, decode.block_bytes))
+        with pytest.raises(AssertionError, match="differs"):
+            decode.check_blocks("shifted", prompt)
+    finally:
+        decode.shutdown()
+        prefill.stop()
+
+
+def test_a_block_size_mismatch_is_refused_naming_both_values(ports, caplog):
+    prefill = Prefill(ports[0], block_size=32)
+    decode = Side("kv_consumer", ports[1], block_size=64)
+    try:
+        prompt = prompt_of(2, 100)
+        prefill.prefill("m", prompt)
+        rid, params = prefill.params()
+        with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
+            run_decode(decode, {rid: (prompt, params)})
+        assert rid in decode.load_failures
+        said = caplog.text
+        assert "block_size: prefill 32, decode 64" in said, said
+        # vLLM recomputed it: the request finished all the same.
+        assert decode.outputs[rid].finish_reason is not None
+    finally:
+        decode.shutdown()
+        prefill.stop()
+
+
+def test_a_killed_prefill_fails_the_load_within_the_deadline_and_decode_recomputes(ports):
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1])
+    try:
+        prompt = prompt_of(3, 150)
+        prefill.prefill("k", prompt)
+        rid, params = prefill.params()
+        prefill.kill()
+        start = time.monotonic()
+        run_decode(decode, {rid: (prompt, params)}, deadline=30)
+        took = time.monotonic() - start
+        assert rid in decode.load_failures
+        assert took < 15, f"the failed load took {took:.1f} s"
+    finally:
+        decode.shutdown()
+
+
+def test_a_decode_request_aborted_mid_room_keeps_its_blocks_until_no_write_can_land(ports):
+    from vllm.v1.request import RequestStatus
+
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1])
+    try:
+        prompt = prompt_of(4, 200)
+        prefill.prefill("a", prompt)
+        rid, params = prefill.params()
+        decode.add(rid, prompt, 3, dict(params))
+        decode.step()
+        req = decode.scheduler.requests[rid]
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        decode.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        # vLLM holds the blocks until the connector says the room is over.
+        deadline = time.monotonic() + 20
+        while rid in decode.scheduler.requests and time.monotonic() < deadline:
+            decode.step()
+            time.sleep(0.005)
+        assert rid not in decode.scheduler.requests
+        assert decode.idle()
+        # The blocks went back to the pool and serve the next request, whose bytes are exact.
+        prefill.prefill("b", prompt_of(5, 200))
+        rid2, params2 = prefill.params()
+        checked = run_decode(decode, {rid2: (prompt_of(5, 200), params2)})
+        assert checked == {rid2: 7}
+    finally:
+        decode.shutdown()
+        prefill.stop()
