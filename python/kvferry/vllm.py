@@ -153,13 +153,12 @@ class KvferryConnector(KVConnectorBase_V1):
         self._listen = f"{self._extra.get('listen_host', '0.0.0.0')}:{port}"
         self._lease = float(self._extra.get("lease_s", DEFAULT_LEASE_S))
         # Room ids: a prefix drawn from this engine's id (a new one at every start, the
-        # same in its scheduler and worker processes) and a counter, so a restarted prefill
-        # never reuses an id its previous life handed out, and its worker knows at once an
-        # ask for a room of a previous life.
+        # same in its scheduler and worker processes) above 32 random bits, so a restarted
+        # prefill never reuses an id its previous life handed out, and its worker knows at
+        # once an ask for a room of a previous life.
         engine_id = str(vllm_config.kv_transfer_config.engine_id or secrets.token_hex(16))
         digest = hashlib.sha256(engine_id.encode()).digest()
         self._room_prefix = int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF
-        self._room_counter = 0
         # Scheduler state, per step.
         self._pending = KvferryMetadata()
         self._loading: dict[str, int] = {}
@@ -168,8 +167,9 @@ class KvferryConnector(KVConnectorBase_V1):
     # ---- scheduler side -------------------------------------------------------------
 
     def _next_room(self) -> int:
-        self._room_counter = (self._room_counter + 1) & 0xFFFF_FFFF
-        return (self._room_prefix << 32) | self._room_counter
+        # Random below the prefix: an id a decode got wrong never names another request's
+        # room, even one this prefill opens a moment later.
+        return (self._room_prefix << 32) | (secrets.randbits(32) or 1)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params
@@ -250,6 +250,10 @@ class KvferryConnector(KVConnectorBase_V1):
 
     # ---- worker side ----------------------------------------------------------------
 
+    def num_blocks(self) -> int:
+        """Blocks per layer of vLLM's KV cache."""
+        return int(self._kv_cache_config.num_blocks)
+
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._worker = _Worker(self, kv_caches)
 
@@ -298,34 +302,42 @@ class KvferryConnector(KVConnectorBase_V1):
             self._worker = None
 
 
-def kv_regions(kv_caches: dict) -> tuple[list[tuple[int, int]], int, int]:
-    """``(spans, page_bytes, pages)`` of vLLM's KV tensors as kvferry regions: one region per
-    distinct layer tensor (layers that share a cache appear once), one page per vLLM block.
-    Refuses a tensor whose blocks are not contiguous, equal byte ranges."""
-    spans, seen, page_bytes, pages = [], set(), None, None
+def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]], int, int, int]:
+    """``(spans, planes, page_bytes, pages)`` of vLLM's KV tensors as kvferry regions: one
+    region per distinct layer tensor (layers that share a cache appear once) and plane, one
+    page per vLLM block. A layer is ``[num_blocks, ...]`` (K and V inside each block: vLLM's
+    CPU layout, one plane) or ``[2, num_blocks, ...]`` (K, then V: two planes). Anything
+    else, or blocks that are not contiguous equal byte ranges, is refused naming the shape."""
+    spans, seen, shape = [], set(), None
     for name, t in kv_caches.items():
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
+        dims = tuple(t.shape)
         if not t.is_contiguous():
-            raise ValueError(f"kvferry.vllm: the KV cache of {name} is not contiguous")
-        blocks = int(t.shape[0])
-        block = int(t.stride(0) * t.element_size())
-        if block * blocks != t.numel() * t.element_size():
+            raise ValueError(f"kvferry.vllm: the KV cache of {name} {dims} is not contiguous")
+        if dims[0] == num_blocks:
+            planes = [t]
+        elif len(dims) > 1 and dims[0] == 2 and dims[1] == num_blocks:
+            planes = [t[0], t[1]]
+        else:
             raise ValueError(
-                f"kvferry.vllm: the KV cache of {name} ({tuple(t.shape)}) is not block-major"
+                f"kvferry.vllm: the KV cache of {name} is {dims}; kvferry serves "
+                f"[{num_blocks} blocks, ...] and [2, {num_blocks} blocks, ...] layouts"
             )
-        if page_bytes is None:
-            page_bytes, pages = block, blocks
-        elif (block, blocks) != (page_bytes, pages):
+        block = int(planes[0].stride(0) * t.element_size())
+        this = (len(planes), block)
+        if shape is None:
+            shape = this
+        elif this != shape:
             raise ValueError(
-                f"kvferry.vllm: layer {name} has {blocks} blocks of {block} bytes, "
-                f"others {pages} of {page_bytes}"
+                f"kvferry.vllm: layer {name} has {len(planes)} planes of {block}-byte blocks, "
+                f"others {shape[0]} of {shape[1]}"
             )
-        spans.append((int(t.data_ptr()), block * blocks))
-    if not spans:
+        spans.extend((int(p.data_ptr()), block * num_blocks) for p in planes)
+    if shape is None:
         raise ValueError("kvferry.vllm: vLLM registered no KV cache")
-    return spans, int(page_bytes), int(pages)
+    return spans, shape[0], shape[1], num_blocks
 
 
 class _Worker:
@@ -336,7 +348,7 @@ class _Worker:
         import kvferry
 
         self._kvferry = kvferry
-        spans, page_bytes, pages = kv_regions(kv_caches)
+        spans, planes, page_bytes, pages = kv_regions(kv_caches, connector.num_blocks())
         device = next(iter(kv_caches.values())).device
         self._producer = connector._producer
         extra = connector._extra
@@ -346,8 +358,8 @@ class _Worker:
         except kvferry.InvalidArgument:
             pass  # already enabled in this process
         layout = {
-            "layers": len(spans),
-            "planes": 1,
+            "layers": len(spans) // planes,
+            "planes": planes,
             "page_bytes": page_bytes,
             "pages": pages,
         }

@@ -1,0 +1,121 @@
+"""The router in front of a disaggregated vLLM deployment over kvferry.
+
+Each completion request goes to a prefill engine with ``max_tokens=1`` and
+``kv_transfer_params={"do_remote_decode": true}``; the prefill answers with the
+``kv_transfer_params`` that say where its kvferry node is and which room holds the prompt's
+KV. The original request then goes to a decode engine with those parameters, and the
+decode's answer (streamed or not) goes back to the client. Prefills and decodes are taken
+round-robin. A prefill that fails or cannot be reached answers the client with 502 and
+the reason; nothing waits forever (``--timeout``)::
+
+    python -m kvferry.vllm_proxy --port 8000 \\
+        --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import uuid
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+logger = logging.getLogger("kvferry.vllm_proxy")
+
+
+def prefill_body(body: dict) -> dict:
+    """The request a prefill computes: the prompt, one token, no streaming."""
+    p = dict(body)
+    p["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    p["max_tokens"] = 1
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p["stream"] = False
+    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+        p.pop(key, None)
+    return p
+
+
+class Router:
+    """Round-robin over the prefill and decode engines."""
+
+    def __init__(self, prefills: list[str], decodes: list[str], timeout: float):
+        self._prefills = itertools.cycle(prefills)
+        self._decodes = itertools.cycle(decodes)
+        self._timeout = ClientTimeout(total=timeout)
+        self._session: ClientSession | None = None
+
+    async def start(self, _app) -> None:
+        self._session = ClientSession(timeout=self._timeout)
+
+    async def stop(self, _app) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def route(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return web.json_response({"error": f"the request is not JSON: {e}"}, status=400)
+        request_id = request.headers.get("X-Request-Id") or str(uuid.uuid4())
+        headers = {"X-Request-Id": request_id}
+        prefill = next(self._prefills)
+        assert self._session is not None
+        try:
+            async with self._session.post(prefill + path, json=prefill_body(body), headers=headers) as r:
+                if r.status != 200:
+                    text = await r.text()
+                    return web.json_response(
+                        {"error": f"prefill {prefill} answered {r.status}: {text[:500]}"}, status=502
+                    )
+                answer = await r.json()
+        except (ClientError, TimeoutError) as e:
+            return web.json_response({"error": f"prefill {prefill} failed: {e!r}"}, status=502)
+        params = answer.get("kv_transfer_params")
+        if params:
+            body = dict(body, kv_transfer_params=params)
+        else:
+            logger.warning("prefill %s returned no kv_transfer_params: decode computes the prompt", prefill)
+        decode = next(self._decodes)
+        try:
+            async with self._session.post(decode + path, json=body, headers=headers) as r:
+                out = web.StreamResponse(status=r.status, headers={
+                    "Content-Type": r.headers.get("Content-Type", "application/json")})
+                await out.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except (ClientError, TimeoutError) as e:
+            return web.json_response({"error": f"decode {decode} failed: {e!r}"}, status=502)
+
+
+def app(prefills: list[str], decodes: list[str], timeout: float = 600.0) -> web.Application:
+    """The proxy as an aiohttp application."""
+    router = Router(prefills, decodes, timeout)
+    a = web.Application()
+    a.on_startup.append(router.start)
+    a.on_cleanup.append(router.stop)
+    a.router.add_post("/v1/completions", router.route)
+    a.router.add_post("/v1/chat/completions", router.route)
+    a.router.add_get("/health", lambda _: web.Response(text="ok"))
+    return a
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--prefill", action="append", required=True, help="a prefill engine's base URL")
+    ap.add_argument("--decode", action="append", required=True, help="a decode engine's base URL")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take in all")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    web.run_app(app(args.prefill, args.decode, args.timeout), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

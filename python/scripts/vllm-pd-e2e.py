@@ -1,0 +1,300 @@
+"""End to end: kvferry as vLLM's KV connector, through vLLM's own engines on CPU.
+
+Builds a tiny random-weight Llama and a word-level tokenizer (no download), serves it once
+alone (the reference), then as a producer and a consumer engine over kvferry behind
+``kvferry.vllm_proxy``, and fails unless:
+
+- every greedy output through the proxy equals the reference, sequentially and concurrently;
+- the decode's kvferry metrics counted the rooms (``kvferry_rooms_succeeded_total``);
+- with the prefill engine killed after it computed a prompt, the decode's load fails with
+  kvferry's reason (logged), vLLM recomputes the prompt, and the output still equals the
+  reference, within a bounded time (no hang);
+- a prefill restarted at the same address serves the next requests, outputs equal again;
+- the check can fail: a decode handed another prompt's room answers differently.
+
+Run with the venv of ``python/scripts/vllm-venv.sh`` (kvferry installed into it):
+``$(python/scripts/vllm-venv.sh) python/scripts/vllm-pd-e2e.py``. Env: ``KVFERRY_E2E_KEEP=1``
+keeps the work dir (logs). Prints one JSON line of figures at the end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+PY = sys.executable
+WORDS = ("the a kv cache moves from prefill to decode over kvferry rooms with every byte "
+         "checked and nothing lost when the network fails or a peer dies while pages move "
+         "between two servers model token").split()
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def build_model(out: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    for i in range(len(vocab), 1000):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<pad>").save_pretrained(out)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)  # large random weights: each token depends strongly on the KV
+    model.to(torch.float32).save_pretrained(out)
+
+
+class Engine:
+    """One vLLM OpenAI server in its own process group."""
+
+    def __init__(self, name: str, model: str, work: str, port: int, transfer: dict | None = None,
+                 env: dict | None = None):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = os.path.join(work, f"{name}.log")
+        cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+               "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "1024",
+               "--dtype", "float32", "--no-enable-prefix-caching", "--max-num-seqs", "8",
+               "--seed", "0", "--disable-log-stats"]
+        if transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        e = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                 **(env or {}))
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} not ready in {timeout} s; see {self.log_path}")
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+    def text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def completion(base: str, prompt: str, extra: dict | None = None) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, **(extra or {})}
+    return post(base + "/v1/completions", body)["choices"][0]["text"]
+
+
+def prefill_params(base: str, prompt: str) -> dict:
+    """What a prefill engine returns for a prompt it computed for a remote decode."""
+    return post(base + "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+
+
+def swapped_pair() -> tuple[str, str]:
+    """Two different prompts of 100 words each."""
+    return (" ".join(WORDS[(j * 3) % len(WORDS)] for j in range(100)),
+            " ".join(WORDS[(j * 5 + 1) % len(WORDS)] for j in range(100)))
+
+
+def prompts(n: int, base: int = 0) -> list[str]:
+    out = []
+    for i in range(n):
+        k = 20 + (i * 37 + base) % 150  # 20..170 words: one to six blocks of 32
+        out.append(" ".join(WORDS[(i * 7 + j * 3 + base) % len(WORDS)] for j in range(k)))
+    return out
+
+
+def cleanup_shm() -> None:
+    # Killed engines leave their shared-memory rings behind.
+    for f in os.listdir("/dev/shm"):
+        if f.startswith("psm_"):
+            try:
+                os.unlink(os.path.join("/dev/shm", f))
+            except OSError:
+                pass
+
+
+MODEL = ""
+
+
+def main() -> int:
+    global MODEL
+    work = tempfile.mkdtemp(prefix="kvferry-vllm-pd.")
+    MODEL = os.path.join(work, "tiny-llama")
+    build_model(MODEL)
+    figures: dict = {}
+    engines: list[Engine] = []
+    proxy = None
+    ok = False
+    try:
+        ps = prompts(8)
+        ref_engine = Engine("reference", MODEL, work, free_port())
+        engines.append(ref_engine)
+        figures["engine_start_s"] = round(ref_engine.wait_ready(), 1)
+        reference = {p: completion(ref_engine.url, p) for p in ps + prompts(4, base=5) + list(swapped_pair())}
+        assert len(set(reference.values())) > 1, "the tiny model answers every prompt alike"
+        ref_engine.kill(signal.SIGTERM)
+        engines.remove(ref_engine)
+
+        kv_ports = free_port(), free_port()
+        metrics_port = free_port()
+        prefill_port, decode_port = free_port(), free_port()
+
+        def start_prefill() -> Engine:
+            return Engine("prefill", MODEL, work, prefill_port, {
+                "kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"port": kv_ports[0], "host": "127.0.0.1"},
+            })
+
+        prefill = start_prefill()
+        decode = Engine("decode", MODEL, work, decode_port, {
+            "kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm",
+            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"port": kv_ports[1], "host": "127.0.0.1",
+                                          "metrics_addr": f"127.0.0.1:{metrics_port}",
+                                          "unreachable_timeout_ms": 3000},
+        })
+        engines += [prefill, decode]
+        prefill.wait_ready()
+        decode.wait_ready()
+        proxy_port = free_port()
+        proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(proxy_port),
+                                  "--host", "127.0.0.1", "--prefill", prefill.url,
+                                  "--decode", decode.url, "--timeout", "120"],
+                                 stdout=open(os.path.join(work, "proxy.log"), "ab"),
+                                 stderr=subprocess.STDOUT)
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
+        for _ in range(60):
+            try:
+                urllib.request.urlopen(proxy_url + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
+
+        # Sequentially, then concurrently.
+        t0 = time.monotonic()
+        for p in ps:
+            got = completion(proxy_url, p)
+            assert got == reference[p], f"sequential: {got!r} != {reference[p]!r}"
+        figures["sequential_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: completion(proxy_url, p), ps))
+        figures["concurrent_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
+        for p, got in zip(ps, outs):
+            assert got == reference[p], f"concurrent: {got!r} != {reference[p]!r}"
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        m = re.search(r'kvferry_rooms_succeeded_total\{role="decode"\} (\d+)', metrics)
+        assert m and int(m.group(1)) >= 2 * len(ps), f"decode metrics: {m and m.group(0)}"
+        figures["decode_rooms_succeeded"] = int(m.group(1))
+
+        # The check can fail: two prompts of the same length computed by the prefill, each
+        # sent to the decode with the other's room, land the other's KV, and the answers
+        # differ from the reference's. A room id with a bit flipped names no room at all:
+        # the decode cannot load it, recomputes, and says why in its log.
+        a, b = swapped_pair()
+        pa, pb = (prefill_params(prefill.url, x) for x in (a, b))
+        swapped = [completion(decode.url, a, {"kv_transfer_params": pb}),
+                   completion(decode.url, b, {"kv_transfer_params": pa})]
+        assert swapped != [reference[a], reference[b]], "swapped KV went unnoticed"
+        figures["swapped_rooms_caught"] = True
+        p = prompts(1, base=5)[0]
+        wrong = dict(prefill_params(prefill.url, p))
+        wrong["kvferry_room"] ^= 1
+        got = completion(decode.url, p, {"kv_transfer_params": wrong})
+        assert got == reference[p], "a recomputed prompt answers as the reference"
+        assert "failed to load its KV" in decode.text(), "the decode did not log the failed load"
+
+        # A prefill killed after it computed a prompt: the decode's load fails with kvferry's
+        # reason, vLLM recomputes, the answer is still the reference's, in bounded time.
+        p = prompts(4, base=5)[1]
+        params = prefill_params(prefill.url, p)
+        prefill.kill()
+        engines.remove(prefill)
+        cleanup_shm()
+        t0 = time.monotonic()
+        got = completion(decode.url, p, {"kv_transfer_params": params})
+        figures["load_from_killed_prefill_s"] = round(time.monotonic() - t0, 2)
+        assert got == reference[p], f"after the kill: {got!r} != {reference[p]!r}"
+        assert figures["load_from_killed_prefill_s"] < 30
+
+        # Restarted at the same addresses: the next requests match again.
+        prefill = start_prefill()
+        engines.append(prefill)
+        prefill.wait_ready()
+        for p in prompts(4, base=5)[2:]:
+            got = completion(proxy_url, p)
+            assert got == reference[p], f"after the restart: {got!r} != {reference[p]!r}"
+        ok = True
+        figures["ok"] = True
+        print(json.dumps(figures))
+        return 0
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+        for e in engines:
+            e.kill(signal.SIGTERM)
+        cleanup_shm()
+        if not ok or os.environ.get("KVFERRY_E2E_KEEP"):
+            print(f"vllm-pd-e2e: logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
