@@ -20,13 +20,14 @@ p = argparse.ArgumentParser()
 p.add_argument("--rooms", type=int, default=2000)
 p.add_argument("--concurrency", type=int, default=16)
 p.add_argument("--layers", type=int, default=8)
+p.add_argument("--planes", type=int, default=2)
 p.add_argument("--page-bytes", type=int, default=16384)
 p.add_argument("--pages-per-room", type=int, default=4)
 args = p.parse_args()
 
 PAGES = args.concurrency * args.pages_per_room
-LAYOUT = dict(layers=args.layers, planes=2, page_bytes=args.page_bytes, pages=PAGES)
-REGIONS = args.layers * 2
+LAYOUT = dict(layers=args.layers, planes=args.planes, page_bytes=args.page_bytes, pages=PAGES)
+REGIONS = args.layers * args.planes
 
 
 def pool(fill):

@@ -37,13 +37,13 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
                     side.shutdown()
                     outbox.put(("stopped", side.idle()))
                     return
-                _, req_id, prompt = cmd
-                side.add(req_id, prompt, 1, {"do_remote_decode": True})
+                _, req_id, prompt, remote = cmd
+                side.add(req_id, prompt, 1, {"do_remote_decode": True} if remote else None)
         except queue.Empty:
             pass
         for o in side.step():
             outbox.put(("params", (o.request_id, o.kv_transfer_params)))
-        time.sleep(0.002)
+        time.sleep(0.001)
 
 
 class Prefill:
@@ -57,8 +57,10 @@ class Prefill:
         kind, _ = self.outbox.get(timeout=120)
         assert kind == "ready"
 
-    def prefill(self, req_id: str, prompt: list[int]) -> None:
-        self.inbox.put(("add", req_id, prompt))
+    def prefill(self, req_id: str, prompt: list[int], remote: bool = True) -> None:
+        """Computes ``prompt``; for a remote decode (it keeps the blocks for the room) unless
+        ``remote`` is false."""
+        self.inbox.put(("add", req_id, prompt, remote))
 
     def params(self, timeout: float = 60) -> tuple[str, dict]:
         kind, value = self.outbox.get(timeout=timeout)
