@@ -48,6 +48,9 @@ _ROOM = "kvferry_room"
 _ADDRS = "kvferry_addrs"
 _SHAPE = "kvferry_shape"
 _DONE = "kvferry_consumed"
+_PUSH = "kvferry_push"
+#: Room ids a router draws for push mode carry this bit; a prefill's own (pull) ids do not.
+PUSH_BIT = 1 << 62
 
 #: The listener port of TP rank r is ``port + r`` (``kv_connector_extra_config``).
 DEFAULT_PORT = 14600
@@ -110,6 +113,31 @@ class _Send:
 
 
 @dataclass
+class _PushStep:
+    """A push-mode prefill request in one step: its room, the blocks of the prompt computed
+    by the end of this step (in prompt order), how many the prompt has in all."""
+
+    room: int
+    computed: list[int]
+    total: int
+
+
+@dataclass
+class _Pushed:
+    """A push-mode room on the prefill worker."""
+
+    req_id: str
+    total: int
+    #: Blocks complete once the current step's forward pass ends.
+    computed: list[int] = field(default_factory=list)
+    #: Blocks complete now (every layer written): what may go out whole.
+    safe: list[int] = field(default_factory=list)
+    granted: Optional[int] = None
+    sent: int = 0
+    failed: bool = False
+
+
+@dataclass
 class _Recv:
     """A decode request whose blocks a prefill fills."""
 
@@ -127,6 +155,10 @@ class KvferryMetadata(KVConnectorMetadata):
     recvs: dict[str, _Recv] = field(default_factory=dict)
     #: Decode requests that ended (abort, error) while their room was open.
     aborts: set[str] = field(default_factory=set)
+    #: Push-mode prefill requests scheduled this step.
+    pushes: dict[str, _PushStep] = field(default_factory=dict)
+    #: Push-mode prefill requests that ended without their prompt computed (abort).
+    push_aborts: set[int] = field(default_factory=set)
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -162,6 +194,8 @@ class KvferryConnector(KVConnectorBase_V1):
         # Scheduler state, per step.
         self._pending = KvferryMetadata()
         self._loading: dict[str, int] = {}
+        # Push-mode prefill requests: room, prompt blocks in all, the request, by request.
+        self._pushing: dict[str, tuple[int, int, Any]] = {}
         self._worker: Optional[_Worker] = None
 
     # ---- scheduler side -------------------------------------------------------------
@@ -184,6 +218,15 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = request.kv_transfer_params
+        if self._producer and params and params.get("do_remote_decode") and params.get(_PUSH):
+            room = params.get(_ROOM)
+            if isinstance(room, int) and room & PUSH_BIT:
+                total = -(-len(request.prompt_token_ids or []) // self._shape["block_size"])
+                self._pushing.setdefault(request.request_id, (room, total, request))
+            else:
+                logger.error("kvferry: push request %s has no router room (%s=%r)",
+                             request.request_id, _ROOM, room)
+            return
         if not self._consumer or not params or not params.get("do_remote_prefill"):
             return
         if params.get(_DONE) or num_external_tokens <= 0:
@@ -194,7 +237,9 @@ class KvferryConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_unhashed_block_ids())
         need = -(-num_external_tokens // self._shape["block_size"])
         block_ids = block_ids[-need:] if need else []
-        refused = shape_mismatch(self._shape, params.get(_SHAPE))
+        # A router's push room comes before the prefill has said anything: the block shape
+        # is checked by kvferry's handshake (layers and block bytes) instead.
+        refused = None if params.get(_PUSH) else shape_mismatch(self._shape, params.get(_SHAPE))
         room, addrs = params.get(_ROOM), params.get(_ADDRS)
         if refused is None and (not isinstance(room, int) or not addrs):
             refused = f"kv_transfer_params carry no kvferry room ({_ROOM}={room!r}, {_ADDRS}={addrs!r})"
@@ -212,6 +257,17 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta, self._pending = self._pending, KvferryMetadata()
+        bs = self._shape["block_size"]
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            push = self._pushing.get(req_id)
+            if push is None or self._kv_cache_manager is None:
+                continue
+            room, total, request = push
+            # Runs before vLLM counts this step's tokens as computed.
+            done = min(request.num_computed_tokens + n, request.num_prompt_tokens)
+            full = total if done >= request.num_prompt_tokens else done // bs
+            blocks = self._kv_cache_manager.get_blocks(req_id).get_block_ids()[0]
+            meta.pushes[req_id] = _PushStep(room=room, computed=list(blocks[:full]), total=total)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -221,6 +277,14 @@ class KvferryConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]):
         params = request.kv_transfer_params
         req_id = request.request_id
+        push = self._pushing.pop(req_id, None)
+        if push is not None:
+            return self._push_finished(request, push[0], block_ids)
+        if self._producer and params and params.get(_PUSH) and isinstance(params.get(_ROOM), int):
+            # A push request that ended before vLLM ever scheduled it: its room fails now
+            # rather than when the decode's wait runs out.
+            self._pending.push_aborts.add(params[_ROOM])
+            return False, None
         if req_id in self._loading:
             # A decode request that ended while its room was open: its worker aborts the
             # room and reports it loaded once no write can land (vLLM holds its blocks).
@@ -248,6 +312,25 @@ class KvferryConnector(KVConnectorBase_V1):
             "remote_num_tokens": request.num_computed_tokens,
         }
 
+    def _push_finished(self, request, room: int, block_ids: list[int]):
+        """A push-mode prefill request ended: its room already has (or will have) every
+        block; the blocks stay until kvferry releases them. One that ended without its
+        prompt computed (aborted) fails its room at once."""
+        from vllm.v1.request import RequestStatus
+
+        done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not done:
+            self._pending.push_aborts.add(room)
+        if not block_ids:
+            return False, None
+        self._pending.sends[request.request_id] = _Send(
+            room=room, blocks=list(block_ids), deadline=time.monotonic() + self._lease
+        )
+        if not done:
+            return True, None
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, _ROOM: room,
+                      _ADDRS: self._advertised, _SHAPE: self._shape, _PUSH: True}
+
     # ---- worker side ----------------------------------------------------------------
 
     def num_blocks(self) -> int:
@@ -266,12 +349,19 @@ class KvferryConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        # A prefill sends a request's blocks once it finished (the decode learns the room
-        # from the response); nothing moves during the forward pass.
-        return
+        # Pull mode sends a request's blocks once it finished (the decode learns the room
+        # from the response). Push mode (the router told both sides the room) sends each
+        # step's blocks layer by layer as the forward pass writes them.
+        worker = self._worker
+        if worker is None or not self.has_connector_metadata():
+            return
+        if worker._step_rooms is None:
+            worker.begin_forward(self._get_connector_metadata())
+        worker.layer_done(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.end_forward(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]):
         if self._worker is None:
@@ -295,6 +385,10 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._worker is None:
             return set()
         return self._worker.take_load_errors()
+
+    def push_chunks(self) -> dict:
+        """Push-mode chunks this worker sent layer by layer and whole (for tests and logs)."""
+        return dict(self._worker.chunks) if self._worker is not None else {}
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -373,13 +467,25 @@ class _Worker:
             **knobs,
         )
         logger.info("kvferry %s node over vLLM's KV: %s", "prefill" if self._producer else "decode", layout)
+        # kvferry's layer index of each vLLM layer name (layers sharing a cache share it).
+        index: dict[int, int] = {}
+        self._layer_of = {
+            name: index.setdefault(t.data_ptr(), len(index)) for name, t in kv_caches.items()
+        }
         self._lock = threading.Lock()
         self._peers: dict[tuple, int] = {}
+        # Prefill, push mode: per room, what is computed and what went to the decode.
+        self._pushes: dict[int, _Pushed] = {}
+        self._step_rooms: Optional[list[int]] = None
+        #: Push-mode chunks sent layer by layer during a forward pass, and sent whole.
+        self.chunks = {"layerwise": 0, "whole": 0}
+        self._free_now: set[str] = set()
         # Prefill: rooms waiting for their decode, by room; asks that came before the room.
         self._sends: dict[int, tuple[str, _Send]] = {}
         self._asked: dict[int, tuple[int, float]] = {}
         self._sending: dict[int, str] = {}
         self._room_prefix = connector._room_prefix
+        self._lease = connector._lease
         # Decode: rooms being received, by request.
         self._recvs: dict[str, _Recv] = {}
         self._aborting: set[str] = set()
@@ -394,9 +500,104 @@ class _Worker:
 
     # ---- per step -------------------------------------------------------------------
 
-    def take(self, meta: KvferryMetadata) -> None:
+    def begin_forward(self, meta: KvferryMetadata) -> None:
+        """Push mode, as the forward pass starts: each granted room gets, as one layerwise
+        chunk, the blocks this step completes; its layers go as they finish."""
         with self._lock:
+            rooms = []
+            for req_id, step in meta.pushes.items():
+                pushed = self._pushes.get(step.room)
+                if pushed is None:
+                    pushed = self._pushes[step.room] = _Pushed(req_id=req_id, total=step.total)
+                    asked = self._asked.pop(step.room, None)
+                    if asked is not None:
+                        self._grant_push(step.room, asked[0])
+                pushed.computed = step.computed
+                if self._push_more(step.room, pushed, pushed.computed, layerwise=True):
+                    rooms.append(step.room)
+            self._step_rooms = rooms
+
+    def layer_done(self, layer_name: str) -> None:
+        """Push mode: a layer's forward pass ended; its part of this step's chunks may go."""
+        rooms = self._step_rooms
+        layer = self._layer_of.get(layer_name)
+        if not rooms or layer is None:
+            return
+        try:
+            self.node.mark_layer_ready(rooms, layer)
+        except self._kvferry.KvferryError as e:
+            logger.warning("kvferry: layer %s of rooms %s not marked ready: %s", layer_name, rooms, e)
+
+    def _push_more(self, room: int, pushed: "_Pushed", blocks: list[int], layerwise: bool) -> bool:
+        """Sends the blocks of ``blocks`` (a prefix of the prompt's) that the decode granted
+        (the tail) and has not had yet; whether a chunk went."""
+        if pushed.granted is None or pushed.failed or len(blocks) <= pushed.sent:
+            return False
+        first = pushed.total - pushed.granted
+        fresh = [b for i, b in enumerate(blocks) if i >= max(first, pushed.sent)]
+        pushed.sent = len(blocks)
+        if not fresh:
+            return False
+        self.chunks["layerwise" if layerwise else "whole"] += 1
+        last = pushed.sent == pushed.total
+        try:
+            self.node.send_chunk(room, fresh, last=last, layerwise=layerwise)
+        except self._kvferry.KvferryError as e:
+            logger.error("kvferry: push room %d: chunk not sent: %s", room, e)
+            pushed.failed = True
+            self._abort(room)
+            return False
+        return layerwise
+
+    def _abort(self, room: int) -> None:
+        try:
+            self.node.abort(room)
+        except self._kvferry.KvferryError:
+            pass  # it ended already
+
+    def end_forward(self, meta: KvferryMetadata) -> None:
+        """Push mode, after the forward pass (vLLM's ``wait_for_save``): this step's blocks
+        are complete; what no layerwise chunk carried (a room granted mid-step, a step that
+        reported no layer) goes whole now."""
+        with self._lock:
+            for req_id, step in meta.pushes.items():
+                pushed = self._pushes.get(step.room)
+                if pushed is None:
+                    pushed = self._pushes[step.room] = _Pushed(req_id=req_id, total=step.total)
+                    asked = self._asked.pop(step.room, None)
+                    if asked is not None:
+                        self._grant_push(step.room, asked[0])
+                pushed.computed = pushed.safe = step.computed
+                self._push_more(step.room, pushed, pushed.safe, layerwise=False)
+        self._step_rooms = None
+
+    def take(self, meta: KvferryMetadata) -> None:
+        """A step's requests that finished, opened or ended: rooms to serve, open or abort."""
+        with self._lock:
+            for room in meta.push_aborts:
+                pushed = self._pushes.get(room)
+                if pushed is None:
+                    # Never scheduled: no block of it exists; an ask for it is refused.
+                    pushed = self._pushes[room] = _Pushed(req_id="", total=0, failed=True)
+                    if room in self._asked:
+                        del self._asked[room]
+                        self._refuse(room, "the prefill request was aborted")
+                        del self._pushes[room]
+                    continue
+                pushed.failed = True
+                if pushed.granted is not None:
+                    self._abort(room)
             for req_id, send in meta.sends.items():
+                pushed = self._pushes.pop(send.room, None)
+                if pushed is not None and pushed.granted is not None:
+                    # Its sender is open: the blocks go back once no write can land.
+                    self._sending[send.room] = req_id
+                    continue
+                if pushed is not None and pushed.failed:
+                    # Aborted before any decode asked: nothing of it was sent.
+                    self._refuse(send.room, "the prefill request was aborted")
+                    self._free_now.add(req_id)
+                    continue
                 self._sends[send.room] = (req_id, send)
                 asked = self._asked.pop(send.room, None)
                 if asked is not None:
@@ -441,6 +642,8 @@ class _Worker:
         kvferry = self._kvferry
         now = time.monotonic()
         with self._lock:
+            sent |= self._free_now
+            self._free_now = set()
             for room, req_id in list(self._sending.items()):
                 state = self.node.poll(room)
                 if state in (kvferry.KVPoll.Success, kvferry.KVPoll.Failed) and self.node.releasable(room):
@@ -458,7 +661,8 @@ class _Worker:
                     del self._sends[room]
                     sent.add(req_id)
             for room, (_, at) in list(self._asked.items()):
-                if now - at > 10.0:
+                # A push room's prefill request may wait in vLLM's queue for a while.
+                if now - at > (self._lease if room & PUSH_BIT else 10.0):
                     # Asked for a room this prefill never had: a decode must not wait out its timeout.
                     del self._asked[room]
                     self._refuse(room, "no such room on this prefill")
@@ -514,10 +718,41 @@ class _Worker:
             with self._lock:
                 if room in self._sends:
                     self._start_send(room, pages)
+                elif room in self._pushes:
+                    self._grant_push(room, pages)
+                elif room & PUSH_BIT:
+                    # The router told the decode first: the prefill's step will find it.
+                    self._asked[room] = (pages, time.monotonic())
                 elif room >> 32 != self._room_prefix:
                     self._refuse(room, "the prefill that had this room restarted")
                 else:
                     self._asked[room] = (pages, time.monotonic())
+
+    def _grant_push(self, room: int, pages: int) -> None:
+        """A decode asked for a push room being computed: open it and send what is done."""
+        pushed = self._pushes[room]
+        if pushed.granted is not None:
+            return
+        pushed.granted = pages
+        if pushed.failed:
+            self._refuse(room, "the prefill request was aborted")
+            if not pushed.req_id:
+                del self._pushes[room]
+            return
+        try:
+            self.node.open_sender(room)
+        except self._kvferry.KvferryError as e:
+            logger.error("kvferry: push room %d not opened: %s", room, e)
+            pushed.failed = True
+            return
+        if pages <= 0 or pages > pushed.total:
+            logger.error("kvferry: push room %d: the decode granted %d blocks, the prompt has %d",
+                         room, pages, pushed.total)
+            pushed.failed = True
+            self._abort(room)
+            return
+        # Mid-forward, this step's blocks are still being written: only earlier ones go.
+        self._push_more(room, pushed, pushed.safe, layerwise=False)
 
     def _start_send(self, room: int, pages: int) -> None:
         """Sends the tail of the room's blocks the decode granted (it holds the rest)."""

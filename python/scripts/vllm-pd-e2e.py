@@ -4,7 +4,8 @@ Builds a tiny random-weight Llama and a word-level tokenizer (no download), serv
 alone (the reference), then as a producer and a consumer engine over kvferry behind
 ``kvferry.vllm_proxy``, and fails unless:
 
-- every greedy output through the proxy equals the reference, sequentially and concurrently;
+- every greedy output through the proxy equals the reference, sequentially and concurrently,
+  in pull mode and in push mode (the prefill sends each layer as its forward pass ends);
 - the decode's kvferry metrics counted the rooms (``kvferry_rooms_succeeded_total``);
 - with the prefill engine killed after it computed a prompt, the decode's load fails with
   kvferry's reason (logged), vLLM recomputes the prompt, and the output still equals the
@@ -178,7 +179,7 @@ def main() -> int:
     build_model(MODEL)
     figures: dict = {}
     engines: list[Engine] = []
-    proxy = None
+    proxies: list[subprocess.Popen] = []
     ok = False
     try:
         ps = prompts(8)
@@ -218,13 +219,24 @@ def main() -> int:
                                   "--decode", decode.url, "--timeout", "120"],
                                  stdout=open(os.path.join(work, "proxy.log"), "ab"),
                                  stderr=subprocess.STDOUT)
+        proxies.append(proxy)
         proxy_url = f"http://127.0.0.1:{proxy_port}"
-        for _ in range(60):
-            try:
-                urllib.request.urlopen(proxy_url + "/health", timeout=1)
-                break
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
+        push_port = free_port()
+        push_proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(push_port),
+                                       "--host", "127.0.0.1", "--push",
+                                       "--prefill", f"{prefill.url}=127.0.0.1:{kv_ports[0]}",
+                                       "--decode", decode.url, "--timeout", "120"],
+                                      stdout=open(os.path.join(work, "push-proxy.log"), "ab"),
+                                      stderr=subprocess.STDOUT)
+        proxies.append(push_proxy)
+        push_url = f"http://127.0.0.1:{push_port}"
+        for url in (proxy_url, push_url):
+            for _ in range(60):
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1)
+                    break
+                except (urllib.error.URLError, OSError):
+                    time.sleep(0.5)
 
         # Sequentially, then concurrently.
         t0 = time.monotonic()
@@ -242,6 +254,19 @@ def main() -> int:
         m = re.search(r'kvferry_rooms_succeeded_total\{role="decode"\} (\d+)', metrics)
         assert m and int(m.group(1)) >= 2 * len(ps), f"decode metrics: {m and m.group(0)}"
         figures["decode_rooms_succeeded"] = int(m.group(1))
+
+        # Push mode: the router tells both engines the room at once and the prefill sends
+        # each layer as it is computed; the answers are the reference's.
+        t0 = time.monotonic()
+        for p in ps:
+            got = completion(push_url, p)
+            assert got == reference[p], f"push, sequential: {got!r} != {reference[p]!r}"
+        figures["push_sequential_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
+        with cf.ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: completion(push_url, p), ps))
+        for p, got in zip(ps, outs):
+            assert got == reference[p], f"push, concurrent: {got!r} != {reference[p]!r}"
+        assert "failed to load its KV" not in decode.text(), "a push room failed"
 
         # The check can fail: two prompts of the same length computed by the prefill, each
         # sent to the decode with the other's room, land the other's KV, and the answers
@@ -285,7 +310,7 @@ def main() -> int:
         print(json.dumps(figures))
         return 0
     finally:
-        if proxy is not None:
+        for proxy in proxies:
             proxy.terminate()
         for e in engines:
             e.kill(signal.SIGTERM)

@@ -172,12 +172,19 @@ class Side:
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
         sampled = {}
-        for req_id, n in out.num_scheduled_tokens.items():
+        # The forward pass, layer by layer over the batch, as vLLM's model runs it: each
+        # layer writes its KV for every scheduled request, then the connector hears of it.
+        for layer in range(LAYERS):
+            for req_id, n in out.num_scheduled_tokens.items():
+                req = self.scheduler.requests[req_id]
+                # schedule() already counted the scheduled tokens as computed.
+                self._forward(req, req.num_computed_tokens - n, n, layer)
+            if out.num_scheduled_tokens:
+                name = f"model.layers.{layer}.self_attn.attn"
+                self.worker.save_kv_layer(name, self.kv[name], None)
+        for req_id in out.num_scheduled_tokens:
             req = self.scheduler.requests[req_id]
-            # schedule() already counted the scheduled tokens as computed.
-            self._forward(req, req.num_computed_tokens - n, n)
-            done = req.num_computed_tokens >= req.num_tokens
-            sampled[req_id] = [7] if done else []
+            sampled[req_id] = [7] if req.num_computed_tokens >= req.num_tokens else []
         self.worker.wait_for_save()
         results = self.worker.get_transfer_results(out.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
@@ -207,7 +214,7 @@ class Side:
                     finished.append(o)
         return finished
 
-    def _forward(self, req, first: int, n: int) -> None:
+    def _forward(self, req, first: int, n: int, layer: int) -> None:
         """Writes the pattern into every block the scheduled tokens touch: a prefill's
         compute, or a decode's that recomputes a prompt it could not load. A decode that
         loaded the prompt recomputes only its last token, which would rewrite the same bytes:
@@ -220,11 +227,14 @@ class Side:
             return
         blocks = self.blocks_of(req.request_id)
         bs = self.config.cache_config.block_size
+        # Only the token rows this step computes: a block sent before all its tokens were
+        # written would fail the check.
         for index in range(first // bs, (last - 1) // bs + 1):
-            for layer in range(LAYERS):
-                self.block_bytes_of(blocks[index], layer).copy_(
-                    pattern(req.prompt_token_ids, index, layer, self.block_bytes)
-                )
+            lo = max(first, index * bs) - index * bs
+            hi = min(last, (index + 1) * bs) - index * bs
+            rows = self.block_bytes_of(blocks[index], layer).view(KV_HEADS, bs, -1)
+            want = pattern(req.prompt_token_ids, index, layer, self.block_bytes).view(KV_HEADS, bs, -1)
+            rows[:, lo:hi, :] = want[:, lo:hi, :]
 
     def check_blocks(self, request_id: str, prompt: list[int]) -> int:
         """Checks every byte of the request's prompt blocks; returns the blocks checked."""
@@ -232,9 +242,10 @@ class Side:
         bs = self.config.cache_config.block_size
         n = -(-len(prompt) // bs)
         for index in range(n):
+            rows = min(len(prompt) - index * bs, bs)  # the prompt's tokens in this block
             for layer in range(LAYERS):
-                got = self.block_bytes_of(blocks[index], layer)
-                want = pattern(prompt, index, layer, self.block_bytes)
+                got = self.block_bytes_of(blocks[index], layer).view(KV_HEADS, bs, -1)[:, :rows, :]
+                want = pattern(prompt, index, layer, self.block_bytes).view(KV_HEADS, bs, -1)[:, :rows, :]
                 if not torch.equal(got, want):
                     same = int((got == want).sum())
                     raise AssertionError(

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import queue
+import secrets
 import socket
 import time
 
 import pytest
 
 from harness import Side, pattern
+
+from kvferry.vllm import PUSH_BIT
 
 
 def free_port() -> int:
@@ -34,11 +36,17 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
             while True:
                 cmd = inbox.get_nowait()
                 if cmd[0] == "stop":
+                    chunks = side.worker.push_chunks()
                     side.shutdown()
-                    outbox.put(("stopped", side.idle()))
+                    outbox.put(("stopped", (side.idle(), chunks)))
                     return
-                _, req_id, prompt, remote = cmd
-                side.add(req_id, prompt, 1, {"do_remote_decode": True} if remote else None)
+                if cmd[0] == "abort":
+                    from vllm.v1.request import RequestStatus
+
+                    side.scheduler.finish_requests(cmd[1], RequestStatus.FINISHED_ABORTED)
+                    continue
+                _, req_id, prompt, params = cmd
+                side.add(req_id, prompt, 1, params)
         except queue.Empty:
             pass
         for o in side.step():
@@ -57,10 +65,16 @@ class Prefill:
         kind, _ = self.outbox.get(timeout=120)
         assert kind == "ready"
 
-    def prefill(self, req_id: str, prompt: list[int], remote: bool = True) -> None:
-        """Computes ``prompt``; for a remote decode (it keeps the blocks for the room) unless
-        ``remote`` is false."""
-        self.inbox.put(("add", req_id, prompt, remote))
+    def prefill(self, req_id: str, prompt: list[int], remote: bool = True, room: int | None = None) -> None:
+        """Computes ``prompt``: for a remote decode (it keeps the blocks for the room) unless
+        ``remote`` is false; in push mode toward the router's ``room`` when one is given."""
+        params = {"do_remote_decode": True} if remote else None
+        if room is not None:
+            params = dict(params, kvferry_push=True, kvferry_room=room)
+        self.inbox.put(("add", req_id, prompt, params))
+
+    def abort(self, req_id: str) -> None:
+        self.inbox.put(("abort", req_id))
 
     def params(self, timeout: float = 60) -> tuple[str, dict]:
         kind, value = self.outbox.get(timeout=timeout)
@@ -68,12 +82,14 @@ class Prefill:
         return value
 
     def stop(self) -> bool:
+        """Stops the engine; whether it held no request any more (every block released)."""
         self.inbox.put(("stop",))
         while True:
             kind, value = self.outbox.get(timeout=30)
             if kind == "stopped":
                 self.proc.join(timeout=10)
-                return value
+                self.chunks = value[1]
+                return value[0]
 
     def kill(self) -> None:
         self.proc.kill()
@@ -158,6 +174,7 @@ def test_the_check_catches_a_shifted_block(ports):
             for layer in range(2):
                 decode.block_bytes_of(got[index], layer).copy_(
                     pattern(prompt, index - 1, layer, decode.block_bytes))
+        # (block 0 and the partial last block keep what the decode computed)
         with pytest.raises(AssertionError, match="differs"):
             decode.check_blocks("shifted", prompt)
     finally:
@@ -230,3 +247,90 @@ def test_a_decode_request_aborted_mid_room_keeps_its_blocks_until_no_write_can_l
     finally:
         decode.shutdown()
         prefill.stop()
+
+
+def push_params(room: int, kv_port: int) -> dict:
+    """What a push-mode router tells the decode: the room it drew and the prefill's node."""
+    return {"do_remote_prefill": True, "kvferry_push": True, "kvferry_room": room,
+            "kvferry_addrs": [f"127.0.0.1:{kv_port}"]}
+
+
+def test_push_rooms_move_layer_by_layer_with_every_byte_checked(ports):
+    """The router draws the room and tells both sides at once: the prefill sends each step's
+    blocks layer by layer as its forward pass writes them (chunked: 257 tokens take five
+    steps of 64), whether the decode asked before the prefill started or after."""
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1])
+    try:
+        lengths = [5, 64, 100, 257, 200, 33]
+        prompts = {f"p{i}": prompt_of(10 + i, n) for i, n in enumerate(lengths)}
+        rooms = {r: PUSH_BIT | secrets.randbits(32) for r in prompts}
+        requests = {}
+        for i, (req_id, prompt) in enumerate(prompts.items()):
+            params = push_params(rooms[req_id], ports[0])
+            if i % 2 == 0:
+                # The decode asks first (its room waits at the prefill for the request).
+                decode.add(req_id, prompt, 3, params)
+                decode.step()
+                prefill.prefill(req_id, prompt, room=rooms[req_id])
+            else:
+                prefill.prefill(req_id, prompt, room=rooms[req_id])
+                requests[req_id] = (prompt, params)
+        checked = run_decode(decode, requests)
+        while len(decode.outputs.keys() & prompts.keys()) < len(prompts):
+            decode.step()
+        got = dict(prefill.params() for _ in prompts)
+        assert all(p["kvferry_push"] for p in got.values()), got
+        assert not decode.load_failures, decode.load_failures
+        assert checked == {r: -(-len(prompts[r]) // 32) for r in requests}
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the prefill still holds requests (blocks never released)"
+    # The rooms the decode asked for first went out layer by layer with the forward pass.
+    assert prefill.chunks["layerwise"] > 0, prefill.chunks
+
+
+def test_push_rooms_deliver_every_block_exactly(ports):
+    """Every byte of push rooms checked on the decode, the decode asking first."""
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1])
+    try:
+        from vllm.v1.request import RequestStatus
+
+        prompt = prompt_of(42, 257)
+        room = PUSH_BIT | secrets.randbits(32)
+        decode.add("x", prompt, 3, push_params(room, ports[0]))
+        decode.step()
+        prefill.prefill("x", prompt, room=room)
+        deadline = time.monotonic() + 30
+        while decode.scheduler.requests["x"].status != RequestStatus.RUNNING:
+            assert time.monotonic() < deadline
+            decode.step()
+            time.sleep(0.002)
+        assert decode.check_blocks("x", prompt) == 9
+        prefill.params()
+    finally:
+        decode.shutdown()
+        assert prefill.stop()
+
+
+def test_an_aborted_push_prefill_fails_the_decode_room_and_frees_its_blocks(ports):
+    prefill = Prefill(ports[0], max_num_batched_tokens=32)
+    decode = Side("kv_consumer", ports[1])
+    try:
+        prompt = prompt_of(7, 1800)  # 57 steps of 32 tokens
+        room = PUSH_BIT | secrets.randbits(32)
+        decode.add("q", prompt, 3, push_params(room, ports[0]))
+        decode.step()
+        prefill.prefill("q", prompt, room=room)
+        time.sleep(0.03)
+        prefill.abort("q")
+        deadline = time.monotonic() + 20
+        while "q" not in decode.outputs:
+            assert time.monotonic() < deadline, "the decode still waits"
+            decode.step()
+            time.sleep(0.002)
+        assert "q" in decode.load_failures
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the aborted request's blocks were never released"
