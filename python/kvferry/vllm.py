@@ -22,6 +22,7 @@ built: it imports nothing heavy until a connector is constructed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -133,6 +134,7 @@ class _Pushed:
     #: Blocks complete now (every layer written): what may go out whole.
     safe: list[int] = field(default_factory=list)
     granted: Optional[int] = None
+    opened: bool = False
     sent: int = 0
     failed: bool = False
 
@@ -145,6 +147,8 @@ class _Recv:
     addrs: list[str]
     blocks: list[int]
     refused: Optional[str] = None
+    logged: bool = False
+    opened: bool = False
 
 
 @dataclass
@@ -159,6 +163,9 @@ class KvferryMetadata(KVConnectorMetadata):
     pushes: dict[str, _PushStep] = field(default_factory=dict)
     #: Push-mode prefill requests that ended without their prompt computed (abort).
     push_aborts: set[int] = field(default_factory=set)
+    #: Push-mode rooms whose prefill request vLLM preempted this step (its blocks are
+    #: already free in the scheduler and are overwritten from this step on).
+    push_preempted: set[int] = field(default_factory=set)
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -190,12 +197,13 @@ class KvferryConnector(KVConnectorBase_V1):
         # once an ask for a room of a previous life.
         engine_id = str(vllm_config.kv_transfer_config.engine_id or secrets.token_hex(16))
         digest = hashlib.sha256(engine_id.encode()).digest()
-        self._room_prefix = int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF
+        self._room_prefix = int.from_bytes(digest[:4], "little") & 0x3FFF_FFFF
         # Scheduler state, per step.
         self._pending = KvferryMetadata()
         self._loading: dict[str, int] = {}
         # Push-mode prefill requests: room, prompt blocks in all, the request, by request.
         self._pushing: dict[str, tuple[int, int, Any]] = {}
+        self._preempted: set[str] = set()
         self._worker: Optional[_Worker] = None
 
     # ---- scheduler side -------------------------------------------------------------
@@ -219,6 +227,8 @@ class KvferryConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = request.kv_transfer_params
         if self._producer and params and params.get("do_remote_decode") and params.get(_PUSH):
+            if request.request_id in self._preempted:
+                return
             room = params.get(_ROOM)
             if isinstance(room, int) and room & PUSH_BIT:
                 total = -(-len(request.prompt_token_ids or []) // self._shape["block_size"])
@@ -258,6 +268,14 @@ class KvferryConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta, self._pending = self._pending, KvferryMetadata()
         bs = self._shape["block_size"]
+        for req_id in scheduler_output.preempted_req_ids or ():
+            push = self._pushing.pop(req_id, None)
+            if push is not None:
+                # Its blocks went back to vLLM: the room fails before they are overwritten
+                # (the worker waits in handle_preemptions), and the resumed request computes
+                # for no room.
+                meta.push_preempted.add(push[0])
+                self._preempted.add(req_id)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             push = self._pushing.get(req_id)
             if push is None or self._kv_cache_manager is None:
@@ -280,6 +298,9 @@ class KvferryConnector(KVConnectorBase_V1):
         push = self._pushing.pop(req_id, None)
         if push is not None:
             return self._push_finished(request, push[0], block_ids)
+        if req_id in self._preempted:
+            self._preempted.discard(req_id)
+            return False, None
         if self._producer and params and params.get(_PUSH) and isinstance(params.get(_ROOM), int):
             # A push request that ended before vLLM ever scheduled it: its room fails now
             # rather than when the decode's wait runs out.
@@ -300,8 +321,11 @@ class KvferryConnector(KVConnectorBase_V1):
         ) or not block_ids:
             return False, None
         room = self._next_room()
+        # The prompt's blocks only (a caller that let the prefill generate more than one
+        # token must not shift the decode's tail).
+        prompt_blocks = -(-request.num_prompt_tokens // self._shape["block_size"])
         self._pending.sends[req_id] = _Send(
-            room=room, blocks=list(block_ids), deadline=time.monotonic() + self._lease
+            room=room, blocks=list(block_ids[:prompt_blocks]), deadline=time.monotonic() + self._lease
         )
         return True, {
             "do_remote_prefill": True,
@@ -339,6 +363,10 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._worker = _Worker(self, kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if self._worker is not None and kv_connector_metadata is not None:
+            self._worker.preempted(kv_connector_metadata.push_preempted)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -477,6 +505,11 @@ class _Worker:
         # Prefill, push mode: per room, what is computed and what went to the decode.
         self._pushes: dict[int, _Pushed] = {}
         self._step_rooms: Optional[list[int]] = None
+        self._marked: set[int] = set()
+        self._layers = len(index)
+        # On a GPU, save_kv_layer runs when a layer's kernels are queued, not when they ran:
+        # push rooms then go whole after the forward pass, once its stream is synchronized.
+        self._cuda = device if device.type == "cuda" else None
         #: Push-mode chunks sent layer by layer during a forward pass, and sent whole.
         self.chunks = {"layerwise": 0, "whole": 0}
         self._free_now: set[str] = set()
@@ -492,6 +525,7 @@ class _Worker:
         self._failed_now: set[str] = set()
         self._load_errors: set[int] = set()
         self._stop = threading.Event()
+        self._openers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvferry-open")
         self._asks = None
         if self._producer:
             self.node.listen(connector._listen)
@@ -513,20 +547,25 @@ class _Worker:
                     if asked is not None:
                         self._grant_push(step.room, asked[0])
                 pushed.computed = step.computed
-                if self._push_more(step.room, pushed, pushed.computed, layerwise=True):
+                if self._cuda is None and self._push_more(step.room, pushed, pushed.computed, layerwise=True):
                     rooms.append(step.room)
             self._step_rooms = rooms
 
     def layer_done(self, layer_name: str) -> None:
         """Push mode: a layer's forward pass ended; its part of this step's chunks may go."""
-        rooms = self._step_rooms
         layer = self._layer_of.get(layer_name)
-        if not rooms or layer is None:
+        if layer is not None:
+            self._mark(layer)
+
+    def _mark(self, layer: int) -> None:
+        rooms = self._step_rooms
+        if not rooms or layer in self._marked:
             return
+        self._marked.add(layer)
         try:
             self.node.mark_layer_ready(rooms, layer)
         except self._kvferry.KvferryError as e:
-            logger.warning("kvferry: layer %s of rooms %s not marked ready: %s", layer_name, rooms, e)
+            logger.warning("kvferry: layer %d of rooms %s not marked ready: %s", layer, rooms, e)
 
     def _push_more(self, room: int, pushed: "_Pushed", blocks: list[int], layerwise: bool) -> bool:
         """Sends the blocks of ``blocks`` (a prefix of the prompt's) that the decode granted
@@ -549,6 +588,41 @@ class _Worker:
             return False
         return layerwise
 
+    def preempted(self, rooms: set[int]) -> None:
+        """Push rooms whose prefill blocks vLLM took back: each fails, and this returns only
+        once no read of those blocks can still go out (before the step overwrites them)."""
+        for room in rooms:
+            with self._lock:
+                pushed = self._pushes.pop(room, None)
+                if pushed is None:
+                    continue
+                pushed.failed = True
+                if pushed.granted is None:
+                    self._refuse(room, "vLLM preempted the prefill request")
+                    continue
+                self._abort(room)
+            logger.warning("kvferry: push room %d: vLLM preempted the prefill request; the room fails", room)
+            deadline = time.monotonic() + 60
+            while not self._released(room):
+                if time.monotonic() > deadline:
+                    logger.error("kvferry: push room %d still not released 60 s after its abort", room)
+                    break
+                time.sleep(0.001)
+            self._forget(room)
+
+    def _released(self, room: int) -> bool:
+        """Whether nothing of ``room`` can still be read or written (unknown rooms are)."""
+        try:
+            return self.node.releasable(room)
+        except self._kvferry.InvalidArgument:
+            return True
+
+    def _forget(self, room: int) -> None:
+        try:
+            self.node.forget(room)
+        except self._kvferry.KvferryError:
+            pass
+
     def _abort(self, room: int) -> None:
         try:
             self.node.abort(room)
@@ -557,8 +631,15 @@ class _Worker:
 
     def end_forward(self, meta: KvferryMetadata) -> None:
         """Push mode, after the forward pass (vLLM's ``wait_for_save``): this step's blocks
-        are complete; what no layerwise chunk carried (a room granted mid-step, a step that
-        reported no layer) goes whole now."""
+        are complete; every layer not reported yet is released, and what no layerwise chunk
+        carried (a room granted mid-step, a step that reported no layer) goes whole now."""
+        for layer in range(self._layers):
+            self._mark(layer)
+        if meta.pushes and self._cuda is not None:
+            # The forward pass's kernels were only queued: the KV is written once they ran.
+            import torch
+
+            torch.cuda.current_stream(self._cuda).synchronize()
         with self._lock:
             for req_id, step in meta.pushes.items():
                 pushed = self._pushes.get(step.room)
@@ -570,6 +651,7 @@ class _Worker:
                 pushed.computed = pushed.safe = step.computed
                 self._push_more(step.room, pushed, pushed.safe, layerwise=False)
         self._step_rooms = None
+        self._marked = set()
 
     def take(self, meta: KvferryMetadata) -> None:
         """A step's requests that finished, opened or ended: rooms to serve, open or abort."""
@@ -589,7 +671,7 @@ class _Worker:
                     self._abort(room)
             for req_id, send in meta.sends.items():
                 pushed = self._pushes.pop(send.room, None)
-                if pushed is not None and pushed.granted is not None:
+                if pushed is not None and pushed.granted is not None and pushed.opened:
                     # Its sender is open: the blocks go back once no write can land.
                     self._sending[send.room] = req_id
                     continue
@@ -605,33 +687,48 @@ class _Worker:
         for req_id, recv in meta.recvs.items():
             self._open_recv(req_id, recv)
         for req_id in meta.aborts:
-            recv = self._recvs.get(req_id)
-            if recv is not None and recv.room:
-                try:
-                    self.node.abort(recv.room)
-                except self._kvferry.InvalidArgument:
-                    pass  # it ended already
-                self._aborting.add(req_id)
+            with self._lock:
+                recv = self._recvs.get(req_id)
+                if recv is not None and recv.refused is None:
+                    # Not opened yet: the opener aborts it once it is.
+                    if recv.opened:
+                        self._abort(recv.room)
+                    self._aborting.add(req_id)
 
     def _open_recv(self, req_id: str, recv: _Recv) -> None:
-        self._recvs[req_id] = recv
-        if recv.refused is not None:
-            self._failed_now.add(req_id)
-            return
+        """Opens a decode room off vLLM's step: the first room toward a prefill waits for
+        its first contact (up to kvferry's ``unreachable_timeout``), which must not stall
+        the engine."""
+        with self._lock:
+            self._recvs[req_id] = recv
+            if recv.refused is not None:
+                self._failed_now.add(req_id)
+                return
+        self._openers.submit(self._open_now, req_id, recv)
+
+    def _open_now(self, req_id: str, recv: _Recv) -> None:
         try:
             peer = self._peer(recv.addrs)
+            self.node.reach(peer)
             self.node.open_receiver(recv.room, [peer], pages=recv.blocks)
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: request %s: room %d not opened: %s", req_id, recv.room, e)
-            recv.refused = str(e)
-            self._failed_now.add(req_id)
+            with self._lock:
+                recv.refused = str(e)
+                self._failed_now.add(req_id)
+            return
+        with self._lock:
+            recv.opened = True
+            if req_id in self._aborting:
+                self._abort(recv.room)
 
     def _peer(self, addrs: list[str]) -> int:
+        """The kvferry peer of a prefill, named once (the core keeps it connected)."""
         key = tuple(addrs)
-        peer = self._peers.get(key)
-        if peer is None:
-            peer = self.node.connect_persistent(list(addrs))
-            self._peers[key] = peer
+        with self._lock:
+            peer = self._peers.get(key)
+            if peer is None:
+                peer = self._peers[key] = self.node.connect_persistent(list(addrs), reach=False)
         return peer
 
     def progress(self) -> tuple[set[str], set[str], set[str]]:
@@ -645,18 +742,22 @@ class _Worker:
             sent |= self._free_now
             self._free_now = set()
             for room, req_id in list(self._sending.items()):
-                state = self.node.poll(room)
-                if state in (kvferry.KVPoll.Success, kvferry.KVPoll.Failed) and self.node.releasable(room):
+                try:
+                    state = self.node.poll(room)
+                    if state not in (kvferry.KVPoll.Success, kvferry.KVPoll.Failed) or not self.node.releasable(room):
+                        continue
                     if state == kvferry.KVPoll.Failed:
                         logger.warning("kvferry: room %d of request %s failed: %s", room, req_id, self.node.failure(room))
-                    del self._sending[room]
-                    self.node.forget(room)
-                    sent.add(req_id)
+                except kvferry.InvalidArgument:
+                    pass  # the node no longer follows it: nothing of it can be read
+                del self._sending[room]
+                self._forget(room)
+                sent.add(req_id)
             for room, (req_id, send) in list(self._sends.items()):
                 if room not in self._sending and now > send.deadline:
                     logger.warning(
                         "kvferry: no decode asked for room %d of request %s within %.0f s; its blocks are freed",
-                        room, req_id, send.deadline - now + (now - send.deadline),
+                        room, req_id, self._lease,
                     )
                     del self._sends[room]
                     sent.add(req_id)
@@ -666,14 +767,17 @@ class _Worker:
                     # Asked for a room this prefill never had: a decode must not wait out its timeout.
                     del self._asked[room]
                     self._refuse(room, "no such room on this prefill")
-        for req_id in list(self._failed_now):
-            self._failed_now.discard(req_id)
-            recv = self._recvs.pop(req_id, None)
-            if recv is not None:
-                self._load_errors.update(recv.blocks)
-            received.add(req_id)
-            failed.add(req_id)
-        for req_id, recv in list(self._recvs.items()):
+        with self._lock:
+            for req_id in list(self._failed_now):
+                self._failed_now.discard(req_id)
+                self._aborting.discard(req_id)
+                recv = self._recvs.pop(req_id, None)
+                if recv is not None:
+                    self._load_errors.update(recv.blocks)
+                received.add(req_id)
+                failed.add(req_id)
+            opened = [(r, recv) for r, recv in self._recvs.items() if recv.opened]
+        for req_id, recv in opened:
             state = self.node.poll(recv.room)
             if req_id in self._aborting:
                 if state in (kvferry.KVPoll.Success, kvferry.KVPoll.Failed) and self.node.releasable(recv.room):
@@ -687,11 +791,12 @@ class _Worker:
                 self.node.forget(recv.room)
                 received.add(req_id)
             elif state == kvferry.KVPoll.Failed:
-                reason = self.node.failure(recv.room)
-                logger.error(
-                    "kvferry: request %s failed to load its KV (room %d): %s; vLLM recomputes it",
-                    req_id, recv.room, reason,
-                )
+                if not recv.logged:
+                    recv.logged = True
+                    logger.error(
+                        "kvferry: request %s failed to load its KV (room %d): %s; vLLM recomputes it",
+                        req_id, recv.room, self.node.failure(recv.room),
+                    )
                 if self.node.releasable(recv.room):
                     del self._recvs[req_id]
                     self.node.forget(recv.room)
@@ -745,6 +850,7 @@ class _Worker:
             logger.error("kvferry: push room %d not opened: %s", room, e)
             pushed.failed = True
             return
+        pushed.opened = True
         if pages <= 0 or pages > pushed.total:
             logger.error("kvferry: push room %d: the decode granted %d blocks, the prompt has %d",
                          room, pages, pushed.total)
@@ -757,9 +863,14 @@ class _Worker:
     def _start_send(self, room: int, pages: int) -> None:
         """Sends the tail of the room's blocks the decode granted (it holds the rest)."""
         req_id, send = self._sends.pop(room)
-        self._sending[room] = req_id
         try:
             self.node.open_sender(room)
+        except self._kvferry.KvferryError as e:
+            logger.error("kvferry: room %d of request %s not opened: %s", room, req_id, e)
+            self._free_now.add(req_id)
+            return
+        self._sending[room] = req_id
+        try:
             if pages <= 0 or pages > len(send.blocks):
                 logger.error(
                     "kvferry: room %d of request %s: the decode granted %d blocks, the prefill holds %d",
@@ -788,4 +899,5 @@ class _Worker:
         self._stop.set()
         if self._asks is not None:
             self._asks.join(timeout=2)
+        self._openers.shutdown(wait=False, cancel_futures=True)
         self.node.shutdown()

@@ -250,8 +250,14 @@ def main() -> int:
         figures["concurrent_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
         for p, got in zip(ps, outs):
             assert got == reference[p], f"concurrent: {got!r} != {reference[p]!r}"
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-        m = re.search(r'kvferry_rooms_succeeded_total\{role="decode"\} (\d+)', metrics)
+        # The node publishes its counters every few hundred milliseconds.
+        deadline = time.monotonic() + 10
+        while True:
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            m = re.search(r'kvferry_rooms_succeeded_total\{role="decode"\} (\d+)', metrics)
+            if (m and int(m.group(1)) >= 2 * len(ps)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert m and int(m.group(1)) >= 2 * len(ps), f"decode metrics: {m and m.group(0)}"
         figures["decode_rooms_succeeded"] = int(m.group(1))
 

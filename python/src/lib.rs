@@ -415,9 +415,10 @@ impl Node {
         Ok(self.block(py, self.node.connect(addrs))?.0)
     }
 
-    /// Names a peer the core keeps connected (reconnecting after losses) and waits for its
-    /// first contact; returns the peer's id.
-    fn connect_persistent(&self, py: Python<'_>, addrs: Vec<String>) -> PyResult<u32> {
+    /// Names a peer the core keeps connected (reconnecting after losses) and, with `reach`,
+    /// waits for its first contact; returns the peer's id.
+    #[pyo3(signature = (addrs, reach=true))]
+    fn connect_persistent(&self, py: Python<'_>, addrs: Vec<String>, reach: bool) -> PyResult<u32> {
         let addrs = addrs
             .iter()
             .map(|a| parse_addr(a))
@@ -425,10 +426,19 @@ impl Node {
         let node = self.node.clone();
         let peer = self.block(py, async move {
             let peer = node.connect_persistent(addrs).await?;
-            node.reach(peer).await?;
+            if reach {
+                node.reach(peer).await?;
+            }
             Ok(peer)
         })?;
         Ok(peer.0)
+    }
+
+    /// Waits until a persistent peer has had its first contact: at once if it had, an
+    /// error if it refused us or stayed unreachable for the `unreachable_timeout`.
+    fn reach(&self, py: Python<'_>, peer: u32) -> PyResult<()> {
+        let node = self.node.clone();
+        self.block(py, async move { node.reach(PeerId(peer)).await })
     }
 
     /// Decode: opens room `room` fed by `peers`, with its pages granted now or later.

@@ -136,6 +136,7 @@ class Side:
         self.block_bytes = KV_HEADS * block_size * 2 * HEAD_SIZE * self.kv[names[0]].element_size()
         self.outputs: dict[str, object] = {}
         self.load_failures: set[str] = set()
+        self.loaded: set[str] = set()
         self.role = role
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, params: Optional[dict]):
@@ -169,6 +170,8 @@ class Side:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
+        # The model runner's order: preemptions first (before any block is overwritten).
+        self.worker.handle_preemptions(out.kv_connector_metadata)
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
         sampled = {}
@@ -190,6 +193,7 @@ class Side:
         invalid = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
         self.load_failures |= results.failed_recving
+        self.loaded |= results.finished_recving - results.failed_recving
         req_ids = list(sampled)
         connector_out = KVConnectorOutput(
             finished_sending=results.finished_sending or None,

@@ -40,6 +40,15 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
                     side.shutdown()
                     outbox.put(("stopped", (side.idle(), chunks)))
                     return
+                if cmd[0] == "preempt":
+                    req = side.scheduler.requests.get(cmd[1])
+                    if req is not None and req in side.scheduler.running:
+                        side.scheduler.running.remove(req)
+                        side.scheduler._preempt_request(req, time.monotonic())
+                        outbox.put(("preempted", cmd[1]))
+                    else:
+                        outbox.put(("preempted", None))
+                    continue
                 if cmd[0] == "abort":
                     from vllm.v1.request import RequestStatus
 
@@ -64,6 +73,7 @@ class Prefill:
         self.proc.start()
         kind, _ = self.outbox.get(timeout=120)
         assert kind == "ready"
+        self.early: list = []
 
     def prefill(self, req_id: str, prompt: list[int], remote: bool = True, room: int | None = None) -> None:
         """Computes ``prompt``: for a remote decode (it keeps the blocks for the room) unless
@@ -76,8 +86,21 @@ class Prefill:
     def abort(self, req_id: str) -> None:
         self.inbox.put(("abort", req_id))
 
+    def preempt(self, req_id: str) -> bool:
+        """Preempts a running request as vLLM does under memory pressure (its blocks go
+        back at once); whether it was running."""
+        self.inbox.put(("preempt", req_id))
+        while True:
+            kind, value = self.outbox.get(timeout=30)
+            if kind == "preempted":
+                return value == req_id
+            self.early.append((kind, value))
+
     def params(self, timeout: float = 60) -> tuple[str, dict]:
-        kind, value = self.outbox.get(timeout=timeout)
+        if self.early:
+            kind, value = self.early.pop(0)
+        else:
+            kind, value = self.outbox.get(timeout=timeout)
         assert kind == "params", kind
         return value
 
@@ -330,7 +353,33 @@ def test_an_aborted_push_prefill_fails_the_decode_room_and_frees_its_blocks(port
             assert time.monotonic() < deadline, "the decode still waits"
             decode.step()
             time.sleep(0.002)
-        assert "q" in decode.load_failures
+        assert "q" in decode.load_failures, (decode.loaded, decode.outputs["q"])
     finally:
         decode.shutdown()
         assert prefill.stop(), "the aborted request's blocks were never released"
+
+
+def test_a_push_prefill_preempted_mid_room_fails_the_room_before_its_blocks_are_reused(ports):
+    """vLLM takes a running request's blocks back when it preempts it: the push room fails
+    before any of them is overwritten (the decode recomputes), and the resumed request
+    finishes for no room."""
+    prefill = Prefill(ports[0], max_num_batched_tokens=32)
+    decode = Side("kv_consumer", ports[1])
+    try:
+        prompt = prompt_of(8, 1800)
+        room = PUSH_BIT | secrets.randbits(32)
+        decode.add("v", prompt, 3, push_params(room, ports[0]))
+        decode.step()
+        prefill.prefill("v", prompt, room=room)
+        time.sleep(0.03)
+        assert prefill.preempt("v"), "the request was no longer running"
+        deadline = time.monotonic() + 30
+        while "v" not in decode.outputs:
+            assert time.monotonic() < deadline, "the decode still waits"
+            decode.step()
+            time.sleep(0.002)
+        assert "v" in decode.load_failures
+        prefill.params()  # the resumed request finished
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the preempted request's blocks were never released"
