@@ -130,6 +130,26 @@ def test_a_killed_prefill_fails_the_room_with_a_peer_failure_within_its_deadline
     d.shutdown()
 
 
+def test_a_persistent_peer_named_without_reaching_it_is_reached_later(prefill):
+    """connect_persistent(reach=False) returns at once, even toward an address nothing
+    listens on; reach() then waits for the first contact, or fails once the peer stayed
+    unreachable for the unreachable timeout."""
+    _proc, addr, _send = prefill
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux, unreachable_timeout_ms=1000)
+    started = time.time()
+    dead = d.connect_persistent(["127.0.0.1:9"], reach=False)
+    assert time.time() - started < 0.5
+    with pytest.raises(kvferry.ConnectError):
+        d.reach(dead)
+    assert time.time() - started < 5
+    live = d.connect_persistent([addr], reach=False)
+    d.reach(live)
+    d.open_receiver(31, [live], pages=[4, 5, 6], aux_slot=1)
+    assert d.wait(31, 10.0) == KVPoll.Success
+    d.shutdown()
+
+
 def test_bad_input_raises_the_documented_exceptions(prefill):
     _proc, addr, _send = prefill
     kv, aux = pool(fill=False)
