@@ -159,6 +159,10 @@ class KvferryMetadata(KVConnectorMetadata):
     recvs: dict[str, _Recv] = field(default_factory=dict)
     #: Decode requests that ended (abort, error) while their room was open.
     aborts: set[str] = field(default_factory=set)
+    #: Decode: rooms of pulled prompts this decode will never load (request ended first,
+    #: block shape refused): each is opened without pages and aborted, so its prefill frees
+    #: the blocks at once instead of at the end of its lease.
+    releases: list[tuple[int, list[str]]] = field(default_factory=list)
     #: Push-mode prefill requests scheduled this step.
     pushes: dict[str, _PushStep] = field(default_factory=dict)
     #: Push-mode prefill requests that ended without their prompt computed (abort).
@@ -259,6 +263,11 @@ class KvferryConnector(KVConnectorBase_V1):
                 request.request_id,
                 refused,
             )
+            if isinstance(room, int) and addrs and not params.get(_PUSH):
+                # The prefill holds the prompt's blocks for this room: let it go now (where
+                # the two nodes' layouts differ, kvferry's handshake refuses even that, and
+                # the prefill frees them at the end of its lease).
+                self._pending.releases.append((room, list(addrs)))
             room = 0
         self._pending.recvs[request.request_id] = _Recv(
             room=int(room or 0), addrs=list(addrs or []), blocks=block_ids, refused=refused
@@ -310,6 +319,13 @@ class KvferryConnector(KVConnectorBase_V1):
             # A decode request that ended while its room was open: its worker aborts the
             # room and reports it loaded once no write can land (vLLM holds its blocks).
             self._pending.aborts.add(req_id)
+            return False, None
+        if (self._consumer and params and params.get("do_remote_prefill") and not params.get(_DONE)
+                and not params.get(_PUSH) and isinstance(params.get(_ROOM), int) and params.get(_ADDRS)):
+            # A decode request that ended before it was ever scheduled (aborted, rejected):
+            # the prefill holds the prompt's blocks for its room, so tell it to let them go.
+            params[_DONE] = True
+            self._pending.releases.append((params[_ROOM], list(params[_ADDRS])))
             return False, None
         if not self._producer or not params or not params.get("do_remote_decode"):
             return False, None
@@ -686,6 +702,8 @@ class _Worker:
                     self._start_send(send.room, asked[0])
         for req_id, recv in meta.recvs.items():
             self._open_recv(req_id, recv)
+        for room, addrs in meta.releases:
+            self._openers.submit(self._release_now, room, addrs)
         for req_id in meta.aborts:
             with self._lock:
                 recv = self._recvs.get(req_id)
@@ -721,6 +739,24 @@ class _Worker:
             recv.opened = True
             if req_id in self._aborting:
                 self._abort(recv.room)
+
+    def _release_now(self, room: int, addrs: list[str]) -> None:
+        """Asks for ``room`` without granting a page: the prefill takes that as "this decode
+        will not load it", fails the room and frees the blocks it held for it. Aborted here
+        if the prefill has not answered within 30 s."""
+        try:
+            peer = self._peer(addrs)
+            self.node.reach(peer)
+            self.node.open_receiver(room, [peer])
+            if self.node.wait(room, 30.0) not in (self._kvferry.KVPoll.Success, self._kvferry.KVPoll.Failed):
+                self.node.abort(room)
+        except self._kvferry.KvferryError as e:
+            logger.warning("kvferry: room %d could not be released at its prefill: %s", room, e)
+            return
+        deadline = time.monotonic() + 60
+        while not self._released(room) and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.05)
+        self._forget(room)
 
     def _peer(self, addrs: list[str]) -> int:
         """The kvferry peer of a prefill, named once (the core keeps it connected)."""
@@ -871,7 +907,12 @@ class _Worker:
             return
         self._sending[room] = req_id
         try:
-            if pages <= 0 or pages > len(send.blocks):
+            if pages == 0:
+                logger.info("kvferry: the decode of request %s will not load room %d; its blocks are freed",
+                            req_id, room)
+                self.node.abort(room)
+                return
+            if pages < 0 or pages > len(send.blocks):
                 logger.error(
                     "kvferry: room %d of request %s: the decode granted %d blocks, the prefill holds %d",
                     room, req_id, pages, len(send.blocks),

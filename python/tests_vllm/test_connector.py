@@ -40,6 +40,9 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
                     side.shutdown()
                     outbox.put(("stopped", (side.idle(), chunks)))
                     return
+                if cmd[0] == "idle":
+                    outbox.put(("idle", side.idle()))
+                    continue
                 if cmd[0] == "preempt":
                     req = side.scheduler.requests.get(cmd[1])
                     if req is not None and req in side.scheduler.running:
@@ -85,6 +88,21 @@ class Prefill:
 
     def abort(self, req_id: str) -> None:
         self.inbox.put(("abort", req_id))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether the engine comes to hold no request (every block released) in time."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.inbox.put(("idle",))
+            while True:
+                kind, value = self.outbox.get(timeout=30)
+                if kind == "idle":
+                    break
+                self.early.append((kind, value))
+            if value:
+                return True
+            time.sleep(0.1)
+        return False
 
     def preempt(self, req_id: str) -> bool:
         """Preempts a running request as vLLM does under memory pressure (its blocks go
@@ -217,6 +235,7 @@ def test_a_block_size_mismatch_is_refused_naming_both_values(ports, caplog):
         assert rid in decode.load_failures
         said = caplog.text
         assert "block_size: prefill 32, decode 64" in said, said
+
         # vLLM recomputed it: the request finished all the same.
         assert decode.outputs[rid].finish_reason is not None
     finally:
@@ -383,3 +402,24 @@ def test_a_push_prefill_preempted_mid_room_fails_the_room_before_its_blocks_are_
     finally:
         decode.shutdown()
         assert prefill.stop(), "the preempted request's blocks were never released"
+
+
+def test_a_decode_request_aborted_before_it_was_scheduled_releases_the_prefills_blocks(ports):
+    from vllm.v1.request import RequestStatus
+
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1])
+    try:
+        prompt = prompt_of(9, 150)
+        prefill.prefill("z", prompt)
+        rid, params = prefill.params()
+        decode.add(rid, prompt, 3, dict(params))
+        decode.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        for _ in range(20):
+            decode.step()
+            time.sleep(0.01)
+        assert decode.idle()
+        assert prefill.wait_idle(10), "the prefill still holds the abandoned room's blocks"
+    finally:
+        decode.shutdown()
+        prefill.stop()
