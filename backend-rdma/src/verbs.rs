@@ -24,6 +24,16 @@ extern "C" {
     ) -> *mut ibv_mr;
 }
 
+/// The narrowest access a registration needs: local write always (the NIC writes received
+/// data or reads the source), remote write only where peers may write.
+fn access_flags(remote_write: bool) -> ibv_access_flags {
+    let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
+    if remote_write {
+        access |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
+    }
+    access
+}
+
 fn verbs_err(call: &'static str) -> RdmaError {
     RdmaError::Verbs {
         call,
@@ -66,10 +76,7 @@ impl MemoryRegistration {
         len: usize,
         remote_write: bool,
     ) -> Result<MemoryRegistration, RdmaError> {
-        let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
-        if remote_write {
-            access |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
-        }
+        let access = access_flags(remote_write);
         // SAFETY: the caller guarantees the range; the PD is alive as long as `device`.
         let mr = unsafe { ibv_reg_mr(device.pd(), ptr.cast(), len, access.0 as i32) };
         if mr.is_null() {
@@ -96,10 +103,7 @@ impl MemoryRegistration {
         len: usize,
         remote_write: bool,
     ) -> Result<MemoryRegistration, RdmaError> {
-        let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
-        if remote_write {
-            access |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
-        }
+        let access = access_flags(remote_write);
         // SAFETY: the PD is alive as long as `device`; the dma-buf is a live descriptor the
         // kernel pins for the registration's life (it takes its own reference).
         let mr = unsafe {

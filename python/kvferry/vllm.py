@@ -556,16 +556,22 @@ class _Worker:
         with self._lock:
             rooms = []
             for req_id, step in meta.pushes.items():
-                pushed = self._pushes.get(step.room)
-                if pushed is None:
-                    pushed = self._pushes[step.room] = _Pushed(req_id=req_id, total=step.total)
-                    asked = self._asked.pop(step.room, None)
-                    if asked is not None:
-                        self._grant_push(step.room, asked[0])
+                pushed = self._pushed(req_id, step)
                 pushed.computed = step.computed
                 if self._cuda is None and self._push_more(step.room, pushed, pushed.computed, layerwise=True):
                     rooms.append(step.room)
             self._step_rooms = rooms
+
+    def _pushed(self, req_id: str, step: _PushStep) -> "_Pushed":
+        """The worker's state of a push room, made at the room's first step (granting it at
+        once if its decode asked before); the caller holds the lock."""
+        pushed = self._pushes.get(step.room)
+        if pushed is None:
+            pushed = self._pushes[step.room] = _Pushed(req_id=req_id, total=step.total)
+            asked = self._asked.pop(step.room, None)
+            if asked is not None:
+                self._grant_push(step.room, asked[0])
+        return pushed
 
     def layer_done(self, layer_name: str) -> None:
         """Push mode: a layer's forward pass ended; its part of this step's chunks may go."""
@@ -658,12 +664,7 @@ class _Worker:
             torch.cuda.current_stream(self._cuda).synchronize()
         with self._lock:
             for req_id, step in meta.pushes.items():
-                pushed = self._pushes.get(step.room)
-                if pushed is None:
-                    pushed = self._pushes[step.room] = _Pushed(req_id=req_id, total=step.total)
-                    asked = self._asked.pop(step.room, None)
-                    if asked is not None:
-                        self._grant_push(step.room, asked[0])
+                pushed = self._pushed(req_id, step)
                 pushed.computed = pushed.safe = step.computed
                 self._push_more(step.room, pushed, pushed.safe, layerwise=False)
         self._step_rooms = None
