@@ -6,7 +6,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TransferId};
-use crate::layout::{Layout, Slice};
+use crate::layout::{Heads, Layout, LayoutMismatch, Slice};
 use crate::state::{InvalidTransition, KvPoll, Role};
 
 /// Who this endpoint is; sent to every peer in the hello.
@@ -30,6 +30,8 @@ pub struct EndpointInfo {
     pub layer_end: u16,
     /// Whether this endpoint writes aux and state data (the last PP stage).
     pub writes_aux: bool,
+    /// The KV heads this endpoint holds (attention TP); whole pages by default.
+    pub heads: Heads,
 }
 
 impl EndpointInfo {
@@ -45,6 +47,7 @@ impl EndpointInfo {
             layer_start: 0,
             layer_end: layout.layers,
             writes_aux: true,
+            heads: Heads::whole(&layout),
         }
     }
 }
@@ -68,6 +71,8 @@ pub struct PeerInfo {
     pub layer_end: u16,
     /// Whether it writes aux data.
     pub writes_aux: bool,
+    /// The KV heads it holds.
+    pub heads: Heads,
     /// How often it sends heartbeats.
     pub heartbeat_interval: core::time::Duration,
     /// How many of them may go missing before it may be given up.
@@ -352,8 +357,8 @@ pub enum RejectReason {
     BadToken,
     /// Both ends have the same role.
     WrongRole,
-    /// The memory layouts disagree on this field.
-    IncompatibleLayout(&'static str),
+    /// The memory layouts disagree on this field (both values named).
+    IncompatibleLayout(LayoutMismatch),
     /// The peer speaks another protocol version.
     VersionMismatch,
 }
@@ -547,6 +552,9 @@ pub enum WriteRefused {
     SlotNotGranted,
     /// The writer does not own this layer.
     LayerNotOwned,
+    /// The bytes are not the heads the writer shares with this endpoint, in one token row
+    /// (attention heads split across ranks).
+    HeadsNotShared,
     /// The writer's session was taken over by a fresh connection: its writes are void (the
     /// operations are retried there), and the room does not fail for them.
     SessionSuperseded,

@@ -9,13 +9,13 @@ use smallvec::SmallVec;
 
 use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 use crate::ids::{Generation, Incarnation, NodeId, RoomId};
-use crate::layout::{Layout, PageRun};
+use crate::layout::{Heads, Layout, PageRun};
 use crate::state::{FailureReason, Role};
 
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
 /// challenge and proofs; version 3 added the frame count to the heartbeat (an older peer is
 /// refused: [`ErrorCode::VersionMismatch`]).
-pub const PROTOCOL_VERSION: u8 = 3;
+pub const PROTOCOL_VERSION: u8 = 4;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
 /// Longest heartbeat interval a hello may announce (10 minutes).
@@ -140,6 +140,8 @@ pub struct Hello {
     pub layer_end: u16,
     /// Whether this endpoint writes the aux and state data (the last PP stage).
     pub writes_aux: bool,
+    /// The KV heads it holds in every token row (attention TP).
+    pub heads: Heads,
     /// How often the sender sends a heartbeat, in milliseconds (at least 1).
     pub heartbeat_interval_ms: u32,
     /// How many of its heartbeats may go missing before its peer may give up (at least 1):
@@ -321,6 +323,10 @@ impl Message {
                 out.put_u16_le(h.layer_start);
                 out.put_u16_le(h.layer_end);
                 out.put_u8(u8::from(h.writes_aux));
+                out.put_u16_le(h.heads.total);
+                out.put_u16_le(h.heads.start);
+                out.put_u16_le(h.heads.count);
+                out.put_u32_le(h.heads.head_bytes);
                 out.put_u32_le(h.heartbeat_interval_ms);
                 out.put_u32_le(h.heartbeat_misses);
                 out.put_slice(&h.proof);
@@ -585,6 +591,15 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                 1 => true,
                 _ => return Err(r.invalid("writes_aux")),
             };
+            let heads = Heads {
+                total: r.u16()?,
+                start: r.u16()?,
+                count: r.u16()?,
+                head_bytes: r.u32()?,
+            };
+            if heads.page_tokens(layout.page_bytes).is_none() {
+                return Err(r.invalid("heads"));
+            }
             let heartbeat_interval_ms = r.u32()?;
             if !(1..=MAX_HEARTBEAT_INTERVAL_MS).contains(&heartbeat_interval_ms) {
                 return Err(r.invalid("heartbeat_interval_ms"));
@@ -602,6 +617,7 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                 layer_start,
                 layer_end,
                 writes_aux,
+                heads,
                 heartbeat_interval_ms,
                 heartbeat_misses,
                 proof: r.array::<PROOF_LEN>()?,

@@ -26,22 +26,25 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Whether a peer with layout `other` can exchange KV with us. Capacities may differ.
+    /// Whether a peer with layout `other` can exchange KV with us. Capacities may differ, and
+    /// so may `page_bytes` where the two hold different heads of the same model
+    /// ([`Heads::compatible`] checks those).
     pub fn compatible(&self, other: &Layout) -> Result<(), LayoutMismatch> {
-        let field = if self.layers != other.layers {
-            "layers"
-        } else if self.planes != other.planes {
-            "planes"
-        } else if self.page_bytes != other.page_bytes {
-            "page_bytes"
-        } else if self.aux_bytes != other.aux_bytes {
-            "aux_bytes"
-        } else if self.state_bytes != other.state_bytes {
-            "state_bytes"
-        } else {
-            return Ok(());
-        };
-        Err(LayoutMismatch { field })
+        let pairs = [
+            ("layers", u64::from(self.layers), u64::from(other.layers)),
+            ("planes", u64::from(self.planes), u64::from(other.planes)),
+            (
+                "aux_bytes",
+                u64::from(self.aux_bytes),
+                u64::from(other.aux_bytes),
+            ),
+            (
+                "state_bytes",
+                u64::from(self.state_bytes),
+                u64::from(other.state_bytes),
+            ),
+        ];
+        LayoutMismatch::first(&pairs)
     }
 
     /// Number of KV regions (layers x planes).
@@ -71,11 +74,180 @@ impl Layout {
 /// Size of the scratch region every endpoint registers for session probes.
 pub const SCRATCH_BYTES: u64 = 64;
 
-/// A field where two layouts disagree.
+/// A field where two layouts disagree, with both values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayoutMismatch {
     /// The first differing field.
     pub field: &'static str,
+    /// This endpoint's value.
+    pub ours: u64,
+    /// The peer's value.
+    pub theirs: u64,
+}
+
+impl LayoutMismatch {
+    /// The first of `(field, ours, theirs)` whose values differ.
+    fn first(pairs: &[(&'static str, u64, u64)]) -> Result<(), LayoutMismatch> {
+        match pairs.iter().find(|(_, a, b)| a != b) {
+            Some(&(field, ours, theirs)) => Err(LayoutMismatch {
+                field,
+                ours,
+                theirs,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl core::fmt::Display for LayoutMismatch {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "layout field {} differs: this node has {}, the peer {}",
+            self.field, self.ours, self.theirs
+        )
+    }
+}
+
+/// Which of the model's KV heads an endpoint holds in every token row of its pages, when
+/// attention heads are split across tensor-parallel ranks.
+///
+/// A page is `page_tokens` rows, one per token, each holding `count` heads of `head_bytes`
+/// bytes: `page_bytes = page_tokens × count × head_bytes`. Peers that hold the same heads copy
+/// whole pages; peers that hold different heads copy, for every token, the bytes of the heads
+/// both hold (a head slice). The default, one head of `page_bytes` out of one, is an
+/// endpoint that does not split heads (and MLA's latent KV, which every rank holds whole).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Heads {
+    /// KV heads of the whole model (every rank's together).
+    pub total: u16,
+    /// First head this endpoint holds.
+    pub start: u16,
+    /// Heads this endpoint holds, contiguous in each token row.
+    pub count: u16,
+    /// Bytes of one head of one token (head dimension × element size).
+    pub head_bytes: u32,
+}
+
+impl Heads {
+    /// Whole pages: one head that is the whole page, of one.
+    pub fn whole(layout: &Layout) -> Heads {
+        Heads {
+            total: 1,
+            start: 0,
+            count: 1,
+            head_bytes: layout.page_bytes,
+        }
+    }
+
+    /// Bytes of one token row (the heads this endpoint holds).
+    pub fn row_bytes(&self) -> u64 {
+        u64::from(self.count) * u64::from(self.head_bytes)
+    }
+
+    /// Tokens per page of `page_bytes`, or `None` when such pages are not whole rows of
+    /// these heads (or the heads are out of range).
+    pub fn page_tokens(&self, page_bytes: u32) -> Option<u32> {
+        let row = self.row_bytes();
+        let fits = self.count > 0
+            && self.head_bytes > 0
+            && u32::from(self.start) + u32::from(self.count) <= u32::from(self.total);
+        (fits && u64::from(page_bytes) % row == 0).then(|| (u64::from(page_bytes) / row) as u32)
+    }
+
+    /// Heads both endpoints hold, `start..end`; empty when they share none.
+    pub fn shared(&self, other: &Heads) -> core::ops::Range<u16> {
+        let start = self.start.max(other.start);
+        let end = (self.start + self.count).min(other.start + other.count);
+        start..end.max(start)
+    }
+
+    /// How a peer holding `theirs` writes into this endpoint's pages of `page_bytes`: the
+    /// bytes of each token row it fills; `None` when it holds the same heads (whole pages).
+    pub fn row_write(&self, page_bytes: u32, theirs: &Heads) -> Option<RowWrite> {
+        if self == theirs {
+            return None;
+        }
+        let shared = self.shared(theirs);
+        let head = u64::from(self.head_bytes);
+        Some(RowWrite {
+            row_bytes: self.row_bytes(),
+            skip: u64::from(shared.start.saturating_sub(self.start)) * head,
+            len: u64::from(shared.end - shared.start) * head,
+            tokens: self.page_tokens(page_bytes).unwrap_or(0),
+        })
+    }
+
+    /// Whether a peer holding `theirs` over `their_layout` splits the same model the same
+    /// way: total heads, head size and tokens per page agree (the heads held may differ).
+    pub fn compatible(
+        &self,
+        layout: &Layout,
+        theirs: &Heads,
+        their_layout: &Layout,
+    ) -> Result<(), LayoutMismatch> {
+        let tokens = |h: &Heads, l: &Layout| u64::from(h.page_tokens(l.page_bytes).unwrap_or(0));
+        let page_bytes = if self.count == theirs.count {
+            (layout.page_bytes, their_layout.page_bytes)
+        } else {
+            (0, 0) // different heads held: their pages are meant to differ in size
+        };
+        LayoutMismatch::first(&[
+            (
+                "heads_total",
+                u64::from(self.total),
+                u64::from(theirs.total),
+            ),
+            (
+                "page_bytes",
+                u64::from(page_bytes.0),
+                u64::from(page_bytes.1),
+            ),
+            (
+                "head_bytes",
+                u64::from(self.head_bytes),
+                u64::from(theirs.head_bytes),
+            ),
+            (
+                "page_tokens",
+                tokens(self, layout),
+                tokens(theirs, their_layout),
+            ),
+        ])
+    }
+}
+
+/// The part of each of this endpoint's token rows that one peer writes (the heads both hold).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowWrite {
+    /// Bytes of one of our token rows.
+    pub row_bytes: u64,
+    /// Where the peer's part starts in each row.
+    pub skip: u64,
+    /// Bytes of the peer's part of each row (0 when it holds none of our heads).
+    pub len: u64,
+    /// Token rows per page.
+    pub tokens: u32,
+}
+
+impl RowWrite {
+    /// Whether `len` bytes at `offset` of a region are exactly the peer's part of one row,
+    /// or (when its part is the whole row) whole rows.
+    pub fn admits(&self, offset: u64, len: u64) -> bool {
+        if self.len == 0 || self.row_bytes == 0 {
+            false
+        } else if self.len == self.row_bytes {
+            offset % self.row_bytes == 0 && len % self.row_bytes == 0
+        } else {
+            offset % self.row_bytes == self.skip && len == self.len
+        }
+    }
+
+    /// The token rows (region-wide row numbers) that an admitted write fills.
+    pub fn rows(&self, offset: u64, len: u64) -> core::ops::Range<u64> {
+        let first = offset / self.row_bytes;
+        first..first + (len / self.row_bytes).max(1)
+    }
 }
 
 /// A registered memory region, named the same way on both peers.

@@ -2,7 +2,7 @@
 
 use core::ops::Range;
 
-use crate::layout::{Layout, Region, Slice};
+use crate::layout::{Heads, Layout, Region, Slice};
 
 /// Bounds on one data-path operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +66,87 @@ pub fn plan_kv(
                     len: bytes,
                 });
                 cur_bytes += bytes;
+            }
+        }
+    }
+    if !cur.is_empty() {
+        ops.push(cur);
+    }
+    ops
+}
+
+/// One side of a copy between endpoints that hold different heads: its page size and heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadSide {
+    /// Bytes of one page of one (layer, plane) region on this side.
+    pub page_bytes: u32,
+    /// The heads this side holds in every token row.
+    pub heads: Heads,
+}
+
+/// Plans the head slices that copy room pages `src[i] -> dst[i]` for `layers` (every plane)
+/// between two endpoints that hold different heads: for every token row, the bytes of the
+/// heads both hold, from where they sit in the source's row to where they sit in the
+/// destination's. Slices that are contiguous on both sides are merged. Ordered by layer,
+/// plane, page, token, cut into operations that respect `limits`; empty when the two share no
+/// head (the caller refuses such a pairing).
+pub fn plan_kv_heads(
+    planes: u8,
+    from: HeadSide,
+    to: HeadSide,
+    layers: Range<u16>,
+    src: &[u32],
+    dst: &[u32],
+    limits: OpLimits,
+) -> Vec<Vec<Slice>> {
+    let shared = from.heads.shared(&to.heads);
+    let head = u64::from(from.heads.head_bytes);
+    let len = u64::from(shared.end - shared.start) * head;
+    let tokens = from.heads.page_tokens(from.page_bytes).unwrap_or(0);
+    if len == 0 || tokens == 0 {
+        return Vec::new();
+    }
+    let (src_row, dst_row) = (from.heads.row_bytes(), to.heads.row_bytes());
+    let src_skip = u64::from(shared.start - from.heads.start) * head;
+    let dst_skip = u64::from(shared.start - to.heads.start) * head;
+    let mut ops = Vec::new();
+    let mut cur: Vec<Slice> = Vec::new();
+    let mut cur_bytes = 0u64;
+    for layer in layers {
+        for plane in 0..planes {
+            let region = Region::Kv { layer, plane };
+            for (&s, &d) in src.iter().zip(dst) {
+                for t in 0..u64::from(tokens) {
+                    let slice = Slice {
+                        region,
+                        src_offset: u64::from(s) * u64::from(from.page_bytes)
+                            + t * src_row
+                            + src_skip,
+                        dst_offset: u64::from(d) * u64::from(to.page_bytes)
+                            + t * dst_row
+                            + dst_skip,
+                        len,
+                    };
+                    if let Some(last) = cur.last_mut() {
+                        if last.region == region
+                            && last.src_offset + last.len == slice.src_offset
+                            && last.dst_offset + last.len == slice.dst_offset
+                            && cur_bytes + len <= limits.max_bytes
+                        {
+                            last.len += len;
+                            cur_bytes += len;
+                            continue;
+                        }
+                        if cur_bytes + len > limits.max_bytes
+                            || cur.len() as u32 >= limits.max_slices
+                        {
+                            ops.push(std::mem::take(&mut cur));
+                            cur_bytes = 0;
+                        }
+                    }
+                    cur.push(slice);
+                    cur_bytes += len;
+                }
             }
         }
     }

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use kvferry_core::codec::{ErrorCode, Hello, Message};
 use kvferry_core::sim::{fast_config, small_layout};
 use kvferry_core::{
-    DataRefusal, Endpoint, EndpointInfo, Event, Incarnation, NodeId, RejectReason, Role, SessionId,
-    SessionState,
+    DataRefusal, Endpoint, EndpointInfo, Event, Heads, Incarnation, NodeId, RejectReason, Role,
+    SessionId, SessionState,
 };
 
 const TOKEN: &[u8] = b"s3cret-cluster-token";
@@ -159,6 +159,7 @@ fn our_kind_of_hello() -> Message {
         layer_start: 0,
         layer_end: 4,
         writes_aux: true,
+        heads: Heads::whole(&small_layout(64)),
         heartbeat_interval_ms: 250,
         heartbeat_misses: 3,
         proof: [0; 32],

@@ -5,7 +5,7 @@ use kvferry_core::codec::{
     PROTOCOL_VERSION,
 };
 use kvferry_core::sim::small_layout;
-use kvferry_core::{FailureReason, Incarnation, NodeId, PageRun, Role, RoomId};
+use kvferry_core::{FailureReason, Heads, Incarnation, NodeId, PageRun, Role, RoomId};
 use proptest::prelude::*;
 use smallvec::smallvec;
 
@@ -23,6 +23,12 @@ fn every_message() -> Vec<Message> {
             layer_start: 1,
             layer_end: 3,
             writes_aux: false,
+            heads: Heads {
+                total: 8,
+                start: 2,
+                count: 2,
+                head_bytes: 128,
+            },
             heartbeat_interval_ms: 500,
             heartbeat_misses: 30,
             proof: [0xA5; 32],
@@ -209,16 +215,20 @@ fn every_impossible_hello_value_is_named() {
     };
     // (field, body offset, bytes written there). Offsets: role 6, rank 7, node 9,
     // incarnation 17, layout 25 (layers, planes 27, page_bytes 28, ...), layer_start 48,
-    // layer_end 50, writes_aux 52, heartbeat interval 53, misses 57.
-    let cases: [(&str, usize, &[u8]); 8] = [
+    // layer_end 50, writes_aux 52, heads 53 (total, start 55, count 57, head_bytes 59),
+    // heartbeat interval 63, misses 67.
+    let cases: [(&str, usize, &[u8]); 11] = [
         ("role", 6, &[3]),
         ("planes", 27, &[3]),
         ("page_bytes", 28, &[0; 4]),
         ("layers", 25, &[0; 2]),
         ("layer range", 50, &[200]),
         ("writes_aux", 52, &[2]),
-        ("heartbeat_interval_ms", 53, &[0; 4]),
-        ("heartbeat_misses", 57, &[0xFF; 4]),
+        ("heads", 53, &[3, 0]),
+        ("heads", 57, &[0, 0]),
+        ("heads", 59, &[0xFF, 0, 0, 0]),
+        ("heartbeat_interval_ms", 63, &[0; 4]),
+        ("heartbeat_misses", 67, &[0xFF; 4]),
     ];
     for (field, at, bytes) in cases {
         let mut buf = Vec::new();
@@ -316,4 +326,14 @@ fn a_transport_payload_longer_than_the_limit_is_refused() {
             field: "transport length"
         })
     );
+}
+
+/// The hello's size is the one `docs/PROTOCOL.md` states (97 bytes of body, 6 of header).
+#[test]
+fn a_hello_is_the_size_the_protocol_states() {
+    let mut buf = Vec::new();
+    every_message()[0].encode(&mut buf);
+    assert_eq!(buf.len(), HEADER_LEN + 97);
+    let doc = include_str!("../../docs/PROTOCOL.md");
+    assert!(doc.contains("Body length: 97 (the frame is 103 bytes"));
 }

@@ -670,9 +670,9 @@ fn s20_incompatible_layout_rejects_that_peer_only() {
                 matches!(
                     e,
                     Event::SessionRejected {
-                        reason: RejectReason::IncompatibleLayout("page_bytes"),
+                        reason: RejectReason::IncompatibleLayout(m),
                         ..
-                    }
+                    } if m.field == "page_bytes" && m.ours + m.theirs == 1024 + 2048
                 )
             })
         })

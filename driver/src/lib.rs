@@ -304,8 +304,8 @@ impl std::fmt::Display for NodeError {
                     "the peer has the same role as this node (connect decode to prefill)"
                 )
             }
-            NodeError::Rejected(kvferry_core::RejectReason::IncompatibleLayout(field)) => {
-                write!(f, "the peer's memory layout differs in {field} (use the same shape on both sides)")
+            NodeError::Rejected(kvferry_core::RejectReason::IncompatibleLayout(m)) => {
+                write!(f, "the peer's memory layout differs: {m} (use the same model shape on both sides)")
             }
             NodeError::Rejected(kvferry_core::RejectReason::VersionMismatch) => {
                 write!(f, "the peer speaks another protocol version")

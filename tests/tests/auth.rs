@@ -84,6 +84,7 @@ async fn a_stranger_reads_a_challenge_and_a_refusal_and_never_the_token() {
             layer_start: 0,
             layer_end: small_shape().layout().layers,
             writes_aux: true,
+            heads: kvferry_core::Heads::whole(&small_shape().layout()),
             heartbeat_interval_ms: 500,
             heartbeat_misses: 30,
             proof: [7; 32],

@@ -31,6 +31,7 @@ impl Endpoint {
             layer_start: self.local.layer_start,
             layer_end: self.local.layer_end,
             writes_aux: self.local.writes_aux,
+            heads: self.local.heads,
             heartbeat_interval_ms: self
                 .config
                 .heartbeat_interval
@@ -437,10 +438,12 @@ impl Endpoint {
             if h.role == self.local.role {
                 return Err(HandshakeError::Refused(RejectReason::WrongRole));
             }
-            if let Err(m) = self.local.layout.compatible(&h.layout) {
-                return Err(HandshakeError::Refused(RejectReason::IncompatibleLayout(
-                    m.field,
-                )));
+            let (ours, theirs) = (&self.local, &h);
+            if let Err(m) = ours.layout.compatible(&theirs.layout).and_then(|()| {
+                ours.heads
+                    .compatible(&ours.layout, &theirs.heads, &theirs.layout)
+            }) {
+                return Err(HandshakeError::Refused(RejectReason::IncompatibleLayout(m)));
             }
             Ok(auth)
         });
@@ -474,6 +477,7 @@ impl Endpoint {
             layer_start: h.layer_start,
             layer_end: h.layer_end,
             writes_aux: h.writes_aux,
+            heads: h.heads,
             heartbeat_interval: Duration::from_millis(u64::from(h.heartbeat_interval_ms)),
             heartbeat_misses: h.heartbeat_misses,
         };
@@ -599,10 +603,7 @@ impl Endpoint {
                 "cluster token mismatch (the proof of the token did not check out)".to_owned(),
             ),
             RejectReason::WrongRole => (ErrorCode::WrongRole, "same role on both ends".to_owned()),
-            RejectReason::IncompatibleLayout(f) => (
-                ErrorCode::IncompatibleLayout,
-                format!("layout field {f} differs"),
-            ),
+            RejectReason::IncompatibleLayout(m) => (ErrorCode::IncompatibleLayout, m.to_string()),
             RejectReason::VersionMismatch => (
                 ErrorCode::VersionMismatch,
                 format!(

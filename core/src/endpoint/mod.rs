@@ -33,7 +33,7 @@ use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
 use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId};
 use crate::layout::{page_runs, PageSet, Region, Slice};
-use crate::plan::{plan_aux, plan_kv, OpLimits};
+use crate::plan::{plan_aux, plan_kv, plan_kv_heads, HeadSide, OpLimits};
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::{Timer, TimerKey, TimerTable};
@@ -404,20 +404,27 @@ struct Coverage {
     layers: u16,
     planes: u8,
     pages: u32,
+    /// Units per page: 1 for whole pages, the token rows for a source holding other heads.
+    tokens: u32,
     aux: bool,
     state: bool,
 }
 
 impl Coverage {
-    fn new(layout: &crate::layout::Layout, peer: Option<PeerInfo>, grant: &Grant) -> Self {
+    fn new(local: &EndpointInfo, peer: Option<PeerInfo>, grant: &Grant) -> Self {
         let Some(p) = peer else {
             return Coverage::default();
         };
+        let layout = &local.layout;
         let layers = p.layer_end.min(layout.layers).saturating_sub(p.layer_start);
         let pages = PageSet::new(&grant.pages).len();
+        let tokens = local
+            .heads
+            .row_write(layout.page_bytes, &p.heads)
+            .map_or(1, |w| w.tokens.max(1));
         let aux = p.writes_aux && grant.aux_slot.is_some() && layout.aux_bytes > 0;
         let state = p.writes_aux && grant.state_slot.is_some() && layout.state_bytes > 0;
-        let units = u32::from(layers) * u32::from(layout.planes) * pages + 2;
+        let units = u32::from(layers) * u32::from(layout.planes) * pages * tokens + 2;
         Coverage {
             bits: vec![0; (units as usize).div_ceil(64)],
             expected: units - 2 + u32::from(aux) + u32::from(state),
@@ -426,21 +433,24 @@ impl Coverage {
             layers,
             planes: layout.planes,
             pages,
+            tokens,
             aux,
             state,
         }
     }
 
-    /// The unit of (layer, plane, page rank), or of the aux row / state slot.
-    fn kv_unit(&self, layer: u16, plane: u8, rank: u32) -> Option<u32> {
+    /// The unit of (layer, plane, page rank, token row), or of the aux row / state slot.
+    fn kv_unit(&self, layer: u16, plane: u8, rank: u32, token: u32) -> Option<u32> {
         let l = layer
             .checked_sub(self.layer_start)
             .filter(|l| *l < self.layers)?;
-        Some((u32::from(l) * u32::from(self.planes) + u32::from(plane)) * self.pages + rank)
+        let page = (u32::from(l) * u32::from(self.planes) + u32::from(plane)) * self.pages + rank;
+        (token < self.tokens).then(|| page * self.tokens + token)
     }
 
     fn slot_unit(&self, state: bool) -> u32 {
-        u32::from(self.layers) * u32::from(self.planes) * self.pages + u32::from(state)
+        u32::from(self.layers) * u32::from(self.planes) * self.pages * self.tokens
+            + u32::from(state)
     }
 
     fn mark(&mut self, unit: u32) {
@@ -648,6 +658,13 @@ impl Endpoint {
     ) -> Result<Self, ConfigError> {
         config.validate()?;
         let owned = local.layer_start < local.layer_end && local.layer_end <= local.layout.layers;
+        if local.heads.page_tokens(local.layout.page_bytes).is_none() {
+            return Err(ConfigError {
+                name: "heads".into(),
+                value: format!("{:?} over page_bytes {}", local.heads, local.layout.page_bytes),
+                reason: "needs start + count <= total, head_bytes > 0, and pages of whole token rows (page_bytes a multiple of count x head_bytes)",
+            });
+        }
         if !owned || local.layout.page_bytes == 0 || !(1..=2).contains(&local.layout.planes) {
             return Err(ConfigError {
                 name: "layout".into(),

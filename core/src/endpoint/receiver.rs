@@ -331,15 +331,30 @@ impl Endpoint {
             return units;
         };
         let layout = &self.local.layout;
+        let rows = self
+            .sessions
+            .get(&session)
+            .and_then(|s| s.peer)
+            .and_then(|p| self.local.heads.row_write(layout.page_bytes, &p.heads));
+        let rank = |p: u64| rr.pages.as_ref().and_then(|ps| ps.rank(p as u32));
         for s in slices {
             match s.region {
+                // A source holding other heads fills token rows (its part of each).
+                Region::Kv { layer, plane } if rows.is_some_and(|w| w.tokens > 0) => {
+                    let w = rows.unwrap_or_else(|| unreachable!());
+                    let tokens = u64::from(w.tokens);
+                    for row in w.rows(s.dst_offset, s.len) {
+                        let unit = rank(row / tokens)
+                            .and_then(|r| cov.kv_unit(layer, plane, r, (row % tokens) as u32));
+                        units.extend(unit);
+                    }
+                }
                 Region::Kv { layer, plane } => {
                     let page = u64::from(layout.page_bytes);
                     let first = s.dst_offset.div_ceil(page);
                     let end = (s.dst_offset + s.len) / page;
                     for p in first..end {
-                        let rank = rr.pages.as_ref().and_then(|ps| ps.rank(p as u32));
-                        if let Some(u) = rank.and_then(|r| cov.kv_unit(layer, plane, r)) {
+                        if let Some(u) = rank(p).and_then(|r| cov.kv_unit(layer, plane, r, 0)) {
                             units.push(u);
                         }
                     }
@@ -415,6 +430,11 @@ impl Endpoint {
                 let peer = self.sessions.get(&session).and_then(|s| s.peer);
                 if peer.is_some_and(|p| layer < p.layer_start || layer >= p.layer_end) {
                     return Err(WriteRefused::LayerNotOwned);
+                }
+                let rows =
+                    peer.and_then(|p| self.local.heads.row_write(layout.page_bytes, &p.heads));
+                if rows.is_some_and(|w| !w.admits(slice.dst_offset, slice.len)) {
+                    return Err(WriteRefused::HeadsNotShared);
                 }
                 let page = u64::from(layout.page_bytes);
                 let first = (slice.dst_offset / page) as u32;
@@ -583,7 +603,7 @@ impl Endpoint {
         for src in rr.sources.iter_mut() {
             src.granted = true;
             src.coverage = Coverage::new(
-                &self.local.layout,
+                &self.local,
                 self.sessions.get(&src.session).and_then(|s| s.peer),
                 &grant,
             );

@@ -240,22 +240,21 @@ impl Endpoint {
             }
         }
         // Validate against the peer's registered memory before accepting anything.
-        let peer_layout = self
-            .sessions
-            .get(&sid)
-            .and_then(|s| s.peer)
-            .map(|p| p.layout);
-        let valid = peer_layout.is_some_and(|l| {
-            req.pages
-                .iter()
-                .all(|run| u64::from(run.start) + u64::from(run.len) <= u64::from(l.pages))
-                && [req.aux_slot, req.state_slot]
+        let peer = self.sessions.get(&sid).and_then(|s| s.peer);
+        // A decode rank that holds none of our heads asked the wrong prefill rank.
+        let shares_heads = peer.is_some_and(|p| !self.local.heads.shared(&p.heads).is_empty());
+        let valid = shares_heads
+            && peer.map(|p| p.layout).is_some_and(|l| {
+                req.pages
                     .iter()
-                    .flatten()
-                    .all(|s| *s < l.slots)
-        });
+                    .all(|run| u64::from(run.start) + u64::from(run.len) <= u64::from(l.pages))
+                    && [req.aux_slot, req.state_slot]
+                        .iter()
+                        .flatten()
+                        .all(|s| *s < l.slots)
+            });
         if !valid {
-            warn!(%room, session = %sid, "room request outside the peer's registered memory");
+            warn!(%room, session = %sid, shares_heads, "room request outside the peer's registered memory, or for heads this rank does not hold");
             self.counters.protocol_errors += 1;
             self.answer_with_outcome(sid, room, generation, Some(FailureReason::ProtocolError));
             self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
@@ -641,6 +640,11 @@ impl Endpoint {
         let first_layer = self.local.layer_start;
         let owned = self.owned_layers();
         let writes_aux = self.local.writes_aux;
+        let from = HeadSide {
+            page_bytes: layout.page_bytes,
+            heads: self.local.heads,
+        };
+        let sessions = &self.sessions;
         let Some((generation, s)) = live_sender(&mut self.rooms, room) else {
             return;
         };
@@ -672,7 +676,27 @@ impl Endpoint {
                 let layers = first_layer + start as u16..first_layer + l as u16;
                 for x in &s.receivers {
                     let dst = &x.dst[c.dst_start as usize..end];
-                    for slices in plan_kv(&layout, layers.clone(), &c.src, dst, limits) {
+                    let to = sessions
+                        .get(&x.session)
+                        .and_then(|s| s.peer)
+                        .map(|p| HeadSide {
+                            page_bytes: p.layout.page_bytes,
+                            heads: p.heads,
+                        });
+                    let ops = match to {
+                        // A peer that holds other heads gets, for every token, the ones it shares.
+                        Some(to) if to != from => plan_kv_heads(
+                            layout.planes,
+                            from,
+                            to,
+                            layers.clone(),
+                            &c.src,
+                            dst,
+                            limits,
+                        ),
+                        _ => plan_kv(&layout, layers.clone(), &c.src, dst, limits),
+                    };
+                    for slices in ops {
                         new_ops.push((x.session, OpKind::Kv, start..l, slices));
                     }
                 }

@@ -158,13 +158,15 @@ impl Sim {
         }
         if let Some(room) = f.op.room {
             let layout = self.nodes[f.dst].info.layout;
+            // KV lands by head of a token row (a whole page where heads are not split).
+            let head = self.nodes[f.dst].info.heads.head_bytes;
             let landed = self.nodes[f.dst]
                 .landed
                 .entry((room, f.op.generation))
                 .or_default();
             for slice in f.op.slices.iter() {
                 let unit = match slice.region {
-                    Region::Kv { .. } => u64::from(layout.page_bytes),
+                    Region::Kv { .. } => u64::from(head),
                     Region::Aux => u64::from(layout.aux_bytes),
                     Region::State => u64::from(layout.state_bytes),
                     Region::Scratch => continue,

@@ -148,12 +148,20 @@ impl SimNode {
         let layout = self.info.layout;
         let pages = self.owned.get(&key)?;
         let landed = self.landed.get(&key);
+        // Units of a page: its heads of every token row (one where heads are not split).
+        let units = u64::from(layout.page_bytes / self.info.heads.head_bytes.max(1));
         for &p in pages {
             for layer in 0..layout.layers {
                 for plane in 0..layout.planes {
                     let code = Region::Kv { layer, plane }.code();
-                    if !landed.is_some_and(|l| l.contains(&(code, u64::from(p)))) {
-                        return Some(format!("page {p} of layer {layer} plane {plane}"));
+                    let first = u64::from(p) * units;
+                    if let Some(u) = (first..first + units)
+                        .find(|u| !landed.is_some_and(|l| l.contains(&(code, *u))))
+                    {
+                        return Some(format!(
+                            "page {p} of layer {layer} plane {plane} (head unit {})",
+                            u - first
+                        ));
                     }
                 }
             }
