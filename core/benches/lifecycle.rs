@@ -107,6 +107,8 @@ impl Pair {
             aux_slot: Some(1),
             state_slot: None,
             receivers: 1,
+            skip_pages: 0,
+            idle_sources: 0,
         };
         self.decode
             .open_receiver(self.now, room, 0, &[self.sd], Some(grant))

@@ -90,6 +90,27 @@ pub struct Grant {
     pub state_slot: Option<u32>,
     /// How many decode ranks request this room from each source (TP fan-in), usually 1.
     pub receivers: u8,
+    /// Pages at the start of the room this decode already holds (a prefix it cached): the
+    /// sources skip them, and `pages` are the room's pages after them.
+    pub skip_pages: u32,
+    /// Sources that take part without writing (bit `i`: the room's `i`-th source): they are
+    /// asked for nothing and only confirm the room, e.g. MLA ranks whose copy another rank
+    /// sends. At most 64 sources.
+    pub idle_sources: u64,
+}
+
+impl Grant {
+    /// A grant of `pages` (and aux and state slots) from every source, nothing skipped.
+    pub fn new(pages: Vec<u32>, aux_slot: Option<u32>, state_slot: Option<u32>) -> Self {
+        Grant {
+            pages,
+            aux_slot,
+            state_slot,
+            receivers: 1,
+            skip_pages: 0,
+            idle_sources: 0,
+        }
+    }
 }
 
 /// One chunk of a prefill room: the source pages of the next part of the room.

@@ -18,6 +18,9 @@ use crate::state::{FailureReason, Role};
 pub const PROTOCOL_VERSION: u8 = 4;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
+
+/// `RoomRequest::skip_pages` of a decode that wants nothing from this prefill rank.
+pub const SKIP_ALL: u32 = u32::MAX;
 /// Longest heartbeat interval a hello may announce (10 minutes).
 pub const MAX_HEARTBEAT_INTERVAL_MS: u32 = 600_000;
 /// Most missed heartbeats a hello may announce.
@@ -161,12 +164,28 @@ pub struct RoomRequest {
     pub generation: Generation,
     /// How many decode ranks will request this room from this prefill rank.
     pub receivers: u8,
+    /// Pages at the start of the room the decode already holds: not sent, and `pages` start
+    /// after them. [`SKIP_ALL`]: the decode wants nothing from this rank (it only confirms).
+    pub skip_pages: u32,
     /// Destination pages in room order (page `i` of the room goes to the `i`-th listed page).
     pub pages: SmallVec<[PageRun; 4]>,
     /// Destination aux row.
     pub aux_slot: Option<u32>,
     /// Destination state slot.
     pub state_slot: Option<u32>,
+}
+
+impl RoomRequest {
+    /// This request as a source asked for nothing sees it: every page skipped, no slot.
+    pub fn idle(&self) -> RoomRequest {
+        RoomRequest {
+            skip_pages: SKIP_ALL,
+            pages: SmallVec::new(),
+            aux_slot: None,
+            state_slot: None,
+            ..self.clone()
+        }
+    }
 }
 
 /// Stage of a room on prefill, reported in [`Message::Progress`].
@@ -344,6 +363,7 @@ impl Message {
                 out.put_u8(ty::ROOM_REQUEST);
                 put_room(out, r.room, r.generation);
                 out.put_u8(r.receivers);
+                out.put_u32_le(r.skip_pages);
                 put_opt_u32(out, r.aux_slot);
                 put_opt_u32(out, r.state_slot);
                 out.put_u32_le(r.pages.len() as u32);
@@ -637,6 +657,7 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
             if receivers == 0 {
                 return Err(r.invalid("receivers"));
             }
+            let skip_pages = r.u32()?;
             let aux_slot = r.opt_u32()?;
             let state_slot = r.opt_u32()?;
             let count = r.u32()? as usize;
@@ -655,10 +676,14 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                 }
                 pages.push(run);
             }
+            if skip_pages == SKIP_ALL && (!pages.is_empty() || aux_slot.or(state_slot).is_some()) {
+                return Err(r.invalid("skip_pages"));
+            }
             Message::RoomRequest(RoomRequest {
                 room,
                 generation,
                 receivers,
+                skip_pages,
                 pages,
                 aux_slot,
                 state_slot,

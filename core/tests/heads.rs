@@ -212,6 +212,8 @@ fn open_split(sim: &mut Sim, d: usize, ps: &[usize], room: u64, receivers: u8) -
         aux_slot: Some(room as u32),
         state_slot: None,
         receivers,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     sim.nodes[d]
         .endpoint

@@ -32,6 +32,8 @@ fn open_via(sim: &mut Sim, d: usize, p: usize, room: u64, links: &[Link]) {
         aux_slot: Some(room as u32),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     sim.nodes[d]
         .endpoint
@@ -118,6 +120,8 @@ fn a_session_id_never_given_out_is_still_refused_as_unknown() {
         aux_slot: Some(1),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     assert_eq!(
         sim.nodes[d]

@@ -24,6 +24,8 @@ fn reopen_on_decode(sim: &mut Sim, d: usize, p: usize, room: u64, generation: u3
         aux_slot: Some(room as u32),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     sim.nodes[d]
         .endpoint
@@ -197,6 +199,7 @@ fn a_request_for_an_older_generation_than_prefill_holds_is_answered_stale_at_onc
         room: RoomId(9),
         generation: 0,
         receivers: 1,
+        skip_pages: 0,
         pages: smallvec::smallvec![kvferry_core::PageRun { start: 0, len: 4 }],
         aux_slot: None,
         state_slot: None,

@@ -84,6 +84,8 @@ fn a_room_whose_last_operation_fails_fails_instead_of_succeeding() {
         aux_slot: Some(3),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
         .unwrap();
@@ -128,6 +130,8 @@ fn a_room_whose_last_operation_is_refused_fails_instead_of_succeeding() {
         aux_slot: None,
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
         .unwrap();
@@ -206,6 +210,8 @@ fn open_room_and_plan(t: &mut Pair, room: RoomId) -> Vec<TransferOp> {
         aux_slot: Some(3),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
         .unwrap();

@@ -186,6 +186,8 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                     aux_slot: Some(u32::from(room)),
                     state_slot: None,
                     receivers: 1,
+                    skip_pages: 0,
+                    idle_sources: 0,
                 });
                 sim.nodes[d]
                     .endpoint
@@ -207,6 +209,8 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                         aux_slot: None,
                         state_slot: None,
                         receivers: 1,
+                        skip_pages: 0,
+                        idle_sources: 0,
                     },
                 );
             }

@@ -318,6 +318,8 @@ fn s06_late_request_for_a_timed_out_room_is_answered_at_once() {
         aux_slot: Some(1),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     sim.nodes[d]
         .endpoint
@@ -629,6 +631,8 @@ fn s18_decode_room_whose_prefill_never_opens_fails_by_waiting_deadline() {
         aux_slot: None,
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     sim.nodes[d]
         .endpoint
@@ -1065,6 +1069,8 @@ fn s03_a_request_waiting_for_prefill_to_open_fails_at_once_when_its_session_is_b
         aux_slot: None,
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     sim.nodes[d]
         .endpoint

@@ -49,7 +49,7 @@ fn validate(header: &WriteHeader, slices: &[kvferry_core::Slice]) {
     let Some(sd) = sim.session(d, p) else { return };
     for (room, n) in [(RoomId(1), 3), (RoomId(2), 5)] {
         let Some(pages) = sim.nodes[d].alloc(room, 0, n) else { return };
-        let grant = Grant { pages, aux_slot: Some(1), state_slot: None, receivers: 1 };
+        let grant = Grant::new(pages, Some(1), None);
         let now = sim.now;
         let _ = sim.nodes[d].endpoint.open_receiver(now, room, 0, &[sd], Some(grant));
     }

@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
                 let dn = if op % 13 == 0 { d } else { d2 };
                 if sim.nodes[dn].endpoint.room_state(room).is_none() {
                     if let (Some(sd), Some(dst)) = (sim.session(dn, p), sim.nodes[dn].alloc(room, 0, u32::from(arg % 12) + 1)) {
-                        let grant = (arg & 0x80 == 0).then(|| Grant { pages: dst, aux_slot: Some(1), state_slot: None, receivers: 1 });
+                        let grant = (arg & 0x80 == 0).then(|| Grant::new(dst, Some(1), None));
                         if sim.nodes[dn].endpoint.open_receiver(now, room, 0, &[sd], grant).is_err() {
                             // Refused: the embedder keeps its pages, the room owns nothing.
                             sim.nodes[dn].give_back(room, 0);

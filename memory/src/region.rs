@@ -344,22 +344,50 @@ impl MemoryMap {
         aux: Option<ExternalRegion>,
         state: Option<ExternalRegion>,
     ) -> Result<Self, OutOfBounds> {
+        // SAFETY: the caller's contract, unchanged.
+        unsafe { MemoryMap::register_stage(layout, 0..layout.layers, kv, aux, state) }
+    }
+
+    /// As [`MemoryMap::register_regions`] for a pipeline stage that holds only `layers`: `kv`
+    /// has one region per (layer, plane) of those layers, and any access to another layer's
+    /// region is out of bounds.
+    ///
+    /// # Safety
+    ///
+    /// As [`MemoryMap::register_regions`].
+    pub unsafe fn register_stage(
+        layout: Layout,
+        layers: core::ops::Range<u16>,
+        kv: &[ExternalRegion],
+        aux: Option<ExternalRegion>,
+        state: Option<ExternalRegion>,
+    ) -> Result<Self, OutOfBounds> {
         let kv_len = layout.pages as usize * layout.page_bytes as usize;
         let bad = |region| OutOfBounds {
             region,
             offset: 0,
             len: kv_len as u64,
         };
-        if kv.len() != layout.kv_regions() as usize {
-            return Err(bad(Region::Kv { layer: 0, plane: 0 }));
+        let planes = usize::from(layout.planes);
+        let owned = usize::from(layers.end.saturating_sub(layers.start));
+        if layers.end > layout.layers || kv.len() != owned * planes {
+            return Err(bad(Region::Kv {
+                layer: layers.start,
+                plane: 0,
+            }));
         }
-        let mut extents = Vec::with_capacity(kv.len());
+        let mut extents = Vec::with_capacity(usize::from(layout.layers) * planes);
+        let none = Extent {
+            ptr: core::ptr::NonNull::<u8>::dangling().as_ptr(),
+            len: 0,
+            kind: MemoryKind::Host,
+        };
+        extents.resize(usize::from(layers.start) * planes, none);
         for (i, r) in kv.iter().enumerate() {
             if r.ptr.is_null() || r.len < kv_len {
-                let planes = u32::from(layout.planes);
                 return Err(bad(Region::Kv {
-                    layer: (i as u32 / planes) as u16,
-                    plane: (i as u32 % planes) as u8,
+                    layer: layers.start + (i / planes) as u16,
+                    plane: (i % planes) as u8,
                 }));
             }
             extents.push(Extent {
@@ -368,6 +396,7 @@ impl MemoryMap {
                 kind: r.kind,
             });
         }
+        extents.resize(usize::from(layout.layers) * planes, none);
         let check = |want: u64, given: Option<ExternalRegion>, region| match (want, given) {
             (0, _) => Ok(None),
             (w, Some(r)) if !r.ptr.is_null() && r.len as u64 >= w => Ok(Some(Extent {

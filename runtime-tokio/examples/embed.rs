@@ -59,6 +59,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         aux_slot: Some(0),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     let mut arriving = decode
         .open_receiver(room, 0, vec![peer], Some(grant))

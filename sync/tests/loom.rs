@@ -142,6 +142,8 @@ fn decode_with_room() -> Decode {
         aux_slot: None,
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     d.open_receiver(now, room, 0, &[sd], Some(grant)).unwrap();
     p.open_sender(now, room, 0).unwrap();

@@ -96,6 +96,8 @@ pub fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
         aux_slot: None,
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     d.open_receiver(now, RoomId(1), 0, &[sd], Some(grant))
         .map_err(|e| invalid(e.to_string()))?;

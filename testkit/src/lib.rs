@@ -890,6 +890,8 @@ async fn decode_room<N: KvNode>(
         aux_slot: Some(slot),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     // A persistent peer that is away is waited for by the core, up to its unreachable window.
     let mut handle = match node.open_receiver(room, 0, vec![peer], Some(grant)).await {

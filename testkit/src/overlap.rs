@@ -250,6 +250,8 @@ pub async fn run_batch<P: KvNode, D: KvNode>(
             aux_slot: Some(i),
             state_slot: None,
             receivers: 1,
+            skip_pages: 0,
+            idle_sources: 0,
         };
         let h = decode
             .open_receiver(batch.room(i), 0, vec![peer], Some(grant))

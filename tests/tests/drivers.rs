@@ -230,6 +230,8 @@ async fn a_prefill_dropped_mid_transfer_fails_decode_rooms_with_a_reason(p: Runt
             aux_slot: Some(r),
             state_slot: None,
             receivers: 1,
+            skip_pages: 0,
+            idle_sources: 0,
         };
         let room = RoomId(u64::from(r) + 1);
         handles.push(
@@ -376,6 +378,8 @@ async fn a_failing_session_is_blacklisted_then_recovered_by_a_probe(p: Runtime, 
         aux_slot: None,
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     let mut h = decode
         .open_receiver(RoomId(98), 0, vec![peer], Some(grant))
@@ -462,6 +466,8 @@ async fn a_room_asked_for(
         aux_slot: None,
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     let h = decode
         .open_receiver(room, 0, vec![peer], Some(grant))
@@ -618,6 +624,8 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
         aux_slot: Some(0),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     let mut handle = decode
         .open_receiver(room, 0, vec![peer], Some(grant))
@@ -701,6 +709,8 @@ async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runtime, d: Run
         aux_slot: Some(0),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     let mut h = decode
         .open_receiver(RoomId(1), 0, vec![peer], Some(grant))

@@ -112,6 +112,8 @@ fn a_glommio_embedder_moves_rooms_without_a_tokio_runtime() {
                     aux_slot: None,
                     state_slot: None,
                     receivers: 1,
+                    skip_pages: 0,
+                    idle_sources: 0,
                 };
                 let handle = decode
                     .open_receiver(room, 0, vec![peer], Some(grant))

@@ -182,6 +182,8 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
                 aux_slot: Some(1),
                 state_slot: None,
                 receivers: 1,
+                skip_pages: 0,
+                idle_sources: 0,
             }),
         )
         .await
@@ -345,6 +347,8 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
                 aux_slot: None,
                 state_slot: None,
                 receivers: 1,
+                skip_pages: 0,
+                idle_sources: 0,
             }),
         )
         .await

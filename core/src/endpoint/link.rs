@@ -753,6 +753,7 @@ impl Endpoint {
                         },
                         _ if state.is_terminal() => continue,
                         _ if src.granted => match &rr.request {
+                            Some(req) if src.idle => Message::RoomRequest(req.idle()),
                             Some(req) => Message::RoomRequest((**req).clone()),
                             None => continue,
                         },

@@ -27,7 +27,7 @@ use crate::auth::{
     connector_proof, constant_time_eq, listener_proof, Nonce, Nonces, Proof, SessionKey, SessionTag,
 };
 use crate::codec::{
-    DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HELLO_TYPE,
+    DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HELLO_TYPE, SKIP_ALL,
 };
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
@@ -344,6 +344,8 @@ struct SenderRoom {
 #[derive(Debug)]
 struct Receiver {
     session: SessionId,
+    /// Room pages this receiver already holds (`SKIP_ALL`: it wants none).
+    skip: u32,
     dst: Vec<u32>,
     aux_slot: Option<u32>,
     state_slot: Option<u32>,
@@ -378,6 +380,8 @@ struct ReceiverRoom {
 struct Source {
     session: SessionId,
     granted: bool,
+    /// Takes part without writing (the grant's `idle_sources`): asked for nothing.
+    idle: bool,
     /// The source reported Success: all its writes were acknowledged.
     done: bool,
     /// The source acknowledged the drain, or its session was fenced or closed.
@@ -481,6 +485,7 @@ impl Source {
         Source {
             session,
             granted: false,
+            idle: false,
             done: false,
             drained: false,
             coverage: Coverage::default(),

@@ -599,15 +599,20 @@ impl Endpoint {
         rr.pages = Some(PageSet::new(&grant.pages));
         rr.aux_slot = grant.aux_slot;
         rr.state_slot = grant.state_slot;
-        let mut targets: SmallVec<[SessionId; 2]> = SmallVec::new();
-        for src in rr.sources.iter_mut() {
+        let mut targets: SmallVec<[(SessionId, bool); 2]> = SmallVec::new();
+        for (i, src) in rr.sources.iter_mut().enumerate() {
             src.granted = true;
-            src.coverage = Coverage::new(
-                &self.local,
-                self.sessions.get(&src.session).and_then(|s| s.peer),
-                &grant,
-            );
-            targets.push(src.session);
+            src.idle = i < 64 && grant.idle_sources & (1 << i) != 0;
+            src.coverage = if src.idle {
+                Coverage::default()
+            } else {
+                Coverage::new(
+                    &self.local,
+                    self.sessions.get(&src.session).and_then(|s| s.peer),
+                    &grant,
+                )
+            };
+            targets.push((src.session, src.idle));
         }
         self.timers.cancel(&mut r.bootstrap_timer);
         r.last_activity = now;
@@ -620,13 +625,19 @@ impl Endpoint {
             room,
             generation,
             receivers: grant.receivers.max(1),
+            skip_pages: grant.skip_pages,
             pages: runs,
             aux_slot: grant.aux_slot,
             state_slot: grant.state_slot,
         };
-        for sid in targets {
+        for (sid, idle) in targets {
+            let request = if idle {
+                request.idle()
+            } else {
+                request.clone()
+            };
             self.transmits
-                .push_back((sid, Message::RoomRequest(request.clone())));
+                .push_back((sid, Message::RoomRequest(request)));
         }
         if let Some(Side::Receiver(rr)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
             rr.request = Some(Box::new(request));

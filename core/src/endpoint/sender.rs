@@ -280,6 +280,7 @@ impl Endpoint {
         }
         s.receivers.push(Receiver {
             session: sid,
+            skip: req.skip_pages,
             dst,
             aux_slot: req.aux_slot,
             state_slot: req.state_slot,
@@ -652,7 +653,11 @@ impl Endpoint {
         let mut overflow = false;
         for c in s.chunks.iter_mut() {
             let end = c.dst_start as usize + c.src.len();
-            if s.receivers.iter().any(|x| x.dst.len() < end) {
+            // A receiver's grant covers the room's pages after the ones it skips.
+            if s.receivers
+                .iter()
+                .any(|x| x.skip != SKIP_ALL && x.dst.len().saturating_add(x.skip as usize) < end)
+            {
                 overflow = true;
                 break;
             }
@@ -675,7 +680,13 @@ impl Endpoint {
                 }
                 let layers = first_layer + start as u16..first_layer + l as u16;
                 for x in &s.receivers {
-                    let dst = &x.dst[c.dst_start as usize..end];
+                    // Room pages `first..end` of this chunk go; the ones before are skipped.
+                    let first = (c.dst_start as usize).max(x.skip as usize);
+                    if x.skip == SKIP_ALL || first >= end {
+                        continue;
+                    }
+                    let src = &c.src[first - c.dst_start as usize..];
+                    let dst = &x.dst[first - x.skip as usize..end - x.skip as usize];
                     let to = sessions
                         .get(&x.session)
                         .and_then(|s| s.peer)
@@ -685,16 +696,10 @@ impl Endpoint {
                         });
                     let ops = match to {
                         // A peer that holds other heads gets, for every token, the ones it shares.
-                        Some(to) if to != from => plan_kv_heads(
-                            layout.planes,
-                            from,
-                            to,
-                            layers.clone(),
-                            &c.src,
-                            dst,
-                            limits,
-                        ),
-                        _ => plan_kv(&layout, layers.clone(), &c.src, dst, limits),
+                        Some(to) if to != from => {
+                            plan_kv_heads(layout.planes, from, to, layers.clone(), src, dst, limits)
+                        }
+                        _ => plan_kv(&layout, layers.clone(), src, dst, limits),
                     };
                     for slices in ops {
                         new_ops.push((x.session, OpKind::Kv, start..l, slices));

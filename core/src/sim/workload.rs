@@ -143,6 +143,8 @@ impl Sim {
                     aux_slot: Some(i as u32 % 4096),
                     state_slot: None,
                     receivers: 1,
+                    skip_pages: 0,
+                    idle_sources: 0,
                 });
                 if grant.is_none() {
                     w.queued_for_pages += 1;
@@ -198,6 +200,8 @@ impl Sim {
                                 aux_slot: Some(i as u32 % 4096),
                                 state_slot: None,
                                 receivers: 1,
+                                skip_pages: 0,
+                                idle_sources: 0,
                             };
                             let _ = self.nodes[decode].endpoint.grant_pages(now, room, grant);
                         }

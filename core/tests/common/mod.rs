@@ -77,6 +77,8 @@ pub fn open_room(sim: &mut Sim, d: usize, ps: &[usize], room: u64, pages: u32) -
         aux_slot: Some(room as u32),
         state_slot: None,
         receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
     };
     sim.nodes[d]
         .endpoint

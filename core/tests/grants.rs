@@ -1,0 +1,186 @@
+//! Grants that ask sources for less than the whole room: a prefix the decode already holds is
+//! never sent, and an idle source (an MLA rank whose copy another rank sends) writes nothing
+//! and still confirms the room.
+
+mod common;
+
+use common::*;
+use kvferry_core::sim::{small_layout, Faults, Sim};
+use kvferry_core::{Chunk, Grant, KvPoll, RoomId};
+
+/// `prefills` whole-model prefill ranks and one decode, connected.
+fn ranks(prefills: u16) -> (Sim, Vec<usize>, usize) {
+    let mut sim = Sim::new(11, Faults::default());
+    let layout = small_layout(256);
+    let ps = (0..prefills)
+        .map(|r| sim.add_prefill(config(), layout, r, 0..layout.layers))
+        .collect::<Vec<_>>();
+    let d = sim.add_decode(config(), layout, 0);
+    for &p in &ps {
+        sim.connect(d, p);
+    }
+    run_ms(&mut sim, 5);
+    (sim, ps, d)
+}
+
+fn open(
+    sim: &mut Sim,
+    d: usize,
+    ps: &[usize],
+    room: u64,
+    grant: impl FnOnce(Vec<u32>) -> Grant,
+    pages: u32,
+) {
+    let now = sim.now;
+    let id = RoomId(room);
+    let dst = sim.nodes[d].alloc(id, 0, pages).expect("decode pages");
+    let sources: Vec<_> = ps
+        .iter()
+        .map(|&p| sim.session(d, p).expect("session"))
+        .collect();
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(now, id, 0, &sources, Some(grant(dst)))
+        .expect("open receiver");
+    sim.drain(d);
+    for &p in ps {
+        sim.nodes[p]
+            .endpoint
+            .open_sender(now, id, 0)
+            .expect("open sender");
+        sim.drain(p);
+    }
+}
+
+/// Prefill `p` sends the room's `pages` pages in chunks of `sizes`.
+fn send(sim: &mut Sim, p: usize, room: u64, pages: u32, sizes: &[u32]) {
+    let id = RoomId(room);
+    let src = sim.nodes[p].alloc(id, 0, pages).expect("prefill pages");
+    let mut at = 0usize;
+    for (i, &n) in sizes.iter().enumerate() {
+        let last = i + 1 == sizes.len();
+        let chunk = Chunk {
+            pages: src[at..at + n as usize].to_vec(),
+            last,
+            aux_slot: last.then_some(room as u32),
+            state_slot: None,
+            layerwise: false,
+        };
+        at += n as usize;
+        let now = sim.now;
+        sim.nodes[p]
+            .endpoint
+            .send_chunk(now, id, chunk)
+            .expect("send chunk");
+        sim.drain(p);
+    }
+}
+
+fn kv_bytes(pages: u64) -> u64 {
+    let l = small_layout(1);
+    pages * u64::from(l.page_bytes) * u64::from(l.layers) * u64::from(l.planes)
+}
+
+#[test]
+fn a_prefix_the_decode_holds_is_not_sent() {
+    let (mut sim, ps, d) = ranks(1);
+    // Six pages in the room, the decode holds the first two: it grants four.
+    open(
+        &mut sim,
+        d,
+        &ps,
+        1,
+        |dst| Grant {
+            skip_pages: 2,
+            ..Grant::new(dst, Some(1), None)
+        },
+        4,
+    );
+    send(&mut sim, ps[0], 1, 6, &[1, 1, 3, 1]);
+    run_ms(&mut sim, 50);
+    assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
+    assert_eq!(state(&sim, ps[0], 1), Some(KvPoll::Success));
+    let aux = u64::from(small_layout(1).aux_bytes);
+    assert_eq!(
+        sim.nodes[ps[0]].endpoint.counters().bytes_planned,
+        kv_bytes(4) + aux
+    );
+    assert_invariants(&sim);
+}
+
+#[test]
+fn a_chunk_past_the_grant_after_the_prefix_fails_the_room() {
+    let (mut sim, ps, d) = ranks(1);
+    open(
+        &mut sim,
+        d,
+        &ps,
+        2,
+        |dst| Grant {
+            skip_pages: 2,
+            ..Grant::new(dst, Some(2), None)
+        },
+        3,
+    );
+    send(&mut sim, ps[0], 2, 6, &[6]);
+    run_ms(&mut sim, 50);
+    assert_eq!(
+        state(&sim, ps[0], 2),
+        Some(KvPoll::Failed(kvferry_core::FailureReason::ProtocolError))
+    );
+}
+
+#[test]
+fn an_idle_source_writes_nothing_and_confirms_the_room() {
+    let (mut sim, ps, d) = ranks(2);
+    open(
+        &mut sim,
+        d,
+        &ps,
+        3,
+        |dst| Grant {
+            idle_sources: 0b10,
+            ..Grant::new(dst, Some(3), None)
+        },
+        4,
+    );
+    send(&mut sim, ps[0], 3, 4, &[4]);
+    send(&mut sim, ps[1], 3, 4, &[2, 2]);
+    run_ms(&mut sim, 50);
+    for n in [d, ps[0], ps[1]] {
+        assert_eq!(state(&sim, n, 3), Some(KvPoll::Success), "node {n}");
+    }
+    assert_eq!(sim.nodes[ps[1]].endpoint.counters().bytes_planned, 0);
+    assert_invariants(&sim);
+}
+
+#[test]
+fn the_decode_room_waits_for_its_idle_source_to_confirm() {
+    let (mut sim, ps, d) = ranks(2);
+    open(
+        &mut sim,
+        d,
+        &ps,
+        4,
+        |dst| Grant {
+            idle_sources: 0b10,
+            ..Grant::new(dst, Some(4), None)
+        },
+        4,
+    );
+    send(&mut sim, ps[0], 4, 4, &[4]);
+    run_ms(&mut sim, 50);
+    assert_ne!(
+        state(&sim, d, 4),
+        Some(KvPoll::Success),
+        "rank 1 has not confirmed"
+    );
+    let now = sim.now;
+    sim.nodes[ps[1]]
+        .endpoint
+        .abort(now, RoomId(4))
+        .expect("abort");
+    sim.drain(ps[1]);
+    run_ms(&mut sim, 50);
+    assert!(matches!(state(&sim, d, 4), Some(KvPoll::Failed(_))));
+}
