@@ -29,6 +29,11 @@ def metrics_text() -> str:
 class Node:
     """One prefill or decode rank over caller-owned memory.
 
+    ``heads=(total, start, count, head_bytes)``: the model's KV heads this rank holds in each
+    token row of its pages (attention TP); peers holding other heads exchange head slices.
+    ``layer_range=(start, end)``: the layers a pipeline stage holds (``kv`` may then list only
+    those layers' regions); the last stage writes aux and state.
+
     Every buffer in ``kv``, ``aux`` and ``state`` must stay allocated, and must not move,
     until ``shutdown()`` returns; a room's pages must not be touched between granting or
     sending them and the room's ``releasable()``.
@@ -48,6 +53,8 @@ class Node:
         kv_device: Optional[int] = None,
         staging_buffers: int = 16,
         staging_buffer_bytes: int = 1 << 20,
+        heads: Optional[Tuple[int, int, int, int]] = None,
+        layer_range: Optional[Tuple[int, int]] = None,
         **config: object,
     ) -> None: ...
     def listen(self, addr: str) -> list[str]: ...
@@ -63,6 +70,8 @@ class Node:
         state_slot: Optional[int] = None,
         generation: int = 0,
         receivers: int = 1,
+        skip_pages: int = 0,
+        idle_sources: Sequence[int] = (),
     ) -> None: ...
     def grant_pages(
         self,
@@ -71,6 +80,8 @@ class Node:
         aux_slot: Optional[int] = None,
         state_slot: Optional[int] = None,
         receivers: int = 1,
+        skip_pages: int = 0,
+        idle_sources: Sequence[int] = (),
     ) -> None: ...
     def next_announcement(self, timeout: float = 0.0) -> Optional[Tuple[int, int, int]]: ...
     def open_sender(self, room: int, generation: int = 0) -> None: ...

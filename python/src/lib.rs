@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvferry_core::{
-    Chunk, Config, EndpointInfo, FailureReason, Grant, Incarnation, KvPoll, Layout, NodeId, Role,
-    RoomId,
+    Chunk, Config, EndpointInfo, FailureReason, Grant, Heads, Incarnation, KvPoll, Layout, NodeId,
+    Role, RoomId,
 };
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
 use kvferry_tokio::{Announcement, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
@@ -273,6 +273,20 @@ fn parse_layout(d: &Bound<'_, PyDict>) -> PyResult<Layout> {
     })
 }
 
+/// The grant's bitmask of idle sources, from positions in a room's peers.
+fn idle_mask(positions: &[usize], peers: usize) -> PyResult<u64> {
+    let mut mask = 0u64;
+    for &i in positions {
+        if i >= peers.min(64) {
+            return Err(InvalidArgument::new_err(format!(
+                "idle_sources: position {i} is not one of the room's {peers} peers (at most 64)"
+            )));
+        }
+        mask |= 1 << i;
+    }
+    Ok(mask)
+}
+
 fn parse_addr(a: &str) -> PyResult<std::net::SocketAddr> {
     a.parse()
         .map_err(|e| InvalidArgument::new_err(format!("address {a:?}: {e}")))
@@ -315,7 +329,7 @@ impl Node {
     /// `KVFERRY_*` knobs in lower case without the prefix (`transfer_retries=5`,
     /// `bootstrap_timeout_ms=30000`) and override the environment.
     #[new]
-    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, **config))]
+    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, heads=None, layer_range=None, **config))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         role: &str,
@@ -330,10 +344,39 @@ impl Node {
         kv_device: Option<u32>,
         staging_buffers: usize,
         staging_buffer_bytes: usize,
+        heads: Option<(u16, u16, u16, u32)>,
+        layer_range: Option<(u16, u16)>,
         config: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let role = parse_role(role)?;
         let layout = parse_layout(layout)?;
+        let heads = match heads {
+            None => Heads::whole(&layout),
+            Some((total, start, count, head_bytes)) => {
+                let h = Heads {
+                    total,
+                    start,
+                    count,
+                    head_bytes,
+                };
+                if h.page_tokens(layout.page_bytes).is_none() {
+                    return Err(InvalidArgument::new_err(format!(
+                        "heads (total {total}, start {start}, count {count}, head_bytes \
+                         {head_bytes}): need start + count <= total, count and head_bytes > 0, \
+                         and page_bytes ({}) a multiple of count x head_bytes",
+                        layout.page_bytes
+                    )));
+                }
+                h
+            }
+        };
+        let (layer_start, layer_end) = layer_range.unwrap_or((0, layout.layers));
+        if layer_start >= layer_end || layer_end > layout.layers {
+            return Err(InvalidArgument::new_err(format!(
+                "layer_range ({layer_start}, {layer_end}): need start < end <= layers ({})",
+                layout.layers
+            )));
+        }
         let mut vars: Vec<(String, String)> = std::env::vars().collect();
         if let Some(config) = config {
             for (k, v) in config.iter() {
@@ -355,12 +398,19 @@ impl Node {
                 kind,
             })
             .collect();
+        // A pipeline stage may give only its own layers' regions.
+        let stage = if kv.len() == layout.kv_regions() as usize {
+            0..layout.layers
+        } else {
+            layer_start..layer_end
+        };
         // SAFETY: the caller promises (the class's lifetime rule) that each span is a live
         // buffer of its length until shutdown, of the memory kind it names; the map checks
         // lengths against the layout, and no CPU path reads a device region.
-        let memory =
-            unsafe { MemoryMap::register_regions(layout, &kv, aux.map(host), state.map(host)) }
-                .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;
+        let memory = unsafe {
+            MemoryMap::register_stage(layout, stage, &kv, aux.map(host), state.map(host))
+        }
+        .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;
         let memory = reach_device_memory(memory, staging_buffers, staging_buffer_bytes)?;
         let started = std::time::UNIX_EPOCH
             .elapsed()
@@ -369,6 +419,11 @@ impl Node {
         let mut info = EndpointInfo::new(role, node, Incarnation(started | 1), layout);
         info.token = token;
         info.rank = rank;
+        info.heads = heads;
+        info.layer_start = layer_start;
+        info.layer_end = layer_end;
+        // The last pipeline stage writes the aux row and state slot.
+        info.writes_aux = layer_end == layout.layers;
         let cfg = NodeConfig {
             core,
             info,
@@ -442,7 +497,7 @@ impl Node {
     }
 
     /// Decode: opens room `room` fed by `peers`, with its pages granted now or later.
-    #[pyo3(signature = (room, peers, pages=None, aux_slot=None, state_slot=None, generation=0, receivers=1))]
+    #[pyo3(signature = (room, peers, pages=None, aux_slot=None, state_slot=None, generation=0, receivers=1, skip_pages=0, idle_sources=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn open_receiver(
         &self,
@@ -454,12 +509,17 @@ impl Node {
         state_slot: Option<u32>,
         generation: u32,
         receivers: u8,
+        skip_pages: u32,
+        idle_sources: Vec<usize>,
     ) -> PyResult<()> {
+        let idle_sources = idle_mask(&idle_sources, peers.len())?;
         let grant = pages.map(|pages| Grant {
             pages,
             aux_slot,
             state_slot,
             receivers,
+            skip_pages,
+            idle_sources,
         });
         let peers = peers.into_iter().map(PeerId).collect();
         let handle = self.block(
@@ -471,8 +531,11 @@ impl Node {
         Ok(())
     }
 
-    /// Decode: grants a room opened without pages its destination pages.
-    #[pyo3(signature = (room, pages, aux_slot=None, state_slot=None, receivers=1))]
+    /// Decode: grants a room opened without pages its destination pages. `skip_pages`: room
+    /// pages this decode already holds (not sent; `pages` are the ones after them);
+    /// `idle_sources`: positions in the room's `peers` asked for nothing (they only confirm).
+    #[pyo3(signature = (room, pages, aux_slot=None, state_slot=None, receivers=1, skip_pages=0, idle_sources=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
     fn grant_pages(
         &self,
         py: Python<'_>,
@@ -481,12 +544,16 @@ impl Node {
         aux_slot: Option<u32>,
         state_slot: Option<u32>,
         receivers: u8,
+        skip_pages: u32,
+        idle_sources: Vec<usize>,
     ) -> PyResult<()> {
         let grant = Grant {
             pages,
             aux_slot,
             state_slot,
             receivers,
+            skip_pages,
+            idle_sources: idle_mask(&idle_sources, 64)?,
         };
         self.block(py, self.node.grant_pages(RoomId(room), grant))
     }

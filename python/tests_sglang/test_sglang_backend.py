@@ -301,10 +301,10 @@ def test_a_pool_with_state_buffers_is_refused_with_a_clear_error():
         state_data_ptrs = [[3]]
 
     with pytest.raises(UnsupportedLayout, match="state buffers"):
-        _layout_of(Args())
+        _layout_of(Args(), None, False, False)
     Args.state_data_ptrs, Args.kv_item_lens = [], [1024, 512]
     with pytest.raises(UnsupportedLayout, match="same page size"):
-        _layout_of(Args())
+        _layout_of(Args(), None, False, False)
 
 
 def test_sglangs_launcher_accepts_the_kvferry_backend_in_a_fresh_process_through_the_plugin_entry_point():

@@ -10,10 +10,16 @@ pulls from, and rooms, grants, chunks, retries, blacklists, aborts, timeouts and
 quarantine all run in kvferry's core. SGLang's ZMQ status messages,
 heartbeat thread and abort-ack bookkeeping are not used.
 
-Supported: MHA and MLA pools whose KV buffers share one page size, prefill and decode with
-the same attention TP size, PP 1 and CP 1, pools in host memory or in the rank's GPU (staged
-through kvferry's CUDA copy engine; the CPU never reads a device pool). Anything else is
-refused with a clear error when the manager starts or when a room meets it.
+Supported: MHA/GQA and MLA pools whose K and V buffers share one page size; prefill and
+decode with different attention TP sizes in either direction (MHA: each decode rank receives
+exactly its heads, a head slice of every token row, from every prefill rank holding some of
+them; MLA: one prefill rank sends, the others confirm); DP attention on either side;
+pipeline-parallel prefill (each stage sends its layers); a decode-side prefix (only the pages
+after it move); pools in host memory or in the rank's GPU (staged through kvferry's CUDA copy
+engine; the CPU never reads a device pool). A decode room succeeds only when every
+contributing prefill rank's part landed. Refused when the manager starts, naming what: state
+pools (Mamba, SWA, DSA), speculative draft KV, attention CP, decode PP, KV layouts other than
+NHD, host-staged destinations.
 """
 
 from __future__ import annotations
@@ -104,34 +110,121 @@ class UnsupportedLayout(ValueError):
     """The model's KV pool or parallel layout is one the kvferry backend does not move."""
 
 
-def _layout_of(args: KVArgs) -> tuple:
-    """kvferry's layout and spans for SGLang's buffers: one region per KV buffer, and one
-    staging row per aux slot holding every aux buffer's item back to back."""
+def _model_shape(server_args: ServerArgs) -> tuple:
+    """(layers, KV heads) of the served model, from its config (what SGLang's ModelConfig
+    reads); used where ``KVArgs`` does not carry them (decode ranks, pipeline stages)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            server_args.model_path,
+            trust_remote_code=getattr(server_args, "trust_remote_code", False),
+            revision=getattr(server_args, "revision", None),
+        )
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the same refusal
+        raise UnsupportedLayout(
+            f"kvferry backend: cannot read the model config at {server_args.model_path!r} "
+            f"to learn its layer and KV head counts: {e}"
+        ) from None
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_key_value_heads", None) or getattr(
+        text, "num_attention_heads", 0
+    )
+    return int(getattr(text, "num_hidden_layers", 0)), int(heads or 0)
+
+
+def _layout_of(args: KVArgs, server_args: ServerArgs, is_mla: bool, prefill: bool) -> tuple:
+    """kvferry's layout for SGLang's buffers: one region per (layer, K or V) of the layers
+    this rank holds (MLA: one per layer), the heads it holds, its layers (a prefill pipeline
+    stage holds a range), and one staging row per aux slot holding every aux buffer's item.
+
+    Returns ``(layout, kv spans, heads or None, layer range or None)``.
+    """
     states = [p for comp in (getattr(args, "state_data_ptrs", None) or []) for p in comp]
     if states:
         raise UnsupportedLayout(
-            "kvferry backend: state buffers (mamba, SWA, DSA, ...) are not supported; "
+            "kvferry backend: state buffers (mamba, SWA, DSA, ...) are not supported yet; "
             f"this pool has {len(states)} (state types {list(args.state_types)})"
+        )
+    if getattr(args, "num_draft_entries", 0):
+        raise UnsupportedLayout(
+            "kvferry backend: speculative decoding's draft KV buffers are not supported; this "
+            f"pool has {args.num_draft_entries} (run without --speculative-algorithm)"
+        )
+    if getattr(args, "kv_layout", None) not in (None, "nhd", "NHD"):
+        raise UnsupportedLayout(
+            f"kvferry backend: KV layout {args.kv_layout!r} is not supported (only NHD)"
         )
     item_lens = list(args.kv_item_lens)
     if not item_lens or len(set(item_lens)) != 1:
         raise UnsupportedLayout(
-            "kvferry backend: every KV buffer must have the same page size, got "
-            f"{sorted(set(item_lens))}"
+            "kvferry backend: every KV buffer must have the same page size (K and V of the "
+            f"same head size), got {sorted(set(item_lens))}"
         )
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    page_bytes = item_lens[0]
     pages = min(n // i for n, i in zip(args.kv_data_lens, item_lens))
-    kv = [(int(p), pages * item_lens[0]) for p in args.kv_data_ptrs]
+    ptrs = [int(p) for p in args.kv_data_ptrs]
+    planes = 1 if is_mla else 2
+    if len(ptrs) % planes:
+        raise UnsupportedLayout(
+            f"kvferry backend: {len(ptrs)} KV buffers do not split into K and V per layer"
+        )
+    held = len(ptrs) // planes
+    if is_mla:
+        spans = [(p, pages * page_bytes) for p in ptrs]
+    else:
+        # SGLang lists every K buffer, then every V buffer; kvferry's regions go by layer.
+        spans = [
+            (p, pages * page_bytes) for layer in range(held) for p in (ptrs[layer], ptrs[held + layer])
+        ]
+    layer_range = None
+    layers = held
+    if prefill and parallel.pp_size > 1:
+        start, end = int(args.prefill_start_layer), int(args.prefill_end_layer)
+        if end - start != held:
+            raise UnsupportedLayout(
+                f"kvferry backend: PP stage layers {start}..{end} but {held} KV layers registered"
+            )
+        layers = _model_shape(server_args)[0]
+        if not end <= layers:
+            raise UnsupportedLayout(
+                f"kvferry backend: PP stage layers {start}..{end} outside the model's {layers}"
+            )
+        layer_range = (start, end)
+    heads = None
+    if not is_mla:
+        per_rank = int(getattr(args, "kv_head_num", 0) or 0)
+        total = int(getattr(args, "total_kv_head_num", 0) or 0)
+        tp = parallel.attn_tp_size
+        if not total:
+            total = _model_shape(server_args)[1]
+        if not per_rank:
+            per_rank = max(1, total // tp)
+        page_size = int(getattr(args, "page_size", 0) or server_args.page_size or 1)
+        row = page_bytes // page_size if page_bytes % page_size == 0 else 0
+        if not total or not row or row % per_rank:
+            raise UnsupportedLayout(
+                f"kvferry backend: a page of {page_bytes} bytes is not {page_size} token rows "
+                f"of {per_rank} KV heads (of {total})"
+            )
+        # SGLang's head placement: ranks share heads when there are fewer heads than ranks.
+        replicas = max(1, tp // total)
+        local = args.engine_rank % tp
+        heads = (total, (local // replicas) * per_rank, per_rank, row // per_rank)
     aux_items = list(args.aux_item_lens)
     slots = min(n // i for n, i in zip(args.aux_data_lens, aux_items)) if aux_items else 0
     layout = dict(
-        layers=len(kv),
-        planes=1,
-        page_bytes=item_lens[0],
+        layers=layers,
+        planes=planes,
+        page_bytes=page_bytes,
         pages=pages,
         aux_bytes=sum(aux_items),
         slots=slots,
     )
-    return layout, kv
+    return layout, spans, heads, layer_range
 
 
 class KvferryKVManager(CommonKVManager):
@@ -149,7 +242,12 @@ class KvferryKVManager(CommonKVManager):
         is_mla_backend: Optional[bool] = False,
     ):
         self.node: Optional[kvferry.Node] = None
-        self._layout, self._kv_spans = _layout_of(args)
+        self._layout, self._kv_spans, self._heads, self._layer_range = _layout_of(
+            args,
+            server_args,
+            bool(is_mla_backend),
+            disaggregation_mode == DisaggregationMode.PREFILL,
+        )
         try:
             # GPU pools are registered as device memory: a wheel that cannot reach it refuses
             # at start (UnsupportedMemory), it never reads a device address with the CPU.
@@ -166,10 +264,15 @@ class KvferryKVManager(CommonKVManager):
         # is_abort_release_safe sees them releasable.
         self._held: Set[int] = set()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        if self.attn_cp_size > 1 or self.pp_size > 1:
+        if self.attn_cp_size > 1:
             raise UnsupportedLayout(
-                "kvferry backend: attention CP and PP must be 1, got "
-                f"CP {self.attn_cp_size}, PP {self.pp_size}"
+                f"kvferry backend: attention context parallelism (CP {self.attn_cp_size}) is "
+                "not supported"
+            )
+        if self.pp_size > 1 and disaggregation_mode == DisaggregationMode.DECODE:
+            raise UnsupportedLayout(
+                f"kvferry backend: pipeline parallelism on decode (PP {self.pp_size}) is not "
+                "supported (prefill PP is)"
             )
         if disaggregation_mode == DisaggregationMode.DECODE:
             self.node = self._start_node("decode")
@@ -199,13 +302,17 @@ class KvferryKVManager(CommonKVManager):
             token=os.environ.get("KVFERRY_TOKEN", "").encode(),
             rank=self.kv_args.engine_rank,
             kv_device=self._kv_device,
+            heads=self._heads,
+            layer_range=self._layer_range,
             **config,
         )
         logger.info(
-            "kvferry %s node for engine rank %d: %s",
+            "kvferry %s node for engine rank %d: %s, heads %s, layers %s",
             role,
             self.kv_args.engine_rank,
             self._layout,
+            self._heads or "whole pages",
+            self._layer_range or "all",
         )
         return node
 
@@ -440,6 +547,7 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
         self._opened = False
         self._granted = False
         self._aux_index: Optional[int] = None
+        self._idle: List[int] = []
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
     def init(self, prefill_dp_rank: int):
@@ -449,12 +557,11 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
         if info is None:
             _fail(self, f"prefill at {self.bootstrap_addr} is not known (down, or never reached)")
             return
-        if info.attn_tp_size != self.kv_mgr.attn_tp_size or info.pp_size != 1 or info.attn_cp_size != 1:
+        if info.attn_cp_size != 1:
             _fail(
                 self,
-                "kvferry backend: prefill and decode need the same attention TP and PP=CP=1; "
-                f"prefill TP {info.attn_tp_size} PP {info.pp_size} CP {info.attn_cp_size}, "
-                f"decode TP {self.kv_mgr.attn_tp_size}",
+                "kvferry backend: prefill attention context parallelism is not supported "
+                f"(prefill CP {info.attn_cp_size})",
             )
             return
         self.prefill_info = info
@@ -469,11 +576,10 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
         if self.conclude_state == KVPoll.Failed or not self.bootstrap_infos:
             return
         try:
-            peers = [
-                self.kv_mgr.peer(b["rank_ip"], int(b["rank_port"]))
-                for b in self.bootstrap_infos
-                if not b["is_dummy"]
-            ]
+            # Every prefill rank SGLang maps to this decode rank takes part: its heads, its
+            # pipeline stage's layers, or (an MLA "dummy") only its confirmation.
+            peers = [self.kv_mgr.peer(b["rank_ip"], int(b["rank_port"])) for b in self.bootstrap_infos]
+            self._idle = [i for i, b in enumerate(self.bootstrap_infos) if b["is_dummy"]]
             self.kv_mgr.node.open_receiver(self.bootstrap_room, peers)
             self._opened = True
         except kvferry.KvferryError as e:
@@ -506,17 +612,24 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
             return
         if destination != KVTransferDestination.DEVICE:
             raise NotImplementedError("Host KV destinations are not supported")
-        unsupported = None
-        if state_indices and any(s is not None and len(s) for s in state_indices):
-            unsupported = "state indices"
-        elif decode_prefix_len:
-            unsupported = "a decode-side prefix (decode_prefix_len)"
+        page_size = self.kv_mgr.kv_args.page_size or 1
         try:
-            if unsupported is not None:
-                raise kvferry.InvalidArgument(f"kvferry backend: {unsupported} is not supported")
+            if state_indices and any(s is not None and len(s) for s in state_indices):
+                raise kvferry.InvalidArgument("kvferry backend: state indices are not supported")
+            if decode_prefix_len and decode_prefix_len % page_size:
+                raise kvferry.InvalidArgument(
+                    f"kvferry backend: decode prefix of {decode_prefix_len} tokens is not whole "
+                    f"pages of {page_size}"
+                )
             self.kv_mgr.check_aux_slot(aux_index)
+            # The decode's cached prefix stays where it is: only the pages after it move.
             self.kv_mgr.node.grant_pages(
-                self.bootstrap_room, np.asarray(kv_indices).tolist(), aux_slot=aux_index
+                self.bootstrap_room,
+                np.asarray(kv_indices).tolist(),
+                aux_slot=aux_index,
+                receivers=max(1, int(self.required_dst_info_num)),
+                skip_pages=(decode_prefix_len or 0) // page_size,
+                idle_sources=self._idle,
             )
         except kvferry.KvferryError as e:
             self.kv_mgr.abort_room(self.bootstrap_room)
