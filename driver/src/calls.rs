@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Mutex;
 
 use kvferry_core::{
-    ApiError, Capacity, Chunk, Counters, Generation, Grant, Link, RoomId, SessionId,
+    ApiError, Capacity, Chunk, Counters, FailureReason, Generation, Grant, Link, RoomId, SessionId,
 };
 use tokio::sync::oneshot;
 
@@ -160,6 +160,24 @@ impl<C: ShardCalls> Embedder<C> {
             }
         }
         Ok(())
+    }
+
+    /// Why a persistent peer is unreachable now (down for its whole `unreachable_timeout`),
+    /// or `None` while it has a session or may still come back; answers at once.
+    pub async fn unreachable(&self, peer: PeerId) -> Result<Option<FailureReason>, NodeError> {
+        for (shard, links) in self.peer(peer)?.into_iter().enumerate() {
+            for link in links {
+                let Link::Target(target) = link else { continue };
+                let found = self
+                    .calls
+                    .call(shard, move |d| d.endpoint().target_unreachable(target))
+                    .await?;
+                if found.is_some() {
+                    return Ok(found);
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// Decode: opens a receiver room fed by `peers`.

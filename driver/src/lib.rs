@@ -546,6 +546,13 @@ pub trait KvNode: Clone + Send + Sync + 'static {
     /// handshake, or once one stayed unreachable for the core's `unreachable_timeout`.
     fn reach(&self, peer: PeerId) -> impl Future<Output = Result<(), NodeError>> + Send;
 
+    /// Why a persistent peer is unreachable now (down for the whole `unreachable_timeout`: a
+    /// room opened toward it fails at once), or `None`; never waits.
+    fn unreachable(
+        &self,
+        peer: PeerId,
+    ) -> impl Future<Output = Result<Option<FailureReason>, NodeError>> + Send;
+
     /// Fails every room, tells every peer, closes every connection and stops.
     fn shutdown(&self) -> impl Future<Output = ()> + Send;
 }
@@ -673,6 +680,10 @@ impl<N: RuntimeNode> KvNode for N {
 
     async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
         self.embedder().reach(peer).await
+    }
+
+    async fn unreachable(&self, peer: PeerId) -> Result<Option<FailureReason>, NodeError> {
+        self.embedder().unreachable(peer).await
     }
 
     async fn shutdown(&self) {

@@ -496,6 +496,15 @@ impl Node {
         self.block(py, async move { node.reach(PeerId(peer)).await })
     }
 
+    /// Why a persistent peer is unreachable now (the reason's name, e.g.
+    /// "connection_refused": down for its whole `unreachable_timeout`, so a room opened
+    /// toward it fails at once), or None; never waits.
+    fn unreachable(&self, py: Python<'_>, peer: u32) -> PyResult<Option<&'static str>> {
+        let node = self.node.clone();
+        let found = self.block(py, async move { node.unreachable(PeerId(peer)).await })?;
+        Ok(found.map(|r| r.as_str()))
+    }
+
     /// Decode: opens room `room` fed by `peers`, with its pages granted now or later.
     #[pyo3(signature = (room, peers, pages=None, aux_slot=None, state_slot=None, generation=0, receivers=1, skip_pages=0, idle_sources=Vec::new()))]
     #[allow(clippy::too_many_arguments)]

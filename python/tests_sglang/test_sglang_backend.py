@@ -374,6 +374,37 @@ def test_a_prefill_restarted_at_a_fixed_listen_port_serves_the_very_next_room(de
     next(restarted, None)
 
 
+@pytest.mark.parametrize("decode", [{"KVFERRY_UNREACHABLE_TIMEOUT_MS": "1000"}], indirect=True)
+def test_a_prefill_restarted_on_a_new_port_serves_the_very_next_room(decode):
+    """Without KVFERRY_LISTEN_PORT a restarted prefill listens elsewhere: decode sees its kept
+    peer down past its window, asks the bootstrap server again, and the very next room goes
+    to the new address instead of failing connection_refused (and leaving the prefill's half
+    of the request waiting for its bootstrap timeout)."""
+    first = _prefill({})
+    proc, port, commands, results = next(first)
+    rank = decode(port)
+    a_room_succeeds(rank, port, commands, results, 811, [1], [1], [2], 0)
+    (old,) = rank.manager._peers
+    proc.kill()  # idle: decode notices only through its kvferry session
+    proc.join(timeout=DEADLINE_S)
+    restarted = _prefill({}, port)
+    _proc, _port, commands, results = next(restarted)
+    time.sleep(1.5)  # the old address has now been down past the decode's 1 s window
+    a_room_succeeds(rank, port, commands, results, 812, [4, 5], [1, 1], [6, 7], 1)
+    assert old in rank.manager._peers and len(rank.manager._peers) == 2, rank.manager._peers
+    next(restarted, None)
+
+
+def test_the_listener_binds_the_servers_host_unless_it_is_every_address():
+    from kvferry.sglang.conn import listen_host
+
+    assert listen_host("127.0.0.1", "10.0.0.5") == "127.0.0.1"
+    assert listen_host("0.0.0.0", "10.0.0.5") == "10.0.0.5"
+    assert listen_host("::", "10.0.0.5") == "10.0.0.5"
+    assert listen_host(None, "10.0.0.5") == "10.0.0.5"
+    assert listen_host("[::1]", "10.0.0.5") == "::1"
+
+
 def test_a_bad_metrics_address_is_refused_naming_the_variable():
     import kvferry
     from kvferry.sglang.conn import metrics_addr
@@ -396,33 +427,3 @@ def test_a_bad_listen_port_is_refused_naming_the_variable():
         listen_port("forty", 0)
     with pytest.raises(kvferry.InvalidArgument, match="KVFERRY_LISTEN_PORT='65535'.*65536"):
         listen_port("65535", 1)
-
-
-@pytest.mark.parametrize("decode", [{"KVFERRY_UNREACHABLE_TIMEOUT_MS": "1000"}], indirect=True)
-def test_a_prefill_restarted_while_idle_is_found_again_after_one_room_fails_with_a_peer_reason(prefill, decode):
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.common.conn import KVTransferError
-
-    proc, port, commands, results = prefill
-    rank = decode(port)
-    commands.put((701, [1], [1], 0, "send"))
-    receiver = bootstrap(rank, port, 701)
-    receiver.send_metadata(np.array([2], dtype=np.int32), 0)
-    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
-    receiver.clear()
-    proc.kill()  # no room in flight: decode has nothing to notice it by
-    proc.join(timeout=DEADLINE_S)
-    restarted = _prefill({}, port)
-    _proc, _port, commands, results = next(restarted)
-    time.sleep(2)  # past the unreachable window: kvferry has given up on the old listener
-    # The first room still takes SGLang's cached route to the dead kvferry listener.
-    receiver = rank.receiver_class(rank.manager, f"127.0.0.1:{port}", 702)
-    receiver.init(0)
-    if poll_until(receiver, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput:
-        receiver.send_metadata(np.array([3], dtype=np.int32), 0)
-    assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Failed
-    with pytest.raises(KVTransferError, match="connection_refused|peer_unreachable|connection_lost"):
-        receiver.failure_exception()
-    # The next one asks the bootstrap server again and reaches the new listener.
-    a_room_succeeds(rank, port, commands, results, 703, [4, 5], [1, 1], [6, 7], 1)
-    next(restarted, None)

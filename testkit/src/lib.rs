@@ -1218,6 +1218,10 @@ impl KvNode for AnyNode {
         both!(self, n => KvNode::reach(n, peer).await)
     }
 
+    async fn unreachable(&self, peer: PeerId) -> Result<Option<FailureReason>, NodeError> {
+        both!(self, n => KvNode::unreachable(n, peer).await)
+    }
+
     async fn shutdown(&self) {
         both!(self, n => KvNode::shutdown(n).await)
     }

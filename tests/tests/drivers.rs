@@ -11,8 +11,8 @@ use kvferry_testkit::overlap::{run_host_overlap, Batch};
 use kvferry_testkit::{run_decode, run_pair, DecodeRun, Shape};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
-    assert_all_clean, fast_core, free_ports, on_every_driver, prefill_on, rooms, small_shape,
-    start_on, KvNode, Runtime, GLOMMIO,
+    assert_all_clean, fast_core, free_ports, on_every_driver, peer_loss_core, prefill_on, rooms,
+    small_shape, start_on, KvNode, Runtime, GLOMMIO,
 };
 use kvferry_tokio::FaultPlan;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -545,6 +545,49 @@ async fn a_restarted_prefill_is_reconnected_and_used_again(p: Runtime, d: Runtim
     assert_all_clean(&run_decode(&decode, again, rooms(10, 200)).await, 10);
 }
 
+/// A persistent peer that went away is said to be unreachable once it stayed down for the
+/// whole `unreachable_timeout`, at once and without waiting (an embedder asks its router for
+/// the peer's new address before opening a room that would fail), and no longer once it is
+/// back.
+async fn a_persistent_peer_down_past_its_window_is_reported_unreachable(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let at = free_ports(2);
+    let (p1, addrs, server1) = prefill_on(p, &shape, peer_loss_core(), 121, at).await;
+    let decode = start_on(d, Role::Decode, &shape, peer_loss_core(), 122);
+    let peer = decode.connect_persistent(addrs.clone()).await.unwrap();
+    assert_eq!(decode.unreachable(peer).await.unwrap(), None);
+    p1.shutdown().await;
+    server1.abort();
+    drop(p1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        decode.unreachable(peer).await.unwrap(),
+        None,
+        "inside its window"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let asked = std::time::Instant::now();
+    let reason = decode.unreachable(peer).await.unwrap();
+    assert!(
+        asked.elapsed() < Duration::from_millis(500),
+        "answered at once"
+    );
+    assert!(
+        matches!(
+            reason,
+            Some(FailureReason::ConnectionRefused | FailureReason::PeerUnreachable)
+        ),
+        "{reason:?}"
+    );
+    let (_p2, _addrs2, _server2) = prefill_on(p, &shape, peer_loss_core(), 123, at).await;
+    // The core dials it again every 20-100 ms: back within a few intervals.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while decode.unreachable(peer).await.unwrap().is_some() {
+        assert!(std::time::Instant::now() < deadline, "still unreachable once back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A decode that keeps a prefill connected and also connects to it explicitly has one
 /// session to it (the second connection takes the first over), and both of its handles to
 /// the peer keep serving rooms: the kept peer's target follows the take-over instead of
@@ -767,6 +810,7 @@ on_every_driver!(
     a_prefill_abort_reaches_decode_at_once,
     a_room_asked_for_before_the_prefill_subscribes_is_announced_when_it_does,
     a_restarted_prefill_is_reconnected_and_used_again,
+    a_persistent_peer_down_past_its_window_is_reported_unreachable,
     a_peer_connected_twice_serves_rooms_on_both_handles,
     a_stalled_decode_does_not_delay_rooms_toward_another_decode,
 );

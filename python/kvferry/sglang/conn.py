@@ -88,6 +88,15 @@ def listen_port(base: Optional[str], engine_rank: int) -> int:
     return port
 
 
+def listen_host(host: Optional[str], machine_ip: str) -> str:
+    """The address a prefill rank's kvferry listener binds and registers: the server's
+    ``--host`` when it names one address, the machine's (``machine_ip``) when it names every
+    address (``0.0.0.0``, ``::``) or none."""
+    if host is None or host in ("", "0.0.0.0", "::", "[::]"):
+        return machine_ip
+    return host.strip("[]")
+
+
 def metrics_addr(value: Optional[str], engine_rank: int) -> Optional[str]:
     """Where engine rank r serves its metrics: ``KVFERRY_METRICS_ADDR`` (``host:port``) with
     port + r, one exporter per scheduler process; None when unset."""
@@ -322,14 +331,18 @@ class KvferryKVManager(CommonKVManager):
         if self.node is None:
             self.node = self._start_node("prefill")
             port = listen_port(os.environ.get("KVFERRY_LISTEN_PORT"), self.kv_args.engine_rank)
+            # Where the user said the server lives (--host), unless that is every address:
+            # then the machine's own, as SGLang's rank sockets do. Decode is told this one.
+            host = listen_host(getattr(self.server_args, "host", None), self.local_ip)
             try:
-                bound = self.node.listen(f"{self.local_ip}:{port}")[0]
+                bound = self.node.listen(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")[0]
             except kvferry.ConnectError as e:
                 raise kvferry.ConnectError(
                     f"kvferry prefill engine rank {self.kv_args.engine_rank} cannot listen on "
-                    f"{self.local_ip}:{port} (KVFERRY_LISTEN_PORT + engine rank, or a free port "
-                    f"when unset): {e}"
+                    f"{host}:{port} (--host, and KVFERRY_LISTEN_PORT + engine rank or a free "
+                    f"port when unset): {e}"
                 ) from e
+            self.local_ip = host
             self.server_socket.close(linger=0)
             self.rank_port = int(bound.rsplit(":", 1)[1])
         super().register_to_bootstrap()
@@ -403,6 +416,13 @@ class KvferryKVManager(CommonKVManager):
         with self.connection_lock:
             for key in [k for k in self.connection_pool if k.startswith(f"{bootstrap_addr}_")]:
                 del self.connection_pool[key]
+
+    def node_failure(self, room: int) -> Optional[kvferry.RoomFailed]:
+        """kvferry's failure of a room, None while it has not failed (or is unknown)."""
+        try:
+            return self.node.failure(room)
+        except kvferry.KvferryError:
+            return None
 
     def failure_text(self, bootstrap_room: int) -> str:
         """kvferry's reason for a failed room, as SGLang logs it."""
@@ -553,38 +573,44 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
     def init(self, prefill_dp_rank: int):
         if self.conclude_state == KVPoll.Failed:
             return
-        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
-        if info is None:
-            _fail(self, f"prefill at {self.bootstrap_addr} is not known (down, or never reached)")
-            return
-        if info.attn_cp_size != 1:
-            _fail(
-                self,
-                "kvferry backend: prefill attention context parallelism is not supported "
-                f"(prefill CP {info.attn_cp_size})",
-            )
-            return
-        self.prefill_info = info
-        self.target_tp_rank = info.target_tp_rank
-        self.target_tp_ranks = info.target_tp_ranks
-        self.target_cp_ranks = info.target_cp_ranks
-        self.target_pp_ranks = info.target_pp_ranks
-        self.required_dst_info_num = info.required_dst_info_num
-        self.required_prefill_response_num = info.required_prefill_response_num
         self.prefill_dp_rank = prefill_dp_rank
-        self._setup_bootstrap_infos()
-        if self.conclude_state == KVPoll.Failed or not self.bootstrap_infos:
+        if not self._route():
             return
         try:
-            # Every prefill rank SGLang maps to this decode rank takes part: its heads, its
-            # pipeline stage's layers, or (an MLA "dummy") only its confirmation.
-            peers = [self.kv_mgr.peer(b["rank_ip"], int(b["rank_port"])) for b in self.bootstrap_infos]
+            peers = self._peers()
+        except kvferry.ConnectError as e:
+            # SGLang's cached route may name a prefill that restarted elsewhere (a new kvferry
+            # port): ask its bootstrap server again, and go there if the route changed.
+            stale = self._routes()
+            self.kv_mgr.forget_prefill(self.bootstrap_addr)
+            if not self.kv_mgr.try_ensure_parallel_info(self.bootstrap_addr) or not self._route():
+                if self.conclude_state != KVPoll.Failed:
+                    _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e}")
+                return
+            if self._routes() == stale:
+                _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e}")
+                return
+            logger.info(
+                "kvferry: room %d: prefill at %s moved from %s to %s",
+                self.bootstrap_room,
+                self.bootstrap_addr,
+                stale,
+                self._routes(),
+            )
+            try:
+                peers = self._peers()
+            except kvferry.KvferryError as e2:
+                self.kv_mgr.forget_prefill(self.bootstrap_addr)
+                _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e2}")
+                return
+        except kvferry.KvferryError as e:
+            _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e}")
+            return
+        try:
             self._idle = [i for i, b in enumerate(self.bootstrap_infos) if b["is_dummy"]]
             self.kv_mgr.node.open_receiver(self.bootstrap_room, peers)
             self._opened = True
         except kvferry.KvferryError as e:
-            if isinstance(e, kvferry.ConnectError):
-                self.kv_mgr.forget_prefill(self.bootstrap_addr)
             _fail(self, f"kvferry: cannot open room {self.bootstrap_room}: {e}")
             return
         try:
@@ -594,6 +620,49 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
         except kvferry.InvalidArgument:
             pass  # the room already ended (its prefill is unreachable): poll() reports why
         self.kv_mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
+
+    def _route(self) -> bool:
+        """SGLang's mapping of this decode rank to prefill ranks (TP, PP, DP) from the
+        prefill's bootstrap info; False (the room failed) when it cannot be served."""
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is None:
+            _fail(self, f"prefill at {self.bootstrap_addr} is not known (down, or never reached)")
+            return False
+        if info.attn_cp_size != 1:
+            _fail(
+                self,
+                "kvferry backend: prefill attention context parallelism is not supported "
+                f"(prefill CP {info.attn_cp_size})",
+            )
+            return False
+        self.prefill_info = info
+        self.target_tp_rank = info.target_tp_rank
+        self.target_tp_ranks = info.target_tp_ranks
+        self.target_cp_ranks = info.target_cp_ranks
+        self.target_pp_ranks = info.target_pp_ranks
+        self.required_dst_info_num = info.required_dst_info_num
+        self.required_prefill_response_num = info.required_prefill_response_num
+        self._setup_bootstrap_infos()
+        return self.conclude_state != KVPoll.Failed and bool(self.bootstrap_infos)
+
+    def _routes(self) -> List[str]:
+        return [f"{b['rank_ip']}:{b['rank_port']}" for b in self.bootstrap_infos or []]
+
+    def _peers(self) -> List[int]:
+        """Every prefill rank SGLang maps to this decode rank takes part: its heads, its
+        pipeline stage's layers, or (an MLA "dummy") only its confirmation. A kept peer that
+        has been down past its window raises ConnectError: a room toward it would fail at
+        once, and its prefill may be back elsewhere."""
+        peers = []
+        for b in self.bootstrap_infos:
+            peer = self.kv_mgr.peer(b["rank_ip"], int(b["rank_port"]))
+            down = self.kv_mgr.node.unreachable(peer)
+            if down is not None:
+                raise kvferry.ConnectError(
+                    f"prefill rank at {b['rank_ip']}:{b['rank_port']} is unreachable ({down})"
+                )
+            peers.append(peer)
+        return peers
 
     def _register_kv_args(self) -> bool:
         # Nothing to register: kvferry's session handshake checks the layouts.
@@ -633,6 +702,12 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
             )
         except kvferry.KvferryError as e:
             self.kv_mgr.abort_room(self.bootstrap_room)
+            if self.kv_mgr.node_failure(self.bootstrap_room) is not None:
+                # The room had already failed (its prefill went away meanwhile): its own
+                # reason is the one to report, as poll() and failure_exception() do.
+                self.conclude_state = KVPoll.Failed
+                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                return
             _fail(self, f"kvferry: pages of room {self.bootstrap_room} refused: {e}")
             return
         self._aux_index = aux_index
