@@ -40,11 +40,11 @@ fi
     echo "kvferry is not installed in $venv (build it into that venv first)" >&2
     exit 2
 }
-if ! "$py" -c 'import uvloop, openai, partial_json_parser, setproctitle, einops, jsonschema, xgrammar, soundfile, python_multipart' 2>/dev/null; then
-    echo "installing SGLang's server-side runtime imports into $venv" >&2
+if ! "$py" -c 'import uvloop, openai, partial_json_parser, setproctitle, einops, jsonschema, xgrammar, soundfile, python_multipart, sglang_router' 2>/dev/null; then
+    echo "installing SGLang's server-side runtime imports and sglang-router into $venv" >&2
     "$venv/bin/pip" install -q uvloop==0.23.0 openai==2.8.0 partial-json-parser==0.2.1.1.post7 \
         setproctitle==1.3.8 einops==0.8.2 jsonschema==4.26.0 xgrammar==0.2.7 soundfile==0.13.1 \
-        python-multipart==0.0.34 >&2
+        python-multipart==0.0.34 sglang-router==0.3.2 >&2
 fi
 
 start=$SECONDS
@@ -146,7 +146,7 @@ EOF
 # ---- the requests, and the check
 cat >"$work/client.py" <<'EOF'
 """client.py reference URL OUT | client.py pd|probe PREFILL DECODE BOOTSTRAP_PORT REF"""
-import json, random, sys, threading, requests
+import json, random, sys, threading, time, requests
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -189,13 +189,32 @@ if sys.argv[1] == "reference":
     json.dump(ids, open(sys.argv[3], "w"))
     sys.exit(0)
 
+if sys.argv[1] == "router":
+    # Through sglang-router in PD mode: it adds the bootstrap fields itself.
+    router, ref = sys.argv[2], json.load(open(sys.argv[3]))
+    failed = 0
+    for i, p in enumerate(PROMPTS):
+        began = time.monotonic()
+        try:
+            got = generate(router, {"text": p, "sampling_params": PARAMS})["output_ids"]
+        except Exception as e:  # noqa: BLE001
+            got = str(e)
+        ok = got == ref[i]
+        failed += not ok
+        print(f"router     prompt {i}: {'ok ' if ok else 'MISMATCH'} in {time.monotonic() - began:.1f} s"
+              + ("" if ok else f" decode={got} reference={ref[i]}"))
+    sys.exit(1 if failed else 0)
 prefill, decode, bport, ref = sys.argv[2], sys.argv[3], int(sys.argv[4]), json.load(open(sys.argv[5]))
 if sys.argv[1] == "probe":
-    # One request whose outcome is only reported (the first after a prefill restart may fail).
+    # The first request after a prefill restart: it must succeed, and not wait for any
+    # deadline (the decode finds the prefill's new kvferry address through the bootstrap
+    # server).
     out = [None]
+    began = time.monotonic()
     pd_request(prefill, decode, bport, PROMPTS[1], out, 0)
-    print(f"probe: {'ok' if out[0] == ref[1] else out[0]}")
-    sys.exit(0)
+    took = time.monotonic() - began
+    print(f"first request after the restart: {'ok' if out[0] == ref[1] else out[0]} in {took:.1f} s")
+    sys.exit(0 if out[0] == ref[1] and took < 20 else 1)
 failed = 0
 # One request at a time, then all at once (several kvferry rooms in flight).
 for mode in ("sequential", "concurrent"):
@@ -219,10 +238,10 @@ print(f"{2 * len(PROMPTS) - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
 EOF
 
-read -r port_single port_prefill port_decode port_bootstrap nccl_single nccl_prefill nccl_decode port_metrics < <(
+read -r port_single port_prefill port_decode port_bootstrap nccl_single nccl_prefill nccl_decode port_metrics port_router < <(
     "$py" - <<'EOF'
 import socket
-socks = [socket.socket() for _ in range(8)]
+socks = [socket.socket() for _ in range(9)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*[s.getsockname()[1] for s in socks])
@@ -293,8 +312,13 @@ for side in prefill decode; do
 done
 # kvferry's metrics, served by the decode scheduler (engine rank 0: the port as given),
 # count every room the requests above moved.
-succeeded=$(curl -sf -m 5 "http://127.0.0.1:$port_metrics/metrics" |
-    awk '/^kvferry_rooms_succeeded_total\{.*role="decode"/ { print $2 }')
+# The exporter publishes the core's counters on its own tick: read until they caught up.
+for _ in $(seq 1 20); do
+    succeeded=$(curl -sf -m 5 "http://127.0.0.1:$port_metrics/metrics" |
+        awk '/^kvferry_rooms_succeeded_total\{.*role="decode"/ { print $2 }')
+    [ "${succeeded:-0}" -ge 10 ] 2>/dev/null && break
+    sleep 0.5
+done
 if [ "${succeeded:-0}" -ge 10 ] 2>/dev/null; then
     echo "decode metrics: kvferry_rooms_succeeded_total $succeeded"
 else
@@ -306,10 +330,25 @@ if grep -E 'transfer failed|handshake failed|bootstrap failed|KVTransferError' "
     status=1
 fi
 
-# ---- the prefill server is SIGKILLed and started again at the same addresses (its kvferry
-# listener gets a new port): decode must find it again through the bootstrap server. The
-# first request after the restart may fail (decode still had the old route); every request
-# after it must match the reference.
+# ---- the same requests through sglang-router in PD mode, as users deploy it
+launch router sglang_router.launch_router --pd-disaggregation \
+    --prefill "http://127.0.0.1:$port_prefill" "$port_bootstrap" \
+    --decode "http://127.0.0.1:$port_decode" --host 127.0.0.1 --port "$port_router"
+deadline=$((SECONDS + 60))
+until curl -sf -m 2 -o /dev/null "http://127.0.0.1:$port_router/health"; do
+    if ((SECONDS > deadline)); then
+        echo "the router did not become healthy in 60 s" >&2
+        status=1
+        break
+    fi
+    sleep 1
+done
+"$py" "$work/client.py" router "http://127.0.0.1:$port_router" "$work/reference.json" || status=1
+
+# ---- the prefill server is SIGKILLed while idle and started again at the same addresses
+# (its kvferry listener gets a new port): decode finds it again through the bootstrap server,
+# and the very first request after the restart, like every one after it, matches the
+# reference without waiting for a deadline.
 kill -KILL -- "-${pgids[0]}"
 sleep 2
 launch prefill2 kvferry.sglang.launch_server "${common[@]}" "${pd[@]}" --port "$port_prefill" \
@@ -318,5 +357,6 @@ wait_healthy prefill2 "$port_prefill"
 args=("http://127.0.0.1:$port_prefill" "http://127.0.0.1:$port_decode" "$port_bootstrap" "$work/reference.json")
 "$py" "$work/client.py" probe "${args[@]}" || status=1
 "$py" "$work/client.py" pd "${args[@]}" || status=1
+"$py" "$work/client.py" router "http://127.0.0.1:$port_router" "$work/reference.json" || status=1
 echo "sglang-pd-e2e: $([ "$status" = 0 ] && echo PASS || echo FAIL) in $((SECONDS - start)) s"
 exit "$status"
