@@ -21,6 +21,13 @@
 #    no torch.ops.sgl_kernel ops, so every layer takes its native torch path.
 #  - Decode: --disaggregation-decode-retraction-backup cpu_tensor, since the default
 #    host_pool pins host memory with cudaHostRegister.
+#  - Layouts: one rank per server. SGLang 0.5.23's CPU path cannot run TP 2 here (its
+#    parallel state builds a pynccl communicator, "Expected a cuda device, but got: cpu";
+#    SGLANG_CPU_OMP_THREADS_BIND=0|1 gets past the NUMA check to that), so the layout beyond
+#    the simplest is a decode-side prefix: --disaggregation-decode-enable-radix-cache, and
+#    the concurrent round asks for the prompts the sequential round left in the decode's
+#    cache. Heterogeneous TP, MLA, DP attention and PP run through SGLang's own classes in
+#    python/tests_sglang/test_layouts.py.
 #  - Prefill: --disable-overlap-schedule, since the overlap loop's early send of a cached
 #    prefix records a torch.cuda.Event (disaggregation/prefill.py,
 #    maybe_send_cached_prefix_chunk). The early send itself stays on: the prompts share a
@@ -294,13 +301,21 @@ launch prefill kvferry.sglang.launch_server "${common[@]}" "${pd[@]}" --port "$p
 KVFERRY_METRICS_ADDR=127.0.0.1:$port_metrics \
     launch decode sglang.launch_server "${common[@]}" "${pd[@]}" --port "$port_decode" \
     --nccl-port "$nccl_decode" --disaggregation-mode decode \
-    --disaggregation-decode-retraction-backup cpu_tensor
+    --disaggregation-decode-retraction-backup cpu_tensor --disaggregation-decode-enable-radix-cache
 wait_healthy prefill "$port_prefill"
 wait_healthy decode "$port_decode"
 
 status=0
 "$py" "$work/client.py" pd "http://127.0.0.1:$port_prefill" "http://127.0.0.1:$port_decode" \
     "$port_bootstrap" "$work/reference.json" || status=1
+# The decode's radix cache holds the prompts of the sequential round when the concurrent
+# round asks for them again: those rooms move only the pages after the cached prefix.
+if line=$(grep -m1 "leaves the .* pages this decode holds in place" "$work/decode.log"); then
+    echo "decode: ${line#*] }"
+else
+    echo "no room had a decode-side prefix (--disaggregation-decode-enable-radix-cache)" >&2
+    status=1
+fi
 for side in prefill decode; do
     line=$(grep -m1 "kvferry $side node for engine rank" "$work/$side.log" || true)
     if [ -z "$line" ]; then
@@ -334,10 +349,14 @@ fi
 launch router sglang_router.launch_router --pd-disaggregation \
     --prefill "http://127.0.0.1:$port_prefill" "$port_bootstrap" \
     --decode "http://127.0.0.1:$port_decode" --host 127.0.0.1 --port "$port_router"
-deadline=$((SECONDS + 60))
-until curl -sf -m 2 -o /dev/null "http://127.0.0.1:$port_router/health"; do
+# The router answers /health before it has checked and activated its workers: ready is
+# when a one-token request goes through.
+deadline=$((SECONDS + 120))
+until curl -sf -m 30 -o /dev/null "http://127.0.0.1:$port_router/generate" \
+    -H 'content-type: application/json' \
+    -d '{"text": "ready", "sampling_params": {"max_new_tokens": 1}}'; do
     if ((SECONDS > deadline)); then
-        echo "the router did not become healthy in 60 s" >&2
+        echo "the router did not serve a request in 120 s" >&2
         status=1
         break
     fi

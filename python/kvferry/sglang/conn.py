@@ -269,6 +269,7 @@ class KvferryKVManager(CommonKVManager):
         self._aux_rows = np.zeros((max(slots, 1), max(row, 1)), dtype=np.uint8)
         self._peers: Dict[str, int] = {}
         self._peers_lock = threading.Lock()
+        self.prefix_seen = False
         # Rooms SGLang cleared while kvferry still quarantines their pages: followed until
         # is_abort_release_safe sees them releasable.
         self._held: Set[int] = set()
@@ -710,6 +711,14 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
                 return
             _fail(self, f"kvferry: pages of room {self.bootstrap_room} refused: {e}")
             return
+        if decode_prefix_len and not self.kv_mgr.prefix_seen:
+            self.kv_mgr.prefix_seen = True
+            logger.info(
+                "kvferry: room %d leaves the %d pages this decode holds in place (first room "
+                "with a decode-side prefix; later ones are not logged)",
+                self.bootstrap_room,
+                decode_prefix_len // page_size,
+            )
         self._aux_index = aux_index
         self._granted = True
         self.init_time = time.time()
