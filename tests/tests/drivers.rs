@@ -583,7 +583,10 @@ async fn a_persistent_peer_down_past_its_window_is_reported_unreachable(p: Runti
     // The core dials it again every 20-100 ms: back within a few intervals.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while decode.unreachable(peer).await.unwrap().is_some() {
-        assert!(std::time::Instant::now() < deadline, "still unreachable once back");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still unreachable once back"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
