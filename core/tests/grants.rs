@@ -184,3 +184,50 @@ fn the_decode_room_waits_for_its_idle_source_to_confirm() {
     run_ms(&mut sim, 50);
     assert!(matches!(state(&sim, d, 4), Some(KvPoll::Failed(_))));
 }
+
+#[test]
+fn a_grant_that_skips_every_page_is_refused_at_the_call() {
+    let (mut sim, ps, d) = ranks(1);
+    let now = sim.now;
+    let sources = [sim.session(d, ps[0]).expect("session")];
+    let grant = Grant {
+        skip_pages: u32::MAX,
+        ..Grant::new(vec![1], None, None)
+    };
+    assert!(sim.nodes[d]
+        .endpoint
+        .open_receiver(now, RoomId(5), 0, &sources, Some(grant))
+        .is_err());
+}
+
+#[test]
+fn a_write_from_an_idle_source_is_refused() {
+    let (mut sim, ps, d) = ranks(2);
+    open(
+        &mut sim,
+        d,
+        &ps,
+        6,
+        |dst| Grant {
+            idle_sources: 0b10,
+            ..Grant::new(dst, Some(6), None)
+        },
+        2,
+    );
+    run_ms(&mut sim, 5);
+    let session = sim.session(d, ps[1]).expect("session");
+    let slice = [kvferry_core::Slice {
+        region: kvferry_core::Region::Aux,
+        src_offset: 0,
+        dst_offset: 6 * u64::from(small_layout(1).aux_bytes),
+        len: u64::from(small_layout(1).aux_bytes),
+    }];
+    let now = sim.now;
+    assert_eq!(
+        sim.nodes[d]
+            .endpoint
+            .begin_write(now, session, RoomId(6), 0, &slice)
+            .err(),
+        Some(kvferry_core::WriteRefused::NotASource)
+    );
+}

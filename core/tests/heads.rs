@@ -289,36 +289,48 @@ fn a_failed_head_rank_fails_the_decode_room_with_its_reason() {
 }
 
 #[test]
-fn a_write_of_heads_the_source_does_not_share_is_refused() {
-    let (mut sim, ps, ds) = split_cluster(2, 1);
-    let page = open_split(&mut sim, ds[0], &ps, 4, 1)[0];
-    run_ms(&mut sim, 5);
-    let session = sim.session(ds[0], ps[1]).expect("session");
-    let to = rank_of(1, 0);
-    let at = u64::from(page) * u64::from(to.page_bytes);
-    let region = Region::Kv { layer: 0, plane: 0 };
-    let now = sim.now;
-    let d = &mut sim.nodes[ds[0]].endpoint;
+fn a_write_of_heads_the_source_does_not_share_is_refused_and_fails_the_room() {
     // Rank 1 holds heads 2..4 of the decode's 0..4: bytes 16..32 of every 32-byte row.
-    let write = |offset: u64, len: u64| {
-        [Slice {
-            region,
+    let cases = [
+        (32 + 16, 16, true),
+        (0, 16, false),
+        (8, 16, false),
+        (16, 8, false),
+        (16, 32, false),
+    ];
+    for (i, (offset, len, admitted)) in cases.into_iter().enumerate() {
+        let room = 4 + i as u64;
+        let (mut sim, ps, ds) = split_cluster(2, 1);
+        let page = open_split(&mut sim, ds[0], &ps, room, 1)[0];
+        run_ms(&mut sim, 5);
+        let session = sim.session(ds[0], ps[1]).expect("session");
+        let at = u64::from(page) * u64::from(rank_of(1, 0).page_bytes);
+        let slice = [Slice {
+            region: Region::Kv { layer: 0, plane: 0 },
             src_offset: 0,
             dst_offset: at + offset,
             len,
-        }]
-    };
-    for (offset, len) in [(0, 16), (8, 16), (16, 8), (16, 32)] {
-        assert_eq!(
-            d.begin_write(now, session, RoomId(4), 0, &write(offset, len))
-                .err(),
-            Some(WriteRefused::HeadsNotShared),
-            "offset {offset} len {len}"
-        );
+        }];
+        let now = sim.now;
+        let got = sim.nodes[ds[0]]
+            .endpoint
+            .begin_write(now, session, RoomId(room), 0, &slice);
+        if admitted {
+            assert!(got.is_ok(), "offset {offset} len {len}: {got:?}");
+            assert_eq!(state(&sim, ds[0], room), Some(KvPoll::WaitingForInput));
+        } else {
+            assert_eq!(
+                got.err(),
+                Some(WriteRefused::HeadsNotShared),
+                "offset {offset} len {len}"
+            );
+            // Bytes in another rank's heads broke the protocol: the room fails.
+            assert_eq!(
+                state(&sim, ds[0], room),
+                Some(KvPoll::Failed(kvferry_core::FailureReason::ProtocolError))
+            );
+        }
     }
-    assert!(d
-        .begin_write(now, session, RoomId(4), 0, &write(32 + 16, 16))
-        .is_ok());
 }
 
 #[test]

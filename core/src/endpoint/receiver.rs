@@ -233,6 +233,7 @@ impl Endpoint {
                     | WriteRefused::PageNotGranted
                     | WriteRefused::SlotNotGranted
                     | WriteRefused::LayerNotOwned
+                    | WriteRefused::HeadsNotShared
                     | WriteRefused::UnknownRegion
                     | WriteRefused::NotASource
             );
@@ -422,7 +423,12 @@ impl Endpoint {
         let Side::Receiver(rr) = &r.side else {
             return Err(WriteRefused::UnknownRoom);
         };
-        if !rr.sources.iter().any(|s| s.session == session && s.granted) {
+        // An idle source was asked for nothing: any write of it is out of place.
+        if !rr
+            .sources
+            .iter()
+            .any(|s| s.session == session && s.granted && !s.idle)
+        {
             return Err(WriteRefused::NotASource);
         }
         match slice.region {
@@ -568,6 +574,13 @@ impl Endpoint {
 
     pub(super) fn check_grant(&self, g: &Grant) -> Result<(), ApiError> {
         let l = &self.local.layout;
+        if g.skip_pages == SKIP_ALL {
+            // Asking a source for nothing is `idle_sources`; this value is the wire's for it.
+            return Err(ApiError::PageOutOfRange {
+                page: g.skip_pages,
+                pages: l.pages,
+            });
+        }
         if let Some(&page) = g.pages.iter().find(|p| **p >= l.pages) {
             return Err(ApiError::PageOutOfRange {
                 page,

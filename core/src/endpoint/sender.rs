@@ -222,7 +222,7 @@ impl Endpoint {
                 return;
             }
             _ => {
-                let pages = req.pages.iter().map(|r| r.len).sum();
+                let pages = req.pages.iter().fold(0u32, |n, r| n.saturating_add(r.len));
                 if let Some(p) = self.pending_entry(sid, room, generation) {
                     let first = p.requests.is_empty();
                     p.requests.retain(|(s, _)| *s != sid);
@@ -243,7 +243,11 @@ impl Endpoint {
         let peer = self.sessions.get(&sid).and_then(|s| s.peer);
         // A decode rank that holds none of our heads asked the wrong prefill rank.
         let shares_heads = peer.is_some_and(|p| !self.local.heads.shared(&p.heads).is_empty());
+        // A room has at most as many pages as this rank holds: the bound of what a request
+        // may make us allocate, whatever pool size the peer declared.
+        let total: u64 = req.pages.iter().map(|r| u64::from(r.len)).sum();
         let valid = shares_heads
+            && total <= u64::from(self.local.layout.pages)
             && peer.map(|p| p.layout).is_some_and(|l| {
                 req.pages
                     .iter()

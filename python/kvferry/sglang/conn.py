@@ -122,6 +122,14 @@ class UnsupportedLayout(ValueError):
 def _model_shape(server_args: ServerArgs) -> tuple:
     """(layers, KV heads) of the served model, from its config (what SGLang's ModelConfig
     reads); used where ``KVArgs`` does not carry them (decode ranks, pipeline stages)."""
+    try:
+        # SGLang's own reading of the model: the KV head count it sizes prefill pools with.
+        from sglang.srt.configs.model_config import ModelConfig
+
+        mc = ModelConfig.from_server_args(server_args)
+        return int(mc.num_hidden_layers), int(mc.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001 - fall back to the config file itself
+        pass
     from transformers import AutoConfig
 
     try:
@@ -274,6 +282,13 @@ class KvferryKVManager(CommonKVManager):
         # is_abort_release_safe sees them releasable.
         self._held: Set[int] = set()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        from sglang.srt.runtime_context import get_parallel
+
+        if getattr(get_parallel(), "enable_kv_cache_sharding", False):
+            raise UnsupportedLayout(
+                "kvferry backend: --enable-kv-cache-sharding (pools striped across ranks) is "
+                "not supported"
+            )
         if self.attn_cp_size > 1:
             raise UnsupportedLayout(
                 f"kvferry backend: attention context parallelism (CP {self.attn_cp_size}) is "
