@@ -265,13 +265,24 @@ impl<K: std::hash::Hash + Eq> Waits<K> {
         self.waiting.entry(key).or_default().callers.push(tx);
     }
 
-    /// Remembers a refusal for `key`'s waiters (`first`: keep one already noted).
-    fn note(&mut self, key: &K, refusal: Refusal, first: bool) {
-        if let Some(w) = self.waiting.get_mut(key) {
-            if !(first && w.refusal.is_some()) {
-                w.refusal = Some(refusal);
-            }
+    /// Remembers a refusal for `key`'s waiters, also those still to come (`first`: keep one
+    /// already noted).
+    fn note(&mut self, key: &K, refusal: Refusal, first: bool)
+    where
+        K: Clone,
+    {
+        let w = self.waiting.entry(key.clone()).or_default();
+        if !(first && w.refusal.is_some()) {
+            w.refusal = Some(refusal);
         }
+    }
+
+    /// The refusal noted for `key`, as the error its waiters get.
+    fn noted(&self, key: &K) -> Option<NodeError> {
+        self.waiting
+            .get(key)
+            .and_then(|w| w.refusal.as_ref())
+            .map(Refusal::error)
     }
 
     /// Tells every waiter for `key` its session.
@@ -283,6 +294,18 @@ impl<K: std::hash::Hash + Eq> Waits<K> {
             .unwrap_or_default()
         {
             let _ = tx.send(Ok(session));
+        }
+    }
+
+    /// Tells every waiter for `key` the refusal noted, else `otherwise`, and keeps the
+    /// refusal for those who ask later (a target refused before anyone waited for it).
+    fn fail_keeping(&mut self, key: &K, otherwise: impl Fn() -> NodeError) {
+        let Some(w) = self.waiting.get_mut(key) else {
+            return;
+        };
+        for tx in std::mem::take(&mut w.callers) {
+            let why = w.refusal.as_ref().map_or_else(&otherwise, Refusal::error);
+            let _ = tx.send(Err(why));
         }
     }
 
@@ -547,7 +570,7 @@ impl<H: Host> Driver<H> {
             Event::TargetUp { target, session } => self.target_waits.succeed(&target, session),
             Event::TargetRefused { target, reason } => self
                 .target_waits
-                .fail(&target, || NodeError::Refused(reason.to_string())),
+                .fail_keeping(&target, || NodeError::Refused(reason.to_string())),
             Event::TargetUnreachable { target, reason } => self
                 .target_waits
                 .fail(&target, || NodeError::Unreachable(reason)),
@@ -650,7 +673,12 @@ impl<H: Host> Driver<H> {
             return;
         }
         if let Some(reason) = self.endpoint.target_refused(target) {
-            let _ = tx.send(Err(NodeError::Refused(reason.to_string())));
+            // What the peer said (both layout values, ...) if it said it, else the reason.
+            let why = self
+                .target_waits
+                .noted(&target)
+                .unwrap_or_else(|| NodeError::Refused(reason.to_string()));
+            let _ = tx.send(Err(why));
             return;
         }
         if let Some(reason) = self.endpoint.target_unreachable(target) {

@@ -330,8 +330,21 @@ async fn a_mismatched_peer_gets_a_typed_error_at_connect(p: Runtime, d: Runtime)
         ..small_shape()
     };
     let decode = start_on(d, Role::Decode, &other, fast_core(), 53);
-    let err = decode.connect(addrs).await.unwrap_err();
+    let err = decode.connect(addrs.clone()).await.unwrap_err();
     assert!(err.to_string().contains("page_bytes"), "{err}");
+    // A kept peer refused before anyone waits for it: a later wait still hears what the
+    // peer said, both values included.
+    let kept = decode
+        .connect_persistent(addrs)
+        .await
+        .expect("a kept peer is named at once");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let err = decode.reach(kept).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("page_bytes") && text.contains("8192"),
+        "{text}"
+    );
 }
 
 /// Every write batch resets its connection: the threshold blacklists the session and new rooms
