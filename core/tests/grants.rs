@@ -23,35 +23,6 @@ fn ranks(prefills: u16) -> (Sim, Vec<usize>, usize) {
     (sim, ps, d)
 }
 
-fn open(
-    sim: &mut Sim,
-    d: usize,
-    ps: &[usize],
-    room: u64,
-    grant: impl FnOnce(Vec<u32>) -> Grant,
-    pages: u32,
-) {
-    let now = sim.now;
-    let id = RoomId(room);
-    let dst = sim.nodes[d].alloc(id, 0, pages).expect("decode pages");
-    let sources: Vec<_> = ps
-        .iter()
-        .map(|&p| sim.session(d, p).expect("session"))
-        .collect();
-    sim.nodes[d]
-        .endpoint
-        .open_receiver(now, id, 0, &sources, Some(grant(dst)))
-        .expect("open receiver");
-    sim.drain(d);
-    for &p in ps {
-        sim.nodes[p]
-            .endpoint
-            .open_sender(now, id, 0)
-            .expect("open sender");
-        sim.drain(p);
-    }
-}
-
 /// Prefill `p` sends the room's `pages` pages in chunks of `sizes`.
 fn send(sim: &mut Sim, p: usize, room: u64, pages: u32, sizes: &[u32]) {
     let id = RoomId(room);
@@ -85,17 +56,10 @@ fn kv_bytes(pages: u64) -> u64 {
 fn a_prefix_the_decode_holds_is_not_sent() {
     let (mut sim, ps, d) = ranks(1);
     // Six pages in the room, the decode holds the first two: it grants four.
-    open(
-        &mut sim,
-        d,
-        &ps,
-        1,
-        |dst| Grant {
-            skip_pages: 2,
-            ..Grant::new(dst, Some(1), None)
-        },
-        4,
-    );
+    open_room_with(&mut sim, d, &ps, 1, 4, |dst| Grant {
+        skip_pages: 2,
+        ..Grant::new(dst, Some(1), None)
+    });
     send(&mut sim, ps[0], 1, 6, &[1, 1, 3, 1]);
     run_ms(&mut sim, 50);
     assert_eq!(state(&sim, d, 1), Some(KvPoll::Success));
@@ -111,17 +75,10 @@ fn a_prefix_the_decode_holds_is_not_sent() {
 #[test]
 fn a_chunk_past_the_grant_after_the_prefix_fails_the_room() {
     let (mut sim, ps, d) = ranks(1);
-    open(
-        &mut sim,
-        d,
-        &ps,
-        2,
-        |dst| Grant {
-            skip_pages: 2,
-            ..Grant::new(dst, Some(2), None)
-        },
-        3,
-    );
+    open_room_with(&mut sim, d, &ps, 2, 3, |dst| Grant {
+        skip_pages: 2,
+        ..Grant::new(dst, Some(2), None)
+    });
     send(&mut sim, ps[0], 2, 6, &[6]);
     run_ms(&mut sim, 50);
     assert_eq!(
@@ -133,17 +90,10 @@ fn a_chunk_past_the_grant_after_the_prefix_fails_the_room() {
 #[test]
 fn an_idle_source_writes_nothing_and_confirms_the_room() {
     let (mut sim, ps, d) = ranks(2);
-    open(
-        &mut sim,
-        d,
-        &ps,
-        3,
-        |dst| Grant {
-            idle_sources: 0b10,
-            ..Grant::new(dst, Some(3), None)
-        },
-        4,
-    );
+    open_room_with(&mut sim, d, &ps, 3, 4, |dst| Grant {
+        idle_sources: 0b10,
+        ..Grant::new(dst, Some(3), None)
+    });
     send(&mut sim, ps[0], 3, 4, &[4]);
     send(&mut sim, ps[1], 3, 4, &[2, 2]);
     run_ms(&mut sim, 50);
@@ -157,17 +107,10 @@ fn an_idle_source_writes_nothing_and_confirms_the_room() {
 #[test]
 fn the_decode_room_waits_for_its_idle_source_to_confirm() {
     let (mut sim, ps, d) = ranks(2);
-    open(
-        &mut sim,
-        d,
-        &ps,
-        4,
-        |dst| Grant {
-            idle_sources: 0b10,
-            ..Grant::new(dst, Some(4), None)
-        },
-        4,
-    );
+    open_room_with(&mut sim, d, &ps, 4, 4, |dst| Grant {
+        idle_sources: 0b10,
+        ..Grant::new(dst, Some(4), None)
+    });
     send(&mut sim, ps[0], 4, 4, &[4]);
     run_ms(&mut sim, 50);
     assert_ne!(
@@ -203,17 +146,10 @@ fn a_grant_that_skips_every_page_is_refused_at_the_call() {
 #[test]
 fn a_write_from_an_idle_source_is_refused() {
     let (mut sim, ps, d) = ranks(2);
-    open(
-        &mut sim,
-        d,
-        &ps,
-        6,
-        |dst| Grant {
-            idle_sources: 0b10,
-            ..Grant::new(dst, Some(6), None)
-        },
-        2,
-    );
+    open_room_with(&mut sim, d, &ps, 6, 2, |dst| Grant {
+        idle_sources: 0b10,
+        ..Grant::new(dst, Some(6), None)
+    });
     run_ms(&mut sim, 5);
     let session = sim.session(d, ps[1]).expect("session");
     let slice = [kvferry_core::Slice {

@@ -200,27 +200,10 @@ fn split_cluster(prefill_tp: u16, decode_tp: u16) -> (Sim, Vec<usize>, Vec<usize
 
 /// Decode `d` opens `room` from `ps` with 3 pages; `receivers` decode ranks ask each source.
 fn open_split(sim: &mut Sim, d: usize, ps: &[usize], room: u64, receivers: u8) -> Vec<u32> {
-    let now = sim.now;
-    let id = RoomId(room);
-    let pages = sim.nodes[d].alloc(id, 0, 3).expect("decode pages");
-    let sources: Vec<_> = ps
-        .iter()
-        .map(|&p| sim.session(d, p).expect("session"))
-        .collect();
-    let grant = Grant {
-        pages: pages.clone(),
-        aux_slot: Some(room as u32),
-        state_slot: None,
+    open_receiver_with(sim, d, ps, room, 3, |dst| Grant {
         receivers,
-        skip_pages: 0,
-        idle_sources: 0,
-    };
-    sim.nodes[d]
-        .endpoint
-        .open_receiver(now, id, 0, &sources, Some(grant))
-        .expect("open receiver");
-    sim.drain(d);
-    pages
+        ..Grant::new(dst, Some(room as u32), None)
+    })
 }
 
 fn open_and_send(sim: &mut Sim, p: usize, room: u64) {

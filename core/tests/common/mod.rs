@@ -65,6 +65,42 @@ use kvferry_core::{Chunk, Event, FailureReason, Grant, KvPoll, RoomId, SessionId
 /// Decode `d` opens `room` fed by `ps` with `pages` pages granted at once; every prefill of
 /// `ps` opens its sender. Returns the granted destination pages.
 pub fn open_room(sim: &mut Sim, d: usize, ps: &[usize], room: u64, pages: u32) -> Vec<u32> {
+    open_room_with(sim, d, ps, room, pages, |dst| {
+        Grant::new(dst, Some(room as u32), None)
+    })
+}
+
+/// As [`open_room`], with the grant `grant` makes of the destination pages.
+pub fn open_room_with(
+    sim: &mut Sim,
+    d: usize,
+    ps: &[usize],
+    room: u64,
+    pages: u32,
+    grant: impl FnOnce(Vec<u32>) -> Grant,
+) -> Vec<u32> {
+    let dst = open_receiver_with(sim, d, ps, room, pages, grant);
+    let now = sim.now;
+    for &p in ps {
+        sim.nodes[p]
+            .endpoint
+            .open_sender(now, RoomId(room), 0)
+            .expect("open sender");
+        sim.drain(p);
+    }
+    dst
+}
+
+/// Decode `d` alone opens `room` fed by `ps`, `pages` pages granted with `grant`. Returns the
+/// granted destination pages.
+pub fn open_receiver_with(
+    sim: &mut Sim,
+    d: usize,
+    ps: &[usize],
+    room: u64,
+    pages: u32,
+    grant: impl FnOnce(Vec<u32>) -> Grant,
+) -> Vec<u32> {
     let now = sim.now;
     let id = RoomId(room);
     let dst = sim.nodes[d].alloc(id, 0, pages).expect("decode pages");
@@ -72,26 +108,11 @@ pub fn open_room(sim: &mut Sim, d: usize, ps: &[usize], room: u64, pages: u32) -
         .iter()
         .map(|&p| sim.session(d, p).expect("session"))
         .collect();
-    let grant = Grant {
-        pages: dst.clone(),
-        aux_slot: Some(room as u32),
-        state_slot: None,
-        receivers: 1,
-        skip_pages: 0,
-        idle_sources: 0,
-    };
     sim.nodes[d]
         .endpoint
-        .open_receiver(now, id, 0, &sources, Some(grant))
+        .open_receiver(now, id, 0, &sources, Some(grant(dst.clone())))
         .expect("open receiver");
     sim.drain(d);
-    for &p in ps {
-        sim.nodes[p]
-            .endpoint
-            .open_sender(now, id, 0)
-            .expect("open sender");
-        sim.drain(p);
-    }
     dst
 }
 
