@@ -178,13 +178,13 @@ impl RdmaHello {
     }
 }
 
-/// Regions of a layout that a decode announces to prefills: KV, aux and state, which rooms
+/// Regions of a layout that a decode announces to prefills: KV, aux, state and extras, which rooms
 /// write, and the 64-byte scratch region, which only probes write (a probe over RDMA must
 /// travel the same path as the operations whose failures blacklisted the session) and which
 /// holds nothing anyone reads.
 pub fn writable(region: Region) -> bool {
     matches!(
         region,
-        Region::Kv { .. } | Region::Aux | Region::State | Region::Scratch
+        Region::Kv { .. } | Region::Aux | Region::State | Region::Extra { .. } | Region::Scratch
     )
 }

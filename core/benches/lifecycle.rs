@@ -103,6 +103,7 @@ impl Pair {
         let base = (self.next_room as u32 % 1000) * 4;
         let pages: Vec<u32> = (base..base + 4).collect();
         let grant = Grant {
+            extras: Vec::new(),
             pages: pages.clone(),
             aux_slot: Some(1),
             state_slot: None,
@@ -118,6 +119,7 @@ impl Pair {
             .expect("open sender");
         self.pump();
         let chunk = Chunk {
+            extras: Vec::new(),
             pages,
             last: true,
             aux_slot: Some(1),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TransferId};
-use crate::layout::{Heads, Layout, LayoutMismatch, Slice};
+use crate::layout::{ExtraPool, Heads, Layout, LayoutMismatch, Region, Slice};
 use crate::state::{InvalidTransition, KvPoll, Role};
 
 /// Who this endpoint is; sent to every peer in the hello.
@@ -32,6 +32,9 @@ pub struct EndpointInfo {
     pub writes_aux: bool,
     /// The KV heads this endpoint holds (attention TP); whole pages by default.
     pub heads: Heads,
+    /// Extra pools (state, sliding-window pages, indexer pages) that move with rooms, in
+    /// the order both peers name them; empty by default.
+    pub extras: Vec<ExtraPool>,
 }
 
 impl EndpointInfo {
@@ -48,6 +51,17 @@ impl EndpointInfo {
             layer_end: layout.layers,
             writes_aux: true,
             heads: Heads::whole(&layout),
+            extras: Vec::new(),
+        }
+    }
+
+    /// Size in bytes of a region this endpoint registers, or `None` if it has no such region.
+    pub fn region_len(&self, region: Region) -> Option<u64> {
+        match region {
+            Region::Extra { pool, tensor } => {
+                self.extras.get(usize::from(pool))?.region_len(tensor)
+            }
+            r => self.layout.region_len(r),
         }
     }
 }
@@ -97,6 +111,9 @@ pub struct Grant {
     /// asked for nothing and only confirm the room, e.g. MLA ranks whose copy another rank
     /// sends. At most 64 sources.
     pub idle_sources: u64,
+    /// Destination items of each extra pool, in room order (item `i` of pool `p` that the
+    /// source names goes to `extras[p][i]`); a pool left out or empty is not asked for.
+    pub extras: Vec<Vec<u32>>,
 }
 
 impl Grant {
@@ -109,6 +126,7 @@ impl Grant {
             receivers: 1,
             skip_pages: 0,
             idle_sources: 0,
+            extras: Vec::new(),
         }
     }
 }
@@ -127,6 +145,9 @@ pub struct Chunk {
     /// When true, no layer of this chunk moves until [`crate::Endpoint::mark_layer_ready`]
     /// names it; when false, every layer is ready now (whole-batch mode).
     pub layerwise: bool,
+    /// Source items of each extra pool, in room order (read with the last chunk); they pair
+    /// one to one with the items the grant names for that pool.
+    pub extras: Vec<Vec<u32>>,
 }
 
 /// What a data-path operation is for.
@@ -452,6 +473,15 @@ pub enum ApiError {
         /// Registered slots.
         slots: u32,
     },
+    /// An extra pool this endpoint did not register, or an item beyond its pool.
+    ExtraOutOfRange {
+        /// The pool named.
+        pool: usize,
+        /// The offending item (0 when the pool itself does not exist).
+        item: u32,
+        /// Items the pool holds (0 when it does not exist).
+        items: u32,
+    },
     /// The room's pages were already granted.
     AlreadyGranted(RoomId),
     /// A chunk was sent after the last one.
@@ -503,6 +533,10 @@ impl fmt::Display for ApiError {
             ApiError::SlotOutOfRange { slot, slots } => {
                 write!(f, "slot {slot} is outside the {slots} registered slots")
             }
+            ApiError::ExtraOutOfRange { pool, item, items } => write!(
+                f,
+                "item {item} of extra pool {pool} is outside the pool ({items} items registered)"
+            ),
             ApiError::AlreadyGranted(r) => write!(f, "{r} already has its pages"),
             ApiError::ChunkAfterLast(r) => write!(f, "{r} already had its last chunk"),
             ApiError::LayerOutOfRange { layer } => {
@@ -571,6 +605,8 @@ pub enum WriteRefused {
     PageNotGranted,
     /// The byte range is not the room's aux row or state slot.
     SlotNotGranted,
+    /// The byte range is not whole items of an extra pool that the room granted.
+    ItemNotGranted,
     /// The writer does not own this layer.
     LayerNotOwned,
     /// The bytes are not the heads the writer shares with this endpoint, in one token row

@@ -9,13 +9,13 @@ use smallvec::SmallVec;
 
 use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 use crate::ids::{Generation, Incarnation, NodeId, RoomId};
-use crate::layout::{Heads, Layout, PageRun};
+use crate::layout::{ExtraPool, Heads, Layout, PageRun, MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS};
 use crate::state::{FailureReason, Role};
 
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
 /// challenge and proofs; version 3 added the frame count to the heartbeat (an older peer is
 /// refused: [`ErrorCode::VersionMismatch`]).
-pub const PROTOCOL_VERSION: u8 = 4;
+pub const PROTOCOL_VERSION: u8 = 5;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
 
@@ -153,6 +153,8 @@ pub struct Hello {
     /// HMAC-SHA256 proof of the cluster token over both nonces and the hellos (see
     /// `docs/PROTOCOL.md`, "Authentication"). Computed with these 32 bytes set to zero.
     pub proof: Proof,
+    /// The extra pools it registered (after the proof on the wire).
+    pub extras: Vec<ExtraPool>,
 }
 
 /// Decode's page grant for one room.
@@ -173,6 +175,8 @@ pub struct RoomRequest {
     pub aux_slot: Option<u32>,
     /// Destination state slot.
     pub state_slot: Option<u32>,
+    /// Destination items of each extra pool, in room order.
+    pub extras: Vec<SmallVec<[PageRun; 4]>>,
 }
 
 impl RoomRequest {
@@ -183,6 +187,7 @@ impl RoomRequest {
             pages: SmallVec::new(),
             aux_slot: None,
             state_slot: None,
+            extras: Vec::new(),
             ..self.clone()
         }
     }
@@ -349,6 +354,14 @@ impl Message {
                 out.put_u32_le(h.heartbeat_interval_ms);
                 out.put_u32_le(h.heartbeat_misses);
                 out.put_slice(&h.proof);
+                out.put_u8(h.extras.len() as u8);
+                for pool in &h.extras {
+                    out.put_u32_le(pool.items);
+                    out.put_u16_le(pool.item_bytes.len() as u16);
+                    for b in &pool.item_bytes {
+                        out.put_u32_le(*b);
+                    }
+                }
             }
             Message::RoomPending {
                 room,
@@ -366,10 +379,10 @@ impl Message {
                 out.put_u32_le(r.skip_pages);
                 put_opt_u32(out, r.aux_slot);
                 put_opt_u32(out, r.state_slot);
-                out.put_u32_le(r.pages.len() as u32);
-                for run in &r.pages {
-                    out.put_u32_le(run.start);
-                    out.put_u32_le(run.len);
+                put_runs(out, &r.pages);
+                out.put_u8(r.extras.len() as u8);
+                for runs in &r.extras {
+                    put_runs(out, runs);
                 }
             }
             Message::RoomStatus {
@@ -489,6 +502,14 @@ fn put_room(out: &mut Vec<u8>, room: RoomId, generation: Generation) {
     out.put_u32_le(generation);
 }
 
+fn put_runs(out: &mut Vec<u8>, runs: &[PageRun]) {
+    out.put_u32_le(runs.len() as u32);
+    for run in runs {
+        out.put_u32_le(run.start);
+        out.put_u32_le(run.len);
+    }
+}
+
 fn put_opt_u32(out: &mut Vec<u8>, v: Option<u32>) {
     out.put_u32_le(v.unwrap_or(u32::MAX));
 }
@@ -548,6 +569,52 @@ impl<'a> Reader<'a> {
 
     fn opt_u32(&mut self) -> Result<Option<u32>, DecodeError> {
         Ok(Some(self.u32()?).filter(|v| *v != u32::MAX))
+    }
+
+    /// A `u32` count and that many (start, len) runs, none empty or past `u32::MAX`.
+    fn runs(&mut self) -> Result<SmallVec<[PageRun; 4]>, DecodeError> {
+        let count = self.u32()? as usize;
+        // Each run is 8 bytes: bound the count by what is left before allocating.
+        if count > self.buf.len() / 8 {
+            return Err(DecodeError::Truncated { ty: self.ty });
+        }
+        let mut runs = SmallVec::with_capacity(count);
+        for _ in 0..count {
+            let run = PageRun {
+                start: self.u32()?,
+                len: self.u32()?,
+            };
+            if run.len == 0 || run.start.checked_add(run.len).is_none() {
+                return Err(self.invalid("page run"));
+            }
+            runs.push(run);
+        }
+        Ok(runs)
+    }
+
+    /// A hello's extra pools: a `u8` count, then per pool its items, a `u16` tensor count
+    /// and each tensor's item bytes (none zero).
+    fn extra_pools(&mut self) -> Result<Vec<ExtraPool>, DecodeError> {
+        let pools = usize::from(self.u8()?);
+        if pools > MAX_EXTRA_POOLS {
+            return Err(self.invalid("extra pools"));
+        }
+        let mut out = Vec::with_capacity(pools);
+        for _ in 0..pools {
+            let items = self.u32()?;
+            let tensors = usize::from(self.u16()?);
+            if tensors == 0 || tensors > MAX_EXTRA_TENSORS || tensors > self.buf.len() / 4 {
+                return Err(self.invalid("extra tensors"));
+            }
+            let item_bytes = (0..tensors)
+                .map(|_| self.u32())
+                .collect::<Result<Vec<_>, _>>()?;
+            if item_bytes.contains(&0) {
+                return Err(self.invalid("extra item bytes"));
+            }
+            out.push(ExtraPool { items, item_bytes });
+        }
+        Ok(out)
     }
 
     fn room(&mut self) -> Result<(RoomId, Generation), DecodeError> {
@@ -641,6 +708,7 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                 heartbeat_interval_ms,
                 heartbeat_misses,
                 proof: r.array::<PROOF_LEN>()?,
+                extras: r.extra_pools()?,
             })
         }
         ty::ROOM_PENDING => {
@@ -660,23 +728,18 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
             let skip_pages = r.u32()?;
             let aux_slot = r.opt_u32()?;
             let state_slot = r.opt_u32()?;
-            let count = r.u32()? as usize;
-            // Each run is 8 bytes: bound the count by what is left before allocating.
-            if count > r.buf.len() / 8 {
-                return Err(DecodeError::Truncated { ty });
+            let pages = r.runs()?;
+            let pools = usize::from(r.u8()?);
+            if pools > MAX_EXTRA_POOLS {
+                return Err(r.invalid("extra pools"));
             }
-            let mut pages = SmallVec::with_capacity(count);
-            for _ in 0..count {
-                let run = PageRun {
-                    start: r.u32()?,
-                    len: r.u32()?,
-                };
-                if run.len == 0 || run.start.checked_add(run.len).is_none() {
-                    return Err(r.invalid("page run"));
-                }
-                pages.push(run);
-            }
-            if skip_pages == SKIP_ALL && (!pages.is_empty() || aux_slot.or(state_slot).is_some()) {
+            let extras = (0..pools)
+                .map(|_| r.runs())
+                .collect::<Result<Vec<_>, _>>()?;
+            let asks_extras = extras.iter().any(|x| !x.is_empty());
+            if skip_pages == SKIP_ALL
+                && (!pages.is_empty() || aux_slot.or(state_slot).is_some() || asks_extras)
+            {
                 return Err(r.invalid("skip_pages"));
             }
             Message::RoomRequest(RoomRequest {
@@ -687,6 +750,7 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                 pages,
                 aux_slot,
                 state_slot,
+                extras,
             })
         }
         ty::ROOM_STATUS => {

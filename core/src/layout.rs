@@ -66,6 +66,8 @@ impl Layout {
                 Some(u64::from(self.slots) * u64::from(self.state_bytes))
             }
             Region::Aux | Region::State => None,
+            // Extra pools are described beside the layout (see `EndpointInfo::region_len`).
+            Region::Extra { .. } => None,
             Region::Scratch => Some(SCRATCH_BYTES),
         }
     }
@@ -73,6 +75,68 @@ impl Layout {
 
 /// Size of the scratch region every endpoint registers for session probes.
 pub const SCRATCH_BYTES: u64 = 64;
+
+/// Most extra pools an endpoint may register.
+pub const MAX_EXTRA_POOLS: usize = 16;
+/// Most tensors in one extra pool.
+pub const MAX_EXTRA_TENSORS: usize = 4096;
+
+/// A pool of per-request data that moves with a room besides its KV pages, addressed by its
+/// own item indices: a model's recurrent state slots (Mamba), its sliding-window KV pages
+/// (their own page size and pool), its sparse-attention indexer pages. Each of the pool's
+/// tensors is one region ([`Region::Extra`]) of `items` items of that tensor's `item_bytes`;
+/// a room names the same item indices in every tensor of the pool.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ExtraPool {
+    /// Items (slots or pages) each tensor of the pool holds. May differ between peers.
+    pub items: u32,
+    /// Bytes of one item in each tensor, in tensor order. Must match the peer's.
+    pub item_bytes: Vec<u32>,
+}
+
+impl ExtraPool {
+    /// Size in bytes of tensor `tensor`'s region, or `None` if the pool has no such tensor.
+    pub fn region_len(&self, tensor: u16) -> Option<u64> {
+        let item = self.item_bytes.get(usize::from(tensor))?;
+        Some(u64::from(self.items) * u64::from(*item))
+    }
+
+    /// The first item of `lists` (one list per pool) outside `pools`, as (pool, item, items
+    /// the pool holds); a list for a pool that does not exist is reported with 0 items.
+    pub fn out_of_range(pools: &[ExtraPool], lists: &[Vec<u32>]) -> Option<(usize, u32, u32)> {
+        lists
+            .iter()
+            .enumerate()
+            .find_map(|(p, list)| match pools.get(p) {
+                None => (!list.is_empty()).then_some((p, list[0], 0)),
+                Some(pool) => list
+                    .iter()
+                    .find(|i| **i >= pool.items)
+                    .map(|i| (p, *i, pool.items)),
+            })
+    }
+
+    /// Whether two endpoints' extra pools can exchange data: the same pools, each with the
+    /// same tensors of the same item sizes (item counts may differ).
+    pub fn compatible(ours: &[ExtraPool], theirs: &[ExtraPool]) -> Result<(), LayoutMismatch> {
+        LayoutMismatch::first(&[("extra_pools", ours.len() as u64, theirs.len() as u64)])?;
+        for (a, b) in ours.iter().zip(theirs) {
+            LayoutMismatch::first(&[(
+                "extra_tensors",
+                a.item_bytes.len() as u64,
+                b.item_bytes.len() as u64,
+            )])?;
+            let pairs: Vec<_> = a
+                .item_bytes
+                .iter()
+                .zip(&b.item_bytes)
+                .map(|(x, y)| ("extra_item_bytes", u64::from(*x), u64::from(*y)))
+                .collect();
+            LayoutMismatch::first(&pairs)?;
+        }
+        Ok(())
+    }
+}
 
 /// A field where two layouts disagree, with both values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -264,6 +328,13 @@ pub enum Region {
     Aux,
     /// Per-request recurrent state slots.
     State,
+    /// One tensor of an extra pool ([`ExtraPool`]).
+    Extra {
+        /// The pool's index among the endpoint's extra pools.
+        pool: u8,
+        /// The tensor's index in its pool.
+        tensor: u16,
+    },
     /// A small region each endpoint registers so peers can probe the data path.
     Scratch,
 }
@@ -271,14 +342,20 @@ pub enum Region {
 const REGION_AUX: u32 = 0xFFFF_FF00;
 const REGION_STATE: u32 = 0xFFFF_FF01;
 const REGION_SCRATCH: u32 = 0xFFFF_FF02;
+/// Extra regions are `0xFE << 24 | pool << 16 | tensor`.
+const REGION_EXTRA: u32 = 0xFE;
 
 impl Region {
-    /// Wire encoding: KV regions are `layer << 8 | plane`, special regions use reserved codes.
+    /// Wire encoding: KV regions are `layer << 8 | plane`, extra regions
+    /// `0xFE << 24 | pool << 16 | tensor`, special regions use reserved codes.
     pub fn code(self) -> u32 {
         match self {
             Region::Kv { layer, plane } => (u32::from(layer) << 8) | u32::from(plane),
             Region::Aux => REGION_AUX,
             Region::State => REGION_STATE,
+            Region::Extra { pool, tensor } => {
+                (REGION_EXTRA << 24) | (u32::from(pool) << 16) | u32::from(tensor)
+            }
             Region::Scratch => REGION_SCRATCH,
         }
     }
@@ -289,6 +366,12 @@ impl Region {
             REGION_AUX => Some(Region::Aux),
             REGION_STATE => Some(Region::State),
             REGION_SCRATCH => Some(Region::Scratch),
+            c if c >> 24 == REGION_EXTRA && ((c >> 16) & 0xFF) < MAX_EXTRA_POOLS as u32 => {
+                Some(Region::Extra {
+                    pool: (c >> 16) as u8,
+                    tensor: c as u16,
+                })
+            }
             c if c >> 24 == 0 => Some(Region::Kv {
                 layer: (c >> 8) as u16,
                 plane: (c & 0xFF) as u8,

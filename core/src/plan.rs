@@ -2,7 +2,7 @@
 
 use core::ops::Range;
 
-use crate::layout::{Heads, Layout, Region, Slice};
+use crate::layout::{ExtraPool, Heads, Layout, Region, Slice};
 
 /// Bounds on one data-path operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,25 +25,8 @@ pub fn plan_kv(
     dst: &[u32],
     limits: OpLimits,
 ) -> Vec<Vec<Slice>> {
-    let n = src.len().min(dst.len());
     let page = u64::from(layout.page_bytes);
-    // Longest run, in pages, that fits one operation (at least one page).
-    let max_run = (limits.max_bytes / page).max(1);
-    let mut runs: Vec<(u32, u32, u64)> = Vec::new();
-    let mut i = 0;
-    while i < n {
-        let (s0, d0) = (src[i], dst[i]);
-        let mut len = 1u64;
-        while i + (len as usize) < n
-            && len < max_run
-            && u64::from(src[i + len as usize]) == u64::from(s0) + len
-            && u64::from(dst[i + len as usize]) == u64::from(d0) + len
-        {
-            len += 1;
-        }
-        runs.push((s0, d0, len));
-        i += len as usize;
-    }
+    let runs = paired_runs(src, dst, (limits.max_bytes / page).max(1));
     let mut ops = Vec::new();
     let mut cur: Vec<Slice> = Vec::new();
     let mut cur_bytes = 0u64;
@@ -67,6 +50,73 @@ pub fn plan_kv(
                 });
                 cur_bytes += bytes;
             }
+        }
+    }
+    if !cur.is_empty() {
+        ops.push(cur);
+    }
+    ops
+}
+
+/// Runs `(src, dst, len)` of pairs `src[i] -> dst[i]` consecutive on both sides, each at most
+/// `max_run` long.
+fn paired_runs(src: &[u32], dst: &[u32], max_run: u64) -> Vec<(u32, u32, u64)> {
+    let n = src.len().min(dst.len());
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < n {
+        let (s0, d0) = (src[i], dst[i]);
+        let mut len = 1u64;
+        while i + (len as usize) < n
+            && len < max_run
+            && u64::from(src[i + len as usize]) == u64::from(s0) + len
+            && u64::from(dst[i + len as usize]) == u64::from(d0) + len
+        {
+            len += 1;
+        }
+        runs.push((s0, d0, len));
+        i += len as usize;
+    }
+    runs
+}
+
+/// Plans the slices that copy items `src[i] -> dst[i]` of extra pool `pool` (every tensor
+/// of it), coalescing consecutive items, ordered by tensor, cut into operations that respect
+/// `limits`. Empty when the pool does not exist or nothing is asked.
+pub fn plan_extras(
+    pools: &[ExtraPool],
+    pool: usize,
+    src: &[u32],
+    dst: &[u32],
+    limits: OpLimits,
+) -> Vec<Vec<Slice>> {
+    let Some(p) = pools.get(pool) else {
+        return Vec::new();
+    };
+    let mut ops = Vec::new();
+    let mut cur: Vec<Slice> = Vec::new();
+    let mut cur_bytes = 0u64;
+    for (tensor, &item) in p.item_bytes.iter().enumerate() {
+        let item = u64::from(item);
+        let region = Region::Extra {
+            pool: pool as u8,
+            tensor: tensor as u16,
+        };
+        for (s, d, len) in paired_runs(src, dst, (limits.max_bytes / item).max(1)) {
+            let bytes = len * item;
+            if !cur.is_empty()
+                && (cur_bytes + bytes > limits.max_bytes || cur.len() as u32 >= limits.max_slices)
+            {
+                ops.push(std::mem::take(&mut cur));
+                cur_bytes = 0;
+            }
+            cur.push(Slice {
+                region,
+                src_offset: u64::from(s) * item,
+                dst_offset: u64::from(d) * item,
+                len: bytes,
+            });
+            cur_bytes += bytes;
         }
     }
     if !cur.is_empty() {

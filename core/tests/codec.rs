@@ -15,6 +15,7 @@ fn every_message() -> Vec<Message> {
     let room = RoomId(0xDEAD_BEEF_0123);
     vec![
         Message::Hello(Hello {
+            extras: Vec::new(),
             role: Role::Decode,
             rank: 3,
             node: NodeId(77),
@@ -40,6 +41,7 @@ fn every_message() -> Vec<Message> {
             queue_position: 9,
         },
         Message::RoomRequest(RoomRequest {
+            extras: Vec::new(),
             room,
             generation: 1,
             receivers: 2,
@@ -87,6 +89,44 @@ fn every_message() -> Vec<Message> {
             payload: vec![1, 2, 3, 0xFF],
         },
         Message::Transport { payload: vec![] },
+        Message::Hello(Hello {
+            extras: vec![
+                kvferry_core::ExtraPool {
+                    items: 64,
+                    item_bytes: vec![48, 80],
+                },
+                kvferry_core::ExtraPool {
+                    items: 9,
+                    item_bytes: vec![256; 3],
+                },
+            ],
+            role: Role::Prefill,
+            rank: 0,
+            node: NodeId(78),
+            incarnation: Incarnation(3),
+            layout: small_layout(16),
+            layer_start: 0,
+            layer_end: 4,
+            writes_aux: true,
+            heads: Heads::whole(&small_layout(16)),
+            heartbeat_interval_ms: 1,
+            heartbeat_misses: 1,
+            proof: [1; 32],
+        }),
+        Message::RoomRequest(RoomRequest {
+            extras: vec![
+                smallvec![PageRun { start: 5, len: 1 }],
+                smallvec![],
+                smallvec![PageRun { start: 10, len: 3 }, PageRun { start: 40, len: 2 }],
+            ],
+            room,
+            generation: 4,
+            receivers: 1,
+            skip_pages: 0,
+            pages: smallvec![PageRun { start: 0, len: 2 }],
+            aux_slot: Some(1),
+            state_slot: Some(2),
+        }),
     ]
 }
 
@@ -171,6 +211,7 @@ fn truncated_and_padded_bodies_are_typed_errors() {
 fn a_page_count_larger_than_the_frame_is_refused_without_allocating() {
     let mut buf = Vec::new();
     Message::RoomRequest(RoomRequest {
+        extras: Vec::new(),
         room: RoomId(1),
         generation: 0,
         receivers: 1,
@@ -180,11 +221,61 @@ fn a_page_count_larger_than_the_frame_is_refused_without_allocating() {
         state_slot: None,
     })
     .encode(&mut buf);
+    // The run count sits before the one-byte count of extra pools.
     let n = buf.len();
-    buf[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+    buf[n - 5..n - 1].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         Message::decode(&buf, MAX),
         Err(DecodeError::Truncated { ty: 3 })
+    );
+}
+
+#[test]
+fn an_extra_pool_claiming_more_tensors_than_the_frame_holds_is_refused() {
+    let Message::Hello(h) = every_message().remove(0) else {
+        panic!("the first message is a hello")
+    };
+    let mut buf = Vec::new();
+    Message::Hello(Hello {
+        extras: vec![kvferry_core::ExtraPool {
+            items: 1,
+            item_bytes: vec![8],
+        }],
+        ..h
+    })
+    .encode(&mut buf);
+    // The pool's tensor count (u16) sits before its one item size.
+    let n = buf.len();
+    buf[n - 6..n - 4].copy_from_slice(&4000u16.to_le_bytes());
+    assert_eq!(
+        Message::decode(&buf, MAX),
+        Err(DecodeError::InvalidField {
+            ty: 1,
+            field: "extra tensors"
+        })
+    );
+}
+
+#[test]
+fn a_request_for_nothing_that_names_extra_items_is_refused() {
+    let mut buf = Vec::new();
+    Message::RoomRequest(RoomRequest {
+        extras: vec![smallvec![PageRun { start: 1, len: 1 }]],
+        room: RoomId(1),
+        generation: 0,
+        receivers: 1,
+        skip_pages: u32::MAX,
+        pages: smallvec![],
+        aux_slot: None,
+        state_slot: None,
+    })
+    .encode(&mut buf);
+    assert_eq!(
+        Message::decode(&buf, MAX),
+        Err(DecodeError::InvalidField {
+            ty: 3,
+            field: "skip_pages"
+        })
     );
 }
 
@@ -330,12 +421,30 @@ fn a_transport_payload_longer_than_the_limit_is_refused() {
     );
 }
 
-/// The hello's size is the one `docs/PROTOCOL.md` states (97 bytes of body, 6 of header).
+/// The hello's size is the one `docs/PROTOCOL.md` states (98 bytes of body with no extra
+/// pool, 6 of header, and 6 + 4 per tensor for each pool).
 #[test]
 fn a_hello_is_the_size_the_protocol_states() {
     let mut buf = Vec::new();
     every_message()[0].encode(&mut buf);
-    assert_eq!(buf.len(), HEADER_LEN + 97);
+    assert_eq!(buf.len(), HEADER_LEN + 98);
     let doc = include_str!("../../docs/PROTOCOL.md");
-    assert!(doc.contains("Body length: 97 (the frame is 103 bytes"));
+    assert!(doc.contains("Body length: 98 with no extra pool (the frame is 104 bytes"));
+    assert!(doc.contains("`6 + 4 x tensors` per pool"));
+    let Message::Hello(h) = every_message().remove(0) else {
+        panic!("the first message is a hello")
+    };
+    let pools = vec![
+        kvferry_core::ExtraPool {
+            items: 8,
+            item_bytes: vec![48, 80],
+        },
+        kvferry_core::ExtraPool {
+            items: 4,
+            item_bytes: vec![256; 5],
+        },
+    ];
+    let mut buf = Vec::new();
+    Message::Hello(Hello { extras: pools, ..h }).encode(&mut buf);
+    assert_eq!(buf.len(), HEADER_LEN + 98 + (6 + 4 * 2) + (6 + 4 * 5));
 }

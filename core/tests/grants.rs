@@ -31,6 +31,7 @@ fn send(sim: &mut Sim, p: usize, room: u64, pages: u32, sizes: &[u32]) {
     for (i, &n) in sizes.iter().enumerate() {
         let last = i + 1 == sizes.len();
         let chunk = Chunk {
+            extras: Vec::new(),
             pages: src[at..at + n as usize].to_vec(),
             last,
             aux_slot: last.then_some(room as u32),

@@ -28,6 +28,7 @@ fn open_via(sim: &mut Sim, d: usize, p: usize, room: u64, links: &[Link]) {
     let id = RoomId(room);
     let pages = sim.nodes[d].alloc(id, 0, 4).unwrap();
     let grant = Grant {
+        extras: Vec::new(),
         pages,
         aux_slot: Some(room as u32),
         state_slot: None,
@@ -116,6 +117,7 @@ fn a_session_id_never_given_out_is_still_refused_as_unknown() {
     let now = sim.now;
     let pages = sim.nodes[d].alloc(RoomId(1), 0, 4).unwrap();
     let grant = Grant {
+        extras: Vec::new(),
         pages,
         aux_slot: Some(1),
         state_slot: None,

@@ -20,6 +20,7 @@ fn reopen_on_decode(sim: &mut Sim, d: usize, p: usize, room: u64, generation: u3
     let dst = sim.nodes[d].alloc(RoomId(room), generation, 4).unwrap();
     let sid = sim.session(d, p).unwrap();
     let grant = Grant {
+        extras: Vec::new(),
         pages: dst,
         aux_slot: Some(room as u32),
         state_slot: None,
@@ -142,6 +143,7 @@ fn a_restarted_prefill_serves_a_room_id_fresh_and_every_page_lands_again() {
             now,
             RoomId(1),
             kvferry_core::Chunk {
+                extras: Vec::new(),
                 pages: src,
                 last: true,
                 aux_slot: Some(1),
@@ -196,6 +198,7 @@ fn a_request_for_an_older_generation_than_prefill_holds_is_answered_stale_at_onc
     let sp = sim.session(p, d).unwrap();
     let mut old = Vec::new();
     Message::RoomRequest(kvferry_core::codec::RoomRequest {
+        extras: Vec::new(),
         room: RoomId(9),
         generation: 0,
         receivers: 1,

@@ -80,6 +80,7 @@ fn a_room_whose_last_operation_fails_fails_instead_of_succeeding() {
     let mut t = Pair::new();
     let room = RoomId(1);
     let grant = Grant {
+        extras: Vec::new(),
         pages: vec![1, 2],
         aux_slot: Some(3),
         state_slot: None,
@@ -95,6 +96,7 @@ fn a_room_whose_last_operation_fails_fails_instead_of_succeeding() {
         t.now,
         room,
         Chunk {
+            extras: Vec::new(),
             pages: vec![5, 6],
             last: true,
             aux_slot: Some(0),
@@ -126,6 +128,7 @@ fn a_room_whose_last_operation_is_refused_fails_instead_of_succeeding() {
     let mut t = Pair::new();
     let room = RoomId(2);
     let grant = Grant {
+        extras: Vec::new(),
         pages: vec![1],
         aux_slot: None,
         state_slot: None,
@@ -141,6 +144,7 @@ fn a_room_whose_last_operation_is_refused_fails_instead_of_succeeding() {
         t.now,
         room,
         Chunk {
+            extras: Vec::new(),
             pages: vec![5],
             last: true,
             aux_slot: None,
@@ -206,6 +210,7 @@ fn a_target_is_reconnected_with_exponential_backoff_until_removed() {
 /// Opens room `room` on both sides with two granted pages and returns prefill's operations.
 fn open_room_and_plan(t: &mut Pair, room: RoomId) -> Vec<TransferOp> {
     let grant = Grant {
+        extras: Vec::new(),
         pages: vec![1, 2],
         aux_slot: Some(3),
         state_slot: None,
@@ -218,6 +223,7 @@ fn open_room_and_plan(t: &mut Pair, room: RoomId) -> Vec<TransferOp> {
     t.p.open_sender(t.now, room, 0).unwrap();
     t.pump();
     let chunk = Chunk {
+        extras: Vec::new(),
         pages: vec![5, 6],
         last: true,
         aux_slot: Some(0),

@@ -182,6 +182,7 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
             }
             if let (Some(sd), Some(dst)) = (sd, sim.nodes[d].alloc(id, 0, u32::from(pages))) {
                 let grant = granted.then(|| Grant {
+                    extras: Vec::new(),
                     pages: dst,
                     aux_slot: Some(u32::from(room)),
                     state_slot: None,
@@ -205,6 +206,7 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                     now,
                     id,
                     Grant {
+                        extras: Vec::new(),
                         pages: dst,
                         aux_slot: None,
                         state_slot: None,
@@ -232,6 +234,7 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                     now,
                     id,
                     Chunk {
+                        extras: Vec::new(),
                         pages: src,
                         last,
                         aux_slot: Some(1),

@@ -314,6 +314,7 @@ fn s06_late_request_for_a_timed_out_room_is_answered_at_once() {
     let dst = sim.nodes[d].alloc(RoomId(1), 0, 4).unwrap();
     let sd = sim.session(d, p).unwrap();
     let grant = kvferry_core::Grant {
+        extras: Vec::new(),
         pages: dst,
         aux_slot: Some(1),
         state_slot: None,
@@ -627,6 +628,7 @@ fn s18_decode_room_whose_prefill_never_opens_fails_by_waiting_deadline() {
     let dst = sim.nodes[d].alloc(RoomId(1), 0, 2).unwrap();
     let now = sim.now;
     let grant = kvferry_core::Grant {
+        extras: Vec::new(),
         pages: dst,
         aux_slot: None,
         state_slot: None,
@@ -1065,6 +1067,7 @@ fn s03_a_request_waiting_for_prefill_to_open_fails_at_once_when_its_session_is_b
     let dst = sim.nodes[d].alloc(RoomId(2), 0, 2).unwrap();
     let now = sim.now;
     let grant = kvferry_core::Grant {
+        extras: Vec::new(),
         pages: dst,
         aux_slot: None,
         state_slot: None,

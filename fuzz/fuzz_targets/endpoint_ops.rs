@@ -72,7 +72,7 @@ fuzz_target!(|data: &[u8]| {
             }
             2 => {
                 if let Some(src) = sim.nodes[p].alloc(room, 0, u32::from(arg % 8)) {
-                    let chunk = Chunk { pages: src, last: arg & 0x40 != 0, aux_slot: Some(1), state_slot: None, layerwise: arg & 0x20 != 0 };
+                    let chunk = Chunk { pages: src, last: arg & 0x40 != 0, aux_slot: Some(1), state_slot: None, layerwise: arg & 0x20 != 0, extras: Vec::new() };
                     let _ = sim.nodes[p].endpoint.send_chunk(now, room, chunk);
                 }
             }

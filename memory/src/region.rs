@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use kvferry_core::layout::SCRATCH_BYTES;
-use kvferry_core::{Layout, Region};
+use kvferry_core::{ExtraPool, Layout, Region};
 
 use crate::staging::{CopyDirection, CopyError, CopyJob, InFlightCopies, MemoryKind, Staging};
 
@@ -162,6 +162,8 @@ pub struct MemoryMap {
     kv: Vec<Extent>,
     aux: Option<Extent>,
     state: Option<Extent>,
+    /// One extent per tensor of each extra pool.
+    extras: Vec<Vec<Extent>>,
     scratch: Extent,
     staging: Option<Arc<Staging>>,
     _owned: Vec<HostBuffer>,
@@ -232,10 +234,97 @@ impl MemoryMap {
             kv,
             aux,
             state,
+            extras: Vec::new(),
             scratch,
             staging: None,
             _owned: owned,
         }
+    }
+
+    /// The same map with owned host memory for every tensor of `pools` (tests, the CLI).
+    pub fn with_owned_extras(mut self, pools: &[ExtraPool]) -> Self {
+        self.extras = pools
+            .iter()
+            .map(|pool| {
+                pool.item_bytes
+                    .iter()
+                    .map(|b| {
+                        let len = pool.items as usize * *b as usize;
+                        let buf = HostBuffer::new(len.max(1));
+                        let e = Extent {
+                            ptr: buf.raw(),
+                            len,
+                            kind: MemoryKind::Host,
+                        };
+                        self._owned.push(buf);
+                        e
+                    })
+                    .collect()
+            })
+            .collect();
+        self
+    }
+
+    /// The same map with the embedder's memory for every tensor of `pools`: `regions[p][t]`
+    /// holds tensor `t` of pool `p`, at least `items × item_bytes[t]` bytes.
+    ///
+    /// # Safety
+    ///
+    /// As [`MemoryMap::register_regions`], for every region given.
+    pub unsafe fn with_extras(
+        mut self,
+        pools: &[ExtraPool],
+        regions: &[Vec<ExternalRegion>],
+    ) -> Result<Self, OutOfBounds> {
+        let mut extras = Vec::with_capacity(pools.len());
+        for (p, pool) in pools.iter().enumerate() {
+            let given = regions.get(p).map_or(&[][..], |v| &v[..]);
+            let mut tensors = Vec::with_capacity(pool.item_bytes.len());
+            for (t, item) in pool.item_bytes.iter().enumerate() {
+                let len = u64::from(pool.items) * u64::from(*item);
+                let region = Region::Extra {
+                    pool: p as u8,
+                    tensor: t as u16,
+                };
+                match given.get(t) {
+                    Some(r) if !r.ptr.is_null() && r.len as u64 >= len => tensors.push(Extent {
+                        ptr: r.ptr,
+                        len: len as usize,
+                        kind: r.kind,
+                    }),
+                    _ => {
+                        return Err(OutOfBounds {
+                            region,
+                            offset: 0,
+                            len,
+                        })
+                    }
+                }
+            }
+            if given.len() != tensors.len() {
+                return Err(OutOfBounds {
+                    region: Region::Extra {
+                        pool: p as u8,
+                        tensor: tensors.len() as u16,
+                    },
+                    offset: 0,
+                    len: 0,
+                });
+            }
+            extras.push(tensors);
+        }
+        if regions.len() != pools.len() {
+            return Err(OutOfBounds {
+                region: Region::Extra {
+                    pool: pools.len() as u8,
+                    tensor: 0,
+                },
+                offset: 0,
+                len: 0,
+            });
+        }
+        self.extras = extras;
+        Ok(self)
     }
 
     /// Like [`MemoryMap::allocate`], with the KV regions standing for memory of CUDA device
@@ -279,6 +368,13 @@ impl MemoryMap {
         self.regions().map(|(r, e)| (r, e.kind))
     }
 
+    /// Every registered region and its length in bytes (KV, aux, state, scratch, extras).
+    pub fn region_lens(&self) -> impl Iterator<Item = (Region, u64)> + '_ {
+        self.regions()
+            .filter(|(_, e)| e.len > 0)
+            .map(|(r, e)| (r, e.len as u64))
+    }
+
     /// Every device region and what memory it is.
     pub fn device_regions(&self) -> impl Iterator<Item = (Region, MemoryKind)> + '_ {
         self.regions()
@@ -300,7 +396,16 @@ impl MemoryMap {
             self.state.map(|e| (Region::State, e)),
             Some((Region::Scratch, self.scratch)),
         ];
-        kv.chain(others.into_iter().flatten())
+        let extras = self.extras.iter().enumerate().flat_map(|(p, tensors)| {
+            tensors.iter().enumerate().map(move |(t, e)| {
+                let region = Region::Extra {
+                    pool: p as u8,
+                    tensor: t as u16,
+                };
+                (region, *e)
+            })
+        });
+        kv.chain(others.into_iter().flatten()).chain(extras)
     }
 
     /// Registers memory the embedder owns (GPU-mapped host memory, a KV pool, ...).
@@ -431,6 +536,7 @@ impl MemoryMap {
             kv: extents,
             aux,
             state,
+            extras: Vec::new(),
             scratch,
             staging: None,
             _owned: vec![scratch_buf],
@@ -451,6 +557,11 @@ impl MemoryMap {
             Region::Kv { .. } => None,
             Region::Aux => self.aux,
             Region::State => self.state,
+            Region::Extra { pool, tensor } => self
+                .extras
+                .get(usize::from(pool))?
+                .get(usize::from(tensor))
+                .copied(),
             Region::Scratch => Some(self.scratch),
         }
     }

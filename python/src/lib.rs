@@ -13,9 +13,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use kvferry_core::layout::{MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS};
 use kvferry_core::{
-    Chunk, Config, EndpointInfo, FailureReason, Grant, Heads, Incarnation, KvPoll, Layout, NodeId,
-    Role, RoomId,
+    Chunk, Config, EndpointInfo, ExtraPool, FailureReason, Grant, Heads, Incarnation, KvPoll,
+    Layout, NodeId, Role, RoomId,
 };
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
 use kvferry_tokio::{Announcement, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
@@ -287,6 +288,57 @@ fn idle_mask(positions: &[usize], peers: usize) -> PyResult<u64> {
     Ok(mask)
 }
 
+/// Extra pools from Python: per pool, its tensors as `(address, bytes, item_bytes)`; every
+/// tensor of a pool must hold the same number of items.
+fn parse_extras(
+    extras: &[Vec<(usize, usize, u32)>],
+    kind: MemoryKind,
+) -> PyResult<(Vec<ExtraPool>, Vec<Vec<ExternalRegion>>)> {
+    if extras.len() > MAX_EXTRA_POOLS {
+        return Err(InvalidArgument::new_err(format!(
+            "extras: {} pools, at most {MAX_EXTRA_POOLS}",
+            extras.len()
+        )));
+    }
+    let mut pools = Vec::with_capacity(extras.len());
+    let mut regions = Vec::with_capacity(extras.len());
+    for (p, tensors) in extras.iter().enumerate() {
+        if tensors.is_empty() || tensors.len() > MAX_EXTRA_TENSORS {
+            return Err(InvalidArgument::new_err(format!(
+                "extras pool {p}: {} tensors, need 1 to {MAX_EXTRA_TENSORS}",
+                tensors.len()
+            )));
+        }
+        let mut items = None;
+        for (t, &(_, len, item)) in tensors.iter().enumerate() {
+            let n = (item > 0).then(|| len / item as usize);
+            if n.is_none() || items.is_some_and(|i| Some(i) != n) {
+                return Err(InvalidArgument::new_err(format!(
+                    "extras pool {p} tensor {t}: {len} bytes of {item}-byte items; every tensor \
+                     of a pool holds the same number of items (item_bytes > 0)"
+                )));
+            }
+            items = n;
+        }
+        let items = items.unwrap_or(0).min(u32::MAX as usize) as u32;
+        pools.push(ExtraPool {
+            items,
+            item_bytes: tensors.iter().map(|t| t.2).collect(),
+        });
+        regions.push(
+            tensors
+                .iter()
+                .map(|&(ptr, len, _)| ExternalRegion {
+                    ptr: ptr as *mut u8,
+                    len,
+                    kind,
+                })
+                .collect(),
+        );
+    }
+    Ok((pools, regions))
+}
+
 fn parse_addr(a: &str) -> PyResult<std::net::SocketAddr> {
     a.parse()
         .map_err(|e| InvalidArgument::new_err(format!("address {a:?}: {e}")))
@@ -329,7 +381,7 @@ impl Node {
     /// `KVFERRY_*` knobs in lower case without the prefix (`transfer_retries=5`,
     /// `bootstrap_timeout_ms=30000`) and override the environment.
     #[new]
-    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, heads=None, layer_range=None, **config))]
+    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, heads=None, layer_range=None, extras=Vec::new(), **config))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         role: &str,
@@ -346,6 +398,7 @@ impl Node {
         staging_buffer_bytes: usize,
         heads: Option<(u16, u16, u16, u32)>,
         layer_range: Option<(u16, u16)>,
+        extras: Vec<Vec<(usize, usize, u32)>>,
         config: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let role = parse_role(role)?;
@@ -411,6 +464,10 @@ impl Node {
             MemoryMap::register_stage(layout, stage, &kv, aux.map(host), state.map(host))
         }
         .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;
+        let (pools, regions) = parse_extras(&extras, kind)?;
+        // SAFETY: as above, for the extra pools' spans.
+        let memory = unsafe { memory.with_extras(&pools, &regions) }
+            .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;
         let memory = reach_device_memory(memory, staging_buffers, staging_buffer_bytes)?;
         let started = std::time::UNIX_EPOCH
             .elapsed()
@@ -422,6 +479,7 @@ impl Node {
         info.heads = heads;
         info.layer_start = layer_start;
         info.layer_end = layer_end;
+        info.extras = pools;
         // The last pipeline stage writes the aux row and state slot.
         info.writes_aux = layer_end == layout.layers;
         let cfg = NodeConfig {
@@ -506,7 +564,7 @@ impl Node {
     }
 
     /// Decode: opens room `room` fed by `peers`, with its pages granted now or later.
-    #[pyo3(signature = (room, peers, pages=None, aux_slot=None, state_slot=None, generation=0, receivers=1, skip_pages=0, idle_sources=Vec::new()))]
+    #[pyo3(signature = (room, peers, pages=None, aux_slot=None, state_slot=None, generation=0, receivers=1, skip_pages=0, idle_sources=Vec::new(), extras=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn open_receiver(
         &self,
@@ -520,6 +578,7 @@ impl Node {
         receivers: u8,
         skip_pages: u32,
         idle_sources: Vec<usize>,
+        extras: Vec<Vec<u32>>,
     ) -> PyResult<()> {
         let idle_sources = idle_mask(&idle_sources, peers.len())?;
         let grant = pages.map(|pages| Grant {
@@ -529,6 +588,7 @@ impl Node {
             receivers,
             skip_pages,
             idle_sources,
+            extras,
         });
         let peers = peers.into_iter().map(PeerId).collect();
         let handle = self.block(
@@ -542,8 +602,9 @@ impl Node {
 
     /// Decode: grants a room opened without pages its destination pages. `skip_pages`: room
     /// pages this decode already holds (not sent; `pages` are the ones after them);
-    /// `idle_sources`: positions in the room's `peers` asked for nothing (they only confirm).
-    #[pyo3(signature = (room, pages, aux_slot=None, state_slot=None, receivers=1, skip_pages=0, idle_sources=Vec::new()))]
+    /// `idle_sources`: positions in the room's `peers` asked for nothing (they only confirm);
+    /// `extras`: per extra pool, the destination items in room order.
+    #[pyo3(signature = (room, pages, aux_slot=None, state_slot=None, receivers=1, skip_pages=0, idle_sources=Vec::new(), extras=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn grant_pages(
         &self,
@@ -555,6 +616,7 @@ impl Node {
         receivers: u8,
         skip_pages: u32,
         idle_sources: Vec<usize>,
+        extras: Vec<Vec<u32>>,
     ) -> PyResult<()> {
         let grant = Grant {
             pages,
@@ -563,6 +625,7 @@ impl Node {
             receivers,
             skip_pages,
             idle_sources: idle_mask(&idle_sources, 64)?,
+            extras,
         };
         self.block(py, self.node.grant_pages(RoomId(room), grant))
     }
@@ -589,9 +652,9 @@ impl Node {
         Ok(())
     }
 
-    /// Prefill: sends the next chunk of source `pages` of a room (`last` with its aux row
-    /// and state slot).
-    #[pyo3(signature = (room, pages, last=true, aux_slot=None, state_slot=None, layerwise=false))]
+    /// Prefill: sends the next chunk of source `pages` of a room (`last` with its aux row,
+    /// state slot and `extras`: per extra pool, the source items in room order).
+    #[pyo3(signature = (room, pages, last=true, aux_slot=None, state_slot=None, layerwise=false, extras=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn send_chunk(
         &self,
@@ -602,6 +665,7 @@ impl Node {
         aux_slot: Option<u32>,
         state_slot: Option<u32>,
         layerwise: bool,
+        extras: Vec<Vec<u32>>,
     ) -> PyResult<()> {
         let chunk = Chunk {
             pages,
@@ -609,6 +673,7 @@ impl Node {
             aux_slot,
             state_slot,
             layerwise,
+            extras,
         };
         self.block(py, self.node.send_chunk(RoomId(room), chunk))
     }

@@ -55,6 +55,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Decode grants two free pages and an aux row; prefill sends its two pages, last chunk.
     let room = RoomId(42);
     let grant = Grant {
+        extras: Vec::new(),
         pages: vec![10, 11],
         aux_slot: Some(0),
         state_slot: None,
@@ -67,6 +68,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let mut leaving = prefill.open_sender(room, 0).await?;
     let chunk = Chunk {
+        extras: Vec::new(),
         pages: vec![3, 4],
         last: true,
         aux_slot: Some(0),

@@ -50,20 +50,10 @@ pub(crate) fn open(
     device: Option<&str>,
     port: u8,
 ) -> Result<Option<Arc<RdmaNode>>, NodeError> {
-    let layout = *memory.layout();
-    let mut wanted = Vec::new();
-    for layer in 0..layout.layers {
-        for plane in 0..layout.planes {
-            wanted.push(Region::Kv { layer, plane });
-        }
-    }
-    wanted.extend([Region::Aux, Region::State, Region::Scratch]);
     let mut host = Vec::new();
     let mut exported = Vec::new();
-    for region in wanted {
-        let Some(len) = layout.region_len(region) else {
-            continue;
-        };
+    let wanted: Vec<(Region, u64)> = memory.region_lens().collect();
+    for (region, len) in wanted {
         let Ok(ptr) = memory.range(region, 0, len) else {
             continue;
         };

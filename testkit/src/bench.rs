@@ -92,6 +92,7 @@ pub fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
         p.handle_input(now, sp, &buf);
     }
     let grant = Grant {
+        extras: Vec::new(),
         pages: (0..layout.pages).collect(),
         aux_slot: None,
         state_slot: None,

@@ -377,6 +377,7 @@ async fn send_room<N: KvNode>(node: &N, shape: &Shape, room: RoomId, src: &[u32]
     for (c, part) in src.chunks(per.max(1)).enumerate() {
         let last = c + 1 == chunks || (c + 1) * per >= src.len();
         let chunk = Chunk {
+            extras: Vec::new(),
             pages: part.to_vec(),
             last,
             aux_slot: Some(aux_slot),
@@ -886,6 +887,7 @@ async fn decode_room<N: KvNode>(
         }
     };
     let grant = Grant {
+        extras: Vec::new(),
         pages: dst.clone(),
         aux_slot: Some(slot),
         state_slot: None,

@@ -246,6 +246,7 @@ pub async fn run_batch<P: KvNode, D: KvNode>(
     let mut receivers = Vec::with_capacity(n);
     for i in 0..batch.rooms {
         let grant = Grant {
+            extras: Vec::new(),
             pages: batch.pages(i),
             aux_slot: Some(i),
             state_slot: None,
@@ -275,6 +276,7 @@ pub async fn run_batch<P: KvNode, D: KvNode>(
         senders.push(h);
     }
     let chunk = |i: u32, layerwise: bool| Chunk {
+        extras: Vec::new(),
         pages: batch.pages(i),
         last: true,
         aux_slot: Some(i),

@@ -226,6 +226,7 @@ async fn a_prefill_dropped_mid_transfer_fails_decode_rooms_with_a_reason(p: Runt
     let mut handles = Vec::new();
     for r in 0..4u32 {
         let grant = Grant {
+            extras: Vec::new(),
             pages: (r * 8..r * 8 + 8).collect(),
             aux_slot: Some(r),
             state_slot: None,
@@ -387,6 +388,7 @@ async fn a_failing_session_is_blacklisted_then_recovered_by_a_probe(p: Runtime, 
     // shard and peer address as rooms 2, 4, ... above).
     let t0 = Instant::now();
     let grant = Grant {
+        extras: Vec::new(),
         pages: vec![0],
         aux_slot: None,
         state_slot: None,
@@ -475,6 +477,7 @@ async fn a_room_asked_for(
     let decode = start_on(d, Role::Decode, &shape, fast_core(), ids.1);
     let peer = decode.connect(addrs).await.expect("connect");
     let grant = Grant {
+        extras: Vec::new(),
         pages: vec![1, 2],
         aux_slot: None,
         state_slot: None,
@@ -524,6 +527,7 @@ async fn a_room_asked_for_before_the_prefill_subscribes_is_announced_when_it_doe
     assert_eq!((a.room, a.pages), (RoomId(7), 2));
     prefill.open_sender(a.room, a.generation).await.unwrap();
     let chunk = Chunk {
+        extras: Vec::new(),
         pages: vec![3, 4],
         last: true,
         aux_slot: None,
@@ -679,6 +683,7 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
     let room = RoomId(7);
     let pages: Vec<u32> = (0..64).collect();
     let grant = Grant {
+        extras: Vec::new(),
         pages: pages.clone(),
         aux_slot: Some(0),
         state_slot: None,
@@ -697,6 +702,7 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
     assert_eq!(a.room, room);
     prefill.open_sender(room, 0).await.unwrap();
     let chunk = Chunk {
+        extras: Vec::new(),
         pages,
         last: true,
         aux_slot: Some(0),
@@ -764,6 +770,7 @@ async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runtime, d: Run
         proxy.set(|f| f.delay = Duration::from_millis(5));
     }
     let grant = Grant {
+        extras: Vec::new(),
         pages: (0..64).collect(),
         aux_slot: Some(0),
         state_slot: None,

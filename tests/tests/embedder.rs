@@ -82,6 +82,7 @@ fn a_glommio_embedder_moves_rooms_without_a_tokio_runtime() {
                         }
                         let handle = prefill.open_sender(a.room, a.generation).await.unwrap();
                         let chunk = Chunk {
+                            extras: Vec::new(),
                             pages,
                             last: true,
                             aux_slot: None,
@@ -108,6 +109,7 @@ fn a_glommio_embedder_moves_rooms_without_a_tokio_runtime() {
                     .map(|i| page_of(RoomId(ROOMS + 1 - r), per_room, i))
                     .collect();
                 let grant = Grant {
+                    extras: Vec::new(),
                     pages: pages.clone(),
                     aux_slot: None,
                     state_slot: None,

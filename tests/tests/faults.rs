@@ -178,6 +178,7 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
             0,
             sources.clone(),
             Some(Grant {
+                extras: Vec::new(),
                 pages: pages.clone(),
                 aux_slot: Some(1),
                 state_slot: None,
@@ -201,6 +202,7 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
             .send_chunk(
                 room,
                 kvferry_core::Chunk {
+                    extras: Vec::new(),
                     pages: slow_pages,
                     last: true,
                     aux_slot: Some(1),
@@ -343,6 +345,7 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
             0,
             vec![session],
             Some(Grant {
+                extras: Vec::new(),
                 pages,
                 aux_slot: None,
                 state_slot: None,

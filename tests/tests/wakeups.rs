@@ -46,6 +46,7 @@ async fn a_room_deadline_fires_on_time_when_no_other_timer_would_wake_the_driver
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(i * 37)).await;
             let grant = Grant {
+                extras: Vec::new(),
                 pages: vec![i as u32 * 2],
                 aux_slot: None,
                 state_slot: None,

@@ -39,6 +39,7 @@ impl Endpoint {
                 .clamp(1, u128::from(u32::MAX)) as u32,
             heartbeat_misses: self.config.heartbeat_misses.max(1),
             proof: [0; 32],
+            extras: self.local.extras.clone(),
         }
     }
 
@@ -439,10 +440,16 @@ impl Endpoint {
                 return Err(HandshakeError::Refused(RejectReason::WrongRole));
             }
             let (ours, theirs) = (&self.local, &h);
-            if let Err(m) = ours.layout.compatible(&theirs.layout).and_then(|()| {
-                ours.heads
-                    .compatible(&ours.layout, &theirs.heads, &theirs.layout)
-            }) {
+            let checked = ours
+                .layout
+                .compatible(&theirs.layout)
+                .and_then(|()| {
+                    ours.heads
+                        .compatible(&ours.layout, &theirs.heads, &theirs.layout)
+                })
+                .and_then(|()| ExtraPool::compatible(&ours.extras, &theirs.extras))
+                .and_then(|()| extras_whole_heads(ours, theirs));
+            if let Err(m) = checked {
                 return Err(HandshakeError::Refused(RejectReason::IncompatibleLayout(m)));
             }
             Ok(auth)
@@ -638,4 +645,23 @@ impl Endpoint {
             self.close_session(now, sid, code, what, FailureReason::ProtocolError);
         }
     }
+}
+
+/// Extra pools move item for item: peers that hold different KV heads (whose state would
+/// need a head slice of every item) cannot exchange them.
+fn extras_whole_heads(ours: &EndpointInfo, theirs: &Hello) -> Result<(), LayoutMismatch> {
+    let (a, b) = (ours.heads, theirs.heads);
+    if ours.extras.is_empty() || a == b {
+        return Ok(());
+    }
+    let (field, ours, theirs) = if a.count != b.count {
+        ("heads_count_with_extra_pools", a.count, b.count)
+    } else {
+        ("heads_start_with_extra_pools", a.start, b.start)
+    };
+    Err(LayoutMismatch {
+        field,
+        ours: u64::from(ours),
+        theirs: u64::from(theirs),
+    })
 }

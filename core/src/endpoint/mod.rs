@@ -32,8 +32,8 @@ use crate::codec::{
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
 use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId};
-use crate::layout::{page_runs, PageSet, Region, Slice};
-use crate::plan::{plan_aux, plan_kv, plan_kv_heads, HeadSide, OpLimits};
+use crate::layout::{page_runs, ExtraPool, LayoutMismatch, PageRun, PageSet, Region, Slice};
+use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLimits};
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::{Timer, TimerKey, TimerTable};
@@ -328,6 +328,8 @@ struct SenderRoom {
     last_seen: bool,
     aux_src: Option<u32>,
     state_src: Option<u32>,
+    /// Source items of each extra pool (from the last chunk).
+    extras_src: Vec<Vec<u32>>,
     /// Operations queued, waiting for a retry or in flight.
     ops_live: u32,
     /// Operations with an attempt in flight (reads of source pages may be happening).
@@ -349,6 +351,8 @@ struct Receiver {
     dst: Vec<u32>,
     aux_slot: Option<u32>,
     state_slot: Option<u32>,
+    /// Destination items of each extra pool.
+    extras: Vec<Vec<u32>>,
 }
 
 #[derive(Debug)]
@@ -366,6 +370,8 @@ struct ReceiverRoom {
     pages: Option<PageSet>,
     aux_slot: Option<u32>,
     state_slot: Option<u32>,
+    /// Granted items of each extra pool.
+    extras: Box<[PageSet]>,
     queue_position: u32,
     /// Opened through targets of which some had no session yet: the sources are attached
     /// (and the grant sent) once all of them are up. Empty once attached.
@@ -412,6 +418,8 @@ struct Coverage {
     tokens: u32,
     aux: bool,
     state: bool,
+    /// Per extra pool the source writes: (its first unit, tensors, granted items).
+    extras: Box<[(u32, u16, u32)]>,
 }
 
 impl Coverage {
@@ -428,10 +436,24 @@ impl Coverage {
             .map_or(1, |w| w.tokens.max(1));
         let aux = p.writes_aux && grant.aux_slot.is_some() && layout.aux_bytes > 0;
         let state = p.writes_aux && grant.state_slot.is_some() && layout.state_bytes > 0;
-        let units = u32::from(layers) * u32::from(layout.planes) * pages * tokens + 2;
+        let mut units = u32::from(layers) * u32::from(layout.planes) * pages * tokens + 2;
+        let kv_units = units - 2;
+        // The source that writes aux writes the extra items too (the last pipeline stage).
+        let mut extras = Vec::new();
+        for (pool, asked) in local.extras.iter().zip(&grant.extras) {
+            let items = PageSet::new(asked).len();
+            let tensors = pool.item_bytes.len() as u16;
+            if p.writes_aux && items > 0 {
+                extras.push((units, tensors, items));
+                units = units.saturating_add(u32::from(tensors).saturating_mul(items));
+            } else {
+                extras.push((units, tensors, 0));
+            }
+        }
+        let extra_units = units - kv_units - 2;
         Coverage {
             bits: vec![0; (units as usize).div_ceil(64)],
-            expected: units - 2 + u32::from(aux) + u32::from(state),
+            expected: kv_units + u32::from(aux) + u32::from(state) + extra_units,
             covered: 0,
             layer_start: p.layer_start,
             layers,
@@ -440,7 +462,14 @@ impl Coverage {
             tokens,
             aux,
             state,
+            extras: extras.into_boxed_slice(),
         }
+    }
+
+    /// The unit of item rank `rank` of tensor `tensor` of extra pool `pool`.
+    fn extra_unit(&self, pool: u8, tensor: u16, rank: u32) -> Option<u32> {
+        let &(first, tensors, items) = self.extras.get(usize::from(pool))?;
+        (tensor < tensors && rank < items).then(|| first + u32::from(tensor) * items + rank)
     }
 
     /// The unit of (layer, plane, page rank, token row), or of the aux row / state slot.
@@ -469,7 +498,8 @@ impl Coverage {
         let kv_units = self.slot_unit(false);
         let required = unit < kv_units
             || (unit == kv_units && self.aux)
-            || (unit == kv_units + 1 && self.state);
+            || (unit == kv_units + 1 && self.state)
+            || unit >= kv_units + 2;
         if required {
             self.covered += 1;
         }

@@ -366,6 +366,24 @@ impl Endpoint {
                 Region::State if s.len >= u64::from(layout.state_bytes) => {
                     units.push(cov.slot_unit(true));
                 }
+                Region::Extra { pool, tensor } => {
+                    let item = self
+                        .local
+                        .extras
+                        .get(usize::from(pool))
+                        .and_then(|p| p.item_bytes.get(usize::from(tensor)))
+                        .map_or(0, |b| u64::from(*b));
+                    let granted = rr.extras.get(usize::from(pool));
+                    if let (true, Some(granted)) = (item > 0, granted) {
+                        let first = s.dst_offset / item;
+                        for i in first..first + s.len / item {
+                            let unit = granted
+                                .rank(i as u32)
+                                .and_then(|r| cov.extra_unit(pool, tensor, r));
+                            units.extend(unit);
+                        }
+                    }
+                }
                 _ => {}
             }
         }
@@ -397,7 +415,8 @@ impl Endpoint {
         slice: &Slice,
     ) -> Result<(), WriteRefused> {
         let layout = &self.local.layout;
-        let region_len = layout
+        let region_len = self
+            .local
             .region_len(slice.region)
             .ok_or(WriteRefused::UnknownRegion)?;
         let end = slice
@@ -464,6 +483,31 @@ impl Endpoint {
                     Ok(())
                 } else {
                     Err(WriteRefused::SlotNotGranted)
+                }
+            }
+            Region::Extra { pool, tensor } => {
+                let item = self
+                    .local
+                    .extras
+                    .get(usize::from(pool))
+                    .and_then(|p| p.item_bytes.get(usize::from(tensor)))
+                    .map_or(0, |b| u64::from(*b));
+                let granted = rr
+                    .extras
+                    .get(usize::from(pool))
+                    .ok_or(WriteRefused::ItemNotGranted)?;
+                let whole = item > 0 && slice.dst_offset % item == 0 && slice.len % item == 0;
+                let first = (slice.dst_offset / item.max(1)) as u32;
+                let last = ((end - 1) / item.max(1)) as u32;
+                let writes_extras = self
+                    .sessions
+                    .get(&session)
+                    .and_then(|s| s.peer)
+                    .map_or(true, |p| p.writes_aux);
+                if whole && writes_extras && granted.contains_range(first, last) {
+                    Ok(())
+                } else {
+                    Err(WriteRefused::ItemNotGranted)
                 }
             }
             Region::Scratch => Ok(()),
@@ -597,6 +641,9 @@ impl Endpoint {
                 }
             }
         }
+        if let Some((pool, item, items)) = ExtraPool::out_of_range(&self.local.extras, &g.extras) {
+            return Err(ApiError::ExtraOutOfRange { pool, item, items });
+        }
         Ok(())
     }
 
@@ -612,6 +659,7 @@ impl Endpoint {
         rr.pages = Some(PageSet::new(&grant.pages));
         rr.aux_slot = grant.aux_slot;
         rr.state_slot = grant.state_slot;
+        rr.extras = grant.extras.iter().map(|x| PageSet::new(x)).collect();
         let mut targets: SmallVec<[(SessionId, bool); 2]> = SmallVec::new();
         for (i, src) in rr.sources.iter_mut().enumerate() {
             src.granted = true;
@@ -642,6 +690,7 @@ impl Endpoint {
             pages: runs,
             aux_slot: grant.aux_slot,
             state_slot: grant.state_slot,
+            extras: grant.extras.iter().map(|x| page_runs(x)).collect(),
         };
         for (sid, idle) in targets {
             let request = if idle {

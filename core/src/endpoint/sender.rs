@@ -78,6 +78,11 @@ impl Endpoint {
                 return Err(ApiError::SlotOutOfRange { slot, slots });
             }
         }
+        if let Some((pool, item, items)) =
+            ExtraPool::out_of_range(&self.local.extras, &chunk.extras)
+        {
+            return Err(ApiError::ExtraOutOfRange { pool, item, items });
+        }
         let sessions = &self.sessions;
         let full = match self.rooms.get(&room).map(|r| &r.side) {
             Some(Side::Sender(s)) => s.receivers.iter().map(|x| x.session).find(|sid| {
@@ -114,6 +119,7 @@ impl Endpoint {
             s.last_seen = true;
             s.aux_src = chunk.aux_slot;
             s.state_src = chunk.state_slot;
+            s.extras_src = chunk.extras;
         }
         r.last_activity = now;
         self.plan_room(now, room);
@@ -246,7 +252,15 @@ impl Endpoint {
         // A room has at most as many pages as this rank holds: the bound of what a request
         // may make us allocate, whatever pool size the peer declared.
         let total: u64 = req.pages.iter().map(|r| u64::from(r.len)).sum();
+        let run_items = |runs: &[PageRun]| runs.iter().map(|r| u64::from(r.len)).sum::<u64>();
+        let extras_fit = req.extras.len() <= self.local.extras.len()
+            && req
+                .extras
+                .iter()
+                .zip(&self.local.extras)
+                .all(|(runs, pool)| run_items(runs) <= u64::from(pool.items));
         let valid = shares_heads
+            && extras_fit
             && total <= u64::from(self.local.layout.pages)
             && peer.map(|p| p.layout).is_some_and(|l| {
                 req.pages
@@ -288,6 +302,11 @@ impl Endpoint {
             dst,
             aux_slot: req.aux_slot,
             state_slot: req.state_slot,
+            extras: req
+                .extras
+                .iter()
+                .map(|runs| runs.iter().flat_map(|r| r.start..r.start + r.len).collect())
+                .collect(),
         });
         if let Some(w) = self
             .sessions
@@ -642,6 +661,7 @@ impl Endpoint {
             max_slices: self.config.max_op_slices,
         };
         let layout = self.local.layout;
+        let extras = &self.local.extras;
         let first_layer = self.local.layer_start;
         let owned = self.owned_layers();
         let writes_aux = self.local.writes_aux;
@@ -724,14 +744,37 @@ impl Endpoint {
             s.chunks.pop_front();
         }
         if s.last_seen && s.chunks.is_empty() && writes_aux {
-            for x in &s.receivers {
+            for x in s.receivers.iter().filter(|x| x.skip != SKIP_ALL) {
                 let slices = plan_aux(&layout, s.aux_src, x.aux_slot, s.state_src, x.state_slot);
                 if !slices.is_empty() {
                     new_ops.push((x.session, OpKind::Aux, 0..0, slices));
                 }
+                // Extra items pair one to one: a list the decode asked for that differs in
+                // length from ours would leave its items unwritten or ours unsent.
+                let asked = |p: usize| x.extras.get(p).map_or(&[][..], |v| &v[..]);
+                let mismatch = (0..extras.len().max(x.extras.len())).find(|&p| {
+                    let ours = s.extras_src.get(p).map_or(0, Vec::len);
+                    !asked(p).is_empty() && ours != asked(p).len()
+                });
+                if let Some(p) = mismatch {
+                    let ours = s.extras_src.get(p).map_or(0, Vec::len);
+                    warn!(%room, session = %x.session, pool = p, ours, asked = asked(p).len(), "extra pool items differ from what decode granted");
+                    overflow = true;
+                    break;
+                }
+                for (p, src) in s.extras_src.iter().enumerate() {
+                    for slices in plan_extras(extras, p, src, asked(p), limits) {
+                        new_ops.push((x.session, OpKind::Aux, 0..0, slices));
+                    }
+                }
+            }
+            if overflow {
+                self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+                return;
             }
             s.aux_src = None;
             s.state_src = None;
+            s.extras_src = Vec::new();
         }
         s.ops_live += new_ops.len() as u32;
         if s.layer_live.len() < owned {

@@ -160,6 +160,7 @@ impl Sim {
             let layout = self.nodes[f.dst].info.layout;
             // KV lands by head of a token row (a whole page where heads are not split).
             let head = self.nodes[f.dst].info.heads.head_bytes;
+            let extras = self.nodes[f.dst].info.extras.clone();
             let landed = self.nodes[f.dst]
                 .landed
                 .entry((room, f.op.generation))
@@ -169,6 +170,10 @@ impl Sim {
                     Region::Kv { .. } => u64::from(head),
                     Region::Aux => u64::from(layout.aux_bytes),
                     Region::State => u64::from(layout.state_bytes),
+                    Region::Extra { pool, tensor } => extras
+                        .get(usize::from(pool))
+                        .and_then(|p| p.item_bytes.get(usize::from(tensor)))
+                        .map_or(0, |b| u64::from(*b)),
                     Region::Scratch => continue,
                 };
                 if unit == 0 {

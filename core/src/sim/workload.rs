@@ -145,6 +145,7 @@ impl Sim {
                     receivers: 1,
                     skip_pages: 0,
                     idle_sources: 0,
+                    extras: Vec::new(),
                 });
                 if grant.is_none() {
                     w.queued_for_pages += 1;
@@ -202,6 +203,7 @@ impl Sim {
                                 receivers: 1,
                                 skip_pages: 0,
                                 idle_sources: 0,
+                                extras: Vec::new(),
                             };
                             let _ = self.nodes[decode].endpoint.grant_pages(now, room, grant);
                         }
@@ -232,6 +234,7 @@ impl Sim {
                         aux_slot: Some(i as u32 % 4096),
                         state_slot: None,
                         layerwise: run.layerwise,
+                        extras: Vec::new(),
                     };
                     let _ = self.nodes[p].endpoint.send_chunk(now, room, chunk);
                     self.drain(p);

@@ -122,6 +122,7 @@ pub fn send_all(sim: &mut Sim, p: usize, room: u64, pages: u32, layerwise: bool)
     let id = RoomId(room);
     let src = sim.nodes[p].alloc(id, 0, pages).expect("prefill pages");
     let chunk = Chunk {
+        extras: Vec::new(),
         pages: src,
         last: true,
         aux_slot: Some(room as u32),
