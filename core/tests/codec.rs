@@ -448,3 +448,24 @@ fn a_hello_is_the_size_the_protocol_states() {
     Message::Hello(Hello { extras: pools, ..h }).encode(&mut buf);
     assert_eq!(buf.len(), HEADER_LEN + 98 + (6 + 4 * 2) + (6 + 4 * 5));
 }
+
+/// A room request's size is the one `docs/PROTOCOL.md` states: 30 bytes, 8 per page run,
+/// and 4 + 8 per item run for each listed extra pool.
+#[test]
+fn a_room_request_is_the_size_the_protocol_states() {
+    let request = every_message()
+        .into_iter()
+        .filter_map(|m| match m {
+            Message::RoomRequest(r) if !r.extras.is_empty() => Some(r),
+            _ => None,
+        })
+        .next()
+        .expect("a room request with extra items");
+    let runs = request.pages.len();
+    let extras: usize = request.extras.iter().map(|x| 4 + 8 * x.len()).sum();
+    let mut buf = Vec::new();
+    Message::RoomRequest(request).encode(&mut buf);
+    assert_eq!(buf.len(), HEADER_LEN + 30 + 8 * runs + extras);
+    let doc = include_str!("../../docs/PROTOCOL.md");
+    assert!(doc.contains("Body length: 30 + 8 x run_count + Σ (4 + 8 x item_run_count)"));
+}

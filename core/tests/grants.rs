@@ -168,3 +168,44 @@ fn a_write_from_an_idle_source_is_refused() {
         Some(kvferry_core::WriteRefused::NotASource)
     );
 }
+
+#[test]
+fn a_room_fed_by_only_some_pipeline_stages_fails_at_once() {
+    let mut sim = Sim::new(12, Faults::default());
+    let layout = small_layout(64);
+    let first = sim.add_prefill(config(), layout, 0, 0..2);
+    let last = sim.add_prefill(config(), layout, 1, 2..layout.layers);
+    let d = sim.add_decode(config(), layout, 0);
+    sim.connect(d, first);
+    sim.connect(d, last);
+    run_ms(&mut sim, 5);
+    // Layers 0..2 have no source: nobody would ever write them.
+    open_receiver_with(&mut sim, d, &[last], 9, 2, |dst| {
+        Grant::new(dst, Some(9), None)
+    });
+    assert_eq!(
+        state(&sim, d, 9),
+        failed(kvferry_core::FailureReason::IncompatiblePeer)
+    );
+    // Both stages together cover every layer.
+    open_room_with(&mut sim, d, &[first, last], 10, 2, |dst| {
+        Grant::new(dst, Some(10), None)
+    });
+    assert_ne!(
+        state(&sim, d, 10),
+        failed(kvferry_core::FailureReason::IncompatiblePeer)
+    );
+}
+
+#[test]
+fn a_room_whose_only_writer_is_idle_fails_at_once() {
+    let (mut sim, ps, d) = ranks(2);
+    open_receiver_with(&mut sim, d, &ps, 11, 2, |dst| Grant {
+        idle_sources: 0b11,
+        ..Grant::new(dst, Some(11), None)
+    });
+    assert_eq!(
+        state(&sim, d, 11),
+        failed(kvferry_core::FailureReason::IncompatiblePeer)
+    );
+}

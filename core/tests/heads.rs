@@ -352,3 +352,18 @@ fn a_peer_with_another_head_count_is_refused_naming_both_values() {
     assert!(named(p) + named(d) >= 1);
     assert_eq!(sim.session(d, p), None);
 }
+
+#[test]
+fn a_room_whose_sources_hold_only_some_of_its_heads_fails_at_once() {
+    // Decode TP 1 holds heads 0..4; only prefill rank 0 (heads 0..2) is named as a source.
+    let (mut sim, ps, ds) = split_cluster(2, 1);
+    open_receiver_with(&mut sim, ds[0], &ps[..1], 8, 3, |dst| {
+        Grant::new(dst, Some(8), None)
+    });
+    assert_eq!(
+        state(&sim, ds[0], 8),
+        Some(KvPoll::Failed(
+            kvferry_core::FailureReason::IncompatiblePeer
+        ))
+    );
+}

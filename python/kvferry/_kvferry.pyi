@@ -33,8 +33,12 @@ class Node:
     token row of its pages (attention TP); peers holding other heads exchange head slices.
     ``layer_range=(start, end)``: the layers a pipeline stage holds (``kv`` may then list only
     those layers' regions); the last stage writes aux and state.
+    ``extras``: extra pools that move with rooms besides the KV pages (a hybrid model's state
+    slots, sliding-window pages, indexer pages), each a list of its tensors as ``(address,
+    bytes, item_bytes)`` holding the same number of items; rooms name their items per pool
+    (``extras=`` of ``open_receiver``/``grant_pages`` and of the last ``send_chunk``).
 
-    Every buffer in ``kv``, ``aux`` and ``state`` must stay allocated, and must not move,
+    Every buffer in ``kv``, ``aux``, ``state`` and ``extras`` must stay allocated, and must not move,
     until ``shutdown()`` returns; a room's pages must not be touched between granting or
     sending them and the room's ``releasable()``.
     """
@@ -55,6 +59,7 @@ class Node:
         staging_buffer_bytes: int = 1 << 20,
         heads: Optional[Tuple[int, int, int, int]] = None,
         layer_range: Optional[Tuple[int, int]] = None,
+        extras: Sequence[Sequence[Tuple[int, int, int]]] = (),
         **config: object,
     ) -> None: ...
     def listen(self, addr: str) -> list[str]: ...
@@ -74,6 +79,7 @@ class Node:
         receivers: int = 1,
         skip_pages: int = 0,
         idle_sources: Sequence[int] = (),
+        extras: Sequence[Sequence[int]] = (),
     ) -> None: ...
     def grant_pages(
         self,
@@ -84,6 +90,7 @@ class Node:
         receivers: int = 1,
         skip_pages: int = 0,
         idle_sources: Sequence[int] = (),
+        extras: Sequence[Sequence[int]] = (),
     ) -> None: ...
     def next_announcement(self, timeout: float = 0.0) -> Optional[Tuple[int, int, int]]: ...
     def open_sender(self, room: int, generation: int = 0) -> None: ...
@@ -95,6 +102,7 @@ class Node:
         aux_slot: Optional[int] = None,
         state_slot: Optional[int] = None,
         layerwise: bool = False,
+        extras: Sequence[Sequence[int]] = (),
     ) -> None: ...
     def mark_layer_ready(self, rooms: Sequence[int], layer: int) -> None: ...
     def set_queue_position(self, room: int, position: int) -> None: ...

@@ -33,11 +33,22 @@ PAGE_SIZE = 4  # tokens per page
 PAGES = 24
 SLOTS = 8
 DEADLINE_S = 30
+# State pools, laid out as SGLang's are: Mamba's per-layer conv and temporal state of one
+# slot per request (its pool size + 1 slots), the sliding-window KV (its own, smaller page
+# pool, K and V per layer), the DSA indexer's keys (one buffer per layer over the KV pages).
+MAMBA_SLOTS = SLOTS + 1
+SWA_PAGES = 12
+DSA_ROW = 20  # bytes of one token's indexer key
 
 
 def value(layer, plane, page, token, head, byte):
     """The byte the model's prefill holds at this place (any rank holding it has it)."""
     return (layer * 53 + plane * 29 + page * 7 + token * 3 + head * 11 + byte) % 251
+
+
+def state_value(pool, buffer, item, byte):
+    """The byte the prefill holds at this place of a state pool (every rank holding it)."""
+    return (pool * 61 + buffer * 17 + item * 13 + byte * 5 + 1) % 251
 
 
 def free_port() -> int:
@@ -79,6 +90,7 @@ class Spec:
     mla: bool = False
     model: str = ""
     kv_heads: Optional[int] = None  # KVArgs' total head count, None: from the model config
+    states: tuple = ()  # SGLang state types this rank's pools carry ("mamba", "swa", "dsa")
     env: Dict[str, str] = field(default_factory=dict)
 
 
@@ -168,11 +180,12 @@ class RankState:
         )
         kv_args.ib_device = None
         kv_args.gpu_id = 0
-        kv_args.state_types = []
-        kv_args.state_data_ptrs = []
-        kv_args.state_data_lens = []
-        kv_args.state_item_lens = []
-        kv_args.state_layer_ids = []
+        self.states = [self._state_pool(kind) for kind in spec.states]
+        kv_args.state_types = list(spec.states)
+        kv_args.state_data_ptrs = [[b.ctypes.data for b in pool] for pool in self.states]
+        kv_args.state_data_lens = [[b.nbytes for b in pool] for pool in self.states]
+        kv_args.state_item_lens = [[b.shape[1] for b in pool] for pool in self.states]
+        kv_args.state_layer_ids = [[] for _ in self.states]
         if spec.role == "prefill":
             self.fill()
         manager = get_kv_class(TransferBackend("kvferry"), KVClassType.MANAGER)
@@ -211,6 +224,32 @@ class RankState:
 
         return Group()
 
+    def _state_pool(self, kind: str) -> List[np.ndarray]:
+        """One state component's buffers, each ``[items, item bytes]``."""
+        layers = len(self.layers)
+        if kind == "mamba":
+            shapes = [(MAMBA_SLOTS, 40)] * layers + [(MAMBA_SLOTS, 96)] * layers
+        elif kind == "swa":
+            shapes = [(SWA_PAGES, self.page_bytes)] * (2 * layers)
+        elif kind == "dsa":
+            shapes = [(PAGES, PAGE_SIZE * DSA_ROW)] * layers
+        else:
+            shapes = [(4, 8)]  # a type kvferry does not move: refused at start
+        return [np.zeros(shape, dtype=np.uint8) for shape in shapes]
+
+    def expected_item(self, pool: int, buffer: int, item: int) -> np.ndarray:
+        width = self.states[pool][buffer].shape[1]
+        return state_value(pool, buffer, item, np.arange(width)).astype(np.uint8)
+
+    def state_mismatch(self, src: List[List[int]], dst: List[List[int]]) -> Optional[str]:
+        """Where this decode rank's granted state items differ from what the prefill held."""
+        for pool, (ss, ds) in enumerate(zip(src, dst)):
+            for buffer, b in enumerate(self.states[pool]):
+                for s, d in zip(ss, ds):
+                    if not np.array_equal(b[d], self.expected_item(pool, buffer, s)):
+                        return f"state pool {pool} buffer {buffer} item {d} (prefill item {s})"
+        return None
+
     def planes(self):
         return 1 if self.spec.mla else 2
 
@@ -229,6 +268,10 @@ class RankState:
         for buffer in range(self.kv.shape[0]):
             for page in range(PAGES):
                 self.kv[buffer, page] = self.expected_page(buffer, page)
+        for pool, bufs in enumerate(self.states):
+            for buffer, b in enumerate(bufs):
+                for item in range(b.shape[0]):
+                    b[item] = self.expected_item(pool, buffer, item)
 
     def mismatch(self, src: List[int], dst: List[int]) -> Optional[str]:
         """Where this decode rank's granted pages differ from what the prefill held."""
@@ -270,6 +313,17 @@ def poll_until(room_obj, states, deadline=DEADLINE_S):
     return status
 
 
+def sglang_state_indices(spec: Spec, items: Optional[List[List[int]]]):
+    """Per-pool item lists as SGLang's schedulers hand them over: Mamba's one slot as a list
+    holding an array, paged components as an array."""
+    if items is None:
+        return None
+    return [
+        [np.array(i, dtype=np.int64)] if kind == "mamba" else np.array(i, dtype=np.int32)
+        for kind, i in zip(spec.states, items)
+    ]
+
+
 def _send(state: RankState, cmd: dict) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError
@@ -281,8 +335,10 @@ def _send(state: RankState, cmd: dict) -> dict:
         sender.init(len(src), aux)
         state.write_aux(aux, room)
         at = 0
-        for n in chunks:
-            sender.send(np.array(src[at : at + n], dtype=np.int32))
+        for k, n in enumerate(chunks):
+            last = k + 1 == len(chunks)
+            states = sglang_state_indices(state.spec, cmd.get("state_src")) if last else None
+            sender.send(np.array(src[at : at + n], dtype=np.int32), states)
             at += n
             if cmd.get("die_after_first_chunk"):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -317,7 +373,10 @@ def _receive(state: RankState, cmd: dict) -> dict:
     status = poll_until(receiver, (KVPoll.WaitingForInput, KVPoll.Failed))
     if status == KVPoll.WaitingForInput:
         receiver.send_metadata(
-            np.array(dst[prefix:], dtype=np.int32), aux, decode_prefix_len=prefix * PAGE_SIZE
+            np.array(dst[prefix:], dtype=np.int32),
+            aux,
+            state_indices=sglang_state_indices(state.spec, cmd.get("state_dst")),
+            decode_prefix_len=prefix * PAGE_SIZE,
         )
         status = poll_until(receiver, (KVPoll.Success, KVPoll.Failed))
     out = dict(room=room, status=int(status), reason=None, mismatch=None)
@@ -327,6 +386,14 @@ def _receive(state: RankState, cmd: dict) -> dict:
             out["mismatch"] = "a prefix page the decode held was written"
         if not state.aux_matches(aux, room):
             out["mismatch"] = (out["mismatch"] or "") + " aux row differs"
+        if cmd.get("state_dst") and out["mismatch"] is None:
+            out["mismatch"] = state.state_mismatch(cmd["state_src"], cmd["state_dst"])
+            if cmd.get("flip_state") and out["mismatch"] is None:
+                # The check itself: one byte of one landed item changed, and it must see it.
+                state.states[-1][0][cmd["state_dst"][-1][0], 0] ^= 1
+                out["flip_caught"] = (
+                    state.state_mismatch(cmd["state_src"], cmd["state_dst"]) is not None
+                )
         if cmd.get("swap_heads") and out["mismatch"] is None:
             # The check itself: swap two heads of one token row and it must see it.
             page = dst[prefix]

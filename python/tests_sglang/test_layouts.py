@@ -23,22 +23,32 @@ def model():
     return cluster.model_dir()
 
 
-def layout(model, prefill_tp=1, decode_tp=1, mla=False, pp=1, dp=1, decode_heads=None):
-    """The specs of a prefill server and a decode server of these widths."""
+def layout(
+    model, prefill_tp=1, decode_tp=1, mla=False, pp=1, dp=1, decode_heads=None, states=(),
+    decode_states=None,
+):
+    """The specs of a prefill server and a decode server of these widths (and state pools)."""
     prefill = [
-        Spec("prefill", r, tp=prefill_tp * dp, pp=pp, dp=dp, mla=mla, model=model, kv_heads=cluster.KV_HEADS)
+        Spec(
+            "prefill", r, tp=prefill_tp * dp, pp=pp, dp=dp, mla=mla, model=model,
+            kv_heads=cluster.KV_HEADS, states=tuple(states),
+        )
         for r in range(prefill_tp * dp * pp)
     ]
     decode = [
-        Spec("decode", r, tp=decode_tp * dp, dp=dp, mla=mla, model=model, kv_heads=decode_heads)
+        Spec(
+            "decode", r, tp=decode_tp * dp, dp=dp, mla=mla, model=model, kv_heads=decode_heads,
+            states=tuple(states if decode_states is None else decode_states),
+        )
         for r in range(decode_tp * dp)
     ]
     return prefill, decode
 
 
-def move(c: Cluster, rooms=ROOMS, prefix_pages=0, dp=1, **extra):
+def move(c: Cluster, rooms=ROOMS, prefix_pages=0, dp=1, states=None, **extra):
     """Every prefill rank sends and every decode rank receives each room (with DP, only the
-    ranks of the room's DP group); returns each room's decode results."""
+    ranks of the room's DP group); returns each room's decode results. ``states[room]``:
+    the room's (prefill, decode) state items per pool."""
     prefills, decodes = c.ranks("prefill"), c.ranks("decode")
     outcomes = []
     for room, src, chunks, dst, aux in rooms:
@@ -48,12 +58,13 @@ def move(c: Cluster, rooms=ROOMS, prefix_pages=0, dp=1, **extra):
             tp = spec.tp // spec.dp
             if spec.world_rank // tp % dp != group:
                 continue
+            state_src, state_dst = (states or {}).get(room, (None, None))
             if spec.role == "prefill":
-                cmds[i] = dict(room=room, src=src, chunks=chunks, aux=aux)
+                cmds[i] = dict(room=room, src=src, chunks=chunks, aux=aux, state_src=state_src)
             else:
                 cmds[i] = dict(
                     room=room, src=src, dst=dst, aux=aux, prefix_pages=prefix_pages,
-                    prefill_dp_rank=group, **extra,
+                    prefill_dp_rank=group, state_src=state_src, state_dst=state_dst, **extra,
                 )
         got = c.run(cmds)
         outcomes.append(

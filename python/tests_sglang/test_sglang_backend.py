@@ -291,18 +291,21 @@ def test_a_prefill_killed_mid_room_fails_the_decode_room_with_a_peer_reason_and_
     next(restarted, None)
 
 
-def test_a_pool_with_state_buffers_is_refused_with_a_clear_error():
+def test_a_pool_with_a_state_type_kvferry_does_not_move_is_refused_naming_it():
     from kvferry.sglang.conn import UnsupportedLayout, _layout_of
 
     class Args:
         kv_data_ptrs, kv_data_lens, kv_item_lens = [1, 2], [4096, 4096], [1024, 1024]
         aux_data_ptrs, aux_data_lens, aux_item_lens = [], [], []
-        state_types = ["mamba"]
-        state_data_ptrs = [[3]]
+        state_types = ["mamba", "dsa_tail"]
+        state_data_ptrs = [[3], [4]]
 
-    with pytest.raises(UnsupportedLayout, match="state buffers"):
+    with pytest.raises(UnsupportedLayout, match=r"state types \['dsa_tail'\]"):
         _layout_of(Args(), None, False, False)
-    Args.state_data_ptrs, Args.kv_item_lens = [], [1024, 512]
+    Args.state_types = ["mamba"]
+    with pytest.raises(UnsupportedLayout, match="over 2 components"):
+        _layout_of(Args(), None, False, False)
+    Args.state_types, Args.state_data_ptrs, Args.kv_item_lens = [], [], [1024, 512]
     with pytest.raises(UnsupportedLayout, match="same page size"):
         _layout_of(Args(), None, False, False)
 

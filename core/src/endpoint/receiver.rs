@@ -675,6 +675,19 @@ impl Endpoint {
             };
             targets.push((src.session, src.idle));
         }
+        let writers: Option<SmallVec<[PeerInfo; 2]>> = rr
+            .sources
+            .iter()
+            .filter(|s| !s.idle)
+            .map(|s| self.sessions.get(&s.session).and_then(|x| x.peer))
+            .collect();
+        if let Some(gap) = writers.and_then(|w| uncovered(&self.local, &w, &grant)) {
+            // No source would ever write these bytes: the room could only time out, or (where
+            // a source reports success) succeed with them missing.
+            warn!(%room, gap = %gap, "the room's sources cannot fill it");
+            self.conclude(now, room, KvPoll::Failed(FailureReason::IncompatiblePeer));
+            return;
+        }
         self.timers.cancel(&mut r.bootstrap_timer);
         r.last_activity = now;
         self.timers.set(
@@ -754,4 +767,52 @@ fn room_of_message<'a>(
             None
         }
     }
+}
+
+/// What of a granted room the writing sources `writers` (peers known) leave unwritten
+/// together, worded for the log: a layer no stage owns, heads of ours no source holds, or an
+/// aux row, state slot or extra items with no source that writes them. `None` if they cover
+/// all of it (or the grant asks for nothing).
+fn uncovered(local: &EndpointInfo, writers: &[PeerInfo], grant: &Grant) -> Option<String> {
+    let layout = &local.layout;
+    let slots = (grant.aux_slot.is_some() && layout.aux_bytes > 0)
+        || (grant.state_slot.is_some() && layout.state_bytes > 0)
+        || grant.extras.iter().any(|x| !x.is_empty());
+    if slots && !writers.iter().any(|p| p.writes_aux) {
+        return Some("no source writes the aux row, state slot or extra items".into());
+    }
+    if grant.pages.is_empty() {
+        return None;
+    }
+    let mut layer = 0u16;
+    while layer < layout.layers {
+        match writers
+            .iter()
+            .filter(|p| p.layer_start <= layer && layer < p.layer_end)
+            .map(|p| p.layer_end)
+            .max()
+        {
+            Some(end) => layer = end,
+            None => return Some(format!("no source owns layer {layer}")),
+        }
+    }
+    let (first, end) = (local.heads.start, local.heads.start + local.heads.count);
+    let mut head = first;
+    while head < end {
+        let reach = writers
+            .iter()
+            .map(|p| local.heads.shared(&p.heads))
+            .filter(|r| r.start <= head && head < r.end)
+            .map(|r| r.end)
+            .max();
+        match reach {
+            Some(e) => head = e,
+            None => {
+                return Some(format!(
+                    "no source holds head {head} of this rank's {first}..{end}"
+                ))
+            }
+        }
+    }
+    None
 }

@@ -17,9 +17,15 @@ them; MLA: one prefill rank sends, the others confirm); DP attention on either s
 pipeline-parallel prefill (each stage sends its layers); a decode-side prefix (only the pages
 after it move); pools in host memory or in the rank's GPU (staged through kvferry's CUDA copy
 engine; the CPU never reads a device pool). A decode room succeeds only when every
-contributing prefill rank's part landed. Refused when the manager starts, naming what: state
-pools (Mamba, SWA, DSA), speculative draft KV, attention CP, decode PP, KV layouts other than
-NHD, host-staged destinations.
+contributing prefill rank's part landed. State pools (Mamba state slots, sliding-window
+pages, the DSA indexer pool) move with the room as kvferry extra pools: each of SGLang's
+state components is one pool whose tensors are its buffers, the item indices SGLang computes
+on each side paired one to one; a room succeeds only when every item of every tensor landed.
+Refused when the manager starts, naming what: other state types (DSA kpool tail, QSA, ...),
+state pools on a pipeline-parallel prefill, speculative draft KV, attention CP, decode PP,
+KV layouts other than NHD, host-staged destinations. Peers whose state pools differ, or that
+hold different attention heads while carrying state pools, are refused at their handshake
+with the differing field and both values.
 """
 
 from __future__ import annotations
@@ -150,19 +156,70 @@ def _model_shape(server_args: ServerArgs) -> tuple:
     return int(getattr(text, "num_hidden_layers", 0)), int(heads or 0)
 
 
+# State components whose indices are whole items of every buffer, paired by position on
+# both sides: they move as kvferry extra pools.
+_STATE_TYPES = ("mamba", "swa", "dsa")
+
+
+def _extras_of(args: KVArgs, prefill: bool) -> list:
+    """kvferry extra pools for SGLang's state components: per component, its buffers as
+    ``(address, bytes, item bytes)``, every buffer cut to the items all of them hold."""
+    types = [str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or [])]
+    ptrs = getattr(args, "state_data_ptrs", None) or []
+    if not types and not any(ptrs):
+        return []
+    other = [t for t in types if t not in _STATE_TYPES]
+    if other or len(types) != len(ptrs):
+        raise UnsupportedLayout(
+            f"kvferry backend: state types {other or types} are not supported (state pools "
+            f"move for {', '.join(_STATE_TYPES)}; this pool lists {types} over "
+            f"{len(ptrs)} components)"
+        )
+    from sglang.srt.runtime_context import get_parallel
+
+    pp_prefill = get_parallel().pp_size if prefill else 1
+    if pp_prefill > 1:
+        raise UnsupportedLayout(
+            f"kvferry backend: state pools ({', '.join(types)}) with pipeline-parallel "
+            f"prefill (PP {pp_prefill}) are not supported: each stage holds only its layers' "
+            "state"
+        )
+    pools = []
+    for i, kind in enumerate(types):
+        bufs = [int(p) for p in ptrs[i]]
+        lens = [int(n) for n in args.state_data_lens[i]]
+        items = [int(n) for n in args.state_item_lens[i]]
+        if not bufs or len(lens) != len(bufs) or len(items) != len(bufs) or min(items) <= 0:
+            raise UnsupportedLayout(
+                f"kvferry backend: {kind} state lists {len(bufs)} buffers, {len(lens)} "
+                f"lengths and {len(items)} item sizes {items}"
+            )
+        held = min(n // item for n, item in zip(lens, items))
+        pools.append([(p, held * item, item) for p, item in zip(bufs, items)])
+    return pools
+
+
+def _state_items(state_indices: Optional[List]) -> List[List[int]]:
+    """SGLang's per-component state indices (an array, a list holding one array for Mamba,
+    or None for a component not sent) as kvferry's per-pool item lists."""
+    out = []
+    for x in state_indices or []:
+        if x is None:
+            out.append([])
+        else:
+            out.append(np.asarray(x, dtype=np.int64).reshape(-1).tolist())
+    return out
+
+
 def _layout_of(args: KVArgs, server_args: ServerArgs, is_mla: bool, prefill: bool) -> tuple:
     """kvferry's layout for SGLang's buffers: one region per (layer, K or V) of the layers
     this rank holds (MLA: one per layer), the heads it holds, its layers (a prefill pipeline
-    stage holds a range), and one staging row per aux slot holding every aux buffer's item.
+    stage holds a range), one staging row per aux slot holding every aux buffer's item, and
+    one extra pool per state component.
 
-    Returns ``(layout, kv spans, heads or None, layer range or None)``.
+    Returns ``(layout, kv spans, heads or None, layer range or None, extra pools)``.
     """
-    states = [p for comp in (getattr(args, "state_data_ptrs", None) or []) for p in comp]
-    if states:
-        raise UnsupportedLayout(
-            "kvferry backend: state buffers (mamba, SWA, DSA, ...) are not supported yet; "
-            f"this pool has {len(states)} (state types {list(args.state_types)})"
-        )
+    extras = _extras_of(args, prefill)
     if getattr(args, "num_draft_entries", 0):
         raise UnsupportedLayout(
             "kvferry backend: speculative decoding's draft KV buffers are not supported; this "
@@ -241,7 +298,7 @@ def _layout_of(args: KVArgs, server_args: ServerArgs, is_mla: bool, prefill: boo
         aux_bytes=sum(aux_items),
         slots=slots,
     )
-    return layout, spans, heads, layer_range
+    return layout, spans, heads, layer_range, extras
 
 
 class KvferryKVManager(CommonKVManager):
@@ -259,7 +316,13 @@ class KvferryKVManager(CommonKVManager):
         is_mla_backend: Optional[bool] = False,
     ):
         self.node: Optional[kvferry.Node] = None
-        self._layout, self._kv_spans, self._heads, self._layer_range = _layout_of(
+        (
+            self._layout,
+            self._kv_spans,
+            self._heads,
+            self._layer_range,
+            self._extras,
+        ) = _layout_of(
             args,
             server_args,
             bool(is_mla_backend),
@@ -329,15 +392,17 @@ class KvferryKVManager(CommonKVManager):
             kv_device=self._kv_device,
             heads=self._heads,
             layer_range=self._layer_range,
+            extras=self._extras,
             **config,
         )
         logger.info(
-            "kvferry %s node for engine rank %d: %s, heads %s, layers %s",
+            "kvferry %s node for engine rank %d: %s, heads %s, layers %s, state pools %s",
             role,
             self.kv_args.engine_rank,
             self._layout,
             self._heads or "whole pages",
             self._layer_range or "all",
+            [len(pool) for pool in self._extras] or "none",
         )
         return node
 
@@ -491,6 +556,8 @@ class KvferryKVSender(_KvferryRoom, CommonKVSender):
     ):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self._opened = False
+        # The room's state items (SGLang gives them with the last chunk).
+        self._state: List[List[int]] = []
         if self.conclude_state is not None:
             return
         try:
@@ -521,10 +588,9 @@ class KvferryKVSender(_KvferryRoom, CommonKVSender):
         if self.conclude_state is not None:
             return
         kv_indices, _slice, last, skip = self._prepare_send_indices(kv_indices, state_indices)
+        if state_indices is not None:
+            self._state = _state_items(state_indices)
         if skip:
-            return
-        if state_indices:
-            self._give_up("kvferry backend: state indices are not supported")
             return
         if self._transfer_start_time is None:
             self._transfer_start_time = time.perf_counter()
@@ -538,7 +604,11 @@ class KvferryKVSender(_KvferryRoom, CommonKVSender):
             self.kv_mgr.copy_aux(aux, into_rows=True)
         try:
             self.kv_mgr.node.send_chunk(
-                self.bootstrap_room, np.asarray(kv_indices).tolist(), last=last, aux_slot=aux
+                self.bootstrap_room,
+                np.asarray(kv_indices).tolist(),
+                last=last,
+                aux_slot=aux,
+                extras=self._state if last else [],
             )
         except kvferry.KvferryError as e:
             self._give_up(f"kvferry: chunk of room {self.bootstrap_room} refused: {e}")
@@ -699,8 +769,6 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
             raise NotImplementedError("Host KV destinations are not supported")
         page_size = self.kv_mgr.kv_args.page_size or 1
         try:
-            if state_indices and any(s is not None and len(s) for s in state_indices):
-                raise kvferry.InvalidArgument("kvferry backend: state indices are not supported")
             if decode_prefix_len and decode_prefix_len % page_size:
                 raise kvferry.InvalidArgument(
                     f"kvferry backend: decode prefix of {decode_prefix_len} tokens is not whole "
@@ -715,6 +783,7 @@ class KvferryKVReceiver(_KvferryRoom, CommonKVReceiver):
                 receivers=max(1, int(self.required_dst_info_num)),
                 skip_pages=(decode_prefix_len or 0) // page_size,
                 idle_sources=self._idle,
+                extras=_state_items(state_indices),
             )
         except kvferry.KvferryError as e:
             self.kv_mgr.abort_room(self.bootstrap_room)
