@@ -110,6 +110,8 @@ impl<T, R> std::fmt::Debug for DataSender<T, R> {
 pub struct Writing<W, R> {
     write: W,
     ops: flume::Receiver<TransferOp>,
+    /// Disconnected once the acknowledgement reader ended: the connection is over.
+    reader_gone: flume::Receiver<()>,
     memory: Arc<MemoryMap>,
     ledger: Arc<OpLedger>,
     report: R,
@@ -120,6 +122,8 @@ pub struct Acking<A, R> {
     read: A,
     ledger: Arc<OpLedger>,
     report: R,
+    /// Dropped when this reader ends, which stops the writer (see [`Writing`]).
+    _alive: flume::Sender<()>,
 }
 
 /// Marks the connection closed and reports every operation not acknowledged as transient.
@@ -145,11 +149,13 @@ impl<T: Task, R: Report> DataSender<T, R> {
         A: AsyncRead + Unpin,
     {
         let (tx, rx) = flume::unbounded();
+        let (alive, reader_gone) = flume::bounded(1);
         let ledger = Arc::new(OpLedger::new());
         let tasks = spawn(
             Writing {
                 write,
                 ops: rx,
+                reader_gone,
                 memory,
                 ledger: ledger.clone(),
                 report: report.clone(),
@@ -158,6 +164,7 @@ impl<T: Task, R: Report> DataSender<T, R> {
                 read,
                 ledger: ledger.clone(),
                 report: report.clone(),
+                _alive: alive,
             },
         );
         DataSender {
@@ -209,12 +216,25 @@ impl<T: Task, R: Report> DataSender<T, R> {
 }
 
 impl<W: GatherWrite, R: Report> Writing<W, R> {
-    /// Writes queued operations until the connection fails or the sender is dropped.
+    /// Writes queued operations until the connection fails, the acknowledgement reader ends
+    /// (the peer closed or broke the protocol) or the sender is dropped; then ends the write
+    /// direction, so the peer sees the connection end.
     pub async fn run(mut self) {
         let mut header = Vec::with_capacity(WRITE_HEADER_LEN + 64 * SLICE_DESC_LEN);
         // This connection's own staging buffer, made at its first staged operation.
         let mut lane = None;
-        while let Ok(op) = self.ops.recv_async().await {
+        // One wait for the reader's end, kept across operations (polled only while idle).
+        let reader_gone = self.reader_gone.clone();
+        let mut gone = std::pin::pin!(async move {
+            let _ = reader_gone.recv_async().await;
+        });
+        loop {
+            let next =
+                futures_lite::future::or(async { self.ops.recv_async().await.ok() }, async {
+                    (&mut gone).await;
+                    None
+                });
+            let Some(op) = next.await else { break };
             let (sources, bad) = prepare_op(&op, &self.memory, &mut header);
             // The ledger hands each operation to exactly one reporter: close, this writer, or
             // the ack reader.

@@ -167,3 +167,45 @@ async fn a_closed_connection_fails_unacknowledged_operations_transiently() {
         vec![(TransferId(5), TransferOutcome::Transient)]
     );
 }
+
+/// A peer that acknowledges an operation this connection never sent broke the protocol:
+/// the connection closes at once in both directions (the peer reads its end, so it knows to
+/// open another), the operation in flight is reported transient for a retry elsewhere, and
+/// the connection takes nothing more.
+#[tokio::test]
+async fn an_acknowledgement_for_an_operation_never_sent_closes_the_connection_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let layout = small_layout(16);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let (a, mut peer) = pair().await;
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src, report);
+    let region = Region::Kv { layer: 0, plane: 0 };
+    let slice = Slice {
+        region,
+        src_offset: 0,
+        dst_offset: 0,
+        len: 1024,
+    };
+    sender.send(op(1, 7, vec![slice])).unwrap();
+    // The operation's header and payload arrive; the peer answers for operation 999.
+    let mut frame = vec![0u8; kvferry_tcp::WRITE_HEADER_LEN + kvferry_tcp::SLICE_DESC_LEN + 1024];
+    peer.read_exact(&mut frame).await.unwrap();
+    let ack = kvferry_tcp::encode_ack(TransferId(999), kvferry_tcp::AckStatus::Applied);
+    peer.write_all(&ack).await.unwrap();
+    let mut rest = [0u8; 64];
+    let end = tokio::time::timeout(std::time::Duration::from_secs(3), peer.read(&mut rest)).await;
+    assert!(
+        matches!(end, Ok(Ok(0)) | Ok(Err(_))),
+        "the connection must close at once, got {end:?}"
+    );
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![(TransferId(1), TransferOutcome::Transient)]
+    );
+    assert!(sender.is_closed());
+    assert!(
+        sender.send(op(2, 7, vec![slice])).is_err(),
+        "a closed connection takes nothing"
+    );
+}

@@ -42,6 +42,11 @@ const METRICS_EVERY: Duration = Duration::from_millis(500);
 pub trait OpSink {
     /// Queues `op` on the connection; gives it back if the connection is closed.
     fn send(&self, op: TransferOp) -> Result<(), TransferOp>;
+
+    /// Whether the connection ended (it takes nothing more and may be dropped).
+    fn is_closed(&self) -> bool {
+        false
+    }
 }
 
 impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
@@ -49,6 +54,10 @@ impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
 {
     fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
         kvferry_tcp::send::DataSender::send(self, op)
+    }
+
+    fn is_closed(&self) -> bool {
+        kvferry_tcp::send::DataSender::is_closed(self)
     }
 }
 
@@ -712,6 +721,10 @@ impl<H: Host> Driver<H> {
         let Some(io) = self.io.get_mut(&session) else {
             return Err(conn);
         };
+        // Connections that ended on their own (the peer closed them, or broke the protocol
+        // and this side closed them) take nothing more: the new one replaces them.
+        io.data
+            .retain(|c| !matches!(c, DataConn::Sender(s) if s.is_closed()));
         io.data.attach(conn)?;
         io.send_parked();
         self.drain();

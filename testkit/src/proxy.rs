@@ -28,6 +28,9 @@ pub struct ProxyFaults {
     pub reset: f64,
     /// Forward only this many bytes of the next chunk, then close that connection.
     pub truncate_next: Option<usize>,
+    /// Bytes slipped in ahead of the next decode-to-prefill chunk of a data connection past
+    /// its handshake (where only acknowledgements travel): a forged acknowledgement.
+    pub forge_data_ack: Option<Vec<u8>>,
 }
 
 struct State {
@@ -135,13 +138,36 @@ fn chance(state: &State, p: f64) -> bool {
     state.rng.lock().map(|mut r| r.chance(p)).unwrap_or(false)
 }
 
+/// Bytes a decode sends on a data connection before its first acknowledgement: the
+/// preamble (magic and kind) and its data hello.
+const DATA_HANDSHAKE_UP: usize = kvferry_tcp::MAGIC.len() + 1 + kvferry_tcp::DATA_HELLO_LEN;
+
 async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, state: Arc<State>, up: bool) {
     let mut buf = vec![0u8; 64 * 1024];
+    let mut forwarded = 0usize;
+    let mut data = false;
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        if up && forwarded == 0 {
+            data = buf[..n].starts_with(&kvferry_tcp::MAGIC)
+                && buf.get(kvferry_tcp::MAGIC.len()) == Some(&kvferry_tcp::KIND_DATA);
+        }
+        if up && data && forwarded >= DATA_HANDSHAKE_UP {
+            let forged = state
+                .faults
+                .lock()
+                .ok()
+                .and_then(|mut f| f.forge_data_ack.take());
+            if let Some(forged) = forged {
+                if to.write_all(&forged).await.is_err() {
+                    break;
+                }
+            }
+        }
+        forwarded += n;
         while held(&state, up) {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }

@@ -417,3 +417,55 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
         .unwrap();
     assert!(page.iter().all(|b| *b == 0), "nothing landed");
 }
+
+/// A decode (or anything between) that acknowledges an operation the prefill never sent on
+/// a data connection broke the protocol there: the prefill closes that connection at once,
+/// the decode sees it end and opens another, and the rooms whose operations were on it are
+/// retried there and succeed, none waiting for its deadline. With one data connection per
+/// session, a connection left open stalled every room until its operations timed out and
+/// the session was fenced.
+///
+/// Tokio only: the forged acknowledgement comes from the tokio fault proxy in front of a
+/// single-shard prefill; the closing itself is the shared data plane's (`kvferry-tcp`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f10_a_forged_acknowledgement_closes_the_data_connection_and_rooms_still_succeed() {
+    let shape = small_shape();
+    let (p, addr, _server) = prefill(&shape, fast_core(), 161).await;
+    let proxy = FaultProxy::start(addr, 5).await.unwrap();
+    let mut cfg =
+        kvferry_testkit::node_config(Role::Decode, &shape, fast_core(), b"test-token", 162);
+    cfg.data_connections = 1;
+    let d = kvferry_tokio::Node::start(
+        cfg,
+        std::sync::Arc::new(kvferry_memory::MemoryMap::allocate(shape.layout())),
+    )
+    .unwrap();
+    let forged = kvferry_tcp::encode_ack(
+        kvferry_core::TransferId(u64::MAX - 1),
+        kvferry_tcp::AckStatus::Applied,
+    );
+    proxy.set(|f| f.forge_data_ack = Some(forged.to_vec()));
+    let s = d.connect(vec![proxy.addr]).await.unwrap();
+    let started = Instant::now();
+    let run = DecodeRun {
+        deadline: Duration::from_secs(20),
+        ..rooms(20, 700)
+    };
+    let report = run_decode(&d, s, run).await;
+    let mut forged_sent = false;
+    proxy.set(|f| forged_sent = f.forge_data_ack.is_none());
+    assert!(
+        forged_sent,
+        "the proxy slipped the forged acknowledgement in"
+    );
+    kvferry_tests::assert_all_clean(&report, 20);
+    // Well within the rooms' 20 s: the connection was replaced, not waited out, and not by
+    // fencing the whole session (what a connection left open needed: its operations timed
+    // out until the session was fenced).
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(p.counters().await.fences, 0);
+}
