@@ -205,9 +205,9 @@ struct ShapeArgs {
     /// Simulated forward time per layer and chunk, in microseconds (both modes, to compare).
     #[arg(long, default_value_t = 0)]
     layer_compute_us: u64,
-    /// Data connections per session.
-    #[arg(long, default_value_t = 2)]
-    data_connections: usize,
+    /// Data connections per session (decode and demo: the decode opens them; default 2).
+    #[arg(long)]
+    data_connections: Option<usize>,
 }
 
 impl ShapeArgs {
@@ -221,7 +221,7 @@ impl ShapeArgs {
             concurrency: self.concurrency,
             layerwise: self.layerwise,
             layer_compute: Duration::from_micros(self.layer_compute_us),
-            data_connections: self.data_connections,
+            data_connections: self.data_connections.unwrap_or(2),
         }
     }
 }
@@ -581,6 +581,13 @@ async fn run(cli: Cli) -> Result<(), String> {
             shape,
             common,
         } => {
+            if let Some(n) = shape.data_connections {
+                return Err(format!(
+                    "--data-connections {n}: a session's data connections are opened by its \
+                     decode (`kvferry decode --data-connections`); a prefill takes as many as \
+                     each decode opens"
+                ));
+            }
             let (node, shape) = start_node(Role::Prefill, &shape, &common)?;
             let addrs = node.listen(listen).await.map_err(|e| e.to_string())?;
             let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();

@@ -221,15 +221,17 @@ pub enum ErrorCode {
     ProtocolViolation,
     /// The endpoint is shutting down.
     Shutdown,
-    /// Nothing arrived from the peer for the liveness window (or no hello in time): the
+    /// Nothing arrived from the peer for the liveness window: the
     /// link or the peer went silent. Not a protocol violation.
     HeartbeatsMissed,
     /// A hello field holds an impossible value; the detail names the field.
     InvalidHello,
+    /// The handshake did not complete within the sender's `handshake_timeout`.
+    HandshakeTimeout,
 }
 
 impl ErrorCode {
-    const ALL: [ErrorCode; 9] = [
+    const ALL: [ErrorCode; 10] = [
         ErrorCode::Malformed,
         ErrorCode::BadToken,
         ErrorCode::VersionMismatch,
@@ -239,6 +241,7 @@ impl ErrorCode {
         ErrorCode::Shutdown,
         ErrorCode::HeartbeatsMissed,
         ErrorCode::InvalidHello,
+        ErrorCode::HandshakeTimeout,
     ];
 
     fn code(self) -> u16 {

@@ -399,3 +399,32 @@ impl Config {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod doc_tests {
+    use super::*;
+
+    /// `docs/PROTOCOL.md`'s timeout table lists every deadline with its variable and default,
+    /// so the doc cannot drift from the code.
+    #[test]
+    fn every_deadline_is_in_the_protocol_docs_timeout_table_with_its_default() {
+        let doc = include_str!("../../docs/PROTOCOL.md");
+        let table = &doc[doc.find("## Timeouts").expect("a Timeouts section")..];
+        let mut defaults = Config::default();
+        for (name, field) in FIELDS {
+            let Field::Millis(get) = field else { continue };
+            let ms = get(&mut defaults).as_millis();
+            let shown = if ms % 1000 == 0 {
+                format!("{} s", ms / 1000)
+            } else {
+                format!("{ms} ms")
+            };
+            let row = format!("| {shown} | `KVFERRY_{name}` |");
+            assert!(
+                table.contains(&row),
+                "no row {row:?} in PROTOCOL.md's timeouts"
+            );
+        }
+        assert!(table.contains("| 30 | `KVFERRY_HEARTBEAT_MISSES` |"));
+    }
+}

@@ -1359,3 +1359,45 @@ mod backend_tests {
         assert!(Backend::parse("carrier-pigeon").is_err());
     }
 }
+
+#[cfg(test)]
+mod protocol_doc {
+    use super::*;
+
+    /// The page pattern, computed as `docs/PROTOCOL.md` spells it out for an independent
+    /// decode, is the one the CLI's prefill writes.
+    #[test]
+    fn the_page_pattern_is_the_one_the_protocol_doc_spells_out() {
+        let doc = include_str!("../../docs/PROTOCOL.md");
+        for constant in [
+            "0x6b76000000000000",
+            "0x9E3779B97F4A7C15",
+            "0xBF58476D1CE4E5B9",
+            "0x94D049BB133111EB",
+        ] {
+            assert!(doc.contains(constant), "{constant}");
+        }
+        let splitmix = |mut z: u64| {
+            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let (room, l, p, i) = (RoomId(0xABCD_0001), 5u16, 1u8, 17u32);
+        let mut page = vec![0u8; 64];
+        fill_pattern(&mut page, room, l, p, i);
+        let place = (u64::from(l) << 40) | (u64::from(p) << 32) | u64::from(i);
+        for (k, w) in page.chunks_exact(8).enumerate() {
+            let want = match k {
+                0 => room.0,
+                1 => place ^ 0x6b76_0000_0000_0000,
+                _ => {
+                    splitmix(splitmix(room.0) ^ place)
+                        ^ (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                }
+            };
+            assert_eq!(u64::from_le_bytes(w.try_into().unwrap()), want, "word {k}");
+        }
+        assert_eq!(&aux_row(room)[..8], &room.0.to_le_bytes());
+    }
+}

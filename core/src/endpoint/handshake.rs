@@ -261,7 +261,9 @@ impl Endpoint {
                     | ErrorCode::WrongRole => FailureReason::IncompatiblePeer,
                     ErrorCode::BadToken => FailureReason::Unauthorized,
                     ErrorCode::Shutdown => FailureReason::PeerShutdown,
-                    ErrorCode::HeartbeatsMissed => FailureReason::PeerSilent,
+                    ErrorCode::HeartbeatsMissed | ErrorCode::HandshakeTimeout => {
+                        FailureReason::PeerSilent
+                    }
                     ErrorCode::Malformed
                     | ErrorCode::ProtocolViolation
                     | ErrorCode::InvalidHello => FailureReason::ProtocolError,

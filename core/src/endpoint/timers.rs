@@ -147,7 +147,7 @@ impl Endpoint {
                     self.close_session(
                         now,
                         sid,
-                        ErrorCode::HeartbeatsMissed,
+                        ErrorCode::HandshakeTimeout,
                         "no hello in time",
                         FailureReason::PeerSilent,
                     );
