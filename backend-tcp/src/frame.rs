@@ -17,6 +17,11 @@ pub const SLICE_DESC_LEN: usize = 20;
 pub const ACK_LEN: usize = 9;
 /// Frame type of a write batch.
 pub const FRAME_WRITE: u8 = 1;
+/// Frame type of a write batch followed by the CRC32C of its payload (4 bytes, little-endian):
+/// sessions with the end-to-end checksum on.
+pub const FRAME_WRITE_CHECKED: u8 = 2;
+/// Size of the checksum trailer of a [`FRAME_WRITE_CHECKED`] batch.
+pub const CHECKSUM_LEN: usize = 4;
 
 /// Length of a data listener's challenge, sent right after the connector's magic and kind.
 pub const DATA_CHALLENGE_LEN: usize = kvferry_core::auth::NONCE_LEN;
@@ -73,12 +78,18 @@ pub struct WriteHeader {
     pub slices: u32,
     /// Payload bytes after the descriptors: the sum of the slice lengths.
     pub payload: u64,
+    /// Whether the payload is followed by its CRC32C ([`FRAME_WRITE_CHECKED`]).
+    pub checked: bool,
 }
 
 impl WriteHeader {
     /// Encodes the header into `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.push(FRAME_WRITE);
+        out.push(if self.checked {
+            FRAME_WRITE_CHECKED
+        } else {
+            FRAME_WRITE
+        });
         out.extend_from_slice(&self.op.0.to_le_bytes());
         out.extend_from_slice(&self.room.0.to_le_bytes());
         out.extend_from_slice(&self.generation.to_le_bytes());
@@ -92,7 +103,7 @@ impl WriteHeader {
         max_slices: u32,
         max_payload: u64,
     ) -> Result<Self, FrameError> {
-        if b[0] != FRAME_WRITE {
+        if b[0] != FRAME_WRITE && b[0] != FRAME_WRITE_CHECKED {
             return Err(FrameError::UnknownType(b[0]));
         }
         let u64_at = |i: usize| {
@@ -111,6 +122,7 @@ impl WriteHeader {
             generation: u32_at(17),
             slices: u32_at(21),
             payload: u64_at(25),
+            checked: b[0] == FRAME_WRITE_CHECKED,
         };
         if h.slices == 0 || h.slices > max_slices {
             return Err(FrameError::TooManySlices {
@@ -180,6 +192,9 @@ pub enum AckStatus {
     Applied = 0,
     /// Refused by the receiver's checks; nothing was written.
     Refused = 1,
+    /// The bytes landed but their CRC32C differs from the trailer: the receiver failed the
+    /// room (`checksum_mismatch`). The writer treats it as a refusal.
+    Corrupt = 2,
 }
 
 /// Encodes an acknowledgement.
@@ -197,6 +212,7 @@ pub fn decode_ack(b: &[u8; ACK_LEN]) -> Result<(TransferId, AckStatus), FrameErr
     let status = match b[8] {
         0 => AckStatus::Applied,
         1 => AckStatus::Refused,
+        2 => AckStatus::Corrupt,
         _ => return Err(FrameError::Malformed("ack status")),
     };
     Ok((TransferId(u64::from_le_bytes(a)), status))

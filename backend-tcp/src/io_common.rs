@@ -33,6 +33,9 @@ pub struct Limits {
     pub max_slices: u32,
     /// Most payload bytes per operation.
     pub max_bytes: u64,
+    /// Every write must carry its checksum (the session agreed on it at the handshake): an
+    /// unchecked write batch breaks the protocol and closes the connection.
+    pub checksum: bool,
 }
 
 /// What a receiver saw on a data connection before it ended.
@@ -44,6 +47,8 @@ pub struct ServeStats {
     pub refused: u64,
     /// Payload bytes applied.
     pub bytes: u64,
+    /// Operations whose bytes landed but did not match their checksum.
+    pub corrupt: u64,
 }
 
 /// An error that ends a data connection on the receiving side.
@@ -99,6 +104,7 @@ pub fn prepare_op(
         generation: op.generation,
         slices: op.slices.len() as u32,
         payload: op.bytes,
+        checked: op.checksum,
     }
     .encode(header);
     for s in op.slices.iter() {
@@ -191,6 +197,20 @@ pub fn scatter_iovecs<'a>(targets: &[(usize, usize)], skip: usize) -> Vec<IoSlic
             IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
         })
         .collect()
+}
+
+/// The CRC32C of the bytes of `ranges`, in order.
+///
+/// # Safety
+///
+/// Every range must be host memory valid for reads for its length, that nobody writes
+/// meanwhile (registered memory whose room's pages the core holds for this operation).
+pub(crate) unsafe fn checksum_of(ranges: &[(usize, usize)]) -> u32 {
+    ranges.iter().fold(0, |crc, &(ptr, len)| {
+        // SAFETY: the caller's contract, for each range.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+        crc32c::crc32c_append(crc, bytes)
+    })
 }
 
 /// What a receiver does with one write whose header and table it read.

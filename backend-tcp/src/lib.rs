@@ -29,8 +29,8 @@ mod tls_files;
 
 pub use frame::{
     decode_ack, decode_slices, encode_ack, encode_slice, AckStatus, DataHello, FrameError,
-    WriteHeader, ACK_LEN, DATA_CHALLENGE_LEN, DATA_HELLO_LEN, FRAME_WRITE, KIND_CONTROL, KIND_DATA,
-    MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
+    WriteHeader, ACK_LEN, CHECKSUM_LEN, DATA_CHALLENGE_LEN, DATA_HELLO_LEN, FRAME_WRITE,
+    FRAME_WRITE_CHECKED, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 pub use io_common::{
     gather_iovecs, parse_preamble, prepare_op, scatter_iovecs, Limits, Preamble, ServeError,

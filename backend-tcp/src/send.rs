@@ -16,8 +16,8 @@ use kvferry_memory::MemoryMap;
 use kvferry_sync::{Acked, OpLedger, Start};
 use tracing::{debug, warn};
 
-use crate::frame::{AckStatus, SLICE_DESC_LEN, WRITE_HEADER_LEN};
-use crate::io_common::{gather_iovecs, prepare_op};
+use crate::frame::{AckStatus, CHECKSUM_LEN, SLICE_DESC_LEN, WRITE_HEADER_LEN};
+use crate::io_common::{checksum_of, gather_iovecs, prepare_op};
 use crate::staged;
 use crate::stream::read_ack;
 
@@ -235,7 +235,24 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
                     None
                 });
             let Some(op) = next.await else { break };
-            let (sources, bad) = prepare_op(&op, &self.memory, &mut header);
+            let (mut sources, bad) = prepare_op(&op, &self.memory, &mut header);
+            let device =
+                self.memory.staging().is_some() && staged::on_device(&self.memory, &op.slices);
+            // Device memory is reached only through the copy engine: its checksum is not
+            // computed here (a node refuses the combination when it starts).
+            let bad = bad || (op.checksum && device);
+            // The checksum trailer: the CRC32C of exactly the bytes this batch sends, read
+            // from the same source ranges, written after them.
+            let trailer = if op.checksum && !bad {
+                // SAFETY: `sources` are host ranges of registered memory of this operation,
+                // which the core keeps unchanged until the operation is reported.
+                unsafe { checksum_of(&sources) }.to_le_bytes()
+            } else {
+                [0u8; CHECKSUM_LEN]
+            };
+            if op.checksum && !bad {
+                sources.push((trailer.as_ptr() as usize, CHECKSUM_LEN));
+            }
             // The ledger hands each operation to exactly one reporter: close, this writer, or
             // the ack reader.
             match self.ledger.start(op.id, bad) {
@@ -247,7 +264,7 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
                 Start::Write => {}
             }
             let written = match self.memory.staging() {
-                Some(staging) if staged::on_device(&self.memory, &op.slices) => {
+                Some(staging) if device => {
                     let pieces = staged::pieces(&self.memory, &op.slices, &sources);
                     match staged::lane_of(&mut lane, staging) {
                         Ok(own) => {
@@ -293,7 +310,9 @@ impl<A: AsyncRead + Unpin, R: Report> Acking<A, R> {
             }
             let outcome = match status {
                 AckStatus::Applied => TransferOutcome::Done,
-                AckStatus::Refused => TransferOutcome::Refused,
+                // The destination failed its room (`checksum_mismatch`): like a refusal, never
+                // retried.
+                AckStatus::Refused | AckStatus::Corrupt => TransferOutcome::Refused,
             };
             self.report.report(id, outcome);
         }

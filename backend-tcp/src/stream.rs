@@ -8,15 +8,16 @@ use std::io;
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use kvferry_core::TransferId;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::frame::{
-    decode_ack, decode_slices, encode_ack, AckStatus, DataHello, WriteHeader, ACK_LEN,
-    DATA_CHALLENGE_LEN, DATA_HELLO_LEN, KIND_CONTROL, KIND_DATA, MAGIC, SLICE_DESC_LEN,
-    WRITE_HEADER_LEN,
+    decode_ack, decode_slices, encode_ack, AckStatus, DataHello, FrameError, WriteHeader, ACK_LEN,
+    CHECKSUM_LEN, DATA_CHALLENGE_LEN, DATA_HELLO_LEN, KIND_CONTROL, KIND_DATA, MAGIC,
+    SLICE_DESC_LEN, WRITE_HEADER_LEN,
 };
 use crate::io_common::{
-    admit, parse_preamble, Admission, Limits, Preamble, ServeError, ServeStats, PREAMBLE_LEN,
+    admit, checksum_of, parse_preamble, Admission, Limits, Preamble, ServeError, ServeStats,
+    PREAMBLE_LEN,
 };
 use crate::staged;
 use kvferry_memory::{MemoryMap, WriteCheck};
@@ -63,26 +64,49 @@ where
         }
         let h = WriteHeader::decode(&header, limits.max_slices, limits.max_bytes)
             .map_err(ServeError::Frame)?;
+        if limits.checksum && !h.checked {
+            // The session agreed on checksums: an unchecked batch is not one of its writers'.
+            return Err(ServeError::Frame(FrameError::Malformed(
+                "a write without its checksum on a checksummed session",
+            )));
+        }
         table.resize(h.slices as usize * SLICE_DESC_LEN, 0);
         stream.read_exact(&mut table).await?;
         let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
         let status = match admit(&check, memory, &h, &slices)? {
             Admission::Apply { landing, targets } => {
+                let device = memory.staging().is_some() && staged::on_device(memory, &slices);
+                if h.checked && device {
+                    return Err(ServeError::Frame(FrameError::Malformed(
+                        "a checksummed write into device memory",
+                    )));
+                }
                 match memory.staging() {
-                    Some(staging) if staged::on_device(memory, &slices) => {
+                    Some(staging) if device => {
                         let pieces = staged::pieces(memory, &slices, &targets);
                         let own = staged::lane_of(&mut lane, staging)?;
                         staged::read_staged(stream, &pieces, &own, staging).await?;
                     }
                     _ => stream.read_into(&targets, &mut stage).await?,
                 }
-                landing.applied();
-                stats.applied += 1;
-                stats.bytes += h.payload;
-                AckStatus::Applied
+                // SAFETY (both calls below): `targets` are the host ranges this write just
+                // filled; the permit `landing` holds their room's pages, so nobody else
+                // writes them meanwhile.
+                if h.checked && read_checksum(stream).await? != unsafe { checksum_of(&targets) } {
+                    landing.corrupt();
+                    stats.corrupt += 1;
+                    warn!(room = %h.room, op = %h.op, "write checksum mismatch");
+                    AckStatus::Corrupt
+                } else {
+                    landing.applied();
+                    stats.applied += 1;
+                    stats.bytes += h.payload;
+                    AckStatus::Applied
+                }
             }
             Admission::Refuse(refused) => {
-                discard(stream, h.payload, &mut stage).await?;
+                let trailer = if h.checked { CHECKSUM_LEN as u64 } else { 0 };
+                discard(stream, h.payload + trailer, &mut stage).await?;
                 stats.refused += 1;
                 debug!(room = %h.room, op = %h.op, ?refused, "write refused");
                 AckStatus::Refused
@@ -150,6 +174,13 @@ pub async fn read_scatter<R: AsyncRead + Unpin>(
         i = end;
     }
     Ok(())
+}
+
+/// Reads a checked batch's trailer: the sender's CRC32C of the payload.
+async fn read_checksum<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<u32> {
+    let mut b = [0u8; CHECKSUM_LEN];
+    r.read_exact(&mut b).await?;
+    Ok(u32::from_le_bytes(b))
 }
 
 async fn discard<R: AsyncRead + Unpin>(

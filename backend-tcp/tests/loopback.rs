@@ -24,6 +24,7 @@ impl WriteCheck for AllowRoom {
     ) -> Result<WritePermit, WriteRefused> {
         if room == self.0 {
             Ok(WritePermit {
+                corrupt: false,
                 session: SessionId(1),
                 room: Some(room),
                 generation,
@@ -49,6 +50,7 @@ async fn pair() -> (TcpStream, TcpStream) {
 fn op(id: u64, room: u64, slices: Vec<Slice>) -> TransferOp {
     let bytes = slices.iter().map(|s| s.len).sum();
     TransferOp {
+        checksum: false,
         id: TransferId(id),
         session: SessionId(1),
         room: Some(RoomId(room)),
@@ -78,6 +80,7 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
     }
     let (a, b) = pair().await;
     let limits = Limits {
+        checksum: false,
         max_slices: 4096,
         max_bytes: 1 << 30,
     };
@@ -208,4 +211,171 @@ async fn an_acknowledgement_for_an_operation_never_sent_closes_the_connection_at
         sender.send(op(2, 7, vec![slice])).is_err(),
         "a closed connection takes nothing"
     );
+}
+
+/// Records every permit handed back, to see how each write ended.
+struct Recording(RoomId, Mutex<Vec<WritePermit>>);
+
+impl WriteCheck for Recording {
+    fn begin(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        s: &[Slice],
+    ) -> Result<WritePermit, WriteRefused> {
+        AllowRoom(self.0).begin(room, generation, s)
+    }
+
+    fn end(&self, permit: WritePermit) {
+        self.1.lock().unwrap().push(permit);
+    }
+}
+
+fn checked_limits() -> Limits {
+    Limits {
+        max_slices: 64,
+        max_bytes: 1 << 20,
+        checksum: true,
+    }
+}
+
+/// A checked write batch for `room`: 1024 bytes of `byte` into page 3 of layer 0 plane 0,
+/// its trailer the CRC32C of `sent` (the bytes the writer held).
+fn checked_batch(room: u64, sent: &[u8], payload: &[u8]) -> Vec<u8> {
+    let slice = Slice {
+        region: Region::Kv { layer: 0, plane: 0 },
+        src_offset: 0,
+        dst_offset: 3 * 1024,
+        len: payload.len() as u64,
+    };
+    let mut out = Vec::new();
+    kvferry_tcp::WriteHeader {
+        op: TransferId(9),
+        room: RoomId(room),
+        generation: 0,
+        slices: 1,
+        payload: payload.len() as u64,
+        checked: true,
+    }
+    .encode(&mut out);
+    kvferry_tcp::encode_slice(&slice, &mut out);
+    out.extend_from_slice(payload);
+    out.extend_from_slice(&crc32c::crc32c(sent).to_le_bytes());
+    out
+}
+
+#[tokio::test]
+async fn a_checked_write_whose_bytes_changed_on_the_way_is_acknowledged_corrupt() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dst = Arc::new(MemoryMap::allocate(small_layout(16)));
+    let (mut writer, b) = pair().await;
+    let check = Arc::new(Recording(RoomId(7), Mutex::new(Vec::new())));
+    let server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        check.clone(),
+        checked_limits(),
+    ));
+    let sent = vec![0x11u8; 1024];
+    let mut landed = sent.clone();
+    landed[500] ^= 0x04; // one bit flipped in flight
+    writer
+        .write_all(&checked_batch(7, &sent, &landed))
+        .await
+        .unwrap();
+    let mut ack = [0u8; kvferry_tcp::ACK_LEN];
+    writer.read_exact(&mut ack).await.unwrap();
+    assert_eq!(
+        kvferry_tcp::decode_ack(&ack).unwrap(),
+        (TransferId(9), kvferry_tcp::AckStatus::Corrupt)
+    );
+    // The same bytes, unchanged, are applied.
+    writer
+        .write_all(&checked_batch(7, &sent, &sent))
+        .await
+        .unwrap();
+    writer.read_exact(&mut ack).await.unwrap();
+    assert_eq!(
+        kvferry_tcp::decode_ack(&ack).unwrap(),
+        (TransferId(9), kvferry_tcp::AckStatus::Applied)
+    );
+    let permits = check.1.lock().unwrap().clone();
+    assert_eq!(
+        permits
+            .iter()
+            .map(|p| (p.applied, p.corrupt))
+            .collect::<Vec<_>>(),
+        vec![(false, true), (true, false)]
+    );
+    drop(writer);
+    let stats = server.await.unwrap().unwrap();
+    assert_eq!((stats.applied, stats.corrupt), (1, 1));
+}
+
+#[tokio::test]
+async fn an_unchecked_write_on_a_checksummed_connection_closes_it() {
+    use tokio::io::AsyncWriteExt;
+    let dst = Arc::new(MemoryMap::allocate(small_layout(16)));
+    let (mut writer, b) = pair().await;
+    let server = tokio::spawn(serve_writes(
+        b,
+        dst,
+        Arc::new(AllowRoom(RoomId(7))),
+        checked_limits(),
+    ));
+    let mut unchecked = Vec::new();
+    kvferry_tcp::WriteHeader {
+        op: TransferId(1),
+        room: RoomId(7),
+        generation: 0,
+        slices: 1,
+        payload: 8,
+        checked: false,
+    }
+    .encode(&mut unchecked);
+    writer.write_all(&unchecked).await.unwrap();
+    assert!(
+        server.await.unwrap().is_err(),
+        "the connection ends with an error"
+    );
+}
+
+#[tokio::test]
+async fn a_checksummed_operation_lands_and_is_acknowledged() {
+    let layout = small_layout(16);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let dst = Arc::new(MemoryMap::allocate(layout));
+    let region = Region::Kv { layer: 1, plane: 0 };
+    src.write(region, 2 * 1024, &[0x5Au8; 2048]).unwrap();
+    let (a, b) = pair().await;
+    let _server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        Arc::new(AllowRoom(RoomId(7))),
+        checked_limits(),
+    ));
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src, report);
+    let mut checked = op(
+        4,
+        7,
+        vec![Slice {
+            region,
+            src_offset: 2 * 1024,
+            dst_offset: 8 * 1024,
+            len: 2048,
+        }],
+    );
+    checked.checksum = true;
+    sender.send(checked).unwrap();
+    while got.lock().unwrap().is_empty() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![(TransferId(4), TransferOutcome::Done)]
+    );
+    let mut page = vec![0u8; 2048];
+    dst.read(region, 8 * 1024, &mut page).unwrap();
+    assert!(page.iter().all(|b| *b == 0x5A));
 }

@@ -252,6 +252,10 @@ struct CommonArgs {
     /// TLS: the name a listener's certificate must carry (DNS name or IP address).
     #[arg(long, env = "KVFERRY_TLS_SERVER_NAME", default_value = "kvferry")]
     tls_server_name: String,
+    /// Checksum every write end to end (CRC32C, verified before it is acknowledged): a
+    /// corrupted page fails its room with checksum_mismatch. Both sides must agree.
+    #[arg(long)]
+    checksum: bool,
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
@@ -301,9 +305,10 @@ impl CommonArgs {
     }
 }
 
-fn load_config(path: Option<&PathBuf>) -> Result<Config, String> {
+/// The core's knobs: `KVFERRY_*` variables, then the `--config` file, then flags.
+fn load_config(common: &CommonArgs) -> Result<Config, String> {
     let mut config = Config::from_env().map_err(|e| e.to_string())?;
-    if let Some(path) = path {
+    if let Some(path) = common.config.as_ref() {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let table: toml::Table = text
@@ -312,6 +317,7 @@ fn load_config(path: Option<&PathBuf>) -> Result<Config, String> {
         for (key, value) in table {
             let value = match value {
                 toml::Value::Integer(i) => i.to_string(),
+                toml::Value::Boolean(b) => b.to_string(),
                 toml::Value::String(s) => s,
                 other => {
                     return Err(format!(
@@ -325,6 +331,9 @@ fn load_config(path: Option<&PathBuf>) -> Result<Config, String> {
                 .map_err(|why| format!("{}: {key} = {value}: {why}", path.display()))?;
         }
         config.validate().map_err(|e| e.to_string())?;
+    }
+    if common.checksum {
+        config.checksum = true;
     }
     Ok(config)
 }
@@ -420,7 +429,7 @@ async fn overlap_demo(
     if rooms == 0 {
         return Err("--batch must be at least 1".to_owned());
     }
-    let config = load_config(common.config.as_ref())?;
+    let config = load_config(common)?;
     let runtime = common.runtime()?;
     let mut shape = shape.shape();
     let compute = if shape.layer_compute.is_zero() {
@@ -539,7 +548,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                     return Err(format!("{name} must be a probability in 0..=1, not {p}"));
                 }
             }
-            let config = load_config(common.config.as_ref())?;
+            let config = load_config(&common)?;
             install_metrics(common.metrics_addr)?;
             let (progress, bar) = progress_bar(rooms, common.json);
             let faults = DemoFaults {
@@ -872,7 +881,7 @@ fn start_node(
     common: &CommonArgs,
 ) -> Result<(AnyNode, Shape), String> {
     let runtime = common.runtime()?;
-    let config = load_config(common.config.as_ref())?;
+    let config = load_config(common)?;
     install_metrics(common.metrics_addr)?;
     let shape = shape.shape();
     let mut cfg = node_config(role, &shape, config, common.token.as_bytes(), rand_seed());

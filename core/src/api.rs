@@ -183,6 +183,9 @@ pub struct TransferOp {
     pub slices: Arc<[Slice]>,
     /// Sum of the slice lengths.
     pub bytes: u64,
+    /// Whether the destination verifies the operation's bytes against a checksum the driver
+    /// computes over them as it sends (`Config::checksum`).
+    pub checksum: bool,
 }
 
 /// How a data-path operation ended, as the driver saw it.
@@ -574,6 +577,9 @@ pub struct WritePermit {
     /// Set by the receive path once every byte was applied ([`WritePermit::applied`]);
     /// a permit handed back without it was abandoned and lands nothing.
     pub applied: bool,
+    /// Set by the receive path when the bytes landed but their checksum did not match what
+    /// the sender computed ([`WritePermit::corrupt`]): the room's pages hold garbage.
+    pub corrupt: bool,
 }
 
 impl WritePermit {
@@ -581,6 +587,16 @@ impl WritePermit {
     pub fn applied(self) -> Self {
         WritePermit {
             applied: true,
+            ..self
+        }
+    }
+
+    /// The same permit, marked as landed with bytes whose checksum did not match: the room
+    /// fails with `checksum_mismatch`.
+    pub fn corrupt(self) -> Self {
+        WritePermit {
+            applied: false,
+            corrupt: true,
             ..self
         }
     }

@@ -153,6 +153,9 @@ pub struct Hello {
     /// HMAC-SHA256 proof of the cluster token over both nonces and the hellos (see
     /// `docs/PROTOCOL.md`, "Authentication"). Computed with these 32 bytes set to zero.
     pub proof: Proof,
+    /// Whether it checksums every write end to end (`flags` bit 0 on the wire); both ends
+    /// of a session must agree.
+    pub checksum: bool,
     /// The extra pools it registered (after the proof on the wire).
     pub extras: Vec<ExtraPool>,
 }
@@ -357,6 +360,7 @@ impl Message {
                 out.put_u32_le(h.heartbeat_interval_ms);
                 out.put_u32_le(h.heartbeat_misses);
                 out.put_slice(&h.proof);
+                out.put_u8(u8::from(h.checksum));
                 out.put_u8(h.extras.len() as u8);
                 for pool in &h.extras {
                     out.put_u32_le(pool.items);
@@ -711,6 +715,11 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                 heartbeat_interval_ms,
                 heartbeat_misses,
                 proof: r.array::<PROOF_LEN>()?,
+                checksum: match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(r.invalid("flags")),
+                },
                 extras: r.extra_pools()?,
             })
         }

@@ -81,6 +81,10 @@ pub struct Config {
     /// Decode: rooms toward a target without a session fail with `PeerUnreachable` once the
     /// target has been down this long (`KVFERRY_UNREACHABLE_TIMEOUT_MS`, 10000).
     pub unreachable_timeout: Duration,
+    /// End-to-end checksum of every write: the receiver verifies each batch's bytes against
+    /// the sender's CRC32C before it acknowledges, and a mismatch fails the room with
+    /// `checksum_mismatch`. Both peers must agree (`KVFERRY_CHECKSUM`, 0 = off, 1 = on).
+    pub checksum: bool,
 }
 
 impl Default for Config {
@@ -117,6 +121,7 @@ impl Default for Config {
             reconnect_interval: Duration::from_millis(100),
             reconnect_max_interval: Duration::from_millis(500),
             unreachable_timeout: Duration::from_secs(10),
+            checksum: false,
         }
     }
 }
@@ -144,6 +149,7 @@ enum Field {
     Count(fn(&mut Config) -> &mut u32),
     Bytes(fn(&mut Config) -> &mut u64),
     Millis(fn(&mut Config) -> &mut Duration),
+    Flag(fn(&mut Config) -> &mut bool),
 }
 
 /// (name without the `KVFERRY_` prefix, field): one table drives env loading and key=value parsing.
@@ -251,6 +257,7 @@ const FIELDS: &[(&str, Field)] = &[
         "UNREACHABLE_TIMEOUT_MS",
         Field::Millis(|c| &mut c.unreachable_timeout),
     ),
+    ("CHECKSUM", Field::Flag(|c| &mut c.checksum)),
 ];
 
 /// Prefix of every environment variable the core reads.
@@ -294,6 +301,14 @@ impl Config {
             .iter()
             .find(|(k, _)| *k == upper)
             .ok_or("unknown configuration key")?;
+        if let Field::Flag(f) = field {
+            *f(self) = match value.trim().to_ascii_lowercase().as_str() {
+                "1" | "true" | "on" | "yes" => true,
+                "0" | "false" | "off" | "no" => false,
+                _ => return Err("not a switch (1/0, true/false, on/off)"),
+            };
+            return Ok(());
+        }
         let number: u64 = value
             .trim()
             .parse()
@@ -302,6 +317,7 @@ impl Config {
             Field::Count(f) => *f(self) = u32::try_from(number).map_err(|_| "too large")?,
             Field::Bytes(f) => *f(self) = number,
             Field::Millis(f) => *f(self) = Duration::from_millis(number),
+            Field::Flag(_) => {}
         }
         Ok(())
     }

@@ -151,7 +151,7 @@ pub struct LayoutMismatch {
 
 impl LayoutMismatch {
     /// The first of `(field, ours, theirs)` whose values differ.
-    fn first(pairs: &[(&'static str, u64, u64)]) -> Result<(), LayoutMismatch> {
+    pub fn first(pairs: &[(&'static str, u64, u64)]) -> Result<(), LayoutMismatch> {
         match pairs.iter().find(|(_, a, b)| a != b) {
             Some(&(field, ours, theirs)) => Err(LayoutMismatch {
                 field,

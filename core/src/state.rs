@@ -55,11 +55,14 @@ pub enum FailureReason {
     ConnectionRefused,
     /// The peer already holds a newer attempt (generation) of this room: this one is void.
     StaleGeneration,
+    /// Bytes of the room arrived that are not the bytes the prefill sent: the end-to-end
+    /// checksum (`KVFERRY_CHECKSUM`) of a write did not match. The room's pages are garbage.
+    ChecksumMismatch,
 }
 
 impl FailureReason {
     /// All variants, in wire-code order.
-    pub const ALL: [FailureReason; 19] = [
+    pub const ALL: [FailureReason; 20] = [
         FailureReason::BootstrapTimeout,
         FailureReason::DecodeSaturated,
         FailureReason::WaitingTimeout,
@@ -79,6 +82,7 @@ impl FailureReason {
         FailureReason::Unauthorized,
         FailureReason::ConnectionRefused,
         FailureReason::StaleGeneration,
+        FailureReason::ChecksumMismatch,
     ];
 
     /// The one-byte code used on the wire (see `docs/PROTOCOL.md`).
@@ -118,6 +122,7 @@ impl FailureReason {
             FailureReason::Unauthorized => "unauthorized",
             FailureReason::ConnectionRefused => "connection_refused",
             FailureReason::StaleGeneration => "stale_generation",
+            FailureReason::ChecksumMismatch => "checksum_mismatch",
         }
     }
 
@@ -143,6 +148,7 @@ impl FailureReason {
             FailureReason::Unauthorized => "the cluster token was refused; check that both sides use the same --token / KVFERRY_TOKEN",
             FailureReason::ConnectionRefused => "nothing listened at the peer's address (connection refused) for the whole unreachable window: the peer process is down; start it, or check the address",
             FailureReason::StaleGeneration => "the peer already holds a newer attempt (generation) of this room, so this attempt is void; retry under a generation above the newest one used",
+            FailureReason::ChecksumMismatch => "bytes of the room arrived that are not the bytes the prefill sent (the end-to-end checksum did not match), so its pages were discarded; check the network path and the hosts' memory, and resubmit the request",
         }
     }
 
@@ -167,6 +173,7 @@ impl FailureReason {
                 | FailureReason::PeerShutdown
                 | FailureReason::ConnectionRefused
                 | FailureReason::StaleGeneration
+                | FailureReason::ChecksumMismatch
         )
     }
 }

@@ -151,6 +151,7 @@ fn a_stranger_gets_only_a_challenge_and_a_refusal_and_nothing_it_can_use() {
 /// A decode hello of the shape the listener accepts, proof still to fill in.
 fn our_kind_of_hello() -> Message {
     Message::Hello(Hello {
+        checksum: false,
         extras: Vec::new(),
         role: Role::Decode,
         rank: 0,

@@ -15,6 +15,7 @@ fn every_message() -> Vec<Message> {
     let room = RoomId(0xDEAD_BEEF_0123);
     vec![
         Message::Hello(Hello {
+            checksum: false,
             extras: Vec::new(),
             role: Role::Decode,
             rank: 3,
@@ -90,6 +91,7 @@ fn every_message() -> Vec<Message> {
         },
         Message::Transport { payload: vec![] },
         Message::Hello(Hello {
+            checksum: false,
             extras: vec![
                 kvferry_core::ExtraPool {
                     items: 64,
@@ -421,15 +423,15 @@ fn a_transport_payload_longer_than_the_limit_is_refused() {
     );
 }
 
-/// The hello's size is the one `docs/PROTOCOL.md` states (98 bytes of body with no extra
+/// The hello's size is the one `docs/PROTOCOL.md` states (99 bytes of body with no extra
 /// pool, 6 of header, and 6 + 4 per tensor for each pool).
 #[test]
 fn a_hello_is_the_size_the_protocol_states() {
     let mut buf = Vec::new();
     every_message()[0].encode(&mut buf);
-    assert_eq!(buf.len(), HEADER_LEN + 98);
+    assert_eq!(buf.len(), HEADER_LEN + 99);
     let doc = include_str!("../../docs/PROTOCOL.md");
-    assert!(doc.contains("Body length: 98 with no extra pool (the frame is 104 bytes"));
+    assert!(doc.contains("Body length: 99 with no extra pool (the frame is 105 bytes"));
     assert!(doc.contains("`6 + 4 x tensors` per pool"));
     let Message::Hello(h) = every_message().remove(0) else {
         panic!("the first message is a hello")
@@ -446,7 +448,7 @@ fn a_hello_is_the_size_the_protocol_states() {
     ];
     let mut buf = Vec::new();
     Message::Hello(Hello { extras: pools, ..h }).encode(&mut buf);
-    assert_eq!(buf.len(), HEADER_LEN + 98 + (6 + 4 * 2) + (6 + 4 * 5));
+    assert_eq!(buf.len(), HEADER_LEN + 99 + (6 + 4 * 2) + (6 + 4 * 5));
 }
 
 /// A room request's size is the one `docs/PROTOCOL.md` states: 30 bytes, 8 per page run,

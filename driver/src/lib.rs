@@ -252,12 +252,32 @@ pub enum NodeError {
         /// What would serve it.
         fix: &'static str,
     },
+    /// The end-to-end checksum (`KVFERRY_CHECKSUM`) was asked for where this node cannot
+    /// compute it yet.
+    ChecksumUnsupported {
+        /// Where: device memory, or the RDMA backend.
+        with: &'static str,
+    },
 }
 
 /// Refuses, before anything starts, memory the data plane cannot reach: a device region
 /// without a copy engine. Never a crash, never a CPU read of a device address. Over RDMA,
 /// device memory the NIC cannot register moves staged over TCP (the RDMA adapter decides).
-pub fn check_memory(memory: &MemoryMap, backend: &DataBackend) -> Result<(), NodeError> {
+pub fn check_memory(
+    memory: &MemoryMap,
+    backend: &DataBackend,
+    checksum: bool,
+) -> Result<(), NodeError> {
+    if checksum && memory.device_regions().next().is_some() {
+        return Err(NodeError::ChecksumUnsupported {
+            with: "device memory (staged copies are not checksummed yet)",
+        });
+    }
+    if checksum && matches!(backend, DataBackend::Rdma { .. }) {
+        return Err(NodeError::ChecksumUnsupported {
+            with: "the RDMA backend (one-sided writes are not verified yet)",
+        });
+    }
     if let Some((region, kind)) = memory.unreachable_region() {
         return Err(NodeError::UnreachableMemory {
             region,
@@ -330,6 +350,10 @@ impl std::fmt::Display for NodeError {
                     "{region:?} is {kind}, which this node cannot reach: {fix}"
                 )
             }
+            NodeError::ChecksumUnsupported { with } => write!(
+                f,
+                "the end-to-end checksum (KVFERRY_CHECKSUM) is not supported with {with}; turn it off or move this node's KV over TCP from host memory"
+            ),
         }
     }
 }

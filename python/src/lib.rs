@@ -129,7 +129,7 @@ fn family(reason: FailureReason) -> Option<Family> {
         | R::ConnectionRefused
         | R::PeerShutdown
         | R::SessionBlacklisted => Family::Peer,
-        R::TransferFailed => Family::Transfer,
+        R::TransferFailed | R::ChecksumMismatch => Family::Transfer,
         R::AbortedLocally | R::AbortedByPeer => Family::Abort,
         R::DecodeSaturated => Family::Capacity,
         R::ProtocolError

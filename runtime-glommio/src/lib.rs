@@ -108,7 +108,7 @@ impl GlommioNode {
                     .to_owned(),
             ));
         }
-        kvferry_driver::check_memory(&memory, &config.backend)?;
+        kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
         let announcements = Announcer::default();
         let started = executor::spawn_shards(&config, &memory, shards, &announcements)?;
         let shared = Arc::new(NodeShared {
@@ -301,6 +301,7 @@ pub(crate) async fn shard_main(
                 shard: weak.clone(),
                 memory: setup.memory,
                 limits: Limits {
+                    checksum: setup.config.core.checksum,
                     max_slices: setup.config.core.max_op_slices,
                     max_bytes: setup.config.core.max_op_bytes,
                 },

@@ -140,7 +140,7 @@ impl Node {
     /// Starts a node over `memory` (which must be registered for `config.info.layout`).
     /// Must be called inside a tokio runtime.
     pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
-        kvferry_driver::check_memory(&memory, &config.backend)?;
+        kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
         let now = Instant::now();
         let endpoint = Endpoint::new(config.core.clone(), config.info.clone(), config.seed, now)
             .map_err(|e| {
@@ -172,6 +172,7 @@ impl Node {
         let (events, _) = broadcast::channel(65536);
         let (stopped, _) = watch::channel(false);
         let limits = Limits {
+            checksum: config.core.checksum,
             max_slices: config.core.max_op_slices,
             max_bytes: config.core.max_op_bytes,
         };

@@ -37,6 +37,14 @@ impl<E: EndWrite> Landing<E> {
             self.to.end_write(p.applied());
         }
     }
+
+    /// The write's bytes landed but did not match the sender's checksum: hand the permit
+    /// back marked corrupt (the core fails the room with `checksum_mismatch`).
+    pub fn corrupt(mut self) {
+        if let Some(p) = self.permit.take() {
+            self.to.end_write(p.corrupt());
+        }
+    }
 }
 
 impl<E: EndWrite> Drop for Landing<E> {

@@ -112,6 +112,7 @@ pub fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
 pub fn bench_op(id: u64, slices: Arc<[Slice]>) -> TransferOp {
     let bytes = slices.iter().map(|s| s.len).sum();
     TransferOp {
+        checksum: false,
         id: TransferId(id),
         session: SessionId(1),
         room: Some(RoomId(1)),
@@ -159,6 +160,7 @@ impl Kv {
         let (a, b) = socket_pair().await?;
         let check = Arc::new(bench_check(layout)?);
         let limits = Limits {
+            checksum: false,
             max_slices: 8192,
             max_bytes: 1 << 30,
         };
@@ -571,6 +573,7 @@ mod glommio_bench {
                 let _ = stream.set_nodelay(true);
                 let check: Rc<dyn WriteCheck> = Rc::new(check);
                 let limits = Limits {
+                    checksum: false,
                     max_slices: 8192,
                     max_bytes: 1 << 30,
                 };

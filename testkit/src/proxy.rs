@@ -31,6 +31,10 @@ pub struct ProxyFaults {
     /// Bytes slipped in ahead of the next decode-to-prefill chunk of a data connection past
     /// its handshake (where only acknowledgements travel): a forged acknowledgement.
     pub forge_data_ack: Option<Vec<u8>>,
+    /// Flip one bit of the prefill-to-decode bytes of the next data connection to reach this
+    /// many bytes past its handshake (inside the write batches: a corrupted page, where the
+    /// offset lands in a payload).
+    pub flip_data_byte: Option<u64>,
 }
 
 struct State {
@@ -89,8 +93,9 @@ impl FaultProxy {
                 let _ = server.set_nodelay(true);
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                let up = tokio::spawn(pump(cr, sw, s.clone(), true));
-                let down = tokio::spawn(pump(sr, cw, s.clone(), false));
+                let data = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let up = tokio::spawn(pump(cr, sw, s.clone(), true, data.clone()));
+                let down = tokio::spawn(pump(sr, cw, s.clone(), false, data));
                 if let Ok(mut p) = s.pumps.lock() {
                     p.push(up);
                     p.push(down);
@@ -142,18 +147,41 @@ fn chance(state: &State, p: f64) -> bool {
 /// preamble (magic and kind) and its data hello.
 const DATA_HANDSHAKE_UP: usize = kvferry_tcp::MAGIC.len() + 1 + kvferry_tcp::DATA_HELLO_LEN;
 
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, state: Arc<State>, up: bool) {
+/// Bytes a prefill sends on a data connection before its first write batch: the challenge
+/// and the one-byte answer.
+const DATA_HANDSHAKE_DOWN: usize = kvferry_tcp::DATA_CHALLENGE_LEN + 1;
+
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    state: Arc<State>,
+    up: bool,
+    is_data: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::atomic::Ordering;
     let mut buf = vec![0u8; 64 * 1024];
     let mut forwarded = 0usize;
-    let mut data = false;
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
         if up && forwarded == 0 {
-            data = buf[..n].starts_with(&kvferry_tcp::MAGIC)
+            let data = buf[..n].starts_with(&kvferry_tcp::MAGIC)
                 && buf.get(kvferry_tcp::MAGIC.len()) == Some(&kvferry_tcp::KIND_DATA);
+            is_data.store(data, Ordering::Relaxed);
+        }
+        let data = is_data.load(Ordering::Relaxed);
+        if !up && data {
+            // The stream position of the byte to flip, if this chunk holds it.
+            let (start, end) = (forwarded as u64, (forwarded + n) as u64);
+            if let Ok(mut f) = state.faults.lock() {
+                let target = f.flip_data_byte.map(|at| at + DATA_HANDSHAKE_DOWN as u64);
+                if let Some(pos) = target.filter(|pos| (start..end).contains(pos)) {
+                    buf[(pos - start) as usize] ^= 0x10;
+                    f.flip_data_byte = None;
+                }
+            }
         }
         if up && data && forwarded >= DATA_HANDSHAKE_UP {
             let forged = state

@@ -76,6 +76,7 @@ async fn a_stranger_reads_a_challenge_and_a_refusal_and_never_the_token() {
         // A hello with a made-up proof: refused, and still nothing about the listener.
         let mut hello = Vec::new();
         Message::Hello(kvferry_core::codec::Hello {
+            checksum: false,
             extras: Vec::new(),
             role: Role::Decode,
             rank: 0,

@@ -39,6 +39,7 @@ impl Endpoint {
                 .clamp(1, u128::from(u32::MAX)) as u32,
             heartbeat_misses: self.config.heartbeat_misses.max(1),
             proof: [0; 32],
+            checksum: self.config.checksum,
             extras: self.local.extras.clone(),
         }
     }
@@ -450,6 +451,13 @@ impl Endpoint {
                         .compatible(&ours.layout, &theirs.heads, &theirs.layout)
                 })
                 .and_then(|()| ExtraPool::compatible(&ours.extras, &theirs.extras))
+                .and_then(|()| {
+                    LayoutMismatch::first(&[(
+                        "checksum",
+                        u64::from(self.config.checksum),
+                        u64::from(theirs.checksum),
+                    )])
+                })
                 .and_then(|()| extras_whole_heads(ours, theirs));
             if let Err(m) = checked {
                 return Err(HandshakeError::Refused(RejectReason::IncompatibleLayout(m)));

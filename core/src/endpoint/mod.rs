@@ -905,6 +905,7 @@ impl Endpoint {
                 attempt: op.attempt,
                 slices: op.slices.clone(),
                 bytes: op.bytes,
+                checksum: self.config.checksum,
             };
             let at = now + self.config.operation_timeout;
             self.timers.set(&mut op.timer, at, Timer::Operation(id));

@@ -275,6 +275,7 @@ impl Endpoint {
             epoch,
             seq,
             applied: false,
+            corrupt: false,
         })
     }
 
@@ -306,6 +307,15 @@ impl Endpoint {
                 }
                 break;
             }
+        }
+        let live = self
+            .rooms
+            .get(&room)
+            .is_some_and(|r| !r.state.is_terminal());
+        if permit.corrupt && live {
+            // The bytes that landed are not the sender's: the room's pages are garbage.
+            warn!(%room, session = %permit.session, "a write's checksum did not match what its sender computed");
+            self.conclude(now, room, KvPoll::Failed(FailureReason::ChecksumMismatch));
         }
         if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
             self.maybe_release(now, room);
