@@ -17,7 +17,8 @@ use rustix::net::{
     recvmsg, sendmsg, RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendFlags,
 };
 
-use crate::io_common::{gather_iovecs, scatter_iovecs};
+use crate::frame::CHECKSUM_LEN;
+use crate::io_common::{gather_iovecs, hash_span, scatter_iovecs};
 use crate::send::GatherWrite;
 use crate::stream::ScatterRead;
 
@@ -28,8 +29,15 @@ const PIECE: usize = 64 * 1024;
 #[derive(Debug)]
 pub struct GatherConn<S>(pub S);
 
-impl<S: AsyncWrite + AsRawFd + Unpin> GatherWrite for GatherConn<S> {
-    async fn write_gather(&mut self, header: &[u8], sources: &[(usize, usize)]) -> io::Result<()> {
+impl<S: AsyncWrite + AsRawFd + Unpin> GatherConn<S> {
+    /// Writes `header` and every source range; with `hasher`, feeds it each piece of the
+    /// sources right after the socket took it (the bytes are still in the cache).
+    async fn gather(
+        &mut self,
+        header: &[u8],
+        sources: &[(usize, usize)],
+        mut hasher: Option<&mut xxhash_rust::xxh3::Xxh3>,
+    ) -> io::Result<()> {
         let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
         let mut done = 0usize;
         while done < total {
@@ -45,20 +53,48 @@ impl<S: AsyncWrite + AsRawFd + Unpin> GatherWrite for GatherConn<S> {
                     SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
                 )
             };
-            match sent {
+            let n = match sent {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => done += n,
-                Err(rustix::io::Errno::INTR) => {}
+                Ok(n) => n,
+                Err(rustix::io::Errno::INTR) => continue,
                 Err(rustix::io::Errno::AGAIN) => {
                     // The socket is full: the runtime's own write waits for room.
                     let piece = &iov[0][..iov[0].len().min(PIECE)];
                     self.0.write_all(piece).await?;
-                    done += piece.len();
+                    piece.len()
                 }
                 Err(e) => return Err(e.into()),
+            };
+            if let Some(h) = hasher.as_deref_mut() {
+                // The payload part of what was just sent (the header is not hashed).
+                let from = done.max(header.len());
+                let to = done + n;
+                if to > from {
+                    // SAFETY: `sources` are registered host ranges of the operation being
+                    // written, unchanged until it is reported.
+                    unsafe { hash_span(h, sources, from - header.len(), to - from) };
+                }
             }
+            done += n;
         }
         Ok(())
+    }
+}
+
+impl<S: AsyncWrite + AsRawFd + Unpin> GatherWrite for GatherConn<S> {
+    async fn write_gather(&mut self, header: &[u8], sources: &[(usize, usize)]) -> io::Result<()> {
+        self.gather(header, sources, None).await
+    }
+
+    async fn write_gather_checked(
+        &mut self,
+        header: &[u8],
+        sources: &[(usize, usize)],
+    ) -> io::Result<()> {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        self.gather(header, sources, Some(&mut hasher)).await?;
+        let trailer: [u8; CHECKSUM_LEN] = hasher.digest().to_le_bytes();
+        self.0.write_all(&trailer).await
     }
 
     async fn finish(&mut self) {
@@ -120,17 +156,23 @@ fn place(targets: &[(usize, usize)], skip: usize, bytes: &[u8]) -> usize {
     at
 }
 
-impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S> {
-    async fn read_into(
+impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
+    /// Reads exactly the bytes of `targets` into them; with `hasher`, feeds it each piece
+    /// right after it landed (still in the cache).
+    async fn scatter(
         &mut self,
         targets: &[(usize, usize)],
-        _stage: &mut Vec<u8>,
+        mut hasher: Option<&mut xxhash_rust::xxh3::Xxh3>,
     ) -> io::Result<()> {
         let total: usize = targets.iter().map(|t| t.1).sum();
         // What the read buffer already holds belongs to this payload first.
         let buffered = self.0.buffer();
         let mut done = place(targets, 0, &buffered[..buffered.len().min(total)]);
         self.0.consume(done);
+        if let Some(h) = hasher.as_deref_mut() {
+            // SAFETY: `targets` are registered host ranges this write holds (its permit).
+            unsafe { hash_span(h, targets, 0, done) };
+        }
         while done < total {
             let mut iov = scatter_iovecs(targets, done);
             let got = {
@@ -143,10 +185,10 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S>
                     RecvFlags::DONTWAIT,
                 )
             };
-            match got {
+            let n = match got {
                 Ok(r) if r.bytes == 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(r) => done += r.bytes,
-                Err(rustix::io::Errno::INTR) => {}
+                Ok(r) => r.bytes,
+                Err(rustix::io::Errno::INTR) => continue,
                 Err(rustix::io::Errno::AGAIN) => {
                     // Nothing to read yet: the runtime's own read waits for data, straight
                     // into the next destination range (the read buffer is empty here).
@@ -156,12 +198,37 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S>
                     if got == 0 {
                         return Err(io::ErrorKind::UnexpectedEof.into());
                     }
-                    done += got;
+                    got
                 }
                 Err(e) => return Err(e.into()),
+            };
+            if let Some(h) = hasher.as_deref_mut() {
+                // SAFETY: as above; these `n` bytes just landed.
+                unsafe { hash_span(h, targets, done, n) };
             }
+            done += n;
         }
         Ok(())
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S> {
+    async fn read_into(
+        &mut self,
+        targets: &[(usize, usize)],
+        _stage: &mut Vec<u8>,
+    ) -> io::Result<()> {
+        self.scatter(targets, None).await
+    }
+
+    async fn read_into_checked(
+        &mut self,
+        targets: &[(usize, usize)],
+        _stage: &mut Vec<u8>,
+    ) -> io::Result<u64> {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        self.scatter(targets, Some(&mut hasher)).await?;
+        Ok(hasher.digest())
     }
 }
 

@@ -17,11 +17,11 @@ pub const SLICE_DESC_LEN: usize = 20;
 pub const ACK_LEN: usize = 9;
 /// Frame type of a write batch.
 pub const FRAME_WRITE: u8 = 1;
-/// Frame type of a write batch followed by the CRC32C of its payload (4 bytes, little-endian):
-/// sessions with the end-to-end checksum on.
+/// Frame type of a write batch followed by the XXH3-64 of its payload (8 bytes,
+/// little-endian): sessions with the end-to-end checksum on.
 pub const FRAME_WRITE_CHECKED: u8 = 2;
 /// Size of the checksum trailer of a [`FRAME_WRITE_CHECKED`] batch.
-pub const CHECKSUM_LEN: usize = 4;
+pub const CHECKSUM_LEN: usize = 8;
 
 /// Length of a data listener's challenge, sent right after the connector's magic and kind.
 pub const DATA_CHALLENGE_LEN: usize = kvferry_core::auth::NONCE_LEN;
@@ -78,7 +78,7 @@ pub struct WriteHeader {
     pub slices: u32,
     /// Payload bytes after the descriptors: the sum of the slice lengths.
     pub payload: u64,
-    /// Whether the payload is followed by its CRC32C ([`FRAME_WRITE_CHECKED`]).
+    /// Whether the payload is followed by its XXH3-64 ([`FRAME_WRITE_CHECKED`]).
     pub checked: bool,
 }
 
@@ -192,7 +192,7 @@ pub enum AckStatus {
     Applied = 0,
     /// Refused by the receiver's checks; nothing was written.
     Refused = 1,
-    /// The bytes landed but their CRC32C differs from the trailer: the receiver failed the
+    /// The bytes landed but their XXH3-64 differs from the trailer: the receiver failed the
     /// room (`checksum_mismatch`). The writer treats it as a refusal.
     Corrupt = 2,
 }

@@ -199,18 +199,47 @@ pub fn scatter_iovecs<'a>(targets: &[(usize, usize)], skip: usize) -> Vec<IoSlic
         .collect()
 }
 
-/// The CRC32C of the bytes of `ranges`, in order.
+/// Feeds `hasher` the `len` bytes of `ranges` that start `skip` bytes into them: the bytes a
+/// socket call just moved, hashed while they are still in the cache.
+///
+/// # Safety
+///
+/// As [`checksum_of`].
+pub(crate) unsafe fn hash_span(
+    hasher: &mut xxhash_rust::xxh3::Xxh3,
+    ranges: &[(usize, usize)],
+    mut skip: usize,
+    mut len: usize,
+) {
+    for &(ptr, n) in ranges {
+        if len == 0 {
+            break;
+        }
+        if skip >= n {
+            skip -= n;
+            continue;
+        }
+        let take = (n - skip).min(len);
+        // SAFETY: the caller's contract; the piece lies inside this range.
+        hasher.update(unsafe { std::slice::from_raw_parts((ptr + skip) as *const u8, take) });
+        len -= take;
+        skip = 0;
+    }
+}
+
+/// The XXH3-64 (seed 0) of the bytes of `ranges`, in order: the checksum of a write batch.
 ///
 /// # Safety
 ///
 /// Every range must be host memory valid for reads for its length, that nobody writes
 /// meanwhile (registered memory whose room's pages the core holds for this operation).
-pub(crate) unsafe fn checksum_of(ranges: &[(usize, usize)]) -> u32 {
-    ranges.iter().fold(0, |crc, &(ptr, len)| {
+pub(crate) unsafe fn checksum_of(ranges: &[(usize, usize)]) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for &(ptr, len) in ranges {
         // SAFETY: the caller's contract, for each range.
-        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-        crc32c::crc32c_append(crc, bytes)
-    })
+        hasher.update(unsafe { std::slice::from_raw_parts(ptr as *const u8, len) });
+    }
+    hasher.digest()
 }
 
 /// What a receiver does with one write whose header and table it read.

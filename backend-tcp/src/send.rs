@@ -60,6 +60,24 @@ pub trait GatherWrite {
 
     /// Ends the write direction (the peer reads end of stream).
     fn finish(&mut self) -> impl Future<Output = ()>;
+
+    /// As [`GatherWrite::write_gather`], then the XXH3-64 of the sources' bytes (the
+    /// checksum trailer of a checked batch). A transport that can hash each piece as it
+    /// sends it (while it is in the cache) overrides this.
+    fn write_gather_checked(
+        &mut self,
+        header: &[u8],
+        sources: &[(usize, usize)],
+    ) -> impl Future<Output = io::Result<()>> {
+        async move {
+            // SAFETY: `sources` are host ranges of registered memory of the operation being
+            // written, which the core keeps unchanged until the operation is reported.
+            let trailer = unsafe { checksum_of(sources) }.to_le_bytes();
+            let mut with = sources.to_vec();
+            with.push((trailer.as_ptr() as usize, CHECKSUM_LEN));
+            self.write_gather(header, &with).await
+        }
+    }
 }
 
 /// A writing half that copies anyway (TLS): each contiguous piece goes through the stream's
@@ -235,24 +253,12 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
                     None
                 });
             let Some(op) = next.await else { break };
-            let (mut sources, bad) = prepare_op(&op, &self.memory, &mut header);
+            let (sources, bad) = prepare_op(&op, &self.memory, &mut header);
             let device =
                 self.memory.staging().is_some() && staged::on_device(&self.memory, &op.slices);
             // Device memory is reached only through the copy engine: its checksum is not
             // computed here (a node refuses the combination when it starts).
             let bad = bad || (op.checksum && device);
-            // The checksum trailer: the CRC32C of exactly the bytes this batch sends, read
-            // from the same source ranges, written after them.
-            let trailer = if op.checksum && !bad {
-                // SAFETY: `sources` are host ranges of registered memory of this operation,
-                // which the core keeps unchanged until the operation is reported.
-                unsafe { checksum_of(&sources) }.to_le_bytes()
-            } else {
-                [0u8; CHECKSUM_LEN]
-            };
-            if op.checksum && !bad {
-                sources.push((trailer.as_ptr() as usize, CHECKSUM_LEN));
-            }
             // The ledger hands each operation to exactly one reporter: close, this writer, or
             // the ack reader.
             match self.ledger.start(op.id, bad) {
@@ -274,6 +280,8 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
                         Err(e) => Err(e),
                     }
                 }
+                // A checked batch: the XXH3-64 of exactly the bytes sent follows them.
+                _ if op.checksum => self.write.write_gather_checked(&header, &sources).await,
                 _ => self.write.write_gather(&header, &sources).await,
             };
             if let Err(e) = written {

@@ -76,6 +76,8 @@ where
         let status = match admit(&check, memory, &h, &slices)? {
             Admission::Apply { landing, targets } => {
                 let device = memory.staging().is_some() && staged::on_device(memory, &slices);
+                // The XXH3-64 of the bytes that landed (checked batches).
+                let mut landed = None;
                 if h.checked && device {
                     return Err(ServeError::Frame(FrameError::Malformed(
                         "a checksummed write into device memory",
@@ -87,12 +89,12 @@ where
                         let own = staged::lane_of(&mut lane, staging)?;
                         staged::read_staged(stream, &pieces, &own, staging).await?;
                     }
+                    _ if h.checked => {
+                        landed = Some(stream.read_into_checked(&targets, &mut stage).await?)
+                    }
                     _ => stream.read_into(&targets, &mut stage).await?,
                 }
-                // SAFETY (both calls below): `targets` are the host ranges this write just
-                // filled; the permit `landing` holds their room's pages, so nobody else
-                // writes them meanwhile.
-                if h.checked && read_checksum(stream).await? != unsafe { checksum_of(&targets) } {
+                if h.checked && Some(read_checksum(stream).await?) != landed {
                     landing.corrupt();
                     stats.corrupt += 1;
                     warn!(room = %h.room, op = %h.op, "write checksum mismatch");
@@ -128,6 +130,22 @@ pub trait ScatterRead: AsyncRead + AsyncWrite + Unpin + Sized {
         stage: &'a mut Vec<u8>,
     ) -> impl std::future::Future<Output = io::Result<()>> + 'a {
         read_scatter(self, targets, stage)
+    }
+
+    /// As [`ScatterRead::read_into`], returning the XXH3-64 of the bytes read (a checked
+    /// batch's checksum, to compare with its trailer). A transport that can hash each piece
+    /// as it lands (while it is in the cache) overrides this.
+    fn read_into_checked<'a>(
+        &'a mut self,
+        targets: &'a [(usize, usize)],
+        stage: &'a mut Vec<u8>,
+    ) -> impl std::future::Future<Output = io::Result<u64>> + 'a {
+        async move {
+            self.read_into(targets, stage).await?;
+            // SAFETY: `targets` are the host ranges this write just filled; the permit holds
+            // their room's pages, so nobody else writes them meanwhile.
+            Ok(unsafe { checksum_of(targets) })
+        }
     }
 }
 
@@ -176,11 +194,11 @@ pub async fn read_scatter<R: AsyncRead + Unpin>(
     Ok(())
 }
 
-/// Reads a checked batch's trailer: the sender's CRC32C of the payload.
-async fn read_checksum<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<u32> {
+/// Reads a checked batch's trailer: the sender's XXH3-64 of the payload.
+async fn read_checksum<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<u64> {
     let mut b = [0u8; CHECKSUM_LEN];
     r.read_exact(&mut b).await?;
-    Ok(u32::from_le_bytes(b))
+    Ok(u64::from_le_bytes(b))
 }
 
 async fn discard<R: AsyncRead + Unpin>(

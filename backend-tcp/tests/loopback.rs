@@ -240,7 +240,7 @@ fn checked_limits() -> Limits {
 }
 
 /// A checked write batch for `room`: 1024 bytes of `byte` into page 3 of layer 0 plane 0,
-/// its trailer the CRC32C of `sent` (the bytes the writer held).
+/// its trailer the XXH3-64 of `sent` (the bytes the writer held).
 fn checked_batch(room: u64, sent: &[u8], payload: &[u8]) -> Vec<u8> {
     let slice = Slice {
         region: Region::Kv { layer: 0, plane: 0 },
@@ -260,7 +260,7 @@ fn checked_batch(room: u64, sent: &[u8], payload: &[u8]) -> Vec<u8> {
     .encode(&mut out);
     kvferry_tcp::encode_slice(&slice, &mut out);
     out.extend_from_slice(payload);
-    out.extend_from_slice(&crc32c::crc32c(sent).to_le_bytes());
+    out.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(sent).to_le_bytes());
     out
 }
 

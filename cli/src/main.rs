@@ -252,7 +252,7 @@ struct CommonArgs {
     /// TLS: the name a listener's certificate must carry (DNS name or IP address).
     #[arg(long, env = "KVFERRY_TLS_SERVER_NAME", default_value = "kvferry")]
     tls_server_name: String,
-    /// Checksum every write end to end (CRC32C, verified before it is acknowledged): a
+    /// Checksum every write end to end (XXH3-64, verified before it is acknowledged): a
     /// corrupted page fails its room with checksum_mismatch. Both sides must agree.
     #[arg(long)]
     checksum: bool,
