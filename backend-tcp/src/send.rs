@@ -256,9 +256,6 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
             let (sources, bad) = prepare_op(&op, &self.memory, &mut header);
             let device =
                 self.memory.staging().is_some() && staged::on_device(&self.memory, &op.slices);
-            // Device memory is reached only through the copy engine: its checksum is not
-            // computed here (a node refuses the combination when it starts).
-            let bad = bad || (op.checksum && device);
             // The ledger hands each operation to exactly one reporter: close, this writer, or
             // the ack reader.
             match self.ledger.start(op.id, bad) {
@@ -274,8 +271,17 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
                     let pieces = staged::pieces(&self.memory, &op.slices, &sources);
                     match staged::lane_of(&mut lane, staging) {
                         Ok(own) => {
-                            staged::write_staged(&mut self.write, &header, &pieces, &own, staging)
-                                .await
+                            // A checked batch hashes the staged bytes it sends.
+                            let hasher = op.checksum.then(xxhash_rust::xxh3::Xxh3::new);
+                            staged::write_staged(
+                                &mut self.write,
+                                &header,
+                                &pieces,
+                                &own,
+                                staging,
+                                hasher,
+                            )
+                            .await
                         }
                         Err(e) => Err(e),
                     }

@@ -201,6 +201,7 @@ pub(crate) async fn write_staged<W: GatherWrite>(
     pieces: &[Piece],
     lane: &Staging,
     staging: &Staging,
+    mut hasher: Option<xxhash_rust::xxh3::Xxh3>,
 ) -> io::Result<()> {
     let total: usize = pieces.iter().map(|p| p.len).sum();
     write.write_gather(header, &[]).await?;
@@ -226,8 +227,19 @@ pub(crate) async fn write_staged<W: GatherWrite>(
             break;
         };
         stage.copies.all().await.map_err(copy_failed)?;
+        if let Some(h) = hasher.as_mut() {
+            // The staged bytes, in payload order: exactly what goes on the wire.
+            h.update(&stage.buffer.as_slice()[..stage.len]);
+        }
         write
             .write_gather(&[], &[(stage.buffer.addr(), stage.len)])
+            .await?;
+    }
+    if let Some(h) = hasher {
+        // A checked batch's trailer: the XXH3-64 of the payload just written.
+        let trailer = h.digest().to_le_bytes();
+        write
+            .write_gather(&[], &[(trailer.as_ptr() as usize, trailer.len())])
             .await?;
     }
     Ok(())
@@ -240,6 +252,7 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
     pieces: &[Piece],
     lane: &Staging,
     staging: &Staging,
+    mut hasher: Option<&mut xxhash_rust::xxh3::Xxh3>,
 ) -> io::Result<()> {
     use futures_lite::AsyncReadExt;
     let total: usize = pieces.iter().map(|p| p.len).sum();
@@ -258,6 +271,10 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
         };
         let n = buffer.len().min(total - next);
         read.read_exact(&mut buffer.as_mut_slice()[..n]).await?;
+        if let Some(h) = hasher.as_deref_mut() {
+            // The bytes as they arrived, before the engine copies them into place.
+            h.update(&buffer.as_slice()[..n]);
+        }
         let stage = start_stage(
             pieces,
             next,
@@ -372,8 +389,10 @@ mod tests {
         ];
         let mut wire = Wire(steps.clone());
         let lane = lane(&staging).unwrap();
-        futures_lite::future::block_on(write_staged(&mut wire, b"HDR", &pieces, &lane, &staging))
-            .unwrap();
+        futures_lite::future::block_on(write_staged(
+            &mut wire, b"HDR", &pieces, &lane, &staging, None,
+        ))
+        .unwrap();
         let steps = steps.lock().unwrap().clone();
         // Every byte, in payload order, after the header.
         let mut expected = b"HDR".to_vec();

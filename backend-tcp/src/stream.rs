@@ -78,16 +78,16 @@ where
                 let device = memory.staging().is_some() && staged::on_device(memory, &slices);
                 // The XXH3-64 of the bytes that landed (checked batches).
                 let mut landed = None;
-                if h.checked && device {
-                    return Err(ServeError::Frame(FrameError::Malformed(
-                        "a checksummed write into device memory",
-                    )));
-                }
                 match memory.staging() {
                     Some(staging) if device => {
                         let pieces = staged::pieces(memory, &slices, &targets);
                         let own = staged::lane_of(&mut lane, staging)?;
-                        staged::read_staged(stream, &pieces, &own, staging).await?;
+                        // A checked batch hashes the bytes as they arrive in the staging
+                        // buffers, before the engine copies them into place.
+                        let mut hasher = h.checked.then(xxhash_rust::xxh3::Xxh3::new);
+                        staged::read_staged(stream, &pieces, &own, staging, hasher.as_mut())
+                            .await?;
+                        landed = hasher.map(|h| h.digest());
                     }
                     _ if h.checked => {
                         landed = Some(stream.read_into_checked(&targets, &mut stage).await?)

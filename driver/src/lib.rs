@@ -255,7 +255,7 @@ pub enum NodeError {
     /// The end-to-end checksum (`KVFERRY_CHECKSUM`) was asked for where this node cannot
     /// compute it yet.
     ChecksumUnsupported {
-        /// Where: device memory, or the RDMA backend.
+        /// Where: the RDMA backend.
         with: &'static str,
     },
 }
@@ -268,11 +268,6 @@ pub fn check_memory(
     backend: &DataBackend,
     checksum: bool,
 ) -> Result<(), NodeError> {
-    if checksum && memory.device_regions().next().is_some() {
-        return Err(NodeError::ChecksumUnsupported {
-            with: "device memory (staged copies are not checksummed yet)",
-        });
-    }
     if checksum && matches!(backend, DataBackend::Rdma { .. }) {
         return Err(NodeError::ChecksumUnsupported {
             with: "the RDMA backend (one-sided writes are not verified yet)",
@@ -352,7 +347,7 @@ impl std::fmt::Display for NodeError {
             }
             NodeError::ChecksumUnsupported { with } => write!(
                 f,
-                "the end-to-end checksum (KVFERRY_CHECKSUM) is not supported with {with}; turn it off or move this node's KV over TCP from host memory"
+                "the end-to-end checksum (KVFERRY_CHECKSUM) is not supported with {with}; turn it off or use the TCP backend"
             ),
         }
     }

@@ -27,11 +27,27 @@ async fn move_rooms(
     decode_memory: Arc<MemoryMap>,
     run: DecodeRun,
 ) -> Report {
+    move_rooms_with(staged_core(), p, d, prefill_memory, decode_memory, run).await
+}
+
+/// As [`move_rooms`], with the core's knobs `core` (with the checksum on, over TCP even
+/// where the test backend is RDMA: RDMA nodes refuse the option).
+async fn move_rooms_with(
+    core: kvferry_core::Config,
+    p: Runtime,
+    d: Runtime,
+    prefill_memory: Arc<MemoryMap>,
+    decode_memory: Arc<MemoryMap>,
+    run: DecodeRun,
+) -> Report {
     let shape = small_shape();
-    let mut pc = node_config(Role::Prefill, &shape, staged_core(), b"test-token", 1);
-    let mut dc = node_config(Role::Decode, &shape, staged_core(), b"test-token", 2);
-    use_test_backend(p, &mut pc);
-    use_test_backend(d, &mut dc);
+    let checksum = core.checksum;
+    let mut pc = node_config(Role::Prefill, &shape, core.clone(), b"test-token", 1);
+    let mut dc = node_config(Role::Decode, &shape, core, b"test-token", 2);
+    if !checksum {
+        use_test_backend(p, &mut pc);
+        use_test_backend(d, &mut dc);
+    }
     let staged = |memory: &MemoryMap| {
         if memory.staging().is_some() {
             "tcp_staged"
@@ -196,7 +212,24 @@ async fn a_copy_engine_failing_mid_transfer_never_lands_garbage(p: Runtime, d: R
     );
 }
 
+/// With the checksum on, every staged batch is hashed as its bytes are staged (prefill) and
+/// as they arrive in the staging buffers (decode), and verified before it is acknowledged.
+async fn device_rooms_move_with_the_checksum_on(p: Runtime, d: Runtime) {
+    let engine = || HostCopyEngine::new(Duration::from_micros(100));
+    let core = kvferry_core::Config {
+        checksum: true,
+        ..staged_core()
+    };
+    let (prefill, decode) = (
+        device_memory(engine(), 4, 8192),
+        device_memory(engine(), 4, 8192),
+    );
+    let report = move_rooms_with(core, p, d, prefill, decode, rooms(20, 1)).await;
+    assert_all_clean(&report, 20);
+}
+
 on_every_driver!(
+    device_rooms_move_with_the_checksum_on,
     device_rooms_move_staged_with_every_byte_verified,
     device_and_host_nodes_move_rooms_between_them,
     layerwise_device_rooms_move_each_layer_once_ready,

@@ -472,18 +472,34 @@ async fn f10_a_forged_acknowledgement_closes_the_data_connection_and_rooms_still
 }
 
 /// One bit flipped in one page on its way from prefill to decode (a proxy between them).
-/// `checksum`: both nodes run with the end-to-end checksum. Returns the decode's report.
-async fn one_flipped_bit(checksum: bool, seed: u64) -> kvferry_testkit::Report {
+/// `checksum`: both nodes run with the end-to-end checksum; `device`: both nodes' KV is
+/// device memory (staged through the host copy engine). Returns the decode's report.
+async fn one_flipped_bit(checksum: bool, device: bool, seed: u64) -> kvferry_testkit::Report {
     let shape = small_shape();
     let core = Config {
         checksum,
-        ..fast_core()
+        ..kvferry_tests::staged_core()
     };
-    let (_p, addr, _server) = prefill(&shape, core.clone(), seed).await;
+    let memory = || {
+        if device {
+            kvferry_tests::device_memory(
+                kvferry_memory::HostCopyEngine::new(Duration::ZERO),
+                4,
+                8192,
+            )
+        } else {
+            std::sync::Arc::new(kvferry_memory::MemoryMap::allocate(shape.layout()))
+        }
+    };
+    let cfg =
+        |role, seed| kvferry_testkit::node_config(role, &shape, core.clone(), b"test-token", seed);
+    let p = kvferry_tokio::Node::start(cfg(Role::Prefill, seed), memory()).unwrap();
+    let addr = p.listen("127.0.0.1:0".parse().unwrap()).await.unwrap()[0];
+    let _server = tokio::spawn(kvferry_testkit::serve_prefill(p.clone(), shape.clone()));
     let proxy = FaultProxy::start(addr, seed).await.unwrap();
     // Well inside the first write batch's payload (its header and table are under 1 KiB).
     proxy.set(|f| f.flip_data_byte = Some(4096 + 123));
-    let d = start(Role::Decode, &shape, core, seed + 1);
+    let d = kvferry_tokio::Node::start(cfg(Role::Decode, seed + 1), memory()).unwrap();
     let s = d.connect(vec![proxy.addr]).await.unwrap();
     let report = run_decode(&d, s, rooms(20, 800)).await;
     let mut flipped = false;
@@ -494,27 +510,30 @@ async fn one_flipped_bit(checksum: bool, seed: u64) -> kvferry_testkit::Report {
 
 /// With the checksum on, the room whose page was corrupted in flight fails with
 /// `checksum_mismatch` (it never reports Success over garbage), and every other room
-/// succeeds with every page verified.
+/// succeeds with every page verified: from host memory, and from device memory staged
+/// through host buffers.
 ///
 /// Tokio only: the bit is flipped by the tokio fault proxy; the checksum is the shared data
 /// plane's (`kvferry-tcp`), the same on every runtime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn f12_a_bit_flipped_in_flight_fails_its_room_with_checksum_mismatch() {
-    let report = one_flipped_bit(true, 171).await;
-    assert_eq!(
-        report.failed_by_reason.get("checksum_mismatch"),
-        Some(&1),
-        "{report:?}"
-    );
-    assert_eq!(report.rooms_succeeded, 19, "{report:?}");
-    assert_eq!(report.pages_corrupted, 0, "{report:?}");
+    for device in [false, true] {
+        let report = one_flipped_bit(true, device, 171).await;
+        assert_eq!(
+            report.failed_by_reason.get("checksum_mismatch"),
+            Some(&1),
+            "device {device}: {report:?}"
+        );
+        assert_eq!(report.rooms_succeeded, 19, "device {device}: {report:?}");
+        assert_eq!(report.pages_corrupted, 0, "device {device}: {report:?}");
+    }
 }
 
 /// The same flip without the checksum: the room reports Success and its page is garbage,
 /// found only by the demo's own pattern check. What the option exists for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn f12_without_the_checksum_the_same_flip_lands_as_a_corrupted_page() {
-    let report = one_flipped_bit(false, 181).await;
+    let report = one_flipped_bit(false, false, 181).await;
     assert_eq!(report.rooms_succeeded, 20, "{report:?}");
     assert_eq!(report.pages_corrupted, 1, "{report:?}");
 }
