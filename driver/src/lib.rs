@@ -214,8 +214,10 @@ impl RoomHandle {
     }
 }
 
-/// Errors of the node's IO-facing calls.
+/// Errors of the node's IO-facing calls, typed so that a caller can match on what went
+/// wrong; new variants may come (`#[non_exhaustive]`).
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum NodeError {
     /// A socket operation failed.
     Io(std::io::Error),
@@ -223,8 +225,16 @@ pub enum NodeError {
     Api(ApiError),
     /// The session did not complete its handshake in time.
     HandshakeTimeout,
-    /// The peer refused the session (its reason and explanation).
-    Refused(String),
+    /// The peer refused the session with an `Error` frame: its code and explanation.
+    Refused {
+        /// The peer's error code.
+        code: kvferry_core::codec::ErrorCode,
+        /// The peer's explanation (a layout field and both values, ...).
+        detail: String,
+    },
+    /// A kept peer refused this node at its handshake; the reason the core filed (the
+    /// peer's own words, when it sent them, come as [`NodeError::Refused`]).
+    RefusedAs(FailureReason),
     /// This node refused the peer at the handshake.
     Rejected(kvferry_core::RejectReason),
     /// The node was shut down.
@@ -236,12 +246,29 @@ pub enum NodeError {
     /// A persistent peer had no session for the core's whole `unreachable_timeout`; the
     /// reason says what the connection attempts found.
     Unreachable(FailureReason),
-    /// The runtime could not start (what failed and how to fix it).
-    Runtime(String),
-    /// The data-plane backend could not start (what failed and how to fix it).
-    Backend(String),
-    /// TLS was asked for and could not be set up (a file, a key, the runtime).
-    Tls(String),
+    /// The locked-memory limit (`RLIMIT_MEMLOCK`, after raising the soft limit to the hard
+    /// one) is below what the shards' io_uring rings need.
+    MemoryLockLimit {
+        /// The limit, in bytes.
+        limit: u64,
+        /// What the shards need, in bytes.
+        needed: u64,
+        /// Shards asked for.
+        shards: usize,
+    },
+    /// A shard's thread could not start, or did not report ready in time.
+    ShardStart {
+        /// The shard.
+        shard: usize,
+        /// Why (`None`: it did not report ready in time).
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// The configuration asks for something this build or runtime does not do.
+    Unsupported(Unsupported),
+    /// The data-plane backend (RDMA) could not open its device.
+    Backend(Box<dyn std::error::Error + Send + Sync>),
+    /// TLS was asked for and its material could not be set up.
+    Tls(kvferry_tcp::TlsError),
     /// A registered region is memory this node's data plane cannot reach (device memory
     /// with no copy engine).
     UnreachableMemory {
@@ -252,12 +279,31 @@ pub enum NodeError {
         /// What would serve it.
         fix: &'static str,
     },
-    /// The end-to-end checksum (`KVFERRY_CHECKSUM`) was asked for where this node cannot
-    /// compute it yet.
-    ChecksumUnsupported {
-        /// Where: the RDMA backend.
-        with: &'static str,
-    },
+}
+
+/// A combination a node refuses to start with, and what to do instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Unsupported {
+    /// RDMA on the glommio driver: RDMA runs on the tokio driver.
+    RdmaOnGlommio,
+    /// TLS on the glommio driver: TLS runs on the tokio driver.
+    TlsOnGlommio,
+    /// RDMA in a build without the `rdma` feature.
+    RdmaNotBuilt,
+    /// The end-to-end checksum over the RDMA backend (one-sided writes are not verified yet).
+    ChecksumOverRdma,
+}
+
+impl std::fmt::Display for Unsupported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Unsupported::RdmaOnGlommio => "the glommio driver carries data over TCP only; RDMA runs on the tokio driver (--runtime tokio)",
+            Unsupported::TlsOnGlommio => "the glommio driver has no TLS yet; TLS runs on the tokio driver (--runtime tokio)",
+            Unsupported::RdmaNotBuilt => "this build has no RDMA support: rebuild with the `rdma` feature, or use --backend tcp",
+            Unsupported::ChecksumOverRdma => "the end-to-end checksum (KVFERRY_CHECKSUM) is not supported with the RDMA backend (one-sided writes are not verified yet); turn it off or use the TCP backend",
+        })
+    }
 }
 
 /// Refuses, before anything starts, memory the data plane cannot reach: a device region
@@ -269,9 +315,7 @@ pub fn check_memory(
     checksum: bool,
 ) -> Result<(), NodeError> {
     if checksum && matches!(backend, DataBackend::Rdma { .. }) {
-        return Err(NodeError::ChecksumUnsupported {
-            with: "the RDMA backend (one-sided writes are not verified yet)",
-        });
+        return Err(NodeError::Unsupported(Unsupported::ChecksumOverRdma));
     }
     if let Some((region, kind)) = memory.unreachable_region() {
         return Err(NodeError::UnreachableMemory {
@@ -306,7 +350,10 @@ impl std::fmt::Display for NodeError {
                 f,
                 "the peer did not complete the handshake in time (check address, token and layout)"
             ),
-            NodeError::Refused(why) => write!(f, "the peer refused the session: {why}"),
+            NodeError::Refused { code, detail } => {
+                write!(f, "the peer refused the session: {code:?}: {detail}")
+            }
+            NodeError::RefusedAs(reason) => write!(f, "the peer refused the session: {reason}"),
             NodeError::Rejected(kvferry_core::RejectReason::BadToken) => {
                 write!(
                     f,
@@ -336,24 +383,55 @@ impl std::fmt::Display for NodeError {
                 f,
                 "the peer stayed unreachable for the whole unreachable timeout ({reason})"
             ),
-            NodeError::Runtime(why) => write!(f, "the runtime could not start: {why}"),
-            NodeError::Backend(why) => write!(f, "the data plane could not start: {why}"),
-            NodeError::Tls(why) => write!(f, "TLS: {why}"),
+            NodeError::MemoryLockLimit {
+                limit,
+                needed,
+                shards,
+            } => write!(
+                f,
+                "the runtime could not start: RLIMIT_MEMLOCK is {limit} bytes after raising the \
+                 soft limit to the hard one; glommio needs at least {needed} bytes for {shards} \
+                 shard(s): run `ulimit -l unlimited` (or raise memlock in \
+                 /etc/security/limits.conf) or use fewer shards"
+            ),
+            NodeError::ShardStart {
+                shard,
+                source: Some(e),
+            } => write!(f, "the runtime could not start: shard {shard}: {e}"),
+            NodeError::ShardStart {
+                shard,
+                source: None,
+            } => write!(
+                f,
+                "the runtime could not start: shard {shard} did not start"
+            ),
+            NodeError::Unsupported(what) => write!(f, "{what}"),
+            NodeError::Backend(e) => write!(f, "the data plane could not start: {e}"),
+            NodeError::Tls(e) => write!(f, "TLS: {e}"),
             NodeError::UnreachableMemory { region, kind, fix } => {
                 write!(
                     f,
                     "{region:?} is {kind}, which this node cannot reach: {fix}"
                 )
             }
-            NodeError::ChecksumUnsupported { with } => write!(
-                f,
-                "the end-to-end checksum (KVFERRY_CHECKSUM) is not supported with {with}; turn it off or use the TCP backend"
-            ),
         }
     }
 }
 
-impl std::error::Error for NodeError {}
+impl std::error::Error for NodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            NodeError::Io(e) => Some(e),
+            NodeError::Api(e) => Some(e),
+            NodeError::Tls(e) => Some(e),
+            NodeError::Backend(e) => Some(e.as_ref()),
+            NodeError::ShardStart {
+                source: Some(e), ..
+            } => Some(e.as_ref()),
+            _ => None,
+        }
+    }
+}
 
 impl From<std::io::Error> for NodeError {
     fn from(e: std::io::Error) -> Self {

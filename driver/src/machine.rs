@@ -233,7 +233,7 @@ impl<H: Host> SessionIo<H> {
 #[derive(Clone)]
 enum Refusal {
     /// The peer's error frame: its code and explanation.
-    Peer(String),
+    Peer(kvferry_core::codec::ErrorCode, String),
     /// This side refused the peer.
     Rejected(kvferry_core::RejectReason),
 }
@@ -241,7 +241,10 @@ enum Refusal {
 impl Refusal {
     fn error(&self) -> NodeError {
         match self {
-            Refusal::Peer(why) => NodeError::Refused(why.clone()),
+            Refusal::Peer(code, detail) => NodeError::Refused {
+                code: *code,
+                detail: detail.clone(),
+            },
             Refusal::Rejected(r) => NodeError::Rejected(*r),
         }
     }
@@ -572,14 +575,14 @@ impl<H: Host> Driver<H> {
                 session,
                 code,
                 ref detail,
-            } => self.note_refusal(session, Refusal::Peer(format!("{code:?}: {detail}")), true),
+            } => self.note_refusal(session, Refusal::Peer(code, detail.clone()), true),
             Event::SessionRejected { session, reason } => {
                 self.note_refusal(session, Refusal::Rejected(reason), false)
             }
             Event::TargetUp { target, session } => self.target_waits.succeed(&target, session),
             Event::TargetRefused { target, reason } => self
                 .target_waits
-                .fail_keeping(&target, || NodeError::Refused(reason.to_string())),
+                .fail_keeping(&target, || NodeError::RefusedAs(reason)),
             Event::TargetUnreachable { target, reason } => self
                 .target_waits
                 .fail(&target, || NodeError::Unreachable(reason)),
@@ -686,7 +689,7 @@ impl<H: Host> Driver<H> {
             let why = self
                 .target_waits
                 .noted(&target)
-                .unwrap_or_else(|| NodeError::Refused(reason.to_string()));
+                .unwrap_or_else(|| NodeError::RefusedAs(reason));
             let _ = tx.send(Err(why));
             return;
         }

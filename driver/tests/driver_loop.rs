@@ -185,7 +185,7 @@ fn a_caller_waiting_for_a_handshake_learns_why_the_peer_refused() {
         prefill.closed(p_sid);
     }
     match rx.try_recv().unwrap() {
-        Err(NodeError::Refused(_) | NodeError::Rejected(_)) => {}
+        Err(NodeError::Refused { .. } | NodeError::RefusedAs(_) | NodeError::Rejected(_)) => {}
         other => panic!("expected the peer's refusal, got {other:?}"),
     }
 }
@@ -202,7 +202,7 @@ fn every_caller_waiting_for_a_handshake_learns_the_peers_refusal() {
     decode.closed(d_sid);
     for rx in [&mut first, &mut second] {
         match rx.try_recv().unwrap() {
-            Err(NodeError::Refused(_) | NodeError::Rejected(_)) => {}
+            Err(NodeError::Refused { .. } | NodeError::RefusedAs(_) | NodeError::Rejected(_)) => {}
             other => panic!("expected the peer's refusal, got {other:?}"),
         }
     }
@@ -308,7 +308,7 @@ fn a_caller_waiting_for_a_target_learns_at_once_that_its_peer_refused_us() {
     }
     // Not after the unreachable timeout: a refusal does not heal by retrying.
     match rx.try_recv().unwrap() {
-        Err(NodeError::Refused(_) | NodeError::Rejected(_)) => {}
+        Err(NodeError::Refused { .. } | NodeError::RefusedAs(_) | NodeError::Rejected(_)) => {}
         other => panic!("expected the peer's refusal, got {other:?}"),
     }
 }

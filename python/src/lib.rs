@@ -165,6 +165,7 @@ fn node_error(e: NodeError) -> PyErr {
         NodeError::ShutDown => NodeClosed::new_err(e.to_string()),
         NodeError::UnknownPeer(_) => InvalidArgument::new_err(e.to_string()),
         NodeError::UnreachableMemory { .. } => UnsupportedMemory::new_err(e.to_string()),
+        NodeError::Unsupported(_) => InvalidArgument::new_err(e.to_string()),
         other => ConnectError::new_err(other.to_string()),
     }
 }

@@ -81,12 +81,11 @@ pub fn ensure_memlock(shards: usize) -> Result<(), NodeError> {
     match now {
         None => Ok(()),
         Some(v) if v >= need => Ok(()),
-        Some(v) => Err(NodeError::Runtime(format!(
-            "RLIMIT_MEMLOCK is {v} bytes after raising the soft limit to the hard one; \
-             glommio needs at least {need} bytes for {shards} shard(s): \
-             run `ulimit -l unlimited` (or raise memlock in /etc/security/limits.conf) \
-             or use fewer shards"
-        ))),
+        Some(v) => Err(NodeError::MemoryLockLimit {
+            limit: v,
+            needed: need,
+            shards,
+        }),
     }
 }
 
@@ -199,15 +198,19 @@ pub(crate) fn spawn_shards(
             Ok(h) => h,
             Err(e) if cores.core(i).is_some() => {
                 warn!(shard = i, error = %e, "cannot pin the shard; running it unpinned");
-                spawn(Placement::Unbound, setup, ready_tx)
-                    .map_err(|e| NodeError::Runtime(format!("shard {i}: {e}")))?
+                spawn(Placement::Unbound, setup, ready_tx).map_err(|e| shard_error(i, e))?
             }
-            Err(e) => return Err(NodeError::Runtime(format!("shard {i}: {e}"))),
+            Err(e) => return Err(shard_error(i, e)),
         };
         match ready_rx.recv_timeout(Duration::from_secs(10)) {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(NodeError::Runtime(format!("shard {i}: {e}"))),
-            Err(_) => return Err(NodeError::Runtime(format!("shard {i} did not start"))),
+            Ok(Err(e)) => return Err(shard_error(i, e)),
+            Err(_) => {
+                return Err(NodeError::ShardStart {
+                    shard: i,
+                    source: None,
+                })
+            }
         }
         senders.push(tx);
         threads.push(handle);
@@ -217,4 +220,12 @@ pub(crate) fn spawn_shards(
         threads,
         cores,
     })
+}
+
+/// A shard that could not start, with why.
+fn shard_error(shard: usize, e: impl std::fmt::Display) -> NodeError {
+    NodeError::ShardStart {
+        shard,
+        source: Some(e.to_string().into()),
+    }
 }

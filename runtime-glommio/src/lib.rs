@@ -34,7 +34,7 @@ use kvferry_driver::{
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
-    RoomView,
+    RoomView, Unsupported,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::fd::second_handle;
@@ -98,15 +98,10 @@ impl GlommioNode {
         shards: ShardConfig,
     ) -> Result<GlommioNode, NodeError> {
         if config.backend != DataBackend::Tcp {
-            return Err(NodeError::Backend(
-                "the glommio driver carries data over TCP only; RDMA runs on the tokio driver (--runtime tokio)".to_owned(),
-            ));
+            return Err(NodeError::Unsupported(Unsupported::RdmaOnGlommio));
         }
         if config.tls.is_some() {
-            return Err(NodeError::Tls(
-                "the glommio driver has no TLS yet; TLS runs on the tokio driver (--runtime tokio)"
-                    .to_owned(),
-            ));
+            return Err(NodeError::Unsupported(Unsupported::TlsOnGlommio));
         }
         kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
         let announcements = Announcer::default();

@@ -38,9 +38,11 @@ fn a_too_low_memlock_limit_is_a_typed_error_that_names_the_fix() {
         },
     )
     .unwrap_err();
-    let NodeError::Runtime(why) = &err else {
-        panic!("not a runtime error: {err}");
+    let NodeError::MemoryLockLimit { limit, shards, .. } = &err else {
+        panic!("not a memory lock error: {err}");
     };
+    assert_eq!((*limit, *shards), (65536, 2));
+    let why = err.to_string();
     assert!(why.contains("RLIMIT_MEMLOCK"), "{why}");
     assert!(why.contains("65536"), "names the value found: {why}");
     assert!(why.contains("ulimit -l"), "names the fix: {why}");

@@ -36,7 +36,7 @@ pub use rdma::SessionRdma;
 
 pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, DataPath, FaultPlan, KvNode, Link,
-    NodeConfig, NodeError, PeerId, RoomHandle, RoomView,
+    NodeConfig, NodeError, PeerId, RoomHandle, RoomView, Unsupported,
 };
 use kvferry_driver::{
     runtime, within, Announcer, Answer, ControlQueue, ControlTasks, DataConn, Dial, Driver,
@@ -161,12 +161,10 @@ impl Node {
         };
         #[cfg(not(feature = "rdma"))]
         if config.backend != DataBackend::Tcp {
-            return Err(NodeError::Backend(
-                "this build has no RDMA support: rebuild with the `rdma` feature, or use --backend tcp".to_owned(),
-            ));
+            return Err(NodeError::Unsupported(Unsupported::RdmaNotBuilt));
         }
         let tls = match &config.tls {
-            Some(files) => Some(TlsSetup::load(files).map_err(|e| NodeError::Tls(e.to_string()))?),
+            Some(files) => Some(TlsSetup::load(files).map_err(NodeError::Tls)?),
             None => None,
         };
         let (events, _) = broadcast::channel(65536);

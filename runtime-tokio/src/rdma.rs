@@ -98,7 +98,7 @@ pub(crate) fn open(
             let region = exported.first().map_or(Region::Scratch, |x| x.0);
             return Ok(staged(region, &e.to_string()));
         }
-        Err(e) => return Err(NodeError::Backend(e.to_string())),
+        Err(e) => return Err(NodeError::Backend(e.to_string().into())),
     };
     info!(
         device = node.device_name(),

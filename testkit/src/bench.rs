@@ -723,7 +723,7 @@ pub async fn scaling(
         let report = embedder
             .spawn(async move { run_pair(&p, &d, run).await })
             .await
-            .map_err(|e| kvferry_tokio::NodeError::Runtime(e.to_string()))??;
+            .map_err(|e| kvferry_tokio::NodeError::Io(std::io::Error::other(e.to_string())))??;
         embedder.shutdown_background();
         let rooms_per_s = report.rooms_succeeded as f64 / report.elapsed_s.max(1e-9);
         let base = points.first().map_or(rooms_per_s, |p| p.rooms_per_s);
@@ -756,7 +756,9 @@ fn on_cores<T: Send + 'static>(
         start()
     })
     .join()
-    .map_err(|_| kvferry_tokio::NodeError::Runtime("starting the nodes panicked".to_owned()))?
+    .map_err(|_| {
+        kvferry_tokio::NodeError::Io(std::io::Error::other("starting the nodes panicked"))
+    })?
 }
 
 fn confined_runtime(cores: usize) -> Result<tokio::runtime::Runtime, kvferry_tokio::NodeError> {
@@ -772,7 +774,7 @@ fn confined_runtime(cores: usize) -> Result<tokio::runtime::Runtime, kvferry_tok
         })
         .enable_all()
         .build()
-        .map_err(|e| kvferry_tokio::NodeError::Runtime(e.to_string()))
+        .map_err(|e| kvferry_tokio::NodeError::Io(std::io::Error::other(e.to_string())))
 }
 
 #[cfg(test)]

@@ -888,7 +888,9 @@ fn rdma_decode_config() -> (
 fn glommio_refuses_the_rdma_backend_and_names_tokio() {
     let (cfg, memory) = rdma_decode_config();
     match GLOMMIO.start(cfg, memory) {
-        Err(kvferry_tokio::NodeError::Backend(why)) => assert!(why.contains("tokio"), "{why}"),
+        Err(
+            e @ kvferry_tokio::NodeError::Unsupported(kvferry_tokio::Unsupported::RdmaOnGlommio),
+        ) => assert!(e.to_string().contains("tokio"), "{e}"),
         Err(e) => panic!("another error: {e}"),
         Ok(_) => panic!("glommio accepted RDMA"),
     }
@@ -900,7 +902,10 @@ fn glommio_refuses_the_rdma_backend_and_names_tokio() {
 async fn tokio_without_rdma_built_in_refuses_the_rdma_backend() {
     let (cfg, memory) = rdma_decode_config();
     match Runtime::Tokio.start(cfg, memory) {
-        Err(kvferry_tokio::NodeError::Backend(why)) => {
+        Err(
+            e @ kvferry_tokio::NodeError::Unsupported(kvferry_tokio::Unsupported::RdmaNotBuilt),
+        ) => {
+            let why = e.to_string();
             assert!(
                 why.contains("rdma") && why.contains("--backend tcp"),
                 "{why}"
