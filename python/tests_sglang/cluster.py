@@ -464,14 +464,20 @@ class Cluster:
             proc = ctx.Process(target=serve, args=(spec, self.port, commands, results))
             proc.start()
             self.procs.append((spec, proc, commands, results))
-        end = time.monotonic() + start_timeout
-        for spec, proc, _c, results in self.procs:
-            while results.empty():
-                assert proc.is_alive(), f"{spec.role} rank {spec.world_rank} died while starting"
-                assert time.monotonic() < end, f"{spec.role} rank {spec.world_rank} did not start"
-                time.sleep(0.05)
-            tag, what = results.get()
-            assert tag == "ready", what
+        try:
+            end = time.monotonic() + start_timeout
+            for spec, proc, _c, results in self.procs:
+                while results.empty():
+                    assert proc.is_alive(), f"{spec.role} rank {spec.world_rank} died while starting"
+                    assert time.monotonic() < end, f"{spec.role} rank {spec.world_rank} did not start"
+                    time.sleep(0.05)
+                tag, what = results.get()
+                assert tag == "ready", what
+        except BaseException:
+            # A rank refused to start: the others would wait for commands forever (and the
+            # test process, joining them at exit, with them).
+            self.kill()
+            raise
 
     def ranks(self, role: str):
         return [p for p in self.procs if p[0].role == role]
@@ -495,6 +501,13 @@ class Cluster:
                 assert tag == "done", what
                 out[i] = what
         return out
+
+    def kill(self):
+        for _s, proc, _c, _r in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for _s, proc, _c, _r in self.procs:
+            proc.join(timeout=15)
 
     def close(self):
         for _s, proc, commands, _r in self.procs:

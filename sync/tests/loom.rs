@@ -144,6 +144,7 @@ fn decode_with_room() -> Decode {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        extras: Vec::new(),
     };
     d.open_receiver(now, room, 0, &[sd], Some(grant)).unwrap();
     p.open_sender(now, room, 0).unwrap();
@@ -154,6 +155,7 @@ fn decode_with_room() -> Decode {
         aux_slot: None,
         state_slot: None,
         layerwise: false,
+        extras: Vec::new(),
     };
     p.send_chunk(now, room, chunk).unwrap();
     let op = p.poll_transfer(now).unwrap();
