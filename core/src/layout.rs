@@ -95,6 +95,15 @@ pub struct ExtraPool {
 }
 
 impl ExtraPool {
+    /// Bytes of one item of tensor `tensor` of pool `pool` among `pools`; 0 when there is
+    /// no such tensor.
+    pub fn item_bytes_of(pools: &[ExtraPool], pool: u8, tensor: u16) -> u64 {
+        pools
+            .get(usize::from(pool))
+            .and_then(|p| p.item_bytes.get(usize::from(tensor)))
+            .map_or(0, |b| u64::from(*b))
+    }
+
     /// Size in bytes of tensor `tensor`'s region, or `None` if the pool has no such tensor.
     pub fn region_len(&self, tensor: u16) -> Option<u64> {
         let item = self.item_bytes.get(usize::from(tensor))?;

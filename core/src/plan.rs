@@ -27,35 +27,60 @@ pub fn plan_kv(
 ) -> Vec<Vec<Slice>> {
     let page = u64::from(layout.page_bytes);
     let runs = paired_runs(src, dst, (limits.max_bytes / page).max(1));
-    let mut ops = Vec::new();
-    let mut cur: Vec<Slice> = Vec::new();
-    let mut cur_bytes = 0u64;
+    let mut ops = Ops::new(limits);
     for layer in layers {
         for plane in 0..layout.planes {
             let region = Region::Kv { layer, plane };
             for &(s, d, len) in &runs {
-                let bytes = len * page;
-                if !cur.is_empty()
-                    && (cur_bytes + bytes > limits.max_bytes
-                        || cur.len() as u32 >= limits.max_slices)
-                {
-                    ops.push(std::mem::take(&mut cur));
-                    cur_bytes = 0;
-                }
-                cur.push(Slice {
+                ops.push(Slice {
                     region,
                     src_offset: u64::from(s) * page,
                     dst_offset: u64::from(d) * page,
-                    len: bytes,
+                    len: len * page,
                 });
-                cur_bytes += bytes;
             }
         }
     }
-    if !cur.is_empty() {
-        ops.push(cur);
+    ops.finish()
+}
+
+/// Slices gathered into operations that respect `limits`, in order.
+struct Ops {
+    limits: OpLimits,
+    ops: Vec<Vec<Slice>>,
+    cur: Vec<Slice>,
+    cur_bytes: u64,
+}
+
+impl Ops {
+    fn new(limits: OpLimits) -> Self {
+        Ops {
+            limits,
+            ops: Vec::new(),
+            cur: Vec::new(),
+            cur_bytes: 0,
+        }
     }
-    ops
+
+    /// Adds `slice` to the current operation, or starts the next one when it would not fit.
+    fn push(&mut self, slice: Slice) {
+        if !self.cur.is_empty()
+            && (self.cur_bytes + slice.len > self.limits.max_bytes
+                || self.cur.len() as u32 >= self.limits.max_slices)
+        {
+            self.ops.push(std::mem::take(&mut self.cur));
+            self.cur_bytes = 0;
+        }
+        self.cur_bytes += slice.len;
+        self.cur.push(slice);
+    }
+
+    fn finish(mut self) -> Vec<Vec<Slice>> {
+        if !self.cur.is_empty() {
+            self.ops.push(self.cur);
+        }
+        self.ops
+    }
 }
 
 /// Runs `(src, dst, len)` of pairs `src[i] -> dst[i]` consecutive on both sides, each at most
@@ -93,9 +118,7 @@ pub fn plan_extras(
     let Some(p) = pools.get(pool) else {
         return Vec::new();
     };
-    let mut ops = Vec::new();
-    let mut cur: Vec<Slice> = Vec::new();
-    let mut cur_bytes = 0u64;
+    let mut ops = Ops::new(limits);
     for (tensor, &item) in p.item_bytes.iter().enumerate() {
         let item = u64::from(item);
         let region = Region::Extra {
@@ -103,26 +126,15 @@ pub fn plan_extras(
             tensor: tensor as u16,
         };
         for (s, d, len) in paired_runs(src, dst, (limits.max_bytes / item).max(1)) {
-            let bytes = len * item;
-            if !cur.is_empty()
-                && (cur_bytes + bytes > limits.max_bytes || cur.len() as u32 >= limits.max_slices)
-            {
-                ops.push(std::mem::take(&mut cur));
-                cur_bytes = 0;
-            }
-            cur.push(Slice {
+            ops.push(Slice {
                 region,
                 src_offset: u64::from(s) * item,
                 dst_offset: u64::from(d) * item,
-                len: bytes,
+                len: len * item,
             });
-            cur_bytes += bytes;
         }
     }
-    if !cur.is_empty() {
-        ops.push(cur);
-    }
-    ops
+    ops.finish()
 }
 
 /// One side of a copy between endpoints that hold different heads: its page size and heads.

@@ -377,12 +377,7 @@ impl Endpoint {
                     units.push(cov.slot_unit(true));
                 }
                 Region::Extra { pool, tensor } => {
-                    let item = self
-                        .local
-                        .extras
-                        .get(usize::from(pool))
-                        .and_then(|p| p.item_bytes.get(usize::from(tensor)))
-                        .map_or(0, |b| u64::from(*b));
+                    let item = ExtraPool::item_bytes_of(&self.local.extras, pool, tensor);
                     let granted = rr.extras.get(usize::from(pool));
                     if let (true, Some(granted)) = (item > 0, granted) {
                         let first = s.dst_offset / item;
@@ -496,12 +491,7 @@ impl Endpoint {
                 }
             }
             Region::Extra { pool, tensor } => {
-                let item = self
-                    .local
-                    .extras
-                    .get(usize::from(pool))
-                    .and_then(|p| p.item_bytes.get(usize::from(tensor)))
-                    .map_or(0, |b| u64::from(*b));
+                let item = ExtraPool::item_bytes_of(&self.local.extras, pool, tensor);
                 let granted = rr
                     .extras
                     .get(usize::from(pool))

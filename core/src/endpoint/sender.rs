@@ -752,13 +752,12 @@ impl Endpoint {
                 // Extra items pair one to one: a list the decode asked for that differs in
                 // length from ours would leave its items unwritten or ours unsent.
                 let asked = |p: usize| x.extras.get(p).map_or(&[][..], |v| &v[..]);
-                let mismatch = (0..extras.len().max(x.extras.len())).find(|&p| {
+                let mismatch = x.extras.iter().enumerate().find_map(|(p, wanted)| {
                     let ours = s.extras_src.get(p).map_or(0, Vec::len);
-                    !asked(p).is_empty() && ours != asked(p).len()
+                    (!wanted.is_empty() && ours != wanted.len()).then_some((p, ours, wanted.len()))
                 });
-                if let Some(p) = mismatch {
-                    let ours = s.extras_src.get(p).map_or(0, Vec::len);
-                    warn!(%room, session = %x.session, pool = p, ours, asked = asked(p).len(), "extra pool items differ from what decode granted");
+                if let Some((pool, ours, asked)) = mismatch {
+                    warn!(%room, session = %x.session, pool, ours, asked, "extra pool items differ from what decode granted");
                     overflow = true;
                     break;
                 }

@@ -157,23 +157,18 @@ impl Sim {
             self.landed_ops.entry(key).or_default().insert(logical);
         }
         if let Some(room) = f.op.room {
-            let layout = self.nodes[f.dst].info.layout;
-            // KV lands by head of a token row (a whole page where heads are not split).
-            let head = self.nodes[f.dst].info.heads.head_bytes;
-            let extras = self.nodes[f.dst].info.extras.clone();
-            let landed = self.nodes[f.dst]
-                .landed
-                .entry((room, f.op.generation))
-                .or_default();
+            let node = &mut self.nodes[f.dst];
+            let info = &node.info;
+            let landed = node.landed.entry((room, f.op.generation)).or_default();
             for slice in f.op.slices.iter() {
                 let unit = match slice.region {
-                    Region::Kv { .. } => u64::from(head),
-                    Region::Aux => u64::from(layout.aux_bytes),
-                    Region::State => u64::from(layout.state_bytes),
-                    Region::Extra { pool, tensor } => extras
-                        .get(usize::from(pool))
-                        .and_then(|p| p.item_bytes.get(usize::from(tensor)))
-                        .map_or(0, |b| u64::from(*b)),
+                    // KV lands by head of a token row (a whole page where heads are not split).
+                    Region::Kv { .. } => u64::from(info.heads.head_bytes),
+                    Region::Aux => u64::from(info.layout.aux_bytes),
+                    Region::State => u64::from(info.layout.state_bytes),
+                    Region::Extra { pool, tensor } => {
+                        crate::layout::ExtraPool::item_bytes_of(&info.extras, pool, tensor)
+                    }
                     Region::Scratch => continue,
                 };
                 if unit == 0 {
