@@ -4,6 +4,7 @@
 //! spawns the two tasks ([`DataSender::start`]) and says how to stop one ([`Task`]).
 
 use std::future::Future;
+use crate::io_common::BatchHasher;
 use std::io;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -272,7 +273,7 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
                     match staged::lane_of(&mut lane, staging) {
                         Ok(own) => {
                             // A checked batch hashes the staged bytes it sends.
-                            let hasher = op.checksum.then(xxhash_rust::xxh3::Xxh3::new);
+                            let hasher = op.checksum.then(BatchHasher::new);
                             staged::write_staged(
                                 &mut self.write,
                                 &header,

@@ -12,6 +12,7 @@
 //! engine ever writes into a buffer someone else uses or into pages the core released.
 
 use std::collections::VecDeque;
+use crate::io_common::BatchHasher;
 use std::io;
 
 use kvferry_core::Slice;
@@ -201,7 +202,7 @@ pub(crate) async fn write_staged<W: GatherWrite>(
     pieces: &[Piece],
     lane: &Staging,
     staging: &Staging,
-    mut hasher: Option<xxhash_rust::xxh3::Xxh3>,
+    mut hasher: Option<BatchHasher>,
 ) -> io::Result<()> {
     let total: usize = pieces.iter().map(|p| p.len).sum();
     write.write_gather(header, &[]).await?;
@@ -252,7 +253,7 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
     pieces: &[Piece],
     lane: &Staging,
     staging: &Staging,
-    mut hasher: Option<&mut xxhash_rust::xxh3::Xxh3>,
+    mut hasher: Option<&mut BatchHasher>,
 ) -> io::Result<()> {
     use futures_lite::AsyncReadExt;
     let total: usize = pieces.iter().map(|p| p.len).sum();

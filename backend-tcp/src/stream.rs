@@ -4,6 +4,7 @@
 //! scatters from its descriptor instead ([`crate::fd::ScatterConn`] overrides [`ScatterRead`]).
 
 use std::io;
+use crate::io_common::BatchHasher;
 
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
@@ -84,7 +85,7 @@ where
                         let own = staged::lane_of(&mut lane, staging)?;
                         // A checked batch hashes the bytes as they arrive in the staging
                         // buffers, before the engine copies them into place.
-                        let mut hasher = h.checked.then(xxhash_rust::xxh3::Xxh3::new);
+                        let mut hasher = h.checked.then(BatchHasher::new);
                         staged::read_staged(stream, &pieces, &own, staging, hasher.as_mut())
                             .await?;
                         landed = hasher.map(|h| h.digest());

@@ -260,7 +260,7 @@ fn checked_batch(room: u64, sent: &[u8], payload: &[u8]) -> Vec<u8> {
     .encode(&mut out);
     kvferry_tcp::encode_slice(&slice, &mut out);
     out.extend_from_slice(payload);
-    out.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(sent).to_le_bytes());
+    out.extend_from_slice(&twox_hash::XxHash3_64::oneshot(sent).to_le_bytes());
     out
 }
 
