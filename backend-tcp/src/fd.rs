@@ -5,8 +5,8 @@
 //! `futures-io` stream that exposes its descriptor gets them (tokio through [`crate::TokioIo`],
 //! glommio's io_uring sockets as they are).
 
+use crate::io_common::Checksum;
 use std::io;
-use crate::io_common::BatchHasher;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, IntoRawFd};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -37,7 +37,7 @@ impl<S: AsyncWrite + AsRawFd + Unpin> GatherConn<S> {
         &mut self,
         header: &[u8],
         sources: &[(usize, usize)],
-        mut hasher: Option<&mut BatchHasher>,
+        mut hasher: Option<&mut Checksum>,
     ) -> io::Result<()> {
         let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
         let mut done = 0usize;
@@ -92,7 +92,7 @@ impl<S: AsyncWrite + AsRawFd + Unpin> GatherWrite for GatherConn<S> {
         header: &[u8],
         sources: &[(usize, usize)],
     ) -> io::Result<()> {
-        let mut hasher = BatchHasher::new();
+        let mut hasher = Checksum::new();
         self.gather(header, sources, Some(&mut hasher)).await?;
         let trailer: [u8; CHECKSUM_LEN] = hasher.digest().to_le_bytes();
         self.0.write_all(&trailer).await
@@ -163,7 +163,7 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
     async fn scatter(
         &mut self,
         targets: &[(usize, usize)],
-        mut hasher: Option<&mut BatchHasher>,
+        mut hasher: Option<&mut Checksum>,
     ) -> io::Result<()> {
         let total: usize = targets.iter().map(|t| t.1).sum();
         // What the read buffer already holds belongs to this payload first.
@@ -227,7 +227,7 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S>
         targets: &[(usize, usize)],
         _stage: &mut Vec<u8>,
     ) -> io::Result<u64> {
-        let mut hasher = BatchHasher::new();
+        let mut hasher = Checksum::new();
         self.scatter(targets, Some(&mut hasher)).await?;
         Ok(hasher.digest())
     }

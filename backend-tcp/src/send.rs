@@ -3,8 +3,8 @@
 //! ledger between them that hands every operation to exactly one reporter. A runtime only
 //! spawns the two tasks ([`DataSender::start`]) and says how to stop one ([`Task`]).
 
+use crate::io_common::Checksum;
 use std::future::Future;
-use crate::io_common::BatchHasher;
 use std::io;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -273,7 +273,7 @@ impl<W: GatherWrite, R: Report> Writing<W, R> {
                     match staged::lane_of(&mut lane, staging) {
                         Ok(own) => {
                             // A checked batch hashes the staged bytes it sends.
-                            let hasher = op.checksum.then(BatchHasher::new);
+                            let hasher = op.checksum.then(Checksum::new);
                             staged::write_staged(
                                 &mut self.write,
                                 &header,

@@ -11,8 +11,8 @@
 //! write's permit is handed back, even when the task is cancelled mid-copy (a fence): no
 //! engine ever writes into a buffer someone else uses or into pages the core released.
 
+use crate::io_common::Checksum;
 use std::collections::VecDeque;
-use crate::io_common::BatchHasher;
 use std::io;
 
 use kvferry_core::Slice;
@@ -202,7 +202,7 @@ pub(crate) async fn write_staged<W: GatherWrite>(
     pieces: &[Piece],
     lane: &Staging,
     staging: &Staging,
-    mut hasher: Option<BatchHasher>,
+    mut hasher: Option<Checksum>,
 ) -> io::Result<()> {
     let total: usize = pieces.iter().map(|p| p.len).sum();
     write.write_gather(header, &[]).await?;
@@ -253,7 +253,7 @@ pub(crate) async fn read_staged<R: futures_io::AsyncRead + Unpin>(
     pieces: &[Piece],
     lane: &Staging,
     staging: &Staging,
-    mut hasher: Option<&mut BatchHasher>,
+    mut hasher: Option<&mut Checksum>,
 ) -> io::Result<()> {
     use futures_lite::AsyncReadExt;
     let total: usize = pieces.iter().map(|p| p.len).sum();

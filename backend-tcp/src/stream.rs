@@ -3,8 +3,8 @@
 //! one staging buffer and moves large slices straight into registered memory; a plain socket
 //! scatters from its descriptor instead ([`crate::fd::ScatterConn`] overrides [`ScatterRead`]).
 
+use crate::io_common::Checksum;
 use std::io;
-use crate::io_common::BatchHasher;
 
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
@@ -85,7 +85,7 @@ where
                         let own = staged::lane_of(&mut lane, staging)?;
                         // A checked batch hashes the bytes as they arrive in the staging
                         // buffers, before the engine copies them into place.
-                        let mut hasher = h.checked.then(BatchHasher::new);
+                        let mut hasher = h.checked.then(Checksum::new);
                         staged::read_staged(stream, &pieces, &own, staging, hasher.as_mut())
                             .await?;
                         landed = hasher.map(|h| h.digest());

@@ -260,7 +260,14 @@ fn checked_batch(room: u64, sent: &[u8], payload: &[u8]) -> Vec<u8> {
     .encode(&mut out);
     kvferry_tcp::encode_slice(&slice, &mut out);
     out.extend_from_slice(payload);
-    out.extend_from_slice(&twox_hash::XxHash3_64::oneshot(sent).to_le_bytes());
+    out.extend_from_slice(
+        &{
+            let mut h = kvferry_memory::Checksum::new();
+            h.update(sent);
+            h.digest()
+        }
+        .to_le_bytes(),
+    );
     out
 }
 

@@ -351,7 +351,7 @@ pub enum Event {
 }
 
 /// Something the driver must do to its connections, from [`crate::Endpoint::poll_action`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Close the session's data connections so no write in flight can land, report every
     /// in-flight operation of it, then call [`crate::Endpoint::handle_fence_complete`].
@@ -373,6 +373,19 @@ pub enum Action {
     /// Open one more data connection of this session (this side dialed it), proving the
     /// session's key ([`crate::Endpoint::data_key`]): it replaces one that broke.
     OpenDataConnection(SessionId),
+    /// Decode, one-sided data plane with the checksum option: a source says the operation
+    /// that wrote `ranges` completed. Hash the bytes now in those ranges (XXH3-64, seed 0, in
+    /// order) and hand the permit back with [`crate::Endpoint::end_write`]: `applied()` if
+    /// the hash equals `checksum`, `corrupt()` if not. The room's pages are held meanwhile.
+    VerifyLanded {
+        /// The write's permit, as [`crate::Endpoint::begin_write`] gave it.
+        permit: WritePermit,
+        /// Where the operation's bytes landed, in the order they were hashed (`src_offset`
+        /// is 0: only the destination matters here).
+        ranges: Vec<Slice>,
+        /// The source's hash of the bytes it wrote.
+        checksum: u64,
+    },
 }
 
 /// Why a connection attempt to a target failed: the evidence behind a room's reason.

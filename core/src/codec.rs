@@ -9,7 +9,9 @@ use smallvec::SmallVec;
 
 use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 use crate::ids::{Generation, Incarnation, NodeId, RoomId};
-use crate::layout::{ExtraPool, Heads, Layout, PageRun, MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS};
+use crate::layout::{
+    ExtraPool, Heads, Layout, PageRun, Region, MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS,
+};
 use crate::state::{FailureReason, Role};
 
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
@@ -115,6 +117,19 @@ pub enum Message {
         /// Human-readable detail, at most [`MAX_DETAIL_LEN`] bytes.
         detail: String,
     },
+    /// Prefill -> decode, one-sided data plane (RDMA) with the checksum option: one
+    /// operation's writes completed; the XXH3-64 of its source bytes, slice after slice, for
+    /// decode to verify over the bytes that landed before the room may succeed.
+    OpChecksum {
+        /// Room.
+        room: RoomId,
+        /// Attempt of the room.
+        generation: Generation,
+        /// XXH3-64 (seed 0) of the operation's bytes, in slice order.
+        checksum: u64,
+        /// Where the operation's slices landed, in order (1 to [`MAX_CHECKED_RANGES`]).
+        ranges: Vec<LandedRange>,
+    },
     /// Bytes for the peer's data-plane backend, opaque to the core (for example the RDMA
     /// hello: queue pair and rkeys), at most [`MAX_TRANSPORT_LEN`].
     Transport {
@@ -122,6 +137,20 @@ pub enum Message {
         payload: Vec<u8>,
     },
 }
+
+/// Where one slice of a checked operation landed on decode ([`Message::OpChecksum`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LandedRange {
+    /// Region written.
+    pub region: Region,
+    /// Byte offset in decode's region.
+    pub offset: u64,
+    /// Bytes (never 0).
+    pub len: u64,
+}
+
+/// Most ranges one [`Message::OpChecksum`] names.
+pub const MAX_CHECKED_RANGES: usize = 4096;
 
 /// The handshake: who the peer is, what memory it registered, how often it speaks, and its
 /// proof of the cluster token.
@@ -271,6 +300,7 @@ mod ty {
     pub(super) const ERROR: u8 = 11;
     pub(super) const TRANSPORT: u8 = 12;
     pub(super) const CHALLENGE: u8 = 13;
+    pub(super) const OP_CHECKSUM: u8 = 14;
 }
 
 /// Frame type code of [`Message::Hello`] (errors in a hello close the session at once).
@@ -454,6 +484,23 @@ impl Message {
                 }
                 out.put_u16_le(end as u16);
                 out.put_slice(&detail.as_bytes()[..end]);
+            }
+            Message::OpChecksum {
+                room,
+                generation,
+                checksum,
+                ranges,
+            } => {
+                out.put_u8(ty::OP_CHECKSUM);
+                put_room(out, *room, *generation);
+                out.put_u64_le(*checksum);
+                let n = ranges.len().min(MAX_CHECKED_RANGES);
+                out.put_u16_le(n as u16);
+                for r in &ranges[..n] {
+                    out.put_u32_le(r.region.code());
+                    out.put_u64_le(r.offset);
+                    out.put_u64_le(r.len);
+                }
             }
             Message::Transport { payload } => {
                 out.put_u8(ty::TRANSPORT);
@@ -819,6 +866,35 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
             let detail =
                 String::from_utf8(r.take(len)?.to_vec()).map_err(|_| r.invalid("detail"))?;
             Message::Error { code, detail }
+        }
+        ty::OP_CHECKSUM => {
+            let (room, generation) = r.room()?;
+            let checksum = r.u64()?;
+            let n = usize::from(r.u16()?);
+            if n == 0 || n > MAX_CHECKED_RANGES || n > r.buf.len() / 20 {
+                return Err(r.invalid("ranges"));
+            }
+            let ranges = (0..n)
+                .map(|_| {
+                    let region = Region::from_code(r.u32()?).ok_or(r.invalid("region"))?;
+                    let offset = r.u64()?;
+                    let len = r.u64()?;
+                    if len == 0 || offset.checked_add(len).is_none() {
+                        return Err(r.invalid("range"));
+                    }
+                    Ok(LandedRange {
+                        region,
+                        offset,
+                        len,
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Message::OpChecksum {
+                room,
+                generation,
+                checksum,
+                ranges,
+            }
         }
         ty::TRANSPORT => {
             let len = r.u16()? as usize;

@@ -41,6 +41,8 @@ pub struct Counters {
     pub stale_messages: u64,
     /// Data-plane writes refused by [`crate::Endpoint::check_write`].
     pub writes_refused: u64,
+    /// Decode: one-sided operations whose landed bytes matched their source's checksum.
+    pub landed_checks_passed: u64,
     /// Rooms that reached Success.
     pub rooms_succeeded: u64,
     /// Rooms that reached Failed, by reason ([`FailureReason::index`]).
@@ -73,6 +75,7 @@ impl Counters {
         self.protocol_errors += other.protocol_errors;
         self.stale_messages += other.stale_messages;
         self.writes_refused += other.writes_refused;
+        self.landed_checks_passed += other.landed_checks_passed;
         self.rooms_succeeded += other.rooms_succeeded;
         self.rooms_released += other.rooms_released;
         self.rooms_refused_reused += other.rooms_refused_reused;
@@ -112,6 +115,7 @@ impl Counters {
             ("protocol_errors", self.protocol_errors),
             ("stale_messages", self.stale_messages),
             ("writes_refused", self.writes_refused),
+            ("landed_checks_passed", self.landed_checks_passed),
             ("rooms_succeeded", self.rooms_succeeded),
             ("rooms_released", self.rooms_released),
             ("rooms_refused_reused", self.rooms_refused_reused),

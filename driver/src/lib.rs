@@ -126,14 +126,31 @@ impl DataPath {
 /// offered RDMA moves that session over TCP too. `docs/PROTOCOL.md`, "Data path".
 pub const TCP_PATH: [u8; 1] = [0];
 
-/// Reproducible data-path fault injection: each incoming write batch resets its data
-/// connection with probability `rate`, decided by a hash of (seed, room, operation id).
+/// Reproducible data-path fault injection: each write is hit with probability `rate`,
+/// decided by a hash of (seed, room, operation id); `kind` says what a hit does.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FaultPlan {
-    /// Probability that a write batch resets its connection before being applied.
+    /// Probability that a write is hit.
     pub rate: f64,
     /// Seed of the decisions.
     pub seed: u64,
+    /// What a hit does.
+    pub kind: FaultKind,
+}
+
+/// What an injected data-path fault does to the write it hits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FaultKind {
+    /// The write breaks: over TCP the receiver resets the data connection before applying the
+    /// batch; over RDMA the prefill posts it with a key the peer never registered, so the
+    /// peer's device refuses it and the queue pair fails.
+    #[default]
+    Break,
+    /// One bit of the write's first byte is flipped on its way (RDMA: the prefill flips it in
+    /// the source after hashing and before posting), so the bytes that land are not the ones
+    /// the source held: what the checksum option must catch.
+    FlipBit,
 }
 
 impl FaultPlan {
@@ -291,8 +308,9 @@ pub enum Unsupported {
     TlsOnGlommio,
     /// RDMA in a build without the `rdma` feature.
     RdmaNotBuilt,
-    /// The end-to-end checksum over the RDMA backend (one-sided writes are not verified yet).
-    ChecksumOverRdma,
+    /// The end-to-end checksum over the RDMA backend with device memory: one-sided writes
+    /// are verified by hashing the landed bytes on the CPU, which cannot read device memory.
+    ChecksumOverRdmaDevice,
 }
 
 impl std::fmt::Display for Unsupported {
@@ -301,7 +319,7 @@ impl std::fmt::Display for Unsupported {
             Unsupported::RdmaOnGlommio => "the glommio driver carries data over TCP only; RDMA runs on the tokio driver (--runtime tokio)",
             Unsupported::TlsOnGlommio => "the glommio driver has no TLS yet; TLS runs on the tokio driver (--runtime tokio)",
             Unsupported::RdmaNotBuilt => "this build has no RDMA support: rebuild with the `rdma` feature, or use --backend tcp",
-            Unsupported::ChecksumOverRdma => "the end-to-end checksum (KVFERRY_CHECKSUM) is not supported with the RDMA backend (one-sided writes are not verified yet); turn it off or use the TCP backend",
+            Unsupported::ChecksumOverRdmaDevice => "the end-to-end checksum (KVFERRY_CHECKSUM) over the RDMA backend hashes host memory only, and this node's KV is in device memory; turn it off or use the TCP backend (which hashes device memory in its staging buffers)",
         })
     }
 }
@@ -314,8 +332,11 @@ pub fn check_memory(
     backend: &DataBackend,
     checksum: bool,
 ) -> Result<(), NodeError> {
-    if checksum && matches!(backend, DataBackend::Rdma { .. }) {
-        return Err(NodeError::Unsupported(Unsupported::ChecksumOverRdma));
+    if checksum
+        && matches!(backend, DataBackend::Rdma { .. })
+        && memory.device_regions().next().is_some()
+    {
+        return Err(NodeError::Unsupported(Unsupported::ChecksumOverRdmaDevice));
     }
     if let Some((region, kind)) = memory.unreachable_region() {
         return Err(NodeError::UnreachableMemory {
@@ -970,7 +991,9 @@ pub struct CoreCheck<A> {
 
 impl<A: EndpointAccess> WriteCheck for CoreCheck<A> {
     fn inject_reset(&self, room: RoomId, op: TransferId) -> bool {
-        self.access.faults().is_some_and(|f| f.hits(room, op))
+        self.access
+            .faults()
+            .is_some_and(|f| f.kind == FaultKind::Break && f.hits(room, op))
     }
 
     fn begin(

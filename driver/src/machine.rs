@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use foldhash::fast::FixedState;
 use kvferry_core::{
     Action, ApiError, Endpoint, Event, KvPoll, Role, RoomId, SessionId, SessionKey, SessionState,
-    TargetId, TransferOp, TransferOutcome,
+    Slice, TargetId, TransferOp, TransferOutcome, WritePermit,
 };
 use kvferry_sync::ConnSet;
 use tokio::sync::oneshot;
@@ -151,6 +151,19 @@ pub trait Host: Sized + 'static {
 
     /// The session is closing: release what [`Host::SessionExt`] holds.
     fn close_own(_ext: &mut Self::SessionExt) {}
+
+    /// Decode over a one-sided data plane of the host's own, with the checksum option
+    /// ([`Action::VerifyLanded`]): hash the bytes now in `ranges` and hand `permit` back with
+    /// `end_write`, `applied()` if they hash to `checksum`, `corrupt()` if not. `Some(permit)`:
+    /// the host has no such path, and the driver hands the permit back unapplied.
+    fn verify_landed(
+        _driver: &mut Driver<Self>,
+        permit: WritePermit,
+        _ranges: Vec<Slice>,
+        _checksum: u64,
+    ) -> Option<WritePermit> {
+        Some(permit)
+    }
 }
 
 /// The injected data-path faults of one driver, readable from its receive paths without
@@ -502,6 +515,15 @@ impl<H: Host> Driver<H> {
                         }
                     }
                     Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
+                    Action::VerifyLanded {
+                        permit,
+                        ranges,
+                        checksum,
+                    } => {
+                        if let Some(permit) = H::verify_landed(self, permit, ranges, checksum) {
+                            self.endpoint.end_write(Instant::now(), permit);
+                        }
+                    }
                 }
                 budget -= 1;
                 if budget == 0 {

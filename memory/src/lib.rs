@@ -8,10 +8,12 @@
 //! never moves bytes over a wire and never decides a room's fate.
 
 mod admission;
+mod checksum;
 mod region;
 mod staging;
 
 pub use admission::WriteCheck;
+pub use checksum::{Checksum, SliceSide};
 pub use region::{AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
 pub use staging::{
     CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf, HostCopyEngine,

@@ -33,8 +33,8 @@ use kvferry_driver::{
     Release, Runtime, RuntimeNode, ShardCalls,
 };
 pub use kvferry_driver::{
-    Announcement, DataBackend, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle,
-    RoomView, Unsupported,
+    Announcement, DataBackend, FaultKind, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
+    RoomHandle, RoomView, Unsupported,
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::fd::second_handle;

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use kvferry_core::{
     Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionId, SessionKey,
-    TargetId,
+    Slice, TargetId, WritePermit,
 };
-use kvferry_memory::{MemoryMap, WriteCheck};
+use kvferry_memory::{MemoryMap, SliceSide, WriteCheck};
 use kvferry_tcp::{
     accept_conn, connect_control, connect_data, serve_writes, Conn, DataSender, Limits, Report,
     TlsSetup, TokioIo,
@@ -35,8 +35,8 @@ mod rdma;
 pub use rdma::SessionRdma;
 
 pub use kvferry_driver::{
-    export_metrics, shard_of, Announcement, DataBackend, DataPath, FaultPlan, KvNode, Link,
-    NodeConfig, NodeError, PeerId, RoomHandle, RoomView, Unsupported,
+    export_metrics, shard_of, Announcement, DataBackend, DataPath, FaultKind, FaultPlan, KvNode,
+    Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, Unsupported,
 };
 use kvferry_driver::{
     runtime, within, Announcer, Answer, ControlQueue, ControlTasks, DataConn, Dial, Driver,
@@ -378,6 +378,36 @@ impl Host for TokioHost {
 
     fn receiver_finished(receiver: &JoinHandle<()>) -> bool {
         receiver.is_finished()
+    }
+
+    /// Hashes the landed ranges on the blocking pool (not under the driver's lock: an
+    /// operation is up to `max_op_bytes`), then hands the permit back.
+    fn verify_landed(
+        driver: &mut Driver<Self>,
+        permit: WritePermit,
+        ranges: Vec<Slice>,
+        checksum: u64,
+    ) -> Option<WritePermit> {
+        let host = driver.host().clone();
+        let runtime = host.runtime.clone();
+        runtime.spawn_blocking(move || {
+            let permit = match host.memory.checksum(&ranges, SliceSide::Destination) {
+                Ok(landed) if landed == checksum => permit.applied(),
+                Ok(landed) => {
+                    warn!(session = %permit.session, room = ?permit.room, landed, expected = checksum, "landed bytes differ from what their source wrote");
+                    permit.corrupt()
+                }
+                Err(e) => {
+                    warn!(session = %permit.session, room = ?permit.room, error = %e, "cannot read the landed bytes to verify them");
+                    permit
+                }
+            };
+            if let Some(shared) = host.shared.upgrade() {
+                shared.lock().with(|e, now| e.end_write(now, permit));
+                shared.wake.notify_one();
+            }
+        });
+        None
     }
 
     #[cfg(feature = "rdma")]

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{Region, SessionId, TransferOp, TransferOutcome};
-use kvferry_memory::{MemoryKind, MemoryMap};
+use kvferry_memory::{MemoryKind, MemoryMap, SliceSide};
 use kvferry_rdma::device::RdmaError;
 use kvferry_rdma::link::{completions, HelloOutcome, RdmaLink, RdmaNode, RegionMemory};
 use kvferry_rdma::verbs::RcQueuePair;
@@ -18,7 +18,7 @@ use tokio::io::Interest;
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
-use kvferry_driver::{DataPath, Driver, TCP_PATH};
+use kvferry_driver::{DataPath, Driver, FaultKind, TCP_PATH};
 
 use crate::{NodeError, Shared, TokioHost};
 
@@ -241,6 +241,22 @@ fn on_tcp(driver: &Driver<TokioHost>, sid: SessionId) -> bool {
 /// outcome at once if no post can succeed.
 fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
     let faults = driver.faults();
+    // With the checksum option the decode verifies what landed against the source's hash,
+    // taken now: the room holds these source pages until the operation is settled.
+    let checksum = if op.checksum && op.room.is_some() {
+        match driver.host().memory.checksum(&op.slices, SliceSide::Source) {
+            Ok(sum) => Some(sum),
+            Err(e) => {
+                warn!(session = %op.session, error = %e, "cannot hash an operation's source bytes");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let id = op.id;
+    let hit = faults.filter(|f| op.room.is_some_and(|room| f.hits(room, op.id)));
+    let memory = driver.host().memory.clone();
     let Some(io) = driver.session_io(op.session) else {
         driver.endpoint_mut().handle_transfer_result(
             Instant::now(),
@@ -253,11 +269,29 @@ fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
         io.park(op);
         return;
     };
-    // Injected faults (demos and tests): the write names a key the peer never registered, so
-    // its device refuses it and this QP fails, as it would if the peer's memory went away.
-    let poison = faults.is_some_and(|f| op.room.is_some_and(|room| f.hits(room, op.id)));
+    // Injected faults (demos and tests). Break: the write names a key the peer never
+    // registered, so its device refuses it and this QP fails, as it would if the peer's memory
+    // went away. FlipBit: one bit of the source flips after it was hashed, so what lands is
+    // not what the source held (the flip stays; the room's source pages are refilled by
+    // whoever reuses them).
+    let poison = hit.is_some_and(|f| f.kind == FaultKind::Break);
+    if let (Some(FaultKind::FlipBit), Some(first)) = (hit.map(|f| f.kind), op.slices.first()) {
+        let mut byte = [0u8; 1];
+        if memory
+            .read(first.region, first.src_offset, &mut byte)
+            .is_ok()
+        {
+            byte[0] ^= 1;
+            let _ = memory.write(first.region, first.src_offset, &byte);
+            warn!(session = %op.session, room = ?op.room, "injected fault: one bit of a write flipped");
+        }
+    }
+    let mut posted = false;
     let failed = match r.link.post_as(node, &op, poison) {
-        Ok(()) => None,
+        Ok(()) => {
+            posted = true;
+            None
+        }
         Err(e) => match e.outcome() {
             None => {
                 io.park(op);
@@ -269,6 +303,11 @@ fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
             }
         },
     };
+    // Only for a write posted on a QP (a parked one may yet go over TCP, which carries its
+    // checksum in the batch); its completion waits for the driver's lock, held here.
+    if let (true, Some(sum)) = (posted, checksum) {
+        driver.endpoint_mut().handle_source_checksum(id, sum);
+    }
     if let Some((id, outcome)) = failed {
         driver
             .endpoint_mut()

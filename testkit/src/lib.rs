@@ -1321,6 +1321,7 @@ pub async fn run_demo(
         decode_cfg.faults = Some(kvferry_tokio::FaultPlan {
             rate: faults.fault_rate,
             seed: faults.seed,
+            kind: kvferry_tokio::FaultKind::Break,
         });
         prefill_cfg.faults = decode_cfg.faults;
     }

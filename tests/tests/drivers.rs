@@ -14,7 +14,7 @@ use kvferry_tests::{
     assert_all_clean, fast_core, free_ports, on_every_driver, peer_loss_core, prefill_on, rooms,
     small_shape, start_on, KvNode, Runtime, GLOMMIO,
 };
-use kvferry_tokio::FaultPlan;
+use kvferry_tokio::{FaultKind, FaultPlan};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -363,7 +363,11 @@ async fn a_failing_session_is_blacklisted_then_recovered_by_a_probe(p: Runtime, 
     let peer = decode.connect(addrs).await.expect("connect");
     tokio::time::sleep(Duration::from_millis(20)).await;
     decode
-        .set_faults(Some(FaultPlan { rate: 1.0, seed: 1 }))
+        .set_faults(Some(FaultPlan {
+            rate: 1.0,
+            seed: 1,
+            kind: FaultKind::Break,
+        }))
         .await;
     let serial = Shape {
         concurrency: 1,

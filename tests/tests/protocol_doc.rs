@@ -5,9 +5,11 @@
 //! the code.
 #![allow(clippy::unwrap_used)] // tests may panic
 
-use kvferry_core::codec::{ErrorCode, Hello, Message, ProgressStage, RoomRequest, HEADER_LEN};
+use kvferry_core::codec::{
+    ErrorCode, Hello, LandedRange, Message, ProgressStage, RoomRequest, HEADER_LEN,
+};
 use kvferry_core::sim::small_layout;
-use kvferry_core::{FailureReason, Heads, Incarnation, NodeId, PageRun, Role, RoomId};
+use kvferry_core::{FailureReason, Heads, Incarnation, NodeId, PageRun, Region, Role, RoomId};
 use smallvec::smallvec;
 
 const DOC: &str = include_str!("../../docs/PROTOCOL.md");
@@ -248,6 +250,54 @@ fn every_control_frame_has_the_size_and_field_offsets_the_protocol_doc_states() 
         },
         &[("len", 0)],
     );
+    check(
+        "### Type 14: `OpChecksum`",
+        Message::OpChecksum {
+            room: RoomId(71),
+            generation: 3,
+            checksum: 0x0123_4567_89ab_cdef,
+            ranges: Vec::new(),
+        },
+        &[
+            ("room", 71),
+            ("generation", 3),
+            ("checksum", 0x0123_4567_89ab_cdef),
+            ("range_count", 0),
+        ],
+    );
+}
+
+/// Each range of an `OpChecksum` adds the 20 bytes the doc states, fields in its order.
+#[test]
+fn each_range_of_an_op_checksum_adds_the_bytes_the_doc_states() {
+    let range = LandedRange {
+        region: Region::Kv { layer: 2, plane: 1 },
+        offset: 4096,
+        len: 1024,
+    };
+    let frame = |n: usize| {
+        let mut out = Vec::new();
+        Message::OpChecksum {
+            room: RoomId(1),
+            generation: 0,
+            checksum: 0,
+            ranges: vec![range; n],
+        }
+        .encode(&mut out);
+        out
+    };
+    let (one, two) = (frame(1), frame(2));
+    assert_eq!(two.len() - one.len(), 20);
+    let at = HEADER_LEN + 8 + 4 + 8 + 2;
+    let le = |b: &[u8]| {
+        let mut x = [0u8; 8];
+        x[..b.len()].copy_from_slice(b);
+        u64::from_le_bytes(x)
+    };
+    assert_eq!(le(&one[at..at + 4]), u64::from(range.region.code()));
+    assert_eq!(le(&one[at + 4..at + 12]), 4096);
+    assert_eq!(le(&one[at + 12..at + 20]), 1024);
+    assert_eq!(one.len(), at + 20);
 }
 
 #[test]

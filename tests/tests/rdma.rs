@@ -85,6 +85,99 @@ async fn rooms_move_over_rdma_with_every_byte_verified() {
     );
 }
 
+/// With the end-to-end checksum, every one-sided operation's source hash travels to decode,
+/// which hashes the landed bytes before the room may succeed: every room succeeds with every
+/// byte verified, and decode counts one passed check per operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooms_move_over_rdma_under_the_checksum_with_every_operation_checked_on_landing() {
+    let run = rooms(100, 1);
+    let checked = || Config {
+        checksum: true,
+        ..fast_core()
+    };
+    let Some((prefill, decode)) = started_or_skip(
+        start_rdma(Role::Prefill, &run.shape, checked(), 1),
+        start_rdma(Role::Decode, &run.shape, checked(), 2),
+    ) else {
+        return;
+    };
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        ("rdma", "rdma")
+    );
+    assert_all_clean(&report, 100);
+    let (pc, dc) = (prefill.counters().await, decode.counters().await);
+    assert!(
+        dc.landed_checks_passed >= 100,
+        "checks passed: {}",
+        dc.landed_checks_passed
+    );
+    assert_eq!(
+        dc.landed_checks_passed, pc.ops_planned,
+        "one check per operation"
+    );
+    assert_eq!(dc.protocol_errors, 0);
+}
+
+/// A bit flipped on its way in a few writes (the prefill flips it in the source after hashing,
+/// before the NIC reads it): under the checksum exactly the rooms hit fail with
+/// `checksum_mismatch`, every other room succeeds, and no page is left corrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bit_flipped_in_an_rdma_write_fails_its_room_with_checksum_mismatch() {
+    let report = flipped_bits(true).await;
+    let Some(report) = report else { return };
+    let failed = report.failed_by_reason.get("checksum_mismatch").copied();
+    eprintln!(
+        "checksum on: {failed:?} rooms failed checksum_mismatch, {} succeeded, {} pages corrupted",
+        report.rooms_succeeded, report.pages_corrupted
+    );
+    assert!(failed.unwrap_or(0) >= 1, "{report:?}");
+    assert_eq!(report.failed_by_reason.len(), 1, "{report:?}");
+    assert_eq!(report.rooms_succeeded + failed.unwrap_or(0), 100);
+    assert_eq!(
+        (report.pages_corrupted, report.rooms_unfinished),
+        (0, 0),
+        "{report:?}"
+    );
+}
+
+/// The same flips without the checksum: one-sided writes are never seen landing, so the rooms
+/// succeed on the source's word and their pages hold the flipped bit (the check can fail).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_checksum_a_bit_flipped_in_an_rdma_write_lands_as_a_corrupted_page() {
+    let Some(report) = flipped_bits(false).await else {
+        return;
+    };
+    eprintln!(
+        "checksum off: {} rooms succeeded, {} pages corrupted",
+        report.rooms_succeeded, report.pages_corrupted
+    );
+    assert_eq!(report.rooms_succeeded, 100, "{report:?}");
+    assert!(report.pages_corrupted >= 1, "{report:?}");
+}
+
+/// 100 rooms over RDMA with bit flips injected into about 3 % of the writes.
+async fn flipped_bits(checksum: bool) -> Option<kvferry_testkit::Report> {
+    let run = rooms(100, 1);
+    let core = || Config {
+        checksum,
+        ..fast_core()
+    };
+    let (prefill, decode) = started_or_skip(
+        start_rdma(Role::Prefill, &run.shape, core(), 1),
+        start_rdma(Role::Decode, &run.shape, core(), 2),
+    )?;
+    prefill
+        .set_faults(Some(kvferry_tokio::FaultPlan {
+            rate: 0.03,
+            seed: 11,
+            kind: kvferry_tokio::FaultKind::FlipBit,
+        }))
+        .await;
+    Some(run_pair(&prefill, &decode, run).await.unwrap())
+}
+
 /// Device memory whose engine exports no dma-buf (the host engine; on soft-RoCE the NIC could
 /// not register one either): the node starts, says why it stages, and every session of it
 /// moves over TCP staged through host buffers; its RDMA peer hears it and follows. Every
@@ -197,6 +290,7 @@ async fn a_refused_write_fails_its_room_and_the_flushed_writes_are_retried_on_a_
         .set_faults(Some(kvferry_tokio::FaultPlan {
             rate: 0.02,
             seed: 7,
+            kind: kvferry_tokio::FaultKind::Break,
         }))
         .await;
     let report = run_pair(&prefill, &decode, run).await.unwrap();

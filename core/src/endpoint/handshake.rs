@@ -341,6 +341,14 @@ impl Endpoint {
             Message::AbortAck { room, generation } if self.local.role == Role::Decode => {
                 self.on_abort_ack(now, sid, room, generation)
             }
+            Message::OpChecksum {
+                room,
+                generation,
+                checksum,
+                ranges,
+            } if self.local.role == Role::Decode => {
+                self.on_op_checksum(now, sid, room, generation, checksum, &ranges)
+            }
             other => {
                 let what = format!(
                     "{:?} sent to a {:?} endpoint",

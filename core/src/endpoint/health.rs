@@ -22,6 +22,20 @@ impl Endpoint {
         self.settle_attempt(now, id, outcome);
     }
 
+    /// One-sided data planes (RDMA) with the checksum option: the XXH3-64 of operation
+    /// `id`'s source bytes, slice after slice, computed by the driver as it posts the writes.
+    /// Once the operation is `Done`, decode is sent it ([`crate::codec::Message::OpChecksum`])
+    /// and verifies it over the landed bytes before the room may succeed. Ignored without
+    /// the option or for an unknown id.
+    pub fn handle_source_checksum(&mut self, id: TransferId, checksum: u64) {
+        if !self.config.checksum {
+            return;
+        }
+        if let Some(op) = self.ops.get_mut(&id) {
+            op.source_checksum = Some(checksum);
+        }
+    }
+
     /// Takes an attempt that was in flight out of flight and decides what happens next.
     pub(super) fn settle_attempt(
         &mut self,
@@ -100,6 +114,27 @@ impl Endpoint {
                     s.failures = 0;
                 }
                 self.counters.bytes_transferred += op.bytes;
+                // Before the room's word: decode must hold every checksum when it hears it.
+                if let (Some(checksum), Some(room)) = (op.source_checksum, room_live) {
+                    let ranges = op
+                        .slices
+                        .iter()
+                        .map(|s| LandedRange {
+                            region: s.region,
+                            offset: s.dst_offset,
+                            len: s.len,
+                        })
+                        .collect();
+                    self.transmits.push_back((
+                        op.session,
+                        Message::OpChecksum {
+                            room,
+                            generation: op.generation,
+                            checksum,
+                            ranges,
+                        },
+                    ));
+                }
                 if op.attempt > 1 {
                     self.counters.retry_recoveries += 1;
                     warn!(

@@ -27,7 +27,8 @@ use crate::auth::{
     connector_proof, constant_time_eq, listener_proof, Nonce, Nonces, Proof, SessionKey, SessionTag,
 };
 use crate::codec::{
-    DecodeError, ErrorCode, Hello, Message, ProgressStage, RoomRequest, HELLO_TYPE, SKIP_ALL,
+    DecodeError, ErrorCode, Hello, LandedRange, Message, ProgressStage, RoomRequest, HELLO_TYPE,
+    SKIP_ALL,
 };
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
@@ -398,6 +399,9 @@ struct Source {
     /// Writes authorized by `begin_write` and not yet ended, which may be landing in the
     /// room's pages right now: (permit number, the session that wrote it, its units).
     pending: SmallVec<[(u64, SessionId, Vec<u32>); 2]>,
+    /// The source reported Success over a one-sided, checksummed path while some of its
+    /// operations were still being verified: it counts once the last check ends.
+    success_pending: bool,
 }
 
 /// Which units of a room one source must write, and which applied writes covered.
@@ -520,6 +524,7 @@ impl Source {
             drained: false,
             coverage: Coverage::default(),
             pending: SmallVec::new(),
+            success_pending: false,
         }
     }
 }
@@ -540,6 +545,9 @@ struct Op {
     /// In flight on a connection that a fresh one took over: whatever its report says but
     /// `Done`, it runs again on the new session without counting an attempt.
     superseded: bool,
+    /// One-sided data plane with the checksum option: the XXH3-64 of the source bytes, which
+    /// decode verifies over what landed once the operation is done.
+    source_checksum: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1012,6 +1020,7 @@ fn message_name(m: &Message) -> &'static str {
         Message::Probe { .. } => "Probe",
         Message::ProbeAck { .. } => "ProbeAck",
         Message::Error { .. } => "Error",
+        Message::OpChecksum { .. } => "OpChecksum",
         Message::Transport { .. } => "Transport",
     }
 }

@@ -297,6 +297,8 @@ impl Endpoint {
         else {
             return;
         };
+        let mut settled = None;
+        let checks_passed = &mut self.counters.landed_checks_passed;
         for src in rr.sources.iter_mut() {
             if let Some(i) = src.pending.iter().position(|p| p.0 == permit.seq) {
                 let (_, _, units) = src.pending.swap_remove(i);
@@ -304,6 +306,18 @@ impl Endpoint {
                     for u in units {
                         src.coverage.mark(u);
                     }
+                }
+                if permit.applied
+                    && self
+                        .sessions
+                        .get(&permit.session)
+                        .is_some_and(|s| s.one_sided)
+                {
+                    *checks_passed += 1;
+                }
+                if src.success_pending && src.pending.is_empty() {
+                    src.success_pending = false;
+                    settled = Some(src.session);
                 }
                 break;
             }
@@ -316,6 +330,10 @@ impl Endpoint {
             // The bytes that landed are not the sender's: the room's pages are garbage.
             warn!(%room, session = %permit.session, "a write's checksum did not match what its sender computed");
             self.conclude(now, room, KvPoll::Failed(FailureReason::ChecksumMismatch));
+        }
+        if let Some(source) = settled {
+            // The source's Success waited for this check: take it now.
+            self.on_room_status(now, source, room, permit.generation, None);
         }
         if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
             self.maybe_release(now, room);
@@ -540,7 +558,14 @@ impl Endpoint {
                     return;
                 }
                 let one_sided = self.sessions.get(&sid).is_some_and(|s| s.one_sided);
-                if !one_sided && !src.coverage.complete() && !r.state.is_terminal() {
+                // A checksummed one-sided source's bytes count as they are verified: its word
+                // waits for the checks still running, then needs them all, as over TCP.
+                let checked = one_sided && self.config.checksum;
+                if checked && !src.pending.is_empty() {
+                    src.success_pending = true;
+                    return;
+                }
+                if (!one_sided || checked) && !src.coverage.complete() && !r.state.is_terminal() {
                     // Success means the bytes are here: a word without them is a violation.
                     warn!(%room, session = %sid, covered = src.coverage.covered, expected = src.coverage.expected, "source reported success for pages that never landed");
                     self.counters.protocol_errors += 1;
@@ -567,6 +592,49 @@ impl Endpoint {
                     self.conclude(now, room, KvPoll::Failed(reason));
                 }
             }
+        }
+    }
+
+    /// A one-sided source's operation completed: its bytes are in decode's memory unseen.
+    /// They are authorized like a write (the ranges must lie in what the room granted this
+    /// source) and handed to the driver to hash; the room's pages are held until it ends.
+    pub(super) fn on_op_checksum(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        checksum: u64,
+        ranges: &[LandedRange],
+    ) {
+        let one_sided = self.sessions.get(&sid).is_some_and(|s| s.one_sided);
+        if !one_sided || !self.config.checksum {
+            // Over TCP the checksum rides with the write itself; without the option there is
+            // nothing to verify.
+            self.strike(
+                sid,
+                "an operation checksum on a path that does not use them",
+                false,
+            );
+            return;
+        }
+        let slices: Vec<Slice> = ranges
+            .iter()
+            .map(|r| Slice {
+                region: r.region,
+                src_offset: 0,
+                dst_offset: r.offset,
+                len: r.len,
+            })
+            .collect();
+        // A refused range fails a live room (`protocol_error`) inside check_write; a stale
+        // or concluded room's checksum is counted and dropped there.
+        if let Ok(permit) = self.begin_write(now, sid, room, generation, &slices) {
+            self.actions.push_back(Action::VerifyLanded {
+                permit,
+                ranges: slices,
+                checksum,
+            });
         }
     }
 

@@ -804,6 +804,7 @@ impl Endpoint {
                     phase: OpPhase::Queued,
                     timer: None,
                     superseded: false,
+                    source_checksum: None,
                 },
             );
             if let Some(x) = self.sessions.get_mut(&sid) {

@@ -284,6 +284,7 @@ impl Endpoint {
                         phase: OpPhase::Queued,
                         timer: None,
                         superseded: false,
+                        source_checksum: None,
                     },
                 );
                 if let Some(s) = self.sessions.get_mut(&sid) {

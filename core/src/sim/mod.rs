@@ -667,6 +667,11 @@ impl Sim {
                     // Other links are made by the test (connect, reset_link), and the data path
                     // has no connections to replace.
                     Action::OpenDataConnection(_) => {}
+                    // No simulated path is one-sided, so no source sends operation checksums;
+                    // a permit that came anyway is handed back unapplied.
+                    Action::VerifyLanded { permit, .. } => {
+                        self.nodes[n].endpoint.end_write(self.now, permit)
+                    }
                 }
             }
             while let Some(op) = self.nodes[n].endpoint.poll_transfer(self.now) {
