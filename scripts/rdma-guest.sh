@@ -87,6 +87,7 @@ done < "$list"
 # defaults and the whole bench (with a release build, for the figures).
 if [ -n "${KVFERRY_GUEST_FULL:-}" ]; then
     run "$kvf" demo --backend rdma
+    run "$kvf" demo --backend rdma --checksum
     run "$kvf" demo --backend rdma --rooms 200 --abort-rate 0.1 --concurrency 32
     run "$kvf" demo --overlap --backend rdma
     run "$kvf" bench --backend rdma --iterations 1
@@ -94,6 +95,7 @@ else
     run "$kvf" demo --backend rdma --rooms 32 --pages-per-room 8
     run "$kvf" demo --backend rdma --rooms 100 --pages-per-room 8 --abort-rate 0.1 --concurrency 32
     run "$kvf" demo --backend rdma --rooms 100 --pages-per-room 8 --fault-rate 0.02
+    run "$kvf" demo --backend rdma --rooms 32 --pages-per-room 8 --checksum
     run "$kvf" demo --overlap --backend rdma
     run "$kvf" bench --backend rdma --quick
 fi

@@ -65,7 +65,7 @@ fi
 # -- the initramfs: busybox, the modules rxe needs (in dependency order), and /init
 modules="crc32_generic virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci
 failover net_failover virtio_net netfs fscache 9pnet 9pnet_virtio 9p ib_core ib_uverbs
-udp_tunnel ip6_udp_tunnel rdma_rxe"
+udp_tunnel ip6_udp_tunnel rdma_rxe veth sch_netem tun"
 initrd="$cache/initrd-$kver-$(sha256sum "$0" | cut -c1-12).gz"
 if [ ! -f "$initrd" ]; then
     root=$(mktemp -d)
