@@ -198,18 +198,21 @@ pub(crate) fn spawn_shards(
             Ok(h) => h,
             Err(e) if cores.core(i).is_some() => {
                 warn!(shard = i, error = %e, "cannot pin the shard; running it unpinned");
-                spawn(Placement::Unbound, setup, ready_tx).map_err(|e| shard_error(i, e))?
+                spawn(Placement::Unbound, setup, ready_tx.clone()).map_err(|e| shard_error(i, e))?
             }
             Err(e) => return Err(shard_error(i, e)),
         };
-        match ready_rx.recv_timeout(Duration::from_secs(10)) {
+        // The shard's thread holds the only sender left: it says whether it started, or its
+        // end (a panic during setup) closes the channel. No fixed wait.
+        drop(ready_tx);
+        match ready_rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(shard_error(i, e)),
             Err(_) => {
-                return Err(NodeError::ShardStart {
-                    shard: i,
-                    source: None,
-                })
+                return Err(shard_error(
+                    i,
+                    "its thread ended before it said it was ready",
+                ))
             }
         }
         senders.push(tx);

@@ -664,10 +664,13 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
     let memory = node.memory().clone();
     // Every free page carries the free pattern, checked when it is handed out again.
     write_free(&memory, &shape, 0..layout.pages);
-    let pages = Arc::new(Mutex::new(Pages {
-        pool: Pool::new(layout.pages),
-        slots: Pool::new(layout.slots),
-    }));
+    let pages = Arc::new(PageBook {
+        pages: Mutex::new(Pages {
+            pool: Pool::new(layout.pages),
+            slots: Pool::new(layout.slots),
+        }),
+        freed: tokio::sync::Notify::new(),
+    });
     let tally = Arc::new(Tally::default());
     let started = Instant::now();
     let semaphore = Arc::new(tokio::sync::Semaphore::new(shape.concurrency.max(1)));
@@ -787,6 +790,13 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
     report
 }
 
+/// Decode's free pages and aux slots, and the signal a room gives when it hands some back
+/// (rooms that find too few wait on it rather than poll).
+struct PageBook {
+    pages: Mutex<Pages>,
+    freed: tokio::sync::Notify,
+}
+
 /// What the decode run checked, shared by its room tasks.
 #[derive(Default)]
 struct Tally {
@@ -834,7 +844,7 @@ async fn decode_room<N: KvNode>(
     peer: PeerId,
     shape: &Shape,
     room: RoomId,
-    pages: &Mutex<Pages>,
+    book: &PageBook,
     memory: &MemoryMap,
     tally: &Tally,
     deadline: Duration,
@@ -844,8 +854,10 @@ async fn decode_room<N: KvNode>(
     let page_bytes = u64::from(shape.page_bytes);
     // Pages come back only on Releasable, so with `concurrency` rooms they always suffice.
     let (dst, slot) = loop {
+        // Registered before the check: a release between the two still wakes it.
+        let freed = book.freed.notified();
         let got = {
-            let Ok(mut p) = pages.lock() else {
+            let Ok(mut p) = book.pages.lock() else {
                 return RoomOutcome::Unfinished;
             };
             match (
@@ -861,7 +873,7 @@ async fn decode_room<N: KvNode>(
         };
         match got {
             Some(g) => break g,
-            None => tokio::time::sleep(Duration::from_millis(1)).await,
+            None => freed.await,
         }
     };
     // A free page must still hold the free pattern: anything else is a stray write.
@@ -881,10 +893,11 @@ async fn decode_room<N: KvNode>(
         }
     }
     let give_back = |dst: &[u32]| {
-        if let Ok(mut pg) = pages.lock() {
+        if let Ok(mut pg) = book.pages.lock() {
             pg.pool.give(dst);
             pg.slots.give(&[slot]);
         }
+        book.freed.notify_waiters();
     };
     let grant = Grant {
         extras: Vec::new(),

@@ -39,6 +39,8 @@ pub struct ProxyFaults {
 
 struct State {
     faults: Mutex<ProxyFaults>,
+    /// Signalled whenever the faults change, so held pumps wait for it instead of polling.
+    changed: tokio::sync::Notify,
     pumps: Mutex<Vec<JoinHandle<()>>>,
     rng: Mutex<kvferry_core::rng::Rng>,
 }
@@ -80,6 +82,7 @@ impl FaultProxy {
         let addr = listener.local_addr()?;
         let state = Arc::new(State {
             faults: Mutex::new(ProxyFaults::default()),
+            changed: tokio::sync::Notify::new(),
             pumps: Mutex::new(Vec::new()),
             rng: Mutex::new(kvferry_core::rng::Rng::new(seed)),
         });
@@ -114,6 +117,7 @@ impl FaultProxy {
         if let Ok(mut faults) = self.state.faults.lock() {
             f(&mut faults);
         }
+        self.state.changed.notify_waiters();
     }
 
     /// Resets every connection through the proxy (both ends see them close).
@@ -126,13 +130,29 @@ impl FaultProxy {
     }
 }
 
-fn held(state: &State, up: bool) -> bool {
-    let f = match state.faults.lock() {
-        Ok(f) => f.clone(),
-        Err(_) => return false,
-    };
-    let stalled = if up { f.stall_up } else { f.stall_down };
-    stalled || f.blackhole_until.is_some_and(|t| t > Instant::now())
+/// Returns once this direction is neither stalled nor black-holed: woken when the faults
+/// change, or when the black hole's end comes.
+async fn wait_until_passing(state: &State, up: bool) {
+    loop {
+        // Registered before the check: a change between the two still wakes it.
+        let changed = state.changed.notified();
+        let f = match state.faults.lock() {
+            Ok(f) => f.clone(),
+            Err(_) => return,
+        };
+        let stalled = if up { f.stall_up } else { f.stall_down };
+        let hole = f.blackhole_until.filter(|t| *t > Instant::now());
+        match (stalled, hole) {
+            (false, None) => return,
+            (true, _) => changed.await,
+            (false, Some(end)) => {
+                tokio::select! {
+                    _ = changed => {}
+                    _ = tokio::time::sleep_until(end.into()) => {}
+                }
+            }
+        }
+    }
 }
 
 fn next(state: &State) -> u64 {
@@ -196,9 +216,7 @@ async fn pump(
             }
         }
         forwarded += n;
-        while held(&state, up) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        wait_until_passing(&state, up).await;
         let (delay, corrupt, reset) = match state.faults.lock() {
             Ok(f) => (f.delay, f.corrupt, f.reset),
             Err(_) => (Duration::ZERO, 0.0, 0.0),
@@ -206,9 +224,7 @@ async fn pump(
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
             // A stall or black hole set during the delay holds this chunk too.
-            while held(&state, up) {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            wait_until_passing(&state, up).await;
         }
         if corrupt > 0.0 && chance(&state, corrupt) {
             let i = (next(&state) % n as u64) as usize;
