@@ -1,0 +1,117 @@
+//! Starting a node: its configuration, its data backend and path, and the memory check
+//! every driver makes before anything starts.
+
+use crate::{FaultPlan, NodeError, Unsupported};
+
+use kvferry_core::{Config, EndpointInfo};
+use kvferry_memory::MemoryMap;
+
+/// Everything needed to start a node (any driver).
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// The core's knobs.
+    pub core: Config,
+    /// Who this endpoint is.
+    pub info: EndpointInfo,
+    /// Data connections opened per session (operations are spread over them).
+    pub data_connections: usize,
+    /// Seed of the core's random choices.
+    pub seed: u64,
+    /// Injected data-path faults (demos and tests only; `None` in production).
+    pub faults: Option<FaultPlan>,
+    /// Which data plane carries the operations.
+    pub backend: DataBackend,
+    /// TLS on every control and data connection (`None`: plain TCP). The cluster-token
+    /// proofs of the handshake run inside it either way.
+    pub tls: Option<kvferry_tcp::TlsFiles>,
+}
+
+/// Which data plane carries a node's operations (the control channel is TCP either way).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DataBackend {
+    /// Data connections over TCP (every driver).
+    #[default]
+    Tcp,
+    /// One-sided RDMA WRITEs on an RC queue pair per session (the tokio driver built with
+    /// its `rdma` feature).
+    Rdma {
+        /// The device to open (`None`: the first one).
+        device: Option<String>,
+        /// Its port (usually 1).
+        port: u8,
+    },
+}
+
+/// The path one session's operations take, as logged when it is chosen and published as
+/// `kvferry_session_path{path}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DataPath {
+    /// TCP data connections from and into host memory.
+    Tcp,
+    /// TCP data connections, this node's device memory staged through host buffers.
+    TcpStaged,
+    /// One-sided RDMA WRITEs from and into host memory.
+    Rdma,
+    /// One-sided RDMA WRITEs with this node's device memory registered directly (dma-buf).
+    RdmaDmaBuf,
+}
+
+impl DataPath {
+    /// The label in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataPath::Tcp => "tcp",
+            DataPath::TcpStaged => "tcp_staged",
+            DataPath::Rdma => "rdma",
+            DataPath::RdmaDmaBuf => "rdma_dmabuf",
+        }
+    }
+
+    /// Whether the path is TCP.
+    pub fn is_tcp(self) -> bool {
+        matches!(self, DataPath::Tcp | DataPath::TcpStaged)
+    }
+}
+
+/// The `Transport` payload by which a node says it moves a session's data over TCP (no RDMA
+/// for this session: a TCP node, or device memory its NIC cannot register); a peer that
+/// offered RDMA moves that session over TCP too. `docs/PROTOCOL.md`, "Data path".
+pub const TCP_PATH: [u8; 1] = [0];
+
+/// Refuses, before anything starts, memory the data plane cannot reach: a device region
+/// without a copy engine. Never a crash, never a CPU read of a device address. Over RDMA,
+/// device memory the NIC cannot register moves staged over TCP (the RDMA adapter decides).
+pub fn check_memory(
+    memory: &MemoryMap,
+    backend: &DataBackend,
+    checksum: bool,
+) -> Result<(), NodeError> {
+    if checksum
+        && matches!(backend, DataBackend::Rdma { .. })
+        && memory.device_regions().next().is_some()
+    {
+        return Err(NodeError::Unsupported(Unsupported::ChecksumOverRdmaDevice));
+    }
+    if let Some((region, kind)) = memory.unreachable_region() {
+        return Err(NodeError::UnreachableMemory {
+            region,
+            kind,
+            fix: "register it with a copy engine (MemoryMap::with_staging; the CUDA engine of kvferry-gpu), or register host memory",
+        });
+    }
+    if let (Some(staging), Some((region, kind))) =
+        (memory.staging(), memory.device_regions().next())
+    {
+        let config = staging.config();
+        tracing::info!(
+            ?region,
+            %kind,
+            engine = staging.engine().name(),
+            buffers = config.buffers,
+            buffer_bytes = config.buffer_bytes,
+            rdma = matches!(backend, DataBackend::Rdma { .. }),
+            "device memory staged through host buffers where it moves over TCP"
+        );
+    }
+    Ok(())
+}
