@@ -12,8 +12,8 @@ use kvferry_core::{
 };
 use tokio::sync::oneshot;
 
-use crate::machine::{Driver, Host};
 use crate::{shard_of, NodeError, PeerId, RoomHandle};
+use crate::{Driver, Host};
 
 /// How an embedder's call reaches the driver of one of a node's shards.
 pub trait ShardCalls: Send + Sync + 'static {

@@ -18,27 +18,32 @@ mod announce;
 mod calls;
 mod config;
 mod error;
+mod fault_switch;
 mod faults;
 mod handle;
+mod host;
 mod machine;
 mod metrics_export;
 mod node;
 pub mod runtime;
+mod session_io;
+mod waits;
 pub use accept::{accept, within, Accepted};
 pub use admission::{CoreCheck, EndpointAccess};
 pub use announce::{Announcement, Announcer};
 pub use calls::{Embedder, ShardCalls};
 pub use config::{check_memory, DataBackend, DataPath, NodeConfig, TCP_PATH};
 pub use error::{NodeError, Unsupported};
+pub use fault_switch::FaultSwitch;
 pub use faults::{FaultKind, FaultPlan};
 pub use handle::{RoomHandle, RoomView};
-pub use machine::{
-    Answer, Connections, DataConn, Dial, Driver, FaultSwitch, FrameSink, Host, OpSink, Release,
-    SessionIo, TURN_BUDGET,
-};
+pub use host::{Connections, DataConn, Dial, FrameSink, Host, OpSink, Release};
+pub use machine::{Driver, TURN_BUDGET};
 pub use metrics_export::{export_metrics, export_staging_metrics, role_label};
 pub use node::{shard_of, KvNode, PeerId, RoomBook, RuntimeNode};
 pub use runtime::{ControlQueue, ControlTasks, DriverAccess, Runtime};
+pub use session_io::SessionIo;
+pub use waits::Answer;
 
 /// How a driver reaches one address of a peer (re-exported from the core, which decides
 /// how long a room waits for a target that is down).

@@ -11,23 +11,25 @@
 //! tokio, a cell on a thread-per-core shard) and never calls back into it from inside a
 //! [`Host`] method.
 
+use crate::session_io::send_round_robin;
+use crate::waits::{Refusal, Waits};
+use crate::{
+    Answer, Connections, DataConn, Dial, FaultSwitch, FrameSink, Host, OpSink, Release, SessionIo,
+};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use foldhash::fast::FixedState;
 use kvferry_core::{
-    Action, ApiError, Endpoint, Event, KvPoll, Role, RoomId, SessionId, SessionKey, SessionState,
-    Slice, TargetId, TransferOp, TransferOutcome, WritePermit,
+    Action, ApiError, Endpoint, Event, KvPoll, Role, RoomId, SessionId, SessionState, TargetId,
+    TransferOp, TransferOutcome,
 };
 use kvferry_sync::ConnSet;
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use crate::RoomHandle;
-use crate::{
-    connect_failure, export_metrics, round_robin, Announcer, DataPath, FaultPlan, NodeError,
-    RoomBook,
-};
+use crate::{connect_failure, export_metrics, Announcer, DataPath, FaultPlan, NodeError, RoomBook};
 
 type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
@@ -37,314 +39,6 @@ pub const TURN_BUDGET: usize = 4096;
 
 /// How often the core's counters are exported as metrics.
 const METRICS_EVERY: Duration = Duration::from_millis(500);
-
-/// Where a data connection's operations go: the sending half a host built for the driver.
-pub trait OpSink {
-    /// Queues `op` on the connection; gives it back if the connection is closed.
-    fn send(&self, op: TransferOp) -> Result<(), TransferOp>;
-
-    /// Whether the connection ended (it takes nothing more and may be dropped).
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
-impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
-    for kvferry_tcp::send::DataSender<T, R>
-{
-    fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
-        kvferry_tcp::send::DataSender::send(self, op)
-    }
-
-    fn is_closed(&self) -> bool {
-        kvferry_tcp::send::DataSender::is_closed(self)
-    }
-}
-
-/// Where a control connection's frames go: the writer a host built for the driver.
-pub trait FrameSink {
-    /// Queues `frame` for the connection's writer (dropped if the writer has ended: the
-    /// reader's end reports the loss).
-    fn send(&self, frame: Vec<u8>);
-}
-
-/// One data connection of a session: prefill writes on it, decode serves writes from it.
-pub enum DataConn<H: Host> {
-    /// Prefill's sending half.
-    Sender(H::Sender),
-    /// Decode's receiving task.
-    Receiver(H::Receiver),
-}
-
-/// A session's data connections and control connection tasks, for a host to close.
-pub type Connections<H> = (Vec<DataConn<H>>, Option<<H as Host>::ControlTasks>);
-
-/// What a runtime gives the driver loop: tasks that move bytes and report back. Each method
-/// only starts work (it must not wait, and must not call into the [`Driver`] it serves).
-pub trait Host: Sized + 'static {
-    /// Prefill's sending half of a data connection.
-    type Sender: OpSink;
-    /// Decode's task serving writes from a data connection.
-    type Receiver;
-    /// A control connection's writer.
-    type Control: FrameSink;
-    /// A control connection's reader and writer tasks, stopped when the session closes.
-    type ControlTasks;
-    /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
-    type SessionExt: Default;
-
-    /// Opens a control connection to `addr` within `timeout` for `dial`, then calls
-    /// [`Driver::attach_control`] (with the dial's target, or its caller as the handshake's
-    /// waiter); on failure calls [`Driver::connect_failed`] or tells the caller.
-    fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial);
-
-    /// Opens `n` data connections of `session` to `addr`, each proving `key`; each one that
-    /// opens is handed to [`Driver::attach_data`].
-    fn open_data(&self, session: SessionId, addr: SocketAddr, key: SessionKey, n: usize);
-
-    /// Stops `tasks` (a close's control tasks; none for a fence), then closes `conns` until
-    /// nothing of them can write any more, then calls [`Driver::released`] with `why`. The
-    /// control writer's queue is closed already: the writer ends once its last frames are
-    /// written (before any data connection closes, so the peer reads why first), and is
-    /// stopped if that takes longer than `linger`.
-    fn release(
-        &self,
-        session: SessionId,
-        conns: Vec<DataConn<Self>>,
-        tasks: Option<Self::ControlTasks>,
-        linger: Duration,
-        why: Release,
-    );
-
-    /// Makes the host's driver task call [`Driver::turn`] soon (a timer moved earlier, or a
-    /// drain ran out of budget).
-    fn wake(&self);
-
-    /// Hands an event to the embedder's subscribers once the driver has handled it.
-    fn publish(&self, _event: Event) {}
-
-    /// Whether a decode receiver task has ended (it can be dropped from its session).
-    fn receiver_finished(_receiver: &Self::Receiver) -> bool {
-        false
-    }
-
-    /// A data plane of the host's own (RDMA) takes a newly established session; `false`:
-    /// the driver opens TCP data connections.
-    fn establish(_driver: &mut Driver<Self>, _session: SessionId) -> bool {
-        false
-    }
-
-    /// The peer's data plane sent bytes for ours.
-    fn transport(_driver: &mut Driver<Self>, _session: SessionId, _payload: &[u8]) {}
-
-    /// A data plane of the host's own takes `op`; `Some(op)`: the driver dispatches it on a
-    /// TCP data connection.
-    fn post(_driver: &mut Driver<Self>, op: TransferOp) -> Option<TransferOp> {
-        Some(op)
-    }
-
-    /// A data plane of the host's own fences `session`; `false`: the driver fences its TCP
-    /// data connections.
-    fn fence_own(_driver: &mut Driver<Self>, _session: SessionId) -> bool {
-        false
-    }
-
-    /// The session is closing: release what [`Host::SessionExt`] holds.
-    fn close_own(_ext: &mut Self::SessionExt) {}
-
-    /// Decode over a one-sided data plane of the host's own, with the checksum option
-    /// ([`Action::VerifyLanded`]): hash the bytes now in `ranges` and hand `permit` back with
-    /// `end_write`, `applied()` if they hash to `checksum`, `corrupt()` if not. `Some(permit)`:
-    /// the host has no such path, and the driver hands the permit back unapplied.
-    fn verify_landed(
-        _driver: &mut Driver<Self>,
-        permit: WritePermit,
-        _ranges: Vec<Slice>,
-        _checksum: u64,
-    ) -> Option<WritePermit> {
-        Some(permit)
-    }
-}
-
-/// The injected data-path faults of one driver, readable from its receive paths without
-/// the driver (demos and tests; `None` in production).
-#[derive(Clone, Debug, Default)]
-pub struct FaultSwitch(std::sync::Arc<std::sync::Mutex<Option<FaultPlan>>>);
-
-impl FaultSwitch {
-    /// The faults in force.
-    pub fn get(&self) -> Option<FaultPlan> {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Replaces the faults in force.
-    pub fn set(&self, faults: Option<FaultPlan>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = faults;
-    }
-}
-
-/// Who a control connection is dialed for ([`Host::connect`]).
-pub enum Dial {
-    /// A target the core keeps connected: the core hears how the attempt ended.
-    Target(TargetId),
-    /// An embedder's call: it hears how the handshake (or the dial) ended.
-    Caller(Answer),
-}
-
-/// Why a host releases a session's connections ([`Host::release`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Release {
-    /// A fence: the data connections go, the session stays.
-    Fence,
-    /// A close: every connection of the session goes.
-    Close,
-}
-
-/// A session's connections as the driver sees them.
-pub struct SessionIo<H: Host> {
-    /// The control writer's queue; dropped when the session closes, so the writer ends.
-    control: Option<H::Control>,
-    tasks: Option<H::ControlTasks>,
-    /// Set when this side dialed: it opens the data connections.
-    peer_addr: Option<SocketAddr>,
-    /// The target this session was dialed for.
-    target: Option<TargetId>,
-    /// Data connections; closing once the session is being closed (loom-modelled).
-    data: ConnSet<DataConn<H>>,
-    next_sender: usize,
-    /// Operations waiting for a data connection (the core's operation timeout bounds them).
-    parked: Vec<TransferOp>,
-    /// The path its operations take, once chosen.
-    path: Option<DataPath>,
-    /// The host's own per-session state.
-    pub ext: H::SessionExt,
-}
-
-impl<H: Host> SessionIo<H> {
-    /// Holds `op` until the session's data path can take it.
-    pub fn park(&mut self, op: TransferOp) {
-        self.parked.push(op);
-    }
-
-    /// The operations held so far, to post now.
-    pub fn take_parked(&mut self) -> Vec<TransferOp> {
-        std::mem::take(&mut self.parked)
-    }
-
-    /// Sends the operations held so far on the open data connections, keeping what none
-    /// takes.
-    fn send_parked(&mut self) {
-        for op in self.take_parked() {
-            if let Err(op) = send_round_robin(self, op) {
-                self.parked.push(op);
-            }
-        }
-    }
-}
-
-/// Why a peer refused a session at its handshake, kept so that every waiter learns it.
-#[derive(Clone)]
-enum Refusal {
-    /// The peer's error frame: its code and explanation.
-    Peer(kvferry_core::codec::ErrorCode, String),
-    /// This side refused the peer.
-    Rejected(kvferry_core::RejectReason),
-}
-
-impl Refusal {
-    fn error(&self) -> NodeError {
-        match self {
-            Refusal::Peer(code, detail) => NodeError::Refused {
-                code: *code,
-                detail: detail.clone(),
-            },
-            Refusal::Rejected(r) => NodeError::Rejected(*r),
-        }
-    }
-}
-
-/// Where a caller waiting for a session is told how the wait ended.
-/// Where a caller waiting for a handshake or a target hears how it ended.
-pub type Answer = oneshot::Sender<Result<SessionId, NodeError>>;
-
-/// The callers waiting on one key, and the refusal seen so far.
-#[derive(Default)]
-struct Waiting {
-    callers: Vec<Answer>,
-    refusal: Option<Refusal>,
-}
-
-/// Callers waiting for a session (by handshake or by target), by key.
-struct Waits<K> {
-    waiting: Map<K, Waiting>,
-}
-
-impl<K: std::hash::Hash + Eq> Waits<K> {
-    fn new() -> Self {
-        Waits {
-            waiting: Map::default(),
-        }
-    }
-
-    fn add(&mut self, key: K, tx: Answer) {
-        self.waiting.entry(key).or_default().callers.push(tx);
-    }
-
-    /// Remembers a refusal for `key`'s waiters, also those still to come (`first`: keep one
-    /// already noted).
-    fn note(&mut self, key: &K, refusal: Refusal, first: bool)
-    where
-        K: Clone,
-    {
-        let w = self.waiting.entry(key.clone()).or_default();
-        if !(first && w.refusal.is_some()) {
-            w.refusal = Some(refusal);
-        }
-    }
-
-    /// The refusal noted for `key`, as the error its waiters get.
-    fn noted(&self, key: &K) -> Option<NodeError> {
-        self.waiting
-            .get(key)
-            .and_then(|w| w.refusal.as_ref())
-            .map(Refusal::error)
-    }
-
-    /// Tells every waiter for `key` its session.
-    fn succeed(&mut self, key: &K, session: SessionId) {
-        for tx in self
-            .waiting
-            .remove(key)
-            .map(|w| w.callers)
-            .unwrap_or_default()
-        {
-            let _ = tx.send(Ok(session));
-        }
-    }
-
-    /// Tells every waiter for `key` the refusal noted, else `otherwise`, and keeps the
-    /// refusal for those who ask later (a target refused before anyone waited for it).
-    fn fail_keeping(&mut self, key: &K, otherwise: impl Fn() -> NodeError) {
-        let Some(w) = self.waiting.get_mut(key) else {
-            return;
-        };
-        for tx in std::mem::take(&mut w.callers) {
-            let why = w.refusal.as_ref().map_or_else(&otherwise, Refusal::error);
-            let _ = tx.send(Err(why));
-        }
-    }
-
-    /// Tells every waiter for `key` the refusal noted, else `otherwise`.
-    fn fail(&mut self, key: &K, otherwise: impl Fn() -> NodeError) {
-        let Some(w) = self.waiting.remove(key) else {
-            return;
-        };
-        for tx in w.callers {
-            let why = w.refusal.as_ref().map_or_else(&otherwise, Refusal::error);
-            let _ = tx.send(Err(why));
-        }
-    }
-}
 
 /// The driver loop's state: a core endpoint and everything the loop keeps around it.
 pub struct Driver<H: Host> {
@@ -966,17 +660,4 @@ impl<H: Host> Driver<H> {
         self.host
             .release(session, conns, tasks, linger, Release::Close);
     }
-}
-
-/// Sends `op` on the session's data connections in turn.
-fn send_round_robin<H: Host>(io: &mut SessionIo<H>, op: TransferOp) -> Result<(), TransferOp> {
-    let senders: Vec<&H::Sender> = io
-        .data
-        .iter()
-        .filter_map(|c| match c {
-            DataConn::Sender(s) => Some(s),
-            DataConn::Receiver(_) => None,
-        })
-        .collect();
-    round_robin(&senders, &mut io.next_sender, op, |s, op| s.send(op))
 }

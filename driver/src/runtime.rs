@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::accept::{within, Accepted};
-use crate::machine::Answer;
+use crate::Answer;
 use crate::{
     CoreCheck, DataConn, Dial, Driver, EndpointAccess, FaultPlan, FaultSwitch, Host, NodeError,
     OpSink, Release,

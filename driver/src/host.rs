@@ -1,0 +1,152 @@
+//! What a runtime lends the driver ([`Host`]): its tasks, its connections' sending halves, and
+//! the requests the driver makes of it.
+
+use crate::{Answer, Driver};
+use kvferry_core::{Event, SessionId, SessionKey, Slice, TargetId, TransferOp, WritePermit};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Where a data connection's operations go: the sending half a host built for the driver.
+pub trait OpSink {
+    /// Queues `op` on the connection; gives it back if the connection is closed.
+    fn send(&self, op: TransferOp) -> Result<(), TransferOp>;
+
+    /// Whether the connection ended (it takes nothing more and may be dropped).
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
+    for kvferry_tcp::send::DataSender<T, R>
+{
+    fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
+        kvferry_tcp::send::DataSender::send(self, op)
+    }
+
+    fn is_closed(&self) -> bool {
+        kvferry_tcp::send::DataSender::is_closed(self)
+    }
+}
+
+/// Where a control connection's frames go: the writer a host built for the driver.
+pub trait FrameSink {
+    /// Queues `frame` for the connection's writer (dropped if the writer has ended: the
+    /// reader's end reports the loss).
+    fn send(&self, frame: Vec<u8>);
+}
+
+/// One data connection of a session: prefill writes on it, decode serves writes from it.
+pub enum DataConn<H: Host> {
+    /// Prefill's sending half.
+    Sender(H::Sender),
+    /// Decode's receiving task.
+    Receiver(H::Receiver),
+}
+
+/// A session's data connections and control connection tasks, for a host to close.
+pub type Connections<H> = (Vec<DataConn<H>>, Option<<H as Host>::ControlTasks>);
+
+/// What a runtime gives the driver loop: tasks that move bytes and report back. Each method
+/// only starts work (it must not wait, and must not call into the [`Driver`] it serves).
+pub trait Host: Sized + 'static {
+    /// Prefill's sending half of a data connection.
+    type Sender: OpSink;
+    /// Decode's task serving writes from a data connection.
+    type Receiver;
+    /// A control connection's writer.
+    type Control: FrameSink;
+    /// A control connection's reader and writer tasks, stopped when the session closes.
+    type ControlTasks;
+    /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
+    type SessionExt: Default;
+
+    /// Opens a control connection to `addr` within `timeout` for `dial`, then calls
+    /// [`Driver::attach_control`] (with the dial's target, or its caller as the handshake's
+    /// waiter); on failure calls [`Driver::connect_failed`] or tells the caller.
+    fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial);
+
+    /// Opens `n` data connections of `session` to `addr`, each proving `key`; each one that
+    /// opens is handed to [`Driver::attach_data`].
+    fn open_data(&self, session: SessionId, addr: SocketAddr, key: SessionKey, n: usize);
+
+    /// Stops `tasks` (a close's control tasks; none for a fence), then closes `conns` until
+    /// nothing of them can write any more, then calls [`Driver::released`] with `why`. The
+    /// control writer's queue is closed already: the writer ends once its last frames are
+    /// written (before any data connection closes, so the peer reads why first), and is
+    /// stopped if that takes longer than `linger`.
+    fn release(
+        &self,
+        session: SessionId,
+        conns: Vec<DataConn<Self>>,
+        tasks: Option<Self::ControlTasks>,
+        linger: Duration,
+        why: Release,
+    );
+
+    /// Makes the host's driver task call [`Driver::turn`] soon (a timer moved earlier, or a
+    /// drain ran out of budget).
+    fn wake(&self);
+
+    /// Hands an event to the embedder's subscribers once the driver has handled it.
+    fn publish(&self, _event: Event) {}
+
+    /// Whether a decode receiver task has ended (it can be dropped from its session).
+    fn receiver_finished(_receiver: &Self::Receiver) -> bool {
+        false
+    }
+
+    /// A data plane of the host's own (RDMA) takes a newly established session; `false`:
+    /// the driver opens TCP data connections.
+    fn establish(_driver: &mut Driver<Self>, _session: SessionId) -> bool {
+        false
+    }
+
+    /// The peer's data plane sent bytes for ours.
+    fn transport(_driver: &mut Driver<Self>, _session: SessionId, _payload: &[u8]) {}
+
+    /// A data plane of the host's own takes `op`; `Some(op)`: the driver dispatches it on a
+    /// TCP data connection.
+    fn post(_driver: &mut Driver<Self>, op: TransferOp) -> Option<TransferOp> {
+        Some(op)
+    }
+
+    /// A data plane of the host's own fences `session`; `false`: the driver fences its TCP
+    /// data connections.
+    fn fence_own(_driver: &mut Driver<Self>, _session: SessionId) -> bool {
+        false
+    }
+
+    /// The session is closing: release what [`Host::SessionExt`] holds.
+    fn close_own(_ext: &mut Self::SessionExt) {}
+
+    /// Decode over a one-sided data plane of the host's own, with the checksum option
+    /// ([`Action::VerifyLanded`]): hash the bytes now in `ranges` and hand `permit` back with
+    /// `end_write`, `applied()` if they hash to `checksum`, `corrupt()` if not. `Some(permit)`:
+    /// the host has no such path, and the driver hands the permit back unapplied.
+    fn verify_landed(
+        _driver: &mut Driver<Self>,
+        permit: WritePermit,
+        _ranges: Vec<Slice>,
+        _checksum: u64,
+    ) -> Option<WritePermit> {
+        Some(permit)
+    }
+}
+
+/// Who a control connection is dialed for ([`Host::connect`]).
+pub enum Dial {
+    /// A target the core keeps connected: the core hears how the attempt ended.
+    Target(TargetId),
+    /// An embedder's call: it hears how the handshake (or the dial) ended.
+    Caller(Answer),
+}
+
+/// Why a host releases a session's connections ([`Host::release`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    /// A fence: the data connections go, the session stays.
+    Fence,
+    /// A close: every connection of the session goes.
+    Close,
+}
