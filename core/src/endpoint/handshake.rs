@@ -276,7 +276,7 @@ impl Endpoint {
                 self.request_close(sid);
             }
             other if !established => {
-                let what = format!("{} before the handshake completed", message_name(&other));
+                let what = format!("{} before the handshake completed", other.name());
                 self.refuse_handshake(sid, ErrorCode::ProtocolViolation, &what);
             }
             Message::Heartbeat {
@@ -352,7 +352,7 @@ impl Endpoint {
             other => {
                 let what = format!(
                     "{:?} sent to a {:?} endpoint",
-                    message_name(&other),
+                    other.name(),
                     self.local.role
                 );
                 self.strike(sid, &what, false);

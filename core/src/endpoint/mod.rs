@@ -1,12 +1,18 @@
 //! [`Endpoint`]: the deterministic state machine of one prefill or decode rank.
 
+mod coverage;
 mod handshake;
 mod health;
+mod layer_bits;
 mod link;
+mod planning;
 mod receiver;
 mod rooms;
 mod sender;
+mod takeover;
 mod timers;
+mod tombstones;
+mod writes;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -38,6 +44,9 @@ use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLim
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::{Timer, TimerKey, TimerTable};
+use coverage::Coverage;
+use layer_bits::LayerBits;
+use tombstones::Tombstones;
 
 /// Hash maps seeded from the endpoint seed: deterministic iteration for equal inputs, and
 /// keys chosen by peers cannot be aimed at a hasher they do not know.
@@ -404,116 +413,6 @@ struct Source {
     success_pending: bool,
 }
 
-/// Which units of a room one source must write, and which applied writes covered.
-#[derive(Debug, Default)]
-struct Coverage {
-    bits: Vec<u64>,
-    /// Units required.
-    expected: u32,
-    /// Units required and covered.
-    covered: u32,
-    /// First layer the source owns.
-    layer_start: u16,
-    /// Layers the source owns (within this endpoint's layout).
-    layers: u16,
-    planes: u8,
-    pages: u32,
-    /// Units per page: 1 for whole pages, the token rows for a source holding other heads.
-    tokens: u32,
-    aux: bool,
-    state: bool,
-    /// Per extra pool the source writes: (its first unit, tensors, granted items).
-    extras: Box<[(u32, u16, u32)]>,
-}
-
-impl Coverage {
-    fn new(local: &EndpointInfo, peer: Option<PeerInfo>, grant: &Grant) -> Self {
-        let Some(p) = peer else {
-            return Coverage::default();
-        };
-        let layout = &local.layout;
-        let layers = p.layer_end.min(layout.layers).saturating_sub(p.layer_start);
-        let pages = PageSet::new(&grant.pages).len();
-        let tokens = local
-            .heads
-            .row_write(layout.page_bytes, &p.heads)
-            .map_or(1, |w| w.tokens.max(1));
-        let aux = p.writes_aux && grant.aux_slot.is_some() && layout.aux_bytes > 0;
-        let state = p.writes_aux && grant.state_slot.is_some() && layout.state_bytes > 0;
-        let mut units = u32::from(layers) * u32::from(layout.planes) * pages * tokens + 2;
-        let kv_units = units - 2;
-        // The source that writes aux writes the extra items too (the last pipeline stage).
-        let mut extras = Vec::new();
-        for (pool, asked) in local.extras.iter().zip(&grant.extras) {
-            let items = PageSet::new(asked).len();
-            let tensors = pool.item_bytes.len() as u16;
-            if p.writes_aux && items > 0 {
-                extras.push((units, tensors, items));
-                units = units.saturating_add(u32::from(tensors).saturating_mul(items));
-            } else {
-                extras.push((units, tensors, 0));
-            }
-        }
-        let extra_units = units - kv_units - 2;
-        Coverage {
-            bits: vec![0; (units as usize).div_ceil(64)],
-            expected: kv_units + u32::from(aux) + u32::from(state) + extra_units,
-            covered: 0,
-            layer_start: p.layer_start,
-            layers,
-            planes: layout.planes,
-            pages,
-            tokens,
-            aux,
-            state,
-            extras: extras.into_boxed_slice(),
-        }
-    }
-
-    /// The unit of item rank `rank` of tensor `tensor` of extra pool `pool`.
-    fn extra_unit(&self, pool: u8, tensor: u16, rank: u32) -> Option<u32> {
-        let &(first, tensors, items) = self.extras.get(usize::from(pool))?;
-        (tensor < tensors && rank < items).then(|| first + u32::from(tensor) * items + rank)
-    }
-
-    /// The unit of (layer, plane, page rank, token row), or of the aux row / state slot.
-    fn kv_unit(&self, layer: u16, plane: u8, rank: u32, token: u32) -> Option<u32> {
-        let l = layer
-            .checked_sub(self.layer_start)
-            .filter(|l| *l < self.layers)?;
-        let page = (u32::from(l) * u32::from(self.planes) + u32::from(plane)) * self.pages + rank;
-        (token < self.tokens).then(|| page * self.tokens + token)
-    }
-
-    fn slot_unit(&self, state: bool) -> u32 {
-        u32::from(self.layers) * u32::from(self.planes) * self.pages * self.tokens
-            + u32::from(state)
-    }
-
-    fn mark(&mut self, unit: u32) {
-        let (w, b) = ((unit / 64) as usize, unit % 64);
-        let Some(word) = self.bits.get_mut(w) else {
-            return;
-        };
-        if *word & (1 << b) != 0 {
-            return;
-        }
-        *word |= 1 << b;
-        let kv_units = self.slot_unit(false);
-        let required = unit < kv_units
-            || (unit == kv_units && self.aux)
-            || (unit == kv_units + 1 && self.state)
-            || unit >= kv_units + 2;
-        if required {
-            self.covered += 1;
-        }
-    }
-
-    fn complete(&self) -> bool {
-        self.covered >= self.expected
-    }
-}
-
 impl Source {
     fn new(session: SessionId) -> Self {
         Source {
@@ -564,133 +463,6 @@ struct PendingRoom {
     notices: SmallVec<[(SessionId, u32); 1]>,
 }
 
-/// Bounded memory of concluded rooms: answers late messages of the room's own peers and
-/// refuses stale generations. It never answers another peer (a reused room id).
-#[derive(Debug, Default)]
-struct Tombstones {
-    map: Map<RoomId, Tombstone>,
-    order: VecDeque<(RoomId, u64)>,
-    seq: u64,
-    cap: usize,
-}
-
-#[derive(Debug)]
-struct Tombstone {
-    generation: Generation,
-    outcome: KvPoll,
-    seq: u64,
-    /// Whether a room record existed here (`false`: a verdict reached before it opened).
-    opened: bool,
-    /// The peers that took part: the only ones answered from `outcome`.
-    peers: SmallVec<[PeerIdentity; 1]>,
-}
-
-impl Tombstones {
-    /// Remembers a room that was opened here and concluded.
-    fn insert(
-        &mut self,
-        room: RoomId,
-        generation: Generation,
-        outcome: KvPoll,
-        peers: SmallVec<[PeerIdentity; 1]>,
-    ) {
-        self.remember(room, generation, outcome, true, peers);
-    }
-
-    /// Remembers a verdict reached before the room was opened here (prefill only).
-    fn insert_verdict(
-        &mut self,
-        room: RoomId,
-        generation: Generation,
-        reason: FailureReason,
-        peers: SmallVec<[PeerIdentity; 1]>,
-    ) {
-        self.remember(room, generation, KvPoll::Failed(reason), false, peers);
-    }
-
-    fn remember(
-        &mut self,
-        room: RoomId,
-        generation: Generation,
-        outcome: KvPoll,
-        opened: bool,
-        peers: SmallVec<[PeerIdentity; 1]>,
-    ) {
-        self.seq += 1;
-        self.map.insert(
-            room,
-            Tombstone {
-                generation,
-                outcome,
-                seq: self.seq,
-                opened,
-                peers,
-            },
-        );
-        self.order.push_back((room, self.seq));
-        while self.order.len() > self.cap {
-            if let Some((old, seq)) = self.order.pop_front() {
-                if self.map.get(&old).is_some_and(|e| e.seq == seq) {
-                    self.map.remove(&old);
-                }
-            }
-        }
-    }
-
-    fn get(&self, room: RoomId) -> Option<(Generation, KvPoll)> {
-        self.map.get(&room).map(|e| (e.generation, e.outcome))
-    }
-
-    /// Whether `who` took part in the remembered room (a tombstone nobody took part in, such
-    /// as a prefill room that timed out unrequested, answers everyone: it can only say Failed).
-    fn took_part(&self, room: RoomId, who: Option<PeerIdentity>) -> bool {
-        self.map
-            .get(&room)
-            .is_some_and(|e| e.peers.is_empty() || who.is_some_and(|w| e.peers.contains(&w)))
-    }
-
-    /// A verdict for a room never opened here, to deliver when it is opened.
-    fn verdict(&self, room: RoomId) -> Option<(Generation, FailureReason)> {
-        match self.map.get(&room) {
-            Some(Tombstone {
-                generation,
-                outcome: KvPoll::Failed(reason),
-                opened: false,
-                ..
-            }) => Some((*generation, *reason)),
-            _ => None,
-        }
-    }
-}
-
-/// Bitset over the layers this endpoint owns.
-#[derive(Debug, Clone, Default)]
-struct LayerBits(SmallVec<[u64; 2]>);
-
-impl LayerBits {
-    fn new(n: usize) -> Self {
-        LayerBits(SmallVec::from_elem(0, n.div_ceil(64).max(1)))
-    }
-    fn all(n: usize) -> Self {
-        let mut b = Self::new(n);
-        for i in 0..n {
-            b.set(i);
-        }
-        b
-    }
-    fn get(&self, i: usize) -> bool {
-        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
-    }
-    fn set(&mut self, i: usize) {
-        if let Some(w) = self.0.get_mut(i / 64) {
-            *w |= 1 << (i % 64);
-        }
-    }
-    fn count(&self) -> u32 {
-        self.0.iter().map(|w| w.count_ones()).sum()
-    }
-}
-
 impl Endpoint {
     /// A new endpoint. `seed` drives every random choice (jitter, nonces); `now` is the start.
     pub fn new(
@@ -718,15 +490,8 @@ impl Endpoint {
                 reason: "needs 1-2 planes, page_bytes > 0 and a non-empty owned layer range",
             });
         }
-        let tombstones = Tombstones {
-            cap: config.tombstones as usize,
-            ..Tombstones::default()
-        };
         let hasher = FixedState::with_seed(seed.rotate_left(17) ^ 0x6b76_6665_7272_7900);
-        let tombstones = Tombstones {
-            map: Map::with_hasher(hasher.clone()),
-            ..tombstones
-        };
+        let tombstones = Tombstones::new(config.tombstones as usize, hasher.clone());
         let nonces = Nonces::new(&local.token, seed, local.node.0, local.incarnation.0);
         Ok(Endpoint {
             config,
@@ -1004,25 +769,6 @@ fn fired(slot: &mut Option<TimerKey>, key: TimerKey) -> bool {
     }
     *slot = None;
     true
-}
-
-fn message_name(m: &Message) -> &'static str {
-    match m {
-        Message::Challenge { .. } => "Challenge",
-        Message::Hello(_) => "Hello",
-        Message::RoomPending { .. } => "RoomPending",
-        Message::RoomRequest(_) => "RoomRequest",
-        Message::RoomStatus { .. } => "RoomStatus",
-        Message::Progress { .. } => "Progress",
-        Message::Abort { .. } => "Abort",
-        Message::AbortAck { .. } => "AbortAck",
-        Message::Heartbeat { .. } => "Heartbeat",
-        Message::Probe { .. } => "Probe",
-        Message::ProbeAck { .. } => "ProbeAck",
-        Message::Error { .. } => "Error",
-        Message::OpChecksum { .. } => "OpChecksum",
-        Message::Transport { .. } => "Transport",
-    }
 }
 
 /// A sender room past its bootstrap and not concluded, with its generation: the rooms whose

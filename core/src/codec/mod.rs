@@ -3,6 +3,8 @@
 //! Frame: `len: u32 LE` (bytes after this field), `version: u8`, `type: u8`, body. Every
 //! integer is little-endian. `docs/PROTOCOL.md` documents each body byte by byte.
 
+mod decode;
+
 use bytes::BufMut;
 use core::fmt;
 use smallvec::SmallVec;
@@ -13,6 +15,7 @@ use crate::layout::{
     ExtraPool, Heads, Layout, PageRun, Region, MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS,
 };
 use crate::state::{FailureReason, Role};
+use decode::decode_body;
 
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
 /// challenge and proofs; version 3 added the frame count to the heartbeat (an older peer is
@@ -363,6 +366,26 @@ impl fmt::Display for DecodeError {
 impl std::error::Error for DecodeError {}
 
 impl Message {
+    /// The frame type's name, for logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::Challenge { .. } => "Challenge",
+            Message::Hello(_) => "Hello",
+            Message::RoomPending { .. } => "RoomPending",
+            Message::RoomRequest(_) => "RoomRequest",
+            Message::RoomStatus { .. } => "RoomStatus",
+            Message::Progress { .. } => "Progress",
+            Message::Abort { .. } => "Abort",
+            Message::AbortAck { .. } => "AbortAck",
+            Message::Heartbeat { .. } => "Heartbeat",
+            Message::Probe { .. } => "Probe",
+            Message::ProbeAck { .. } => "ProbeAck",
+            Message::Error { .. } => "Error",
+            Message::OpChecksum { .. } => "OpChecksum",
+            Message::Transport { .. } => "Transport",
+        }
+    }
+
     /// Appends this message as one frame to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         let start = out.len();
@@ -576,337 +599,4 @@ fn put_layout(out: &mut Vec<u8>, l: &Layout) {
     out.put_u32_le(l.aux_bytes);
     out.put_u32_le(l.state_bytes);
     out.put_u32_le(l.slots);
-}
-
-/// Bounds-checked little-endian reader over one frame body.
-struct Reader<'a> {
-    buf: &'a [u8],
-    ty: u8,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        if self.buf.len() < n {
-            return Err(DecodeError::Truncated { ty: self.ty });
-        }
-        let (head, tail) = self.buf.split_at(n);
-        self.buf = tail;
-        Ok(head)
-    }
-
-    fn u8(&mut self) -> Result<u8, DecodeError> {
-        Ok(self.take(1)?[0])
-    }
-
-    fn u16(&mut self) -> Result<u16, DecodeError> {
-        let b = self.take(2)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
-
-    fn u32(&mut self) -> Result<u32, DecodeError> {
-        let b = self.take(4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-
-    fn u64(&mut self) -> Result<u64, DecodeError> {
-        let b = self.take(8)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn opt_u32(&mut self) -> Result<Option<u32>, DecodeError> {
-        Ok(Some(self.u32()?).filter(|v| *v != u32::MAX))
-    }
-
-    /// A `u32` count and that many (start, len) runs, none empty or past `u32::MAX`.
-    fn runs(&mut self) -> Result<SmallVec<[PageRun; 4]>, DecodeError> {
-        let count = self.u32()? as usize;
-        // Each run is 8 bytes: bound the count by what is left before allocating.
-        if count > self.buf.len() / 8 {
-            return Err(DecodeError::Truncated { ty: self.ty });
-        }
-        let mut runs = SmallVec::with_capacity(count);
-        for _ in 0..count {
-            let run = PageRun {
-                start: self.u32()?,
-                len: self.u32()?,
-            };
-            if run.len == 0 || run.start.checked_add(run.len).is_none() {
-                return Err(self.invalid("page run"));
-            }
-            runs.push(run);
-        }
-        Ok(runs)
-    }
-
-    /// A hello's extra pools: a `u8` count, then per pool its items, a `u16` tensor count
-    /// and each tensor's item bytes (none zero).
-    fn extra_pools(&mut self) -> Result<Vec<ExtraPool>, DecodeError> {
-        let pools = usize::from(self.u8()?);
-        if pools > MAX_EXTRA_POOLS {
-            return Err(self.invalid("extra pools"));
-        }
-        let mut out = Vec::with_capacity(pools);
-        for _ in 0..pools {
-            let items = self.u32()?;
-            let tensors = usize::from(self.u16()?);
-            if tensors == 0 || tensors > MAX_EXTRA_TENSORS || tensors > self.buf.len() / 4 {
-                return Err(self.invalid("extra tensors"));
-            }
-            let item_bytes = (0..tensors)
-                .map(|_| self.u32())
-                .collect::<Result<Vec<_>, _>>()?;
-            if item_bytes.contains(&0) {
-                return Err(self.invalid("extra item bytes"));
-            }
-            out.push(ExtraPool { items, item_bytes });
-        }
-        Ok(out)
-    }
-
-    fn room(&mut self) -> Result<(RoomId, Generation), DecodeError> {
-        Ok((RoomId(self.u64()?), self.u32()?))
-    }
-
-    fn invalid(&self, field: &'static str) -> DecodeError {
-        DecodeError::InvalidField { ty: self.ty, field }
-    }
-
-    fn reason(&mut self) -> Result<FailureReason, DecodeError> {
-        let code = self.u8()?;
-        FailureReason::from_code(code).ok_or(self.invalid("reason"))
-    }
-
-    fn finish(self) -> Result<(), DecodeError> {
-        if self.buf.is_empty() {
-            Ok(())
-        } else {
-            Err(DecodeError::TrailingBytes { ty: self.ty })
-        }
-    }
-}
-
-fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
-    let mut r = Reader { buf: body, ty };
-    let msg = match ty {
-        ty::CHALLENGE => Message::Challenge {
-            nonce: r.array::<NONCE_LEN>()?,
-        },
-        ty::HELLO => {
-            let role = Role::from_code(r.u8()?).ok_or(r.invalid("role"))?;
-            let rank = r.u16()?;
-            let node = NodeId(r.u64()?);
-            let incarnation = Incarnation(r.u64()?);
-            let layout = Layout {
-                layers: r.u16()?,
-                planes: r.u8()?,
-                page_bytes: r.u32()?,
-                pages: r.u32()?,
-                aux_bytes: r.u32()?,
-                state_bytes: r.u32()?,
-                slots: r.u32()?,
-            };
-            if layout.planes == 0 || layout.planes > 2 {
-                return Err(r.invalid("planes"));
-            }
-            if layout.page_bytes == 0 {
-                return Err(r.invalid("page_bytes"));
-            }
-            if layout.layers == 0 {
-                return Err(r.invalid("layers"));
-            }
-            let layer_start = r.u16()?;
-            let layer_end = r.u16()?;
-            if layer_start >= layer_end || layer_end > layout.layers {
-                return Err(r.invalid("layer range"));
-            }
-            let writes_aux = match r.u8()? {
-                0 => false,
-                1 => true,
-                _ => return Err(r.invalid("writes_aux")),
-            };
-            let heads = Heads {
-                total: r.u16()?,
-                start: r.u16()?,
-                count: r.u16()?,
-                head_bytes: r.u32()?,
-            };
-            if heads.page_tokens(layout.page_bytes).is_none() {
-                return Err(r.invalid("heads"));
-            }
-            let heartbeat_interval_ms = r.u32()?;
-            if !(1..=MAX_HEARTBEAT_INTERVAL_MS).contains(&heartbeat_interval_ms) {
-                return Err(r.invalid("heartbeat_interval_ms"));
-            }
-            let heartbeat_misses = r.u32()?;
-            if !(1..=MAX_HEARTBEAT_MISSES).contains(&heartbeat_misses) {
-                return Err(r.invalid("heartbeat_misses"));
-            }
-            Message::Hello(Hello {
-                role,
-                rank,
-                node,
-                incarnation,
-                layout,
-                layer_start,
-                layer_end,
-                writes_aux,
-                heads,
-                heartbeat_interval_ms,
-                heartbeat_misses,
-                proof: r.array::<PROOF_LEN>()?,
-                checksum: match r.u8()? {
-                    0 => false,
-                    1 => true,
-                    _ => return Err(r.invalid("flags")),
-                },
-                extras: r.extra_pools()?,
-            })
-        }
-        ty::ROOM_PENDING => {
-            let (room, generation) = r.room()?;
-            Message::RoomPending {
-                room,
-                generation,
-                queue_position: r.u32()?,
-            }
-        }
-        ty::ROOM_REQUEST => {
-            let (room, generation) = r.room()?;
-            let receivers = r.u8()?;
-            if receivers == 0 {
-                return Err(r.invalid("receivers"));
-            }
-            let skip_pages = r.u32()?;
-            let aux_slot = r.opt_u32()?;
-            let state_slot = r.opt_u32()?;
-            let pages = r.runs()?;
-            let pools = usize::from(r.u8()?);
-            if pools > MAX_EXTRA_POOLS {
-                return Err(r.invalid("extra pools"));
-            }
-            let extras = (0..pools)
-                .map(|_| r.runs())
-                .collect::<Result<Vec<_>, _>>()?;
-            let asks_extras = extras.iter().any(|x| !x.is_empty());
-            if skip_pages == SKIP_ALL
-                && (!pages.is_empty() || aux_slot.or(state_slot).is_some() || asks_extras)
-            {
-                return Err(r.invalid("skip_pages"));
-            }
-            Message::RoomRequest(RoomRequest {
-                room,
-                generation,
-                receivers,
-                skip_pages,
-                pages,
-                aux_slot,
-                state_slot,
-                extras,
-            })
-        }
-        ty::ROOM_STATUS => {
-            let (room, generation) = r.room()?;
-            let failure = match r.u8()? {
-                0 => None,
-                c => Some(FailureReason::from_code(c).ok_or(r.invalid("reason"))?),
-            };
-            Message::RoomStatus {
-                room,
-                generation,
-                failure,
-            }
-        }
-        ty::PROGRESS => {
-            let (room, generation) = r.room()?;
-            let stage = match r.u8()? {
-                1 => ProgressStage::Queued,
-                2 => ProgressStage::Computing,
-                3 => ProgressStage::Transferring,
-                _ => return Err(r.invalid("stage")),
-            };
-            Message::Progress {
-                room,
-                generation,
-                stage,
-            }
-        }
-        ty::ABORT => {
-            let (room, generation) = r.room()?;
-            Message::Abort {
-                room,
-                generation,
-                reason: r.reason()?,
-            }
-        }
-        ty::ABORT_ACK => {
-            let (room, generation) = r.room()?;
-            Message::AbortAck { room, generation }
-        }
-        ty::HEARTBEAT => Message::Heartbeat {
-            free_pages: r.u32()?,
-            queued_rooms: r.u32()?,
-            frames_received: r.u64()?,
-        },
-        ty::PROBE => Message::Probe { nonce: r.u64()? },
-        ty::PROBE_ACK => Message::ProbeAck { nonce: r.u64()? },
-        ty::ERROR => {
-            let code = ErrorCode::from_code(r.u16()?).ok_or(r.invalid("code"))?;
-            let len = r.u16()? as usize;
-            if len > MAX_DETAIL_LEN {
-                return Err(r.invalid("detail length"));
-            }
-            let detail =
-                String::from_utf8(r.take(len)?.to_vec()).map_err(|_| r.invalid("detail"))?;
-            Message::Error { code, detail }
-        }
-        ty::OP_CHECKSUM => {
-            let (room, generation) = r.room()?;
-            let checksum = r.u64()?;
-            let n = usize::from(r.u16()?);
-            if n == 0 || n > MAX_CHECKED_RANGES || n > r.buf.len() / 20 {
-                return Err(r.invalid("ranges"));
-            }
-            let ranges = (0..n)
-                .map(|_| {
-                    let region = Region::from_code(r.u32()?).ok_or(r.invalid("region"))?;
-                    let offset = r.u64()?;
-                    let len = r.u64()?;
-                    if len == 0 || offset.checked_add(len).is_none() {
-                        return Err(r.invalid("range"));
-                    }
-                    Ok(LandedRange {
-                        region,
-                        offset,
-                        len,
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Message::OpChecksum {
-                room,
-                generation,
-                checksum,
-                ranges,
-            }
-        }
-        ty::TRANSPORT => {
-            let len = r.u16()? as usize;
-            if len > MAX_TRANSPORT_LEN {
-                return Err(r.invalid("transport length"));
-            }
-            Message::Transport {
-                payload: r.take(len)?.to_vec(),
-            }
-        }
-        other => return Err(DecodeError::UnknownType(other)),
-    };
-    r.finish()?;
-    Ok(msg)
 }

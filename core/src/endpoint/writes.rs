@@ -1,0 +1,379 @@
+//! Decode: what lands in its memory. Every write is checked against the room's grant, held by a\n//! permit while it lands, and counted toward the source's coverage once applied (or verified,\n//! for one-sided paths).
+
+use super::*;
+
+impl Endpoint {
+    /// Decode: may the peer behind `session` write `slice` for `(room, generation)`?
+    ///
+    /// Checks the room is live and of that generation, the session is a granted source, the
+    /// region exists and the range stays inside the room's pages (or its aux row / state slot).
+    /// Scratch-region writes (probes) only need a session. A refused write inside a live room
+    /// fails that room with `ProtocolError`.
+    pub fn check_write(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slice: &Slice,
+    ) -> Result<(), WriteRefused> {
+        let now = self.clock(now);
+        if self.superseded.contains_key(&session) {
+            return Err(WriteRefused::SessionSuperseded);
+        }
+        let result = self.check_write_inner(session, room, generation, slice);
+        if let Err(refused) = result {
+            self.counters.writes_refused += 1;
+            warn!(%room, %session, ?refused, ?slice, "data-plane write refused");
+            let live = self
+                .rooms
+                .get(&room)
+                .is_some_and(|r| r.generation == generation && !r.state.is_terminal());
+            let out_of_bounds = matches!(
+                refused,
+                WriteRefused::OutOfRegion
+                    | WriteRefused::PageNotGranted
+                    | WriteRefused::SlotNotGranted
+                    | WriteRefused::LayerNotOwned
+                    | WriteRefused::HeadsNotShared
+                    | WriteRefused::UnknownRegion
+                    | WriteRefused::NotASource
+            );
+            if live && out_of_bounds {
+                self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+            }
+        }
+        result
+    }
+
+    /// Decode: authorizes one whole write (every slice, as [`Endpoint::check_write`]) and
+    /// counts it as landing until [`Endpoint::end_write`]: the room's pages are not released
+    /// while it is out. Drivers call this, not `check_write`, before applying a payload.
+    pub fn begin_write(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<WritePermit, WriteRefused> {
+        for slice in slices {
+            self.check_write(now, session, room, generation, slice)?;
+        }
+        let epoch = self.sessions.get(&session).map_or(0, |s| s.epoch);
+        let holds_pages = slices.iter().any(|s| s.region != Region::Scratch);
+        self.next_permit += 1;
+        let seq = self.next_permit;
+        if holds_pages {
+            let units = self.write_units(room, session, slices);
+            if let Some(src) = self.source_mut(room, generation, session) {
+                src.pending.push((seq, session, units));
+            }
+        }
+        Ok(WritePermit {
+            session,
+            room: holds_pages.then_some(room),
+            generation,
+            epoch,
+            seq,
+            applied: false,
+            corrupt: false,
+        })
+    }
+
+    /// Decode: a write authorized by [`Endpoint::begin_write`] was applied or abandoned; its
+    /// room's pages may be released now. Void permits (older fence epoch) are ignored.
+    pub fn end_write(&mut self, now: Instant, permit: WritePermit) {
+        let now = self.clock(now);
+        let Some(room) = permit.room else { return };
+        let current = self.sessions.get(&permit.session).map(|s| s.epoch);
+        if current != Some(permit.epoch) {
+            return;
+        }
+        // By permit number: the source may have moved to a session that took this one over.
+        let Some(Side::Receiver(rr)) = self
+            .rooms
+            .get_mut(&room)
+            .filter(|r| r.generation == permit.generation)
+            .map(|r| &mut r.side)
+        else {
+            return;
+        };
+        let mut settled = None;
+        let checks_passed = &mut self.counters.landed_checks_passed;
+        for src in rr.sources.iter_mut() {
+            if let Some(i) = src.pending.iter().position(|p| p.0 == permit.seq) {
+                let (_, _, units) = src.pending.swap_remove(i);
+                if permit.applied {
+                    for u in units {
+                        src.coverage.mark(u);
+                    }
+                }
+                if permit.applied
+                    && self
+                        .sessions
+                        .get(&permit.session)
+                        .is_some_and(|s| s.one_sided)
+                {
+                    *checks_passed += 1;
+                }
+                if src.success_pending && src.pending.is_empty() {
+                    src.success_pending = false;
+                    settled = Some(src.session);
+                }
+                break;
+            }
+        }
+        let live = self
+            .rooms
+            .get(&room)
+            .is_some_and(|r| !r.state.is_terminal());
+        if permit.corrupt && live {
+            // The bytes that landed are not the sender's: the room's pages are garbage.
+            warn!(%room, session = %permit.session, "a write's checksum did not match what its sender computed");
+            self.conclude(now, room, KvPoll::Failed(FailureReason::ChecksumMismatch));
+        }
+        if let Some(source) = settled {
+            // The source's Success waited for this check: take it now.
+            self.on_room_status(now, source, room, permit.generation, None);
+        }
+        if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
+            self.maybe_release(now, room);
+        }
+    }
+
+    /// Decode: the coverage units a write of (already checked) `slices` fills entirely.
+    pub(super) fn write_units(
+        &self,
+        room: RoomId,
+        session: SessionId,
+        slices: &[Slice],
+    ) -> Vec<u32> {
+        let mut units = Vec::new();
+        let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else {
+            return units;
+        };
+        let Some(cov) = rr
+            .sources
+            .iter()
+            .find(|s| s.session == session)
+            .map(|s| &s.coverage)
+        else {
+            return units;
+        };
+        let layout = &self.local.layout;
+        let rows = self
+            .sessions
+            .get(&session)
+            .and_then(|s| s.peer)
+            .and_then(|p| self.local.heads.row_write(layout.page_bytes, &p.heads));
+        let rank = |p: u64| rr.pages.as_ref().and_then(|ps| ps.rank(p as u32));
+        for s in slices {
+            match s.region {
+                // A source holding other heads fills token rows (its part of each).
+                Region::Kv { layer, plane } if rows.is_some_and(|w| w.tokens > 0) => {
+                    let w = rows.unwrap_or_else(|| unreachable!());
+                    let tokens = u64::from(w.tokens);
+                    for row in w.rows(s.dst_offset, s.len) {
+                        let unit = rank(row / tokens)
+                            .and_then(|r| cov.kv_unit(layer, plane, r, (row % tokens) as u32));
+                        units.extend(unit);
+                    }
+                }
+                Region::Kv { layer, plane } => {
+                    let page = u64::from(layout.page_bytes);
+                    let first = s.dst_offset.div_ceil(page);
+                    let end = (s.dst_offset + s.len) / page;
+                    for p in first..end {
+                        if let Some(u) = rank(p).and_then(|r| cov.kv_unit(layer, plane, r, 0)) {
+                            units.push(u);
+                        }
+                    }
+                }
+                Region::Aux if s.len >= u64::from(layout.aux_bytes) => {
+                    units.push(cov.slot_unit(false));
+                }
+                Region::State if s.len >= u64::from(layout.state_bytes) => {
+                    units.push(cov.slot_unit(true));
+                }
+                Region::Extra { pool, tensor } => {
+                    let item = ExtraPool::item_bytes_of(&self.local.extras, pool, tensor);
+                    let granted = rr.extras.get(usize::from(pool));
+                    if let (true, Some(granted)) = (item > 0, granted) {
+                        let first = s.dst_offset / item;
+                        for i in first..first + s.len / item {
+                            let unit = granted
+                                .rank(i as u32)
+                                .and_then(|r| cov.extra_unit(pool, tensor, r));
+                            units.extend(unit);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        units
+    }
+
+    /// Decode: the source entry of `session` in room `(room, generation)`.
+    pub(super) fn source_mut(
+        &mut self,
+        room: RoomId,
+        generation: Generation,
+        session: SessionId,
+    ) -> Option<&mut Source> {
+        let r = self.rooms.get_mut(&room)?;
+        if r.generation != generation {
+            return None;
+        }
+        let Side::Receiver(rr) = &mut r.side else {
+            return None;
+        };
+        rr.sources.iter_mut().find(|s| s.session == session)
+    }
+
+    pub(super) fn check_write_inner(
+        &self,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slice: &Slice,
+    ) -> Result<(), WriteRefused> {
+        let layout = &self.local.layout;
+        let region_len = self
+            .local
+            .region_len(slice.region)
+            .ok_or(WriteRefused::UnknownRegion)?;
+        let end = slice
+            .dst_offset
+            .checked_add(slice.len)
+            .ok_or(WriteRefused::OutOfRegion)?;
+        if end > region_len || slice.len == 0 {
+            return Err(WriteRefused::OutOfRegion);
+        }
+        if slice.region == Region::Scratch {
+            return match self.sessions.get(&session).map(|s| s.state) {
+                Some(SessionState::Established | SessionState::Blacklisted) => Ok(()),
+                _ => Err(WriteRefused::NotASource),
+            };
+        }
+        let r = self.rooms.get(&room).ok_or(WriteRefused::UnknownRoom)?;
+        if r.generation != generation {
+            return Err(WriteRefused::StaleGeneration);
+        }
+        if r.state.is_terminal() {
+            return Err(WriteRefused::RoomConcluded);
+        }
+        let Side::Receiver(rr) = &r.side else {
+            return Err(WriteRefused::UnknownRoom);
+        };
+        // An idle source was asked for nothing: any write of it is out of place.
+        if !rr
+            .sources
+            .iter()
+            .any(|s| s.session == session && s.granted && !s.idle)
+        {
+            return Err(WriteRefused::NotASource);
+        }
+        match slice.region {
+            Region::Kv { layer, .. } => {
+                let peer = self.sessions.get(&session).and_then(|s| s.peer);
+                if peer.is_some_and(|p| layer < p.layer_start || layer >= p.layer_end) {
+                    return Err(WriteRefused::LayerNotOwned);
+                }
+                let rows =
+                    peer.and_then(|p| self.local.heads.row_write(layout.page_bytes, &p.heads));
+                if rows.is_some_and(|w| !w.admits(slice.dst_offset, slice.len)) {
+                    return Err(WriteRefused::HeadsNotShared);
+                }
+                let page = u64::from(layout.page_bytes);
+                let first = (slice.dst_offset / page) as u32;
+                let last = ((end - 1) / page) as u32;
+                let pages = rr.pages.as_ref().ok_or(WriteRefused::PageNotGranted)?;
+                if pages.contains_range(first, last) {
+                    Ok(())
+                } else {
+                    Err(WriteRefused::PageNotGranted)
+                }
+            }
+            Region::Aux | Region::State => {
+                let (slot, item) = if slice.region == Region::Aux {
+                    (rr.aux_slot, layout.aux_bytes)
+                } else {
+                    (rr.state_slot, layout.state_bytes)
+                };
+                let slot = slot.ok_or(WriteRefused::SlotNotGranted)?;
+                let start = u64::from(slot) * u64::from(item);
+                if slice.dst_offset >= start && end <= start + u64::from(item) {
+                    Ok(())
+                } else {
+                    Err(WriteRefused::SlotNotGranted)
+                }
+            }
+            Region::Extra { pool, tensor } => {
+                let item = ExtraPool::item_bytes_of(&self.local.extras, pool, tensor);
+                let granted = rr
+                    .extras
+                    .get(usize::from(pool))
+                    .ok_or(WriteRefused::ItemNotGranted)?;
+                let whole = item > 0 && slice.dst_offset % item == 0 && slice.len % item == 0;
+                let first = (slice.dst_offset / item.max(1)) as u32;
+                let last = ((end - 1) / item.max(1)) as u32;
+                let writes_extras = self
+                    .sessions
+                    .get(&session)
+                    .and_then(|s| s.peer)
+                    .map_or(true, |p| p.writes_aux);
+                if whole && writes_extras && granted.contains_range(first, last) {
+                    Ok(())
+                } else {
+                    Err(WriteRefused::ItemNotGranted)
+                }
+            }
+            Region::Scratch => Ok(()),
+        }
+    }
+
+    /// A one-sided source's operation completed: its bytes are in decode's memory unseen.
+    /// They are authorized like a write (the ranges must lie in what the room granted this
+    /// source) and handed to the driver to hash; the room's pages are held until it ends.
+    pub(super) fn on_op_checksum(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        checksum: u64,
+        ranges: &[LandedRange],
+    ) {
+        let one_sided = self.sessions.get(&sid).is_some_and(|s| s.one_sided);
+        if !one_sided || !self.config.checksum {
+            // Over TCP the checksum rides with the write itself; without the option there is
+            // nothing to verify.
+            self.strike(
+                sid,
+                "an operation checksum on a path that does not use them",
+                false,
+            );
+            return;
+        }
+        let slices: Vec<Slice> = ranges
+            .iter()
+            .map(|r| Slice {
+                region: r.region,
+                src_offset: 0,
+                dst_offset: r.offset,
+                len: r.len,
+            })
+            .collect();
+        // A refused range fails a live room (`protocol_error`) inside check_write; a stale
+        // or concluded room's checksum is counted and dropped there.
+        if let Ok(permit) = self.begin_write(now, sid, room, generation, &slices) {
+            self.actions.push_back(Action::VerifyLanded {
+                permit,
+                ranges: slices,
+                checksum,
+            });
+        }
+    }
+}
