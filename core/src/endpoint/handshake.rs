@@ -601,6 +601,11 @@ impl Endpoint {
             t.evidence = None;
             self.timers.cancel(&mut t.timer);
         }
+        if resumed_from.is_none() {
+            // Rooms opened on it while it was still handshaking (their messages were held
+            // back) hear where they stand now; the target's waiting rooms attach just below.
+            self.replay(sid);
+        }
         if let Some(t) = target {
             self.target_up(now, t);
         }

@@ -631,12 +631,28 @@ impl Endpoint {
     /// The next control message, not encoded (for drivers that batch or inspect).
     #[must_use]
     pub fn poll_message(&mut self) -> Option<(SessionId, Message)> {
-        let (session, msg) = self.transmits.pop_front()?;
-        if let Some(s) = self.sessions.get_mut(&session) {
-            s.frames_sent += 1;
-            s.unconfirmed_since.get_or_insert(self.last_now);
+        loop {
+            let (session, msg) = self.transmits.pop_front()?;
+            let s = self.sessions.get_mut(&session);
+            // Until its handshake completes a session carries the handshake alone: a room
+            // message for it (a room opened on it early) is dropped here and sent, from the
+            // room's state then, when the session is established (`replay`).
+            let handshaking = s
+                .as_ref()
+                .is_some_and(|s| s.state == SessionState::Handshaking);
+            let handshake_frame = matches!(
+                msg,
+                Message::Challenge { .. } | Message::Hello(_) | Message::Error { .. }
+            );
+            if handshaking && !handshake_frame {
+                continue;
+            }
+            if let Some(s) = s {
+                s.frames_sent += 1;
+                s.unconfirmed_since.get_or_insert(self.last_now);
+            }
+            return Some((session, msg));
         }
-        Some((session, msg))
     }
 
     /// The next connection action the driver must carry out.
