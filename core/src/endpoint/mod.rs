@@ -45,6 +45,8 @@ use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
+use planning::live_sender;
+use timers::fired;
 use layer_bits::LayerBits;
 use tombstones::Tombstones;
 
@@ -774,32 +776,5 @@ impl Endpoint {
             KvPoll::Failed(reason) => self.counters.rooms_failed[reason.index()] += 1,
             _ => {}
         }
-    }
-}
-
-/// Whether the timer that fired under `key` is still the one `slot` holds (not re-armed or
-/// cancelled since); if so the slot is cleared, since that timer is spent.
-fn fired(slot: &mut Option<TimerKey>, key: TimerKey) -> bool {
-    if *slot != Some(key) {
-        return false;
-    }
-    *slot = None;
-    true
-}
-
-/// A sender room past its bootstrap and not concluded, with its generation: the rooms whose
-/// layers may be planned and reported delivered.
-fn live_sender(
-    rooms: &mut Map<RoomId, Room>,
-    room: RoomId,
-) -> Option<(Generation, &mut SenderRoom)> {
-    let r = rooms.get_mut(&room)?;
-    if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
-        return None;
-    }
-    let generation = r.generation;
-    match &mut r.side {
-        Side::Sender(s) => Some((generation, s)),
-        Side::Receiver(_) => None,
     }
 }

@@ -185,3 +185,20 @@ impl Endpoint {
         }
     }
 }
+
+/// A sender room past its bootstrap and not concluded, with its generation: the rooms whose
+/// layers may be planned and reported delivered.
+pub(super) fn live_sender(
+    rooms: &mut Map<RoomId, Room>,
+    room: RoomId,
+) -> Option<(Generation, &mut SenderRoom)> {
+    let r = rooms.get_mut(&room)?;
+    if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
+        return None;
+    }
+    let generation = r.generation;
+    match &mut r.side {
+        Side::Sender(s) => Some((generation, s)),
+        Side::Receiver(_) => None,
+    }
+}

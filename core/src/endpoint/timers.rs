@@ -329,3 +329,13 @@ impl Endpoint {
         }
     }
 }
+
+/// Whether the timer that fired under `key` is still the one `slot` holds (not re-armed or
+/// cancelled since); if so the slot is cleared, since that timer is spent.
+pub(super) fn fired(slot: &mut Option<TimerKey>, key: TimerKey) -> bool {
+    if *slot != Some(key) {
+        return false;
+    }
+    *slot = None;
+    true
+}
