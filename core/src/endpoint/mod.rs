@@ -45,9 +45,9 @@ use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
+use layer_bits::LayerBits;
 use planning::live_sender;
 use timers::fired;
-use layer_bits::LayerBits;
 use tombstones::Tombstones;
 
 /// Hash maps seeded from the endpoint seed: deterministic iteration for equal inputs, and
