@@ -412,6 +412,21 @@ impl Config {
                 "must be at least 256",
             );
         }
+        // Over RDMA each operation's checksum names every slice in one `OpChecksum` frame.
+        if self.checksum && self.max_op_slices as usize > crate::codec::MAX_CHECKED_RANGES {
+            return bad(
+                "MAX_OP_SLICES",
+                self.max_op_slices.to_string(),
+                "must be at most 4096 with KVFERRY_CHECKSUM (one operation's checksum names every slice)",
+            );
+        }
+        if self.checksum && (self.max_frame_len as usize) < crate::codec::MAX_OP_CHECKSUM_FRAME {
+            return bad(
+                "MAX_FRAME_LEN",
+                self.max_frame_len.to_string(),
+                "must be at least 81948 with KVFERRY_CHECKSUM (the largest operation checksum frame)",
+            );
+        }
         Ok(())
     }
 }

@@ -82,3 +82,31 @@ fn toml_style_lower_case_keys_are_accepted_by_set() {
     assert!(c.set("no_such_knob", "1").is_err());
     assert!(Config::keys().count() >= 20);
 }
+
+#[test]
+fn the_checksum_needs_operations_whose_checksum_fits_one_frame() {
+    let too_many = Config {
+        checksum: true,
+        max_op_slices: 4097,
+        ..Config::default()
+    };
+    assert_eq!(
+        too_many.validate().map_err(|e| e.name),
+        Err("KVFERRY_MAX_OP_SLICES".to_owned())
+    );
+    let short_frames = Config {
+        checksum: true,
+        max_frame_len: 4096,
+        ..Config::default()
+    };
+    assert_eq!(
+        short_frames.validate().map_err(|e| e.name),
+        Err("KVFERRY_MAX_FRAME_LEN".to_owned())
+    );
+    assert!(Config {
+        checksum: true,
+        ..Config::default()
+    }
+    .validate()
+    .is_ok());
+}

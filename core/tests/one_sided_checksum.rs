@@ -5,10 +5,14 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 use kvferry_core::codec::{LandedRange, Message};
 use kvferry_core::sim::Sim;
-use kvferry_core::{Action, Config, FailureReason, KvPoll, Region, RoomId, SessionId, WritePermit};
+use kvferry_core::{
+    Action, Config, FailureReason, Grant, KvPoll, Region, RoomId, SessionId, WritePermit,
+};
 
 const ROOM: u64 = 7;
 const PAGES: u32 = 2;
@@ -27,7 +31,7 @@ fn one_sided_room(seed: u64, config: Config) -> (Sim, usize, SessionId, Vec<u32>
     let session = sim.session(d, p).expect("session");
     sim.nodes[d].endpoint.set_one_sided(session);
     let dst = open_receiver_with(&mut sim, d, &[p], ROOM, PAGES, |dst| {
-        kvferry_core::Grant::new(dst, Some(ROOM as u32), None)
+        Grant::new(dst, Some(ROOM as u32), None)
     });
     (sim, d, session, dst)
 }
@@ -204,5 +208,41 @@ fn without_the_option_a_one_sided_room_succeeds_on_the_word_and_a_checksum_is_re
     assert!(verifications(&mut sim, d).is_empty());
     assert!(sim.nodes[d].endpoint.counters().protocol_errors > strikes);
     deliver(&mut sim, d, session, success());
+    assert_eq!(state(&sim, d, ROOM), Some(KvPoll::Success));
+}
+
+#[test]
+fn a_fence_of_the_session_does_not_void_a_check_of_bytes_that_already_landed() {
+    let (mut sim, d, session, dst) = one_sided_room(47, checked());
+    // A second room on the same session, aborted with no drain acknowledgement: the core
+    // fences the session, which voids its write permits.
+    let other = RoomId(9);
+    let pages = sim.nodes[d].alloc(other, 0, 1).expect("pages");
+    let now = sim.now;
+    sim.nodes[d]
+        .endpoint
+        .open_receiver(
+            now,
+            other,
+            0,
+            &[session],
+            Some(Grant::new(pages, Some(3), None)),
+        )
+        .expect("second room");
+    let ranges = room_ranges(&sim, d, &dst);
+    deliver(&mut sim, d, session, op_checksum(ranges));
+    let (permit, _, _) = verifications(&mut sim, d).remove(0);
+    deliver(&mut sim, d, session, success());
+    sim.nodes[d].endpoint.abort(now, other).expect("abort");
+    let later = now + sim.nodes[d].endpoint.config().abort_ack_timeout + Duration::from_millis(1);
+    sim.nodes[d].endpoint.handle_timeout(later);
+    let fenced = std::iter::from_fn(|| sim.nodes[d].endpoint.poll_action())
+        .any(|a| a == Action::FenceSession(session));
+    assert!(
+        fenced,
+        "the abort's missing acknowledgement fences the session"
+    );
+    sim.nodes[d].endpoint.handle_fence_complete(later, session);
+    sim.nodes[d].endpoint.end_write(later, permit.applied());
     assert_eq!(state(&sim, d, ROOM), Some(KvPoll::Success));
 }

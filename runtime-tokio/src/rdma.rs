@@ -275,16 +275,19 @@ fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
     // not what the source held (the flip stays; the room's source pages are refilled by
     // whoever reuses them).
     let poison = hit.is_some_and(|f| f.kind == FaultKind::Break);
-    if let (Some(FaultKind::FlipBit), Some(first)) = (hit.map(|f| f.kind), op.slices.first()) {
+    // Flips the first source bit (again, to restore it): the write was hashed before.
+    let flip = |memory: &MemoryMap| {
+        let Some(first) = op.slices.first() else {
+            return false;
+        };
         let mut byte = [0u8; 1];
-        if memory
-            .read(first.region, first.src_offset, &mut byte)
-            .is_ok()
-        {
-            byte[0] ^= 1;
-            let _ = memory.write(first.region, first.src_offset, &byte);
-            warn!(session = %op.session, room = ?op.room, "injected fault: one bit of a write flipped");
-        }
+        let read = memory.read(first.region, first.src_offset, &mut byte);
+        byte[0] ^= 1;
+        read.is_ok() && memory.write(first.region, first.src_offset, &byte).is_ok()
+    };
+    let flipped = hit.is_some_and(|f| f.kind == FaultKind::FlipBit) && flip(&memory);
+    if flipped {
+        warn!(session = %op.session, room = ?op.room, "injected fault: one bit of a write flipped");
     }
     let mut posted = false;
     let failed = match r.link.post_as(node, &op, poison) {
@@ -294,6 +297,11 @@ fn post_on(driver: &mut Driver<TokioHost>, node: &RdmaNode, op: TransferOp) {
         }
         Err(e) => match e.outcome() {
             None => {
+                // Not posted: the source goes back to what was hashed, so a re-post (or the
+                // TCP path) starts from the bytes the prefill holds.
+                if flipped {
+                    flip(&memory);
+                }
                 io.park(op);
                 None
             }

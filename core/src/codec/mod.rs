@@ -155,6 +155,10 @@ pub struct LandedRange {
 /// Most ranges one [`Message::OpChecksum`] names.
 pub const MAX_CHECKED_RANGES: usize = 4096;
 
+/// Bytes of the largest [`Message::OpChecksum`] frame, header included: a node with the
+/// checksum on must accept frames this long.
+pub const MAX_OP_CHECKSUM_FRAME: usize = HEADER_LEN + 8 + 4 + 8 + 2 + 20 * MAX_CHECKED_RANGES;
+
 /// The handshake: who the peer is, what memory it registered, how often it speaks, and its
 /// proof of the cluster token.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -588,6 +588,15 @@ impl Endpoint {
         self.timers
             .set(&mut s.silence_timer, now + silence, Timer::Silence(sid));
         let target = s.target;
+        // Room messages queued for it while it handshook would leave behind our Hello (queued
+        // just before this): they go, and `replay` below says where those rooms stand now.
+        self.transmits.retain(|(s, m)| {
+            *s != sid
+                || matches!(
+                    m,
+                    Message::Challenge { .. } | Message::Hello(_) | Message::Error { .. }
+                )
+        });
         if let Some(old) = resumed_from {
             self.take_over(h.node, old, sid);
         }

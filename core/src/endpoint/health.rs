@@ -47,6 +47,11 @@ impl Endpoint {
             return;
         };
         self.timers.cancel(&mut op.timer);
+        if outcome != TransferOutcome::Done {
+            // A retry is hashed again where it is posted (or carries its checksum in the
+            // batch, if it moves to TCP).
+            op.source_checksum = None;
+        }
         if let Some(s) = self.sessions.get_mut(&op.session) {
             s.in_flight = s.in_flight.saturating_sub(1);
         }

@@ -320,7 +320,10 @@ impl Room {
     }
 }
 
+/// A node is prefill or decode, so all its rooms hold the same variant: boxing the larger
+/// one would add an allocation per room and save no memory.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 enum Side {
     Sender(SenderRoom),
     Receiver(ReceiverRoom),
@@ -410,8 +413,12 @@ struct Source {
     /// Writes authorized by `begin_write` and not yet ended, which may be landing in the
     /// room's pages right now: (permit number, the session that wrote it, its units).
     pending: SmallVec<[(u64, SessionId, Vec<u32>); 2]>,
-    /// The source reported Success over a one-sided, checksummed path while some of its
-    /// operations were still being verified: it counts once the last check ends.
+    /// One-sided, checksummed path: operations whose landed bytes the driver is hashing
+    /// (permit number, units they cover). Not writes, so no fence voids them: their bytes
+    /// landed before the source heard its operation was done.
+    checking: Vec<(u64, Vec<u32>)>,
+    /// The source reported Success while some of its checks were still running: it counts
+    /// once the last one ends.
     success_pending: bool,
 }
 
@@ -425,6 +432,7 @@ impl Source {
             drained: false,
             coverage: Coverage::default(),
             pending: SmallVec::new(),
+            checking: Vec::new(),
             success_pending: false,
         }
     }

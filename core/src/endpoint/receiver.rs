@@ -230,7 +230,7 @@ impl Endpoint {
                 // A checksummed one-sided source's bytes count as they are verified: its word
                 // waits for the checks still running, then needs them all, as over TCP.
                 let checked = one_sided && self.config.checksum;
-                if checked && !src.pending.is_empty() {
+                if checked && !src.checking.is_empty() {
                     src.success_pending = true;
                     return;
                 }

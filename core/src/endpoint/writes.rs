@@ -86,6 +86,9 @@ impl Endpoint {
     pub fn end_write(&mut self, now: Instant, permit: WritePermit) {
         let now = self.clock(now);
         let Some(room) = permit.room else { return };
+        if self.end_check(now, room, permit) {
+            return;
+        }
         let current = self.sessions.get(&permit.session).map(|s| s.epoch);
         if current != Some(permit.epoch) {
             return;
@@ -99,8 +102,6 @@ impl Endpoint {
         else {
             return;
         };
-        let mut settled = None;
-        let checks_passed = &mut self.counters.landed_checks_passed;
         for src in rr.sources.iter_mut() {
             if let Some(i) = src.pending.iter().position(|p| p.0 == permit.seq) {
                 let (_, _, units) = src.pending.swap_remove(i);
@@ -108,18 +109,6 @@ impl Endpoint {
                     for u in units {
                         src.coverage.mark(u);
                     }
-                }
-                if permit.applied
-                    && self
-                        .sessions
-                        .get(&permit.session)
-                        .is_some_and(|s| s.one_sided)
-                {
-                    *checks_passed += 1;
-                }
-                if src.success_pending && src.pending.is_empty() {
-                    src.success_pending = false;
-                    settled = Some(src.session);
                 }
                 break;
             }
@@ -133,10 +122,7 @@ impl Endpoint {
             warn!(%room, session = %permit.session, "a write's checksum did not match what its sender computed");
             self.conclude(now, room, KvPoll::Failed(FailureReason::ChecksumMismatch));
         }
-        if let Some(source) = settled {
-            // The source's Success waited for this check: take it now.
-            self.on_room_status(now, source, room, permit.generation, None);
-        }
+
         if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
             self.maybe_release(now, room);
         }
@@ -366,14 +352,94 @@ impl Endpoint {
                 len: r.len,
             })
             .collect();
+        // Bounded like one operation, and only into a room's memory: a peer cannot make this
+        // node hash more than it could have written.
+        let bytes = slices.iter().fold(0u64, |n, s| n.saturating_add(s.len));
+        if bytes > self.config.max_op_bytes || slices.iter().any(|s| s.region == Region::Scratch) {
+            self.strike(
+                sid,
+                "an operation checksum beyond one operation's memory",
+                false,
+            );
+            return;
+        }
         // A refused range fails a live room (`protocol_error`) inside check_write; a stale
         // or concluded room's checksum is counted and dropped there.
-        if let Ok(permit) = self.begin_write(now, sid, room, generation, &slices) {
-            self.actions.push_back(Action::VerifyLanded {
-                permit,
-                ranges: slices,
-                checksum,
-            });
+        for slice in &slices {
+            if self.check_write(now, sid, room, generation, slice).is_err() {
+                return;
+            }
         }
+        let units = self.write_units(room, sid, &slices);
+        self.next_permit += 1;
+        let seq = self.next_permit;
+        let epoch = self.sessions.get(&sid).map_or(0, |s| s.epoch);
+        let Some(src) = self.source_mut(room, generation, sid) else {
+            return;
+        };
+        src.checking.push((seq, units));
+        let permit = WritePermit {
+            session: sid,
+            room: Some(room),
+            generation,
+            epoch,
+            seq,
+            applied: false,
+            corrupt: false,
+        };
+        self.actions.push_back(Action::VerifyLanded {
+            permit,
+            ranges: slices,
+            checksum,
+        });
+    }
+
+    /// Ends a check of landed bytes ([`Action::VerifyLanded`]) if `permit` is one: the units
+    /// count if the bytes matched, the room fails `checksum_mismatch` if they did not, and a
+    /// Success the source sent meanwhile is taken once its last check ended. `false`: not a
+    /// check's permit.
+    fn end_check(&mut self, now: Instant, room: RoomId, permit: WritePermit) -> bool {
+        let Some(r) = self
+            .rooms
+            .get_mut(&room)
+            .filter(|r| r.generation == permit.generation)
+        else {
+            return false;
+        };
+        let live = !r.state.is_terminal();
+        let Side::Receiver(rr) = &mut r.side else {
+            return false;
+        };
+        // By permit number: the source may have moved to a session that took this one over.
+        let Some(src) = rr
+            .sources
+            .iter_mut()
+            .find(|s| s.checking.iter().any(|c| c.0 == permit.seq))
+        else {
+            return false;
+        };
+        let Some(i) = src.checking.iter().position(|c| c.0 == permit.seq) else {
+            return false;
+        };
+        let (_, units) = src.checking.swap_remove(i);
+        if permit.applied {
+            for u in units {
+                src.coverage.mark(u);
+            }
+            self.counters.landed_checks_passed += 1;
+        }
+        let settled = (src.success_pending && src.checking.is_empty()).then(|| {
+            src.success_pending = false;
+            src.session
+        });
+        if permit.corrupt && live {
+            warn!(%room, session = %permit.session, "landed bytes did not match what their source wrote");
+            self.conclude(now, room, KvPoll::Failed(FailureReason::ChecksumMismatch));
+        }
+        if let Some(source) = settled {
+            // The source's Success waited for this check: take it now.
+            self.on_room_status(now, source, room, permit.generation, None);
+        }
+        true
     }
 }
