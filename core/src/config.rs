@@ -82,8 +82,10 @@ pub struct Config {
     /// target has been down this long (`KVFERRY_UNREACHABLE_TIMEOUT_MS`, 10000).
     pub unreachable_timeout: Duration,
     /// End-to-end checksum of every write: the receiver verifies each batch's bytes against
-    /// the sender's XXH3-64 before it acknowledges, and a mismatch fails the room with
-    /// `checksum_mismatch`. Both peers must agree (`KVFERRY_CHECKSUM`, 0 = off, 1 = on).
+    /// the sender's XXH3-64 before it acknowledges (over RDMA: each operation's landed bytes
+    /// before the room succeeds), and a mismatch fails the room with `checksum_mismatch`.
+    /// Both peers must agree (`KVFERRY_CHECKSUM`, 0 = off, 1 = on); needs `max_op_slices`
+    /// <= 4096 and `max_frame_len` >= 81948.
     pub checksum: bool,
 }
 
