@@ -57,6 +57,21 @@ impl Endpoint {
         generation: Generation,
         slices: &[Slice],
     ) -> Result<WritePermit, WriteRefused> {
+        self.admit(now, session, room, generation, slices, Landing::Write)
+    }
+
+    /// Checks every slice, numbers a permit and records the units it covers with its source:
+    /// as a write that may be landing (which a fence of its session voids), or as a check of bytes that
+    /// already landed.
+    fn admit(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+        landing: Landing,
+    ) -> Result<WritePermit, WriteRefused> {
         for slice in slices {
             self.check_write(now, session, room, generation, slice)?;
         }
@@ -67,7 +82,10 @@ impl Endpoint {
         if holds_pages {
             let units = self.write_units(room, session, slices);
             if let Some(src) = self.source_mut(room, generation, session) {
-                src.pending.push((seq, session, units));
+                match landing {
+                    Landing::Write => src.pending.push((seq, session, units)),
+                    Landing::Check => src.checking.push((seq, units)),
+                }
             }
         }
         Ok(WritePermit {
@@ -365,27 +383,8 @@ impl Endpoint {
         }
         // A refused range fails a live room (`protocol_error`) inside check_write; a stale
         // or concluded room's checksum is counted and dropped there.
-        for slice in &slices {
-            if self.check_write(now, sid, room, generation, slice).is_err() {
-                return;
-            }
-        }
-        let units = self.write_units(room, sid, &slices);
-        self.next_permit += 1;
-        let seq = self.next_permit;
-        let epoch = self.sessions.get(&sid).map_or(0, |s| s.epoch);
-        let Some(src) = self.source_mut(room, generation, sid) else {
+        let Ok(permit) = self.admit(now, sid, room, generation, &slices, Landing::Check) else {
             return;
-        };
-        src.checking.push((seq, units));
-        let permit = WritePermit {
-            session: sid,
-            room: Some(room),
-            generation,
-            epoch,
-            seq,
-            applied: false,
-            corrupt: false,
         };
         self.actions.push_back(Action::VerifyLanded {
             permit,
@@ -442,4 +441,13 @@ impl Endpoint {
         }
         true
     }
+}
+
+/// What a permit given by [`Endpoint::admit`] stands for.
+#[derive(Clone, Copy)]
+enum Landing {
+    /// A write whose bytes may be landing now (a fence of its session voids it).
+    Write,
+    /// A check of bytes a one-sided source already wrote (never voided by a fence).
+    Check,
 }
