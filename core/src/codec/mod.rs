@@ -370,6 +370,15 @@ impl fmt::Display for DecodeError {
 impl std::error::Error for DecodeError {}
 
 impl Message {
+    /// Whether this is a frame a session carries before its handshake completes (challenge,
+    /// hello, or the error that refuses it).
+    pub fn is_handshake(&self) -> bool {
+        matches!(
+            self,
+            Message::Challenge { .. } | Message::Hello(_) | Message::Error { .. }
+        )
+    }
+
     /// The frame type's name, for logs.
     pub fn name(&self) -> &'static str {
         match self {

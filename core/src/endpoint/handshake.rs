@@ -220,12 +220,7 @@ impl Endpoint {
         };
         s.last_rx = now;
         let established = s.peer.is_some();
-        if s.resumes.is_some()
-            && !matches!(
-                msg,
-                Message::Challenge { .. } | Message::Hello(_) | Message::Error { .. }
-            )
-        {
+        if s.resumes.is_some() && !msg.is_handshake() {
             // The dialer uses the fresh connection: it took the work over on its side.
             self.commit_resume(sid);
         }
@@ -590,13 +585,8 @@ impl Endpoint {
         let target = s.target;
         // Room messages queued for it while it handshook would leave behind our Hello (queued
         // just before this): they go, and `replay` below says where those rooms stand now.
-        self.transmits.retain(|(s, m)| {
-            *s != sid
-                || matches!(
-                    m,
-                    Message::Challenge { .. } | Message::Hello(_) | Message::Error { .. }
-                )
-        });
+        self.transmits
+            .retain(|(s, m)| *s != sid || m.is_handshake());
         if let Some(old) = resumed_from {
             self.take_over(h.node, old, sid);
         }

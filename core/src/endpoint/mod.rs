@@ -650,11 +650,7 @@ impl Endpoint {
             let handshaking = s
                 .as_ref()
                 .is_some_and(|s| s.state == SessionState::Handshaking);
-            let handshake_frame = matches!(
-                msg,
-                Message::Challenge { .. } | Message::Hello(_) | Message::Error { .. }
-            );
-            if handshaking && !handshake_frame {
+            if handshaking && !msg.is_handshake() {
                 continue;
             }
             if let Some(s) = s {
