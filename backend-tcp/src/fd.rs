@@ -31,16 +31,17 @@ const PIECE: usize = 64 * 1024;
 pub struct GatherConn<S>(pub S);
 
 impl<S: AsyncWrite + AsRawFd + Unpin> GatherConn<S> {
-    /// Writes `header` and every source range; with `hasher`, feeds it each piece of the
-    /// sources right after the socket took it (the bytes are still in the cache).
+    /// Writes what is left of `header` and `sources` after their first `done` bytes, and
+    /// returns their length. With `hasher`, feeds it each piece of the sources right after
+    /// the socket took it (the bytes are still in the cache).
     async fn gather(
         &mut self,
         header: &[u8],
         sources: &[(usize, usize)],
+        mut done: usize,
         mut hasher: Option<&mut Checksum>,
-    ) -> io::Result<()> {
+    ) -> io::Result<usize> {
         let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
-        let mut done = 0usize;
         while done < total {
             let iov = gather_iovecs(header, sources, done);
             let sent = {
@@ -78,13 +79,32 @@ impl<S: AsyncWrite + AsRawFd + Unpin> GatherConn<S> {
             }
             done += n;
         }
-        Ok(())
+        Ok(done)
     }
 }
 
+/// The first `len` bytes of `ranges`, as ranges.
+fn leading(ranges: &[(usize, usize)], mut len: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::with_capacity(ranges.len());
+    for &(ptr, n) in ranges {
+        if len == 0 {
+            break;
+        }
+        out.push((ptr, n.min(len)));
+        len -= n.min(len);
+    }
+    out
+}
+
+/// Payload bytes a checked write hashes before sending them, so that its trailer leaves in
+/// the same `sendmsg` as its last bytes (not as a packet and a wake-up of its own); the
+/// bytes before them are hashed right after the socket took them.
+const HASHED_AHEAD: usize = 256 * 1024;
+
 impl<S: AsyncWrite + AsRawFd + Unpin> GatherWrite for GatherConn<S> {
     async fn write_gather(&mut self, header: &[u8], sources: &[(usize, usize)]) -> io::Result<()> {
-        self.gather(header, sources, None).await
+        self.gather(header, sources, 0, None).await?;
+        Ok(())
     }
 
     async fn write_gather_checked(
@@ -92,10 +112,23 @@ impl<S: AsyncWrite + AsRawFd + Unpin> GatherWrite for GatherConn<S> {
         header: &[u8],
         sources: &[(usize, usize)],
     ) -> io::Result<()> {
+        let payload = sources.iter().map(|s| s.1).sum::<usize>();
         let mut hasher = Checksum::new();
-        self.gather(header, sources, Some(&mut hasher)).await?;
+        // The bytes before the last HASHED_AHEAD go (with the header) as the socket takes
+        // them and are hashed right after; nothing past them is sent yet.
+        let before = payload.saturating_sub(HASHED_AHEAD);
+        let mut done = 0;
+        if before > 0 {
+            let first = leading(sources, before);
+            done = self.gather(header, &first, 0, Some(&mut hasher)).await?;
+        }
+        // SAFETY: as in `gather`: registered host ranges of the operation being written.
+        unsafe { hash_span(&mut hasher, sources, before, payload - before) };
         let trailer: [u8; CHECKSUM_LEN] = hasher.digest().to_le_bytes();
-        self.0.write_all(&trailer).await
+        let mut with = sources.to_vec();
+        with.push((trailer.as_ptr() as usize, CHECKSUM_LEN));
+        self.gather(header, &with, done, None).await?;
+        Ok(())
     }
 
     async fn finish(&mut self) {

@@ -386,3 +386,54 @@ async fn a_checksummed_operation_lands_and_is_acknowledged() {
     dst.read(region, 8 * 1024, &mut page).unwrap();
     assert!(page.iter().all(|b| *b == 0x5A));
 }
+
+#[tokio::test]
+async fn a_checksummed_operation_larger_than_what_is_hashed_ahead_lands_and_is_acknowledged() {
+    // Three slices of 300 KiB: the writer hashes the first bytes after sending them and the
+    // last 256 KiB before, so its trailer leaves with them; both halves must make one hash.
+    let layout = small_layout(2048);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let dst = Arc::new(MemoryMap::allocate(layout));
+    let region = Region::Kv { layer: 2, plane: 1 };
+    let bytes: Vec<u8> = (0..1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    src.write(region, 0, &bytes).unwrap();
+    let (a, b) = pair().await;
+    let _server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        Arc::new(AllowRoom(RoomId(7))),
+        checked_limits(),
+    ));
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src, report);
+    let piece = 300 * 1024;
+    let slices = (0..3)
+        .map(|i| Slice {
+            region,
+            src_offset: (i * piece) as u64,
+            dst_offset: (1024 * 1024 - (i + 1) * piece) as u64,
+            len: piece as u64,
+        })
+        .collect();
+    let mut checked = op(5, 7, slices);
+    checked.checksum = true;
+    sender.send(checked).unwrap();
+    while got.lock().unwrap().is_empty() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![(TransferId(5), TransferOutcome::Done)]
+    );
+    for i in 0..3 {
+        let mut landed = vec![0u8; piece];
+        dst.read(region, (1024 * 1024 - (i + 1) * piece) as u64, &mut landed)
+            .unwrap();
+        assert!(
+            landed == bytes[i * piece..(i + 1) * piece],
+            "slice {i} landed whole"
+        );
+    }
+}
