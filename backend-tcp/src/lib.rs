@@ -38,8 +38,8 @@ pub use io_common::{
 };
 pub use staged::DEPTH as STAGING_DEPTH;
 #[cfg(feature = "tokio")]
-pub use tls::{Conn, TlsError, TlsSetup};
-pub use tls_files::TlsFiles;
+pub use tls::{Conn, TlsSetup};
+pub use tls_files::{TlsError, TlsFiles};
 
 #[cfg(feature = "tokio")]
 pub use io::{

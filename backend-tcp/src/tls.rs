@@ -4,8 +4,9 @@
 //! The cluster-token proofs of the handshake run inside TLS, unchanged.
 
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use crate::tls_files::TlsError;
 pub use crate::tls_files::TlsFiles;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -16,36 +17,6 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
-
-/// Why TLS could not be set up.
-#[derive(Debug)]
-pub enum TlsError {
-    /// A PEM file could not be read or holds nothing usable.
-    File {
-        /// The file.
-        path: PathBuf,
-        /// What was wrong.
-        what: String,
-    },
-    /// `server_name` is neither a DNS name nor an IP address.
-    ServerName(String),
-    /// rustls refused the material (a key that does not match, an invalid CA, ...).
-    Config(String),
-}
-
-impl std::fmt::Display for TlsError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            TlsError::File { path, what } => write!(f, "TLS file {}: {what}", path.display()),
-            TlsError::ServerName(n) => {
-                write!(f, "TLS server name {n:?} is not a DNS name or IP address")
-            }
-            TlsError::Config(e) => write!(f, "TLS configuration refused: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for TlsError {}
 
 /// A node's TLS client and server configuration, loaded once.
 #[derive(Clone)]

@@ -15,3 +15,33 @@ pub struct TlsFiles {
     /// The name a listener's certificate must carry (a DNS name or an IP address).
     pub server_name: String,
 }
+
+/// Why TLS could not be set up.
+#[derive(Debug)]
+pub enum TlsError {
+    /// A PEM file could not be read or holds nothing usable.
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        what: String,
+    },
+    /// `server_name` is neither a DNS name nor an IP address.
+    ServerName(String),
+    /// rustls refused the material (a key that does not match, an invalid CA, ...).
+    Config(String),
+}
+
+impl std::fmt::Display for TlsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TlsError::File { path, what } => write!(f, "TLS file {}: {what}", path.display()),
+            TlsError::ServerName(n) => {
+                write!(f, "TLS server name {n:?} is not a DNS name or IP address")
+            }
+            TlsError::Config(e) => write!(f, "TLS configuration refused: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for TlsError {}

@@ -386,6 +386,18 @@ pub enum Action {
         /// The source's hash of the bytes it wrote.
         checksum: u64,
     },
+    /// Drop this accepted connection now: it did not become a session's within
+    /// `handshake_timeout` (no preamble, no TLS handshake, no data hello or no answer to its
+    /// challenge in time). The core has forgotten it already: no
+    /// [`crate::Endpoint::handle_accept_settled`] follows.
+    DropAccepted(crate::ids::ConnId),
+    /// The pause after a failed accept ([`crate::Endpoint::handle_accept_failed`]) is over:
+    /// accept again.
+    ResumeAccepting,
+    /// A closing session's control writer has had `close_linger` to send its queued frames:
+    /// stop it, close the session's connections and report
+    /// [`crate::Endpoint::handle_disconnected`] as for [`Action::CloseSession`].
+    StopLingering(SessionId),
 }
 
 /// Why a connection attempt to a target failed: the evidence behind a room's reason.

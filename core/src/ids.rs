@@ -41,6 +41,12 @@ id_type!(
     "target#"
 );
 id_type!(
+    /// A connection this node's listener accepted, before it is a session's control or data
+    /// connection ([`crate::Endpoint::handle_accepted`]).
+    ConnId(u64),
+    "conn#"
+);
+id_type!(
     /// One data-path operation emitted by [`crate::Endpoint::poll_transfer`].
     TransferId(u64),
     "op#"

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use crate::ids::{RoomId, SessionId, TransferId};
+use crate::ids::{ConnId, RoomId, SessionId, TransferId};
 
 /// Why a deadline exists. [`crate::Endpoint::poll_timeout`] returns the earliest one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -38,6 +38,12 @@ pub enum Timer {
     Shutdown,
     /// Time to replace a session's broken data connections.
     DataReconnect(SessionId),
+    /// An accepted connection has not become a session's within `handshake_timeout`.
+    Accepted(ConnId),
+    /// The listener's pause after a failed accept is over.
+    AcceptBackoff,
+    /// A closing session's control writer has had `close_linger` to send what was queued.
+    Linger(SessionId),
 }
 
 /// Opaque key of an armed timer, kept by its owner to disarm it.

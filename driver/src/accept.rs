@@ -1,7 +1,7 @@
 //! What every runtime does with a connection its listener accepted, written once: read the
 //! preamble, and for a data connection run the core's challenge and ask the core which
-//! session the answer proves. Each wait is bounded by the core's `handshake_timeout`; the
-//! runtime only lends its timer.
+//! session the answer proves. The caller bounds all of it by the core's deadline for the
+//! connection ([`crate::runtime::take_accepted`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -38,41 +38,25 @@ pub async fn within<T, F: Future<Output = ()>>(
 }
 
 /// Reads an accepted connection's preamble and, for a data connection, its hello; `None`
-/// when the connection is to be dropped (said nothing in time, garbage, refused, node gone).
-pub async fn accept<S, A, F>(
-    stream: &mut S,
-    access: &A,
-    peer: Option<SocketAddr>,
-    sleep: impl Fn(Duration) -> F,
-) -> Option<Accepted>
+/// when the connection is to be dropped (garbage, refused, closed, node gone).
+pub async fn accept<S, A>(stream: &mut S, access: &A, peer: Option<SocketAddr>) -> Option<Accepted>
 where
     S: AsyncRead + AsyncWrite + Unpin,
     A: EndpointAccess,
-    F: Future<Output = ()>,
 {
-    // A connection that says nothing gets as long as a handshake, then is dropped.
-    let wait = access.run(|e, _| e.config().handshake_timeout, |_| false)?;
-    match within(wait, &sleep, read_preamble_on(stream)).await {
-        None => {
-            warn!(?peer, "no preamble in time; connection dropped");
-            None
-        }
-        Some(Err(e)) => {
+    match read_preamble_on(stream).await {
+        Err(e) => {
             warn!(?peer, error = %e, "refused a connection");
             None
         }
-        Some(Ok(Preamble::Control)) => Some(Accepted::Control),
-        Some(Ok(Preamble::Data)) => {
+        Ok(Preamble::Control) => Some(Accepted::Control),
+        Ok(Preamble::Data) => {
             // The core's challenge; the answer names the session and proves its key.
             let challenge = access.run(|e, _| e.data_challenge(), |_| false)?;
-            let hello = match within(wait, &sleep, challenge_data_on(stream, &challenge)).await {
-                Some(Ok(hello)) => hello,
-                Some(Err(e)) => {
+            let hello = match challenge_data_on(stream, &challenge).await {
+                Ok(hello) => hello,
+                Err(e) => {
                     debug!(?peer, error = %e, "data connection ended before its hello");
-                    return None;
-                }
-                None => {
-                    warn!(?peer, "no data hello in time; connection dropped");
                     return None;
                 }
             };
@@ -82,12 +66,12 @@ where
             )?;
             match admitted {
                 Ok(sid) => {
-                    let told = within(wait, &sleep, answer_data_on(stream, true)).await;
-                    matches!(told, Some(Ok(()))).then_some(Accepted::Data(sid))
+                    let told = answer_data_on(stream, true).await;
+                    told.is_ok().then_some(Accepted::Data(sid))
                 }
                 Err(refusal) => {
                     warn!(?peer, %refusal, "data connection refused");
-                    let _ = within(wait, &sleep, answer_data_on(stream, false)).await;
+                    let _ = answer_data_on(stream, false).await;
                     None
                 }
             }

@@ -74,13 +74,13 @@ pub trait Host: Sized + 'static {
     /// nothing of them can write any more, then calls [`Driver::released`] with `why`. The
     /// control writer's queue is closed already: the writer ends once its last frames are
     /// written (before any data connection closes, so the peer reads why first), and is
-    /// stopped if that takes longer than `linger`.
+    /// stopped when `linger` ends first (the core's `close_linger`; `None`: at once).
     fn release(
         &self,
         session: SessionId,
         conns: Vec<DataConn<Self>>,
         tasks: Option<Self::ControlTasks>,
-        linger: Duration,
+        linger: Option<crate::CoreWait>,
         why: Release,
     );
 

@@ -10,7 +10,8 @@
 //! into handle updates ([`RoomBook`]), the receive path's admission through the core
 //! ([`CoreCheck`]) and the metrics export. Must never spawn a task or open a socket of its
 //! own (the runtime's), nor decide a retry, a timeout or anything about a room (the core's):
-//! every wait it writes is bounded by a core deadline or a [`kvferry_core::Config`] value.
+//! every wait it writes ends at a core deadline (a [`CoreWait`] the core's actions end, or a
+//! timeout the core hands over with its action).
 
 mod accept;
 mod admission;
@@ -22,6 +23,7 @@ mod fault_switch;
 mod faults;
 mod handle;
 mod host;
+mod listener;
 mod machine;
 mod metrics_export;
 mod node;
@@ -38,6 +40,7 @@ pub use fault_switch::FaultSwitch;
 pub use faults::{FaultKind, FaultPlan};
 pub use handle::{RoomHandle, RoomView};
 pub use host::{Connections, DataConn, Dial, FrameSink, Host, OpSink, Release};
+pub use listener::CoreWait;
 pub use machine::{Driver, TURN_BUDGET};
 pub use metrics_export::{export_metrics, export_staging_metrics, role_label};
 pub use node::{shard_of, KvNode, PeerId, RoomBook, RuntimeNode};

@@ -31,7 +31,7 @@ use tracing::{debug, info, warn};
 use crate::RoomHandle;
 use crate::{connect_failure, export_metrics, Announcer, DataPath, FaultPlan, NodeError, RoomBook};
 
-type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
+pub(crate) type Map<K, V> = std::collections::HashMap<K, V, FixedState>;
 
 /// Outputs one drain handles before it yields: the rest waits for the next turn, so one
 /// busy node cannot hold its runtime's thread (or its lock) for an unbounded time.
@@ -62,6 +62,8 @@ pub struct Driver<H: Host> {
     faults: FaultSwitch,
     /// The shared staging pool device memory moves through, for its metrics.
     staging: Option<std::sync::Arc<kvferry_memory::Staging>>,
+    /// What ends the listener's waits when the core says so.
+    ends: crate::listener::Ends,
 }
 
 impl<H: Host> Driver<H> {
@@ -91,6 +93,7 @@ impl<H: Host> Driver<H> {
             announcements,
             faults: FaultSwitch::default(),
             staging: None,
+            ends: crate::listener::Ends::default(),
         }
     }
 
@@ -123,6 +126,10 @@ impl<H: Host> Driver<H> {
     /// The switch the receive paths read the injected faults from.
     pub fn fault_switch(&self) -> FaultSwitch {
         self.faults.clone()
+    }
+
+    pub(crate) fn ends_mut(&mut self) -> &mut crate::listener::Ends {
+        &mut self.ends
     }
 
     /// The host.
@@ -209,6 +216,13 @@ impl<H: Host> Driver<H> {
                         }
                     }
                     Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
+                    Action::DropAccepted(conn) => self.ends.drop_accepted(conn),
+                    Action::ResumeAccepting => self.ends.resume_accepting(),
+                    Action::StopLingering(sid) => {
+                        if let Some(end) = self.io.get_mut(&sid).and_then(|io| io.linger.take()) {
+                            let _ = end.send(());
+                        }
+                    }
                     Action::VerifyLanded {
                         permit,
                         ranges,
@@ -353,6 +367,7 @@ impl<H: Host> Driver<H> {
                 next_sender: 0,
                 parked: Vec::new(),
                 path: None,
+                linger: None,
                 ext: H::SessionExt::default(),
             },
         );
@@ -637,7 +652,7 @@ impl<H: Host> Driver<H> {
             Some(io) => {
                 let conns = io.data.fence();
                 self.host
-                    .release(session, conns, None, Duration::ZERO, Release::Fence);
+                    .release(session, conns, None, None, Release::Fence);
             }
             None => self.endpoint.handle_fence_complete(Instant::now(), session),
         }
@@ -656,7 +671,7 @@ impl<H: Host> Driver<H> {
         let tasks = io.tasks.take();
         io.control = None;
         H::close_own(&mut io.ext);
-        let linger = self.endpoint.config().close_linger;
+        let linger = self.linger_of(session);
         self.host
             .release(session, conns, tasks, linger, Release::Close);
     }

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::accept::{within, Accepted};
-use crate::Answer;
+use crate::{Answer, CoreWait};
 use crate::{
     CoreCheck, DataConn, Dial, Driver, EndpointAccess, FaultPlan, FaultSwitch, Host, NodeError,
     OpSink, Release,
@@ -112,15 +112,21 @@ pub struct ControlTasks<T> {
 
 impl<T: Task + Future + Unpin> ControlTasks<T> {
     /// Stops reading at once; lets the writer send what is queued (its queue is closed, so it
-    /// ends by itself) for at most `linger`, then stops it.
-    pub async fn stop<F: Future<Output = ()>>(
-        self,
-        linger: Duration,
-        sleep: impl Fn(Duration) -> F,
-    ) {
+    /// ends by itself) until `linger` ends (`None`: not at all), then stops it.
+    pub async fn stop(self, linger: Option<CoreWait>) {
         self.reader.stop().await;
         let mut writer = self.writer;
-        if within(linger, sleep, &mut writer).await.is_none() {
+        let flushed = match linger {
+            Some(linger) => {
+                futures_lite::future::or(async { Some((&mut writer).await) }, async {
+                    let _ = linger.await;
+                    None
+                })
+                .await
+            }
+            None => None,
+        };
+        if flushed.is_none() {
             writer.stop().await;
         }
     }
@@ -258,12 +264,12 @@ pub async fn release<R: Runtime>(
     session: SessionId,
     conns: Vec<DataConn<R::Host>>,
     tasks: Option<ControlTasks<R::Task>>,
-    linger: Duration,
+    linger: Option<CoreWait>,
     why: Release,
 ) {
     // Control frames first, then data connections: see `Host::release`.
     if let Some(t) = tasks {
-        t.stop(linger, R::sleep).await;
+        t.stop(linger).await;
     }
     close_all(conns).await;
     rt.drive(|d| d.released(session, why));
@@ -283,20 +289,47 @@ where
     }
 }
 
-/// Takes a connection a listener accepted: reads its preamble (and a data connection's
-/// hello) through [`crate::accept`] and hands it to the driver.
-pub async fn take_accepted<R: Runtime>(rt: R, mut stream: R::Stream, peer: Option<SocketAddr>) {
+/// Takes a connection a listener accepted: `open` finishes opening it (a TLS handshake, or
+/// nothing), [`crate::accept`] reads its preamble (and a data connection's hello), and it is
+/// handed to the driver. All of it must end before the core's deadline for the connection
+/// ([`kvferry_core::Action::DropAccepted`]); the connection is dropped when that comes first.
+pub async fn take_accepted<R: Runtime>(
+    rt: R,
+    open: impl Future<Output = io::Result<R::Stream>>,
+    peer: Option<SocketAddr>,
+) {
     let access = DriverAccess::new(rt);
-    let accepted = crate::accept(&mut R::io(&mut stream), &access, peer, R::sleep).await;
-    match accepted {
-        Some(Accepted::Control) => access.rt.attach_control(stream, None, None, None),
-        Some(Accepted::Data(session)) => attach_data(&access.rt, session, stream),
+    let Some((conn, deadline)) = access.rt.drive(|d| d.accepted()) else {
+        return;
+    };
+    let work = async {
+        let mut stream = match open.await {
+            Ok(stream) => stream,
+            Err(e) => {
+                warn!(?peer, error = %e, "refused a connection");
+                return None;
+            }
+        };
+        let accepted = crate::accept(&mut R::io(&mut stream), &access, peer).await?;
+        Some((stream, accepted))
+    };
+    let settled = futures_lite::future::or(work, async {
+        let _ = deadline.await;
+        warn!(?peer, %conn, "connection did not become a session's in time; dropped");
+        None
+    })
+    .await;
+    access.rt.drive(|d| d.accept_settled(conn));
+    match settled {
+        Some((stream, Accepted::Control)) => access.rt.attach_control(stream, None, None, None),
+        Some((stream, Accepted::Data(session))) => attach_data(&access.rt, session, stream),
         None => {}
     }
 }
 
-/// Accepts connections until the node is gone, handing each to `take`; a failed accept
-/// (out of descriptors, say) waits the core's `accept_backoff` before the next.
+/// Accepts connections until the node is gone, handing each to `take`; after a failed
+/// accept (out of descriptors, say) it accepts again when the core says (its
+/// `accept_backoff`).
 pub async fn listen<R, S, F>(rt: R, mut accept: impl FnMut() -> F, take: impl Fn(S))
 where
     R: Runtime,
@@ -306,11 +339,11 @@ where
         match accept().await {
             Ok(accepted) => take(accepted),
             Err(e) => {
-                let Some(wait) = rt.drive(|d| d.endpoint().config().accept_backoff) else {
+                let Some(resume) = rt.drive(|d| d.accept_failed()) else {
                     return;
                 };
-                warn!(error = %e, ?wait, "accept failed; backing off");
-                R::sleep(wait).await;
+                warn!(error = %e, "accept failed; backing off");
+                let _ = resume.await;
             }
         }
     }

@@ -23,6 +23,8 @@ pub struct SessionIo<H: Host> {
     pub(crate) parked: Vec<TransferOp>,
     /// The path its operations take, once chosen.
     pub(crate) path: Option<DataPath>,
+    /// Ends the control writer's linger while the session closes (the core decides when).
+    pub(crate) linger: Option<tokio::sync::oneshot::Sender<()>>,
     /// The host's own per-session state.
     pub ext: H::SessionExt,
 }

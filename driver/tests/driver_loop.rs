@@ -13,7 +13,8 @@ use kvferry_core::{
     SessionKey, TargetId, TransferOp,
 };
 use kvferry_driver::{
-    Announcer, DataConn, Dial, Driver, FrameSink, Host, NodeError, OpSink, Release, TURN_BUDGET,
+    Announcer, CoreWait, DataConn, Dial, Driver, FrameSink, Host, NodeError, OpSink, Release,
+    TURN_BUDGET,
 };
 use tokio::sync::oneshot;
 
@@ -24,6 +25,8 @@ struct Log {
     connects: Vec<TargetId>,
     data_opened: Vec<(SessionId, usize)>,
     closes: Vec<SessionId>,
+    /// The linger of each close, as the host's release would wait on it.
+    lingers: Vec<Option<CoreWait>>,
     published: Vec<Event>,
 }
 
@@ -71,11 +74,13 @@ impl Host for Recorder {
         session: SessionId,
         _conns: Vec<DataConn<Self>>,
         _tasks: Option<()>,
-        _linger: Duration,
+        linger: Option<CoreWait>,
         why: Release,
     ) {
         if why == Release::Close {
-            self.0.borrow_mut().closes.push(session);
+            let mut log = self.0.borrow_mut();
+            log.closes.push(session);
+            log.lingers.push(linger);
         }
     }
 
@@ -332,4 +337,53 @@ fn a_caller_waiting_for_a_target_nobody_answers_is_told_after_the_unreachable_ti
         }
         other => panic!("expected unreachable, got {other:?}"),
     }
+}
+
+#[test]
+fn a_closing_sessions_writer_lingers_until_the_core_says_it_is_over() {
+    let (mut decode, log) = node(Role::Decode, 1, b"t");
+    let sid = decode.attach_control(Wire::default(), Some(PEER), None);
+    let closed_at = Instant::now();
+    decode.with(|e, now| e.shutdown(now));
+    assert_eq!(log.borrow().closes, vec![sid]);
+    let mut linger = log.borrow_mut().lingers.pop().unwrap().unwrap();
+    assert!(linger.try_recv().is_err(), "the writer may still send");
+    decode.turn(closed_at + Config::default().close_linger + Duration::from_millis(1));
+    assert_eq!(linger.try_recv(), Ok(()), "the core ended the linger");
+}
+
+#[test]
+fn an_accepted_connection_is_dropped_when_the_core_says_its_time_is_up() {
+    let (mut prefill, _) = node(Role::Prefill, 2, b"t");
+    let accepted_at = Instant::now();
+    let (_, mut deadline) = prefill.accepted();
+    prefill.turn(accepted_at + Duration::from_millis(1));
+    assert!(deadline.try_recv().is_err(), "still within its deadline");
+    prefill.turn(accepted_at + Config::default().handshake_timeout + Duration::from_millis(1));
+    assert_eq!(deadline.try_recv(), Ok(()));
+    assert_eq!(prefill.endpoint().accepted_pending(), 0);
+}
+
+#[test]
+fn an_accepted_connection_that_settled_is_not_dropped() {
+    let (mut prefill, _) = node(Role::Prefill, 2, b"t");
+    let accepted_at = Instant::now();
+    let (conn, mut deadline) = prefill.accepted();
+    prefill.accept_settled(conn);
+    prefill.turn(accepted_at + Config::default().handshake_timeout * 2);
+    assert_eq!(
+        deadline.try_recv(),
+        Err(oneshot::error::TryRecvError::Closed),
+        "its end was let go without firing"
+    );
+}
+
+#[test]
+fn a_failed_accept_resumes_when_the_core_ends_the_backoff() {
+    let (mut prefill, _) = node(Role::Prefill, 2, b"t");
+    let failed_at = Instant::now();
+    let mut resume = prefill.accept_failed();
+    assert!(resume.try_recv().is_err(), "paused");
+    prefill.turn(failed_at + Config::default().accept_backoff + Duration::from_millis(1));
+    assert_eq!(resume.try_recv(), Ok(()));
 }

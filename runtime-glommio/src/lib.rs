@@ -29,8 +29,8 @@ use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
 use kvferry_core::{Counters, Endpoint, Role, SessionId, SessionKey, TargetId};
 use kvferry_driver::{
-    runtime, Announcer, Answer, ControlQueue, ControlTasks, DataConn, Dial, Driver, Embedder, Host,
-    Release, Runtime, RuntimeNode, ShardCalls,
+    runtime, Announcer, Answer, ControlQueue, ControlTasks, CoreWait, DataConn, Dial, Driver,
+    Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultKind, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
@@ -381,7 +381,7 @@ impl Host for ShardHost {
         sid: SessionId,
         conns: Vec<DataConn<Self>>,
         tasks: Option<ControlTasks<Task<()>>>,
-        linger: Duration,
+        linger: Option<CoreWait>,
         why: Release,
     ) {
         self.spawn(runtime::release(
@@ -514,8 +514,12 @@ impl Shard {
                 move |stream: TcpStream| {
                     let _ = stream.set_nodelay(true);
                     let peer = stream.peer_addr().ok();
-                    glommio::spawn_local(runtime::take_accepted(host.clone(), stream, peer))
-                        .detach();
+                    glommio::spawn_local(runtime::take_accepted(
+                        host.clone(),
+                        std::future::ready(Ok(stream)),
+                        peer,
+                    ))
+                    .detach();
                 }
             };
             let listener = &listener;

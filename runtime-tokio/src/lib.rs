@@ -39,7 +39,7 @@ pub use kvferry_driver::{
     Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, Unsupported,
 };
 use kvferry_driver::{
-    runtime, within, Announcer, Answer, ControlQueue, ControlTasks, DataConn, Dial, Driver,
+    runtime, Announcer, Answer, ControlQueue, ControlTasks, CoreWait, DataConn, Dial, Driver,
     Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
 };
 
@@ -359,7 +359,7 @@ impl Host for TokioHost {
         sid: SessionId,
         conns: Vec<DataConn<Self>>,
         tasks: Option<ControlTasks<JoinHandle<()>>>,
-        linger: Duration,
+        linger: Option<CoreWait>,
         why: Release,
     ) {
         let task = runtime::release(self.clone(), sid, conns, tasks, linger, why);
@@ -505,21 +505,10 @@ impl Runtime for TokioHost {
     }
 }
 
-/// Takes a connection the listener accepted: TLS first where configured (bounded by the
-/// handshake timeout), then the preamble.
+/// Takes a connection the listener accepted: TLS first where configured, then the preamble,
+/// all within the core's deadline for the connection.
 async fn accept(host: TokioHost, tcp: TcpStream, peer: SocketAddr) {
-    let Some(wait) = host.drive(|d| d.endpoint().config().handshake_timeout) else {
-        return;
-    };
-    match within(
-        wait,
-        tokio::time::sleep,
-        accept_conn(tcp, host.tls.as_ref()),
-    )
-    .await
-    {
-        Some(Ok(stream)) => runtime::take_accepted(host, stream, Some(peer)).await,
-        Some(Err(e)) => warn!(%peer, error = %e, "refused a connection"),
-        None => warn!(%peer, "no TLS handshake in time; connection dropped"),
-    }
+    let tls = host.tls.clone();
+    let open = async move { accept_conn(tcp, tls.as_ref()).await };
+    runtime::take_accepted(host, open, Some(peer)).await;
 }

@@ -101,6 +101,7 @@ impl Endpoint {
             silence_timer: None,
             probe_timer: None,
             idle_timer: None,
+            linger_timer: None,
             inbound,
             auth,
             data_lost: 0,

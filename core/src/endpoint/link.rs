@@ -586,6 +586,10 @@ impl Endpoint {
             return;
         }
         s.state = SessionState::Closing;
+        // The control writer gets `close_linger` to send what is queued (the Error frame
+        // that says why, say); the core decides when that is over, not the driver.
+        let at = self.last_now + self.config.close_linger;
+        self.timers.set(&mut s.linger_timer, at, Timer::Linger(sid));
         self.actions.push_back(Action::CloseSession(sid));
     }
 

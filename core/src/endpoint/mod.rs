@@ -5,6 +5,7 @@ mod handshake;
 mod health;
 mod layer_bits;
 mod link;
+mod listener;
 mod planning;
 mod receiver;
 mod rooms;
@@ -46,6 +47,7 @@ use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
 use layer_bits::LayerBits;
+use listener::Listener;
 use planning::live_sender;
 use timers::fired;
 use tombstones::Tombstones;
@@ -125,6 +127,8 @@ pub struct Endpoint {
     /// opened over one fails at once with that reason instead of being refused.
     ended: Map<SessionId, FailureReason>,
     ended_order: VecDeque<SessionId>,
+    /// Accepted connections not yet a session's, and the accept backoff.
+    listener: Listener,
 }
 
 /// How many ended sessions keep their reason for rooms opened over them late.
@@ -199,6 +203,8 @@ struct Session {
     silence_timer: Option<TimerKey>,
     probe_timer: Option<TimerKey>,
     idle_timer: Option<TimerKey>,
+    /// Armed while the session closes: how long its control writer may still send.
+    linger_timer: Option<TimerKey>,
     /// Accepted by our listener: our hello goes out only after the peer's hello proved it
     /// knows the cluster token.
     inbound: bool,
@@ -536,6 +542,7 @@ impl Endpoint {
             heirs: Map::with_hasher(hasher.clone()),
             ended: Map::with_hasher(hasher.clone()),
             ended_order: VecDeque::new(),
+            listener: Listener::default(),
             hasher,
         })
     }

@@ -185,6 +185,17 @@ impl Endpoint {
                     }
                 }
             }
+            Timer::Accepted(conn) => self.on_accepted_timer(conn, key),
+            Timer::AcceptBackoff => self.on_accept_backoff_timer(key),
+            Timer::Linger(sid) => {
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
+                if fired(&mut s.linger_timer, key) && s.state == SessionState::Closing {
+                    debug!(session = %sid, "close linger over; stopping the control writer");
+                    self.actions.push_back(Action::StopLingering(sid));
+                }
+            }
             Timer::Shutdown => {
                 if fired(&mut self.shutdown_timer, key) {
                     self.finish_shutdown();

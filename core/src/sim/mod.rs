@@ -57,6 +57,9 @@ pub struct Faults {
     pub op_orphan: f64,
     /// Delay before a closed link is re-established (`None`: never).
     pub reconnect_after: Option<Duration>,
+    /// How long a closing session's control writer takes to send what is queued (a peer
+    /// that stopped reading: longer than `close_linger`, and the core's linger stops it).
+    pub close_flush: Duration,
 }
 
 impl Default for Faults {
@@ -74,8 +77,20 @@ impl Default for Faults {
             op_hang: 0.0,
             op_orphan: 0.0,
             reconnect_after: None,
+            close_flush: Duration::ZERO,
         }
     }
+}
+
+/// A wait of a driver that the core ended (an action the simulation has no socket for).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitEnded {
+    /// [`Action::DropAccepted`]: an accepted connection did not become a session's in time.
+    DropAccepted(crate::ids::ConnId),
+    /// [`Action::ResumeAccepting`]: the pause after a failed accept is over.
+    ResumeAccepting,
+    /// [`Action::StopLingering`]: a closing session's writer had its `close_linger`.
+    StopLingering(SessionId),
 }
 
 /// A node of the simulation: one endpoint and the memory it owns.
@@ -100,6 +115,8 @@ pub struct SimNode {
     /// Per room attempt of this lifetime: the (region code, page) pairs whose every byte a
     /// write landed here since its pages were allocated. `Success` needs all granted ones.
     landed: HashMap<(RoomId, Generation), LandedUnits, FixedState>,
+    /// The waits this node's core ended, as the driver would act on them, with their time.
+    pub waits_ended: Vec<(Instant, WaitEnded)>,
     info: EndpointInfo,
     config: Config,
     seed: u64,
@@ -449,6 +466,7 @@ impl Sim {
             events: Vec::new(),
             data_down_until: HashMap::default(),
             landed: HashMap::default(),
+            waits_ended: Vec::new(),
             info,
             config,
             seed,
@@ -658,9 +676,24 @@ impl Sim {
                     Action::FenceSession(session) => {
                         self.push(self.now, Pending::Fence { node: n, session })
                     }
+                    // The writer sends what is queued first (`Faults::close_flush`), unless the
+                    // core's linger stops it sooner.
                     Action::CloseSession(session) => {
+                        let at = self.now + self.faults.close_flush;
+                        self.push(at, Pending::Close { node: n, session })
+                    }
+                    Action::StopLingering(session) => {
+                        self.nodes[n]
+                            .waits_ended
+                            .push((self.now, WaitEnded::StopLingering(session)));
                         self.push(self.now, Pending::Close { node: n, session })
                     }
+                    Action::DropAccepted(conn) => self.nodes[n]
+                        .waits_ended
+                        .push((self.now, WaitEnded::DropAccepted(conn))),
+                    Action::ResumeAccepting => self.nodes[n]
+                        .waits_ended
+                        .push((self.now, WaitEnded::ResumeAccepting)),
                     Action::Connect { target, .. } => {
                         self.push(self.now, Pending::Dial { node: n, target })
                     }

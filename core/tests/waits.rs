@@ -1,0 +1,166 @@
+//! The waits a driver holds sockets for, decided by the core: an accepted connection's
+//! deadline, the pause after a failed accept, and a closing session's linger. The simulation
+//! fires them like every other timer.
+#![allow(clippy::unwrap_used)] // tests may panic
+
+mod common;
+
+use std::time::Duration;
+
+use common::{config, pair, run_ms};
+use kvferry_core::sim::{small_layout, Faults, Sim, WaitEnded};
+use kvferry_core::{Event, SessionState};
+
+/// One decode node alone.
+fn lone_decode() -> (Sim, usize) {
+    let mut sim = Sim::new(5, Faults::default());
+    let d = sim.add_decode(config(), small_layout(64), 0);
+    (sim, d)
+}
+
+#[test]
+fn an_accepted_connection_that_never_becomes_a_session_is_dropped_at_the_handshake_timeout() {
+    let (mut sim, d) = lone_decode();
+    let start = sim.now;
+    let conn = sim.nodes[d].endpoint.handle_accepted(sim.now);
+    run_ms(&mut sim, 999);
+    assert!(
+        sim.nodes[d].waits_ended.is_empty(),
+        "kept until its deadline"
+    );
+    run_ms(&mut sim, 1_000);
+    assert_eq!(
+        sim.nodes[d].waits_ended,
+        vec![(
+            start + config().handshake_timeout,
+            WaitEnded::DropAccepted(conn)
+        )],
+        "dropped once, at the handshake timeout"
+    );
+    assert_eq!(sim.nodes[d].endpoint.accepted_pending(), 0);
+}
+
+#[test]
+fn an_accepted_connection_that_became_a_session_is_never_dropped() {
+    let (mut sim, d) = lone_decode();
+    let conn = sim.nodes[d].endpoint.handle_accepted(sim.now);
+    run_ms(&mut sim, 10);
+    sim.nodes[d].endpoint.handle_accept_settled(conn);
+    run_ms(&mut sim, 3_000);
+    assert!(sim.nodes[d].waits_ended.is_empty());
+    assert_eq!(sim.nodes[d].endpoint.accepted_pending(), 0);
+}
+
+#[test]
+fn each_accepted_connection_has_its_own_deadline() {
+    let (mut sim, d) = lone_decode();
+    let start = sim.now;
+    let first = sim.nodes[d].endpoint.handle_accepted(sim.now);
+    run_ms(&mut sim, 400);
+    let second = sim.nodes[d].endpoint.handle_accepted(sim.now);
+    run_ms(&mut sim, 2_000);
+    let timeout = config().handshake_timeout;
+    assert_eq!(
+        sim.nodes[d].waits_ended,
+        vec![
+            (start + timeout, WaitEnded::DropAccepted(first)),
+            (
+                start + Duration::from_millis(400) + timeout,
+                WaitEnded::DropAccepted(second)
+            ),
+        ]
+    );
+}
+
+#[test]
+fn a_failed_accept_pauses_the_listener_for_the_accept_backoff() {
+    let (mut sim, d) = lone_decode();
+    let start = sim.now;
+    sim.nodes[d].endpoint.handle_accept_failed(sim.now);
+    run_ms(&mut sim, 5_000);
+    assert_eq!(
+        sim.nodes[d].waits_ended,
+        vec![(start + config().accept_backoff, WaitEnded::ResumeAccepting)],
+        "accepting resumes once, after the backoff"
+    );
+}
+
+#[test]
+fn a_second_failed_accept_extends_the_pause() {
+    let (mut sim, d) = lone_decode();
+    sim.nodes[d].endpoint.handle_accept_failed(sim.now);
+    run_ms(&mut sim, 10);
+    let again = sim.now;
+    sim.nodes[d].endpoint.handle_accept_failed(sim.now);
+    run_ms(&mut sim, 5_000);
+    assert_eq!(
+        sim.nodes[d].waits_ended,
+        vec![(again + config().accept_backoff, WaitEnded::ResumeAccepting)]
+    );
+}
+
+#[test]
+fn a_closing_session_whose_writer_cannot_flush_is_stopped_after_the_close_linger() {
+    let (mut sim, p, d) = pair(11, config());
+    // The peer stopped reading: the writer would take 10 s to send what is queued.
+    sim.faults.close_flush = Duration::from_secs(10);
+    let session = sim.session(d, p).unwrap();
+    let closed_at = sim.now;
+    sim.nodes[d].endpoint.shutdown(sim.now);
+    sim.drain(d);
+    run_ms(&mut sim, 1_000);
+    let linger = config().close_linger;
+    assert_eq!(
+        sim.nodes[d].waits_ended,
+        vec![(closed_at + linger, WaitEnded::StopLingering(session))],
+        "the writer is stopped at the linger's end"
+    );
+    assert_eq!(sim.nodes[d].endpoint.session_state(session), None);
+    let shut_down_at = sim.nodes[d]
+        .events
+        .iter()
+        .find_map(|(t, e)| matches!(e, Event::ShutDown { .. }).then_some(*t));
+    assert_eq!(
+        shut_down_at,
+        Some(closed_at + linger),
+        "the shutdown completes when the linger stopped the writer, not at its timeout"
+    );
+}
+
+#[test]
+fn a_closing_session_whose_writer_flushes_in_time_does_not_linger() {
+    let (mut sim, p, d) = pair(12, config());
+    sim.faults.close_flush = Duration::from_millis(10);
+    let session = sim.session(d, p).unwrap();
+    sim.nodes[d].endpoint.shutdown(sim.now);
+    sim.drain(d);
+    run_ms(&mut sim, 1_000);
+    assert!(sim.nodes[d].waits_ended.is_empty(), "no linger stopped it");
+    assert_eq!(sim.nodes[d].endpoint.session_state(session), None);
+}
+
+#[test]
+fn a_handshake_that_never_completes_closes_its_session_and_its_writer_lingers_no_longer() {
+    let (mut sim, d) = lone_decode();
+    let start = sim.now;
+    // A connector that never says hello: its session waits `handshake_timeout`, then
+    // closes, and its writer (with the error frame) gets `close_linger`.
+    let session = sim.nodes[d].endpoint.accept_session(sim.now);
+    run_ms(&mut sim, 999);
+    assert_eq!(
+        sim.nodes[d].endpoint.session_state(session),
+        Some(SessionState::Handshaking)
+    );
+    run_ms(&mut sim, 1_000);
+    assert_eq!(
+        sim.nodes[d].endpoint.session_state(session),
+        Some(SessionState::Closing)
+    );
+    assert_eq!(
+        sim.nodes[d].waits_ended,
+        vec![(
+            start + config().handshake_timeout + config().close_linger,
+            WaitEnded::StopLingering(session)
+        )]
+    );
+}

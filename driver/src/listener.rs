@@ -1,0 +1,75 @@
+//! The driver's half of the listener's waits: it holds what ends each one, and the core
+//! decides when ([`Action::DropAccepted`], [`Action::ResumeAccepting`],
+//! [`Action::StopLingering`]). No timer of the runtime is involved.
+//!
+//! [`Action::DropAccepted`]: kvferry_core::Action::DropAccepted
+//! [`Action::ResumeAccepting`]: kvferry_core::Action::ResumeAccepting
+//! [`Action::StopLingering`]: kvferry_core::Action::StopLingering
+
+use std::time::Instant;
+
+use kvferry_core::{ConnId, SessionId};
+use tokio::sync::oneshot;
+
+use crate::{Driver, Host};
+
+/// Ends when the core says a wait is over, or when the node is gone (its sender dropped).
+pub type CoreWait = oneshot::Receiver<()>;
+
+/// The ends of the waits the core decides, by what they belong to.
+#[derive(Default)]
+pub(crate) struct Ends {
+    /// Accepted connections not yet a session's.
+    accepted: crate::machine::Map<ConnId, oneshot::Sender<()>>,
+    /// Listeners paused after a failed accept.
+    paused: Vec<oneshot::Sender<()>>,
+}
+
+impl Ends {
+    pub(crate) fn drop_accepted(&mut self, conn: ConnId) {
+        if let Some(end) = self.accepted.remove(&conn) {
+            let _ = end.send(());
+        }
+    }
+
+    pub(crate) fn resume_accepting(&mut self) {
+        for end in self.paused.drain(..) {
+            let _ = end.send(());
+        }
+    }
+}
+
+impl<H: Host> Driver<H> {
+    /// A connection the listener accepted: it must become a session's before the core's
+    /// deadline, and the returned wait ends when the core drops it. Report it with
+    /// [`Driver::accept_settled`] once it is a session's or gone.
+    pub fn accepted(&mut self) -> (ConnId, CoreWait) {
+        let conn = self.with(|e, now| e.handle_accepted(now));
+        let (end, wait) = oneshot::channel();
+        self.ends_mut().accepted.insert(conn, end);
+        (conn, wait)
+    }
+
+    /// An accepted connection became a session's, or ended: its deadline no longer applies.
+    pub fn accept_settled(&mut self, conn: ConnId) {
+        self.ends_mut().accepted.remove(&conn);
+        self.with(|e, _| e.handle_accept_settled(conn));
+    }
+
+    /// The listener failed to accept: the returned wait ends when the core lets it accept
+    /// again (its `accept_backoff`).
+    pub fn accept_failed(&mut self) -> CoreWait {
+        self.with(|e, now: Instant| e.handle_accept_failed(now));
+        let (end, wait) = oneshot::channel();
+        self.ends_mut().paused.push(end);
+        wait
+    }
+
+    /// The wait that ends a closing session's control writer: when the core's
+    /// `close_linger` is over ([`kvferry_core::Action::StopLingering`]).
+    pub(crate) fn linger_of(&mut self, session: SessionId) -> Option<CoreWait> {
+        let (end, wait) = oneshot::channel();
+        self.session_io(session)?.linger = Some(end);
+        Some(wait)
+    }
+}
