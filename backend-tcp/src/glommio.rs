@@ -1,9 +1,14 @@
 //! The data plane on glommio: its io_uring sockets plugged into the one data plane of this
-//! crate, with the `sendmsg`/`recvmsg` fast paths, on the shard's own thread.
+//! crate, with the `sendmsg`/`recvmsg` fast paths on plain TCP (TLS goes through rustls's
+//! buffers), on the shard's own thread.
 
 use std::io;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures_io::{AsyncRead, AsyncWrite};
 
 use glommio::net::TcpStream;
 use kvferry_core::{TransferId, TransferOutcome};
@@ -11,8 +16,81 @@ use kvferry_memory::{MemoryMap, WriteCheck};
 
 use crate::fd::{second_handle, GatherConn, ScatterConn};
 use crate::io_common::{Limits, ServeError, ServeStats};
-use crate::send::Task;
+use crate::send::{Copying, Task};
 use crate::stream::serve_writes_on;
+
+/// A control or data connection on a glommio shard: plain TCP, or TLS over it.
+pub enum LocalConn {
+    /// Plain TCP: the data plane moves registered memory with vectored syscalls.
+    Plain(TcpStream),
+    /// TLS ([`crate::TlsSetup::connect_on`], [`crate::TlsSetup::accept_on`]).
+    Tls(Box<futures_rustls::TlsStream<TcpStream>>),
+}
+
+impl std::fmt::Debug for LocalConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LocalConn::Plain(_) => "LocalConn::Plain",
+            LocalConn::Tls(_) => "LocalConn::Tls",
+        })
+    }
+}
+
+impl From<TcpStream> for LocalConn {
+    fn from(s: TcpStream) -> Self {
+        LocalConn::Plain(s)
+    }
+}
+
+impl LocalConn {
+    /// The TCP socket underneath.
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            LocalConn::Plain(s) => s,
+            LocalConn::Tls(t) => t.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for LocalConn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            LocalConn::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            LocalConn::Tls(t) => Pin::new(t.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for LocalConn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            LocalConn::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            LocalConn::Tls(t) => Pin::new(t.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            LocalConn::Plain(s) => Pin::new(s).poll_flush(cx),
+            LocalConn::Tls(t) => Pin::new(t.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            LocalConn::Plain(s) => Pin::new(s).poll_close(cx),
+            LocalConn::Tls(t) => Pin::new(t.as_mut()).poll_close(cx),
+        }
+    }
+}
 
 /// Where a [`LocalDataSender`] reports each operation's outcome (on the shard's own thread).
 pub type LocalReport = Rc<dyn Fn(TransferId, TransferOutcome)>;
@@ -31,34 +109,51 @@ impl Task for glommio::Task<()> {
 }
 
 impl LocalDataSender {
-    /// Starts the writer and ack reader of `stream` on the current glommio executor, over two
-    /// handles of its socket; sources are read from `memory`.
+    /// Starts the writer and ack reader of `conn` on the current glommio executor (plain TCP:
+    /// over two handles of its socket; TLS: over the two halves of its stream); sources are
+    /// read from `memory`.
     pub fn spawn(
-        stream: TcpStream,
+        conn: impl Into<LocalConn>,
         memory: Arc<MemoryMap>,
         report: LocalReport,
     ) -> io::Result<Self> {
-        let _ = stream.set_nodelay(true);
-        let read = second_handle(&stream)?;
-        Ok(Self::start(
-            GatherConn(stream),
-            read,
-            memory,
-            report,
-            |w, a| [glommio::spawn_local(w.run()), glommio::spawn_local(a.run())],
-        ))
+        let conn = conn.into();
+        let _ = conn.tcp().set_nodelay(true);
+        Ok(match conn {
+            LocalConn::Plain(stream) => {
+                let read = second_handle(&stream)?;
+                Self::start(GatherConn(stream), read, memory, report, |w, a| {
+                    [glommio::spawn_local(w.run()), glommio::spawn_local(a.run())]
+                })
+            }
+            tls @ LocalConn::Tls(_) => {
+                let (read, write) = futures_lite::io::split(tls);
+                Self::start(Copying(write), read, memory, report, |w, a| {
+                    [glommio::spawn_local(w.run()), glommio::spawn_local(a.run())]
+                })
+            }
+        })
     }
 }
 
 /// Serves write batches on a data connection (decode) on the current glommio executor:
 /// validates each write with `check`, scatters it into registered memory, acknowledges.
 pub async fn serve_local(
-    stream: TcpStream,
+    conn: impl Into<LocalConn>,
     memory: &MemoryMap,
     check: Rc<dyn WriteCheck>,
     limits: Limits,
 ) -> Result<ServeStats, ServeError> {
-    let _ = stream.set_nodelay(true);
-    let mut conn = ScatterConn::new(stream, crate::RECV_BUF);
-    serve_writes_on(&mut conn, memory, check, limits).await
+    let conn = conn.into();
+    let _ = conn.tcp().set_nodelay(true);
+    match conn {
+        LocalConn::Plain(stream) => {
+            let mut conn = ScatterConn::new(stream, crate::RECV_BUF);
+            serve_writes_on(&mut conn, memory, check, limits).await
+        }
+        tls @ LocalConn::Tls(_) => {
+            let mut conn = futures_lite::io::BufReader::with_capacity(crate::RECV_BUF, tls);
+            serve_writes_on(&mut conn, memory, check, limits).await
+        }
+    }
 }

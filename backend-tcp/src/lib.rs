@@ -23,7 +23,7 @@ mod io;
 pub mod send;
 mod staged;
 pub mod stream;
-#[cfg(feature = "tokio")]
+#[cfg(any(feature = "tokio", feature = "glommio"))]
 pub mod tls;
 mod tls_files;
 
@@ -38,7 +38,9 @@ pub use io_common::{
 };
 pub use staged::DEPTH as STAGING_DEPTH;
 #[cfg(feature = "tokio")]
-pub use tls::{Conn, TlsSetup};
+pub use tls::Conn;
+#[cfg(any(feature = "tokio", feature = "glommio"))]
+pub use tls::TlsSetup;
 pub use tls_files::{TlsError, TlsFiles};
 
 #[cfg(feature = "tokio")]

@@ -8,21 +8,26 @@ use std::path::Path;
 
 use crate::tls_files::TlsError;
 pub use crate::tls_files::TlsFiles;
+#[cfg(feature = "tokio")]
 use std::pin::Pin;
 use std::sync::Arc;
+#[cfg(feature = "tokio")]
 use std::task::{Context, Poll};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+#[cfg(feature = "tokio")]
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+#[cfg(feature = "tokio")]
 use tokio::net::TcpStream;
+#[cfg(feature = "tokio")]
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-/// A node's TLS client and server configuration, loaded once.
+/// A node's TLS client and server configuration, loaded once (for either runtime).
 #[derive(Clone)]
 pub struct TlsSetup {
-    connector: TlsConnector,
-    acceptor: TlsAcceptor,
+    client: Arc<rustls::ClientConfig>,
+    server: Arc<rustls::ServerConfig>,
     server_name: ServerName<'static>,
 }
 
@@ -85,29 +90,55 @@ impl TlsSetup {
         let server_name = ServerName::try_from(files.server_name.clone())
             .map_err(|_| TlsError::ServerName(files.server_name.clone()))?;
         Ok(TlsSetup {
-            connector: TlsConnector::from(Arc::new(client)),
-            acceptor: TlsAcceptor::from(Arc::new(server)),
+            client: Arc::new(client),
+            server: Arc::new(server),
             server_name,
         })
     }
 
     /// Runs the client side of the TLS handshake on a connection this node opened.
+    #[cfg(feature = "tokio")]
     pub async fn connect(&self, tcp: TcpStream) -> io::Result<Conn> {
-        let tls = self
-            .connector
+        let tls = TlsConnector::from(self.client.clone())
             .connect(self.server_name.clone(), tcp)
             .await?;
         Ok(Conn::Tls(Box::new(tokio_rustls::TlsStream::Client(tls))))
     }
 
     /// Runs the server side of the TLS handshake on a connection this node accepted.
+    #[cfg(feature = "tokio")]
     pub async fn accept(&self, tcp: TcpStream) -> io::Result<Conn> {
-        let tls = self.acceptor.accept(tcp).await?;
+        let tls = TlsAcceptor::from(self.server.clone()).accept(tcp).await?;
         Ok(Conn::Tls(Box::new(tokio_rustls::TlsStream::Server(tls))))
+    }
+
+    /// The client side of the TLS handshake over a `futures-io` stream (glommio's sockets).
+    #[cfg(feature = "glommio")]
+    pub async fn connect_on<S>(&self, stream: S) -> io::Result<futures_rustls::TlsStream<S>>
+    where
+        S: futures_io::AsyncRead + futures_io::AsyncWrite + Unpin,
+    {
+        let tls = futures_rustls::TlsConnector::from(self.client.clone())
+            .connect(self.server_name.clone(), stream)
+            .await?;
+        Ok(futures_rustls::TlsStream::Client(tls))
+    }
+
+    /// The server side of the TLS handshake over a `futures-io` stream (glommio's sockets).
+    #[cfg(feature = "glommio")]
+    pub async fn accept_on<S>(&self, stream: S) -> io::Result<futures_rustls::TlsStream<S>>
+    where
+        S: futures_io::AsyncRead + futures_io::AsyncWrite + Unpin,
+    {
+        let tls = futures_rustls::TlsAcceptor::from(self.server.clone())
+            .accept(stream)
+            .await?;
+        Ok(futures_rustls::TlsStream::Server(tls))
     }
 }
 
 /// A control or data connection: plain TCP, or TLS over TCP.
+#[cfg(feature = "tokio")]
 #[derive(Debug)]
 pub enum Conn {
     /// Plain TCP: the data plane reads and writes registered memory with vectored syscalls.
@@ -116,12 +147,14 @@ pub enum Conn {
     Tls(Box<tokio_rustls::TlsStream<TcpStream>>),
 }
 
+#[cfg(feature = "tokio")]
 impl From<TcpStream> for Conn {
     fn from(s: TcpStream) -> Self {
         Conn::Plain(s)
     }
 }
 
+#[cfg(feature = "tokio")]
 impl Conn {
     /// The TCP socket underneath.
     pub fn tcp(&self) -> &TcpStream {
@@ -132,6 +165,7 @@ impl Conn {
     }
 }
 
+#[cfg(feature = "tokio")]
 impl AsyncRead for Conn {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -145,6 +179,7 @@ impl AsyncRead for Conn {
     }
 }
 
+#[cfg(feature = "tokio")]
 impl AsyncWrite for Conn {
     fn poll_write(
         self: Pin<&mut Self>,

@@ -240,7 +240,7 @@ struct CommonArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// TLS on every connection: this node's certificate chain (PEM). Needs --tls-key and
-    /// --tls-ca; the tokio runtime only.
+    /// --tls-ca; either runtime.
     #[arg(long, env = "KVFERRY_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
     tls_cert: Option<PathBuf>,
     /// TLS: this node's private key (PEM).

@@ -142,6 +142,8 @@ pub(crate) struct ShardSetup {
     pub(crate) memory: Arc<MemoryMap>,
     pub(crate) announcements: Announcer,
     pub(crate) rx: flume::Receiver<Cmd>,
+    /// TLS on every connection, when configured (loaded once for all shards).
+    pub(crate) tls: Option<kvferry_tcp::TlsSetup>,
 }
 
 /// The running shards of a node: their command channels, threads, and pinned cores.
@@ -159,6 +161,10 @@ pub(crate) fn spawn_shards(
     announcements: &Announcer,
 ) -> Result<Started, NodeError> {
     let n = shards.shards.max(1);
+    let tls = match &config.tls {
+        Some(files) => Some(kvferry_tcp::TlsSetup::load(files).map_err(NodeError::Tls)?),
+        None => None,
+    };
     ensure_memlock(n)?;
     let cores = if shards.pin {
         CoreClaim::take(n).unwrap_or_else(|| {
@@ -184,6 +190,7 @@ pub(crate) fn spawn_shards(
             memory: memory.clone(),
             announcements: announcements.clone(),
             rx,
+            tls: tls.clone(),
         };
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         let placement = cores.core(i).map_or(Placement::Unbound, Placement::Fixed);

@@ -38,9 +38,9 @@ pub use kvferry_driver::{
 };
 use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::fd::second_handle;
-use kvferry_tcp::glommio::{serve_local, LocalDataSender as DataSender, LocalReport};
+use kvferry_tcp::glommio::{serve_local, LocalConn, LocalDataSender as DataSender, LocalReport};
 use kvferry_tcp::stream::{hello_control, hello_data};
-use kvferry_tcp::Limits;
+use kvferry_tcp::{Limits, TlsSetup};
 use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
 
@@ -99,9 +99,6 @@ impl GlommioNode {
     ) -> Result<GlommioNode, NodeError> {
         if config.backend != DataBackend::Tcp {
             return Err(NodeError::Unsupported(Unsupported::RdmaOnGlommio));
-        }
-        if config.tls.is_some() {
-            return Err(NodeError::Unsupported(Unsupported::TlsOnGlommio));
         }
         kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
         let announcements = Announcer::default();
@@ -267,6 +264,8 @@ pub struct ShardHost {
     shard: Weak<Shard>,
     memory: Arc<MemoryMap>,
     limits: Limits,
+    /// TLS on every connection, when configured.
+    tls: Option<TlsSetup>,
 }
 
 /// A shard's thread: builds its endpoint and driver, says it is up, then runs the node's
@@ -295,6 +294,7 @@ pub(crate) async fn shard_main(
             ShardHost {
                 shard: weak.clone(),
                 memory: setup.memory,
+                tls: setup.tls,
                 limits: Limits {
                     checksum: setup.config.core.checksum,
                     max_slices: setup.config.core.max_op_slices,
@@ -405,10 +405,10 @@ impl Runtime for ShardHost {
     type Host = ShardHost;
     type Task = Task<()>;
     type Sender = DataSender;
-    type Stream = TcpStream;
+    type Stream = LocalConn;
 
     fn io(
-        stream: &mut TcpStream,
+        stream: &mut LocalConn,
     ) -> impl futures_io::AsyncRead + futures_io::AsyncWrite + Unpin + '_ {
         stream
     }
@@ -421,9 +421,13 @@ impl Runtime for ShardHost {
         glommio::timer::sleep(wait)
     }
 
-    async fn dial(&self, addr: SocketAddr, key: Option<SessionKey>) -> std::io::Result<TcpStream> {
-        let mut stream = TcpStream::connect(addr).await?;
-        let _ = stream.set_nodelay(true);
+    async fn dial(&self, addr: SocketAddr, key: Option<SessionKey>) -> std::io::Result<LocalConn> {
+        let tcp = TcpStream::connect(addr).await?;
+        let _ = tcp.set_nodelay(true);
+        let mut stream = match &self.tls {
+            Some(tls) => LocalConn::Tls(Box::new(tls.connect_on(tcp).await?)),
+            None => LocalConn::Plain(tcp),
+        };
         match key {
             None => hello_control(&mut stream).await?,
             Some(key) => hello_data(&mut stream, &key).await?,
@@ -433,7 +437,7 @@ impl Runtime for ShardHost {
 
     fn attach_control(
         &self,
-        stream: TcpStream,
+        stream: LocalConn,
         peer_addr: Option<SocketAddr>,
         target: Option<TargetId>,
         handshake: Option<Answer>,
@@ -442,28 +446,41 @@ impl Runtime for ShardHost {
         else {
             return;
         };
-        let write = match second_handle(&stream) {
-            Ok(write) => write,
-            Err(e) => {
-                warn!(session = %sid, error = %e, "cannot split a control connection");
-                // A session that closes at once: the core learns it like any other loss.
-                self.drive(|d| d.control_ended(sid));
-                return;
+        let tasks = match stream {
+            // Plain TCP: reader and writer on two handles of the socket, no lock between them.
+            LocalConn::Plain(stream) => {
+                let write = match second_handle(&stream) {
+                    Ok(write) => write,
+                    Err(e) => {
+                        warn!(session = %sid, error = %e, "cannot split a control connection");
+                        // A session that closes at once: the core learns it like any loss.
+                        self.drive(|d| d.control_ended(sid));
+                        return;
+                    }
+                };
+                ControlTasks {
+                    writer: glommio::spawn_local(runtime::write_control(queue, write)),
+                    reader: glommio::spawn_local(runtime::read_control(self.clone(), sid, stream)),
+                }
             }
-        };
-        let tasks = ControlTasks {
-            writer: glommio::spawn_local(runtime::write_control(queue, write)),
-            reader: glommio::spawn_local(runtime::read_control(self.clone(), sid, stream)),
+            // TLS: one session state, shared by the two halves of its stream.
+            tls @ LocalConn::Tls(_) => {
+                let (read, write) = futures_lite::io::split(tls);
+                ControlTasks {
+                    writer: glommio::spawn_local(runtime::write_control(queue, write)),
+                    reader: glommio::spawn_local(runtime::read_control(self.clone(), sid, read)),
+                }
+            }
         };
         runtime::add_control_tasks(self, sid, tasks);
     }
 
-    fn start_sender(&self, stream: TcpStream) -> std::io::Result<DataSender> {
+    fn start_sender(&self, stream: LocalConn) -> std::io::Result<DataSender> {
         let report: LocalReport = Rc::new(runtime::report(self.clone()));
         DataSender::spawn(stream, self.memory.clone(), report)
     }
 
-    fn start_receiver(&self, sid: SessionId, stream: TcpStream) -> Task<()> {
+    fn start_receiver(&self, sid: SessionId, stream: LocalConn) -> Task<()> {
         let check: Rc<dyn WriteCheck> = Rc::new(runtime::check(self.clone(), sid));
         let (host, memory, limits) = (self.clone(), self.memory.clone(), self.limits);
         glommio::spawn_local(async move {
@@ -514,12 +531,16 @@ impl Shard {
                 move |stream: TcpStream| {
                     let _ = stream.set_nodelay(true);
                     let peer = stream.peer_addr().ok();
-                    glommio::spawn_local(runtime::take_accepted(
-                        host.clone(),
-                        std::future::ready(Ok(stream)),
-                        peer,
-                    ))
-                    .detach();
+                    let tls = host.tls.clone();
+                    // TLS first where configured, within the core's deadline for the
+                    // connection like its preamble.
+                    let open = async move {
+                        Ok(match tls {
+                            Some(tls) => LocalConn::Tls(Box::new(tls.accept_on(stream).await?)),
+                            None => LocalConn::Plain(stream),
+                        })
+                    };
+                    glommio::spawn_local(runtime::take_accepted(host.clone(), open, peer)).detach();
                 }
             };
             let listener = &listener;

@@ -11,11 +11,20 @@ use kvferry_tcp::TlsFiles;
 use kvferry_testkit::{node_config, run_decode, serve_prefill, testcert};
 use kvferry_tests::{fast_core, rooms, small_shape, AnyNode, KvNode, Runtime};
 
-fn node(role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNode {
+/// Both runtimes: each carries TLS on every connection.
+const RUNTIMES: [Runtime; 2] = [
+    Runtime::Tokio,
+    Runtime::Glommio {
+        shards: 1,
+        pin: false,
+    },
+];
+
+fn node(runtime: Runtime, role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNode {
     let shape = small_shape();
     let mut cfg = node_config(role, &shape, fast_core(), b"test-token", seed);
     cfg.tls = tls;
-    Runtime::Tokio
+    runtime
         .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
         .unwrap()
 }
@@ -27,77 +36,97 @@ fn dir(name: &str) -> std::path::PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rooms_move_and_verify_over_tls() {
     let tls = testcert::throwaway(&dir("ok"), "kvferry").unwrap();
-    let prefill = node(Role::Prefill, Some(tls.clone()), 71);
-    let addrs = prefill
-        .listen("127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    tokio::spawn(serve_prefill(prefill.clone(), small_shape()));
-    let decode = node(Role::Decode, Some(tls), 72);
-    let peer = decode.connect(addrs).await.unwrap();
-    let report = run_decode(&decode, peer, rooms(40, 1)).await;
-    kvferry_tests::assert_all_clean(&report, 40);
-    decode.shutdown().await;
-    prefill.shutdown().await;
+    for runtime in RUNTIMES {
+        let prefill = node(runtime, Role::Prefill, Some(tls.clone()), 71);
+        let addrs = prefill
+            .listen("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        tokio::spawn(serve_prefill(prefill.clone(), small_shape()));
+        let decode = node(runtime, Role::Decode, Some(tls.clone()), 72);
+        let peer = decode.connect(addrs).await.unwrap();
+        let report = run_decode(&decode, peer, rooms(40, 1)).await;
+        kvferry_tests::assert_all_clean(&report, 40);
+        decode.shutdown().await;
+        prefill.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokio_node_and_a_glommio_node_move_rooms_over_tls() {
+    let tls = testcert::throwaway(&dir("mixed"), "kvferry").unwrap();
+    let [tokio_rt, glommio_rt] = RUNTIMES;
+    for (p_rt, d_rt) in [(tokio_rt, glommio_rt), (glommio_rt, tokio_rt)] {
+        let prefill = node(p_rt, Role::Prefill, Some(tls.clone()), 81);
+        let addrs = prefill
+            .listen("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        tokio::spawn(serve_prefill(prefill.clone(), small_shape()));
+        let decode = node(d_rt, Role::Decode, Some(tls.clone()), 82);
+        let peer = decode.connect(addrs).await.unwrap();
+        let report = run_decode(&decode, peer, rooms(20, 1)).await;
+        kvferry_tests::assert_all_clean(&report, 20);
+        decode.shutdown().await;
+        prefill.shutdown().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_without_the_clusters_tls_gets_no_session() {
-    let tls = testcert::throwaway(&dir("a"), "kvferry").unwrap();
-    let prefill = node(Role::Prefill, Some(tls.clone()), 73);
-    let addrs = prefill
-        .listen("127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    tokio::spawn(serve_prefill(prefill.clone(), small_shape()));
-    // Plain TCP against a TLS listener.
-    let plain = node(Role::Decode, None, 74);
-    let err = tokio::time::timeout(Duration::from_secs(15), plain.connect(addrs.clone()))
-        .await
-        .expect("a typed error, not a hang");
-    assert!(err.is_err(), "a plain connection got a session");
-    // TLS with a certificate from another CA (the right token does not help).
-    let stranger = testcert::throwaway(&dir("b"), "kvferry").unwrap();
-    let other = node(Role::Decode, Some(stranger), 75);
-    let err = tokio::time::timeout(Duration::from_secs(15), other.connect(addrs.clone()))
-        .await
-        .expect("a typed error, not a hang");
-    assert!(err.is_err(), "another CA's certificate got a session");
-    // A listener certificate for another name: the connector refuses it.
-    let renamed = TlsFiles {
-        server_name: "not-kvferry".into(),
-        ..tls
-    };
-    let wrong_name = node(Role::Decode, Some(renamed), 76);
-    let err = tokio::time::timeout(Duration::from_secs(15), wrong_name.connect(addrs))
-        .await
-        .expect("a typed error, not a hang");
-    assert!(err.is_err(), "a listener with another name was trusted");
-    prefill.shutdown().await;
+    for runtime in RUNTIMES {
+        let tls = testcert::throwaway(&dir("a"), "kvferry").unwrap();
+        let prefill = node(runtime, Role::Prefill, Some(tls.clone()), 73);
+        let addrs = prefill
+            .listen("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        tokio::spawn(serve_prefill(prefill.clone(), small_shape()));
+        // Plain TCP against a TLS listener.
+        let plain = node(runtime, Role::Decode, None, 74);
+        let err = tokio::time::timeout(Duration::from_secs(15), plain.connect(addrs.clone()))
+            .await
+            .expect("a typed error, not a hang");
+        assert!(err.is_err(), "a plain connection got a session");
+        // TLS with a certificate from another CA (the right token does not help).
+        let stranger = testcert::throwaway(&dir("b"), "kvferry").unwrap();
+        let other = node(runtime, Role::Decode, Some(stranger), 75);
+        let err = tokio::time::timeout(Duration::from_secs(15), other.connect(addrs.clone()))
+            .await
+            .expect("a typed error, not a hang");
+        assert!(err.is_err(), "another CA's certificate got a session");
+        // A listener certificate for another name: the connector refuses it.
+        let renamed = TlsFiles {
+            server_name: "not-kvferry".into(),
+            ..tls
+        };
+        let wrong_name = node(runtime, Role::Decode, Some(renamed), 76);
+        let err = tokio::time::timeout(Duration::from_secs(15), wrong_name.connect(addrs))
+            .await
+            .expect("a typed error, not a hang");
+        assert!(err.is_err(), "a listener with another name was trusted");
+        prefill.shutdown().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn missing_tls_files_and_the_glommio_runtime_are_typed_errors() {
+async fn missing_tls_files_are_a_typed_error_on_both_runtimes() {
     let shape = small_shape();
-    let mut cfg = node_config(Role::Decode, &shape, fast_core(), b"t", 77);
-    cfg.tls = Some(TlsFiles {
-        cert: "/nonexistent/node.pem".into(),
-        key: "/nonexistent/node.key".into(),
-        ca: "/nonexistent/ca.pem".into(),
-        server_name: "kvferry".into(),
-    });
-    let Err(err) = Runtime::Tokio.start(cfg, Arc::new(MemoryMap::allocate(shape.layout()))) else {
-        panic!("started without its TLS files")
-    };
-    assert!(err.to_string().contains("/nonexistent/node.pem"), "{err}");
-    let mut cfg = node_config(Role::Decode, &shape, fast_core(), b"t", 78);
-    cfg.tls = Some(testcert::throwaway(&dir("g"), "kvferry").unwrap());
-    let Err(err) = (Runtime::Glommio {
-        shards: 1,
-        pin: false,
-    })
-    .start(cfg, Arc::new(MemoryMap::allocate(shape.layout()))) else {
-        panic!("glommio started with TLS it cannot do")
-    };
-    assert!(err.to_string().contains("tokio"), "{err}");
+    for runtime in RUNTIMES {
+        let mut cfg = node_config(Role::Decode, &shape, fast_core(), b"t", 77);
+        cfg.tls = Some(TlsFiles {
+            cert: "/nonexistent/node.pem".into(),
+            key: "/nonexistent/node.key".into(),
+            ca: "/nonexistent/ca.pem".into(),
+            server_name: "kvferry".into(),
+        });
+        let Err(err) = runtime.start(cfg, Arc::new(MemoryMap::allocate(shape.layout()))) else {
+            panic!("{runtime:?} started without its TLS files")
+        };
+        assert!(
+            matches!(err, kvferry_tokio::NodeError::Tls(_)),
+            "{runtime:?}: {err}"
+        );
+        assert!(err.to_string().contains("/nonexistent/node.pem"), "{err}");
+    }
 }
