@@ -57,6 +57,11 @@ pub struct Config {
     /// An attempt not reported within this is treated as a transient failure and its session
     /// is fenced (`KVFERRY_OPERATION_TIMEOUT_MS`, 30000).
     pub operation_timeout: Duration,
+    /// Longest wait for the data path to confirm a fence (nothing in flight can land any
+    /// more: TCP data connections closed, an RDMA queue pair drained); past it the session is
+    /// closed with `Error(FenceTimeout)` and its rooms fail `transfer_failed`
+    /// (`KVFERRY_FENCE_TIMEOUT_MS`, 10000).
+    pub fence_timeout: Duration,
     /// Most bytes in one data-path operation (`KVFERRY_MAX_OP_BYTES`, 64 MiB).
     pub max_op_bytes: u64,
     /// Most slices in one data-path operation (`KVFERRY_MAX_OP_SLICES`, 4096).
@@ -112,6 +117,7 @@ impl Default for Config {
             accept_backoff: Duration::from_millis(50),
             data_reconnect_interval: Duration::from_millis(10),
             operation_timeout: Duration::from_secs(30),
+            fence_timeout: Duration::from_secs(10),
             max_op_bytes: 64 << 20,
             max_op_slices: 4096,
             max_ops_in_flight: 8,
@@ -230,6 +236,7 @@ const FIELDS: &[(&str, Field)] = &[
         "OPERATION_TIMEOUT_MS",
         Field::Millis(|c| &mut c.operation_timeout),
     ),
+    ("FENCE_TIMEOUT_MS", Field::Millis(|c| &mut c.fence_timeout)),
     ("MAX_OP_BYTES", Field::Bytes(|c| &mut c.max_op_bytes)),
     ("MAX_OP_SLICES", Field::Count(|c| &mut c.max_op_slices)),
     (
@@ -364,6 +371,7 @@ impl Config {
             ("DATA_RECONNECT_INTERVAL_MS", self.data_reconnect_interval),
             ("HANDSHAKE_TIMEOUT_MS", self.handshake_timeout),
             ("OPERATION_TIMEOUT_MS", self.operation_timeout),
+            ("FENCE_TIMEOUT_MS", self.fence_timeout),
             ("RECONNECT_INTERVAL_MS", self.reconnect_interval),
             ("UNREACHABLE_TIMEOUT_MS", self.unreachable_timeout),
         ];

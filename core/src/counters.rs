@@ -35,6 +35,8 @@ pub struct Counters {
     pub probes_sent: u64,
     /// Fences asked of the driver.
     pub fences: u64,
+    /// Fences the driver did not confirm within `fence_timeout` (their sessions were closed).
+    pub fence_timeouts: u64,
     /// Control frames that failed to decode or broke the protocol.
     pub protocol_errors: u64,
     /// Messages dropped as late, duplicated or of an older generation.
@@ -76,6 +78,7 @@ impl Counters {
         self.stale_messages += other.stale_messages;
         self.writes_refused += other.writes_refused;
         self.landed_checks_passed += other.landed_checks_passed;
+        self.fence_timeouts += other.fence_timeouts;
         self.rooms_succeeded += other.rooms_succeeded;
         self.rooms_released += other.rooms_released;
         self.rooms_refused_reused += other.rooms_refused_reused;
@@ -112,6 +115,7 @@ impl Counters {
             ("sessions_resumed", self.sessions_resumed),
             ("probes_sent", self.probes_sent),
             ("fences", self.fences),
+            ("fence_timeouts", self.fence_timeouts),
             ("protocol_errors", self.protocol_errors),
             ("stale_messages", self.stale_messages),
             ("writes_refused", self.writes_refused),

@@ -44,6 +44,8 @@ pub enum Timer {
     AcceptBackoff,
     /// A closing session's control writer has had `close_linger` to send what was queued.
     Linger(SessionId),
+    /// A fence of the session was not confirmed within `fence_timeout`.
+    Fence(SessionId),
 }
 
 /// Opaque key of an armed timer, kept by its owner to disarm it.

@@ -7,9 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{config, pair, run_ms};
+use common::{config, open_room, pair, run_ms, send_all};
 use kvferry_core::sim::{small_layout, Faults, Sim, WaitEnded};
-use kvferry_core::{Event, SessionState};
+use kvferry_core::{Event, FailureReason, KvPoll, RoomId, SessionState};
 
 /// One decode node alone.
 fn lone_decode() -> (Sim, usize) {
@@ -162,5 +162,63 @@ fn a_handshake_that_never_completes_closes_its_session_and_its_writer_lingers_no
             start + config().handshake_timeout + config().close_linger,
             WaitEnded::StopLingering(session)
         )]
+    );
+}
+
+#[test]
+fn a_fence_the_data_path_never_confirms_closes_the_session_at_the_fence_timeout() {
+    let (mut sim, p, d) = pair(13, config());
+    // Writes never report, so the operation timeout fences the session; and the data path
+    // never confirms the fence (a queue pair whose flush does not complete).
+    sim.faults.op_hang = 1.0;
+    sim.faults.fence_stuck = true;
+    // The closing side's writer sends its `Error` before the connection goes.
+    sim.faults.close_flush = Duration::from_millis(5);
+    let session = sim.session(p, d).unwrap();
+    open_room(&mut sim, d, &[p], 1, 4);
+    run_ms(&mut sim, 5);
+    let sent_at = sim.now;
+    send_all(&mut sim, p, 1, 4, false);
+    let timeouts = config().operation_timeout + config().fence_timeout;
+    sim.run_for(
+        sent_at + timeouts - Duration::from_millis(50) - sim.now,
+        5_000_000,
+    )
+    .unwrap();
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(session),
+        Some(SessionState::Established),
+        "still waiting for the fence"
+    );
+    assert_eq!(sim.nodes[p].endpoint.counters().fences, 1);
+    run_ms(&mut sim, 200);
+    assert_eq!(sim.nodes[p].endpoint.counters().fence_timeouts, 1);
+    assert_eq!(sim.nodes[p].endpoint.session_state(session), None, "closed");
+    let failed = |n: usize| match sim.nodes[n].states.get(&(RoomId(1), 0)) {
+        Some(KvPoll::Failed(reason)) => Some(*reason),
+        _ => None,
+    };
+    assert_eq!(failed(p), Some(FailureReason::TransferFailed));
+    assert_eq!(
+        failed(d),
+        Some(FailureReason::TransferFailed),
+        "the peer heard why"
+    );
+}
+
+#[test]
+fn a_fence_the_data_path_confirms_keeps_the_session() {
+    let (mut sim, p, d) = pair(14, config());
+    sim.faults.op_hang = 1.0;
+    let session = sim.session(p, d).unwrap();
+    open_room(&mut sim, d, &[p], 1, 4);
+    run_ms(&mut sim, 5);
+    send_all(&mut sim, p, 1, 4, false);
+    run_ms(&mut sim, 3_000);
+    assert!(sim.nodes[p].endpoint.counters().fences >= 1);
+    assert_eq!(sim.nodes[p].endpoint.counters().fence_timeouts, 0);
+    assert_eq!(
+        sim.nodes[p].endpoint.session_state(session),
+        Some(SessionState::Established)
     );
 }

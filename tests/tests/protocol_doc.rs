@@ -244,6 +244,14 @@ fn every_control_frame_has_the_size_and_field_offsets_the_protocol_doc_states() 
         &[("code", 10), ("detail_len", 0)],
     );
     check(
+        "### Type 11: `Error`",
+        Message::Error {
+            code: ErrorCode::FenceTimeout,
+            detail: String::new(),
+        },
+        &[("code", 11), ("detail_len", 0)],
+    );
+    check(
         "### Type 12: `Transport`",
         Message::Transport {
             payload: Vec::new(),

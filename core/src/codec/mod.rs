@@ -267,10 +267,13 @@ pub enum ErrorCode {
     InvalidHello,
     /// The handshake did not complete within the sender's `handshake_timeout`.
     HandshakeTimeout,
+    /// The sender's data path did not confirm a fence within its `fence_timeout`: it cannot
+    /// show that nothing in flight may still land, so it gives the session up.
+    FenceTimeout,
 }
 
 impl ErrorCode {
-    const ALL: [ErrorCode; 10] = [
+    const ALL: [ErrorCode; 11] = [
         ErrorCode::Malformed,
         ErrorCode::BadToken,
         ErrorCode::VersionMismatch,
@@ -281,6 +284,7 @@ impl ErrorCode {
         ErrorCode::HeartbeatsMissed,
         ErrorCode::InvalidHello,
         ErrorCode::HandshakeTimeout,
+        ErrorCode::FenceTimeout,
     ];
 
     fn code(self) -> u16 {

@@ -102,6 +102,7 @@ impl Endpoint {
             probe_timer: None,
             idle_timer: None,
             linger_timer: None,
+            fence_timer: None,
             inbound,
             auth,
             data_lost: 0,
@@ -264,6 +265,7 @@ impl Endpoint {
                     ErrorCode::Malformed
                     | ErrorCode::ProtocolViolation
                     | ErrorCode::InvalidHello => FailureReason::ProtocolError,
+                    ErrorCode::FenceTimeout => FailureReason::TransferFailed,
                 };
                 if let Some(s) = self.sessions.get_mut(&sid) {
                     s.close_reason = reason;

@@ -471,6 +471,9 @@ impl Endpoint {
             return;
         }
         s.fencing = true;
+        // The driver must confirm that nothing in flight can land; the core bounds that wait.
+        let at = self.last_now + self.config.fence_timeout;
+        self.timers.set(&mut s.fence_timer, at, Timer::Fence(sid));
         self.counters.fences += 1;
         self.actions.push_back(Action::FenceSession(sid));
     }

@@ -306,6 +306,7 @@ impl Endpoint {
             return;
         }
         s.fencing = false;
+        self.timers.cancel(&mut s.fence_timer);
         self.settle_session_ops(now, session, true);
         self.fence_done(now, session);
         self.mark_ready(session);

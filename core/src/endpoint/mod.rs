@@ -205,6 +205,8 @@ struct Session {
     idle_timer: Option<TimerKey>,
     /// Armed while the session closes: how long its control writer may still send.
     linger_timer: Option<TimerKey>,
+    /// Armed while a fence waits for the driver's confirmation.
+    fence_timer: Option<TimerKey>,
     /// Accepted by our listener: our hello goes out only after the peer's hello proved it
     /// knows the cluster token.
     inbound: bool,

@@ -196,6 +196,22 @@ impl Endpoint {
                     self.actions.push_back(Action::StopLingering(sid));
                 }
             }
+            Timer::Fence(sid) => {
+                let Some(s) = self.sessions.get_mut(&sid) else {
+                    return;
+                };
+                if fired(&mut s.fence_timer, key) && s.fencing {
+                    warn!(session = %sid, "the data path did not confirm a fence in time; closing the session");
+                    self.counters.fence_timeouts += 1;
+                    self.close_session(
+                        now,
+                        sid,
+                        ErrorCode::FenceTimeout,
+                        "fence not confirmed in time",
+                        FailureReason::TransferFailed,
+                    );
+                }
+            }
             Timer::Shutdown => {
                 if fired(&mut self.shutdown_timer, key) {
                     self.finish_shutdown();

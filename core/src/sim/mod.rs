@@ -60,6 +60,8 @@ pub struct Faults {
     /// How long a closing session's control writer takes to send what is queued (a peer
     /// that stopped reading: longer than `close_linger`, and the core's linger stops it).
     pub close_flush: Duration,
+    /// Fences are never confirmed (a data path whose drain does not complete).
+    pub fence_stuck: bool,
 }
 
 impl Default for Faults {
@@ -78,6 +80,7 @@ impl Default for Faults {
             op_orphan: 0.0,
             reconnect_after: None,
             close_flush: Duration::ZERO,
+            fence_stuck: false,
         }
     }
 }
@@ -415,6 +418,7 @@ pub fn fast_config() -> Config {
         connect_timeout: Duration::from_millis(100),
         handshake_timeout: Duration::from_secs(1),
         operation_timeout: Duration::from_millis(500),
+        fence_timeout: Duration::from_secs(1),
         ..Config::default()
     }
 }

@@ -191,9 +191,13 @@ impl Sim {
                 // The receiver's side of the fence stops its receive paths: nothing lands.
                 self.orphans
                     .retain(|_, f| !(f.dst == node && f.dst_session == session));
-                self.nodes[node]
-                    .endpoint
-                    .handle_fence_complete(self.now, session);
+                // A data path that cannot drain (a queue pair whose flush never completes)
+                // never confirms: the core's `fence_timeout` decides.
+                if !self.faults.fence_stuck {
+                    self.nodes[node]
+                        .endpoint
+                        .handle_fence_complete(self.now, session);
+                }
                 self.drain(node);
             }
             Pending::Close { node, session } => {
