@@ -381,16 +381,11 @@ impl Endpoint {
         }
         // Prefill: requests buffered for rooms not yet opened must not linger either.
         if self.local.role == Role::Prefill {
-            let stale: Vec<RoomId> = self
-                .pending
-                .iter()
-                .filter(|(_, p)| {
-                    p.requests.iter().any(|x| x.0 == sid) || p.notices.iter().any(|x| x.0 == sid)
-                })
-                .map(|(r, _)| *r)
-                .collect();
+            let stale = self.pending.rooms_where(|p| {
+                p.requests.iter().any(|x| x.0 == sid) || p.notices.iter().any(|x| x.0 == sid)
+            });
             for room in stale {
-                if let Some(p) = self.pending.remove(&room) {
+                if let Some(p) = self.pending.take(room) {
                     // Tell the requesters now: they must not wait for a deadline to learn it.
                     self.reject_pending(room, p, reason);
                 }

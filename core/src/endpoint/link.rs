@@ -553,19 +553,12 @@ impl Endpoint {
 
     /// Why `session` ended, if it ended for good recently.
     pub(super) fn ended_reason(&self, session: SessionId) -> Option<FailureReason> {
-        self.ended.get(&session).copied()
+        self.ended.reason(session)
     }
 
-    /// Keeps why `session` ended, for rooms opened over it late (the last [`ENDED_KEPT`]).
+    /// Keeps why `session` ended, for rooms opened over it late.
     fn remember_ended(&mut self, session: SessionId, reason: FailureReason) {
-        if self.ended.insert(session, reason).is_none() {
-            self.ended_order.push_back(session);
-        }
-        while self.ended_order.len() > ENDED_KEPT {
-            if let Some(old) = self.ended_order.pop_front() {
-                self.ended.remove(&old);
-            }
-        }
+        self.ended.remember(session, reason);
     }
 
     pub(super) fn mark_ready(&mut self, sid: SessionId) {

@@ -1,11 +1,13 @@
 //! [`Endpoint`]: the deterministic state machine of one prefill or decode rank.
 
 mod coverage;
+mod ended;
 mod handshake;
 mod health;
 mod layer_bits;
 mod link;
 mod listener;
+mod pending_rooms;
 mod planning;
 mod receiver;
 mod rooms;
@@ -46,8 +48,10 @@ use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
+use ended::EndedSessions;
 use layer_bits::LayerBits;
 use listener::Listener;
+use pending_rooms::{PendingRoom, PendingRooms};
 use planning::live_sender;
 use timers::fired;
 use tombstones::Tombstones;
@@ -101,8 +105,7 @@ pub struct Endpoint {
     rooms: Map<RoomId, Room>,
     tombstones: Tombstones,
     /// Prefill: room messages that arrived before the sender room was opened.
-    pending: Map<RoomId, PendingRoom>,
-    pending_order: VecDeque<(RoomId, Generation)>,
+    pending: PendingRooms,
     ops: Map<TransferId, Op>,
     next_op: u64,
     ready_sessions: VecDeque<SessionId>,
@@ -123,16 +126,11 @@ pub struct Endpoint {
     /// Every session taken over, with the live session that carries its work now: a link an
     /// embedder holds to a taken-over session resolves to it. Kept while that heir lives.
     heirs: Map<SessionId, SessionId>,
-    /// Sessions that ended for good, with their reason (the last [`ENDED_KEPT`]): a room
-    /// opened over one fails at once with that reason instead of being refused.
-    ended: Map<SessionId, FailureReason>,
-    ended_order: VecDeque<SessionId>,
+    /// Why recent sessions ended, for rooms opened over them late.
+    ended: EndedSessions,
     /// Accepted connections not yet a session's, and the accept backoff.
     listener: Listener,
 }
-
-/// How many ended sessions keep their reason for rooms opened over them late.
-const ENDED_KEPT: usize = 1024;
 
 /// What the connection attempts to a target found, since its session went silent or down:
 /// the evidence that names the reason of rooms failed for it.
@@ -474,13 +472,6 @@ enum OpPhase {
     RetryWait,
 }
 
-#[derive(Debug, Default)]
-struct PendingRoom {
-    generation: Generation,
-    requests: SmallVec<[(SessionId, RoomRequest); 1]>,
-    notices: SmallVec<[(SessionId, u32); 1]>,
-}
-
 impl Endpoint {
     /// A new endpoint. `seed` drives every random choice (jitter, nonces); `now` is the start.
     pub fn new(
@@ -526,8 +517,7 @@ impl Endpoint {
             blacklist_memory: Map::with_hasher(hasher.clone()),
             rooms: Map::with_hasher(hasher.clone()),
             tombstones,
-            pending: Map::with_hasher(hasher.clone()),
-            pending_order: VecDeque::new(),
+            pending: PendingRooms::new(hasher.clone()),
             ops: Map::with_hasher(hasher.clone()),
             next_op: 0,
             ready_sessions: VecDeque::new(),
@@ -542,8 +532,7 @@ impl Endpoint {
             next_permit: 0,
             superseded: Map::with_hasher(hasher.clone()),
             heirs: Map::with_hasher(hasher.clone()),
-            ended: Map::with_hasher(hasher.clone()),
-            ended_order: VecDeque::new(),
+            ended: EndedSessions::new(hasher.clone()),
             listener: Listener::default(),
             hasher,
         })

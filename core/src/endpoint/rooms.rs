@@ -46,7 +46,7 @@ impl Endpoint {
             Some(_) => false,
             None => {
                 // Prefill may hold requests for a room it has not opened yet: answer them.
-                if let Some(p) = self.pending.remove(&room) {
+                if let Some(p) = self.pending.take(room) {
                     self.reject_pending(room, p, reason);
                     true
                 } else {

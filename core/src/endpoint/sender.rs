@@ -47,7 +47,7 @@ impl Endpoint {
             return Ok(());
         }
         self.insert_bootstrapping(now, room, generation, side);
-        if let Some(p) = self.pending.remove(&room) {
+        if let Some(p) = self.pending.take(room) {
             if p.generation == generation {
                 for (sid, pos) in p.notices {
                     self.on_room_pending(now, sid, room, generation, pos);
@@ -56,7 +56,7 @@ impl Endpoint {
                     self.on_room_request(now, sid, req);
                 }
             } else if p.generation > generation {
-                self.pending.insert(room, p);
+                self.pending.put_back(room, p);
             }
         }
         Ok(())
@@ -407,11 +407,11 @@ impl Endpoint {
             _ => {
                 // Not open (yet, or any more): nothing of it is in flight. Remember the verdict
                 // so a later open fails at once instead of computing a doomed room.
-                if let Some(p) = self.pending.remove(&room) {
+                if let Some(p) = self.pending.take(room) {
                     if p.generation == generation {
                         self.reject_pending(room, p, verdict);
                     } else {
-                        self.pending.insert(room, p);
+                        self.pending.put_back(room, p);
                     }
                 }
                 let newer = self
@@ -561,7 +561,7 @@ impl Endpoint {
             }
             Some(_) => {}
             None => {
-                if let Some(p) = self.pending.remove(&room) {
+                if let Some(p) = self.pending.take(room) {
                     self.reject_pending(room, p, reason);
                 }
                 let who = self.identity(sid).into_iter().collect();
@@ -599,37 +599,20 @@ impl Endpoint {
         room: RoomId,
         generation: Generation,
     ) -> Option<&mut PendingRoom> {
-        if let Some(p) = self.pending.get(&room) {
-            if p.generation > generation {
-                self.refuse_stale(sid, room, generation);
-                return None;
-            }
-            if p.generation < generation {
-                self.pending.remove(&room);
-            }
+        if self
+            .pending
+            .generation_of(room)
+            .is_some_and(|g| g > generation)
+        {
+            self.refuse_stale(sid, room, generation);
+            return None;
         }
-        if !self.pending.contains_key(&room) {
-            while self.pending.len() >= self.config.pending_requests as usize {
-                let Some((old, g)) = self.pending_order.pop_front() else {
-                    break;
-                };
-                if self.pending.get(&old).is_some_and(|p| p.generation == g) {
-                    if let Some(p) = self.pending.remove(&old) {
-                        // Evicted before the sender opened: the requesters must not wait forever.
-                        self.reject_pending(old, p, FailureReason::BootstrapTimeout);
-                    }
-                }
-            }
-            self.pending_order.push_back((room, generation));
-            self.pending.insert(
-                room,
-                PendingRoom {
-                    generation,
-                    ..PendingRoom::default()
-                },
-            );
+        let limit = self.config.pending_requests as usize;
+        for (old, p) in self.pending.admit(room, generation, limit) {
+            // Evicted before the sender opened: the requesters must not wait forever.
+            self.reject_pending(old, p, FailureReason::BootstrapTimeout);
         }
-        self.pending.get_mut(&room)
+        self.pending.get_mut(room)
     }
 
     pub(super) fn reject_pending(&mut self, room: RoomId, p: PendingRoom, reason: FailureReason) {
