@@ -130,3 +130,39 @@ async fn missing_tls_files_are_a_typed_error_on_both_runtimes() {
         assert!(err.to_string().contains("/nonexistent/node.pem"), "{err}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_never_starts_its_tls_handshake_is_dropped_after_the_handshake_timeout() {
+    use tokio::io::AsyncReadExt;
+    let tls = testcert::throwaway(&dir("silent"), "kvferry").unwrap();
+    for runtime in RUNTIMES {
+        let shape = small_shape();
+        let core = kvferry_core::Config {
+            handshake_timeout: Duration::from_millis(300),
+            ..fast_core()
+        };
+        let mut cfg = node_config(Role::Prefill, &shape, core, b"test-token", 79);
+        cfg.tls = Some(tls.clone());
+        let prefill = runtime
+            .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
+            .unwrap();
+        let addrs = prefill
+            .listen("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let mut silent = tokio::net::TcpStream::connect(addrs[0]).await.unwrap();
+        let mut buf = [0u8; 64];
+        let closed = tokio::time::timeout(Duration::from_secs(3), silent.read(&mut buf)).await;
+        let took = started.elapsed();
+        assert!(
+            matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+            "{runtime:?}: a connection without a TLS hello was held: {closed:?}"
+        );
+        assert!(
+            took >= Duration::from_millis(250),
+            "{runtime:?}: dropped after {took:?}, before the handshake timeout (300 ms)"
+        );
+        prefill.shutdown().await;
+    }
+}
