@@ -577,22 +577,23 @@ async fn a_persistent_peer_down_past_its_window_is_reported_unreachable(p: Runti
     let decode = start_on(d, Role::Decode, &shape, peer_loss_core(), 122);
     let peer = decode.connect_persistent(addrs.clone()).await.unwrap();
     assert_eq!(decode.unreachable(peer).await.unwrap(), None);
+    let window = peer_loss_core().unreachable_timeout;
+    // The decode cannot see the peer down before this: a bound on how long it has been down
+    // that holds however late this task runs on a loaded machine.
+    let going = std::time::Instant::now();
     p1.shutdown().await;
     server1.abort();
     drop(p1);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(
-        decode.unreachable(peer).await.unwrap(),
-        None,
-        "inside its window"
-    );
+    let inside = decode.unreachable(peer).await.unwrap();
+    if going.elapsed() < window {
+        assert_eq!(inside, None, "inside its window");
+    }
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let asked = std::time::Instant::now();
     let reason = decode.unreachable(peer).await.unwrap();
-    assert!(
-        asked.elapsed() < Duration::from_millis(500),
-        "answered at once"
-    );
+    // At once: a call that waited for the peer would wait until it is back (never here).
+    assert!(asked.elapsed() < window, "answered at once");
     assert!(
         matches!(
             reason,
