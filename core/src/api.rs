@@ -433,6 +433,18 @@ pub enum RejectReason {
     VersionMismatch,
 }
 
+impl RejectReason {
+    /// What the rooms of a session refused for this reason fail with.
+    pub fn failure_reason(self) -> crate::state::FailureReason {
+        match self {
+            RejectReason::BadToken => crate::state::FailureReason::Unauthorized,
+            RejectReason::WrongRole
+            | RejectReason::IncompatibleLayout(_)
+            | RejectReason::VersionMismatch => crate::state::FailureReason::IncompatiblePeer,
+        }
+    }
+}
+
 /// Why a data connection was not admitted to a session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataRefusal {

@@ -180,8 +180,14 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
             if sim.nodes[d].endpoint.room_state(id).is_some() {
                 return;
             }
-            if let (Some(sd), Some(dst)) = (sd, sim.nodes[d].alloc(id, 0, u32::from(pages))) {
-                let grant = granted.then(|| Grant {
+            let Some(sd) = sd else { return };
+            // Pages are taken only for a grant given now: the simulation counts every page it
+            // took for a room as the room's, so pages never granted would have to land too.
+            let grant = if granted {
+                let Some(dst) = sim.nodes[d].alloc(id, 0, u32::from(pages)) else {
+                    return;
+                };
+                Some(Grant {
                     extras: Vec::new(),
                     pages: dst,
                     aux_slot: Some(u32::from(room)),
@@ -189,12 +195,14 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                     receivers: 1,
                     skip_pages: 0,
                     idle_sources: 0,
-                });
-                sim.nodes[d]
-                    .endpoint
-                    .open_receiver(now, id, 0, &[sd], grant)
-                    .expect("fresh room opens");
-            }
+                })
+            } else {
+                None
+            };
+            sim.nodes[d]
+                .endpoint
+                .open_receiver(now, id, 0, &[sd], grant)
+                .expect("fresh room opens");
         }
         Step::Grant { room } => {
             let id = RoomId(u64::from(room));

@@ -72,6 +72,20 @@ pub enum NodeError {
     },
 }
 
+impl NodeError {
+    /// The room failure this error amounts to, for a session that was refused or a peer
+    /// that stayed unreachable (`None` for the other errors).
+    pub fn failure_reason(&self) -> Option<FailureReason> {
+        match self {
+            NodeError::Refused { code, .. } => Some(code.failure_reason()),
+            NodeError::RefusedAs(reason) | NodeError::Unreachable(reason) => Some(*reason),
+            NodeError::Rejected(reason) => Some(reason.failure_reason()),
+            NodeError::HandshakeTimeout => Some(FailureReason::PeerSilent),
+            _ => None,
+        }
+    }
+}
+
 /// A combination a node refuses to start with, and what to do instead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

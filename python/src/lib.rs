@@ -57,6 +57,24 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     _kvferry,
+    PeerRefused,
+    ConnectError,
+    "The peer refused the session at its handshake, or this node refused the peer; `args[0]` is the room failure reason's snake_case name (unauthorized, incompatible_peer, ...), `args[1]` the message naming both settings."
+);
+pyo3::create_exception!(
+    _kvferry,
+    PeerUnreachable,
+    ConnectError,
+    "A kept peer had no session for the whole unreachable timeout; `args[0]` names what the connection attempts found (connection_refused, peer_unreachable, ...), `args[1]` the message."
+);
+pyo3::create_exception!(
+    _kvferry,
+    HandshakeTimeout,
+    ConnectError,
+    "The session's handshake did not complete within the handshake timeout (the peer accepted the connection and never answered)."
+);
+pyo3::create_exception!(
+    _kvferry,
     RoomFailed,
     KvferryError,
     "A room ended Failed; `args[0]` is the reason's snake_case name, `args[1]` its explanation."
@@ -160,12 +178,18 @@ fn room_failure(reason: FailureReason) -> PyErr {
 
 /// The exception for a node error.
 fn node_error(e: NodeError) -> PyErr {
+    let reason = e.failure_reason().map_or("", FailureReason::as_str);
     match e {
         NodeError::Api(e) => InvalidArgument::new_err(e.to_string()),
         NodeError::ShutDown => NodeClosed::new_err(e.to_string()),
         NodeError::UnknownPeer(_) => InvalidArgument::new_err(e.to_string()),
         NodeError::UnreachableMemory { .. } => UnsupportedMemory::new_err(e.to_string()),
         NodeError::Unsupported(_) => InvalidArgument::new_err(e.to_string()),
+        NodeError::HandshakeTimeout => HandshakeTimeout::new_err(e.to_string()),
+        NodeError::Refused { .. } | NodeError::RefusedAs(_) | NodeError::Rejected(_) => {
+            PeerRefused::new_err((reason, e.to_string()))
+        }
+        NodeError::Unreachable(_) => PeerUnreachable::new_err((reason, e.to_string())),
         other => ConnectError::new_err(other.to_string()),
     }
 }
@@ -861,6 +885,9 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
             py.get_type_bound::<UnsupportedMemory>(),
         ),
         ("ConnectError", py.get_type_bound::<ConnectError>()),
+        ("PeerRefused", py.get_type_bound::<PeerRefused>()),
+        ("PeerUnreachable", py.get_type_bound::<PeerUnreachable>()),
+        ("HandshakeTimeout", py.get_type_bound::<HandshakeTimeout>()),
         ("RoomFailed", py.get_type_bound::<RoomFailed>()),
         ("TimeoutFailure", py.get_type_bound::<TimeoutFailure>()),
         ("PeerFailure", py.get_type_bound::<PeerFailure>()),

@@ -38,8 +38,10 @@ def test_a_room_moves_with_the_checksum_on():
 def test_nodes_that_disagree_on_the_checksum_are_refused_naming_it():
     p, _ = node("prefill", True, checksum=True)
     d, _ = node("decode", False)
-    with pytest.raises(kvferry.ConnectError, match="checksum differs"):
+    with pytest.raises(kvferry.PeerRefused, match="checksum differs") as refused:
         d.connect([p.listen("127.0.0.1:0")[0]])
+    assert refused.value.args[0] == "incompatible_peer"
+    assert isinstance(refused.value, kvferry.ConnectError)
     p.shutdown()
     d.shutdown()
 

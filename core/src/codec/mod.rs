@@ -273,6 +273,23 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// What the receiver of this code fails the session's rooms with.
+    pub fn failure_reason(self) -> crate::state::FailureReason {
+        use crate::state::FailureReason as R;
+        match self {
+            ErrorCode::IncompatibleLayout | ErrorCode::VersionMismatch | ErrorCode::WrongRole => {
+                R::IncompatiblePeer
+            }
+            ErrorCode::BadToken => R::Unauthorized,
+            ErrorCode::Shutdown => R::PeerShutdown,
+            ErrorCode::HeartbeatsMissed | ErrorCode::HandshakeTimeout => R::PeerSilent,
+            ErrorCode::Malformed | ErrorCode::ProtocolViolation | ErrorCode::InvalidHello => {
+                R::ProtocolError
+            }
+            ErrorCode::FenceTimeout => R::TransferFailed,
+        }
+    }
+
     const ALL: [ErrorCode; 11] = [
         ErrorCode::Malformed,
         ErrorCode::BadToken,

@@ -253,20 +253,7 @@ impl Endpoint {
                     code,
                     detail: detail.clone(),
                 });
-                let reason = match code {
-                    ErrorCode::IncompatibleLayout
-                    | ErrorCode::VersionMismatch
-                    | ErrorCode::WrongRole => FailureReason::IncompatiblePeer,
-                    ErrorCode::BadToken => FailureReason::Unauthorized,
-                    ErrorCode::Shutdown => FailureReason::PeerShutdown,
-                    ErrorCode::HeartbeatsMissed | ErrorCode::HandshakeTimeout => {
-                        FailureReason::PeerSilent
-                    }
-                    ErrorCode::Malformed
-                    | ErrorCode::ProtocolViolation
-                    | ErrorCode::InvalidHello => FailureReason::ProtocolError,
-                    ErrorCode::FenceTimeout => FailureReason::TransferFailed,
-                };
+                let reason = code.failure_reason();
                 if let Some(s) = self.sessions.get_mut(&sid) {
                     s.close_reason = reason;
                 }
@@ -645,11 +632,7 @@ impl Endpoint {
             ),
         };
         let now = self.last_now;
-        let reason = match reason {
-            RejectReason::BadToken => FailureReason::Unauthorized,
-            _ => FailureReason::IncompatiblePeer,
-        };
-        self.close_session(now, sid, code, &detail, reason);
+        self.close_session(now, sid, code, &detail, reason.failure_reason());
     }
 
     pub(super) fn strike(&mut self, sid: SessionId, what: &str, fatal: bool) {
