@@ -204,3 +204,20 @@ def test_metrics_are_served_in_prometheus_format_with_the_clis_names(prefill):
     assert want in served, served
     assert "kvferry_rooms_live" in kvferry.metrics_text()
     d.shutdown()
+
+
+def test_a_listener_that_never_answers_the_handshake_raises_handshake_timeout():
+    import socket
+
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux, handshake_timeout_ms=300)
+    # The kernel completes the TCP connection into the backlog; nobody ever answers.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    started = time.time()
+    with pytest.raises(kvferry.HandshakeTimeout):
+        d.connect([f"127.0.0.1:{silent.getsockname()[1]}"])
+    assert time.time() - started < 5
+    silent.close()
+    d.shutdown()
