@@ -37,6 +37,14 @@ impl Ends {
             let _ = end.send(());
         }
     }
+
+    /// Ends every wait at once (the node shut down: no core timer fires any more).
+    pub(crate) fn end_all(&mut self) {
+        for (_, end) in self.accepted.drain() {
+            let _ = end.send(());
+        }
+        self.resume_accepting();
+    }
 }
 
 impl<H: Host> Driver<H> {
@@ -46,7 +54,12 @@ impl<H: Host> Driver<H> {
     pub fn accepted(&mut self) -> (ConnId, CoreWait) {
         let conn = self.with(|e, now| e.handle_accepted(now));
         let (end, wait) = oneshot::channel();
-        self.ends_mut().accepted.insert(conn, end);
+        if self.endpoint().shutdown_complete() {
+            // A shut-down node takes no connection: the wait is over before it starts.
+            drop(end);
+        } else {
+            self.ends_mut().accepted.insert(conn, end);
+        }
         (conn, wait)
     }
 
@@ -61,7 +74,9 @@ impl<H: Host> Driver<H> {
     pub fn accept_failed(&mut self) -> CoreWait {
         self.with(|e, now: Instant| e.handle_accept_failed(now));
         let (end, wait) = oneshot::channel();
-        self.ends_mut().paused.push(end);
+        if !self.endpoint().shutdown_complete() {
+            self.ends_mut().paused.push(end);
+        }
         wait
     }
 
@@ -69,7 +84,13 @@ impl<H: Host> Driver<H> {
     /// `close_linger` is over ([`kvferry_core::Action::StopLingering`]).
     pub(crate) fn linger_of(&mut self, session: SessionId) -> Option<CoreWait> {
         let (end, wait) = oneshot::channel();
-        self.session_io(session)?.linger = Some(end);
+        let lingering = self.endpoint().session_lingers(session);
+        let io = self.session_io(session)?;
+        if lingering {
+            io.linger = Some(end);
+        }
+        // A close the core set no linger for (the session is gone from it, or the node shut
+        // down) stops the writer at once.
         Some(wait)
     }
 }

@@ -320,6 +320,14 @@ impl<H: Host> Driver<H> {
                 for w in self.shutdown_waiters.drain(..) {
                     let _ = w.send(());
                 }
+                // No core timer fires once the node is shut down (its driver loop ends):
+                // every wait the core was to end ends now.
+                self.ends.end_all();
+                for io in self.io.values_mut() {
+                    if let Some(end) = io.linger.take() {
+                        let _ = end.send(());
+                    }
+                }
             }
             Event::RoomAnnounced { .. } => self.announcements.on_event(event),
             Event::TransportReceived {
@@ -431,7 +439,9 @@ impl<H: Host> Driver<H> {
         self.target_waits.add(target, tx);
     }
 
-    /// A control connection's reader ended: close the session.
+    /// A control connection's reader ended: close the session's connections (the core hears
+    /// it once they are closed). The peer is gone or the connection broke, so the writer does
+    /// not linger: the core set no linger for a close it did not ask for.
     pub fn control_ended(&mut self, session: SessionId) {
         self.start_close(session);
         self.drain();

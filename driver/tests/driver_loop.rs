@@ -387,3 +387,39 @@ fn a_failed_accept_resumes_when_the_core_ends_the_backoff() {
     prefill.turn(failed_at + Config::default().accept_backoff + Duration::from_millis(1));
     assert_eq!(resume.try_recv(), Ok(()));
 }
+
+#[test]
+fn a_shutdown_ends_every_wait_the_core_would_have_ended() {
+    let (mut prefill, _) = node(Role::Prefill, 2, b"t");
+    let (_, mut before) = prefill.accepted();
+    let mut paused = prefill.accept_failed();
+    let (tx, mut done) = oneshot::channel();
+    prefill.shutdown(tx);
+    prefill.turn(Instant::now() + Config::default().shutdown_timeout);
+    assert_eq!(done.try_recv(), Ok(()), "shut down");
+    // The driver loop ends here: no core timer fires any more, so the waits end now.
+    assert_eq!(before.try_recv(), Ok(()));
+    assert_eq!(paused.try_recv(), Ok(()));
+    let (_, mut after) = prefill.accepted();
+    assert!(
+        after
+            .try_recv()
+            .is_err_and(|e| e == oneshot::error::TryRecvError::Closed),
+        "a connection accepted after the shutdown is let go at once"
+    );
+}
+
+#[test]
+fn a_session_whose_control_connection_ended_stops_its_writer_at_once() {
+    let (mut decode, log) = node(Role::Decode, 1, b"t");
+    let sid = decode.attach_control(Wire::default(), Some(PEER), None);
+    decode.control_ended(sid);
+    assert_eq!(log.borrow().closes, vec![sid]);
+    let mut linger = log.borrow_mut().lingers.pop().unwrap().unwrap();
+    assert!(
+        linger
+            .try_recv()
+            .is_err_and(|e| e == oneshot::error::TryRecvError::Closed),
+        "no linger: the peer is gone"
+    );
+}

@@ -180,6 +180,13 @@ impl Endpoint {
         }
     }
 
+    /// Whether a closing session's control writer is lingering (its `close_linger` not over).
+    pub fn session_lingers(&self, session: SessionId) -> bool {
+        self.sessions
+            .get(&session)
+            .is_some_and(|s| s.linger_timer.is_some())
+    }
+
     /// The session's control connection is gone and the driver closed its data connections:
     /// nothing of this session can be written any more (this counts as a fence).
     pub fn handle_disconnected(&mut self, now: Instant, session: SessionId) {
@@ -584,6 +591,8 @@ impl Endpoint {
         // that says why, say); the core decides when that is over, not the driver.
         let at = self.last_now + self.config.close_linger;
         self.timers.set(&mut s.linger_timer, at, Timer::Linger(sid));
+        // A fence still waiting is moot: closing the session closes every connection.
+        self.timers.cancel(&mut s.fence_timer);
         self.actions.push_back(Action::CloseSession(sid));
     }
 

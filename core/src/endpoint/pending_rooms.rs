@@ -1,9 +1,9 @@
 //! Prefill: room messages that arrived before the sender room was opened.
 //!
 //! Invariants of [`PendingRooms`]: at most the configured number of rooms is held, the
-//! oldest arrival evicted first (each held room has its arrival in the order; arrivals of
-//! rooms taken since are skipped); a room holds the messages of one generation, the newest
-//! seen.
+//! oldest arrival evicted first (each held room has its arrival, by number, in the order;
+//! arrivals of rooms taken since are skipped, and dropped once they outnumber the limit, so
+//! the order stays bounded); a room holds the messages of one generation, the newest seen.
 
 use std::collections::VecDeque;
 
@@ -20,13 +20,18 @@ pub(super) struct PendingRoom {
     pub(super) generation: Generation,
     pub(super) requests: SmallVec<[(SessionId, RoomRequest); 1]>,
     pub(super) notices: SmallVec<[(SessionId, u32); 1]>,
+    /// Its arrival's number: an order entry is this room's only if the numbers match.
+    arrival: u64,
 }
 
 /// Rooms with messages and no sender room yet, in arrival order.
 #[derive(Debug)]
 pub(super) struct PendingRooms {
     rooms: Map<RoomId, PendingRoom>,
-    order: VecDeque<(RoomId, Generation)>,
+    /// Arrivals, oldest first, by room and arrival number.
+    order: VecDeque<(RoomId, u64)>,
+    /// Arrivals so far (numbers them).
+    arrivals: u64,
 }
 
 impl PendingRooms {
@@ -34,6 +39,7 @@ impl PendingRooms {
         PendingRooms {
             rooms: Map::with_hasher(hasher),
             order: VecDeque::new(),
+            arrivals: 0,
         }
     }
 
@@ -84,28 +90,69 @@ impl PendingRooms {
             return evicted;
         }
         while self.rooms.len() >= limit {
-            let Some((old, g)) = self.order.pop_front() else {
+            let Some((old, arrival)) = self.order.pop_front() else {
                 break;
             };
-            if self.generation_of(old) == Some(g) {
+            if self.rooms.get(&old).is_some_and(|p| p.arrival == arrival) {
                 if let Some(p) = self.rooms.remove(&old) {
                     evicted.push((old, p));
                 }
             }
         }
-        self.order.push_back((room, generation));
+        self.arrivals += 1;
+        self.order.push_back((room, self.arrivals));
         self.rooms.insert(
             room,
             PendingRoom {
                 generation,
+                arrival: self.arrivals,
                 ..PendingRoom::default()
             },
         );
+        // Rooms opened since they arrived left their entries behind: drop them before they
+        // outnumber the rooms a full table holds.
+        if self.order.len() > 2 * limit.max(64) {
+            let rooms = &self.rooms;
+            self.order
+                .retain(|(r, a)| rooms.get(r).is_some_and(|p| p.arrival == *a));
+        }
         evicted
     }
 
     /// The messages held for `room`.
     pub(super) fn get_mut(&mut self, room: RoomId) -> Option<&mut PendingRoom> {
         self.rooms.get_mut(&room)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rooms_opened_soon_after_they_arrive_leave_a_bounded_order_behind() {
+        let mut pending = PendingRooms::new(FixedState::with_seed(1));
+        for r in 0..10_000u64 {
+            assert!(pending.admit(RoomId(r), 0, 100).is_empty());
+            assert!(pending.take(RoomId(r)).is_some());
+        }
+        assert!(pending.order.len() <= 2 * 100, "{}", pending.order.len());
+    }
+
+    #[test]
+    fn a_room_that_arrives_again_is_not_evicted_by_its_earlier_arrival() {
+        let mut pending = PendingRooms::new(FixedState::with_seed(1));
+        assert!(pending.admit(RoomId(1), 0, 2).is_empty());
+        pending.take(RoomId(1));
+        assert!(pending.admit(RoomId(2), 0, 2).is_empty());
+        assert!(pending.admit(RoomId(1), 0, 2).is_empty());
+        // Full: the oldest arrival still held is room 2's, not room 1's first one.
+        let evicted: Vec<RoomId> = pending
+            .admit(RoomId(3), 0, 2)
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect();
+        assert_eq!(evicted, vec![RoomId(2)]);
+        assert_eq!(pending.generation_of(RoomId(1)), Some(0));
     }
 }

@@ -200,7 +200,7 @@ impl Endpoint {
                 let Some(s) = self.sessions.get_mut(&sid) else {
                     return;
                 };
-                if fired(&mut s.fence_timer, key) && s.fencing {
+                if fired(&mut s.fence_timer, key) && s.fencing && s.state != SessionState::Closing {
                     warn!(session = %sid, "the data path did not confirm a fence in time; closing the session");
                     self.counters.fence_timeouts += 1;
                     self.close_session(
