@@ -347,6 +347,31 @@ async fn an_unchecked_write_on_a_checksummed_connection_closes_it() {
     );
 }
 
+/// Sends `op` with its checksum from `src` to a checked receiver into `dst` (room 7 allowed)
+/// and returns what the sender reported once it reported.
+async fn send_checked(
+    src: Arc<MemoryMap>,
+    dst: Arc<MemoryMap>,
+    mut op: TransferOp,
+) -> Vec<(TransferId, TransferOutcome)> {
+    let (a, b) = pair().await;
+    let _server = tokio::spawn(serve_writes(
+        b,
+        dst,
+        Arc::new(AllowRoom(RoomId(7))),
+        checked_limits(),
+    ));
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src, report);
+    op.checksum = true;
+    sender.send(op).unwrap();
+    while got.lock().unwrap().is_empty() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let reported = got.lock().unwrap().clone();
+    reported
+}
+
 #[tokio::test]
 async fn a_checksummed_operation_lands_and_is_acknowledged() {
     let layout = small_layout(16);
@@ -354,32 +379,14 @@ async fn a_checksummed_operation_lands_and_is_acknowledged() {
     let dst = Arc::new(MemoryMap::allocate(layout));
     let region = Region::Kv { layer: 1, plane: 0 };
     src.write(region, 2 * 1024, &[0x5Au8; 2048]).unwrap();
-    let (a, b) = pair().await;
-    let _server = tokio::spawn(serve_writes(
-        b,
-        dst.clone(),
-        Arc::new(AllowRoom(RoomId(7))),
-        checked_limits(),
-    ));
-    let (report, got) = collector();
-    let sender = DataSender::spawn(a, src, report);
-    let mut checked = op(
-        4,
-        7,
-        vec![Slice {
-            region,
-            src_offset: 2 * 1024,
-            dst_offset: 8 * 1024,
-            len: 2048,
-        }],
-    );
-    checked.checksum = true;
-    sender.send(checked).unwrap();
-    while got.lock().unwrap().is_empty() {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    let slices = vec![Slice {
+        region,
+        src_offset: 2 * 1024,
+        dst_offset: 8 * 1024,
+        len: 2048,
+    }];
     assert_eq!(
-        *got.lock().unwrap(),
+        send_checked(src, dst.clone(), op(4, 7, slices)).await,
         vec![(TransferId(4), TransferOutcome::Done)]
     );
     let mut page = vec![0u8; 2048];
@@ -399,15 +406,6 @@ async fn a_checksummed_operation_larger_than_what_is_hashed_ahead_lands_and_is_a
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
     src.write(region, 0, &bytes).unwrap();
-    let (a, b) = pair().await;
-    let _server = tokio::spawn(serve_writes(
-        b,
-        dst.clone(),
-        Arc::new(AllowRoom(RoomId(7))),
-        checked_limits(),
-    ));
-    let (report, got) = collector();
-    let sender = DataSender::spawn(a, src, report);
     let piece = 300 * 1024;
     let slices = (0..3)
         .map(|i| Slice {
@@ -417,14 +415,8 @@ async fn a_checksummed_operation_larger_than_what_is_hashed_ahead_lands_and_is_a
             len: piece as u64,
         })
         .collect();
-    let mut checked = op(5, 7, slices);
-    checked.checksum = true;
-    sender.send(checked).unwrap();
-    while got.lock().unwrap().is_empty() {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
     assert_eq!(
-        *got.lock().unwrap(),
+        send_checked(src, dst.clone(), op(5, 7, slices)).await,
         vec![(TransferId(5), TransferOutcome::Done)]
     );
     for i in 0..3 {

@@ -33,22 +33,27 @@ fn dir(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("kvferry-tls-{}-{name}", std::process::id()))
 }
 
+/// A prefill on `p` serving a decode on `d` over TLS: `n` rooms move, every byte verified.
+async fn rooms_over_tls(p: Runtime, d: Runtime, tls: &TlsFiles, seed: u64, n: u64) {
+    let prefill = node(p, Role::Prefill, Some(tls.clone()), seed);
+    let addrs = prefill
+        .listen("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    tokio::spawn(serve_prefill(prefill.clone(), small_shape()));
+    let decode = node(d, Role::Decode, Some(tls.clone()), seed + 1);
+    let peer = decode.connect(addrs).await.unwrap();
+    let report = run_decode(&decode, peer, rooms(n, 1)).await;
+    kvferry_tests::assert_all_clean(&report, n);
+    decode.shutdown().await;
+    prefill.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rooms_move_and_verify_over_tls() {
     let tls = testcert::throwaway(&dir("ok"), "kvferry").unwrap();
     for runtime in RUNTIMES {
-        let prefill = node(runtime, Role::Prefill, Some(tls.clone()), 71);
-        let addrs = prefill
-            .listen("127.0.0.1:0".parse().unwrap())
-            .await
-            .unwrap();
-        tokio::spawn(serve_prefill(prefill.clone(), small_shape()));
-        let decode = node(runtime, Role::Decode, Some(tls.clone()), 72);
-        let peer = decode.connect(addrs).await.unwrap();
-        let report = run_decode(&decode, peer, rooms(40, 1)).await;
-        kvferry_tests::assert_all_clean(&report, 40);
-        decode.shutdown().await;
-        prefill.shutdown().await;
+        rooms_over_tls(runtime, runtime, &tls, 71, 40).await;
     }
 }
 
@@ -56,19 +61,8 @@ async fn rooms_move_and_verify_over_tls() {
 async fn a_tokio_node_and_a_glommio_node_move_rooms_over_tls() {
     let tls = testcert::throwaway(&dir("mixed"), "kvferry").unwrap();
     let [tokio_rt, glommio_rt] = RUNTIMES;
-    for (p_rt, d_rt) in [(tokio_rt, glommio_rt), (glommio_rt, tokio_rt)] {
-        let prefill = node(p_rt, Role::Prefill, Some(tls.clone()), 81);
-        let addrs = prefill
-            .listen("127.0.0.1:0".parse().unwrap())
-            .await
-            .unwrap();
-        tokio::spawn(serve_prefill(prefill.clone(), small_shape()));
-        let decode = node(d_rt, Role::Decode, Some(tls.clone()), 82);
-        let peer = decode.connect(addrs).await.unwrap();
-        let report = run_decode(&decode, peer, rooms(20, 1)).await;
-        kvferry_tests::assert_all_clean(&report, 20);
-        decode.shutdown().await;
-        prefill.shutdown().await;
+    for (p, d) in [(tokio_rt, glommio_rt), (glommio_rt, tokio_rt)] {
+        rooms_over_tls(p, d, &tls, 81, 20).await;
     }
 }
 
