@@ -54,7 +54,8 @@ echo "== devices"
 ibv_devices
 [ -e /sys/class/infiniband/rxe0 ] || { echo "rdma-guest: no rxe0" >&2; exit 1; }
 
-# The generic driver suite runs over RDMA on tokio (glommio has no RDMA). Left out, each for
+# The generic driver suite runs over RDMA on both drivers (tokio, glommio, and the two mixed
+# in one run). Left out, each for
 # a reason that is about the scenario, not the device:
 #   a_failing_session_is_blacklisted...: its faults are injected on the TCP receive path,
 #     which a one-sided RDMA write never passes through;
@@ -70,14 +71,12 @@ tcp_only=(
 while read -r name exe; do
     case "$name" in
         drivers)
-            run env KVFERRY_TEST_BACKEND=rdma "$exe" ::tokio --skip tokio_prefill --skip glommio \
-                "${tcp_only[@]}" --test-threads 1
+            run env KVFERRY_TEST_BACKEND=rdma "$exe" "${tcp_only[@]}" --test-threads 1
             ;;
         # Device memory on RDMA nodes: no engine here exports a dma-buf, so each such node
         # stages over TCP and its RDMA peer follows (the tcp_staged path, every byte checked).
         device)
-            run env KVFERRY_TEST_BACKEND=rdma "$exe" ::tokio --skip tokio_prefill --skip glommio \
-                --test-threads 1
+            run env KVFERRY_TEST_BACKEND=rdma "$exe" --test-threads 1
             ;;
         *) run "$exe" --test-threads 1 ;;
     esac
@@ -99,24 +98,31 @@ else
     run "$kvf" demo --overlap --backend rdma
     run "$kvf" bench --backend rdma --quick
 fi
+# The same data plane on the glommio driver, one shard and two.
+run "$kvf" demo --runtime glommio --backend rdma --rooms 32 --pages-per-room 8
+run "$kvf" demo --runtime glommio --shards 2 --backend rdma --rooms 100 --pages-per-room 8 \
+    --abort-rate 0.1 --concurrency 32
+run "$kvf" demo --runtime glommio --backend rdma --rooms 100 --pages-per-room 8 --fault-rate 0.02
+run "$kvf" demo --runtime glommio --backend rdma --rooms 32 --pages-per-room 8 --checksum
 
 # Two processes over RDMA; the prefill is SIGKILLed mid-run and restarted at its address 1 s
 # later: its new QPs and keys serve the rooms after it, the rooms in flight end with
 # connection_lost, none is unfinished and no page is corrupted.
 restart_check() {
-    local shape=(--pages-per-room 2 --backend rdma)
+    local shape=(--pages-per-room 2 --backend rdma --runtime "$1")
+    local at=127.0.0.1:$2
     local out
     out=$(mktemp)
-    KVFERRY_TOKEN=guest "$kvf" prefill --listen 127.0.0.1:7800 "${shape[@]}" >/dev/null 2>&1 &
+    KVFERRY_TOKEN=guest "$kvf" prefill --listen "$at" "${shape[@]}" >/dev/null 2>&1 &
     local p=$!
     sleep 1
-    KVFERRY_TOKEN=guest "$kvf" decode --connect 127.0.0.1:7800 --rooms 300 --json "${shape[@]}" \
+    KVFERRY_TOKEN=guest "$kvf" decode --connect "$at" --rooms 300 --json "${shape[@]}" \
         >"$out" 2>/dev/null &
     local d=$!
     sleep 3
     kill -9 "$p"
     sleep 1
-    KVFERRY_TOKEN=guest "$kvf" prefill --listen 127.0.0.1:7800 "${shape[@]}" >/dev/null 2>&1 &
+    KVFERRY_TOKEN=guest "$kvf" prefill --listen "$at" "${shape[@]}" >/dev/null 2>&1 &
     p=$!
     wait "$d"
     local rc=$?
@@ -124,48 +130,51 @@ restart_check() {
     wait "$p" 2>/dev/null
     cat "$out"
     echo
-    python3 - "$out" "$rc" <<'CHECK'
+    python3 - "$out" "$rc" "$1" <<'CHECK'
 import json, sys
 r = json.load(open(sys.argv[1]))
 ok = (r["pages_corrupted"] == 0 and r["rooms_unfinished"] == 0 and r["rooms_succeeded"] > 0
       and set(r["failed_by_reason"]) <= {"connection_lost", "peer_shutdown"}
       and sys.argv[2] == "0")
-print("restart over RDMA:", r["rooms_succeeded"], "succeeded,", r["failed_by_reason"],
+print("restart over RDMA (" + sys.argv[3] + "):", r["rooms_succeeded"], "succeeded,", r["failed_by_reason"],
       "corrupted", r["pages_corrupted"], "ok" if ok else "NOT OK")
 sys.exit(0 if ok else 1)
 CHECK
 }
-run restart_check
+run restart_check tokio 7800
+run restart_check glommio 7802
 
 # No busy polling: a prefill serving rooms whose forward pass takes 100 ms per layer waits on
 # its completion channel (and its timers) between layers, so it uses well under half a core
 # over the run; a completion loop that spun would use a whole one.
 no_spin_check() {
-    local shape=(--pages-per-room 1 --layer-compute-us 100000 --backend rdma)
-    KVFERRY_TOKEN=guest "$kvf" prefill --listen 127.0.0.1:7801 "${shape[@]}" >/dev/null 2>&1 &
+    local shape=(--pages-per-room 1 --layer-compute-us 100000 --backend rdma --runtime "$1")
+    local at=127.0.0.1:$2
+    KVFERRY_TOKEN=guest "$kvf" prefill --listen "$at" "${shape[@]}" >/dev/null 2>&1 &
     local p=$!
     sleep 1
     local t0 w0 t1 w1
     t0=$(awk '{print $14 + $15}' /proc/$p/stat)
     w0=$(date +%s%N)
-    KVFERRY_TOKEN=guest "$kvf" decode --connect 127.0.0.1:7801 --rooms 16 --concurrency 1 \
+    KVFERRY_TOKEN=guest "$kvf" decode --connect "$at" --rooms 16 --concurrency 1 \
         "${shape[@]}" >/dev/null 2>&1
     local rc=$?
     t1=$(awk '{print $14 + $15}' /proc/$p/stat)
     w1=$(date +%s%N)
     kill "$p"
     wait "$p" 2>/dev/null
-    python3 - "$((t1 - t0))" "$(getconf CLK_TCK)" "$((w1 - w0))" "$rc" <<'CHECK'
+    python3 - "$((t1 - t0))" "$(getconf CLK_TCK)" "$((w1 - w0))" "$rc" "$1" <<'CHECK'
 import sys
-ticks, hz, wall_ns, rc = (int(a) for a in sys.argv[1:])
+ticks, hz, wall_ns, rc = (int(a) for a in sys.argv[1:5])
 cpu, wall = ticks / hz, wall_ns / 1e9
 ok = rc == 0 and cpu < 0.5 * wall
-print(f"prefill over RDMA: {cpu:.2f} s CPU in {wall:.2f} s ({cpu / wall:.0%} of a core)",
+print(f"prefill over RDMA ({sys.argv[5]}): {cpu:.2f} s CPU in {wall:.2f} s ({cpu / wall:.0%} of a core)",
       "ok" if ok else "NOT OK")
 sys.exit(0 if ok else 1)
 CHECK
 }
-run no_spin_check
+run no_spin_check tokio 7801
+run no_spin_check glommio 7803
 
 # The same wire without kvferry: perftest's one-sided WRITE bandwidth on rxe0, 256 KiB
 # messages (the page size of the bench's 64 MiB rooms).

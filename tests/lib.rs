@@ -83,7 +83,7 @@ pub fn staged_core() -> Config {
 /// Starts a node of `role` with its own memory.
 pub fn start(role: Role, shape: &Shape, core: Config, seed: u64) -> Node {
     let mut cfg = node_config(role, shape, core, b"test-token", seed);
-    use_test_backend(Runtime::Tokio, &mut cfg);
+    use_test_backend(&mut cfg);
     Node::start(cfg, Arc::new(MemoryMap::allocate(shape.layout()))).expect("node starts")
 }
 
@@ -158,12 +158,12 @@ pub fn rdma_config(
     cfg
 }
 
-/// With `KVFERRY_TEST_BACKEND=rdma`, tokio nodes move data over the first RDMA device, so
-/// the suite written for TCP runs over RDMA too (`scripts/rdma-guest.sh` does so on
-/// soft-RoCE); glommio nodes stay on TCP, the only data plane glommio has.
-pub fn use_test_backend(runtime: Runtime, cfg: &mut kvferry_tokio::NodeConfig) {
+/// With `KVFERRY_TEST_BACKEND=rdma`, nodes move data over the first RDMA device, on either
+/// runtime, so the suite written for TCP runs over RDMA too (`scripts/rdma-guest.sh` does so
+/// on soft-RoCE).
+pub fn use_test_backend(cfg: &mut kvferry_tokio::NodeConfig) {
     let rdma = std::env::var("KVFERRY_TEST_BACKEND").is_ok_and(|b| b == "rdma");
-    if rdma && runtime == Runtime::Tokio {
+    if rdma {
         cfg.backend = kvferry_testkit::DataBackend::Rdma {
             device: None,
             port: 1,
@@ -174,7 +174,7 @@ pub fn use_test_backend(runtime: Runtime, cfg: &mut kvferry_tokio::NodeConfig) {
 /// Starts a node of `role` on `runtime` with its own memory.
 pub fn start_on(runtime: Runtime, role: Role, shape: &Shape, core: Config, seed: u64) -> AnyNode {
     let mut cfg = node_config(role, shape, core, b"test-token", seed);
-    use_test_backend(runtime, &mut cfg);
+    use_test_backend(&mut cfg);
     runtime
         .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
         .expect("node starts")

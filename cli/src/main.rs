@@ -272,7 +272,7 @@ struct CommonArgs {
     /// its cores; shards of a pinned node cannot move away from a busy core).
     #[arg(long)]
     pin: bool,
-    /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature; tokio runtime).
+    /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature; either runtime).
     #[arg(long, default_value = "tcp")]
     backend: String,
     /// With --backend rdma: the RDMA device to use (default: the first one).
@@ -282,12 +282,8 @@ struct CommonArgs {
 
 impl CommonArgs {
     fn runtime(&self) -> Result<Runtime, String> {
-        let backend = kvferry_testkit::Backend::parse(&self.backend)?;
-        let runtime = Runtime::parse(&self.runtime, self.shards, self.pin)?;
-        if backend == kvferry_testkit::Backend::Rdma && runtime != Runtime::Tokio {
-            return Err("--backend rdma runs on the tokio driver: use --runtime tokio".to_owned());
-        }
-        Ok(runtime)
+        kvferry_testkit::Backend::parse(&self.backend)?;
+        Runtime::parse(&self.runtime, self.shards, self.pin)
     }
 
     /// The TLS files, when --tls-cert (and with it --tls-key and --tls-ca) was given.

@@ -90,8 +90,6 @@ impl NodeError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Unsupported {
-    /// RDMA on the glommio driver: RDMA runs on the tokio driver.
-    RdmaOnGlommio,
     /// RDMA in a build without the `rdma` feature.
     RdmaNotBuilt,
     /// The end-to-end checksum over the RDMA backend with device memory: one-sided writes
@@ -102,7 +100,6 @@ pub enum Unsupported {
 impl std::fmt::Display for Unsupported {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Unsupported::RdmaOnGlommio => "the glommio driver carries data over TCP only; RDMA runs on the tokio driver (--runtime tokio)",
             Unsupported::RdmaNotBuilt => "this build has no RDMA support: rebuild with the `rdma` feature, or use --backend tcp",
             Unsupported::ChecksumOverRdmaDevice => "the end-to-end checksum (KVFERRY_CHECKSUM) over the RDMA backend hashes host memory only, and this node's KV is in device memory; turn it off or use the TCP backend (which hashes device memory in its staging buffers)",
         })

@@ -27,6 +27,8 @@ mod listener;
 mod machine;
 mod metrics_export;
 mod node;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod runtime;
 mod session_io;
 mod waits;
@@ -87,6 +89,28 @@ pub fn round_robin<S: ?Sized, T>(
         }
     }
     Err(item)
+}
+
+/// Decode's verdict on the bytes a one-sided write landed in `ranges`, for a host's
+/// [`Host::verify_landed`]: `applied()` if they hash to `checksum`, `corrupt()` if not, the
+/// permit as it was if they cannot be read.
+pub fn landed_verdict(
+    memory: &kvferry_memory::MemoryMap,
+    permit: kvferry_core::WritePermit,
+    ranges: &[kvferry_core::Slice],
+    checksum: u64,
+) -> kvferry_core::WritePermit {
+    match memory.checksum(ranges, kvferry_memory::SliceSide::Destination) {
+        Ok(landed) if landed == checksum => permit.applied(),
+        Ok(landed) => {
+            tracing::warn!(session = %permit.session, room = ?permit.room, landed, expected = checksum, "landed bytes differ from what their source wrote");
+            permit.corrupt()
+        }
+        Err(e) => {
+            tracing::warn!(session = %permit.session, room = ?permit.room, error = %e, "cannot read the landed bytes to verify them");
+            permit
+        }
+    }
 }
 
 impl FrameSink for mpsc::UnboundedSender<Vec<u8>> {

@@ -144,6 +144,8 @@ pub(crate) struct ShardSetup {
     pub(crate) rx: flume::Receiver<Cmd>,
     /// TLS on every connection, when configured (loaded once for all shards).
     pub(crate) tls: Option<kvferry_tcp::TlsSetup>,
+    /// The node's RDMA device, when data moves over RDMA (opened once for all shards).
+    pub(crate) rdma: crate::RdmaDevice,
 }
 
 /// The running shards of a node: their command channels, threads, and pinned cores.
@@ -159,6 +161,7 @@ pub(crate) fn spawn_shards(
     memory: &Arc<MemoryMap>,
     shards: ShardConfig,
     announcements: &Announcer,
+    rdma: crate::RdmaDevice,
 ) -> Result<Started, NodeError> {
     let n = shards.shards.max(1);
     let tls = match &config.tls {
@@ -191,6 +194,7 @@ pub(crate) fn spawn_shards(
             announcements: announcements.clone(),
             rx,
             tls: tls.clone(),
+            rdma: rdma.clone(),
         };
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         let placement = cores.core(i).map_or(Placement::Unbound, Placement::Fixed);

@@ -15,6 +15,8 @@
 //! cancel-safe.
 
 mod executor;
+#[cfg(feature = "rdma")]
+mod rdma;
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
@@ -27,7 +29,7 @@ use std::time::{Duration, Instant};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
-use kvferry_core::{Counters, Endpoint, Role, SessionId, SessionKey, TargetId};
+use kvferry_core::{Counters, Endpoint, Role, SessionId, SessionKey, Slice, TargetId, WritePermit};
 use kvferry_driver::{
     runtime, Announcer, Answer, ControlQueue, ControlTasks, CoreWait, DataConn, Dial, Driver,
     Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
@@ -46,6 +48,18 @@ use tracing::warn;
 
 use executor::ShardSetup;
 pub use executor::{ensure_memlock, shard_node, ShardConfig, DEFAULT_SPIN_BEFORE_PARK};
+
+/// The node's RDMA device when data moves over RDMA (feature `rdma`), shared by its shards.
+#[cfg(feature = "rdma")]
+pub(crate) type RdmaDevice = Option<Arc<kvferry_driver::rdma::RdmaNode>>;
+/// Never one: this build moves data over TCP only.
+#[cfg(not(feature = "rdma"))]
+pub(crate) type RdmaDevice = Option<NoRdma>;
+
+/// No RDMA device can exist in a build without the `rdma` feature.
+#[cfg(not(feature = "rdma"))]
+#[derive(Clone, Debug)]
+pub(crate) enum NoRdma {}
 
 /// A closure run on a shard's thread with its state.
 pub(crate) type Cmd = Box<dyn FnOnce(&Rc<Shard>) + Send>;
@@ -70,6 +84,8 @@ impl std::fmt::Debug for GlommioNode {
 
 struct NodeShared {
     role: Role,
+    /// Which data plane carries the node's operations.
+    backend: &'static str,
     /// The room calls over every shard, and how each peer is reached.
     rooms: Embedder<Shards>,
     memory: Arc<MemoryMap>,
@@ -97,14 +113,14 @@ impl GlommioNode {
         memory: Arc<MemoryMap>,
         shards: ShardConfig,
     ) -> Result<GlommioNode, NodeError> {
-        if config.backend != DataBackend::Tcp {
-            return Err(NodeError::Unsupported(Unsupported::RdmaOnGlommio));
-        }
         kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
+        let rdma = open_rdma(&config, &memory)?;
+        let backend = if rdma.is_some() { "rdma" } else { "tcp" };
         let announcements = Announcer::default();
-        let started = executor::spawn_shards(&config, &memory, shards, &announcements)?;
+        let started = executor::spawn_shards(&config, &memory, shards, &announcements, rdma)?;
         let shared = Arc::new(NodeShared {
             role: config.info.role,
+            backend,
             rooms: Embedder::new(Shards(started.senders)),
             memory,
             announcements,
@@ -126,6 +142,28 @@ impl GlommioNode {
     /// The core's counters of one shard.
     pub async fn shard_counters(&self, shard: usize) -> Result<Counters, NodeError> {
         self.shared.rooms.shard_counters(shard).await
+    }
+}
+
+/// Opens the RDMA device the config asks for (registering `memory`), once for every shard.
+fn open_rdma(config: &NodeConfig, memory: &MemoryMap) -> Result<RdmaDevice, NodeError> {
+    #[cfg(feature = "rdma")]
+    return match &config.backend {
+        DataBackend::Tcp => Ok(None),
+        DataBackend::Rdma { device, port } => kvferry_driver::rdma::open(
+            memory,
+            config.info.role == Role::Decode,
+            device.as_deref(),
+            *port,
+        ),
+    };
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = memory;
+        match config.backend {
+            DataBackend::Tcp => Ok(None),
+            _ => Err(NodeError::Unsupported(Unsupported::RdmaNotBuilt)),
+        }
     }
 }
 
@@ -181,6 +219,10 @@ impl RuntimeNode for GlommioNode {
 
     fn runtime(&self) -> &'static str {
         "glommio"
+    }
+
+    fn backend(&self) -> &'static str {
+        self.shared.backend
     }
 
     fn memory(&self) -> &Arc<MemoryMap> {
@@ -266,6 +308,9 @@ pub struct ShardHost {
     limits: Limits,
     /// TLS on every connection, when configured.
     tls: Option<TlsSetup>,
+    /// The node's RDMA device, when data moves over RDMA.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    rdma: RdmaDevice,
 }
 
 /// A shard's thread: builds its endpoint and driver, says it is up, then runs the node's
@@ -295,6 +340,7 @@ pub(crate) async fn shard_main(
                 shard: weak.clone(),
                 memory: setup.memory,
                 tls: setup.tls,
+                rdma: setup.rdma,
                 limits: Limits {
                     checksum: setup.config.core.checksum,
                     max_slices: setup.config.core.max_op_slices,
@@ -364,6 +410,9 @@ impl Host for ShardHost {
     type Receiver = Task<()>;
     type Control = ControlQueue;
     type ControlTasks = ControlTasks<Task<()>>;
+    #[cfg(feature = "rdma")]
+    type SessionExt = Option<kvferry_driver::rdma::SessionRdma>;
+    #[cfg(not(feature = "rdma"))]
     type SessionExt = ();
 
     fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial) {
@@ -397,6 +446,55 @@ impl Host for ShardHost {
     fn wake(&self) {
         if let Some(shard) = self.shard.upgrade() {
             let _ = shard.wake.try_send(());
+        }
+    }
+
+    fn verify_landed(
+        driver: &mut Driver<Self>,
+        permit: WritePermit,
+        ranges: Vec<Slice>,
+        checksum: u64,
+    ) -> Option<WritePermit> {
+        let host = driver.host().clone();
+        host.clone().spawn(async move {
+            let memory = host.memory.clone();
+            // Off the shard's thread: hashing what a room landed takes as long as its bytes.
+            let verdict = glommio::executor().spawn_blocking(move || {
+                kvferry_driver::landed_verdict(&memory, permit, &ranges, checksum)
+            });
+            let permit = verdict.await;
+            host.drive(|d| d.with(|e, now| e.end_write(now, permit)));
+        });
+        None
+    }
+
+    #[cfg(feature = "rdma")]
+    fn establish(driver: &mut Driver<Self>, sid: SessionId) -> bool {
+        kvferry_driver::rdma::establish(driver, sid)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn transport(driver: &mut Driver<Self>, sid: SessionId, payload: &[u8]) {
+        kvferry_driver::rdma::on_hello(driver, sid, payload);
+    }
+
+    #[cfg(feature = "rdma")]
+    fn post(
+        driver: &mut Driver<Self>,
+        op: kvferry_core::TransferOp,
+    ) -> Option<kvferry_core::TransferOp> {
+        kvferry_driver::rdma::post(driver, op)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn fence_own(driver: &mut Driver<Self>, sid: SessionId) -> bool {
+        kvferry_driver::rdma::fence(driver, sid)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn close_own(ext: &mut Self::SessionExt) {
+        if let Some(r) = ext.take() {
+            r.close();
         }
     }
 }

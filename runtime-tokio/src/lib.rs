@@ -19,7 +19,7 @@ use kvferry_core::{
     Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionId, SessionKey,
     Slice, TargetId, WritePermit,
 };
-use kvferry_memory::{MemoryMap, SliceSide, WriteCheck};
+use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::{
     accept_conn, connect_control, connect_data, serve_writes, Conn, DataSender, Limits, Report,
     TlsSetup, TokioIo,
@@ -27,12 +27,12 @@ use kvferry_tcp::{
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
-use tracing::{info_span, warn, Instrument};
+use tracing::{info_span, Instrument};
 
 #[cfg(feature = "rdma")]
 mod rdma;
 #[cfg(feature = "rdma")]
-pub use rdma::SessionRdma;
+pub use kvferry_driver::rdma::SessionRdma;
 
 pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, DataPath, FaultKind, FaultPlan, KvNode,
@@ -53,6 +53,9 @@ pub struct TokioHost {
     runtime: tokio::runtime::Handle,
     tls: Option<TlsSetup>,
     events: broadcast::Sender<Event>,
+    /// The registered memory and device when data moves over RDMA.
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<kvferry_driver::rdma::RdmaNode>>,
 }
 
 struct Shared {
@@ -60,17 +63,11 @@ struct Shared {
     wake: Notify,
     memory: Arc<MemoryMap>,
     events: broadcast::Sender<Event>,
-    /// Where the RDMA path spawns its completion watchers.
-    #[cfg(feature = "rdma")]
-    runtime: tokio::runtime::Handle,
     info: EndpointInfo,
     announcements: Announcer,
     stopped: watch::Sender<bool>,
     /// The listeners' tasks.
     listeners: Mutex<Vec<JoinHandle<()>>>,
-    /// The registered memory and device when data moves over RDMA.
-    #[cfg(feature = "rdma")]
-    rdma: Option<Arc<kvferry_rdma::link::RdmaNode>>,
 }
 
 /// A running kvferry endpoint on tokio. Cheap to clone; the last [`Node::shutdown`] or drop
@@ -152,7 +149,7 @@ impl Node {
         #[cfg(feature = "rdma")]
         let rdma = match &config.backend {
             DataBackend::Tcp => None,
-            DataBackend::Rdma { device, port } => rdma::open(
+            DataBackend::Rdma { device, port } => kvferry_driver::rdma::open(
                 &memory,
                 config.info.role == kvferry_core::Role::Decode,
                 device.as_deref(),
@@ -184,6 +181,8 @@ impl Node {
                 runtime: runtime.clone(),
                 tls: tls.clone(),
                 events: events.clone(),
+                #[cfg(feature = "rdma")]
+                rdma,
             };
             Shared {
                 driver: Mutex::new(Driver::new(
@@ -196,14 +195,10 @@ impl Node {
                 wake: Notify::new(),
                 memory,
                 events,
-                #[cfg(feature = "rdma")]
-                runtime,
                 info: config.info,
                 announcements,
                 stopped,
                 listeners: Mutex::new(Vec::new()),
-                #[cfg(feature = "rdma")]
-                rdma,
             }
         });
         let weak = Arc::downgrade(&shared);
@@ -278,7 +273,7 @@ impl RuntimeNode for Node {
 
     fn backend(&self) -> &'static str {
         #[cfg(feature = "rdma")]
-        if self.shared.rdma.is_some() {
+        if self.shared.lock().host().rdma.is_some() {
             return "rdma";
         }
         "tcp"
@@ -338,7 +333,7 @@ impl Host for TokioHost {
     type Control = ControlQueue;
     type ControlTasks = ControlTasks<JoinHandle<()>>;
     #[cfg(feature = "rdma")]
-    type SessionExt = Option<rdma::SessionRdma>;
+    type SessionExt = Option<kvferry_driver::rdma::SessionRdma>;
     #[cfg(not(feature = "rdma"))]
     type SessionExt = ();
 
@@ -391,17 +386,7 @@ impl Host for TokioHost {
         let host = driver.host().clone();
         let runtime = host.runtime.clone();
         runtime.spawn_blocking(move || {
-            let permit = match host.memory.checksum(&ranges, SliceSide::Destination) {
-                Ok(landed) if landed == checksum => permit.applied(),
-                Ok(landed) => {
-                    warn!(session = %permit.session, room = ?permit.room, landed, expected = checksum, "landed bytes differ from what their source wrote");
-                    permit.corrupt()
-                }
-                Err(e) => {
-                    warn!(session = %permit.session, room = ?permit.room, error = %e, "cannot read the landed bytes to verify them");
-                    permit
-                }
-            };
+            let permit = kvferry_driver::landed_verdict(&host.memory, permit, &ranges, checksum);
             if let Some(shared) = host.shared.upgrade() {
                 shared.lock().with(|e, now| e.end_write(now, permit));
                 shared.wake.notify_one();
@@ -412,12 +397,12 @@ impl Host for TokioHost {
 
     #[cfg(feature = "rdma")]
     fn establish(driver: &mut Driver<Self>, sid: SessionId) -> bool {
-        rdma::establish(driver, sid)
+        kvferry_driver::rdma::establish(driver, sid)
     }
 
     #[cfg(feature = "rdma")]
     fn transport(driver: &mut Driver<Self>, sid: SessionId, payload: &[u8]) {
-        rdma::on_hello(driver, sid, payload);
+        kvferry_driver::rdma::on_hello(driver, sid, payload);
     }
 
     #[cfg(feature = "rdma")]
@@ -425,12 +410,12 @@ impl Host for TokioHost {
         driver: &mut Driver<Self>,
         op: kvferry_core::TransferOp,
     ) -> Option<kvferry_core::TransferOp> {
-        rdma::post(driver, op)
+        kvferry_driver::rdma::post(driver, op)
     }
 
     #[cfg(feature = "rdma")]
     fn fence_own(driver: &mut Driver<Self>, sid: SessionId) -> bool {
-        rdma::fence(driver, sid)
+        kvferry_driver::rdma::fence(driver, sid)
     }
 
     #[cfg(feature = "rdma")]

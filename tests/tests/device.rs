@@ -45,8 +45,8 @@ async fn move_rooms_with(
     let mut pc = node_config(Role::Prefill, &shape, core.clone(), b"test-token", 1);
     let mut dc = node_config(Role::Decode, &shape, core, b"test-token", 2);
     if !checksum {
-        use_test_backend(p, &mut pc);
-        use_test_backend(d, &mut dc);
+        use_test_backend(&mut pc);
+        use_test_backend(&mut dc);
     }
     let staged = |memory: &MemoryMap| {
         if memory.staging().is_some() {
@@ -165,8 +165,8 @@ async fn connections_sharing_a_one_buffer_pool_never_wait_on_each_other(p: Runti
     };
     let mut pc = node_config(Role::Prefill, &shape, staged_core(), b"test-token", 1);
     let mut dc = node_config(Role::Decode, &shape, staged_core(), b"test-token", 2);
-    use_test_backend(p, &mut pc);
-    use_test_backend(d, &mut dc);
+    use_test_backend(&mut pc);
+    use_test_backend(&mut dc);
     let prefill = p.start(pc, memory()).unwrap();
     let decode = d.start(dc, memory()).unwrap();
     let run = DecodeRun {
@@ -245,7 +245,7 @@ async fn device_memory_without_a_copy_engine_is_refused_at_start_naming_the_regi
     for runtime in [Runtime::Tokio, kvferry_tests::GLOMMIO] {
         let shape = small_shape();
         let mut cfg = node_config(Role::Decode, &shape, fast_core(), b"test-token", 3);
-        use_test_backend(runtime, &mut cfg);
+        use_test_backend(&mut cfg);
         let memory = Arc::new(MemoryMap::allocate_as_device(shape.layout(), 1));
         let err = runtime.start(cfg, memory).unwrap_err();
         let NodeError::UnreachableMemory { region, kind, .. } = &err else {

@@ -74,8 +74,8 @@ async fn device_rooms(runtime: Runtime) {
     let (_d_regions, d_memory) = device_memory(&gpu, &shape);
     let mut pc = node_config(Role::Prefill, &shape, fast_core(), b"gpu", 1);
     let mut dc = node_config(Role::Decode, &shape, fast_core(), b"gpu", 2);
-    kvferry_tests::use_test_backend(runtime, &mut pc);
-    kvferry_tests::use_test_backend(runtime, &mut dc);
+    kvferry_tests::use_test_backend(&mut pc);
+    kvferry_tests::use_test_backend(&mut dc);
     let prefill = runtime.start(pc, p_memory).unwrap();
     let decode = runtime.start(dc, d_memory).unwrap();
     let run = DecodeRun {

@@ -12,7 +12,7 @@ use kvferry_testkit::{run_decode, run_pair, DecodeRun, Shape};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
     assert_all_clean, fast_core, free_ports, on_every_driver, peer_loss_core, prefill_on, rooms,
-    small_shape, start_on, KvNode, Runtime, GLOMMIO,
+    small_shape, start_on, KvNode, Runtime,
 };
 use kvferry_tokio::{FaultKind, FaultPlan};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -877,6 +877,7 @@ async fn a_second_listener_on_a_taken_address_is_refused() {
 }
 
 /// A decode node's config that asks for RDMA, and its memory.
+#[cfg(not(feature = "rdma"))]
 fn rdma_decode_config() -> (
     kvferry_tokio::NodeConfig,
     std::sync::Arc<kvferry_memory::MemoryMap>,
@@ -887,36 +888,25 @@ fn rdma_decode_config() -> (
     (cfg, memory)
 }
 
-/// The glommio driver moves data over TCP only: asking it for RDMA is a typed refusal that
-/// names the driver that can.
-#[test]
-fn glommio_refuses_the_rdma_backend_and_names_tokio() {
-    let (cfg, memory) = rdma_decode_config();
-    match GLOMMIO.start(cfg, memory) {
-        Err(
-            e @ kvferry_tokio::NodeError::Unsupported(kvferry_tokio::Unsupported::RdmaOnGlommio),
-        ) => assert!(e.to_string().contains("tokio"), "{e}"),
-        Err(e) => panic!("another error: {e}"),
-        Ok(_) => panic!("glommio accepted RDMA"),
-    }
-}
-
-/// A tokio node built without the `rdma` feature, asked for RDMA, says how to get it.
+/// A node built without the `rdma` feature, asked for RDMA, says how to get it (on either
+/// runtime).
 #[cfg(not(feature = "rdma"))]
 #[tokio::test]
-async fn tokio_without_rdma_built_in_refuses_the_rdma_backend() {
-    let (cfg, memory) = rdma_decode_config();
-    match Runtime::Tokio.start(cfg, memory) {
-        Err(
-            e @ kvferry_tokio::NodeError::Unsupported(kvferry_tokio::Unsupported::RdmaNotBuilt),
-        ) => {
-            let why = e.to_string();
-            assert!(
-                why.contains("rdma") && why.contains("--backend tcp"),
-                "{why}"
-            )
+async fn a_node_without_rdma_built_in_refuses_the_rdma_backend() {
+    for runtime in [Runtime::Tokio, kvferry_tests::GLOMMIO] {
+        let (cfg, memory) = rdma_decode_config();
+        match runtime.start(cfg, memory) {
+            Err(
+                e @ kvferry_tokio::NodeError::Unsupported(kvferry_tokio::Unsupported::RdmaNotBuilt),
+            ) => {
+                let why = e.to_string();
+                assert!(
+                    why.contains("rdma") && why.contains("--backend tcp"),
+                    "{why}"
+                )
+            }
+            Err(e) => panic!("another error: {e}"),
+            Ok(_) => panic!("started without RDMA support"),
         }
-        Err(e) => panic!("another error: {e}"),
-        Ok(_) => panic!("started without RDMA support"),
     }
 }

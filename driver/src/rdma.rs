@@ -1,0 +1,666 @@
+//! The RDMA data plane, written once for every runtime (feature `rdma`): per session one RC
+//! queue pair from `kvferry-rdma`, its hello carried in the core's `Transport` frames,
+//! operations posted as chained RDMA WRITEs, completions awaited on the completion channel's
+//! descriptor (however the runtime waits on one: [`RdmaHost::readable`]), and the fence as
+//! "QP to the error state, wait for the flush". Every outcome reaches the core through
+//! `handle_transfer_result`, as over TCP. A runtime lends only a descriptor wait, a spawn of
+//! [`watch`] and its memory ([`RdmaHost`]); its [`Host`] hooks call [`establish`],
+//! [`on_hello`], [`post`], [`fence`] and [`SessionRdma::close`].
+
+use std::future::Future;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use kvferry_core::{Region, SessionId, TransferOp, TransferOutcome};
+use kvferry_memory::{MemoryKind, MemoryMap, SliceSide};
+use kvferry_rdma::device::RdmaError;
+pub use kvferry_rdma::link::RdmaNode;
+use kvferry_rdma::link::{completions, HelloOutcome, RdmaLink, RegionMemory};
+use kvferry_rdma::verbs::RcQueuePair;
+use tokio::sync::oneshot;
+use tracing::{debug, info, warn};
+
+use crate::{DataPath, Driver, FaultKind, Host, NodeError, Runtime, TCP_PATH};
+
+/// A queue pair shared by its session and the task awaiting its completions.
+pub type SharedQp = Arc<Mutex<RcQueuePair>>;
+
+/// What a runtime lends the RDMA data plane: its memory, a wait on a descriptor, and a
+/// spawn of [`watch`] with its own concrete types (a tokio task must be `Send`, a shard's
+/// need not be).
+pub trait RdmaHost: Runtime<Host = Self> + Host<SessionExt = Option<SessionRdma>> + Clone {
+    /// How this runtime waits for a completion channel to be readable.
+    type Readable: Readable;
+
+    /// The node's RDMA device with its memory registered; `None`: data moves over TCP.
+    fn rdma(&self) -> Option<&Arc<RdmaNode>>;
+
+    /// The node's memory (sources are hashed from it, landed bytes checked in it).
+    fn memory(&self) -> &Arc<MemoryMap>;
+
+    /// Starts waiting on `fd`'s readability (called on the runtime, inside [`watch`]).
+    fn readable(fd: CompletionFd) -> io::Result<Self::Readable>;
+
+    /// Spawns [`watch`]`(self, session, qp, stop)` on the runtime.
+    fn spawn_watch(&self, session: SessionId, qp: SharedQp, stop: oneshot::Receiver<()>);
+}
+
+/// A wait on a descriptor's readability.
+pub trait Readable {
+    /// Waits until the descriptor has something to read. What was there when the previous
+    /// wait returned has been consumed by then: the wait is for what comes after.
+    fn wait(&mut self) -> impl Future<Output = io::Result<()>>;
+}
+
+/// A completion channel's descriptor, kept open by the queue pair it belongs to.
+pub struct CompletionFd {
+    /// Keeps the channel (and so the descriptor) open.
+    _qp: SharedQp,
+    fd: RawFd,
+}
+
+impl AsRawFd for CompletionFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd
+    }
+}
+
+impl AsFd for CompletionFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the descriptor belongs to the completion channel of the QP this value
+        // keeps alive (an `Arc`), so it stays open for as long as the borrow.
+        unsafe { BorrowedFd::borrow_raw(self.fd) }
+    }
+}
+
+/// A session's RDMA side: its link and the task that awaits the current QP's completions.
+pub struct SessionRdma {
+    link: RdmaLink,
+    /// The QP the core's fence moved to the error state, until its writes have flushed.
+    fencing: Option<SharedQp>,
+    /// Dropping it tells the completion task to report what is left and let go of its QP.
+    _watcher: oneshot::Sender<()>,
+}
+
+impl SessionRdma {
+    /// The session ends: its QP goes to the error state (nothing more lands) and its
+    /// completion task reports what flushes before letting go of it.
+    pub fn close(mut self) {
+        let _ = self.link.fence();
+    }
+}
+
+/// Opens the device and registers every region of `memory` (remote write on decode): host
+/// memory as it is, device memory through the dma-buf its copy engine exports. `None`: some
+/// device region cannot be registered (the engine cannot export it, or the NIC cannot
+/// register dma-bufs), so every session of the node moves over TCP, staged through host
+/// buffers; the log says why.
+pub fn open(
+    memory: &MemoryMap,
+    remote_write: bool,
+    device: Option<&str>,
+    port: u8,
+) -> Result<Option<Arc<RdmaNode>>, NodeError> {
+    let mut host = Vec::new();
+    let mut exported = Vec::new();
+    let wanted: Vec<(Region, u64)> = memory.region_lens().collect();
+    for (region, len) in wanted {
+        let Ok(ptr) = memory.range(region, 0, len) else {
+            continue;
+        };
+        match (memory.kind(region), memory.staging()) {
+            (Some(MemoryKind::Cuda { device }), Some(staging)) => {
+                match staging
+                    .engine()
+                    .export_dma_buf(device, ptr as u64, len as usize)
+                {
+                    Ok(buf) => exported.push((region, buf, ptr as u64, len as usize)),
+                    Err(e) => return Ok(staged(region, &e.to_string())),
+                }
+            }
+            _ => host.push((region, ptr, len as usize)),
+        }
+    }
+    let mut regions: Vec<(Region, RegionMemory<'_>)> = host
+        .iter()
+        .map(|&(region, ptr, len)| (region, RegionMemory::Host { ptr, len }))
+        .collect();
+    regions.extend(exported.iter().map(|(region, buf, iova, len)| {
+        (
+            *region,
+            RegionMemory::DmaBuf {
+                fd: buf.fd.as_fd(),
+                offset: buf.offset,
+                iova: *iova,
+                len: *len,
+            },
+        )
+    }));
+    // SAFETY: the ranges belong to `memory`, which the node keeps (an `Arc` in its host) for
+    // as long as it keeps the `RdmaNode` that registered them.
+    let node = match unsafe { RdmaNode::open(device, port, &regions, remote_write) } {
+        Ok(node) => node,
+        Err(
+            e @ RdmaError::Verbs {
+                call: "ibv_reg_dmabuf_mr",
+                ..
+            },
+        ) => {
+            let region = exported.first().map_or(Region::Scratch, |x| x.0);
+            return Ok(staged(region, &e.to_string()));
+        }
+        Err(e) => return Err(NodeError::Backend(e.to_string().into())),
+    };
+    info!(
+        device = node.device_name(),
+        remote_write,
+        device_memory = node.registers_device_memory(),
+        "RDMA data plane ready"
+    );
+    Ok(Some(Arc::new(node)))
+}
+
+/// The node cannot give its NIC `region`: it moves every session over TCP, staged.
+fn staged(region: Region, why: &str) -> Option<Arc<RdmaNode>> {
+    warn!(
+        ?region,
+        why,
+        "device memory cannot be registered for RDMA: every session moves over TCP, staged through host buffers"
+    );
+    None
+}
+
+/// A fresh initial packet sequence number per queue pair (so a late packet of an old QP is
+/// not in the new one's window).
+fn psn(sid: SessionId) -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id());
+    let mut z = u64::from(sid.0) ^ t ^ 0x9E37_79B9_7F4A_7C15;
+    z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    (z >> 20) as u32
+}
+
+/// Starts the task that awaits `qp`'s completions; dropping what it returns stops it.
+fn start_watch<H: RdmaHost>(host: &H, sid: SessionId, qp: SharedQp) -> oneshot::Sender<()> {
+    let (stop_tx, stop_rx) = oneshot::channel();
+    host.spawn_watch(sid, qp, stop_rx);
+    stop_tx
+}
+
+/// `sid`'s RDMA side, if it has one.
+fn session_rdma<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId) -> Option<&mut SessionRdma> {
+    driver.session_io(sid).and_then(|io| io.ext.as_mut())
+}
+
+/// The session is established: create its QP, send the hello, watch completions. `false`
+/// when the node moves data over TCP.
+pub fn establish<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId) -> bool {
+    let Some(node) = driver.host().rdma().cloned() else {
+        return false;
+    };
+    let (link, hello) = match node.link(psn(sid)) {
+        Ok(x) => x,
+        Err(e) => {
+            warn!(session = %sid, error = %e, "no RDMA queue pair for the session");
+            return true;
+        }
+    };
+    let watcher = start_watch(driver.host(), sid, link.queue_pair());
+    if let Some(io) = driver.session_io(sid) {
+        io.ext = Some(SessionRdma {
+            link,
+            fencing: None,
+            _watcher: watcher,
+        });
+    }
+    send_hello(driver, sid, &hello);
+    true
+}
+
+fn send_hello<H: Host>(driver: &mut Driver<H>, sid: SessionId, hello: &[u8]) {
+    if let Err(e) = driver
+        .endpoint_mut()
+        .send_transport(Instant::now(), sid, hello)
+    {
+        warn!(session = %sid, error = %e, "could not send the RDMA hello");
+    }
+}
+
+/// The peer's hello arrived: connect (or start over), then post what waited. A peer that
+/// moves this session over TCP says so instead: the session's queue pair goes, and its
+/// operations take TCP data connections.
+pub fn on_hello<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId, payload: &[u8]) {
+    let Some(node) = driver.host().rdma().cloned() else {
+        return;
+    };
+    if payload == TCP_PATH {
+        if let Some(r) = driver.session_io(sid).and_then(|io| io.ext.take()) {
+            r.close();
+        }
+        driver.use_tcp_path(sid);
+        return;
+    }
+    let host = driver.host().clone();
+    let Some(r) = session_rdma(driver, sid) else {
+        debug!(session = %sid, "RDMA hello for a session without a queue pair");
+        return;
+    };
+    match r.link.on_hello(&node, payload, psn(sid)) {
+        Ok(HelloOutcome::Connected) => info!(session = %sid, "RDMA queue pair connected"),
+        Ok(HelloOutcome::Replaced { hello }) => {
+            info!(session = %sid, "the peer started over: RDMA queue pair replaced");
+            r._watcher = start_watch(&host, sid, r.link.queue_pair());
+            send_hello(driver, sid, &hello);
+        }
+        Err(e) => {
+            warn!(session = %sid, error = %e, "RDMA hello refused");
+            return;
+        }
+    }
+    // Decode sees no write of a one-sided path land: its rooms succeed on the source's word.
+    // The source's hello (this one) precedes its first `Done` on the control channel.
+    driver.endpoint_mut().set_one_sided(sid);
+    let path = if node.registers_device_memory() {
+        DataPath::RdmaDmaBuf
+    } else {
+        DataPath::Rdma
+    };
+    driver.set_path(sid, path);
+    let parked = driver
+        .session_io(sid)
+        .map(|io| io.take_parked())
+        .unwrap_or_default();
+    for op in parked {
+        post_on(driver, &node, op);
+    }
+}
+
+/// Posts `op` over RDMA when the node moves data that way; gives it back for TCP otherwise.
+pub fn post<H: RdmaHost>(driver: &mut Driver<H>, op: TransferOp) -> Option<TransferOp> {
+    let Some(node) = driver.host().rdma().cloned() else {
+        return Some(op);
+    };
+    if on_tcp(driver, op.session) {
+        return Some(op);
+    }
+    post_on(driver, &node, op);
+    None
+}
+
+/// Whether the peer moves `sid` over TCP (it said so with [`TCP_PATH`]).
+fn on_tcp<H: Host>(driver: &Driver<H>, sid: SessionId) -> bool {
+    driver.session_path(sid).is_some_and(DataPath::is_tcp)
+}
+
+/// Posts `op` on its session's QP; holds it if the QP is not connected yet, or reports the
+/// outcome at once if no post can succeed.
+fn post_on<H: RdmaHost>(driver: &mut Driver<H>, node: &RdmaNode, op: TransferOp) {
+    let faults = driver.faults();
+    let memory = driver.host().memory().clone();
+    // With the checksum option the decode verifies what landed against the source's hash,
+    // taken now: the room holds these source pages until the operation is settled.
+    let checksum = if op.checksum && op.room.is_some() {
+        match memory.checksum(&op.slices, SliceSide::Source) {
+            Ok(sum) => Some(sum),
+            Err(e) => {
+                warn!(session = %op.session, error = %e, "cannot hash an operation's source bytes");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let id = op.id;
+    let hit = faults.filter(|f| op.room.is_some_and(|room| f.hits(room, op.id)));
+    let Some(io) = driver.session_io(op.session) else {
+        driver.endpoint_mut().handle_transfer_result(
+            Instant::now(),
+            op.id,
+            TransferOutcome::Transient,
+        );
+        return;
+    };
+    let Some(r) = io.ext.as_mut() else {
+        io.park(op);
+        return;
+    };
+    // Injected faults (demos and tests). Break: the write names a key the peer never
+    // registered, so its device refuses it and this QP fails, as it would if the peer's memory
+    // went away. FlipBit: one bit of the source flips after it was hashed, so what lands is
+    // not what the source held (the flip stays; the room's source pages are refilled by
+    // whoever reuses them).
+    let poison = hit.is_some_and(|f| f.kind == FaultKind::Break);
+    // Flips the first source bit (again, to restore it): the write was hashed before.
+    let flip = |memory: &MemoryMap| {
+        let Some(first) = op.slices.first() else {
+            return false;
+        };
+        let mut byte = [0u8; 1];
+        let read = memory.read(first.region, first.src_offset, &mut byte);
+        byte[0] ^= 1;
+        read.is_ok() && memory.write(first.region, first.src_offset, &byte).is_ok()
+    };
+    let flipped = hit.is_some_and(|f| f.kind == FaultKind::FlipBit) && flip(&memory);
+    if flipped {
+        warn!(session = %op.session, room = ?op.room, "injected fault: one bit of a write flipped");
+    }
+    let mut posted = false;
+    let failed = match r.link.post_as(node, &op, poison) {
+        Ok(()) => {
+            posted = true;
+            None
+        }
+        Err(e) => match e.outcome() {
+            None => {
+                // Not posted: the source goes back to what was hashed, so a re-post (or the
+                // TCP path) starts from the bytes the prefill holds.
+                if flipped {
+                    flip(&memory);
+                }
+                io.park(op);
+                None
+            }
+            Some(outcome) => {
+                debug!(session = %op.session, error = ?e, "RDMA post failed");
+                Some((op.id, outcome))
+            }
+        },
+    };
+    // Only for a write posted on a QP (a parked one may yet go over TCP, which carries its
+    // checksum in the batch); its completion reaches the core through the driver, which is
+    // in use here, so the hash is known first.
+    if let (true, Some(sum)) = (posted, checksum) {
+        driver.endpoint_mut().handle_source_checksum(id, sum);
+    }
+    if let Some((id, outcome)) = failed {
+        driver
+            .endpoint_mut()
+            .handle_transfer_result(Instant::now(), id, outcome);
+    }
+}
+
+/// The core's fence: the session's QP goes to the error state, and once every outstanding
+/// write has completed flushed (the completion task sees the last one), nothing of it can
+/// land: the fence is confirmed and a new QP (with a new hello) replaces it.
+/// `false` when the node moves data over TCP.
+pub fn fence<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId) -> bool {
+    let Some(node) = driver.host().rdma().cloned() else {
+        return false;
+    };
+    if on_tcp(driver, sid) {
+        return false;
+    }
+    let Some(r) = session_rdma(driver, sid) else {
+        driver
+            .endpoint_mut()
+            .handle_fence_complete(Instant::now(), sid);
+        return true;
+    };
+    if let Err(e) = r.link.fence() {
+        warn!(session = %sid, error = %e, "could not move the queue pair to the error state");
+    }
+    // The fence is about this QP: a hello may replace it meanwhile, and the new one is not
+    // what has to drain.
+    let fenced = r.link.queue_pair();
+    r.fencing = Some(fenced.clone());
+    // Nothing outstanding: the fence is complete now.
+    finish_fence(driver, &node, sid, &fenced);
+    true
+}
+
+/// Completes `sid`'s fence if `qp` is the QP it fenced and every write of it has flushed:
+/// the core hears it, and if `qp` is still the session's, a new QP replaces it.
+fn finish_fence<H: RdmaHost>(
+    driver: &mut Driver<H>,
+    node: &RdmaNode,
+    sid: SessionId,
+    qp: &SharedQp,
+) {
+    let host = driver.host().clone();
+    let Some(r) = session_rdma(driver, sid) else {
+        return;
+    };
+    let fenced = r.fencing.as_ref().is_some_and(|f| Arc::ptr_eq(f, qp));
+    if !fenced || !qp.lock().map_or(true, |q| q.is_drained()) {
+        return;
+    }
+    r.fencing = None;
+    let hello = if r.link.is_current(qp) {
+        match r.link.renew(node, psn(sid)) {
+            Ok(hello) => {
+                r._watcher = start_watch(&host, sid, r.link.queue_pair());
+                Some(hello)
+            }
+            Err(e) => {
+                warn!(session = %sid, error = %e, "no new queue pair after the fence");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    driver
+        .endpoint_mut()
+        .handle_fence_complete(Instant::now(), sid);
+    info!(session = %sid, "session fenced (RDMA queue pair drained)");
+    if let Some(hello) = hello {
+        send_hello(driver, sid, &hello);
+    }
+}
+
+/// A session's completion task: awaits `qp`'s completion channel and reports every finished
+/// operation to the core. When told to stop (`stop` ends: its QP was replaced), it reports
+/// what the old QP still flushes, then lets go of its descriptor before the QP, so the
+/// descriptor is never reused under it.
+pub async fn watch<H: RdmaHost>(
+    host: H,
+    sid: SessionId,
+    qp: SharedQp,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let fd = qp.lock().map(|q| q.completion_fd()).unwrap_or(-1);
+    let mut ready = match H::readable(CompletionFd {
+        _qp: qp.clone(),
+        fd,
+    }) {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(session = %sid, error = %e, "cannot await the completion channel");
+            return;
+        }
+    };
+    // Once replaced, the old QP is in the error state: its outstanding writes flush as
+    // completions, collected until it is drained or the core's operation timeout passes
+    // (the core has timed those operations out by then).
+    let Some(linger) = host.drive(|d| d.endpoint().config().operation_timeout) else {
+        return;
+    };
+    let mut replaced = false;
+    loop {
+        let woke = if replaced {
+            if qp.lock().map_or(true, |q| q.is_drained()) {
+                break;
+            }
+            futures_lite::future::or(async { Some(ready.wait().await) }, async {
+                H::sleep(linger).await;
+                None
+            })
+            .await
+        } else {
+            futures_lite::future::or(async { Some(ready.wait().await) }, async {
+                let _ = (&mut stop).await;
+                replaced = true;
+                // What flushed before the replacement may already be in the queue.
+                Some(Ok(()))
+            })
+            .await
+        };
+        match woke {
+            Some(Ok(())) => {}
+            Some(Err(_)) | None => break,
+        }
+        if !report(&host, sid, &qp) {
+            return;
+        }
+        after_completions(&host, sid, &qp);
+    }
+    drop(ready);
+}
+
+/// Reports every completion `qp` has to the core; `false` once the node is gone.
+fn report<H: RdmaHost>(host: &H, sid: SessionId, qp: &Mutex<RcQueuePair>) -> bool {
+    let done = match completions(qp) {
+        Ok(d) => d,
+        Err(e) => {
+            warn!(session = %sid, error = %e, "polling completions failed");
+            Vec::new()
+        }
+    };
+    host.drive(|d| {
+        if !done.is_empty() {
+            d.with(|e, now| {
+                for (id, outcome) in done {
+                    e.handle_transfer_result(now, id, outcome);
+                }
+            });
+        }
+    })
+    .is_some()
+}
+
+/// After `qp`'s completions reached the core: a fence of `qp` whose last write flushed is
+/// complete ([`finish_fence`]); a current QP that went to the error state by itself (a failed
+/// work request, not a fence) carries nothing more, and once drained a new one replaces it
+/// and the peer gets its hello (and replaces its own), as a broken TCP data connection is
+/// re-opened. The core still decides about the operations that failed: they were reported.
+fn after_completions<H: RdmaHost>(host: &H, sid: SessionId, qp: &SharedQp) {
+    host.drive(|driver| {
+        let Some(node) = driver.host().rdma().cloned() else {
+            return;
+        };
+        finish_fence(driver, &node, sid, qp);
+        let Some(r) = session_rdma(driver, sid) else {
+            driver.drain();
+            return;
+        };
+        let broken = r.fencing.is_none() && r.link.is_current(qp) && r.link.is_drained();
+        if broken {
+            match r.link.renew(&node, psn(sid)) {
+                Ok(hello) => {
+                    warn!(session = %sid, "RDMA queue pair failed; replacing it");
+                    // Replacing the watcher ends the task that called us once it returns.
+                    r._watcher = start_watch(host, sid, r.link.queue_pair());
+                    send_hello(driver, sid, &hello);
+                }
+                Err(e) => warn!(session = %sid, error = %e, "no new queue pair after a failure"),
+            }
+        }
+        driver.drain();
+    });
+}
+
+/// A descriptor wait for runtimes that cannot wait on an arbitrary descriptor themselves
+/// (glommio 0.9 keeps its readiness polls private): a thread blocks in `poll(2)` on the
+/// descriptor and wakes the runtime's task through a channel, then waits until that task
+/// has consumed what was there before it polls again.
+pub struct PolledFd {
+    ready: tokio::sync::mpsc::Receiver<()>,
+    /// Tells the thread the last readiness was consumed.
+    go: Option<std::sync::mpsc::SyncSender<()>>,
+    /// A readiness was handed out and its consumption not yet confirmed.
+    taken: bool,
+    /// Closing it (on drop) makes the thread's poll return and the thread end.
+    stop: Option<OwnedFd>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Keeps the descriptor open until the thread has ended.
+    _fd: CompletionFd,
+}
+
+impl PolledFd {
+    /// Starts the thread polling `fd`.
+    pub fn new(fd: CompletionFd) -> io::Result<PolledFd> {
+        let (stop_read, stop) = rustix::pipe::pipe()?;
+        let (ready_tx, ready) = tokio::sync::mpsc::channel(1);
+        let (go, go_rx) = std::sync::mpsc::sync_channel(1);
+        let raw = fd.as_raw_fd();
+        let thread = std::thread::Builder::new()
+            .name("kvferry-cq-poll".into())
+            .spawn(move || {
+                // SAFETY: `PolledFd` keeps the descriptor open (its `CompletionFd`) until
+                // this thread has been joined.
+                let cq = unsafe { BorrowedFd::borrow_raw(raw) };
+                poll_loop(cq, &stop_read, &ready_tx, &go_rx);
+            })?;
+        Ok(PolledFd {
+            ready,
+            go: Some(go),
+            taken: false,
+            stop: Some(stop),
+            thread: Some(thread),
+            _fd: fd,
+        })
+    }
+}
+
+/// The polling thread: hands out each readiness of `cq` and waits for its consumption;
+/// ends when `stop` hangs up or either channel closes.
+fn poll_loop(
+    cq: BorrowedFd<'_>,
+    stop: &OwnedFd,
+    ready: &tokio::sync::mpsc::Sender<()>,
+    go: &std::sync::mpsc::Receiver<()>,
+) {
+    use rustix::event::{poll, PollFd, PollFlags};
+    loop {
+        let mut fds = [
+            PollFd::new(&cq, PollFlags::IN),
+            PollFd::new(stop, PollFlags::IN),
+        ];
+        match poll(&mut fds, -1) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => return,
+        }
+        if !fds[1].revents().is_empty() || fds[0].revents().is_empty() {
+            return;
+        }
+        if ready.blocking_send(()).is_err() || go.recv().is_err() {
+            return;
+        }
+    }
+}
+
+impl Readable for PolledFd {
+    async fn wait(&mut self) -> io::Result<()> {
+        if std::mem::take(&mut self.taken) {
+            let sent = self.go.as_ref().is_some_and(|go| go.send(()).is_ok());
+            if !sent {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+        }
+        match self.ready.recv().await {
+            Some(()) => {
+                self.taken = true;
+                Ok(())
+            }
+            None => Err(io::ErrorKind::BrokenPipe.into()),
+        }
+    }
+}
+
+impl Drop for PolledFd {
+    fn drop(&mut self) {
+        // Hang up on the thread whichever wait it is in, then wait for it to end: only
+        // then may the descriptor close.
+        self.stop = None;
+        self.go = None;
+        self.ready.close();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
