@@ -429,3 +429,70 @@ async fn a_checksummed_operation_larger_than_what_is_hashed_ahead_lands_and_is_a
         );
     }
 }
+
+/// A lone operation is written by the sender itself, without its writer task; when the socket
+/// cannot take all of it at once (tiny buffers, a peer not reading yet), the writer task
+/// finishes it from where the sender stopped, and every byte lands where its descriptor says.
+#[tokio::test]
+async fn a_lone_operation_the_socket_cannot_take_at_once_is_finished_by_the_writer() {
+    use rustix::net::sockopt::{set_socket_recv_buffer_size, set_socket_send_buffer_size};
+    let layout = small_layout(256);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let dst = Arc::new(MemoryMap::allocate(layout));
+    let region = Region::Kv { layer: 2, plane: 0 };
+    let len = kvferry_tcp::send::WRITE_NOW_MAX;
+    let pattern: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    src.write(region, 0, &pattern).unwrap();
+    let (a, b) = pair().await;
+    // The smallest buffers the kernel grants: far less than the operation.
+    set_socket_send_buffer_size(&a, 4096).unwrap();
+    set_socket_recv_buffer_size(&b, 4096).unwrap();
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src.clone(), report);
+    let whole = Slice {
+        region,
+        src_offset: 0,
+        dst_offset: 64 * 1024,
+        len,
+    };
+    sender.send(op(1, 7, vec![whole])).unwrap();
+    // The peer starts reading only once the sender has returned.
+    let limits = Limits {
+        checksum: false,
+        max_slices: 4096,
+        max_bytes: 1 << 30,
+    };
+    let server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        Arc::new(AllowRoom(RoomId(7))),
+        limits,
+    ));
+    // A second operation queues behind the first (it is not alone) and lands after it.
+    let tail = Slice {
+        region,
+        src_offset: 0,
+        dst_offset: 0,
+        len: 1024,
+    };
+    sender.send(op(2, 7, vec![tail])).unwrap();
+    while got.lock().unwrap().len() < 2 {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![
+            (TransferId(1), TransferOutcome::Done),
+            (TransferId(2), TransferOutcome::Done)
+        ]
+    );
+    let mut landed = vec![0u8; len as usize];
+    dst.read(region, 64 * 1024, &mut landed).unwrap();
+    assert!(landed == pattern, "the lone operation landed whole");
+    let mut first = vec![0u8; 1024];
+    dst.read(region, 0, &mut first).unwrap();
+    assert_eq!(first, pattern[..1024]);
+    sender.close().await;
+    let stats = server.await.unwrap().unwrap();
+    assert_eq!((stats.applied, stats.refused), (2, 0));
+}

@@ -17,8 +17,11 @@ pub trait OpSink {
     }
 }
 
-impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
-    for kvferry_tcp::send::DataSender<T, R>
+impl<W, T, R> OpSink for kvferry_tcp::send::DataSender<W, T, R>
+where
+    W: kvferry_tcp::send::GatherWrite,
+    T: kvferry_tcp::send::Task,
+    R: kvferry_tcp::send::Report,
 {
     fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
         kvferry_tcp::send::DataSender::send(self, op)
