@@ -134,40 +134,6 @@ impl<S: AsyncWrite + AsRawFd + Unpin> GatherWrite for GatherConn<S> {
     async fn finish(&mut self) {
         let _ = self.0.close().await;
     }
-
-    fn write_now(
-        &mut self,
-        header: &[u8],
-        sources: &[(usize, usize)],
-    ) -> Option<io::Result<usize>> {
-        let total = header.len() + sources.iter().map(|s| s.1).sum::<usize>();
-        let mut done = 0;
-        while done < total {
-            let iov = gather_iovecs(header, sources, done);
-            // SAFETY: the descriptor stays open for as long as `self.0`, which outlives the
-            // call.
-            let fd = unsafe { BorrowedFd::borrow_raw(self.0.as_raw_fd()) };
-            let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
-            match sendmsg(fd, &iov, &mut SendAncillaryBuffer::default(), flags) {
-                Ok(0) => return Some(Err(io::ErrorKind::WriteZero.into())),
-                Ok(n) => done += n,
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(rustix::io::Errno::AGAIN) => break,
-                Err(e) => return Some(Err(e.into())),
-            }
-        }
-        Some(Ok(done))
-    }
-
-    async fn write_rest(
-        &mut self,
-        header: &[u8],
-        sources: &[(usize, usize)],
-        done: usize,
-    ) -> io::Result<()> {
-        self.gather(header, sources, done, None).await?;
-        Ok(())
-    }
 }
 
 /// A plain TCP receiving connection: buffered for headers and tables, scattering payloads

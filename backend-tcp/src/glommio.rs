@@ -16,7 +16,7 @@ use kvferry_memory::{MemoryMap, WriteCheck};
 
 use crate::fd::{second_handle, GatherConn, ScatterConn};
 use crate::io_common::{Limits, ServeError, ServeStats};
-use crate::send::{Copying, Task, Writer};
+use crate::send::{Copying, Task};
 use crate::stream::serve_writes_on;
 
 /// A control or data connection on a glommio shard: plain TCP, or TLS over it.
@@ -96,11 +96,7 @@ impl AsyncWrite for LocalConn {
 pub type LocalReport = Rc<dyn Fn(TransferId, TransferOutcome)>;
 
 /// The sending side of one data connection on a glommio shard.
-pub type LocalDataSender = crate::send::DataSender<
-    Writer<GatherConn<TcpStream>, Copying<futures_lite::io::WriteHalf<LocalConn>>>,
-    glommio::Task<()>,
-    LocalReport,
->;
+pub type LocalDataSender = crate::send::DataSender<glommio::Task<()>, LocalReport>;
 
 impl Task for glommio::Task<()> {
     async fn stop(self) {
@@ -126,17 +122,13 @@ impl LocalDataSender {
         Ok(match conn {
             LocalConn::Plain(stream) => {
                 let read = second_handle(&stream)?;
-                Self::start(
-                    Writer::Plain(GatherConn(stream)),
-                    read,
-                    memory,
-                    report,
-                    |w, a| [glommio::spawn_local(w.run()), glommio::spawn_local(a.run())],
-                )
+                Self::start(GatherConn(stream), read, memory, report, |w, a| {
+                    [glommio::spawn_local(w.run()), glommio::spawn_local(a.run())]
+                })
             }
             tls @ LocalConn::Tls(_) => {
                 let (read, write) = futures_lite::io::split(tls);
-                Self::start(Writer::Tls(Copying(write)), read, memory, report, |w, a| {
+                Self::start(Copying(write), read, memory, report, |w, a| {
                     [glommio::spawn_local(w.run()), glommio::spawn_local(a.run())]
                 })
             }

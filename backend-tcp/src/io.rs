@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 
 use crate::fd::{GatherConn, ScatterConn};
 use crate::io_common::{Limits, Preamble, ServeError, ServeStats};
-use crate::send::{Copying, Task, Writer};
+use crate::send::{Copying, Task};
 use crate::stream::{
     answer_data_on, challenge_data_on, hello_control, hello_data, read_preamble_on, serve_writes_on,
 };
@@ -26,11 +26,7 @@ use crate::tls::{Conn, TlsSetup};
 pub type Report = Arc<dyn Fn(TransferId, TransferOutcome) + Send + Sync>;
 
 /// The sending side of one data connection on tokio.
-pub type DataSender = crate::send::DataSender<
-    Writer<GatherConn<TokioIo<OwnedWriteHalf>>, Copying<TokioIo<tokio::io::WriteHalf<Conn>>>>,
-    JoinHandle<()>,
-    Report,
->;
+pub type DataSender = crate::send::DataSender<JoinHandle<()>, Report>;
 
 /// A tokio stream seen through the `futures-io` traits the data plane is written against.
 #[derive(Debug)]
@@ -107,7 +103,7 @@ impl DataSender {
             Conn::Plain(stream) => {
                 let (read, write) = stream.into_split();
                 Self::start(
-                    Writer::Plain(GatherConn(TokioIo(write))),
+                    GatherConn(TokioIo(write)),
                     TokioIo(read),
                     memory,
                     report,
@@ -117,7 +113,7 @@ impl DataSender {
             tls @ Conn::Tls(_) => {
                 let (read, write) = tokio::io::split(tls);
                 Self::start(
-                    Writer::Tls(Copying(TokioIo(write))),
+                    Copying(TokioIo(write)),
                     TokioIo(read),
                     memory,
                     report,

@@ -17,11 +17,8 @@ pub trait OpSink {
     }
 }
 
-impl<W, T, R> OpSink for kvferry_tcp::send::DataSender<W, T, R>
-where
-    W: kvferry_tcp::send::GatherWrite,
-    T: kvferry_tcp::send::Task,
-    R: kvferry_tcp::send::Report,
+impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
+    for kvferry_tcp::send::DataSender<T, R>
 {
     fn send(&self, op: TransferOp) -> Result<(), TransferOp> {
         kvferry_tcp::send::DataSender::send(self, op)

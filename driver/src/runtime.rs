@@ -92,12 +92,7 @@ pub trait Close {
     fn abort(self);
 }
 
-impl<W, T, R> Close for kvferry_tcp::send::DataSender<W, T, R>
-where
-    W: kvferry_tcp::send::GatherWrite,
-    T: Task,
-    R: kvferry_tcp::send::Report,
-{
+impl<T: Task, R: kvferry_tcp::send::Report> Close for kvferry_tcp::send::DataSender<T, R> {
     async fn close(self) {
         kvferry_tcp::send::DataSender::close(self).await;
     }

@@ -86,17 +86,6 @@ impl LedgerState {
         Start::Write
     }
 
-    /// Puts `id` on the wire at once, without queueing it, if nothing else is queued or on
-    /// the wire and the connection is open (the sender writes a lone operation itself);
-    /// `false`: nothing recorded, queue it.
-    pub fn start_alone(&mut self, id: TransferId) -> bool {
-        if self.closed || !self.queued.is_empty() || !self.pending.is_empty() {
-            return false;
-        }
-        self.pending.push_back(id);
-        true
-    }
-
     /// An acknowledgement for `id` arrived.
     pub fn acked(&mut self, id: TransferId) -> Acked {
         match self.pending.front() {
@@ -153,11 +142,6 @@ impl OpLedger {
     /// See [`LedgerState::start`].
     pub fn start(&self, id: TransferId, failed: bool) -> Start {
         lock(&self.state).start(id, failed)
-    }
-
-    /// See [`LedgerState::start_alone`].
-    pub fn start_alone(&self, id: TransferId) -> bool {
-        lock(&self.state).start_alone(id)
     }
 
     /// See [`LedgerState::acked`].

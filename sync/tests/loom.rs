@@ -91,61 +91,6 @@ fn every_operation_of_a_data_connection_is_reported_exactly_once() {
     });
 }
 
-/// Invariant: a lone operation the sender puts on the wire itself (`start_alone`, no writer
-/// task in between) is still reported exactly once, racing its acknowledgement and a close;
-/// one it could not start alone goes the queued way, and one refused by a closed connection
-/// is given back to the caller (which reports it).
-#[test]
-fn a_lone_operation_written_by_the_sender_is_reported_exactly_once() {
-    loom::model(|| {
-        let ledger = Arc::new(OpLedger::new());
-        let reports = Arc::new(AtomicUsize::new(0));
-        let id = TransferId(0);
-        let written = Arc::new(AtomicUsize::new(0));
-        let sender = {
-            let (ledger, reports, written) = (ledger.clone(), reports.clone(), written.clone());
-            thread::spawn(move || {
-                if ledger.start_alone(id) {
-                    written.fetch_add(1, Ordering::SeqCst);
-                } else if ledger.enqueue(id) {
-                    match ledger.start(id, false) {
-                        Start::Write => {
-                            written.fetch_add(1, Ordering::SeqCst);
-                        }
-                        Start::Closed => {
-                            reports.fetch_add(1, Ordering::SeqCst);
-                        }
-                        Start::Gone => {}
-                    }
-                } else {
-                    // Given back to the caller, who reports it.
-                    reports.fetch_add(1, Ordering::SeqCst);
-                }
-            })
-        };
-        let acker = {
-            let (ledger, reports, written) = (ledger.clone(), reports.clone(), written.clone());
-            thread::spawn(move || {
-                if written.load(Ordering::SeqCst) == 1 {
-                    match ledger.acked(id) {
-                        Acked::InOrder | Acked::OutOfOrder(Some(_)) => {
-                            reports.fetch_add(1, Ordering::SeqCst);
-                        }
-                        Acked::OutOfOrder(None) => {}
-                    }
-                }
-            })
-        };
-        let closed = ledger.close().len();
-        reports.fetch_add(closed, Ordering::SeqCst);
-        sender.join().unwrap();
-        acker.join().unwrap();
-        let left = ledger.close().len();
-        reports.fetch_add(left, Ordering::SeqCst);
-        assert_eq!(reports.load(Ordering::SeqCst), 1, "reports of the lone op");
-    });
-}
-
 // ------------------------------------------------------- receive path vs abort and release
 
 /// A decode endpoint holding room 1 (two granted pages) fed by one prefill session.
