@@ -104,6 +104,7 @@ run "$kvf" demo --runtime glommio --shards 2 --backend rdma --rooms 100 --pages-
     --abort-rate 0.1 --concurrency 32
 run "$kvf" demo --runtime glommio --backend rdma --rooms 100 --pages-per-room 8 --fault-rate 0.02
 run "$kvf" demo --runtime glommio --backend rdma --rooms 32 --pages-per-room 8 --checksum
+run "$kvf" bench --runtime glommio --backend rdma --quick
 
 # Two processes over RDMA; the prefill is SIGKILLed mid-run and restarted at its address 1 s
 # later: its new QPs and keys serve the rooms after it, the rooms in flight end with

@@ -141,11 +141,12 @@ enum Command {
         /// each of the six orders in turn, so load that drifts slows all of them alike.
         #[arg(long, default_value_t = 6)]
         rounds: usize,
-        /// Which data plane to measure against raw TCP: tokio, glommio, or all.
+        /// Which data plane to measure against raw TCP: tokio, glommio, or all (with --tls or
+        /// --backend rdma: the driver both nodes run on, tokio or glommio).
         #[arg(long, default_value = "tokio")]
         runtime: String,
         /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature): with rdma,
-        /// room workloads through two tokio nodes over TCP and over RDMA, side by side.
+        /// room workloads through two nodes over TCP and over RDMA, side by side.
         #[arg(long, default_value = "tcp")]
         backend: String,
         /// With --backend rdma: the RDMA device to use (default: the first one).
@@ -165,8 +166,8 @@ enum Command {
         /// With --scaling: the most shards to sweep to (default: the number of cores).
         #[arg(long)]
         shards: Option<usize>,
-        /// Instead of the data-plane workloads: room workloads through two tokio nodes with
-        /// TLS off and on, side by side (a throwaway CA; every byte verified).
+        /// Instead of the data-plane workloads: room workloads through two nodes with TLS off
+        /// and on, side by side (a throwaway CA; every byte verified).
         #[arg(long)]
         tls: bool,
         /// With --tls or --backend rdma: one round with a sixteenth of each workload's rooms,
@@ -749,15 +750,22 @@ async fn run(cli: Cli) -> Result<(), String> {
             quick,
             json,
         } => {
+            // The room workloads (--tls, --backend rdma) run on one driver: `all` means tokio.
+            let link_runtime = match runtime.as_str() {
+                "glommio" => Runtime::parse("glommio", 1, false)?,
+                _ => Runtime::Tokio,
+            };
             let links = if quick {
                 bench::LinkRun {
                     iterations: 1,
                     room_divisor: 16,
+                    runtime: link_runtime,
                 }
             } else {
                 bench::LinkRun {
                     iterations: iterations.min(3),
                     room_divisor: 1,
+                    runtime: link_runtime,
                 }
             };
             if layer_events {

@@ -20,6 +20,8 @@ pub struct LinkRun {
     pub iterations: usize,
     /// Each workload moves its rooms divided by this (1: all of them).
     pub room_divisor: u64,
+    /// The driver both nodes run on.
+    pub runtime: crate::Runtime,
 }
 
 /// The same room workloads through a prefill and a decode node over each of `links`,
@@ -65,7 +67,7 @@ async fn side_by_side(
                     rooms,
                     crate::DemoFaults::default(),
                     None,
-                    crate::Runtime::Tokio,
+                    run.runtime,
                     links[k].clone(),
                 )
                 .await?;
