@@ -659,6 +659,8 @@ async fn run(cli: Cli) -> Result<(), String> {
             let mut report = run_decode(&node, peer, run).await;
             report.runtime = node.runtime().to_owned();
             report.backend = node.backend().to_owned();
+            // The prefill is another process: only this side's path is known here.
+            report.decode_path = kvferry_testkit::path_label(&node).await;
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }

@@ -103,7 +103,11 @@ impl Report {
         row(
             &mut s,
             "data path",
-            format!("prefill {}, decode {}", self.prefill_path, self.decode_path),
+            match self.prefill_path.as_str() {
+                // A decode run against a prefill in another process.
+                "" => format!("decode {}", self.decode_path),
+                prefill => format!("prefill {prefill}, decode {}", self.decode_path),
+            },
         );
         row(
             &mut s,
