@@ -201,3 +201,25 @@ impl Report {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Report;
+
+    #[test]
+    fn a_decode_run_against_a_remote_prefill_names_only_its_own_data_path() {
+        let report = Report {
+            decode_path: "rdma".to_owned(),
+            ..Report::default()
+        };
+        assert!(report.table().contains("data path              decode rdma\n"));
+        let pair = Report {
+            prefill_path: "tcp_staged".to_owned(),
+            decode_path: "tcp".to_owned(),
+            ..Report::default()
+        };
+        assert!(pair
+            .table()
+            .contains("data path              prefill tcp_staged, decode tcp\n"));
+    }
+}
