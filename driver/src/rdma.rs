@@ -1,7 +1,7 @@
 //! The RDMA data plane, written once for every runtime (feature `rdma`): per session one RC
 //! queue pair from `kvferry-rdma`, its hello carried in the core's `Transport` frames,
 //! operations posted as chained RDMA WRITEs, completions awaited on the completion channel's
-//! descriptor (however the runtime waits on one: [`RdmaHost::readable`]), and the fence as
+//! descriptor (however the runtime waits on one: [`RdmaHost::wait`]), and the fence as
 //! "QP to the error state, wait for the flush". Every outcome reaches the core through
 //! `handle_transfer_result`, as over TCP. A runtime lends only a descriptor wait, a spawn of
 //! [`watch`] and its memory ([`RdmaHost`]); its [`Host`] hooks call [`establish`],
@@ -32,7 +32,7 @@ pub type SharedQp = Arc<Mutex<RcQueuePair>>;
 /// need not be).
 pub trait RdmaHost: Runtime<Host = Self> + Host<SessionExt = Option<SessionRdma>> + Clone {
     /// How this runtime waits for a completion channel to be readable.
-    type Readable: Readable;
+    type Readable;
 
     /// The node's RDMA device with its memory registered; `None`: data moves over TCP.
     fn rdma(&self) -> Option<&Arc<RdmaNode>>;
@@ -43,15 +43,12 @@ pub trait RdmaHost: Runtime<Host = Self> + Host<SessionExt = Option<SessionRdma>
     /// Starts waiting on `fd`'s readability (called on the runtime, inside [`watch`]).
     fn readable(fd: CompletionFd) -> io::Result<Self::Readable>;
 
-    /// Spawns [`watch`]`(self, session, qp, stop)` on the runtime.
-    fn spawn_watch(&self, session: SessionId, qp: SharedQp, stop: oneshot::Receiver<()>);
-}
-
-/// A wait on a descriptor's readability.
-pub trait Readable {
     /// Waits until the descriptor has something to read. What was there when the previous
     /// wait returned has been consumed by then: the wait is for what comes after.
-    fn wait(&mut self) -> impl Future<Output = io::Result<()>>;
+    fn wait(readable: &mut Self::Readable) -> impl Future<Output = io::Result<()>>;
+
+    /// Spawns [`watch`]`(self, session, qp, stop)` on the runtime.
+    fn spawn_watch(&self, session: SessionId, qp: SharedQp, stop: oneshot::Receiver<()>);
 }
 
 /// A completion channel's descriptor, kept open by the queue pair it belongs to.
@@ -485,13 +482,13 @@ pub async fn watch<H: RdmaHost>(
             if qp.lock().map_or(true, |q| q.is_drained()) {
                 break;
             }
-            futures_lite::future::or(async { Some(ready.wait().await) }, async {
+            futures_lite::future::or(async { Some(H::wait(&mut ready).await) }, async {
                 H::sleep(linger).await;
                 None
             })
             .await
         } else {
-            futures_lite::future::or(async { Some(ready.wait().await) }, async {
+            futures_lite::future::or(async { Some(H::wait(&mut ready).await) }, async {
                 let _ = (&mut stop).await;
                 replaced = true;
                 // What flushed before the replacement may already be in the queue.
@@ -634,8 +631,9 @@ fn poll_loop(
     }
 }
 
-impl Readable for PolledFd {
-    async fn wait(&mut self) -> io::Result<()> {
+impl PolledFd {
+    /// Waits for the descriptor's next readiness ([`RdmaHost::wait`]).
+    pub async fn wait(&mut self) -> io::Result<()> {
         if std::mem::take(&mut self.taken) {
             let sent = self.go.as_ref().is_some_and(|go| go.send(()).is_ok());
             if !sent {

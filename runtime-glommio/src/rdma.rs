@@ -27,6 +27,10 @@ impl RdmaHost for ShardHost {
         PolledFd::new(fd)
     }
 
+    async fn wait(readable: &mut PolledFd) -> io::Result<()> {
+        readable.wait().await
+    }
+
     fn spawn_watch(&self, session: SessionId, qp: SharedQp, stop: oneshot::Receiver<()>) {
         self.spawn(rdma::watch(self.clone(), session, qp, stop));
     }

@@ -5,7 +5,7 @@ use std::io;
 use std::sync::Arc;
 
 use kvferry_core::SessionId;
-use kvferry_driver::rdma::{self, CompletionFd, RdmaHost, RdmaNode, Readable, SharedQp};
+use kvferry_driver::rdma::{self, CompletionFd, RdmaHost, RdmaNode, SharedQp};
 use kvferry_memory::MemoryMap;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -15,14 +15,6 @@ use crate::TokioHost;
 
 /// A completion channel registered with tokio's reactor.
 pub struct TokioReadable(AsyncFd<CompletionFd>);
-
-impl Readable for TokioReadable {
-    async fn wait(&mut self) -> io::Result<()> {
-        // Cleared before the caller consumes: a completion that comes after is a new edge.
-        self.0.readable().await?.clear_ready();
-        Ok(())
-    }
-}
 
 impl RdmaHost for TokioHost {
     type Readable = TokioReadable;
@@ -41,6 +33,12 @@ impl RdmaHost for TokioHost {
         // AsyncFd's lifetime; `as_raw_fd` always returns it.
         let registered = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) };
         registered.map(TokioReadable).map_err(io::Error::from)
+    }
+
+    async fn wait(readable: &mut TokioReadable) -> io::Result<()> {
+        // Cleared before the caller consumes: a completion that comes after is a new edge.
+        readable.0.readable().await?.clear_ready();
+        Ok(())
     }
 
     fn spawn_watch(&self, session: SessionId, qp: SharedQp, stop: oneshot::Receiver<()>) {

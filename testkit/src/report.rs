@@ -212,7 +212,9 @@ mod tests {
             decode_path: "rdma".to_owned(),
             ..Report::default()
         };
-        assert!(report.table().contains("data path              decode rdma\n"));
+        assert!(report
+            .table()
+            .contains("data path              decode rdma\n"));
         let pair = Report {
             prefill_path: "tcp_staged".to_owned(),
             decode_path: "tcp".to_owned(),
