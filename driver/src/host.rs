@@ -3,11 +3,13 @@
 
 use crate::{Answer, Driver};
 use kvferry_core::{Event, SessionId, SessionKey, Slice, TargetId, TransferOp, WritePermit};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// Where a data connection's operations go: the sending half a host built for the driver.
-pub trait OpSink {
+/// Where a data connection's operations go: the sending half a host built for the driver,
+/// and how it is closed.
+pub trait OpSink: Sized {
     /// Queues `op` on the connection; gives it back if the connection is closed.
     fn send(&self, op: TransferOp) -> Result<(), TransferOp>;
 
@@ -15,6 +17,12 @@ pub trait OpSink {
     fn is_closed(&self) -> bool {
         false
     }
+
+    /// Closes the connection and waits until nothing of it can write any more.
+    fn close(self) -> impl Future<Output = ()>;
+
+    /// Stops the connection without waiting (it was never used).
+    fn abort(self);
 }
 
 impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
@@ -26,6 +34,14 @@ impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
 
     fn is_closed(&self) -> bool {
         kvferry_tcp::send::DataSender::is_closed(self)
+    }
+
+    async fn close(self) {
+        kvferry_tcp::send::DataSender::close(self).await;
+    }
+
+    fn abort(self) {
+        kvferry_tcp::send::DataSender::abort(self);
     }
 }
 

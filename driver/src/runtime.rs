@@ -44,7 +44,7 @@ pub trait Runtime: Clone + 'static {
     /// A spawned task of this runtime (awaiting it waits for its end).
     type Task: Task + Future + Unpin;
     /// Prefill's sending half of a data connection.
-    type Sender: OpSink + Close;
+    type Sender: OpSink;
     /// A connection of this runtime (TLS inside, where configured).
     type Stream: 'static;
 
@@ -81,25 +81,6 @@ pub trait Runtime: Clone + 'static {
     /// Spawns decode's receiver on a data connection of `session`: [`serve_data`] over the
     /// data plane's receiver, each write admitted by [`check`].
     fn start_receiver(&self, session: SessionId, stream: Self::Stream) -> Self::Task;
-}
-
-/// How a data connection's sending half is closed.
-pub trait Close {
-    /// Closes the connection and waits until nothing of it can write any more.
-    fn close(self) -> impl Future<Output = ()>;
-
-    /// Stops the connection without waiting (it was never used).
-    fn abort(self);
-}
-
-impl<T: Task, R: kvferry_tcp::send::Report> Close for kvferry_tcp::send::DataSender<T, R> {
-    async fn close(self) {
-        kvferry_tcp::send::DataSender::close(self).await;
-    }
-
-    fn abort(self) {
-        kvferry_tcp::send::DataSender::abort(self);
-    }
 }
 
 /// A control connection's reader and writer tasks.
@@ -278,7 +259,6 @@ pub async fn release<R: Runtime>(
 /// Closes data connections until nothing of them can write any more.
 pub async fn close_all<H: Host>(conns: Vec<DataConn<H>>)
 where
-    H::Sender: Close,
     H::Receiver: Task,
 {
     for conn in conns {

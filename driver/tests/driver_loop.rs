@@ -50,6 +50,10 @@ impl OpSink for Taker {
     fn send(&self, _op: TransferOp) -> Result<(), TransferOp> {
         Ok(())
     }
+
+    async fn close(self) {}
+
+    fn abort(self) {}
 }
 
 impl Host for Recorder {
