@@ -575,7 +575,11 @@ impl<H: Host> Driver<H> {
     pub fn take_all(&mut self) -> Vec<Connections<H>> {
         self.io
             .drain()
-            .map(|(_, mut io)| (io.data.close().unwrap_or_default(), io.tasks))
+            .map(|(_, mut io)| {
+                // An RDMA queue pair goes to the error state: nothing more of it lands.
+                H::close_own(&mut io.ext);
+                (io.data.close().unwrap_or_default(), io.tasks)
+            })
             .collect()
     }
 

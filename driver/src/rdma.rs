@@ -41,7 +41,7 @@ pub trait RdmaHost: Runtime<Host = Self> + Host<SessionExt = Option<SessionRdma>
     fn memory(&self) -> &Arc<MemoryMap>;
 
     /// Starts waiting on `fd`'s readability (called on the runtime, inside [`watch`]).
-    fn readable(fd: CompletionFd) -> io::Result<Self::Readable>;
+    fn readable(&self, fd: CompletionFd) -> io::Result<Self::Readable>;
 
     /// Waits until the descriptor has something to read. What was there when the previous
     /// wait returned has been consumed by then: the wait is for what comes after.
@@ -460,7 +460,7 @@ pub async fn watch<H: RdmaHost>(
     mut stop: oneshot::Receiver<()>,
 ) {
     let fd = qp.lock().map(|q| q.completion_fd()).unwrap_or(-1);
-    let mut ready = match H::readable(CompletionFd {
+    let mut ready = match host.readable(CompletionFd {
         _qp: qp.clone(),
         fd,
     }) {
@@ -560,6 +560,14 @@ fn after_completions<H: RdmaHost>(host: &H, sid: SessionId, qp: &SharedQp) {
     });
 }
 
+/// A pipe every [`PolledFd`] of a node also watches: dropping the write end (the second)
+/// ends their threads even if their tasks are never polled again (a runtime that stopped
+/// with them pending). Both ends close on exec.
+pub fn poller_stop() -> io::Result<(Arc<OwnedFd>, OwnedFd)> {
+    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    Ok((Arc::new(read), write))
+}
+
 /// A descriptor wait for runtimes that cannot wait on an arbitrary descriptor themselves
 /// (glommio 0.9 keeps its readiness polls private): a thread blocks in `poll(2)` on the
 /// descriptor and wakes the runtime's task through a channel, then waits until that task
@@ -578,9 +586,10 @@ pub struct PolledFd {
 }
 
 impl PolledFd {
-    /// Starts the thread polling `fd`.
-    pub fn new(fd: CompletionFd) -> io::Result<PolledFd> {
-        let (stop_read, stop) = rustix::pipe::pipe()?;
+    /// Starts the thread polling `fd`; it also ends when `node_stop` hangs up
+    /// ([`poller_stop`]).
+    pub fn new(fd: CompletionFd, node_stop: Arc<OwnedFd>) -> io::Result<PolledFd> {
+        let (stop_read, stop) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
         let (ready_tx, ready) = tokio::sync::mpsc::channel(1);
         let (go, go_rx) = std::sync::mpsc::sync_channel(1);
         let raw = fd.as_raw_fd();
@@ -590,7 +599,7 @@ impl PolledFd {
                 // SAFETY: `PolledFd` keeps the descriptor open (its `CompletionFd`) until
                 // this thread has been joined.
                 let cq = unsafe { BorrowedFd::borrow_raw(raw) };
-                poll_loop(cq, &stop_read, &ready_tx, &go_rx);
+                poll_loop(cq, [&stop_read, &node_stop], &ready_tx, &go_rx);
             })?;
         Ok(PolledFd {
             ready,
@@ -604,10 +613,12 @@ impl PolledFd {
 }
 
 /// The polling thread: hands out each readiness of `cq` and waits for its consumption;
-/// ends when `stop` hangs up or either channel closes.
+/// ends when either `stop` pipe hangs up, either channel closes, or the descriptor reports
+/// an error or hang-up (a device gone: nothing more can be consumed from it, and a level
+/// triggered poll would hand the same condition out for ever).
 fn poll_loop(
     cq: BorrowedFd<'_>,
-    stop: &OwnedFd,
+    stop: [&OwnedFd; 2],
     ready: &tokio::sync::mpsc::Sender<()>,
     go: &std::sync::mpsc::Receiver<()>,
 ) {
@@ -615,14 +626,21 @@ fn poll_loop(
     loop {
         let mut fds = [
             PollFd::new(&cq, PollFlags::IN),
-            PollFd::new(stop, PollFlags::IN),
+            PollFd::new(stop[0], PollFlags::IN),
+            PollFd::new(stop[1], PollFlags::IN),
         ];
         match poll(&mut fds, -1) {
             Ok(_) => {}
             Err(rustix::io::Errno::INTR) => continue,
             Err(_) => return,
         }
-        if !fds[1].revents().is_empty() || fds[0].revents().is_empty() {
+        let broken = PollFlags::ERR | PollFlags::HUP | PollFlags::NVAL;
+        let cq_events = fds[0].revents();
+        if !fds[1].revents().is_empty()
+            || !fds[2].revents().is_empty()
+            || cq_events.intersects(broken)
+            || !cq_events.contains(PollFlags::IN)
+        {
             return;
         }
         if ready.blocking_send(()).is_err() || go.recv().is_err() {

@@ -51,7 +51,7 @@ pub use executor::{ensure_memlock, shard_node, ShardConfig, DEFAULT_SPIN_BEFORE_
 
 /// The node's RDMA device when data moves over RDMA (feature `rdma`), shared by its shards.
 #[cfg(feature = "rdma")]
-pub(crate) type RdmaDevice = Option<Arc<kvferry_driver::rdma::RdmaNode>>;
+pub(crate) type RdmaDevice = Option<rdma::ShardRdma>;
 /// Never one: this build moves data over TCP only.
 #[cfg(not(feature = "rdma"))]
 pub(crate) type RdmaDevice = Option<NoRdma>;
@@ -86,6 +86,8 @@ struct NodeShared {
     role: Role,
     /// Which data plane carries the node's operations.
     backend: &'static str,
+    /// The write end of the RDMA completion pollers' stop pipe: they end with the node.
+    _pollers: Option<std::os::fd::OwnedFd>,
     /// The room calls over every shard, and how each peer is reached.
     rooms: Embedder<Shards>,
     memory: Arc<MemoryMap>,
@@ -114,13 +116,14 @@ impl GlommioNode {
         shards: ShardConfig,
     ) -> Result<GlommioNode, NodeError> {
         kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
-        let rdma = open_rdma(&config, &memory)?;
+        let (rdma, rdma_stop) = open_rdma(&config, &memory)?;
         let backend = if rdma.is_some() { "rdma" } else { "tcp" };
         let announcements = Announcer::default();
         let started = executor::spawn_shards(&config, &memory, shards, &announcements, rdma)?;
         let shared = Arc::new(NodeShared {
             role: config.info.role,
             backend,
+            _pollers: rdma_stop,
             rooms: Embedder::new(Shards(started.senders)),
             memory,
             announcements,
@@ -145,12 +148,16 @@ impl GlommioNode {
     }
 }
 
-/// Opens the RDMA device the config asks for (registering `memory`), once for every shard.
-fn open_rdma(config: &NodeConfig, memory: &MemoryMap) -> Result<RdmaDevice, NodeError> {
+/// Opens the RDMA device the config asks for (registering `memory`), once for every shard,
+/// with the write end of its pollers' stop pipe.
+fn open_rdma(
+    config: &NodeConfig,
+    memory: &MemoryMap,
+) -> Result<(RdmaDevice, Option<std::os::fd::OwnedFd>), NodeError> {
     #[cfg(feature = "rdma")]
     return match &config.backend {
-        DataBackend::Tcp => Ok(None),
-        DataBackend::Rdma { device, port } => kvferry_driver::rdma::open(
+        DataBackend::Tcp => Ok((None, None)),
+        DataBackend::Rdma { device, port } => rdma::open(
             memory,
             config.info.role == Role::Decode,
             device.as_deref(),
@@ -161,7 +168,7 @@ fn open_rdma(config: &NodeConfig, memory: &MemoryMap) -> Result<RdmaDevice, Node
     {
         let _ = memory;
         match config.backend {
-            DataBackend::Tcp => Ok(None),
+            DataBackend::Tcp => Ok((None, None)),
             _ => Err(NodeError::Unsupported(Unsupported::RdmaNotBuilt)),
         }
     }

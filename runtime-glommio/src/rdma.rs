@@ -3,6 +3,7 @@
 //! ([`kvferry_driver::rdma::PolledFd`]: glommio 0.9 cannot wait on an arbitrary descriptor).
 
 use std::io;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use kvferry_core::SessionId;
@@ -12,19 +13,44 @@ use tokio::sync::oneshot;
 
 use crate::ShardHost;
 
+/// A glommio node's RDMA side, shared by its shards: the device with the node's memory
+/// registered, and the read end of the pipe every completion poller of the node also
+/// watches (the node keeps the write end: when the node goes, so do the pollers).
+#[derive(Clone)]
+pub(crate) struct ShardRdma {
+    pub(crate) node: Arc<RdmaNode>,
+    pub(crate) stop: Arc<OwnedFd>,
+}
+
+/// Opens the device (`None`: the node stages over TCP, the log says why) and the pollers'
+/// stop pipe, whose write end the caller keeps.
+pub(crate) fn open(
+    memory: &MemoryMap,
+    remote_write: bool,
+    device: Option<&str>,
+    port: u8,
+) -> Result<(Option<ShardRdma>, Option<OwnedFd>), kvferry_driver::NodeError> {
+    let Some(node) = rdma::open(memory, remote_write, device, port)? else {
+        return Ok((None, None));
+    };
+    let (stop, keep) = rdma::poller_stop()?;
+    Ok((Some(ShardRdma { node, stop }), Some(keep)))
+}
+
 impl RdmaHost for ShardHost {
     type Readable = PolledFd;
 
     fn rdma(&self) -> Option<&Arc<RdmaNode>> {
-        self.rdma.as_ref()
+        self.rdma.as_ref().map(|r| &r.node)
     }
 
     fn memory(&self) -> &Arc<MemoryMap> {
         &self.memory
     }
 
-    fn readable(fd: CompletionFd) -> io::Result<PolledFd> {
-        PolledFd::new(fd)
+    fn readable(&self, fd: CompletionFd) -> io::Result<PolledFd> {
+        let stop = self.rdma.as_ref().map(|r| r.stop.clone());
+        PolledFd::new(fd, stop.ok_or(io::ErrorKind::NotConnected)?)
     }
 
     async fn wait(readable: &mut PolledFd) -> io::Result<()> {

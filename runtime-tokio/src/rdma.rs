@@ -27,7 +27,7 @@ impl RdmaHost for TokioHost {
         &self.memory
     }
 
-    fn readable(fd: CompletionFd) -> io::Result<TokioReadable> {
+    fn readable(&self, fd: CompletionFd) -> io::Result<TokioReadable> {
         // SAFETY: the descriptor belongs to the completion channel of the QP that
         // `CompletionFd` keeps alive (an `Arc`), so it stays open and the same for the
         // AsyncFd's lifetime; `as_raw_fd` always returns it.

@@ -394,3 +394,46 @@ async fn a_refused_write_fails_its_room_and_the_flushed_writes_are_retried_on_a_
         assert!(report.rooms_succeeded > 0, "{report:?}");
     }
 }
+
+/// The completion pollers of a glommio node (a thread per live queue pair, blocked in
+/// `poll(2)`) end with the node, even when it is dropped with its sessions open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_glommio_nodes_completion_pollers_end_with_the_node() {
+    let pollers = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|name| name.trim() == "kvferry-cq-poll")
+            .count()
+    };
+    let before = pollers();
+    {
+        let run = rooms(20, 1);
+        let Some((prefill, decode)) = pair_or_skip(GLOMMIO, &run.shape) else {
+            return;
+        };
+        // Rooms move, then the nodes are dropped with their sessions open (no shutdown).
+        let addrs = prefill
+            .listen("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let shape = run.shape.clone();
+        let server = tokio::spawn(kvferry_testkit::serve_prefill(prefill.clone(), shape));
+        let peer = decode.connect(addrs).await.unwrap();
+        let report = kvferry_testkit::run_decode(&decode, peer, run).await;
+        assert_eq!(report.rooms_succeeded, 20, "{report:?}");
+        assert!(pollers() > before, "each live queue pair has its poller");
+        server.abort();
+        let _ = server.await;
+    }
+    // Every clone of both nodes is gone: their pollers end (bounded wait, not a timing).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while pollers() > before && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        pollers(),
+        before,
+        "pollers left after the nodes were dropped"
+    );
+}
