@@ -24,6 +24,48 @@ use tracing::{debug, info, warn};
 
 use crate::{DataPath, Driver, FaultKind, Host, NodeError, Runtime, TCP_PATH};
 
+/// The [`Host`] hooks through which a runtime's driver hands sessions, operations, fences
+/// and closes to this data plane; expands inside `impl Host for X` where `X: RdmaHost`.
+#[macro_export]
+macro_rules! rdma_host_hooks {
+    () => {
+        fn establish(
+            driver: &mut $crate::Driver<Self>,
+            session: ::kvferry_core::SessionId,
+        ) -> bool {
+            $crate::rdma::establish(driver, session)
+        }
+
+        fn transport(
+            driver: &mut $crate::Driver<Self>,
+            session: ::kvferry_core::SessionId,
+            payload: &[u8],
+        ) {
+            $crate::rdma::on_hello(driver, session, payload);
+        }
+
+        fn post(
+            driver: &mut $crate::Driver<Self>,
+            op: ::kvferry_core::TransferOp,
+        ) -> Option<::kvferry_core::TransferOp> {
+            $crate::rdma::post(driver, op)
+        }
+
+        fn fence_own(
+            driver: &mut $crate::Driver<Self>,
+            session: ::kvferry_core::SessionId,
+        ) -> bool {
+            $crate::rdma::fence(driver, session)
+        }
+
+        fn close_own(ext: &mut Self::SessionExt) {
+            if let Some(r) = ext.take() {
+                r.close();
+            }
+        }
+    };
+}
+
 /// A queue pair shared by its session and the task awaiting its completions.
 pub type SharedQp = Arc<Mutex<RcQueuePair>>;
 

@@ -396,34 +396,7 @@ impl Host for TokioHost {
     }
 
     #[cfg(feature = "rdma")]
-    fn establish(driver: &mut Driver<Self>, sid: SessionId) -> bool {
-        kvferry_driver::rdma::establish(driver, sid)
-    }
-
-    #[cfg(feature = "rdma")]
-    fn transport(driver: &mut Driver<Self>, sid: SessionId, payload: &[u8]) {
-        kvferry_driver::rdma::on_hello(driver, sid, payload);
-    }
-
-    #[cfg(feature = "rdma")]
-    fn post(
-        driver: &mut Driver<Self>,
-        op: kvferry_core::TransferOp,
-    ) -> Option<kvferry_core::TransferOp> {
-        kvferry_driver::rdma::post(driver, op)
-    }
-
-    #[cfg(feature = "rdma")]
-    fn fence_own(driver: &mut Driver<Self>, sid: SessionId) -> bool {
-        kvferry_driver::rdma::fence(driver, sid)
-    }
-
-    #[cfg(feature = "rdma")]
-    fn close_own(ext: &mut Self::SessionExt) {
-        if let Some(r) = ext.take() {
-            r.close();
-        }
-    }
+    kvferry_driver::rdma_host_hooks!();
 }
 
 impl Runtime for TokioHost {
