@@ -344,7 +344,10 @@ fn a_shutdown_completes_when_its_last_session_closes_or_at_its_timeout() {
         })
     };
     let mut t = Pair::new();
+    assert_eq!(t.p.may_connect(), Ok(()));
     t.p.shutdown(t.now);
+    // A node going away opens no session, from the moment its shutdown begins.
+    assert_eq!(t.p.may_connect(), Err(kvferry_core::ApiError::ShutDown));
     assert_eq!(shut_down(&mut t.p), None, "its session is still closing");
     // The driver closed the session's connections.
     t.p.handle_disconnected(t.now, t.sp);

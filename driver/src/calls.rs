@@ -40,7 +40,7 @@ pub struct Embedder<C> {
 }
 
 fn api<T>(result: Result<Result<T, ApiError>, NodeError>) -> Result<T, NodeError> {
-    result?.map_err(NodeError::Api)
+    result?.map_err(NodeError::from)
 }
 
 impl<C: ShardCalls> Embedder<C> {
@@ -137,10 +137,11 @@ impl<C: ShardCalls> Embedder<C> {
                 .call(shard, move |d| {
                     addrs
                         .into_iter()
-                        .map(|a| Link::Target(d.add_target(a)))
-                        .collect::<Vec<_>>()
+                        .map(|a| d.add_target(a).map(Link::Target))
+                        .collect::<Result<Vec<_>, _>>()
                 })
-                .await?;
+                .await?
+                .map_err(NodeError::from)?;
             per_shard.push(links);
         }
         Ok(self.add_peer(per_shard))

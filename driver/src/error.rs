@@ -205,7 +205,12 @@ impl From<std::io::Error> for NodeError {
 }
 
 impl From<ApiError> for NodeError {
+    /// The core's `ShutDown` is the node's: one error for a shut-down node, however far its
+    /// stopping had gone when the call came.
     fn from(e: ApiError) -> Self {
-        NodeError::Api(e)
+        match e {
+            ApiError::ShutDown => NodeError::ShutDown,
+            e => NodeError::Api(e),
+        }
     }
 }

@@ -524,17 +524,22 @@ impl<H: Host> Driver<H> {
     /// Dials a session to `addr` for an embedder's call, bounded by the core's
     /// `connect_timeout`; `tx` hears how its handshake ends ([`Driver::on_handshake`]).
     pub fn dial(&mut self, addr: SocketAddr, tx: Answer) {
+        if let Err(e) = self.endpoint.may_connect() {
+            let _ = tx.send(Err(e.into()));
+            return;
+        }
         let timeout = self.endpoint.config().connect_timeout;
         self.host.connect(addr, timeout, Dial::Caller(tx));
     }
 
     /// Keeps a session to the peer at `addr`, reconnecting with the core's backoff.
-    pub fn add_target(&mut self, addr: SocketAddr) -> TargetId {
+    pub fn add_target(&mut self, addr: SocketAddr) -> Result<TargetId, ApiError> {
+        self.endpoint.may_connect()?;
         let target = self.endpoint.add_target(Instant::now());
         // Known before the drain carries out the core's first connect.
         self.targets.insert(target, addr);
         self.drain();
-        target
+        Ok(target)
     }
 
     /// Opens a room through `open` and returns its handle; a room `open` refused is not

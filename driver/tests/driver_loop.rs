@@ -282,7 +282,7 @@ fn dial_target(
     log: &Rc<RefCell<Log>>,
     prefill: &mut Driver<Recorder>,
 ) -> (TargetId, oneshot::Receiver<Result<SessionId, NodeError>>) {
-    let target = decode.add_target(PEER);
+    let target = decode.add_target(PEER).unwrap();
     assert_eq!(
         log.borrow().connects,
         vec![target],
@@ -325,7 +325,7 @@ fn a_caller_waiting_for_a_target_learns_at_once_that_its_peer_refused_us() {
 #[test]
 fn a_caller_waiting_for_a_target_nobody_answers_is_told_after_the_unreachable_timeout() {
     let (mut decode, log) = node(Role::Decode, 1, b"t");
-    let target = decode.add_target(PEER);
+    let target = decode.add_target(PEER).unwrap();
     let (tx, mut rx) = oneshot::channel();
     decode.on_target(target, tx);
     let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);

@@ -142,6 +142,9 @@ pub(crate) struct ShardSetup {
     pub(crate) memory: Arc<MemoryMap>,
     pub(crate) announcements: Announcer,
     pub(crate) rx: flume::Receiver<Cmd>,
+    /// Held until the shard's thread ends: its receivers hear the end (a call queued behind
+    /// the shard's last command is never run, and its caller must not wait for it).
+    pub(crate) alive: flume::Sender<()>,
     /// TLS on every connection, when configured (loaded once for all shards).
     pub(crate) tls: Option<kvferry_tcp::TlsSetup>,
     /// The node's RDMA device, when data moves over RDMA (opened once for all shards).
@@ -151,6 +154,8 @@ pub(crate) struct ShardSetup {
 /// The running shards of a node: their command channels, threads, and pinned cores.
 pub(crate) struct Started {
     pub(crate) senders: Vec<flume::Sender<Cmd>>,
+    /// Each shard's end, heard when its thread is gone.
+    pub(crate) ends: Vec<flume::Receiver<()>>,
     pub(crate) threads: Vec<ExecutorJoinHandle<()>>,
     pub(crate) cores: CoreClaim,
 }
@@ -181,9 +186,11 @@ pub(crate) fn spawn_shards(
         CoreClaim::default()
     };
     let mut senders = Vec::with_capacity(n);
+    let mut ends = Vec::with_capacity(n);
     let mut threads = Vec::with_capacity(n);
     for i in 0..n {
         let (tx, rx) = flume::unbounded::<Cmd>();
+        let (alive, end) = flume::bounded::<()>(1);
         let mut info = config.info.clone();
         info.node = shard_node(config.info.node, i);
         let setup = ShardSetup {
@@ -193,6 +200,7 @@ pub(crate) fn spawn_shards(
             memory: memory.clone(),
             announcements: announcements.clone(),
             rx,
+            alive,
             tls: tls.clone(),
             rdma: rdma.clone(),
         };
@@ -227,10 +235,12 @@ pub(crate) fn spawn_shards(
             }
         }
         senders.push(tx);
+        ends.push(end);
         threads.push(handle);
     }
     Ok(Started {
         senders,
+        ends,
         threads,
         cores,
     })

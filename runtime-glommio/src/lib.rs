@@ -22,6 +22,7 @@ use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::os::fd::{FromRawFd, IntoRawFd};
+use std::pin::Pin;
 use std::rc::{Rc, Weak};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -77,7 +78,7 @@ impl std::fmt::Debug for GlommioNode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GlommioNode")
             .field("role", &self.shared.role)
-            .field("shards", &self.shared.rooms.calls().0.len())
+            .field("shards", &self.shared.rooms.calls().senders.len())
             .finish_non_exhaustive()
     }
 }
@@ -101,7 +102,7 @@ struct StopOnDrop(Arc<NodeShared>);
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
-        for tx in &self.0.rooms.calls().0 {
+        for tx in &self.0.rooms.calls().senders {
             let _ = tx.send(Box::new(|shard: &Rc<Shard>| shard.stop()));
         }
     }
@@ -124,7 +125,10 @@ impl GlommioNode {
             role: config.info.role,
             backend,
             _pollers: rdma_stop,
-            rooms: Embedder::new(Shards(started.senders)),
+            rooms: Embedder::new(Shards {
+                senders: started.senders,
+                ends: started.ends,
+            }),
             memory,
             announcements,
             threads: Mutex::new(started.threads),
@@ -174,8 +178,12 @@ fn open_rdma(
     }
 }
 
-/// The node's way into its shards: one command channel to each shard's thread.
-pub struct Shards(Vec<flume::Sender<Cmd>>);
+/// The node's way into its shards: one command channel to each shard's thread, and each
+/// thread's end.
+pub struct Shards {
+    senders: Vec<flume::Sender<Cmd>>,
+    ends: Vec<flume::Receiver<()>>,
+}
 
 impl Shards {
     /// Runs `f` on shard `shard` (on its thread) and returns its result.
@@ -185,17 +193,25 @@ impl Shards {
         F: FnOnce(&Rc<Shard>) -> T + Send + 'static,
     {
         let (tx, rx) = oneshot::channel();
-        let sent = self.0.get(shard).is_some_and(|s| {
+        let sent = self.senders.get(shard).is_some_and(|s| {
             s.send(Box::new(move |s: &Rc<Shard>| {
                 let _ = tx.send(f(s));
             }))
             .is_ok()
         });
+        let end = self.ends.get(shard).cloned();
         async move {
-            if !sent {
+            let Some(end) = end.filter(|_| sent) else {
                 return Err(NodeError::ShutDown);
-            }
-            rx.await.map_err(|_| NodeError::ShutDown)
+            };
+            // A command queued as the shard stops is never run (nor dropped: the channel
+            // keeps it), so its answer is also awaited against the thread's end.
+            let answer = async { rx.await.map_err(|_| NodeError::ShutDown) };
+            let gone = async {
+                let _ = end.recv_async().await;
+                Err(NodeError::ShutDown)
+            };
+            futures_lite::future::or(answer, gone).await
         }
     }
 }
@@ -204,7 +220,7 @@ impl ShardCalls for Shards {
     type Host = ShardHost;
 
     fn shards(&self) -> usize {
-        self.0.len()
+        self.senders.len()
     }
 
     fn call<T, F>(&self, shard: usize, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
@@ -259,19 +275,28 @@ impl RuntimeNode for GlommioNode {
     }
 
     async fn shutdown(&self) {
-        for i in 0..self.shared.rooms.calls().shards() {
-            let (tx, rx) = oneshot::channel();
-            let sent = (self.shared.rooms.calls())
-                .run(i, move |s| {
-                    let s = s.clone();
-                    glommio::spawn_local(async move {
-                        s.shutdown().await;
-                        let _ = tx.send(());
+        // Every shard's listeners close before any shard says goodbye (a peer that hears
+        // one shard's and dials another at once is refused too), then the shards shut down
+        // together.
+        for step in [Shard::close_listeners as ShardStep, Shard::shutdown] {
+            let mut done = Vec::new();
+            for i in 0..self.shared.rooms.calls().shards() {
+                let (tx, rx) = oneshot::channel();
+                let sent = (self.shared.rooms.calls())
+                    .run(i, move |s| {
+                        let s = s.clone();
+                        glommio::spawn_local(async move {
+                            step(s).await;
+                            let _ = tx.send(());
+                        })
+                        .detach();
                     })
-                    .detach();
-                })
-                .await;
-            if sent.is_ok() {
+                    .await;
+                if sent.is_ok() {
+                    done.push(rx);
+                }
+            }
+            for rx in done {
                 let _ = rx.await;
             }
         }
@@ -292,6 +317,9 @@ impl RuntimeNode for GlommioNode {
 }
 
 // ------------------------------------------------------------------------------- shards
+
+/// A step every shard of a node takes (on its own executor).
+type ShardStep = fn(Rc<Shard>) -> Pin<Box<dyn Future<Output = ()>>>;
 
 /// One shard: an endpoint and the driver loop around it, owned by one executor thread.
 struct Shard {
@@ -400,6 +428,8 @@ pub(crate) async fn shard_main(
             let _ = t.writer.cancel().await;
         }
     }
+    // Callers waiting on a command this shard will never run hear its end now.
+    drop(setup.alive);
 }
 
 impl ShardHost {
@@ -629,18 +659,26 @@ impl Shard {
         Ok(local)
     }
 
+    /// Closes the shard's listeners (before a shutdown tells any peer; a node restarted at
+    /// the same address can bind it at once).
+    fn close_listeners(self: Rc<Self>) -> Pin<Box<dyn Future<Output = ()>>> {
+        Box::pin(async move {
+            let listeners = std::mem::take(&mut *self.listeners.borrow_mut());
+            for l in listeners {
+                let _ = l.cancel().await;
+            }
+        })
+    }
+
     /// Fails every room, tells every peer, and waits until the core says the shutdown is
     /// complete (every session closed, or its shutdown timeout).
-    async fn shutdown(self: Rc<Self>) {
-        let (tx, rx) = oneshot::channel();
-        self.drive(|d| d.shutdown(tx));
-        let _ = rx.await;
-        // The listeners close before the shutdown returns: a node restarted at the same
-        // address can bind it at once.
-        let listeners = std::mem::take(&mut *self.listeners.borrow_mut());
-        for l in listeners {
-            let _ = l.cancel().await;
-        }
-        self.stop();
+    fn shutdown(self: Rc<Self>) -> Pin<Box<dyn Future<Output = ()>>> {
+        Box::pin(async move {
+            self.clone().close_listeners().await;
+            let (tx, rx) = oneshot::channel();
+            self.drive(|d| d.shutdown(tx));
+            let _ = rx.await;
+            self.stop();
+        })
     }
 }

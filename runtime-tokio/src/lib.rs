@@ -311,19 +311,20 @@ impl RuntimeNode for Node {
     }
 
     async fn shutdown(&self) {
+        // The listeners close before any peer hears the goodbye: one that dials again at
+        // once is refused, not let in by a node about to go (and left waiting out its
+        // handshake timeout); a node restarted at the same address can bind it at once.
+        let listeners = std::mem::take(&mut *lock(&self.shared.listeners));
+        for l in listeners {
+            l.abort();
+            let _ = l.await;
+        }
         // The core says when it is done: every session closed, or its shutdown timeout.
         let (tx, rx) = oneshot::channel();
         self.shared.lock().shutdown(tx);
         let _ = rx.await;
         self.shared.stopped.send_replace(true);
         self.shared.wake.notify_one();
-        // The listeners close before the shutdown returns: a node restarted at the same
-        // address can bind it at once.
-        let listeners = std::mem::take(&mut *lock(&self.shared.listeners));
-        for l in listeners {
-            l.abort();
-            let _ = l.await;
-        }
     }
 }
 

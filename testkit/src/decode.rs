@@ -317,10 +317,7 @@ pub(crate) async fn decode_room<N: KvNode>(
         Err(e) => {
             warn!(%room, error = %e, "room could not be opened");
             give_back(&dst);
-            let shut_down = matches!(
-                e,
-                NodeError::ShutDown | NodeError::Api(kvferry_core::ApiError::ShutDown)
-            );
+            let shut_down = matches!(e, NodeError::ShutDown);
             return RoomOutcome::Refused(error_kind(&e), shut_down);
         }
     };

@@ -6,7 +6,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvferry_core::{Capacity, Chunk, Config, FailureReason, Grant, KvPoll, Role, RoomId};
+use kvferry_core::{
+    Capacity, Chunk, Config, FailureReason, Grant, KvPoll, Role, RoomId, SessionState,
+};
 use kvferry_testkit::overlap::{run_host_overlap, Batch};
 use kvferry_testkit::{run_decode, run_pair, DecodeRun, Shape};
 use kvferry_tests::proxy::FaultProxy;
@@ -576,6 +578,9 @@ async fn a_persistent_peer_down_past_its_window_is_reported_unreachable(p: Runti
     let (p1, addrs, server1) = prefill_on(p, &shape, peer_loss_core(), 121, at).await;
     let decode = start_on(d, Role::Decode, &shape, peer_loss_core(), 122);
     let peer = decode.connect_persistent(addrs.clone()).await.unwrap();
+    // Reached first: a peer never reached counts as down since it was named, so its window
+    // would start before `going` (slow handshakes, queue pairs under emulation).
+    decode.reach(peer).await.unwrap();
     assert_eq!(decode.unreachable(peer).await.unwrap(), None);
     let window = peer_loss_core().unreachable_timeout;
     // The decode cannot see the peer down before this: a bound on how long it has been down
@@ -843,6 +848,39 @@ on_every_driver!(
     a_stalled_decode_does_not_delay_rooms_toward_another_decode,
 );
 
+/// A node that begins its shutdown closes its listeners before it tells any peer: a peer
+/// that dials again as soon as it hears the goodbye is refused (and dials on until the next
+/// incarnation listens), instead of being let in by a node about to go and left waiting out
+/// its handshake timeout (10 s) for an answer that never comes. The peer here is a decode
+/// core driven by hand over a socket, so nothing stands between hearing and dialing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_dials_on_hearing_the_goodbye_is_refused() {
+    for runtime in [Runtime::Tokio, kvferry_tests::GLOMMIO] {
+        let shape = small_shape();
+        let (prefill, addrs, server) =
+            prefill_on(runtime, &shape, fast_core(), 141, any_port()).await;
+        let mut peer = HandDecode::connect(addrs[0], &shape, 142).await;
+        peer.until(|e, s| e.session_state(s) == Some(SessionState::Established))
+            .await;
+        let shutdown = tokio::spawn({
+            let prefill = prefill.clone();
+            async move { prefill.shutdown().await }
+        });
+        // Heard: the prefill said it is closing the session (its goodbye).
+        peer.until(|e, s| e.session_state(s) != Some(SessionState::Established))
+            .await;
+        for &addr in &addrs {
+            let dialed = TcpStream::connect(addr).await;
+            assert!(
+                dialed.is_err(),
+                "{runtime:?}: {addr} let a peer in after its goodbye"
+            );
+        }
+        shutdown.await.unwrap();
+        server.abort();
+    }
+}
+
 /// The routing rule is the only thing shards of two nodes must agree on (they share no
 /// state): with different shard counts on each side, and a single-shard tokio node against a
 /// three-shard glommio prefill, every room still meets its peer and every byte arrives.
@@ -907,6 +945,61 @@ async fn a_node_without_rdma_built_in_refuses_the_rdma_backend() {
             }
             Err(e) => panic!("another error: {e}"),
             Ok(_) => panic!("started without RDMA support"),
+        }
+    }
+}
+
+/// A decode core driven by hand over one control connection: what a peer hears and when it
+/// dials, with no driver in between.
+struct HandDecode {
+    endpoint: kvferry_core::Endpoint,
+    session: kvferry_core::SessionId,
+    stream: TcpStream,
+    unread: Vec<u8>,
+}
+
+impl HandDecode {
+    /// Dials `to` and starts a handshake as a decode of `shape`.
+    async fn connect(to: SocketAddr, shape: &kvferry_testkit::Shape, seed: u64) -> HandDecode {
+        let cfg =
+            kvferry_testkit::node_config(Role::Decode, shape, fast_core(), b"test-token", seed);
+        let mut endpoint =
+            kvferry_core::Endpoint::new(cfg.core, cfg.info, seed, Instant::now()).unwrap();
+        let mut stream = TcpStream::connect(to).await.unwrap();
+        stream.write_all(&kvferry_tcp::MAGIC).await.unwrap();
+        stream
+            .write_all(&[kvferry_tcp::KIND_CONTROL])
+            .await
+            .unwrap();
+        let session = endpoint.open_session(Instant::now());
+        HandDecode {
+            endpoint,
+            session,
+            stream,
+            unread: Vec::new(),
+        }
+    }
+
+    /// Sends what the core has to send, then feeds it what arrives until `done` holds.
+    async fn until(
+        &mut self,
+        done: impl Fn(&kvferry_core::Endpoint, kvferry_core::SessionId) -> bool,
+    ) {
+        let mut buf = vec![0u8; 64 * 1024];
+        while !done(&self.endpoint, self.session) {
+            let mut out = Vec::new();
+            while self.endpoint.poll_transmit(&mut out).is_some() {}
+            self.stream.write_all(&out).await.unwrap();
+            let n = tokio::time::timeout(Duration::from_secs(5), self.stream.read(&mut buf))
+                .await
+                .expect("the prefill says something within 5 s")
+                .unwrap();
+            assert!(n > 0, "the prefill closed the connection unheard");
+            self.unread.extend_from_slice(&buf[..n]);
+            let used = self
+                .endpoint
+                .handle_input(Instant::now(), self.session, &self.unread);
+            self.unread.drain(..used);
         }
     }
 }

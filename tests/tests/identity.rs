@@ -267,3 +267,41 @@ async fn a_node_shut_down_twice_returns_both_times() {
         prefill.shutdown().await;
     }
 }
+
+/// A node that has shut down answers every later call at once with `ShutDown`, however
+/// soon after the shutdown it comes: on glommio a call queued to a shard that is stopping
+/// was kept by its command channel and never answered (a second shutdown hung this way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_to_a_node_that_has_shut_down_are_answered_at_once() {
+    use kvferry_tokio::NodeError;
+    for runtime in [Runtime::Tokio, kvferry_tests::GLOMMIO] {
+        let shape = rooms(1, 1).shape;
+        let (prefill, addrs, _server) =
+            prefill_on(runtime, &shape, core(), 61, "127.0.0.1:0".parse().unwrap()).await;
+        let decode = start_on(runtime, Role::Decode, &shape, core(), 62);
+        let peer = decode.connect(addrs.clone()).await.unwrap();
+        prefill.shutdown().await;
+        decode.shutdown().await;
+        let soon = Duration::from_secs(5);
+        let opened = tokio::time::timeout(
+            soon,
+            decode.open_receiver(kvferry_core::RoomId(1), 0, vec![peer], None),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{runtime:?}: open_receiver after shutdown hangs"));
+        assert!(
+            matches!(opened, Err(NodeError::ShutDown)),
+            "{runtime:?}: {opened:?}"
+        );
+        let dialed = tokio::time::timeout(soon, decode.connect(addrs))
+            .await
+            .unwrap_or_else(|_| panic!("{runtime:?}: connect after shutdown hangs"));
+        assert!(
+            matches!(dialed, Err(NodeError::ShutDown)),
+            "{runtime:?}: {dialed:?}"
+        );
+        tokio::time::timeout(soon, prefill.shutdown())
+            .await
+            .unwrap_or_else(|_| panic!("{runtime:?}: a second shutdown hangs"));
+    }
+}

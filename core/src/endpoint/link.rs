@@ -55,6 +55,7 @@ impl Endpoint {
         let check_deadline = self.last_now + self.config.silence_timeout;
         let live = self.target_session(target);
         if let Some(t) = self.targets.get_mut(&target) {
+            debug!(%target, session = %sid, check = live.is_some(), "connected to target");
             t.dialing = false;
             if live.is_some() {
                 t.check = Some(sid);
@@ -209,7 +210,7 @@ impl Endpoint {
                 warn!(%session, node = %peer.node, %reason, rooms = s.rooms.len(), "lost the peer");
             }
             Some(peer) => info!(%session, node = %peer.node, "session closed by our shutdown"),
-            None => {}
+            None => debug!(%session, %reason, "session ended before its handshake"),
         }
         if let (SessionState::Blacklisted, Some(peer)) = (s.state, s.peer) {
             let until = s.last_targeted + self.config.blacklist_idle_timeout;

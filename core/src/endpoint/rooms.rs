@@ -95,6 +95,15 @@ impl Endpoint {
         self.shutdown_complete
     }
 
+    /// Whether this node may connect to a peer now: not once its shutdown began (a node
+    /// going away opens no session; a caller's dial or new target gets `ShutDown`).
+    pub fn may_connect(&self) -> Result<(), ApiError> {
+        if self.shut_down {
+            return Err(ApiError::ShutDown);
+        }
+        Ok(())
+    }
+
     /// Reports the shutdown complete, once: when the last session closed, or at its timeout.
     pub(super) fn finish_shutdown(&mut self) {
         if !self.shut_down || self.shutdown_complete {

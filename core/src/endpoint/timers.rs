@@ -161,7 +161,9 @@ impl Endpoint {
                 if !fired(&mut t.timer, key) {
                     return;
                 }
-                if t.dialing || self.target_session(target).is_some() {
+                let dialing = t.dialing;
+                if dialing || self.target_session(target).is_some() {
+                    debug!(%target, dialing, "reconnect timer: no dial");
                     return;
                 }
                 self.dial(target);
