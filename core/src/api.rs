@@ -360,15 +360,14 @@ pub enum Action {
     /// Close every connection of the session, then call
     /// [`crate::Endpoint::handle_disconnected`].
     CloseSession(SessionId),
-    /// Open a control connection to this target's address within `timeout`, then call
+    /// Open a control connection to this target's address (an attempt the core bounds, see
+    /// [`Action::AbandonDial`]), then call
     /// [`crate::Endpoint::open_session_for`] (or [`crate::Endpoint::handle_connect_failed`]
     /// with what went wrong). Also asked while the target's session is silent: a fresh
     /// connection that completes its handshake takes the silent session's work over.
     Connect {
         /// The target to reach.
         target: crate::ids::TargetId,
-        /// Give up on this attempt after this long and report [`ConnectFailure::NoAnswer`].
-        timeout: core::time::Duration,
     },
     /// Open one more data connection of this session (this side dialed it), proving the
     /// session's key ([`crate::Endpoint::data_key`]): it replaces one that broke.
@@ -391,6 +390,10 @@ pub enum Action {
     /// challenge in time). The core has forgotten it already: no
     /// [`crate::Endpoint::handle_accept_settled`] follows.
     DropAccepted(crate::ids::ConnId),
+    /// Give this connection attempt up now: it did not connect within `connect_timeout`.
+    /// Report a target's as [`ConnectFailure::NoAnswer`]. The core has forgotten it already:
+    /// no [`crate::Endpoint::handle_dial_settled`] follows.
+    AbandonDial(crate::ids::DialId),
     /// The pause after a failed accept ([`crate::Endpoint::handle_accept_failed`]) is over:
     /// accept again.
     ResumeAccepting,

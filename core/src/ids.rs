@@ -47,6 +47,12 @@ id_type!(
     "conn#"
 );
 id_type!(
+    /// A connection attempt the driver started, until it connected or failed
+    /// ([`crate::Endpoint::handle_dial_started`]).
+    DialId(u64),
+    "dial#"
+);
+id_type!(
     /// One data-path operation emitted by [`crate::Endpoint::poll_transfer`].
     TransferId(u64),
     "op#"

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvferry_core::sim::small_layout;
 use kvferry_core::{
-    Action, Config, ConnectFailure, Endpoint, EndpointInfo, Incarnation, NodeId, Role, SessionId,
-    TargetId,
+    Action, Config, ConnectFailure, DialId, Endpoint, EndpointInfo, Incarnation, NodeId, Role,
+    SessionId, TargetId,
 };
 
 /// A decode that dials a prefill (as the CLI and the drivers do: a target), joined by a pipe
@@ -26,7 +26,7 @@ struct Link {
     /// Connection attempts the decode asked of its driver.
     dials: usize,
     /// Attempts under way, with the moment they time out.
-    attempts: Vec<(Instant, TargetId)>,
+    attempts: Vec<(DialId, TargetId)>,
 }
 
 impl Link {
@@ -89,10 +89,21 @@ impl Link {
                 self.d.handle_input(self.now, self.sd, &buf);
             }
             while let Some(a) = self.d.poll_action() {
-                if let Action::Connect { target, timeout } = a {
-                    // A fresh connection gets no answer (this pipe has no third lane).
-                    self.dials += 1;
-                    self.attempts.push((self.now + timeout, target));
+                match a {
+                    Action::Connect { target } => {
+                        // A fresh connection gets no answer (this pipe has no third lane):
+                        // the core's deadline for the attempt ends it.
+                        self.dials += 1;
+                        let dial = self.d.handle_dial_started(self.now);
+                        self.attempts.push((dial, target));
+                    }
+                    Action::AbandonDial(dial) => {
+                        let i = self.attempts.iter().position(|(d, _)| *d == dial).unwrap();
+                        let (_, target) = self.attempts.remove(i);
+                        self.d
+                            .handle_connect_failed(self.now, target, ConnectFailure::NoAnswer);
+                    }
+                    _ => {}
                 }
             }
             while self.p.poll_action().is_some() {}
@@ -109,15 +120,7 @@ impl Link {
         for _ in 0..ms / 10 {
             self.now += Duration::from_millis(10);
             let now = self.now;
-            let (due, later) = std::mem::take(&mut self.attempts)
-                .into_iter()
-                .partition(|(at, _)| *at <= now);
-            self.attempts = later;
-            for (_, target) in due {
-                self.d
-                    .handle_connect_failed(now, target, ConnectFailure::NoAnswer);
-            }
-            self.d.handle_timeout(self.now);
+            self.d.handle_timeout(now);
             self.p.handle_timeout(self.now);
             self.pump();
         }

@@ -176,10 +176,7 @@ fn a_target_is_reconnected_with_exponential_backoff_until_removed() {
     )
     .unwrap();
     let t = d.add_target(now);
-    let connect = Some(Action::Connect {
-        target: t,
-        timeout: fast_config().connect_timeout,
-    });
+    let connect = Some(Action::Connect { target: t });
     assert_eq!(d.poll_action(), connect, "connect at once");
     d.handle_connect_failed(now, t, ConnectFailure::Refused);
     let (first, why) = d.poll_timeout().unwrap();

@@ -1,5 +1,6 @@
 //! The waits a driver holds sockets for, decided by the core: an accepted connection's
-//! deadline, the pause after a failed accept, and a closing session's linger. The simulation
+//! deadline, a connection attempt's, the pause after a failed accept, and a closing
+//! session's linger. The simulation
 //! fires them like every other timer.
 #![allow(clippy::unwrap_used)] // tests may panic
 
@@ -220,5 +221,80 @@ fn a_fence_the_data_path_confirms_keeps_the_session() {
     assert_eq!(
         sim.nodes[p].endpoint.session_state(session),
         Some(SessionState::Established)
+    );
+}
+
+/// A decode and a prefill, not connected yet.
+fn decode_and_prefill(seed: u64) -> (Sim, usize, usize) {
+    let mut sim = Sim::new(seed, Faults::default());
+    let d = sim.add_decode(config(), small_layout(64), 0);
+    let p = sim.add_prefill(config(), small_layout(64), 0, 0..4);
+    (sim, d, p)
+}
+
+#[test]
+fn a_connection_attempt_nobody_answers_is_abandoned_at_the_connect_timeout() {
+    let (mut sim, d, p) = decode_and_prefill(21);
+    sim.silence_dials(p, true);
+    let start = sim.now;
+    sim.add_target(d, p);
+    let timeout = config().connect_timeout;
+    run_ms(&mut sim, timeout.as_millis() as u64 - 1);
+    assert!(
+        sim.nodes[d].waits_ended.is_empty(),
+        "kept until its deadline"
+    );
+    run_ms(&mut sim, 1);
+    let abandoned: Vec<Duration> = sim.nodes[d]
+        .waits_ended
+        .iter()
+        .filter(|(_, w)| matches!(w, WaitEnded::AbandonDial(_)))
+        .map(|(t, _)| *t - start)
+        .collect();
+    assert_eq!(
+        abandoned,
+        vec![timeout],
+        "given up once, at the connect timeout"
+    );
+}
+
+#[test]
+fn a_target_dials_again_after_an_abandoned_attempt_and_connects_once_answered() {
+    let (mut sim, d, p) = decode_and_prefill(22);
+    sim.silence_dials(p, true);
+    let target = sim.add_target(d, p);
+    run_ms(&mut sim, 1_000);
+    let abandoned = sim.nodes[d]
+        .waits_ended
+        .iter()
+        .filter(|(_, w)| matches!(w, WaitEnded::AbandonDial(_)))
+        .count();
+    assert!(
+        abandoned >= 3,
+        "attempts go on, each abandoned: {abandoned}"
+    );
+    assert_eq!(sim.nodes[d].endpoint.target_session(target), None);
+    sim.silence_dials(p, false);
+    run_ms(&mut sim, 1_000);
+    assert!(
+        sim.nodes[d].endpoint.target_session(target).is_some(),
+        "the next attempt connects"
+    );
+    assert_eq!(sim.nodes[d].endpoint.dials_pending(), 0);
+}
+
+#[test]
+fn a_connection_attempt_that_connects_is_never_abandoned() {
+    let (mut sim, d, p) = decode_and_prefill(23);
+    let target = sim.add_target(d, p);
+    run_ms(&mut sim, 1_000);
+    assert!(sim.nodes[d].endpoint.target_session(target).is_some());
+    assert_eq!(sim.nodes[d].endpoint.dials_pending(), 0);
+    assert!(
+        !sim.nodes[d]
+            .waits_ended
+            .iter()
+            .any(|(_, w)| matches!(w, WaitEnded::AbandonDial(_))),
+        "settled before its deadline"
     );
 }

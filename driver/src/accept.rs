@@ -3,9 +3,7 @@
 //! session the answer proves. The caller bounds all of it by the core's deadline for the
 //! connection ([`crate::runtime::take_accepted`]).
 
-use std::future::Future;
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use futures_io::{AsyncRead, AsyncWrite};
 use kvferry_core::SessionId;
@@ -22,19 +20,6 @@ pub enum Accepted {
     Control,
     /// A data connection the core admitted to this session (the peer was told so).
     Data(SessionId),
-}
-
-/// Waits for `work`, or gives up after `wait` on the runtime's `sleep`.
-pub async fn within<T, F: Future<Output = ()>>(
-    wait: Duration,
-    sleep: impl FnOnce(Duration) -> F,
-    work: impl Future<Output = T>,
-) -> Option<T> {
-    futures_lite::future::or(async { Some(work.await) }, async {
-        sleep(wait).await;
-        None
-    })
-    .await
 }
 
 /// Reads an accepted connection's preamble and, for a data connection, its hello; `None`

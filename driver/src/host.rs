@@ -5,7 +5,6 @@ use crate::{Answer, Driver};
 use kvferry_core::{Event, SessionId, SessionKey, Slice, TargetId, TransferOp, WritePermit};
 use std::future::Future;
 use std::net::SocketAddr;
-use std::time::Duration;
 
 /// Where a data connection's operations go: the sending half a host built for the driver,
 /// and how it is closed.
@@ -77,10 +76,11 @@ pub trait Host: Sized + 'static {
     /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
     type SessionExt: Default;
 
-    /// Opens a control connection to `addr` within `timeout` for `dial`, then calls
-    /// [`Driver::attach_control`] (with the dial's target, or its caller as the handshake's
-    /// waiter); on failure calls [`Driver::connect_failed`] or tells the caller.
-    fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial);
+    /// Opens a control connection to `addr` for `dial` (until the core abandons the
+    /// attempt, see [`Driver::dial_started`]), then calls [`Driver::attach_control`] (with
+    /// the dial's target, or its caller as the handshake's waiter); on failure calls
+    /// [`Driver::connect_failed`] or tells the caller.
+    fn connect(&self, addr: SocketAddr, dial: Dial);
 
     /// Opens `n` data connections of `session` to `addr`, each proving `key`; each one that
     /// opens is handed to [`Driver::attach_data`].

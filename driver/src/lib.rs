@@ -32,7 +32,7 @@ pub mod rdma;
 pub mod runtime;
 mod session_io;
 mod waits;
-pub use accept::{accept, within, Accepted};
+pub use accept::{accept, Accepted};
 pub use admission::{CoreCheck, EndpointAccess};
 pub use announce::{Announcement, Announcer};
 pub use calls::{Embedder, ShardCalls};

@@ -1,14 +1,15 @@
 //! The driver's half of the listener's waits: it holds what ends each one, and the core
-//! decides when ([`Action::DropAccepted`], [`Action::ResumeAccepting`],
+//! decides when ([`Action::DropAccepted`], [`Action::AbandonDial`], [`Action::ResumeAccepting`],
 //! [`Action::StopLingering`]). No timer of the runtime is involved.
 //!
 //! [`Action::DropAccepted`]: kvferry_core::Action::DropAccepted
+//! [`Action::AbandonDial`]: kvferry_core::Action::AbandonDial
 //! [`Action::ResumeAccepting`]: kvferry_core::Action::ResumeAccepting
 //! [`Action::StopLingering`]: kvferry_core::Action::StopLingering
 
 use std::time::Instant;
 
-use kvferry_core::{ConnId, SessionId};
+use kvferry_core::{ConnId, DialId, SessionId};
 use tokio::sync::oneshot;
 
 use crate::{Driver, Host};
@@ -23,11 +24,19 @@ pub(crate) struct Ends {
     accepted: crate::machine::Map<ConnId, oneshot::Sender<()>>,
     /// Listeners paused after a failed accept.
     paused: Vec<oneshot::Sender<()>>,
+    /// Connection attempts under way.
+    dials: crate::machine::Map<DialId, oneshot::Sender<()>>,
 }
 
 impl Ends {
     pub(crate) fn drop_accepted(&mut self, conn: ConnId) {
         if let Some(end) = self.accepted.remove(&conn) {
+            let _ = end.send(());
+        }
+    }
+
+    pub(crate) fn abandon_dial(&mut self, dial: DialId) {
+        if let Some(end) = self.dials.remove(&dial) {
             let _ = end.send(());
         }
     }
@@ -40,7 +49,8 @@ impl Ends {
 
     /// Ends every wait at once (the node shut down: no core timer fires any more).
     pub(crate) fn end_all(&mut self) {
-        for (_, end) in self.accepted.drain() {
+        let accepted = self.accepted.drain().map(|(_, end)| end);
+        for end in accepted.chain(self.dials.drain().map(|(_, end)| end)) {
             let _ = end.send(());
         }
         self.resume_accepting();
@@ -67,6 +77,27 @@ impl<H: Host> Driver<H> {
     pub fn accept_settled(&mut self, conn: ConnId) {
         self.ends_mut().accepted.remove(&conn);
         self.with(|e, _| e.handle_accept_settled(conn));
+    }
+
+    /// A connection attempt starts: the returned wait ends when the core gives it up (its
+    /// `connect_timeout`, [`kvferry_core::Action::AbandonDial`]). Report it with
+    /// [`Driver::dial_settled`] once it connected or failed.
+    pub fn dial_started(&mut self) -> (DialId, CoreWait) {
+        let dial = self.with(|e, now| e.handle_dial_started(now));
+        let (end, wait) = oneshot::channel();
+        if self.endpoint().shutdown_complete() {
+            // A shut-down node's attempts end at once: no core timer fires any more.
+            drop(end);
+        } else {
+            self.ends_mut().dials.insert(dial, end);
+        }
+        (dial, wait)
+    }
+
+    /// A connection attempt connected or failed: its deadline no longer applies.
+    pub fn dial_settled(&mut self, dial: DialId) {
+        self.ends_mut().dials.remove(&dial);
+        self.with(|e, _| e.handle_dial_settled(dial));
     }
 
     /// The listener failed to accept: the returned wait ends when the core lets it accept

@@ -210,13 +210,14 @@ impl<H: Host> Driver<H> {
                 match action {
                     Action::FenceSession(sid) => self.start_fence(sid),
                     Action::CloseSession(sid) => self.start_close(sid),
-                    Action::Connect { target, timeout } => {
+                    Action::Connect { target } => {
                         if let Some(&addr) = self.targets.get(&target) {
-                            self.host.connect(addr, timeout, Dial::Target(target));
+                            self.host.connect(addr, Dial::Target(target));
                         }
                     }
                     Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
                     Action::DropAccepted(conn) => self.ends.drop_accepted(conn),
+                    Action::AbandonDial(dial) => self.ends.abandon_dial(dial),
                     Action::ResumeAccepting => self.ends.resume_accepting(),
                     Action::StopLingering(sid) => {
                         if let Some(end) = self.io.get_mut(&sid).and_then(|io| io.linger.take()) {
@@ -528,8 +529,7 @@ impl<H: Host> Driver<H> {
             let _ = tx.send(Err(e.into()));
             return;
         }
-        let timeout = self.endpoint.config().connect_timeout;
-        self.host.connect(addr, timeout, Dial::Caller(tx));
+        self.host.connect(addr, Dial::Caller(tx));
     }
 
     /// Keeps a session to the peer at `addr`, reconnecting with the core's backoff.

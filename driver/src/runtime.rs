@@ -21,7 +21,7 @@ use kvferry_tcp::{ServeError, ServeStats};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use crate::accept::{within, Accepted};
+use crate::accept::Accepted;
 use crate::{Answer, CoreWait};
 use crate::{
     CoreCheck, DataConn, Dial, Driver, EndpointAccess, FaultPlan, FaultSwitch, Host, NodeError,
@@ -192,22 +192,29 @@ pub fn check<R: Runtime>(rt: R, session: SessionId) -> CoreCheck<DriverAccess<R>
     }
 }
 
-/// [`Runtime::dial`] within `timeout`; an attempt that takes longer fails as timed out.
-async fn dial_within<R: Runtime>(
+/// [`Runtime::dial`] until the core gives the attempt up (its `connect_timeout`); an
+/// attempt given up fails as timed out.
+async fn dial_bounded<R: Runtime>(
     rt: &R,
     addr: SocketAddr,
     key: Option<SessionKey>,
-    timeout: Duration,
 ) -> io::Result<R::Stream> {
-    within(timeout, R::sleep, rt.dial(addr, key))
-        .await
-        .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()))
+    let Some((id, abandon)) = rt.drive(|d| d.dial_started()) else {
+        return Err(io::Error::other("the node is gone"));
+    };
+    let dialed = futures_lite::future::or(async { Some(rt.dial(addr, key).await) }, async {
+        let _ = abandon.await;
+        None
+    })
+    .await;
+    rt.drive(|d| d.dial_settled(id));
+    dialed.unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()))
 }
 
-/// Dials a control connection within `timeout` for `dial` and hands it to the driver, or
-/// says the attempt failed ([`Host::connect`]).
-pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, timeout: Duration, dial: Dial) {
-    match (dial_within(&rt, addr, None, timeout).await, dial) {
+/// Dials a control connection for `dial` and hands it to the driver, or says the attempt
+/// failed ([`Host::connect`]).
+pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
+    match (dial_bounded(&rt, addr, None).await, dial) {
         (Ok(stream), Dial::Target(target)) => {
             rt.attach_control(stream, Some(addr), Some(target), None);
         }
@@ -226,10 +233,7 @@ pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, timeout: Duration, dia
 /// `connect_timeout`; one that does not open is a lost data connection, which the core
 /// replaces after its `data_reconnect_interval`.
 pub async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, key: SessionKey) {
-    let Some(wait) = rt.drive(|d| d.endpoint().config().connect_timeout) else {
-        return;
-    };
-    match dial_within(&rt, addr, Some(key), wait).await {
+    match dial_bounded(&rt, addr, Some(key)).await {
         Ok(stream) => attach_data(&rt, session, stream),
         Err(e) => {
             warn!(%session, error = %e, "data connection failed");

@@ -63,7 +63,7 @@ impl Host for Recorder {
     type ControlTasks = ();
     type SessionExt = ();
 
-    fn connect(&self, _addr: SocketAddr, _timeout: Duration, dial: Dial) {
+    fn connect(&self, _addr: SocketAddr, dial: Dial) {
         if let Dial::Target(target) = dial {
             self.0.borrow_mut().connects.push(target);
         }

@@ -452,8 +452,8 @@ impl Host for ShardHost {
     #[cfg(not(feature = "rdma"))]
     type SessionExt = ();
 
-    fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial) {
-        self.spawn(runtime::connect(self.clone(), addr, timeout, dial));
+    fn connect(&self, addr: SocketAddr, dial: Dial) {
+        self.spawn(runtime::connect(self.clone(), addr, dial));
     }
 
     fn open_data(&self, sid: SessionId, addr: SocketAddr, key: SessionKey, n: usize) {

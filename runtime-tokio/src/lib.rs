@@ -338,9 +338,9 @@ impl Host for TokioHost {
     #[cfg(not(feature = "rdma"))]
     type SessionExt = ();
 
-    fn connect(&self, addr: SocketAddr, timeout: Duration, dial: Dial) {
+    fn connect(&self, addr: SocketAddr, dial: Dial) {
         self.runtime
-            .spawn(runtime::connect(self.clone(), addr, timeout, dial));
+            .spawn(runtime::connect(self.clone(), addr, dial));
     }
 
     fn open_data(&self, sid: SessionId, addr: SocketAddr, key: SessionKey, n: usize) {

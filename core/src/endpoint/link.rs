@@ -32,10 +32,7 @@ impl Endpoint {
                 evidence: None,
             },
         );
-        self.actions.push_back(Action::Connect {
-            target: id,
-            timeout: self.config.connect_timeout,
-        });
+        self.actions.push_back(Action::Connect { target: id });
         id
     }
 
@@ -412,10 +409,7 @@ impl Endpoint {
             return;
         };
         t.dialing = true;
-        self.actions.push_back(Action::Connect {
-            target,
-            timeout: self.config.connect_timeout,
-        });
+        self.actions.push_back(Action::Connect { target });
     }
 
     /// A session that heard nothing for `silence_timeout`, or whose peer confirmed none of our

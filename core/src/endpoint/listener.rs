@@ -1,10 +1,12 @@
-//! The listener's waits: connections accepted and not yet a session's, each with its
-//! deadline, and the pause after a failed accept. The driver only holds the sockets; when
+//! The listener's and the dialer's waits: connections accepted and not yet a session's and
+//! connection attempts not yet connected, each with its deadline, and the pause after a
+//! failed accept. The driver only holds the sockets; when
 //! each wait ends is decided here, so the simulation fires these deadlines like any other.
 //!
 //! Invariants of [`Listener`]:
 //! - every pending connection has exactly one armed [`Timer::Accepted`]; when it fires the
-//!   connection is forgotten and exactly one [`Action::DropAccepted`] names it;
+//!   connection is forgotten and exactly one [`Action::DropAccepted`] names it (a pending
+//!   dial likewise: [`Timer::Dial`], [`Action::AbandonDial`]);
 //! - a connection settled first is forgotten with its timer disarmed, so it is never dropped
 //!   after it became a session's (its session's own handshake timer takes over);
 //! - the listener is paused exactly while [`Timer::AcceptBackoff`] is armed, and
@@ -16,34 +18,52 @@ use tracing::{debug, warn};
 
 use super::{Endpoint, Map};
 use crate::api::Action;
-use crate::ids::ConnId;
+use crate::ids::{ConnId, DialId};
 use crate::timer::{Timer, TimerKey, TimerTable};
 
-/// Accepted connections waiting to become a session's, and the accept backoff.
-#[derive(Debug, Default)]
-pub(super) struct Listener {
-    /// Each pending connection's deadline.
-    pending: Map<ConnId, Option<TimerKey>>,
-    /// Connections accepted so far (numbers them).
-    accepted: u64,
-    /// Armed while accepting is paused after a failed accept.
-    backoff: Option<TimerKey>,
+/// Attempts in progress, each with one deadline: accepted connections not yet a session's
+/// ([`Timer::Accepted`]) or connection attempts not yet connected ([`Timer::Dial`]).
+///
+/// Invariants: every pending attempt has exactly one armed timer; when it fires the attempt
+/// is forgotten and `expire` says so exactly once; an attempt settled first is forgotten with
+/// its timer disarmed, so it never expires after it settled.
+#[derive(Debug)]
+pub(super) struct Deadlines<Id> {
+    /// Each pending attempt's deadline.
+    pending: Map<Id, Option<TimerKey>>,
+    /// Attempts so far (numbers them).
+    issued: u64,
 }
 
-impl Listener {
-    /// Numbers a new connection and arms its deadline at `at`.
-    fn accept(&mut self, timers: &mut TimerTable, at: Instant) -> ConnId {
-        self.accepted += 1;
-        let conn = ConnId(self.accepted);
+impl<Id> Default for Deadlines<Id> {
+    fn default() -> Self {
+        Deadlines {
+            pending: Map::default(),
+            issued: 0,
+        }
+    }
+}
+
+impl<Id: Copy + Eq + std::hash::Hash> Deadlines<Id> {
+    /// Numbers a new attempt (`id` of the count) and arms its deadline (`timer`) at `at`.
+    pub(super) fn start(
+        &mut self,
+        timers: &mut TimerTable,
+        at: Instant,
+        id: fn(u64) -> Id,
+        timer: fn(Id) -> Timer,
+    ) -> Id {
+        self.issued += 1;
+        let this = id(self.issued);
         let mut slot = None;
-        timers.set(&mut slot, at, Timer::Accepted(conn));
-        self.pending.insert(conn, slot);
-        conn
+        timers.set(&mut slot, at, timer(this));
+        self.pending.insert(this, slot);
+        this
     }
 
-    /// Forgets `conn` and disarms its deadline; `false` if it was not pending.
-    fn settle(&mut self, timers: &mut TimerTable, conn: ConnId) -> bool {
-        match self.pending.remove(&conn) {
+    /// Forgets `id` and disarms its deadline; `false` if it was not pending.
+    pub(super) fn settle(&mut self, timers: &mut TimerTable, id: Id) -> bool {
+        match self.pending.remove(&id) {
             Some(mut slot) => {
                 timers.cancel(&mut slot);
                 true
@@ -52,18 +72,31 @@ impl Listener {
         }
     }
 
-    /// `conn`'s deadline (`key`) fired: forgets it; `true` if it was still pending.
-    fn expire(&mut self, conn: ConnId, key: TimerKey) -> bool {
-        let due = self
-            .pending
-            .get(&conn)
-            .is_some_and(|slot| *slot == Some(key));
+    /// `id`'s deadline (`key`) fired: forgets it; `true` if it was still pending.
+    pub(super) fn expire(&mut self, id: Id, key: TimerKey) -> bool {
+        let due = self.pending.get(&id).is_some_and(|slot| *slot == Some(key));
         if due {
-            self.pending.remove(&conn);
+            self.pending.remove(&id);
         }
         due
     }
 
+    /// Attempts still pending.
+    pub(super) fn len(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+/// Accepted connections waiting to become a session's, and the accept backoff.
+#[derive(Debug, Default)]
+pub(super) struct Listener {
+    /// Each pending connection's deadline.
+    pending: Deadlines<ConnId>,
+    /// Armed while accepting is paused after a failed accept.
+    backoff: Option<TimerKey>,
+}
+
+impl Listener {
     /// Pauses accepting until `at` (a pause already running is extended).
     fn pause(&mut self, timers: &mut TimerTable, at: Instant) {
         timers.set(&mut self.backoff, at, Timer::AcceptBackoff);
@@ -86,9 +119,12 @@ impl Endpoint {
     /// settled ([`Endpoint::handle_accept_settled`]) as soon as it is a session's or gone.
     pub fn handle_accepted(&mut self, now: Instant) -> ConnId {
         let now = self.clock(now);
-        let conn = self
-            .listener
-            .accept(&mut self.timers, now + self.config.handshake_timeout);
+        let conn = self.listener.pending.start(
+            &mut self.timers,
+            now + self.config.handshake_timeout,
+            ConnId,
+            Timer::Accepted,
+        );
         debug!(%conn, "connection accepted");
         conn
     }
@@ -96,7 +132,7 @@ impl Endpoint {
     /// Input: an accepted connection became a session's control or data connection, or
     /// ended (garbage, refused, closed by the peer): its deadline no longer applies.
     pub fn handle_accept_settled(&mut self, conn: ConnId) {
-        self.listener.settle(&mut self.timers, conn);
+        self.listener.pending.settle(&mut self.timers, conn);
     }
 
     /// Input: the listener failed to accept (out of descriptors, say). Accepting pauses for
@@ -112,8 +148,39 @@ impl Endpoint {
         self.listener.pending.len()
     }
 
+    /// Input: the driver started a connection attempt (a target's, a caller's or a data
+    /// connection's). It has `connect_timeout` to connect; if it has not by then,
+    /// [`Action::AbandonDial`] names it and the driver gives it up as timed out. Report it
+    /// settled ([`Endpoint::handle_dial_settled`]) as soon as it connected or failed.
+    pub fn handle_dial_started(&mut self, now: Instant) -> DialId {
+        let now = self.clock(now);
+        self.dials.start(
+            &mut self.timers,
+            now + self.config.connect_timeout,
+            DialId,
+            Timer::Dial,
+        )
+    }
+
+    /// Input: a connection attempt connected or failed: its deadline no longer applies.
+    pub fn handle_dial_settled(&mut self, dial: DialId) {
+        self.dials.settle(&mut self.timers, dial);
+    }
+
+    /// Connection attempts still under way.
+    pub fn dials_pending(&self) -> usize {
+        self.dials.len()
+    }
+
+    pub(super) fn on_dial_timer(&mut self, dial: DialId, key: TimerKey) {
+        if self.dials.expire(dial, key) {
+            debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it");
+            self.actions.push_back(Action::AbandonDial(dial));
+        }
+    }
+
     pub(super) fn on_accepted_timer(&mut self, conn: ConnId, key: TimerKey) {
-        if self.listener.expire(conn, key) {
+        if self.listener.pending.expire(conn, key) {
             warn!(%conn, "accepted connection did not become a session's in time; dropping it");
             self.actions.push_back(Action::DropAccepted(conn));
         }

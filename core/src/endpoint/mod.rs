@@ -41,7 +41,9 @@ use crate::codec::{
 };
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
-use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId};
+use crate::ids::{
+    DialId, Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId,
+};
 use crate::layout::{page_runs, ExtraPool, LayoutMismatch, PageRun, PageSet, Region, Slice};
 use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLimits};
 use crate::rng::Rng;
@@ -50,7 +52,7 @@ use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
 use ended::EndedSessions;
 use layer_bits::LayerBits;
-use listener::Listener;
+use listener::{Deadlines, Listener};
 use pending_rooms::{PendingRoom, PendingRooms};
 use planning::live_sender;
 use timers::fired;
@@ -130,6 +132,8 @@ pub struct Endpoint {
     ended: EndedSessions,
     /// Accepted connections not yet a session's, and the accept backoff.
     listener: Listener,
+    /// Connection attempts under way, each with its `connect_timeout`.
+    dials: Deadlines<DialId>,
 }
 
 /// What the connection attempts to a target found, since its session went silent or down:
@@ -534,6 +538,7 @@ impl Endpoint {
             heirs: Map::with_hasher(hasher.clone()),
             ended: EndedSessions::new(hasher.clone()),
             listener: Listener::default(),
+            dials: Deadlines::default(),
             hasher,
         })
     }

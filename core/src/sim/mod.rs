@@ -13,7 +13,7 @@ mod workload;
 pub use workload::{RoomRun, Workload};
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
 
 use foldhash::fast::FixedState;
 use std::time::{Duration, Instant};
@@ -94,6 +94,8 @@ pub enum WaitEnded {
     ResumeAccepting,
     /// [`Action::StopLingering`]: a closing session's writer had its `close_linger`.
     StopLingering(SessionId),
+    /// [`Action::AbandonDial`]: a connection attempt did not connect in time.
+    AbandonDial(crate::ids::DialId),
 }
 
 /// A node of the simulation: one endpoint and the memory it owns.
@@ -370,6 +372,10 @@ pub struct Sim {
     links: Vec<Link>,
     /// The peer node each node's targets ([`Sim::add_target`]) stand for.
     targets: BTreeMap<(usize, TargetId), usize>,
+    /// Nodes whose listeners answer no connection attempt ([`Sim::silence_dials`]).
+    silent: BTreeSet<usize>,
+    /// Connection attempts nobody answers, by node and attempt: the target each is for.
+    unanswered: BTreeMap<(usize, crate::ids::DialId), TargetId>,
     queue: BinaryHeap<Reverse<Queued>>,
     seq: u64,
     rng: Rng,
@@ -444,6 +450,8 @@ impl Sim {
             inflight: BTreeMap::new(),
             orphans: BTreeMap::new(),
             targets: BTreeMap::new(),
+            silent: BTreeSet::new(),
+            unanswered: BTreeMap::new(),
             next_orphan: 0,
             unlanded: HashMap::default(),
             landed_ops: HashMap::default(),
@@ -599,6 +607,16 @@ impl Sim {
         target
     }
 
+    /// Makes connection attempts to node `b` go unanswered (`true`: a host that drops the
+    /// SYNs) or be answered again (`false`); attempts already unanswered stay so.
+    pub fn silence_dials(&mut self, b: usize, silent: bool) {
+        if silent {
+            self.silent.insert(b);
+        } else {
+            self.silent.remove(&b);
+        }
+    }
+
     /// The current session of node `a` toward node `b`, if their link is up.
     pub fn session(&self, a: usize, b: usize) -> Option<SessionId> {
         self.links.iter().rev().find_map(|l| {
@@ -698,6 +716,19 @@ impl Sim {
                     Action::ResumeAccepting => self.nodes[n]
                         .waits_ended
                         .push((self.now, WaitEnded::ResumeAccepting)),
+                    // The attempt is given up, and reported as the driver does.
+                    Action::AbandonDial(dial) => {
+                        self.nodes[n]
+                            .waits_ended
+                            .push((self.now, WaitEnded::AbandonDial(dial)));
+                        if let Some(target) = self.unanswered.remove(&(n, dial)) {
+                            self.nodes[n].endpoint.handle_connect_failed(
+                                self.now,
+                                target,
+                                crate::ConnectFailure::NoAnswer,
+                            );
+                        }
+                    }
                     Action::Connect { target, .. } => {
                         self.push(self.now, Pending::Dial { node: n, target })
                     }
