@@ -394,6 +394,10 @@ pub enum Action {
     /// Report a target's as [`ConnectFailure::NoAnswer`]. The core has forgotten it already:
     /// no [`crate::Endpoint::handle_dial_settled`] follows.
     AbandonDial(crate::ids::DialId),
+    /// Stop collecting what this replaced data path flushes: it had `operation_timeout`.
+    /// The core has forgotten it already: no [`crate::Endpoint::handle_drain_settled`]
+    /// follows.
+    StopDraining(crate::ids::DrainId),
     /// The pause after a failed accept ([`crate::Endpoint::handle_accept_failed`]) is over:
     /// accept again.
     ResumeAccepting,

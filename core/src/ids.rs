@@ -53,6 +53,12 @@ id_type!(
     "dial#"
 );
 id_type!(
+    /// A replaced data path whose outstanding operations the driver still collects
+    /// ([`crate::Endpoint::handle_drain_started`]).
+    DrainId(u64),
+    "drain#"
+);
+id_type!(
     /// One data-path operation emitted by [`crate::Endpoint::poll_transfer`].
     TransferId(u64),
     "op#"

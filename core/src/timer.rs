@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use crate::ids::{ConnId, DialId, RoomId, SessionId, TransferId};
+use crate::ids::{ConnId, DialId, DrainId, RoomId, SessionId, TransferId};
 
 /// Why a deadline exists. [`crate::Endpoint::poll_timeout`] returns the earliest one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -44,6 +44,8 @@ pub enum Timer {
     AcceptBackoff,
     /// A connection attempt has not connected within `connect_timeout`.
     Dial(DialId),
+    /// A replaced data path has had `operation_timeout` to flush what it still held.
+    Drain(DrainId),
     /// A closing session's control writer has had `close_linger` to send what was queued.
     Linger(SessionId),
     /// A fence of the session was not confirmed within `fence_timeout`.

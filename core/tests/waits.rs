@@ -298,3 +298,34 @@ fn a_connection_attempt_that_connects_is_never_abandoned() {
         "settled before its deadline"
     );
 }
+
+#[test]
+fn a_replaced_data_path_that_never_drains_is_let_go_at_the_operation_timeout() {
+    let (mut sim, d) = lone_decode();
+    let start = sim.now;
+    let drain = sim.nodes[d].endpoint.handle_drain_started(sim.now);
+    let timeout = config().operation_timeout;
+    run_ms(&mut sim, timeout.as_millis() as u64 - 1);
+    assert!(
+        sim.nodes[d].waits_ended.is_empty(),
+        "collected until its deadline"
+    );
+    run_ms(&mut sim, 1);
+    assert_eq!(
+        sim.nodes[d].waits_ended,
+        vec![(start + timeout, WaitEnded::StopDraining(drain))],
+        "let go once, at the operation timeout"
+    );
+    assert_eq!(sim.nodes[d].endpoint.drains_pending(), 0);
+}
+
+#[test]
+fn a_replaced_data_path_that_drains_in_time_is_never_stopped() {
+    let (mut sim, d) = lone_decode();
+    let drain = sim.nodes[d].endpoint.handle_drain_started(sim.now);
+    run_ms(&mut sim, 10);
+    sim.nodes[d].endpoint.handle_drain_settled(drain);
+    run_ms(&mut sim, 10_000);
+    assert!(sim.nodes[d].waits_ended.is_empty());
+    assert_eq!(sim.nodes[d].endpoint.drains_pending(), 0);
+}

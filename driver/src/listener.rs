@@ -1,15 +1,17 @@
 //! The driver's half of the listener's waits: it holds what ends each one, and the core
-//! decides when ([`Action::DropAccepted`], [`Action::AbandonDial`], [`Action::ResumeAccepting`],
-//! [`Action::StopLingering`]). No timer of the runtime is involved.
+//! decides when ([`Action::DropAccepted`], [`Action::AbandonDial`], [`Action::StopDraining`],
+//! [`Action::ResumeAccepting`], [`Action::StopLingering`]). No timer of the runtime is
+//! involved.
 //!
 //! [`Action::DropAccepted`]: kvferry_core::Action::DropAccepted
 //! [`Action::AbandonDial`]: kvferry_core::Action::AbandonDial
+//! [`Action::StopDraining`]: kvferry_core::Action::StopDraining
 //! [`Action::ResumeAccepting`]: kvferry_core::Action::ResumeAccepting
 //! [`Action::StopLingering`]: kvferry_core::Action::StopLingering
 
 use std::time::Instant;
 
-use kvferry_core::{ConnId, DialId, SessionId};
+use kvferry_core::{ConnId, DialId, DrainId, SessionId};
 use tokio::sync::oneshot;
 
 use crate::{Driver, Host};
@@ -26,6 +28,8 @@ pub(crate) struct Ends {
     paused: Vec<oneshot::Sender<()>>,
     /// Connection attempts under way.
     dials: crate::machine::Map<DialId, oneshot::Sender<()>>,
+    /// Replaced data paths still draining.
+    drains: crate::machine::Map<DrainId, oneshot::Sender<()>>,
 }
 
 impl Ends {
@@ -41,6 +45,12 @@ impl Ends {
         }
     }
 
+    pub(crate) fn stop_draining(&mut self, drain: DrainId) {
+        if let Some(end) = self.drains.remove(&drain) {
+            let _ = end.send(());
+        }
+    }
+
     pub(crate) fn resume_accepting(&mut self) {
         for end in self.paused.drain(..) {
             let _ = end.send(());
@@ -50,7 +60,11 @@ impl Ends {
     /// Ends every wait at once (the node shut down: no core timer fires any more).
     pub(crate) fn end_all(&mut self) {
         let accepted = self.accepted.drain().map(|(_, end)| end);
-        for end in accepted.chain(self.dials.drain().map(|(_, end)| end)) {
+        let dials = self.dials.drain().map(|(_, end)| end);
+        for end in accepted
+            .chain(dials)
+            .chain(self.drains.drain().map(|(_, end)| end))
+        {
             let _ = end.send(());
         }
         self.resume_accepting();
@@ -98,6 +112,27 @@ impl<H: Host> Driver<H> {
     pub fn dial_settled(&mut self, dial: DialId) {
         self.ends_mut().dials.remove(&dial);
         self.with(|e, _| e.handle_dial_settled(dial));
+    }
+
+    /// A replaced data path starts draining: the returned wait ends when the core says to
+    /// stop collecting what it flushes (its `operation_timeout`,
+    /// [`kvferry_core::Action::StopDraining`]). Report it with [`Driver::drain_settled`] once
+    /// it is drained or gone.
+    pub fn drain_started(&mut self) -> (DrainId, CoreWait) {
+        let drain = self.with(|e, now| e.handle_drain_started(now));
+        let (end, wait) = oneshot::channel();
+        if self.endpoint().shutdown_complete() {
+            drop(end);
+        } else {
+            self.ends_mut().drains.insert(drain, end);
+        }
+        (drain, wait)
+    }
+
+    /// A replaced data path is drained or gone: its deadline no longer applies.
+    pub fn drain_settled(&mut self, drain: DrainId) {
+        self.ends_mut().drains.remove(&drain);
+        self.with(|e, _| e.handle_drain_settled(drain));
     }
 
     /// The listener failed to accept: the returned wait ends when the core lets it accept

@@ -513,28 +513,25 @@ pub async fn watch<H: RdmaHost>(
         }
     };
     // Once replaced, the old QP is in the error state: its outstanding writes flush as
-    // completions, collected until it is drained or the core's operation timeout passes
-    // (the core has timed those operations out by then).
-    let Some(linger) = host.drive(|d| d.endpoint().config().operation_timeout) else {
-        return;
-    };
-    let mut replaced = false;
+    // completions, collected until it is drained or the core says to stop (its operation
+    // timeout: the core has timed those operations out by then).
+    let mut drain = None;
     loop {
-        let woke = if replaced {
+        let woke = if let Some((_, done)) = drain.as_mut() {
             if qp.lock().map_or(true, |q| q.is_drained()) {
                 break;
             }
             futures_lite::future::or(async { Some(H::wait(&mut ready).await) }, async {
-                H::sleep(linger).await;
+                let _ = done.await;
                 None
             })
             .await
         } else {
             futures_lite::future::or(async { Some(H::wait(&mut ready).await) }, async {
                 let _ = (&mut stop).await;
-                replaced = true;
+                drain = host.drive(|d| d.drain_started());
                 // What flushed before the replacement may already be in the queue.
-                Some(Ok(()))
+                drain.as_ref().map(|_| Ok(()))
             })
             .await
         };
@@ -546,6 +543,9 @@ pub async fn watch<H: RdmaHost>(
             return;
         }
         after_completions(&host, sid, &qp);
+    }
+    if let Some((id, _)) = drain {
+        host.drive(|d| d.drain_settled(id));
     }
     drop(ready);
 }

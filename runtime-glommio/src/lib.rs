@@ -428,7 +428,13 @@ pub(crate) async fn shard_main(
             let _ = t.writer.cancel().await;
         }
     }
-    // Callers waiting on a command this shard will never run hear its end now.
+    // A stopped shard still answers calls until the node is gone, from its shut-down core
+    // (its final counters; `ShutDown` for everything else), as a tokio node does.
+    while let Ok(cmd) = setup.rx.recv_async().await {
+        cmd(&shard);
+    }
+    // Callers waiting on a command this shard will never run hear its end now (a shard
+    // whose thread panicked included).
     drop(setup.alive);
 }
 

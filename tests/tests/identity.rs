@@ -268,9 +268,10 @@ async fn a_node_shut_down_twice_returns_both_times() {
     }
 }
 
-/// A node that has shut down answers every later call at once with `ShutDown`, however
-/// soon after the shutdown it comes: on glommio a call queued to a shard that is stopping
-/// was kept by its command channel and never answered (a second shutdown hung this way).
+/// A node that has shut down answers every later call at once, however soon after the
+/// shutdown it comes: its counters with its final figures, the rest with `ShutDown`. On
+/// glommio a call queued to a shard that was stopping was kept by its command channel and
+/// never answered (a second shutdown hung this way).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_to_a_node_that_has_shut_down_are_answered_at_once() {
     use kvferry_tokio::NodeError;
@@ -280,6 +281,8 @@ async fn calls_to_a_node_that_has_shut_down_are_answered_at_once() {
             prefill_on(runtime, &shape, core(), 61, "127.0.0.1:0".parse().unwrap()).await;
         let decode = start_on(runtime, Role::Decode, &shape, core(), 62);
         let peer = decode.connect(addrs.clone()).await.unwrap();
+        let report = run_decode(&decode, peer, rooms(2, 1)).await;
+        kvferry_tests::assert_all_clean(&report, 2);
         prefill.shutdown().await;
         decode.shutdown().await;
         let soon = Duration::from_secs(5);
@@ -303,5 +306,7 @@ async fn calls_to_a_node_that_has_shut_down_are_answered_at_once() {
         tokio::time::timeout(soon, prefill.shutdown())
             .await
             .unwrap_or_else(|_| panic!("{runtime:?}: a second shutdown hangs"));
+        // Its final figures stay readable, however many calls came before.
+        assert_eq!(decode.counters().await.rooms_succeeded, 2, "{runtime:?}");
     }
 }

@@ -1,12 +1,13 @@
-//! The listener's and the dialer's waits: connections accepted and not yet a session's and
-//! connection attempts not yet connected, each with its deadline, and the pause after a
-//! failed accept. The driver only holds the sockets; when
+//! The listener's and the dialer's waits: connections accepted and not yet a session's,
+//! connection attempts not yet connected and replaced data paths not yet drained, each with
+//! its deadline, and the pause after a failed accept. The driver only holds the sockets; when
 //! each wait ends is decided here, so the simulation fires these deadlines like any other.
 //!
 //! Invariants of [`Listener`]:
 //! - every pending connection has exactly one armed [`Timer::Accepted`]; when it fires the
 //!   connection is forgotten and exactly one [`Action::DropAccepted`] names it (a pending
-//!   dial likewise: [`Timer::Dial`], [`Action::AbandonDial`]);
+//!   dial likewise: [`Timer::Dial`], [`Action::AbandonDial`]; a drain: [`Timer::Drain`],
+//!   [`Action::StopDraining`]);
 //! - a connection settled first is forgotten with its timer disarmed, so it is never dropped
 //!   after it became a session's (its session's own handshake timer takes over);
 //! - the listener is paused exactly while [`Timer::AcceptBackoff`] is armed, and
@@ -18,7 +19,7 @@ use tracing::{debug, warn};
 
 use super::{Endpoint, Map};
 use crate::api::Action;
-use crate::ids::{ConnId, DialId};
+use crate::ids::{ConnId, DialId, DrainId};
 use crate::timer::{Timer, TimerKey, TimerTable};
 
 /// Attempts in progress, each with one deadline: accepted connections not yet a session's
@@ -170,6 +171,38 @@ impl Endpoint {
     /// Connection attempts still under way.
     pub fn dials_pending(&self) -> usize {
         self.dials.len()
+    }
+
+    /// Input: a data path was replaced while operations were outstanding on it (an RDMA
+    /// queue pair in the error state flushes them as completions): the driver collects what
+    /// it flushes until [`Action::StopDraining`], one `operation_timeout` later (every
+    /// operation it held has timed out in the core by then). Report it settled
+    /// ([`Endpoint::handle_drain_settled`]) when it is drained first.
+    pub fn handle_drain_started(&mut self, now: Instant) -> DrainId {
+        let now = self.clock(now);
+        self.drains.start(
+            &mut self.timers,
+            now + self.config.operation_timeout,
+            DrainId,
+            Timer::Drain,
+        )
+    }
+
+    /// Input: a replaced data path is drained (or gone): its deadline no longer applies.
+    pub fn handle_drain_settled(&mut self, drain: DrainId) {
+        self.drains.settle(&mut self.timers, drain);
+    }
+
+    /// Replaced data paths still draining.
+    pub fn drains_pending(&self) -> usize {
+        self.drains.len()
+    }
+
+    pub(super) fn on_drain_timer(&mut self, drain: DrainId, key: TimerKey) {
+        if self.drains.expire(drain, key) {
+            debug!(%drain, "replaced data path not drained within operation_timeout; stop collecting");
+            self.actions.push_back(Action::StopDraining(drain));
+        }
     }
 
     pub(super) fn on_dial_timer(&mut self, dial: DialId, key: TimerKey) {

@@ -42,7 +42,7 @@ use crate::codec::{
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
 use crate::ids::{
-    DialId, Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId,
+    DialId, DrainId, Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId,
 };
 use crate::layout::{page_runs, ExtraPool, LayoutMismatch, PageRun, PageSet, Region, Slice};
 use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLimits};
@@ -134,6 +134,8 @@ pub struct Endpoint {
     listener: Listener,
     /// Connection attempts under way, each with its `connect_timeout`.
     dials: Deadlines<DialId>,
+    /// Replaced data paths still flushing, each with its `operation_timeout`.
+    drains: Deadlines<DrainId>,
 }
 
 /// What the connection attempts to a target found, since its session went silent or down:
@@ -539,6 +541,7 @@ impl Endpoint {
             ended: EndedSessions::new(hasher.clone()),
             listener: Listener::default(),
             dials: Deadlines::default(),
+            drains: Deadlines::default(),
             hasher,
         })
     }

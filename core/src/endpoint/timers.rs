@@ -190,6 +190,7 @@ impl Endpoint {
             Timer::Accepted(conn) => self.on_accepted_timer(conn, key),
             Timer::AcceptBackoff => self.on_accept_backoff_timer(key),
             Timer::Dial(dial) => self.on_dial_timer(dial, key),
+            Timer::Drain(drain) => self.on_drain_timer(drain, key),
             Timer::Linger(sid) => {
                 let Some(s) = self.sessions.get_mut(&sid) else {
                     return;

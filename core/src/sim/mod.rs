@@ -96,6 +96,8 @@ pub enum WaitEnded {
     StopLingering(SessionId),
     /// [`Action::AbandonDial`]: a connection attempt did not connect in time.
     AbandonDial(crate::ids::DialId),
+    /// [`Action::StopDraining`]: a replaced data path did not drain in time.
+    StopDraining(crate::ids::DrainId),
 }
 
 /// A node of the simulation: one endpoint and the memory it owns.
@@ -716,6 +718,9 @@ impl Sim {
                     Action::ResumeAccepting => self.nodes[n]
                         .waits_ended
                         .push((self.now, WaitEnded::ResumeAccepting)),
+                    Action::StopDraining(drain) => self.nodes[n]
+                        .waits_ended
+                        .push((self.now, WaitEnded::StopDraining(drain))),
                     // The attempt is given up, and reported as the driver does.
                     Action::AbandonDial(dial) => {
                         self.nodes[n]
