@@ -392,11 +392,11 @@ pub enum Action {
     DropAccepted(crate::ids::ConnId),
     /// Give this connection attempt up now: it did not connect within `connect_timeout`.
     /// Report a target's as [`ConnectFailure::NoAnswer`]. The core has forgotten it already:
-    /// no [`crate::Endpoint::handle_dial_settled`] follows.
+    /// a later [`crate::Endpoint::handle_dial_settled`] for it is ignored.
     AbandonDial(crate::ids::DialId),
     /// Stop collecting what this replaced data path flushes: it had `operation_timeout`.
-    /// The core has forgotten it already: no [`crate::Endpoint::handle_drain_settled`]
-    /// follows.
+    /// The core has forgotten it already: a later [`crate::Endpoint::handle_drain_settled`]
+    /// for it is ignored.
     StopDraining(crate::ids::DrainId),
     /// The pause after a failed accept ([`crate::Endpoint::handle_accept_failed`]) is over:
     /// accept again.

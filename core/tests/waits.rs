@@ -329,3 +329,31 @@ fn a_replaced_data_path_that_drains_in_time_is_never_stopped() {
     assert!(sim.nodes[d].waits_ended.is_empty());
     assert_eq!(sim.nodes[d].endpoint.drains_pending(), 0);
 }
+
+#[test]
+fn a_node_shutting_down_dials_its_kept_peers_no_more() {
+    let (mut sim, d, p) = decode_and_prefill(24);
+    let target = sim.add_target(d, p);
+    run_ms(&mut sim, 100);
+    assert!(sim.nodes[d].endpoint.target_session(target).is_some());
+    sim.nodes[d].endpoint.shutdown(sim.now);
+    sim.drain(d);
+    run_ms(&mut sim, 3_000);
+    assert_eq!(sim.session(d, p), None, "no session opened again");
+    assert!(sim.nodes[d].endpoint.shutdown_complete());
+}
+
+#[test]
+fn a_connection_that_arrives_after_the_shutdown_began_is_closed_at_once() {
+    let (mut sim, d) = lone_decode();
+    sim.nodes[d].endpoint.shutdown(sim.now);
+    let accepted = sim.nodes[d].endpoint.accept_session(sim.now);
+    let dialed = sim.nodes[d].endpoint.open_session(sim.now);
+    for session in [accepted, dialed] {
+        assert_eq!(
+            sim.nodes[d].endpoint.session_state(session),
+            Some(SessionState::Closing),
+            "told it is shutting down, and closed"
+        );
+    }
+}

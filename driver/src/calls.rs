@@ -164,15 +164,20 @@ impl<C: ShardCalls> Embedder<C> {
     }
 
     /// Why a persistent peer is unreachable now (down for its whole `unreachable_timeout`),
-    /// or `None` while it has a session or may still come back; answers at once.
+    /// or `None` while it has a session or may still come back; answers at once
+    /// (`ShutDown` once this node's shutdown began: it keeps no peer any more).
     pub async fn unreachable(&self, peer: PeerId) -> Result<Option<FailureReason>, NodeError> {
         for (shard, links) in self.peer(peer)?.into_iter().enumerate() {
             for link in links {
                 let Link::Target(target) = link else { continue };
                 let found = self
                     .calls
-                    .call(shard, move |d| d.endpoint().target_unreachable(target))
-                    .await?;
+                    .call(shard, move |d| {
+                        let e = d.endpoint();
+                        e.may_connect().map(|()| e.target_unreachable(target))
+                    })
+                    .await?
+                    .map_err(NodeError::from)?;
                 if found.is_some() {
                     return Ok(found);
                 }

@@ -78,8 +78,8 @@ impl<H: Host> Driver<H> {
     pub fn accepted(&mut self) -> (ConnId, CoreWait) {
         let conn = self.with(|e, now| e.handle_accepted(now));
         let (end, wait) = oneshot::channel();
-        if self.endpoint().shutdown_complete() {
-            // A shut-down node takes no connection: the wait is over before it starts.
+        if self.endpoint().may_connect().is_err() {
+            // A node shutting down takes no connection: the wait is over before it starts.
             drop(end);
         } else {
             self.ends_mut().accepted.insert(conn, end);

@@ -438,6 +438,10 @@ impl<H: Host> Driver<H> {
             let _ = tx.send(Err(NodeError::Unreachable(reason)));
             return;
         }
+        if let Err(e) = self.endpoint.may_connect() {
+            let _ = tx.send(Err(e.into()));
+            return;
+        }
         self.target_waits.add(target, tx);
     }
 
@@ -569,6 +573,8 @@ impl<H: Host> Driver<H> {
     /// Starts the core's shutdown; `done` is told when the core says it is complete.
     pub fn shutdown(&mut self, done: oneshot::Sender<()>) {
         self.endpoint.shutdown(Instant::now());
+        // Kept peers are dialed no more: nobody waiting for one would hear.
+        self.target_waits.shut_down();
         if self.endpoint.shutdown_complete() {
             let _ = done.send(());
         } else {

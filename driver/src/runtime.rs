@@ -224,7 +224,12 @@ pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
             rt.drive(|d| d.connect_failed(target, &e));
         }
         (Err(e), Dial::Caller(tx)) => {
-            let _ = tx.send(Err(NodeError::Io(e)));
+            // An attempt the shutdown ended (or a node gone) is the node's ShutDown.
+            let refused = rt.drive(|d| d.endpoint().may_connect().err());
+            let _ = tx.send(Err(match refused {
+                Some(None) => NodeError::Io(e),
+                _ => NodeError::ShutDown,
+            }));
         }
     }
 }

@@ -75,6 +75,15 @@ impl<K: std::hash::Hash + Eq> Waits<K> {
             .map(Refusal::error)
     }
 
+    /// Tells every waiter, whatever it waits for, that the node shut down.
+    pub(crate) fn shut_down(&mut self) {
+        for (_, w) in self.waiting.drain() {
+            for tx in w.callers {
+                let _ = tx.send(Err(NodeError::ShutDown));
+            }
+        }
+    }
+
     /// Tells every waiter for `key` its session.
     pub(crate) fn succeed(&mut self, key: &K, session: SessionId) {
         for tx in self

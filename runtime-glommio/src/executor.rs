@@ -142,8 +142,8 @@ pub(crate) struct ShardSetup {
     pub(crate) memory: Arc<MemoryMap>,
     pub(crate) announcements: Announcer,
     pub(crate) rx: flume::Receiver<Cmd>,
-    /// Held until the shard's thread ends: its receivers hear the end (a call queued behind
-    /// the shard's last command is never run, and its caller must not wait for it).
+    /// Held until the shard's thread ends: its receivers hear the end (a call queued to a
+    /// shard whose thread panicked is never run, and its caller must not wait for it).
     pub(crate) alive: flume::Sender<()>,
     /// TLS on every connection, when configured (loaded once for all shards).
     pub(crate) tls: Option<kvferry_tcp::TlsSetup>,

@@ -66,8 +66,9 @@ pub(crate) enum NoRdma {}
 pub(crate) type Cmd = Box<dyn FnOnce(&Rc<Shard>) + Send>;
 
 /// A running kvferry node on glommio: `shards` executors, each a shard with its own endpoint.
-/// Cheap to clone, `Send + Sync`: call it from any thread or runtime. The last clone dropped
-/// (or [`KvNode::shutdown`]) stops the shards.
+/// Cheap to clone, `Send + Sync`: call it from any thread or runtime. [`KvNode::shutdown`]
+/// (or the last clone dropped) stops the shards' work; a shard's thread ends when the last
+/// clone is dropped (until then it answers calls from its shut-down core).
 #[derive(Clone)]
 pub struct GlommioNode {
     shared: Arc<NodeShared>,
@@ -204,8 +205,8 @@ impl Shards {
             let Some(end) = end.filter(|_| sent) else {
                 return Err(NodeError::ShutDown);
             };
-            // A command queued as the shard stops is never run (nor dropped: the channel
-            // keeps it), so its answer is also awaited against the thread's end.
+            // A command queued to a shard whose thread ended (it panicked) is never run nor
+            // dropped (the channel keeps it): its answer is also awaited against that end.
             let answer = async { rx.await.map_err(|_| NodeError::ShutDown) };
             let gone = async {
                 let _ = end.recv_async().await;
@@ -300,6 +301,11 @@ impl RuntimeNode for GlommioNode {
                 let _ = rx.await;
             }
         }
+        // One more call each: the stopped shard's command loop sees the stop and lets go of
+        // its tasks and sessions now, not at the next call that would come.
+        for i in 0..self.shared.rooms.calls().shards() {
+            let _ = (self.shared.rooms.calls()).run(i, |_| ()).await;
+        }
         let threads = std::mem::take(
             &mut *self
                 .shared
@@ -307,7 +313,8 @@ impl RuntimeNode for GlommioNode {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner()),
         );
-        // The executors exit once stopped; joining blocks, so do it off the caller's thread.
+        // The executors exit once the node is dropped; joining blocks, so do it off the
+        // caller's thread.
         std::thread::spawn(move || {
             for t in threads {
                 let _ = t.join();
@@ -317,6 +324,9 @@ impl RuntimeNode for GlommioNode {
 }
 
 // ------------------------------------------------------------------------------- shards
+
+/// A listener's task and its socket (shut down before the task is cancelled).
+type Listening = (Task<()>, std::net::TcpListener);
 
 /// A step every shard of a node takes (on its own executor).
 type ShardStep = fn(Rc<Shard>) -> Pin<Box<dyn Future<Output = ()>>>;
@@ -328,8 +338,9 @@ struct Shard {
     stopped: Cell<bool>,
     /// Tasks that live as long as the shard (listeners, the timer).
     background: RefCell<Vec<Task<()>>>,
-    /// The listeners' tasks.
-    listeners: RefCell<Vec<Task<()>>>,
+    /// The listeners' tasks, each with its socket; `None` once the shutdown began (no
+    /// listener opens again).
+    listeners: RefCell<Option<Vec<Listening>>>,
     /// Tasks the driver asked for, started once it is no longer borrowed.
     spawns: RefCell<Vec<std::pin::Pin<Box<dyn Future<Output = ()>>>>>,
 }
@@ -389,7 +400,7 @@ pub(crate) async fn shard_main(
         wake,
         stopped: Cell::new(false),
         background: RefCell::new(Vec::new()),
-        listeners: RefCell::new(Vec::new()),
+        listeners: RefCell::new(Some(Vec::new())),
         spawns: RefCell::new(Vec::new()),
     });
     shard.drive(|d| {
@@ -416,7 +427,8 @@ pub(crate) async fn shard_main(
     }
     shard.stop();
     let mut tasks = std::mem::take(&mut *shard.background.borrow_mut());
-    tasks.append(&mut shard.listeners.borrow_mut());
+    let listeners = shard.listeners.borrow_mut().take().unwrap_or_default();
+    tasks.extend(listeners.into_iter().map(|(task, _)| task));
     for t in tasks {
         let _ = t.cancel().await;
     }
@@ -433,8 +445,7 @@ pub(crate) async fn shard_main(
     while let Ok(cmd) = setup.rx.recv_async().await {
         cmd(&shard);
     }
-    // Callers waiting on a command this shard will never run hear its end now (a shard
-    // whose thread panicked included).
+    // Callers waiting on a command this shard will never run hear its end now.
     drop(setup.alive);
 }
 
@@ -631,10 +642,14 @@ impl Shard {
     }
 
     fn listen(self: &Rc<Self>, addr: SocketAddr) -> Result<SocketAddr, NodeError> {
+        if self.listeners.borrow().is_none() {
+            return Err(NodeError::ShutDown);
+        }
         // glommio's own bind sets SO_REUSEPORT, which would let a second node silently share
         // (and steal connections from) an address in use; bind plainly and hand it over.
         let plain = std::net::TcpListener::bind(addr)?;
         plain.set_nonblocking(true)?;
+        let socket = plain.try_clone()?;
         // SAFETY: `plain` is a fresh listening socket whose ownership moves to glommio.
         let listener = unsafe { TcpListener::from_raw_fd(plain.into_raw_fd()) };
         let local = listener.local_addr().map_err(std::io::Error::from)?;
@@ -661,7 +676,9 @@ impl Shard {
             let accept = move || async move { Ok(listener.accept().await?) };
             runtime::listen(host, accept, take).await;
         });
-        self.listeners.borrow_mut().push(task);
+        if let Some(listeners) = self.listeners.borrow_mut().as_mut() {
+            listeners.push((task, socket));
+        }
         Ok(local)
     }
 
@@ -669,9 +686,13 @@ impl Shard {
     /// the same address can bind it at once).
     fn close_listeners(self: Rc<Self>) -> Pin<Box<dyn Future<Output = ()>>> {
         Box::pin(async move {
-            let listeners = std::mem::take(&mut *self.listeners.borrow_mut());
-            for l in listeners {
-                let _ = l.cancel().await;
+            let listeners = self.listeners.borrow_mut().take().unwrap_or_default();
+            for (task, socket) in listeners {
+                // Out of the listening state first: an accept already handed to the kernel
+                // (io_uring) keeps the socket alive past its close, and would still take one
+                // connection; shut down, it takes none and new ones are refused.
+                let _ = rustix::net::shutdown(&socket, rustix::net::Shutdown::ReadWrite);
+                let _ = task.cancel().await;
             }
         })
     }

@@ -66,8 +66,8 @@ struct Shared {
     info: EndpointInfo,
     announcements: Announcer,
     stopped: watch::Sender<bool>,
-    /// The listeners' tasks.
-    listeners: Mutex<Vec<JoinHandle<()>>>,
+    /// The listeners' tasks; `None` once the shutdown began (no listener opens again).
+    listeners: Mutex<Option<Vec<JoinHandle<()>>>>,
 }
 
 /// A running kvferry endpoint on tokio. Cheap to clone; the last [`Node::shutdown`] or drop
@@ -198,7 +198,7 @@ impl Node {
                 info: config.info,
                 announcements,
                 stopped,
-                listeners: Mutex::new(Vec::new()),
+                listeners: Mutex::new(Some(Vec::new())),
             }
         });
         let weak = Arc::downgrade(&shared);
@@ -284,6 +284,9 @@ impl RuntimeNode for Node {
     }
 
     async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
+        if lock(&self.shared.listeners).is_none() {
+            return Err(NodeError::ShutDown);
+        }
         let listener = TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
         let host = self.host();
@@ -301,8 +304,14 @@ impl RuntimeNode for Node {
                 _ = runtime::listen(host, move || listener.accept(), take) => {}
             }
         };
-        let task = tokio::spawn(serve.instrument(info_span!("kvferry_listener", %local)));
-        lock(&self.shared.listeners).push(task);
+        let mut listeners = lock(&self.shared.listeners);
+        // The shutdown may have begun while this one was bound: it is not served then.
+        let Some(listeners) = listeners.as_mut() else {
+            return Err(NodeError::ShutDown);
+        };
+        listeners.push(tokio::spawn(
+            serve.instrument(info_span!("kvferry_listener", %local)),
+        ));
         Ok(vec![local])
     }
 
@@ -314,7 +323,7 @@ impl RuntimeNode for Node {
         // The listeners close before any peer hears the goodbye: one that dials again at
         // once is refused, not let in by a node about to go (and left waiting out its
         // handshake timeout); a node restarted at the same address can bind it at once.
-        let listeners = std::mem::take(&mut *lock(&self.shared.listeners));
+        let listeners = lock(&self.shared.listeners).take().unwrap_or_default();
         for l in listeners {
             l.abort();
             let _ = l.await;

@@ -866,9 +866,20 @@ async fn a_peer_that_dials_on_hearing_the_goodbye_is_refused() {
             let prefill = prefill.clone();
             async move { prefill.shutdown().await }
         });
-        // Heard: the prefill said it is closing the session (its goodbye).
+        // Heard: the prefill said it is closing the session (its goodbye, nothing else).
         peer.until(|e, s| e.session_state(s) != Some(SessionState::Established))
             .await;
+        assert!(
+            peer.heard.iter().any(|ev| matches!(
+                ev,
+                kvferry_core::Event::PeerError {
+                    code: kvferry_core::codec::ErrorCode::Shutdown,
+                    ..
+                }
+            )),
+            "{runtime:?}: the session ended otherwise: {:?}",
+            peer.heard
+        );
         for &addr in &addrs {
             let dialed = TcpStream::connect(addr).await;
             assert!(
@@ -956,6 +967,8 @@ struct HandDecode {
     session: kvferry_core::SessionId,
     stream: TcpStream,
     unread: Vec<u8>,
+    /// What the core made of what it heard.
+    heard: Vec<kvferry_core::Event>,
 }
 
 impl HandDecode {
@@ -977,6 +990,7 @@ impl HandDecode {
             session,
             stream,
             unread: Vec::new(),
+            heard: Vec::new(),
         }
     }
 
@@ -1000,6 +1014,8 @@ impl HandDecode {
                 .endpoint
                 .handle_input(Instant::now(), self.session, &self.unread);
             self.unread.drain(..used);
+            self.heard
+                .extend(std::iter::from_fn(|| self.endpoint.poll_event()));
         }
     }
 }

@@ -283,6 +283,8 @@ async fn calls_to_a_node_that_has_shut_down_are_answered_at_once() {
         let peer = decode.connect(addrs.clone()).await.unwrap();
         let report = run_decode(&decode, peer, rooms(2, 1)).await;
         kvferry_tests::assert_all_clean(&report, 2);
+        let kept = decode.connect_persistent(addrs.clone()).await.unwrap();
+        decode.reach(kept).await.unwrap();
         prefill.shutdown().await;
         decode.shutdown().await;
         let soon = Duration::from_secs(5);
@@ -303,10 +305,61 @@ async fn calls_to_a_node_that_has_shut_down_are_answered_at_once() {
             matches!(dialed, Err(NodeError::ShutDown)),
             "{runtime:?}: {dialed:?}"
         );
+        let reached = tokio::time::timeout(soon, decode.reach(kept))
+            .await
+            .unwrap_or_else(|_| panic!("{runtime:?}: reach after shutdown hangs"));
+        assert!(
+            matches!(reached, Err(NodeError::ShutDown)),
+            "{runtime:?}: {reached:?}"
+        );
+        let asked = decode.unreachable(kept).await;
+        assert!(
+            matches!(asked, Err(NodeError::ShutDown)),
+            "{runtime:?}: {asked:?}"
+        );
+        let listened = decode.listen("127.0.0.1:0".parse().unwrap()).await;
+        assert!(
+            matches!(listened, Err(NodeError::ShutDown)),
+            "{runtime:?}: {listened:?}"
+        );
         tokio::time::timeout(soon, prefill.shutdown())
             .await
             .unwrap_or_else(|_| panic!("{runtime:?}: a second shutdown hangs"));
         // Its final figures stay readable, however many calls came before.
         assert_eq!(decode.counters().await.rooms_succeeded, 2, "{runtime:?}");
+    }
+}
+
+/// A caller waiting for a kept peer that is not there hears `ShutDown` when the node shuts
+/// down, instead of waiting for a peer the node will not dial again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_a_kept_peer_ends_when_the_node_shuts_down() {
+    use kvferry_tokio::NodeError;
+    for runtime in [Runtime::Tokio, kvferry_tests::GLOMMIO] {
+        let shape = rooms(1, 1).shape;
+        let long = Config {
+            unreachable_timeout: Duration::from_secs(60),
+            ..core()
+        };
+        let decode = start_on(runtime, Role::Decode, &shape, long, 71);
+        // Nothing listens there: the decode dials on and on.
+        let kept = decode
+            .connect_persistent(vec![free_ports(1)])
+            .await
+            .unwrap();
+        let waiting = tokio::spawn({
+            let decode = decode.clone();
+            async move { decode.reach(kept).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        decode.shutdown().await;
+        let reached = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap_or_else(|_| panic!("{runtime:?}: the wait outlives the node"))
+            .unwrap();
+        assert!(
+            matches!(reached, Err(NodeError::ShutDown)),
+            "{runtime:?}: {reached:?}"
+        );
     }
 }

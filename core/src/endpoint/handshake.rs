@@ -10,6 +10,7 @@ impl Endpoint {
         let sid = self.new_session(now, Auth::ConnectorChallenged { ours });
         self.transmits
             .push_back((sid, Message::Challenge { nonce: ours }));
+        self.refuse_while_shutting_down(now, sid);
         sid
     }
 
@@ -17,7 +18,23 @@ impl Endpoint {
     /// challenge once the connector sent its own, and our hello only once the connector's
     /// hello proved it knows the cluster token: before that a stranger learns nothing.
     pub fn accept_session(&mut self, now: Instant) -> SessionId {
-        self.new_session(now, Auth::ListenerWaiting)
+        let sid = self.new_session(now, Auth::ListenerWaiting);
+        self.refuse_while_shutting_down(now, sid);
+        sid
+    }
+
+    /// A connection that became ours after the shutdown began (a dial or an accept already
+    /// under way) is told so and closed at once: a node going away opens no session.
+    fn refuse_while_shutting_down(&mut self, now: Instant, sid: SessionId) {
+        if self.shut_down {
+            self.close_session(
+                now,
+                sid,
+                ErrorCode::Shutdown,
+                "shutting down",
+                FailureReason::Shutdown,
+            );
+        }
     }
 
     /// Our hello, its proof still zero.

@@ -157,10 +157,15 @@ impl Endpoint {
         let max = self.config.reconnect_max_interval;
         let shortest = self.config.reconnect_interval;
         let window = self.config.unreachable_timeout;
+        let shut_down = self.shut_down;
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
         t.session = None;
+        if shut_down {
+            // A node going away dials no one again.
+            return;
+        }
         let since = *t.down_since.get_or_insert(now);
         if t.unreachable_timer.is_none() && !t.unreachable_reported {
             self.timers.set(
@@ -405,6 +410,9 @@ impl Endpoint {
 
     /// Asks the driver for one connection attempt to `target`.
     pub(super) fn dial(&mut self, target: TargetId) {
+        if self.shut_down {
+            return;
+        }
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };

@@ -3,13 +3,15 @@
 //! its deadline, and the pause after a failed accept. The driver only holds the sockets; when
 //! each wait ends is decided here, so the simulation fires these deadlines like any other.
 //!
-//! Invariants of [`Listener`]:
+//! Invariants (of [`Deadlines`], held by the [`Listener`] for accepted connections and by
+//! the endpoint for dials and drains, and of the [`Listener`]'s pause):
 //! - every pending connection has exactly one armed [`Timer::Accepted`]; when it fires the
 //!   connection is forgotten and exactly one [`Action::DropAccepted`] names it (a pending
 //!   dial likewise: [`Timer::Dial`], [`Action::AbandonDial`]; a drain: [`Timer::Drain`],
 //!   [`Action::StopDraining`]);
-//! - a connection settled first is forgotten with its timer disarmed, so it is never dropped
-//!   after it became a session's (its session's own handshake timer takes over);
+//! - one settled first is forgotten with its timer disarmed, so it never expires after it
+//!   settled (an accepted connection that became a session's: its session's own handshake
+//!   timer takes over); a settle after it expired is ignored, and ids are never reused;
 //! - the listener is paused exactly while [`Timer::AcceptBackoff`] is armed, and
 //!   [`Action::ResumeAccepting`] goes out once when it fires.
 
@@ -23,7 +25,8 @@ use crate::ids::{ConnId, DialId, DrainId};
 use crate::timer::{Timer, TimerKey, TimerTable};
 
 /// Attempts in progress, each with one deadline: accepted connections not yet a session's
-/// ([`Timer::Accepted`]) or connection attempts not yet connected ([`Timer::Dial`]).
+/// ([`Timer::Accepted`]), connection attempts not yet connected ([`Timer::Dial`]) or
+/// replaced data paths not yet drained ([`Timer::Drain`]).
 ///
 /// Invariants: every pending attempt has exactly one armed timer; when it fires the attempt
 /// is forgotten and `expire` says so exactly once; an attempt settled first is forgotten with

@@ -61,6 +61,11 @@ impl Endpoint {
     pub fn shutdown(&mut self, now: Instant) {
         let now = self.clock(now);
         self.shut_down = true;
+        // Kept peers are dialed no more, and none is waited for.
+        for t in self.targets.values_mut() {
+            self.timers.cancel(&mut t.timer);
+            self.timers.cancel(&mut t.unreachable_timer);
+        }
         let rooms: Vec<RoomId> = self.rooms.keys().copied().collect();
         for room in rooms {
             if self
@@ -95,8 +100,9 @@ impl Endpoint {
         self.shutdown_complete
     }
 
-    /// Whether this node may connect to a peer now: not once its shutdown began (a node
-    /// going away opens no session; a caller's dial or new target gets `ShutDown`).
+    /// Whether this node may connect to a peer or take a connection now: not once its
+    /// shutdown began (a caller's dial, a new target or a new listener gets `ShutDown`; a
+    /// connection that arrives anyway is closed with `Error(Shutdown)` at once).
     pub fn may_connect(&self) -> Result<(), ApiError> {
         if self.shut_down {
             return Err(ApiError::ShutDown);

@@ -528,6 +528,8 @@ impl Sim {
     /// Restarts a node: a new endpoint with a new incarnation, all its memory freed, all its
     /// links dropped without notice to itself (the old process is gone).
     pub fn restart(&mut self, n: usize) {
+        // The old process's connection attempts went with it.
+        self.unanswered.retain(|(node, _), _| *node != n);
         let node = &mut self.nodes[n];
         let mut info = node.info.clone();
         info.incarnation = Incarnation(node.seed.wrapping_mul(31).wrapping_add(self.steps) | 1);
@@ -734,7 +736,7 @@ impl Sim {
                             );
                         }
                     }
-                    Action::Connect { target, .. } => {
+                    Action::Connect { target } => {
                         self.push(self.now, Pending::Dial { node: n, target })
                     }
                     // Other links are made by the test (connect, reset_link), and the data path
