@@ -276,50 +276,55 @@ impl RuntimeNode for GlommioNode {
     }
 
     async fn shutdown(&self) {
-        // Every shard's listeners close before any shard says goodbye (a peer that hears
-        // one shard's and dials another at once is refused too), then the shards shut down
-        // together.
-        for step in [Shard::close_listeners as ShardStep, Shard::shutdown] {
-            let mut done = Vec::new();
-            for i in 0..self.shared.rooms.calls().shards() {
-                let (tx, rx) = oneshot::channel();
-                let sent = (self.shared.rooms.calls())
-                    .run(i, move |s| {
-                        let s = s.clone();
-                        glommio::spawn_local(async move {
-                            step(s).await;
-                            let _ = tx.send(());
-                        })
-                        .detach();
-                    })
-                    .await;
-                if sent.is_ok() {
-                    done.push(rx);
-                }
-            }
-            for rx in done {
-                let _ = rx.await;
-            }
-        }
-        // One more call each: the stopped shard's command loop sees the stop and lets go of
-        // its tasks and sessions now, not at the next call that would come.
-        for i in 0..self.shared.rooms.calls().shards() {
-            let _ = (self.shared.rooms.calls()).run(i, |_| ()).await;
-        }
-        let threads = std::mem::take(
-            &mut *self
-                .shared
-                .threads
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
-        // The executors exit once the node is dropped; joining blocks, so do it off the
-        // caller's thread.
+        let shared = self.shared.clone();
+        let (done, finished) = oneshot::channel();
+        // A thread of its own: a caller that stops waiting (a timeout around this call) does
+        // not leave a node half shut down. It then joins the executors, which exit once the
+        // node is dropped (it lets go of the node first).
         std::thread::spawn(move || {
+            futures_lite::future::block_on(shut_down_shards(&shared));
+            let threads =
+                std::mem::take(&mut *shared.threads.lock().unwrap_or_else(|p| p.into_inner()));
+            drop(shared);
+            let _ = done.send(());
             for t in threads {
                 let _ = t.join();
             }
         });
+        let _ = finished.await;
+    }
+}
+
+/// Every shard's listeners close before any shard says goodbye (a peer that hears one
+/// shard's and dials another at once is refused too), then the shards shut down together.
+async fn shut_down_shards(shared: &NodeShared) {
+    let calls = shared.rooms.calls();
+    for step in [Shard::close_listeners as ShardStep, Shard::shutdown] {
+        let mut done = Vec::new();
+        for i in 0..calls.shards() {
+            let (tx, rx) = oneshot::channel();
+            let sent = calls
+                .run(i, move |s| {
+                    let s = s.clone();
+                    glommio::spawn_local(async move {
+                        step(s).await;
+                        let _ = tx.send(());
+                    })
+                    .detach();
+                })
+                .await;
+            if sent.is_ok() {
+                done.push(rx);
+            }
+        }
+        for rx in done {
+            let _ = rx.await;
+        }
+    }
+    // One more call each: the stopped shard's command loop sees the stop and lets go of its
+    // tasks and sessions now, not at the next call that would come.
+    for i in 0..calls.shards() {
+        let _ = calls.run(i, |_| ()).await;
     }
 }
 

@@ -320,20 +320,26 @@ impl RuntimeNode for Node {
     }
 
     async fn shutdown(&self) {
-        // The listeners close before any peer hears the goodbye: one that dials again at
-        // once is refused, not let in by a node about to go (and left waiting out its
-        // handshake timeout); a node restarted at the same address can bind it at once.
-        let listeners = lock(&self.shared.listeners).take().unwrap_or_default();
-        for l in listeners {
-            l.abort();
-            let _ = l.await;
-        }
-        // The core says when it is done: every session closed, or its shutdown timeout.
-        let (tx, rx) = oneshot::channel();
-        self.shared.lock().shutdown(tx);
-        let _ = rx.await;
-        self.shared.stopped.send_replace(true);
-        self.shared.wake.notify_one();
+        let shared = self.shared.clone();
+        // A task of its own: a caller that stops waiting (a timeout around this call) does
+        // not leave a node half shut down.
+        let steps = async move {
+            // The listeners close before any peer hears the goodbye: one that dials again
+            // at once is refused, not let in by a node about to go (and left waiting out its
+            // handshake timeout); a node restarted at the same address can bind it at once.
+            let listeners = lock(&shared.listeners).take().unwrap_or_default();
+            for l in listeners {
+                l.abort();
+                let _ = l.await;
+            }
+            // The core says when it is done: every session closed, or its shutdown timeout.
+            let (tx, rx) = oneshot::channel();
+            shared.lock().shutdown(tx);
+            let _ = rx.await;
+            shared.stopped.send_replace(true);
+            shared.wake.notify_one();
+        };
+        let _ = self.host().runtime.spawn(steps).await;
     }
 }
 

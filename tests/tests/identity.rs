@@ -363,3 +363,38 @@ async fn a_wait_for_a_kept_peer_ends_when_the_node_shuts_down() {
         );
     }
 }
+
+/// A shutdown whose caller stops waiting (a timeout around it) still completes: before,
+/// dropping the call after the listeners closed left a node that listened no more and
+/// was not shut down either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_whose_caller_stops_waiting_still_completes() {
+    use kvferry_tokio::NodeError;
+    for runtime in [Runtime::Tokio, kvferry_tests::GLOMMIO] {
+        let shape = rooms(1, 1).shape;
+        let (prefill, addrs, server) =
+            prefill_on(runtime, &shape, core(), 81, "127.0.0.1:0".parse().unwrap()).await;
+        server.abort();
+        let decode = start_on(runtime, Role::Decode, &shape, core(), 82);
+        decode.connect(addrs).await.unwrap();
+        // Polled once, then dropped (unless it is done by then).
+        tokio::select! {
+            biased;
+            () = prefill.shutdown() => {}
+            () = std::future::ready(()) => {}
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut room = 1;
+        loop {
+            match prefill.open_sender(kvferry_core::RoomId(room), 0).await {
+                Err(NodeError::ShutDown) => break,
+                other => assert!(
+                    Instant::now() < deadline,
+                    "{runtime:?}: still open 5 s after its shutdown began: {other:?}"
+                ),
+            }
+            room += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
