@@ -19,38 +19,59 @@ use crate::{Driver, Host};
 /// Ends when the core says a wait is over, or when the node is gone (its sender dropped).
 pub type CoreWait = oneshot::Receiver<()>;
 
+/// The ends of one kind of wait the core decides, by what each belongs to.
+pub(crate) struct Pending<K>(crate::machine::Map<K, oneshot::Sender<()>>);
+
+impl<K> Default for Pending<K> {
+    fn default() -> Self {
+        Pending(Default::default())
+    }
+}
+
+impl<K: std::hash::Hash + Eq> Pending<K> {
+    /// Keeps the end of `key`'s wait; `over`: the wait ends at once instead (no core timer
+    /// would end it).
+    fn arm(&mut self, key: K, over: bool) -> CoreWait {
+        let (end, wait) = oneshot::channel();
+        if !over {
+            self.0.insert(key, end);
+        }
+        wait
+    }
+
+    /// The core ended `key`'s wait.
+    pub(crate) fn end(&mut self, key: &K) {
+        if let Some(end) = self.0.remove(key) {
+            let _ = end.send(());
+        }
+    }
+
+    /// `key` settled first: its wait is not to end any more.
+    fn forget(&mut self, key: &K) {
+        self.0.remove(key);
+    }
+
+    fn end_all(&mut self) {
+        for (_, end) in self.0.drain() {
+            let _ = end.send(());
+        }
+    }
+}
+
 /// The ends of the waits the core decides, by what they belong to.
 #[derive(Default)]
 pub(crate) struct Ends {
     /// Accepted connections not yet a session's.
-    accepted: crate::machine::Map<ConnId, oneshot::Sender<()>>,
+    pub(crate) accepted: Pending<ConnId>,
     /// Listeners paused after a failed accept.
     paused: Vec<oneshot::Sender<()>>,
     /// Connection attempts under way.
-    dials: crate::machine::Map<DialId, oneshot::Sender<()>>,
+    pub(crate) dials: Pending<DialId>,
     /// Replaced data paths still draining.
-    drains: crate::machine::Map<DrainId, oneshot::Sender<()>>,
+    pub(crate) drains: Pending<DrainId>,
 }
 
 impl Ends {
-    pub(crate) fn drop_accepted(&mut self, conn: ConnId) {
-        if let Some(end) = self.accepted.remove(&conn) {
-            let _ = end.send(());
-        }
-    }
-
-    pub(crate) fn abandon_dial(&mut self, dial: DialId) {
-        if let Some(end) = self.dials.remove(&dial) {
-            let _ = end.send(());
-        }
-    }
-
-    pub(crate) fn stop_draining(&mut self, drain: DrainId) {
-        if let Some(end) = self.drains.remove(&drain) {
-            let _ = end.send(());
-        }
-    }
-
     pub(crate) fn resume_accepting(&mut self) {
         for end in self.paused.drain(..) {
             let _ = end.send(());
@@ -59,14 +80,9 @@ impl Ends {
 
     /// Ends every wait at once (the node shut down: no core timer fires any more).
     pub(crate) fn end_all(&mut self) {
-        let accepted = self.accepted.drain().map(|(_, end)| end);
-        let dials = self.dials.drain().map(|(_, end)| end);
-        for end in accepted
-            .chain(dials)
-            .chain(self.drains.drain().map(|(_, end)| end))
-        {
-            let _ = end.send(());
-        }
+        self.accepted.end_all();
+        self.dials.end_all();
+        self.drains.end_all();
         self.resume_accepting();
     }
 }
@@ -77,19 +93,14 @@ impl<H: Host> Driver<H> {
     /// [`Driver::accept_settled`] once it is a session's or gone.
     pub fn accepted(&mut self) -> (ConnId, CoreWait) {
         let conn = self.with(|e, now| e.handle_accepted(now));
-        let (end, wait) = oneshot::channel();
-        if self.endpoint().may_connect().is_err() {
-            // A node shutting down takes no connection: the wait is over before it starts.
-            drop(end);
-        } else {
-            self.ends_mut().accepted.insert(conn, end);
-        }
-        (conn, wait)
+        // A node shutting down takes no connection: the wait is over before it starts.
+        let over = self.endpoint().may_connect().is_err();
+        (conn, self.ends_mut().accepted.arm(conn, over))
     }
 
     /// An accepted connection became a session's, or ended: its deadline no longer applies.
     pub fn accept_settled(&mut self, conn: ConnId) {
-        self.ends_mut().accepted.remove(&conn);
+        self.ends_mut().accepted.forget(&conn);
         self.with(|e, _| e.handle_accept_settled(conn));
     }
 
@@ -98,19 +109,13 @@ impl<H: Host> Driver<H> {
     /// [`Driver::dial_settled`] once it connected or failed.
     pub fn dial_started(&mut self) -> (DialId, CoreWait) {
         let dial = self.with(|e, now| e.handle_dial_started(now));
-        let (end, wait) = oneshot::channel();
-        if self.endpoint().shutdown_complete() {
-            // A shut-down node's attempts end at once: no core timer fires any more.
-            drop(end);
-        } else {
-            self.ends_mut().dials.insert(dial, end);
-        }
-        (dial, wait)
+        let over = self.endpoint().shutdown_complete();
+        (dial, self.ends_mut().dials.arm(dial, over))
     }
 
     /// A connection attempt connected or failed: its deadline no longer applies.
     pub fn dial_settled(&mut self, dial: DialId) {
-        self.ends_mut().dials.remove(&dial);
+        self.ends_mut().dials.forget(&dial);
         self.with(|e, _| e.handle_dial_settled(dial));
     }
 
@@ -120,18 +125,13 @@ impl<H: Host> Driver<H> {
     /// it is drained or gone.
     pub fn drain_started(&mut self) -> (DrainId, CoreWait) {
         let drain = self.with(|e, now| e.handle_drain_started(now));
-        let (end, wait) = oneshot::channel();
-        if self.endpoint().shutdown_complete() {
-            drop(end);
-        } else {
-            self.ends_mut().drains.insert(drain, end);
-        }
-        (drain, wait)
+        let over = self.endpoint().shutdown_complete();
+        (drain, self.ends_mut().drains.arm(drain, over))
     }
 
     /// A replaced data path is drained or gone: its deadline no longer applies.
     pub fn drain_settled(&mut self, drain: DrainId) {
-        self.ends_mut().drains.remove(&drain);
+        self.ends_mut().drains.forget(&drain);
         self.with(|e, _| e.handle_drain_settled(drain));
     }
 

@@ -216,9 +216,9 @@ impl<H: Host> Driver<H> {
                         }
                     }
                     Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
-                    Action::DropAccepted(conn) => self.ends.drop_accepted(conn),
-                    Action::AbandonDial(dial) => self.ends.abandon_dial(dial),
-                    Action::StopDraining(drain) => self.ends.stop_draining(drain),
+                    Action::DropAccepted(conn) => self.ends.accepted.end(&conn),
+                    Action::AbandonDial(dial) => self.ends.dials.end(&dial),
+                    Action::StopDraining(drain) => self.ends.drains.end(&drain),
                     Action::ResumeAccepting => self.ends.resume_accepting(),
                     Action::StopLingering(sid) => {
                         if let Some(end) = self.io.get_mut(&sid).and_then(|io| io.linger.take()) {

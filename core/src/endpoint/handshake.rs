@@ -27,13 +27,7 @@ impl Endpoint {
     /// under way) is told so and closed at once: a node going away opens no session.
     fn refuse_while_shutting_down(&mut self, now: Instant, sid: SessionId) {
         if self.shut_down {
-            self.close_session(
-                now,
-                sid,
-                ErrorCode::Shutdown,
-                "shutting down",
-                FailureReason::Shutdown,
-            );
+            self.close_for_shutdown(now, sid);
         }
     }
 

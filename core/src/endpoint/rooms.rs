@@ -78,13 +78,7 @@ impl Endpoint {
         }
         let sessions: Vec<SessionId> = self.sessions.keys().copied().collect();
         for sid in sessions {
-            self.close_session(
-                now,
-                sid,
-                ErrorCode::Shutdown,
-                "shutting down",
-                FailureReason::Shutdown,
-            );
+            self.close_for_shutdown(now, sid);
         }
         if self.sessions.is_empty() {
             self.finish_shutdown();
@@ -108,6 +102,17 @@ impl Endpoint {
             return Err(ApiError::ShutDown);
         }
         Ok(())
+    }
+
+    /// Tells `sid`'s peer this node is shutting down, and closes the session.
+    pub(super) fn close_for_shutdown(&mut self, now: Instant, sid: SessionId) {
+        self.close_session(
+            now,
+            sid,
+            ErrorCode::Shutdown,
+            "shutting down",
+            FailureReason::Shutdown,
+        );
     }
 
     /// Reports the shutdown complete, once: when the last session closed, or at its timeout.
