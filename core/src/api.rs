@@ -360,14 +360,17 @@ pub enum Action {
     /// Close every connection of the session, then call
     /// [`crate::Endpoint::handle_disconnected`].
     CloseSession(SessionId),
-    /// Open a control connection to this target's address (an attempt the core bounds, see
-    /// [`Action::AbandonDial`]), then call
+    /// Open a control connection to this target's address, then call
     /// [`crate::Endpoint::open_session_for`] (or [`crate::Endpoint::handle_connect_failed`]
-    /// with what went wrong). Also asked while the target's session is silent: a fresh
-    /// connection that completes its handshake takes the silent session's work over.
+    /// with `dial` and what went wrong). The core bounds the attempt: at `connect_timeout`
+    /// it names it in [`Action::AbandonDial`] and counts it as no answer itself, whether or
+    /// not the driver reports anything. Also asked while the target's session is silent: a
+    /// fresh connection that completes its handshake takes the silent session's work over.
     Connect {
         /// The target to reach.
         target: crate::ids::TargetId,
+        /// The attempt (the core started its deadline already).
+        dial: crate::ids::DialId,
     },
     /// Open one more data connection of this session (this side dialed it), proving the
     /// session's key ([`crate::Endpoint::data_key`]): it replaces one that broke.
@@ -391,7 +394,7 @@ pub enum Action {
     /// [`crate::Endpoint::handle_accept_settled`] follows.
     DropAccepted(crate::ids::ConnId),
     /// Give this connection attempt up now: it did not connect within `connect_timeout`.
-    /// Report a target's as [`ConnectFailure::NoAnswer`]. The core has forgotten it already:
+    /// A target's attempt is counted as no answer by the core already: report nothing. The core has forgotten it already:
     /// a later [`crate::Endpoint::handle_dial_settled`] for it is ignored.
     AbandonDial(crate::ids::DialId),
     /// Stop collecting what this replaced data path flushes: it had `operation_timeout`.

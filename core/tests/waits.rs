@@ -6,11 +6,14 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{config, open_room, pair, run_ms, send_all};
 use kvferry_core::sim::{small_layout, Faults, Sim, WaitEnded};
-use kvferry_core::{Event, FailureReason, KvPoll, RoomId, SessionState};
+use kvferry_core::{
+    Action, ConnectFailure, DialId, Endpoint, EndpointInfo, Event, FailureReason, Incarnation,
+    KvPoll, NodeId, Role, RoomId, SessionState, TargetId, Timer,
+};
 
 /// One decode node alone.
 fn lone_decode() -> (Sim, usize) {
@@ -296,6 +299,89 @@ fn a_connection_attempt_that_connects_is_never_abandoned() {
             .iter()
             .any(|(_, w)| matches!(w, WaitEnded::AbandonDial(_))),
         "settled before its deadline"
+    );
+}
+
+/// A decode endpoint keeping one prefill target, and the attempt it asked for at once.
+fn decode_dialing() -> (Endpoint, TargetId, DialId, Instant) {
+    let now = Instant::now();
+    let info = EndpointInfo::new(Role::Decode, NodeId(2), Incarnation(2), small_layout(64));
+    let mut d = Endpoint::new(config(), info, 2, now).unwrap();
+    let target = d.add_target(now);
+    let dial = next_dial(&mut d, target);
+    (d, target, dial, now)
+}
+
+/// The next connection attempt `d` asks for `target`, firing its timers until it does.
+fn next_dial(d: &mut Endpoint, target: TargetId) -> DialId {
+    for _ in 0..100 {
+        while let Some(action) = d.poll_action() {
+            if let Action::Connect { target: t, dial } = action {
+                if t == target {
+                    return dial;
+                }
+            }
+        }
+        let (at, _) = d.poll_timeout().unwrap();
+        d.handle_timeout(at);
+    }
+    panic!("no connection attempt asked for {target}");
+}
+
+#[test]
+fn a_target_attempt_its_driver_never_reports_is_counted_as_no_answer_at_the_connect_timeout() {
+    let (mut d, target, first, now) = decode_dialing();
+    let timeout = config().connect_timeout;
+    d.handle_timeout(now + timeout);
+    assert_eq!(d.poll_action(), Some(Action::AbandonDial(first)));
+    assert_eq!(d.dials_pending(), 0, "nothing pending: the attempt ended");
+    let (at, why) = d.poll_timeout().unwrap();
+    assert_eq!(
+        why,
+        Timer::Reconnect(target),
+        "dialed again after the shortest pause"
+    );
+    assert!(at - (now + timeout) <= config().reconnect_interval * 5 / 4);
+    let second = next_dial(&mut d, target);
+    assert_ne!(first, second);
+    assert_eq!(d.dials_pending(), 1, "only the new attempt is pending");
+}
+
+#[test]
+fn a_failure_reported_after_its_attempt_was_given_up_does_not_count_against_the_next() {
+    let (mut d, target, first, now) = decode_dialing();
+    let timeout = config().connect_timeout;
+    d.handle_timeout(now + timeout);
+    let second = next_dial(&mut d, target);
+    // The first attempt's refusal arrives late: the second one is still under way.
+    d.handle_connect_failed(now + timeout, first, ConnectFailure::Refused);
+    assert_eq!(d.dials_pending(), 1, "the second attempt is still pending");
+    assert!(
+        d.poll_action().is_none(),
+        "no attempt beside the pending one"
+    );
+    let sid = d.open_session_for(now + timeout, target);
+    assert_eq!(d.dials_pending(), 0, "the second attempt connected");
+    assert_ne!(first, second);
+    assert!(d.session_state(sid).is_some());
+}
+
+#[test]
+fn a_target_attempt_that_connected_but_never_became_its_session_still_ends_at_its_deadline() {
+    let (mut d, target, dial, now) = decode_dialing();
+    // The driver connected and forgot the attempt, but its session never reached the core.
+    d.handle_dial_settled(dial);
+    assert_eq!(
+        d.dials_pending(),
+        1,
+        "a target's attempt ends by its outcome"
+    );
+    d.handle_timeout(now + config().connect_timeout);
+    assert_eq!(d.poll_action(), Some(Action::AbandonDial(dial)));
+    assert_ne!(
+        next_dial(&mut d, target),
+        dial,
+        "and the target is dialed again"
     );
 }
 

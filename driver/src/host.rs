@@ -77,7 +77,7 @@ pub trait Host: Sized + 'static {
     type SessionExt: Default;
 
     /// Opens a control connection to `addr` for `dial` (until the core abandons the
-    /// attempt, see [`Driver::dial_started`]), then calls [`Driver::attach_control`] (with
+    /// attempt: a target's wait comes with it, a caller's is [`Driver::dial_started`]), then calls [`Driver::attach_control`] (with
     /// the dial's target, or its caller as the handshake's waiter); on failure calls
     /// [`Driver::connect_failed`] or tells the caller.
     fn connect(&self, addr: SocketAddr, dial: Dial);
@@ -152,8 +152,16 @@ pub trait Host: Sized + 'static {
 
 /// Who a control connection is dialed for ([`Host::connect`]).
 pub enum Dial {
-    /// A target the core keeps connected: the core hears how the attempt ended.
-    Target(TargetId),
+    /// A target the core keeps connected: the core hears how the attempt ended (a timeout it
+    /// counted itself, when `abandon` ended).
+    Target {
+        /// The target to reach.
+        target: TargetId,
+        /// The core's attempt ([`kvferry_core::Action::Connect`]).
+        dial: kvferry_core::DialId,
+        /// Ends when the core gives the attempt up.
+        abandon: crate::CoreWait,
+    },
     /// An embedder's call: it hears how the handshake (or the dial) ended.
     Caller(Answer),
 }

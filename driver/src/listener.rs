@@ -31,7 +31,7 @@ impl<K> Default for Pending<K> {
 impl<K: std::hash::Hash + Eq> Pending<K> {
     /// Keeps the end of `key`'s wait; `over`: the wait ends at once instead (no core timer
     /// would end it).
-    fn arm(&mut self, key: K, over: bool) -> CoreWait {
+    pub(crate) fn arm(&mut self, key: K, over: bool) -> CoreWait {
         let (end, wait) = oneshot::channel();
         if !over {
             self.0.insert(key, end);
@@ -47,7 +47,7 @@ impl<K: std::hash::Hash + Eq> Pending<K> {
     }
 
     /// `key` settled first: its wait is not to end any more.
-    fn forget(&mut self, key: &K) {
+    pub(crate) fn forget(&mut self, key: &K) {
         self.0.remove(key);
     }
 

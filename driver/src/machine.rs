@@ -210,9 +210,17 @@ impl<H: Host> Driver<H> {
                 match action {
                     Action::FenceSession(sid) => self.start_fence(sid),
                     Action::CloseSession(sid) => self.start_close(sid),
-                    Action::Connect { target } => {
+                    Action::Connect { target, dial } => {
+                        // A target without an address never connects: its deadline ends it.
                         if let Some(&addr) = self.targets.get(&target) {
-                            self.host.connect(addr, Dial::Target(target));
+                            let over = self.endpoint.shutdown_complete();
+                            let abandon = self.ends.dials.arm(dial, over);
+                            let dial = Dial::Target {
+                                target,
+                                dial,
+                                abandon,
+                            };
+                            self.host.connect(addr, dial);
                         }
                     }
                     Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
@@ -495,11 +503,13 @@ impl<H: Host> Driver<H> {
         self.drain();
     }
 
-    /// A connection attempt the core asked for ([`Host::connect`]) failed with `error`.
-    pub fn connect_failed(&mut self, target: TargetId, error: &std::io::Error) {
+    /// A target's connection attempt ([`Host::connect`]) failed with `error` before the core
+    /// gave it up.
+    pub fn connect_failed(&mut self, dial: kvferry_core::DialId, error: &std::io::Error) {
         let failure = connect_failure(error);
+        self.ends.dials.forget(&dial);
         self.endpoint
-            .handle_connect_failed(Instant::now(), target, failure);
+            .handle_connect_failed(Instant::now(), dial, failure);
         self.drain();
     }
 

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
-use kvferry_core::{Endpoint, Role, SessionId, SessionKey, TargetId, TransferId, TransferOutcome};
+use kvferry_core::{
+    DialId, Endpoint, Role, SessionId, SessionKey, TargetId, TransferId, TransferOutcome,
+};
 use kvferry_tcp::send::Task;
 use kvferry_tcp::{ServeError, ServeStats};
 use tokio::sync::mpsc;
@@ -192,45 +194,64 @@ pub fn check<R: Runtime>(rt: R, session: SessionId) -> CoreCheck<DriverAccess<R>
     }
 }
 
-/// [`Runtime::dial`] until the core gives the attempt up (its `connect_timeout`); an
-/// attempt given up fails as timed out.
+/// [`Runtime::dial`] for a caller or a data connection, until the core gives the attempt up
+/// (its `connect_timeout`); an attempt given up fails as timed out.
 async fn dial_bounded<R: Runtime>(
     rt: &R,
     addr: SocketAddr,
     key: Option<SessionKey>,
 ) -> io::Result<R::Stream> {
-    let Some((id, abandon)) = rt.drive(|d| d.dial_started()) else {
+    let Some((dial, abandon)) = rt.drive(|d| d.dial_started()) else {
         return Err(io::Error::other("the node is gone"));
     };
+    dial_until(rt, addr, key, dial, abandon).await
+}
+
+/// [`Runtime::dial`] until `abandon` ends (the core gave attempt `dial` up): then it fails
+/// as timed out.
+async fn dial_until<R: Runtime>(
+    rt: &R,
+    addr: SocketAddr,
+    key: Option<SessionKey>,
+    dial: DialId,
+    abandon: CoreWait,
+) -> io::Result<R::Stream> {
     let dialed = futures_lite::future::or(async { Some(rt.dial(addr, key).await) }, async {
         let _ = abandon.await;
         None
     })
     .await;
-    rt.drive(|d| d.dial_settled(id));
+    rt.drive(|d| d.dial_settled(dial));
     dialed.unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()))
 }
 
 /// Dials a control connection for `dial` and hands it to the driver, or says the attempt
 /// failed ([`Host::connect`]).
 pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
-    match (dial_bounded(&rt, addr, None).await, dial) {
-        (Ok(stream), Dial::Target(target)) => {
-            rt.attach_control(stream, Some(addr), Some(target), None);
-        }
-        (Ok(stream), Dial::Caller(tx)) => rt.attach_control(stream, Some(addr), None, Some(tx)),
-        (Err(e), Dial::Target(target)) => {
-            debug!(%target, %addr, error = %e, "connect failed");
-            rt.drive(|d| d.connect_failed(target, &e));
-        }
-        (Err(e), Dial::Caller(tx)) => {
-            // An attempt the shutdown ended (or a node gone) is the node's ShutDown.
-            let refused = rt.drive(|d| d.endpoint().may_connect().err());
-            let _ = tx.send(Err(match refused {
-                Some(None) => NodeError::Io(e),
-                _ => NodeError::ShutDown,
-            }));
-        }
+    match dial {
+        Dial::Target {
+            target,
+            dial,
+            abandon,
+        } => match dial_until(&rt, addr, None, dial, abandon).await {
+            Ok(stream) => rt.attach_control(stream, Some(addr), Some(target), None),
+            // One the core gave up it counted already, and ignores this.
+            Err(e) => {
+                debug!(%target, %addr, error = %e, "connect failed");
+                rt.drive(|d| d.connect_failed(dial, &e));
+            }
+        },
+        Dial::Caller(tx) => match dial_bounded(&rt, addr, None).await {
+            Ok(stream) => rt.attach_control(stream, Some(addr), None, Some(tx)),
+            Err(e) => {
+                // An attempt the shutdown ended (or a node gone) is the node's ShutDown.
+                let refused = rt.drive(|d| d.endpoint().may_connect().err());
+                let _ = tx.send(Err(match refused {
+                    Some(None) => NodeError::Io(e),
+                    _ => NodeError::ShutDown,
+                }));
+            }
+        },
     }
 }
 

@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 #[derive(Default)]
 struct Log {
     wakes: usize,
-    connects: Vec<TargetId>,
+    connects: Vec<(TargetId, kvferry_core::DialId)>,
     data_opened: Vec<(SessionId, usize)>,
     closes: Vec<SessionId>,
     /// The linger of each close, as the host's release would wait on it.
@@ -64,8 +64,8 @@ impl Host for Recorder {
     type SessionExt = ();
 
     fn connect(&self, _addr: SocketAddr, dial: Dial) {
-        if let Dial::Target(target) = dial {
-            self.0.borrow_mut().connects.push(target);
+        if let Dial::Target { target, dial, .. } = dial {
+            self.0.borrow_mut().connects.push((target, dial));
         }
     }
 
@@ -283,11 +283,8 @@ fn dial_target(
     prefill: &mut Driver<Recorder>,
 ) -> (TargetId, oneshot::Receiver<Result<SessionId, NodeError>>) {
     let target = decode.add_target(PEER).unwrap();
-    assert_eq!(
-        log.borrow().connects,
-        vec![target],
-        "the core dials at once"
-    );
+    let dialed: Vec<TargetId> = log.borrow().connects.iter().map(|(t, _)| *t).collect();
+    assert_eq!(dialed, vec![target], "the core dials at once");
     let (tx, rx) = oneshot::channel();
     decode.on_target(target, tx);
     let (d_wire, p_wire) = (Wire::default(), Wire::default());
@@ -329,7 +326,8 @@ fn a_caller_waiting_for_a_target_nobody_answers_is_told_after_the_unreachable_ti
     let (tx, mut rx) = oneshot::channel();
     decode.on_target(target, tx);
     let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-    decode.connect_failed(target, &refused);
+    let (_, dial) = *log.borrow().connects.last().unwrap();
+    decode.connect_failed(dial, &refused);
     decode.turn(Instant::now() + Duration::from_millis(1));
     assert!(rx.try_recv().is_err(), "still within the window");
     assert!(!log.borrow().connects.is_empty());
@@ -341,6 +339,21 @@ fn a_caller_waiting_for_a_target_nobody_answers_is_told_after_the_unreachable_ti
         }
         other => panic!("expected unreachable, got {other:?}"),
     }
+}
+
+#[test]
+fn a_target_whose_connect_task_never_reports_is_dialed_again() {
+    let (mut decode, log) = node(Role::Decode, 1, b"t");
+    let target = decode.add_target(PEER).unwrap();
+    // The host took the attempt and was never heard of again.
+    let config = Config::default();
+    let later = Instant::now() + config.connect_timeout + config.reconnect_interval * 2;
+    decode.turn(Instant::now() + config.connect_timeout);
+    decode.turn(later);
+    let dials = log.borrow().connects.clone();
+    assert_eq!(dials.len(), 2, "a second attempt: {dials:?}");
+    assert!(dials.iter().all(|(t, _)| *t == target));
+    assert_ne!(dials[0].1, dials[1].1);
 }
 
 #[test]

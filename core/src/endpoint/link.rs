@@ -27,12 +27,12 @@ impl Endpoint {
                 waiting: Vec::new(),
                 unreachable_timer,
                 unreachable_reported: false,
-                dialing: true,
+                dial: None,
                 check: None,
                 evidence: None,
             },
         );
-        self.actions.push_back(Action::Connect { target: id });
+        self.dial(id);
         id
     }
 
@@ -53,7 +53,9 @@ impl Endpoint {
         let live = self.target_session(target);
         if let Some(t) = self.targets.get_mut(&target) {
             debug!(%target, session = %sid, check = live.is_some(), "connected to target");
-            t.dialing = false;
+            if let Some(dial) = t.dial.take() {
+                self.dials.settle(&mut self.timers, dial);
+            }
             if live.is_some() {
                 t.check = Some(sid);
             } else {
@@ -74,16 +76,34 @@ impl Endpoint {
         sid
     }
 
-    /// The driver could not connect to a target: the failure is evidence for the reason of
-    /// rooms that wait for it, and the core tries again (at once after a timeout, which paced
-    /// the attempt already; with backoff after a refusal).
-    pub fn handle_connect_failed(
+    /// The driver could not connect for a target's attempt `dial` ([`Action::Connect`]): the
+    /// failure is evidence for the reason of rooms that wait for it, and the core tries again
+    /// (after the shortest pause following a timeout, which paced the attempt already; with
+    /// backoff after a refusal). An attempt that already ended (its deadline passed first) is ignored: the
+    /// core counted it as no answer then.
+    pub fn handle_connect_failed(&mut self, now: Instant, dial: DialId, failure: ConnectFailure) {
+        let now = self.clock(now);
+        let Some(target) = self.target_of_dial(dial) else {
+            debug!(%dial, "connect failure of an attempt that already ended; ignored");
+            return;
+        };
+        self.target_attempt_failed(now, target, failure);
+    }
+
+    /// The target whose pending attempt `dial` is.
+    pub(super) fn target_of_dial(&self, dial: DialId) -> Option<TargetId> {
+        self.targets
+            .iter()
+            .find_map(|(id, t)| (t.dial == Some(dial)).then_some(*id))
+    }
+
+    /// `target`'s attempt ended without a connection.
+    pub(super) fn target_attempt_failed(
         &mut self,
         now: Instant,
         target: TargetId,
         failure: ConnectFailure,
     ) {
-        let now = self.clock(now);
         let live = self.target_session(target);
         let checking = live
             .and_then(|s| self.sessions.get(&s))
@@ -91,7 +111,9 @@ impl Endpoint {
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
-        t.dialing = false;
+        if let Some(dial) = t.dial.take() {
+            self.dials.settle(&mut self.timers, dial);
+        }
         t.evidence = Some(match failure {
             ConnectFailure::Refused => LinkEvidence::Refused,
             ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
@@ -408,16 +430,23 @@ impl Endpoint {
         }
     }
 
-    /// Asks the driver for one connection attempt to `target`.
+    /// Asks the driver for one connection attempt to `target`, bounded by `connect_timeout`.
     pub(super) fn dial(&mut self, target: TargetId) {
-        if self.shut_down {
+        if self.shut_down || !self.targets.contains_key(&target) {
             return;
         }
+        let deadline = self.last_now + self.config.connect_timeout;
+        let dial = self
+            .dials
+            .start(&mut self.timers, deadline, DialId, Timer::Dial);
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
-        t.dialing = true;
-        self.actions.push_back(Action::Connect { target });
+        // One attempt per target: a new one supersedes one still pending.
+        if let Some(old) = t.dial.replace(dial) {
+            self.dials.settle(&mut self.timers, old);
+        }
+        self.actions.push_back(Action::Connect { target, dial });
     }
 
     /// A session that heard nothing for `silence_timeout`, or whose peer confirmed none of our
@@ -488,7 +517,7 @@ impl Endpoint {
                 info!(session = %sid, ?node, ?unconfirmed_ms, "peer heard but our frames not confirmed; checking the link with fresh connections");
             }
         }
-        if !t.dialing && t.check.is_none() {
+        if t.dial.is_none() && t.check.is_none() {
             self.dial(target);
         }
     }

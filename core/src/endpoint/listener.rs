@@ -20,7 +20,7 @@ use std::time::Instant;
 use tracing::{debug, warn};
 
 use super::{Endpoint, Map};
-use crate::api::Action;
+use crate::api::{Action, ConnectFailure};
 use crate::ids::{ConnId, DialId, DrainId};
 use crate::timer::{Timer, TimerKey, TimerTable};
 
@@ -167,8 +167,12 @@ impl Endpoint {
     }
 
     /// Input: a connection attempt connected or failed: its deadline no longer applies.
+    /// A target's attempt ([`Action::Connect`]) is not settled here but by its outcome, so a
+    /// connection that never becomes the target's session still ends at its deadline.
     pub fn handle_dial_settled(&mut self, dial: DialId) {
-        self.dials.settle(&mut self.timers, dial);
+        if self.target_of_dial(dial).is_none() {
+            self.dials.settle(&mut self.timers, dial);
+        }
     }
 
     /// Connection attempts still under way.
@@ -208,10 +212,14 @@ impl Endpoint {
         }
     }
 
-    pub(super) fn on_dial_timer(&mut self, dial: DialId, key: TimerKey) {
+    pub(super) fn on_dial_timer(&mut self, now: Instant, dial: DialId, key: TimerKey) {
         if self.dials.expire(dial, key) {
             debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it");
             self.actions.push_back(Action::AbandonDial(dial));
+            // A target's attempt is counted here, whether or not its driver ever reports.
+            if let Some(target) = self.target_of_dial(dial) {
+                self.target_attempt_failed(now, target, ConnectFailure::NoAnswer);
+            }
         }
     }
 

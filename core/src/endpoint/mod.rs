@@ -177,8 +177,10 @@ struct Target {
     unreachable_timer: Option<TimerKey>,
     /// `Event::TargetUnreachable` went out for the current time down.
     unreachable_reported: bool,
-    /// A connection attempt asked of the driver and not yet reported.
-    dialing: bool,
+    /// The connection attempt asked of the driver and not yet ended: by its outcome
+    /// ([`Endpoint::open_session_for`], [`Endpoint::handle_connect_failed`]) or by its
+    /// deadline, which counts as no answer. At most one per target.
+    dial: Option<DialId>,
     /// A fresh connection checking the link while the session is silent, in its handshake.
     check: Option<SessionId>,
     /// What the attempts since the session went silent or down found.

@@ -161,7 +161,7 @@ impl Endpoint {
                 if !fired(&mut t.timer, key) {
                     return;
                 }
-                let dialing = t.dialing;
+                let dialing = t.dial.is_some();
                 if dialing || self.target_session(target).is_some() {
                     debug!(%target, dialing, "reconnect timer: no dial");
                     return;
@@ -189,7 +189,7 @@ impl Endpoint {
             }
             Timer::Accepted(conn) => self.on_accepted_timer(conn, key),
             Timer::AcceptBackoff => self.on_accept_backoff_timer(key),
-            Timer::Dial(dial) => self.on_dial_timer(dial, key),
+            Timer::Dial(dial) => self.on_dial_timer(now, dial, key),
             Timer::Drain(drain) => self.on_drain_timer(drain, key),
             Timer::Linger(sid) => {
                 let Some(s) = self.sessions.get_mut(&sid) else {

@@ -376,8 +376,6 @@ pub struct Sim {
     targets: BTreeMap<(usize, TargetId), usize>,
     /// Nodes whose listeners answer no connection attempt ([`Sim::silence_dials`]).
     silent: BTreeSet<usize>,
-    /// Connection attempts nobody answers, by node and attempt: the target each is for.
-    unanswered: BTreeMap<(usize, crate::ids::DialId), TargetId>,
     queue: BinaryHeap<Reverse<Queued>>,
     seq: u64,
     rng: Rng,
@@ -453,7 +451,6 @@ impl Sim {
             orphans: BTreeMap::new(),
             targets: BTreeMap::new(),
             silent: BTreeSet::new(),
-            unanswered: BTreeMap::new(),
             next_orphan: 0,
             unlanded: HashMap::default(),
             landed_ops: HashMap::default(),
@@ -528,8 +525,6 @@ impl Sim {
     /// Restarts a node: a new endpoint with a new incarnation, all its memory freed, all its
     /// links dropped without notice to itself (the old process is gone).
     pub fn restart(&mut self, n: usize) {
-        // The old process's connection attempts went with it.
-        self.unanswered.retain(|(node, _), _| *node != n);
         let node = &mut self.nodes[n];
         let mut info = node.info.clone();
         info.incarnation = Incarnation(node.seed.wrapping_mul(31).wrapping_add(self.steps) | 1);
@@ -723,20 +718,12 @@ impl Sim {
                     Action::StopDraining(drain) => self.nodes[n]
                         .waits_ended
                         .push((self.now, WaitEnded::StopDraining(drain))),
-                    // The attempt is given up, and reported as the driver does.
-                    Action::AbandonDial(dial) => {
-                        self.nodes[n]
-                            .waits_ended
-                            .push((self.now, WaitEnded::AbandonDial(dial)));
-                        if let Some(target) = self.unanswered.remove(&(n, dial)) {
-                            self.nodes[n].endpoint.handle_connect_failed(
-                                self.now,
-                                target,
-                                crate::ConnectFailure::NoAnswer,
-                            );
-                        }
-                    }
-                    Action::Connect { target } => {
+                    // The attempt is given up; a target's the core counted itself.
+                    Action::AbandonDial(dial) => self.nodes[n]
+                        .waits_ended
+                        .push((self.now, WaitEnded::AbandonDial(dial))),
+                    // Carried out at once: a silenced peer's attempt is never reported.
+                    Action::Connect { target, dial: _ } => {
                         self.push(self.now, Pending::Dial { node: n, target })
                     }
                     // Other links are made by the test (connect, reset_link), and the data path

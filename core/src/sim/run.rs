@@ -257,13 +257,10 @@ impl Sim {
                 let Some(&peer) = self.targets.get(&(node, target)) else {
                     return;
                 };
-                let dial = self.nodes[node].endpoint.handle_dial_started(self.now);
                 if self.silent.contains(&peer) {
-                    // Nobody answers: the core's deadline for the attempt ends it.
-                    self.unanswered.insert((node, dial), target);
+                    // Nobody answers, and nothing is reported: the core's deadline ends it.
                     return;
                 }
-                self.nodes[node].endpoint.handle_dial_settled(dial);
                 let sa = self.nodes[node].endpoint.open_session_for(self.now, target);
                 let sb = self.nodes[peer].endpoint.accept_session(self.now);
                 self.add_link((node, sa), (peer, sb));
