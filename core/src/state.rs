@@ -25,7 +25,7 @@ pub enum FailureReason {
     SessionBlacklisted,
     /// A data-path operation failed fatally or exhausted its retries.
     TransferFailed,
-    /// The local embedder aborted the room.
+    /// The local embedder aborted the room, or let go of (disconnected) a peer it waited on.
     AbortedLocally,
     /// The peer aborted or failed the room and said so.
     AbortedByPeer,

@@ -35,8 +35,9 @@ pub trait ShardCalls: Send + Sync + 'static {
 #[derive(Debug)]
 pub struct Embedder<C> {
     calls: C,
-    /// Per peer, per shard of this node: the links to each of the peer's addresses.
-    peers: Mutex<Vec<Vec<Vec<Link>>>>,
+    /// Per peer, per shard of this node: the links to each of the peer's addresses (`None`
+    /// once the peer is disconnected; ids are not reused).
+    peers: Mutex<Vec<Option<Vec<Vec<Link>>>>>,
 }
 
 fn api<T>(result: Result<Result<T, ApiError>, NodeError>) -> Result<T, NodeError> {
@@ -58,22 +59,54 @@ impl<C: ShardCalls> Embedder<C> {
     }
 
     /// Opens sessions from every shard to each of a peer's `addrs` (one per shard of the
-    /// peer) and waits for their handshakes; names the peer.
+    /// peer) and waits for their handshakes; names the peer. If one fails, the sessions
+    /// opened so far are closed again: a failed call leaves nothing behind.
     pub async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
         let mut per_shard = Vec::with_capacity(self.calls.shards());
         for shard in 0..self.calls.shards() {
-            let mut links = Vec::with_capacity(addrs.len());
+            per_shard.push(Vec::with_capacity(addrs.len()));
             for &addr in &addrs {
                 let (tx, rx) = oneshot::channel();
-                self.calls.call(shard, move |d| d.dial(addr, tx)).await?;
                 // The dial is bounded by the core's connect timeout, the handshake by its
                 // handshake timeout.
-                let session = rx.await.map_err(|_| NodeError::ShutDown)??;
-                links.push(Link::Session(session));
+                let opened = match self.calls.call(shard, move |d| d.dial(addr, tx)).await {
+                    Ok(()) => rx.await.map_err(|_| NodeError::ShutDown).and_then(|r| r),
+                    Err(e) => Err(e),
+                };
+                match opened {
+                    Ok(session) => per_shard[shard].push(Link::Session(session)),
+                    Err(e) => {
+                        self.let_go(per_shard).await;
+                        return Err(e);
+                    }
+                }
             }
-            per_shard.push(links);
         }
         Ok(self.add_peer(per_shard))
+    }
+
+    /// Lets a peer go: its kept links are dialed no more, its sessions close (rooms still
+    /// on them fail `AbortedLocally`; the peer hears an orderly goodbye), waits for it end
+    /// with [`NodeError::Disconnected`], and its id is unknown from now on.
+    pub async fn disconnect(&self, peer: PeerId) -> Result<(), NodeError> {
+        let per_shard = {
+            let mut table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+            table
+                .get_mut(peer.0 as usize)
+                .and_then(Option::take)
+                .ok_or(NodeError::UnknownPeer(peer))?
+        };
+        self.let_go(per_shard).await;
+        Ok(())
+    }
+
+    /// Disconnects `per_shard`'s links on their shards (a shard gone has let them go).
+    async fn let_go(&self, per_shard: Vec<Vec<Link>>) {
+        for (shard, links) in per_shard.into_iter().enumerate() {
+            if !links.is_empty() {
+                let _ = self.calls.call(shard, move |d| d.disconnect(&links)).await;
+            }
+        }
     }
 
     /// Replaces the injected data-path faults on every shard (demos and tests).
@@ -86,7 +119,7 @@ impl<C: ShardCalls> Embedder<C> {
     /// Names a peer by its links, per shard of this node.
     pub fn add_peer(&self, per_shard: Vec<Vec<Link>>) -> PeerId {
         let mut table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        table.push(per_shard);
+        table.push(Some(per_shard));
         PeerId(table.len() as u32 - 1)
     }
 
@@ -94,7 +127,7 @@ impl<C: ShardCalls> Embedder<C> {
         let table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
         table
             .get(peer.0 as usize)
-            .cloned()
+            .and_then(Clone::clone)
             .ok_or(NodeError::UnknownPeer(peer))
     }
 
@@ -105,7 +138,10 @@ impl<C: ShardCalls> Embedder<C> {
         peers
             .iter()
             .map(|p| {
-                let per_shard = table.get(p.0 as usize).ok_or(NodeError::UnknownPeer(*p))?;
+                let per_shard = table
+                    .get(p.0 as usize)
+                    .and_then(Option::as_ref)
+                    .ok_or(NodeError::UnknownPeer(*p))?;
                 let links = per_shard.get(shard).ok_or(NodeError::UnknownPeer(*p))?;
                 if links.is_empty() {
                     return Err(NodeError::UnknownPeer(*p));
@@ -127,22 +163,36 @@ impl<C: ShardCalls> Embedder<C> {
         self.calls.call(shard_of(room, self.calls.shards()), f)
     }
 
-    /// A peer this node keeps connected to on every shard (dialed again whenever lost).
+    /// A peer this node keeps connected to on every shard (dialed again whenever lost). If a
+    /// shard refuses (its shutdown began), the shards that took it let it go again.
     pub async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
         let mut per_shard = Vec::with_capacity(self.calls.shards());
         for shard in 0..self.calls.shards() {
             let addrs = addrs.clone();
-            let links = self
+            let added = self
                 .calls
                 .call(shard, move |d| {
-                    addrs
-                        .into_iter()
-                        .map(|a| d.add_target(a).map(Link::Target))
-                        .collect::<Result<Vec<_>, _>>()
+                    let mut links = Vec::with_capacity(addrs.len());
+                    for a in addrs {
+                        match d.add_target(a) {
+                            Ok(t) => links.push(Link::Target(t)),
+                            Err(e) => {
+                                d.disconnect(&links);
+                                return Err(NodeError::from(e));
+                            }
+                        }
+                    }
+                    Ok(links)
                 })
-                .await?
-                .map_err(NodeError::from)?;
-            per_shard.push(links);
+                .await
+                .and_then(|r| r);
+            match added {
+                Ok(links) => per_shard.push(links),
+                Err(e) => {
+                    self.let_go(per_shard).await;
+                    return Err(e);
+                }
+            }
         }
         Ok(self.add_peer(per_shard))
     }

@@ -30,8 +30,10 @@ pub enum NodeError {
     Rejected(kvferry_core::RejectReason),
     /// The node was shut down.
     ShutDown,
-    /// No peer has this id on this node.
+    /// No peer has this id on this node (never had, or it was disconnected).
     UnknownPeer(PeerId),
+    /// The embedder disconnected the peer this call waited for ([`crate::KvNode::disconnect`]).
+    Disconnected,
     /// A persistent peer has no established session right now (it is being reconnected).
     PeerUnavailable(PeerId),
     /// A persistent peer had no session for the core's whole `unreachable_timeout`; the
@@ -139,7 +141,17 @@ impl std::fmt::Display for NodeError {
             }
             NodeError::ShutDown => write!(f, "the node is shut down"),
             NodeError::UnknownPeer(p) => {
-                write!(f, "no peer {} on this node (connect to it first)", p.0)
+                write!(
+                    f,
+                    "no peer {} on this node (connect to it first; a disconnected peer is gone)",
+                    p.0
+                )
+            }
+            NodeError::Disconnected => {
+                write!(
+                    f,
+                    "the peer was disconnected by this node while the call waited for it"
+                )
             }
             NodeError::PeerUnavailable(p) => {
                 write!(f, "peer {} is not connected right now (reconnecting)", p.0)

@@ -557,6 +557,24 @@ impl<H: Host> Driver<H> {
         Ok(target)
     }
 
+    /// Lets `links` go (the embedder disconnected their peer): a kept target is dialed no
+    /// more and waits for it end with [`NodeError::Disconnected`]; every session of them
+    /// closes (rooms still on one fail `AbortedLocally`; the peer hears an orderly goodbye).
+    pub fn disconnect(&mut self, links: &[kvferry_core::Link]) {
+        let now = Instant::now();
+        for link in links {
+            match *link {
+                kvferry_core::Link::Target(target) => {
+                    self.endpoint.disconnect_target(now, target);
+                    self.targets.remove(&target);
+                    self.target_waits.fail(&target, || NodeError::Disconnected);
+                }
+                kvferry_core::Link::Session(session) => self.endpoint.disconnect(now, session),
+            }
+        }
+        self.drain();
+    }
+
     /// Opens a room through `open` and returns its handle; a room `open` refused is not
     /// followed.
     pub fn open_room(

@@ -69,6 +69,12 @@ pub trait KvNode: Clone + Send + Sync + 'static {
         addrs: Vec<SocketAddr>,
     ) -> impl Future<Output = Result<PeerId, NodeError>> + Send;
 
+    /// Lets a peer go (a prefill scaled away, say): a kept peer is dialed no more, its
+    /// sessions close (rooms still on them fail `AbortedLocally`, the peer's `PeerShutdown`),
+    /// calls waiting for it end with [`NodeError::Disconnected`], and its id is unknown from
+    /// now on ([`NodeError::UnknownPeer`]).
+    fn disconnect(&self, peer: PeerId) -> impl Future<Output = Result<(), NodeError>> + Send;
+
     /// Decode: opens a room fed by `peers` (see [`kvferry_core::Endpoint::open_receiver`]).
     fn open_receiver(
         &self,
@@ -208,6 +214,10 @@ impl<N: RuntimeNode> KvNode for N {
 
     async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
         self.embedder().connect_persistent(addrs).await
+    }
+
+    async fn disconnect(&self, peer: PeerId) -> Result<(), NodeError> {
+        self.embedder().disconnect(peer).await
     }
 
     async fn open_receiver(

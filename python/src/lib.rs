@@ -183,6 +183,7 @@ fn node_error(e: NodeError) -> PyErr {
         NodeError::Api(e) => InvalidArgument::new_err(e.to_string()),
         NodeError::ShutDown => NodeClosed::new_err(e.to_string()),
         NodeError::UnknownPeer(_) => InvalidArgument::new_err(e.to_string()),
+        NodeError::Disconnected => ConnectError::new_err(e.to_string()),
         NodeError::UnreachableMemory { .. } => UnsupportedMemory::new_err(e.to_string()),
         NodeError::Unsupported(_) => InvalidArgument::new_err(e.to_string()),
         NodeError::HandshakeTimeout => HandshakeTimeout::new_err(e.to_string()),
@@ -554,7 +555,8 @@ impl Node {
     }
 
     /// Names a peer the core keeps connected (reconnecting after losses) and, with `reach`,
-    /// waits for its first contact; returns the peer's id.
+    /// waits for its first contact; returns the peer's id. A peer not reached is let go
+    /// again before the error is raised.
     #[pyo3(signature = (addrs, reach=true))]
     fn connect_persistent(&self, py: Python<'_>, addrs: Vec<String>, reach: bool) -> PyResult<u32> {
         let addrs = addrs
@@ -565,11 +567,22 @@ impl Node {
         let peer = self.block(py, async move {
             let peer = node.connect_persistent(addrs).await?;
             if reach {
-                node.reach(peer).await?;
+                if let Err(e) = node.reach(peer).await {
+                    // The caller never hears this peer's id: it must not be dialed on.
+                    let _ = node.disconnect(peer).await;
+                    return Err(e);
+                }
             }
             Ok(peer)
         })?;
         Ok(peer.0)
+    }
+
+    /// Lets a peer go: a kept one is dialed no more, its sessions close (rooms still on
+    /// them fail `aborted_locally`), and its id is unknown from now on.
+    fn disconnect(&self, py: Python<'_>, peer: u32) -> PyResult<()> {
+        let node = self.node.clone();
+        self.block(py, async move { node.disconnect(PeerId(peer)).await })
     }
 
     /// Waits until a persistent peer has had its first contact: at once if it had, an

@@ -151,6 +151,28 @@ def test_a_persistent_peer_named_without_reaching_it_is_reached_later(prefill):
     d.shutdown()
 
 
+def test_a_disconnected_peer_is_let_go_and_its_id_is_refused(prefill):
+    """disconnect() closes a peer's sessions and forgets it: a room toward it is refused,
+    and a second disconnect too; a kept peer never reached is let go by the failing call."""
+    _proc, addr, _send = prefill
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux, unreachable_timeout_ms=500)
+    peer = d.connect_persistent([addr])
+    d.open_receiver(41, [peer], pages=[4, 5, 6], aux_slot=1)
+    assert d.wait(41, 10.0) == KVPoll.Success
+    d.disconnect(peer)
+    with pytest.raises(kvferry.InvalidArgument):
+        d.open_receiver(42, [peer], pages=[7], aux_slot=0)
+    with pytest.raises(kvferry.InvalidArgument):
+        d.disconnect(peer)
+    with pytest.raises(kvferry.PeerUnreachable):
+        d.connect_persistent(["127.0.0.1:9"])
+    again = d.connect([addr])
+    d.open_receiver(43, [again], pages=[8, 9, 10], aux_slot=2)
+    assert d.wait(43, 10.0) == KVPoll.Success
+    d.shutdown()
+
+
 def test_bad_input_raises_the_documented_exceptions(prefill):
     _proc, addr, _send = prefill
     kv, aux = pool(fill=False)

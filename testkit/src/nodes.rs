@@ -229,6 +229,10 @@ impl KvNode for AnyNode {
         both!(self, n => KvNode::connect_persistent(n, addrs).await)
     }
 
+    async fn disconnect(&self, peer: PeerId) -> Result<(), NodeError> {
+        both!(self, n => KvNode::disconnect(n, peer).await)
+    }
+
     async fn open_receiver(
         &self,
         room: RoomId,

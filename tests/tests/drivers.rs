@@ -636,6 +636,86 @@ async fn a_peer_connected_twice_serves_rooms_on_both_handles(p: Runtime, d: Runt
     assert_all_clean(&run_decode(&decode, kept, rooms(10, 200)).await, 10);
 }
 
+/// Established sessions of `node` (those whose data path is chosen).
+async fn sessions_of(node: &impl KvNode) -> usize {
+    node.data_paths().await.len()
+}
+
+/// Waits until `node` has no established session (at most 5 s).
+async fn until_no_session(node: &impl KvNode, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while sessions_of(node).await > 0 {
+        assert!(Instant::now() < deadline, "{what}: sessions left");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A decode lets a kept prefill go (scaled away): its sessions close on both sides, it is
+/// dialed no more, and its id is unknown from then on (rooms toward it are refused).
+async fn a_disconnected_persistent_peer_is_closed_and_dialed_no_more(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let (prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 131, any_port()).await;
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 132);
+    let peer = decode.connect_persistent(addrs).await.unwrap();
+    assert_all_clean(&run_decode(&decode, peer, rooms(4, 1)).await, 4);
+    decode.disconnect(peer).await.unwrap();
+    until_no_session(&prefill, "the prefill").await;
+    until_no_session(&decode, "the decode").await;
+    // Several reconnect intervals (20-100 ms): a target left behind would have dialed again.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(sessions_of(&prefill).await, 0, "dialed no more");
+    let refused = decode.open_receiver(RoomId(50), 0, vec![peer], None).await;
+    assert!(
+        matches!(refused, Err(kvferry_tokio::NodeError::UnknownPeer(_))),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        decode.disconnect(peer).await,
+        Err(kvferry_tokio::NodeError::UnknownPeer(_))
+    ));
+}
+
+/// A connect to a peer's addresses that fails on one of them closes the sessions it opened
+/// to the others: a failed call leaves nothing behind, so an embedder that retries does not
+/// pile sessions up.
+async fn a_connect_that_fails_part_way_leaves_no_session_behind(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let (prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 141, any_port()).await;
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 142);
+    let mut with_nobody = addrs.clone();
+    with_nobody.push(free_ports(1));
+    for _ in 0..3 {
+        assert!(decode.connect(with_nobody.clone()).await.is_err());
+    }
+    until_no_session(&prefill, "the prefill").await;
+    let peer = decode.connect(addrs).await.unwrap();
+    assert_all_clean(&run_decode(&decode, peer, rooms(4, 1)).await, 4);
+}
+
+/// A wait for a kept peer's first contact ends when the embedder lets the peer go.
+async fn a_wait_for_a_kept_peer_ends_when_it_is_disconnected(_p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let decode = start_on(d, Role::Decode, &shape, peer_loss_core(), 151);
+    let peer = decode
+        .connect_persistent(vec![free_ports(1)])
+        .await
+        .unwrap();
+    let waiting = {
+        let decode = decode.clone();
+        tokio::spawn(async move { decode.reach(peer).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    decode.disconnect(peer).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the wait ends")
+        .unwrap();
+    assert!(
+        matches!(ended, Err(kvferry_tokio::NodeError::Disconnected)),
+        "{ended:?}"
+    );
+}
+
 /// One decode stops reading entirely; rooms toward another decode of the same prefill are
 /// not delayed (no head-of-line blocking).
 async fn a_stalled_decode_does_not_delay_rooms_toward_another_decode(p: Runtime, d: Runtime) {
@@ -846,6 +926,9 @@ on_every_driver!(
     a_persistent_peer_down_past_its_window_is_reported_unreachable,
     a_peer_connected_twice_serves_rooms_on_both_handles,
     a_stalled_decode_does_not_delay_rooms_toward_another_decode,
+    a_disconnected_persistent_peer_is_closed_and_dialed_no_more,
+    a_connect_that_fails_part_way_leaves_no_session_behind,
+    a_wait_for_a_kept_peer_ends_when_it_is_disconnected,
 );
 
 /// A node that begins its shutdown closes its listeners before it tells any peer: a peer

@@ -36,7 +36,9 @@ impl Endpoint {
         id
     }
 
-    /// Stops reconnecting a target (its current session, if any, stays until it ends).
+    /// Stops reconnecting a target (its current session, if any, stays until it ends). A
+    /// connection of an attempt still under way is closed as soon as it arrives
+    /// ([`Endpoint::open_session_for`]).
     pub fn remove_target(&mut self, target: TargetId) {
         if let Some(mut t) = self.targets.remove(&target) {
             self.timers.cancel(&mut t.timer);
@@ -44,11 +46,63 @@ impl Endpoint {
         }
     }
 
+    /// The embedder lets a kept peer go: the target is removed ([`Endpoint::remove_target`]),
+    /// its session and a link check's fresh one are disconnected ([`Endpoint::disconnect`]),
+    /// and rooms waiting for it fail `AbortedLocally`.
+    pub fn disconnect_target(&mut self, now: Instant, target: TargetId) {
+        let now = self.clock(now);
+        let Some(t) = self.targets.get(&target) else {
+            return;
+        };
+        let sessions: Vec<SessionId> = t.session.into_iter().chain(t.check).collect();
+        let waiting = t.waiting.clone();
+        self.remove_target(target);
+        for sid in sessions {
+            self.disconnect(now, sid);
+        }
+        // Rooms still waiting for its session would wait for nothing.
+        for room in waiting {
+            self.fail_room(now, room, FailureReason::AbortedLocally);
+        }
+    }
+
+    /// The embedder no longer needs `session` (it let the peer go, or a connect of several
+    /// addresses failed part-way): rooms still on it fail `AbortedLocally`, the peer hears an
+    /// orderly goodbye (`Error(Shutdown)`, its rooms fail `PeerShutdown`), and the driver
+    /// closes it ([`Action::CloseSession`]). A session a kept peer's target holds stays: let
+    /// the target go instead ([`Endpoint::disconnect_target`]).
+    pub fn disconnect(&mut self, now: Instant, session: SessionId) {
+        let now = self.clock(now);
+        // A session a kept peer follows (one connection served both after a take-over)
+        // stays while that target does.
+        if self
+            .targets
+            .values()
+            .any(|t| t.session == Some(session) || t.check == Some(session))
+        {
+            debug!(%session, "disconnect: still a kept peer's session; kept");
+            return;
+        }
+        debug!(%session, "disconnected by the embedder");
+        self.close_session(
+            now,
+            session,
+            ErrorCode::Shutdown,
+            "disconnected by its embedder",
+            FailureReason::AbortedLocally,
+        );
+    }
+
     /// The driver connected to a target: like [`Endpoint::open_session`], bound to it. While
     /// the target's session is silent this is a link check: if its handshake completes with
     /// the same peer process, it takes the silent session's work over.
     pub fn open_session_for(&mut self, now: Instant, target: TargetId) -> SessionId {
         let sid = self.open_session(now);
+        if !self.targets.contains_key(&target) {
+            // The target was removed while this attempt was under way: nobody wants it.
+            self.disconnect(now, sid);
+            return sid;
+        }
         let check_deadline = self.last_now + self.config.silence_timeout;
         let live = self.target_session(target);
         if let Some(t) = self.targets.get_mut(&target) {
@@ -229,6 +283,9 @@ impl Endpoint {
             Some(peer) if reason == FailureReason::PeerShutdown && s.rooms.is_empty() => {
                 // An orderly goodbye with nothing at stake is not a loss worth a warning.
                 info!(%session, node = %peer.node, "peer shut down");
+            }
+            Some(peer) if reason == FailureReason::AbortedLocally => {
+                info!(%session, node = %peer.node, rooms = s.rooms.len(), "session closed: disconnected by the embedder");
             }
             Some(peer) if reason != FailureReason::Shutdown => {
                 warn!(%session, node = %peer.node, %reason, rooms = s.rooms.len(), "lost the peer");
