@@ -362,9 +362,10 @@ pub enum Action {
     CloseSession(SessionId),
     /// Open a control connection to this target's address, then call
     /// [`crate::Endpoint::open_session_for`] (or [`crate::Endpoint::handle_connect_failed`]
-    /// with `dial` and what went wrong). The core bounds the attempt: at `connect_timeout`
-    /// it names it in [`Action::AbandonDial`] and counts it as no answer itself, whether or
-    /// not the driver reports anything. Also asked while the target's session is silent: a
+    /// with `dial` and what went wrong). The core bounds the attempt: `connect_timeout` after
+    /// it asked, or after the driver says it began ([`crate::Endpoint::handle_dial_began`]),
+    /// it names it in [`Action::AbandonDial`]; a driver that then says nothing for one more
+    /// `connect_timeout` has its attempt counted as no answer by the core itself. Also asked while the target's session is silent: a
     /// fresh connection that completes its handshake takes the silent session's work over.
     Connect {
         /// The target to reach.
@@ -394,8 +395,11 @@ pub enum Action {
     /// [`crate::Endpoint::handle_accept_settled`] follows.
     DropAccepted(crate::ids::ConnId),
     /// Give this connection attempt up now: it did not connect within `connect_timeout`.
-    /// A target's attempt is counted as no answer by the core already: report nothing. The core has forgotten it already:
-    /// a later [`crate::Endpoint::handle_dial_settled`] for it is ignored.
+    /// Report a target's with [`crate::Endpoint::handle_connect_failed`] (what it found:
+    /// [`ConnectFailure::NoAnswer`] unless a refusal was already there to read); unreported,
+    /// the core counts it as no answer one `connect_timeout` later. Any other attempt the
+    /// core has forgotten already: a later [`crate::Endpoint::handle_dial_settled`] for it is
+    /// ignored.
     AbandonDial(crate::ids::DialId),
     /// Stop collecting what this replaced data path flushes: it had `operation_timeout`.
     /// The core has forgotten it already: a later [`crate::Endpoint::handle_drain_settled`]

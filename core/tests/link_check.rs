@@ -7,7 +7,9 @@
 use std::time::{Duration, Instant};
 
 use kvferry_core::sim::small_layout;
-use kvferry_core::{Action, Config, Endpoint, EndpointInfo, Incarnation, NodeId, Role, SessionId};
+use kvferry_core::{
+    Action, Config, ConnectFailure, Endpoint, EndpointInfo, Incarnation, NodeId, Role, SessionId,
+};
 
 /// A decode that dials a prefill (as the CLI and the drivers do: a target), joined by a pipe
 /// whose two directions can each be cut.
@@ -83,10 +85,15 @@ impl Link {
                 self.d.handle_input(self.now, self.sd, &buf);
             }
             while let Some(a) = self.d.poll_action() {
-                // A fresh connection gets no answer (this pipe has no third lane), and
-                // nothing is reported: the core's deadline for the attempt ends it.
-                if let Action::Connect { .. } = a {
-                    self.dials += 1;
+                // A fresh connection gets no answer (this pipe has no third lane): the core's
+                // deadline ends it, and the attempt reports no answer, as a driver's does.
+                match a {
+                    Action::Connect { .. } => self.dials += 1,
+                    Action::AbandonDial(dial) => {
+                        self.d
+                            .handle_connect_failed(self.now, dial, ConnectFailure::NoAnswer);
+                    }
+                    _ => {}
                 }
             }
             while self.p.poll_action().is_some() {}

@@ -329,41 +329,113 @@ fn next_dial(d: &mut Endpoint, target: TargetId) -> DialId {
 }
 
 #[test]
-fn a_target_attempt_its_driver_never_reports_is_counted_as_no_answer_at_the_connect_timeout() {
+fn a_target_attempt_its_driver_never_reports_is_counted_as_no_answer_after_one_more_connect_timeout(
+) {
     let (mut d, target, first, now) = decode_dialing();
     let timeout = config().connect_timeout;
     d.handle_timeout(now + timeout);
     assert_eq!(d.poll_action(), Some(Action::AbandonDial(first)));
-    assert_eq!(d.dials_pending(), 0, "nothing pending: the attempt ended");
+    assert_eq!(
+        d.dials_pending(),
+        1,
+        "its driver may still say what it found"
+    );
+    d.handle_timeout(now + timeout * 2);
+    assert_eq!(d.dials_pending(), 0, "counted: the attempt ended");
     let (at, why) = d.poll_timeout().unwrap();
     assert_eq!(
         why,
         Timer::Reconnect(target),
         "dialed again after the shortest pause"
     );
-    assert!(at - (now + timeout) <= config().reconnect_interval * 5 / 4);
+    assert!(at - (now + timeout * 2) <= config().reconnect_interval * 5 / 4);
     let second = next_dial(&mut d, target);
     assert_ne!(first, second);
     assert_eq!(d.dials_pending(), 1, "only the new attempt is pending");
 }
 
 #[test]
-fn a_failure_reported_after_its_attempt_was_given_up_does_not_count_against_the_next() {
+fn an_abandoned_target_attempt_counts_what_its_driver_found() {
     let (mut d, target, first, now) = decode_dialing();
     let timeout = config().connect_timeout;
     d.handle_timeout(now + timeout);
+    assert_eq!(d.poll_action(), Some(Action::AbandonDial(first)));
+    // The refusal was there to read; the busy driver reads it only now.
+    d.handle_connect_failed(now + timeout, first, ConnectFailure::Refused);
+    assert_eq!(d.dials_pending(), 0);
+    d.handle_timeout(now + timeout * 2);
+    assert!(
+        d.poll_action().is_none(),
+        "counted once, not again at the second deadline"
+    );
+    let second = next_dial(&mut d, target);
+    assert_ne!(first, second);
+}
+
+#[test]
+fn a_failure_reported_after_its_attempt_was_counted_does_not_count_against_the_next() {
+    let (mut d, target, first, now) = decode_dialing();
+    let timeout = config().connect_timeout;
+    d.handle_timeout(now + timeout);
+    d.handle_timeout(now + timeout * 2);
     let second = next_dial(&mut d, target);
     // The first attempt's refusal arrives late: the second one is still under way.
-    d.handle_connect_failed(now + timeout, first, ConnectFailure::Refused);
+    d.handle_connect_failed(now + timeout * 2, first, ConnectFailure::Refused);
     assert_eq!(d.dials_pending(), 1, "the second attempt is still pending");
     assert!(
         d.poll_action().is_none(),
         "no attempt beside the pending one"
     );
-    let sid = d.open_session_for(now + timeout, target);
+    let sid = d.open_session_for(now + timeout * 2, target);
     assert_eq!(d.dials_pending(), 0, "the second attempt connected");
     assert_ne!(first, second);
     assert!(d.session_state(sid).is_some());
+}
+
+#[test]
+fn a_target_attempt_its_driver_begins_late_gets_its_whole_connect_timeout() {
+    let (mut d, _, dial, now) = decode_dialing();
+    let timeout = config().connect_timeout;
+    let late = Duration::from_millis(150);
+    d.handle_dial_began(now + late, dial);
+    d.handle_timeout(now + timeout);
+    assert!(
+        !std::iter::from_fn(|| d.poll_action()).any(|a| a == Action::AbandonDial(dial)),
+        "the wait for a CPU is not the peer's"
+    );
+    d.handle_timeout(now + late + timeout);
+    assert_eq!(d.poll_action(), Some(Action::AbandonDial(dial)));
+}
+
+#[test]
+fn a_refusal_that_comes_after_its_attempt_was_counted_still_names_the_reason() {
+    // A machine so busy that every refusal is reported just after the core counted its
+    // attempt as no answer.
+    let (mut d, target, _, now) = decode_dialing();
+    let mut abandoned = None;
+    while d.target_unreachable(target).is_none() {
+        let (at, _) = d.poll_timeout().unwrap();
+        d.handle_timeout(at);
+        while let Some(action) = d.poll_action() {
+            if let Action::AbandonDial(dial) = action {
+                abandoned = Some(dial);
+            }
+        }
+        if d.dials_pending() == 0 {
+            if let Some(dial) = abandoned.take() {
+                d.handle_connect_failed(at, dial, ConnectFailure::Refused);
+            }
+        }
+        assert!(
+            at - now < config().unreachable_timeout * 2,
+            "reported in time"
+        );
+    }
+    assert_eq!(
+        d.target_unreachable(target),
+        Some(FailureReason::ConnectionRefused),
+        "the host answered: nothing listens"
+    );
 }
 
 #[test]

@@ -113,6 +113,12 @@ impl<H: Host> Driver<H> {
         (dial, self.ends_mut().dials.arm(dial, over))
     }
 
+    /// A target's attempt ([`kvferry_core::Action::Connect`]) begins now: its
+    /// `connect_timeout` counts from here, not from when the core asked.
+    pub fn dial_began(&mut self, dial: DialId) {
+        self.with(|e, now| e.handle_dial_began(now, dial));
+    }
+
     /// A connection attempt connected or failed: its deadline no longer applies.
     pub fn dial_settled(&mut self, dial: DialId) {
         self.ends_mut().dials.forget(&dial);

@@ -233,14 +233,19 @@ pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
             target,
             dial,
             abandon,
-        } => match dial_until(&rt, addr, None, dial, abandon).await {
-            Ok(stream) => rt.attach_control(stream, Some(addr), Some(target), None),
-            // One the core gave up it counted already, and ignores this.
-            Err(e) => {
-                debug!(%target, %addr, error = %e, "connect failed");
-                rt.drive(|d| d.connect_failed(dial, &e));
+        } => {
+            // Its connect timeout counts from here: a task that ran late waited for a CPU,
+            // not for the peer.
+            rt.drive(|d| d.dial_began(dial));
+            match dial_until(&rt, addr, None, dial, abandon).await {
+                Ok(stream) => rt.attach_control(stream, Some(addr), Some(target), None),
+                // One the core gave up it counted already, and ignores this.
+                Err(e) => {
+                    debug!(%target, %addr, error = %e, "connect failed");
+                    rt.drive(|d| d.connect_failed(dial, &e));
+                }
             }
-        },
+        }
         Dial::Caller(tx) => match dial_bounded(&rt, addr, None).await {
             Ok(stream) => rt.attach_control(stream, Some(addr), None, Some(tx)),
             Err(e) => {

@@ -347,9 +347,12 @@ fn a_target_whose_connect_task_never_reports_is_dialed_again() {
     let target = decode.add_target(PEER).unwrap();
     // The host took the attempt and was never heard of again.
     let config = Config::default();
-    let later = Instant::now() + config.connect_timeout + config.reconnect_interval * 2;
-    decode.turn(Instant::now() + config.connect_timeout);
-    decode.turn(later);
+    // Given up at the connect timeout, counted as no answer one more later (nothing was
+    // reported), dialed again after the reconnect interval.
+    let start = Instant::now();
+    decode.turn(start + config.connect_timeout);
+    decode.turn(start + config.connect_timeout * 2);
+    decode.turn(start + config.connect_timeout * 2 + config.reconnect_interval * 2);
     let dials = log.borrow().connects.clone();
     assert_eq!(dials.len(), 2, "a second attempt: {dials:?}");
     assert!(dials.iter().all(|(t, _)| *t == target));

@@ -28,6 +28,8 @@ impl Endpoint {
                 unreachable_timer,
                 unreachable_reported: false,
                 dial: None,
+                abandoning: false,
+                given_up: None,
                 check: None,
                 evidence: None,
             },
@@ -110,6 +112,7 @@ impl Endpoint {
             if let Some(dial) = t.dial.take() {
                 self.dials.settle(&mut self.timers, dial);
             }
+            t.abandoning = false;
             if live.is_some() {
                 t.check = Some(sid);
             } else {
@@ -138,7 +141,12 @@ impl Endpoint {
     pub fn handle_connect_failed(&mut self, now: Instant, dial: DialId, failure: ConnectFailure) {
         let now = self.clock(now);
         let Some(target) = self.target_of_dial(dial) else {
-            debug!(%dial, "connect failure of an attempt that already ended; ignored");
+            // An attempt its deadline ended: what it found still says what the peer is.
+            if let Some(t) = self.targets.values_mut().find(|t| t.given_up == Some(dial)) {
+                t.given_up = None;
+                t.evidence = Some(LinkEvidence::of(failure));
+            }
+            debug!(%dial, ?failure, "connect failure of an attempt already given up");
             return;
         };
         self.target_attempt_failed(now, target, failure);
@@ -168,10 +176,8 @@ impl Endpoint {
         if let Some(dial) = t.dial.take() {
             self.dials.settle(&mut self.timers, dial);
         }
-        t.evidence = Some(match failure {
-            ConnectFailure::Refused => LinkEvidence::Refused,
-            ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
-        });
+        t.abandoning = false;
+        t.evidence = Some(LinkEvidence::of(failure));
         if live.is_some() {
             // A link check: an attempt that timed out paced itself, so the next one goes out
             // at once (a heal is found within one connect timeout); after a refusal the
@@ -503,6 +509,7 @@ impl Endpoint {
         if let Some(old) = t.dial.replace(dial) {
             self.dials.settle(&mut self.timers, old);
         }
+        t.abandoning = false;
         self.actions.push_back(Action::Connect { target, dial });
     }
 

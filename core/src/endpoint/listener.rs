@@ -65,6 +65,36 @@ impl<Id: Copy + Eq + std::hash::Hash> Deadlines<Id> {
         this
     }
 
+    /// Makes `id` pending again (its deadline expired) until `at`.
+    pub(super) fn keep(
+        &mut self,
+        timers: &mut TimerTable,
+        id: Id,
+        at: Instant,
+        timer: fn(Id) -> Timer,
+    ) {
+        let mut slot = None;
+        timers.set(&mut slot, at, timer(id));
+        self.pending.insert(id, slot);
+    }
+
+    /// Moves pending `id`'s deadline to `at`; `false` if it was not pending.
+    pub(super) fn rearm(
+        &mut self,
+        timers: &mut TimerTable,
+        id: Id,
+        at: Instant,
+        timer: fn(Id) -> Timer,
+    ) -> bool {
+        match self.pending.get_mut(&id) {
+            Some(slot) => {
+                timers.set(slot, at, timer(id));
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Forgets `id` and disarms its deadline; `false` if it was not pending.
     pub(super) fn settle(&mut self, timers: &mut TimerTable, id: Id) -> bool {
         match self.pending.remove(&id) {
@@ -166,6 +196,23 @@ impl Endpoint {
         )
     }
 
+    /// Input: the driver begins a target's attempt ([`Action::Connect`]) now, which may be a
+    /// while after the core asked for it (a busy machine runs the task late): its
+    /// `connect_timeout` counts from now, so the wait for a CPU is not taken for a peer that
+    /// does not answer. An attempt the driver never begins still ends at the deadline the
+    /// core set when it asked.
+    pub fn handle_dial_began(&mut self, now: Instant, dial: DialId) {
+        let now = self.clock(now);
+        let abandoning = self
+            .targets
+            .values()
+            .any(|t| t.dial == Some(dial) && t.abandoning);
+        if !abandoning {
+            let at = now + self.config.connect_timeout;
+            self.dials.rearm(&mut self.timers, dial, at, Timer::Dial);
+        }
+    }
+
     /// Input: a connection attempt connected or failed: its deadline no longer applies.
     /// A target's attempt ([`Action::Connect`]) is not settled here but by its outcome, so a
     /// connection that never becomes the target's session still ends at its deadline.
@@ -213,13 +260,30 @@ impl Endpoint {
     }
 
     pub(super) fn on_dial_timer(&mut self, now: Instant, dial: DialId, key: TimerKey) {
-        if self.dials.expire(dial, key) {
+        if !self.dials.expire(dial, key) {
+            return;
+        }
+        let target = self.target_of_dial(dial);
+        let Some(t) = target.and_then(|target| self.targets.get_mut(&target)) else {
             debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it");
             self.actions.push_back(Action::AbandonDial(dial));
-            // A target's attempt is counted here, whether or not its driver ever reports.
-            if let Some(target) = self.target_of_dial(dial) {
-                self.target_attempt_failed(now, target, ConnectFailure::NoAnswer);
-            }
+            return;
+        };
+        if !t.abandoning {
+            // The driver gives it up and says what it found (a refusal it had not read yet on
+            // a busy machine is still a refusal); it has one more connect_timeout for that.
+            debug!(%dial, "target's attempt did not connect within connect_timeout; abandoning it");
+            t.abandoning = true;
+            self.actions.push_back(Action::AbandonDial(dial));
+            let at = now + self.config.connect_timeout;
+            self.dials.keep(&mut self.timers, dial, at, Timer::Dial);
+            return;
+        }
+        // Its driver never said how it ended (a task lost): counted here, as no answer.
+        debug!(%dial, "target's attempt never reported; counted as no answer");
+        t.given_up = Some(dial);
+        if let Some(target) = target {
+            self.target_attempt_failed(now, target, ConnectFailure::NoAnswer);
         }
     }
 

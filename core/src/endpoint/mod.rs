@@ -153,6 +153,14 @@ enum LinkEvidence {
 }
 
 impl LinkEvidence {
+    /// What a failed connection attempt found.
+    fn of(failure: ConnectFailure) -> Self {
+        match failure {
+            ConnectFailure::Refused => LinkEvidence::Refused,
+            ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
+        }
+    }
+
     /// The reason of rooms that gave up on a link this evidence describes.
     fn reason(self) -> FailureReason {
         match self {
@@ -181,6 +189,13 @@ struct Target {
     /// ([`Endpoint::open_session_for`], [`Endpoint::handle_connect_failed`]) or by its
     /// deadline, which counts as no answer. At most one per target.
     dial: Option<DialId>,
+    /// The driver was told to give `dial` up ([`Action::AbandonDial`]) and has one more
+    /// `connect_timeout` to say what it found before the core counts it as no answer.
+    abandoning: bool,
+    /// The last attempt its deadline ended: what the driver reports of it later is still
+    /// evidence of the peer (a refusal that came late on a busy machine), though it is not
+    /// counted as an attempt again.
+    given_up: Option<DialId>,
     /// A fresh connection checking the link while the session is silent, in its handshake.
     check: Option<SessionId>,
     /// What the attempts since the session went silent or down found.
