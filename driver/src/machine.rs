@@ -503,8 +503,8 @@ impl<H: Host> Driver<H> {
         self.drain();
     }
 
-    /// A target's connection attempt ([`Host::connect`]) failed with `error` before the core
-    /// gave it up.
+    /// A target's connection attempt ([`Host::connect`]) failed with `error`, or was abandoned
+    /// when the core said so (then `error` says whether a refusal was already there to read).
     pub fn connect_failed(&mut self, dial: kvferry_core::DialId, error: &std::io::Error) {
         let failure = connect_failure(error);
         self.ends.dials.forget(&dial);

@@ -239,7 +239,7 @@ pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
             rt.drive(|d| d.dial_began(dial));
             match dial_until(&rt, addr, None, dial, abandon).await {
                 Ok(stream) => rt.attach_control(stream, Some(addr), Some(target), None),
-                // One the core gave up it counted already, and ignores this.
+                // Also after the core said to abandon it: the core counts what it found.
                 Err(e) => {
                     debug!(%target, %addr, error = %e, "connect failed");
                     rt.drive(|d| d.connect_failed(dial, &e));

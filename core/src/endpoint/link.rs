@@ -136,8 +136,9 @@ impl Endpoint {
     /// The driver could not connect for a target's attempt `dial` ([`Action::Connect`]): the
     /// failure is evidence for the reason of rooms that wait for it, and the core tries again
     /// (after the shortest pause following a timeout, which paced the attempt already; with
-    /// backoff after a refusal). An attempt that already ended (its deadline passed first) is ignored: the
-    /// core counted it as no answer then.
+    /// backoff after a refusal). An attempt the core already counted as no answer (its driver
+    /// said nothing within one more `connect_timeout`) is not counted again, but what it found
+    /// still names the reason of rooms waiting for the peer.
     pub fn handle_connect_failed(&mut self, now: Instant, dial: DialId, failure: ConnectFailure) {
         let now = self.clock(now);
         let Some(target) = self.target_of_dial(dial) else {

@@ -73,9 +73,7 @@ impl<Id: Copy + Eq + std::hash::Hash> Deadlines<Id> {
         at: Instant,
         timer: fn(Id) -> Timer,
     ) {
-        let mut slot = None;
-        timers.set(&mut slot, at, timer(id));
-        self.pending.insert(id, slot);
+        timers.set(self.pending.entry(id).or_default(), at, timer(id));
     }
 
     /// Moves pending `id`'s deadline to `at`; `false` if it was not pending.
@@ -263,8 +261,7 @@ impl Endpoint {
         if !self.dials.expire(dial, key) {
             return;
         }
-        let target = self.target_of_dial(dial);
-        let Some(t) = target.and_then(|target| self.targets.get_mut(&target)) else {
+        let Some((&target, t)) = self.targets.iter_mut().find(|(_, t)| t.dial == Some(dial)) else {
             debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it");
             self.actions.push_back(Action::AbandonDial(dial));
             return;
@@ -282,9 +279,7 @@ impl Endpoint {
         // Its driver never said how it ended (a task lost): counted here, as no answer.
         debug!(%dial, "target's attempt never reported; counted as no answer");
         t.given_up = Some(dial);
-        if let Some(target) = target {
-            self.target_attempt_failed(now, target, ConnectFailure::NoAnswer);
-        }
+        self.target_attempt_failed(now, target, ConnectFailure::NoAnswer);
     }
 
     pub(super) fn on_accepted_timer(&mut self, conn: ConnId, key: TimerKey) {
