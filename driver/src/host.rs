@@ -76,29 +76,10 @@ pub trait Host: Sized + 'static {
     /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
     type SessionExt: Default;
 
-    /// Opens a control connection to `addr` for `dial` (until the core abandons the
-    /// attempt: a target's wait comes with it, a caller's is [`Driver::dial_started`]), then calls [`Driver::attach_control`] (with
-    /// the dial's target, or its caller as the handshake's waiter); on failure calls
-    /// [`Driver::connect_failed`] or tells the caller.
-    fn connect(&self, addr: SocketAddr, dial: Dial);
-
-    /// Opens `n` data connections of `session` to `addr`, each proving `key`; each one that
-    /// opens is handed to [`Driver::attach_data`].
-    fn open_data(&self, session: SessionId, addr: SocketAddr, key: SessionKey, n: usize);
-
-    /// Stops `tasks` (a close's control tasks; none for a fence), then closes `conns` until
-    /// nothing of them can write any more, then calls [`Driver::released`] with `why`. The
-    /// control writer's queue is closed already: the writer ends once its last frames are
-    /// written (before any data connection closes, so the peer reads why first), and is
-    /// stopped when `linger` ends first (the core's `close_linger`; `None`: at once).
-    fn release(
-        &self,
-        session: SessionId,
-        conns: Vec<DataConn<Self>>,
-        tasks: Option<Self::ControlTasks>,
-        linger: Option<crate::CoreWait>,
-        why: Release,
-    );
+    /// Starts `job` as a task of the host's runtime (it must not run before this returns:
+    /// the driver is in use). Each job reports back through the [`Driver`] methods its
+    /// variant names.
+    fn start(&self, job: Job<Self>);
 
     /// Makes the host's driver task call [`Driver::turn`] soon (a timer moved earlier, or a
     /// drain ran out of budget).
@@ -150,7 +131,49 @@ pub trait Host: Sized + 'static {
     }
 }
 
-/// Who a control connection is dialed for ([`Host::connect`]).
+/// What the driver loop asks its host to start ([`Host::start`]); a runtime runs each with
+/// [`Job::run`](crate::runtime) (written once for every runtime).
+pub enum Job<H: Host> {
+    /// Opens a control connection to `addr` for `dial` (until the core abandons the
+    /// attempt: a target's wait comes with it, a caller's is [`Driver::dial_started`]), then
+    /// calls [`Driver::attach_control`] (with the dial's target, or its caller as the
+    /// handshake's waiter); on failure calls [`Driver::connect_failed`] or tells the caller.
+    Connect {
+        /// Where to dial.
+        addr: SocketAddr,
+        /// Who the connection is for.
+        dial: Dial,
+    },
+    /// Opens one data connection of `session` to `addr`, proving `key`; if it opens it is
+    /// handed to [`Driver::attach_data`], if not [`Driver::data_connection_lost`] is told.
+    OpenData {
+        /// The session the connection belongs to.
+        session: SessionId,
+        /// The peer's listener.
+        addr: SocketAddr,
+        /// The key the session's handshake gave its data connections.
+        key: SessionKey,
+    },
+    /// Stops `tasks` (a close's control tasks; none for a fence), then closes `conns` until
+    /// nothing of them can write any more, then calls [`Driver::released`] with `why`. The
+    /// control writer's queue is closed already: the writer ends once its last frames are
+    /// written (before any data connection closes, so the peer reads why first), and is
+    /// stopped when `linger` ends first (the core's `close_linger`; `None`: at once).
+    Release {
+        /// The session whose connections go.
+        session: SessionId,
+        /// Its data connections.
+        conns: Vec<DataConn<H>>,
+        /// Its control connection's tasks (a close's).
+        tasks: Option<H::ControlTasks>,
+        /// When the control writer is stopped if it has not ended.
+        linger: Option<crate::CoreWait>,
+        /// A fence or a close.
+        why: Release,
+    },
+}
+
+/// Who a control connection is dialed for ([`Job::Connect`]).
 pub enum Dial {
     /// A target the core keeps connected: the core hears how the attempt ended (a timeout it
     /// counted itself, when `abandon` ended).
@@ -166,7 +189,7 @@ pub enum Dial {
     Caller(Answer),
 }
 
-/// Why a host releases a session's connections ([`Host::release`]).
+/// Why a host releases a session's connections ([`Job::Release`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Release {
     /// A fence: the data connections go, the session stays.

@@ -41,7 +41,7 @@ pub use error::{NodeError, Unsupported};
 pub use fault_switch::FaultSwitch;
 pub use faults::{FaultKind, FaultPlan};
 pub use handle::{RoomHandle, RoomView};
-pub use host::{Connections, DataConn, Dial, FrameSink, Host, OpSink, Release};
+pub use host::{Connections, DataConn, Dial, FrameSink, Host, Job, OpSink, Release};
 pub use listener::CoreWait;
 pub use machine::{Driver, TURN_BUDGET};
 pub use metrics_export::{export_metrics, export_staging_metrics, role_label};

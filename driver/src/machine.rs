@@ -14,7 +14,8 @@
 use crate::session_io::send_round_robin;
 use crate::waits::{Refusal, Waits};
 use crate::{
-    Answer, Connections, DataConn, Dial, FaultSwitch, FrameSink, Host, OpSink, Release, SessionIo,
+    Answer, Connections, DataConn, Dial, FaultSwitch, FrameSink, Host, Job, OpSink, Release,
+    SessionIo,
 };
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -220,7 +221,7 @@ impl<H: Host> Driver<H> {
                                 dial,
                                 abandon,
                             };
-                            self.host.connect(addr, dial);
+                            self.host.start(Job::Connect { addr, dial });
                         }
                     }
                     Action::OpenDataConnection(sid) => self.open_data_connections(sid, 1),
@@ -503,7 +504,7 @@ impl<H: Host> Driver<H> {
         self.drain();
     }
 
-    /// A target's connection attempt ([`Host::connect`]) failed with `error`, or was abandoned
+    /// A target's connection attempt ([`Job::Connect`]) failed with `error`, or was abandoned
     /// when the core said so (then `error` says whether a refusal was already there to read).
     pub fn connect_failed(&mut self, dial: kvferry_core::DialId, error: &std::io::Error) {
         let failure = connect_failure(error);
@@ -513,7 +514,7 @@ impl<H: Host> Driver<H> {
         self.drain();
     }
 
-    /// The connections a host released ([`Host::release`]) are closed.
+    /// The connections a host released ([`Job::Release`]) are closed.
     pub fn released(&mut self, session: SessionId, why: Release) {
         match why {
             Release::Fence => self.fence_closed(session),
@@ -544,7 +545,10 @@ impl<H: Host> Driver<H> {
             let _ = tx.send(Err(e.into()));
             return;
         }
-        self.host.connect(addr, Dial::Caller(tx));
+        self.host.start(Job::Connect {
+            addr,
+            dial: Dial::Caller(tx),
+        });
     }
 
     /// Keeps a session to the peer at `addr`, reconnecting with the core's backoff.
@@ -677,7 +681,10 @@ impl<H: Host> Driver<H> {
             return;
         };
         if let Some(key) = self.endpoint.data_key(session) {
-            self.host.open_data(session, addr, key, n);
+            for _ in 0..n {
+                let key = key.clone();
+                self.host.start(Job::OpenData { session, addr, key });
+            }
         }
     }
 
@@ -705,8 +712,13 @@ impl<H: Host> Driver<H> {
         match self.io.get_mut(&session) {
             Some(io) => {
                 let conns = io.data.fence();
-                self.host
-                    .release(session, conns, None, None, Release::Fence);
+                self.host.start(Job::Release {
+                    session,
+                    conns,
+                    tasks: None,
+                    linger: None,
+                    why: Release::Fence,
+                });
             }
             None => self.endpoint.handle_fence_complete(Instant::now(), session),
         }
@@ -726,7 +738,12 @@ impl<H: Host> Driver<H> {
         io.control = None;
         H::close_own(&mut io.ext);
         let linger = self.linger_of(session);
-        self.host
-            .release(session, conns, tasks, linger, Release::Close);
+        self.host.start(Job::Release {
+            session,
+            conns,
+            tasks,
+            linger,
+            why: Release::Close,
+        });
     }
 }

@@ -72,7 +72,7 @@ pub type SharedQp = Arc<Mutex<RcQueuePair>>;
 /// What a runtime lends the RDMA data plane: its memory, a wait on a descriptor, and a
 /// spawn of [`watch`] with its own concrete types (a tokio task must be `Send`, a shard's
 /// need not be).
-pub trait RdmaHost: Runtime<Host = Self> + Host<SessionExt = Option<SessionRdma>> + Clone {
+pub trait RdmaHost: Runtime + Host<SessionExt = Option<SessionRdma>> {
     /// How this runtime waits for a completion channel to be readable.
     type Readable;
 

@@ -21,40 +21,39 @@ use kvferry_core::{
 use kvferry_tcp::send::Task;
 use kvferry_tcp::{ServeError, ServeStats};
 use tokio::sync::mpsc;
-use tracing::{debug, warn};
+use tracing::{debug, info_span, warn, Instrument};
 
 use crate::accept::Accepted;
 use crate::{Answer, CoreWait};
 use crate::{
-    CoreCheck, DataConn, Dial, Driver, EndpointAccess, FaultPlan, FaultSwitch, Host, NodeError,
-    OpSink, Release,
+    CoreCheck, DataConn, Dial, Driver, EndpointAccess, FaultPlan, FaultSwitch, Host, Job,
+    NodeError, OpSink, Release,
 };
 
 /// A control connection's writer queue: the driver sends frames, the writer task drains it.
 pub type ControlQueue = mpsc::UnboundedSender<Vec<u8>>;
 
-/// What a runtime lends the driver loop: a way into its driver, its timer, and its sockets.
-/// Implemented by a cheap handle to one driver (a weak reference to a node or a shard).
-pub trait Runtime: Clone + 'static {
-    /// The host of the driver this handle reaches.
-    type Host: Host<
-        Control = ControlQueue,
-        ControlTasks = ControlTasks<Self::Task>,
-        Receiver = Self::Task,
-        Sender = Self::Sender,
-    >;
+/// What a runtime lends the driver loop beyond its [`Host`]: a way into its driver, its
+/// timer, its sockets, its spawn of the driver's tasks ([`Work`]) and its data plane's two
+/// halves. Implemented by a cheap handle to one driver (a weak reference to a node or a
+/// shard); none of its methods calls into the driver.
+pub trait Runtime:
+    Host<Control = ControlQueue, ControlTasks = ControlTasks<Self::Task>, Receiver = Self::Task> + Clone
+{
     /// A spawned task of this runtime (awaiting it waits for its end).
     type Task: Task + Future + Unpin;
-    /// Prefill's sending half of a data connection.
-    type Sender: OpSink;
     /// A connection of this runtime (TLS inside, where configured).
     type Stream: 'static;
+    /// A control connection's reading half.
+    type Read: AsyncRead + Unpin + 'static;
+    /// A control connection's writing half.
+    type Write: AsyncWrite + Unpin + 'static;
 
     /// `stream` as the data plane's byte stream.
     fn io(stream: &mut Self::Stream) -> impl AsyncRead + AsyncWrite + Unpin + '_;
 
     /// Runs `f` on the driver; `None` once the node (or shard) is gone.
-    fn drive<T>(&self, f: impl FnOnce(&mut Driver<Self::Host>) -> T) -> Option<T>;
+    fn drive<T>(&self, f: impl FnOnce(&mut Driver<Self>) -> T) -> Option<T>;
 
     /// The runtime's timer.
     fn sleep(wait: Duration) -> impl Future<Output = ()>;
@@ -67,22 +66,110 @@ pub trait Runtime: Clone + 'static {
         key: Option<SessionKey>,
     ) -> impl Future<Output = io::Result<Self::Stream>>;
 
-    /// Registers a control connection ([`register_control`]), then spawns [`read_control`]
-    /// and [`write_control`] on its two halves and hands them to [`add_control_tasks`].
-    fn attach_control(
+    /// Splits a control connection into the halves its reader and its writer own.
+    fn split(stream: Self::Stream) -> io::Result<(Self::Read, Self::Write)>;
+
+    /// Spawns `work` ([`Work::run`]) on the runtime, where a task of the node may run (not
+    /// from inside [`Runtime::drive`]).
+    fn spawn(&self, work: Work<Self>) -> Self::Task;
+
+    /// Starts prefill's sending half on a data connection; each operation's outcome goes to
+    /// `report`.
+    fn start_sender(
         &self,
         stream: Self::Stream,
-        peer_addr: Option<SocketAddr>,
-        target: Option<TargetId>,
-        handshake: Option<Answer>,
-    );
+        report: Reporter<Self>,
+    ) -> io::Result<Self::Sender>;
 
-    /// Starts prefill's sending half on a data connection; its outcomes go to [`report`].
-    fn start_sender(&self, stream: Self::Stream) -> io::Result<Self::Sender>;
+    /// Decode's receiving half of a data connection: serves writes from it, each admitted
+    /// by `check`, until the connection ends.
+    fn serve(
+        &self,
+        stream: Self::Stream,
+        check: CoreCheck<DriverAccess<Self>>,
+    ) -> impl Future<Output = Result<ServeStats, ServeError>> + 'static;
+}
 
-    /// Spawns decode's receiver on a data connection of `session`: [`serve_data`] over the
-    /// data plane's receiver, each write admitted by [`check`].
-    fn start_receiver(&self, session: SessionId, stream: Self::Stream) -> Self::Task;
+/// A task of a node that runs on a runtime's sockets: what [`Runtime::spawn`] runs.
+pub enum Work<R: Runtime> {
+    /// Reads a control connection's frames into the core ([`read_control`]).
+    ReadControl {
+        /// The connection's session.
+        session: SessionId,
+        /// Its reading half.
+        read: R::Read,
+    },
+    /// Writes the driver's frames on a control connection ([`write_control`]).
+    WriteControl {
+        /// The connection's session.
+        session: SessionId,
+        /// The frames the driver queues.
+        queue: mpsc::UnboundedReceiver<Vec<u8>>,
+        /// Its writing half.
+        write: R::Write,
+    },
+    /// Serves decode's side of a data connection ([`serve_data`]).
+    Serve {
+        /// The connection's session.
+        session: SessionId,
+        /// The connection.
+        stream: R::Stream,
+    },
+}
+
+impl<R: Runtime> Work<R> {
+    /// The task's body, on `rt`.
+    pub async fn run(self, rt: R) {
+        match self {
+            Work::ReadControl { session, read } => {
+                let span = info_span!("kvferry_session", %session);
+                read_control(rt, session, read).instrument(span).await;
+            }
+            Work::WriteControl {
+                session,
+                queue,
+                write,
+            } => {
+                let span = info_span!("kvferry_session", %session);
+                write_control(queue, write).instrument(span).await;
+            }
+            Work::Serve { session, stream } => {
+                let span = info_span!("kvferry_data", %session);
+                let serve = rt.serve(stream, check(rt.clone(), session));
+                serve_data(rt, session, serve).instrument(span).await;
+            }
+        }
+    }
+}
+
+impl<R: Runtime> Job<R> {
+    /// The job's body, on `rt`.
+    pub async fn run(self, rt: R) {
+        match self {
+            Job::Connect { addr, dial } => connect(rt, addr, dial).await,
+            Job::OpenData { session, addr, key } => open_data(rt, session, addr, key).await,
+            Job::Release {
+                session,
+                conns,
+                tasks,
+                linger,
+                why,
+            } => release(rt, session, conns, tasks, linger, why).await,
+        }
+    }
+}
+
+/// Where a data connection's sender reports each operation's outcome: the core, through the
+/// driver a [`Runtime`] handle reaches.
+#[derive(Clone)]
+pub struct Reporter<R>(R);
+
+impl<R: Runtime> Reporter<R> {
+    /// Operation `id` ended with `outcome`.
+    pub fn report(&self, id: TransferId, outcome: TransferOutcome) {
+        self.0
+            .drive(|d| d.with(|e, now| e.handle_transfer_result(now, id, outcome)));
+    }
 }
 
 /// A control connection's reader and writer tasks.
@@ -159,14 +246,14 @@ pub fn attach_data<R: Runtime>(rt: &R, session: SessionId, stream: R::Stream) {
         return; // dropping the stream closes it
     };
     let conn = match role {
-        Role::Prefill => match rt.start_sender(stream) {
+        Role::Prefill => match rt.start_sender(stream, Reporter(rt.clone())) {
             Ok(sender) => DataConn::Sender(sender),
             Err(e) => {
                 warn!(%session, error = %e, "cannot start a data connection");
                 return;
             }
         },
-        Role::Decode => DataConn::Receiver(rt.start_receiver(session, stream)),
+        Role::Decode => DataConn::Receiver(rt.spawn(Work::Serve { session, stream })),
     };
     // The session may have closed since: the connection then goes at once.
     if let Some(Err(conn)) = rt.drive(|d| d.attach_data(session, conn)) {
@@ -177,17 +264,9 @@ pub fn attach_data<R: Runtime>(rt: &R, session: SessionId, stream: R::Stream) {
     }
 }
 
-/// Where a data connection's sender reports each operation's outcome: the core, through the
-/// driver `rt` reaches.
-pub fn report<R: Runtime>(rt: R) -> impl Fn(TransferId, TransferOutcome) + Clone + 'static {
-    move |id, outcome| {
-        rt.drive(|d| d.with(|e, now| e.handle_transfer_result(now, id, outcome)));
-    }
-}
-
 /// The receive path's admission of `session`'s writes: the core, through the driver `rt`
 /// reaches.
-pub fn check<R: Runtime>(rt: R, session: SessionId) -> CoreCheck<DriverAccess<R>> {
+fn check<R: Runtime>(rt: R, session: SessionId) -> CoreCheck<DriverAccess<R>> {
     CoreCheck {
         access: DriverAccess::new(rt),
         session,
@@ -226,8 +305,8 @@ async fn dial_until<R: Runtime>(
 }
 
 /// Dials a control connection for `dial` and hands it to the driver, or says the attempt
-/// failed ([`Host::connect`]).
-pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
+/// failed ([`Job::Connect`]).
+async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
     match dial {
         Dial::Target {
             target,
@@ -238,7 +317,7 @@ pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
             // not for the peer.
             rt.drive(|d| d.dial_began(dial));
             match dial_until(&rt, addr, None, dial, abandon).await {
-                Ok(stream) => rt.attach_control(stream, Some(addr), Some(target), None),
+                Ok(stream) => attach_control(&rt, stream, Some(addr), Some(target), None),
                 // Also after the core said to abandon it: the core counts what it found.
                 Err(e) => {
                     debug!(%target, %addr, error = %e, "connect failed");
@@ -247,7 +326,7 @@ pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
             }
         }
         Dial::Caller(tx) => match dial_bounded(&rt, addr, None).await {
-            Ok(stream) => rt.attach_control(stream, Some(addr), None, Some(tx)),
+            Ok(stream) => attach_control(&rt, stream, Some(addr), None, Some(tx)),
             Err(e) => {
                 // An attempt the shutdown ended (or a node gone) is the node's ShutDown.
                 let refused = rt.drive(|d| d.endpoint().may_connect().err());
@@ -260,10 +339,10 @@ pub async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
     }
 }
 
-/// Opens one data connection of `session` ([`Host::open_data`]) within the core's
+/// Opens one data connection of `session` ([`Job::OpenData`]) within the core's
 /// `connect_timeout`; one that does not open is a lost data connection, which the core
 /// replaces after its `data_reconnect_interval`.
-pub async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, key: SessionKey) {
+async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, key: SessionKey) {
     match dial_bounded(&rt, addr, Some(key)).await {
         Ok(stream) => attach_data(&rt, session, stream),
         Err(e) => {
@@ -274,16 +353,16 @@ pub async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, 
 }
 
 /// Stops a session's control tasks (a close's; none for a fence), then closes its data
-/// connections, then tells the driver ([`Host::release`]).
-pub async fn release<R: Runtime>(
+/// connections, then tells the driver ([`Job::Release`]).
+async fn release<R: Runtime>(
     rt: R,
     session: SessionId,
-    conns: Vec<DataConn<R::Host>>,
+    conns: Vec<DataConn<R>>,
     tasks: Option<ControlTasks<R::Task>>,
     linger: Option<CoreWait>,
     why: Release,
 ) {
-    // Control frames first, then data connections: see `Host::release`.
+    // Control frames first, then data connections: see `Job::Release`.
     if let Some(t) = tasks {
         t.stop(linger).await;
     }
@@ -336,7 +415,7 @@ pub async fn take_accepted<R: Runtime>(
     .await;
     access.rt.drive(|d| d.accept_settled(conn));
     match settled {
-        Some((stream, Accepted::Control)) => access.rt.attach_control(stream, None, None, None),
+        Some((stream, Accepted::Control)) => attach_control(&access.rt, stream, None, None, None),
         Some((stream, Accepted::Data(session))) => attach_data(&access.rt, session, stream),
         None => {}
     }
@@ -364,9 +443,41 @@ where
     }
 }
 
+/// Takes a control connection into the driver: registers it (`handshake` is told how the
+/// session's handshake ends), then spawns its reader and writer.
+pub fn attach_control<R: Runtime>(
+    rt: &R,
+    stream: R::Stream,
+    peer_addr: Option<SocketAddr>,
+    target: Option<TargetId>,
+    handshake: Option<Answer>,
+) {
+    let Some((session, queue)) = register_control(rt, peer_addr, target, handshake) else {
+        return;
+    };
+    let (read, write) = match R::split(stream) {
+        Ok(halves) => halves,
+        Err(e) => {
+            warn!(%session, error = %e, "cannot split a control connection");
+            // A session that closes at once: the core learns it like any loss.
+            rt.drive(|d| d.control_ended(session));
+            return;
+        }
+    };
+    let tasks = ControlTasks {
+        writer: rt.spawn(Work::WriteControl {
+            session,
+            queue,
+            write,
+        }),
+        reader: rt.spawn(Work::ReadControl { session, read }),
+    };
+    add_control_tasks(rt, session, tasks);
+}
+
 /// Registers a control connection with the driver; returns its session and the queue its
 /// writer drains. `handshake` is told how the session's handshake ends.
-pub fn register_control<R: Runtime>(
+fn register_control<R: Runtime>(
     rt: &R,
     peer_addr: Option<SocketAddr>,
     target: Option<TargetId>,
@@ -386,7 +497,7 @@ pub fn register_control<R: Runtime>(
 
 /// Hands a control connection's tasks to the driver; stops them if the session closed
 /// meanwhile.
-pub fn add_control_tasks<R: Runtime>(rt: &R, session: SessionId, tasks: ControlTasks<R::Task>) {
+fn add_control_tasks<R: Runtime>(rt: &R, session: SessionId, tasks: ControlTasks<R::Task>) {
     let refused = match rt.drive(|d| d.add_tasks(session, tasks)) {
         Some(Ok(())) => return,
         Some(Err(tasks)) => tasks,
@@ -398,7 +509,7 @@ pub fn add_control_tasks<R: Runtime>(rt: &R, session: SessionId, tasks: ControlT
 
 /// A control connection's reader: feeds what arrives to the core until the connection ends,
 /// then closes the session.
-pub async fn read_control<R: Runtime>(rt: R, session: SessionId, mut read: impl AsyncRead + Unpin) {
+async fn read_control<R: Runtime>(rt: R, session: SessionId, mut read: impl AsyncRead + Unpin) {
     let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
@@ -418,7 +529,7 @@ pub async fn read_control<R: Runtime>(rt: R, session: SessionId, mut read: impl 
 
 /// A control connection's writer: writes the driver's frames, coalescing what is queued,
 /// until the queue closes (the session closed) or the connection fails.
-pub async fn write_control(
+async fn write_control(
     mut queue: mpsc::UnboundedReceiver<Vec<u8>>,
     mut write: impl AsyncWrite + Unpin,
 ) {
@@ -434,7 +545,7 @@ pub async fn write_control(
 
 /// Decode's data connection task: runs `serve` (the data plane's receiver) to its end, then
 /// tells the driver the connection was lost. A fence stops this task before it gets there.
-pub async fn serve_data<R: Runtime>(
+async fn serve_data<R: Runtime>(
     rt: R,
     session: SessionId,
     serve: impl Future<Output = Result<ServeStats, ServeError>>,

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use kvferry_core::{
     Config, EndpointInfo, Event, Generation, Incarnation, Layout, NodeId, Role, RoomId, SessionId,
-    SessionKey, TargetId, TransferOp,
+    TargetId, TransferOp,
 };
 use kvferry_driver::{
-    Announcer, CoreWait, DataConn, Dial, Driver, FrameSink, Host, NodeError, OpSink, Release,
+    Announcer, CoreWait, Dial, Driver, FrameSink, Host, Job, NodeError, OpSink, Release,
     TURN_BUDGET,
 };
 use tokio::sync::oneshot;
@@ -23,7 +23,8 @@ use tokio::sync::oneshot;
 struct Log {
     wakes: usize,
     connects: Vec<(TargetId, kvferry_core::DialId)>,
-    data_opened: Vec<(SessionId, usize)>,
+    /// One entry per data connection asked for.
+    data_opened: Vec<SessionId>,
     closes: Vec<SessionId>,
     /// The linger of each close, as the host's release would wait on it.
     lingers: Vec<Option<CoreWait>>,
@@ -63,28 +64,25 @@ impl Host for Recorder {
     type ControlTasks = ();
     type SessionExt = ();
 
-    fn connect(&self, _addr: SocketAddr, dial: Dial) {
-        if let Dial::Target { target, dial, .. } = dial {
-            self.0.borrow_mut().connects.push((target, dial));
-        }
-    }
-
-    fn open_data(&self, session: SessionId, _addr: SocketAddr, _key: SessionKey, n: usize) {
-        self.0.borrow_mut().data_opened.push((session, n));
-    }
-
-    fn release(
-        &self,
-        session: SessionId,
-        _conns: Vec<DataConn<Self>>,
-        _tasks: Option<()>,
-        linger: Option<CoreWait>,
-        why: Release,
-    ) {
-        if why == Release::Close {
-            let mut log = self.0.borrow_mut();
-            log.closes.push(session);
-            log.lingers.push(linger);
+    fn start(&self, job: Job<Self>) {
+        let mut log = self.0.borrow_mut();
+        match job {
+            Job::Connect {
+                dial: Dial::Target { target, dial, .. },
+                ..
+            } => log.connects.push((target, dial)),
+            Job::Connect { .. } => {}
+            Job::OpenData { session, .. } => log.data_opened.push(session),
+            Job::Release {
+                session,
+                linger,
+                why: Release::Close,
+                ..
+            } => {
+                log.closes.push(session);
+                log.lingers.push(linger);
+            }
+            Job::Release { .. } => {}
         }
     }
 
@@ -177,7 +175,7 @@ fn a_caller_waiting_for_a_handshake_is_told_once_it_is_established() {
     let (d_sid, ..) = dial(&mut decode, &mut prefill, tx);
     assert_eq!(rx.try_recv().unwrap().unwrap(), d_sid);
     // The side that dialed opens the data connections, as many as configured; the other none.
-    assert_eq!(d_log.borrow().data_opened, vec![(d_sid, 3)]);
+    assert_eq!(d_log.borrow().data_opened, vec![d_sid; 3]);
     assert!(p_log.borrow().data_opened.is_empty());
 }
 

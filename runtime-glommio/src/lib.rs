@@ -27,25 +27,26 @@ use std::rc::{Rc, Weak};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures_io::{AsyncRead, AsyncWrite};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
-use kvferry_core::{Counters, Endpoint, Role, SessionId, SessionKey, Slice, TargetId, WritePermit};
+use kvferry_core::{Counters, Endpoint, Role, SessionKey, Slice, WritePermit};
+use kvferry_driver::runtime::{Reporter, Work};
 use kvferry_driver::{
-    runtime, Announcer, Answer, ControlQueue, ControlTasks, CoreWait, DataConn, Dial, Driver,
-    Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
+    runtime, Announcer, ControlQueue, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder,
+    Host, Job, Runtime, RuntimeNode, ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultKind, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
     RoomHandle, RoomView, Unsupported,
 };
-use kvferry_memory::{MemoryMap, WriteCheck};
+use kvferry_memory::MemoryMap;
 use kvferry_tcp::fd::second_handle;
 use kvferry_tcp::glommio::{serve_local, LocalConn, LocalDataSender as DataSender, LocalReport};
 use kvferry_tcp::stream::{hello_control, hello_data};
-use kvferry_tcp::{Limits, TlsSetup};
+use kvferry_tcp::{Limits, ServeError, ServeStats, TlsSetup};
 use tokio::sync::{mpsc, oneshot};
-use tracing::warn;
 
 use executor::ShardSetup;
 pub use executor::{ensure_memlock, shard_node, ShardConfig, DEFAULT_SPIN_BEFORE_PARK};
@@ -457,7 +458,7 @@ pub(crate) async fn shard_main(
 impl ShardHost {
     /// Starts `task` once the shard's driver is no longer borrowed (glommio may run a task
     /// the moment it is spawned, and it would find the driver in use).
-    fn spawn(&self, task: impl Future<Output = ()> + 'static) {
+    fn defer(&self, task: impl Future<Output = ()> + 'static) {
         if let Some(shard) = self.shard.upgrade() {
             shard.spawns.borrow_mut().push(Box::pin(task));
         }
@@ -474,32 +475,8 @@ impl Host for ShardHost {
     #[cfg(not(feature = "rdma"))]
     type SessionExt = ();
 
-    fn connect(&self, addr: SocketAddr, dial: Dial) {
-        self.spawn(runtime::connect(self.clone(), addr, dial));
-    }
-
-    fn open_data(&self, sid: SessionId, addr: SocketAddr, key: SessionKey, n: usize) {
-        for _ in 0..n {
-            self.spawn(runtime::open_data(self.clone(), sid, addr, key.clone()));
-        }
-    }
-
-    fn release(
-        &self,
-        sid: SessionId,
-        conns: Vec<DataConn<Self>>,
-        tasks: Option<ControlTasks<Task<()>>>,
-        linger: Option<CoreWait>,
-        why: Release,
-    ) {
-        self.spawn(runtime::release(
-            self.clone(),
-            sid,
-            conns,
-            tasks,
-            linger,
-            why,
-        ));
+    fn start(&self, job: Job<Self>) {
+        self.defer(job.run(self.clone()));
     }
 
     fn wake(&self) {
@@ -515,7 +492,7 @@ impl Host for ShardHost {
         checksum: u64,
     ) -> Option<WritePermit> {
         let host = driver.host().clone();
-        host.clone().spawn(async move {
+        host.clone().defer(async move {
             let memory = host.memory.clone();
             // Off the shard's thread: hashing what a room landed takes as long as its bytes.
             let verdict = glommio::executor().spawn_blocking(move || {
@@ -532,14 +509,12 @@ impl Host for ShardHost {
 }
 
 impl Runtime for ShardHost {
-    type Host = ShardHost;
     type Task = Task<()>;
-    type Sender = DataSender;
     type Stream = LocalConn;
+    type Read = Box<dyn AsyncRead + Unpin>;
+    type Write = Box<dyn AsyncWrite + Unpin>;
 
-    fn io(
-        stream: &mut LocalConn,
-    ) -> impl futures_io::AsyncRead + futures_io::AsyncWrite + Unpin + '_ {
+    fn io(stream: &mut LocalConn) -> impl AsyncRead + AsyncWrite + Unpin + '_ {
         stream
     }
 
@@ -565,58 +540,41 @@ impl Runtime for ShardHost {
         Ok(stream)
     }
 
-    fn attach_control(
-        &self,
-        stream: LocalConn,
-        peer_addr: Option<SocketAddr>,
-        target: Option<TargetId>,
-        handshake: Option<Answer>,
-    ) {
-        let Some((sid, queue)) = runtime::register_control(self, peer_addr, target, handshake)
-        else {
-            return;
-        };
-        let tasks = match stream {
+    fn split(stream: LocalConn) -> std::io::Result<(Self::Read, Self::Write)> {
+        Ok(match stream {
             // Plain TCP: reader and writer on two handles of the socket, no lock between them.
             LocalConn::Plain(stream) => {
-                let write = match second_handle(&stream) {
-                    Ok(write) => write,
-                    Err(e) => {
-                        warn!(session = %sid, error = %e, "cannot split a control connection");
-                        // A session that closes at once: the core learns it like any loss.
-                        self.drive(|d| d.control_ended(sid));
-                        return;
-                    }
-                };
-                ControlTasks {
-                    writer: glommio::spawn_local(runtime::write_control(queue, write)),
-                    reader: glommio::spawn_local(runtime::read_control(self.clone(), sid, stream)),
-                }
+                let write = second_handle(&stream)?;
+                (Box::new(stream), Box::new(write))
             }
             // TLS: one session state, shared by the two halves of its stream.
             tls @ LocalConn::Tls(_) => {
                 let (read, write) = futures_lite::io::split(tls);
-                ControlTasks {
-                    writer: glommio::spawn_local(runtime::write_control(queue, write)),
-                    reader: glommio::spawn_local(runtime::read_control(self.clone(), sid, read)),
-                }
+                (Box::new(read), Box::new(write))
             }
-        };
-        runtime::add_control_tasks(self, sid, tasks);
+        })
     }
 
-    fn start_sender(&self, stream: LocalConn) -> std::io::Result<DataSender> {
-        let report: LocalReport = Rc::new(runtime::report(self.clone()));
+    fn spawn(&self, work: Work<Self>) -> Task<()> {
+        glommio::spawn_local(work.run(self.clone()))
+    }
+
+    fn start_sender(
+        &self,
+        stream: LocalConn,
+        report: Reporter<Self>,
+    ) -> std::io::Result<DataSender> {
+        let report: LocalReport = Rc::new(move |id, outcome| report.report(id, outcome));
         DataSender::spawn(stream, self.memory.clone(), report)
     }
 
-    fn start_receiver(&self, sid: SessionId, stream: LocalConn) -> Task<()> {
-        let check: Rc<dyn WriteCheck> = Rc::new(runtime::check(self.clone(), sid));
-        let (host, memory, limits) = (self.clone(), self.memory.clone(), self.limits);
-        glommio::spawn_local(async move {
-            let serve = serve_local(stream, &memory, check, limits);
-            runtime::serve_data(host, sid, serve).await;
-        })
+    fn serve(
+        &self,
+        stream: LocalConn,
+        check: CoreCheck<DriverAccess<Self>>,
+    ) -> impl Future<Output = Result<ServeStats, ServeError>> + 'static {
+        let (memory, limits) = (self.memory.clone(), self.limits);
+        async move { serve_local(stream, &memory, Rc::new(check), limits).await }
     }
 }
 

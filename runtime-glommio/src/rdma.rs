@@ -58,6 +58,6 @@ impl RdmaHost for ShardHost {
     }
 
     fn spawn_watch(&self, session: SessionId, qp: SharedQp, stop: oneshot::Receiver<()>) {
-        self.spawn(rdma::watch(self.clone(), session, qp, stop));
+        self.defer(rdma::watch(self.clone(), session, qp, stop));
     }
 }

@@ -16,14 +16,15 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{
-    Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionId, SessionKey,
-    Slice, TargetId, WritePermit,
+    Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionKey, Slice,
+    WritePermit,
 };
-use kvferry_memory::{MemoryMap, WriteCheck};
+use kvferry_memory::MemoryMap;
 use kvferry_tcp::{
     accept_conn, connect_control, connect_data, serve_writes, Conn, DataSender, Limits, Report,
-    TlsSetup, TokioIo,
+    ServeError, ServeStats, TlsSetup, TokioIo,
 };
+use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
@@ -34,13 +35,14 @@ mod rdma;
 #[cfg(feature = "rdma")]
 pub use kvferry_driver::rdma::SessionRdma;
 
+use kvferry_driver::runtime::{Reporter, Work};
 pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, DataPath, FaultKind, FaultPlan, KvNode,
     Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, Unsupported,
 };
 use kvferry_driver::{
-    runtime, Announcer, Answer, ControlQueue, ControlTasks, CoreWait, DataConn, Dial, Driver,
-    Embedder, Host, Release, Runtime, RuntimeNode, ShardCalls,
+    runtime, Announcer, ControlQueue, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder,
+    Host, Job, Runtime, RuntimeNode, ShardCalls,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
@@ -353,28 +355,8 @@ impl Host for TokioHost {
     #[cfg(not(feature = "rdma"))]
     type SessionExt = ();
 
-    fn connect(&self, addr: SocketAddr, dial: Dial) {
-        self.runtime
-            .spawn(runtime::connect(self.clone(), addr, dial));
-    }
-
-    fn open_data(&self, sid: SessionId, addr: SocketAddr, key: SessionKey, n: usize) {
-        for _ in 0..n {
-            let task = runtime::open_data(self.clone(), sid, addr, key.clone());
-            self.runtime.spawn(task);
-        }
-    }
-
-    fn release(
-        &self,
-        sid: SessionId,
-        conns: Vec<DataConn<Self>>,
-        tasks: Option<ControlTasks<JoinHandle<()>>>,
-        linger: Option<CoreWait>,
-        why: Release,
-    ) {
-        let task = runtime::release(self.clone(), sid, conns, tasks, linger, why);
-        self.runtime.spawn(task);
+    fn start(&self, job: Job<Self>) {
+        self.runtime.spawn(job.run(self.clone()));
     }
 
     fn wake(&self) {
@@ -416,10 +398,10 @@ impl Host for TokioHost {
 }
 
 impl Runtime for TokioHost {
-    type Host = TokioHost;
     type Task = JoinHandle<()>;
-    type Sender = DataSender;
     type Stream = Conn;
+    type Read = TokioIo<ReadHalf<Conn>>;
+    type Write = TokioIo<WriteHalf<Conn>>;
 
     fn io(stream: &mut Conn) -> impl futures_io::AsyncRead + futures_io::AsyncWrite + Unpin + '_ {
         TokioIo(stream)
@@ -442,40 +424,27 @@ impl Runtime for TokioHost {
         }
     }
 
-    fn attach_control(
-        &self,
-        stream: Conn,
-        peer_addr: Option<SocketAddr>,
-        target: Option<TargetId>,
-        handshake: Option<Answer>,
-    ) {
+    fn split(stream: Conn) -> std::io::Result<(Self::Read, Self::Write)> {
         let _ = stream.tcp().set_nodelay(true);
-        let Some((sid, queue)) = runtime::register_control(self, peer_addr, target, handshake)
-        else {
-            return;
-        };
         let (read, write) = tokio::io::split(stream);
-        let span = info_span!("kvferry_session", session = %sid);
-        let writer = runtime::write_control(queue, TokioIo(write)).instrument(span.clone());
-        let reader = runtime::read_control(self.clone(), sid, TokioIo(read)).instrument(span);
-        let tasks = ControlTasks {
-            writer: self.runtime.spawn(writer),
-            reader: self.runtime.spawn(reader),
-        };
-        runtime::add_control_tasks(self, sid, tasks);
+        Ok((TokioIo(read), TokioIo(write)))
     }
 
-    fn start_sender(&self, stream: Conn) -> std::io::Result<DataSender> {
-        let report: Report = Arc::new(runtime::report(self.clone()));
+    fn spawn(&self, work: Work<Self>) -> JoinHandle<()> {
+        self.runtime.spawn(work.run(self.clone()))
+    }
+
+    fn start_sender(&self, stream: Conn, report: Reporter<Self>) -> std::io::Result<DataSender> {
+        let report: Report = Arc::new(move |id, outcome| report.report(id, outcome));
         Ok(DataSender::spawn(stream, self.memory.clone(), report))
     }
 
-    fn start_receiver(&self, sid: SessionId, stream: Conn) -> JoinHandle<()> {
-        let check: Arc<dyn WriteCheck + Send + Sync> = Arc::new(runtime::check(self.clone(), sid));
-        let serve = serve_writes(stream, self.memory.clone(), check, self.limits);
-        let task = runtime::serve_data(self.clone(), sid, serve);
-        self.runtime
-            .spawn(task.instrument(info_span!("kvferry_data", session = %sid)))
+    fn serve(
+        &self,
+        stream: Conn,
+        check: CoreCheck<DriverAccess<Self>>,
+    ) -> impl std::future::Future<Output = Result<ServeStats, ServeError>> + 'static {
+        serve_writes(stream, self.memory.clone(), Arc::new(check), self.limits)
     }
 }
 
