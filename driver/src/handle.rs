@@ -11,7 +11,7 @@ pub struct RoomView {
     /// Whether the pages may be reused.
     pub releasable: bool,
     /// Prefill: the highest layer that, with every owned layer before it, decode holds
-    /// (see [`Event::LayerDelivered`]).
+    /// (see [`kvferry_core::Event::LayerDelivered`]).
     pub delivered_through: Option<u16>,
 }
 
@@ -23,7 +23,7 @@ pub struct RoomHandle {
 }
 
 impl RoomHandle {
-    /// A handle that follows `rx` (drivers create them through [`RoomBook::watch`]).
+    /// A handle that follows `rx` (drivers create them through [`crate::RoomBook::watch`]).
     pub fn new(room: RoomId, rx: watch::Receiver<RoomView>) -> Self {
         RoomHandle { room, rx }
     }

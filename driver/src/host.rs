@@ -44,13 +44,6 @@ impl<T: kvferry_tcp::send::Task, R: kvferry_tcp::send::Report> OpSink
     }
 }
 
-/// Where a control connection's frames go: the writer a host built for the driver.
-pub trait FrameSink {
-    /// Queues `frame` for the connection's writer (dropped if the writer has ended: the
-    /// reader's end reports the loss).
-    fn send(&self, frame: Vec<u8>);
-}
-
 /// One data connection of a session: prefill writes on it, decode serves writes from it.
 pub enum DataConn<H: Host> {
     /// Prefill's sending half.
@@ -69,8 +62,6 @@ pub trait Host: Sized + 'static {
     type Sender: OpSink;
     /// Decode's task serving writes from a data connection.
     type Receiver;
-    /// A control connection's writer.
-    type Control: FrameSink;
     /// A control connection's reader and writer tasks, stopped when the session closes.
     type ControlTasks;
     /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
@@ -118,7 +109,7 @@ pub trait Host: Sized + 'static {
     fn close_own(_ext: &mut Self::SessionExt) {}
 
     /// Decode over a one-sided data plane of the host's own, with the checksum option
-    /// ([`Action::VerifyLanded`]): hash the bytes now in `ranges` and hand `permit` back with
+    /// ([`kvferry_core::Action::VerifyLanded`]): hash the bytes now in `ranges` and hand `permit` back with
     /// `end_write`, `applied()` if they hash to `checksum`, `corrupt()` if not. `Some(permit)`:
     /// the host has no such path, and the driver hands the permit back unapplied.
     fn verify_landed(
@@ -131,8 +122,8 @@ pub trait Host: Sized + 'static {
     }
 }
 
-/// What the driver loop asks its host to start ([`Host::start`]); a runtime runs each with
-/// [`Job::run`](crate::runtime) (written once for every runtime).
+/// What the driver loop asks its host to start ([`Host::start`]); a runtime spawns its
+/// `run` (in [`crate::runtime`], written once for every runtime).
 pub enum Job<H: Host> {
     /// Opens a control connection to `addr` for `dial` (until the core abandons the
     /// attempt: a target's wait comes with it, a caller's is [`Driver::dial_started`]), then

@@ -41,7 +41,7 @@ pub use error::{NodeError, Unsupported};
 pub use fault_switch::FaultSwitch;
 pub use faults::{FaultKind, FaultPlan};
 pub use handle::{RoomHandle, RoomView};
-pub use host::{Connections, DataConn, Dial, FrameSink, Host, Job, OpSink, Release};
+pub use host::{Connections, DataConn, Dial, Host, Job, OpSink, Release};
 pub use listener::CoreWait;
 pub use machine::{Driver, TURN_BUDGET};
 pub use metrics_export::{export_metrics, export_staging_metrics, role_label};
@@ -53,7 +53,6 @@ pub use waits::Answer;
 /// How a driver reaches one address of a peer (re-exported from the core, which decides
 /// how long a room waits for a target that is down).
 pub use kvferry_core::Link;
-use tokio::sync::mpsc;
 
 /// What a failed connection attempt tells the core: refused (the host is up, nothing listens)
 /// or no answer (timed out, no route). Drivers report it with `handle_connect_failed`.
@@ -110,11 +109,5 @@ pub fn landed_verdict(
             tracing::warn!(session = %permit.session, room = ?permit.room, error = %e, "cannot read the landed bytes to verify them");
             permit
         }
-    }
-}
-
-impl FrameSink for mpsc::UnboundedSender<Vec<u8>> {
-    fn send(&self, frame: Vec<u8>) {
-        let _ = mpsc::UnboundedSender::send(self, frame);
     }
 }

@@ -6,7 +6,7 @@
 //! callers waiting for a handshake or for the shutdown). It feeds the core's inputs, drains
 //! its outputs in the documented order under a budget, and turns the core's actions into
 //! requests to its [`Host`]. It never waits and never does IO: the host starts tasks, and
-//! those tasks report back through the `Driver` methods named in each [`Host`] method's doc.
+//! those tasks report back through the `Driver` methods named in each [`crate::Job`]'s doc.
 //! The host keeps the driver behind whatever its runtime shares state with (a mutex on
 //! tokio, a cell on a thread-per-core shard) and never calls back into it from inside a
 //! [`Host`] method.
@@ -14,8 +14,7 @@
 use crate::session_io::send_round_robin;
 use crate::waits::{Refusal, Waits};
 use crate::{
-    Answer, Connections, DataConn, Dial, FaultSwitch, FrameSink, Host, Job, OpSink, Release,
-    SessionIo,
+    Answer, Connections, DataConn, Dial, FaultSwitch, Host, Job, OpSink, Release, SessionIo,
 };
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -202,7 +201,10 @@ impl<H: Host> Driver<H> {
             while let Some(sid) = self.endpoint.poll_transmit(&mut buf) {
                 progressed = true;
                 match self.io.get(&sid).and_then(|io| io.control.as_ref()) {
-                    Some(control) => control.send(std::mem::take(&mut buf)),
+                    Some(control) => {
+                        // A writer that has ended drops it: the reader's end reports the loss.
+                        let _ = control.send(std::mem::take(&mut buf));
+                    }
                     None => buf.clear(),
                 }
             }
@@ -365,7 +367,7 @@ impl<H: Host> Driver<H> {
     /// [`Driver::add_tasks`].
     pub fn attach_control(
         &mut self,
-        control: H::Control,
+        control: crate::ControlQueue,
         peer_addr: Option<SocketAddr>,
         target: Option<TargetId>,
     ) -> SessionId {

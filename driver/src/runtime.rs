@@ -38,7 +38,7 @@ pub type ControlQueue = mpsc::UnboundedSender<Vec<u8>>;
 /// halves. Implemented by a cheap handle to one driver (a weak reference to a node or a
 /// shard); none of its methods calls into the driver.
 pub trait Runtime:
-    Host<Control = ControlQueue, ControlTasks = ControlTasks<Self::Task>, Receiver = Self::Task> + Clone
+    Host<ControlTasks = ControlTasks<Self::Task>, Receiver = Self::Task> + Clone
 {
     /// A spawned task of this runtime (awaiting it waits for its end).
     type Task: Task + Future + Unpin;
@@ -92,14 +92,14 @@ pub trait Runtime:
 
 /// A task of a node that runs on a runtime's sockets: what [`Runtime::spawn`] runs.
 pub enum Work<R: Runtime> {
-    /// Reads a control connection's frames into the core ([`read_control`]).
+    /// Reads a control connection's frames into the core (`read_control`).
     ReadControl {
         /// The connection's session.
         session: SessionId,
         /// Its reading half.
         read: R::Read,
     },
-    /// Writes the driver's frames on a control connection ([`write_control`]).
+    /// Writes the driver's frames on a control connection (`write_control`).
     WriteControl {
         /// The connection's session.
         session: SessionId,
@@ -108,7 +108,7 @@ pub enum Work<R: Runtime> {
         /// Its writing half.
         write: R::Write,
     },
-    /// Serves decode's side of a data connection ([`serve_data`]).
+    /// Serves decode's side of a data connection (`serve_data`).
     Serve {
         /// The connection's session.
         session: SessionId,

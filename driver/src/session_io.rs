@@ -10,7 +10,7 @@ use kvferry_sync::ConnSet;
 /// A session's connections as the driver sees them.
 pub struct SessionIo<H: Host> {
     /// The control writer's queue; dropped when the session closes, so the writer ends.
-    pub(crate) control: Option<H::Control>,
+    pub(crate) control: Option<crate::ControlQueue>,
     pub(crate) tasks: Option<H::ControlTasks>,
     /// Set when this side dialed: it opens the data connections.
     pub(crate) peer_addr: Option<SocketAddr>,

@@ -13,10 +13,10 @@ use kvferry_core::{
     TargetId, TransferOp,
 };
 use kvferry_driver::{
-    Announcer, CoreWait, Dial, Driver, FrameSink, Host, Job, NodeError, OpSink, Release,
+    Announcer, ControlQueue, CoreWait, Dial, Driver, Host, Job, NodeError, OpSink, Release,
     TURN_BUDGET,
 };
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 /// What the driver asked of its host, in order.
 #[derive(Default)]
@@ -34,13 +34,31 @@ struct Log {
 /// A host that starts nothing and records every request.
 struct Recorder(Rc<RefCell<Log>>);
 
-/// A control connection's bytes, as the writer would send them.
-#[derive(Clone, Default)]
-struct Wire(Rc<RefCell<Vec<u8>>>);
+/// A control connection's queue, and what its writer would send from it.
+#[derive(Clone)]
+struct Wire {
+    queue: ControlQueue,
+    frames: Rc<RefCell<mpsc::UnboundedReceiver<Vec<u8>>>>,
+}
 
-impl FrameSink for Wire {
-    fn send(&self, frame: Vec<u8>) {
-        self.0.borrow_mut().extend_from_slice(&frame);
+impl Default for Wire {
+    fn default() -> Self {
+        let (queue, frames) = mpsc::unbounded_channel();
+        Wire {
+            queue,
+            frames: Rc::new(RefCell::new(frames)),
+        }
+    }
+}
+
+impl Wire {
+    /// The bytes queued since the last take.
+    fn take(&self) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        while let Ok(frame) = self.frames.borrow_mut().try_recv() {
+            bytes.extend_from_slice(&frame);
+        }
+        bytes
     }
 }
 
@@ -60,7 +78,6 @@ impl OpSink for Taker {
 impl Host for Recorder {
     type Sender = Taker;
     type Receiver = ();
-    type Control = Wire;
     type ControlTasks = ();
     type SessionExt = ();
 
@@ -138,8 +155,8 @@ fn pump(
     b_wire: &Wire,
 ) {
     for _ in 0..100 {
-        let to_b = std::mem::take(&mut *a_wire.0.borrow_mut());
-        let to_a = std::mem::take(&mut *b_wire.0.borrow_mut());
+        let to_b = a_wire.take();
+        let to_a = b_wire.take();
         if to_a.is_empty() && to_b.is_empty() {
             return;
         }
@@ -160,9 +177,9 @@ fn dial(
     handshake: oneshot::Sender<Result<SessionId, NodeError>>,
 ) -> (SessionId, Wire, SessionId, Wire) {
     let (d_wire, p_wire) = (Wire::default(), Wire::default());
-    let d_sid = decode.attach_control(d_wire.clone(), Some(PEER), None);
+    let d_sid = decode.attach_control(d_wire.queue.clone(), Some(PEER), None);
     decode.on_handshake(d_sid, handshake);
-    let p_sid = prefill.attach_control(p_wire.clone(), None, None);
+    let p_sid = prefill.attach_control(p_wire.queue.clone(), None, None);
     pump(decode, d_sid, &d_wire, prefill, p_sid, &p_wire);
     (d_sid, d_wire, p_sid, p_wire)
 }
@@ -219,7 +236,7 @@ fn every_caller_waiting_for_a_handshake_learns_the_peers_refusal() {
 fn a_caller_waiting_for_a_silent_peer_is_told_when_the_core_gives_up() {
     let (mut decode, log) = node(Role::Decode, 1, b"t");
     let (tx, mut rx) = oneshot::channel();
-    let sid = decode.attach_control(Wire::default(), Some(PEER), None);
+    let sid = decode.attach_control(Wire::default().queue, Some(PEER), None);
     decode.on_handshake(sid, tx);
     assert!(
         rx.try_recv().is_err(),
@@ -286,8 +303,8 @@ fn dial_target(
     let (tx, rx) = oneshot::channel();
     decode.on_target(target, tx);
     let (d_wire, p_wire) = (Wire::default(), Wire::default());
-    let d_sid = decode.attach_control(d_wire.clone(), Some(PEER), Some(target));
-    let p_sid = prefill.attach_control(p_wire.clone(), None, None);
+    let d_sid = decode.attach_control(d_wire.queue.clone(), Some(PEER), Some(target));
+    let p_sid = prefill.attach_control(p_wire.queue.clone(), None, None);
     pump(decode, d_sid, &d_wire, prefill, p_sid, &p_wire);
     (target, rx)
 }
@@ -360,7 +377,7 @@ fn a_target_whose_connect_task_never_reports_is_dialed_again() {
 #[test]
 fn a_closing_sessions_writer_lingers_until_the_core_says_it_is_over() {
     let (mut decode, log) = node(Role::Decode, 1, b"t");
-    let sid = decode.attach_control(Wire::default(), Some(PEER), None);
+    let sid = decode.attach_control(Wire::default().queue, Some(PEER), None);
     let closed_at = Instant::now();
     decode.with(|e, now| e.shutdown(now));
     assert_eq!(log.borrow().closes, vec![sid]);
@@ -430,7 +447,7 @@ fn a_shutdown_ends_every_wait_the_core_would_have_ended() {
 #[test]
 fn a_session_whose_control_connection_ended_stops_its_writer_at_once() {
     let (mut decode, log) = node(Role::Decode, 1, b"t");
-    let sid = decode.attach_control(Wire::default(), Some(PEER), None);
+    let sid = decode.attach_control(Wire::default().queue, Some(PEER), None);
     decode.control_ended(sid);
     assert_eq!(log.borrow().closes, vec![sid]);
     let mut linger = log.borrow_mut().lingers.pop().unwrap().unwrap();

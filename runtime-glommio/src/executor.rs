@@ -19,7 +19,7 @@ const MEMLOCK_MIN: u64 = 512 * 1024;
 /// The io_uring buffer memory each executor registers (small: the limit is shared).
 const IO_MEMORY: usize = 1 << 20;
 
-/// Everything to start a [`GlommioNode`] beyond the common [`NodeConfig`].
+/// Everything to start a [`crate::GlommioNode`] beyond the common [`NodeConfig`].
 #[derive(Clone, Copy, Debug)]
 pub struct ShardConfig {
     /// Number of shards (executors); at least 1.

@@ -34,8 +34,8 @@ use glommio::Task;
 use kvferry_core::{Counters, Endpoint, Role, SessionKey, Slice, WritePermit};
 use kvferry_driver::runtime::{Reporter, Work};
 use kvferry_driver::{
-    runtime, Announcer, ControlQueue, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder,
-    Host, Job, Runtime, RuntimeNode, ShardCalls,
+    runtime, Announcer, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder, Host, Job,
+    Runtime, RuntimeNode, ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultKind, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
@@ -352,7 +352,7 @@ struct Shard {
 }
 
 /// A shard's side of the driver loop: starts tasks on the shard's executor that report back
-/// to the driver in [`Shard::driver`].
+/// to the driver in its `Shard`.
 #[derive(Clone)]
 pub struct ShardHost {
     shard: Weak<Shard>,
@@ -468,7 +468,6 @@ impl ShardHost {
 impl Host for ShardHost {
     type Sender = DataSender;
     type Receiver = Task<()>;
-    type Control = ControlQueue;
     type ControlTasks = ControlTasks<Task<()>>;
     #[cfg(feature = "rdma")]
     type SessionExt = Option<kvferry_driver::rdma::SessionRdma>;

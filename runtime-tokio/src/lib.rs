@@ -2,8 +2,8 @@
 //!
 //! It is the driver's [`Runtime`] and [`Host`] on tokio: it keeps the one
 //! [`kvferry_driver::Driver`] behind a mutex, spawns the tasks `kvferry_driver::runtime`
-//! writes once (connects, data connections, control readers and writers, releases, the
-//! timer), and lends its timer, its sockets and TLS; data moves through `kvferry-tcp` (or
+//! writes once (each [`Job`] and [`Work`], the listener, the timer), and lends its timer,
+//! its sockets and TLS; data moves through `kvferry-tcp` (or
 //! RDMA with the `rdma` feature). It must never decide a retry, a timeout or a room's state:
 //! if it needs an `if` about one, the core's API is missing something.
 //!
@@ -41,12 +41,12 @@ pub use kvferry_driver::{
     Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, Unsupported,
 };
 use kvferry_driver::{
-    runtime, Announcer, ControlQueue, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder,
-    Host, Job, Runtime, RuntimeNode, ShardCalls,
+    runtime, Announcer, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder, Host, Job,
+    Runtime, RuntimeNode, ShardCalls,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
-/// to the driver behind [`Shared::driver`].
+/// to the driver behind the node's lock.
 #[derive(Clone)]
 pub struct TokioHost {
     shared: Weak<Shared>,
@@ -348,7 +348,6 @@ impl RuntimeNode for Node {
 impl Host for TokioHost {
     type Sender = DataSender;
     type Receiver = JoinHandle<()>;
-    type Control = ControlQueue;
     type ControlTasks = ControlTasks<JoinHandle<()>>;
     #[cfg(feature = "rdma")]
     type SessionExt = Option<kvferry_driver::rdma::SessionRdma>;
