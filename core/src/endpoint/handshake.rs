@@ -158,7 +158,7 @@ impl Endpoint {
     /// it (the whole buffer is then reported as consumed).
     pub fn handle_input(&mut self, now: Instant, session: SessionId, buf: &[u8]) -> usize {
         let now = self.clock(now);
-        if self.superseded.contains_key(&session) {
+        if self.successions.is_superseded(session) {
             // Sent before the peer moved to the fresh connection; it sends again what counts.
             return buf.len();
         }
@@ -515,7 +515,7 @@ impl Endpoint {
                     .unwrap_or((None, None));
                 if old_inc == Some(h.incarnation)
                     && old_state == Some(SessionState::Established)
-                    && !self.superseded.contains_key(&old)
+                    && !self.successions.is_superseded(old)
                 {
                     resumed_from = Some(old);
                 } else if old_inc != Some(h.incarnation) {

@@ -426,12 +426,10 @@ impl Endpoint {
         s.epoch = s.epoch.wrapping_add(1);
         let mut rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
         // Writes of this connection may be pending in rooms a fresh session took over.
-        let mut next = self.superseded.get(&sid).copied();
-        while let Some(to) = next {
+        for to in self.successions.successors(sid) {
             if let Some(x) = self.sessions.get(&to) {
                 rooms.extend(x.rooms.iter().copied());
             }
-            next = self.superseded.get(&to).copied();
         }
         for room in rooms {
             let Some(r) = self.rooms.get_mut(&room) else {

@@ -282,9 +282,9 @@ impl Endpoint {
             return;
         };
         let reason = s.close_reason;
-        let successor = self.superseded.get(&session).copied();
+        let superseded = self.successions.is_superseded(session);
         match s.peer {
-            _ if successor.is_some() => {
+            _ if superseded => {
                 debug!(%session, "superseded connection closed");
             }
             Some(peer) if reason == FailureReason::PeerShutdown && s.rooms.is_empty() => {
@@ -318,9 +318,8 @@ impl Endpoint {
         self.fail_session_rooms(now, session, reason);
         self.settle_session_ops(now, session, false);
         self.fence_done(now, session);
-        if self.superseded.remove(&session).is_none() {
-            // Ended for good: links to it (or to sessions it took over) now end with it.
-            self.heirs.retain(|_, heir| *heir != session);
+        if self.successions.connection_gone(session) {
+            // Ended for good: links to it (or to sessions it took over) ended with it.
             self.remember_ended(session, reason);
         }
         if let Some(mut s) = self.sessions.remove(&session) {
@@ -381,7 +380,7 @@ impl Endpoint {
             s.state,
             SessionState::Established | SessionState::Blacklisted
         );
-        if !live || s.inbound || s.fencing || self.superseded.contains_key(&session) {
+        if !live || s.inbound || s.fencing || self.successions.is_superseded(session) {
             return;
         }
         s.data_lost += 1;
@@ -718,5 +717,39 @@ impl Endpoint {
         ));
         self.fail_session_rooms(now, sid, reason);
         self.request_close(sid);
+    }
+}
+
+/// What the connection attempts to a target found, since its session went silent or down:
+/// the evidence that names the reason of rooms failed for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LinkEvidence {
+    /// The host refused: nothing listens at the port.
+    Refused,
+    /// No answer within the connect timeout, or no route.
+    NoAnswer,
+    /// A connection was made but no hello came back: the peer process does not answer.
+    Silent,
+    /// The peer answered and refused us at the handshake (token, role, layout, version).
+    Rejected(FailureReason),
+}
+
+impl LinkEvidence {
+    /// What a failed connection attempt found.
+    pub(super) fn of(failure: ConnectFailure) -> Self {
+        match failure {
+            ConnectFailure::Refused => LinkEvidence::Refused,
+            ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
+        }
+    }
+
+    /// The reason of rooms that gave up on a link this evidence describes.
+    pub(super) fn reason(self) -> FailureReason {
+        match self {
+            LinkEvidence::Refused => FailureReason::ConnectionRefused,
+            LinkEvidence::NoAnswer => FailureReason::PeerUnreachable,
+            LinkEvidence::Silent => FailureReason::PeerSilent,
+            LinkEvidence::Rejected(reason) => reason,
+        }
     }
 }

@@ -12,6 +12,7 @@ mod planning;
 mod receiver;
 mod rooms;
 mod sender;
+mod successions;
 mod takeover;
 mod timers;
 mod tombstones;
@@ -52,9 +53,11 @@ use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
 use ended::EndedSessions;
 use layer_bits::LayerBits;
+use link::LinkEvidence;
 use listener::{Deadlines, Listener};
 use pending_rooms::{PendingRoom, PendingRooms};
 use planning::live_sender;
+use successions::Successions;
 use timers::fired;
 use tombstones::Tombstones;
 
@@ -122,12 +125,8 @@ pub struct Endpoint {
     next_target: u32,
     /// Write permits given so far (numbers them).
     next_permit: u64,
-    /// Sessions taken over by a fresh connection, with the session that carries on: their
-    /// writes are refused and their late messages ignored until their connection is gone.
-    superseded: Map<SessionId, SessionId>,
-    /// Every session taken over, with the live session that carries its work now: a link an
-    /// embedder holds to a taken-over session resolves to it. Kept while that heir lives.
-    heirs: Map<SessionId, SessionId>,
+    /// Sessions taken over by a fresh connection, and who carries their work now.
+    successions: Successions,
     /// Why recent sessions ended, for rooms opened over them late.
     ended: EndedSessions,
     /// Accepted connections not yet a session's, and the accept backoff.
@@ -136,40 +135,6 @@ pub struct Endpoint {
     dials: Deadlines<DialId>,
     /// Replaced data paths still flushing, each with its `operation_timeout`.
     drains: Deadlines<DrainId>,
-}
-
-/// What the connection attempts to a target found, since its session went silent or down:
-/// the evidence that names the reason of rooms failed for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LinkEvidence {
-    /// The host refused: nothing listens at the port.
-    Refused,
-    /// No answer within the connect timeout, or no route.
-    NoAnswer,
-    /// A connection was made but no hello came back: the peer process does not answer.
-    Silent,
-    /// The peer answered and refused us at the handshake (token, role, layout, version).
-    Rejected(FailureReason),
-}
-
-impl LinkEvidence {
-    /// What a failed connection attempt found.
-    fn of(failure: ConnectFailure) -> Self {
-        match failure {
-            ConnectFailure::Refused => LinkEvidence::Refused,
-            ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
-        }
-    }
-
-    /// The reason of rooms that gave up on a link this evidence describes.
-    fn reason(self) -> FailureReason {
-        match self {
-            LinkEvidence::Refused => FailureReason::ConnectionRefused,
-            LinkEvidence::NoAnswer => FailureReason::PeerUnreachable,
-            LinkEvidence::Silent => FailureReason::PeerSilent,
-            LinkEvidence::Rejected(reason) => reason,
-        }
-    }
 }
 
 /// A peer to stay connected to: the core decides when to (re)connect.
@@ -553,8 +518,7 @@ impl Endpoint {
             targets: Map::with_hasher(hasher.clone()),
             next_target: 0,
             next_permit: 0,
-            superseded: Map::with_hasher(hasher.clone()),
-            heirs: Map::with_hasher(hasher.clone()),
+            successions: Successions::new(hasher.clone()),
             ended: EndedSessions::new(hasher.clone()),
             listener: Listener::default(),
             dials: Deadlines::default(),

@@ -5,7 +5,7 @@ use super::*;
 impl Endpoint {
     /// The live session that carries `session`'s work: itself, or the one that took it over.
     pub(super) fn heir(&self, session: SessionId) -> SessionId {
-        self.heirs.get(&session).copied().unwrap_or(session)
+        self.successions.heir(session)
     }
 
     /// A fresh connection of the same peer process takes over the work of `old`, whose link
@@ -81,14 +81,10 @@ impl Endpoint {
         n.target = n.target.or(old_target);
         let inbound = n.inbound;
         self.nodes.insert(node, new);
-        self.superseded.insert(old, new);
         // Whoever named the old session (an embedder's link, a target kept connected) now
         // names the new one: a target that still pointed at the old session would see it
         // close, dial again, and its fresh session would take this one over in turn.
-        for heir in self.heirs.values_mut().filter(|h| **h == old) {
-            *heir = new;
-        }
-        self.heirs.insert(old, new);
+        self.successions.take_over(old, new);
         for t in self.targets.values_mut().filter(|t| t.session == Some(old)) {
             t.session = Some(new);
         }
@@ -125,7 +121,7 @@ impl Endpoint {
             o.state == SessionState::Established
                 && o.peer.map(|p| (p.node, p.incarnation)) == Some(who)
         });
-        if !same || self.superseded.contains_key(&old) {
+        if !same || self.successions.is_superseded(old) {
             self.nodes.insert(node, sid);
             self.resume_unused(old);
             return;

@@ -269,7 +269,7 @@ impl Endpoint {
                 };
                 let evidence = s
                     .target
-                    .filter(|_| !self.superseded.contains_key(&sid))
+                    .filter(|_| !self.successions.is_superseded(sid))
                     .and_then(|t| self.targets.get(&t))
                     .and_then(|t| t.evidence);
                 // Without a link check (the accepting side never dials) the peer is silent.

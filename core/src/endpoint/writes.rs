@@ -18,7 +18,7 @@ impl Endpoint {
         slice: &Slice,
     ) -> Result<(), WriteRefused> {
         let now = self.clock(now);
-        if self.superseded.contains_key(&session) {
+        if self.successions.is_superseded(session) {
             return Err(WriteRefused::SessionSuperseded);
         }
         let result = self.check_write_inner(session, room, generation, slice);
