@@ -172,19 +172,25 @@ async fn a_prefill_that_stops_fails_decode_rooms_with_peer_shutdown_then_connect
         report.failed_by_reason.contains_key("connection_refused"),
         "rooms still waiting learn that nothing listens any more: {report:?}"
     );
-    assert!(
-        took < Duration::from_secs(8),
-        "ended {took:?} after the loss"
-    );
+    assert_each_room_ended_within_the_window(&report, took);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_that_vanishes_fails_decode_rooms_with_connection_lost_then_connection_refused() {
     let (report, took) = prefill_lost_mid_run(false).await;
     assert_reasons(&report, &["connection_lost", "connection_refused"]);
+    assert_each_room_ended_within_the_window(&report, took);
+}
+
+/// No room waited much longer than the unreachable window (1 s): the longest one, from its
+/// open to its end, took at most the window and a margin for a loaded machine. The whole run
+/// takes longer where the CPU is shared (the rooms opened after the loss fail one by one), so
+/// its own time is only bounded by the test's timeout.
+fn assert_each_room_ended_within_the_window(report: &Report, took: Duration) {
+    let longest = Duration::from_secs_f64(report.latency_ms.2 / 1e3);
     assert!(
-        took < Duration::from_secs(8),
-        "ended {took:?} after the loss"
+        longest < Duration::from_secs(5),
+        "a room took {longest:?}; the run ended {took:?} after the loss: {report:?}"
     );
 }
 
