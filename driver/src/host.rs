@@ -67,9 +67,9 @@ pub trait Host: Sized + 'static {
     /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
     type SessionExt: Default;
 
-    /// Starts `job` as a task of the host's runtime (it must not run before this returns:
-    /// the driver is in use). Each job reports back through the [`Driver`] methods its
-    /// variant names.
+    /// Starts `job` as a task of the host's runtime (it must not reach the driver before this
+    /// returns: the driver is in use). Each job reports back through the [`Driver`] methods
+    /// its variant names.
     fn start(&self, job: Job<Self>);
 
     /// Makes the host's driver task call [`Driver::turn`] soon (a timer moved earlier, or a
@@ -135,8 +135,9 @@ pub enum Job<H: Host> {
         /// Who the connection is for.
         dial: Dial,
     },
-    /// Opens one data connection of `session` to `addr`, proving `key`; if it opens it is
-    /// handed to [`Driver::attach_data`], if not [`Driver::data_connection_lost`] is told.
+    /// Opens one data connection of `session` to `addr`, proving `key`; if it opens and its
+    /// sending or receiving half starts it is handed to [`Driver::attach_data`], if not
+    /// [`Driver::data_connection_lost`] is told.
     OpenData {
         /// The session the connection belongs to.
         session: SessionId,

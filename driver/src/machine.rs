@@ -5,8 +5,10 @@
 //! connections, operations waiting for a data connection, room handles, targets' addresses,
 //! callers waiting for a handshake or for the shutdown). It feeds the core's inputs, drains
 //! its outputs in the documented order under a budget, and turns the core's actions into
-//! requests to its [`Host`]. It never waits and never does IO: the host starts tasks, and
-//! those tasks report back through the `Driver` methods named in each [`crate::Job`]'s doc.
+//! requests to its [`Host`]. It never waits and never does IO: the host starts tasks (each
+//! [`crate::Job`], and the connections' [`crate::runtime::Work`]), and those tasks report back
+//! through the `Driver` methods their docs name (the control reader through the core's
+//! `handle_input`, a data sender through `handle_transfer_result`).
 //! The host keeps the driver behind whatever its runtime shares state with (a mutex on
 //! tokio, a cell on a thread-per-core shard) and never calls back into it from inside a
 //! [`Host`] method.
@@ -363,8 +365,8 @@ impl<H: Host> Driver<H> {
 
     /// Registers a control connection with the core: dialed by this side for `target`
     /// (`peer_addr` and `target` set), dialed by the embedder (`peer_addr` only), or accepted
-    /// (neither). The host then starts the connection's reader and writer and hands them to
-    /// [`Driver::add_tasks`].
+    /// (neither). [`crate::runtime::attach_control`] then spawns the connection's reader and
+    /// writer and hands them to [`Driver::add_tasks`].
     pub fn attach_control(
         &mut self,
         control: crate::ControlQueue,

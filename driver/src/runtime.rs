@@ -3,10 +3,11 @@
 //! reading and writing a control connection, serving a data connection, releasing a
 //! session's connections, the listener's loop and the timer task that turns the driver.
 //!
-//! A runtime only spawns these futures and says how its sockets are dialed and split. The
-//! spawn stays in the adapter because tokio needs its tasks `Send` and a thread-per-core
-//! shard's are not: each adapter spawns the futures below with its own concrete types, so
-//! the same body is `Send` where it must be and local where it may be.
+//! A runtime only spawns these futures ([`Job::run`], [`Work::run`], [`listen`],
+//! [`take_accepted`], [`run_driver`]) and says how its sockets are dialed and split. The spawn
+//! stays in the adapter because tokio needs its tasks `Send` and a thread-per-core shard's are
+//! not: each adapter spawns them with its own concrete types, so the same body is `Send` where
+//! it must be and local where it may be.
 
 use std::future::Future;
 use std::io;
@@ -36,7 +37,8 @@ pub type ControlQueue = mpsc::UnboundedSender<Vec<u8>>;
 /// What a runtime lends the driver loop beyond its [`Host`]: a way into its driver, its
 /// timer, its sockets, its spawn of the driver's tasks ([`Work`]) and its data plane's two
 /// halves. Implemented by a cheap handle to one driver (a weak reference to a node or a
-/// shard); none of its methods calls into the driver.
+/// shard); apart from `drive`, none of its methods reaches the driver, and none is called
+/// from inside `drive`.
 pub trait Runtime:
     Host<ControlTasks = ControlTasks<Self::Task>, Receiver = Self::Task> + Clone
 {
@@ -250,6 +252,8 @@ pub fn attach_data<R: Runtime>(rt: &R, session: SessionId, stream: R::Stream) {
             Ok(sender) => DataConn::Sender(sender),
             Err(e) => {
                 warn!(%session, error = %e, "cannot start a data connection");
+                // Lost like any other: the core decides whether it is replaced.
+                rt.drive(|d| d.data_connection_lost(session));
                 return;
             }
         },

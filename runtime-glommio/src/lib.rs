@@ -555,6 +555,12 @@ impl Runtime for ShardHost {
     }
 
     fn spawn(&self, work: Work<Self>) -> Task<()> {
+        // Never from inside `drive` (where a spawned task could find the driver in use):
+        // that is what `defer` is for.
+        debug_assert!(self
+            .shard
+            .upgrade()
+            .map_or(true, |s| s.driver.try_borrow_mut().is_ok()));
         glommio::spawn_local(work.run(self.clone()))
     }
 

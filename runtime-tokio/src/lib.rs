@@ -424,7 +424,6 @@ impl Runtime for TokioHost {
     }
 
     fn split(stream: Conn) -> std::io::Result<(Self::Read, Self::Write)> {
-        let _ = stream.tcp().set_nodelay(true);
         let (read, write) = tokio::io::split(stream);
         Ok((TokioIo(read), TokioIo(write)))
     }

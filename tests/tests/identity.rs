@@ -122,8 +122,8 @@ async fn a_restarted_prefill_serves_the_same_room_ids_fresh() {
 }
 
 /// Decode against a prefill that goes away mid-run (`graceful`: it shuts down and says so;
-/// else it just vanishes). Every room ends, counted under a reason, within the unreachable
-/// window of the loss, and none is corrupted.
+/// else it just vanishes). Every room ends, counted under a reason, within about the
+/// unreachable window of its open (or of the loss), and none is corrupted.
 async fn prefill_lost_mid_run(graceful: bool) -> (Report, Duration) {
     let shape = rooms(1, 1).shape;
     let (prefill, addrs, server) = prefill_on(
