@@ -1,8 +1,12 @@
 //! What a runtime lends the driver ([`Host`]): its tasks, its connections' sending halves, and
 //! the requests the driver makes of it.
 
-use crate::{Answer, Driver};
-use kvferry_core::{Event, SessionId, SessionKey, Slice, TargetId, TransferOp, WritePermit};
+use crate::Answer;
+#[cfg(doc)]
+use crate::Driver;
+use kvferry_core::{Event, SessionId, SessionKey, TargetId, TransferOp};
+#[cfg(feature = "rdma")]
+use kvferry_core::{Slice, WritePermit};
 use std::future::Future;
 use std::net::SocketAddr;
 
@@ -64,8 +68,6 @@ pub trait Host: Sized + 'static {
     type Receiver;
     /// A control connection's reader and writer tasks, stopped when the session closes.
     type ControlTasks;
-    /// What a runtime keeps per session beyond TCP connections (an RDMA queue pair).
-    type SessionExt: Default;
 
     /// Starts `job` as a task of the host's runtime (it must not reach the driver before this
     /// returns: the driver is in use). Each job reports back through the [`Driver`] methods
@@ -82,43 +84,6 @@ pub trait Host: Sized + 'static {
     /// Whether a decode receiver task has ended (it can be dropped from its session).
     fn receiver_finished(_receiver: &Self::Receiver) -> bool {
         false
-    }
-
-    /// A data plane of the host's own (RDMA) takes a newly established session; `false`:
-    /// the driver opens TCP data connections.
-    fn establish(_driver: &mut Driver<Self>, _session: SessionId) -> bool {
-        false
-    }
-
-    /// The peer's data plane sent bytes for ours.
-    fn transport(_driver: &mut Driver<Self>, _session: SessionId, _payload: &[u8]) {}
-
-    /// A data plane of the host's own takes `op`; `Some(op)`: the driver dispatches it on a
-    /// TCP data connection.
-    fn post(_driver: &mut Driver<Self>, op: TransferOp) -> Option<TransferOp> {
-        Some(op)
-    }
-
-    /// A data plane of the host's own fences `session`; `false`: the driver fences its TCP
-    /// data connections.
-    fn fence_own(_driver: &mut Driver<Self>, _session: SessionId) -> bool {
-        false
-    }
-
-    /// The session is closing: release what [`Host::SessionExt`] holds.
-    fn close_own(_ext: &mut Self::SessionExt) {}
-
-    /// Decode over a one-sided data plane of the host's own, with the checksum option
-    /// ([`kvferry_core::Action::VerifyLanded`]): hash the bytes now in `ranges` and hand `permit` back with
-    /// `end_write`, `applied()` if they hash to `checksum`, `corrupt()` if not. `Some(permit)`:
-    /// the host has no such path, and the driver hands the permit back unapplied.
-    fn verify_landed(
-        _driver: &mut Driver<Self>,
-        permit: WritePermit,
-        _ranges: Vec<Slice>,
-        _checksum: u64,
-    ) -> Option<WritePermit> {
-        Some(permit)
     }
 }
 
@@ -162,6 +127,31 @@ pub enum Job<H: Host> {
         linger: Option<crate::CoreWait>,
         /// A fence or a close.
         why: Release,
+    },
+    /// Awaits an RDMA queue pair's completions for `session` and reports them
+    /// ([`crate::rdma::watch`]) until `stop` ends and what the queue pair flushed is in.
+    #[cfg(feature = "rdma")]
+    WatchCompletions {
+        /// The session the queue pair belongs to.
+        session: SessionId,
+        /// The queue pair.
+        qp: crate::rdma::SharedQp,
+        /// Ends when the queue pair is replaced or the session closes.
+        stop: tokio::sync::oneshot::Receiver<()>,
+    },
+    /// Hashes the bytes an RDMA write landed in `ranges` of `memory`, off the driver's thread,
+    /// and hands `permit` back with `end_write`: `applied()` if they hash to `checksum`,
+    /// `corrupt()` if not ([`crate::landed_verdict`]).
+    #[cfg(feature = "rdma")]
+    VerifyLanded {
+        /// The write's permit.
+        permit: WritePermit,
+        /// Where its bytes landed.
+        ranges: Vec<Slice>,
+        /// What the source's bytes hashed to.
+        checksum: u64,
+        /// The node's memory.
+        memory: std::sync::Arc<kvferry_memory::MemoryMap>,
     },
 }
 

@@ -27,6 +27,7 @@ mod listener;
 mod machine;
 mod metrics_export;
 mod node;
+mod plane;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod runtime;
@@ -90,8 +91,8 @@ pub fn round_robin<S: ?Sized, T>(
     Err(item)
 }
 
-/// Decode's verdict on the bytes a one-sided write landed in `ranges`, for a host's
-/// [`Host::verify_landed`]: `applied()` if they hash to `checksum`, `corrupt()` if not, the
+/// Decode's verdict on the bytes a one-sided write landed in `ranges` (the driver's
+/// `Job::VerifyLanded`, off the driver's thread): `applied()` if they hash to `checksum`, `corrupt()` if not, the
 /// permit as it was if they cannot be read.
 pub fn landed_verdict(
     memory: &kvferry_memory::MemoryMap,

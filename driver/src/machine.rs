@@ -13,6 +13,7 @@
 //! tokio, a cell on a thread-per-core shard) and never calls back into it from inside a
 //! [`Host`] method.
 
+use crate::plane;
 use crate::session_io::send_round_robin;
 use crate::waits::{Refusal, Waits};
 use crate::{
@@ -66,6 +67,9 @@ pub struct Driver<H: Host> {
     staging: Option<std::sync::Arc<kvferry_memory::Staging>>,
     /// What ends the listener's waits when the core says so.
     ends: crate::listener::Ends,
+    /// The node's RDMA data plane, when its data moves over RDMA.
+    #[cfg(feature = "rdma")]
+    rdma: Option<crate::rdma::RdmaPlane>,
 }
 
 impl<H: Host> Driver<H> {
@@ -96,12 +100,26 @@ impl<H: Host> Driver<H> {
             faults: FaultSwitch::default(),
             staging: None,
             ends: crate::listener::Ends::default(),
+            #[cfg(feature = "rdma")]
+            rdma: None,
         }
     }
 
     /// The shared staging pool of the node's device memory, exported with its metrics.
     pub fn set_staging(&mut self, staging: Option<std::sync::Arc<kvferry_memory::Staging>>) {
         self.staging = staging;
+    }
+
+    /// Moves this driver's sessions over `plane` (RDMA) where their peers do too.
+    #[cfg(feature = "rdma")]
+    pub fn set_rdma_plane(&mut self, plane: Option<crate::rdma::RdmaPlane>) {
+        self.rdma = plane;
+    }
+
+    /// The node's RDMA data plane, if its data moves over RDMA.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_plane(&self) -> Option<&crate::rdma::RdmaPlane> {
+        self.rdma.as_ref()
     }
 
     /// The core endpoint (read-only: inputs go through [`Driver::with`]).
@@ -243,9 +261,7 @@ impl<H: Host> Driver<H> {
                         ranges,
                         checksum,
                     } => {
-                        if let Some(permit) = H::verify_landed(self, permit, ranges, checksum) {
-                            self.endpoint.end_write(Instant::now(), permit);
-                        }
+                        plane::verify_landed(self, permit, ranges, checksum);
                     }
                 }
                 budget -= 1;
@@ -256,7 +272,7 @@ impl<H: Host> Driver<H> {
             let now = Instant::now();
             while let Some(op) = self.endpoint.poll_transfer(now) {
                 progressed = true;
-                if let Some(op) = H::post(self, op) {
+                if let Some(op) = plane::post(self, op) {
                     self.dispatch(now, op);
                 }
                 budget -= 1;
@@ -301,7 +317,7 @@ impl<H: Host> Driver<H> {
             Event::SessionEstablished { session, peer } => {
                 info!(%session, node = %peer.node, role = ?peer.role, rank = peer.rank, "session established");
                 self.handshakes.succeed(&session, session);
-                if !H::establish(self, session) {
+                if !plane::establish(self, session) {
                     // A peer that offered RDMA hears that this session moves over TCP.
                     if let Err(e) =
                         self.endpoint
@@ -348,7 +364,7 @@ impl<H: Host> Driver<H> {
             Event::TransportReceived {
                 session,
                 ref payload,
-            } => H::transport(self, session, payload),
+            } => plane::transport(self, session, payload),
             Event::SessionBlacklisted { session } => warn!(%session, "session blacklisted"),
             Event::SessionRecovered { session } => info!(%session, "session recovered"),
             _ => {}
@@ -391,7 +407,8 @@ impl<H: Host> Driver<H> {
                 parked: Vec::new(),
                 path: None,
                 linger: None,
-                ext: H::SessionExt::default(),
+                #[cfg(feature = "rdma")]
+                rdma: None,
             },
         );
         self.drain();
@@ -625,7 +642,7 @@ impl<H: Host> Driver<H> {
             .drain()
             .map(|(_, mut io)| {
                 // An RDMA queue pair goes to the error state: nothing more of it lands.
-                H::close_own(&mut io.ext);
+                plane::close(&mut io);
                 (io.data.close().unwrap_or_default(), io.tasks)
             })
             .collect()
@@ -710,7 +727,7 @@ impl<H: Host> Driver<H> {
     /// [`Driver::released`] confirms it.
     fn start_fence(&mut self, session: SessionId) {
         self.unpark(session);
-        if H::fence_own(self, session) {
+        if plane::fence(self, session) {
             return;
         }
         match self.io.get_mut(&session) {
@@ -740,7 +757,7 @@ impl<H: Host> Driver<H> {
         };
         let tasks = io.tasks.take();
         io.control = None;
-        H::close_own(&mut io.ext);
+        plane::close(io);
         let linger = self.linger_of(session);
         self.host.start(Job::Release {
             session,

@@ -1,13 +1,14 @@
 //! The RDMA data plane, written once for every runtime (feature `rdma`): per session one RC
 //! queue pair from `kvferry-rdma`, its hello carried in the core's `Transport` frames,
 //! operations posted as chained RDMA WRITEs, completions awaited on the completion channel's
-//! descriptor (however the runtime waits on one: [`RdmaHost::wait`]), and the fence as
-//! "QP to the error state, wait for the flush". Every outcome reaches the core through
-//! `handle_transfer_result`, as over TCP. A runtime lends only a descriptor wait, a spawn of
-//! [`watch`] and its memory ([`RdmaHost`]); its [`Host`] hooks call [`establish`],
-//! [`on_hello`], [`post`], [`fence`] and [`SessionRdma::close`].
+//! descriptor (however the runtime waits on one: [`Runtime::readable`], [`Runtime::wait`]),
+//! and the fence as "QP to the error state, wait for the flush". Every outcome reaches the
+//! core through `handle_transfer_result`, as over TCP. The driver holds the node's
+//! [`RdmaPlane`] (set by the runtime when it opened the device) and hands it sessions
+//! ([`establish`]), the peer's hellos ([`on_hello`]), operations ([`post`]), fences
+//! ([`fence`]) and closes ([`SessionRdma::close`]); a runtime lends only the descriptor wait
+//! and spawns [`watch`] as it spawns any [`Job`].
 
-use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
@@ -22,75 +23,34 @@ use kvferry_rdma::verbs::RcQueuePair;
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
-use crate::{DataPath, Driver, FaultKind, Host, NodeError, Runtime, TCP_PATH};
-
-/// The [`Host`] hooks through which a runtime's driver hands sessions, operations, fences
-/// and closes to this data plane; expands inside `impl Host for X` where `X: RdmaHost`.
-#[macro_export]
-macro_rules! rdma_host_hooks {
-    () => {
-        fn establish(
-            driver: &mut $crate::Driver<Self>,
-            session: ::kvferry_core::SessionId,
-        ) -> bool {
-            $crate::rdma::establish(driver, session)
-        }
-
-        fn transport(
-            driver: &mut $crate::Driver<Self>,
-            session: ::kvferry_core::SessionId,
-            payload: &[u8],
-        ) {
-            $crate::rdma::on_hello(driver, session, payload);
-        }
-
-        fn post(
-            driver: &mut $crate::Driver<Self>,
-            op: ::kvferry_core::TransferOp,
-        ) -> Option<::kvferry_core::TransferOp> {
-            $crate::rdma::post(driver, op)
-        }
-
-        fn fence_own(
-            driver: &mut $crate::Driver<Self>,
-            session: ::kvferry_core::SessionId,
-        ) -> bool {
-            $crate::rdma::fence(driver, session)
-        }
-
-        fn close_own(ext: &mut Self::SessionExt) {
-            if let Some(r) = ext.take() {
-                r.close();
-            }
-        }
-    };
-}
+use crate::{DataPath, Driver, FaultKind, Host, Job, NodeError, Runtime, TCP_PATH};
 
 /// A queue pair shared by its session and the task awaiting its completions.
 pub type SharedQp = Arc<Mutex<RcQueuePair>>;
 
-/// What a runtime lends the RDMA data plane: its memory, a wait on a descriptor, and a
-/// spawn of [`watch`] with its own concrete types (a tokio task must be `Send`, a shard's
-/// need not be).
-pub trait RdmaHost: Runtime + Host<SessionExt = Option<SessionRdma>> {
-    /// How this runtime waits for a completion channel to be readable.
-    type Readable;
+/// A node's RDMA data plane as its driver holds it: the device with the node's memory
+/// registered, and that memory (sources are hashed from it, faults injected in it).
+#[derive(Clone)]
+pub struct RdmaPlane {
+    node: Arc<RdmaNode>,
+    memory: Arc<MemoryMap>,
+}
 
-    /// The node's RDMA device with its memory registered; `None`: data moves over TCP.
-    fn rdma(&self) -> Option<&Arc<RdmaNode>>;
+impl RdmaPlane {
+    /// The plane of `node`, which registered `memory` ([`open`]).
+    pub fn new(node: Arc<RdmaNode>, memory: Arc<MemoryMap>) -> Self {
+        RdmaPlane { node, memory }
+    }
 
-    /// The node's memory (sources are hashed from it, landed bytes checked in it).
-    fn memory(&self) -> &Arc<MemoryMap>;
+    /// The node's memory.
+    pub fn memory(&self) -> &Arc<MemoryMap> {
+        &self.memory
+    }
 
-    /// Starts waiting on `fd`'s readability (called on the runtime, inside [`watch`]).
-    fn readable(&self, fd: CompletionFd) -> io::Result<Self::Readable>;
-
-    /// Waits until the descriptor has something to read. What was there when the previous
-    /// wait returned has been consumed by then: the wait is for what comes after.
-    fn wait(readable: &mut Self::Readable) -> impl Future<Output = io::Result<()>>;
-
-    /// Spawns [`watch`]`(self, session, qp, stop)` on the runtime.
-    fn spawn_watch(&self, session: SessionId, qp: SharedQp, stop: oneshot::Receiver<()>);
+    /// Whether the device registered device memory (dma-buf) as well as host memory.
+    pub fn registers_device_memory(&self) -> bool {
+        self.node.registers_device_memory()
+    }
 }
 
 /// A completion channel's descriptor, kept open by the queue pair it belongs to.
@@ -177,8 +137,8 @@ pub fn open(
             },
         )
     }));
-    // SAFETY: the ranges belong to `memory`, which the node keeps (an `Arc` in its host) for
-    // as long as it keeps the `RdmaNode` that registered them.
+    // SAFETY: the ranges belong to `memory`, which the node keeps for as long as it keeps the
+    // `RdmaNode` that registered them (its driver's `RdmaPlane` holds an `Arc` of each).
     let node = match unsafe { RdmaNode::open(device, port, &regions, remote_write) } {
         Ok(node) => node,
         Err(
@@ -223,22 +183,32 @@ fn psn(sid: SessionId) -> u32 {
     (z >> 20) as u32
 }
 
-/// Starts the task that awaits `qp`'s completions; dropping what it returns stops it.
-fn start_watch<H: RdmaHost>(host: &H, sid: SessionId, qp: SharedQp) -> oneshot::Sender<()> {
-    let (stop_tx, stop_rx) = oneshot::channel();
-    host.spawn_watch(sid, qp, stop_rx);
+/// Starts the task that awaits `qp`'s completions ([`Job::WatchCompletions`]); dropping what
+/// it returns stops it.
+fn start_watch<H: Host>(driver: &Driver<H>, sid: SessionId, qp: SharedQp) -> oneshot::Sender<()> {
+    let (stop_tx, stop) = oneshot::channel();
+    driver.host().start(Job::WatchCompletions {
+        session: sid,
+        qp,
+        stop,
+    });
     stop_tx
 }
 
 /// `sid`'s RDMA side, if it has one.
-fn session_rdma<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId) -> Option<&mut SessionRdma> {
-    driver.session_io(sid).and_then(|io| io.ext.as_mut())
+fn session_rdma<H: Host>(driver: &mut Driver<H>, sid: SessionId) -> Option<&mut SessionRdma> {
+    driver.session_io(sid).and_then(|io| io.rdma.as_mut())
+}
+
+/// The node's RDMA device, when its data moves over RDMA.
+fn plane<H: Host>(driver: &Driver<H>) -> Option<RdmaPlane> {
+    driver.rdma_plane().cloned()
 }
 
 /// The session is established: create its QP, send the hello, watch completions. `false`
 /// when the node moves data over TCP.
-pub fn establish<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId) -> bool {
-    let Some(node) = driver.host().rdma().cloned() else {
+pub fn establish<H: Host>(driver: &mut Driver<H>, sid: SessionId) -> bool {
+    let Some(RdmaPlane { node, .. }) = plane(driver) else {
         return false;
     };
     let (link, hello) = match node.link(psn(sid)) {
@@ -248,9 +218,9 @@ pub fn establish<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId) -> bool {
             return true;
         }
     };
-    let watcher = start_watch(driver.host(), sid, link.queue_pair());
+    let watcher = start_watch(driver, sid, link.queue_pair());
     if let Some(io) = driver.session_io(sid) {
-        io.ext = Some(SessionRdma {
+        io.rdma = Some(SessionRdma {
             link,
             fencing: None,
             _watcher: watcher,
@@ -272,27 +242,30 @@ fn send_hello<H: Host>(driver: &mut Driver<H>, sid: SessionId, hello: &[u8]) {
 /// The peer's hello arrived: connect (or start over), then post what waited. A peer that
 /// moves this session over TCP says so instead: the session's queue pair goes, and its
 /// operations take TCP data connections.
-pub fn on_hello<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId, payload: &[u8]) {
-    let Some(node) = driver.host().rdma().cloned() else {
+pub fn on_hello<H: Host>(driver: &mut Driver<H>, sid: SessionId, payload: &[u8]) {
+    let Some(plane) = plane(driver) else {
         return;
     };
     if payload == TCP_PATH {
-        if let Some(r) = driver.session_io(sid).and_then(|io| io.ext.take()) {
+        if let Some(r) = driver.session_io(sid).and_then(|io| io.rdma.take()) {
             r.close();
         }
         driver.use_tcp_path(sid);
         return;
     }
-    let host = driver.host().clone();
     let Some(r) = session_rdma(driver, sid) else {
         debug!(session = %sid, "RDMA hello for a session without a queue pair");
         return;
     };
-    match r.link.on_hello(&node, payload, psn(sid)) {
+    match r.link.on_hello(&plane.node, payload, psn(sid)) {
         Ok(HelloOutcome::Connected) => info!(session = %sid, "RDMA queue pair connected"),
         Ok(HelloOutcome::Replaced { hello }) => {
             info!(session = %sid, "the peer started over: RDMA queue pair replaced");
-            r._watcher = start_watch(&host, sid, r.link.queue_pair());
+            let qp = r.link.queue_pair();
+            let watcher = start_watch(driver, sid, qp);
+            if let Some(r) = session_rdma(driver, sid) {
+                r._watcher = watcher;
+            }
             send_hello(driver, sid, &hello);
         }
         Err(e) => {
@@ -303,7 +276,7 @@ pub fn on_hello<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId, payload: &[
     // Decode sees no write of a one-sided path land: its rooms succeed on the source's word.
     // The source's hello (this one) precedes its first `Done` on the control channel.
     driver.endpoint_mut().set_one_sided(sid);
-    let path = if node.registers_device_memory() {
+    let path = if plane.node.registers_device_memory() {
         DataPath::RdmaDmaBuf
     } else {
         DataPath::Rdma
@@ -314,19 +287,19 @@ pub fn on_hello<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId, payload: &[
         .map(|io| io.take_parked())
         .unwrap_or_default();
     for op in parked {
-        post_on(driver, &node, op);
+        post_on(driver, &plane, op);
     }
 }
 
 /// Posts `op` over RDMA when the node moves data that way; gives it back for TCP otherwise.
-pub fn post<H: RdmaHost>(driver: &mut Driver<H>, op: TransferOp) -> Option<TransferOp> {
-    let Some(node) = driver.host().rdma().cloned() else {
+pub fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<TransferOp> {
+    let Some(plane) = plane(driver) else {
         return Some(op);
     };
     if on_tcp(driver, op.session) {
         return Some(op);
     }
-    post_on(driver, &node, op);
+    post_on(driver, &plane, op);
     None
 }
 
@@ -337,9 +310,9 @@ fn on_tcp<H: Host>(driver: &Driver<H>, sid: SessionId) -> bool {
 
 /// Posts `op` on its session's QP; holds it if the QP is not connected yet, or reports the
 /// outcome at once if no post can succeed.
-fn post_on<H: RdmaHost>(driver: &mut Driver<H>, node: &RdmaNode, op: TransferOp) {
+fn post_on<H: Host>(driver: &mut Driver<H>, plane: &RdmaPlane, op: TransferOp) {
     let faults = driver.faults();
-    let memory = driver.host().memory().clone();
+    let (node, memory) = (&plane.node, &plane.memory);
     // With the checksum option the decode verifies what landed against the source's hash,
     // taken now: the room holds these source pages until the operation is settled.
     let checksum = if op.checksum && op.room.is_some() {
@@ -363,7 +336,7 @@ fn post_on<H: RdmaHost>(driver: &mut Driver<H>, node: &RdmaNode, op: TransferOp)
         );
         return;
     };
-    let Some(r) = io.ext.as_mut() else {
+    let Some(r) = io.rdma.as_mut() else {
         io.park(op);
         return;
     };
@@ -383,7 +356,7 @@ fn post_on<H: RdmaHost>(driver: &mut Driver<H>, node: &RdmaNode, op: TransferOp)
         byte[0] ^= 1;
         read.is_ok() && memory.write(first.region, first.src_offset, &byte).is_ok()
     };
-    let flipped = hit.is_some_and(|f| f.kind == FaultKind::FlipBit) && flip(&memory);
+    let flipped = hit.is_some_and(|f| f.kind == FaultKind::FlipBit) && flip(memory);
     if flipped {
         warn!(session = %op.session, room = ?op.room, "injected fault: one bit of a write flipped");
     }
@@ -398,7 +371,7 @@ fn post_on<H: RdmaHost>(driver: &mut Driver<H>, node: &RdmaNode, op: TransferOp)
                 // Not posted: the source goes back to what was hashed, so a re-post (or the
                 // TCP path) starts from the bytes the prefill holds.
                 if flipped {
-                    flip(&memory);
+                    flip(memory);
                 }
                 io.park(op);
                 None
@@ -426,8 +399,8 @@ fn post_on<H: RdmaHost>(driver: &mut Driver<H>, node: &RdmaNode, op: TransferOp)
 /// write has completed flushed (the completion task sees the last one), nothing of it can
 /// land: the fence is confirmed and a new QP (with a new hello) replaces it.
 /// `false` when the node moves data over TCP.
-pub fn fence<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId) -> bool {
-    let Some(node) = driver.host().rdma().cloned() else {
+pub fn fence<H: Host>(driver: &mut Driver<H>, sid: SessionId) -> bool {
+    let Some(RdmaPlane { node, .. }) = plane(driver) else {
         return false;
     };
     if on_tcp(driver, sid) {
@@ -453,13 +426,7 @@ pub fn fence<H: RdmaHost>(driver: &mut Driver<H>, sid: SessionId) -> bool {
 
 /// Completes `sid`'s fence if `qp` is the QP it fenced and every write of it has flushed:
 /// the core hears it, and if `qp` is still the session's, a new QP replaces it.
-fn finish_fence<H: RdmaHost>(
-    driver: &mut Driver<H>,
-    node: &RdmaNode,
-    sid: SessionId,
-    qp: &SharedQp,
-) {
-    let host = driver.host().clone();
+fn finish_fence<H: Host>(driver: &mut Driver<H>, node: &RdmaNode, sid: SessionId, qp: &SharedQp) {
     let Some(r) = session_rdma(driver, sid) else {
         return;
     };
@@ -471,7 +438,11 @@ fn finish_fence<H: RdmaHost>(
     let hello = if r.link.is_current(qp) {
         match r.link.renew(node, psn(sid)) {
             Ok(hello) => {
-                r._watcher = start_watch(&host, sid, r.link.queue_pair());
+                let qp = r.link.queue_pair();
+                let watcher = start_watch(driver, sid, qp);
+                if let Some(r) = session_rdma(driver, sid) {
+                    r._watcher = watcher;
+                }
                 Some(hello)
             }
             Err(e) => {
@@ -495,7 +466,7 @@ fn finish_fence<H: RdmaHost>(
 /// operation to the core. When told to stop (`stop` ends: its QP was replaced), it reports
 /// what the old QP still flushes, then lets go of its descriptor before the QP, so the
 /// descriptor is never reused under it.
-pub async fn watch<H: RdmaHost>(
+pub async fn watch<H: Runtime>(
     host: H,
     sid: SessionId,
     qp: SharedQp,
@@ -551,7 +522,7 @@ pub async fn watch<H: RdmaHost>(
 }
 
 /// Reports every completion `qp` has to the core; `false` once the node is gone.
-fn report<H: RdmaHost>(host: &H, sid: SessionId, qp: &Mutex<RcQueuePair>) -> bool {
+fn report<H: Runtime>(host: &H, sid: SessionId, qp: &Mutex<RcQueuePair>) -> bool {
     let done = match completions(qp) {
         Ok(d) => d,
         Err(e) => {
@@ -576,9 +547,9 @@ fn report<H: RdmaHost>(host: &H, sid: SessionId, qp: &Mutex<RcQueuePair>) -> boo
 /// work request, not a fence) carries nothing more, and once drained a new one replaces it
 /// and the peer gets its hello (and replaces its own), as a broken TCP data connection is
 /// re-opened. The core still decides about the operations that failed: they were reported.
-fn after_completions<H: RdmaHost>(host: &H, sid: SessionId, qp: &SharedQp) {
+fn after_completions<H: Runtime>(host: &H, sid: SessionId, qp: &SharedQp) {
     host.drive(|driver| {
-        let Some(node) = driver.host().rdma().cloned() else {
+        let Some(RdmaPlane { node, .. }) = plane(driver) else {
             return;
         };
         finish_fence(driver, &node, sid, qp);
@@ -592,7 +563,11 @@ fn after_completions<H: RdmaHost>(host: &H, sid: SessionId, qp: &SharedQp) {
                 Ok(hello) => {
                     warn!(session = %sid, "RDMA queue pair failed; replacing it");
                     // Replacing the watcher ends the task that called us once it returns.
-                    r._watcher = start_watch(host, sid, r.link.queue_pair());
+                    let qp = r.link.queue_pair();
+                    let watcher = start_watch(driver, sid, qp);
+                    if let Some(r) = session_rdma(driver, sid) {
+                        r._watcher = watcher;
+                    }
                     send_hello(driver, sid, &hello);
                 }
                 Err(e) => warn!(session = %sid, error = %e, "no new queue pair after a failure"),
@@ -692,7 +667,7 @@ fn poll_loop(
 }
 
 impl PolledFd {
-    /// Waits for the descriptor's next readiness ([`RdmaHost::wait`]).
+    /// Waits for the descriptor's next readiness ([`Runtime::wait`]).
     pub async fn wait(&mut self) -> io::Result<()> {
         if std::mem::take(&mut self.taken) {
             let sent = self.go.as_ref().is_some_and(|go| go.send(()).is_ok());

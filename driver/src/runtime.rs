@@ -90,6 +90,28 @@ pub trait Runtime:
         stream: Self::Stream,
         check: CoreCheck<DriverAccess<Self>>,
     ) -> impl Future<Output = Result<ServeStats, ServeError>> + 'static;
+
+    /// How this runtime waits for an RDMA completion channel to be readable.
+    #[cfg(feature = "rdma")]
+    type Readable;
+
+    /// Starts waiting on `fd`'s readability (called on the runtime, inside
+    /// [`crate::rdma::watch`]).
+    #[cfg(feature = "rdma")]
+    fn readable(&self, fd: crate::rdma::CompletionFd) -> io::Result<Self::Readable>;
+
+    /// Waits until the descriptor has something to read. What was there when the previous
+    /// wait returned has been consumed by then: the wait is for what comes after.
+    #[cfg(feature = "rdma")]
+    fn wait(readable: &mut Self::Readable) -> impl Future<Output = io::Result<()>>;
+
+    /// Runs `f` where it may take long (not on the thread of a task of the node); `None` if
+    /// it could not finish (it panicked).
+    #[cfg(feature = "rdma")]
+    fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> impl Future<Output = Option<T>>;
 }
 
 /// A task of a node that runs on a runtime's sockets: what [`Runtime::spawn`] runs.
@@ -157,6 +179,23 @@ impl<R: Runtime> Job<R> {
                 linger,
                 why,
             } => release(rt, session, conns, tasks, linger, why).await,
+            #[cfg(feature = "rdma")]
+            Job::WatchCompletions { session, qp, stop } => {
+                crate::rdma::watch(rt, session, qp, stop).await;
+            }
+            #[cfg(feature = "rdma")]
+            Job::VerifyLanded {
+                permit,
+                ranges,
+                checksum,
+                memory,
+            } => {
+                let verdict =
+                    rt.blocking(move || crate::landed_verdict(&memory, permit, &ranges, checksum));
+                if let Some(permit) = verdict.await {
+                    rt.drive(|d| d.with(|e, now| e.end_write(now, permit)));
+                }
+            }
         }
     }
 }

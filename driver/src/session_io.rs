@@ -25,8 +25,9 @@ pub struct SessionIo<H: Host> {
     pub(crate) path: Option<DataPath>,
     /// Ends the control writer's linger while the session closes (the core decides when).
     pub(crate) linger: Option<tokio::sync::oneshot::Sender<()>>,
-    /// The host's own per-session state.
-    pub ext: H::SessionExt,
+    /// The session's RDMA queue pair, when its data moves over RDMA.
+    #[cfg(feature = "rdma")]
+    pub(crate) rdma: Option<crate::rdma::SessionRdma>,
 }
 
 impl<H: Host> SessionIo<H> {

@@ -79,7 +79,6 @@ impl Host for Recorder {
     type Sender = Taker;
     type Receiver = ();
     type ControlTasks = ();
-    type SessionExt = ();
 
     fn start(&self, job: Job<Self>) {
         let mut log = self.0.borrow_mut();
@@ -100,6 +99,8 @@ impl Host for Recorder {
                 log.lingers.push(linger);
             }
             Job::Release { .. } => {}
+            #[cfg(feature = "rdma")]
+            _ => {}
         }
     }
 

@@ -31,7 +31,7 @@ use futures_io::{AsyncRead, AsyncWrite};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
-use kvferry_core::{Counters, Endpoint, Role, SessionKey, Slice, WritePermit};
+use kvferry_core::{Counters, Endpoint, Role, SessionKey};
 use kvferry_driver::runtime::{Reporter, Work};
 use kvferry_driver::{
     runtime, Announcer, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder, Host, Job,
@@ -413,6 +413,12 @@ pub(crate) async fn shard_main(
         d.set_faults(setup.config.faults);
         let staging = d.host().memory.staging().cloned();
         d.set_staging(staging);
+        #[cfg(feature = "rdma")]
+        {
+            let memory = d.host().memory.clone();
+            let plane = d.host().rdma.as_ref().map(|r| r.plane(memory));
+            d.set_rdma_plane(plane);
+        }
     });
     let weak = Rc::downgrade(&shard);
     let host = shard.host();
@@ -469,10 +475,6 @@ impl Host for ShardHost {
     type Sender = DataSender;
     type Receiver = Task<()>;
     type ControlTasks = ControlTasks<Task<()>>;
-    #[cfg(feature = "rdma")]
-    type SessionExt = Option<kvferry_driver::rdma::SessionRdma>;
-    #[cfg(not(feature = "rdma"))]
-    type SessionExt = ();
 
     fn start(&self, job: Job<Self>) {
         self.defer(job.run(self.clone()));
@@ -483,28 +485,6 @@ impl Host for ShardHost {
             let _ = shard.wake.try_send(());
         }
     }
-
-    fn verify_landed(
-        driver: &mut Driver<Self>,
-        permit: WritePermit,
-        ranges: Vec<Slice>,
-        checksum: u64,
-    ) -> Option<WritePermit> {
-        let host = driver.host().clone();
-        host.clone().defer(async move {
-            let memory = host.memory.clone();
-            // Off the shard's thread: hashing what a room landed takes as long as its bytes.
-            let verdict = glommio::executor().spawn_blocking(move || {
-                kvferry_driver::landed_verdict(&memory, permit, &ranges, checksum)
-            });
-            let permit = verdict.await;
-            host.drive(|d| d.with(|e, now| e.end_write(now, permit)));
-        });
-        None
-    }
-
-    #[cfg(feature = "rdma")]
-    kvferry_driver::rdma_host_hooks!();
 }
 
 impl Runtime for ShardHost {
@@ -580,6 +560,29 @@ impl Runtime for ShardHost {
     ) -> impl Future<Output = Result<ServeStats, ServeError>> + 'static {
         let (memory, limits) = (self.memory.clone(), self.limits);
         async move { serve_local(stream, &memory, Rc::new(check), limits).await }
+    }
+
+    #[cfg(feature = "rdma")]
+    type Readable = kvferry_driver::rdma::PolledFd;
+
+    #[cfg(feature = "rdma")]
+    fn readable(&self, fd: kvferry_driver::rdma::CompletionFd) -> std::io::Result<Self::Readable> {
+        rdma::readable(&self.rdma, fd)
+    }
+
+    #[cfg(feature = "rdma")]
+    async fn wait(readable: &mut Self::Readable) -> std::io::Result<()> {
+        readable.wait().await
+    }
+
+    #[cfg(feature = "rdma")]
+    fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> impl Future<Output = Option<T>> {
+        // Off the shard's thread: hashing what a room landed takes as long as its bytes.
+        let done = glommio::executor().spawn_blocking(f);
+        async move { Some(done.await) }
     }
 }
 

@@ -1,17 +1,13 @@
-//! What a glommio shard lends the driver's RDMA data plane ([`kvferry_driver::rdma`]): its
-//! tasks, and completion channels awaited by a polling thread each
+//! What a glommio shard lends the driver's RDMA data plane ([`kvferry_driver::rdma`]):
+//! completion channels awaited by a polling thread each
 //! ([`kvferry_driver::rdma::PolledFd`]: glommio 0.9 cannot wait on an arbitrary descriptor).
 
 use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use kvferry_core::SessionId;
-use kvferry_driver::rdma::{self, CompletionFd, PolledFd, RdmaHost, RdmaNode, SharedQp};
+use kvferry_driver::rdma::{self, CompletionFd, PolledFd, RdmaNode, RdmaPlane};
 use kvferry_memory::MemoryMap;
-use tokio::sync::oneshot;
-
-use crate::ShardHost;
 
 /// A glommio node's RDMA side, shared by its shards: the device with the node's memory
 /// registered, and the read end of the pipe every completion poller of the node also
@@ -37,27 +33,15 @@ pub(crate) fn open(
     Ok((Some(ShardRdma { node, stop }), Some(keep)))
 }
 
-impl RdmaHost for ShardHost {
-    type Readable = PolledFd;
-
-    fn rdma(&self) -> Option<&Arc<RdmaNode>> {
-        self.rdma.as_ref().map(|r| &r.node)
+impl ShardRdma {
+    /// The driver's RDMA plane over this device and `memory`.
+    pub(crate) fn plane(&self, memory: Arc<MemoryMap>) -> RdmaPlane {
+        RdmaPlane::new(self.node.clone(), memory)
     }
+}
 
-    fn memory(&self) -> &Arc<MemoryMap> {
-        &self.memory
-    }
-
-    fn readable(&self, fd: CompletionFd) -> io::Result<PolledFd> {
-        let stop = self.rdma.as_ref().map(|r| r.stop.clone());
-        PolledFd::new(fd, stop.ok_or(io::ErrorKind::NotConnected)?)
-    }
-
-    async fn wait(readable: &mut PolledFd) -> io::Result<()> {
-        readable.wait().await
-    }
-
-    fn spawn_watch(&self, session: SessionId, qp: SharedQp, stop: oneshot::Receiver<()>) {
-        self.defer(rdma::watch(self.clone(), session, qp, stop));
-    }
+/// Starts waiting on `fd` on a polling thread that also watches the node's stop pipe.
+pub(crate) fn readable(device: &crate::RdmaDevice, fd: CompletionFd) -> io::Result<PolledFd> {
+    let stop = device.as_ref().map(|r| r.stop.clone());
+    PolledFd::new(fd, stop.ok_or(io::ErrorKind::NotConnected)?)
 }

@@ -16,8 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use kvferry_core::{
-    Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionKey, Slice,
-    WritePermit,
+    Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionKey,
 };
 use kvferry_memory::MemoryMap;
 use kvferry_tcp::{
@@ -55,9 +54,6 @@ pub struct TokioHost {
     runtime: tokio::runtime::Handle,
     tls: Option<TlsSetup>,
     events: broadcast::Sender<Event>,
-    /// The registered memory and device when data moves over RDMA.
-    #[cfg(feature = "rdma")]
-    rdma: Option<Arc<kvferry_driver::rdma::RdmaNode>>,
 }
 
 struct Shared {
@@ -183,8 +179,6 @@ impl Node {
                 runtime: runtime.clone(),
                 tls: tls.clone(),
                 events: events.clone(),
-                #[cfg(feature = "rdma")]
-                rdma,
             };
             Shared {
                 driver: Mutex::new(Driver::new(
@@ -221,6 +215,10 @@ impl Node {
             let mut driver = shared.lock();
             driver.set_faults(config.faults);
             driver.set_staging(shared.memory.staging().cloned());
+            #[cfg(feature = "rdma")]
+            driver.set_rdma_plane(
+                rdma.map(|node| kvferry_driver::rdma::RdmaPlane::new(node, shared.memory.clone())),
+            );
             driver.host().clone()
         };
         let role = shared.info.role;
@@ -275,7 +273,7 @@ impl RuntimeNode for Node {
 
     fn backend(&self) -> &'static str {
         #[cfg(feature = "rdma")]
-        if self.shared.lock().host().rdma.is_some() {
+        if self.shared.lock().rdma_plane().is_some() {
             return "rdma";
         }
         "tcp"
@@ -349,10 +347,6 @@ impl Host for TokioHost {
     type Sender = DataSender;
     type Receiver = JoinHandle<()>;
     type ControlTasks = ControlTasks<JoinHandle<()>>;
-    #[cfg(feature = "rdma")]
-    type SessionExt = Option<kvferry_driver::rdma::SessionRdma>;
-    #[cfg(not(feature = "rdma"))]
-    type SessionExt = ();
 
     fn start(&self, job: Job<Self>) {
         self.runtime.spawn(job.run(self.clone()));
@@ -371,29 +365,6 @@ impl Host for TokioHost {
     fn receiver_finished(receiver: &JoinHandle<()>) -> bool {
         receiver.is_finished()
     }
-
-    /// Hashes the landed ranges on the blocking pool (not under the driver's lock: an
-    /// operation is up to `max_op_bytes`), then hands the permit back.
-    fn verify_landed(
-        driver: &mut Driver<Self>,
-        permit: WritePermit,
-        ranges: Vec<Slice>,
-        checksum: u64,
-    ) -> Option<WritePermit> {
-        let host = driver.host().clone();
-        let runtime = host.runtime.clone();
-        runtime.spawn_blocking(move || {
-            let permit = kvferry_driver::landed_verdict(&host.memory, permit, &ranges, checksum);
-            if let Some(shared) = host.shared.upgrade() {
-                shared.lock().with(|e, now| e.end_write(now, permit));
-                shared.wake.notify_one();
-            }
-        });
-        None
-    }
-
-    #[cfg(feature = "rdma")]
-    kvferry_driver::rdma_host_hooks!();
 }
 
 impl Runtime for TokioHost {
@@ -443,6 +414,28 @@ impl Runtime for TokioHost {
         check: CoreCheck<DriverAccess<Self>>,
     ) -> impl std::future::Future<Output = Result<ServeStats, ServeError>> + 'static {
         serve_writes(stream, self.memory.clone(), Arc::new(check), self.limits)
+    }
+
+    #[cfg(feature = "rdma")]
+    type Readable = rdma::TokioReadable;
+
+    #[cfg(feature = "rdma")]
+    fn readable(&self, fd: kvferry_driver::rdma::CompletionFd) -> std::io::Result<Self::Readable> {
+        rdma::readable(fd)
+    }
+
+    #[cfg(feature = "rdma")]
+    async fn wait(readable: &mut Self::Readable) -> std::io::Result<()> {
+        rdma::wait(readable).await
+    }
+
+    #[cfg(feature = "rdma")]
+    fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> impl std::future::Future<Output = Option<T>> {
+        let task = self.runtime.spawn_blocking(f);
+        async move { task.await.ok() }
     }
 }
 
