@@ -1,6 +1,7 @@
 //! What a runtime lends the driver ([`Host`]): its tasks, its connections' sending halves, and
 //! the requests the driver makes of it.
 
+use crate::runtime::ControlTasks;
 use crate::Answer;
 #[cfg(doc)]
 use crate::Driver;
@@ -53,21 +54,20 @@ pub enum DataConn<H: Host> {
     /// Prefill's sending half.
     Sender(H::Sender),
     /// Decode's receiving task.
-    Receiver(H::Receiver),
+    Receiver(H::Task),
 }
 
 /// A session's data connections and control connection tasks, for a host to close.
-pub type Connections<H> = (Vec<DataConn<H>>, Option<<H as Host>::ControlTasks>);
+pub type Connections<H> = (Vec<DataConn<H>>, Option<ControlTasks<<H as Host>::Task>>);
 
 /// What a runtime gives the driver loop: tasks that move bytes and report back. Each method
 /// only starts work (it must not wait, and must not call into the [`Driver`] it serves).
 pub trait Host: Sized + 'static {
     /// Prefill's sending half of a data connection.
     type Sender: OpSink;
-    /// Decode's task serving writes from a data connection.
-    type Receiver;
-    /// A control connection's reader and writer tasks, stopped when the session closes.
-    type ControlTasks;
+    /// A task of the host's runtime: decode's receiver on a data connection, a control
+    /// connection's reader and writer (stopped when the session closes).
+    type Task;
 
     /// Starts `job` as a task of the host's runtime (it must not reach the driver before this
     /// returns: the driver is in use). Each job reports back through the [`Driver`] methods
@@ -81,8 +81,8 @@ pub trait Host: Sized + 'static {
     /// Hands an event to the embedder's subscribers once the driver has handled it.
     fn publish(&self, _event: Event) {}
 
-    /// Whether a decode receiver task has ended (it can be dropped from its session).
-    fn receiver_finished(_receiver: &Self::Receiver) -> bool {
+    /// Whether a task (a decode receiver) has ended (it can be dropped from its session).
+    fn task_finished(_task: &Self::Task) -> bool {
         false
     }
 }
@@ -122,7 +122,7 @@ pub enum Job<H: Host> {
         /// Its data connections.
         conns: Vec<DataConn<H>>,
         /// Its control connection's tasks (a close's).
-        tasks: Option<H::ControlTasks>,
+        tasks: Option<ControlTasks<H::Task>>,
         /// When the control writer is stopped if it has not ended.
         linger: Option<crate::CoreWait>,
         /// A fence or a close.

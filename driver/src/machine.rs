@@ -14,6 +14,7 @@
 //! [`Host`] method.
 
 use crate::plane;
+use crate::runtime::ControlTasks;
 use crate::session_io::send_round_robin;
 use crate::waits::{Refusal, Waits};
 use crate::{
@@ -420,8 +421,8 @@ impl<H: Host> Driver<H> {
     pub fn add_tasks(
         &mut self,
         session: SessionId,
-        tasks: H::ControlTasks,
-    ) -> Result<(), H::ControlTasks> {
+        tasks: ControlTasks<H::Task>,
+    ) -> Result<(), ControlTasks<H::Task>> {
         match self.io.get_mut(&session) {
             Some(io) if !io.data.is_closing() && io.tasks.is_none() => {
                 io.tasks = Some(tasks);
@@ -516,7 +517,7 @@ impl<H: Host> Driver<H> {
     pub fn data_connection_lost(&mut self, session: SessionId) {
         if let Some(io) = self.io.get_mut(&session) {
             io.data.retain(|c| match c {
-                DataConn::Receiver(r) => !H::receiver_finished(r),
+                DataConn::Receiver(r) => !H::task_finished(r),
                 DataConn::Sender(_) => true,
             });
         }

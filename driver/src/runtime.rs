@@ -39,11 +39,7 @@ pub type ControlQueue = mpsc::UnboundedSender<Vec<u8>>;
 /// halves. Implemented by a cheap handle to one driver (a weak reference to a node or a
 /// shard); apart from `drive`, none of its methods reaches the driver, and none is called
 /// from inside `drive`.
-pub trait Runtime:
-    Host<ControlTasks = ControlTasks<Self::Task>, Receiver = Self::Task> + Clone
-{
-    /// A spawned task of this runtime (awaiting it waits for its end).
-    type Task: Task + Future + Unpin;
+pub trait Runtime: Host<Task: Task + Future + Unpin> + Clone {
     /// A connection of this runtime (TLS inside, where configured).
     type Stream: 'static;
     /// A control connection's reading half.
@@ -73,7 +69,7 @@ pub trait Runtime:
 
     /// Spawns `work` ([`Work::run`]) on the runtime, where a task of the node may run (not
     /// from inside [`Runtime::drive`]).
-    fn spawn(&self, work: Work<Self>) -> Self::Task;
+    fn spawn(&self, work: Work<Self>) -> <Self as Host>::Task;
 
     /// Starts prefill's sending half on a data connection; each operation's outcome goes to
     /// `report`.
@@ -416,7 +412,7 @@ async fn release<R: Runtime>(
 /// Closes data connections until nothing of them can write any more.
 pub async fn close_all<H: Host>(conns: Vec<DataConn<H>>)
 where
-    H::Receiver: Task,
+    H::Task: Task,
 {
     for conn in conns {
         match conn {

@@ -11,7 +11,7 @@ use kvferry_sync::ConnSet;
 pub struct SessionIo<H: Host> {
     /// The control writer's queue; dropped when the session closes, so the writer ends.
     pub(crate) control: Option<crate::ControlQueue>,
-    pub(crate) tasks: Option<H::ControlTasks>,
+    pub(crate) tasks: Option<crate::ControlTasks<H::Task>>,
     /// Set when this side dialed: it opens the data connections.
     pub(crate) peer_addr: Option<SocketAddr>,
     /// The target this session was dialed for.

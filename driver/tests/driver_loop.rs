@@ -77,8 +77,7 @@ impl OpSink for Taker {
 
 impl Host for Recorder {
     type Sender = Taker;
-    type Receiver = ();
-    type ControlTasks = ();
+    type Task = ();
 
     fn start(&self, job: Job<Self>) {
         let mut log = self.0.borrow_mut();

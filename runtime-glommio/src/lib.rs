@@ -34,8 +34,8 @@ use glommio::Task;
 use kvferry_core::{Counters, Endpoint, Role, SessionKey};
 use kvferry_driver::runtime::{Reporter, Work};
 use kvferry_driver::{
-    runtime, Announcer, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder, Host, Job,
-    Runtime, RuntimeNode, ShardCalls,
+    runtime, Announcer, CoreCheck, Driver, DriverAccess, Embedder, Host, Job, Runtime, RuntimeNode,
+    ShardCalls,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultKind, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
@@ -473,8 +473,7 @@ impl ShardHost {
 
 impl Host for ShardHost {
     type Sender = DataSender;
-    type Receiver = Task<()>;
-    type ControlTasks = ControlTasks<Task<()>>;
+    type Task = Task<()>;
 
     fn start(&self, job: Job<Self>) {
         self.defer(job.run(self.clone()));
@@ -488,7 +487,6 @@ impl Host for ShardHost {
 }
 
 impl Runtime for ShardHost {
-    type Task = Task<()>;
     type Stream = LocalConn;
     type Read = Box<dyn AsyncRead + Unpin>;
     type Write = Box<dyn AsyncWrite + Unpin>;

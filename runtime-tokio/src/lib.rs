@@ -40,8 +40,8 @@ pub use kvferry_driver::{
     Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, Unsupported,
 };
 use kvferry_driver::{
-    runtime, Announcer, ControlTasks, CoreCheck, Driver, DriverAccess, Embedder, Host, Job,
-    Runtime, RuntimeNode, ShardCalls,
+    runtime, Announcer, CoreCheck, Driver, DriverAccess, Embedder, Host, Job, Runtime, RuntimeNode,
+    ShardCalls,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
@@ -345,8 +345,7 @@ impl RuntimeNode for Node {
 
 impl Host for TokioHost {
     type Sender = DataSender;
-    type Receiver = JoinHandle<()>;
-    type ControlTasks = ControlTasks<JoinHandle<()>>;
+    type Task = JoinHandle<()>;
 
     fn start(&self, job: Job<Self>) {
         self.runtime.spawn(job.run(self.clone()));
@@ -362,13 +361,12 @@ impl Host for TokioHost {
         let _ = self.events.send(event);
     }
 
-    fn receiver_finished(receiver: &JoinHandle<()>) -> bool {
-        receiver.is_finished()
+    fn task_finished(task: &JoinHandle<()>) -> bool {
+        task.is_finished()
     }
 }
 
 impl Runtime for TokioHost {
-    type Task = JoinHandle<()>;
     type Stream = Conn;
     type Read = TokioIo<ReadHalf<Conn>>;
     type Write = TokioIo<WriteHalf<Conn>>;
