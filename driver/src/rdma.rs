@@ -195,6 +195,18 @@ fn start_watch<H: Host>(driver: &Driver<H>, sid: SessionId, qp: SharedQp) -> one
     stop_tx
 }
 
+/// Awaits the completions of `sid`'s current QP in place of the task that awaited its
+/// previous one (dropping that task's stop lets it report what the old QP still flushes).
+fn rewatch<H: Host>(driver: &mut Driver<H>, sid: SessionId) {
+    let Some(qp) = session_rdma(driver, sid).map(|r| r.link.queue_pair()) else {
+        return;
+    };
+    let watcher = start_watch(driver, sid, qp);
+    if let Some(r) = session_rdma(driver, sid) {
+        r._watcher = watcher;
+    }
+}
+
 /// `sid`'s RDMA side, if it has one.
 fn session_rdma<H: Host>(driver: &mut Driver<H>, sid: SessionId) -> Option<&mut SessionRdma> {
     driver.session_io(sid).and_then(|io| io.rdma.as_mut())
@@ -261,11 +273,7 @@ pub fn on_hello<H: Host>(driver: &mut Driver<H>, sid: SessionId, payload: &[u8])
         Ok(HelloOutcome::Connected) => info!(session = %sid, "RDMA queue pair connected"),
         Ok(HelloOutcome::Replaced { hello }) => {
             info!(session = %sid, "the peer started over: RDMA queue pair replaced");
-            let qp = r.link.queue_pair();
-            let watcher = start_watch(driver, sid, qp);
-            if let Some(r) = session_rdma(driver, sid) {
-                r._watcher = watcher;
-            }
+            rewatch(driver, sid);
             send_hello(driver, sid, &hello);
         }
         Err(e) => {
@@ -438,11 +446,7 @@ fn finish_fence<H: Host>(driver: &mut Driver<H>, node: &RdmaNode, sid: SessionId
     let hello = if r.link.is_current(qp) {
         match r.link.renew(node, psn(sid)) {
             Ok(hello) => {
-                let qp = r.link.queue_pair();
-                let watcher = start_watch(driver, sid, qp);
-                if let Some(r) = session_rdma(driver, sid) {
-                    r._watcher = watcher;
-                }
+                rewatch(driver, sid);
                 Some(hello)
             }
             Err(e) => {
@@ -563,11 +567,7 @@ fn after_completions<H: Runtime>(host: &H, sid: SessionId, qp: &SharedQp) {
                 Ok(hello) => {
                     warn!(session = %sid, "RDMA queue pair failed; replacing it");
                     // Replacing the watcher ends the task that called us once it returns.
-                    let qp = r.link.queue_pair();
-                    let watcher = start_watch(driver, sid, qp);
-                    if let Some(r) = session_rdma(driver, sid) {
-                        r._watcher = watcher;
-                    }
+                    rewatch(driver, sid);
                     send_hello(driver, sid, &hello);
                 }
                 Err(e) => warn!(session = %sid, error = %e, "no new queue pair after a failure"),
