@@ -174,6 +174,10 @@ enum Command {
         /// to check the path end to end on a slow link (noisier figures).
         #[arg(long)]
         quick: bool,
+        /// Run one data-plane workload alone (transfer_64MiB, batch_1024x16KiB,
+        /// batch_4096x4KiB, op_4KiB_acked), for instance under a profiler.
+        #[arg(long)]
+        workload: Option<String>,
         /// Print one JSON object per workload instead of a table.
         #[arg(long)]
         json: bool,
@@ -750,8 +754,16 @@ async fn run(cli: Cli) -> Result<(), String> {
             shards,
             tls,
             quick,
+            workload,
             json,
         } => {
+            if workload.is_some() && (layer_events || scaling || tls || backend != "tcp") {
+                return Err(
+                    "--workload picks one of the data-plane workloads; it does not apply to \
+                     --layer-events, --scaling, --tls or --backend rdma"
+                        .to_owned(),
+                );
+            }
             // The room workloads (--tls, --backend rdma) run on one driver: `all` means tokio.
             let link_runtime = match runtime.as_str() {
                 "glommio" => Runtime::parse("glommio", 1, false)?,
@@ -845,7 +857,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                     ))
                 }
             };
-            let results = bench::run_rounds(iterations, runtimes, rounds)
+            let results = bench::run_rounds(iterations, runtimes, rounds, workload.as_deref())
                 .await
                 .map_err(|e| e.to_string())?;
             for r in &results {

@@ -845,7 +845,15 @@ async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runtime, d: Run
         ..small_shape()
     };
     // Liveness (6 s) outlasts the abort-ack timeout, so the fence is what releases the pages.
-    let core = fast_core();
+    // The room's waiting deadline is not what this tests, and it must not fire first: over
+    // soft-RoCE the prefill's post runs the whole transfer inside the syscall (rxe does a
+    // user queue pair's work in the poster's context), which in the emulated CI guest holds
+    // a tokio prefill's runtime, and this test with it, for seconds while a glommio decode's
+    // clock runs on.
+    let core = Config {
+        waiting_timeout: Duration::from_secs(30),
+        ..fast_core()
+    };
     let (_prefill, addrs, _server) = prefill_on(p, &shape, core.clone(), 81, any_port()).await;
     let mut proxies = Vec::new();
     for (i, &addr) in addrs.iter().enumerate() {

@@ -347,14 +347,34 @@ fn workloads(iterations: usize) -> [Workload; 4] {
 /// order that goes through all six permutations from block to block. A machine whose load
 /// drifts (a shared CI box) then slows every contender alike, and each figure is the median
 /// of all its operations.
+///
+/// `only` names one workload to run alone (to profile it); an unknown name is an
+/// `InvalidInput` error that lists the names.
 pub async fn run_rounds(
     iterations: usize,
     runtimes: Runtimes,
     rounds: usize,
+    only: Option<&str>,
 ) -> std::io::Result<Vec<BenchResult>> {
+    let all = workloads(iterations.max(1));
+    if let Some(name) = only {
+        if !all.iter().any(|w| w.name == name) {
+            let names: Vec<_> = all.iter().map(|w| w.name).collect();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "no workload {name:?}; the workloads are {}",
+                    names.join(", ")
+                ),
+            ));
+        }
+    }
     let mut out = Vec::new();
-    for w in workloads(iterations.max(1)) {
-        out.extend(measure(&w, runtimes, rounds.max(1)).await?);
+    for w in all
+        .iter()
+        .filter(|w| only.map_or(true, |name| w.name == name))
+    {
+        out.extend(measure(w, runtimes, rounds.max(1)).await?);
     }
     Ok(out)
 }
@@ -474,7 +494,7 @@ mod tests {
             tokio: true,
             glommio: true,
         };
-        let results = run_rounds(1, both, 1).await.unwrap();
+        let results = run_rounds(1, both, 1, None).await.unwrap();
         let names: Vec<_> = results.iter().map(|r| (r.workload, r.runtime)).collect();
         let mut expected = Vec::new();
         for w in workloads(1) {
@@ -486,6 +506,24 @@ mod tests {
             assert!(r.kvferry.is_finite() && r.kvferry > 0.0, "{r:?}");
             assert!(r.raw.is_finite() && r.raw > 0.0, "{r:?}");
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_workload_runs_alone_and_an_unknown_one_is_refused_with_the_names() {
+        let tokio_only = Runtimes {
+            tokio: true,
+            glommio: false,
+        };
+        let results = run_rounds(1, tokio_only, 1, Some("op_4KiB_acked"))
+            .await
+            .unwrap();
+        let names: Vec<_> = results.iter().map(|r| (r.workload, r.runtime)).collect();
+        assert_eq!(names, [("op_4KiB_acked", "tokio")]);
+        let e = run_rounds(1, tokio_only, 1, Some("op_4kib"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("op_4KiB_acked"), "{e}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
