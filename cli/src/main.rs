@@ -174,9 +174,8 @@ enum Command {
         /// to check the path end to end on a slow link (noisier figures).
         #[arg(long)]
         quick: bool,
-        /// Run one data-plane workload alone (transfer_64MiB, batch_1024x16KiB,
-        /// batch_4096x4KiB, op_4KiB_acked), for instance under a profiler.
-        #[arg(long)]
+        /// Run one data-plane workload alone, for instance under a profiler.
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(bench::workload_names()))]
         workload: Option<String>,
         /// Print one JSON object per workload instead of a table.
         #[arg(long)]

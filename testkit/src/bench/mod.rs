@@ -340,6 +340,11 @@ fn workloads(iterations: usize) -> [Workload; 4] {
     ]
 }
 
+/// The data-plane workloads' names, in the order [`run_rounds`] runs them.
+pub fn workload_names() -> Vec<&'static str> {
+    workloads(1).iter().map(|w| w.name).collect()
+}
+
 /// Measures every workload on raw TCP and the chosen runtimes, in `rounds` interleaved blocks.
 ///
 /// Per workload, each block runs `iterations` operations (the 4 KiB round trip 100x that)
@@ -359,12 +364,11 @@ pub async fn run_rounds(
     let all = workloads(iterations.max(1));
     if let Some(name) = only {
         if !all.iter().any(|w| w.name == name) {
-            let names: Vec<_> = all.iter().map(|w| w.name).collect();
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 format!(
                     "no workload {name:?}; the workloads are {}",
-                    names.join(", ")
+                    workload_names().join(", ")
                 ),
             ));
         }
