@@ -16,6 +16,7 @@ pub fn small_shape() -> Shape {
         planes: 2,
         page_bytes: 4096,
         pages_per_room: 8,
+        prefix_pages: 0,
         chunks: 1,
         concurrency: 8,
         layerwise: false,

@@ -347,6 +347,43 @@ async fn an_unchecked_write_on_a_checksummed_connection_closes_it() {
     );
 }
 
+/// `docs/PROTOCOL.md`, "Write batch": a checksummed batch on a session without the
+/// checksum flag is served as on a checksummed one (applied, verified, acknowledged), not
+/// refused.
+#[tokio::test]
+async fn a_checked_write_on_an_unchecked_connection_is_served_and_verified() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dst = Arc::new(MemoryMap::allocate(small_layout(16)));
+    let (mut writer, b) = pair().await;
+    let unchecked = Limits {
+        checksum: false,
+        ..checked_limits()
+    };
+    let check = Arc::new(Recording(RoomId(7), Mutex::new(Vec::new())));
+    let server = tokio::spawn(serve_writes(b, dst.clone(), check.clone(), unchecked));
+    let sent = vec![0x22u8; 1024];
+    let mut flipped = sent.clone();
+    flipped[3] ^= 0x80;
+    let mut ack = [0u8; kvferry_tcp::ACK_LEN];
+    for (landed, status) in [
+        (&sent, kvferry_tcp::AckStatus::Applied),
+        (&flipped, kvferry_tcp::AckStatus::Corrupt),
+    ] {
+        writer
+            .write_all(&checked_batch(7, &sent, landed))
+            .await
+            .unwrap();
+        writer.read_exact(&mut ack).await.unwrap();
+        assert_eq!(
+            kvferry_tcp::decode_ack(&ack).unwrap(),
+            (TransferId(9), status)
+        );
+    }
+    drop(writer);
+    let stats = server.await.unwrap().unwrap();
+    assert_eq!((stats.applied, stats.corrupt), (1, 1));
+}
+
 /// Sends `op` with its checksum from `src` to a checked receiver into `dst` (room 7 allowed)
 /// and returns what the sender reported once it reported.
 async fn send_checked(

@@ -194,9 +194,13 @@ struct ShapeArgs {
     /// Bytes per page per layer and plane.
     #[arg(long, default_value_t = 16384)]
     page_bytes: u32,
-    /// Pages per room.
+    /// Pages per room (the pages a decode grants and a prefill sends).
     #[arg(long, default_value_t = 32)]
     pages_per_room: u32,
+    /// Decode: room pages it already holds (a cached prefix), asked as `skip_pages`: each
+    /// room is prefix + pages-per-room pages long and only the last pages-per-room move.
+    #[arg(long, default_value_t = 0)]
+    prefix_pages: u32,
     /// Chunks per room.
     #[arg(long, default_value_t = 1)]
     chunks: u32,
@@ -215,18 +219,21 @@ struct ShapeArgs {
 }
 
 impl ShapeArgs {
-    fn shape(&self) -> Shape {
-        Shape {
+    fn shape(&self) -> Result<Shape, String> {
+        let shape = Shape {
             layers: self.layers,
             planes: self.planes,
             page_bytes: self.page_bytes,
             pages_per_room: self.pages_per_room,
+            prefix_pages: self.prefix_pages,
             chunks: self.chunks,
             concurrency: self.concurrency,
             layerwise: self.layerwise,
             layer_compute: Duration::from_micros(self.layer_compute_us),
             data_connections: self.data_connections.unwrap_or(2),
-        }
+        };
+        shape.check().map_err(|e| format!("--page-bytes: {e}"))?;
+        Ok(shape)
     }
 }
 
@@ -355,7 +362,7 @@ fn print_link_point(p: &bench::LinkPoint, names: [&str; 2], json: bool) {
     let ratio = p.gbps[1] / p.gbps[0].max(1e-9);
     if json {
         let mut o =
-            serde_json::json!({ "workload": p.workload, "runtime": "tokio", "clean": p.clean });
+            serde_json::json!({ "workload": p.workload, "runtime": p.runtime, "clean": p.clean });
         o[format!("{a}_gbps")] = p.gbps[0].into();
         o[format!("{b}_gbps")] = p.gbps[1].into();
         o[format!("{b}_vs_{a}")] = ratio.into();
@@ -431,7 +438,7 @@ async fn overlap_demo(
     }
     let config = load_config(common)?;
     let runtime = common.runtime()?;
-    let mut shape = shape.shape();
+    let mut shape = shape.shape()?;
     let compute = if shape.layer_compute.is_zero() {
         Duration::from_millis(20)
     } else {
@@ -557,7 +564,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                 seed,
             };
             let report = run_demo(
-                shape.shape(),
+                shape.shape()?,
                 config,
                 rooms,
                 faults,
@@ -900,7 +907,7 @@ fn start_node(
     let runtime = common.runtime()?;
     let config = load_config(common)?;
     install_metrics(common.metrics_addr)?;
-    let shape = shape.shape();
+    let shape = shape.shape()?;
     let mut cfg = node_config(role, &shape, config, common.token.as_bytes(), rand_seed());
     cfg.backend = common.data_backend()?;
     cfg.tls = common.tls();

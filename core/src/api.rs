@@ -294,6 +294,9 @@ pub enum Event {
         session: SessionId,
         /// Pages the decode granted (0 while it is still waiting for pages).
         pages: u32,
+        /// Room pages the decode already holds and does not want: the room has
+        /// `skip_pages + pages` pages (`SKIP_ALL`: it wants nothing from this rank).
+        skip_pages: u32,
     },
     /// The peer closed the session and said why (wrong token, incompatible layout, ...).
     PeerError {

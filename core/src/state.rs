@@ -58,11 +58,16 @@ pub enum FailureReason {
     /// Bytes of the room arrived that are not the bytes the prefill sent: the end-to-end
     /// checksum (`KVFERRY_CHECKSUM`) of a write did not match. The room's pages are garbage.
     ChecksumMismatch,
+    /// The prefill's chunks for the room and the decode's grant differ: its last chunk left
+    /// granted pages (after `skip_pages`), the aux row, the state slot or extra items
+    /// unwritten, or its chunks hold more pages than were granted. Both embedders must agree
+    /// on the room's length; resubmitting the same request fails the same way.
+    GrantMismatch,
 }
 
 impl FailureReason {
     /// All variants, in wire-code order.
-    pub const ALL: [FailureReason; 20] = [
+    pub const ALL: [FailureReason; 21] = [
         FailureReason::BootstrapTimeout,
         FailureReason::DecodeSaturated,
         FailureReason::WaitingTimeout,
@@ -83,6 +88,7 @@ impl FailureReason {
         FailureReason::ConnectionRefused,
         FailureReason::StaleGeneration,
         FailureReason::ChecksumMismatch,
+        FailureReason::GrantMismatch,
     ];
 
     /// The one-byte code used on the wire (see `docs/PROTOCOL.md`).
@@ -123,6 +129,7 @@ impl FailureReason {
             FailureReason::ConnectionRefused => "connection_refused",
             FailureReason::StaleGeneration => "stale_generation",
             FailureReason::ChecksumMismatch => "checksum_mismatch",
+            FailureReason::GrantMismatch => "grant_mismatch",
         }
     }
 
@@ -149,6 +156,7 @@ impl FailureReason {
             FailureReason::ConnectionRefused => "nothing listened at the peer's address (connection refused) for the whole unreachable window: the peer process is down; start it, or check the address",
             FailureReason::StaleGeneration => "the peer already holds a newer attempt (generation) of this room, so this attempt is void; retry under a generation above the newest one used",
             FailureReason::ChecksumMismatch => "bytes of the room arrived that are not the bytes the prefill sent (the end-to-end checksum did not match), so its pages were discarded; check the network path and the hosts' memory, and resubmit the request",
+            FailureReason::GrantMismatch => "the prefill's chunks for the room did not cover what the decode granted (fewer room pages after skip_pages, no aux row or state slot for a granted one, other extra items) or held more pages than granted; check that both sides agree on the prompt's length and on skip_pages",
         }
     }
 

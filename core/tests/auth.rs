@@ -279,17 +279,46 @@ fn a_hello_before_the_challenges_is_refused_at_once() {
     assert_ne!(l.session_state(sl), Some(SessionState::Handshaking));
 }
 
-#[test]
-fn an_impossible_hello_value_gets_an_error_naming_the_field_at_once() {
+/// A listener that has exchanged challenges with a connector whose nonce is `[1; 32]`, and
+/// the listener's nonce.
+fn challenged_listener() -> (Endpoint, SessionId, [u8; 32]) {
     let mut l = endpoint(Role::Prefill, 2, TOKEN);
     let sl = l.accept_session(Instant::now());
     let mut bytes = Vec::new();
     Message::Challenge { nonce: [1; 32] }.encode(&mut bytes);
     l.handle_input(Instant::now(), sl, &bytes);
-    let _ = sent(&mut l);
+    let nonce = match frames(&sent(&mut l)).as_slice() {
+        [Message::Challenge { nonce }] => *nonce,
+        other => panic!("{other:?}"),
+    };
+    (l, sl, nonce)
+}
+
+/// `proof_c` as `docs/PROTOCOL.md` defines it, written here from the doc: HMAC-SHA256 of
+/// the label, both nonces and the hello frame with its proof bytes zero, placed in the frame.
+fn sign_as_connector(frame: &mut [u8], token: &[u8], listener_nonce: &[u8; 32]) {
+    use hmac::{Hmac, Mac};
+    let at = kvferry_core::codec::HELLO_PROOF_OFFSET;
+    if frame.len() < at + 32 {
+        return; // no room for a proof
+    }
+    frame[at..at + 32].fill(0);
+    let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(token).unwrap();
+    mac.update(b"kvferry/2 connector");
+    mac.update(&[1; 32]);
+    mac.update(listener_nonce);
+    mac.update(frame);
+    let proof = mac.finalize().into_bytes();
+    frame[at..at + 32].copy_from_slice(&proof);
+}
+
+#[test]
+fn an_impossible_hello_value_gets_an_error_naming_the_field_at_once() {
+    let (mut l, sl, nonce) = challenged_listener();
     let mut bytes = Vec::new();
     our_kind_of_hello().encode(&mut bytes);
     bytes[27] = 3; // planes
+    sign_as_connector(&mut bytes, TOKEN, &nonce);
     l.handle_input(Instant::now(), sl, &bytes);
     let answer = frames(&sent(&mut l));
     match answer.as_slice() {
@@ -300,6 +329,101 @@ fn an_impossible_hello_value_gets_an_error_naming_the_field_at_once() {
         other => panic!("{other:?}"),
     }
     assert_ne!(l.session_state(sl), Some(SessionState::Handshaking));
+}
+
+/// `docs/PROTOCOL.md`: a decode's layer range and `writes_aux` are unused by prefill but
+/// checked like every hello field, with the detail the doc gives.
+#[test]
+fn a_decodes_impossible_layer_fields_get_the_invalid_hello_the_doc_states() {
+    let doc = include_str!("../../docs/PROTOCOL.md")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    let layers = small_layout(64).layers;
+    for (what, patch, detail) in [
+        (
+            "layer_end past layers",
+            0usize,
+            "hello: invalid layer range",
+        ),
+        ("an empty range", 1, "hello: invalid layer range"),
+        ("writes_aux 2", 2, "hello: invalid writes_aux"),
+    ] {
+        let (mut l, sl, nonce) = challenged_listener();
+        let mut bytes = Vec::new();
+        our_kind_of_hello().encode(&mut bytes);
+        // Frame offsets of layer_start, layer_end and writes_aux (the Hello table, after the
+        // 6-byte header).
+        let (start, end, aux) = (6 + 42, 6 + 44, 6 + 46);
+        match patch {
+            0 => bytes[end..end + 2].copy_from_slice(&(layers + 1).to_le_bytes()),
+            1 => bytes[start..start + 2].copy_from_slice(&layers.to_le_bytes()),
+            _ => bytes[aux] = 2,
+        }
+        sign_as_connector(&mut bytes, TOKEN, &nonce);
+        l.handle_input(Instant::now(), sl, &bytes);
+        match frames(&sent(&mut l)).as_slice() {
+            [Message::Error {
+                code: ErrorCode::InvalidHello,
+                detail: got,
+            }] => assert_eq!(got, detail, "{what}"),
+            other => panic!("{what}: {other:?}"),
+        }
+        assert!(
+            doc.contains(&format!("\"{detail}\"")),
+            "{detail} in the doc"
+        );
+    }
+}
+
+#[test]
+fn a_wrong_proof_gets_the_same_refusal_whatever_else_the_hello_holds() {
+    let hello = || {
+        let mut bytes = Vec::new();
+        our_kind_of_hello().encode(&mut bytes);
+        bytes
+    };
+    let valid = hello();
+    let mut no_layers = hello();
+    no_layers[25..27].fill(0);
+    let mut bad_planes = hello();
+    bad_planes[27] = 3;
+    let mut trailing = hello();
+    trailing.push(0);
+    let len = (trailing.len() - 4) as u32;
+    trailing[..4].copy_from_slice(&len.to_le_bytes());
+    let mut wrong_role = hello();
+    wrong_role[6] = 1;
+    let mut short = hello();
+    short.truncate(60);
+    short[..4].copy_from_slice(&56u32.to_le_bytes());
+    let mut answers = Vec::new();
+    for (what, mut frame) in [
+        ("valid", valid),
+        ("layers 0", no_layers),
+        ("planes 3", bad_planes),
+        ("trailing byte", trailing),
+        ("same role", wrong_role),
+        ("too short for a proof", short),
+    ] {
+        let (mut l, sl, nonce) = challenged_listener();
+        sign_as_connector(&mut frame, b"another token", &nonce);
+        l.handle_input(Instant::now(), sl, &frame);
+        let answer = frames(&sent(&mut l));
+        assert!(
+            matches!(
+                answer.as_slice(),
+                [Message::Error {
+                    code: ErrorCode::BadToken,
+                    ..
+                }]
+            ),
+            "{what}: {answer:?}"
+        );
+        assert_ne!(l.session_state(sl), Some(SessionState::Handshaking));
+        answers.push(answer);
+    }
+    assert!(answers.windows(2).all(|w| w[0] == w[1]), "{answers:?}");
 }
 
 #[test]

@@ -228,7 +228,11 @@ fn a_page_count_larger_than_the_frame_is_refused_without_allocating() {
     buf[n - 5..n - 1].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         Message::decode(&buf, MAX),
-        Err(DecodeError::Truncated { ty: 3 })
+        Err(DecodeError::InvalidRoomRequest {
+            room: RoomId(1),
+            generation: 0,
+            field: "length"
+        })
     );
 }
 
@@ -274,8 +278,9 @@ fn a_request_for_nothing_that_names_extra_items_is_refused() {
     .encode(&mut buf);
     assert_eq!(
         Message::decode(&buf, MAX),
-        Err(DecodeError::InvalidField {
-            ty: 3,
+        Err(DecodeError::InvalidRoomRequest {
+            room: RoomId(1),
+            generation: 0,
             field: "skip_pages"
         })
     );

@@ -153,8 +153,8 @@ fn a_source_holding_other_than_the_granted_item_count_fails_the_room() {
     // The window pool: the decode asked for three pages, this prefill holds two.
     send_with(&mut sim, p, 2, vec![vec![60], vec![3, 4]]).expect("chunk");
     run_ms(&mut sim, 50);
-    assert_eq!(state(&sim, p, 2), failed(FailureReason::ProtocolError));
-    assert!(matches!(state(&sim, d, 2), Some(KvPoll::Failed(_))));
+    assert_eq!(state(&sim, p, 2), failed(FailureReason::GrantMismatch));
+    assert_eq!(state(&sim, d, 2), failed(FailureReason::GrantMismatch));
 }
 
 #[test]

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use kvferry_core::sim::{small_layout, Faults, Sim};
-use kvferry_core::{Chunk, Grant, KvPoll, RoomId};
+use kvferry_core::{Chunk, FailureReason, Grant, KvPoll, RoomId};
 
 /// `prefills` whole-model prefill ranks and one decode, connected.
 fn ranks(prefills: u16) -> (Sim, Vec<usize>, usize) {
@@ -82,10 +82,68 @@ fn a_chunk_past_the_grant_after_the_prefix_fails_the_room() {
     });
     send(&mut sim, ps[0], 2, 6, &[6]);
     run_ms(&mut sim, 50);
-    assert_eq!(
-        state(&sim, ps[0], 2),
-        Some(KvPoll::Failed(kvferry_core::FailureReason::ProtocolError))
-    );
+    for n in [ps[0], d] {
+        assert_eq!(state(&sim, n, 2), failed(FailureReason::GrantMismatch));
+    }
+}
+
+#[test]
+fn a_last_chunk_short_of_the_prefix_room_fails_the_room_on_both_sides() {
+    let (mut sim, ps, d) = ranks(1);
+    // The decode holds two pages and grants four: the room has six pages. A prefill that
+    // sends only four leaves the last two granted pages unwritten.
+    open_room_with(&mut sim, d, &ps, 12, 4, |dst| Grant {
+        skip_pages: 2,
+        ..Grant::new(dst, Some(12), None)
+    });
+    send(&mut sim, ps[0], 12, 4, &[4]);
+    run_ms(&mut sim, 50);
+    for n in [ps[0], d] {
+        assert_eq!(state(&sim, n, 12), failed(FailureReason::GrantMismatch));
+    }
+    assert_eq!(sim.nodes[ps[0]].endpoint.counters().bytes_planned, 0);
+    assert_eq!(sim.nodes[ps[0]].endpoint.counters().rooms_succeeded, 0);
+}
+
+#[test]
+fn chunks_short_of_the_grant_fail_the_room_when_the_last_one_arrives() {
+    let (mut sim, ps, d) = ranks(1);
+    open_room_with(&mut sim, d, &ps, 13, 5, |dst| {
+        Grant::new(dst, Some(13), None)
+    });
+    send(&mut sim, ps[0], 13, 3, &[2, 1]);
+    run_ms(&mut sim, 50);
+    for n in [ps[0], d] {
+        assert_eq!(state(&sim, n, 13), failed(FailureReason::GrantMismatch));
+    }
+}
+
+#[test]
+fn a_granted_aux_row_the_last_chunk_does_not_name_fails_the_room() {
+    let (mut sim, ps, d) = ranks(1);
+    open_room_with(&mut sim, d, &ps, 14, 2, |dst| {
+        Grant::new(dst, Some(14), None)
+    });
+    let id = RoomId(14);
+    let src = sim.nodes[ps[0]].alloc(id, 0, 2).expect("prefill pages");
+    let chunk = Chunk {
+        extras: Vec::new(),
+        pages: src,
+        last: true,
+        aux_slot: None,
+        state_slot: None,
+        layerwise: false,
+    };
+    let now = sim.now;
+    sim.nodes[ps[0]]
+        .endpoint
+        .send_chunk(now, id, chunk)
+        .expect("send chunk");
+    sim.drain(ps[0]);
+    run_ms(&mut sim, 50);
+    for n in [ps[0], d] {
+        assert_eq!(state(&sim, n, 14), failed(FailureReason::GrantMismatch));
+    }
 }
 
 #[test]

@@ -228,12 +228,13 @@ fn a_request_for_an_older_generation_than_prefill_holds_is_answered_stale_at_onc
 }
 
 #[test]
-fn a_grant_larger_than_what_prefill_sends_never_succeeds_on_decode() {
+fn a_grant_larger_than_what_prefill_sends_fails_on_both_sides() {
     let (mut sim, p, d) = common::pair(1511, common::config());
     common::open_room(&mut sim, d, &[p], 3, 6);
     send_all(&mut sim, p, 3, 4, false);
     run_ms(&mut sim, 50);
-    assert_eq!(state(&sim, d, 3), failed(R::ProtocolError));
+    assert_eq!(state(&sim, p, 3), failed(R::GrantMismatch));
+    assert_eq!(state(&sim, d, 3), failed(R::GrantMismatch));
     assert_invariants(&sim);
 }
 
@@ -243,7 +244,7 @@ fn a_chunk_reaching_past_the_grant_fails_the_room_on_both_sides() {
     common::open_room(&mut sim, d, &[p], 4, 2);
     send_all(&mut sim, p, 4, 4, false);
     run_ms(&mut sim, 50);
-    assert_eq!(state(&sim, p, 4), failed(R::ProtocolError));
-    assert_eq!(state(&sim, d, 4), failed(R::ProtocolError));
+    assert_eq!(state(&sim, p, 4), failed(R::GrantMismatch));
+    assert_eq!(state(&sim, d, 4), failed(R::GrantMismatch));
     assert_invariants(&sim);
 }

@@ -14,6 +14,9 @@ pub struct Announcement {
     pub generation: Generation,
     /// Pages the decode granted (0 while it waits for pages).
     pub pages: u32,
+    /// Room pages the decode already holds: the room has `skip_pages + pages` pages
+    /// (`SKIP_ALL`: the decode wants nothing from this rank).
+    pub skip_pages: u32,
 }
 
 /// Where a prefill's room announcements go: the one receiver the embedder holds (the latest
@@ -57,6 +60,7 @@ impl Announcer {
             room,
             generation,
             pages,
+            skip_pages,
             ..
         } = *event
         else {
@@ -66,6 +70,7 @@ impl Announcer {
             room,
             generation,
             pages,
+            skip_pages,
         };
         let Ok(mut a) = self.0.lock() else {
             return;

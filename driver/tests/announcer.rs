@@ -12,6 +12,7 @@ fn asked(room: u64) -> Event {
         generation: 0,
         session: SessionId(1),
         pages: 4,
+        skip_pages: 0,
     }
 }
 

@@ -151,6 +151,7 @@ fn family(reason: FailureReason) -> Option<Family> {
         R::AbortedLocally | R::AbortedByPeer => Family::Abort,
         R::DecodeSaturated => Family::Capacity,
         R::ProtocolError
+        | R::GrantMismatch
         | R::IncompatiblePeer
         | R::RoomIdReused
         | R::StaleGeneration

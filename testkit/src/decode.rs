@@ -308,7 +308,7 @@ pub(crate) async fn decode_room<N: KvNode>(
         aux_slot: Some(slot),
         state_slot: None,
         receivers: 1,
-        skip_pages: 0,
+        skip_pages: shape.prefix_pages,
         idle_sources: 0,
     };
     // A persistent peer that is away is waited for by the core, up to its unreachable window.
@@ -334,9 +334,14 @@ pub(crate) async fn decode_room<N: KvNode>(
         return RoomOutcome::Unfinished;
     };
     if state == KvPoll::Success {
-        let check = check_room(shape, room, &dst, slot, |region, offset, out| {
-            memory.read(region, offset, out).is_ok()
-        });
+        let check = check_room(
+            shape,
+            room,
+            shape.prefix_pages,
+            &dst,
+            slot,
+            |region, offset, out| memory.read(region, offset, out).is_ok(),
+        );
         tally.pages_verified.fetch_add(check.pages, Relaxed);
         tally.pages_corrupted.fetch_add(check.bad_pages, Relaxed);
         tally.aux_verified.fetch_add(1, Relaxed);

@@ -181,7 +181,14 @@ pub fn verify(
         if !succeeded[i as usize] {
             continue;
         }
-        let check = check_room(&batch.shape, batch.room(i), &batch.pages(i), i, &mut read);
+        let check = check_room(
+            &batch.shape,
+            batch.room(i),
+            0,
+            &batch.pages(i),
+            i,
+            &mut read,
+        );
         ok += check.pages - check.bad_pages;
         bad += check.bad_pages + u64::from(!check.aux_ok);
     }

@@ -117,11 +117,12 @@ pub(crate) struct RoomCheck {
     pub(crate) aux_ok: bool,
 }
 
-/// Checks every page of `room` (`pages[i]` holds its page i) and its aux row in `aux_slot`,
+/// Checks every page of `room` (`pages[i]` holds its page `first + i`) and its aux row in `aux_slot`,
 /// reading through `read` (host memory, or a copy back from GPU memory); logs what is wrong.
 pub(crate) fn check_room(
     shape: &Shape,
     room: RoomId,
+    first: u32,
     pages: &[u32],
     aux_slot: u32,
     mut read: impl FnMut(Region, u64, &mut [u8]) -> bool,
@@ -137,7 +138,7 @@ pub(crate) fn check_room(
             let offset = u64::from(p) * u64::from(shape.page_bytes);
             check.pages += 1;
             let read_ok = read(Region::Kv { layer, plane }, offset, &mut buf);
-            if !read_ok || !check_pattern(&buf, room, layer, plane, i as u32) {
+            if !read_ok || !check_pattern(&buf, room, layer, plane, first + i as u32) {
                 check.bad_pages += 1;
                 warn!(%room, page = p, layer, plane, still_free = all_words(&buf, FREE_WORD), first_word = ?&buf[..8], "page holds the wrong bytes");
             }

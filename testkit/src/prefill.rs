@@ -1,7 +1,9 @@
 //! The prefill half: serves every room a decode asks for with the pattern.
 
 use crate::{aux_row, fill_room_layer, Pool, Shape, AUX_BYTES};
+use kvferry_core::codec::SKIP_ALL;
 use kvferry_core::{Chunk, Region, RoomId};
+use kvferry_driver::Announcement;
 use kvferry_tokio::KvNode;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -20,18 +22,13 @@ pub async fn serve_prefill<N: KvNode>(node: N, shape: Shape) {
     loop {
         tokio::select! {
             a = announcements.recv() => match a {
-                Some(a) => waiting.push_back((a.room, a.generation, a.pages)),
+                Some(a) => waiting.push_back((a.room, a.generation, room_pages(&shape, a))),
                 None => return,
             },
             _ = freed.notified() => {}
         }
         // Start every waiting room that has source memory.
         while let Some(&(room, generation, pages)) = waiting.front() {
-            let pages = if pages == 0 {
-                shape.pages_per_room
-            } else {
-                pages.min(shape.pages_per_room)
-            };
             let Some(src) = pool.lock().map(|mut p| p.take(pages)).ok().flatten() else {
                 break;
             };
@@ -71,6 +68,19 @@ pub async fn serve_prefill<N: KvNode>(node: N, shape: Shape) {
             });
         }
     }
+}
+
+/// The pages of an announced room: the prefix the decode holds and the pages it granted
+/// (its first `skip_pages` room pages are computed here too, and never sent), at most what
+/// this node holds (a room that needs more fails `grant_mismatch`); a decode still waiting
+/// for pages, or one that wants nothing from this rank, gets the shape's room.
+fn room_pages(shape: &Shape, a: Announcement) -> u32 {
+    if a.pages == 0 || a.skip_pages == SKIP_ALL {
+        return shape.pages_per_room;
+    }
+    a.skip_pages
+        .saturating_add(a.pages)
+        .min(shape.layout().pages)
 }
 
 pub(crate) async fn send_room<N: KvNode>(

@@ -12,8 +12,12 @@ pub struct Shape {
     pub planes: u8,
     /// Bytes per page per (layer, plane).
     pub page_bytes: u32,
-    /// Pages per room.
+    /// Pages per room the decode grants (and the prefill sends).
     pub pages_per_room: u32,
+    /// Decode: room pages it already holds (a cached prefix), asked as `skip_pages`: its
+    /// rooms are `prefix_pages + pages_per_room` pages long and only the last
+    /// `pages_per_room` move.
+    pub prefix_pages: u32,
     /// Chunks per room.
     pub chunks: u32,
     /// Rooms in flight at once.
@@ -33,6 +37,7 @@ impl Default for Shape {
             planes: 2,
             page_bytes: 16 * 1024,
             pages_per_room: 32,
+            prefix_pages: 0,
             chunks: 1,
             concurrency: 16,
             layerwise: false,
@@ -59,6 +64,20 @@ impl Shape {
             state_bytes: 0,
             slots: (self.concurrency as u32 + 4) * 2,
         }
+    }
+
+    /// Refuses a shape the page pattern cannot tell apart: pages are 8-byte words, the
+    /// first two naming (room) and (layer, plane, page), so a page is a whole number of
+    /// words and at least two.
+    pub fn check(&self) -> Result<(), String> {
+        if self.page_bytes < 16 || self.page_bytes % 8 != 0 {
+            return Err(format!(
+                "page bytes {}: a page must be a multiple of 8 bytes and at least 16 (the \
+                 pattern is 8-byte words, the first two naming the room and the page)",
+                self.page_bytes
+            ));
+        }
+        Ok(())
     }
 
     /// Payload bytes of one room.

@@ -37,6 +37,58 @@ async fn many_concurrent_rooms_succeed_with_every_byte_verified(p: Runtime, d: R
     assert_eq!(report.pages_verified, 300 * 8 * 4 * 2);
 }
 
+/// Rooms whose first three pages the decode already holds (`skip_pages = 3`): the prefill
+/// computes the whole room and sends room pages 3.., every granted page lands and holds the
+/// pattern of its room page (3 + i), and nothing else is written.
+async fn a_prefix_room_moves_every_granted_page_with_every_byte_verified(p: Runtime, d: Runtime) {
+    let mut run = rooms(40, 1);
+    run.shape.prefix_pages = 3;
+    let report = pair(p, d, fast_core(), run).await;
+    assert_all_clean(&report, 40);
+    assert_eq!(report.pages_verified, 40 * 8 * 4 * 2);
+}
+
+/// A prefill whose last chunk leaves granted pages unwritten (the grant skips two pages
+/// and asks for four: the room has six pages, prefill sends four) fails the room on both
+/// sides with `grant_mismatch`, never a success with pages missing.
+async fn a_prefill_that_sends_less_than_its_grant_fails_the_room_on_both_sides(
+    p: Runtime,
+    d: Runtime,
+) {
+    let shape = small_shape();
+    let prefill = start_on(p, Role::Prefill, &shape, fast_core(), 51);
+    let addrs = prefill.listen(any_port()).await.unwrap();
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 52);
+    let peer = decode.connect(addrs).await.unwrap();
+    let room = RoomId(5);
+    let grant = Grant {
+        skip_pages: 2,
+        ..Grant::new((10..14).collect(), Some(0), None)
+    };
+    let mut arriving = decode
+        .open_receiver(room, 0, vec![peer], Some(grant))
+        .await
+        .unwrap();
+    let mut leaving = prefill.open_sender(room, 0).await.unwrap();
+    let chunk = Chunk {
+        extras: Vec::new(),
+        pages: (0..4).collect(),
+        last: true,
+        aux_slot: Some(0),
+        state_slot: None,
+        layerwise: false,
+    };
+    prefill.send_chunk(room, chunk).await.unwrap();
+    let within = Duration::from_secs(5);
+    let failed = KvPoll::Failed(FailureReason::GrantMismatch);
+    let ends = tokio::time::timeout(within, async {
+        (leaving.terminal().await, arriving.terminal().await)
+    });
+    assert_eq!(ends.await.expect("no hang"), (failed, failed));
+    decode.shutdown().await;
+    prefill.shutdown().await;
+}
+
 /// A batch of 4 rooms x 4 layers, and a prefill and a decode node registered for it.
 fn batch_pair(p: Runtime, d: Runtime) -> (Batch, kvferry_tests::AnyNode, kvferry_tests::AnyNode) {
     let batch = Batch {
@@ -917,6 +969,8 @@ on_every_driver!(
     a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack,
     a_lost_abort_keeps_pages_quarantined_until_the_fence,
     many_concurrent_rooms_succeed_with_every_byte_verified,
+    a_prefix_room_moves_every_granted_page_with_every_byte_verified,
+    a_prefill_that_sends_less_than_its_grant_fails_the_room_on_both_sides,
     chunked_rooms_succeed,
     layerwise_rooms_succeed,
     a_layerwise_batch_delivers_each_layer_after_its_compute,

@@ -118,6 +118,46 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The fields of a `RoomRequest` after its room and generation, through the body's end.
+fn room_request(
+    mut r: Reader<'_>,
+    room: RoomId,
+    generation: Generation,
+) -> Result<Message, DecodeError> {
+    let receivers = r.u8()?;
+    if receivers == 0 {
+        return Err(r.invalid("receivers"));
+    }
+    let skip_pages = r.u32()?;
+    let aux_slot = r.opt_u32()?;
+    let state_slot = r.opt_u32()?;
+    let pages = r.runs()?;
+    let pools = usize::from(r.u8()?);
+    if pools > MAX_EXTRA_POOLS {
+        return Err(r.invalid("extra pools"));
+    }
+    let extras = (0..pools)
+        .map(|_| r.runs())
+        .collect::<Result<Vec<_>, _>>()?;
+    let asks_extras = extras.iter().any(|x| !x.is_empty());
+    if skip_pages == SKIP_ALL
+        && (!pages.is_empty() || aux_slot.or(state_slot).is_some() || asks_extras)
+    {
+        return Err(r.invalid("skip_pages"));
+    }
+    r.finish()?;
+    Ok(Message::RoomRequest(RoomRequest {
+        room,
+        generation,
+        receivers,
+        skip_pages,
+        pages,
+        aux_slot,
+        state_slot,
+        extras,
+    }))
+}
+
 pub(super) fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
     let mut r = Reader { buf: body, ty };
     let msg = match ty {
@@ -205,37 +245,18 @@ pub(super) fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
         }
         ty::ROOM_REQUEST => {
             let (room, generation) = r.room()?;
-            let receivers = r.u8()?;
-            if receivers == 0 {
-                return Err(r.invalid("receivers"));
-            }
-            let skip_pages = r.u32()?;
-            let aux_slot = r.opt_u32()?;
-            let state_slot = r.opt_u32()?;
-            let pages = r.runs()?;
-            let pools = usize::from(r.u8()?);
-            if pools > MAX_EXTRA_POOLS {
-                return Err(r.invalid("extra pools"));
-            }
-            let extras = (0..pools)
-                .map(|_| r.runs())
-                .collect::<Result<Vec<_>, _>>()?;
-            let asks_extras = extras.iter().any(|x| !x.is_empty());
-            if skip_pages == SKIP_ALL
-                && (!pages.is_empty() || aux_slot.or(state_slot).is_some() || asks_extras)
-            {
-                return Err(r.invalid("skip_pages"));
-            }
-            Message::RoomRequest(RoomRequest {
-                room,
-                generation,
-                receivers,
-                skip_pages,
-                pages,
-                aux_slot,
-                state_slot,
-                extras,
-            })
+            // Whatever else is wrong, the requester is told about this room: a request that
+            // cannot be served is answered, never left to its deadline.
+            return room_request(r, room, generation).map_err(|e| {
+                DecodeError::InvalidRoomRequest {
+                    room,
+                    generation,
+                    field: match e {
+                        DecodeError::InvalidField { field, .. } => field,
+                        _ => "length",
+                    },
+                }
+            });
         }
         ty::ROOM_STATUS => {
             let (room, generation) = r.room()?;

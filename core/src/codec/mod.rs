@@ -20,9 +20,14 @@ use decode::decode_body;
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
 /// challenge and proofs; version 3 added the frame count to the heartbeat (an older peer is
 /// refused: [`ErrorCode::VersionMismatch`]).
-pub const PROTOCOL_VERSION: u8 = 5;
+pub const PROTOCOL_VERSION: u8 = 6;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
+
+/// Where a `Hello` frame's proof starts, from the frame's first byte: after the header and
+/// the 65 bytes of fields before it (`docs/PROTOCOL.md`, "Type 1"). The proof is checked
+/// there before any other field of the hello is read.
+pub const HELLO_PROOF_OFFSET: usize = HEADER_LEN + 65;
 
 /// `RoomRequest::skip_pages` of a decode that wants nothing from this prefill rank.
 pub const SKIP_ALL: u32 = u32::MAX;
@@ -304,7 +309,8 @@ impl ErrorCode {
         ErrorCode::FenceTimeout,
     ];
 
-    fn code(self) -> u16 {
+    /// The two-byte code on the wire (`docs/PROTOCOL.md`, "Type 11").
+    pub fn code(self) -> u16 {
         self as u16 + 1
     }
 
@@ -370,6 +376,16 @@ pub enum DecodeError {
         /// Field name.
         field: &'static str,
     },
+    /// A `RoomRequest` whose room and generation were read but whose rest is invalid (a
+    /// field, or the body's length): the requester is answered for that room at once.
+    InvalidRoomRequest {
+        /// The room the request names.
+        room: RoomId,
+        /// The attempt it names.
+        generation: Generation,
+        /// The invalid field, or `length` for a body too short or too long.
+        field: &'static str,
+    },
 }
 
 impl fmt::Display for DecodeError {
@@ -384,6 +400,14 @@ impl fmt::Display for DecodeError {
             DecodeError::InvalidField { ty, field } => {
                 write!(f, "frame type {ty} has an invalid {field}")
             }
+            DecodeError::InvalidRoomRequest {
+                room,
+                generation,
+                field,
+            } => write!(
+                f,
+                "room request for {room} generation {generation} has an invalid {field}"
+            ),
         }
     }
 }

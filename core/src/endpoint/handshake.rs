@@ -168,6 +168,10 @@ impl Endpoint {
                 None | Some(SessionState::Closing) => return buf.len(),
                 Some(_) => {}
             }
+            if self.hello_proof_refused(session, &buf[used..]) {
+                self.reject(session, RejectReason::BadToken);
+                return buf.len();
+            }
             match Message::decode(&buf[used..], self.config.max_frame_len) {
                 Ok(None) => return used,
                 Ok(Some((msg, n))) => {
@@ -197,12 +201,19 @@ impl Endpoint {
                     return buf.len();
                 }
                 Err(err) => {
+                    if let DecodeError::InvalidRoomRequest {
+                        room, generation, ..
+                    } = err
+                    {
+                        self.on_unservable_request(now, session, room, generation);
+                    }
                     let skippable = matches!(
                         err,
                         DecodeError::UnknownType(_)
                             | DecodeError::Truncated { .. }
                             | DecodeError::TrailingBytes { .. }
                             | DecodeError::InvalidField { .. }
+                            | DecodeError::InvalidRoomRequest { .. }
                     );
                     self.strike(session, &err.to_string(), !skippable);
                     if !skippable {
@@ -346,11 +357,11 @@ impl Endpoint {
                 self.on_op_checksum(now, sid, room, generation, checksum, &ranges)
             }
             other => {
-                let what = format!(
-                    "{:?} sent to a {:?} endpoint",
-                    other.name(),
-                    self.local.role
-                );
+                let role = match self.local.role {
+                    Role::Prefill => "prefill",
+                    Role::Decode => "decode",
+                };
+                let what = format!("{} sent to a {role} endpoint", other.name());
                 self.strike(sid, &what, false);
             }
         }
@@ -402,6 +413,66 @@ impl Endpoint {
         self.close_session(now, sid, code, what, FailureReason::ProtocolError);
     }
 
+    /// Whether `buf` starts with a complete hello, on a session awaiting one, whose proof
+    /// does not check out. It is read from the raw frame (the transcript is the frame with
+    /// its proof zeroed) before any other field, so a peer without the token gets the same
+    /// refusal whatever else its hello holds; a frame too short to hold a proof is refused
+    /// too. Anything else is left to the decoder.
+    fn hello_proof_refused(&self, sid: SessionId, buf: &[u8]) -> bool {
+        let awaiting = self.sessions.get(&sid).is_some_and(|s| {
+            matches!(
+                s.auth,
+                Auth::ListenerChallenged { .. } | Auth::ConnectorHello { .. }
+            )
+        });
+        let Some(len) = buf
+            .get(..4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_le_bytes)
+        else {
+            return false;
+        };
+        if !awaiting || len < 2 || len > self.config.max_frame_len {
+            return false;
+        }
+        let Some(frame) = buf.get(..4 + len as usize) else {
+            return false;
+        };
+        if frame[4] != crate::codec::PROTOCOL_VERSION || frame[5] != HELLO_TYPE {
+            return false;
+        }
+        let at = crate::codec::HELLO_PROOF_OFFSET;
+        let Some(proof) = frame.get(at..at + crate::auth::PROOF_LEN) else {
+            return true;
+        };
+        let mut transcript = frame.to_vec();
+        transcript[at..at + crate::auth::PROOF_LEN].fill(0);
+        self.expected_proof(sid, &transcript)
+            .is_ok_and(|want| !constant_time_eq(&want, proof))
+    }
+
+    /// The proof the peer's hello must carry, from its transcript (the hello frame as sent,
+    /// proof bytes zero).
+    fn expected_proof(&self, sid: SessionId, theirs: &[u8]) -> Result<Proof, HandshakeError> {
+        let token = &self.local.token;
+        let Some(s) = self.sessions.get(&sid) else {
+            return Err(HandshakeError::Refused(RejectReason::BadToken));
+        };
+        match &s.auth {
+            Auth::ListenerChallenged { theirs: c, ours: l } => {
+                Ok(connector_proof(token, c, l, theirs))
+            }
+            Auth::ConnectorHello {
+                ours: c,
+                theirs: l,
+                hello,
+            } => Ok(listener_proof(token, c, l, hello, theirs)),
+            Auth::ListenerWaiting | Auth::ConnectorChallenged { .. } | Auth::Done(_) => {
+                Err(HandshakeError::OutOfOrder)
+            }
+        }
+    }
+
     /// Checks the peer's proof of the cluster token: the session's key and, on a listener,
     /// the hello to answer with (sent only once every other check passed too).
     pub(super) fn authenticate(
@@ -411,31 +482,19 @@ impl Endpoint {
     ) -> Result<(SessionKey, Option<Hello>), HandshakeError> {
         let token = &self.local.token;
         let theirs = hello_transcript(h);
-        let Some(s) = self.sessions.get(&sid) else {
+        if !constant_time_eq(&self.expected_proof(sid, &theirs)?, &h.proof) {
             return Err(HandshakeError::Refused(RejectReason::BadToken));
-        };
-        match &s.auth {
-            Auth::ListenerChallenged { theirs: c, ours: l } => {
-                if !constant_time_eq(&connector_proof(token, c, l, &theirs), &h.proof) {
-                    return Err(HandshakeError::Refused(RejectReason::BadToken));
-                }
+        }
+        match self.sessions.get(&sid).map(|s| &s.auth) {
+            Some(Auth::ListenerChallenged { theirs: c, ours: l }) => {
                 let mut ours = self.our_hello();
                 ours.proof = listener_proof(token, c, l, &theirs, &hello_transcript(&ours));
                 Ok((SessionKey::derive(token, c, l), Some(ours)))
             }
-            Auth::ConnectorHello {
-                ours: c,
-                theirs: l,
-                hello,
-            } => {
-                if !constant_time_eq(&listener_proof(token, c, l, hello, &theirs), &h.proof) {
-                    return Err(HandshakeError::Refused(RejectReason::BadToken));
-                }
-                Ok((SessionKey::derive(token, c, l), None))
-            }
-            Auth::ListenerWaiting | Auth::ConnectorChallenged { .. } | Auth::Done(_) => {
-                Err(HandshakeError::OutOfOrder)
-            }
+            Some(Auth::ConnectorHello {
+                ours: c, theirs: l, ..
+            }) => Ok((SessionKey::derive(token, c, l), None)),
+            _ => Err(HandshakeError::OutOfOrder),
         }
     }
 

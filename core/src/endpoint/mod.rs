@@ -350,6 +350,8 @@ struct SenderRoom {
     stage: Option<ProgressStage>,
     last_progress_sent: Option<Instant>,
     drained_acked: bool,
+    /// Whether the grants were checked against the chunks once the last one arrived.
+    grant_checked: bool,
 }
 
 #[derive(Debug)]

@@ -22,6 +22,16 @@ impl Endpoint {
         let Some((generation, s)) = live_sender(&mut self.rooms, room) else {
             return;
         };
+        // Once the room's length is known, a grant its chunks leave partly unwritten fails
+        // the room now: a `RoomStatus(0)` must never stand for pages nobody wrote.
+        if s.last_seen && !s.grant_checked {
+            s.grant_checked = true;
+            if let Some(why) = s.grant_shortfall(&layout, writes_aux) {
+                warn!(%room, %why, "the room's chunks do not cover the decode's grant");
+                self.conclude(now, room, KvPoll::Failed(FailureReason::GrantMismatch));
+                return;
+            }
+        }
         let mut new_ops: Vec<(SessionId, OpKind, Range<usize>, Vec<Slice>)> = Vec::new();
         let mut overflow = false;
         for c in s.chunks.iter_mut() {
@@ -82,7 +92,7 @@ impl Endpoint {
         }
         if overflow {
             warn!(%room, "chunk exceeds the pages decode granted");
-            self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
+            self.conclude(now, room, KvPoll::Failed(FailureReason::GrantMismatch));
             return;
         }
         while s
@@ -98,27 +108,12 @@ impl Endpoint {
                 if !slices.is_empty() {
                     new_ops.push((x.session, OpKind::Aux, 0..0, slices));
                 }
-                // Extra items pair one to one: a list the decode asked for that differs in
-                // length from ours would leave its items unwritten or ours unsent.
                 let asked = |p: usize| x.extras.get(p).map_or(&[][..], |v| &v[..]);
-                let mismatch = x.extras.iter().enumerate().find_map(|(p, wanted)| {
-                    let ours = s.extras_src.get(p).map_or(0, Vec::len);
-                    (!wanted.is_empty() && ours != wanted.len()).then_some((p, ours, wanted.len()))
-                });
-                if let Some((pool, ours, asked)) = mismatch {
-                    warn!(%room, session = %x.session, pool, ours, asked, "extra pool items differ from what decode granted");
-                    overflow = true;
-                    break;
-                }
                 for (p, src) in s.extras_src.iter().enumerate() {
                     for slices in plan_extras(extras, p, src, asked(p), limits) {
                         new_ops.push((x.session, OpKind::Aux, 0..0, slices));
                     }
                 }
-            }
-            if overflow {
-                self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
-                return;
             }
             s.aux_src = None;
             s.state_src = None;
@@ -183,6 +178,45 @@ impl Endpoint {
         if complete {
             self.conclude(now, room, KvPoll::Success);
         }
+    }
+}
+
+impl SenderRoom {
+    /// What of a receiver's grant the room's chunks, all sent, leave unwritten (or write
+    /// past), if anything: the grant and the chunks must describe the same room.
+    fn grant_shortfall(&self, layout: &crate::layout::Layout, writes_aux: bool) -> Option<String> {
+        let room_pages = self.next_dst;
+        for x in self.receivers.iter().filter(|x| x.skip != SKIP_ALL) {
+            let wanted = u64::from(x.skip) + x.dst.len() as u64;
+            if wanted != u64::from(room_pages) {
+                return Some(format!(
+                    "the chunks hold {room_pages} room pages, the grant skips {} and asks for {}",
+                    x.skip,
+                    x.dst.len()
+                ));
+            }
+            if !writes_aux {
+                continue;
+            }
+            if x.aux_slot.is_some() && layout.aux_bytes > 0 && self.aux_src.is_none() {
+                return Some("an aux row was granted, the last chunk names none".into());
+            }
+            if x.state_slot.is_some() && layout.state_bytes > 0 && self.state_src.is_none() {
+                return Some("a state slot was granted, the last chunk names none".into());
+            }
+            // Extra items pair one to one: a list the decode asked for that differs in
+            // length from ours would leave its items unwritten or ours unsent.
+            for (pool, wanted) in x.extras.iter().enumerate() {
+                let ours = self.extras_src.get(pool).map_or(0, Vec::len);
+                if !wanted.is_empty() && ours != wanted.len() {
+                    return Some(format!(
+                        "extra pool {pool}: the last chunk names {ours} items, the grant {}",
+                        wanted.len()
+                    ));
+                }
+            }
+        }
+        None
     }
 }
 

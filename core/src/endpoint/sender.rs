@@ -206,6 +206,7 @@ impl Endpoint {
                             generation,
                             session: sid,
                             pages: 0,
+                            skip_pages: 0,
                         });
                     }
                 }
@@ -221,6 +222,13 @@ impl Endpoint {
         {
             return;
         }
+        // Validate against the peer's registered memory before accepting anything, held or
+        // not: a request that cannot be served is answered now, not when the room opens.
+        if !self.servable(sid, &req) {
+            warn!(%room, session = %sid, "room request outside the peer's registered memory, or for heads this rank does not hold");
+            self.refuse_unservable(now, sid, room, generation);
+            return;
+        }
         match self.rooms.get(&room) {
             Some(r) if r.generation == generation => {}
             Some(r) if r.generation > generation => {
@@ -229,6 +237,7 @@ impl Endpoint {
             }
             _ => {
                 let pages = req.pages.iter().fold(0u32, |n, r| n.saturating_add(r.len));
+                let skip_pages = req.skip_pages;
                 if let Some(p) = self.pending_entry(sid, room, generation) {
                     let first = p.requests.is_empty();
                     p.requests.retain(|(s, _)| *s != sid);
@@ -239,44 +248,12 @@ impl Endpoint {
                             generation,
                             session: sid,
                             pages,
+                            skip_pages,
                         });
                     }
                 }
                 return;
             }
-        }
-        // Validate against the peer's registered memory before accepting anything.
-        let peer = self.sessions.get(&sid).and_then(|s| s.peer);
-        // A decode rank that holds none of our heads asked the wrong prefill rank.
-        let shares_heads = peer.is_some_and(|p| !self.local.heads.shared(&p.heads).is_empty());
-        // A room has at most as many pages as this rank holds: the bound of what a request
-        // may make us allocate, whatever pool size the peer declared.
-        let total: u64 = req.pages.iter().map(|r| u64::from(r.len)).sum();
-        let run_items = |runs: &[PageRun]| runs.iter().map(|r| u64::from(r.len)).sum::<u64>();
-        let extras_fit = req.extras.len() <= self.local.extras.len()
-            && req
-                .extras
-                .iter()
-                .zip(&self.local.extras)
-                .all(|(runs, pool)| run_items(runs) <= u64::from(pool.items));
-        let valid = shares_heads
-            && extras_fit
-            && total <= u64::from(self.local.layout.pages)
-            && peer.map(|p| p.layout).is_some_and(|l| {
-                req.pages
-                    .iter()
-                    .all(|run| u64::from(run.start) + u64::from(run.len) <= u64::from(l.pages))
-                    && [req.aux_slot, req.state_slot]
-                        .iter()
-                        .flatten()
-                        .all(|s| *s < l.slots)
-            });
-        if !valid {
-            warn!(%room, session = %sid, shares_heads, "room request outside the peer's registered memory, or for heads this rank does not hold");
-            self.counters.protocol_errors += 1;
-            self.answer_with_outcome(sid, room, generation, Some(FailureReason::ProtocolError));
-            self.conclude(now, room, KvPoll::Failed(FailureReason::ProtocolError));
-            return;
         }
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
@@ -341,6 +318,102 @@ impl Endpoint {
             self.send_progress(now, room, ProgressStage::Queued);
             self.plan_room(now, room);
         }
+    }
+
+    /// A room request that cannot be served (an empty or overflowing page run, no receivers,
+    /// a request for nothing that asks for something, a malformed body): the requester hears
+    /// `protocol_error` for the room at once, and the room ends here too, so neither side
+    /// waits for a deadline.
+    pub(super) fn on_unservable_request(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) {
+        if self.local.role != Role::Prefill
+            || self.answer_if_concluded(sid, room, generation)
+            || self.refuse_if_served_elsewhere(sid, room, generation)
+        {
+            return;
+        }
+        self.refuse_unservable(now, sid, room, generation);
+    }
+
+    /// Answers `protocol_error` to a request this rank cannot serve, and ends the room it
+    /// names (open or not) so that neither side waits for a deadline.
+    fn refuse_unservable(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+    ) {
+        warn!(%room, generation, session = %sid, "room request that cannot be served, refused");
+        self.counters.protocol_errors += 1;
+        let reason = FailureReason::ProtocolError;
+        match self
+            .rooms
+            .get(&room)
+            .map(|r| (r.generation, r.state.is_terminal()))
+        {
+            Some((g, _)) if g > generation => self.refuse_stale(sid, room, generation),
+            Some((g, ended)) if g == generation => {
+                self.answer_with_outcome(sid, room, generation, Some(reason));
+                if !ended {
+                    self.conclude(now, room, KvPoll::Failed(reason));
+                }
+            }
+            _ => {
+                // Not open yet: the embedder's open fails at once, like after an abort.
+                self.answer_with_outcome(sid, room, generation, Some(reason));
+                match self.pending.take(room) {
+                    Some(p) if p.generation == generation => self.reject_pending(room, p, reason),
+                    Some(p) => self.pending.put_back(room, p),
+                    None => {}
+                }
+                if !self
+                    .tombstones
+                    .get(room)
+                    .is_some_and(|(g, _)| g >= generation)
+                {
+                    let who = self.identity(sid).into_iter().collect();
+                    self.tombstones
+                        .insert_verdict(room, generation, reason, who);
+                }
+            }
+        }
+    }
+
+    /// Whether a request fits the peer's registered memory and this rank's: pages and slots
+    /// the peer registered, no more pages than this rank holds, extra items within this
+    /// rank's pools, and heads this rank holds.
+    fn servable(&self, sid: SessionId, req: &RoomRequest) -> bool {
+        let peer = self.sessions.get(&sid).and_then(|s| s.peer);
+        // A decode rank that holds none of our heads asked the wrong prefill rank.
+        let shares_heads = peer.is_some_and(|p| !self.local.heads.shared(&p.heads).is_empty());
+        // A room has at most as many pages as this rank holds: the bound of what a request
+        // may make us allocate, whatever pool size the peer declared.
+        let total: u64 = req.pages.iter().map(|r| u64::from(r.len)).sum();
+        let run_items = |runs: &[PageRun]| runs.iter().map(|r| u64::from(r.len)).sum::<u64>();
+        let extras_fit = req.extras.len() <= self.local.extras.len()
+            && req
+                .extras
+                .iter()
+                .zip(&self.local.extras)
+                .all(|(runs, pool)| run_items(runs) <= u64::from(pool.items));
+        shares_heads
+            && extras_fit
+            && total <= u64::from(self.local.layout.pages)
+            && peer.map(|p| p.layout).is_some_and(|l| {
+                req.pages
+                    .iter()
+                    .all(|run| u64::from(run.start) + u64::from(run.len) <= u64::from(l.pages))
+                    && [req.aux_slot, req.state_slot]
+                        .iter()
+                        .flatten()
+                        .all(|s| *s < l.slots)
+            })
     }
 
     pub(super) fn on_abort(

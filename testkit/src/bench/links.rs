@@ -1,12 +1,14 @@
-//! Room workloads through two tokio nodes on two links side by side (TCP against RDMA, plain
-//! against TLS).
+//! Room workloads through two nodes of one driver on two links side by side (TCP against
+//! RDMA, plain against TLS).
 
-/// One workload moved between two tokio nodes on loopback over two kinds of link (plain TCP
+/// One workload moved between two nodes on loopback over two kinds of link (plain TCP
 /// against RDMA, or against TLS), in one run.
 #[derive(Clone, Debug)]
 pub struct LinkPoint {
     /// What moved.
     pub workload: &'static str,
+    /// The driver both nodes ran on (`tokio`, `glommio`): [`LinkRun::runtime`]'s name.
+    pub runtime: &'static str,
     /// GB/s over the first link, then over the second.
     pub gbps: [f64; 2],
     /// Every page of every run verified, none corrupted or unfinished.
@@ -79,6 +81,7 @@ async fn side_by_side(
         }
         let point = LinkPoint {
             workload,
+            runtime: run.runtime.name(),
             gbps,
             clean,
         };

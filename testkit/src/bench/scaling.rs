@@ -43,6 +43,7 @@ pub async fn scaling(
             planes: 2,
             page_bytes: 4096,
             pages_per_room: 1,
+            prefix_pages: 0,
             chunks: 1,
             concurrency: 64 * shards,
             layerwise: false,
