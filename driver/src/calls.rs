@@ -360,6 +360,21 @@ impl<C: ShardCalls> Embedder<C> {
         all
     }
 
+    /// The data connections each session of every shard holds.
+    pub async fn data_connections(&self) -> Vec<(usize, SessionId, usize)> {
+        let mut all = Vec::new();
+        for shard in 0..self.calls.shards() {
+            if let Ok(counts) = self
+                .calls
+                .call(shard, |d| d.session_data_connections())
+                .await
+            {
+                all.extend(counts.into_iter().map(|(sid, n)| (shard, sid, n)));
+            }
+        }
+        all
+    }
+
     /// The core's counters summed over every shard.
     pub async fn counters(&self) -> Counters {
         let mut total = Counters::default();

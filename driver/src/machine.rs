@@ -504,8 +504,10 @@ impl<H: Host> Driver<H> {
         };
         // Connections that ended on their own (the peer closed them, or broke the protocol
         // and this side closed them) take nothing more: the new one replaces them.
-        io.data
-            .retain(|c| !matches!(c, DataConn::Sender(s) if s.is_closed()));
+        io.data.retain(|c| match c {
+            DataConn::Sender(s) => !s.is_closed(),
+            DataConn::Receiver(r) => !H::task_finished(r),
+        });
         io.data.attach(conn)?;
         io.send_parked();
         self.drain();
@@ -684,6 +686,18 @@ impl<H: Host> Driver<H> {
             .collect();
         paths.sort_by_key(|(sid, _)| sid.0);
         paths
+    }
+
+    /// Every session with the data connections it holds (those that ended are let go as
+    /// each next one ends or is attached).
+    pub fn session_data_connections(&self) -> Vec<(SessionId, usize)> {
+        let mut counts: Vec<_> = self
+            .io
+            .iter()
+            .map(|(sid, io)| (*sid, io.data.len()))
+            .collect();
+        counts.sort_by_key(|(sid, _)| sid.0);
+        counts
     }
 
     /// The path `session`'s operations take (`None`: not chosen yet, or no such session).

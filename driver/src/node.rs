@@ -134,6 +134,10 @@ pub trait KvNode: Clone + Send + Sync + 'static {
     /// The path each live session moves its operations on, per shard (`kvferry_session_path`).
     fn data_paths(&self) -> impl Future<Output = Vec<(usize, SessionId, DataPath)>> + Send;
 
+    /// The data connections each session holds, per shard: at most its configured count
+    /// and one that just ended, however often they were replaced.
+    fn data_connections(&self) -> impl Future<Output = Vec<(usize, SessionId, usize)>> + Send;
+
     /// Prefill: every room a decode asks for, lossless: those no receiver took yet (asked
     /// for before this call) come first. One receiver at a time; this one replaces the last.
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement>;
@@ -273,6 +277,10 @@ impl<N: RuntimeNode> KvNode for N {
 
     async fn data_paths(&self) -> Vec<(usize, SessionId, DataPath)> {
         self.embedder().data_paths().await
+    }
+
+    async fn data_connections(&self) -> Vec<(usize, SessionId, usize)> {
+        self.embedder().data_connections().await
     }
 
     fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {

@@ -25,6 +25,7 @@ use std::os::fd::{FromRawFd, IntoRawFd};
 use std::pin::Pin;
 use std::rc::{Rc, Weak};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures_io::{AsyncRead, AsyncWrite};
@@ -448,8 +449,8 @@ pub(crate) async fn shard_main(
     for (conns, tasks) in sessions {
         runtime::close_all(conns).await;
         if let Some(t) = tasks {
-            let _ = t.reader.cancel().await;
-            let _ = t.writer.cancel().await;
+            let _ = t.reader.task.cancel().await;
+            let _ = t.writer.task.cancel().await;
         }
     }
     // A stopped shard still answers calls until the node is gone, from its shut-down core
@@ -471,9 +472,45 @@ impl ShardHost {
     }
 }
 
+/// A task the driver holds on a shard (a decode receiver, a control connection's reader or
+/// writer): the glommio task, and whether its body ended, which a glommio task cannot say.
+#[derive(Debug)]
+pub struct ShardTask {
+    task: Task<()>,
+    /// Set once the task's body is gone: it returned, or the task was cancelled.
+    ended: Rc<Cell<bool>>,
+}
+
+/// Marks its [`ShardTask`] ended when dropped with the task's body (however it ends).
+struct Ended(Rc<Cell<bool>>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.0.set(true);
+    }
+}
+
+impl kvferry_tcp::send::Task for ShardTask {
+    async fn stop(self) {
+        let _ = self.task.cancel().await;
+    }
+
+    fn abort(self) {
+        // Dropping a glommio task cancels it.
+    }
+}
+
+impl Future for ShardTask {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        Pin::new(&mut self.task).poll(cx)
+    }
+}
+
 impl Host for ShardHost {
     type Sender = DataSender;
-    type Task = Task<()>;
+    type Task = ShardTask;
 
     fn start(&self, job: Job<Self>) {
         self.defer(job.run(self.clone()));
@@ -483,6 +520,10 @@ impl Host for ShardHost {
         if let Some(shard) = self.shard.upgrade() {
             let _ = shard.wake.try_send(());
         }
+    }
+
+    fn task_finished(task: &ShardTask) -> bool {
+        task.ended.get()
     }
 }
 
@@ -532,14 +573,22 @@ impl Runtime for ShardHost {
         })
     }
 
-    fn spawn(&self, work: Work<Self>) -> Task<()> {
+    fn spawn(&self, work: Work<Self>) -> ShardTask {
         // Never from inside `drive` (where a spawned task could find the driver in use):
         // that is what `defer` is for.
         debug_assert!(self
             .shard
             .upgrade()
             .map_or(true, |s| s.driver.try_borrow_mut().is_ok()));
-        glommio::spawn_local(work.run(self.clone()))
+        let ended = Rc::new(Cell::new(false));
+        let mark = Ended(ended.clone());
+        let body = work.run(self.clone());
+        let task = glommio::spawn_local(async move {
+            // Dropped when the body returns, or with it when the task is cancelled.
+            let _mark = mark;
+            body.await;
+        });
+        ShardTask { task, ended }
     }
 
     fn start_sender(

@@ -287,6 +287,10 @@ impl KvNode for AnyNode {
         both!(self, n => KvNode::data_paths(n).await)
     }
 
+    async fn data_connections(&self) -> Vec<(usize, kvferry_core::SessionId, usize)> {
+        both!(self, n => KvNode::data_connections(n).await)
+    }
+
     fn room_announcements(&self) -> tokio::sync::mpsc::UnboundedReceiver<Announcement> {
         both!(self, n => KvNode::room_announcements(n))
     }

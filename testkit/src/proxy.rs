@@ -3,6 +3,7 @@
 //! schedule). Loopback only: it exists for tests and for `kvferry proxy`.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -41,7 +42,10 @@ struct State {
     faults: Mutex<ProxyFaults>,
     /// Signalled whenever the faults change, so held pumps wait for it instead of polling.
     changed: tokio::sync::Notify,
-    pumps: Mutex<Vec<JoinHandle<()>>>,
+    /// Each connection's two pumps, and whether it is a data connection.
+    pumps: Mutex<Vec<(JoinHandle<()>, Arc<AtomicBool>)>>,
+    /// Data connections seen so far (known at their first bytes).
+    data_seen: AtomicU64,
     rng: Mutex<kvferry_core::rng::Rng>,
 }
 
@@ -84,6 +88,7 @@ impl FaultProxy {
             faults: Mutex::new(ProxyFaults::default()),
             changed: tokio::sync::Notify::new(),
             pumps: Mutex::new(Vec::new()),
+            data_seen: AtomicU64::new(0),
             rng: Mutex::new(kvferry_core::rng::Rng::new(seed)),
         });
         let s = state.clone();
@@ -96,12 +101,14 @@ impl FaultProxy {
                 let _ = server.set_nodelay(true);
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                let data = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let data = Arc::new(AtomicBool::new(false));
                 let up = tokio::spawn(pump(cr, sw, s.clone(), true, data.clone()));
-                let down = tokio::spawn(pump(sr, cw, s.clone(), false, data));
+                let down = tokio::spawn(pump(sr, cw, s.clone(), false, data.clone()));
                 if let Ok(mut p) = s.pumps.lock() {
-                    p.push(up);
-                    p.push(down);
+                    // Pumps of connections that ended go, so that a long run stays small.
+                    p.retain(|(t, _)| !t.is_finished());
+                    p.push((up, data.clone()));
+                    p.push((down, data));
                 }
             }
         });
@@ -123,10 +130,42 @@ impl FaultProxy {
     /// Resets every connection through the proxy (both ends see them close).
     pub fn reset_all(&self) {
         if let Ok(mut p) = self.state.pumps.lock() {
-            for t in p.drain(..) {
+            for (t, _) in p.drain(..) {
                 t.abort();
             }
         }
+    }
+
+    /// Resets every data connection through the proxy (known as one by its first bytes),
+    /// leaving control connections be. Returns how many it reset.
+    pub fn reset_data(&self) -> u64 {
+        let mut pumps = 0;
+        if let Ok(mut p) = self.state.pumps.lock() {
+            p.retain(|(t, data)| {
+                let keep = !data.load(Ordering::Relaxed) || t.is_finished();
+                if !keep {
+                    t.abort();
+                    pumps += 1;
+                }
+                keep
+            });
+        }
+        pumps / 2
+    }
+
+    /// Data connections open through the proxy now.
+    pub fn data_connections_open(&self) -> usize {
+        self.state.pumps.lock().map_or(0, |p| {
+            let live = |(t, data): &&(JoinHandle<()>, Arc<AtomicBool>)| {
+                !t.is_finished() && data.load(Ordering::Relaxed)
+            };
+            p.iter().filter(live).count() / 2
+        })
+    }
+
+    /// Data connections that reached the proxy so far.
+    pub fn data_connections_seen(&self) -> u64 {
+        self.state.data_seen.load(Ordering::Relaxed)
     }
 }
 
@@ -176,20 +215,29 @@ async fn pump(
     mut to: OwnedWriteHalf,
     state: Arc<State>,
     up: bool,
-    is_data: Arc<std::sync::atomic::AtomicBool>,
+    is_data: Arc<AtomicBool>,
 ) {
-    use std::sync::atomic::Ordering;
     let mut buf = vec![0u8; 64 * 1024];
     let mut forwarded = 0usize;
+    // The connection's first bytes (its magic and kind), however the reads split them.
+    let preamble = kvferry_tcp::MAGIC.len() + 1;
+    let mut first = Vec::with_capacity(preamble);
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        if up && forwarded == 0 {
-            let data = buf[..n].starts_with(&kvferry_tcp::MAGIC)
-                && buf.get(kvferry_tcp::MAGIC.len()) == Some(&kvferry_tcp::KIND_DATA);
-            is_data.store(data, Ordering::Relaxed);
+        if up && first.len() < preamble {
+            let take = (preamble - first.len()).min(n);
+            first.extend_from_slice(&buf[..take]);
+            if first.len() == preamble {
+                let data = first.starts_with(&kvferry_tcp::MAGIC)
+                    && first[kvferry_tcp::MAGIC.len()] == kvferry_tcp::KIND_DATA;
+                is_data.store(data, Ordering::Relaxed);
+                if data {
+                    state.data_seen.fetch_add(1, Ordering::Relaxed);
+                }
+            }
         }
         let data = is_data.load(Ordering::Relaxed);
         if !up && data {
