@@ -43,7 +43,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         state_bytes: 0,
         slots: 8,
     };
-    let prefill = start(Role::Prefill, 1, layout)?;
+    // [README] the lines from here to [/README] are the README's embedding example.
+    let prefill = start(Role::Prefill, 1, layout)?; // Node::start(NodeConfig, memory)
     let addrs = prefill.listen("127.0.0.1:0".parse()?).await?;
     let decode = start(Role::Decode, 2, layout)?;
     let peer = decode.connect(addrs).await?; // challenges, token proofs, hellos
@@ -80,6 +81,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Success means every granted byte landed, in this room's lifetime.
     assert_eq!(arriving.terminal().await, KvPoll::Success);
     assert_eq!(leaving.terminal().await, KvPoll::Success);
+    // [/README]
     let mut page = vec![0; 2 * 4096];
     decode.memory().read(k0, 10 * 4096, &mut page)?;
     assert!(page.iter().all(|&b| b == 7));
