@@ -71,7 +71,7 @@ def test_a_prefill_holding_another_count_of_window_pages_fails_the_room(model):
         states = {63: ([[2], [10, 11], [1]], [[7], [0, 5, 6], [2]])}
         (senders, receivers), = move(c, rooms=[(63, [1], [1], [2], 1)], states=states)
         assert senders[0]["status"] == KVPoll.Failed, senders
-        assert "protocol_error" in senders[0]["reason"], senders
+        assert "grant_mismatch" in senders[0]["reason"], senders
         assert receivers[0]["status"] == KVPoll.Failed, receivers
         assert receivers[0]["releasable"], receivers
     finally:
