@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import ipaddress
 import logging
 import os
 import secrets
@@ -57,6 +58,60 @@ PUSH_BIT = 1 << 62
 DEFAULT_PORT = 14600
 #: How long a prefill keeps a finished request's blocks for a decode that never asks.
 DEFAULT_LEASE_S = 120.0
+
+
+#: Addresses one room's params may name (a prefill's TP ranks).
+_MAX_ADDRS = 64
+
+
+@dataclass(frozen=True)
+class _Pulled:
+    """The kvferry part of a decode request's ``kv_transfer_params``, checked: a room id
+    kvferry can carry and the prefill's listener addresses."""
+
+    room: int
+    addrs: list[str]
+
+
+def _socket_addr(a: Any) -> bool:
+    """Whether ``a`` is an ``ip:port`` (``[v6]:port``) string a kvferry node can dial."""
+    if not isinstance(a, str):
+        return False
+    host, sep, port = a.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _params_of(request) -> Optional[dict]:
+    """A request's ``kv_transfer_params`` if they are a mapping; anything else is as none
+    (a router's garbage never reaches a ``.get``)."""
+    params = request.kv_transfer_params
+    if params is not None and not isinstance(params, dict):
+        logger.error("kvferry: request %s: kv_transfer_params are not a mapping (%s); ignored",
+                     request.request_id, type(params).__name__)
+        return None
+    return params
+
+
+def _pulled(params: Any) -> tuple[Optional[_Pulled], Optional[str]]:
+    """Parses the room and addresses of ``params`` once, where they enter: the value, or
+    why it cannot be loaded from (never an exception, whatever a router sent)."""
+    if not isinstance(params, dict):
+        return None, f"kv_transfer_params are not a mapping ({type(params).__name__})"
+    room, addrs = params.get(_ROOM), params.get(_ADDRS)
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 1 << 64:
+        return None, f"{_ROOM}={room!r} is not a room id (an integer in 1..2^64-1)"
+    if (not isinstance(addrs, (list, tuple)) or not 0 < len(addrs) <= _MAX_ADDRS
+            or not all(_socket_addr(a) for a in addrs)):
+        return None, f"{_ROOM}={room}: {_ADDRS}={addrs!r} is not a list of 1..{_MAX_ADDRS} ip:port strings"
+    return _Pulled(room=room, addrs=list(addrs)), None
 
 
 def _extra(vllm_config) -> dict:
@@ -218,7 +273,7 @@ class KvferryConnector(KVConnectorBase_V1):
         return (self._room_prefix << 32) | (secrets.randbits(32) or 1)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        params = request.kv_transfer_params
+        params = _params_of(request)
         if not self._consumer or not params or not params.get("do_remote_prefill"):
             return 0, False
         if params.get(_DONE):
@@ -229,12 +284,12 @@ class KvferryConnector(KVConnectorBase_V1):
         return count, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        params = request.kv_transfer_params
+        params = _params_of(request)
         if self._producer and params and params.get("do_remote_decode") and params.get(_PUSH):
             if request.request_id in self._preempted:
                 return
             room = params.get(_ROOM)
-            if isinstance(room, int) and room & PUSH_BIT:
+            if isinstance(room, int) and not isinstance(room, bool) and 0 < room < 1 << 64 and room & PUSH_BIT:
                 total = -(-len(request.prompt_token_ids or []) // self._shape["block_size"])
                 self._pushing.setdefault(request.request_id, (room, total, request))
             else:
@@ -253,26 +308,28 @@ class KvferryConnector(KVConnectorBase_V1):
         block_ids = block_ids[-need:] if need else []
         # A router's push room comes before the prefill has said anything: the block shape
         # is checked by kvferry's handshake (layers and block bytes) instead.
-        refused = None if params.get(_PUSH) else shape_mismatch(self._shape, params.get(_SHAPE))
-        room, addrs = params.get(_ROOM), params.get(_ADDRS)
-        if refused is None and (not isinstance(room, int) or not addrs):
-            refused = f"kv_transfer_params carry no kvferry room ({_ROOM}={room!r}, {_ADDRS}={addrs!r})"
+        pulled, refused = _pulled(params)
+        if refused is None and not params.get(_PUSH):
+            refused = shape_mismatch(self._shape, params.get(_SHAPE))
         if refused is not None:
             logger.error(
                 "kvferry: request %s cannot load its KV from the prefill: %s",
                 request.request_id,
                 refused,
             )
-            if isinstance(room, int) and addrs and not params.get(_PUSH):
+            if pulled is not None and not params.get(_PUSH):
                 # The prefill holds the prompt's blocks for this room: let it go now (where
                 # the two nodes' layouts differ, kvferry's handshake refuses even that, and
                 # the prefill frees them at the end of its lease).
-                self._pending.releases.append((room, list(addrs)))
-            room = 0
+                self._pending.releases.append((pulled.room, pulled.addrs))
+            pulled = None
         self._pending.recvs[request.request_id] = _Recv(
-            room=int(room or 0), addrs=list(addrs or []), blocks=block_ids, refused=refused
+            room=pulled.room if pulled else 0,
+            addrs=pulled.addrs if pulled else [],
+            blocks=block_ids,
+            refused=refused,
         )
-        self._loading[request.request_id] = int(room or 0)
+        self._loading[request.request_id] = pulled.room if pulled else 0
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta, self._pending = self._pending, KvferryMetadata()
@@ -302,7 +359,7 @@ class KvferryConnector(KVConnectorBase_V1):
             self._loading.pop(req_id, None)
 
     def request_finished(self, request, block_ids: list[int]):
-        params = request.kv_transfer_params
+        params = _params_of(request)
         req_id = request.request_id
         push = self._pushing.pop(req_id, None)
         if push is not None:
@@ -312,8 +369,10 @@ class KvferryConnector(KVConnectorBase_V1):
             return False, None
         if self._producer and params and params.get(_PUSH) and isinstance(params.get(_ROOM), int):
             # A push request that ended before vLLM ever scheduled it: its room fails now
-            # rather than when the decode's wait runs out.
-            self._pending.push_aborts.add(params[_ROOM])
+            # rather than when the decode's wait runs out (a room id that is none was never
+            # pushed: nothing to fail).
+            if 0 < params[_ROOM] < 1 << 64:
+                self._pending.push_aborts.add(params[_ROOM])
             return False, None
         if req_id in self._loading:
             # A decode request that ended while its room was open: its worker aborts the
@@ -321,11 +380,13 @@ class KvferryConnector(KVConnectorBase_V1):
             self._pending.aborts.add(req_id)
             return False, None
         if (self._consumer and params and params.get("do_remote_prefill") and not params.get(_DONE)
-                and not params.get(_PUSH) and isinstance(params.get(_ROOM), int) and params.get(_ADDRS)):
+                and not params.get(_PUSH)):
             # A decode request that ended before it was ever scheduled (aborted, rejected):
             # the prefill holds the prompt's blocks for its room, so tell it to let them go.
             params[_DONE] = True
-            self._pending.releases.append((params[_ROOM], list(params[_ADDRS])))
+            pulled, _ = _pulled(params)
+            if pulled is not None:
+                self._pending.releases.append((pulled.room, pulled.addrs))
             return False, None
         if not self._producer or not params or not params.get("do_remote_decode"):
             return False, None
@@ -704,7 +765,7 @@ class _Worker:
         for req_id, recv in meta.recvs.items():
             self._open_recv(req_id, recv)
         for room, addrs in meta.releases:
-            self._openers.submit(self._release_now, room, addrs)
+            self._submit(self._release_now, room, addrs)
         for req_id in meta.aborts:
             with self._lock:
                 recv = self._recvs.get(req_id)
@@ -723,14 +784,27 @@ class _Worker:
             if recv.refused is not None:
                 self._failed_now.add(req_id)
                 return
-        self._openers.submit(self._open_now, req_id, recv)
+        self._submit(self._open_now, req_id, recv)
+
+    def _submit(self, work, *args) -> None:
+        """Runs ``work`` on the opener threads; an exception it raises is logged with its
+        traceback, never left unread in a future."""
+
+        def reported(future: concurrent.futures.Future) -> None:
+            e = future.exception()
+            if e is not None:
+                logger.error("kvferry: %s%r failed", work.__name__, args, exc_info=e)
+
+        self._openers.submit(work, *args).add_done_callback(reported)
 
     def _open_now(self, req_id: str, recv: _Recv) -> None:
         try:
             peer = self._peer(recv.addrs)
             self.node.reach(peer)
             self.node.open_receiver(recv.room, [peer], pages=recv.blocks)
-        except self._kvferry.KvferryError as e:
+        except Exception as e:  # noqa: BLE001 - whatever it was, the request must end
+            # A load failure: vLLM recomputes the request instead of waiting for a room
+            # that was never opened.
             logger.error("kvferry: request %s: room %d not opened: %s", req_id, recv.room, e)
             with self._lock:
                 recv.refused = str(e)

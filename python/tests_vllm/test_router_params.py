@@ -1,0 +1,109 @@
+"""Whatever kv_transfer_params a router hands a decode engine, every request ends (a load
+failure vLLM recomputes, never a hang), the engine keeps serving, and no exception reaches
+vLLM's scheduler or disappears in a worker thread."""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import time
+
+import pytest
+
+from harness import Side
+
+from kvferry.vllm import kv_shape
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def prompt_of(i: int, n: int) -> list[int]:
+    return [(i * 41 + k * 13) % 991 + 3 for k in range(n)]
+
+
+#: Room and address values a router (or a bug in one) may send, none of which names a
+#: prefill room kvferry can load from (integers past vLLM's own bound on params, -2**63..2**64-1,
+#: never reach a connector).
+BAD_ROOMS = [-1, 0, -(2**63), "12", 1.5, True, None, [5], {"room": 5}]
+BAD_ADDRS = [39600, [39600], "127.0.0.1:39600", [], ["localhost:39600"], ["127.0.0.1:99999"],
+             ["127.0.0.1"], [["127.0.0.1", 39600]], [None], ["127.0.0.1:39600"] * 65, None,
+             {"a": "127.0.0.1:39600"}]
+
+
+def bad_params(shape: dict, rng: random.Random) -> dict:
+    """A perturbed or garbage kv_transfer_params: one field broken or missing, or both."""
+    good_room, good_addrs = 5, ["127.0.0.1:9"]
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "kvferry_shape": shape}
+    kind = rng.randrange(4)
+    room = rng.choice(BAD_ROOMS) if kind in (0, 2) else good_room
+    addrs = rng.choice(BAD_ADDRS) if kind in (1, 2) else good_addrs
+    if kind == 3:
+        params["kvferry_shape"] = rng.choice(["x", None, 7, {"block_size": "32"}])
+        room, addrs = good_room, good_addrs
+    for key, value in (("kvferry_room", room), ("kvferry_addrs", addrs)):
+        if value is not None or rng.random() < 0.5:
+            params[key] = value
+    return params
+
+
+def finish(decode: Side, ids: set[str], deadline: float) -> None:
+    end = time.monotonic() + deadline
+    while not ids <= decode.outputs.keys():
+        assert time.monotonic() < end, f"still waiting: {ids - decode.outputs.keys()}"
+        decode.step()
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_any_malformed_params_end_in_a_load_failure_and_the_engine_keeps_serving(seed, caplog):
+    decode = Side("kv_consumer", free_port())
+    rng = random.Random(seed)
+    try:
+        shape = kv_shape(decode.config)
+        sent = {}
+        with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
+            for i in range(24):
+                params = bad_params(shape, rng)
+                sent[f"bad{i}"] = params
+                decode.add(f"bad{i}", prompt_of(i, 40 + i), 2, dict(params))
+            # Every one ends promptly: refused where it entered, recomputed by vLLM.
+            finish(decode, set(sent), deadline=20)
+        assert set(sent) <= decode.load_failures, {k: sent[k] for k in set(sent) - decode.load_failures}
+        # No exception was raised anywhere in the connector (one in a worker thread is
+        # logged with its traceback).
+        assert "Traceback" not in caplog.text, caplog.text
+        # The engine still serves: a plain request and more garbage after it.
+        decode.add("plain", prompt_of(99, 50), 2, None)
+        finish(decode, {"plain"}, deadline=10)
+        deadline = time.monotonic() + 20
+        while not decode.idle() and time.monotonic() < deadline:
+            decode.step()
+        assert decode.idle(), "a refused request kept its blocks"
+    finally:
+        decode.shutdown()
+
+
+def test_malformed_params_of_a_request_aborted_before_it_ran_are_let_go(caplog):
+    """A request that ends before vLLM schedules it asks its prefill to free the room: with
+    params that name none, that is skipped, and nothing raises in the scheduler."""
+    from vllm.v1.request import RequestStatus
+
+    decode = Side("kv_consumer", free_port())
+    try:
+        shape = kv_shape(decode.config)
+        for i, addrs in enumerate(BAD_ADDRS):
+            params = {"do_remote_prefill": True, "kvferry_shape": shape,
+                      "kvferry_room": 5 + i, "kvferry_addrs": addrs}
+            decode.add(f"a{i}", prompt_of(i, 40), 2, params)
+            decode.scheduler.finish_requests(f"a{i}", RequestStatus.FINISHED_ABORTED)
+        decode.add("after", prompt_of(7, 40), 2, None)
+        finish(decode, {"after"}, deadline=10)
+    finally:
+        decode.shutdown()
