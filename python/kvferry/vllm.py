@@ -22,8 +22,10 @@ built: it imports nothing heavy until a connector is constructed.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -58,6 +60,22 @@ PUSH_BIT = 1 << 62
 DEFAULT_PORT = 14600
 #: How long a prefill keeps a finished request's blocks for a decode that never asks.
 DEFAULT_LEASE_S = 120.0
+
+
+#: A pull room id's low 32 bits: a counter, then its tag (see ``_room_tag``).
+_COUNTER_BITS = 20
+_TAG_BITS = 12
+#: How long a prefill's worker waits for the request of a room it was asked for but does not
+#: know yet (its id checks out: the room is in the step on its way), and how long it
+#: remembers rooms whose lease ran out (to refuse asks for them at once).
+_ASK_GRACE_S = 10.0
+_EXPIRED_KEPT = 4096
+
+
+def _room_tag(key: bytes, count: int) -> int:
+    """The tag of a pull room's counter: only this engine's scheduler and worker know it."""
+    mac = hmac.new(key, count.to_bytes(4, "little"), hashlib.sha256).digest()
+    return int.from_bytes(mac[:2], "little") & ((1 << _TAG_BITS) - 1)
 
 
 #: Addresses one room's params may name (a prefill's TP ranks).
@@ -257,6 +275,10 @@ class KvferryConnector(KVConnectorBase_V1):
         engine_id = str(vllm_config.kv_transfer_config.engine_id or secrets.token_hex(16))
         digest = hashlib.sha256(engine_id.encode()).digest()
         self._room_prefix = int.from_bytes(digest[:4], "little") & 0x3FFF_FFFF
+        # Below the prefix, a counter and a tag only this engine's halves can make: its worker
+        # refuses an ask for an id it never handed out at once, without waiting for a step.
+        self._room_key = hashlib.sha256(b"kvferry/vllm room tag" + engine_id.encode()).digest()
+        self._room_counter = secrets.randbits(_COUNTER_BITS)
         # Scheduler state, per step.
         self._pending = KvferryMetadata()
         self._loading: dict[str, int] = {}
@@ -268,9 +290,14 @@ class KvferryConnector(KVConnectorBase_V1):
     # ---- scheduler side -------------------------------------------------------------
 
     def _next_room(self) -> int:
-        # Random below the prefix: an id a decode got wrong never names another request's
-        # room, even one this prefill opens a moment later.
-        return (self._room_prefix << 32) | (secrets.randbits(32) or 1)
+        # A counter, unique among the rooms one lease can hold, and its tag: an id a decode
+        # got wrong names another live room only if its tag also checks (1 in 4096).
+        while True:
+            count = self._room_counter
+            self._room_counter = (count + 1) & ((1 << _COUNTER_BITS) - 1)
+            low = (count << _TAG_BITS) | _room_tag(self._room_key, count)
+            if low:
+                return (self._room_prefix << 32) | low
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = _params_of(request)
@@ -595,7 +622,10 @@ class _Worker:
         self._asked: dict[int, tuple[int, float]] = {}
         self._sending: dict[int, str] = {}
         self._room_prefix = connector._room_prefix
+        self._room_key = connector._room_key
         self._lease = connector._lease
+        # Rooms whose lease ran out, newest last: an ask for one is refused at once.
+        self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
         # Decode: rooms being received, by request.
         self._recvs: dict[str, _Recv] = {}
         self._aborting: set[str] = set()
@@ -848,7 +878,6 @@ class _Worker:
         received: set[str] = set()
         failed: set[str] = set()
         kvferry = self._kvferry
-        now = time.monotonic()
         with self._lock:
             sent |= self._free_now
             self._free_now = set()
@@ -864,20 +893,6 @@ class _Worker:
                 del self._sending[room]
                 self._forget(room)
                 sent.add(req_id)
-            for room, (req_id, send) in list(self._sends.items()):
-                if room not in self._sending and now > send.deadline:
-                    logger.warning(
-                        "kvferry: no decode asked for room %d of request %s within %.0f s; its blocks are freed",
-                        room, req_id, self._lease,
-                    )
-                    del self._sends[room]
-                    sent.add(req_id)
-            for room, (_, at) in list(self._asked.items()):
-                # A push room's prefill request may wait in vLLM's queue for a while.
-                if now - at > (self._lease if room & PUSH_BIT else 10.0):
-                    # Asked for a room this prefill never had: a decode must not wait out its timeout.
-                    del self._asked[room]
-                    self._refuse(room, "no such room on this prefill")
         with self._lock:
             for req_id in list(self._failed_now):
                 self._failed_now.discard(req_id)
@@ -923,26 +938,59 @@ class _Worker:
     # ---- prefill: answering asks --------------------------------------------------------
 
     def _answer_asks(self) -> None:
+        """The prefill's transport work, on its own thread so that it goes on while vLLM
+        does not step an idle engine: answering asks, refusing rooms it does not hold, and
+        the end of leases."""
         while not self._stop.is_set():
             try:
                 got = self.node.next_announcement(0.2)
             except self._kvferry.KvferryError:
                 return
-            if got is None:
-                continue
-            room, _generation, pages = got
             with self._lock:
-                if room in self._sends:
-                    self._start_send(room, pages)
-                elif room in self._pushes:
-                    self._grant_push(room, pages)
-                elif room & PUSH_BIT:
-                    # The router told the decode first: the prefill's step will find it.
-                    self._asked[room] = (pages, time.monotonic())
-                elif room >> 32 != self._room_prefix:
-                    self._refuse(room, "the prefill that had this room restarted")
-                else:
-                    self._asked[room] = (pages, time.monotonic())
+                if got is not None:
+                    room, _generation, pages = got
+                    self._answer(room, pages)
+                self._expire(time.monotonic())
+
+    def _answer(self, room: int, pages: int) -> None:
+        """A decode asked for ``room``; the caller holds the lock."""
+        if room in self._sends:
+            self._start_send(room, pages)
+        elif room in self._pushes:
+            self._grant_push(room, pages)
+        elif room & PUSH_BIT:
+            # The router told the decode first: the prefill's step will find it.
+            self._asked[room] = (pages, time.monotonic())
+        elif room >> 32 != self._room_prefix:
+            self._refuse(room, "the prefill that had this room restarted")
+        elif room in self._expired:
+            self._refuse(room, f"its lease ran out ({self._lease:.0f} s) before this decode asked")
+        elif _room_tag(self._room_key, (room & 0xFFFF_FFFF) >> _TAG_BITS) != room & ((1 << _TAG_BITS) - 1):
+            self._refuse(room, "this prefill never handed out that room id")
+        else:
+            # Handed out by this engine's scheduler: its request is in a step on its way.
+            self._asked[room] = (pages, time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        """Ends the leases that ran out and the asks nothing came for; the caller holds the
+        lock."""
+        for room, (req_id, send) in list(self._sends.items()):
+            if room not in self._sending and now > send.deadline:
+                logger.warning(
+                    "kvferry: no decode asked for room %d of request %s within %.0f s; its blocks are freed",
+                    room, req_id, self._lease,
+                )
+                del self._sends[room]
+                self._free_now.add(req_id)
+                self._expired[room] = None
+                while len(self._expired) > _EXPIRED_KEPT:
+                    self._expired.popitem(last=False)
+        for room, (_, at) in list(self._asked.items()):
+            # A push room's prefill request may wait in vLLM's queue for a while.
+            if now - at > (self._lease if room & PUSH_BIT else _ASK_GRACE_S):
+                # Asked for a room this prefill never had: a decode must not wait out its timeout.
+                del self._asked[room]
+                self._refuse(room, "no such room on this prefill")
 
     def _grant_push(self, room: int, pages: int) -> None:
         """A decode asked for a push room being computed: open it and send what is done."""

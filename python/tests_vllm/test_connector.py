@@ -31,6 +31,7 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
     and hands back each finished request's kv_transfer_params."""
     side = Side("kv_producer", port, **kw)
     outbox.put(("ready", None))
+    stepping = True
     while True:
         try:
             while True:
@@ -40,6 +41,11 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
                     side.shutdown()
                     outbox.put(("stopped", (side.idle(), chunks)))
                     return
+                if cmd[0] == "pause":
+                    # As vLLM leaves an engine with no request: no step at all.
+                    stepping = False
+                    outbox.put(("paused", None))
+                    continue
                 if cmd[0] == "idle":
                     outbox.put(("idle", side.idle()))
                     continue
@@ -61,7 +67,7 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
                 side.add(req_id, prompt, 1, params)
         except queue.Empty:
             pass
-        for o in side.step():
+        for o in side.step() if stepping else ():
             outbox.put(("params", (o.request_id, o.kv_transfer_params)))
         time.sleep(0.001)
 
@@ -103,6 +109,15 @@ class Prefill:
                 return True
             time.sleep(0.1)
         return False
+
+    def pause(self) -> None:
+        """Stops stepping the engine, as vLLM does when it holds no request to run."""
+        self.inbox.put(("pause",))
+        while True:
+            kind, value = self.outbox.get(timeout=30)
+            if kind == "paused":
+                return
+            self.early.append((kind, value))
 
     def preempt(self, req_id: str) -> bool:
         """Preempts a running request as vLLM does under memory pressure (its blocks go

@@ -107,3 +107,55 @@ def test_malformed_params_of_a_request_aborted_before_it_ran_are_let_go(caplog):
         finish(decode, {"after"}, deadline=10)
     finally:
         decode.shutdown()
+
+
+def _idle_prefill_and_params(lease_s: float):
+    """A prefill engine that computed one prompt for a decode, then stopped stepping (vLLM
+    does not step an engine with nothing to run); its params."""
+    from test_connector import Prefill
+
+    prefill = Prefill(free_port(), extra={"lease_s": lease_s})
+    prompt = prompt_of(5, 100)
+    prefill.prefill("p", prompt)
+    rid, params = prefill.params()
+    # One more step hands the finished request's room to the worker, as vLLM's does.
+    time.sleep(0.2)
+    prefill.pause()
+    return prefill, prompt, params
+
+
+def _load(params: dict, prompt: list[int], deadline: float) -> tuple[Side, float]:
+    decode = Side("kv_consumer", free_port())
+    start = time.monotonic()
+    decode.add("d", prompt, 2, dict(params))
+    finish(decode, {"d"}, deadline)
+    return decode, time.monotonic() - start
+
+
+def test_an_idle_prefill_refuses_a_room_it_never_handed_out_within_a_second():
+    prefill, prompt, params = _idle_prefill_and_params(lease_s=30)
+    decode = None
+    try:
+        # The prefill's prefix, an id it never made (its tag cannot check out).
+        forged = dict(params, kvferry_room=params["kvferry_room"] ^ 1)
+        decode, took = _load(forged, prompt, deadline=10)
+        assert "d" in decode.load_failures
+        assert took < 1.5, f"the refusal took {took:.2f} s"
+    finally:
+        if decode is not None:
+            decode.shutdown()
+        prefill.kill()
+
+
+def test_an_idle_prefill_refuses_a_room_whose_lease_ran_out_within_a_second():
+    prefill, prompt, params = _idle_prefill_and_params(lease_s=1)
+    decode = None
+    try:
+        time.sleep(1.5)  # the lease runs out while the engine does not step
+        decode, took = _load(params, prompt, deadline=10)
+        assert "d" in decode.load_failures
+        assert took < 1.5, f"the refusal took {took:.2f} s"
+    finally:
+        if decode is not None:
+            decode.shutdown()
+        prefill.kill()
