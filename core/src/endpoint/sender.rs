@@ -365,23 +365,36 @@ impl Endpoint {
                 }
             }
             _ => {
-                // Not open yet: the embedder's open fails at once, like after an abort.
                 self.answer_with_outcome(sid, room, generation, Some(reason));
-                match self.pending.take(room) {
-                    Some(p) if p.generation == generation => self.reject_pending(room, p, reason),
-                    Some(p) => self.pending.put_back(room, p),
-                    None => {}
-                }
-                if !self
-                    .tombstones
-                    .get(room)
-                    .is_some_and(|(g, _)| g >= generation)
-                {
-                    let who = self.identity(sid).into_iter().collect();
-                    self.tombstones
-                        .insert_verdict(room, generation, reason, who);
-                }
+                self.fail_unopened(sid, room, generation, reason);
             }
+        }
+    }
+
+    /// A room not open here failed before it opened (the decode aborted it, or asked what
+    /// cannot be served): the requests held for it are answered with `verdict`, and the
+    /// verdict is remembered so that the embedder's open fails at once instead of computing
+    /// a doomed room (unless a newer attempt is already remembered).
+    fn fail_unopened(
+        &mut self,
+        sid: SessionId,
+        room: RoomId,
+        generation: Generation,
+        verdict: FailureReason,
+    ) {
+        match self.pending.take(room) {
+            Some(p) if p.generation == generation => self.reject_pending(room, p, verdict),
+            Some(p) => self.pending.put_back(room, p),
+            None => {}
+        }
+        let newer = self
+            .tombstones
+            .get(room)
+            .is_some_and(|(g, _)| g >= generation);
+        if !newer {
+            let who = self.identity(sid).into_iter().collect();
+            self.tombstones
+                .insert_verdict(room, generation, verdict, who);
         }
     }
 
@@ -478,24 +491,8 @@ impl Endpoint {
                     .push_back((sid, Message::AbortAck { room, generation }));
             }
             _ => {
-                // Not open (yet, or any more): nothing of it is in flight. Remember the verdict
-                // so a later open fails at once instead of computing a doomed room.
-                if let Some(p) = self.pending.take(room) {
-                    if p.generation == generation {
-                        self.reject_pending(room, p, verdict);
-                    } else {
-                        self.pending.put_back(room, p);
-                    }
-                }
-                let newer = self
-                    .tombstones
-                    .get(room)
-                    .is_some_and(|(g, _)| g >= generation);
-                if !newer {
-                    let who = self.identity(sid).into_iter().collect();
-                    self.tombstones
-                        .insert_verdict(room, generation, verdict, who);
-                }
+                // Not open (yet, or any more): nothing of it is in flight.
+                self.fail_unopened(sid, room, generation, verdict);
                 self.transmits
                     .push_back((sid, Message::AbortAck { room, generation }));
             }
