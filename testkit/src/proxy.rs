@@ -42,11 +42,35 @@ struct State {
     faults: Mutex<ProxyFaults>,
     /// Signalled whenever the faults change, so held pumps wait for it instead of polling.
     changed: tokio::sync::Notify,
-    /// Each connection's two pumps, and whether it is a data connection.
-    pumps: Mutex<Vec<(JoinHandle<()>, Arc<AtomicBool>)>>,
+    /// The connections through the proxy.
+    pumps: Mutex<Vec<Pumps>>,
     /// Data connections seen so far (known at their first bytes).
     data_seen: AtomicU64,
     rng: Mutex<kvferry_core::rng::Rng>,
+}
+
+/// One connection's two directions, and whether it is a data connection (known at its first
+/// bytes).
+struct Pumps {
+    up: JoinHandle<()>,
+    down: JoinHandle<()>,
+    data: Arc<AtomicBool>,
+}
+
+impl Pumps {
+    /// Neither direction forwards any more.
+    fn ended(&self) -> bool {
+        self.up.is_finished() && self.down.is_finished()
+    }
+
+    fn is_data(&self) -> bool {
+        self.data.load(Ordering::Relaxed)
+    }
+
+    fn abort(&self) {
+        self.up.abort();
+        self.down.abort();
+    }
 }
 
 /// A running proxy in front of `upstream`.
@@ -105,10 +129,9 @@ impl FaultProxy {
                 let up = tokio::spawn(pump(cr, sw, s.clone(), true, data.clone()));
                 let down = tokio::spawn(pump(sr, cw, s.clone(), false, data.clone()));
                 if let Ok(mut p) = s.pumps.lock() {
-                    // Pumps of connections that ended go, so that a long run stays small.
-                    p.retain(|(t, _)| !t.is_finished());
-                    p.push((up, data.clone()));
-                    p.push((down, data));
+                    // Connections that ended go, so that a long run stays small.
+                    p.retain(|c| !c.ended());
+                    p.push(Pumps { up, down, data });
                 }
             }
         });
@@ -130,8 +153,8 @@ impl FaultProxy {
     /// Resets every connection through the proxy (both ends see them close).
     pub fn reset_all(&self) {
         if let Ok(mut p) = self.state.pumps.lock() {
-            for (t, _) in p.drain(..) {
-                t.abort();
+            for c in p.drain(..) {
+                c.abort();
             }
         }
     }
@@ -139,27 +162,26 @@ impl FaultProxy {
     /// Resets every data connection through the proxy (known as one by its first bytes),
     /// leaving control connections be. Returns how many it reset.
     pub fn reset_data(&self) -> u64 {
-        let mut pumps = 0;
+        let mut reset = 0;
         if let Ok(mut p) = self.state.pumps.lock() {
-            p.retain(|(t, data)| {
-                let keep = !data.load(Ordering::Relaxed) || t.is_finished();
+            p.retain(|c| {
+                let keep = !c.is_data() || c.ended();
                 if !keep {
-                    t.abort();
-                    pumps += 1;
+                    c.abort();
+                    reset += 1;
                 }
                 keep
             });
         }
-        pumps / 2
+        reset
     }
 
     /// Data connections open through the proxy now.
     pub fn data_connections_open(&self) -> usize {
         self.state.pumps.lock().map_or(0, |p| {
-            let live = |(t, data): &&(JoinHandle<()>, Arc<AtomicBool>)| {
-                !t.is_finished() && data.load(Ordering::Relaxed)
-            };
-            p.iter().filter(live).count() / 2
+            p.iter()
+                .filter(|c| c.is_data() && !c.up.is_finished() && !c.down.is_finished())
+                .count()
         })
     }
 
