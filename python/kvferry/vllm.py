@@ -118,14 +118,21 @@ def _params_of(request) -> Optional[dict]:
     return params
 
 
+def _room_id(value: Any) -> Optional[int]:
+    """``value`` if it is a room id kvferry can carry (an integer in 1..2^64-1), else None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 64:
+        return None
+    return value
+
+
 def _pulled(params: Any) -> tuple[Optional[_Pulled], Optional[str]]:
     """Parses the room and addresses of ``params`` once, where they enter: the value, or
     why it cannot be loaded from (never an exception, whatever a router sent)."""
     if not isinstance(params, dict):
         return None, f"kv_transfer_params are not a mapping ({type(params).__name__})"
-    room, addrs = params.get(_ROOM), params.get(_ADDRS)
-    if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 1 << 64:
-        return None, f"{_ROOM}={room!r} is not a room id (an integer in 1..2^64-1)"
+    room, addrs = _room_id(params.get(_ROOM)), params.get(_ADDRS)
+    if room is None:
+        return None, f"{_ROOM}={params.get(_ROOM)!r} is not a room id (an integer in 1..2^64-1)"
     if (not isinstance(addrs, (list, tuple)) or not 0 < len(addrs) <= _MAX_ADDRS
             or not all(_socket_addr(a) for a in addrs)):
         return None, f"{_ROOM}={room}: {_ADDRS}={addrs!r} is not a list of 1..{_MAX_ADDRS} ip:port strings"
@@ -315,13 +322,13 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._producer and params and params.get("do_remote_decode") and params.get(_PUSH):
             if request.request_id in self._preempted:
                 return
-            room = params.get(_ROOM)
-            if isinstance(room, int) and not isinstance(room, bool) and 0 < room < 1 << 64 and room & PUSH_BIT:
+            room = _room_id(params.get(_ROOM))
+            if room is not None and room & PUSH_BIT:
                 total = -(-len(request.prompt_token_ids or []) // self._shape["block_size"])
                 self._pushing.setdefault(request.request_id, (room, total, request))
             else:
                 logger.error("kvferry: push request %s has no router room (%s=%r)",
-                             request.request_id, _ROOM, room)
+                             request.request_id, _ROOM, params.get(_ROOM))
             return
         if not self._consumer or not params or not params.get("do_remote_prefill"):
             return
@@ -398,7 +405,7 @@ class KvferryConnector(KVConnectorBase_V1):
             # A push request that ended before vLLM ever scheduled it: its room fails now
             # rather than when the decode's wait runs out (a room id that is none was never
             # pushed: nothing to fail).
-            if 0 < params[_ROOM] < 1 << 64:
+            if _room_id(params[_ROOM]) is not None:
                 self._pending.push_aborts.add(params[_ROOM])
             return False, None
         if req_id in self._loading:

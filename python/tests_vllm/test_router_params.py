@@ -6,26 +6,14 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import time
 
 import pytest
 
 from harness import Side
+from test_connector import Prefill, free_port, prompt_of
 
 from kvferry.vllm import kv_shape
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def prompt_of(i: int, n: int) -> list[int]:
-    return [(i * 41 + k * 13) % 991 + 3 for k in range(n)]
 
 
 #: Room and address values a router (or a bug in one) may send, none of which names a
@@ -112,8 +100,6 @@ def test_malformed_params_of_a_request_aborted_before_it_ran_are_let_go(caplog):
 def _idle_prefill_and_params(lease_s: float):
     """A prefill engine that computed one prompt for a decode, then stopped stepping (vLLM
     does not step an engine with nothing to run); its params."""
-    from test_connector import Prefill
-
     prefill = Prefill(free_port(), extra={"lease_s": lease_s})
     prompt = prompt_of(5, 100)
     prefill.prefill("p", prompt)
@@ -124,38 +110,29 @@ def _idle_prefill_and_params(lease_s: float):
     return prefill, prompt, params
 
 
-def _load(params: dict, prompt: list[int], deadline: float) -> tuple[Side, float]:
+def _refused_within_a_second(prefill, prompt: list[int], params: dict) -> None:
+    """A fresh decode loading ``params`` fails the load within 1.5 s; both engines end."""
     decode = Side("kv_consumer", free_port())
-    start = time.monotonic()
-    decode.add("d", prompt, 2, dict(params))
-    finish(decode, {"d"}, deadline)
-    return decode, time.monotonic() - start
+    try:
+        start = time.monotonic()
+        decode.add("d", prompt, 2, dict(params))
+        finish(decode, {"d"}, deadline=10)
+        took = time.monotonic() - start
+        assert "d" in decode.load_failures
+        assert took < 1.5, f"the refusal took {took:.2f} s"
+    finally:
+        decode.shutdown()
+        prefill.kill()
 
 
 def test_an_idle_prefill_refuses_a_room_it_never_handed_out_within_a_second():
     prefill, prompt, params = _idle_prefill_and_params(lease_s=30)
-    decode = None
-    try:
-        # The prefill's prefix, an id it never made (its tag cannot check out).
-        forged = dict(params, kvferry_room=params["kvferry_room"] ^ 1)
-        decode, took = _load(forged, prompt, deadline=10)
-        assert "d" in decode.load_failures
-        assert took < 1.5, f"the refusal took {took:.2f} s"
-    finally:
-        if decode is not None:
-            decode.shutdown()
-        prefill.kill()
+    # The prefill's prefix, an id it never made (its tag cannot check out).
+    forged = dict(params, kvferry_room=params["kvferry_room"] ^ 1)
+    _refused_within_a_second(prefill, prompt, forged)
 
 
 def test_an_idle_prefill_refuses_a_room_whose_lease_ran_out_within_a_second():
     prefill, prompt, params = _idle_prefill_and_params(lease_s=1)
-    decode = None
-    try:
-        time.sleep(1.5)  # the lease runs out while the engine does not step
-        decode, took = _load(params, prompt, deadline=10)
-        assert "d" in decode.load_failures
-        assert took < 1.5, f"the refusal took {took:.2f} s"
-    finally:
-        if decode is not None:
-            decode.shutdown()
-        prefill.kill()
+    time.sleep(1.5)  # the lease runs out while the engine does not step
+    _refused_within_a_second(prefill, prompt, params)
