@@ -247,11 +247,23 @@ EOF
 
 read -r port_single port_prefill port_decode port_bootstrap nccl_single nccl_prefill nccl_decode port_metrics port_router < <(
     "$py" - <<'EOF'
-import socket
-socks = [socket.socket() for _ in range(9)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*[s.getsockname()[1] for s in socks])
+# Below the kernel's ephemeral range: a port bound to 0 and released here could be handed
+# again to one of the sockets the servers open on port 0 before their own --port binds it.
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+ports = []
+while len(ports) < 9:
+    port = random.randrange(10000, low)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    finally:
+        s.close()
+    if port not in ports:
+        ports.append(port)
+print(*ports)
 EOF
 )
 
