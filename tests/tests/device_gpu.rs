@@ -22,6 +22,7 @@ fn shape() -> Shape {
         planes: 2,
         page_bytes: 16384,
         pages_per_room: 32,
+        prefix_pages: 0,
         chunks: 1,
         concurrency: 8,
         layerwise: false,
