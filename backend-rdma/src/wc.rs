@@ -76,7 +76,7 @@ impl WcStatus {
 /// |---|---|---|
 /// | `SUCCESS` | `Done` | the write landed in the peer's memory |
 /// | `RETRY_EXC_ERR`, `RNR_RETRY_EXC_ERR`, `RESP_TIMEOUT_ERR` | `Transient` | the path or the peer did not answer in time; another attempt may |
-/// | `WR_FLUSH_ERR` | `Transient` | flushed because the QP went to the error state (a fence or an earlier failure); the write did not complete |
+/// | `WR_FLUSH_ERR` | `Flushed` | flushed because the QP went to the error state (a fence or an earlier write's failure); the write never ran |
 /// | `REM_ABORT_ERR` | `Transient` | the responder aborted the operation |
 /// | `REM_ACCESS_ERR` | `Refused` | the peer's memory region refused the write (rkey, range or access flags): the receiver's rule, like a refused TCP write |
 /// | every other error | `Fatal` | a local programming, protection or device error that retrying cannot fix |
@@ -87,9 +87,9 @@ pub fn classify(status: Option<WcStatus>) -> TransferOutcome {
             WcStatus::RetryExcErr
             | WcStatus::RnrRetryExcErr
             | WcStatus::RespTimeoutErr
-            | WcStatus::WrFlushErr
             | WcStatus::RemAbortErr,
         ) => TransferOutcome::Transient,
+        Some(WcStatus::WrFlushErr) => TransferOutcome::Flushed,
         Some(WcStatus::RemAccessErr) => TransferOutcome::Refused,
         _ => TransferOutcome::Fatal,
     }

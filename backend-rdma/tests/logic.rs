@@ -40,8 +40,8 @@ fn completion_statuses_map_to_the_documented_outcomes() {
         WcStatus::RetryExcErr
         | WcStatus::RnrRetryExcErr
         | WcStatus::RespTimeoutErr
-        | WcStatus::WrFlushErr
         | WcStatus::RemAbortErr => Transient,
+        WcStatus::WrFlushErr => Flushed,
         WcStatus::RemAccessErr => Refused,
         _ => Fatal,
     };
@@ -122,7 +122,7 @@ fn the_fence_is_complete_only_once_every_outstanding_write_was_flushed() {
         assert!(!qp.is_drained());
         assert_eq!(
             qp.complete(*wr, Some(WcStatus::WrFlushErr)),
-            Some((TransferId(i as u64), TransferOutcome::Transient))
+            Some((TransferId(i as u64), TransferOutcome::Flushed))
         );
     }
     assert!(qp.is_drained());
@@ -142,7 +142,10 @@ fn an_error_completion_puts_the_queue_pair_in_error() {
     assert_eq!(qp.state(), QpState::Error);
     assert!(qp.post(TransferId(3)).is_err());
     assert!(qp.reset().is_err(), "not drained yet");
-    qp.complete(b, Some(WcStatus::WrFlushErr));
+    assert_eq!(
+        qp.complete(b, Some(WcStatus::WrFlushErr)),
+        Some((TransferId(2), TransferOutcome::Flushed))
+    );
     assert!(qp.is_drained());
 }
 

@@ -200,6 +200,9 @@ pub enum TransferOutcome {
     /// The destination refused the write: the room concluded there or the write was outside
     /// the room's pages. Never retried, never counted against the session.
     Refused,
+    /// Never ran: the path under it failed first (another write's failure or a fence moved
+    /// its RDMA queue pair to the error state). Run again without spending an attempt.
+    Flushed,
 }
 
 /// A scheduler-facing event from [`crate::Endpoint::poll_event`].

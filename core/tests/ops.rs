@@ -162,6 +162,57 @@ fn a_room_whose_last_operation_is_refused_fails_instead_of_succeeding() {
     );
 }
 
+/// Reports `id` flushed, lets the retry backoff pass and returns the operation run again.
+fn flush(t: &mut Pair, id: kvferry_core::TransferId) -> Option<TransferOp> {
+    t.p.handle_transfer_result(t.now, id, TransferOutcome::Flushed);
+    // Past the backoff (at most 2.5 steps of 5 ms at the first attempt), well inside the
+    // heartbeats' patience.
+    t.now += std::time::Duration::from_millis(20);
+    t.p.handle_timeout(t.now);
+    t.pump();
+    t.ops().into_iter().next()
+}
+
+#[test]
+fn a_write_flushed_by_its_neighbours_failures_spends_no_attempt_and_its_room_succeeds() {
+    // One attempt only: a flush that spent it would fail the room at the first flush.
+    let mut t = Pair::new();
+    let room = RoomId(4);
+    let mut ops = open_room_and_plan(&mut t, room);
+    for _ in 0..5 {
+        let again = flush(&mut t, ops[0].id).expect("a flushed write runs again");
+        assert_eq!(again.attempt, 1, "a flush spends no attempt");
+        ops[0] = again;
+    }
+    land_all(&mut t, room, &ops);
+    assert_eq!(t.p.room_state(room), Some(KvPoll::Success));
+    assert_eq!(t.d.room_state(room), Some(KvPoll::Success));
+}
+
+#[test]
+fn a_write_its_path_flushes_again_and_again_fails_its_room_as_a_failed_transfer() {
+    let mut t = Pair::new();
+    let room = RoomId(5);
+    let ops = open_room_and_plan(&mut t, room);
+    let mut id = ops[0].id;
+    let mut runs = 0;
+    while let Some(again) = flush(&mut t, id) {
+        id = again.id;
+        runs += 1;
+        assert!(runs <= 16, "flushes are bounded");
+    }
+    assert_eq!(runs, 16);
+    t.pump();
+    assert_eq!(
+        t.p.room_state(room),
+        Some(KvPoll::Failed(FailureReason::TransferFailed))
+    );
+    assert_eq!(
+        t.d.room_state(room),
+        Some(KvPoll::Failed(FailureReason::TransferFailed))
+    );
+}
+
 #[test]
 fn a_target_is_reconnected_with_exponential_backoff_until_removed() {
     use kvferry_core::{Action, Timer};

@@ -365,33 +365,53 @@ async fn a_refused_write_fails_its_room_and_the_flushed_writes_are_retried_on_a_
         shards: 1,
         pin: false,
     };
+    // Only writes posted behind the refused one flush, and whether one is queued there when
+    // the device refuses it is the device's timing: on soft-RoCE a run had at times nothing
+    // behind any refused write. So up to three runs with other refused writes, each on a
+    // fresh pair: every run must end every room clean, and at least one must have flushed
+    // writes to retry.
+    const RUNS: u64 = 3;
     for rt in [Runtime::Tokio, one_shard] {
         eprintln!("{}", rt.name());
-        let run = rooms(100, 1);
-        let Some((prefill, decode)) = pair_or_skip(rt, &run.shape) else {
-            return;
-        };
-        prefill
-            .set_faults(Some(kvferry_tokio::FaultPlan {
-                rate: 0.02,
-                seed: 7,
-                kind: kvferry_tokio::FaultKind::Break,
-            }))
-            .await;
-        let report = run_pair(&prefill, &decode, run).await.unwrap();
-        assert_eq!(
-            (report.pages_corrupted, report.rooms_unfinished),
-            (0, 0),
-            "{report:?}"
-        );
-        // The prefill saw its write refused by its peer; decode hears that reason.
-        let reasons: Vec<&String> = report.failed_by_reason.keys().collect();
-        assert_eq!(reasons, ["aborted_by_peer"], "{report:?}");
+        let mut retried = Vec::new();
+        for k in 0..RUNS {
+            let run = rooms(100, 1);
+            let Some((prefill, decode)) = pair_or_skip(rt, &run.shape) else {
+                return;
+            };
+            prefill
+                .set_faults(Some(kvferry_tokio::FaultPlan {
+                    rate: 0.02,
+                    seed: 7 + k,
+                    kind: kvferry_tokio::FaultKind::Break,
+                }))
+                .await;
+            let report = run_pair(&prefill, &decode, run).await.unwrap();
+            assert_eq!(
+                (report.pages_corrupted, report.rooms_unfinished),
+                (0, 0),
+                "{report:?}"
+            );
+            // The prefill saw its write refused by its peer; decode hears that reason. No
+            // other room fails: a flushed write is its neighbour's failure, not its own.
+            assert!(
+                report
+                    .failed_by_reason
+                    .keys()
+                    .all(|reason| reason == "aborted_by_peer"),
+                "{report:?}"
+            );
+            assert!(report.rooms_succeeded > 0, "{report:?}");
+            retried.push(report.retries);
+            if report.retries > 0 {
+                break;
+            }
+        }
+        eprintln!("retries per run: {retried:?}");
         assert!(
-            report.retries > 0,
-            "flushed writes were retried: {report:?}"
+            retried.iter().any(|&r| r > 0),
+            "no flushed write was retried in {RUNS} runs: {retried:?}"
         );
-        assert!(report.rooms_succeeded > 0, "{report:?}");
     }
 }
 

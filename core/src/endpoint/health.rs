@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// Flushes one write may take without spending an attempt: one more means its path keeps
+/// failing under it, whatever its neighbours do.
+const MAX_FLUSHES: u32 = 16;
+
 impl Endpoint {
     /// A data-path operation finished. Unknown ids (already settled, superseded) are ignored.
     pub fn handle_transfer_result(
@@ -73,7 +77,7 @@ impl Endpoint {
         // it ended. Either is the hand-over, not a failed transfer.
         let moved = matches!(
             outcome,
-            TransferOutcome::Refused | TransferOutcome::Transient
+            TransferOutcome::Refused | TransferOutcome::Transient | TransferOutcome::Flushed
         ) && self
             .sessions
             .get(&op.session)
@@ -96,6 +100,13 @@ impl Endpoint {
             self.mark_ready(session);
             return;
         }
+        // A write flushed by a failure that was not its own spends no attempt, or a burst of
+        // its neighbours' failures would fail its room; past `MAX_FLUSHES` the path itself is
+        // what fails, and the flush counts as this write's failure.
+        let outcome = match outcome {
+            TransferOutcome::Flushed if op.flushes >= MAX_FLUSHES => TransferOutcome::Transient,
+            other => other,
+        };
         match outcome {
             TransferOutcome::Transient => self.counters.transient_failures += 1,
             TransferOutcome::Fatal => self.counters.fatal_failures += 1,
@@ -140,7 +151,7 @@ impl Endpoint {
                         },
                     ));
                 }
-                if op.attempt > 1 {
+                if op.attempt > 1 || op.flushes > 0 {
                     self.counters.retry_recoveries += 1;
                     warn!(
                         session = %op.session,
@@ -151,8 +162,9 @@ impl Endpoint {
                 }
                 self.op_finished(now, op.room, op.generation, op.layers.clone());
             }
-            TransferOutcome::Transient
-                if op.attempt < self.config.transfer_retries
+            TransferOutcome::Transient | TransferOutcome::Flushed
+                if (outcome == TransferOutcome::Flushed
+                    || op.attempt < self.config.transfer_retries)
                     && room_live.is_some()
                     && session_usable =>
             {
@@ -160,8 +172,12 @@ impl Endpoint {
                 let step = self.config.retry_backoff;
                 let jitter = self.rng.below(step.as_nanos() as u64 / 2 + 1);
                 let delay = step * op.attempt + Duration::from_nanos(jitter);
-                debug!(session = %op.session, room = ?op.room, attempt = op.attempt, ?delay, "transfer attempt failed, retrying");
-                op.attempt += 1;
+                debug!(session = %op.session, room = ?op.room, attempt = op.attempt, ?outcome, ?delay, "transfer attempt failed, retrying");
+                if outcome == TransferOutcome::Flushed {
+                    op.flushes += 1;
+                } else {
+                    op.attempt += 1;
+                }
                 op.phase = OpPhase::RetryWait;
                 // A new id per attempt: a late report of the old attempt cannot be mistaken.
                 let new_id = self.alloc_op_id();
@@ -177,7 +193,7 @@ impl Endpoint {
                 }
                 self.op_finished(now, op.room, op.generation, op.layers.clone());
             }
-            TransferOutcome::Transient | TransferOutcome::Fatal => {
+            TransferOutcome::Transient | TransferOutcome::Fatal | TransferOutcome::Flushed => {
                 let first = op.slices.first().copied();
                 let Some(room) = room_live else {
                     // The room already concluded (aborted): the failure says nothing new.

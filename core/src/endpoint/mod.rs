@@ -445,6 +445,8 @@ struct Op {
     layers: Range<usize>,
     bytes: u64,
     attempt: u32,
+    /// Times it was flushed by a failure that was not its own (they spend no attempt).
+    flushes: u32,
     phase: OpPhase,
     timer: Option<TimerKey>,
     /// In flight on a connection that a fresh one took over: whatever its report says but

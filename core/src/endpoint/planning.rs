@@ -145,6 +145,7 @@ impl Endpoint {
                     layers,
                     bytes,
                     attempt: 1,
+                    flushes: 0,
                     phase: OpPhase::Queued,
                     timer: None,
                     superseded: false,

@@ -312,6 +312,7 @@ impl Endpoint {
                         layers: 0..0,
                         bytes: 8,
                         attempt: 1,
+                        flushes: 0,
                         phase: OpPhase::Queued,
                         timer: None,
                         superseded: false,
