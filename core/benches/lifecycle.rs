@@ -110,12 +110,13 @@ impl Pair {
             receivers: 1,
             skip_pages: 0,
             idle_sources: 0,
+            prompt: None,
         };
         self.decode
             .open_receiver(self.now, room, 0, &[self.sd], Some(grant))
             .expect("open receiver");
         self.prefill
-            .open_sender(self.now, room, 0)
+            .open_sender(self.now, room, 0, None)
             .expect("open sender");
         self.pump();
         let chunk = Chunk {

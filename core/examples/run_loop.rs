@@ -71,7 +71,7 @@ fn main() {
         .expect("receiver opens");
     prefill
         .endpoint
-        .open_sender(now, room, 0)
+        .open_sender(now, room, 0, None)
         .expect("sender opens");
     let chunk = Chunk {
         pages: vec![3, 4],

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TransferId};
+use crate::ids::{Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId, TransferId};
 use crate::layout::{ExtraPool, Heads, Layout, LayoutMismatch, Region, Slice};
 use crate::state::{InvalidTransition, KvPoll, Role};
 
@@ -114,6 +114,9 @@ pub struct Grant {
     /// Destination items of each extra pool, in room order (item `i` of pool `p` that the
     /// source names goes to `extras[p][i]`); a pool left out or empty is not asked for.
     pub extras: Vec<Vec<u32>>,
+    /// The tokens this decode wants the room's KV for: a source that opened the room for
+    /// other tokens refuses it (`prompt_mismatch`). `None`: not checked.
+    pub prompt: Option<PromptDigest>,
 }
 
 impl Grant {
@@ -127,6 +130,7 @@ impl Grant {
             skip_pages: 0,
             idle_sources: 0,
             extras: Vec::new(),
+            prompt: None,
         }
     }
 }

@@ -79,3 +79,33 @@ id_type!(
 /// Every control message and data write names `(room, generation)`, so a late message of an
 /// earlier attempt can never touch a later one.
 pub type Generation = u32;
+
+/// The identity of the tokens whose KV a room carries: XXH3-64 (seed 0) of their ids, each
+/// as a little-endian `u32`, in order. Both sides name it, so a room handed to another
+/// prompt's request is refused (`prompt_mismatch`) instead of loading that prompt's KV.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PromptDigest(pub u64);
+
+impl PromptDigest {
+    /// The digest of `tokens`, the prompt's token ids whose KV the room carries.
+    pub fn of_tokens(tokens: &[u32]) -> PromptDigest {
+        use core::hash::Hasher;
+        let mut hasher = twox_hash::XxHash3_64::with_seed(0);
+        for t in tokens {
+            hasher.write(&t.to_le_bytes());
+        }
+        PromptDigest(hasher.finish())
+    }
+}
+
+impl fmt::Debug for PromptDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "prompt#{:016x}", self.0)
+    }
+}
+
+impl fmt::Display for PromptDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}

@@ -72,8 +72,8 @@ pub use config::{Config, ConfigError};
 pub use counters::Counters;
 pub use endpoint::Endpoint;
 pub use ids::{
-    ConnId, DialId, DrainId, Generation, Incarnation, NodeId, RoomId, SessionId, TargetId,
-    TransferId,
+    ConnId, DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId,
+    TargetId, TransferId,
 };
 pub use layout::{ExtraPool, Heads, Layout, LayoutMismatch, PageRun, Region, Slice};
 pub use state::{FailureReason, InvalidTransition, KvPoll, Role};

@@ -63,11 +63,15 @@ pub enum FailureReason {
     /// unwritten, or its chunks hold more pages than were granted. Both embedders must agree
     /// on the room's length; resubmitting the same request fails the same way.
     GrantMismatch,
+    /// The decode asked for the room's KV for other tokens than the ones the prefill computed
+    /// it for (the two sides' `PromptDigest`s differ): a router handed the room to another
+    /// prompt's request. Nothing moved; the decode computes the prompt itself.
+    PromptMismatch,
 }
 
 impl FailureReason {
     /// All variants, in wire-code order.
-    pub const ALL: [FailureReason; 21] = [
+    pub const ALL: [FailureReason; 22] = [
         FailureReason::BootstrapTimeout,
         FailureReason::DecodeSaturated,
         FailureReason::WaitingTimeout,
@@ -89,6 +93,7 @@ impl FailureReason {
         FailureReason::StaleGeneration,
         FailureReason::ChecksumMismatch,
         FailureReason::GrantMismatch,
+        FailureReason::PromptMismatch,
     ];
 
     /// The one-byte code used on the wire (see `docs/PROTOCOL.md`).
@@ -130,6 +135,7 @@ impl FailureReason {
             FailureReason::StaleGeneration => "stale_generation",
             FailureReason::ChecksumMismatch => "checksum_mismatch",
             FailureReason::GrantMismatch => "grant_mismatch",
+            FailureReason::PromptMismatch => "prompt_mismatch",
         }
     }
 
@@ -157,6 +163,7 @@ impl FailureReason {
             FailureReason::StaleGeneration => "the peer already holds a newer attempt (generation) of this room, so this attempt is void; retry under a generation above the newest one used",
             FailureReason::ChecksumMismatch => "bytes of the room arrived that are not the bytes the prefill sent (the end-to-end checksum did not match), so its pages were discarded; check the network path and the hosts' memory, and resubmit the request",
             FailureReason::GrantMismatch => "the prefill's chunks for the room did not cover what the decode granted (fewer room pages after skip_pages, no aux row or state slot for a granted one, other extra items) or held more pages than granted; check that both sides agree on the prompt's length and on skip_pages",
+            FailureReason::PromptMismatch => "the decode asked for the room's KV for other tokens than the prefill computed it for (their prompt digests differ), so nothing moved; the router handed this room's parameters to another request: check how it pairs prefill answers with decode requests",
         }
     }
 

@@ -50,6 +50,7 @@ fn every_message() -> Vec<Message> {
             pages: smallvec![PageRun { start: 5, len: 3 }, PageRun { start: 100, len: 1 }],
             aux_slot: Some(4),
             state_slot: None,
+            prompt: None,
         }),
         Message::RoomStatus {
             room,
@@ -128,6 +129,7 @@ fn every_message() -> Vec<Message> {
             pages: smallvec![PageRun { start: 0, len: 2 }],
             aux_slot: Some(1),
             state_slot: Some(2),
+            prompt: None,
         }),
     ]
 }
@@ -221,6 +223,7 @@ fn a_page_count_larger_than_the_frame_is_refused_without_allocating() {
         pages: smallvec![],
         aux_slot: None,
         state_slot: None,
+        prompt: None,
     })
     .encode(&mut buf);
     // The run count sits before the one-byte count of extra pools.
@@ -274,6 +277,7 @@ fn a_request_for_nothing_that_names_extra_items_is_refused() {
         pages: smallvec![],
         aux_slot: None,
         state_slot: None,
+        prompt: None,
     })
     .encode(&mut buf);
     assert_eq!(
@@ -456,7 +460,7 @@ fn a_hello_is_the_size_the_protocol_states() {
     assert_eq!(buf.len(), HEADER_LEN + 99 + (6 + 4 * 2) + (6 + 4 * 5));
 }
 
-/// A room request's size is the one `docs/PROTOCOL.md` states: 30 bytes, 8 per page run,
+/// A room request's size is the one `docs/PROTOCOL.md` states: 39 bytes, 8 per page run,
 /// and 4 + 8 per item run for each listed extra pool.
 #[test]
 fn a_room_request_is_the_size_the_protocol_states() {
@@ -472,7 +476,7 @@ fn a_room_request_is_the_size_the_protocol_states() {
     let extras: usize = request.extras.iter().map(|x| 4 + 8 * x.len()).sum();
     let mut buf = Vec::new();
     Message::RoomRequest(request).encode(&mut buf);
-    assert_eq!(buf.len(), HEADER_LEN + 30 + 8 * runs + extras);
+    assert_eq!(buf.len(), HEADER_LEN + 39 + 8 * runs + extras);
     let doc = include_str!("../../docs/PROTOCOL.md");
-    assert!(doc.contains("Body length: 30 + 8 x run_count + Σ (4 + 8 x item_run_count)"));
+    assert!(doc.contains("Body length: 39 + 8 x run_count + Σ (4 + 8 x item_run_count)"));
 }

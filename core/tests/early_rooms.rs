@@ -34,7 +34,7 @@ fn a_receiver_opened_while_its_session_handshakes_moves_once_the_handshake_compl
     sim.drain(d);
     sim.nodes[p]
         .endpoint
-        .open_sender(now, room, 0)
+        .open_sender(now, room, 0, None)
         .expect("open sender");
     send_all(&mut sim, p, 5, 2, false);
     run_ms(&mut sim, 50);
@@ -67,7 +67,7 @@ fn a_receiver_opened_on_an_accepted_session_still_handshaking_moves_too() {
         .expect("open receiver");
     sim.nodes[p]
         .endpoint
-        .open_sender(now, room, 0)
+        .open_sender(now, room, 0, None)
         .expect("open sender");
     send_all(&mut sim, p, 6, 2, false);
     run_ms(&mut sim, 50);

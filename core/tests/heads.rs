@@ -210,7 +210,7 @@ fn open_and_send(sim: &mut Sim, p: usize, room: u64) {
     let now = sim.now;
     sim.nodes[p]
         .endpoint
-        .open_sender(now, RoomId(room), 0)
+        .open_sender(now, RoomId(room), 0, None)
         .expect("open sender");
     sim.drain(p);
     send_all(sim, p, room, 3, false);
@@ -256,7 +256,7 @@ fn a_failed_head_rank_fails_the_decode_room_with_its_reason() {
     let now = sim.now;
     sim.nodes[ps[1]]
         .endpoint
-        .open_sender(now, RoomId(3), 0)
+        .open_sender(now, RoomId(3), 0, None)
         .expect("open sender");
     sim.nodes[ps[1]]
         .endpoint

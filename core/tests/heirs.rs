@@ -35,13 +35,14 @@ fn open_via(sim: &mut Sim, d: usize, p: usize, room: u64, links: &[Link]) {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     sim.nodes[d]
         .endpoint
         .open_receiver_via(now, id, 0, links, Some(grant))
         .unwrap();
     sim.drain(d);
-    sim.nodes[p].endpoint.open_sender(now, id, 0).unwrap();
+    sim.nodes[p].endpoint.open_sender(now, id, 0, None).unwrap();
     sim.drain(p);
 }
 
@@ -124,6 +125,7 @@ fn a_session_id_never_given_out_is_still_refused_as_unknown() {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     assert_eq!(
         sim.nodes[d]

@@ -27,6 +27,7 @@ fn reopen_on_decode(sim: &mut Sim, d: usize, p: usize, room: u64, generation: u3
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     sim.nodes[d]
         .endpoint
@@ -96,7 +97,7 @@ fn two_decodes_requesting_one_room_id_at_once_get_one_room_and_one_refusal() {
     let now = sim.now;
     sim.nodes[p]
         .endpoint
-        .open_sender(now, RoomId(9), 0)
+        .open_sender(now, RoomId(9), 0, None)
         .unwrap();
     sim.drain(p);
     send_all(&mut sim, p, 9, 4, false);
@@ -132,7 +133,7 @@ fn a_restarted_prefill_serves_a_room_id_fresh_and_every_page_lands_again() {
     let now = sim.now;
     sim.nodes[p]
         .endpoint
-        .open_sender(now, RoomId(1), 1)
+        .open_sender(now, RoomId(1), 1, None)
         .unwrap();
     sim.drain(p);
     let src = sim.nodes[p].alloc(RoomId(1), 1, 4).unwrap();
@@ -191,7 +192,7 @@ fn a_request_for_an_older_generation_than_prefill_holds_is_answered_stale_at_onc
     let now = sim.now;
     sim.nodes[p]
         .endpoint
-        .open_sender(now, RoomId(9), 1)
+        .open_sender(now, RoomId(9), 1, None)
         .unwrap();
     sim.drain(p);
     run_ms(&mut sim, 5);
@@ -206,6 +207,7 @@ fn a_request_for_an_older_generation_than_prefill_holds_is_answered_stale_at_onc
         pages: smallvec::smallvec![kvferry_core::PageRun { start: 0, len: 4 }],
         aux_slot: None,
         state_slot: None,
+        prompt: None,
     })
     .encode(&mut old);
     sim.nodes[p].endpoint.handle_input(now, sp, &old);

@@ -87,10 +87,11 @@ fn a_room_whose_last_operation_fails_fails_instead_of_succeeding() {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
         .unwrap();
-    t.p.open_sender(t.now, room, 0).unwrap();
+    t.p.open_sender(t.now, room, 0, None).unwrap();
     t.pump();
     t.p.send_chunk(
         t.now,
@@ -135,10 +136,11 @@ fn a_room_whose_last_operation_is_refused_fails_instead_of_succeeding() {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
         .unwrap();
-    t.p.open_sender(t.now, room, 0).unwrap();
+    t.p.open_sender(t.now, room, 0, None).unwrap();
     t.pump();
     t.p.send_chunk(
         t.now,
@@ -271,10 +273,11 @@ fn open_room_and_plan(t: &mut Pair, room: RoomId) -> Vec<TransferOp> {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     t.d.open_receiver(t.now, room, 0, &[t.sd], Some(grant))
         .unwrap();
-    t.p.open_sender(t.now, room, 0).unwrap();
+    t.p.open_sender(t.now, room, 0, None).unwrap();
     t.pump();
     let chunk = Chunk {
         extras: Vec::new(),

@@ -195,6 +195,7 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                     receivers: 1,
                     skip_pages: 0,
                     idle_sources: 0,
+                    prompt: None,
                 })
             } else {
                 None
@@ -221,6 +222,7 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
                         receivers: 1,
                         skip_pages: 0,
                         idle_sources: 0,
+                        prompt: None,
                     },
                 );
             }
@@ -228,7 +230,7 @@ fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
         Step::OpenSender { room } => {
             let _ = sim.nodes[p]
                 .endpoint
-                .open_sender(now, RoomId(u64::from(room)), 0);
+                .open_sender(now, RoomId(u64::from(room)), 0, None);
         }
         Step::Chunk {
             room,

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{failed, state};
-use kvferry_core::codec::{Message, RoomRequest, SKIP_ALL};
+use kvferry_core::codec::{Message, RoomRequest, HEADER_LEN, SKIP_ALL};
 use kvferry_core::sim::Sim;
 use kvferry_core::{FailureReason as R, Grant, KvPoll, PageRun, RoomId};
 use proptest::prelude::*;
@@ -29,7 +29,10 @@ fn opened(sender: bool) -> (Sim, usize, usize) {
         .unwrap();
     while sim.nodes[d].endpoint.poll_message().is_some() {}
     if sender {
-        sim.nodes[p].endpoint.open_sender(now, ROOM, 0).unwrap();
+        sim.nodes[p]
+            .endpoint
+            .open_sender(now, ROOM, 0, None)
+            .unwrap();
         sim.drain(p);
     }
     (sim, p, d)
@@ -76,6 +79,7 @@ fn request(
         aux_slot: aux,
         state_slot: None,
         extras: extras.iter().map(|e| runs(e)).collect(),
+        prompt: None,
     })
     .encode(&mut frame);
     frame
@@ -91,7 +95,15 @@ fn unservable() -> Vec<(&'static str, Vec<u8>)> {
     trailing.push(7);
     let len = (trailing.len() - 4) as u32;
     trailing[..4].copy_from_slice(&len.to_le_bytes());
+    // The prompt's flag byte follows room, generation, receivers, skip_pages and two slots.
+    let prompt_at = HEADER_LEN + 8 + 4 + 1 + 4 + 4 + 4;
+    let mut bad_flag = request(1, 0, &[(0, 4)], Some(1), Vec::new());
+    bad_flag[prompt_at] = 2;
+    let mut digest_without_flag = request(1, 0, &[(0, 4)], Some(1), Vec::new());
+    digest_without_flag[prompt_at + 1] = 1;
     vec![
+        ("a prompt flag other than 0 or 1", bad_flag),
+        ("a prompt digest without its flag", digest_without_flag),
         (
             "a run of length 0",
             request(1, 0, &[(0, 0)], Some(1), Vec::new()),
@@ -154,7 +166,10 @@ fn an_unservable_request_for_a_room_not_opened_yet_is_answered_and_its_open_fail
         round_trip(&mut sim, p, d, &frame);
         assert_eq!(state(&sim, d, ROOM.0), failed(R::ProtocolError), "{what}");
         let now = sim.now;
-        sim.nodes[p].endpoint.open_sender(now, ROOM, 0).unwrap();
+        sim.nodes[p]
+            .endpoint
+            .open_sender(now, ROOM, 0, None)
+            .unwrap();
         assert_eq!(state(&sim, p, ROOM.0), failed(R::ProtocolError), "{what}");
     }
 }

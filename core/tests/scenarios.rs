@@ -253,7 +253,7 @@ fn s05_room_toward_saturated_decode_waits_with_a_known_reason_then_fails_decode_
     sim.drain(d);
     sim.nodes[p]
         .endpoint
-        .open_sender(now, RoomId(1), 0)
+        .open_sender(now, RoomId(1), 0, None)
         .unwrap();
     sim.drain(p);
     run_ms(&mut sim, 1_000);
@@ -289,7 +289,7 @@ fn s05_a_queued_room_whose_decode_deadline_expires_first_fails_decode_saturated_
     let now = sim.now;
     sim.nodes[p]
         .endpoint
-        .open_sender(now, RoomId(1), 0)
+        .open_sender(now, RoomId(1), 0, None)
         .unwrap();
     sim.drain(p);
     run_ms(&mut sim, 1_200);
@@ -306,7 +306,7 @@ fn s06_late_request_for_a_timed_out_room_is_answered_at_once() {
     let now = sim.now;
     sim.nodes[p]
         .endpoint
-        .open_sender(now, RoomId(1), 0)
+        .open_sender(now, RoomId(1), 0, None)
         .unwrap();
     run_ms(&mut sim, 2_100);
     assert_eq!(state(&sim, p, 1), failed(R::BootstrapTimeout));
@@ -321,6 +321,7 @@ fn s06_late_request_for_a_timed_out_room_is_answered_at_once() {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     sim.nodes[d]
         .endpoint
@@ -362,13 +363,13 @@ fn s07_seed_002_pp_bootstrap_race_fails_softly_on_every_rank() {
     sim.drain(d);
     sim.nodes[p0]
         .endpoint
-        .open_sender(now, RoomId(9), 0)
+        .open_sender(now, RoomId(9), 0, None)
         .unwrap();
     run_ms(&mut sim, 1);
     let now = sim.now;
     sim.nodes[p1]
         .endpoint
-        .open_sender(now, RoomId(9), 0)
+        .open_sender(now, RoomId(9), 0, None)
         .unwrap();
     sim.drain(p1);
     // Stop right after rank 0's deadline: rank 0 failed, rank 1 still bootstrapping.
@@ -635,6 +636,7 @@ fn s18_decode_room_whose_prefill_never_opens_fails_by_waiting_deadline() {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     sim.nodes[d]
         .endpoint
@@ -650,7 +652,7 @@ fn s18_decode_room_whose_prefill_never_opens_fails_by_waiting_deadline() {
     );
     let now = sim.now;
     assert_eq!(
-        sim.nodes[p].endpoint.open_sender(now, RoomId(1), 0),
+        sim.nodes[p].endpoint.open_sender(now, RoomId(1), 0, None),
         Ok(()),
         "a late open is accepted and fails at once"
     );
@@ -1074,6 +1076,7 @@ fn s03_a_request_waiting_for_prefill_to_open_fails_at_once_when_its_session_is_b
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     sim.nodes[d]
         .endpoint

@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 use std::sync::Mutex;
 
 use kvferry_core::{
-    ApiError, Capacity, Chunk, Counters, FailureReason, Generation, Grant, Link, RoomId, SessionId,
+    ApiError, Capacity, Chunk, Counters, FailureReason, Generation, Grant, Link, PromptDigest,
+    RoomId, SessionId,
 };
 use tokio::sync::oneshot;
 
@@ -263,15 +264,16 @@ impl<C: ShardCalls> Embedder<C> {
             .await)
     }
 
-    /// Prefill: opens a sender room.
+    /// Prefill: opens a sender room for the KV of `prompt`'s tokens (`None`: unchecked).
     pub async fn open_sender(
         &self,
         room: RoomId,
         generation: Generation,
+        prompt: Option<PromptDigest>,
     ) -> Result<RoomHandle, NodeError> {
         api(self
             .on_room(room, move |d| {
-                d.open_room(room, |e, now| e.open_sender(now, room, generation))
+                d.open_room(room, |e, now| e.open_sender(now, room, generation, prompt))
             })
             .await)
     }

@@ -12,7 +12,8 @@ use std::time::Instant;
 
 use foldhash::fast::FixedState;
 use kvferry_core::{
-    Chunk, Counters, Event, FailureReason, Generation, Grant, KvPoll, Role, RoomId, SessionId,
+    Chunk, Counters, Event, FailureReason, Generation, Grant, KvPoll, PromptDigest, Role, RoomId,
+    SessionId,
 };
 use kvferry_memory::MemoryMap;
 use tokio::sync::{mpsc, watch};
@@ -91,11 +92,13 @@ pub trait KvNode: Clone + Send + Sync + 'static {
         grant: Grant,
     ) -> impl Future<Output = Result<(), NodeError>> + Send;
 
-    /// Prefill: opens a sender room.
+    /// Prefill: opens a sender room for the KV of `prompt`'s tokens: a decode that asks for
+    /// it for other tokens is refused with `prompt_mismatch` (`None`: unchecked).
     fn open_sender(
         &self,
         room: RoomId,
         generation: Generation,
+        prompt: Option<PromptDigest>,
     ) -> impl Future<Output = Result<RoomHandle, NodeError>> + Send;
 
     /// Prefill: hands a chunk of pages to send.
@@ -243,8 +246,9 @@ impl<N: RuntimeNode> KvNode for N {
         &self,
         room: RoomId,
         generation: Generation,
+        prompt: Option<PromptDigest>,
     ) -> Result<RoomHandle, NodeError> {
-        self.embedder().open_sender(room, generation).await
+        self.embedder().open_sender(room, generation, prompt).await
     }
 
     async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {

@@ -259,7 +259,7 @@ fn a_drain_stops_at_its_budget_and_the_next_turn_finishes_it() {
     let wakes_before = log.borrow().wakes;
     prefill.with(|e, now| {
         for r in 0..rooms {
-            e.open_sender(now, RoomId(r), FIRST).unwrap();
+            e.open_sender(now, RoomId(r), FIRST, None).unwrap();
         }
     });
     let published = log.borrow().published.len();

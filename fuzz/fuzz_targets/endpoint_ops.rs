@@ -68,7 +68,7 @@ fuzz_target!(|data: &[u8]| {
                 sim.connect(d2, p);
             }
             1 => {
-                let _ = sim.nodes[p].endpoint.open_sender(now, room, 0);
+                let _ = sim.nodes[p].endpoint.open_sender(now, room, 0, None);
             }
             2 => {
                 if let Some(src) = sim.nodes[p].alloc(room, 0, u32::from(arg % 8)) {

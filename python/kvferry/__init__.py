@@ -25,6 +25,7 @@ from ._kvferry import (  # noqa: F401
     UnsupportedMemory,
     enable_metrics,
     metrics_text,
+    prompt_digest,
 )
 
 
@@ -82,4 +83,5 @@ __all__ = [
     "enable_metrics",
     "tensor_spans",
     "metrics_text",
+    "prompt_digest",
 ]

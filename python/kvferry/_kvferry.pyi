@@ -31,6 +31,10 @@ def enable_metrics(addr: Optional[str] = None) -> None:
 def metrics_text() -> str:
     """Every node's metrics in Prometheus' text format (after ``enable_metrics``)."""
 
+def prompt_digest(tokens: Sequence[int]) -> int:
+    """The digest of a prompt's token ids (XXH3-64 of each id as a little-endian u32) that
+    ``open_sender``, ``open_receiver`` and ``grant_pages`` take as ``prompt``."""
+
 class Node:
     """One prefill or decode rank over caller-owned memory.
 
@@ -87,6 +91,7 @@ class Node:
         skip_pages: int = 0,
         idle_sources: Sequence[int] = (),
         extras: Sequence[Sequence[int]] = (),
+        prompt: Optional[int] = None,
     ) -> None: ...
     def grant_pages(
         self,
@@ -98,9 +103,10 @@ class Node:
         skip_pages: int = 0,
         idle_sources: Sequence[int] = (),
         extras: Sequence[Sequence[int]] = (),
+        prompt: Optional[int] = None,
     ) -> None: ...
     def next_announcement(self, timeout: float = 0.0) -> Optional[Tuple[int, int, int]]: ...
-    def open_sender(self, room: int, generation: int = 0) -> None: ...
+    def open_sender(self, room: int, generation: int = 0, prompt: Optional[int] = None) -> None: ...
     def send_chunk(
         self,
         room: int,

@@ -53,6 +53,7 @@ _ADDRS = "kvferry_addrs"
 _SHAPE = "kvferry_shape"
 _DONE = "kvferry_consumed"
 _PUSH = "kvferry_push"
+_PROMPT = "kvferry_prompt"
 #: Room ids a router draws for push mode carry this bit; a prefill's own (pull) ids do not.
 PUSH_BIT = 1 << 62
 
@@ -139,6 +140,23 @@ def _pulled(params: Any) -> tuple[Optional[_Pulled], Optional[str]]:
     return _Pulled(room=room, addrs=list(addrs)), None
 
 
+def _prompt_of(request) -> Optional[int]:
+    """The prompt digest of ``request``'s prompt token ids: both sides name it, so a room
+    handed to another prompt's request is refused (``prompt_mismatch``) instead of loaded.
+    None (nothing checked) for a prompt given without token ids."""
+    tokens = request.prompt_token_ids
+    if tokens is None:
+        return None
+    import kvferry
+
+    try:
+        return kvferry.prompt_digest(tokens)
+    except (kvferry.KvferryError, OverflowError, TypeError) as e:
+        logger.warning("kvferry: request %s: its prompt has no digest (%s); its room is not bound to it",
+                       request.request_id, e)
+        return None
+
+
 def _extra(vllm_config) -> dict:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
 
@@ -191,6 +209,8 @@ class _Send:
     room: int
     blocks: list[int]
     deadline: float
+    #: The prompt digest of the tokens the blocks hold.
+    prompt: Optional[int] = None
 
 
 @dataclass
@@ -201,6 +221,7 @@ class _PushStep:
     room: int
     computed: list[int]
     total: int
+    prompt: Optional[int] = None
 
 
 @dataclass
@@ -209,6 +230,7 @@ class _Pushed:
 
     req_id: str
     total: int
+    prompt: Optional[int] = None
     #: Blocks complete once the current step's forward pass ends.
     computed: list[int] = field(default_factory=list)
     #: Blocks complete now (every layer written): what may go out whole.
@@ -227,6 +249,8 @@ class _Recv:
     addrs: list[str]
     blocks: list[int]
     refused: Optional[str] = None
+    #: The prompt digest of the tokens this request wants the KV of.
+    prompt: Optional[int] = None
     logged: bool = False
     opened: bool = False
 
@@ -289,8 +313,9 @@ class KvferryConnector(KVConnectorBase_V1):
         # Scheduler state, per step.
         self._pending = KvferryMetadata()
         self._loading: dict[str, int] = {}
-        # Push-mode prefill requests: room, prompt blocks in all, the request, by request.
-        self._pushing: dict[str, tuple[int, int, Any]] = {}
+        # Push-mode prefill requests: room, prompt blocks in all, the request and its prompt
+        # digest, by request.
+        self._pushing: dict[str, tuple[int, int, Any, Optional[int]]] = {}
         self._preempted: set[str] = set()
         self._worker: Optional[_Worker] = None
 
@@ -325,7 +350,7 @@ class KvferryConnector(KVConnectorBase_V1):
             room = _room_id(params.get(_ROOM))
             if room is not None and room & PUSH_BIT:
                 total = -(-len(request.prompt_token_ids or []) // self._shape["block_size"])
-                self._pushing.setdefault(request.request_id, (room, total, request))
+                self._pushing.setdefault(request.request_id, (room, total, request, _prompt_of(request)))
             else:
                 logger.error("kvferry: push request %s has no router room (%s=%r)",
                              request.request_id, _ROOM, params.get(_ROOM))
@@ -362,6 +387,7 @@ class KvferryConnector(KVConnectorBase_V1):
             addrs=pulled.addrs if pulled else [],
             blocks=block_ids,
             refused=refused,
+            prompt=_prompt_of(request) if refused is None else None,
         )
         self._loading[request.request_id] = pulled.room if pulled else 0
 
@@ -380,12 +406,13 @@ class KvferryConnector(KVConnectorBase_V1):
             push = self._pushing.get(req_id)
             if push is None or self._kv_cache_manager is None:
                 continue
-            room, total, request = push
+            room, total, request, prompt = push
             # Runs before vLLM counts this step's tokens as computed.
             done = min(request.num_computed_tokens + n, request.num_prompt_tokens)
             full = total if done >= request.num_prompt_tokens else done // bs
             blocks = self._kv_cache_manager.get_blocks(req_id).get_block_ids()[0]
-            meta.pushes[req_id] = _PushStep(room=room, computed=list(blocks[:full]), total=total)
+            meta.pushes[req_id] = _PushStep(room=room, computed=list(blocks[:full]), total=total,
+                                            prompt=prompt)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -435,8 +462,10 @@ class KvferryConnector(KVConnectorBase_V1):
         # The prompt's blocks only (a caller that let the prefill generate more than one
         # token must not shift the decode's tail).
         prompt_blocks = -(-request.num_prompt_tokens // self._shape["block_size"])
+        prompt = _prompt_of(request)
         self._pending.sends[req_id] = _Send(
-            room=room, blocks=list(block_ids[:prompt_blocks]), deadline=time.monotonic() + self._lease
+            room=room, blocks=list(block_ids[:prompt_blocks]), deadline=time.monotonic() + self._lease,
+            prompt=prompt,
         )
         return True, {
             "do_remote_prefill": True,
@@ -444,6 +473,8 @@ class KvferryConnector(KVConnectorBase_V1):
             _ROOM: room,
             _ADDRS: self._advertised,
             _SHAPE: self._shape,
+            # For routers and logs: the decode's own digest is what the prefill checks.
+            _PROMPT: prompt,
             "remote_num_tokens": request.num_computed_tokens,
         }
 
@@ -459,7 +490,8 @@ class KvferryConnector(KVConnectorBase_V1):
         if not block_ids:
             return False, None
         self._pending.sends[request.request_id] = _Send(
-            room=room, blocks=list(block_ids), deadline=time.monotonic() + self._lease
+            room=room, blocks=list(block_ids), deadline=time.monotonic() + self._lease,
+            prompt=_prompt_of(request),
         )
         if not done:
             return True, None
@@ -665,7 +697,7 @@ class _Worker:
         once if its decode asked before); the caller holds the lock."""
         pushed = self._pushes.get(step.room)
         if pushed is None:
-            pushed = self._pushes[step.room] = _Pushed(req_id=req_id, total=step.total)
+            pushed = self._pushes[step.room] = _Pushed(req_id=req_id, total=step.total, prompt=step.prompt)
             asked = self._asked.pop(step.room, None)
             if asked is not None:
                 self._grant_push(step.room, asked[0])
@@ -838,7 +870,7 @@ class _Worker:
         try:
             peer = self._peer(recv.addrs)
             self.node.reach(peer)
-            self.node.open_receiver(recv.room, [peer], pages=recv.blocks)
+            self.node.open_receiver(recv.room, [peer], pages=recv.blocks, prompt=recv.prompt)
         except Exception as e:  # noqa: BLE001 - whatever it was, the request must end
             # A load failure: vLLM recomputes the request instead of waiting for a room
             # that was never opened.
@@ -1011,7 +1043,7 @@ class _Worker:
                 del self._pushes[room]
             return
         try:
-            self.node.open_sender(room)
+            self.node.open_sender(room, prompt=pushed.prompt)
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: push room %d not opened: %s", room, e)
             pushed.failed = True
@@ -1030,7 +1062,7 @@ class _Worker:
         """Sends the tail of the room's blocks the decode granted (it holds the rest)."""
         req_id, send = self._sends.pop(room)
         try:
-            self.node.open_sender(room)
+            self.node.open_sender(room, prompt=send.prompt)
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: room %d of request %s not opened: %s", room, req_id, e)
             self._free_now.add(req_id)

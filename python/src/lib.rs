@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvferry_core::layout::{MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS};
 use kvferry_core::{
     Chunk, Config, EndpointInfo, ExtraPool, FailureReason, Grant, Heads, Incarnation, KvPoll,
-    Layout, NodeId, Role, RoomId,
+    Layout, NodeId, PromptDigest, Role, RoomId,
 };
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
 use kvferry_tokio::{Announcement, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
@@ -152,6 +152,7 @@ fn family(reason: FailureReason) -> Option<Family> {
         R::DecodeSaturated => Family::Capacity,
         R::ProtocolError
         | R::GrantMismatch
+        | R::PromptMismatch
         | R::IncompatiblePeer
         | R::RoomIdReused
         | R::StaleGeneration
@@ -603,7 +604,9 @@ impl Node {
     }
 
     /// Decode: opens room `room` fed by `peers`, with its pages granted now or later.
-    #[pyo3(signature = (room, peers, pages=None, aux_slot=None, state_slot=None, generation=0, receivers=1, skip_pages=0, idle_sources=Vec::new(), extras=Vec::new()))]
+    /// `prompt`: the `prompt_digest` of the tokens whose KV this decode wants (a source that
+    /// holds the room for other tokens refuses it with `prompt_mismatch`).
+    #[pyo3(signature = (room, peers, pages=None, aux_slot=None, state_slot=None, generation=0, receivers=1, skip_pages=0, idle_sources=Vec::new(), extras=Vec::new(), prompt=None))]
     #[allow(clippy::too_many_arguments)]
     fn open_receiver(
         &self,
@@ -618,6 +621,7 @@ impl Node {
         skip_pages: u32,
         idle_sources: Vec<usize>,
         extras: Vec<Vec<u32>>,
+        prompt: Option<u64>,
     ) -> PyResult<()> {
         let idle_sources = idle_mask(&idle_sources, peers.len())?;
         let grant = pages.map(|pages| Grant {
@@ -628,6 +632,7 @@ impl Node {
             skip_pages,
             idle_sources,
             extras,
+            prompt: prompt.map(PromptDigest),
         });
         let peers = peers.into_iter().map(PeerId).collect();
         let handle = self.block(
@@ -642,8 +647,9 @@ impl Node {
     /// Decode: grants a room opened without pages its destination pages. `skip_pages`: room
     /// pages this decode already holds (not sent; `pages` are the ones after them);
     /// `idle_sources`: positions in the room's `peers` asked for nothing (they only confirm);
-    /// `extras`: per extra pool, the destination items in room order.
-    #[pyo3(signature = (room, pages, aux_slot=None, state_slot=None, receivers=1, skip_pages=0, idle_sources=Vec::new(), extras=Vec::new()))]
+    /// `extras`: per extra pool, the destination items in room order; `prompt`: as for
+    /// `open_receiver`.
+    #[pyo3(signature = (room, pages, aux_slot=None, state_slot=None, receivers=1, skip_pages=0, idle_sources=Vec::new(), extras=Vec::new(), prompt=None))]
     #[allow(clippy::too_many_arguments)]
     fn grant_pages(
         &self,
@@ -656,6 +662,7 @@ impl Node {
         skip_pages: u32,
         idle_sources: Vec<usize>,
         extras: Vec<Vec<u32>>,
+        prompt: Option<u64>,
     ) -> PyResult<()> {
         let grant = Grant {
             pages,
@@ -665,6 +672,7 @@ impl Node {
             skip_pages,
             idle_sources: idle_mask(&idle_sources, 64)?,
             extras,
+            prompt: prompt.map(PromptDigest),
         };
         self.block(py, self.node.grant_pages(RoomId(room), grant))
     }
@@ -683,10 +691,22 @@ impl Node {
         Ok(got.map(|a| (a.room.0, a.generation, a.pages)))
     }
 
-    /// Prefill: opens the sender side of room `room`.
-    #[pyo3(signature = (room, generation=0))]
-    fn open_sender(&self, py: Python<'_>, room: u64, generation: u32) -> PyResult<()> {
-        let handle = self.block(py, self.node.open_sender(RoomId(room), generation))?;
+    /// Prefill: opens the sender side of room `room`, holding the KV of the tokens whose
+    /// `prompt_digest` is `prompt` (a decode that asks for other tokens is refused with
+    /// `prompt_mismatch`; None checks nothing).
+    #[pyo3(signature = (room, generation=0, prompt=None))]
+    fn open_sender(
+        &self,
+        py: Python<'_>,
+        room: u64,
+        generation: u32,
+        prompt: Option<u64>,
+    ) -> PyResult<()> {
+        let handle = self.block(
+            py,
+            self.node
+                .open_sender(RoomId(room), generation, prompt.map(PromptDigest)),
+        )?;
         self.follow(room, handle);
         Ok(())
     }
@@ -865,6 +885,18 @@ fn enable_metrics(py: Python<'_>, addr: Option<&str>) -> PyResult<()> {
 }
 
 /// Every node's metrics in Prometheus' text format (after `enable_metrics`).
+/// The prompt digest of `tokens` (XXH3-64 of the ids as little-endian u32, see
+/// docs/PROTOCOL.md): what `open_sender`, `open_receiver` and `grant_pages` take as `prompt`.
+#[pyfunction]
+fn prompt_digest(tokens: Vec<i64>) -> PyResult<u64> {
+    let ids = tokens
+        .iter()
+        .map(|&t| u32::try_from(t))
+        .collect::<Result<Vec<u32>, _>>()
+        .map_err(|_| InvalidArgument::new_err("a token id is outside 0..2**32"))?;
+    Ok(PromptDigest::of_tokens(&ids).0)
+}
+
 #[pyfunction]
 fn metrics_text() -> PyResult<String> {
     let handle = METRICS
@@ -890,6 +922,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Node>()?;
     m.add_function(wrap_pyfunction!(enable_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
+    m.add_function(wrap_pyfunction!(prompt_digest, m)?)?;
     for (name, e) in [
         ("KvferryError", py.get_type_bound::<KvferryError>()),
         ("InvalidArgument", py.get_type_bound::<InvalidArgument>()),

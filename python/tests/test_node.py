@@ -35,8 +35,14 @@ def node(role, kv, aux, **config):
     return kvferry.Node(role, LAYOUT, spans, aux=(aux.ctypes.data, aux.nbytes), token=TOKEN, **config)
 
 
+def prompt_tokens(room):
+    """The token ids whose KV the test prefill holds for ``room``."""
+    return [room, 1000 + room, 7]
+
+
 def serve_prefill(addr_queue, stop, send):
-    """A prefill that opens every room a decode asks for and sends source pages 1, 2, 3."""
+    """A prefill that opens every room a decode asks for, bound to ``prompt_tokens(room)``,
+    and sends source pages 1, 2, 3."""
     kv, aux = pool(fill=True)
     n = node("prefill", kv, aux)
     addr_queue.put(n.listen("127.0.0.1:0")[0])
@@ -45,7 +51,7 @@ def serve_prefill(addr_queue, stop, send):
         if a is None:
             continue
         room, generation, _pages = a
-        n.open_sender(room, generation)
+        n.open_sender(room, generation, prompt=kvferry.prompt_digest(prompt_tokens(room)))
         if send.is_set():
             n.send_chunk(room, [1, 2, 3], last=True, aux_slot=2)
     n.shutdown()
@@ -243,3 +249,29 @@ def test_a_listener_that_never_answers_the_handshake_raises_handshake_timeout():
     assert time.time() - started < 5
     silent.close()
     d.shutdown()
+
+
+def test_a_room_asked_for_another_prompt_fails_prompt_mismatch_and_writes_nothing(prefill):
+    _proc, addr, _send = prefill
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux)
+    peer = d.connect([addr])
+    d.open_receiver(11, [peer], pages=[5, 6, 7], aux_slot=0,
+                    prompt=kvferry.prompt_digest(prompt_tokens(11)))
+    d.open_receiver(12, [peer], pages=[8, 9, 10], aux_slot=1,
+                    prompt=kvferry.prompt_digest(prompt_tokens(11)))
+    assert d.wait(11, 20.0) == KVPoll.Success
+    assert d.wait(12, 20.0) == KVPoll.Failed
+    err = d.failure(12)
+    assert isinstance(err, kvferry.ProtocolFailure) and err.args[0] == "prompt_mismatch", err
+    assert not kv[:, 8:11, :].any() and not aux[1].any()
+    d.shutdown()
+
+
+def test_the_prompt_digest_is_the_documented_one_and_refuses_ids_outside_u32():
+    assert kvferry.prompt_digest([]) == 0x2D06800538D394C2
+    assert kvferry.prompt_digest([1, 2, 3]) == 0x6BBF7429332BEA48
+    assert kvferry.prompt_digest(range(1000)) == 0x836BCD8C25B77AFD
+    for bad in ([-1], [2**32]):
+        with pytest.raises(kvferry.InvalidArgument):
+            kvferry.prompt_digest(bad)

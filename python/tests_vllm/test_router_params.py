@@ -136,3 +136,37 @@ def test_an_idle_prefill_refuses_a_room_whose_lease_ran_out_within_a_second():
     prefill, prompt, params = _idle_prefill_and_params(lease_s=1)
     time.sleep(1.5)  # the lease runs out while the engine does not step
     _refused_within_a_second(prefill, prompt, params)
+
+
+@pytest.mark.parametrize("length", [100, 60], ids=["same-length", "shorter"])
+def test_a_room_handed_to_another_prompt_is_refused_and_that_prompt_recomputed(length, caplog):
+    """A router hands prompt A's fresh params to a request for prompt B: B never loads A's
+    KV (refused as prompt_mismatch within a round trip), B's blocks hold B's own KV after
+    vLLM recomputes it, and the prefill frees A's blocks."""
+    from vllm.v1.request import RequestStatus
+
+    prefill = Prefill(free_port())
+    decode = Side("kv_consumer", free_port())
+    try:
+        a = prompt_of(5, 100)
+        prefill.prefill("a", a)
+        _, params = prefill.params()
+        b = prompt_of(6, length)
+        checked = None
+        start = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
+            decode.add("b", b, 3, dict(params))
+            while "b" not in decode.outputs:
+                assert time.monotonic() - start < 20, "the swapped request still waits"
+                decode.step()
+                req = decode.scheduler.requests.get("b")
+                if (checked is None and req is not None and req.status == RequestStatus.RUNNING
+                        and req.num_computed_tokens >= len(b)):
+                    checked = decode.check_blocks("b", b)
+                time.sleep(0.002)
+        assert "b" in decode.load_failures
+        assert "prompt_mismatch" in caplog.text, caplog.text
+        assert checked == -(-length // 32), "b's blocks were not checked against its own prompt"
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the prefill still holds the swapped room's blocks"

@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use kvferry_core::{
-    Chunk, Config, EndpointInfo, Grant, Incarnation, KvPoll, Layout, NodeId, Region, Role, RoomId,
+    Chunk, Config, EndpointInfo, Grant, Incarnation, KvPoll, Layout, NodeId, PromptDigest, Region,
+    Role, RoomId,
 };
 use kvferry_memory::MemoryMap;
 use kvferry_tokio::{KvNode, Node, NodeConfig};
@@ -54,20 +55,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     prefill.memory().write(k0, 3 * 4096, &[7; 2 * 4096])?;
 
     // Decode grants two free pages and an aux row; prefill sends its two pages, last chunk.
+    // Both name the prompt's tokens: a room handed to another prompt fails prompt_mismatch.
     let room = RoomId(42);
+    let prompt = Some(PromptDigest::of_tokens(&[101, 2023, 2003, 1037]));
     let grant = Grant {
-        extras: Vec::new(),
-        pages: vec![10, 11],
-        aux_slot: Some(0),
-        state_slot: None,
-        receivers: 1,
-        skip_pages: 0,
-        idle_sources: 0,
+        prompt,
+        ..Grant::new(vec![10, 11], Some(0), None)
     };
     let mut arriving = decode
         .open_receiver(room, 0, vec![peer], Some(grant))
         .await?;
-    let mut leaving = prefill.open_sender(room, 0).await?;
+    let mut leaving = prefill.open_sender(room, 0, prompt).await?;
     let chunk = Chunk {
         extras: Vec::new(),
         pages: vec![3, 4],

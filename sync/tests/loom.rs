@@ -145,9 +145,10 @@ fn decode_with_room() -> Decode {
         skip_pages: 0,
         idle_sources: 0,
         extras: Vec::new(),
+        prompt: None,
     };
     d.open_receiver(now, room, 0, &[sd], Some(grant)).unwrap();
-    p.open_sender(now, room, 0).unwrap();
+    p.open_sender(now, room, 0, None).unwrap();
     pump(&mut p, &mut d);
     let chunk = Chunk {
         pages: vec![3, 4],

@@ -310,6 +310,7 @@ pub(crate) async fn decode_room<N: KvNode>(
         receivers: 1,
         skip_pages: shape.prefix_pages,
         idle_sources: 0,
+        prompt: None,
     };
     // A persistent peer that is away is waited for by the core, up to its unreachable window.
     let mut handle = match node.open_receiver(room, 0, vec![peer], Some(grant)).await {

@@ -2,7 +2,8 @@
 
 use crate::{mix, Report, Shape};
 use kvferry_core::{
-    Chunk, Config, Counters, FailureReason, Generation, Grant, Incarnation, NodeId, Role, RoomId,
+    Chunk, Config, Counters, FailureReason, Generation, Grant, Incarnation, NodeId, PromptDigest,
+    Role, RoomId,
 };
 use kvferry_glommio::{GlommioNode, ShardConfig};
 use kvferry_memory::MemoryMap;
@@ -251,8 +252,9 @@ impl KvNode for AnyNode {
         &self,
         room: RoomId,
         generation: Generation,
+        prompt: Option<PromptDigest>,
     ) -> Result<RoomHandle, NodeError> {
-        both!(self, n => KvNode::open_sender(n, room, generation).await)
+        both!(self, n => KvNode::open_sender(n, room, generation, prompt).await)
     }
 
     async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {

@@ -260,6 +260,7 @@ pub async fn run_batch<P: KvNode, D: KvNode>(
             receivers: 1,
             skip_pages: 0,
             idle_sources: 0,
+            prompt: None,
         };
         let h = decode
             .open_receiver(batch.room(i), 0, vec![peer], Some(grant))
@@ -277,7 +278,7 @@ pub async fn run_batch<P: KvNode, D: KvNode>(
             &aux_row(room),
         );
         let h = prefill
-            .open_sender(room, 0)
+            .open_sender(room, 0, None)
             .await
             .map_err(|e| format!("prefill could not open {room}: {e}"))?;
         senders.push(h);

@@ -45,7 +45,7 @@ pub async fn serve_prefill<N: KvNode>(node: N, shape: Shape) {
             let slots = slots.clone();
             let freed = freed.clone();
             tokio::spawn(async move {
-                let handle = node.open_sender(room, generation).await;
+                let handle = node.open_sender(room, generation, None).await;
                 let Ok(mut handle) = handle else {
                     if let Ok(mut p) = pool.lock() {
                         p.give(&src);

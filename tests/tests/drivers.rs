@@ -69,7 +69,7 @@ async fn a_prefill_that_sends_less_than_its_grant_fails_the_room_on_both_sides(
         .open_receiver(room, 0, vec![peer], Some(grant))
         .await
         .unwrap();
-    let mut leaving = prefill.open_sender(room, 0).await.unwrap();
+    let mut leaving = prefill.open_sender(room, 0, None).await.unwrap();
     let chunk = Chunk {
         extras: Vec::new(),
         pages: (0..4).collect(),
@@ -287,6 +287,7 @@ async fn a_prefill_dropped_mid_transfer_fails_decode_rooms_with_a_reason(p: Runt
             receivers: 1,
             skip_pages: 0,
             idle_sources: 0,
+            prompt: None,
         };
         let room = RoomId(u64::from(r) + 1);
         handles.push(
@@ -453,6 +454,7 @@ async fn a_failing_session_is_blacklisted_then_recovered_by_a_probe(p: Runtime, 
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     let mut h = decode
         .open_receiver(RoomId(98), 0, vec![peer], Some(grant))
@@ -542,6 +544,7 @@ async fn a_room_asked_for(
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     let h = decode
         .open_receiver(room, 0, vec![peer], Some(grant))
@@ -554,7 +557,10 @@ async fn a_room_asked_for(
 async fn a_prefill_abort_reaches_decode_at_once(p: Runtime, d: Runtime) {
     let (prefill, _decode, mut h) = a_room_asked_for(p, d, (91, 92), RoomId(5)).await;
     let a = prefill.room_announcements().recv().await.unwrap();
-    prefill.open_sender(a.room, a.generation).await.unwrap();
+    prefill
+        .open_sender(a.room, a.generation, None)
+        .await
+        .unwrap();
     let t0 = Instant::now();
     prefill.abort(RoomId(5)).await.unwrap();
     assert_eq!(
@@ -583,7 +589,10 @@ async fn a_room_asked_for_before_the_prefill_subscribes_is_announced_when_it_doe
         .expect("the early request is announced")
         .unwrap();
     assert_eq!((a.room, a.pages), (RoomId(7), 2));
-    prefill.open_sender(a.room, a.generation).await.unwrap();
+    prefill
+        .open_sender(a.room, a.generation, None)
+        .await
+        .unwrap();
     let chunk = Chunk {
         extras: Vec::new(),
         pages: vec![3, 4],
@@ -832,6 +841,7 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     let mut handle = decode
         .open_receiver(room, 0, vec![peer], Some(grant))
@@ -842,7 +852,7 @@ async fn a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack(p: Runtime,
     // them, the room is still in flight when decode aborts.
     let a = announced.recv().await.unwrap();
     assert_eq!(a.room, room);
-    prefill.open_sender(room, 0).await.unwrap();
+    prefill.open_sender(room, 0, None).await.unwrap();
     let chunk = Chunk {
         extras: Vec::new(),
         pages,
@@ -927,6 +937,7 @@ async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runtime, d: Run
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     let mut h = decode
         .open_receiver(RoomId(1), 0, vec![peer], Some(grant))

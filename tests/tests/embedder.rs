@@ -80,7 +80,10 @@ fn a_glommio_embedder_moves_rooms_without_a_tokio_runtime() {
                                 }
                             }
                         }
-                        let handle = prefill.open_sender(a.room, a.generation).await.unwrap();
+                        let handle = prefill
+                            .open_sender(a.room, a.generation, None)
+                            .await
+                            .unwrap();
                         let chunk = Chunk {
                             extras: Vec::new(),
                             pages,
@@ -116,6 +119,7 @@ fn a_glommio_embedder_moves_rooms_without_a_tokio_runtime() {
                     receivers: 1,
                     skip_pages: 0,
                     idle_sources: 0,
+                    prompt: None,
                 };
                 let handle = decode
                     .open_receiver(room, 0, vec![peer], Some(grant))

@@ -185,13 +185,14 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
                 receivers: 1,
                 skip_pages: 0,
                 idle_sources: 0,
+                prompt: None,
             }),
         )
         .await
         .unwrap();
     for (node, _, ann) in ranks.iter_mut() {
         let a = ann.recv().await.unwrap();
-        node.open_sender(a.room, a.generation).await.unwrap();
+        node.open_sender(a.room, a.generation, None).await.unwrap();
     }
     // Rank 2 is slow: it sends after a while. Rank 0 never gets input. Rank 1 aborts.
     let slow = ranks[2].0.clone();
@@ -352,6 +353,7 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
                 receivers: 1,
                 skip_pages: 0,
                 idle_sources: 0,
+                prompt: None,
             }),
         )
         .await

@@ -392,7 +392,10 @@ async fn a_shutdown_whose_caller_stops_waiting_still_completes() {
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut room = 1;
         loop {
-            match prefill.open_sender(kvferry_core::RoomId(room), 0).await {
+            match prefill
+                .open_sender(kvferry_core::RoomId(room), 0, None)
+                .await
+            {
                 Err(NodeError::ShutDown) => break,
                 other => assert!(
                     Instant::now() < deadline,

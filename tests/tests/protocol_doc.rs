@@ -158,6 +158,7 @@ fn every_control_frame_has_the_size_and_field_offsets_the_protocol_doc_states() 
             aux_slot: Some(6),
             state_slot: None,
             extras: Vec::new(),
+            prompt: None,
         }),
         &[
             ("room", room.0),
@@ -325,6 +326,7 @@ fn the_variable_parts_of_a_room_request_grow_by_the_sizes_the_doc_states() {
                 .collect(),
             aux_slot: None,
             state_slot: None,
+            prompt: None,
             extras: pools
                 .iter()
                 .map(|&n| {
@@ -672,7 +674,10 @@ fn answers_about_a_concluded_room_are_the_ones_the_doc_states() {
         .open_receiver(now, room, 0, &[sd], Some(Grant::new(dst, Some(0), None)))
         .unwrap();
     sim.drain(d);
-    sim.nodes[p].endpoint.open_sender(now, room, 0).unwrap();
+    sim.nodes[p]
+        .endpoint
+        .open_sender(now, room, 0, None)
+        .unwrap();
     let src = sim.nodes[p].alloc(room, 0, 2).unwrap();
     let chunk = Chunk {
         extras: Vec::new(),
@@ -714,6 +719,7 @@ fn answers_about_a_concluded_room_are_the_ones_the_doc_states() {
         aux_slot: Some(1),
         state_slot: None,
         extras: Vec::new(),
+        prompt: None,
     });
     let status = |failure| Message::RoomStatus {
         room,
@@ -738,4 +744,38 @@ fn answers_about_a_concluded_room_are_the_ones_the_doc_states() {
         ask(&mut sim, other, request),
         [status(Some(FailureReason::RoomIdReused)), ack]
     );
+}
+
+#[test]
+fn the_prompt_digest_vectors_in_the_doc_are_what_the_core_computes() {
+    use kvferry_core::PromptDigest;
+    let hex = |tokens: &[u32]| format!("`{:#018x}`", PromptDigest::of_tokens(tokens).0);
+    let thousand: Vec<u32> = (0..1000).collect();
+    let at = DOC
+        .find("**Prompts.**")
+        .expect("PROTOCOL.md defines the prompt digest");
+    let text: String = DOC[at..]
+        .split("\n\n")
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    for vector in [
+        format!("no tokens {}", hex(&[])),
+        format!("`[1, 2, 3]` {}", hex(&[1, 2, 3])),
+        format!("`0, 1, ..., 999` {}", hex(&thousand)),
+    ] {
+        assert!(text.contains(&vector), "{vector} not in: {text}");
+    }
+    // The bytes the doc spells out are the ones hashed.
+    let bytes = "01 00 00 00 02 00 00 00 03 00 00 00";
+    assert!(text.contains(&format!("`{bytes}`")));
+    let spelled: Vec<u8> = bytes
+        .split(' ')
+        .map(|b| u8::from_str_radix(b, 16).unwrap())
+        .collect();
+    let mut h = kvferry_memory::Checksum::new();
+    h.update(&spelled);
+    assert_eq!(h.digest(), PromptDigest::of_tokens(&[1, 2, 3]).0);
 }

@@ -53,6 +53,7 @@ async fn a_room_deadline_fires_on_time_when_no_other_timer_would_wake_the_driver
                 receivers: 1,
                 skip_pages: 0,
                 idle_sources: 0,
+                prompt: None,
             };
             let opened = Instant::now();
             let mut room = decode

@@ -131,6 +131,11 @@ fn room_request(
     let skip_pages = r.u32()?;
     let aux_slot = r.opt_u32()?;
     let state_slot = r.opt_u32()?;
+    let prompt = match (r.u8()?, r.u64()?) {
+        (0, 0) => None,
+        (1, digest) => Some(PromptDigest(digest)),
+        _ => return Err(r.invalid("prompt")),
+    };
     let pages = r.runs()?;
     let pools = usize::from(r.u8()?);
     if pools > MAX_EXTRA_POOLS {
@@ -154,6 +159,7 @@ fn room_request(
         pages,
         aux_slot,
         state_slot,
+        prompt,
         extras,
     }))
 }

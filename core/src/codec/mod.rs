@@ -10,7 +10,7 @@ use core::fmt;
 use smallvec::SmallVec;
 
 use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
-use crate::ids::{Generation, Incarnation, NodeId, RoomId};
+use crate::ids::{Generation, Incarnation, NodeId, PromptDigest, RoomId};
 use crate::layout::{
     ExtraPool, Heads, Layout, PageRun, Region, MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS,
 };
@@ -20,7 +20,7 @@ use decode::decode_body;
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
 /// challenge and proofs; version 3 added the frame count to the heartbeat (an older peer is
 /// refused: [`ErrorCode::VersionMismatch`]).
-pub const PROTOCOL_VERSION: u8 = 6;
+pub const PROTOCOL_VERSION: u8 = 7;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
 
@@ -219,6 +219,8 @@ pub struct RoomRequest {
     pub aux_slot: Option<u32>,
     /// Destination state slot.
     pub state_slot: Option<u32>,
+    /// The tokens the decode wants the room's KV for; `None`: not checked.
+    pub prompt: Option<PromptDigest>,
     /// Destination items of each extra pool, in room order.
     pub extras: Vec<SmallVec<[PageRun; 4]>>,
 }
@@ -497,6 +499,8 @@ impl Message {
                 out.put_u32_le(r.skip_pages);
                 put_opt_u32(out, r.aux_slot);
                 put_opt_u32(out, r.state_slot);
+                out.put_u8(u8::from(r.prompt.is_some()));
+                out.put_u64_le(r.prompt.map_or(0, |p| p.0));
                 put_runs(out, &r.pages);
                 out.put_u8(r.extras.len() as u8);
                 for runs in &r.extras {

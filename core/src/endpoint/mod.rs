@@ -43,7 +43,8 @@ use crate::codec::{
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
 use crate::ids::{
-    DialId, DrainId, Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId,
+    DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId, TargetId,
+    TransferId,
 };
 use crate::layout::{page_runs, ExtraPool, LayoutMismatch, PageRun, PageSet, Region, Slice};
 use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLimits};
@@ -352,6 +353,8 @@ struct SenderRoom {
     drained_acked: bool,
     /// Whether the grants were checked against the chunks once the last one arrived.
     grant_checked: bool,
+    /// The tokens the embedder opened the room for; `None`: requests are not checked.
+    prompt: Option<PromptDigest>,
 }
 
 #[derive(Debug)]

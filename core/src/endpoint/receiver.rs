@@ -397,6 +397,7 @@ impl Endpoint {
             pages: runs,
             aux_slot: grant.aux_slot,
             state_slot: grant.state_slot,
+            prompt: grant.prompt,
             extras: grant.extras.iter().map(|x| page_runs(x)).collect(),
         };
         for (sid, idle) in targets {

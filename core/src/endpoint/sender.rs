@@ -3,13 +3,16 @@
 use super::*;
 
 impl Endpoint {
-    /// Prefill: opens a sender room. It is `Bootstrapping` until every decode rank that will
-    /// read it sent its request (requests that arrived earlier are applied now).
+    /// Prefill: opens a sender room for the KV of `prompt`'s tokens (a request naming other
+    /// tokens is refused with `prompt_mismatch`; `None` checks nothing). It is
+    /// `Bootstrapping` until every decode rank that will read it sent its request (requests
+    /// that arrived earlier are applied now).
     pub fn open_sender(
         &mut self,
         now: Instant,
         room: RoomId,
         generation: Generation,
+        prompt: Option<PromptDigest>,
     ) -> Result<(), ApiError> {
         let now = self.clock(now);
         if self.local.role != Role::Prefill {
@@ -36,7 +39,10 @@ impl Endpoint {
             }
             _ => None,
         };
-        let side = Side::Sender(SenderRoom::default());
+        let side = Side::Sender(SenderRoom {
+            prompt,
+            ..SenderRoom::default()
+        });
         if let Some(reason) = early {
             let mut record = Room::bootstrapping(generation, now, side);
             record.state = KvPoll::Failed(reason);
@@ -226,7 +232,7 @@ impl Endpoint {
         // not: a request that cannot be served is answered now, not when the room opens.
         if !self.servable(sid, &req) {
             warn!(%room, session = %sid, "room request outside the peer's registered memory, or for heads this rank does not hold");
-            self.refuse_unservable(now, sid, room, generation);
+            self.refuse_request(now, sid, room, generation, FailureReason::ProtocolError);
             return;
         }
         match self.rooms.get(&room) {
@@ -268,6 +274,13 @@ impl Endpoint {
         if s.receivers.iter().any(|x| x.session == sid) {
             self.counters.stale_messages += 1;
             return;
+        }
+        if let (Some(held), Some(asked)) = (s.prompt, req.prompt) {
+            if held != asked {
+                warn!(%room, generation, session = %sid, %held, %asked, "room requested for other tokens than it holds, refused");
+                self.refuse_request(now, sid, room, generation, FailureReason::PromptMismatch);
+                return;
+            }
         }
         let mut dst = Vec::with_capacity(req.pages.iter().map(|r| r.len as usize).sum());
         for run in &req.pages {
@@ -337,21 +350,24 @@ impl Endpoint {
         {
             return;
         }
-        self.refuse_unservable(now, sid, room, generation);
+        warn!(%room, generation, session = %sid, "room request that cannot be served, refused");
+        self.refuse_request(now, sid, room, generation, FailureReason::ProtocolError);
     }
 
-    /// Answers `protocol_error` to a request this rank cannot serve, and ends the room it
-    /// names (open or not) so that neither side waits for a deadline.
-    fn refuse_unservable(
+    /// Answers `reason` to a request this rank refuses (one it cannot serve, or one for other
+    /// tokens than the room holds), and ends the room it names (open or not) so that neither
+    /// side waits for a deadline.
+    fn refuse_request(
         &mut self,
         now: Instant,
         sid: SessionId,
         room: RoomId,
         generation: Generation,
+        reason: FailureReason,
     ) {
-        warn!(%room, generation, session = %sid, "room request that cannot be served, refused");
-        self.counters.protocol_errors += 1;
-        let reason = FailureReason::ProtocolError;
+        if reason == FailureReason::ProtocolError {
+            self.counters.protocol_errors += 1;
+        }
         match self
             .rooms
             .get(&room)

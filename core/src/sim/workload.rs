@@ -146,6 +146,7 @@ impl Sim {
                     skip_pages: 0,
                     idle_sources: 0,
                     extras: Vec::new(),
+                    prompt: None,
                 });
                 if grant.is_none() {
                     w.queued_for_pages += 1;
@@ -170,7 +171,11 @@ impl Sim {
                 }
                 self.drain(decode);
                 for (k, &p) in group.iter().enumerate() {
-                    if self.nodes[p].endpoint.open_sender(now, room, 0).is_ok() {
+                    if self.nodes[p]
+                        .endpoint
+                        .open_sender(now, room, 0, None)
+                        .is_ok()
+                    {
                         w.expected_releases += 1;
                     }
                     let src = self.nodes[p].alloc(room, 0, pages).unwrap_or_default();
@@ -204,6 +209,7 @@ impl Sim {
                                 skip_pages: 0,
                                 idle_sources: 0,
                                 extras: Vec::new(),
+                                prompt: None,
                             };
                             let _ = self.nodes[decode].endpoint.grant_pages(now, room, grant);
                         }

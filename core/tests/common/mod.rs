@@ -84,7 +84,7 @@ pub fn open_room_with(
     for &p in ps {
         sim.nodes[p]
             .endpoint
-            .open_sender(now, RoomId(room), 0)
+            .open_sender(now, RoomId(room), 0, None)
             .expect("open sender");
         sim.drain(p);
     }

@@ -99,6 +99,7 @@ pub fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
         receivers: 1,
         skip_pages: 0,
         idle_sources: 0,
+        prompt: None,
     };
     d.open_receiver(now, RoomId(1), 0, &[sd], Some(grant))
         .map_err(|e| invalid(e.to_string()))?;
