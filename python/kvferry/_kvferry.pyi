@@ -106,6 +106,9 @@ class Node:
         prompt: Optional[int] = None,
     ) -> None: ...
     def next_announcement(self, timeout: float = 0.0) -> Optional[Tuple[int, int, int]]: ...
+    def fail(self, room: int, reason: str) -> bool:
+        """Fails an open room with the reason named (e.g. "incompatible_peer"): its peers hear
+        an abort, and it is counted under that reason; False if it had already ended."""
     def open_sender(self, room: int, generation: int = 0, prompt: Optional[int] = None) -> None: ...
     def send_chunk(
         self,

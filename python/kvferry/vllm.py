@@ -264,9 +264,10 @@ class KvferryMetadata(KVConnectorMetadata):
     #: Decode requests that ended (abort, error) while their room was open.
     aborts: set[str] = field(default_factory=set)
     #: Decode: rooms of pulled prompts this decode will never load (request ended first,
-    #: block shape refused): each is opened without pages and aborted, so its prefill frees
-    #: the blocks at once instead of at the end of its lease.
-    releases: list[tuple[int, list[str]]] = field(default_factory=list)
+    #: block shape refused), with the reason: each is opened without pages and failed with
+    #: it (counted under it), so its prefill frees the blocks at once instead of at the end
+    #: of its lease.
+    releases: list[tuple[int, list[str], str]] = field(default_factory=list)
     #: Push-mode prefill requests scheduled this step.
     pushes: dict[str, _PushStep] = field(default_factory=dict)
     #: Push-mode prefill requests that ended without their prompt computed (abort).
@@ -380,7 +381,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 # The prefill holds the prompt's blocks for this room: let it go now (where
                 # the two nodes' layouts differ, kvferry's handshake refuses even that, and
                 # the prefill frees them at the end of its lease).
-                self._pending.releases.append((pulled.room, pulled.addrs))
+                self._pending.releases.append((pulled.room, pulled.addrs, "incompatible_peer"))
             pulled = None
         self._pending.recvs[request.request_id] = _Recv(
             room=pulled.room if pulled else 0,
@@ -447,7 +448,7 @@ class KvferryConnector(KVConnectorBase_V1):
             params[_DONE] = True
             pulled, _ = _pulled(params)
             if pulled is not None:
-                self._pending.releases.append((pulled.room, pulled.addrs))
+                self._pending.releases.append((pulled.room, pulled.addrs, "aborted_locally"))
             return False, None
         if not self._producer or not params or not params.get("do_remote_decode"):
             return False, None
@@ -833,8 +834,8 @@ class _Worker:
                     self._start_send(send.room, asked[0])
         for req_id, recv in meta.recvs.items():
             self._open_recv(req_id, recv)
-        for room, addrs in meta.releases:
-            self._submit(self._release_now, room, addrs)
+        for room, addrs, reason in meta.releases:
+            self._submit(self._release_now, room, addrs, reason)
         for req_id in meta.aborts:
             with self._lock:
                 recv = self._recvs.get(req_id)
@@ -867,6 +868,7 @@ class _Worker:
         self._openers.submit(work, *args).add_done_callback(reported)
 
     def _open_now(self, req_id: str, recv: _Recv) -> None:
+        peer = None
         try:
             peer = self._peer(recv.addrs)
             self.node.reach(peer)
@@ -875,6 +877,10 @@ class _Worker:
             # A load failure: vLLM recomputes the request instead of waiting for a room
             # that was never opened.
             logger.error("kvferry: request %s: room %d not opened: %s", req_id, recv.room, e)
+            if peer is not None and isinstance(e, (self._kvferry.PeerRefused, self._kvferry.PeerUnreachable)):
+                # The prefill refused us or stayed unreachable: the room fails here with that
+                # reason (and is counted under it) without waiting on the peer again.
+                self._fail_unopened(recv.room, peer, e.args[0])
             with self._lock:
                 recv.refused = str(e)
                 self._failed_now.add(req_id)
@@ -884,23 +890,34 @@ class _Worker:
             if req_id in self._aborting:
                 self._abort(recv.room)
 
-    def _release_now(self, room: int, addrs: list[str]) -> None:
-        """Asks for ``room`` without granting a page: the prefill takes that as "this decode
-        will not load it", fails the room and frees the blocks it held for it. Aborted here
-        if the prefill has not answered within 30 s."""
+    def _fail_unopened(self, room: int, peer: int, reason: str) -> bool:
+        """Opens ``room`` without granting a page and fails it with ``reason`` at once: the
+        failure is counted under its reason, and a prefill that hears it frees the blocks
+        it held for the room; it is forgotten once nothing of it can land. False if this
+        decode already has the room (it was counted when it ended)."""
         try:
-            peer = self._peer(addrs)
-            self.node.reach(peer)
             self.node.open_receiver(room, [peer])
-            if self.node.wait(room, 30.0) not in (self._kvferry.KVPoll.Success, self._kvferry.KVPoll.Failed):
-                self.node.abort(room)
-        except self._kvferry.KvferryError as e:
-            logger.warning("kvferry: room %d could not be released at its prefill: %s", room, e)
-            return
+        except self._kvferry.InvalidArgument as e:
+            logger.info("kvferry: room %d is already known here (%s): nothing to fail or release", room, e)
+            return False
+        self.node.fail(room, reason)
         deadline = time.monotonic() + 60
         while not self._released(room) and time.monotonic() < deadline and not self._stop.is_set():
             time.sleep(0.05)
         self._forget(room)
+        return True
+
+    def _release_now(self, room: int, addrs: list[str], reason: str) -> None:
+        """Tells the prefill of ``room`` that this decode will not load it (``reason``), so
+        that it frees the blocks it held for it."""
+        try:
+            peer = self._peer(addrs)
+            self.node.reach(peer)
+        except self._kvferry.KvferryError as e:
+            logger.warning("kvferry: the prefill of room %d cannot be told to free its blocks (%s): "
+                           "they are freed when its lease runs out", room, e)
+            return
+        self._fail_unopened(room, peer, reason)
 
     def _peer(self, addrs: list[str]) -> int:
         """The kvferry peer of a prefill, named once (the core keeps it connected)."""

@@ -755,6 +755,18 @@ impl Node {
         self.block(py, self.node.abort(RoomId(room)))
     }
 
+    /// Fails an open room with `reason` (a reason's name, e.g. "incompatible_peer") when the
+    /// embedder finds it cannot be served: its peers hear it as an abort, and it is counted
+    /// under that reason. False if the room had already ended.
+    fn fail(&self, room: u64, reason: &str) -> PyResult<bool> {
+        self.check_open()?;
+        let reason = FailureReason::ALL
+            .into_iter()
+            .find(|r| r.as_str() == reason)
+            .ok_or_else(|| InvalidArgument::new_err(format!("no failure reason named {reason:?}")))?;
+        Ok(self.node.fail_room(RoomId(room), reason))
+    }
+
     /// The room's state as SGLang's `KVPoll` integer (Failed=0, Bootstrapping=1,
     /// WaitingForInput=2, Transferring=3, Success=4). Never blocks.
     fn poll(&self, room: u64) -> PyResult<u8> {

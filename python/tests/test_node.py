@@ -275,3 +275,20 @@ def test_the_prompt_digest_is_the_documented_one_and_refuses_ids_outside_u32():
     for bad in ([-1], [2**32]):
         with pytest.raises(kvferry.InvalidArgument):
             kvferry.prompt_digest(bad)
+
+
+def test_a_room_the_embedder_fails_ends_with_that_reason_once(prefill):
+    """A room a decode cannot use (its parameters did not fit) is opened and failed with the
+    reason: its failure is that reason (the core counts it there, as every failure)."""
+    _proc, addr, _send = prefill
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux)
+    peer = d.connect([addr])
+    d.open_receiver(92, [peer])
+    assert d.fail(92, "incompatible_peer")
+    assert not d.fail(92, "incompatible_peer"), "a room fails once"
+    err = d.failure(92)
+    assert isinstance(err, kvferry.ProtocolFailure) and err.args[0] == "incompatible_peer", err
+    with pytest.raises(kvferry.InvalidArgument, match="no failure reason"):
+        d.fail(92, "bad_luck")
+    d.shutdown()
