@@ -134,6 +134,11 @@ def _pulled(params: Any) -> tuple[Optional[_Pulled], Optional[str]]:
     room, addrs = _room_id(params.get(_ROOM)), params.get(_ADDRS)
     if room is None:
         return None, f"{_ROOM}={params.get(_ROOM)!r} is not a room id (an integer in 1..2^64-1)"
+    if bool(room & PUSH_BIT) != bool(params.get(_PUSH)):
+        # A prefill's own ids never carry the push bit and a router's push ids always do: a
+        # pull for a push id would wait out the prefill's lease for a push that never comes.
+        kind = "push" if params.get(_PUSH) else "pull"
+        return None, f"{_ROOM}={room} is not a {kind} room id (bit 62 is set only in push rooms)"
     if (not isinstance(addrs, (list, tuple)) or not 0 < len(addrs) <= _MAX_ADDRS
             or not all(_socket_addr(a) for a in addrs)):
         return None, f"{_ROOM}={room}: {_ADDRS}={addrs!r} is not a list of 1..{_MAX_ADDRS} ip:port strings"
@@ -1085,6 +1090,8 @@ class _Worker:
             self._free_now.add(req_id)
             return
         self._sending[room] = req_id
+        if self.node.poll(room) == self._kvferry.KVPoll.Failed:
+            return  # refused as it opened (another prompt's request): freed once it is over
         try:
             if pages == 0:
                 logger.info("kvferry: the decode of request %s will not load room %d; its blocks are freed",

@@ -145,10 +145,11 @@ def prefill_params(base: str, prompt: str) -> dict:
         "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
 
 
-def swapped_pair() -> tuple[str, str]:
-    """Two different prompts of 100 words each."""
+def swapped_pair() -> tuple[str, str, str]:
+    """Two different prompts of 100 words each, and a third of 60 words."""
     return (" ".join(WORDS[(j * 3) % len(WORDS)] for j in range(100)),
-            " ".join(WORDS[(j * 5 + 1) % len(WORDS)] for j in range(100)))
+            " ".join(WORDS[(j * 5 + 1) % len(WORDS)] for j in range(100)),
+            " ".join(WORDS[(j * 5 + 2) % len(WORDS)] for j in range(60)))
 
 
 def prompts(n: int, base: int = 0) -> list[str]:
@@ -186,7 +187,8 @@ def main() -> int:
         ref_engine = Engine("reference", MODEL, work, free_port())
         engines.append(ref_engine)
         figures["engine_start_s"] = round(ref_engine.wait_ready(), 1)
-        reference = {p: completion(ref_engine.url, p) for p in ps + prompts(4, base=5) + list(swapped_pair())}
+        reference = {p: completion(ref_engine.url, p)
+                     for p in ps + prompts(4, base=5) + prompts(1, base=9) + list(swapped_pair())}
         assert len(set(reference.values())) > 1, "the tiny model answers every prompt alike"
         ref_engine.kill(signal.SIGTERM)
         engines.remove(ref_engine)
@@ -274,16 +276,41 @@ def main() -> int:
             assert got == reference[p], f"push, concurrent: {got!r} != {reference[p]!r}"
         assert "failed to load its KV" not in decode.text(), "a push room failed"
 
-        # The check can fail: two prompts of the same length computed by the prefill, each
-        # sent to the decode with the other's room, land the other's KV, and the answers
-        # differ from the reference's. A room id with a bit flipped names no room at all:
-        # the decode cannot load it, recomputes, and says why in its log.
-        a, b = swapped_pair()
-        pa, pb = (prefill_params(prefill.url, x) for x in (a, b))
+        # A router's mistakes, sent straight to the decode. Two prompts of the same length,
+        # each with the other's room, and one with a shorter prompt's room: the prefill
+        # refuses each (prompt_mismatch), the decode recomputes, and every answer is the
+        # reference's, never the other prompt's. A room id with a bit flipped names no room
+        # at all: the decode cannot load it, recomputes, and says why in its log.
+        a, b, short = swapped_pair()
+        pa, pb, pshort = (prefill_params(prefill.url, x) for x in (a, b, short))
+        t0 = time.monotonic()
         swapped = [completion(decode.url, a, {"kv_transfer_params": pb}),
-                   completion(decode.url, b, {"kv_transfer_params": pa})]
-        assert swapped != [reference[a], reference[b]], "swapped KV went unnoticed"
-        figures["swapped_rooms_caught"] = True
+                   completion(decode.url, b, {"kv_transfer_params": pa}),
+                   completion(decode.url, a, {"kv_transfer_params": pshort})]
+        figures["swapped_room_s"] = round((time.monotonic() - t0) / 3, 2)
+        assert swapped == [reference[a], reference[b], reference[a]], "a swapped room changed an answer"
+        assert "prompt_mismatch" in decode.text(), "the decode did not say why it recomputed"
+        figures["swapped_rooms_refused"] = True
+        # Garbage params: each request still answers as the reference, promptly, and the
+        # engine keeps serving.
+        p = prompts(1, base=9)[0]
+        good = prefill_params(prefill.url, p)
+        garbage = [{"do_remote_prefill": True, "kvferry_room": r, "kvferry_addrs": good["kvferry_addrs"],
+                    "kvferry_shape": good["kvferry_shape"]} for r in (-1, 0, "12", 1.5, [5], 2**64 - 1)]
+        garbage += [{"do_remote_prefill": True, "kvferry_room": good["kvferry_room"], "kvferry_addrs": addrs,
+                     "kvferry_shape": good["kvferry_shape"]}
+                    for addrs in (39600, [39600], [], ["localhost:1"], ["127.0.0.1:99999"], None)]
+        garbage += [{"do_remote_prefill": True, "kvferry_room": good["kvferry_room"],
+                     "kvferry_addrs": good["kvferry_addrs"], "kvferry_shape": s} for s in ("x", None, {"block_size": 7})]
+        slowest = 0.0
+        for params in garbage:
+            t0 = time.monotonic()
+            got = completion(decode.url, p, {"kv_transfer_params": params})
+            slowest = max(slowest, time.monotonic() - t0)
+            assert got == reference[p], f"garbage params {params!r}: {got!r} != {reference[p]!r}"
+        figures["garbage_params_requests"] = len(garbage)
+        figures["garbage_params_slowest_s"] = round(slowest, 2)
+        assert slowest < 15, f"a request with garbage params took {slowest:.1f} s"
         p = prompts(1, base=5)[0]
         wrong = dict(prefill_params(prefill.url, p))
         wrong["kvferry_room"] ^= 1

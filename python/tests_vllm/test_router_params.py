@@ -19,7 +19,7 @@ from kvferry.vllm import kv_shape
 #: Room and address values a router (or a bug in one) may send, none of which names a
 #: prefill room kvferry can load from (integers past vLLM's own bound on params, -2**63..2**64-1,
 #: never reach a connector).
-BAD_ROOMS = [-1, 0, -(2**63), "12", 1.5, True, None, [5], {"room": 5}]
+BAD_ROOMS = [-1, 0, -(2**63), "12", 1.5, True, None, [5], {"room": 5}, 2**64 - 1, (1 << 62) | 5]
 BAD_ADDRS = [39600, [39600], "127.0.0.1:39600", [], ["localhost:39600"], ["127.0.0.1:99999"],
              ["127.0.0.1"], [["127.0.0.1", 39600]], [None], ["127.0.0.1:39600"] * 65, None,
              {"a": "127.0.0.1:39600"}]
