@@ -58,6 +58,8 @@ pub struct Driver<H: Host> {
     shutdown_waiters: Vec<oneshot::Sender<()>>,
     armed: Option<Instant>,
     metrics_at: Instant,
+    /// Whether an input reached the core since the last export of its metrics.
+    metrics_dirty: bool,
     role: Role,
     data_connections: usize,
     announcements: Announcer,
@@ -95,6 +97,7 @@ impl<H: Host> Driver<H> {
             shutdown_waiters: Vec::new(),
             armed: None,
             metrics_at: now,
+            metrics_dirty: true,
             role,
             data_connections: data_connections.max(1),
             announcements,
@@ -178,22 +181,10 @@ impl<H: Host> Driver<H> {
         if self.endpoint.poll_timeout().is_some_and(|(t, _)| t <= now) {
             self.endpoint.handle_timeout(now);
             more |= self.drain_some();
+            self.metrics_dirty = true;
         }
-        if now.duration_since(self.metrics_at) >= METRICS_EVERY {
-            self.metrics_at = now;
-            export_metrics(&self.endpoint, self.role);
-            if let Some(s) = &self.staging {
-                crate::export_staging_metrics(s, self.role);
-            }
-            let role = crate::role_label(self.role);
-            for (sid, io) in &self.io {
-                if let Some(path) = io.path {
-                    metrics::gauge!("kvferry_session_path", "role" => role, "session" => sid.0.to_string(), "path" => path.as_str())
-                        .set(1.0);
-                }
-            }
-        }
-        let next = self.endpoint.poll_timeout().map(|(t, _)| t);
+        self.export_metrics_if_due(now);
+        let next = self.next_turn();
         self.armed = next;
         if more {
             return Some(now);
@@ -201,12 +192,47 @@ impl<H: Host> Driver<H> {
         next
     }
 
+    /// When the next turn is due: the core's timer, or the export of metrics that changed
+    /// since the last one (a node with no timer left still publishes its last change).
+    fn next_turn(&self) -> Option<Instant> {
+        let core = self.endpoint.poll_timeout().map(|(t, _)| t);
+        let metrics = self.metrics_dirty.then(|| self.metrics_at + METRICS_EVERY);
+        match (core, metrics) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Publishes the node's metrics if the last export is [`METRICS_EVERY`] old: from every
+    /// turn and every drain, so a change is published by the next input or timer, whichever
+    /// task handles it.
+    fn export_metrics_if_due(&mut self, now: Instant) {
+        if now.duration_since(self.metrics_at) < METRICS_EVERY {
+            return;
+        }
+        self.metrics_at = now;
+        self.metrics_dirty = false;
+        export_metrics(&self.endpoint, self.role);
+        if let Some(s) = &self.staging {
+            crate::export_staging_metrics(s, self.role);
+        }
+        let role = crate::role_label(self.role);
+        for (sid, io) in &self.io {
+            if let Some(path) = io.path {
+                metrics::gauge!("kvferry_session_path", "role" => role, "session" => sid.0.to_string(), "path" => path.as_str())
+                    .set(1.0);
+            }
+        }
+    }
+
     /// Drains the core's outputs in the documented order (transmits, actions, operations,
     /// events), at most [`TURN_BUDGET`] of them; asks the host for a turn when the budget ran
     /// out or the core's next deadline is earlier than the one the host's timer waits for.
     pub fn drain(&mut self) {
         let more = self.drain_some();
-        let next = self.endpoint.poll_timeout().map(|(t, _)| t);
+        self.metrics_dirty = true;
+        self.export_metrics_if_due(Instant::now());
+        let next = self.next_turn();
         let earlier = next.is_some_and(|t| self.armed.map_or(true, |a| t < a));
         if more || earlier {
             self.host.wake();

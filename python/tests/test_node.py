@@ -292,3 +292,25 @@ def test_a_room_the_embedder_fails_ends_with_that_reason_once(prefill):
     with pytest.raises(kvferry.InvalidArgument, match="no failure reason"):
         d.fail(92, "bad_luck")
     d.shutdown()
+
+
+def test_a_failure_is_published_in_the_metrics_even_when_the_node_goes_quiet(prefill):
+    """The node's last change reaches its metrics within their export interval (0.5 s) even
+    when nothing happens after it (its session to the prefill closed, no timer left)."""
+    import re
+
+    _proc, addr, _send = prefill
+    try:
+        kvferry.enable_metrics()
+    except kvferry.InvalidArgument:
+        pass  # another test of this process enabled them
+    kv, aux = pool(fill=False)
+    d = node("decode", kv, aux)
+    d.open_receiver(93, [d.connect([addr])])
+    assert d.fail(93, "incompatible_peer")
+    counted = re.compile(r'kvferry_rooms_failed_total\{(?=[^}]*reason="incompatible_peer")(?=[^}]*role="decode")[^}]*\} [1-9]')
+    deadline = time.monotonic() + 3
+    while not counted.search(kvferry.metrics_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counted.search(kvferry.metrics_text()), kvferry.metrics_text()
+    d.shutdown()
