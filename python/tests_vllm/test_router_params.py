@@ -170,3 +170,85 @@ def test_a_room_handed_to_another_prompt_is_refused_and_that_prompt_recomputed(l
     finally:
         decode.shutdown()
         assert prefill.stop(), "the prefill still holds the swapped room's blocks"
+
+
+def router_plan(params: dict[str, dict], shape: dict, rng: random.Random) -> dict[str, tuple[str, dict]]:
+    """What a router (or a bug in one) hands each decode request: its own params, another
+    request's (the two swapped, so no room is asked for twice), one field of its own
+    perturbed, or garbage; with the kind drawn."""
+    plan: dict[str, tuple[str, dict]] = {}
+    ids = list(params)
+    rng.shuffle(ids)
+    for req_id in ids:
+        if req_id in plan:
+            continue
+        own = params[req_id]
+        kind = rng.choice(["own", "own", "swapped", "room-bit", "other-port", "shape", "garbage"])
+        free = [o for o in ids if o not in plan and o != req_id]
+        if kind == "swapped" and free:
+            other = rng.choice(free)
+            plan[req_id] = ("swapped", dict(params[other]))
+            plan[other] = ("swapped", dict(own))
+            continue
+        p = dict(own)
+        if kind == "swapped":
+            kind = "own"
+        elif kind == "room-bit":
+            p["kvferry_room"] = own["kvferry_room"] ^ (1 << rng.randrange(64))
+        elif kind == "other-port":
+            host, _, _ = own["kvferry_addrs"][0].rpartition(":")
+            p["kvferry_addrs"] = [f"{host}:{free_port()}"]
+        elif kind == "shape":
+            p["kvferry_shape"] = dict(shape, num_layers=shape["num_layers"] + 1)
+        elif kind == "garbage":
+            p = bad_params(shape, rng)
+        plan[req_id] = (kind, p)
+    return plan
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_valid_perturbed_and_garbage_params_load_a_requests_own_kv_or_fail_the_load(seed):
+    """Twelve prompts computed by a prefill; each decode request gets what a router (or a
+    bug in one) might hand it. Every request ends within its deadline; one that loaded holds
+    exactly its own prompt's KV (every byte checked); the others failed the load and were
+    recomputed; the decode's blocks are all free at the end, and so are the prefill's once
+    the rooms no decode asked for outlive their lease."""
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(seed)
+    prefill = Prefill(free_port(), extra={"lease_s": 3})
+    decode = Side("kv_consumer", free_port(), extra={"unreachable_timeout_ms": 2000})
+    try:
+        shape = kv_shape(decode.config)
+        prompts = {f"q{i}": prompt_of(20 + i, 40 + 13 * i) for i in range(12)}
+        for req_id, prompt in prompts.items():
+            prefill.prefill(req_id, prompt)
+        params = dict(prefill.params() for _ in prompts)
+        plan = router_plan(params, shape, rng)
+        kinds = {r: kind for r, (kind, _) in plan.items()}
+        checked = {}
+        for req_id, prompt in prompts.items():
+            decode.add(req_id, prompt, 3, dict(plan[req_id][1]))
+        end = time.monotonic() + 30
+        while not prompts.keys() <= decode.outputs.keys():
+            assert time.monotonic() < end, f"still waiting: {prompts.keys() - decode.outputs.keys()} {kinds}"
+            decode.step()
+            for req_id, prompt in prompts.items():
+                req = decode.scheduler.requests.get(req_id)
+                if (req_id not in checked and req is not None and req.status == RequestStatus.RUNNING
+                        and req.num_computed_tokens >= len(prompt)):
+                    # Loaded or recomputed, the blocks hold this request's own prompt's KV.
+                    checked[req_id] = decode.check_blocks(req_id, prompt)
+            time.sleep(0.002)
+        assert checked.keys() == prompts.keys(), kinds
+        loaded = prompts.keys() - decode.load_failures
+        assert {kinds[r] for r in loaded} <= {"own"}, {r: kinds[r] for r in loaded}
+        assert all(kinds[r] != "own" for r in decode.load_failures), {r: kinds[r] for r in decode.load_failures}
+        deadline = time.monotonic() + 20
+        while not decode.idle() and time.monotonic() < deadline:
+            decode.step()
+        assert decode.idle(), "a request kept its blocks"
+    finally:
+        decode.shutdown()
+    time.sleep(4)  # the lease of rooms no decode asked for
+    assert prefill.stop(), "the prefill still holds blocks"
