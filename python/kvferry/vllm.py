@@ -162,6 +162,19 @@ def _prompt_of(request) -> Optional[int]:
         return None
 
 
+def _follow_vllm_logging() -> None:
+    """Writes kvferry's log lines where and as vLLM writes its own (vLLM configures only its
+    ``vllm`` logger, so an info line of another logger would never reach its log), unless the
+    embedder configured kvferry's logging itself."""
+    ours, theirs = logging.getLogger("kvferry"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+
+
 def _extra(vllm_config) -> dict:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
 
@@ -288,6 +301,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        _follow_vllm_logging()
         self._config = vllm_config
         self._extra = _extra(vllm_config)
         self._shape = kv_shape(vllm_config)

@@ -8,8 +8,7 @@
 # both servers logged their kvferry node, and that the decode's kvferry metrics (served at
 # KVFERRY_METRICS_ADDR) counted the rooms.
 #
-# Needs the venv of sglang-venv.sh (created if missing) plus a few runtime packages that
-# SGLang's server imports and that venv lacks (installed below, pinned).
+# Needs the venv of sglang-venv.sh (created if missing) with this wheel installed.
 #
 # CPU caveats, all SGLang's, none kvferry's:
 #  - SGLANG_USE_CPU_ENGINE=1 is what makes SGLang take its CPU paths; without it a CPU run
@@ -17,7 +16,8 @@
 #  - With it, SGLang imports a few CPU kernels from `sgl_kernel` unconditionally
 #    (kernels/ops/kvcache/cache_move.py, srt/mem_cache/allocation.py, kernels/ops/speculative/*),
 #    and sgl-kernel's CPU build is not published on PyPI (only CUDA wheels, no sdist). A
-#    pure-torch stand-in for the two ops a plain Llama uses goes on PYTHONPATH; it registers
+#    pure-torch stand-in for the two ops a plain Llama uses (python/scripts/sglang-cpu, shared
+#    with sglang-pd-serve.sh --cpu) goes on PYTHONPATH; it registers
 #    no torch.ops.sgl_kernel ops, so every layer takes its native torch path.
 #  - Decode: --disaggregation-decode-retraction-backup cpu_tensor, since the default
 #    host_pool pins host memory with cudaHostRegister.
@@ -38,7 +38,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=${KVFERRY_CACHE:-$HOME/.cache/kvferry}/sglang-0.5.23
-if [ -x "$venv/bin/python" ] && [ -f "$venv/.kvferry-complete-2" ]; then
+if [ -x "$venv/bin/python" ] && [ -f "$venv/.kvferry-complete-3" ]; then
     py=$venv/bin/python
 else
     py=$(bash "$here/sglang-venv.sh")
@@ -47,12 +47,6 @@ fi
     echo "kvferry is not installed in $venv (build it into that venv first)" >&2
     exit 2
 }
-if ! "$py" -c 'import uvloop, openai, partial_json_parser, setproctitle, einops, jsonschema, xgrammar, soundfile, python_multipart, sglang_router' 2>/dev/null; then
-    echo "installing SGLang's server-side runtime imports and sglang-router into $venv" >&2
-    "$venv/bin/pip" install -q uvloop==0.23.0 openai==2.8.0 partial-json-parser==0.2.1.1.post7 \
-        setproctitle==1.3.8 einops==0.8.2 jsonschema==4.26.0 xgrammar==0.2.7 soundfile==0.13.1 \
-        python-multipart==0.0.34 sglang-router==0.3.2 >&2
-fi
 
 start=$SECONDS
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvferry-sglang-pd.XXXXXX")
@@ -90,7 +84,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # ---- the tiny model, its tokenizer, and the sgl_kernel stand-in
-mkdir -p "$work/model" "$work/shim/sgl_kernel"
+mkdir -p "$work/model"
 cat >"$work/make_tiny.py" <<'EOF'
 import sys, torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -119,34 +113,6 @@ with torch.no_grad():
     for p in model.parameters():
         p.normal_(0, 0.5)  # large random weights: each token depends strongly on the KV
 model.to(torch.bfloat16).save_pretrained(out)
-EOF
-cat >"$work/shim/sgl_kernel/__init__.py" <<'EOF'
-"""Pure-torch stand-in for the sgl_kernel CPU ops SGLang imports under SGLANG_USE_CPU_ENGINE=1."""
-import ctypes
-
-
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
-                                 out_cache_loc, pool_len):
-    off = 0
-    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
-        req_to_token[r, s:e] = out_cache_loc[off:off + e - s].to(req_to_token.dtype)
-        off += e - s
-
-
-def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
-    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist()):
-        for t, s in zip(tgt_loc.tolist(), src_loc.tolist()):
-            ctypes.memmove(ptr + t * stride, ptr + s * stride, stride)
-
-
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-
-    def missing(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel stand-in: {name} is not implemented")
-
-    return missing
 EOF
 "$py" "$work/make_tiny.py" "$work/model" >"$work/make_tiny.log" 2>&1
 
@@ -271,7 +237,7 @@ export SGLANG_USE_CPU_ENGINE=1
 # A prefill request whose decode never reaches it (the probe after the restart) ends in 20 s
 # instead of SGLang's default 300.
 export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=20
-export PYTHONPATH="$work/shim${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$here/sglang-cpu${PYTHONPATH:+:$PYTHONPATH}"
 common=(--model-path "$work/model" --device cpu --host 127.0.0.1 --attention-backend torch_native
     --disable-cuda-graph --max-total-tokens 4096 --mem-fraction-static 0.05 --random-seed 0
     --log-level info)
@@ -389,5 +355,45 @@ args=("http://127.0.0.1:$port_prefill" "http://127.0.0.1:$port_decode" "$port_bo
 "$py" "$work/client.py" probe "${args[@]}" || status=1
 "$py" "$work/client.py" pd "${args[@]}" || status=1
 "$py" "$work/client.py" router "http://127.0.0.1:$port_router" "$work/reference.json" || status=1
+stop_servers
+
+# ---- the serve recipe, run as a user runs it. A model that does not load: the script ends
+# within seconds, naming the server and showing its log's end, instead of waiting.
+began=$SECONDS
+set +e
+PY=$py ROUTER_PORT=$port_router PREFILL_PORT=$port_prefill DECODE_PORT=$port_decode \
+    BOOTSTRAP_PORT=$port_bootstrap LOG_DIR="$work/serve-bad" \
+    timeout 180 bash "$here/sglang-pd-serve.sh" --cpu "$work/no-such-model" >"$work/serve-bad.out" 2>&1
+rc=$?
+set -e
+if [ "$rc" = 1 ] && grep -q "process exited; the end of" "$work/serve-bad.out"; then
+    echo "serve script: a server that died at start ended it in $((SECONDS - began)) s (exit 1)"
+else
+    echo "serve script: a server that died at start gave exit $rc after $((SECONDS - began)) s:" >&2
+    tail -n 20 "$work/serve-bad.out" >&2
+    status=1
+fi
+# The tiny model served by the script (any kvferry port): "serving" only once the router
+# answered, and its answers are the reference's.
+began=$SECONDS
+PY=$py ROUTER_PORT=$port_router PREFILL_PORT=$port_prefill DECODE_PORT=$port_decode \
+    BOOTSTRAP_PORT=$port_bootstrap LOG_DIR="$work/serve" KVFERRY_LISTEN_PORT="" \
+    setsid bash "$here/sglang-pd-serve.sh" --cpu "$work/model" --max-total-tokens 4096 \
+    --mem-fraction-static 0.05 --random-seed 0 >"$work/serve.out" 2>&1 &
+serve_pgid=$!
+pgids+=("$serve_pgid")
+until grep -q "^serving " "$work/serve.out"; do
+    if ! kill -0 "$serve_pgid" 2>/dev/null || ((SECONDS - began > 300)); then
+        echo "serve script did not serve:" >&2
+        tail -n 30 "$work/serve.out" >&2
+        status=1
+        break
+    fi
+    sleep 1
+done
+if grep -q "^serving " "$work/serve.out"; then
+    echo "serve script: serving after $((SECONDS - began)) s"
+    "$py" "$work/client.py" router "http://127.0.0.1:$port_router" "$work/reference.json" || status=1
+fi
 echo "sglang-pd-e2e: $([ "$status" = 0 ] && echo PASS || echo FAIL) in $((SECONDS - start)) s"
 exit "$status"

@@ -215,6 +215,9 @@ def main() -> int:
         engines += [prefill, decode]
         prefill.wait_ready()
         decode.wait_ready()
+        # The connector's start line reaches vLLM's log at vLLM's default level.
+        for engine, role in ((prefill, "prefill"), (decode, "decode")):
+            assert f"kvferry {role} node over vLLM's KV" in engine.text(), f"no kvferry start line in the {role}'s log"
         proxy_port = free_port()
         proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(proxy_port),
                                   "--host", "127.0.0.1", "--prefill", prefill.url,
