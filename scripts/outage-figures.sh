@@ -15,6 +15,8 @@
 # build on a busy machine passes, while a wait on TCP retransmission backoff, 1.5 s and more
 # after a 1.5 s outage, fails).
 set -euo pipefail
+# The nodes listen on a veth address, beyond loopback: they need a cluster token of their own.
+export KVFERRY_TOKEN=${KVFERRY_TOKEN:-netns-check}
 cd "$(dirname "$0")/.."
 BIN=${KVFERRY_BIN:-target/release/kvferry}
 OUTAGES=("$@")

@@ -20,6 +20,8 @@
 # the kvferry figure includes and the plain stream does not. DATA_CONNECTIONS (2, the decode's
 # default) sets the decode's data connections per session.
 set -euo pipefail
+# The nodes listen on a veth address, beyond loopback: they need a cluster token of their own.
+export KVFERRY_TOKEN=${KVFERRY_TOKEN:-netns-check}
 cd "$(dirname "$0")/.."
 BIN=${KVFERRY_BIN:-target/release/kvferry}
 NETEM=${NETEM-delay 5ms 2ms reorder 25%}

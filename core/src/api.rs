@@ -565,6 +565,12 @@ pub enum ApiError {
     SessionNotReady(SessionId),
     /// A transport payload longer than [`crate::codec::MAX_TRANSPORT_LEN`].
     TransportTooLong(usize),
+    /// A listener beyond loopback without a cluster token of the node's own
+    /// ([`crate::Endpoint::check_listen`]): anyone reaching the port could ask for rooms.
+    OpenListener {
+        /// What the token is: "no cluster token" or "the built-in demo token".
+        token: &'static str,
+    },
 }
 
 impl fmt::Display for ApiError {
@@ -590,6 +596,12 @@ impl fmt::Display for ApiError {
                 f,
                 "a transport payload of {n} bytes exceeds {} bytes",
                 crate::codec::MAX_TRANSPORT_LEN
+            ),
+            ApiError::OpenListener { token } => write!(
+                f,
+                "refusing to listen beyond loopback with {token}: anyone who reaches the port \
+                 could ask for rooms; set a cluster token shared by the nodes (KVFERRY_TOKEN, \
+                 --token, Python token=), listen on loopback, or set KVFERRY_ALLOW_NO_TOKEN=1"
             ),
             ApiError::PageOutOfRange { page, pages } => {
                 write!(f, "page {page} is outside the pool of {pages} pages")

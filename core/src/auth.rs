@@ -156,6 +156,9 @@ impl SessionKey {
     }
 }
 
+/// The CLI's default cluster token: everyone knows it, so it protects nothing beyond loopback.
+pub const DEMO_TOKEN: &[u8] = b"kvferry-demo";
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -92,6 +92,10 @@ pub struct Config {
     /// Both peers must agree (`KVFERRY_CHECKSUM`, 0 = off, 1 = on); needs `max_op_slices`
     /// <= 4096 and `max_frame_len` >= 81948.
     pub checksum: bool,
+    /// Listen beyond loopback with no cluster token, or with the CLI's built-in demo token
+    /// that everyone knows (`KVFERRY_ALLOW_NO_TOKEN`, 0 = refuse, 1 = allow): anyone who
+    /// reaches the port can then ask for rooms.
+    pub allow_no_token: bool,
 }
 
 impl Default for Config {
@@ -130,6 +134,7 @@ impl Default for Config {
             reconnect_max_interval: Duration::from_millis(500),
             unreachable_timeout: Duration::from_secs(10),
             checksum: false,
+            allow_no_token: false,
         }
     }
 }
@@ -267,6 +272,7 @@ const FIELDS: &[(&str, Field)] = &[
         Field::Millis(|c| &mut c.unreachable_timeout),
     ),
     ("CHECKSUM", Field::Flag(|c| &mut c.checksum)),
+    ("ALLOW_NO_TOKEN", Field::Flag(|c| &mut c.allow_no_token)),
 ];
 
 /// Prefix of every environment variable the core reads.

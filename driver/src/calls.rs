@@ -264,6 +264,16 @@ impl<C: ShardCalls> Embedder<C> {
             .await)
     }
 
+    /// Whether this node may listen on `addr` (the core's rule: beyond loopback only with a
+    /// cluster token of its own).
+    pub async fn check_listen(&self, addr: SocketAddr) -> Result<(), NodeError> {
+        let loopback = addr.ip().is_loopback();
+        api(self
+            .calls
+            .call(0, move |d| d.endpoint().check_listen(loopback))
+            .await)
+    }
+
     /// Prefill: opens a sender room for the KV of `prompt`'s tokens (`None`: unchecked).
     pub async fn open_sender(
         &self,

@@ -115,3 +115,57 @@ pub fn check_memory(
     }
     Ok(())
 }
+
+/// The `tracing` target of a node's start line, shown at `info` by the CLI's and Python's
+/// default filter (`warn,kvferry::start=info`).
+pub const START_TARGET: &str = "kvferry::start";
+
+/// Logs the one line that says what a node runs: role and rank, runtime, data plane, where
+/// its KV lives (and the staging pool device memory moves through), the checksum, TLS and
+/// what its cluster token is.
+pub fn log_start(runtime: &str, config: &NodeConfig, memory: &MemoryMap) {
+    let info = &config.info;
+    let plane = match &config.backend {
+        DataBackend::Tcp => format!("tcp x{}", config.data_connections),
+        DataBackend::Rdma { device, port } => {
+            format!(
+                "rdma {}:{port}",
+                device.as_deref().unwrap_or("first device")
+            )
+        }
+    };
+    let kv = match memory.device_regions().next() {
+        Some((_, kind)) => kind.to_string(),
+        None => "host".to_owned(),
+    };
+    let staging = memory.staging().map_or("none".to_owned(), |s| {
+        let c = s.config();
+        format!(
+            "{} x {} B ({})",
+            c.buffers,
+            c.buffer_bytes,
+            s.engine().name()
+        )
+    });
+    let token = if info.token.is_empty() {
+        "none (loopback listeners only)"
+    } else if info.token == kvferry_core::auth::DEMO_TOKEN {
+        "the demo token (loopback listeners only)"
+    } else {
+        "set"
+    };
+    tracing::info!(
+        target: START_TARGET,
+        role = ?info.role,
+        rank = info.rank,
+        node = %info.node,
+        runtime,
+        data_plane = %plane,
+        kv = %kv,
+        staging = %staging,
+        checksum = if config.core.checksum { "on" } else { "off" },
+        tls = if config.tls.is_some() { "on" } else { "off" },
+        token,
+        "kvferry node started"
+    );
+}

@@ -37,7 +37,9 @@ pub use accept::{accept, Accepted};
 pub use admission::{CoreCheck, EndpointAccess};
 pub use announce::{Announcement, Announcer};
 pub use calls::{Embedder, ShardCalls};
-pub use config::{check_memory, DataBackend, DataPath, NodeConfig, TCP_PATH};
+pub use config::{
+    check_memory, log_start, DataBackend, DataPath, NodeConfig, START_TARGET, TCP_PATH,
+};
 pub use error::{NodeError, Unsupported};
 pub use fault_switch::FaultSwitch;
 pub use faults::{FaultKind, FaultPlan};

@@ -212,7 +212,10 @@ impl<N: RuntimeNode> KvNode for N {
     }
 
     async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
-        RuntimeNode::listen(self, addr).await
+        self.embedder().check_listen(addr).await?;
+        let bound = RuntimeNode::listen(self, addr).await?;
+        tracing::info!(target: crate::START_TARGET, runtime = self.runtime(), addrs = ?bound, "kvferry node listening");
+        Ok(bound)
     }
 
     async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {

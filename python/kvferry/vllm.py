@@ -317,7 +317,9 @@ class KvferryConnector(KVConnectorBase_V1):
         port = int(self._extra.get("port", DEFAULT_PORT))
         host = str(self._extra.get("host") or _local_ip())
         self._advertised = [f"{host}:{port}"]
-        self._listen = f"{self._extra.get('listen_host', '0.0.0.0')}:{port}"
+        # The listener binds the address decode dials unless told otherwise: a wildcard
+        # listener needs a cluster token (KVFERRY_TOKEN), which kvferry enforces.
+        self._listen = f"{self._extra.get('listen_host', host)}:{port}"
         self._lease = float(self._extra.get("lease_s", DEFAULT_LEASE_S))
         # Room ids: a prefix drawn from this engine's id (a new one at every start, the
         # same in its scheduler and worker processes) above 32 random bits, so a restarted

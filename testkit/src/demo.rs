@@ -63,7 +63,7 @@ pub async fn run_demo(
     link: DemoLink,
 ) -> Result<Report, NodeError> {
     let DemoLink { backend, tls } = link;
-    let token = b"kvferry-demo".to_vec();
+    let token = kvferry_core::auth::DEMO_TOKEN.to_vec();
     let mut prefill_cfg = node_config(Role::Prefill, &shape, core.clone(), &token, 1);
     let mut decode_cfg = node_config(Role::Decode, &shape, core, &token, 2);
     prefill_cfg.backend = backend.clone();

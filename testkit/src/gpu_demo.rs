@@ -387,7 +387,7 @@ pub async fn gpu_overlap_demo(
     };
     let (prefill_addrs, decode_addrs) = (addresses(&prefill_staging), addresses(&decode_staging));
 
-    let token = b"kvferry-demo".to_vec();
+    let token = kvferry_core::auth::DEMO_TOKEN.to_vec();
     let start = |role: Role, seed: u64, map: Arc<MemoryMap>| {
         let mut cfg = node_config(role, &shape, core.clone(), &token, seed);
         cfg.backend = backend.clone();

@@ -660,7 +660,7 @@ pub async fn run_overlap_demo(
     backend: crate::DataBackend,
     compute: Duration,
 ) -> Result<OverlapReport, String> {
-    let token = b"kvferry-demo".to_vec();
+    let token = kvferry_core::auth::DEMO_TOKEN.to_vec();
     let shape = batch.shape_for_layout();
     let layout = shape.layout();
     let start = |role: Role, seed: u64| {

@@ -539,6 +539,22 @@ impl Endpoint {
         &self.local
     }
 
+    /// Whether this endpoint may accept connections on an address (`loopback` or not):
+    /// beyond loopback only with a cluster token of its own, unless `allow_no_token`.
+    pub fn check_listen(&self, loopback: bool) -> Result<(), ApiError> {
+        if loopback || self.config.allow_no_token {
+            return Ok(());
+        }
+        let token = if self.local.token.is_empty() {
+            "no cluster token"
+        } else if self.local.token == crate::auth::DEMO_TOKEN {
+            "the built-in demo token"
+        } else {
+            return Ok(());
+        };
+        Err(ApiError::OpenListener { token })
+    }
+
     /// The configuration in force.
     pub fn config(&self) -> &Config {
         &self.config
