@@ -131,7 +131,7 @@ fn a_fence_flushes_outstanding_writes_and_then_nothing_lands() {
     assert!(a.is_drained());
     assert!(done
         .iter()
-        .all(|(_, o)| matches!(o, TransferOutcome::Done | TransferOutcome::Transient)));
+        .all(|(_, o)| matches!(o, TransferOutcome::Done | TransferOutcome::Flushed)));
 }
 
 #[test]
