@@ -763,7 +763,9 @@ impl Node {
         let reason = FailureReason::ALL
             .into_iter()
             .find(|r| r.as_str() == reason)
-            .ok_or_else(|| InvalidArgument::new_err(format!("no failure reason named {reason:?}")))?;
+            .ok_or_else(|| {
+                InvalidArgument::new_err(format!("no failure reason named {reason:?}"))
+            })?;
         Ok(self.node.fail_room(RoomId(room), reason))
     }
 
