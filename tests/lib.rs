@@ -81,6 +81,15 @@ pub fn staged_core() -> Config {
     }
 }
 
+/// Both runtimes, glommio on one shard: the pair most driver-level tests run on.
+pub const RUNTIMES: [Runtime; 2] = [
+    Runtime::Tokio,
+    Runtime::Glommio {
+        shards: 1,
+        pin: false,
+    },
+];
+
 /// Starts a node of `role` with its own memory.
 pub fn start(role: Role, shape: &Shape, core: Config, seed: u64) -> Node {
     let mut cfg = node_config(role, shape, core, b"test-token", seed);

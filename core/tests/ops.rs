@@ -114,14 +114,7 @@ fn a_room_whose_last_operation_fails_fails_instead_of_succeeding() {
     let aux = ops.iter().find(|o| o.kind == OpKind::Aux).unwrap();
     t.p.handle_transfer_result(t.now, aux.id, TransferOutcome::Fatal);
     t.pump();
-    assert_eq!(
-        t.p.room_state(room),
-        Some(KvPoll::Failed(FailureReason::TransferFailed))
-    );
-    assert_eq!(
-        t.d.room_state(room),
-        Some(KvPoll::Failed(FailureReason::TransferFailed))
-    );
+    assert_failed_on_both_sides(&t, room, FailureReason::TransferFailed);
 }
 
 #[test]
@@ -205,14 +198,7 @@ fn a_write_its_path_flushes_again_and_again_fails_its_room_as_a_failed_transfer(
     }
     assert_eq!(runs, 16);
     t.pump();
-    assert_eq!(
-        t.p.room_state(room),
-        Some(KvPoll::Failed(FailureReason::TransferFailed))
-    );
-    assert_eq!(
-        t.d.room_state(room),
-        Some(KvPoll::Failed(FailureReason::TransferFailed))
-    );
+    assert_failed_on_both_sides(&t, room, FailureReason::TransferFailed);
 }
 
 #[test]
@@ -264,6 +250,11 @@ fn a_target_is_reconnected_with_exponential_backoff_until_removed() {
 }
 
 /// Opens room `room` on both sides with two granted pages and returns prefill's operations.
+fn assert_failed_on_both_sides(t: &Pair, room: RoomId, reason: FailureReason) {
+    assert_eq!(t.p.room_state(room), Some(KvPoll::Failed(reason)));
+    assert_eq!(t.d.room_state(room), Some(KvPoll::Failed(reason)));
+}
+
 fn open_room_and_plan(t: &mut Pair, room: RoomId) -> Vec<TransferOp> {
     let grant = Grant {
         extras: Vec::new(),

@@ -197,10 +197,7 @@ impl<H: Host> Driver<H> {
     fn next_turn(&self) -> Option<Instant> {
         let core = self.endpoint.poll_timeout().map(|(t, _)| t);
         let metrics = self.metrics_dirty.then(|| self.metrics_at + METRICS_EVERY);
-        match (core, metrics) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        core.into_iter().chain(metrics).min()
     }
 
     /// Publishes the node's metrics if the last export is [`METRICS_EVERY`] old: from every

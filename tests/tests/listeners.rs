@@ -9,16 +9,8 @@ use std::sync::Arc;
 use kvferry_core::{Config, Role};
 use kvferry_memory::MemoryMap;
 use kvferry_testkit::{node_config, AnyNode, Runtime};
-use kvferry_tests::{fast_core, small_shape};
+use kvferry_tests::{fast_core, small_shape, RUNTIMES};
 use kvferry_tokio::KvNode;
-
-const RUNTIMES: [Runtime; 2] = [
-    Runtime::Tokio,
-    Runtime::Glommio {
-        shards: 1,
-        pin: false,
-    },
-];
 
 fn node(rt: Runtime, token: &[u8], core: Config) -> AnyNode {
     let shape = small_shape();

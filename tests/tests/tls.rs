@@ -9,16 +9,7 @@ use kvferry_core::Role;
 use kvferry_memory::MemoryMap;
 use kvferry_tcp::TlsFiles;
 use kvferry_testkit::{node_config, run_decode, serve_prefill, testcert};
-use kvferry_tests::{fast_core, rooms, small_shape, AnyNode, KvNode, Runtime};
-
-/// Both runtimes: each carries TLS on every connection.
-const RUNTIMES: [Runtime; 2] = [
-    Runtime::Tokio,
-    Runtime::Glommio {
-        shards: 1,
-        pin: false,
-    },
-];
+use kvferry_tests::{fast_core, rooms, small_shape, AnyNode, KvNode, Runtime, RUNTIMES};
 
 fn node(runtime: Runtime, role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNode {
     let shape = small_shape();
