@@ -7,7 +7,7 @@ mod common;
 
 use common::{failed, run_ms, send_all, state};
 use kvferry_core::sim::Sim;
-use kvferry_core::{FailureReason as R, Grant, KvPoll, PromptDigest, RoomId};
+use kvferry_core::{ApiError, Chunk, FailureReason as R, Grant, KvPoll, PromptDigest, RoomId};
 
 const ROOM: u64 = 5;
 const PAGES: u32 = 4;
@@ -99,6 +99,41 @@ fn a_side_that_names_no_tokens_checks_nothing() {
         assert_eq!(decode, Some(KvPoll::Success), "{held:?} {asked:?}");
         assert_eq!(prefill, Some(KvPoll::Success), "{held:?} {asked:?}");
     }
+}
+
+#[test]
+fn a_chunk_for_a_room_refused_at_its_open_says_how_the_room_ended() {
+    let (mut sim, p, d) = common::pair(5102, common::config());
+    common::open_receiver_with(&mut sim, d, &[p], ROOM, PAGES, |dst| Grant {
+        prompt: digest(&[2]),
+        ..Grant::new(dst, Some(0), None)
+    });
+    run_ms(&mut sim, 5);
+    let now = sim.now;
+    let ep = &mut sim.nodes[p].endpoint;
+    ep.open_sender(now, RoomId(ROOM), 0, digest(&[1])).unwrap();
+    let chunk = Chunk {
+        extras: Vec::new(),
+        pages: vec![0],
+        last: true,
+        aux_slot: None,
+        state_slot: None,
+        layerwise: false,
+    };
+    assert_eq!(
+        ep.send_chunk(now, RoomId(ROOM), chunk),
+        Err(ApiError::RoomConcluded(
+            RoomId(ROOM),
+            KvPoll::Failed(R::PromptMismatch)
+        ))
+    );
+    assert_eq!(
+        ep.abort(now, RoomId(ROOM)),
+        Err(ApiError::RoomConcluded(
+            RoomId(ROOM),
+            KvPoll::Failed(R::PromptMismatch)
+        ))
+    );
 }
 
 #[test]

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use kvferry_core::layout::{MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS};
 use kvferry_core::{
-    Chunk, Config, EndpointInfo, ExtraPool, FailureReason, Grant, Heads, Incarnation, KvPoll,
-    Layout, NodeId, PromptDigest, Role, RoomId,
+    ApiError, Chunk, Config, EndpointInfo, ExtraPool, FailureReason, Grant, Heads, Incarnation,
+    KvPoll, Layout, NodeId, PromptDigest, Role, RoomId,
 };
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
 use kvferry_tokio::{Announcement, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
@@ -182,6 +182,7 @@ fn room_failure(reason: FailureReason) -> PyErr {
 fn node_error(e: NodeError) -> PyErr {
     let reason = e.failure_reason().map_or("", FailureReason::as_str);
     match e {
+        NodeError::Api(ApiError::RoomConcluded(_, KvPoll::Failed(reason))) => room_failure(reason),
         NodeError::Api(e) => InvalidArgument::new_err(e.to_string()),
         NodeError::ShutDown => NodeClosed::new_err(e.to_string()),
         NodeError::UnknownPeer(_) => InvalidArgument::new_err(e.to_string()),
@@ -712,7 +713,8 @@ impl Node {
     }
 
     /// Prefill: sends the next chunk of source `pages` of a room (`last` with its aux row,
-    /// state slot and `extras`: per extra pool, the source items in room order).
+    /// state slot and `extras`: per extra pool, the source items in room order). A room that
+    /// already failed (its decode refused or aborted it) raises its failure, a `RoomFailed`.
     #[pyo3(signature = (room, pages, last=true, aux_slot=None, state_slot=None, layerwise=false, extras=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn send_chunk(

@@ -53,7 +53,10 @@ def serve_prefill(addr_queue, stop, send):
         room, generation, _pages = a
         n.open_sender(room, generation, prompt=kvferry.prompt_digest(prompt_tokens(room)))
         if send.is_set():
-            n.send_chunk(room, [1, 2, 3], last=True, aux_slot=2)
+            try:
+                n.send_chunk(room, [1, 2, 3], last=True, aux_slot=2)
+            except kvferry.RoomFailed:
+                pass  # the decode refused or aborted it: nothing to send
     n.shutdown()
 
 
@@ -266,6 +269,26 @@ def test_a_room_asked_for_another_prompt_fails_prompt_mismatch_and_writes_nothin
     assert isinstance(err, kvferry.ProtocolFailure) and err.args[0] == "prompt_mismatch", err
     assert not kv[:, 8:11, :].any() and not aux[1].any()
     d.shutdown()
+
+
+def test_a_chunk_for_a_room_the_decode_refused_raises_its_failure():
+    """A decode asked for room 13 with other tokens before the prefill opened it: the open
+    succeeds, and the first chunk raises the room's failure, not a bare unknown-room error."""
+    kv, aux = pool(fill=True)
+    p = node("prefill", kv, aux)
+    addr = p.listen("127.0.0.1:0")[0]
+    dkv, daux = pool(fill=False)
+    d = node("decode", dkv, daux)
+    d.open_receiver(13, [d.connect([addr])], pages=[1], aux_slot=0,
+                    prompt=kvferry.prompt_digest([9, 9]))
+    assert p.next_announcement(timeout=10.0)[0] == 13
+    p.open_sender(13, 0, prompt=kvferry.prompt_digest(prompt_tokens(13)))
+    with pytest.raises(kvferry.ProtocolFailure) as err:
+        p.send_chunk(13, [1], last=True, aux_slot=0)
+    assert err.value.args[0] == "prompt_mismatch"
+    assert d.wait(13, 10.0) == KVPoll.Failed
+    d.shutdown()
+    p.shutdown()
 
 
 def test_the_prompt_digest_is_the_documented_one_and_refuses_ids_outside_u32():

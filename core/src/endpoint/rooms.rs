@@ -25,7 +25,7 @@ impl Endpoint {
     /// or was fenced; prefill stops issuing operations and tells its receivers.
     pub fn abort(&mut self, now: Instant, room: RoomId) -> Result<(), ApiError> {
         let now = self.clock(now);
-        let r = self.rooms.get(&room).ok_or(ApiError::UnknownRoom(room))?;
+        let r = self.rooms.get(&room).ok_or(self.not_open(room))?;
         if r.state.is_terminal() {
             return Err(ApiError::RoomConcluded(room, r.state));
         }
@@ -159,14 +159,21 @@ impl Endpoint {
         Ok(())
     }
 
+    /// The error for a call about a room not held here: one that concluded and was released
+    /// says how it ended, so an embedder racing the room's failure learns the reason.
+    pub(super) fn not_open(&self, room: RoomId) -> ApiError {
+        match self.tombstones.concluded(room) {
+            Some(state) => ApiError::RoomConcluded(room, state),
+            None => ApiError::UnknownRoom(room),
+        }
+    }
+
     pub(super) fn live_room(&mut self, room: RoomId, role: Role) -> Result<&mut Room, ApiError> {
         if self.local.role != role {
             return Err(ApiError::WrongRole { needs: role });
         }
-        let r = self
-            .rooms
-            .get_mut(&room)
-            .ok_or(ApiError::UnknownRoom(room))?;
+        let missing = self.not_open(room);
+        let r = self.rooms.get_mut(&room).ok_or(missing)?;
         if r.state.is_terminal() {
             return Err(ApiError::RoomConcluded(room, r.state));
         }

@@ -101,6 +101,12 @@ impl Tombstones {
         self.map.get(&room).map(|e| (e.generation, e.outcome))
     }
 
+    /// The outcome of a room that was opened here and concluded (a verdict reached before
+    /// the room was opened is not an outcome: the room may still be opened).
+    pub(super) fn concluded(&self, room: RoomId) -> Option<KvPoll> {
+        self.map.get(&room).filter(|e| e.opened).map(|e| e.outcome)
+    }
+
     /// Whether `who` took part in the remembered room (a tombstone nobody took part in, such
     /// as a prefill room that timed out unrequested, answers everyone: it can only say Failed).
     pub(super) fn took_part(&self, room: RoomId, who: Option<PeerIdentity>) -> bool {
