@@ -351,6 +351,12 @@ pub enum Event {
         /// The reason rooms toward it fail with.
         reason: crate::state::FailureReason,
     },
+    /// A kept peer no room used for `peer_idle_timeout` was let go: its target is removed
+    /// (not dialed again) and its session closed. An embedder's name for it is void.
+    TargetLetGo {
+        /// The target, unknown from now on.
+        target: crate::ids::TargetId,
+    },
     /// The peer's data-plane backend sent bytes for ours ([`crate::Endpoint::send_transport`]).
     TransportReceived {
         /// The session.

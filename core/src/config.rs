@@ -86,6 +86,10 @@ pub struct Config {
     /// Decode: rooms toward a target without a session fail with `PeerUnreachable` once the
     /// target has been down this long (`KVFERRY_UNREACHABLE_TIMEOUT_MS`, 10000).
     pub unreachable_timeout: Duration,
+    /// Decode: a kept peer (target) no room has used for this long is let go: no more
+    /// connection attempts, its session closed, its id unknown (`KVFERRY_PEER_IDLE_TIMEOUT_MS`,
+    /// 300000; 0 = keep for ever). A prefill scaled away is not dialed for ever.
+    pub peer_idle_timeout: Duration,
     /// End-to-end checksum of every write: the receiver verifies each batch's bytes against
     /// the sender's XXH3-64 before it acknowledges (over RDMA: each operation's landed bytes
     /// before the room succeeds), and a mismatch fails the room with `checksum_mismatch`.
@@ -133,6 +137,7 @@ impl Default for Config {
             reconnect_interval: Duration::from_millis(100),
             reconnect_max_interval: Duration::from_millis(500),
             unreachable_timeout: Duration::from_secs(10),
+            peer_idle_timeout: Duration::from_secs(300),
             checksum: false,
             allow_no_token: false,
         }
@@ -270,6 +275,10 @@ const FIELDS: &[(&str, Field)] = &[
     (
         "UNREACHABLE_TIMEOUT_MS",
         Field::Millis(|c| &mut c.unreachable_timeout),
+    ),
+    (
+        "PEER_IDLE_TIMEOUT_MS",
+        Field::Millis(|c| &mut c.peer_idle_timeout),
     ),
     ("CHECKSUM", Field::Flag(|c| &mut c.checksum)),
     ("ALLOW_NO_TOKEN", Field::Flag(|c| &mut c.allow_no_token)),

@@ -27,6 +27,8 @@ pub struct Counters {
     pub sessions_recovered: u64,
     /// Blacklisted sessions forgotten after their idle timeout.
     pub sessions_expired: u64,
+    /// Kept peers let go after `peer_idle_timeout` unused.
+    pub peers_let_go: u64,
     /// Silent sessions taken over by a fresh connection to the same peer process.
     pub sessions_resumed: u64,
     /// Sessions rejected at the handshake (token, version, role, layout).
@@ -70,6 +72,7 @@ impl Counters {
         self.sessions_blacklisted += other.sessions_blacklisted;
         self.sessions_recovered += other.sessions_recovered;
         self.sessions_expired += other.sessions_expired;
+        self.peers_let_go += other.peers_let_go;
         self.sessions_rejected += other.sessions_rejected;
         self.sessions_resumed += other.sessions_resumed;
         self.probes_sent += other.probes_sent;
@@ -111,6 +114,7 @@ impl Counters {
             ("sessions_blacklisted", self.sessions_blacklisted),
             ("sessions_recovered", self.sessions_recovered),
             ("sessions_expired", self.sessions_expired),
+            ("peers_let_go", self.peers_let_go),
             ("sessions_rejected", self.sessions_rejected),
             ("sessions_resumed", self.sessions_resumed),
             ("probes_sent", self.probes_sent),

@@ -34,6 +34,8 @@ pub enum Timer {
     Reconnect(crate::ids::TargetId),
     /// A target has been without a session for `unreachable_timeout`: rooms waiting for it fail.
     Unreachable(crate::ids::TargetId),
+    /// Time to look whether a target went unused for `peer_idle_timeout` (then it is let go).
+    TargetIdle(crate::ids::TargetId),
     /// A shutdown waited `shutdown_timeout` for its sessions to close: it is complete anyway.
     Shutdown,
     /// Time to replace a session's broken data connections.

@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use kvferry_core::{
     ApiError, Capacity, Chunk, Counters, FailureReason, Generation, Grant, Link, PromptDigest,
-    RoomId, SessionId,
+    RoomId, SessionId, TargetId,
 };
 use tokio::sync::oneshot;
 
@@ -36,9 +36,40 @@ pub trait ShardCalls: Send + Sync + 'static {
 #[derive(Debug)]
 pub struct Embedder<C> {
     calls: C,
-    /// Per peer, per shard of this node: the links to each of the peer's addresses (`None`
-    /// once the peer is disconnected; ids are not reused).
-    peers: Mutex<Vec<Option<Vec<Vec<Link>>>>>,
+    peers: Mutex<PeerTable>,
+}
+
+/// Per peer, per shard of this node: the links to each of the peer's addresses. A peer
+/// disconnected or let go leaves no entry; ids are not reused.
+#[derive(Debug, Default)]
+struct PeerTable {
+    next: u32,
+    links: std::collections::HashMap<u32, Vec<Vec<Link>>>,
+}
+
+impl PeerTable {
+    fn add(&mut self, per_shard: Vec<Vec<Link>>) -> PeerId {
+        let id = self.next;
+        self.next = self.next.wrapping_add(1);
+        self.links.insert(id, per_shard);
+        PeerId(id)
+    }
+
+    /// Forgets every peer with a link among `targets` of `shard` (the core let them go as
+    /// idle). Its other links stay with their cores until those let them go too: a room may
+    /// still be on one, and no new room can reach them.
+    fn forget(&mut self, shard: usize, targets: &[TargetId]) {
+        if targets.is_empty() {
+            return;
+        }
+        self.links.retain(|_, per_shard| {
+            !per_shard.get(shard).is_some_and(|links| {
+                links
+                    .iter()
+                    .any(|l| matches!(l, Link::Target(t) if targets.contains(t)))
+            })
+        });
+    }
 }
 
 fn api<T>(result: Result<Result<T, ApiError>, NodeError>) -> Result<T, NodeError> {
@@ -50,7 +81,7 @@ impl<C: ShardCalls> Embedder<C> {
     pub fn new(calls: C) -> Self {
         Embedder {
             calls,
-            peers: Mutex::new(Vec::new()),
+            peers: Mutex::new(PeerTable::default()),
         }
     }
 
@@ -91,10 +122,10 @@ impl<C: ShardCalls> Embedder<C> {
     /// with [`NodeError::Disconnected`], and its id is unknown from now on.
     pub async fn disconnect(&self, peer: PeerId) -> Result<(), NodeError> {
         let per_shard = {
-            let mut table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+            let mut table = self.table();
             table
-                .get_mut(peer.0 as usize)
-                .and_then(Option::take)
+                .links
+                .remove(&peer.0)
                 .ok_or(NodeError::UnknownPeer(peer))?
         };
         self.let_go(per_shard).await;
@@ -119,30 +150,45 @@ impl<C: ShardCalls> Embedder<C> {
 
     /// Names a peer by its links, per shard of this node.
     pub fn add_peer(&self, per_shard: Vec<Vec<Link>>) -> PeerId {
-        let mut table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        table.push(Some(per_shard));
-        PeerId(table.len() as u32 - 1)
+        self.table().add(per_shard)
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, PeerTable> {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn peer(&self, peer: PeerId) -> Result<Vec<Vec<Link>>, NodeError> {
-        let table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        table
-            .get(peer.0 as usize)
-            .and_then(Clone::clone)
+        self.table()
+            .links
+            .get(&peer.0)
+            .cloned()
             .ok_or(NodeError::UnknownPeer(peer))
+    }
+
+    /// Forgets the peers whose kept links any shard's core let go as idle.
+    async fn forget_let_go(&self) {
+        for shard in 0..self.calls.shards() {
+            if let Ok(targets) = self.calls.call(shard, |d| d.take_let_go()).await {
+                self.table().forget(shard, &targets);
+            }
+        }
+    }
+
+    /// Whether `peer` names a peer of this node: `false` once it was disconnected, or let
+    /// go after the core's `peer_idle_timeout` unused (connect again to use it).
+    pub async fn knows_peer(&self, peer: PeerId) -> bool {
+        self.forget_let_go().await;
+        self.table().links.contains_key(&peer.0)
     }
 
     /// The link to each of `peers` on the shard owning `room` (address `room mod n`).
     fn links_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<Link>, NodeError> {
         let shard = shard_of(room, self.calls.shards());
-        let table = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let table = self.table();
         peers
             .iter()
             .map(|p| {
-                let per_shard = table
-                    .get(p.0 as usize)
-                    .and_then(Option::as_ref)
-                    .ok_or(NodeError::UnknownPeer(*p))?;
+                let per_shard = table.links.get(&p.0).ok_or(NodeError::UnknownPeer(*p))?;
                 let links = per_shard.get(shard).ok_or(NodeError::UnknownPeer(*p))?;
                 if links.is_empty() {
                     return Err(NodeError::UnknownPeer(*p));
@@ -167,6 +213,7 @@ impl<C: ShardCalls> Embedder<C> {
     /// A peer this node keeps connected to on every shard (dialed again whenever lost). If a
     /// shard refuses (its shutdown began), the shards that took it let it go again.
     pub async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
+        self.forget_let_go().await;
         let mut per_shard = Vec::with_capacity(self.calls.shards());
         for shard in 0..self.calls.shards() {
             let addrs = addrs.clone();
@@ -200,6 +247,7 @@ impl<C: ShardCalls> Embedder<C> {
 
     /// Waits until every persistent link to `peer` reached its first verdict.
     pub async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
+        self.forget_let_go().await;
         for (shard, links) in self.peer(peer)?.into_iter().enumerate() {
             for link in links {
                 // A session the embedder opened was reached when it was opened.
@@ -218,6 +266,7 @@ impl<C: ShardCalls> Embedder<C> {
     /// or `None` while it has a session or may still come back; answers at once
     /// (`ShutDown` once this node's shutdown began: it keeps no peer any more).
     pub async fn unreachable(&self, peer: PeerId) -> Result<Option<FailureReason>, NodeError> {
+        self.forget_let_go().await;
         for (shard, links) in self.peer(peer)?.into_iter().enumerate() {
             for link in links {
                 let Link::Target(target) = link else { continue };
@@ -246,13 +295,25 @@ impl<C: ShardCalls> Embedder<C> {
         grant: Option<Grant>,
     ) -> Result<RoomHandle, NodeError> {
         let links = self.links_for(room, &peers)?;
-        api(self
+        let via = links.clone();
+        let (opened, let_go) = self
             .on_room(room, move |d| {
-                d.open_room(room, |e, now| {
-                    e.open_receiver_via(now, room, generation, &links, grant)
-                })
+                let opened = d.open_room(room, |e, now| {
+                    e.open_receiver_via(now, room, generation, &via, grant)
+                });
+                (opened, d.take_let_go())
             })
-            .await)
+            .await?;
+        self.table()
+            .forget(shard_of(room, self.calls.shards()), &let_go);
+        opened.map_err(|e| match e {
+            // Let go as idle between the lookup and the open: the peer is unknown now.
+            ApiError::UnknownTarget(t) => links
+                .iter()
+                .position(|l| *l == Link::Target(t))
+                .map_or(NodeError::from(e), |i| NodeError::UnknownPeer(peers[i])),
+            e => NodeError::from(e),
+        })
     }
 
     /// Decode: grants a room its pages.

@@ -30,7 +30,8 @@ pub enum NodeError {
     Rejected(kvferry_core::RejectReason),
     /// The node was shut down.
     ShutDown,
-    /// No peer has this id on this node (never had, or it was disconnected).
+    /// No peer has this id on this node (never had, it was disconnected, or the core let it
+    /// go after `peer_idle_timeout` unused: connect again).
     UnknownPeer(PeerId),
     /// The embedder disconnected the peer this call waited for ([`crate::KvNode::disconnect`]).
     Disconnected,

@@ -55,6 +55,8 @@ pub struct Driver<H: Host> {
     handshakes: Waits<SessionId>,
     /// Callers waiting for a target's first contact (refusals of any of its sessions).
     target_waits: Waits<TargetId>,
+    /// Targets the core let go as idle, not yet taken by the embedder's peer table.
+    let_go: Vec<TargetId>,
     shutdown_waiters: Vec<oneshot::Sender<()>>,
     armed: Option<Instant>,
     metrics_at: Instant,
@@ -94,6 +96,7 @@ impl<H: Host> Driver<H> {
             targets: Map::default(),
             handshakes: Waits::new(),
             target_waits: Waits::new(),
+            let_go: Vec::new(),
             shutdown_waiters: Vec::new(),
             armed: None,
             metrics_at: now,
@@ -371,6 +374,11 @@ impl<H: Host> Driver<H> {
             Event::TargetUnreachable { target, reason } => self
                 .target_waits
                 .fail(&target, || NodeError::Unreachable(reason)),
+            Event::TargetLetGo { target } => {
+                self.targets.remove(&target);
+                self.target_waits.fail(&target, || NodeError::Disconnected);
+                self.let_go.push(target);
+            }
             Event::ShutDown { .. } => {
                 for w in self.shutdown_waiters.drain(..) {
                     let _ = w.send(());
@@ -606,6 +614,12 @@ impl<H: Host> Driver<H> {
         self.targets.insert(target, addr);
         self.drain();
         Ok(target)
+    }
+
+    /// The targets the core let go as idle since the last call: the peers they belong to
+    /// are unknown from now on.
+    pub fn take_let_go(&mut self) -> Vec<TargetId> {
+        std::mem::take(&mut self.let_go)
     }
 
     /// Lets `links` go (the embedder disconnected their peer): a kept target is dialed no

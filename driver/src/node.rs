@@ -76,6 +76,10 @@ pub trait KvNode: Clone + Send + Sync + 'static {
     /// now on ([`NodeError::UnknownPeer`]).
     fn disconnect(&self, peer: PeerId) -> impl Future<Output = Result<(), NodeError>> + Send;
 
+    /// Whether `peer` still names a peer: `false` once disconnected, or let go after the
+    /// core's `peer_idle_timeout` unused (calls with it fail [`NodeError::UnknownPeer`]).
+    fn knows_peer(&self, peer: PeerId) -> impl Future<Output = bool> + Send;
+
     /// Decode: opens a room fed by `peers` (see [`kvferry_core::Endpoint::open_receiver`]).
     fn open_receiver(
         &self,
@@ -228,6 +232,10 @@ impl<N: RuntimeNode> KvNode for N {
 
     async fn disconnect(&self, peer: PeerId) -> Result<(), NodeError> {
         self.embedder().disconnect(peer).await
+    }
+
+    async fn knows_peer(&self, peer: PeerId) -> bool {
+        self.embedder().knows_peer(peer).await
     }
 
     async fn open_receiver(

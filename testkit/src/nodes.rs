@@ -234,6 +234,10 @@ impl KvNode for AnyNode {
         both!(self, n => KvNode::disconnect(n, peer).await)
     }
 
+    async fn knows_peer(&self, peer: PeerId) -> bool {
+        both!(self, n => KvNode::knows_peer(n, peer).await)
+    }
+
     async fn open_receiver(
         &self,
         room: RoomId,

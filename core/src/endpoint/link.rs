@@ -17,6 +17,14 @@ impl Endpoint {
             now + self.config.unreachable_timeout,
             Timer::Unreachable(id),
         );
+        let mut idle_timer = None;
+        if !self.config.peer_idle_timeout.is_zero() {
+            self.timers.set(
+                &mut idle_timer,
+                now + self.config.peer_idle_timeout,
+                Timer::TargetIdle(id),
+            );
+        }
         self.targets.insert(
             id,
             Target {
@@ -32,6 +40,8 @@ impl Endpoint {
                 given_up: None,
                 check: None,
                 evidence: None,
+                last_used: now,
+                idle_timer,
             },
         );
         self.dial(id);
@@ -45,6 +55,7 @@ impl Endpoint {
         if let Some(mut t) = self.targets.remove(&target) {
             self.timers.cancel(&mut t.timer);
             self.timers.cancel(&mut t.unreachable_timer);
+            self.timers.cancel(&mut t.idle_timer);
         }
     }
 
@@ -66,6 +77,39 @@ impl Endpoint {
         for room in waiting {
             self.fail_room(now, room, FailureReason::AbortedLocally);
         }
+    }
+
+    /// A target's idle timer fired: a target with no room (waiting for it, or on its session)
+    /// since `peer_idle_timeout` is let go ([`Event::TargetLetGo`]) like
+    /// [`Endpoint::disconnect_target`]; one still in use is looked at again later.
+    pub(super) fn on_target_idle(&mut self, now: Instant, target: TargetId) {
+        let idle = self.config.peer_idle_timeout;
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        // Rooms that ended elsewhere (aborted, timed out) leave no claim on the target.
+        let rooms = &self.rooms;
+        t.waiting.retain(|r| rooms.contains_key(r));
+        let sessions = &self.sessions;
+        let in_use = !t.waiting.is_empty()
+            || t.session
+                .into_iter()
+                .chain(t.check)
+                .any(|sid| sessions.get(&sid).is_some_and(|s| !s.rooms.is_empty()));
+        let due = if in_use {
+            now + idle
+        } else {
+            t.last_used + idle
+        };
+        if due > now {
+            self.timers
+                .set(&mut t.idle_timer, due, Timer::TargetIdle(target));
+            return;
+        }
+        info!(%target, session = ?t.session, idle_ms = idle.as_millis() as u64, "kept peer unused for the idle timeout, letting it go");
+        self.counters.peers_let_go += 1;
+        self.events.push_back(Event::TargetLetGo { target });
+        self.disconnect_target(now, target);
     }
 
     /// The embedder no longer needs `session` (it let the peer go, or a connect of several

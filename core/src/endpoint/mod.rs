@@ -166,6 +166,10 @@ struct Target {
     check: Option<SessionId>,
     /// What the attempts since the session went silent or down found.
     evidence: Option<LinkEvidence>,
+    /// When a room last opened toward it or left its session: `peer_idle_timeout` counts
+    /// from here.
+    last_used: Instant,
+    idle_timer: Option<TimerKey>,
 }
 
 /// Who a peer is across connections: its node name and process incarnation.

@@ -63,7 +63,15 @@ impl Endpoint {
         grant: Option<Grant>,
     ) -> Result<(), ApiError> {
         let now = self.clock(now);
-        if let Some(sessions) = self.resolve_links(links)? {
+        let resolved = self.resolve_links(links)?;
+        for link in links {
+            if let Link::Target(t) = link {
+                if let Some(target) = self.targets.get_mut(t) {
+                    target.last_used = now;
+                }
+            }
+        }
+        if let Some(sessions) = resolved {
             return self.open_receiver(now, room, generation, &sessions, grant);
         }
         self.check_open(Role::Decode, room, generation)?;

@@ -326,7 +326,6 @@ impl Endpoint {
         if !ready {
             return;
         }
-        let _ = now;
         let Some(mut r) = self.rooms.remove(&room) else {
             return;
         };
@@ -353,6 +352,9 @@ impl Endpoint {
         for sid in sessions {
             if let Some(s) = self.sessions.get_mut(&sid) {
                 s.rooms.remove(&room);
+                if let Some(t) = s.target.and_then(|t| self.targets.get_mut(&t)) {
+                    t.last_used = now;
+                }
             }
         }
         self.tombstones.insert(room, generation, r.state, peers);

@@ -221,6 +221,14 @@ impl Endpoint {
                     self.finish_shutdown();
                 }
             }
+            Timer::TargetIdle(target) => {
+                let Some(t) = self.targets.get_mut(&target) else {
+                    return;
+                };
+                if fired(&mut t.idle_timer, key) {
+                    self.on_target_idle(now, target);
+                }
+            }
             Timer::Unreachable(target) => {
                 let Some(t) = self.targets.get_mut(&target) else {
                     return;
