@@ -633,6 +633,7 @@ class _Worker:
 
     def __init__(self, connector: KvferryConnector, kv_caches: dict):
         import kvferry
+        from kvferry._peers import KeptPeers
 
         self._kvferry = kvferry
         spans, planes, page_bytes, pages = kv_regions(kv_caches, connector.num_blocks())
@@ -666,7 +667,7 @@ class _Worker:
             name: index.setdefault(t.data_ptr(), len(index)) for name, t in kv_caches.items()
         }
         self._lock = threading.Lock()
-        self._peers: dict[tuple, int] = {}
+        self._peers = KeptPeers(self.node)
         # Prefill, push mode: per room, what is computed and what went to the decode.
         self._pushes: dict[int, _Pushed] = {}
         self._step_rooms: Optional[list[int]] = None
@@ -918,6 +919,9 @@ class _Worker:
         decode already has the room (it was counted when it ended)."""
         try:
             self.node.open_receiver(room, [peer])
+        except self._kvferry.UnknownPeer as e:
+            logger.info("kvferry: room %d: its prefill was let go meanwhile (%s): nothing to release", room, e)
+            return False
         except self._kvferry.InvalidArgument as e:
             logger.info("kvferry: room %d is already known here (%s): nothing to fail or release", room, e)
             return False
@@ -941,13 +945,9 @@ class _Worker:
         self._fail_unopened(room, peer, reason)
 
     def _peer(self, addrs: list[str]) -> int:
-        """The kvferry peer of a prefill, named once (the core keeps it connected)."""
-        key = tuple(addrs)
-        with self._lock:
-            peer = self._peers.get(key)
-            if peer is None:
-                peer = self._peers[key] = self.node.connect_persistent(list(addrs), reach=False)
-        return peer
+        """The kvferry peer of a prefill, named once (the core keeps it connected, and lets
+        it go after ``KVFERRY_PEER_IDLE_TIMEOUT_MS`` unused)."""
+        return self._peers.get(addrs, reach=False)
 
     def progress(self) -> tuple[set[str], set[str], set[str]]:
         """Requests whose blocks are free to reuse (prefill), loaded or failed (decode)."""

@@ -39,6 +39,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     _kvferry,
+    UnknownPeer,
+    InvalidArgument,
+    "A peer id this node does not know: never connected, disconnected, or let go after `peer_idle_timeout` unused (connect to its addresses again)."
+);
+pyo3::create_exception!(
+    _kvferry,
     UnsupportedMemory,
     KvferryError,
     "Registered memory this node cannot reach (GPU memory in a build without a copy engine for it); names the region."
@@ -182,10 +188,9 @@ fn room_failure(reason: FailureReason) -> PyErr {
 fn node_error(e: NodeError) -> PyErr {
     let reason = e.failure_reason().map_or("", FailureReason::as_str);
     match e {
-        NodeError::Api(ApiError::RoomConcluded(_, KvPoll::Failed(reason))) => room_failure(reason),
         NodeError::Api(e) => InvalidArgument::new_err(e.to_string()),
         NodeError::ShutDown => NodeClosed::new_err(e.to_string()),
-        NodeError::UnknownPeer(_) => InvalidArgument::new_err(e.to_string()),
+        NodeError::UnknownPeer(_) => UnknownPeer::new_err(e.to_string()),
         NodeError::Disconnected => ConnectError::new_err(e.to_string()),
         NodeError::UnreachableMemory { .. } => UnsupportedMemory::new_err(e.to_string()),
         NodeError::Unsupported(_) => InvalidArgument::new_err(e.to_string()),
@@ -588,6 +593,13 @@ impl Node {
         self.block(py, async move { node.disconnect(PeerId(peer)).await })
     }
 
+    /// Whether `peer` still names a peer of this node: False once it was disconnected, or let
+    /// go after `peer_idle_timeout` unused (calls with it raise `UnknownPeer`).
+    fn knows_peer(&self, py: Python<'_>, peer: u32) -> PyResult<bool> {
+        let node = self.node.clone();
+        self.block(py, async move { Ok(node.knows_peer(PeerId(peer)).await) })
+    }
+
     /// Waits until a persistent peer has had its first contact: at once if it had, an
     /// error if it refused us or stayed unreachable for the `unreachable_timeout`.
     fn reach(&self, py: Python<'_>, peer: u32) -> PyResult<()> {
@@ -736,7 +748,18 @@ impl Node {
             layerwise,
             extras,
         };
-        self.block(py, self.node.send_chunk(RoomId(room), chunk))
+        self.check_open()?;
+        py.allow_threads(|| {
+            self.runtime
+                .block_on(self.node.send_chunk(RoomId(room), chunk))
+        })
+        .map_err(|e| match e {
+            // Its decode refused or aborted it: the prefill learns why, as a room failure.
+            NodeError::Api(ApiError::RoomConcluded(_, KvPoll::Failed(reason))) => {
+                room_failure(reason)
+            }
+            e => node_error(e),
+        })
     }
 
     /// Prefill: layer `layer` of `rooms` finished its forward pass (layerwise chunks).
@@ -814,16 +837,14 @@ impl Node {
         lock(&self.rooms).remove(&room);
     }
 
-    /// The core's counters, summed over the node.
+    /// Every scalar counter of the core by name (`rooms_succeeded`, `peers_let_go`, ...: the
+    /// metrics' names without `kvferry_` and `_total`), summed over the node.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.block(py, async { Ok(self.node.counters().await) })?;
         let d = PyDict::new_bound(py);
-        d.set_item("rooms_succeeded", c.rooms_succeeded)?;
-        d.set_item("retries", c.retries)?;
-        d.set_item("bytes_transferred", c.bytes_transferred)?;
-        d.set_item("writes_refused", c.writes_refused)?;
-        d.set_item("protocol_errors", c.protocol_errors)?;
-        d.set_item("sessions_blacklisted", c.sessions_blacklisted)?;
+        for (name, value) in c.iter() {
+            d.set_item(name, value)?;
+        }
         Ok(d)
     }
 
@@ -943,6 +964,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     for (name, e) in [
         ("KvferryError", py.get_type_bound::<KvferryError>()),
         ("InvalidArgument", py.get_type_bound::<InvalidArgument>()),
+        ("UnknownPeer", py.get_type_bound::<UnknownPeer>()),
         ("NodeClosed", py.get_type_bound::<NodeClosed>()),
         (
             "UnsupportedMemory",

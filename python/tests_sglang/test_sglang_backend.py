@@ -366,15 +366,29 @@ def test_a_prefill_restarted_at_a_fixed_listen_port_serves_the_very_next_room(de
     proc, port, commands, results = next(first)
     rank = decode(port)
     a_room_succeeds(rank, port, commands, results, 801, [1], [1], [2], 0)
-    (kvferry_addr,) = rank.manager._peers  # the prefill rank's kvferry listener
+    ((kvferry_addr,),) = rank.manager._peers.named()  # the prefill rank's kvferry listener
     assert kvferry_addr.endswith(f":{env['KVFERRY_LISTEN_PORT']}")
     proc.kill()  # idle: decode notices only through its kvferry session
     proc.join(timeout=DEADLINE_S)
     restarted = _prefill(env, port)
     _proc, _port, commands, results = next(restarted)
     a_room_succeeds(rank, port, commands, results, 802, [4, 5], [1, 1], [6, 7], 1)
-    assert list(rank.manager._peers) == [kvferry_addr], "the same kvferry peer, reconnected"
+    assert rank.manager._peers.named() == [(kvferry_addr,)], "the same kvferry peer, reconnected"
     next(restarted, None)
+
+
+@pytest.mark.parametrize("decode", [{"KVFERRY_PEER_IDLE_TIMEOUT_MS": "300"}], indirect=True)
+def test_a_prefill_left_idle_is_let_go_and_named_again_for_its_next_room(prefill, decode):
+    """A prefill no room used for KVFERRY_PEER_IDLE_TIMEOUT_MS is let go (no session kept,
+    nothing dialed); the next room routed to it names it again and succeeds."""
+    _proc, port, commands, results = prefill
+    rank = decode(port)
+    a_room_succeeds(rank, port, commands, results, 821, [1], [1], [2], 0)
+    (first,) = rank.manager._peers.named()
+    time.sleep(1.0)
+    assert rank.manager.node.counters()["peers_let_go"] == 1
+    a_room_succeeds(rank, port, commands, results, 822, [3, 4], [2], [5, 6], 1)
+    assert rank.manager._peers.named() == [first], "named again, the name let go dropped"
 
 
 @pytest.mark.parametrize("decode", [{"KVFERRY_UNREACHABLE_TIMEOUT_MS": "1000"}], indirect=True)
@@ -387,14 +401,15 @@ def test_a_prefill_restarted_on_a_new_port_serves_the_very_next_room(decode):
     proc, port, commands, results = next(first)
     rank = decode(port)
     a_room_succeeds(rank, port, commands, results, 811, [1], [1], [2], 0)
-    (old,) = rank.manager._peers
+    (old,) = rank.manager._peers.named()
     proc.kill()  # idle: decode notices only through its kvferry session
     proc.join(timeout=DEADLINE_S)
     restarted = _prefill({}, port)
     _proc, _port, commands, results = next(restarted)
     time.sleep(1.5)  # the old address has now been down past the decode's 1 s window
     a_room_succeeds(rank, port, commands, results, 812, [4, 5], [1, 1], [6, 7], 1)
-    assert old in rank.manager._peers and len(rank.manager._peers) == 2, rank.manager._peers
+    named = rank.manager._peers.named()
+    assert old in named and len(named) == 2, named
     next(restarted, None)
 
 

@@ -438,3 +438,25 @@ def test_a_decode_request_aborted_before_it_was_scheduled_releases_the_prefills_
     finally:
         decode.shutdown()
         prefill.stop()
+
+
+def test_a_prefill_left_idle_is_let_go_and_named_again_for_its_next_request(ports):
+    """A producer no request used for ``peer_idle_timeout_ms`` is let go by the consumer (no
+    session kept, nothing dialed); the next request routed to it names it again and loads."""
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1], extra={"peer_idle_timeout_ms": 300})
+    node = decode.worker._worker.node
+    try:
+        for i, wait in enumerate([1.0, 0.0]):
+            prompt = prompt_of(i, 40)
+            prefill.prefill(f"r{i}", prompt)
+            rid, params = prefill.params()
+            assert run_decode(decode, {rid: (prompt, params)}) == {rid: 2}
+            time.sleep(wait)
+            if wait:
+                assert node.counters()["peers_let_go"] == 1
+        assert not decode.load_failures
+        assert len(decode.worker._worker._peers) == 1, "the name let go was dropped"
+    finally:
+        decode.shutdown()
+        prefill.stop()

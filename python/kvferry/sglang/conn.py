@@ -58,6 +58,7 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 import kvferry
+from kvferry._peers import KeptPeers
 from kvferry.sglang.devices import kv_device_of
 
 logger = logging.getLogger(__name__)
@@ -338,8 +339,7 @@ class KvferryKVManager(CommonKVManager):
             raise UnsupportedLayout(str(e)) from None
         slots, row = self._layout["slots"], self._layout["aux_bytes"]
         self._aux_rows = np.zeros((max(slots, 1), max(row, 1)), dtype=np.uint8)
-        self._peers: Dict[str, int] = {}
-        self._peers_lock = threading.Lock()
+        self._peers: Optional[KeptPeers] = None
         self.prefix_seen = False
         # Rooms SGLang cleared while kvferry still quarantines their pages: followed until
         # is_abort_release_safe sees them releasable.
@@ -364,6 +364,7 @@ class KvferryKVManager(CommonKVManager):
             )
         if disaggregation_mode == DisaggregationMode.DECODE:
             self.node = self._start_node("decode")
+            self._peers = KeptPeers(self.node)
             # SGLang's ZMQ rank socket carries nothing here; an open one would also block
             # the interpreter's exit in zmq's context teardown.
             self.server_socket.close(linger=0)
@@ -430,13 +431,8 @@ class KvferryKVManager(CommonKVManager):
 
     def peer(self, rank_ip: str, rank_port: int) -> int:
         """The kvferry peer of a prefill rank, connected once and kept by kvferry's core."""
-        addr = f"{rank_ip}:{rank_port}"
-        with self._peers_lock:
-            peer = self._peers.get(addr)
-            if peer is None:
-                peer = self.node.connect_persistent([addr])
-                self._peers[addr] = peer
-            return peer
+        assert self._peers is not None, "only a decode names prefill peers"
+        return self._peers.get([f"{rank_ip}:{rank_port}"])
 
     def copy_aux(self, slot: int, into_rows: bool) -> None:
         """Moves aux slot ``slot`` between SGLang's aux buffers and kvferry's staging row."""
