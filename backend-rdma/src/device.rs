@@ -3,9 +3,17 @@
 
 use std::ffi::CStr;
 
+use crate::ffi::{
+    ibv_alloc_pd, ibv_close_device, ibv_dealloc_pd, ibv_free_device_list, ibv_get_device_list,
+    ibv_get_device_name, ibv_open_device, ibv_query_device,
+};
+
 /// Why RDMA cannot be used on this host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RdmaError {
+    /// libibverbs could not be loaded (no rdma-core on this host), or lacks a verb; says
+    /// what the loader found.
+    NoLibrary(String),
     /// The kernel has no RDMA support (`ibv_get_device_list` failed with `ENOSYS`): load the
     /// drivers (`modprobe ib_core`, a device driver, or `rdma_rxe` for soft-RoCE).
     NoKernelSupport,
@@ -25,6 +33,10 @@ pub enum RdmaError {
 impl std::fmt::Display for RdmaError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            RdmaError::NoLibrary(why) => write!(
+                f,
+                "libibverbs cannot be loaded ({why}); install rdma-core (libibverbs1 and the NIC's provider), or use --backend tcp"
+            ),
             RdmaError::NoKernelSupport => write!(
                 f,
                 "this kernel has no RDMA support (ibv_get_device_list: ENOSYS); load ib_core and a device driver, or rdma_rxe for soft-RoCE, or use --backend tcp"
@@ -52,9 +64,10 @@ fn errno() -> i32 {
 
 /// The names of the RDMA devices on this host.
 pub fn list_devices() -> Result<Vec<String>, RdmaError> {
+    crate::ffi::load_verbs()?;
     let mut n: std::os::raw::c_int = 0;
     // SAFETY: `n` is a valid out-pointer; the returned list (or NULL) is freed below.
-    let list = unsafe { rdma_sys::ibv_get_device_list(&mut n) };
+    let list = unsafe { ibv_get_device_list(&mut n) };
     if list.is_null() {
         let e = errno();
         return Err(if e == libc_enosys() {
@@ -74,7 +87,7 @@ pub fn list_devices() -> Result<Vec<String>, RdmaError> {
             break;
         }
         // SAFETY: a valid device has a NUL-terminated name owned by the list.
-        let name = unsafe { rdma_sys::ibv_get_device_name(dev) };
+        let name = unsafe { ibv_get_device_name(dev) };
         if !name.is_null() {
             // SAFETY: non-NULL, NUL-terminated, alive until the list is freed.
             names.push(
@@ -85,7 +98,7 @@ pub fn list_devices() -> Result<Vec<String>, RdmaError> {
         }
     }
     // SAFETY: `list` came from ibv_get_device_list and is freed once.
-    unsafe { rdma_sys::ibv_free_device_list(list) };
+    unsafe { ibv_free_device_list(list) };
     if names.is_empty() {
         return Err(RdmaError::NoDevice);
     }
@@ -124,15 +137,15 @@ impl Device {
         };
         let mut n: std::os::raw::c_int = 0;
         // SAFETY: as in list_devices; the list is freed before returning.
-        let list = unsafe { rdma_sys::ibv_get_device_list(&mut n) };
+        let list = unsafe { ibv_get_device_list(&mut n) };
         if list.is_null() || wanted >= n.max(0) as usize {
             return Err(RdmaError::NoDevice);
         }
         // SAFETY: `wanted` < n: a valid device pointer of the list.
-        let ctx = unsafe { rdma_sys::ibv_open_device(*list.add(wanted)) };
+        let ctx = unsafe { ibv_open_device(*list.add(wanted)) };
         let open_errno = errno();
         // SAFETY: freed once; an opened context stays valid after the list is freed.
-        unsafe { rdma_sys::ibv_free_device_list(list) };
+        unsafe { ibv_free_device_list(list) };
         if ctx.is_null() {
             return Err(RdmaError::Verbs {
                 call: "ibv_open_device",
@@ -140,11 +153,11 @@ impl Device {
             });
         }
         // SAFETY: `ctx` is an open context.
-        let pd = unsafe { rdma_sys::ibv_alloc_pd(ctx) };
+        let pd = unsafe { ibv_alloc_pd(ctx) };
         if pd.is_null() {
             let e = errno();
             // SAFETY: closing the context we opened, once.
-            unsafe { rdma_sys::ibv_close_device(ctx) };
+            unsafe { ibv_close_device(ctx) };
             return Err(RdmaError::Verbs {
                 call: "ibv_alloc_pd",
                 errno: e,
@@ -167,7 +180,7 @@ impl Device {
         // SAFETY: zeroed is a valid initial value for this plain C struct.
         let mut attr: rdma_sys::ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: live context, valid out-pointer.
-        let rc = unsafe { rdma_sys::ibv_query_device(self.ctx, &mut attr) };
+        let rc = unsafe { ibv_query_device(self.ctx, &mut attr) };
         if rc != 0 {
             return Err(RdmaError::Verbs {
                 call: "ibv_query_device",
@@ -192,8 +205,8 @@ impl Drop for Device {
     fn drop(&mut self) {
         // SAFETY: both were allocated in `open` and are released once, PD first.
         unsafe {
-            rdma_sys::ibv_dealloc_pd(self.pd);
-            rdma_sys::ibv_close_device(self.ctx);
+            ibv_dealloc_pd(self.pd);
+            ibv_close_device(self.ctx);
         }
     }
 }

@@ -10,15 +10,19 @@
 //! ([`device`]). Like every backend it moves bytes; it never decides a retry, a timeout or a
 //! room's fate.
 //!
-//! Without the `rdma` feature nothing here links a native library, so default builds and
-//! binaries start on machines without rdma-core.
+//! Nothing here links a native library: with the `rdma` feature libibverbs is loaded at run
+//! time (the first device lookup), so every build starts on machines without rdma-core and
+//! a node that asks for RDMA there gets [`device::RdmaError::NoLibrary`].
 
 mod handshake;
 mod qp;
+pub mod topology;
 mod wc;
 
 #[cfg(feature = "rdma")]
 pub mod device;
+#[cfg(feature = "rdma")]
+mod ffi;
 #[cfg(feature = "rdma")]
 pub mod link;
 #[cfg(feature = "rdma")]

@@ -9,20 +9,14 @@ use std::sync::Arc;
 use kvferry_core::{TransferId, TransferOutcome};
 use rdma_sys::*;
 
+use crate::ffi::{
+    ibv_ack_cq_events, ibv_create_comp_channel, ibv_create_cq, ibv_create_qp, ibv_dereg_mr,
+    ibv_destroy_comp_channel, ibv_destroy_cq, ibv_destroy_qp, ibv_get_cq_event, ibv_modify_qp,
+    ibv_query_gid, ibv_query_port, ibv_reg_dmabuf_mr, ibv_reg_mr,
+};
+
 use crate::device::{Device, RdmaError};
 use crate::{QpLifecycle, RdmaHello, RemoteRegion, WcStatus, PSN_MASK};
-
-// Exported by libibverbs since rdma-core 34 (IBVERBS_1.12); rdma-sys 0.3 does not bind it.
-extern "C" {
-    fn ibv_reg_dmabuf_mr(
-        pd: *mut ibv_pd,
-        offset: u64,
-        length: usize,
-        iova: u64,
-        fd: std::ffi::c_int,
-        access: std::ffi::c_int,
-    ) -> *mut ibv_mr;
-}
 
 /// The narrowest access a registration needs: local write always (the NIC writes received
 /// data or reads the source), remote write only where peers may write.
@@ -115,7 +109,7 @@ impl MemoryRegistration {
                 fd.as_raw_fd(),
                 access.0 as i32,
             )
-        };
+        }?;
         if mr.is_null() {
             return Err(verbs_err("ibv_reg_dmabuf_mr"));
         }
@@ -287,7 +281,7 @@ impl RcQueuePair {
         let mut port: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: live context, valid out-pointer.
         check("ibv_query_port", unsafe {
-            ___ibv_query_port(self.device.ctx(), self.port, &mut port)
+            ibv_query_port(self.device.ctx(), self.port, &mut port)
         })?;
         // SAFETY: zeroed is a valid gid.
         let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
@@ -319,7 +313,7 @@ impl RcQueuePair {
         let mut port: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: live context, valid out-pointer.
         check("ibv_query_port", unsafe {
-            ___ibv_query_port(self.device.ctx(), self.port, &mut port)
+            ibv_query_port(self.device.ctx(), self.port, &mut port)
         })?;
         let mtu = (port.active_mtu as u8).min(remote.mtu).max(1);
         self.lifecycle.to_rtr(remote).map_err(lifecycle_err)?;

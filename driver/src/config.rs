@@ -32,14 +32,30 @@ pub enum DataBackend {
     /// Data connections over TCP (every driver).
     #[default]
     Tcp,
-    /// One-sided RDMA WRITEs on an RC queue pair per session (the tokio driver built with
-    /// its `rdma` feature).
+    /// One-sided RDMA WRITEs on an RC queue pair per session (a driver built with its
+    /// `rdma` feature); a node that cannot open the device refuses to start, naming why.
     Rdma {
-        /// The device to open (`None`: the first one).
+        /// The device to open (`None`: the one nearest the node's memory).
         device: Option<String>,
         /// Its port (usually 1).
         port: u8,
     },
+    /// RDMA where this host can (a build with RDMA, rdma-core, a device, memory it can
+    /// register), TCP otherwise, said at start; either way a session moves over RDMA only
+    /// where its peer does too.
+    Auto {
+        /// The device to open (`None`: the one nearest the node's memory).
+        device: Option<String>,
+        /// Its port (usually 1).
+        port: u8,
+    },
+}
+
+impl DataBackend {
+    /// Whether the node asks for RDMA, required or where it can.
+    pub fn wants_rdma(&self) -> bool {
+        !matches!(self, DataBackend::Tcp)
+    }
 }
 
 /// The path one session's operations take, as logged when it is chosen and published as
@@ -109,11 +125,24 @@ pub fn check_memory(
             engine = staging.engine().name(),
             buffers = config.buffers,
             buffer_bytes = config.buffer_bytes,
-            rdma = matches!(backend, DataBackend::Rdma { .. }),
+            rdma = backend.wants_rdma(),
             "device memory staged through host buffers where it moves over TCP"
         );
     }
     Ok(())
+}
+
+/// A build without RDMA: `Auto` moves every session over TCP (said at start), `Rdma` is
+/// refused.
+pub fn tcp_only(backend: &DataBackend) -> Result<(), NodeError> {
+    match backend {
+        DataBackend::Tcp => Ok(()),
+        DataBackend::Auto { .. } => {
+            tracing::info!(target: START_TARGET, "this build has no RDMA: every session moves over TCP");
+            Ok(())
+        }
+        DataBackend::Rdma { .. } => Err(NodeError::Unsupported(crate::Unsupported::RdmaNotBuilt)),
+    }
 }
 
 /// The `tracing` target of a node's start line, shown at `info` by the CLI's and Python's
@@ -130,9 +159,14 @@ pub fn log_start(runtime: &str, config: &NodeConfig, memory: &MemoryMap) {
         DataBackend::Rdma { device, port } => {
             format!(
                 "rdma {}:{port}",
-                device.as_deref().unwrap_or("first device")
+                device.as_deref().unwrap_or("nearest device")
             )
         }
+        DataBackend::Auto { device, port } => format!(
+            "auto: rdma {}:{port} where it can, else tcp x{}",
+            device.as_deref().unwrap_or("nearest device"),
+            config.data_connections
+        ),
     };
     let kv = match memory.device_regions().next() {
         Some((_, kind)) => kind.to_string(),

@@ -38,7 +38,7 @@ pub use admission::{CoreCheck, EndpointAccess};
 pub use announce::{Announcement, Announcer};
 pub use calls::{Embedder, ShardCalls};
 pub use config::{
-    check_memory, log_start, DataBackend, DataPath, NodeConfig, START_TARGET, TCP_PATH,
+    check_memory, log_start, tcp_only, DataBackend, DataPath, NodeConfig, START_TARGET, TCP_PATH,
 };
 pub use error::{NodeError, Unsupported};
 pub use fault_switch::FaultSwitch;

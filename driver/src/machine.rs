@@ -352,7 +352,7 @@ impl<H: Host> Driver<H> {
                     {
                         debug!(%session, error = %e, "could not say the session moves over TCP");
                     }
-                    self.use_tcp_path(session);
+                    self.use_tcp_path(session, "this node has no RDMA data plane");
                 }
             }
             Event::SessionClosed { session } => {
@@ -691,13 +691,13 @@ impl<H: Host> Driver<H> {
     /// `session` moves its operations over TCP data connections (this node does no RDMA, or
     /// the peer said it does none for this session): opened now if this side opens them,
     /// the operations held meanwhile going out on them.
-    pub fn use_tcp_path(&mut self, session: SessionId) {
+    pub fn use_tcp_path(&mut self, session: SessionId, why: &'static str) {
         let path = if self.staging.is_some() {
             DataPath::TcpStaged
         } else {
             DataPath::Tcp
         };
-        self.set_path(session, path);
+        self.set_path(session, path, why);
         if let Some(io) = self.io.get_mut(&session) {
             io.send_parked();
         }
@@ -705,10 +705,11 @@ impl<H: Host> Driver<H> {
     }
 
     /// Records (and logs) the path `session`'s operations take.
-    pub fn set_path(&mut self, session: SessionId, path: DataPath) {
+    pub fn set_path(&mut self, session: SessionId, path: DataPath, why: &'static str) {
         if let Some(io) = self.io.get_mut(&session) {
             if io.path != Some(path) {
-                info!(%session, path = path.as_str(), "data path chosen");
+                let peer = self.endpoint.peer(session).map(|p| p.node);
+                info!(target: crate::START_TARGET, %session, ?peer, path = path.as_str(), why, "session data path");
                 io.path = Some(path);
             }
         }

@@ -19,11 +19,14 @@ use kvferry_memory::{MemoryKind, MemoryMap, SliceSide};
 use kvferry_rdma::device::RdmaError;
 pub use kvferry_rdma::link::RdmaNode;
 use kvferry_rdma::link::{completions, HelloOutcome, RdmaLink, RegionMemory};
+use kvferry_rdma::topology::{self, MemoryPlace};
 use kvferry_rdma::verbs::RcQueuePair;
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
-use crate::{DataPath, Driver, FaultKind, Host, Job, NodeError, Runtime, TCP_PATH};
+use crate::{
+    DataBackend, DataPath, Driver, FaultKind, Host, Job, NodeError, Runtime, START_TARGET, TCP_PATH,
+};
 
 /// A queue pair shared by its session and the task awaiting its completions.
 pub type SharedQp = Arc<Mutex<RcQueuePair>>;
@@ -91,6 +94,57 @@ impl SessionRdma {
     }
 }
 
+/// Opens the data plane `backend` asks for: `None` for TCP. `Rdma` fails when the device
+/// cannot be opened; `Auto` then moves every session over TCP and says why (so does it when
+/// the checksum must hash device memory, which only the TCP path does).
+pub fn open_backend(
+    backend: &DataBackend,
+    memory: &MemoryMap,
+    remote_write: bool,
+    checksum: bool,
+) -> Result<Option<Arc<RdmaNode>>, NodeError> {
+    match backend {
+        DataBackend::Tcp => Ok(None),
+        DataBackend::Rdma { device, port } => open(memory, remote_write, device.as_deref(), *port),
+        DataBackend::Auto { device, port } => {
+            if checksum && memory.device_regions().next().is_some() {
+                info!(target: START_TARGET, "checksum of device memory: every session moves over TCP");
+                return Ok(None);
+            }
+            open(memory, remote_write, device.as_deref(), *port).or_else(|e| {
+                info!(target: START_TARGET, why = %e, "RDMA unavailable on this node: every session moves over TCP");
+                Ok(None)
+            })
+        }
+    }
+}
+
+/// The device to open: `named`, the only one, or the one nearest the node's memory on the
+/// PCIe tree (the first GPU region's device, else the NUMA node of this thread's CPU).
+fn choose_device(memory: &MemoryMap, named: Option<&str>) -> Result<String, RdmaError> {
+    if let Some(name) = named {
+        return Ok(name.to_owned());
+    }
+    let devices = kvferry_rdma::device::list_devices()?;
+    if devices.len() == 1 {
+        return Ok(devices[0].clone());
+    }
+    let sysfs = std::path::Path::new("/sys");
+    let gpu = memory.device_regions().find_map(|(_, kind)| match kind {
+        MemoryKind::Cuda { device } => memory.staging()?.engine().pci_bus_id(device),
+        _ => None,
+    });
+    let place = match gpu {
+        Some(pci_bus_id) => MemoryPlace::Gpu { pci_bus_id },
+        None => MemoryPlace::Host {
+            numa_node: topology::current_numa_node(sysfs),
+        },
+    };
+    let choice = topology::nearest(sysfs, &devices, &place).ok_or(RdmaError::NoDevice)?;
+    info!(target: START_TARGET, device = %choice.device, nearness = choice.nearness.as_str(), memory = ?place, of = ?devices, "RDMA device nearest the KV");
+    Ok(choice.device)
+}
+
 /// Opens the device and registers every region of `memory` (remote write on decode): host
 /// memory as it is, device memory through the dma-buf its copy engine exports. `None`: some
 /// device region cannot be registered (the engine cannot export it, or the NIC cannot
@@ -137,9 +191,11 @@ pub fn open(
             },
         )
     }));
+    let device =
+        choose_device(memory, device).map_err(|e| NodeError::Backend(e.to_string().into()))?;
     // SAFETY: the ranges belong to `memory`, which the node keeps for as long as it keeps the
     // `RdmaNode` that registered them (its driver's `RdmaPlane` holds an `Arc` of each).
-    let node = match unsafe { RdmaNode::open(device, port, &regions, remote_write) } {
+    let node = match unsafe { RdmaNode::open(Some(&device), port, &regions, remote_write) } {
         Ok(node) => node,
         Err(
             e @ RdmaError::Verbs {
@@ -153,7 +209,9 @@ pub fn open(
         Err(e) => return Err(NodeError::Backend(e.to_string().into())),
     };
     info!(
+        target: START_TARGET,
         device = node.device_name(),
+        port,
         remote_write,
         device_memory = node.registers_device_memory(),
         "RDMA data plane ready"
@@ -262,7 +320,7 @@ pub fn on_hello<H: Host>(driver: &mut Driver<H>, sid: SessionId, payload: &[u8])
         if let Some(r) = driver.session_io(sid).and_then(|io| io.rdma.take()) {
             r.close();
         }
-        driver.use_tcp_path(sid);
+        driver.use_tcp_path(sid, "the peer has no RDMA data plane");
         return;
     }
     let Some(r) = session_rdma(driver, sid) else {
@@ -289,7 +347,7 @@ pub fn on_hello<H: Host>(driver: &mut Driver<H>, sid: SessionId, payload: &[u8])
     } else {
         DataPath::Rdma
     };
-    driver.set_path(sid, path);
+    driver.set_path(sid, path, "both sides move data over RDMA");
     let parked = driver
         .session_io(sid)
         .map(|io| io.take_parked())

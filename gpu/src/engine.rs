@@ -200,6 +200,29 @@ impl CopyEngine for CudaCopyEngine {
         check(r, "cuMemHostRegister")
     }
 
+    fn pci_bus_id(&self, device: u32) -> Option<String> {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: the driver was initialised when the engine opened; writes one handle.
+        if unsafe { sys::cuDeviceGet(&mut dev, device as std::ffi::c_int) }
+            != CUresult::CUDA_SUCCESS
+        {
+            return None;
+        }
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: `buf` holds 32 bytes, the length passed; the driver NUL-terminates it. No
+        // context is needed (nor made current).
+        let r = unsafe {
+            sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as std::ffi::c_int, dev)
+        };
+        if r != CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        // SAFETY: NUL-terminated within `buf` on success.
+        let id = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+        // The driver writes `0000:3B:00.0`; sysfs names it in lower case.
+        Some(id.to_string_lossy().to_lowercase())
+    }
+
     fn export_dma_buf(&self, device: u32, addr: u64, len: usize) -> Result<DmaBuf, CopyError> {
         let Some(dev) = self.devices.get(&device) else {
             return Err(CopyError(format!("no context for CUDA device {device}")));

@@ -106,6 +106,12 @@ pub trait CopyEngine: Send + Sync + 'static {
             self.name()
         )))
     }
+
+    /// Where `device` sits on the PCIe tree: its bus id as sysfs names it
+    /// (`0000:3b:00.0`), so the node can pick the RDMA NIC nearest it; `None` if unknown.
+    fn pci_bus_id(&self, _device: u32) -> Option<String> {
+        None
+    }
 }
 
 /// A copy engine for machines without a GPU: a worker thread that copies with the CPU after

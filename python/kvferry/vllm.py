@@ -658,6 +658,8 @@ class _Worker:
             spans,
             token=os.environ.get("KVFERRY_TOKEN", "").encode(),
             kv_device=device.index if device.type == "cuda" else None,
+            transport=extra.get("transport"),
+            rdma_device=extra.get("rdma_device"),
             **knobs,
         )
         logger.info("kvferry %s node over vLLM's KV: %s", "prefill" if self._producer else "decode", layout)

@@ -19,7 +19,7 @@ use kvferry_core::{
     KvPoll, Layout, NodeId, PromptDigest, Role, RoomId,
 };
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
-use kvferry_tokio::{Announcement, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
+use kvferry_tokio::{Announcement, DataBackend, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -48,6 +48,12 @@ pyo3::create_exception!(
     UnsupportedMemory,
     KvferryError,
     "Registered memory this node cannot reach (GPU memory in a build without a copy engine for it); names the region."
+);
+pyo3::create_exception!(
+    _kvferry,
+    TransportUnavailable,
+    KvferryError,
+    "transport=\"rdma\" where this node cannot move data over RDMA (no rdma-core, no device, a device that cannot be opened); says what is missing."
 );
 pyo3::create_exception!(
     _kvferry,
@@ -184,6 +190,27 @@ fn room_failure(reason: FailureReason) -> PyErr {
     }
 }
 
+/// The data plane a node asks for: `transport` ("auto", "rdma", "tcp"; else
+/// `KVFERRY_TRANSPORT`, else "auto") on `rdma_device` (else `KVFERRY_RDMA_DEVICE`, else the
+/// device nearest the node's memory).
+fn parse_transport(
+    transport: Option<String>,
+    rdma_device: Option<String>,
+    port: u8,
+) -> PyResult<DataBackend> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let device = rdma_device.or_else(|| env("KVFERRY_RDMA_DEVICE"));
+    let transport = transport.or_else(|| env("KVFERRY_TRANSPORT"));
+    match transport.as_deref().unwrap_or("auto") {
+        "auto" => Ok(DataBackend::Auto { device, port }),
+        "rdma" => Ok(DataBackend::Rdma { device, port }),
+        "tcp" => Ok(DataBackend::Tcp),
+        other => Err(InvalidArgument::new_err(format!(
+            "transport {other:?}: one of \"auto\" (RDMA where both sides can, else TCP), \"rdma\" (refuse to start without it) or \"tcp\""
+        ))),
+    }
+}
+
 /// The exception for a node error.
 fn node_error(e: NodeError) -> PyErr {
     let reason = e.failure_reason().map_or("", FailureReason::as_str);
@@ -193,6 +220,8 @@ fn node_error(e: NodeError) -> PyErr {
         NodeError::UnknownPeer(_) => UnknownPeer::new_err(e.to_string()),
         NodeError::Disconnected => ConnectError::new_err(e.to_string()),
         NodeError::UnreachableMemory { .. } => UnsupportedMemory::new_err(e.to_string()),
+        NodeError::Unsupported(kvferry_tokio::Unsupported::RdmaNotBuilt)
+        | NodeError::Backend(_) => TransportUnavailable::new_err(e.to_string()),
         NodeError::Unsupported(_) => InvalidArgument::new_err(e.to_string()),
         NodeError::HandshakeTimeout => HandshakeTimeout::new_err(e.to_string()),
         NodeError::Refused { .. } | NodeError::RefusedAs(_) | NodeError::Rejected(_) => {
@@ -415,7 +444,7 @@ impl Node {
     /// `KVFERRY_*` knobs in lower case without the prefix (`transfer_retries=5`,
     /// `bootstrap_timeout_ms=30000`) and override the environment.
     #[new]
-    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, heads=None, layer_range=None, extras=Vec::new(), **config))]
+    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, heads=None, layer_range=None, extras=Vec::new(), transport=None, rdma_device=None, rdma_port=1, **config))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         role: &str,
@@ -433,9 +462,13 @@ impl Node {
         heads: Option<(u16, u16, u16, u32)>,
         layer_range: Option<(u16, u16)>,
         extras: Vec<Vec<(usize, usize, u32)>>,
+        transport: Option<String>,
+        rdma_device: Option<String>,
+        rdma_port: u8,
         config: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let role = parse_role(role)?;
+        let backend = parse_transport(transport, rdma_device, rdma_port)?;
         let layout = parse_layout(layout)?;
         let heads = match heads {
             None => Heads::whole(&layout),
@@ -522,7 +555,7 @@ impl Node {
             data_connections,
             seed: started,
             faults: None,
-            backend: Default::default(),
+            backend,
             tls: None,
         };
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -591,6 +624,17 @@ impl Node {
     fn disconnect(&self, py: Python<'_>, peer: u32) -> PyResult<()> {
         let node = self.node.clone();
         self.block(py, async move { node.disconnect(PeerId(peer)).await })
+    }
+
+    /// The data path each live session moves its operations on: `(session, path)` pairs,
+    /// `path` one of "tcp", "tcp_staged", "rdma", "rdma_dmabuf" (`kvferry_session_path`).
+    fn session_paths(&self, py: Python<'_>) -> PyResult<Vec<(u64, &'static str)>> {
+        let node = self.node.clone();
+        let paths = self.block(py, async move { Ok(node.data_paths().await) })?;
+        Ok(paths
+            .into_iter()
+            .map(|(_, session, path)| (u64::from(session.0), path.as_str()))
+            .collect())
     }
 
     /// Whether `peer` still names a peer of this node: False once it was disconnected, or let
@@ -965,6 +1009,10 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("KvferryError", py.get_type_bound::<KvferryError>()),
         ("InvalidArgument", py.get_type_bound::<InvalidArgument>()),
         ("UnknownPeer", py.get_type_bound::<UnknownPeer>()),
+        (
+            "TransportUnavailable",
+            py.get_type_bound::<TransportUnavailable>(),
+        ),
         ("NodeClosed", py.get_type_bound::<NodeClosed>()),
         (
             "UnsupportedMemory",

@@ -163,22 +163,16 @@ fn open_rdma(
     memory: &MemoryMap,
 ) -> Result<(RdmaDevice, Option<std::os::fd::OwnedFd>), NodeError> {
     #[cfg(feature = "rdma")]
-    return match &config.backend {
-        DataBackend::Tcp => Ok((None, None)),
-        DataBackend::Rdma { device, port } => rdma::open(
-            memory,
-            config.info.role == Role::Decode,
-            device.as_deref(),
-            *port,
-        ),
-    };
+    return rdma::open(
+        &config.backend,
+        memory,
+        config.info.role == Role::Decode,
+        config.core.checksum,
+    );
     #[cfg(not(feature = "rdma"))]
     {
         let _ = memory;
-        match config.backend {
-            DataBackend::Tcp => Ok((None, None)),
-            _ => Err(NodeError::Unsupported(Unsupported::RdmaNotBuilt)),
-        }
+        kvferry_driver::tcp_only(&config.backend).map(|()| (None, None))
     }
 }
 

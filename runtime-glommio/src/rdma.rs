@@ -21,12 +21,12 @@ pub(crate) struct ShardRdma {
 /// Opens the device (`None`: the node stages over TCP, the log says why) and the pollers'
 /// stop pipe, whose write end the caller keeps.
 pub(crate) fn open(
+    backend: &kvferry_driver::DataBackend,
     memory: &MemoryMap,
     remote_write: bool,
-    device: Option<&str>,
-    port: u8,
+    checksum: bool,
 ) -> Result<(Option<ShardRdma>, Option<OwnedFd>), kvferry_driver::NodeError> {
-    let Some(node) = rdma::open(memory, remote_write, device, port)? else {
+    let Some(node) = rdma::open_backend(backend, memory, remote_write, checksum)? else {
         return Ok((None, None));
     };
     let (stop, keep) = rdma::poller_stop()?;

@@ -146,19 +146,14 @@ impl Node {
                 ))
             })?;
         #[cfg(feature = "rdma")]
-        let rdma = match &config.backend {
-            DataBackend::Tcp => None,
-            DataBackend::Rdma { device, port } => kvferry_driver::rdma::open(
-                &memory,
-                config.info.role == kvferry_core::Role::Decode,
-                device.as_deref(),
-                *port,
-            )?,
-        };
+        let rdma = kvferry_driver::rdma::open_backend(
+            &config.backend,
+            &memory,
+            config.info.role == kvferry_core::Role::Decode,
+            config.core.checksum,
+        )?;
         #[cfg(not(feature = "rdma"))]
-        if config.backend != DataBackend::Tcp {
-            return Err(NodeError::Unsupported(Unsupported::RdmaNotBuilt));
-        }
+        kvferry_driver::tcp_only(&config.backend)?;
         let tls = match &config.tls {
             Some(files) => Some(TlsSetup::load(files).map_err(NodeError::Tls)?),
             None => None,

@@ -281,6 +281,69 @@ async fn a_tokio_node_and_a_glommio_node_move_rooms_over_rdma() {
 
 /// An RDMA prefill and a decode configured for TCP: the decode says so, and the session moves
 /// over TCP rather than waiting for a hello that never comes.
+/// Where this host has a usable RDMA device: `list_devices` finds one.
+fn rdma_here() -> bool {
+    kvferry_rdma::device::list_devices().is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_nodes_move_over_rdma_where_the_host_can_and_over_tcp_where_it_cannot() {
+    let want = if rdma_here() { "rdma" } else { "tcp" };
+    if std::env::var_os("KVFERRY_REQUIRE_RDMA").is_some() {
+        assert_eq!(
+            want, "rdma",
+            "KVFERRY_REQUIRE_RDMA is set and no device is found"
+        );
+    }
+    for rt in RUNTIMES {
+        let shape = kvferry_tests::small_shape();
+        let auto = |role, seed| {
+            let mut cfg = rdma_config(role, &shape, fast_core(), seed);
+            cfg.backend = kvferry_testkit::DataBackend::Auto {
+                device: None,
+                port: 1,
+            };
+            rt.start(cfg, host_memory(&shape)).unwrap()
+        };
+        let (prefill, decode) = (auto(Role::Prefill, 1), auto(Role::Decode, 2));
+        let report = run_pair(&prefill, &decode, rooms(30, 1)).await.unwrap();
+        assert_all_clean(&report, 30);
+        let got = (report.prefill_path.as_str(), report.decode_path.as_str());
+        assert_eq!(got, (want, want), "{}", rt.name());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rdma_node_refuses_to_start_where_the_host_cannot_naming_why() {
+    if rdma_here() {
+        // The guest's device: every other test here covers the nodes that start.
+        assert!(start_rdma(
+            Runtime::Tokio,
+            Role::Decode,
+            &kvferry_tests::small_shape(),
+            fast_core(),
+            1
+        )
+        .is_ok());
+        return;
+    }
+    for rt in RUNTIMES {
+        let why = start_rdma(
+            rt,
+            Role::Decode,
+            &kvferry_tests::small_shape(),
+            fast_core(),
+            1,
+        )
+        .err()
+        .unwrap();
+        assert!(
+            why.contains("RDMA") && why.contains("--backend tcp"),
+            "{why}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_rdma_node_and_a_tcp_node_move_rooms_over_tcp() {
     for rt in RUNTIMES {
