@@ -283,10 +283,11 @@ struct CommonArgs {
     /// its cores; shards of a pinned node cannot move away from a busy core).
     #[arg(long)]
     pin: bool,
-    /// The data-plane backend: tcp, or rdma (builds with the `rdma` feature; either runtime).
+    /// The data-plane backend: tcp, rdma (builds with the `rdma` feature; either runtime), or
+    /// auto (RDMA where this build and host can, TCP otherwise, said at start).
     #[arg(long, default_value = "tcp")]
     backend: String,
-    /// With --backend rdma: the RDMA device to use (default: the first one).
+    /// With --backend rdma or auto: the RDMA device to use (default: the one nearest the KV).
     #[arg(long)]
     rdma_device: Option<String>,
 }

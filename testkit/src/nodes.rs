@@ -70,6 +70,8 @@ pub enum Backend {
     Tcp,
     /// RDMA verbs (builds with the `rdma` feature, hosts with a device).
     Rdma,
+    /// RDMA where this build and host can, TCP otherwise (said at start).
+    Auto,
 }
 
 impl Backend {
@@ -79,7 +81,8 @@ impl Backend {
         match name {
             "tcp" => Ok(Backend::Tcp),
             "rdma" => rdma_available().map(|()| Backend::Rdma),
-            other => Err(format!("unknown backend {other:?} (tcp or rdma)")),
+            "auto" => Ok(Backend::Auto),
+            other => Err(format!("unknown backend {other:?} (tcp, rdma or auto)")),
         }
     }
 
@@ -89,6 +92,7 @@ impl Backend {
         match self {
             Backend::Tcp => kvferry_tokio::DataBackend::Tcp,
             Backend::Rdma => kvferry_tokio::DataBackend::Rdma { device, port: 1 },
+            Backend::Auto => kvferry_tokio::DataBackend::Auto { device, port: 1 },
         }
     }
 }
@@ -347,6 +351,7 @@ mod backend_tests {
     #[test]
     fn tcp_is_always_available() {
         assert_eq!(Backend::parse("tcp"), Ok(Backend::Tcp));
+        assert_eq!(Backend::parse("auto"), Ok(Backend::Auto));
     }
 
     #[test]
