@@ -579,6 +579,11 @@ class KvferryConnector(KVConnectorBase_V1):
             return set()
         return self._worker.take_load_errors()
 
+    def session_paths(self) -> list[tuple[int, str]]:
+        """The data path ("tcp", "rdma", ...) of each session of this worker's kvferry node;
+        empty on the scheduler half."""
+        return self._worker.node.session_paths() if self._worker is not None else []
+
     def push_chunks(self) -> dict:
         """Push-mode chunks this worker sent layer by layer and whole (for tests and logs)."""
         return dict(self._worker.chunks) if self._worker is not None else {}

@@ -39,6 +39,28 @@ DEADLINE_S = 30
 MAMBA_SLOTS = SLOTS + 1
 SWA_PAGES = 12
 DSA_ROW = 20  # bytes of one token's indexer key
+# How ranks' processes start: conftest.py says why they are a forkserver's children.
+MP_CONTEXT = os.environ.get("KVFERRY_TEST_MP", "forkserver")
+# The data path every session of a room that moved must have taken: the transport this run
+# asks every node for (either path under "auto").
+DATA_PATH = {"rdma": "rdma", "tcp": "tcp"}.get(os.environ.get("KVFERRY_TRANSPORT", ""))
+
+
+def mp_context():
+    return mp.get_context(MP_CONTEXT)
+
+
+def session_paths(manager) -> list:
+    """The data path of each session of a rank's kvferry node (none before it started)."""
+    return [] if manager.node is None else manager.node.session_paths()
+
+
+def assert_data_path(paths: list, received: bool) -> None:
+    """A rank's sessions took the path this run asked for; a rank that received a room has
+    one at least (a prefill rank may have had nothing to send)."""
+    assert paths or not received, "a decode rank that received a room has no session"
+    if paths and DATA_PATH is not None:
+        assert {path for _, path in paths} == {DATA_PATH}, paths
 
 
 def value(layer, plane, page, token, head, byte):
@@ -351,7 +373,7 @@ def _send(state: RankState, cmd: dict) -> dict:
             reason = str(e)
     else:
         sender.clear()
-    return dict(room=room, status=int(status), reason=reason)
+    return dict(room=room, status=int(status), reason=reason, paths=session_paths(state.manager))
 
 
 def _receive(state: RankState, cmd: dict) -> dict:
@@ -379,7 +401,10 @@ def _receive(state: RankState, cmd: dict) -> dict:
             decode_prefix_len=prefix * PAGE_SIZE,
         )
         status = poll_until(receiver, (KVPoll.Success, KVPoll.Failed))
-    out = dict(room=room, status=int(status), reason=None, mismatch=None)
+    out = dict(
+        room=room, status=int(status), reason=None, mismatch=None,
+        paths=session_paths(state.manager),
+    )
     if status == KVPoll.Success:
         out["mismatch"] = state.mismatch(src[prefix:], dst[prefix:])
         if out["mismatch"] is None and prefix and not (state.kv[:, dst[:prefix], :] == 0xA5).all():
@@ -452,7 +477,7 @@ class Cluster:
     """The processes of one layout: prefill ranks and decode ranks."""
 
     def __init__(self, prefill: List[Spec], decode: List[Spec], start_timeout=180):
-        ctx = mp.get_context("spawn")
+        ctx = mp_context()
         self.port = free_port()
         self.procs = []
         prefill[0].env = dict(prefill[0].env, _BOOTSTRAP_SERVER="1")

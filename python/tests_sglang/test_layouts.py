@@ -82,8 +82,10 @@ def assert_every_byte(outcomes):
         for r in receivers:
             assert r["status"] == KVPoll.Success, r
             assert r["mismatch"] is None, r
+            cluster.assert_data_path(r["paths"], received=True)
         for s in senders:
             assert s["status"] == KVPoll.Success, s
+            cluster.assert_data_path(s["paths"], received=False)
 
 
 @pytest.mark.parametrize(

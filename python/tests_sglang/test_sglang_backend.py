@@ -4,7 +4,6 @@ server and a prefill rank) and a decode rank in the test process, numpy KV pools
 MetadataBuffers as aux, every byte checked."""
 
 import importlib.metadata
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+import cluster
 import roles
 
 BOOTSTRAP_TIMEOUT_S = 3
@@ -70,7 +70,9 @@ def serve_prefill(bootstrap_port, commands, results, env):
         else:
             sender.clear()
         metric = sender.get_transfer_metric()
-        results.put((room, int(status), reason, time.monotonic() - started, metric.transfer_total_bytes))
+        elapsed = time.monotonic() - started
+        paths = cluster.session_paths(rank.manager)
+        results.put((room, int(status), reason, elapsed, metric.transfer_total_bytes, paths))
     rank.manager.teardown()
     server.close()
 
@@ -86,7 +88,7 @@ def prefill_with_short_bootstrap():
 
 
 def _prefill(env, port=None):
-    ctx = mp.get_context("spawn")
+    ctx = cluster.mp_context()
     commands, results = ctx.Queue(), ctx.Queue()
     port = port or roles.free_port()
     proc = ctx.Process(target=serve_prefill, args=(port, commands, results, env))
@@ -163,7 +165,10 @@ def a_room_succeeds(rank, port, commands, results, room, src, chunks, dst, aux):
     assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
     assert np.array_equal(rank.kv[:, dst, :], expected(src))
     assert rank.aux_matches(aux, room)
-    assert results.get(timeout=DEADLINE_S)[:3] == (room, KVPoll.Success, None)
+    sent = results.get(timeout=DEADLINE_S)
+    assert sent[:3] == (room, KVPoll.Success, None)
+    cluster.assert_data_path(sent[5], received=False)
+    cluster.assert_data_path(cluster.session_paths(rank.manager), received=True)
     receiver.clear()
 
 
@@ -188,11 +193,13 @@ def test_rooms_move_through_sglang_classes_with_chunked_sends_and_every_byte_che
         receiver = bootstrap(rank, port, room)
         receiver.send_metadata(np.array(dst, dtype=np.int32), aux)
         assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
-        got_room, status, reason, _t, total_bytes = results.get(timeout=DEADLINE_S)
+        got_room, status, reason, _t, total_bytes, paths = results.get(timeout=DEADLINE_S)
         assert (got_room, status, reason) == (room, KVPoll.Success, None)
         assert total_bytes == len(src) * 2 * roles.LAYERS * roles.PAGE_BYTES
         assert np.array_equal(rank.kv[:, dst, :], expected(src))
         assert rank.aux_matches(aux, room)
+        cluster.assert_data_path(paths, received=False)
+        cluster.assert_data_path(cluster.session_paths(rank.manager), received=True)
         receiver.clear()
     written = {p for _r, _s, _c, dst, _a in cases for p in dst}
     untouched = [p for p in range(roles.PAGES) if p not in written]
@@ -213,7 +220,7 @@ def test_a_decode_abort_mid_room_quarantines_the_pages_until_releasable_then_the
     assert receiver.poll() == KVPoll.Failed
     with pytest.raises(KVTransferError, match="Aborted"):
         receiver.failure_exception()
-    room, status, reason, _t, _b = results.get(timeout=DEADLINE_S)
+    room, status, reason, _t, _b, _p = results.get(timeout=DEADLINE_S)
     assert (room, status) == (201, KVPoll.Failed)
     assert "aborted_by_peer" in reason
     end = time.monotonic() + DEADLINE_S
@@ -235,7 +242,7 @@ def test_a_prefill_room_no_decode_asks_for_fails_with_bootstrap_timeout_within_s
 
     _proc, _port, commands, results = prefill_with_short_bootstrap
     commands.put((301, [1], [1], 0, "send"))
-    room, status, reason, elapsed, _b = results.get(timeout=DEADLINE_S)
+    room, status, reason, elapsed, _b, _p = results.get(timeout=DEADLINE_S)
     assert (room, status) == (301, KVPoll.Failed)
     assert "bootstrap_timeout" in reason
     assert BOOTSTRAP_TIMEOUT_S - 0.5 <= elapsed <= BOOTSTRAP_TIMEOUT_S + 5
@@ -345,7 +352,7 @@ def test_a_decode_with_no_kv_capacity_for_a_room_fails_it_as_decode_saturated_on
     assert poll_until(receiver, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Failed
     with pytest.raises(KVTransferError, match="decode_saturated"):
         receiver.failure_exception()
-    room, status, reason, _t, _b = results.get(timeout=DEADLINE_S)
+    room, status, reason, _t, _b, _p = results.get(timeout=DEADLINE_S)
     assert (room, status) == (601, KVPoll.Failed)
     assert "decode_saturated" in reason
 

@@ -5,7 +5,6 @@ a decode engine in the test's. Every byte of every transferred block is checked.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import queue
 import secrets
 import socket
@@ -13,7 +12,7 @@ import time
 
 import pytest
 
-from harness import Side, pattern
+from harness import Side, assert_data_path, mp_context, pattern
 
 from kvferry.vllm import PUSH_BIT
 
@@ -49,6 +48,9 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
                 if cmd[0] == "idle":
                     outbox.put(("idle", side.idle()))
                     continue
+                if cmd[0] == "paths":
+                    outbox.put(("paths", side.worker.session_paths()))
+                    continue
                 if cmd[0] == "preempt":
                     req = side.scheduler.requests.get(cmd[1])
                     if req is not None and req in side.scheduler.running:
@@ -76,11 +78,21 @@ class Prefill:
     """The child process running the prefill engine."""
 
     def __init__(self, port: int, **kw):
-        ctx = mp.get_context("spawn")
+        ctx = mp_context()
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_prefill_main, args=(port, kw, self.inbox, self.outbox), daemon=True)
         self.proc.start()
-        kind, _ = self.outbox.get(timeout=120)
+        # Seconds here; minutes in the emulated RDMA guest, where building the engine imports
+        # vLLM's tracing stack anew. A child that died says so at once.
+        deadline = time.monotonic() + 600
+        while True:
+            assert self.proc.is_alive(), "the prefill engine died while starting"
+            assert time.monotonic() < deadline, "the prefill engine did not start"
+            try:
+                kind, _ = self.outbox.get(timeout=1)
+                break
+            except queue.Empty:
+                pass
         assert kind == "ready"
         self.early: list = []
 
@@ -109,6 +121,15 @@ class Prefill:
                 return True
             time.sleep(0.1)
         return False
+
+    def session_paths(self) -> list:
+        """The data path of each session of the engine's kvferry node."""
+        self.inbox.put(("paths",))
+        while True:
+            kind, value = self.outbox.get(timeout=30)
+            if kind == "paths":
+                return value
+            self.early.append((kind, value))
 
     def pause(self) -> None:
         """Stops stepping the engine, as vLLM does when it holds no request to run."""
@@ -203,6 +224,8 @@ def test_rooms_move_through_vllms_scheduler_with_every_byte_checked(ports):
         checked = run_decode(decode, {r: (rest[r], got[r]) for r in rest})
         assert checked == {r: -(-len(p) // 32) for r, p in rest.items()}
         assert not decode.load_failures
+        assert_data_path(decode.worker.session_paths(), received=True)
+        assert_data_path(prefill.session_paths(), received=False)
         # Every prefill request's blocks were released once its room ended.
         deadline = time.monotonic() + 20
         while not decode.idle() and time.monotonic() < deadline:
@@ -340,6 +363,8 @@ def test_push_rooms_move_layer_by_layer_with_every_byte_checked(ports):
         assert all(p["kvferry_push"] for p in got.values()), got
         assert not decode.load_failures, decode.load_failures
         assert checked == {r: -(-len(prompts[r]) // 32) for r in requests}
+        assert_data_path(decode.worker.session_paths(), received=True)
+        assert_data_path(prefill.session_paths(), received=False)
     finally:
         decode.shutdown()
         assert prefill.stop(), "the prefill still holds requests (blocks never released)"
