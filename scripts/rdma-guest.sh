@@ -118,6 +118,31 @@ else
     echo "rdma-guest: KVFERRY_GUEST_PY unset, the Python RDMA tests were not run"
 fi
 
+# The engines over RDMA (KVFERRY_GUEST_SGLANG, KVFERRY_GUEST_VLLM: the Pythons of CI's SGLang
+# and vLLM venvs, the wheel installed): every node asks for rdma, and each case checks that
+# every session took it. Chosen to fit CI's time (each import of torch takes about half a
+# minute here): SGLang's classes at the same TP, at different TP, with MLA and with state
+# pools; vLLM's Scheduler pulling and pushing.
+engine_env=(env KVFERRY_TRANSPORT=rdma PYTHONDONTWRITEBYTECODE=1)
+if [ -n "${KVFERRY_GUEST_SGLANG:-}" ]; then
+    t=python/tests_sglang
+    run "${engine_env[@]}" "$KVFERRY_GUEST_SGLANG" -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
+        "$t/test_sglang_backend.py::test_rooms_move_through_sglang_classes_with_chunked_sends_and_every_byte_checked" \
+        "$t/test_layouts.py::test_mha_heads_move_between_different_tp_sizes[prefill_tp2_to_decode_tp1]" \
+        "$t/test_layouts.py::test_mla_latent_kv_moves_once_per_decode_rank[prefill_tp1_to_decode_tp2]" \
+        "$t/test_state_pools.py::test_mamba_swa_and_dsa_state_move_with_the_room"
+else
+    echo "rdma-guest: KVFERRY_GUEST_SGLANG unset, SGLang's cases over RDMA were not run"
+fi
+if [ -n "${KVFERRY_GUEST_VLLM:-}" ]; then
+    t=python/tests_vllm
+    run "${engine_env[@]}" "$KVFERRY_GUEST_VLLM" -m pytest -q -p no:cacheprovider \
+        "$t/test_connector.py::test_rooms_move_through_vllms_scheduler_with_every_byte_checked" \
+        "$t/test_connector.py::test_push_rooms_move_layer_by_layer_with_every_byte_checked"
+else
+    echo "rdma-guest: KVFERRY_GUEST_VLLM unset, vLLM's cases over RDMA were not run"
+fi
+
 # Two processes over RDMA; the prefill is SIGKILLed mid-run and restarted at its address 1 s
 # later: its new QPs and keys serve the rooms after it, the rooms in flight end with
 # connection_lost, none is unfinished and no page is corrupted.

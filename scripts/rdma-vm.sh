@@ -87,7 +87,9 @@ for m in $(cat /modules/order); do
     insmod /modules/$m.ko || echo "rdma-vm: insmod $m failed"
 done
 o=trans=virtio,version=9p2000.L,msize=1048576
-mount -t 9p -o $o,ro hostroot /host || echo "rdma-vm: no host root"
+# The read-only mounts keep what they read (cache=loose): nothing on the host changes them
+# while the guest runs, and without it every process re-read its libraries over 9p.
+mount -t 9p -o $o,ro,cache=loose hostroot /host || echo "rdma-vm: no host root"
 for d in tmp run dev/shm; do mount -t tmpfs tmpfs /host/$d; done
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
@@ -101,7 +103,7 @@ mount -t 9p -o $o kvfout /host/tmp/kvf-out
 # tmpfs mounts above hide.
 cwd=$(cat /host/tmp/kvf-out/cwd)
 mkdir -p "/host$cwd" 2>/dev/null
-mount -t 9p -o $o,ro kvfcwd "/host$cwd" || echo "rdma-vm: cannot mount $cwd"
+mount -t 9p -o $o,ro,cache=loose kvfcwd "/host$cwd" || echo "rdma-vm: cannot mount $cwd"
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp
 chroot /host /bin/sh -c 'ip link set lo up && ip addr add 10.0.2.15/24 dev eth0 &&
     ip link set eth0 up && rdma link add rxe0 type rxe netdev eth0' ||
