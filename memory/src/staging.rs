@@ -201,11 +201,33 @@ impl Default for StagingConfig {
     }
 }
 
+/// A buffer pinned by a copy engine, unpinned when it ends, wherever that happens: in the pool,
+/// in a staged operation that outlived its pool, or in the channel between them.
+struct PinnedBuffer {
+    buffer: HostBuffer,
+    engine: Arc<dyn CopyEngine>,
+}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("len", &self.buffer.len())
+            .field("engine", &self.engine.name())
+            .finish()
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        self.engine.unpin(&mut self.buffer);
+    }
+}
+
 /// A copy engine and the bounded pool of staging buffers it copies through.
 pub struct Staging {
     engine: Arc<dyn CopyEngine>,
-    free: flume::Receiver<HostBuffer>,
-    home: flume::Sender<HostBuffer>,
+    free: flume::Receiver<PinnedBuffer>,
+    home: flume::Sender<PinnedBuffer>,
     config: StagingConfig,
     taken: std::sync::atomic::AtomicU64,
 }
@@ -231,15 +253,13 @@ impl Staging {
         }
         let (home, free) = flume::bounded(config.buffers);
         for _ in 0..config.buffers {
-            let mut b = HostBuffer::new(config.buffer_bytes);
-            if let Err(e) = engine.pin(&mut b) {
-                // Those pinned already are unpinned before they are freed.
-                while let Ok(mut pinned) = free.try_recv() {
-                    engine.unpin(&mut pinned);
-                }
-                return Err(e);
-            }
-            let _ = home.send(b);
+            let mut buffer = HostBuffer::new(config.buffer_bytes);
+            // Those pinned already are unpinned as the channel drops them.
+            engine.pin(&mut buffer)?;
+            let _ = home.send(PinnedBuffer {
+                buffer,
+                engine: engine.clone(),
+            });
         }
         Ok(Arc::new(Staging {
             engine,
@@ -294,20 +314,11 @@ impl Staging {
     }
 }
 
-impl Drop for Staging {
-    fn drop(&mut self) {
-        // Every buffer is back: nothing of the data plane holds the pool any more.
-        while let Ok(mut b) = self.free.try_recv() {
-            self.engine.unpin(&mut b);
-        }
-    }
-}
-
 /// A staging buffer taken from a [`Staging`] pool; goes back to it when dropped.
 #[derive(Debug)]
 pub struct StagingBuffer {
-    buffer: Option<HostBuffer>,
-    home: flume::Sender<HostBuffer>,
+    buffer: Option<PinnedBuffer>,
+    home: flume::Sender<PinnedBuffer>,
 }
 
 impl StagingBuffer {
@@ -315,12 +326,12 @@ impl StagingBuffer {
     pub fn addr(&self) -> usize {
         self.buffer
             .as_ref()
-            .map_or(0, |b| b.as_slice().as_ptr() as usize)
+            .map_or(0, |b| b.buffer.as_slice().as_ptr() as usize)
     }
 
     /// The buffer's length.
     pub fn len(&self) -> usize {
-        self.buffer.as_ref().map_or(0, HostBuffer::len)
+        self.buffer.as_ref().map_or(0, |b| b.buffer.len())
     }
 
     /// Whether the buffer is empty.
@@ -330,20 +341,21 @@ impl StagingBuffer {
 
     /// The buffer's bytes.
     pub fn as_slice(&self) -> &[u8] {
-        self.buffer.as_ref().map_or(&[], HostBuffer::as_slice)
+        self.buffer.as_ref().map_or(&[], |b| b.buffer.as_slice())
     }
 
     /// The buffer's bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         self.buffer
             .as_mut()
-            .map_or(&mut [], HostBuffer::as_mut_slice)
+            .map_or(&mut [], |b| b.buffer.as_mut_slice())
     }
 }
 
 impl Drop for StagingBuffer {
     fn drop(&mut self) {
         if let Some(b) = self.buffer.take() {
+            // Where the pool is gone the send fails and the buffer ends here, unpinned.
             let _ = self.home.send(b);
         }
     }
@@ -492,6 +504,74 @@ mod tests {
             "the drop returned before the copy landed"
         );
         release.join().unwrap();
+    }
+
+    /// Counts pins and unpins; refuses to pin once `pin_limit` buffers are pinned.
+    #[derive(Default)]
+    struct Pins {
+        pinned: std::sync::atomic::AtomicUsize,
+        unpinned: std::sync::atomic::AtomicUsize,
+        pin_limit: usize,
+    }
+
+    impl CopyEngine for Pins {
+        fn name(&self) -> &'static str {
+            "pins"
+        }
+
+        fn start(&self, _: u32, _: CopyDirection, _: Vec<CopyJob>, done: CopyDone) {
+            done(Ok(()));
+        }
+
+        fn pin(&self, _: &mut HostBuffer) -> Result<(), CopyError> {
+            if self.pinned.load(Ordering::SeqCst) == self.pin_limit {
+                return Err(CopyError("no more pinned memory".to_owned()));
+            }
+            self.pinned.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        fn unpin(&self, buffer: &mut HostBuffer) {
+            // Still allocated: the bytes are there to read.
+            assert_eq!(buffer.as_slice().len(), buffer.len());
+            self.unpinned.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_buffer_that_outlives_its_pool_is_unpinned_when_it_ends() {
+        let pins = Arc::new(Pins {
+            pin_limit: usize::MAX,
+            ..Pins::default()
+        });
+        let config = StagingConfig {
+            buffers: 2,
+            buffer_bytes: 64,
+        };
+        let staging = Staging::new(pins.clone(), config).unwrap();
+        let held = staging.try_acquire().unwrap();
+        drop(staging);
+        assert_eq!(pins.pinned.load(Ordering::SeqCst), 2);
+        drop(held);
+        assert_eq!(
+            pins.unpinned.load(Ordering::SeqCst),
+            2,
+            "every pinned buffer is unpinned once, the one held past its pool too"
+        );
+    }
+
+    #[test]
+    fn a_pool_that_cannot_pin_every_buffer_unpins_those_it_pinned() {
+        let pins = Arc::new(Pins {
+            pin_limit: 2,
+            ..Pins::default()
+        });
+        let config = StagingConfig {
+            buffers: 3,
+            buffer_bytes: 64,
+        };
+        assert!(Staging::new(pins.clone(), config).is_err());
+        assert_eq!(pins.unpinned.load(Ordering::SeqCst), 2);
     }
 
     #[test]
