@@ -14,7 +14,7 @@ mod staging;
 
 pub use admission::WriteCheck;
 pub use checksum::{Checksum, SliceSide};
-pub use region::{AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds, PAGE_ALIGN};
+pub use region::{page_size, AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds};
 pub use staging::{
     CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf, HostCopyEngine,
     InFlightCopies, MemoryKind, Staging, StagingBuffer, StagingConfig,

@@ -9,14 +9,20 @@ use kvferry_core::{ExtraPool, Layout, Region};
 
 use crate::staging::{CopyDirection, CopyError, CopyJob, InFlightCopies, MemoryKind, Staging};
 
-/// Alignment of [`HostBuffer`]s: a page, so DMA-capable paths can use them later.
-pub const PAGE_ALIGN: usize = 4096;
+/// This host's memory page size (`sysconf(_SC_PAGESIZE)`: 4 KiB on x86-64, 16 or 64 KiB on
+/// some aarch64 hosts): what [`HostBuffer`]s are aligned to and rounded up to.
+pub fn page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(rustix::param::page_size)
+}
 
-/// An owned, zeroed, page-aligned host buffer.
+/// An owned, zeroed host buffer on whole pages of its own: page-locking it for DMA never
+/// touches a page another allocation shares.
 #[derive(Debug)]
 pub struct HostBuffer {
     ptr: NonNull<u8>,
     len: usize,
+    pages: AllocLayout,
 }
 
 // SAFETY: HostBuffer uniquely owns its allocation, like a Box<[u8]>.
@@ -25,24 +31,39 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
-    /// Allocates `len` zeroed bytes aligned to [`PAGE_ALIGN`]. `len` 0 gives an empty buffer.
+    /// Allocates `len` zeroed bytes on whole pages ([`page_size`]). `len` 0 gives an empty
+    /// buffer.
     pub fn new(len: usize) -> Self {
+        let page = page_size();
         if len == 0 {
             return HostBuffer {
                 ptr: NonNull::dangling(),
                 len: 0,
+                pages: AllocLayout::new::<()>(),
             };
         }
-        let layout = match AllocLayout::from_size_align(len, PAGE_ALIGN) {
-            Ok(l) => l,
-            Err(_) => panic!("buffer of {len} bytes cannot be laid out"),
+        let pages = match len
+            .checked_next_multiple_of(page)
+            .and_then(|bytes| AllocLayout::from_size_align(bytes, page).ok())
+        {
+            Some(l) => l,
+            None => panic!("buffer of {len} bytes cannot be laid out"),
         };
-        // SAFETY: `layout` has a non-zero size.
-        let raw = unsafe { alloc_zeroed(layout) };
+        // SAFETY: `pages` has a non-zero size.
+        let raw = unsafe { alloc_zeroed(pages) };
         let Some(ptr) = NonNull::new(raw) else {
-            std::alloc::handle_alloc_error(layout)
+            std::alloc::handle_alloc_error(pages)
         };
-        HostBuffer { ptr, len }
+        HostBuffer { ptr, len, pages }
+    }
+
+    /// Bytes allocated: `len` rounded up to whole pages.
+    pub fn capacity(&self) -> usize {
+        if self.len == 0 {
+            0
+        } else {
+            self.pages.size()
+        }
     }
 
     /// Length in bytes.
@@ -75,10 +96,8 @@ impl HostBuffer {
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         if self.len > 0 {
-            if let Ok(layout) = AllocLayout::from_size_align(self.len, PAGE_ALIGN) {
-                // SAFETY: allocated in `new` with exactly this layout.
-                unsafe { dealloc(self.ptr.as_ptr(), layout) };
-            }
+            // SAFETY: allocated in `new` with exactly this layout.
+            unsafe { dealloc(self.ptr.as_ptr(), self.pages) };
         }
     }
 }
