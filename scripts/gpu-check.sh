@@ -6,6 +6,11 @@
 #                                       # (release, stripped; fails if DIR passes 64 MiB)
 #   scripts/gpu-check.sh --run DIR      # there: runs it, figures as JSON lines in $OUT
 #                                       # (or DIR/out), exits non-zero on any failure
+#   scripts/gpu-check.sh --selftest     # here (CI): the rules of --run on a fake bundle
+#
+# --run gives each step its own time limit and the whole run GPU_CHECK_BUDGET_S (480 s), so
+# a lent machine's 15 minutes allow a rerun; where nvidia-smi lists a GPU, a test that prints
+# SKIPPED fails the run (it tested nothing).
 #
 # What --run checks: the gpu crate's tests on the GPU (probe, device regions, events, the
 # layer waiter, the CUDA copy engine staging device pages both ways, pointer kinds), the
@@ -14,10 +19,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { echo "usage: $0 --bundle DIR | --run DIR" >&2; exit 2; }
-[ $# -eq 2 ] || usage
-mode=$1
-dir=$2
+usage() { echo "usage: $0 --bundle DIR | --run DIR | --selftest" >&2; exit 2; }
+mode=${1:-}
+[ $# -eq 2 ] || [ "$mode" = --selftest ] || usage
+dir=${2:-}
 
 bundle() {
     set -e
@@ -66,23 +71,54 @@ EOF
     fi
 }
 
+# The whole run stays within this many seconds (a lent machine's 15 minutes then allow a
+# rerun); each step also has its own limit.
+budget_s=${GPU_CHECK_BUDGET_S:-480}
+
 run() {
     local out=${OUT:-$dir/out}
     mkdir -p "$out"
-    local rc=0
+    local rc=0 gpu=0
     echo "== GPU"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "nvidia-smi not found"
+    # Where the driver lists a GPU, a test that skips for want of one tests nothing: a failure.
+    nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && gpu=1
+    # Runs a step under the lesser of its own limit and what is left of the budget; its
+    # output goes to the terminal and to LOG. Fails the run on a non-zero exit, on a timeout,
+    # and on a SKIPPED line where a GPU is present.
+    step() {
+        local limit=$1 log=$2
+        shift 2
+        local left=$((budget_s - SECONDS))
+        if [ "$left" -le 5 ]; then
+            echo "gpu-check: no time left for: $*" >&2
+            rc=1
+            return
+        fi
+        [ "$limit" -gt "$left" ] && limit=$left
+        local before=0
+        [ -f "$log" ] && before=$(wc -l <"$log")
+        timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
+        local code=${PIPESTATUS[0]}
+        if [ "$code" -ne 0 ]; then
+            echo "gpu-check: FAILED (exit $code$([ "$code" -ge 124 ] && echo ", over ${limit} s")): $*" >&2
+            rc=1
+        elif [ "$gpu" -eq 1 ] && tail -n +"$((before + 1))" "$log" | grep -q SKIPPED; then
+            echo "gpu-check: FAILED (a GPU is present, yet it skipped): $*" >&2
+            rc=1
+        fi
+    }
     echo "== test binaries (each skips with its reason where no GPU is usable)"
     for t in "$dir"/bin/*; do
         case "$(basename "$t")" in kvferry) continue ;; esac
         echo "-- $(basename "$t")"
-        "$t" --nocapture --test-threads 1 2>&1 | tee -a "$out/tests.log" || rc=1
+        step 120 "$out/tests.log" "$t" --nocapture --test-threads 1
     done
     grep -h '^{"check"' "$out/tests.log" >"$out/figures.jsonl" 2>/dev/null || true
     echo "== the wheel over torch CUDA tensors, prefill and decode processes"
     local site="$out/site"
     if python3 -m pip install -q --no-deps --target "$site" "$dir"/wheel/*.whl; then
-        PYTHONPATH="$site" python3 "$dir/test_gpu_rooms.py" 2>&1 | tee "$out/python.log" || rc=1
+        step 180 "$out/python.log" env PYTHONPATH="$site" python3 "$dir/test_gpu_rooms.py"
         grep -h '^{"check"' "$out/python.log" >>"$out/figures.jsonl" 2>/dev/null || true
     else
         echo "cannot install the wheel" >&2
@@ -90,19 +126,47 @@ run() {
     fi
     echo "== CLI: demo --gpu, compute-bound (20 ms per layer) and transfer-bound (2 ms per layer)"
     local k="$dir/bin/kvferry"
-    "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 20000 \
-        --timeline "$out/gpu-timeline-20ms.svg" || rc=1
-    "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 20000 --json \
-        >"$out/gpu-20ms.json" || rc=1
-    "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 2000 --json \
-        >"$out/gpu-2ms.json" || rc=1
-    "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 20000 --runtime glommio || rc=1
-    echo "gpu-check: rc=$rc (figures, timelines and logs in $out/)"
+    step 90 "$out/demo.log" "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 20000 \
+        --timeline "$out/gpu-timeline-20ms.svg"
+    # The JSON reports go to their own files; their logs to demo.log.
+    step 90 "$out/demo.log" bash -c 'exec "$@" >"$0"' "$out/gpu-20ms.json" \
+        "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 20000 --json
+    step 90 "$out/demo.log" bash -c 'exec "$@" >"$0"' "$out/gpu-2ms.json" \
+        "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 2000 --json
+    step 90 "$out/demo.log" "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 20000 --runtime glommio
+    echo "gpu-check: rc=$rc in ${SECONDS} s of ${budget_s} (figures, timelines and logs in $out/)"
     return $rc
+}
+
+# The check's own rules, on a fake bundle and a fake nvidia-smi (CI has no GPU): a test that
+# skips fails the run only where a GPU is listed, and a step past its limit fails it.
+selftest() {
+    set -e
+    local fake
+    fake=$(mktemp -d)
+    mkdir -p "$fake/bundle/bin" "$fake/bundle/wheel" "$fake/path"
+    printf '#!/bin/sh\necho "SKIPPED: no usable GPU here"\n' >"$fake/bundle/bin/skips"
+    printf '#!/bin/sh\nsleep 30\n' >"$fake/bundle/bin/zz-hangs"
+    printf '#!/bin/sh\necho "{}"\n' >"$fake/bundle/bin/kvferry"
+    printf '#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: Fake (UUID: GPU-0)"\nexit 0\n' >"$fake/path/nvidia-smi"
+    chmod +x "$fake"/bundle/bin/* "$fake/path/nvidia-smi"
+    set +e
+    local with without
+    with=$(PATH="$fake/path:$PATH" GPU_CHECK_BUDGET_S=15 OUT="$fake/a" "$0" --run "$fake/bundle" 2>&1)
+    without=$(PATH="$fake/path-none:$PATH" GPU_CHECK_BUDGET_S=15 OUT="$fake/b" "$0" --run "$fake/bundle" 2>&1)
+    rm -rf "$fake"
+    local ok=1
+    grep -q "a GPU is present, yet it skipped.*skips" <<<"$with" || { echo "selftest: a skip with a GPU listed passed" >&2; ok=0; }
+    grep -q "yet it skipped" <<<"$without" && { echo "selftest: a skip without a GPU failed" >&2; ok=0; }
+    grep -q "FAILED (exit 124, over .*zz-hangs" <<<"$with" || { echo "selftest: a step past its limit passed" >&2; ok=0; }
+    grep -q "no time left for" <<<"$with" || { echo "selftest: the budget was not kept" >&2; ok=0; }
+    [ "$ok" -eq 1 ] && echo "gpu-check selftest: ok"
+    [ "$ok" -eq 1 ]
 }
 
 case "$mode" in
     --bundle) bundle ;;
     --run) run ;;
+    --selftest) selftest ;;
     *) usage ;;
 esac
