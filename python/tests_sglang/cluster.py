@@ -13,7 +13,6 @@ what the model's prefill held, whichever ranks sent it.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import numpy as np
+from engine_processes import assert_data_path, mp_context  # noqa: F401 (the suite calls both here)
 
 LAYERS = 3
 KV_HEADS = 4
@@ -39,28 +39,11 @@ DEADLINE_S = 30
 MAMBA_SLOTS = SLOTS + 1
 SWA_PAGES = 12
 DSA_ROW = 20  # bytes of one token's indexer key
-# How ranks' processes start: conftest.py says why they are a forkserver's children.
-MP_CONTEXT = os.environ.get("KVFERRY_TEST_MP", "forkserver")
-# The data path every session of a room that moved must have taken: the transport this run
-# asks every node for (either path under "auto").
-DATA_PATH = {"rdma": "rdma", "tcp": "tcp"}.get(os.environ.get("KVFERRY_TRANSPORT", ""))
-
-
-def mp_context():
-    return mp.get_context(MP_CONTEXT)
 
 
 def session_paths(manager) -> list:
     """The data path of each session of a rank's kvferry node (none before it started)."""
     return [] if manager.node is None else manager.node.session_paths()
-
-
-def assert_data_path(paths: list, received: bool) -> None:
-    """A rank's sessions took the path this run asked for; a rank that received a room has
-    one at least (a prefill rank may have had nothing to send)."""
-    assert paths or not received, "a decode rank that received a room has no session"
-    if paths and DATA_PATH is not None:
-        assert {path for _, path in paths} == {DATA_PATH}, paths
 
 
 def value(layer, plane, page, token, head, byte):

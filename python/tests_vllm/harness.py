@@ -8,35 +8,18 @@ block's index in the request and the layer, so a decode can check every byte it 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import tempfile
 from typing import Optional
 
 import torch
+from engine_processes import assert_data_path, mp_context  # noqa: F401 (the suite calls both here)
 
-# How the prefill engine's process starts: conftest.py says why it is a forkserver's child.
-MP_CONTEXT = os.environ.get("KVFERRY_TEST_MP", "forkserver")
-# The data path every session of a request that moved must have taken: the transport this
-# run asks every node for (either path under "auto").
-DATA_PATH = {"rdma": "rdma", "tcp": "tcp"}.get(os.environ.get("KVFERRY_TRANSPORT", ""))
 BLOCK_SIZE = 32
 LAYERS = 2
 KV_HEADS = 2
 HEAD_SIZE = 32
 EOS = 2
-
-
-def mp_context():
-    return mp.get_context(MP_CONTEXT)
-
-
-def assert_data_path(paths: list, received: bool) -> None:
-    """An engine's sessions took the path this run asked for; a decode that loaded a
-    request's KV has one at least."""
-    assert paths or not received, "a decode that loaded KV has no session"
-    if paths and DATA_PATH is not None:
-        assert {path for _, path in paths} == {DATA_PATH}, paths
 
 
 def tiny_model_dir() -> str:
