@@ -34,7 +34,6 @@ impl HostBuffer {
     /// Allocates `len` zeroed bytes on whole pages ([`page_size`]). `len` 0 gives an empty
     /// buffer.
     pub fn new(len: usize) -> Self {
-        let page = page_size();
         if len == 0 {
             return HostBuffer {
                 ptr: NonNull::dangling(),
@@ -42,6 +41,7 @@ impl HostBuffer {
                 pages: AllocLayout::new::<()>(),
             };
         }
+        let page = page_size();
         let pages = match len
             .checked_next_multiple_of(page)
             .and_then(|bytes| AllocLayout::from_size_align(bytes, page).ok())
@@ -59,11 +59,7 @@ impl HostBuffer {
 
     /// Bytes allocated: `len` rounded up to whole pages.
     pub fn capacity(&self) -> usize {
-        if self.len == 0 {
-            0
-        } else {
-            self.pages.size()
-        }
+        self.pages.size()
     }
 
     /// Length in bytes.
