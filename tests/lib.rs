@@ -62,6 +62,7 @@ pub fn device_memory(
         kvferry_memory::StagingConfig {
             buffers,
             buffer_bytes: bytes,
+            ..kvferry_memory::StagingConfig::default()
         },
     )
     .expect("staging pool");

@@ -8,8 +8,10 @@
 //! host decode can receive from a device prefill and the other way round.
 //!
 //! Copies in flight are waited for before their buffers go back to the pool and before a
-//! write's permit is handed back, even when the task is cancelled mid-copy (a fence): no
-//! engine ever writes into a buffer someone else uses or into pages the core released.
+//! write is acknowledged. A task cancelled mid-copy (a fence, a closed connection) hands its
+//! copies and their buffers to the reaper ([`InFlightCopies`]) instead of blocking its thread:
+//! no engine ever writes into a buffer someone else uses. The engine runs a device's copies in
+//! order on one stream, so a later write into the same pages lands after them.
 
 use crate::io_common::Checksum;
 use std::collections::VecDeque;
@@ -120,12 +122,21 @@ fn copy_failed(e: kvferry_memory::CopyError) -> io::Error {
     io::Error::other(e)
 }
 
-/// A buffer being filled or emptied by the engine. Fields drop in order: the copies are
-/// waited for before the buffer goes back to the pool.
+/// A buffer being filled or emptied by the engine. Dropped with copies pending, it leaves the
+/// buffer to them: it goes back to the pool once they landed.
 struct Stage {
     copies: InFlightCopies,
     buffer: StagingBuffer,
     len: usize,
+}
+
+impl Drop for Stage {
+    fn drop(&mut self) {
+        if !self.copies.is_empty() {
+            let buffer = self.buffer.take();
+            self.copies.hold(buffer);
+        }
+    }
 }
 
 /// A connection's own staging buffer (its lane), made once per connection on first use, with
@@ -138,7 +149,7 @@ pub(crate) fn lane(staging: &Staging) -> io::Result<std::sync::Arc<Staging>> {
         staging.engine().clone(),
         kvferry_memory::StagingConfig {
             buffers: 1,
-            buffer_bytes: staging.config().buffer_bytes,
+            ..staging.config()
         },
     )
     .map_err(copy_failed)
@@ -366,6 +377,7 @@ mod tests {
             StagingConfig {
                 buffers: 4,
                 buffer_bytes: 1000,
+                ..StagingConfig::default()
             },
         )
         .unwrap();

@@ -1,6 +1,9 @@
 //! CUDA through `cudarc` (feature `gpu`, driver loaded at run time): the probe that turns "no
 //! GPU here" into a typed error before any driver call (cudarc panics on a driver call when
-//! `libcuda` is absent), device regions, streams, and events as [`LayerEvent`]s.
+//! `libcuda` is absent), and, for the embedder's own side of a demo or test, device regions,
+//! streams, and events as [`LayerEvent`]s. [`Gpu::open`] makes the device's context current
+//! on the calling thread, as the CUDA runtime does for its user; the node's own calls
+//! ([`crate::engine`]) never change the caller's current context.
 
 use std::sync::Arc;
 
@@ -27,20 +30,27 @@ pub struct GpuInfo {
     pub name: String,
 }
 
-/// Checks for `libcuda` first, then asks the driver for devices: never panics.
+/// Loads the driver and counts its devices: `cuInit` and `cuDeviceGetCount`, the first
+/// device's name, and nothing else. No context is made or made current, no device memory is
+/// touched, and a missing driver or symbol is a typed error, never a panic.
 pub fn probe() -> Result<GpuInfo, GpuError> {
-    // SAFETY: only tries to load the driver library; no driver call is made.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(GpuError::NoLibcuda);
-    }
-    let n = CudaContext::device_count().map_err(driver)?;
-    if n <= 0 {
+    probe_with(crate::driver::api()?)
+}
+
+/// [`probe`] through a given driver table.
+pub(crate) fn probe_with(api: &crate::driver::CudaApi) -> Result<GpuInfo, GpuError> {
+    let n = crate::driver::device_count(api)?;
+    if n == 0 {
         return Err(GpuError::NoDevice);
     }
-    let ctx = CudaContext::new(0).map_err(driver)?;
+    let device = crate::driver::device(api, 0)?;
+    // SAFETY: the driver writes at most the given length, NUL-terminated; no context needed.
+    let name = crate::driver::driver_string::<256>("cuDeviceGetName", |buf, len| unsafe {
+        (api.cuDeviceGetName)(buf, len, device)
+    })?;
     Ok(GpuInfo {
         devices: n as usize,
-        name: ctx.name().map_err(driver)?,
+        name,
     })
 }
 

@@ -1,65 +1,142 @@
 //! The CUDA copy engine of the staged data plane, and the check of what a registered pointer
 //! really is. Thin on purpose: the pipeline around it (ordering, overlap, the bounded pool,
 //! faults mid-copy) is `kvferry-tcp`'s and runs in CI over `kvferry_memory::HostCopyEngine`.
+//!
+//! Every driver call goes through the [`crate::driver`] table inside the device's primary
+//! context, pushed for the call and popped after it: the caller's current context (torch's,
+//! on the embedder's thread) is the same before and after, and no device the node does not
+//! use is ever touched.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{self, CUresult};
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::sys::{
+    CUdevice_attribute, CUevent, CUflushGPUDirectRDMAWritesScope, CUflushGPUDirectRDMAWritesTarget,
+    CUmemRangeHandleType, CUmemorytype, CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
+};
 use kvferry_core::Region;
 use kvferry_memory::{
-    CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf, HostBuffer, MemoryKind,
-    MemoryMap,
+    plan_copies, CopyCall, CopyCounts, CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob,
+    DmaBuf, HostBuffer, MemoryKind, MemoryMap,
 };
 
-use crate::cuda::probe;
+use crate::driver::{self, api, CudaApi, DeviceContext};
 use crate::GpuError;
 
-fn check(r: CUresult, what: &str) -> Result<(), CopyError> {
-    if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(CopyError(format!("{what}: {r:?}")))
-    }
+fn copy_error(e: GpuError) -> CopyError {
+    CopyError(e.to_string())
 }
 
-/// Makes `ctx` current on this thread until dropped, then restores what was current: the
-/// engine runs on the embedder's threads (a Python thread that also runs torch) and must not
-/// change the device they work on.
-struct Current;
+/// How long a batch of copies may take before its device is given up (a lost batch: an Xid,
+/// a driver torn down): the batch fails, and so does every later one of that device.
+pub const DEFAULT_COPY_TIMEOUT: Duration = Duration::from_secs(10);
 
-impl Current {
-    fn push(ctx: &CudaContext) -> Result<Current, CopyError> {
-        // SAFETY: pushes a live context (held by the engine) on this thread's stack.
-        check(
-            unsafe { sys::cuCtxPushCurrent_v2(ctx.cu_ctx()) },
-            "cuCtxPushCurrent",
+/// `CU_EVENT_DISABLE_TIMING`: an event only for completion, the cheapest to record and query.
+const EVENT_DISABLE_TIMING: u32 = 2;
+
+/// `CU_MEMHOSTREGISTER_PORTABLE`: pinned for every context, so any device's copies see it.
+const HOST_REGISTER_PORTABLE: u32 = 1;
+
+/// Whether a NIC's writes into a device need a flush before the device's work sees them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Flush {
+    /// The device orders them for its owner already.
+    NotNeeded,
+    /// `cuFlushGPUDirectRDMAWrites` before a room is reported landed.
+    Needed,
+    /// Needed, and the driver lacks the call: no dma-buf for this device.
+    Unavailable,
+}
+
+/// A CUDA handle that lives as long as its owner (a stream, an event): only an address the
+/// driver hands back.
+#[derive(Clone, Copy, Debug)]
+struct Handle<T>(T);
+
+// SAFETY: stream and event handles may be used from any thread that has their context current;
+// every use below enters it.
+unsafe impl<T> Send for Handle<T> {}
+// SAFETY: as above; the driver serializes what needs it.
+unsafe impl<T> Sync for Handle<T> {}
+
+/// What a device's copies share with its completion thread.
+struct DeviceShared {
+    ctx: DeviceContext,
+    stream: Handle<CUstream>,
+    events: Mutex<Vec<Handle<CUevent>>>,
+    stalled: AtomicBool,
+}
+
+impl DeviceShared {
+    fn api(&self) -> &'static CudaApi {
+        self.ctx.api()
+    }
+
+    /// A free completion event, or a new one (the context entered).
+    fn event(&self) -> Result<Handle<CUevent>, GpuError> {
+        if let Some(e) = self.events.lock().ok().and_then(|mut free| free.pop()) {
+            return Ok(e);
+        }
+        let mut event: CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle of the current (entered) context.
+        driver::ok(
+            unsafe { (self.api().cuEventCreate)(&mut event, EVENT_DISABLE_TIMING) },
+            "cuEventCreate",
         )?;
-        Ok(Current)
+        Ok(Handle(event))
     }
 }
 
-impl Drop for Current {
+impl Drop for DeviceShared {
     fn drop(&mut self) {
-        let mut popped: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: pops the context `push` pushed on this thread.
-        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        let api = self.api();
+        if let Ok(_in) = self.ctx.enter() {
+            // SAFETY: the completion thread has ended (it held the last reference); nothing is
+            // queued on the stream that anyone waits for, and each handle is destroyed once.
+            unsafe {
+                let _ = (api.cuStreamSynchronize)(self.stream.0);
+                for e in self
+                    .events
+                    .get_mut()
+                    .map(std::mem::take)
+                    .unwrap_or_default()
+                {
+                    let _ = (api.cuEventDestroy)(e.0);
+                }
+                let _ = (api.cuStreamDestroy)(self.stream.0);
+            }
+        }
     }
 }
 
-/// One device's context and the stream its staging copies run on (in order).
-struct DeviceCopies {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+/// A batch's completion, as the completion thread receives it.
+struct Batch {
+    event: Handle<CUevent>,
+    done: CopyDone,
+    queued: Result<(), CopyError>,
+    deadline: Instant,
 }
 
-/// Copies between device memory and staging buffers with `cuMemcpy*Async` on one copy
-/// stream per device; a batch's completion is a host function queued behind its copies, so
-/// no thread waits on the GPU.
+/// One device's copy stream, its completion thread and what the device can do.
+struct DeviceCopies {
+    shared: Arc<DeviceShared>,
+    batches: std::sync::mpsc::Sender<Batch>,
+    flush: Flush,
+    /// `Err`: why the device's memory cannot be exported as a dma-buf.
+    dma_buf: Result<(), String>,
+}
+
+/// Copies between device memory and staging buffers on one copy stream per device: a batch's
+/// pieces become as few calls as they can ([`plan_copies`]: runs merged, strided rows as one
+/// 2D copy), and its completion is an event the device's completion thread polls, so no
+/// runtime thread waits on the GPU and nothing stalls the stream.
 pub struct CudaCopyEngine {
     devices: BTreeMap<u32, DeviceCopies>,
+    counts: CopyCounts,
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for CudaCopyEngine {
@@ -73,52 +150,241 @@ impl std::fmt::Debug for CudaCopyEngine {
 impl CudaCopyEngine {
     /// An engine for `devices` (ordinals); a typed error where there is no GPU or driver.
     pub fn open(devices: &[u32]) -> Result<Arc<Self>, GpuError> {
-        probe()?;
-        let mut map = BTreeMap::new();
-        for &d in devices {
-            let ctx =
-                CudaContext::new(d as usize).map_err(|e| GpuError::Driver(format!("{e:?}")))?;
-            let stream = ctx
-                .new_stream()
-                .map_err(|e| GpuError::Driver(format!("{e:?}")))?;
-            map.insert(d, DeviceCopies { ctx, stream });
-        }
-        Ok(Arc::new(CudaCopyEngine { devices: map }))
+        Self::open_with(api()?, devices, DEFAULT_COPY_TIMEOUT)
     }
 
     /// An engine for every device `memory`'s regions live on.
     pub fn for_memory(memory: &MemoryMap) -> Result<Arc<Self>, GpuError> {
-        let mut devices: Vec<u32> = memory
-            .device_regions()
-            .filter_map(|(_, k)| match k {
-                MemoryKind::Cuda { device } => Some(device),
-                MemoryKind::Host => None,
-            })
-            .collect();
-        devices.sort_unstable();
-        devices.dedup();
-        Self::open(&devices)
+        Self::open(&devices_of(memory))
+    }
+
+    /// [`CudaCopyEngine::open`] over a given driver table, batches given up after `timeout`.
+    pub(crate) fn open_with(
+        api: &'static CudaApi,
+        devices: &[u32],
+        timeout: Duration,
+    ) -> Result<Arc<Self>, GpuError> {
+        let mut map = BTreeMap::new();
+        for &d in devices {
+            map.insert(d, open_device(api, d)?);
+        }
+        Ok(Arc::new(CudaCopyEngine {
+            devices: map,
+            counts: CopyCounts::default(),
+            timeout,
+        }))
+    }
+
+    /// What it was asked to do and the calls it made (the copy benchmark's counts).
+    pub fn counts(&self) -> &CopyCounts {
+        &self.counts
     }
 
     fn any(&self) -> Option<&DeviceCopies> {
         self.devices.values().next()
     }
+
+    fn device(&self, device: u32) -> Result<&DeviceCopies, CopyError> {
+        self.devices
+            .get(&device)
+            .ok_or_else(|| CopyError(format!("no copy stream for CUDA device {device}")))
+    }
 }
 
-/// What a batch's stream callback receives.
-struct Completion {
-    done: CopyDone,
-    result: Result<(), CopyError>,
+/// The devices `memory`'s regions live on, in order, once each.
+fn devices_of(memory: &MemoryMap) -> Vec<u32> {
+    let mut devices: Vec<u32> = memory
+        .device_regions()
+        .filter_map(|(_, k)| match k {
+            MemoryKind::Cuda { device } => Some(device),
+            MemoryKind::Host => None,
+        })
+        .collect();
+    devices.sort_unstable();
+    devices.dedup();
+    devices
 }
 
-/// A stream callback (not a host function: the driver skips host functions once the context
-/// has an error, and the batch would never end; a callback runs with the error instead).
-/// Makes no CUDA call.
-unsafe extern "C" fn complete(_stream: sys::CUstream, status: CUresult, user: *mut c_void) {
-    // SAFETY: `user` is the Box<Completion> leaked by `start` for exactly this one call.
-    let c = unsafe { Box::from_raw(user.cast::<Completion>()) };
-    let result = c.result.and(check(status, "copy stream"));
-    (c.done)(result);
+/// Retains `ordinal`'s primary context, makes its copy stream and completion thread, and
+/// reads what it can do for a NIC.
+fn open_device(api: &'static CudaApi, ordinal: u32) -> Result<DeviceCopies, GpuError> {
+    let ctx = DeviceContext::retain(api, ordinal)?;
+    let stream = {
+        let _in = ctx.enter()?;
+        let mut stream: CUstream = std::ptr::null_mut();
+        // SAFETY: writes one stream handle of the entered context; flag 1 = non-blocking
+        // (no implicit order with the legacy default stream torch may use).
+        driver::ok(
+            unsafe { (api.cuStreamCreate)(&mut stream, 1) },
+            "cuStreamCreate",
+        )?;
+        Handle(stream)
+    };
+    let ordering = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING)
+        .unwrap_or(0);
+    let flush = if ordering >= 100 {
+        Flush::NotNeeded
+    } else if api.cuFlushGPUDirectRDMAWrites.is_some() {
+        Flush::Needed
+    } else {
+        Flush::Unavailable
+    };
+    let dma_buf = dma_buf_support(api, &ctx, &flush);
+    let shared = Arc::new(DeviceShared {
+        ctx,
+        stream,
+        events: Mutex::new(Vec::new()),
+        stalled: AtomicBool::new(false),
+    });
+    let (batches, rx) = std::sync::mpsc::channel();
+    let polled = shared.clone();
+    std::thread::Builder::new()
+        .name(format!("kvferry-cuda-copy-{ordinal}"))
+        .spawn(move || complete_batches(polled, rx))
+        .map_err(|e| GpuError::Driver(format!("cannot start a copy completion thread: {e}")))?;
+    Ok(DeviceCopies {
+        shared,
+        batches,
+        flush,
+        dma_buf,
+    })
+}
+
+/// Whether the driver and the device can export memory as a dma-buf a NIC registers.
+fn dma_buf_support(api: &CudaApi, ctx: &DeviceContext, flush: &Flush) -> Result<(), String> {
+    if api.cuMemGetHandleForAddressRange.is_none() {
+        return Err(
+            "the CUDA driver lacks cuMemGetHandleForAddressRange (dma-buf export needs R515 or newer)"
+                .to_owned(),
+        );
+    }
+    let supported = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+        .unwrap_or(0);
+    if supported != 1 {
+        return Err(format!(
+            "CUDA device {} does not support dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = {supported})",
+            ctx.ordinal()
+        ));
+    }
+    if *flush == Flush::Unavailable {
+        return Err(format!(
+            "CUDA device {} orders a NIC's writes only with cuFlushGPUDirectRDMAWrites, which the driver lacks",
+            ctx.ordinal()
+        ));
+    }
+    Ok(())
+}
+
+/// A device's completion thread: waits for each batch's event in order (its stream runs
+/// them in order), spinning briefly, then yielding, then sleeping a little, and calls `done`.
+fn complete_batches(shared: Arc<DeviceShared>, batches: std::sync::mpsc::Receiver<Batch>) {
+    let Ok(_in) = shared.ctx.enter() else {
+        for b in batches.iter() {
+            (b.done)(Err(CopyError(
+                "cannot enter the device's context".to_owned(),
+            )));
+        }
+        return;
+    };
+    let api = shared.api();
+    for batch in batches.iter() {
+        let mut polls = 0u32;
+        let landed = loop {
+            // SAFETY: a live event of the entered context, recorded after the batch's copies.
+            match unsafe { (api.cuEventQuery)(batch.event.0) } {
+                CUresult::CUDA_SUCCESS => break Ok(()),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                r => break Err(CopyError(format!("copy stream: {r:?}"))),
+            }
+            if Instant::now() >= batch.deadline {
+                break Err(CopyError(
+                    "copies did not complete within the copy timeout".to_owned(),
+                ));
+            }
+            polls += 1;
+            match polls {
+                0..64 => std::hint::spin_loop(),
+                64..256 => std::thread::yield_now(),
+                _ => std::thread::sleep(Duration::from_micros(20)),
+            }
+        };
+        match &landed {
+            Ok(()) => {
+                if let Ok(mut free) = shared.events.lock() {
+                    free.push(batch.event);
+                }
+            }
+            // The stream may still run it: its event is never reused, and no later batch of
+            // this device is started.
+            Err(_) => shared.stalled.store(true, Ordering::SeqCst),
+        }
+        (batch.done)(batch.queued.and(landed));
+    }
+}
+
+/// Queues one planned call on `stream`.
+///
+/// # Safety
+///
+/// The call's ranges are valid device memory (device side) and page-locked or pageable host
+/// memory (host side) that stay valid until the batch's event completes; the device's
+/// context is current.
+unsafe fn queue(
+    api: &CudaApi,
+    stream: CUstream,
+    direction: CopyDirection,
+    call: &CopyCall,
+) -> CUresult {
+    match (*call, direction) {
+        (CopyCall::Run(j), CopyDirection::DeviceToHost) => {
+            // SAFETY: the caller's contract.
+            unsafe { (api.cuMemcpyDtoHAsync)(j.dst as *mut c_void, j.src as u64, j.len, stream) }
+        }
+        (CopyCall::Run(j), CopyDirection::HostToDevice) => {
+            // SAFETY: the caller's contract.
+            unsafe { (api.cuMemcpyHtoDAsync)(j.dst as u64, j.src as *const c_void, j.len, stream) }
+        }
+        (
+            CopyCall::Rows {
+                dst,
+                src,
+                width,
+                rows,
+                dst_pitch,
+                src_pitch,
+            },
+            direction,
+        ) => {
+            let (device, host) = (
+                CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                CUmemorytype::CU_MEMORYTYPE_HOST,
+            );
+            let to_host = direction == CopyDirection::DeviceToHost;
+            let p = CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: if to_host { device } else { host },
+                srcHost: src as *const c_void,
+                srcDevice: src as u64,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: src_pitch,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: if to_host { host } else { device },
+                dstHost: dst as *mut c_void,
+                dstDevice: dst as u64,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: dst_pitch,
+                WidthInBytes: width,
+                Height: rows,
+            };
+            // SAFETY: the caller's contract; `p` lives across the call (the driver reads it
+            // before returning).
+            unsafe { (api.cuMemcpy2DAsync)(&p, stream) }
+        }
+    }
 }
 
 impl CopyEngine for CudaCopyEngine {
@@ -127,133 +393,144 @@ impl CopyEngine for CudaCopyEngine {
     }
 
     fn start(&self, device: u32, direction: CopyDirection, jobs: Vec<CopyJob>, done: CopyDone) {
-        let Some(dev) = self.devices.get(&device) else {
-            done(Err(CopyError(format!(
-                "no copy stream for CUDA device {device}"
+        let dev = match self.device(device) {
+            Ok(d) => d,
+            Err(e) => return done(Err(e)),
+        };
+        let shared = &dev.shared;
+        if shared.stalled.load(Ordering::SeqCst) {
+            return done(Err(CopyError(format!(
+                "CUDA device {device}'s copies stalled earlier: it takes no more"
             ))));
-            return;
+        }
+        let calls = plan_copies(&jobs);
+        self.counts.count(jobs.len(), &calls);
+        let api = shared.api();
+        let entered = match shared.ctx.enter() {
+            Ok(e) => e,
+            Err(e) => return done(Err(copy_error(e))),
         };
-        let current = match Current::push(&dev.ctx) {
-            Ok(c) => c,
-            Err(e) => {
-                done(Err(e));
-                return;
-            }
-        };
-        let stream = dev.stream.cu_stream();
-        let mut result = Ok(());
-        for j in &jobs {
+        let mut queued = Ok(());
+        for call in &calls {
             // SAFETY: the staged paths pass ranges of registered device memory (bounds-checked
-            // by MemoryMap) and of staging buffers they hold until `done` runs.
-            let r = unsafe {
-                match direction {
-                    CopyDirection::DeviceToHost => sys::cuMemcpyDtoHAsync_v2(
-                        j.dst as *mut c_void,
-                        j.src as sys::CUdeviceptr,
-                        j.len,
-                        stream,
-                    ),
-                    CopyDirection::HostToDevice => sys::cuMemcpyHtoDAsync_v2(
-                        j.dst as sys::CUdeviceptr,
-                        j.src as *const c_void,
-                        j.len,
-                        stream,
-                    ),
-                }
-            };
-            if let Err(e) = check(r, "cuMemcpyAsync") {
-                result = Err(e);
+            // by MemoryMap) and of staging buffers they hold until `done` runs; the context
+            // is entered.
+            let r = unsafe { queue(api, shared.stream.0, direction, call) };
+            if let Err(e) = driver::ok(r, "cuMemcpyAsync") {
+                queued = Err(copy_error(e));
                 break;
             }
         }
-        let user = Box::into_raw(Box::new(Completion { done, result }));
-        // SAFETY: `complete` takes the box back exactly once, after every copy queued above.
-        let r = unsafe { sys::cuStreamAddCallback(stream, Some(complete), user.cast(), 0) };
-        if r != CUresult::CUDA_SUCCESS {
-            // SAFETY: the callback was not queued, so the box is still ours.
-            let c = unsafe { Box::from_raw(user) };
-            let waited = dev
-                .stream
-                .synchronize()
-                .map_err(|e| CopyError(format!("{e:?}")));
-            let result = c.result.and(waited).and(check(r, "cuStreamAddCallback"));
-            (c.done)(result);
+        let recorded = shared.event().and_then(|event| {
+            // SAFETY: an event and the stream of the entered context.
+            driver::ok(
+                unsafe { (api.cuEventRecord)(event.0, shared.stream.0) },
+                "cuEventRecord",
+            )
+            .map(|()| event)
+        });
+        drop(entered);
+        match recorded {
+            Ok(event) => {
+                let batch = Batch {
+                    event,
+                    done,
+                    queued,
+                    deadline: Instant::now() + self.timeout,
+                };
+                if let Err(std::sync::mpsc::SendError(b)) = dev.batches.send(batch) {
+                    (b.done)(Err(CopyError(
+                        "the copy completion thread is gone".to_owned(),
+                    )));
+                }
+            }
+            Err(e) => {
+                // Nothing tells when what was queued ends: the device takes no more.
+                shared.stalled.store(true, Ordering::SeqCst);
+                done(queued.and(Err(copy_error(e))));
+            }
         }
-        drop(current);
     }
 
     fn pin(&self, buffer: &mut HostBuffer) -> Result<(), CopyError> {
         let Some(dev) = self.any() else {
             return Ok(());
         };
-        let _current = Current::push(&dev.ctx)?;
+        let _in = dev.shared.ctx.enter().map_err(copy_error)?;
         let slice = buffer.as_mut_slice();
         // SAFETY: page-locks the buffer's own allocation, for every context (portable: copies
         // of any device see it pinned); `unpin` undoes it before it is freed.
         let r = unsafe {
-            sys::cuMemHostRegister_v2(
+            (dev.shared.api().cuMemHostRegister)(
                 slice.as_mut_ptr().cast(),
                 slice.len(),
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
+                HOST_REGISTER_PORTABLE,
             )
         };
-        check(r, "cuMemHostRegister")
+        driver::ok(r, "cuMemHostRegister").map_err(copy_error)
+    }
+
+    fn unpin(&self, buffer: &mut HostBuffer) {
+        if let Some(dev) = self.any() {
+            if let Ok(_in) = dev.shared.ctx.enter() {
+                // SAFETY: the buffer was registered by `pin` and is not in use any more.
+                let _ = unsafe {
+                    (dev.shared.api().cuMemHostUnregister)(
+                        buffer.as_mut_slice().as_mut_ptr().cast(),
+                    )
+                };
+            }
+        }
     }
 
     fn pci_bus_id(&self, device: u32) -> Option<String> {
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: the driver was initialised when the engine opened; writes one handle.
-        if unsafe { sys::cuDeviceGet(&mut dev, device as std::ffi::c_int) }
-            != CUresult::CUDA_SUCCESS
-        {
-            return None;
-        }
-        let mut buf = [0 as std::ffi::c_char; 32];
-        // SAFETY: `buf` holds 32 bytes, the length passed; the driver NUL-terminates it. No
-        // context is needed (nor made current).
-        let r = unsafe {
-            sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as std::ffi::c_int, dev)
-        };
-        if r != CUresult::CUDA_SUCCESS {
-            return None;
-        }
-        // SAFETY: NUL-terminated within `buf` on success.
-        let id = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+        let api = self.devices.get(&device)?.shared.api();
+        let handle = self.devices.get(&device)?.shared.ctx.device();
+        // SAFETY: the driver writes at most the given length, NUL-terminated; no context needed.
+        let id = driver::driver_string::<32>("cuDeviceGetPCIBusId", |buf, len| unsafe {
+            (api.cuDeviceGetPCIBusId)(buf, len, handle)
+        })
+        .ok()?;
         // The driver writes `0000:3B:00.0`; sysfs names it in lower case.
-        Some(id.to_string_lossy().to_lowercase())
+        Some(id.to_lowercase())
     }
 
     fn export_dma_buf(&self, device: u32, addr: u64, len: usize) -> Result<DmaBuf, CopyError> {
-        let Some(dev) = self.devices.get(&device) else {
-            return Err(CopyError(format!("no context for CUDA device {device}")));
-        };
-        let _current = Current::push(&dev.ctx)?;
+        let dev = self.device(device)?;
+        dev.dma_buf.clone().map_err(CopyError)?;
+        let api = dev.shared.api();
+        let export = api.cuMemGetHandleForAddressRange.ok_or_else(|| {
+            CopyError("the CUDA driver lacks cuMemGetHandleForAddressRange".to_owned())
+        })?;
+        let _in = dev.shared.ctx.enter().map_err(copy_error)?;
         // The whole allocation is exported: its base and size are page-aligned, as the export
         // requires, and the asked-for range lies inside it.
-        let mut base: sys::CUdeviceptr = 0;
+        let mut base = 0u64;
         let mut size: usize = 0;
         // SAFETY: asks the driver which allocation holds `addr`; it writes the two values.
-        check(
-            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) },
+        driver::ok(
+            unsafe { (api.cuMemGetAddressRange)(&mut base, &mut size, addr) },
             "cuMemGetAddressRange",
-        )?;
+        )
+        .map_err(copy_error)?;
         if addr < base || addr - base + len as u64 > size as u64 {
             return Err(CopyError(format!(
-                "{len} bytes at {addr:#x} do not lie in one CUDA allocation"
+                "{len} bytes at {addr:#x} span more than one CUDA allocation (the one holding its start ends at {:#x}); a caching allocator's expandable segments do this",
+                base + size as u64
             )));
         }
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: exports a live allocation of this context; the driver writes one descriptor.
         let r = unsafe {
-            sys::cuMemGetHandleForAddressRange(
+            export(
                 (&mut fd as *mut std::ffi::c_int).cast(),
                 base,
                 size,
-                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
                 0,
             )
         };
-        check(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)")?;
+        driver::ok(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)").map_err(copy_error)?;
         if fd < 0 {
             return Err(CopyError(
                 "the CUDA driver gave no dma-buf descriptor".to_owned(),
@@ -267,44 +544,84 @@ impl CopyEngine for CudaCopyEngine {
         })
     }
 
-    fn unpin(&self, buffer: &mut HostBuffer) {
-        if let Some(dev) = self.any() {
-            if let Ok(_current) = Current::push(&dev.ctx) {
-                // SAFETY: the buffer was registered by `pin` and is not in use any more.
-                let _ =
-                    unsafe { sys::cuMemHostUnregister(buffer.as_mut_slice().as_mut_ptr().cast()) };
-            }
+    fn remote_writes_need_flush(&self, device: u32) -> bool {
+        self.devices
+            .get(&device)
+            .is_some_and(|d| d.flush != Flush::NotNeeded)
+    }
+
+    fn flush_remote_writes(&self, device: u32) -> Result<(), CopyError> {
+        let dev = self.device(device)?;
+        if dev.flush == Flush::NotNeeded {
+            return Ok(());
         }
+        let flush = dev.shared.api().cuFlushGPUDirectRDMAWrites.ok_or_else(|| {
+            CopyError("the CUDA driver lacks cuFlushGPUDirectRDMAWrites".to_owned())
+        })?;
+        let _in = dev.shared.ctx.enter().map_err(copy_error)?;
+        // SAFETY: flushes the NIC writes into the entered context's memory; no pointers.
+        let r = unsafe {
+            flush(
+                CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+            )
+        };
+        driver::ok(r, "cuFlushGPUDirectRDMAWrites").map_err(copy_error)
     }
 }
 
 /// What the driver says the memory at `ptr` is: host memory it does not know, or a device's.
 pub fn pointer_kind(ptr: *const u8) -> Result<MemoryKind, GpuError> {
-    probe()?;
-    kind_of(ptr)
+    kind_of(api()?, ptr)
 }
 
 /// One attribute of `ptr` as the driver reports it (`T` is the attribute's C type: `u32`
 /// for the memory type, `i32` for the device ordinal).
-fn attribute<T: Default>(ptr: *const u8, which: sys::CUpointer_attribute) -> (CUresult, T) {
+fn attribute<T: Default>(
+    api: &CudaApi,
+    ptr: *const u8,
+    which: CUpointer_attribute,
+) -> (CUresult, T) {
     let mut value = T::default();
     // SAFETY: asks the driver about an address; it writes one value of the attribute's type,
     // which the callers name as `T`.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut value as *mut T).cast(),
-            which,
-            ptr as sys::CUdeviceptr,
-        )
-    };
+    let r =
+        unsafe { (api.cuPointerGetAttribute)((&mut value as *mut T).cast(), which, ptr as u64) };
     (r, value)
 }
 
-/// [`pointer_kind`] once the driver is known to be loaded and initialised.
-fn kind_of(ptr: *const u8) -> Result<MemoryKind, GpuError> {
+/// [`pointer_kind`] through a given driver table. Asked first on this thread as it is (torch's
+/// context current, or none); a driver that needs a context is asked again inside each device
+/// context some user of this process already made (a pointer to device memory exists only in
+/// a context someone made), never creating one.
+pub(crate) fn kind_of(api: &'static CudaApi, ptr: *const u8) -> Result<MemoryKind, GpuError> {
+    match kind_here(api, ptr) {
+        Err(CUresult::CUDA_ERROR_INVALID_CONTEXT) => {}
+        Err(r) => return Err(GpuError::Driver(format!("what memory {ptr:?} is: {r:?}"))),
+        Ok(kind) => return Ok(kind),
+    }
+    for ordinal in 0..driver::device_count(api)? {
+        if !driver::primary_context_active(api, ordinal)? {
+            continue;
+        }
+        let ctx = DeviceContext::retain(api, ordinal)?;
+        let _in = ctx.enter()?;
+        match kind_here(api, ptr) {
+            Err(CUresult::CUDA_ERROR_INVALID_CONTEXT) => {}
+            Err(r) => return Err(GpuError::Driver(format!("what memory {ptr:?} is: {r:?}"))),
+            Ok(kind) => return Ok(kind),
+        }
+    }
+    // No device context exists in this process: no device memory does either.
+    Ok(MemoryKind::Host)
+}
+
+/// The kind of `ptr` in the context current on this thread; `Err`: the driver's answer.
+fn kind_here(api: &CudaApi, ptr: *const u8) -> Result<MemoryKind, CUresult> {
     let (r, memory_type) = attribute::<u32>(
+        api,
         ptr,
-        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
     );
     if r == CUresult::CUDA_ERROR_INVALID_VALUE {
         // Memory the driver never saw (plain malloc) is host memory.
@@ -312,14 +629,15 @@ fn kind_of(ptr: *const u8) -> Result<MemoryKind, GpuError> {
     }
     if r != CUresult::CUDA_SUCCESS {
         // Any other answer says nothing about the pointer: do not call it host memory.
-        return Err(GpuError::Driver(format!("what memory {ptr:?} is: {r:?}")));
+        return Err(r);
     }
-    if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+    if memory_type != CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
         return Ok(MemoryKind::Host);
     }
     let (r, ordinal) = attribute::<i32>(
+        api,
         ptr,
-        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
     );
     // Device memory whose ordinal the driver does not give is still device memory: call it
     // device 0 rather than host, so it is never read by the CPU.
@@ -343,22 +661,103 @@ pub struct KindMismatch {
     pub actual: MemoryKind,
 }
 
+/// Why registered memory was refused by [`verify_kinds`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KindError {
+    /// The driver says a region is another kind of memory than it was registered as.
+    Mismatch(KindMismatch),
+    /// The driver could not say what a region is.
+    Unknown {
+        /// The region.
+        region: Region,
+        /// What it was registered as.
+        registered: MemoryKind,
+        /// Why.
+        why: GpuError,
+    },
+}
+
+impl std::fmt::Display for KindError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KindError::Mismatch(m) => write!(
+                f,
+                "{:?} was registered as {} but the CUDA driver says it is {}",
+                m.region, m.registered, m.actual
+            ),
+            KindError::Unknown {
+                region,
+                registered,
+                why,
+            } => write!(
+                f,
+                "{region:?} was registered as {registered}, and the CUDA driver cannot say what it is, so it is not used: {why}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for KindError {}
+
 /// Asks the driver what every region of `memory` is and names the first registered as the
 /// wrong kind (a device pointer registered as host would be read by the CPU).
 pub fn check_kinds(memory: &MemoryMap) -> Result<Option<KindMismatch>, GpuError> {
-    probe()?;
+    match verify_kinds(memory) {
+        Ok(()) => Ok(None),
+        Err(KindError::Mismatch(m)) => Ok(Some(m)),
+        Err(KindError::Unknown { why, .. }) => Err(why),
+    }
+}
+
+/// Checks that every region of `memory` is the kind of memory it was registered as. Host
+/// memory on a host with no CUDA driver or no GPU needs no driver to say so; anything else
+/// the driver cannot answer is an error naming the region.
+pub fn verify_kinds(memory: &MemoryMap) -> Result<(), KindError> {
+    verify_kinds_with(api(), memory)
+}
+
+/// [`verify_kinds`] through a given driver table (or the reason there is none).
+pub(crate) fn verify_kinds_with(
+    api: Result<&'static CudaApi, GpuError>,
+    memory: &MemoryMap,
+) -> Result<(), KindError> {
+    let first = memory.kinds().next();
+    let device_region = memory.kinds().find(|(_, k)| *k != MemoryKind::Host);
+    let api = match api.and_then(|api| match driver::device_count(api)? {
+        0 => Err(GpuError::NoDevice),
+        _ => Ok(api),
+    }) {
+        Ok(api) => api,
+        // Without a driver or a device, no pointer is device memory: host regions are host.
+        Err(GpuError::NoLibcuda | GpuError::NoDevice) if device_region.is_none() => return Ok(()),
+        Err(why) => {
+            let (region, registered) = device_region
+                .or(first)
+                .unwrap_or((Region::Scratch, MemoryKind::Host));
+            return Err(KindError::Unknown {
+                region,
+                registered,
+                why,
+            });
+        }
+    };
     for (region, registered) in memory.kinds() {
+        let unknown = |why| KindError::Unknown {
+            region,
+            registered,
+            why,
+        };
         let ptr = memory
             .range(region, 0, 0)
-            .map_err(|e| GpuError::Driver(e.to_string()))?;
-        let actual = kind_of(ptr)?;
+            .map_err(|e| unknown(GpuError::Driver(e.to_string())))?;
+        let actual = kind_of(api, ptr).map_err(unknown)?;
         if actual != registered {
-            return Ok(Some(KindMismatch {
+            return Err(KindError::Mismatch(KindMismatch {
                 region,
                 registered,
                 actual,
             }));
         }
     }
-    Ok(None)
+    Ok(())
 }

@@ -16,7 +16,13 @@ mod waiter;
 #[cfg(feature = "gpu")]
 pub mod cuda;
 #[cfg(feature = "gpu")]
+mod driver;
+#[cfg(feature = "gpu")]
 pub mod engine;
+#[cfg(all(test, feature = "gpu"))]
+mod engine_tests;
+#[cfg(all(test, feature = "gpu"))]
+mod fake;
 
 pub use error::GpuError;
 pub use timeline::{LayerTimes, Span, Timeline};

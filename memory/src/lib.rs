@@ -9,13 +9,15 @@
 
 mod admission;
 mod checksum;
+mod copy_plan;
 mod region;
 mod staging;
 
 pub use admission::WriteCheck;
 pub use checksum::{Checksum, SliceSide};
+pub use copy_plan::{copy_with_cpu, plan_copies, CopyCall, MAX_PITCH};
 pub use region::{page_size, AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds};
 pub use staging::{
-    CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf, HostCopyEngine,
-    InFlightCopies, MemoryKind, Staging, StagingBuffer, StagingConfig,
+    abandoned_copies, CopyCounts, CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf,
+    HostCopyEngine, InFlightCopies, MemoryKind, Staging, StagingBuffer, StagingConfig,
 };

@@ -7,8 +7,9 @@
 //! so the wire works on one buffer while the engine fills the next. The pool is bounded: a
 //! sender or receiver that finds it empty waits for a buffer, it never allocates more.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use crate::region::HostBuffer;
 
@@ -107,6 +108,19 @@ pub trait CopyEngine: Send + Sync + 'static {
         )))
     }
 
+    /// Whether a NIC's writes into `device`'s memory may be seen out of order by the device's
+    /// own work until [`CopyEngine::flush_remote_writes`] (CUDA: GPUDirect RDMA write ordering
+    /// weaker than the owner's).
+    fn remote_writes_need_flush(&self, _device: u32) -> bool {
+        false
+    }
+
+    /// Makes every write a NIC completed into `device`'s memory so far visible to the
+    /// device's own work: called before a room those writes filled is reported `Success`.
+    fn flush_remote_writes(&self, _device: u32) -> Result<(), CopyError> {
+        Ok(())
+    }
+
     /// Where `device` sits on the PCIe tree: its bus id as sysfs names it
     /// (`0000:3b:00.0`), so the node can pick the RDMA NIC nearest it; `None` if unknown.
     fn pci_bus_id(&self, _device: u32) -> Option<String> {
@@ -121,6 +135,41 @@ pub trait CopyEngine: Send + Sync + 'static {
 #[derive(Debug)]
 pub struct HostCopyEngine {
     jobs: flume::Sender<(CopyDirection, Vec<CopyJob>, CopyDone)>,
+    counts: Arc<CopyCounts>,
+}
+
+/// What a copy engine was asked to do, and the calls it made for it.
+#[derive(Debug, Default)]
+pub struct CopyCounts {
+    /// Batches started.
+    pub batches: AtomicU64,
+    /// Jobs (pieces) in them.
+    pub jobs: AtomicU64,
+    /// Copy calls made for them after planning ([`crate::plan_copies`]).
+    pub calls: AtomicU64,
+    /// Bytes moved.
+    pub bytes: AtomicU64,
+}
+
+impl CopyCounts {
+    /// Counts one batch and the calls planned for it.
+    pub fn count(&self, jobs: usize, calls: &[crate::CopyCall]) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.jobs.fetch_add(jobs as u64, Ordering::Relaxed);
+        self.calls.fetch_add(calls.len() as u64, Ordering::Relaxed);
+        let bytes: usize = calls.iter().map(crate::CopyCall::bytes).sum();
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// `(batches, jobs, calls, bytes)` so far.
+    pub fn snapshot(&self) -> (u64, u64, u64, u64) {
+        (
+            self.batches.load(Ordering::Relaxed),
+            self.jobs.load(Ordering::Relaxed),
+            self.calls.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed),
+        )
+    }
 }
 
 impl HostCopyEngine {
@@ -133,6 +182,8 @@ impl HostCopyEngine {
     /// them (fault tests).
     pub fn failing(delay: Duration, fail: Option<(CopyDirection, u64)>) -> Arc<Self> {
         let (tx, rx) = flume::unbounded::<(CopyDirection, Vec<CopyJob>, CopyDone)>();
+        let counts = Arc::new(CopyCounts::default());
+        let counted = counts.clone();
         std::thread::Builder::new()
             .name("kvferry-host-copy".to_owned())
             .spawn(move || {
@@ -150,24 +201,25 @@ impl HostCopyEngine {
                             }
                         }
                     }
-                    for j in &jobs {
+                    let calls = crate::plan_copies(&jobs);
+                    counted.count(jobs.len(), &calls);
+                    for call in &calls {
                         // SAFETY: the staged paths hand only ranges of registered memory
                         // (bounds-checked by MemoryMap) and of staging buffers they hold until
                         // `done` runs; "device" memory of this engine is host memory.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                j.src as *const u8,
-                                j.dst as *mut u8,
-                                j.len,
-                            )
-                        };
+                        unsafe { crate::copy_with_cpu(call) };
                     }
                     done(Ok(()));
                 }
             })
             .map(|_| ())
             .unwrap_or_else(|e| panic!("cannot start the host copy thread: {e}"));
-        Arc::new(HostCopyEngine { jobs: tx })
+        Arc::new(HostCopyEngine { jobs: tx, counts })
+    }
+
+    /// What it was asked to do and the calls it made (the copy benchmark's counts).
+    pub fn counts(&self) -> &CopyCounts {
+        &self.counts
     }
 }
 
@@ -190,6 +242,9 @@ pub struct StagingConfig {
     pub buffers: usize,
     /// Bytes per buffer (default 1 MiB): the unit the engine copies and the wire sends.
     pub buffer_bytes: usize,
+    /// How long a batch of copies may take before it is given up as lost (default 10 s): its
+    /// buffers are then never reused, and the failure is logged and counted.
+    pub copy_timeout: Duration,
 }
 
 impl Default for StagingConfig {
@@ -197,6 +252,7 @@ impl Default for StagingConfig {
         StagingConfig {
             buffers: 16,
             buffer_bytes: 1 << 20,
+            copy_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -344,6 +400,14 @@ impl StagingBuffer {
         self.buffer.as_ref().map_or(&[], |b| b.buffer.as_slice())
     }
 
+    /// Moves the buffer out, leaving this one empty (a stage's copies keep it while they run).
+    pub fn take(&mut self) -> StagingBuffer {
+        StagingBuffer {
+            buffer: self.buffer.take(),
+            home: self.home.clone(),
+        }
+    }
+
     /// The buffer's bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         self.buffer
@@ -361,13 +425,77 @@ impl Drop for StagingBuffer {
     }
 }
 
-/// Copies started on an engine and not yet known to have landed. Dropping it waits for them
-/// (on this thread): a task cancelled mid-copy (a fence, a closed connection) must not let
-/// the room's pages or the staging buffers go while an engine still writes into them. Declare
-/// it after what it protects, so it is dropped first.
+/// Copies started on an engine and not yet known to have landed, and what they use (staging
+/// buffers handed to [`InFlightCopies::hold`]). Dropping it never blocks: where copies are
+/// still pending (a task cancelled mid-copy by a fence or a closed connection), they and what
+/// they use go to the reaper thread, which lets go of the buffers once the copies landed, so
+/// no engine writes into a buffer someone else holds. Copies that do not land within the
+/// pool's `copy_timeout` are given up: their buffers are never reused (leaked), and
+/// [`abandoned_copies`] counts them.
 #[derive(Debug, Default)]
 pub struct InFlightCopies {
     pending: Vec<flume::Receiver<Result<(), CopyError>>>,
+    held: Vec<Held>,
+    timeout: Option<Duration>,
+}
+
+/// Something the copies in flight use, let go only after they landed.
+struct Held(#[allow(dead_code)] Box<dyn Send>);
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Held")
+    }
+}
+
+/// Batches of copies abandoned since the process started: they had not landed `copy_timeout`
+/// after their wait was given up (a GPU fault, a driver torn down).
+pub fn abandoned_copies() -> u64 {
+    ABANDONED.load(Ordering::Relaxed)
+}
+
+static ABANDONED: AtomicU64 = AtomicU64::new(0);
+
+/// Copies whose owner went away before they landed, and what they use.
+struct Reap {
+    pending: Vec<flume::Receiver<Result<(), CopyError>>>,
+    held: Vec<Held>,
+    deadline: Instant,
+}
+
+/// The reaper: one thread per process, started at the first drop with copies pending.
+fn reaper() -> Option<&'static flume::Sender<Reap>> {
+    static REAPER: OnceLock<Option<flume::Sender<Reap>>> = OnceLock::new();
+    REAPER
+        .get_or_init(|| {
+            let (tx, rx) = flume::unbounded::<Reap>();
+            std::thread::Builder::new()
+                .name("kvferry-copy-reaper".to_owned())
+                .spawn(move || {
+                    while let Ok(reap) = rx.recv() {
+                        let landed = reap.pending.iter().all(|p| {
+                            matches!(
+                                p.recv_deadline(reap.deadline),
+                                Ok(_) | Err(flume::RecvTimeoutError::Disconnected)
+                            )
+                        });
+                        if landed {
+                            drop(reap.held);
+                        } else {
+                            ABANDONED.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(
+                                buffers = reap.held.len(),
+                                "copies did not land within the staging pool's copy_timeout: \
+                                 their buffers are never reused"
+                            );
+                            std::mem::forget(reap.held);
+                        }
+                    }
+                })
+                .ok()
+                .map(|_| tx)
+        })
+        .as_ref()
 }
 
 impl InFlightCopies {
@@ -381,6 +509,8 @@ impl InFlightCopies {
     ) {
         let (tx, rx) = flume::bounded(1);
         self.pending.push(rx);
+        let timeout = staging.config.copy_timeout;
+        self.timeout = Some(self.timeout.map_or(timeout, |t| t.max(timeout)));
         staging.engine.start(
             device,
             direction,
@@ -391,13 +521,18 @@ impl InFlightCopies {
         );
     }
 
+    /// Keeps `item` (a staging buffer the copies use) until every copy tracked here landed.
+    pub fn hold<T: Send + 'static>(&mut self, item: T) {
+        self.held.push(Held(Box::new(item)));
+    }
+
     /// Waits for the oldest batch; `None` if none is pending.
     pub async fn next(&mut self) -> Option<Result<(), CopyError>> {
         if self.pending.is_empty() {
             return None;
         }
-        // The batch stays tracked while this waits: a caller cancelled here still makes the
-        // drop wait for it.
+        // The batch stays tracked while this waits: a caller cancelled here still leaves it
+        // to the reaper.
         let r = self.pending[0]
             .recv_async()
             .await
@@ -427,13 +562,25 @@ impl InFlightCopies {
         self.pending.is_empty()
     }
 
-    /// Waits on this thread for every pending batch.
+    /// Waits on this thread for every pending batch, up to the pool's `copy_timeout`; the
+    /// first error, if any (a batch still out then is left to the reaper and is an error).
     pub fn wait_blocking(&mut self) -> Result<(), CopyError> {
+        let deadline = Instant::now() + self.timeout.unwrap_or_default();
         let mut first = Ok(());
-        for rx in self.pending.drain(..) {
-            let r = rx
-                .recv()
-                .unwrap_or_else(|_| Err(CopyError("the copy engine dropped a batch".to_owned())));
+        while let Some(rx) = self.pending.first() {
+            let r = match rx.recv_deadline(deadline) {
+                Ok(r) => r,
+                Err(flume::RecvTimeoutError::Disconnected) => {
+                    Err(CopyError("the copy engine dropped a batch".to_owned()))
+                }
+                Err(flume::RecvTimeoutError::Timeout) => {
+                    return first.and(Err(CopyError(format!(
+                        "copies did not land within {:?}",
+                        self.timeout.unwrap_or_default()
+                    ))));
+                }
+            };
+            self.pending.remove(0);
             if first.is_ok() {
                 first = r;
             }
@@ -444,7 +591,26 @@ impl InFlightCopies {
 
 impl Drop for InFlightCopies {
     fn drop(&mut self) {
-        let _ = self.wait_blocking();
+        // Batches that landed already need no one to wait for them.
+        self.pending
+            .retain(|p| p.is_empty() && !p.is_disconnected());
+        if self.pending.is_empty() {
+            return;
+        }
+        let reap = Reap {
+            pending: std::mem::take(&mut self.pending),
+            held: std::mem::take(&mut self.held),
+            deadline: Instant::now() + self.timeout.unwrap_or_default(),
+        };
+        let unreaped = match reaper() {
+            Some(r) => r.send(reap).err().map(|flume::SendError(reap)| reap),
+            None => Some(reap),
+        };
+        if let Some(reap) = unreaped {
+            // No reaper thread: never free what an engine may still write.
+            ABANDONED.fetch_add(1, Ordering::Relaxed);
+            std::mem::forget(reap.held);
+        }
     }
 }
 
@@ -473,37 +639,99 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_wait_cancelled_mid_copy_still_makes_the_drop_wait_for_the_copy() {
-        let (open, gate) = flume::unbounded();
-        let landed = Arc::new(AtomicBool::new(false));
-        let staging = Staging::new(
-            Arc::new(Gate(gate, landed.clone())),
+    /// A pool of one buffer over `gate`, copies given up after `timeout`.
+    fn gated(gate: Gate, timeout: Duration) -> Arc<Staging> {
+        Staging::new(
+            Arc::new(gate),
             StagingConfig {
                 buffers: 1,
                 buffer_bytes: 64,
+                copy_timeout: timeout,
             },
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    /// Copies in flight over the pool's one buffer, their wait polled once and cancelled.
+    fn cancelled_mid_copy(staging: &Staging) -> InFlightCopies {
         let mut copies = InFlightCopies::default();
-        copies.start(&staging, 0, CopyDirection::HostToDevice, vec![]);
-        // Poll the wait once (the copy is not done), then drop it: a cancelled task.
+        copies.start(staging, 0, CopyDirection::HostToDevice, vec![]);
+        copies.hold(staging.try_acquire().unwrap());
         {
             let mut wait = std::pin::pin!(copies.next());
             let waker = std::task::Waker::noop();
             let mut cx = std::task::Context::from_waker(waker);
             assert!(wait.as_mut().poll(&mut cx).is_pending());
         }
-        let release = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(50));
-            let _ = open.send(());
-        });
+        copies
+    }
+
+    #[test]
+    fn dropping_copies_in_flight_returns_at_once_and_their_buffer_comes_back_once_they_land() {
+        let (open, gate) = flume::unbounded();
+        let landed = Arc::new(AtomicBool::new(false));
+        let staging = gated(Gate(gate, landed.clone()), Duration::from_secs(30));
+        let copies = cancelled_mid_copy(&staging);
+        let t0 = Instant::now();
         drop(copies);
         assert!(
-            landed.load(Ordering::SeqCst),
-            "the drop returned before the copy landed"
+            t0.elapsed() < Duration::from_secs(1),
+            "the drop blocked on the copy"
         );
-        release.join().unwrap();
+        assert!(!landed.load(Ordering::SeqCst));
+        assert_eq!(
+            staging.free(),
+            0,
+            "the buffer is out while the copy may write it"
+        );
+        let _ = open.send(());
+        let t0 = Instant::now();
+        while staging.free() == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the buffer never came back"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            landed.load(Ordering::SeqCst),
+            "back only after the copy landed"
+        );
+    }
+
+    #[test]
+    fn copies_that_never_land_are_given_up_after_the_timeout_and_their_buffer_is_never_reused() {
+        let (_open, gate) = flume::unbounded();
+        let staging = gated(
+            Gate(gate, Arc::new(AtomicBool::new(false))),
+            Duration::from_millis(50),
+        );
+        let before = abandoned_copies();
+        drop(cancelled_mid_copy(&staging));
+        let t0 = Instant::now();
+        while abandoned_copies() == before {
+            assert!(t0.elapsed() < Duration::from_secs(10), "never given up");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            staging.free(),
+            0,
+            "a buffer an engine may still write is never lent"
+        );
+    }
+
+    #[test]
+    fn a_blocking_wait_for_copies_that_never_land_ends_at_the_timeout_with_an_error() {
+        let (_open, gate) = flume::unbounded();
+        let staging = gated(
+            Gate(gate, Arc::new(AtomicBool::new(false))),
+            Duration::from_millis(50),
+        );
+        let mut copies = InFlightCopies::default();
+        copies.start(&staging, 0, CopyDirection::DeviceToHost, vec![]);
+        let err = copies.wait_blocking().unwrap_err();
+        assert!(err.0.contains("did not land"), "{err}");
     }
 
     /// Counts pins and unpins; refuses to pin once `pin_limit` buffers are pinned.
@@ -547,6 +775,7 @@ mod tests {
         let config = StagingConfig {
             buffers: 2,
             buffer_bytes: 64,
+            ..StagingConfig::default()
         };
         let staging = Staging::new(pins.clone(), config).unwrap();
         let held = staging.try_acquire().unwrap();
@@ -569,6 +798,7 @@ mod tests {
         let config = StagingConfig {
             buffers: 3,
             buffer_bytes: 64,
+            ..StagingConfig::default()
         };
         assert!(Staging::new(pins.clone(), config).is_err());
         assert_eq!(pins.unpinned.load(Ordering::SeqCst), 2);
@@ -581,6 +811,7 @@ mod tests {
             StagingConfig {
                 buffers: 2,
                 buffer_bytes: 64,
+                ..StagingConfig::default()
             },
         )
         .unwrap();

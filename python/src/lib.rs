@@ -248,13 +248,16 @@ fn kvpoll(state: KvPoll) -> u8 {
 /// pointer registered as host, or device memory no engine can reach, is refused naming the
 /// region, before anything reads it.
 fn reach_device_memory(memory: MemoryMap, buffers: usize, bytes: usize) -> PyResult<MemoryMap> {
-    use kvferry_gpu::engine::{check_kinds, CudaCopyEngine};
+    use kvferry_gpu::engine::{verify_kinds, CudaCopyEngine, KindError};
     use kvferry_memory::{Staging, StagingConfig};
-    if let Ok(Some(m)) = check_kinds(&memory) {
-        return Err(UnsupportedMemory::new_err(format!(
-            "{:?} was registered as {} but the CUDA driver says it is {} (pass kv_device=N for GPU KV)",
-            m.region, m.registered, m.actual
-        )));
+    match verify_kinds(&memory) {
+        Ok(()) => {}
+        Err(e @ KindError::Mismatch(_)) => {
+            return Err(UnsupportedMemory::new_err(format!(
+                "{e} (pass kv_device=N for GPU KV)"
+            )))
+        }
+        Err(e) => return Err(UnsupportedMemory::new_err(e.to_string())),
     }
     let Some((region, kind)) = memory.unreachable_region() else {
         return Ok(memory);
@@ -267,6 +270,7 @@ fn reach_device_memory(memory: MemoryMap, buffers: usize, bytes: usize) -> PyRes
     let config = StagingConfig {
         buffers,
         buffer_bytes: bytes,
+        ..StagingConfig::default()
     };
     let staging = Staging::new(engine, config)
         .map_err(|e| UnsupportedMemory::new_err(format!("staging pool for {kind}: {e}")))?;

@@ -158,6 +158,7 @@ async fn connections_sharing_a_one_buffer_pool_never_wait_on_each_other(p: Runti
             StagingConfig {
                 buffers: 1,
                 buffer_bytes: 4 << 20,
+                ..StagingConfig::default()
             },
         )
         .unwrap();
