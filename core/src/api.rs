@@ -405,6 +405,17 @@ pub enum Action {
         /// The source's hash of the bytes it wrote.
         checksum: u64,
     },
+    /// Decode, a room whose sources all reported `Success` over a one-sided path whose writes
+    /// need a flush ([`crate::Endpoint::flush_landed_writes`]): make every write the NIC
+    /// completed so far visible to the memory's device (CUDA: `cuFlushGPUDirectRDMAWrites`),
+    /// then report with [`crate::Endpoint::end_flush`]. The room stays `Transferring`
+    /// meanwhile, under its own deadline.
+    FlushLanded {
+        /// The room.
+        room: RoomId,
+        /// Its generation.
+        generation: Generation,
+    },
     /// Drop this accepted connection now: it did not become a session's within
     /// `handshake_timeout` (no preamble, no TLS handshake, no data hello or no answer to its
     /// challenge in time). The core has forgotten it already: no

@@ -153,6 +153,17 @@ pub enum Job<H: Host> {
         /// The node's memory.
         memory: std::sync::Arc<kvferry_memory::MemoryMap>,
     },
+    /// Makes the NIC's writes into each device of `memory` visible to that device, off the
+    /// driver's thread, and ends the flush with `end_flush`.
+    #[cfg(feature = "rdma")]
+    FlushLanded {
+        /// The room whose sources all reported Success.
+        room: kvferry_core::RoomId,
+        /// Its generation.
+        generation: kvferry_core::Generation,
+        /// The node's memory.
+        memory: std::sync::Arc<kvferry_memory::MemoryMap>,
+    },
 }
 
 /// Who a control connection is dialed for ([`Job::Connect`]).

@@ -290,6 +290,9 @@ impl<H: Host> Driver<H> {
                     } => {
                         plane::verify_landed(self, permit, ranges, checksum);
                     }
+                    Action::FlushLanded { room, generation } => {
+                        plane::flush_landed(self, room, generation);
+                    }
                 }
                 budget -= 1;
                 if budget == 0 {

@@ -71,3 +71,26 @@ pub(crate) fn verify_landed<H: crate::Host>(
         .endpoint_mut()
         .end_write(std::time::Instant::now(), permit);
 }
+
+/// Decode over a one-sided plane into device memory whose writes need a flush
+/// ([`kvferry_core::Action::FlushLanded`]): the node's copy engine flushes the NIC's writes
+/// into each of its devices off the driver's thread ([`crate::Job::FlushLanded`]), then the
+/// room succeeds (or fails with why). Without such a plane there is nothing to flush.
+pub(crate) fn flush_landed<H: crate::Host>(
+    driver: &mut crate::Driver<H>,
+    room: kvferry_core::RoomId,
+    generation: kvferry_core::Generation,
+) {
+    #[cfg(feature = "rdma")]
+    if let Some(memory) = driver.rdma_plane().map(|p| p.memory().clone()) {
+        driver.host().start(crate::Job::FlushLanded {
+            room,
+            generation,
+            memory,
+        });
+        return;
+    }
+    driver
+        .endpoint_mut()
+        .end_flush(std::time::Instant::now(), room, generation, Ok(()));
+}

@@ -156,25 +156,21 @@ pub fn open(
     device: Option<&str>,
     port: u8,
 ) -> Result<Option<Arc<RdmaNode>>, NodeError> {
-    let mut host = Vec::new();
-    let mut exported = Vec::new();
-    let wanted: Vec<(Region, u64)> = memory.region_lens().collect();
-    for (region, len) in wanted {
-        let Ok(ptr) = memory.range(region, 0, len) else {
-            continue;
-        };
-        match (memory.kind(region), memory.staging()) {
-            (Some(MemoryKind::Cuda { device }), Some(staging)) => {
-                match staging
-                    .engine()
-                    .export_dma_buf(device, ptr as u64, len as usize)
-                {
-                    Ok(buf) => exported.push((region, buf, ptr as u64, len as usize)),
-                    Err(e) => return Ok(staged(region, &e.to_string())),
-                }
-            }
-            _ => host.push((region, ptr, len as usize)),
+    let Exports {
+        host,
+        exported,
+        refused,
+    } = export_regions(memory);
+    if !refused.is_empty() {
+        // Each region that cannot be given to the NIC says why (one allocation of many may
+        // be the one that spans two segments).
+        for (region, why) in &refused {
+            warn!(
+                ?region,
+                why, "device memory region cannot be registered for RDMA"
+            );
         }
+        return Ok(staged(refused.len(), &refused[0].1));
     }
     let mut regions: Vec<(Region, RegionMemory<'_>)> = host
         .iter()
@@ -203,8 +199,7 @@ pub fn open(
                 ..
             },
         ) => {
-            let region = exported.first().map_or(Region::Scratch, |x| x.0);
-            return Ok(staged(region, &e.to_string()));
+            return Ok(staged(exported.len(), &e.to_string()));
         }
         Err(e) => return Err(NodeError::Backend(e.to_string().into())),
     };
@@ -219,10 +214,50 @@ pub fn open(
     Ok(Some(Arc::new(node)))
 }
 
-/// The node cannot give its NIC `region`: it moves every session over TCP, staged.
-fn staged(region: Region, why: &str) -> Option<Arc<RdmaNode>> {
+/// Each region of a node's memory as its NIC will register it.
+struct Exports {
+    /// Host memory: `(region, address, length)`.
+    host: Vec<(Region, *mut u8, usize)>,
+    /// Device memory exported as a dma-buf: `(region, dma-buf, address, length)`.
+    exported: Vec<(Region, kvferry_memory::DmaBuf, u64, usize)>,
+    /// Device memory that cannot be exported, and why.
+    refused: Vec<(Region, String)>,
+}
+
+/// Asks the copy engine for a dma-buf of every device region (each refusal kept with its
+/// reason, so each is reported); host regions as they are.
+fn export_regions(memory: &MemoryMap) -> Exports {
+    let mut out = Exports {
+        host: Vec::new(),
+        exported: Vec::new(),
+        refused: Vec::new(),
+    };
+    let wanted: Vec<(Region, u64)> = memory.region_lens().collect();
+    for (region, len) in wanted {
+        let Ok(ptr) = memory.range(region, 0, len) else {
+            continue;
+        };
+        match (memory.kind(region), memory.staging()) {
+            (Some(MemoryKind::Cuda { device }), Some(staging)) => {
+                match staging
+                    .engine()
+                    .export_dma_buf(device, ptr as u64, len as usize)
+                {
+                    Ok(buf) => out.exported.push((region, buf, ptr as u64, len as usize)),
+                    Err(e) => out.refused.push((region, e.to_string())),
+                }
+            }
+            _ => out.host.push((region, ptr, len as usize)),
+        }
+    }
+    out
+}
+
+/// The node cannot give its NIC `regions` of its device memory: it moves every session
+/// over TCP, staged.
+fn staged(regions: usize, why: &str) -> Option<Arc<RdmaNode>> {
     warn!(
-        ?region,
+        regions,
         why,
         "device memory cannot be registered for RDMA: every session moves over TCP, staged through host buffers"
     );
@@ -342,6 +377,12 @@ pub fn on_hello<H: Host>(driver: &mut Driver<H>, sid: SessionId, payload: &[u8])
     // Decode sees no write of a one-sided path land: its rooms succeed on the source's word.
     // The source's hello (this one) precedes its first `Done` on the control channel.
     driver.endpoint_mut().set_one_sided(sid);
+    if plane.node.registers_device_memory() && plane.memory().remote_writes_need_flush() {
+        driver.endpoint_mut().flush_landed_writes(sid);
+    }
+    if plane.node.registers_device_memory() && plane.memory().remote_writes_need_flush() {
+        driver.endpoint_mut().flush_landed_writes(sid);
+    }
     let path = if plane.node.registers_device_memory() {
         DataPath::RdmaDmaBuf
     } else {
@@ -753,5 +794,89 @@ impl Drop for PolledFd {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests may panic
+
+    use std::sync::Arc;
+
+    use kvferry_core::{Layout, Region};
+    use kvferry_memory::{
+        CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf, MemoryMap, Staging,
+        StagingConfig,
+    };
+
+    use super::export_regions;
+
+    /// Exports every region but those starting at `refuse`, each refused with its address.
+    struct Exporter {
+        refuse: Vec<u64>,
+    }
+
+    impl CopyEngine for Exporter {
+        fn name(&self) -> &'static str {
+            "exporter"
+        }
+
+        fn start(&self, _: u32, _: CopyDirection, _: Vec<CopyJob>, done: CopyDone) {
+            done(Ok(()));
+        }
+
+        fn export_dma_buf(&self, _: u32, addr: u64, _: usize) -> Result<DmaBuf, CopyError> {
+            if self.refuse.contains(&addr) {
+                return Err(CopyError(format!("{addr:#x} spans two allocations")));
+            }
+            Ok(DmaBuf {
+                fd: std::fs::File::open("/dev/null").unwrap().into(),
+                offset: 0,
+            })
+        }
+    }
+
+    #[test]
+    fn every_device_region_that_cannot_be_exported_is_reported_with_its_own_reason() {
+        let layout = Layout {
+            layers: 2,
+            planes: 2,
+            page_bytes: 4096,
+            pages: 4,
+            aux_bytes: 0,
+            state_bytes: 0,
+            slots: 0,
+        };
+        let memory = MemoryMap::allocate_as_device(layout, 0);
+        let regions: Vec<(Region, u64)> = memory
+            .region_lens()
+            .map(|(r, len)| (r, memory.range(r, 0, len).unwrap() as u64))
+            .collect();
+        let refuse = vec![regions[1].1, regions[3].1];
+        let staging = Staging::new(
+            Arc::new(Exporter {
+                refuse: refuse.clone(),
+            }),
+            StagingConfig::default(),
+        )
+        .unwrap();
+        let devices = memory.device_regions().count();
+        let exports = export_regions(&memory.with_staging(staging));
+        assert_eq!(exports.exported.len(), devices - 2);
+        assert_eq!(exports.host.len(), regions.len() - devices);
+        let refused: Vec<(Region, String)> = exports.refused;
+        assert_eq!(
+            refused,
+            vec![
+                (
+                    regions[1].0,
+                    format!("copy failed: {:#x} spans two allocations", refuse[0])
+                ),
+                (
+                    regions[3].0,
+                    format!("copy failed: {:#x} spans two allocations", refuse[1])
+                ),
+            ]
+        );
     }
 }

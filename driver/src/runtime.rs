@@ -192,6 +192,19 @@ impl<R: Runtime> Job<R> {
                     rt.drive(|d| d.with(|e, now| e.end_write(now, permit)));
                 }
             }
+            #[cfg(feature = "rdma")]
+            Job::FlushLanded {
+                room,
+                generation,
+                memory,
+            } => {
+                let flushed = rt.blocking(move || memory.flush_remote_writes());
+                let result = match flushed.await {
+                    Some(r) => r.map_err(|e| e.to_string()),
+                    None => Err("the flush did not run".to_owned()),
+                };
+                rt.drive(|d| d.with(|e, now| e.end_flush(now, room, generation, result)));
+            }
         }
     }
 }

@@ -155,7 +155,7 @@ impl CudaCopyEngine {
 
     /// An engine for every device `memory`'s regions live on.
     pub fn for_memory(memory: &MemoryMap) -> Result<Arc<Self>, GpuError> {
-        Self::open(&devices_of(memory))
+        Self::open(&memory.devices().collect::<Vec<_>>())
     }
 
     /// [`CudaCopyEngine::open`] over a given driver table, batches given up after `timeout`.
@@ -189,20 +189,6 @@ impl CudaCopyEngine {
             .get(&device)
             .ok_or_else(|| CopyError(format!("no copy stream for CUDA device {device}")))
     }
-}
-
-/// The devices `memory`'s regions live on, in order, once each.
-fn devices_of(memory: &MemoryMap) -> Vec<u32> {
-    let mut devices: Vec<u32> = memory
-        .device_regions()
-        .filter_map(|(_, k)| match k {
-            MemoryKind::Cuda { device } => Some(device),
-            MemoryKind::Host => None,
-        })
-        .collect();
-    devices.sort_unstable();
-    devices.dedup();
-    devices
 }
 
 /// Retains `ordinal`'s primary context, makes its copy stream and completion thread, and

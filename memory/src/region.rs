@@ -364,6 +364,40 @@ impl MemoryMap {
         self.staging.as_ref()
     }
 
+    /// Whether a NIC's writes into any of this memory's devices need a flush before the
+    /// device's work sees them ([`crate::CopyEngine::flush_remote_writes`]).
+    pub fn remote_writes_need_flush(&self) -> bool {
+        let Some(staging) = self.staging() else {
+            return false;
+        };
+        self.devices()
+            .any(|d| staging.engine().remote_writes_need_flush(d))
+    }
+
+    /// Flushes a NIC's writes into each of this memory's devices (see
+    /// [`MemoryMap::remote_writes_need_flush`]); the first failure.
+    pub fn flush_remote_writes(&self) -> Result<(), CopyError> {
+        let Some(staging) = self.staging() else {
+            return Ok(());
+        };
+        self.devices()
+            .try_for_each(|d| staging.engine().flush_remote_writes(d))
+    }
+
+    /// The devices this memory's regions live on, in order, once each.
+    pub fn devices(&self) -> impl Iterator<Item = u32> {
+        let mut devices: Vec<u32> = self
+            .device_regions()
+            .filter_map(|(_, k)| match k {
+                MemoryKind::Cuda { device } => Some(device),
+                MemoryKind::Host => None,
+            })
+            .collect();
+        devices.sort_unstable();
+        devices.dedup();
+        devices.into_iter()
+    }
+
     /// What memory `region` is (`None`: not registered).
     pub fn kind(&self, region: Region) -> Option<MemoryKind> {
         self.extent(region).map(|e| e.kind)

@@ -141,6 +141,7 @@ impl Endpoint {
             target: None,
             epoch: 0,
             one_sided: false,
+            flush_landed: false,
         };
         self.timers.set(
             &mut session.handshake_timer,

@@ -245,6 +245,9 @@ struct Session {
     /// Its writes land without this endpoint seeing them (RDMA): `Success` of its rooms
     /// rests on the source's word, bound to the peer's incarnation, not on landed bytes.
     one_sided: bool,
+    /// What it writes one-sided becomes visible to the memory's device only after a flush
+    /// ([`Action::FlushLanded`]) before the room is reported `Success`.
+    flush_landed: bool,
 }
 
 /// Where a session's handshake stands (see `docs/PROTOCOL.md`, "Handshake").
@@ -398,6 +401,9 @@ struct ReceiverRoom {
     held_grant: Option<Grant>,
     /// The request sent with the grant, kept to send again on a session that takes over.
     request: Option<Box<RoomRequest>>,
+    /// Every source reported Success and the landed writes are being flushed
+    /// ([`Action::FlushLanded`]): the room succeeds when the flush ends.
+    flushing: bool,
 }
 
 #[derive(Debug)]

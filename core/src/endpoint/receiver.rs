@@ -159,6 +159,47 @@ impl Endpoint {
         }
     }
 
+    /// Decode: what the one-sided `session` writes into this node's memory becomes visible
+    /// to the memory's device only after a flush (GPUDirect RDMA whose write ordering is
+    /// weaker than the owner's). Its rooms report `Success` only once
+    /// [`Action::FlushLanded`] was carried out ([`Endpoint::end_flush`]).
+    pub fn flush_landed_writes(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.flush_landed = true;
+        }
+    }
+
+    /// Decode: the flush asked by [`Action::FlushLanded`] for `room` ended: the room
+    /// succeeds, or fails `TransferFailed` with `result`'s reason. A room that ended
+    /// meanwhile (its deadline, an abort) or a later generation is left as it is.
+    pub fn end_flush(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        result: Result<(), String>,
+    ) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.generation != generation || r.state.is_terminal() {
+            return;
+        }
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
+        if !std::mem::take(&mut rr.flushing) {
+            return;
+        }
+        match result {
+            Ok(()) => self.conclude(now, room, KvPoll::Success),
+            Err(why) => {
+                warn!(%room, why, "landed writes could not be flushed to their device");
+                self.conclude(now, room, KvPoll::Failed(FailureReason::TransferFailed));
+            }
+        }
+    }
+
     /// Decode: the room waits for capacity behind `position` others (0: being allocated).
     /// The sources learn it, so a prefill deadline expiring says `DecodeSaturated`.
     pub fn set_queue_position(
@@ -255,7 +296,20 @@ impl Endpoint {
                 if r.state.is_terminal() {
                     self.maybe_release(now, room);
                 } else if all_done {
-                    self.conclude(now, room, KvPoll::Success);
+                    let flush = rr.sources.iter().any(|s| {
+                        self.sessions
+                            .get(&s.session)
+                            .is_some_and(|x| x.one_sided && x.flush_landed)
+                    });
+                    if !flush {
+                        self.conclude(now, room, KvPoll::Success);
+                    } else if !rr.flushing {
+                        rr.flushing = true;
+                        self.actions.push_back(Action::FlushLanded {
+                            room,
+                            generation: r.generation,
+                        });
+                    }
                 }
             }
             Some(reason) => {

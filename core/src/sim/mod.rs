@@ -734,6 +734,12 @@ impl Sim {
                     Action::VerifyLanded { permit, .. } => {
                         self.nodes[n].endpoint.end_write(self.now, permit)
                     }
+                    // Simulated memory needs no flush: carried out at once.
+                    Action::FlushLanded { room, generation } => {
+                        self.nodes[n]
+                            .endpoint
+                            .end_flush(self.now, room, generation, Ok(()))
+                    }
                 }
             }
             while let Some(op) = self.nodes[n].endpoint.poll_transfer(self.now) {
