@@ -8,8 +8,8 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUflushGPUDirectRDMAWritesScope,
-    CUflushGPUDirectRDMAWritesTarget, CUmemRangeHandleType, CUpointer_attribute, CUresult,
-    CUstream, CUDA_MEMCPY2D,
+    CUflushGPUDirectRDMAWritesTarget, CUmemRangeHandleType, CUmemcpyAttributes,
+    CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
 };
 
 use crate::GpuError;
@@ -61,6 +61,21 @@ pub(crate) struct CudaApi {
             c_ulonglong,
         ) -> CUresult,
     >,
+    /// CUDA 12.8+ (this signature, kept as `cuMemcpyBatchAsync` by later drivers): many
+    /// pointer-to-pointer copies in one call.
+    pub cuMemcpyBatchAsync: Option<
+        unsafe extern "C" fn(
+            *mut CUdeviceptr,
+            *mut CUdeviceptr,
+            *mut usize,
+            usize,
+            *mut CUmemcpyAttributes,
+            *mut usize,
+            usize,
+            *mut usize,
+            CUstream,
+        ) -> CUresult,
+    >,
     /// CUDA 11.3+: makes a NIC's earlier writes visible to the device's own work.
     pub cuFlushGPUDirectRDMAWrites: Option<
         unsafe extern "C" fn(
@@ -78,6 +93,7 @@ impl std::fmt::Debug for CudaApi {
                 &self.cuMemGetHandleForAddressRange.is_some(),
             )
             .field("rdma_flush", &self.cuFlushGPUDirectRDMAWrites.is_some())
+            .field("batched_copies", &self.cuMemcpyBatchAsync.is_some())
             .finish()
     }
 }
@@ -164,6 +180,7 @@ fn resolve(lib: &'static libloading::Library) -> Result<CudaApi, GpuError> {
         cuPointerGetAttribute: required!("cuPointerGetAttribute"),
         cuMemGetAddressRange: required!("cuMemGetAddressRange_v2"),
         cuMemGetHandleForAddressRange: optional!("cuMemGetHandleForAddressRange"),
+        cuMemcpyBatchAsync: optional!("cuMemcpyBatchAsync"),
         cuFlushGPUDirectRDMAWrites: optional!("cuFlushGPUDirectRDMAWrites"),
     })
 }

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{
     CUdevice_attribute, CUevent, CUflushGPUDirectRDMAWritesScope, CUflushGPUDirectRDMAWritesTarget,
-    CUmemRangeHandleType, CUmemorytype, CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
+    CUmemLocation, CUmemLocationType, CUmemRangeHandleType, CUmemcpyAttributes,
+    CUmemcpySrcAccessOrder, CUmemorytype, CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
 };
 use kvferry_core::Region;
 use kvferry_memory::{
@@ -310,6 +311,99 @@ fn complete_batches(shared: Arc<DeviceShared>, batches: std::sync::mpsc::Receive
     }
 }
 
+/// Queues `calls` on `stream`: the contiguous runs in one batched call where the driver has
+/// it and there are several (their destinations never overlap, so their order inside the
+/// batch does not matter), each strided copy as one 2D copy, anything else one call each.
+///
+/// # Safety
+///
+/// As for [`queue`], for every call.
+unsafe fn queue_all(
+    api: &CudaApi,
+    stream: CUstream,
+    direction: CopyDirection,
+    calls: &[CopyCall],
+) -> Result<(), CopyError> {
+    let runs: Vec<CopyJob> = calls
+        .iter()
+        .filter_map(|c| match c {
+            CopyCall::Run(j) => Some(*j),
+            CopyCall::Rows { .. } => None,
+        })
+        .collect();
+    let batched = match api.cuMemcpyBatchAsync {
+        Some(batch) if runs.len() >= 2 => {
+            // SAFETY: the caller's contract, for each run.
+            let r = unsafe { queue_batch(batch, stream, &runs) };
+            driver::ok(r, "cuMemcpyBatchAsync").map_err(copy_error)?;
+            true
+        }
+        _ => false,
+    };
+    for call in calls {
+        if batched && matches!(call, CopyCall::Run(_)) {
+            continue;
+        }
+        // SAFETY: the caller's contract.
+        let r = unsafe { queue(api, stream, direction, call) };
+        driver::ok(r, "cuMemcpyAsync").map_err(copy_error)?;
+    }
+    Ok(())
+}
+
+/// The batched copy's entry point.
+type BatchFn = unsafe extern "C" fn(
+    *mut u64,
+    *mut u64,
+    *mut usize,
+    usize,
+    *mut CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    CUstream,
+) -> CUresult;
+
+/// Queues `runs` as one batched copy (pointer to pointer: unified addresses on both sides).
+///
+/// # Safety
+///
+/// As for [`queue`], for every run.
+unsafe fn queue_batch(batch: BatchFn, stream: CUstream, runs: &[CopyJob]) -> CUresult {
+    let mut dsts: Vec<u64> = runs.iter().map(|j| j.dst as u64).collect();
+    let mut srcs: Vec<u64> = runs.iter().map(|j| j.src as u64).collect();
+    let mut sizes: Vec<usize> = runs.iter().map(|j| j.len).collect();
+    let nowhere = CUmemLocation {
+        type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+        id: 0,
+    };
+    // One attribute for every copy: the source is read in stream order (after the work
+    // queued before it), no location hint (staging buffers are not managed memory).
+    let mut attrs = [CUmemcpyAttributes {
+        srcAccessOrder: CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: nowhere,
+        dstLocHint: nowhere,
+        flags: 0,
+    }];
+    let mut attr_index = [0usize];
+    let mut failed = usize::MAX;
+    // SAFETY: the arrays hold `runs.len()` entries each and live across the call (the driver
+    // reads them before returning); the caller's contract for the bytes.
+    unsafe {
+        batch(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            runs.len(),
+            attrs.as_mut_ptr(),
+            attr_index.as_mut_ptr(),
+            1,
+            &mut failed,
+            stream,
+        )
+    }
+}
+
 /// Queues one planned call on `stream`.
 ///
 /// # Safety
@@ -396,17 +490,10 @@ impl CopyEngine for CudaCopyEngine {
             Ok(e) => e,
             Err(e) => return done(Err(copy_error(e))),
         };
-        let mut queued = Ok(());
-        for call in &calls {
-            // SAFETY: the staged paths pass ranges of registered device memory (bounds-checked
-            // by MemoryMap) and of staging buffers they hold until `done` runs; the context
-            // is entered.
-            let r = unsafe { queue(api, shared.stream.0, direction, call) };
-            if let Err(e) = driver::ok(r, "cuMemcpyAsync") {
-                queued = Err(copy_error(e));
-                break;
-            }
-        }
+        // SAFETY: the staged paths pass ranges of registered device memory (bounds-checked by
+        // MemoryMap) and of staging buffers they hold until `done` runs; the context is
+        // entered.
+        let queued = unsafe { queue_all(api, shared.stream.0, direction, &calls) };
         let recorded = shared.event().and_then(|event| {
             // SAFETY: an event and the stream of the entered context.
             driver::ok(

@@ -411,3 +411,43 @@ fn a_node_over_fake_device_memory_moves_bytes_through_the_engine() {
     memory.read(region, 100, &mut back).unwrap();
     assert_eq!(back, data);
 }
+
+#[test]
+fn scattered_pages_are_one_batched_copy_where_the_driver_has_it() {
+    let _serial = fake::reset(1);
+    let engine =
+        CudaCopyEngine::open_with(fake::api_batched(), &[0], DEFAULT_COPY_TIMEOUT).unwrap();
+    let device: Vec<u8> = (0..65536u32).map(|i| (i * 13 % 251) as u8).collect();
+    let mut staged = vec![0u8; 4 * 4096 + 2 * 256];
+    let (d, h) = (device.as_ptr() as usize, staged.as_mut_ptr() as usize);
+    // Four pages scattered backwards on the device (no stride to make rows of), then two
+    // strided rows.
+    let order = [14usize, 9, 5, 2];
+    let mut jobs: Vec<CopyJob> = order
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| CopyJob {
+            dst: h + i * 4096,
+            src: d + p * 4096,
+            len: 4096,
+        })
+        .collect();
+    jobs.extend((0..2).map(|i| CopyJob {
+        dst: h + 4 * 4096 + i * 256,
+        src: d + 60_000 + i * 1024,
+        len: 256,
+    }));
+    copy(&engine, CopyDirection::DeviceToHost, jobs).unwrap();
+    state(|s| {
+        assert_eq!((s.batches, s.batched), (1, 4), "{s:?}");
+        assert_eq!((s.copies, s.copies_2d), (0, 1), "{s:?}");
+    });
+    for (i, &p) in order.iter().enumerate() {
+        assert_eq!(
+            &staged[i * 4096..(i + 1) * 4096],
+            &device[p * 4096..(p + 1) * 4096]
+        );
+    }
+    assert_eq!(&staged[16384..16640], &device[60_000..60_256]);
+    assert_eq!(&staged[16640..16896], &device[61_024..61_280]);
+}

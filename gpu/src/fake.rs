@@ -9,8 +9,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUflushGPUDirectRDMAWritesScope,
-    CUflushGPUDirectRDMAWritesTarget, CUmemRangeHandleType, CUmemorytype, CUpointer_attribute,
-    CUresult, CUstream, CUDA_MEMCPY2D,
+    CUflushGPUDirectRDMAWritesTarget, CUmemRangeHandleType, CUmemcpyAttributes,
+    CUmemcpySrcAccessOrder, CUmemorytype, CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
 };
 
 use crate::driver::CudaApi;
@@ -52,6 +52,10 @@ pub(crate) struct FakeState {
     pub pinned: i64,
     /// `cuFlushGPUDirectRDMAWrites` calls.
     pub flushes: u64,
+    /// `cuMemcpyBatchAsync` calls, and the copies in them.
+    pub batches: u64,
+    /// Copies made by batched calls.
+    pub batched: u64,
 }
 
 static STATE: Mutex<Option<FakeState>> = Mutex::new(None);
@@ -106,7 +110,15 @@ pub(crate) fn reset(devices: u32) -> MutexGuard<'static, ()> {
     guard
 }
 
-/// The fake table; `export` and `flush` say whether the driver has those optional calls.
+/// The fake table of a driver new enough for batched copies (CUDA 12.8+).
+pub(crate) fn api_batched() -> &'static CudaApi {
+    let mut api = *api(true, true);
+    api.cuMemcpyBatchAsync = Some(cuMemcpyBatchAsync);
+    Box::leak(Box::new(api))
+}
+
+/// The fake table; `export` and `flush` say whether the driver has those optional calls (it
+/// has no batched copy).
 pub(crate) fn api(export: bool, flush: bool) -> &'static CudaApi {
     Box::leak(Box::new(CudaApi {
         cuInit,
@@ -135,6 +147,7 @@ pub(crate) fn api(export: bool, flush: bool) -> &'static CudaApi {
         cuPointerGetAttribute,
         cuMemGetAddressRange,
         cuMemGetHandleForAddressRange: export.then_some(cuMemGetHandleForAddressRange as _),
+        cuMemcpyBatchAsync: None,
         cuFlushGPUDirectRDMAWrites: flush.then_some(cuFlushGPUDirectRDMAWrites as _),
     }))
 }
@@ -376,6 +389,51 @@ unsafe extern "C" fn cuMemcpy2DAsync(p: *const CUDA_MEMCPY2D, _: CUstream) -> CU
     state(|s| {
         s.copies_2d += 1;
         s.rows += p.Height as u64;
+    });
+    OK
+}
+#[allow(non_snake_case, clippy::too_many_arguments)]
+unsafe extern "C" fn cuMemcpyBatchAsync(
+    dsts: *mut CUdeviceptr,
+    srcs: *mut CUdeviceptr,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut CUmemcpyAttributes,
+    attr_index: *mut usize,
+    attrs_len: usize,
+    _failed: *mut usize,
+    _: CUstream,
+) -> CUresult {
+    let r = in_context("cuMemcpyBatchAsync");
+    if r != OK {
+        return r;
+    }
+    // SAFETY: the caller passes arrays of the lengths it names.
+    let (attrs, attr_index) = unsafe {
+        (
+            std::slice::from_raw_parts(attrs, attrs_len),
+            std::slice::from_raw_parts(attr_index, attrs_len),
+        )
+    };
+    if attrs.is_empty()
+        || attr_index[0] != 0
+        || attrs[0].srcAccessOrder != CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    for i in 0..count {
+        // SAFETY: as above; fake device memory is host memory the test owns.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                *srcs.add(i) as *const u8,
+                *dsts.add(i) as *mut u8,
+                *sizes.add(i),
+            )
+        };
+    }
+    state(|s| {
+        s.batches += 1;
+        s.batched += count as u64;
     });
     OK
 }
