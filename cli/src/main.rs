@@ -160,6 +160,14 @@ enum Command {
         /// completed layer, and its CPU cost, per poll policy (host events; no GPU needed).
         #[arg(long)]
         layer_events: bool,
+        /// Instead of the data-plane workloads: the copy engine moving staged batches
+        /// (contiguous, scattered 4 KiB pages, 256 B rows at a stride) against one 64 MiB
+        /// copy, both ways; the host engine, or with --gpu the CUDA engine on GPU 0.
+        #[arg(long)]
+        copy_engine: bool,
+        /// With --copy-engine: the CUDA engine on GPU 0 (builds with the `gpu` feature).
+        #[arg(long)]
+        gpu: bool,
         /// Rooms per point of the scaling sweep.
         #[arg(long, default_value_t = 20000)]
         scaling_rooms: u64,
@@ -382,6 +390,17 @@ fn print_link_point(p: &bench::LinkPoint, names: [&str; 2], json: bool) {
             }
         );
     }
+}
+
+/// The copy-engine bench: the CUDA engine on GPU 0 with `gpu`, else the host engine.
+fn copy_engine_figures(gpu: bool, iterations: usize) -> Result<Vec<bench::CopyFigure>, String> {
+    if !gpu {
+        return bench::copy_engine_host(iterations);
+    }
+    #[cfg(feature = "gpu")]
+    return bench::copy_engine_cuda(iterations);
+    #[cfg(not(feature = "gpu"))]
+    Err("this kvferry was built without the gpu feature: build with --features gpu".to_owned())
 }
 
 /// An error if any workload of a link bench lost or corrupted a page.
@@ -758,6 +777,8 @@ async fn run(cli: Cli) -> Result<(), String> {
             rdma_device,
             scaling,
             layer_events,
+            copy_engine,
+            gpu,
             scaling_rooms,
             shards,
             tls,
@@ -790,6 +811,22 @@ async fn run(cli: Cli) -> Result<(), String> {
                     runtime: link_runtime,
                 }
             };
+            if gpu && !copy_engine {
+                return Err(
+                    "--gpu goes with --copy-engine (demo --gpu runs rooms on a GPU)".to_owned(),
+                );
+            }
+            if copy_engine {
+                let figures = tokio::task::spawn_blocking(move || {
+                    copy_engine_figures(gpu, iterations.min(5))
+                })
+                .await
+                .map_err(|e| e.to_string())??;
+                for f in &figures {
+                    println!("{}", if json { f.json() } else { f.text() });
+                }
+                return Ok(());
+            }
             if layer_events {
                 let points = tokio::task::spawn_blocking(|| bench::layer_events(2000))
                     .await

@@ -324,11 +324,31 @@ unsafe fn queue_all(
     direction: CopyDirection,
     calls: &[CopyCall],
 ) -> Result<(), CopyError> {
+    // With a batched copy, a few rows that happened to line up are cheaper inside the
+    // batch than as a 2D copy of their own; many rows stay one 2D copy.
+    let in_batch = |c: &CopyCall| match c {
+        CopyCall::Run(_) => true,
+        CopyCall::Rows { rows, .. } => *rows < MIN_2D_ROWS_BESIDE_A_BATCH,
+    };
     let runs: Vec<CopyJob> = calls
         .iter()
-        .filter_map(|c| match c {
-            CopyCall::Run(j) => Some(*j),
-            CopyCall::Rows { .. } => None,
+        .filter(|c| in_batch(c))
+        .flat_map(|c| match *c {
+            CopyCall::Run(j) => vec![j],
+            CopyCall::Rows {
+                dst,
+                src,
+                width,
+                rows,
+                dst_pitch,
+                src_pitch,
+            } => (0..rows)
+                .map(|r| CopyJob {
+                    dst: dst + r * dst_pitch,
+                    src: src + r * src_pitch,
+                    len: width,
+                })
+                .collect(),
         })
         .collect();
     let batched = match api.cuMemcpyBatchAsync {
@@ -341,7 +361,7 @@ unsafe fn queue_all(
         _ => false,
     };
     for call in calls {
-        if batched && matches!(call, CopyCall::Run(_)) {
+        if batched && in_batch(call) {
             continue;
         }
         // SAFETY: the caller's contract.
@@ -350,6 +370,10 @@ unsafe fn queue_all(
     }
     Ok(())
 }
+
+/// Rows of one stride, fewer than this, go into a batched copy (where the driver has one)
+/// rather than a 2D copy of their own.
+const MIN_2D_ROWS_BESIDE_A_BATCH: usize = 16;
 
 /// The batched copy's entry point.
 type BatchFn = unsafe extern "C" fn(

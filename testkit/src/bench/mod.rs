@@ -478,11 +478,13 @@ async fn measure(
 }
 
 /// The glommio data plane on the bench workloads.
+mod copy_engine;
 mod glommio_bench;
 mod layer_events;
 mod links;
 mod scaling;
 
+pub use copy_engine::*;
 pub use layer_events::*;
 pub use links::*;
 pub use scaling::*;
