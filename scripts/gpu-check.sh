@@ -7,19 +7,24 @@
 #   scripts/gpu-check.sh --run DIR      # there: runs it, figures as JSON lines in $OUT
 #                                       # (or DIR/out), exits non-zero on any failure
 #   scripts/gpu-check.sh --selftest     # here (CI): the rules of --run on a fake bundle
+#   scripts/gpu-check.sh --summary OUT  # the figures of a run in OUT against their targets
 #
 # --run gives each step its own time limit and the whole run GPU_CHECK_BUDGET_S (480 s), so
 # a lent machine's 15 minutes allow a rerun; where nvidia-smi lists a GPU, a test that prints
 # SKIPPED fails the run (it tested nothing).
 #
 # What --run checks: the gpu crate's tests on the GPU (probe, device regions, events, the
-# layer waiter, the CUDA copy engine staging device pages both ways, pointer kinds), the
-# layerwise overlap demo with real kernels against the ideal, and device-to-device rooms
-# between two nodes over loopback TCP (tokio and glommio), every byte verified.
+# layer waiter, the CUDA copy engine staging device pages both ways, pointer kinds, the
+# caller's context kept), the layerwise overlap demo with real kernels against the ideal,
+# device-to-device rooms between two nodes over loopback TCP (tokio and glommio) against the
+# same run's host-to-host rooms, every byte verified, a fault run on the CUDA engine (rooms
+# aborted mid-copy, a prefill gone with copies in flight: nothing held after), and the copy
+# engine's batches against one 64 MiB copy. It ends with one line per figure, its ratio and
+# its target, and fails where a target is missed or, with a GPU, a figure is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { echo "usage: $0 --bundle DIR | --run DIR | --selftest" >&2; exit 2; }
+usage() { echo "usage: $0 --bundle DIR | --run DIR | --summary OUT | --selftest" >&2; exit 2; }
 mode=${1:-}
 [ $# -eq 2 ] || [ "$mode" = --selftest ] || usage
 dir=${2:-}
@@ -134,8 +139,55 @@ run() {
     step 90 "$out/demo.log" bash -c 'exec "$@" >"$0"' "$out/gpu-2ms.json" \
         "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 2000 --json
     step 90 "$out/demo.log" "$k" demo --gpu --batch 16 --layers 16 --layer-compute-us 20000 --runtime glommio
+    echo "== the CUDA copy engine: staged batches against one 64 MiB copy"
+    step 120 "$out/bench.log" bash -c 'exec "$@" >"$0"' "$out/copy-engine.jsonl" \
+        "$k" bench --copy-engine --gpu --json
+    cat "$out/copy-engine.jsonl" >>"$out/figures.jsonl" 2>/dev/null || true
+    echo "== figures against their targets"
+    GPU_PRESENT=$gpu summary "$out" || rc=1
     echo "gpu-check: rc=$rc in ${SECONDS} s of ${budget_s} (figures, timelines and logs in $out/)"
     return $rc
+}
+
+# One line per figure of the run in $1 with its ratio and target; non-zero where a target is
+# missed, or where GPU_PRESENT=1 and a figure is missing.
+summary() {
+    python3 - "$1" "${GPU_PRESENT:-0}" <<'EOF'
+import json, os, sys
+out, gpu = sys.argv[1], sys.argv[2] == "1"
+figures = []
+try:
+    figures = [json.loads(l) for l in open(os.path.join(out, "figures.jsonl")) if l.startswith("{")]
+except OSError:
+    pass
+seen = {}
+for f in figures:
+    if f.get("check") == "copy_engine" and f.get("engine") == "cuda":
+        seen[f"copy engine {f['workload']} {f['direction']} vs one 64 MiB copy"] = (f["ratio"], ">=", f["target"])
+    elif f.get("check") == "device_rooms" and "ratio" in f:
+        seen[f"device rooms vs host rooms, {f['runtime']}"] = (f["ratio"], ">=", f["target"])
+try:
+    demo = json.load(open(os.path.join(out, "gpu-20ms.json")))
+    for run in demo.get("runs", []):
+        if run.get("mode") == "layerwise":
+            seen["layerwise complete vs ideal, 20 ms a layer"] = (run["vs_ideal"], "<=", 1.25)
+except (OSError, ValueError):
+    pass
+expected = [f"copy engine {w} {d} vs one 64 MiB copy" for w in ("contiguous", "pages_4k", "rows_256b") for d in ("d2h", "h2d")]
+expected += [f"device rooms vs host rooms, {r}" for r in ("tokio", "glommio")]
+expected += ["layerwise complete vs ideal, 20 ms a layer"]
+failed = 0
+for name in expected + sorted(set(seen) - set(expected)):
+    if name not in seen:
+        print(f"figure {name:<52} {'missing':>8}   {'FAIL' if gpu else 'n/a (no GPU)'}")
+        failed += gpu
+        continue
+    value, op, target = seen[name]
+    ok = value >= target if op == ">=" else value <= target
+    print(f"figure {name:<52} {value:>8.3f}   target {op} {target:.2f}   {'ok' if ok else 'MISSED'}")
+    failed += not ok
+sys.exit(1 if failed else 0)
+EOF
 }
 
 # The check's own rules, on a fake bundle and a fake nvidia-smi (CI has no GPU): a test that
@@ -160,6 +212,16 @@ selftest() {
     grep -q "yet it skipped" <<<"$without" && { echo "selftest: a skip without a GPU failed" >&2; ok=0; }
     grep -q "FAILED (exit 124, over .*zz-hangs" <<<"$with" || { echo "selftest: a step past its limit passed" >&2; ok=0; }
     grep -q "no time left for" <<<"$with" || { echo "selftest: the budget was not kept" >&2; ok=0; }
+    # The summary: a missed target fails, a missing figure fails only with a GPU.
+    local figs
+    figs=$(mktemp -d)
+    echo '{"check":"copy_engine","engine":"cuda","workload":"pages_4k","direction":"d2h","ratio":0.31,"target":0.8}' >"$figs/figures.jsonl"
+    GPU_PRESENT=0 summary "$figs" >"$figs/missed.txt" && { echo "selftest: a missed target passed" >&2; ok=0; }
+    grep -q "pages_4k d2h.*0.310.*MISSED" "$figs/missed.txt" || { echo "selftest: the missed figure was not named" >&2; ok=0; }
+    echo '{"check":"copy_engine","engine":"cuda","workload":"pages_4k","direction":"d2h","ratio":0.91,"target":0.8}' >"$figs/figures.jsonl"
+    GPU_PRESENT=0 summary "$figs" >/dev/null || { echo "selftest: figures on target failed without a GPU" >&2; ok=0; }
+    GPU_PRESENT=1 summary "$figs" >/dev/null && { echo "selftest: missing figures passed with a GPU" >&2; ok=0; }
+    rm -rf "$figs"
     [ "$ok" -eq 1 ] && echo "gpu-check selftest: ok"
     [ "$ok" -eq 1 ]
 }
@@ -168,5 +230,6 @@ case "$mode" in
     --bundle) bundle ;;
     --run) run ;;
     --selftest) selftest ;;
+    --summary) summary "$dir" ;;
     *) usage ;;
 esac

@@ -185,6 +185,32 @@ fn resolve(lib: &'static libloading::Library) -> Result<CudaApi, GpuError> {
     })
 }
 
+/// What kvferry holds of the driver right now, process-wide (the GPU check's fault run
+/// counts it before and after).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Primary contexts retained.
+    pub contexts: i64,
+    /// Host buffers page-locked.
+    pub pinned: i64,
+    /// Copy streams.
+    pub streams: i64,
+}
+
+pub(crate) static CONTEXTS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+pub(crate) static PINNED: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+pub(crate) static STREAMS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+/// What kvferry holds of the driver right now.
+pub fn held() -> Held {
+    use std::sync::atomic::Ordering::SeqCst;
+    Held {
+        contexts: CONTEXTS.load(SeqCst),
+        pinned: PINNED.load(SeqCst),
+        streams: STREAMS.load(SeqCst),
+    }
+}
+
 /// A device's primary context, retained (never made current for good): the one CUDA
 /// context torch and every other runtime API user of that device shares. Released on drop.
 #[derive(Debug)]
@@ -211,6 +237,7 @@ impl DeviceContext {
             unsafe { (api.cuDevicePrimaryCtxRetain)(&mut ctx, device) },
             "cuDevicePrimaryCtxRetain",
         )?;
+        CONTEXTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(DeviceContext {
             api,
             ordinal,
@@ -264,6 +291,7 @@ impl Drop for DeviceContext {
     fn drop(&mut self) {
         // SAFETY: releases the one retain `retain` made.
         let _ = unsafe { (self.api.cuDevicePrimaryCtxRelease)(self.device) };
+        CONTEXTS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

@@ -25,6 +25,7 @@ use kvferry_memory::{
 };
 
 use crate::driver::{self, api, CudaApi, DeviceContext};
+pub use crate::driver::{held, Held};
 use crate::GpuError;
 
 fn copy_error(e: GpuError) -> CopyError {
@@ -109,6 +110,7 @@ impl Drop for DeviceShared {
                 }
                 let _ = (api.cuStreamDestroy)(self.stream.0);
             }
+            driver::STREAMS.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
@@ -205,6 +207,7 @@ fn open_device(api: &'static CudaApi, ordinal: u32) -> Result<DeviceCopies, GpuE
             unsafe { (api.cuStreamCreate)(&mut stream, 1) },
             "cuStreamCreate",
         )?;
+        driver::STREAMS.fetch_add(1, Ordering::SeqCst);
         Handle(stream)
     };
     let ordering = ctx
@@ -564,18 +567,23 @@ impl CopyEngine for CudaCopyEngine {
                 HOST_REGISTER_PORTABLE,
             )
         };
-        driver::ok(r, "cuMemHostRegister").map_err(copy_error)
+        driver::ok(r, "cuMemHostRegister").map_err(copy_error)?;
+        driver::PINNED.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
     fn unpin(&self, buffer: &mut HostBuffer) {
         if let Some(dev) = self.any() {
             if let Ok(_in) = dev.shared.ctx.enter() {
                 // SAFETY: the buffer was registered by `pin` and is not in use any more.
-                let _ = unsafe {
+                let r = unsafe {
                     (dev.shared.api().cuMemHostUnregister)(
                         buffer.as_mut_slice().as_mut_ptr().cast(),
                     )
                 };
+                if r == CUresult::CUDA_SUCCESS {
+                    driver::PINNED.fetch_sub(1, Ordering::SeqCst);
+                }
             }
         }
     }

@@ -156,6 +156,7 @@ fn every_engine_call_leaves_the_callers_current_context_as_it_was() {
 #[test]
 fn dropping_the_engine_releases_its_contexts_streams_events_and_pins() {
     let _serial = fake::reset(2);
+    let before = crate::engine::held();
     push_own(OWN);
     let engine =
         CudaCopyEngine::open_with(fake::api(true, true), &[0, 1], DEFAULT_COPY_TIMEOUT).unwrap();
@@ -191,6 +192,11 @@ fn dropping_the_engine_releases_its_contexts_streams_events_and_pins() {
         std::thread::sleep(Duration::from_millis(5));
     }
     state(|s| assert_eq!((s.streams, s.events, s.pinned), (0, 0, 0), "{s:?}"));
+    assert_eq!(
+        crate::engine::held(),
+        before,
+        "what kvferry counts it holds"
+    );
     assert_callers_context_kept();
 }
 

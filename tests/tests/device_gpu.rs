@@ -13,7 +13,7 @@ use kvferry_gpu::cuda::{DeviceRegion, Gpu};
 use kvferry_gpu::engine::CudaCopyEngine;
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap, Staging, StagingConfig};
 use kvferry_testkit::{node_config, run_pair, DecodeRun, Shape};
-use kvferry_tests::{assert_all_clean, fast_core, Runtime, GLOMMIO};
+use kvferry_tests::{assert_all_clean, fast_core, KvNode, Runtime, GLOMMIO};
 
 /// 8 layers x K/V of 16 KiB pages, 32 pages a room: 8 MiB a room.
 fn shape() -> Shape {
@@ -62,6 +62,39 @@ fn device_memory(gpu: &Gpu, shape: &Shape) -> (Vec<DeviceRegion>, Arc<MemoryMap>
     (regions, Arc::new(map.with_staging(staging)))
 }
 
+/// The rooms of `run_rooms` for `shape`: 64 rooms, every byte verified.
+fn rooms(shape: &Shape, abort_rate: f64) -> DecodeRun {
+    DecodeRun {
+        rooms: 64,
+        shape: shape.clone(),
+        first_room: 1,
+        progress: None,
+        deadline: std::time::Duration::from_secs(120),
+        abort_rate,
+        seed: 0,
+    }
+}
+
+/// Rooms between two nodes over `memory()` each; the decode's report.
+async fn run_rooms(
+    runtime: Runtime,
+    shape: &Shape,
+    memory: impl Fn() -> Arc<MemoryMap>,
+) -> kvferry_testkit::Report {
+    let mut pc = node_config(Role::Prefill, shape, fast_core(), b"gpu", 1);
+    let mut dc = node_config(Role::Decode, shape, fast_core(), b"gpu", 2);
+    kvferry_tests::use_test_backend(&mut pc);
+    kvferry_tests::use_test_backend(&mut dc);
+    let prefill = runtime.start(pc, memory()).unwrap();
+    let decode = runtime.start(dc, memory()).unwrap();
+    let report = run_pair(&prefill, &decode, rooms(shape, 0.0))
+        .await
+        .unwrap();
+    decode.shutdown().await;
+    prefill.shutdown().await;
+    report
+}
+
 async fn device_rooms(runtime: Runtime) {
     let gpu = match Gpu::open(0) {
         Ok(g) => g,
@@ -71,33 +104,93 @@ async fn device_rooms(runtime: Runtime) {
         }
     };
     let shape = shape();
-    let (_p_regions, p_memory) = device_memory(&gpu, &shape);
-    let (_d_regions, d_memory) = device_memory(&gpu, &shape);
-    let mut pc = node_config(Role::Prefill, &shape, fast_core(), b"gpu", 1);
-    let mut dc = node_config(Role::Decode, &shape, fast_core(), b"gpu", 2);
-    kvferry_tests::use_test_backend(&mut pc);
-    kvferry_tests::use_test_backend(&mut dc);
-    let prefill = runtime.start(pc, p_memory).unwrap();
-    let decode = runtime.start(dc, d_memory).unwrap();
-    let run = DecodeRun {
-        rooms: 64,
-        shape: shape.clone(),
-        first_room: 1,
-        progress: None,
-        deadline: std::time::Duration::from_secs(120),
-        abort_rate: 0.0,
-        seed: 0,
-    };
-    let t0 = Instant::now();
-    let report = run_pair(&prefill, &decode, run).await.unwrap();
-    assert_all_clean(&report, 64);
-    let gb = report.bytes_transferred as f64 / 1e9;
+    // The same rooms between host memories first: the loopback TCP the device rooms share.
+    let host = run_rooms(runtime, &shape, || {
+        Arc::new(MemoryMap::allocate(shape.layout()))
+    })
+    .await;
+    assert_all_clean(&host, 64);
+    let regions = std::sync::Mutex::new(Vec::new());
+    let device = run_rooms(runtime, &shape, || {
+        let (r, m) = device_memory(&gpu, &shape);
+        regions.lock().unwrap().push(r);
+        m
+    })
+    .await;
+    assert_all_clean(&device, 64);
+    assert!(device.decode_path.contains("staged"), "{device:?}");
     println!(
-        "{{\"check\":\"device_rooms\",\"runtime\":\"{}\",\"rooms\":64,\"gb\":{gb:.3},\"seconds\":{:.3},\"gbps\":{:.3}}}",
+        "{{\"check\":\"device_rooms\",\"runtime\":\"{}\",\"rooms\":64,\"gb\":{:.3},\"gbps\":{:.3},\"host_gbps\":{:.3},\"ratio\":{:.3},\"target\":0.70}}",
         runtime.name(),
-        t0.elapsed().as_secs_f64(),
-        report.throughput_gbps
+        device.bytes_transferred as f64 / 1e9,
+        device.throughput_gbps,
+        host.throughput_gbps,
+        device.throughput_gbps / host.throughput_gbps
     );
+}
+
+/// Rooms aborted mid-copy, then a prefill shut down with copies in flight: every run ends
+/// within its deadline, no landed page is corrupt, and once the nodes are gone kvferry holds
+/// the same contexts, pinned buffers and streams as before.
+async fn faults_on_the_cuda_engine(runtime: Runtime) {
+    let gpu = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED: no usable GPU here ({e})");
+            return;
+        }
+    };
+    let before = kvferry_gpu::engine::held();
+    {
+        let shape = shape();
+        let (_p_regions, p_memory) = device_memory(&gpu, &shape);
+        let (_d_regions, d_memory) = device_memory(&gpu, &shape);
+        let mut pc = node_config(Role::Prefill, &shape, fast_core(), b"gpu", 1);
+        let mut dc = node_config(Role::Decode, &shape, fast_core(), b"gpu", 2);
+        kvferry_tests::use_test_backend(&mut pc);
+        kvferry_tests::use_test_backend(&mut dc);
+        let prefill = runtime.start(pc, p_memory).unwrap();
+        let decode = runtime.start(dc, d_memory).unwrap();
+        let aborted = run_pair(&prefill, &decode, rooms(&shape, 0.5))
+            .await
+            .unwrap();
+        assert_eq!(aborted.pages_corrupted, 0, "{aborted:?}");
+        assert_eq!(aborted.rooms_unfinished, 0, "{aborted:?}");
+        // The prefill goes while rooms are being staged through the engine.
+        let cut = async {
+            tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+            prefill.shutdown().await;
+        };
+        let mut run = rooms(&shape, 0.0);
+        run.first_room = 1000;
+        run.deadline = std::time::Duration::from_secs(30);
+        let (report, ()) = tokio::join!(run_pair(&prefill, &decode, run), cut);
+        if let Ok(r) = &report {
+            assert_eq!(r.pages_corrupted, 0, "{r:?}");
+            assert_eq!(r.rooms_unfinished, 0, "{r:?}");
+        }
+        decode.shutdown().await;
+        println!(
+            "{{\"check\":\"gpu_faults\",\"runtime\":\"{}\",\"aborted_run_failed\":{},\"cut_run\":\"{}\"}}",
+            runtime.name(),
+            aborted.rooms_failed,
+            report.map_or_else(|e| e.to_string(), |r| format!("{} succeeded, {} failed", r.rooms_succeeded, r.rooms_failed))
+        );
+    }
+    let t0 = Instant::now();
+    while kvferry_gpu::engine::held() != before {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(15),
+            "kvferry still holds {:?} (before: {before:?})",
+            kvferry_gpu::engine::held()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rooms_aborted_mid_copy_and_a_prefill_gone_with_copies_in_flight_end_and_leak_nothing() {
+    faults_on_the_cuda_engine(Runtime::Tokio).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
