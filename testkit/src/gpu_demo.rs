@@ -1,23 +1,29 @@
-//! `kvferry demo --gpu`: the overlap demo with the KV cache in GPU memory.
+//! `kvferry demo --gpu`: the overlap demo with the KV cache in GPU memory, moved by the
+//! nodes themselves through the CUDA copy engine.
 //!
 //! Prefill's forward pass is a CUDA kernel per layer (compiled with NVRTC) that writes the
 //! layer's KV pattern for every room of the batch into device memory and then runs until the
-//! configured per-layer compute time has passed. After each layer the copy stream waits for
-//! the kernel's event and copies the layer into page-locked host memory (the memory the TCP
-//! data plane sends from), so the copy of layer L overlaps the kernel of layer L+1 and the
-//! network send of layer L-1. A [`LayerWaiter`] thread sees the events complete and the
-//! pipeline marks the layer ready in the core; no runtime thread waits on the GPU. Decode
-//! receives into page-locked host memory and copies each room into its own device region as
-//! the room succeeds; at the end the device region is copied back and every byte checked.
+//! configured per-layer compute time has passed. Both nodes register their device memory as
+//! CUDA memory: the data plane stages it through page-locked buffers with the CUDA copy
+//! engine (its own stream, batches planned into runs and strided copies), so the staging of
+//! layer L overlaps the kernel of layer L+1 and the network send of layer L-1. A
+//! [`LayerWaiter`] thread sees each layer's event complete and the pipeline marks the layer
+//! ready in the core; no runtime thread waits on the GPU. Decode lands every room straight in
+//! its device memory through the same engine; at the end its device memory is copied back
+//! and every byte checked.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_core::{Config, Layout, Role};
 use kvferry_gpu::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
-use kvferry_gpu::cuda::{DeviceRegion, Gpu, PinnedBuffer};
+use kvferry_gpu::cuda::{DeviceRegion, Gpu};
+use kvferry_gpu::engine::CudaCopyEngine;
 use kvferry_gpu::{GpuError, LayerWaiter, PollPolicy, Readiness};
-use kvferry_memory::MemoryMap;
+use kvferry_memory::{
+    CopyDirection, CopyEngine, CopyJob, ExternalRegion, HostBuffer, MemoryKind, MemoryMap, Staging,
+    StagingConfig,
+};
 use kvferry_tokio::KvNode;
 use tokio::sync::mpsc;
 
@@ -72,85 +78,116 @@ fn gpu_err(e: GpuError) -> String {
     e.to_string()
 }
 
-/// Page-locked host memory for every region of a layout, registered as a node's memory.
-struct Staging {
-    /// One buffer per KV region, in `layer * planes + plane` order.
-    kv: Vec<PinnedBuffer>,
-    _aux: PinnedBuffer,
-    map: Arc<MemoryMap>,
-}
-
-impl Staging {
-    fn new(gpu: &Gpu, layout: Layout) -> Result<Staging, String> {
-        let kv_len = layout.pages as usize * layout.page_bytes as usize;
-        let kv = (0..layout.kv_regions())
-            .map(|_| gpu.alloc_pinned(kv_len))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(gpu_err)?;
-        let aux = gpu
-            .alloc_pinned(layout.slots as usize * layout.aux_bytes as usize)
-            .map_err(gpu_err)?;
-        let regions: Vec<(*mut u8, usize)> = kv.iter().map(|b| (b.as_mut_ptr(), b.len())).collect();
-        // SAFETY: every buffer lives in this `Staging`, which the demo drops only after both
-        // nodes (the only other holders of the map) have shut down and been dropped; pages
-        // are touched by the demo only before they are sent or after their room concluded.
-        let map = unsafe {
-            MemoryMap::register_external(
-                layout,
-                &regions,
-                Some((aux.as_mut_ptr(), aux.len())),
-                None,
-            )
-        }
-        .map_err(|e| e.to_string())?;
-        Ok(Staging {
-            kv,
-            _aux: aux,
-            map: Arc::new(map),
-        })
-    }
-}
-
 /// Device memory of one side: every KV region back to back, as the host layout has them.
 struct DeviceKv {
     region: DeviceRegion,
     kv_len: usize,
 }
 
-/// Times a full copy of `dev` into `host` and back; returns (device->host, host->device) GB/s.
-fn staging_bandwidth(gpu: &Gpu, dev: &DeviceKv, host: &Staging) -> Result<(f64, f64), String> {
-    let stream = gpu.new_stream().map_err(gpu_err)?;
-    let bytes = (dev.kv_len * host.kv.len()) as f64;
-    let mut gbps = [0.0; 2];
-    for (k, to_host) in [true, false].into_iter().enumerate() {
-        let t = Instant::now();
-        for (r, buf) in host.kv.iter().enumerate() {
-            let (at, ptr, len) = (r * dev.kv_len, buf.as_mut_ptr(), dev.kv_len);
-            // SAFETY: the staging buffers are not in use by any node yet; the stream is
-            // synchronized before they are.
-            let queued = unsafe {
-                if to_host {
-                    gpu.copy_to_host_async(&stream, &dev.region, at, ptr, len)
-                } else {
-                    gpu.copy_to_device_async(&stream, &dev.region, at, ptr, len)
-                }
-            };
-            queued.map_err(gpu_err)?;
-        }
-        stream.synchronize().map_err(|e| format!("{e:?}"))?;
-        gbps[k] = bytes / t.elapsed().as_secs_f64() / 1e9;
-    }
-    Ok((gbps[0], gbps[1]))
+/// One node's memory: its KV regions in `dev` (CUDA device 0, reached through the CUDA copy
+/// engine), its aux rows in host memory.
+struct NodeMemory {
+    map: Arc<MemoryMap>,
+    _aux: Box<[u8]>,
 }
 
-/// Starts the GPU forward pass of `batch` on its own thread: per layer a kernel, an event, a
-/// copy of the layer into the staging memory after that event, and a second event; two
-/// [`LayerWaiter`]s turn the events into [`LayerSignal`]s.
+impl NodeMemory {
+    fn new(gpu: &Gpu, dev: &DeviceKv, layout: Layout) -> Result<NodeMemory, String> {
+        let base = dev.region.device_addr(gpu) as usize;
+        let kv: Vec<ExternalRegion> = (0..layout.kv_regions() as usize)
+            .map(|r| ExternalRegion {
+                ptr: (base + r * dev.kv_len) as *mut u8,
+                len: dev.kv_len,
+                kind: MemoryKind::Cuda { device: 0 },
+            })
+            .collect();
+        let mut aux = vec![0u8; (layout.slots * layout.aux_bytes) as usize].into_boxed_slice();
+        let aux_region =
+            (!aux.is_empty()).then(|| ExternalRegion::host(aux.as_mut_ptr(), aux.len()));
+        // SAFETY: the device region and the aux rows outlive the nodes: the demo drops both
+        // only after the nodes (the only other holders of the map) shut down and were dropped.
+        let map = unsafe { MemoryMap::register_regions(layout, &kv, aux_region, None) }
+            .map_err(|e| e.to_string())?;
+        let engine = CudaCopyEngine::for_memory(&map).map_err(gpu_err)?;
+        let staging = Staging::new(engine, StagingConfig::default()).map_err(|e| e.to_string())?;
+        Ok(NodeMemory {
+            map: Arc::new(map.with_staging(staging)),
+            _aux: aux,
+        })
+    }
+
+    fn engine(&self) -> Result<&Arc<dyn CopyEngine>, String> {
+        self.map
+            .staging()
+            .map(|s| s.engine())
+            .ok_or_else(|| "the node's memory has no copy engine".to_owned())
+    }
+}
+
+/// Times the copy engine moving every KV region of `dev` into one page-locked buffer and
+/// back; returns (device->host, host->device) GB/s.
+fn staging_bandwidth(
+    gpu: &Gpu,
+    dev: &DeviceKv,
+    regions: usize,
+    engine: &dyn CopyEngine,
+) -> Result<(f64, f64), String> {
+    let mut host = HostBuffer::new(dev.kv_len);
+    engine.pin(&mut host).map_err(|e| e.to_string())?;
+    let base = dev.region.device_addr(gpu) as usize;
+    let buffer = host.as_slice().as_ptr() as usize;
+    let mut gbps = [0.0; 2];
+    let mut result = Ok(());
+    for (k, direction) in [CopyDirection::DeviceToHost, CopyDirection::HostToDevice]
+        .into_iter()
+        .enumerate()
+    {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = Instant::now();
+        for r in 0..regions {
+            let (device, len) = (base + r * dev.kv_len, dev.kv_len);
+            let job = match direction {
+                CopyDirection::DeviceToHost => CopyJob {
+                    dst: buffer,
+                    src: device,
+                    len,
+                },
+                CopyDirection::HostToDevice => CopyJob {
+                    dst: device,
+                    src: buffer,
+                    len,
+                },
+            };
+            let tx = tx.clone();
+            engine.start(
+                0,
+                direction,
+                vec![job],
+                Box::new(move |r| {
+                    let _ = tx.send(r);
+                }),
+            );
+        }
+        for _ in 0..regions {
+            match rx.recv_timeout(Duration::from_secs(60)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => result = Err(e.to_string()),
+                Err(_) => result = Err("a staging copy did not end within 60 s".to_owned()),
+            }
+        }
+        gbps[k] = (dev.kv_len * regions) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    }
+    engine.unpin(&mut host);
+    result.map(|()| (gbps[0], gbps[1]))
+}
+
+/// Starts the GPU forward pass of `batch` on its own thread: per layer a kernel and an event
+/// a [`LayerWaiter`] turns into the layer's [`LayerSignal`]s. The layer's pages are in the
+/// node's registered (device) memory once its kernel ended: the data plane stages them.
 fn gpu_forward(
     gpu: Arc<Gpu>,
     kernel: Arc<kvferry_gpu::cuda::cudarc::driver::CudaFunction>,
     src: Arc<std::sync::Mutex<DeviceKv>>,
-    staging: Vec<(usize, usize)>,
     batch: Batch,
     compute: Duration,
 ) -> mpsc::UnboundedReceiver<LayerSignal> {
@@ -158,26 +195,23 @@ fn gpu_forward(
     std::thread::spawn(move || {
         let layers = usize::from(batch.shape.layers);
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        let signal = |computed: bool| {
+        let signal = {
             let tx = tx.clone();
-            let done = done_tx.clone();
             move |r: Readiness| {
                 let at = Instant::now();
-                let s = match r {
-                    Readiness::Ready { layer, .. } if computed => {
-                        LayerSignal::Computed { layer, at }
+                match r {
+                    Readiness::Ready { layer, .. } => {
+                        let _ = tx.send(LayerSignal::Computed { layer, at });
+                        let _ = tx.send(LayerSignal::Staged { layer, at });
                     }
-                    Readiness::Ready { layer, .. } => LayerSignal::Staged { layer, at },
                     Readiness::Failed { layer, error, .. } => {
-                        LayerSignal::Failed(format!("layer {layer}: {error}"))
+                        let _ = tx.send(LayerSignal::Failed(format!("layer {layer}: {error}")));
                     }
-                };
-                let _ = tx.send(s);
-                let _ = done.send(());
+                }
+                let _ = done_tx.send(());
             }
         };
-        let computed = LayerWaiter::spawn(PollPolicy::default(), signal(true));
-        let staged = LayerWaiter::spawn(PollPolicy::default(), signal(false));
+        let computed = LayerWaiter::spawn(PollPolicy::default(), signal);
         let fail = |e: String| {
             let _ = tx.send(LayerSignal::Failed(e));
         };
@@ -204,7 +238,6 @@ fn gpu_forward(
                 u32::from(shape.planes),
                 u32::from(layer),
             );
-            let kv_len = src.kv_len;
             launch
                 .arg(src.region.slice_mut())
                 .arg(&region_words)
@@ -226,35 +259,15 @@ fn gpu_forward(
             if let Err(e) = unsafe { launch.launch(config) } {
                 return fail(format!("kernel launch: {e:?}"));
             }
-            let step = (|| -> Result<(), GpuError> {
-                let ev_computed = gpu.record(gpu.compute_stream())?;
-                gpu.wait_for(gpu.copy_stream(), &ev_computed)?;
-                computed.watch(rooms.clone(), layer, Box::new(ev_computed))?;
-                for plane in 0..shape.planes {
-                    let r = usize::from(layer) * usize::from(shape.planes) + usize::from(plane);
-                    let (ptr, _) = staging[r];
-                    // SAFETY: the staging buffer of region r outlives the demo's nodes; the
-                    // batch's pages of it are not sent before this layer's Staged signal,
-                    // which comes only after the event recorded below completed.
-                    unsafe {
-                        gpu.copy_to_host_async(
-                            gpu.copy_stream(),
-                            &src.region,
-                            r * kv_len,
-                            ptr as *mut u8,
-                            batch_bytes,
-                        )?;
-                    }
-                }
-                let ev_staged = gpu.record(gpu.copy_stream())?;
-                staged.watch(rooms.clone(), layer, Box::new(ev_staged))
-            })();
+            let step = gpu
+                .record(gpu.compute_stream())
+                .and_then(|ev| computed.watch(rooms.clone(), layer, Box::new(ev)));
             if let Err(e) = step {
                 return fail(format!("layer {layer}: {e}"));
             }
         }
-        // Keep the waiters until every event was reported (they drop unreported ones).
-        for _ in 0..2 * layers {
+        // Keep the waiter until every event was reported (it drops unreported ones).
+        for _ in 0..layers {
             if done_rx.recv_timeout(Duration::from_secs(120)).is_err() {
                 return fail("a GPU event did not complete within 120 s".to_owned());
             }
@@ -263,60 +276,23 @@ fn gpu_forward(
     rx
 }
 
-/// Decode's side of the GPU: copies each room that succeeded from the staging memory into
-/// the device region as its index arrives, then waits for the copies; returns when decode
-/// held every landed room in GPU memory.
-fn land_on_gpu(
-    gpu: Arc<Gpu>,
-    dst: Arc<std::sync::Mutex<DeviceKv>>,
-    staging: Vec<(usize, usize)>,
-    batch: Batch,
-    mut landed: mpsc::UnboundedReceiver<u32>,
-) -> std::thread::JoinHandle<Result<Instant, String>> {
-    std::thread::spawn(move || {
-        let stream = gpu.new_stream().map_err(gpu_err)?;
-        let dst = dst
-            .lock()
-            .map_err(|_| "the device region's lock is poisoned")?;
-        let room_bytes = batch.shape.pages_per_room as usize * batch.shape.page_bytes as usize;
-        while let Some(i) = landed.blocking_recv() {
-            let offset = i as usize * room_bytes;
-            for (r, &(ptr, _)) in staging.iter().enumerate() {
-                // SAFETY: the room succeeded, so nothing writes its pages any more, and the
-                // staging memory outlives this thread (joined before the nodes are dropped).
-                unsafe {
-                    gpu.copy_to_device_async(
-                        &stream,
-                        &dst.region,
-                        r * dst.kv_len + offset,
-                        (ptr as *const u8).wrapping_add(offset),
-                        room_bytes,
-                    )
-                }
-                .map_err(gpu_err)?;
-            }
-        }
-        stream.synchronize().map_err(|e| format!("{e:?}"))?;
-        Ok(Instant::now())
-    })
-}
-
 /// Copies decode's device region back and checks every page of every room that succeeded
 /// (aux rows stay in host memory and are read there).
 fn verify_on_gpu(
     gpu: &Gpu,
     dst: &DeviceKv,
-    staging: &Staging,
+    map: &Arc<MemoryMap>,
     batch: &Batch,
     succeeded: &[bool],
 ) -> Result<(u64, u64), String> {
     let planes = usize::from(batch.shape.planes);
+    let regions = map.layout().kv_regions() as usize;
     let batch_bytes = batch.rooms as usize
         * batch.shape.pages_per_room as usize
         * batch.shape.page_bytes as usize;
-    let mut back = vec![0u8; batch_bytes * staging.kv.len()];
+    let mut back = vec![0u8; batch_bytes * regions];
     let stream = gpu.new_stream().map_err(gpu_err)?;
-    for r in 0..staging.kv.len() {
+    for r in 0..regions {
         let out = &mut back[r * batch_bytes..(r + 1) * batch_bytes];
         // SAFETY: `back` outlives the copy: the stream is synchronized before it is read.
         unsafe {
@@ -331,7 +307,7 @@ fn verify_on_gpu(
         .map_err(gpu_err)?;
     }
     stream.synchronize().map_err(|e| format!("{e:?}"))?;
-    let map = staging.map.clone();
+    let map = map.clone();
     Ok(overlap::verify(
         batch,
         succeeded,
@@ -375,17 +351,10 @@ pub async fn gpu_overlap_demo(
     };
     let src = device_kv(&gpu)?;
     let dst = device_kv(&gpu)?;
-    let prefill_staging = Staging::new(&gpu, layout)?;
-    let decode_staging = Staging::new(&gpu, layout)?;
-    let bandwidth = staging_bandwidth(&gpu, &src, &prefill_staging)?;
+    let prefill_memory = NodeMemory::new(&gpu, &src, layout)?;
+    let decode_memory = NodeMemory::new(&gpu, &dst, layout)?;
+    let bandwidth = staging_bandwidth(&gpu, &src, regions, &**prefill_memory.engine()?)?;
     let src = Arc::new(std::sync::Mutex::new(src));
-    let dst = Arc::new(std::sync::Mutex::new(dst));
-    let addresses = |s: &Staging| -> Vec<(usize, usize)> {
-        s.kv.iter()
-            .map(|b| (b.as_mut_ptr() as usize, b.len()))
-            .collect()
-    };
-    let (prefill_addrs, decode_addrs) = (addresses(&prefill_staging), addresses(&decode_staging));
 
     let token = kvferry_core::auth::DEMO_TOKEN.to_vec();
     let start = |role: Role, seed: u64, map: Arc<MemoryMap>| {
@@ -393,32 +362,14 @@ pub async fn gpu_overlap_demo(
         cfg.backend = backend.clone();
         runtime.start_paired(cfg, map).map_err(|e| e.to_string())
     };
-    if backend != crate::DataBackend::Tcp {
-        // GPUDirect (registering device memory with the NIC) is not written: say so.
-        tracing::warn!("GPU KV is staged through page-locked host memory over RDMA too (GPUDirect registration is not implemented)");
-    }
-    let prefill = start(Role::Prefill, 1, prefill_staging.map.clone())?;
-    let decode = start(Role::Decode, 2, decode_staging.map.clone())?;
+    let prefill = start(Role::Prefill, 1, prefill_memory.map.clone())?;
+    let decode = start(Role::Decode, 2, decode_memory.map.clone())?;
     let result = async {
         let peer = overlap::connect_loopback(&prefill, &decode).await?;
         let mut runs = Vec::new();
         for (layerwise, batch) in overlap::both_modes(batch) {
-            overlap::clear_destination(&decode_staging.map, &batch);
-            let (landed_tx, landed_rx) = mpsc::unbounded_channel();
-            let lander = land_on_gpu(
-                gpu.clone(),
-                dst.clone(),
-                decode_addrs.clone(),
-                batch.clone(),
-                landed_rx,
-            );
-            let (g, kn, s, st, b) = (
-                gpu.clone(),
-                kernel.clone(),
-                src.clone(),
-                prefill_addrs.clone(),
-                batch.clone(),
-            );
+            overlap::clear_destination(&decode_memory.map, &batch);
+            let (g, kn, s, b) = (gpu.clone(), kernel.clone(), src.clone(), batch.clone());
             let times = overlap::run_batch(
                 &prefill,
                 &decode,
@@ -428,29 +379,19 @@ pub async fn gpu_overlap_demo(
                     layerwise,
                     deadline: Duration::from_secs(120),
                 },
-                move || gpu_forward(g, kn, s, st, b, compute),
-                Some(landed_tx),
+                move || gpu_forward(g, kn, s, b, compute),
+                None,
             )
-            .await;
-            let held = tokio::task::spawn_blocking(move || lander.join())
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|_| "the GPU landing thread panicked".to_owned())??;
-            let times = times?;
+            .await?;
             let succeeded: Vec<bool> = times.landed.iter().map(Option::is_some).collect();
-            let (ok, bad) = {
-                let dst = dst
-                    .lock()
-                    .map_err(|_| "the device region's lock is poisoned")?;
-                verify_on_gpu(&gpu, &dst, &decode_staging, &batch, &succeeded)?
-            };
+            let (ok, bad) = verify_on_gpu(&gpu, &dst, &decode_memory.map, &batch, &succeeded)?;
             let label = if layerwise {
                 "layerwise"
             } else {
                 "whole batch"
             };
             runs.push(OverlapRun {
-                timeline: times.timeline(label, layerwise, Some(held)),
+                timeline: times.timeline(label, layerwise, None),
                 pages_verified: ok,
                 pages_corrupted: bad,
                 rooms_failed: times.failed.len() as u64,
@@ -458,7 +399,7 @@ pub async fn gpu_overlap_demo(
         }
         overlap::share_layer_transfer(&mut runs);
         Ok::<_, String>(OverlapReport {
-            memory: format!("GPU ({})", info.name),
+            memory: format!("GPU ({}), CUDA copy engine", info.name),
             runtime: crate::runtime_label(prefill.runtime(), decode.runtime()),
             backend: decode.backend().to_owned(),
             layers: batch.shape.layers,
@@ -471,10 +412,10 @@ pub async fn gpu_overlap_demo(
     .await;
     decode.shutdown().await;
     prefill.shutdown().await;
-    // The nodes go before the staging memory they were registered with.
+    // The nodes go before the memory they were registered with.
     drop(decode);
     drop(prefill);
-    drop(prefill_staging);
-    drop(decode_staging);
+    drop(prefill_memory);
+    drop(decode_memory);
     result
 }
