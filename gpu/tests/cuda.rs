@@ -156,3 +156,46 @@ fn the_driver_tells_a_device_pointer_from_a_host_one() {
     assert_eq!(found.actual, MemoryKind::Cuda { device: 0 });
     assert_eq!(found.registered, MemoryKind::Host);
 }
+
+/// The context current on this thread, as the driver says (null: none).
+fn current_context() -> usize {
+    let mut ctx: kvferry_gpu::cuda::cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one handle; the driver is loaded (a GPU was opened).
+    unsafe { kvferry_gpu::cuda::cudarc::driver::sys::cuCtxGetCurrent(&mut ctx) }
+        .result()
+        .unwrap();
+    ctx as usize
+}
+
+#[test]
+fn the_node_leaves_the_callers_current_context_as_it_was() {
+    use kvferry_memory::{MemoryMap, Staging, StagingConfig};
+    let Some(g) = gpu() else { return };
+    // Gpu::open made device 0's context current here, as torch does for its user.
+    let before = current_context();
+    assert_ne!(before, 0);
+    let (_regions, map) = device_memory(&g);
+    let engine = kvferry_gpu::engine::CudaCopyEngine::for_memory(&map).unwrap();
+    let staging = Staging::new(engine, StagingConfig::default()).unwrap();
+    let map = map.with_staging(staging);
+    let page = vec![7u8; 16384];
+    map.write(kvferry_core::Region::Kv { layer: 0, plane: 0 }, 0, &page)
+        .unwrap();
+    kvferry_gpu::engine::verify_kinds(&map).unwrap();
+    let host = MemoryMap::allocate(*map.layout());
+    kvferry_gpu::engine::verify_kinds(&host).unwrap();
+    kvferry_gpu::cuda::probe().unwrap();
+    assert_eq!(current_context(), before, "the caller's context changed");
+    // A thread with no context current: the node's calls leave it with none.
+    std::thread::spawn(move || {
+        assert_eq!(current_context(), 0);
+        let mut back = vec![0u8; 16384];
+        map.read(kvferry_core::Region::Kv { layer: 0, plane: 0 }, 0, &mut back)
+            .unwrap();
+        assert_eq!(back, page);
+        kvferry_gpu::engine::verify_kinds(&map).unwrap();
+        assert_eq!(current_context(), 0, "a context was left current");
+    })
+    .join()
+    .unwrap();
+}
