@@ -588,6 +588,10 @@ impl CopyEngine for CudaCopyEngine {
         }
     }
 
+    fn home_device(&self) -> Option<u32> {
+        self.devices.keys().next().copied()
+    }
+
     fn pci_bus_id(&self, device: u32) -> Option<String> {
         let api = self.devices.get(&device)?.shared.api();
         let handle = self.devices.get(&device)?.shared.ctx.device();

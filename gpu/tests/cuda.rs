@@ -190,8 +190,12 @@ fn the_node_leaves_the_callers_current_context_as_it_was() {
     std::thread::spawn(move || {
         assert_eq!(current_context(), 0);
         let mut back = vec![0u8; 16384];
-        map.read(kvferry_core::Region::Kv { layer: 0, plane: 0 }, 0, &mut back)
-            .unwrap();
+        map.read(
+            kvferry_core::Region::Kv { layer: 0, plane: 0 },
+            0,
+            &mut back,
+        )
+        .unwrap();
         assert_eq!(back, page);
         kvferry_gpu::engine::verify_kinds(&map).unwrap();
         assert_eq!(current_context(), 0, "a context was left current");

@@ -10,12 +10,14 @@
 mod admission;
 mod checksum;
 mod copy_plan;
+mod numa;
 mod region;
 mod staging;
 
 pub use admission::WriteCheck;
 pub use checksum::{Checksum, SliceSide};
 pub use copy_plan::{copy_with_cpu, plan_copies, CopyCall, MAX_PITCH};
+pub use numa::cpus_near;
 pub use region::{page_size, AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds};
 pub use staging::{
     abandoned_copies, CopyCounts, CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf,

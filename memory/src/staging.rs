@@ -121,6 +121,12 @@ pub trait CopyEngine: Send + Sync + 'static {
         Ok(())
     }
 
+    /// The device whose copies this engine's staging buffers serve first: the pool is placed
+    /// on that device's NUMA node. `None`: no preference.
+    fn home_device(&self) -> Option<u32> {
+        None
+    }
+
     /// Where `device` sits on the PCIe tree: its bus id as sysfs names it
     /// (`0000:3b:00.0`), so the node can pick the RDMA NIC nearest it; `None` if unknown.
     fn pci_bus_id(&self, _device: u32) -> Option<String> {
@@ -299,8 +305,18 @@ impl std::fmt::Debug for Staging {
 }
 
 impl Staging {
-    /// Allocates and pins `config.buffers` buffers of `config.buffer_bytes` for `engine`.
+    /// Allocates and pins `config.buffers` buffers of `config.buffer_bytes` for `engine`, on
+    /// the NUMA node of the engine's home device where sysfs names one.
     pub fn new(engine: Arc<dyn CopyEngine>, config: StagingConfig) -> Result<Arc<Self>, CopyError> {
+        Self::placed(engine, config, std::path::Path::new("/sys"))
+    }
+
+    /// [`Staging::new`] reading the device's NUMA node from `sysfs`.
+    pub(crate) fn placed(
+        engine: Arc<dyn CopyEngine>,
+        config: StagingConfig,
+        sysfs: &std::path::Path,
+    ) -> Result<Arc<Self>, CopyError> {
         if config.buffers == 0 || config.buffer_bytes == 0 {
             return Err(CopyError(format!(
                 "a staging pool needs at least one buffer of at least one byte (got {} of {})",
@@ -308,14 +324,30 @@ impl Staging {
             )));
         }
         let (home, free) = flume::bounded(config.buffers);
-        for _ in 0..config.buffers {
-            let mut buffer = HostBuffer::new(config.buffer_bytes);
-            // Those pinned already are unpinned as the channel drops them.
-            engine.pin(&mut buffer)?;
-            let _ = home.send(PinnedBuffer {
-                buffer,
-                engine: engine.clone(),
-            });
+        let fill = || -> Result<(), CopyError> {
+            let page = crate::page_size();
+            for _ in 0..config.buffers {
+                let mut buffer = HostBuffer::new(config.buffer_bytes);
+                // First touch, here: the page lands on this thread's node.
+                for b in buffer.as_mut_slice().iter_mut().step_by(page) {
+                    *b = 0;
+                }
+                // Those pinned already are unpinned as the channel drops them.
+                engine.pin(&mut buffer)?;
+                let _ = home.send(PinnedBuffer {
+                    buffer,
+                    engine: engine.clone(),
+                });
+            }
+            Ok(())
+        };
+        let near = engine
+            .home_device()
+            .and_then(|d| engine.pci_bus_id(d))
+            .and_then(|id| crate::numa::cpus_near(sysfs, &id));
+        match near {
+            Some(cpus) => crate::numa::on_cpus(&cpus, fill)?,
+            None => fill()?,
         }
         Ok(Arc::new(Staging {
             engine,
@@ -802,6 +834,50 @@ mod tests {
         };
         assert!(Staging::new(pins.clone(), config).is_err());
         assert_eq!(pins.unpinned.load(Ordering::SeqCst), 2);
+    }
+
+    /// A GPU at `0000:3b:00.0`; records the CPUs each pin ran on.
+    #[derive(Default)]
+    struct Placed(std::sync::Mutex<Vec<Vec<usize>>>);
+
+    impl CopyEngine for Placed {
+        fn name(&self) -> &'static str {
+            "placed"
+        }
+
+        fn start(&self, _: u32, _: CopyDirection, _: Vec<CopyJob>, done: CopyDone) {
+            done(Ok(()));
+        }
+
+        fn pin(&self, _: &mut HostBuffer) -> Result<(), CopyError> {
+            let set = rustix::process::sched_getaffinity(None).unwrap();
+            let cpus = (0..rustix::process::CpuSet::MAX_CPU)
+                .filter(|&c| set.is_set(c))
+                .collect();
+            self.0.lock().unwrap().push(cpus);
+            Ok(())
+        }
+
+        fn home_device(&self) -> Option<u32> {
+            Some(0)
+        }
+
+        fn pci_bus_id(&self, _: u32) -> Option<String> {
+            Some("0000:3b:00.0".to_owned())
+        }
+    }
+
+    #[test]
+    fn a_pool_is_allocated_and_pinned_on_its_devices_numa_node() {
+        let sysfs = crate::numa::test_sysfs::sysfs("1", "0");
+        let engine = Arc::new(Placed::default());
+        let config = StagingConfig {
+            buffers: 3,
+            buffer_bytes: 64,
+            ..StagingConfig::default()
+        };
+        let _pool = Staging::placed(engine.clone(), config, sysfs.path()).unwrap();
+        assert_eq!(*engine.0.lock().unwrap(), vec![vec![0]; 3]);
     }
 
     #[test]
