@@ -121,8 +121,14 @@ pub(crate) fn api() -> Result<&'static CudaApi, GpuError> {
         let lib = unsafe { cudarc::driver::sys::culib() };
         let api = resolve(lib)?;
         // SAFETY: the documented first call; flags must be 0.
-        ok(unsafe { (api.cuInit)(0) }, "cuInit")?;
-        Ok(api)
+        match unsafe { (api.cuInit)(0) } {
+            CUresult::CUDA_SUCCESS => Ok(api),
+            // A driver with every device hidden (CUDA_VISIBLE_DEVICES="") or none present.
+            CUresult::CUDA_ERROR_NO_DEVICE => Err(GpuError::NoDevice),
+            // The toolkit's stub library, not a driver.
+            CUresult::CUDA_ERROR_STUB_LIBRARY => Err(GpuError::NoLibcuda),
+            r => Err(GpuError::Driver(format!("cuInit: {r:?}"))),
+        }
     })
     .as_ref()
     .map_err(Clone::clone)

@@ -837,8 +837,9 @@ pub(crate) fn verify_kinds_with(
         _ => Ok(api),
     }) {
         Ok(api) => api,
-        // Without a driver or a device, no pointer is device memory: host regions are host.
-        Err(GpuError::NoLibcuda | GpuError::NoDevice) if device_region.is_none() => return Ok(()),
+        // Where the driver cannot start in this process, no one in it can have made device
+        // memory (torch included): host regions are host.
+        Err(_) if device_region.is_none() => return Ok(()),
         Err(why) => {
             let (region, registered) = device_region
                 .or(first)

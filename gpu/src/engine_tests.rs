@@ -383,11 +383,18 @@ fn without_a_driver_host_memory_passes_and_device_memory_is_refused_naming_why()
         Err(KindError::Unknown { why, .. }) => assert_eq!(why, GpuError::NoLibcuda),
         other => panic!("{other:?}"),
     }
-    // A driver that is there but fails is never taken as "host".
+    // A driver that cannot start in this process: no one here made device memory, so host
+    // regions are host; device regions cannot be reached, and say why.
     let failing = GpuError::Driver("cuInit: CUDA_ERROR_SYSTEM_DRIVER_MISMATCH".to_owned());
-    match verify_kinds_with(Err(failing.clone()), &host) {
-        Err(KindError::Unknown { region, why, .. }) => {
+    assert_eq!(verify_kinds_with(Err(failing.clone()), &host), Ok(()));
+    match verify_kinds_with(Err(failing.clone()), &device) {
+        Err(KindError::Unknown {
+            region,
+            registered,
+            why,
+        }) => {
             assert_eq!(why, failing);
+            assert_eq!(registered, MemoryKind::Cuda { device: 0 });
             assert_ne!(region, Region::Scratch);
         }
         other => panic!("{other:?}"),
