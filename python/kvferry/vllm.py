@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import copy
 import hashlib
 import hmac
 import ipaddress
@@ -40,6 +41,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 logger = logging.getLogger("kvferry.vllm")
@@ -271,6 +276,8 @@ class _Recv:
     prompt: Optional[int] = None
     logged: bool = False
     opened: bool = False
+    #: When the room opened here (``time.monotonic()``), for its transfer time.
+    opened_at: Optional[float] = None
 
 
 @dataclass
@@ -293,6 +300,112 @@ class KvferryMetadata(KVConnectorMetadata):
     #: Push-mode rooms whose prefill request vLLM preempted this step (its blocks are
     #: already free in the scheduler and are overwritten from this step on).
     push_preempted: set[int] = field(default_factory=set)
+
+
+@dataclass
+class KvferryStats(KVConnectorStats):
+    """What the connector's rooms did since the last report, as vLLM collects connector
+    stats: rooms that landed (decode) or were sent (prefill), rooms that failed by their
+    kvferry reason, bytes of the blocks moved, and each landed room's transfer time. Plain
+    data, so vLLM carries it from the workers to its loggers."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"succeeded": 0, "failed": 0, "failed_by_reason": {}, "bytes": 0, "transfer_seconds": []}
+
+    def record_success(self, nbytes: int, seconds: Optional[float]) -> None:
+        self.data["succeeded"] += 1
+        self.data["bytes"] += nbytes
+        if seconds is not None:
+            self.data["transfer_seconds"].append(seconds)
+
+    def record_failure(self, reason: str) -> None:
+        self.data["failed"] += 1
+        reasons = self.data["failed_by_reason"]
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    def aggregate(self, other: KVConnectorStats) -> "KvferryStats":
+        if other.is_empty():
+            return self
+        theirs = other.data
+        self.data["succeeded"] += theirs.get("succeeded", 0)
+        self.data["failed"] += theirs.get("failed", 0)
+        self.data["bytes"] += theirs.get("bytes", 0)
+        self.data["transfer_seconds"].extend(theirs.get("transfer_seconds", []))
+        reasons = self.data["failed_by_reason"]
+        for reason, n in theirs.get("failed_by_reason", {}).items():
+            reasons[reason] = reasons.get(reason, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        seconds = d["transfer_seconds"]
+        out: dict[str, int | float] = {
+            "kvferry_rooms_succeeded": d["succeeded"],
+            "kvferry_rooms_failed": d["failed"],
+            "kvferry_bytes": d["bytes"],
+            "kvferry_transfer_ms_avg": round(1000 * sum(seconds) / len(seconds), 3) if seconds else 0.0,
+        }
+        for reason, n in sorted(d["failed_by_reason"].items()):
+            out[f"kvferry_failed_{reason}"] = n
+        return out
+
+    def is_empty(self) -> bool:
+        return self.data.get("succeeded", 0) + self.data.get("failed", 0) == 0
+
+
+class KvferryPromMetrics(KVConnectorPromMetrics):
+    """The connector's figures on vLLM's ``/metrics``, per engine:
+    ``vllm:kvferry_rooms_succeeded_total``, ``vllm:kvferry_rooms_failed_total{reason}``,
+    ``vllm:kvferry_bytes_total`` and ``vllm:kvferry_transfer_time_seconds``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        labels = list(labelnames)
+        self._succeeded = create_metric_per_engine(
+            self._counter_cls(
+                name="vllm:kvferry_rooms_succeeded",
+                documentation="kvferry rooms whose KV landed (decode) or was sent (prefill).",
+                labelnames=labels,
+            ),
+            per_engine_labelvalues,
+        )
+        self._failed = self._counter_cls(
+            name="vllm:kvferry_rooms_failed",
+            documentation="kvferry rooms that failed, by kvferry's failure reason.",
+            labelnames=labels + ["reason"],
+        )
+        self._bytes = create_metric_per_engine(
+            self._counter_cls(
+                name="vllm:kvferry_bytes",
+                documentation="Bytes of the KV blocks kvferry rooms moved.",
+                labelnames=labels,
+            ),
+            per_engine_labelvalues,
+        )
+        self._seconds = create_metric_per_engine(
+            self._histogram_cls(
+                name="vllm:kvferry_transfer_time_seconds",
+                documentation="From a kvferry room's opening on the decode to its KV landed.",
+                buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+                labelnames=labels,
+            ),
+            per_engine_labelvalues,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._succeeded[engine_idx].inc(transfer_stats_data.get("succeeded", 0))
+        self._bytes[engine_idx].inc(transfer_stats_data.get("bytes", 0))
+        for seconds in transfer_stats_data.get("transfer_seconds", []):
+            self._seconds[engine_idx].observe(seconds)
+        labels = self.per_engine_labelvalues[engine_idx]
+        for reason, n in transfer_stats_data.get("failed_by_reason", {}).items():
+            self._failed.labels(*labels, reason).inc(n)
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -579,6 +692,20 @@ class KvferryConnector(KVConnectorBase_V1):
             return set()
         return self._worker.take_load_errors()
 
+    def get_kv_connector_stats(self) -> Optional[KvferryStats]:
+        """The rooms this worker ended since the last call (``None`` if none): vLLM's model
+        runner hands them to its loggers and ``/metrics``."""
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> KvferryStats:
+        # A copy: aggregating into the result must not change the data it was built from.
+        return KvferryStats(data=copy.deepcopy(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def session_paths(self) -> list[tuple[int, str]]:
         """The data path ("tcp", "rdma", ...) of each session of this worker's kvferry node;
         empty on the scheduler half."""
@@ -643,6 +770,11 @@ class _Worker:
         self._kvferry = kvferry
         spans, planes, page_bytes, pages = kv_regions(kv_caches, connector.num_blocks())
         device = next(iter(kv_caches.values())).device
+        #: Bytes of one vLLM block over every layer and plane.
+        self._block_bytes = page_bytes * len(spans)
+        self._stats = KvferryStats()
+        #: Prefill: when each room's chunk went out, and its bytes.
+        self._sent_at: dict[int, tuple[float, int]] = {}
         self._producer = connector._producer
         extra = connector._extra
         metrics = extra.get("metrics_addr") or os.environ.get("KVFERRY_METRICS_ADDR")
@@ -916,6 +1048,7 @@ class _Worker:
             return
         with self._lock:
             recv.opened = True
+            recv.opened_at = time.monotonic()
             if req_id in self._aborting:
                 self._abort(recv.room)
 
@@ -970,8 +1103,13 @@ class _Worker:
                     state = self.node.poll(room)
                     if state not in (kvferry.KVPoll.Success, kvferry.KVPoll.Failed) or not self.node.releasable(room):
                         continue
+                    sent_at = self._sent_at.pop(room, None)
                     if state == kvferry.KVPoll.Failed:
-                        logger.warning("kvferry: room %d of request %s failed: %s", room, req_id, self.node.failure(room))
+                        reason = self.node.failure(room)
+                        logger.warning("kvferry: room %d of request %s failed: %s", room, req_id, reason)
+                        self._stats.record_failure(str(reason))
+                    elif sent_at is not None:
+                        self._stats.record_success(sent_at[1], time.monotonic() - sent_at[0])
                 except kvferry.InvalidArgument:
                     pass  # the node no longer follows it: nothing of it can be read
                 del self._sending[room]
@@ -984,6 +1122,7 @@ class _Worker:
                 recv = self._recvs.pop(req_id, None)
                 if recv is not None:
                     self._load_errors.update(recv.blocks)
+                    self._stats.record_failure("not_opened")
                 received.add(req_id)
                 failed.add(req_id)
             opened = [(r, recv) for r, recv in self._recvs.items() if recv.opened]
@@ -1000,6 +1139,11 @@ class _Worker:
                 del self._recvs[req_id]
                 self.node.forget(recv.room)
                 received.add(req_id)
+                with self._lock:
+                    self._stats.record_success(
+                        len(recv.blocks) * self._block_bytes,
+                        time.monotonic() - recv.opened_at if recv.opened_at is not None else None,
+                    )
             elif state == kvferry.KVPoll.Failed:
                 if not recv.logged:
                     recv.logged = True
@@ -1008,12 +1152,23 @@ class _Worker:
                         req_id, recv.room, self.node.failure(recv.room),
                     )
                 if self.node.releasable(recv.room):
+                    reason = self.node.failure(recv.room)
                     del self._recvs[req_id]
                     self.node.forget(recv.room)
                     self._load_errors.update(recv.blocks)
                     received.add(req_id)
                     failed.add(req_id)
+                    with self._lock:
+                        self._stats.record_failure(str(reason))
         return sent, received, failed
+
+    def take_stats(self) -> Optional[KvferryStats]:
+        """The rooms ended since the last call, or ``None``."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KvferryStats()
+        return stats
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -1129,6 +1284,8 @@ class _Worker:
                 self.node.abort(room)
                 return
             self.node.send_chunk(room, send.blocks[-pages:], last=True)
+            # The caller holds the lock.
+            self._sent_at[room] = (time.monotonic(), pages * self._block_bytes)
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: room %d of request %s not sent: %s", room, req_id, e)
             try:

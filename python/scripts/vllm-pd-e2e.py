@@ -6,7 +6,9 @@ alone (the reference), then as a producer and a consumer engine over kvferry beh
 
 - every greedy output through the proxy equals the reference, sequentially and concurrently,
   in pull mode and in push mode (the prefill sends each layer as its forward pass ends);
-- the decode's kvferry metrics counted the rooms (``kvferry_rooms_succeeded_total``);
+- the decode's kvferry metrics counted the rooms (``kvferry_rooms_succeeded_total``), and so
+  did vLLM's own ``/metrics`` through the connector's stats
+  (``vllm:kvferry_rooms_succeeded_total``);
 - with the prefill engine killed after it computed a prompt, the decode's load fails with
   kvferry's reason (logged), vLLM recomputes the prompt, and the output still equals the
   reference, within a bounded time (no hang);
@@ -86,9 +88,12 @@ class Engine:
         cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "1024",
                "--dtype", "float32", "--no-enable-prefix-caching", "--max-num-seqs", "8",
-               "--seed", "0", "--disable-log-stats"]
+               "--seed", "0"]
         if transfer is not None:
+            # Stats on, as vLLM runs by default: the connector's reach its /metrics.
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        else:
+            cmd += ["--disable-log-stats"]
         e = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                  **(env or {}))
         self.log = open(self.log_path, "ab")
@@ -265,6 +270,17 @@ def main() -> int:
             time.sleep(0.2)
         assert m and int(m.group(1)) >= 2 * len(ps), f"decode metrics: {m and m.group(0)}"
         figures["decode_rooms_succeeded"] = int(m.group(1))
+        # vLLM's own /metrics counts them too, through the connector's stats.
+        deadline = time.monotonic() + 20
+        while True:
+            text = urllib.request.urlopen(decode.url + "/metrics", timeout=5).read().decode()
+            v = re.search(r'vllm:kvferry_rooms_succeeded_total\{[^}]*\} ([0-9.e+]+)', text)
+            if (v and float(v.group(1)) >= 2 * len(ps)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert v and float(v.group(1)) >= 2 * len(ps), f"vLLM's metrics: {v and v.group(0)}"
+        assert "vllm:kvferry_transfer_time_seconds_count" in text, "no transfer time histogram in vLLM's metrics"
+        figures["vllm_metrics_rooms_succeeded"] = int(float(v.group(1)))
 
         # Push mode: the router tells both engines the room at once and the prefill sends
         # each layer as it is computed; the answers are the reference's.

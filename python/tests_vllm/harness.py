@@ -138,6 +138,8 @@ class Side:
         self.outputs: dict[str, object] = {}
         self.load_failures: set[str] = set()
         self.loaded: set[str] = set()
+        #: What the worker reported through vLLM's connector stats, every step together.
+        self.transfer_stats = None
         self.role = role
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, params: Optional[dict]):
@@ -192,6 +194,10 @@ class Side:
         self.worker.wait_for_save()
         results = self.worker.get_transfer_results(out.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
+        # As the model runner does, after the transfer results.
+        stats = self.worker.get_kv_connector_stats()
+        if stats is not None:
+            self.transfer_stats = stats if self.transfer_stats is None else self.transfer_stats.aggregate(stats)
         self.worker.clear_connector_metadata()
         self.load_failures |= results.failed_recving
         self.loaded |= results.finished_recving - results.failed_recving
@@ -201,6 +207,7 @@ class Side:
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving,
             invalid_block_ids=invalid,
+            kv_connector_stats=stats,
         )
         mro = ModelRunnerOutput(
             req_ids=req_ids,

@@ -51,6 +51,10 @@ def _prefill_main(port: int, kw: dict, inbox, outbox) -> None:
                 if cmd[0] == "paths":
                     outbox.put(("paths", side.worker.session_paths()))
                     continue
+                if cmd[0] == "stats":
+                    stats = side.transfer_stats
+                    outbox.put(("stats", stats.to_dict() if stats is not None else None))
+                    continue
                 if cmd[0] == "preempt":
                     req = side.scheduler.requests.get(cmd[1])
                     if req is not None and req in side.scheduler.running:
@@ -128,6 +132,15 @@ class Prefill:
         while True:
             kind, value = self.outbox.get(timeout=30)
             if kind == "paths":
+                return value
+            self.early.append((kind, value))
+
+    def transfer_stats(self) -> dict | None:
+        """What the engine's worker reported through vLLM's connector stats so far."""
+        self.inbox.put(("stats",))
+        while True:
+            kind, value = self.outbox.get(timeout=30)
+            if kind == "stats":
                 return value
             self.early.append((kind, value))
 
@@ -294,6 +307,11 @@ def test_a_killed_prefill_fails_the_load_within_the_deadline_and_decode_recomput
         took = time.monotonic() - start
         assert rid in decode.load_failures
         assert took < 15, f"the failed load took {took:.1f} s"
+        # vLLM's connector stats count the failure under kvferry's reason.
+        reduced = decode.transfer_stats.reduce()
+        assert reduced["kvferry_rooms_failed"] == 1, reduced
+        assert reduced["kvferry_rooms_succeeded"] == 0, reduced
+        assert sum(n for k, n in reduced.items() if k.startswith("kvferry_failed_")) == 1, reduced
     finally:
         decode.shutdown()
 
@@ -485,3 +503,62 @@ def test_a_prefill_left_idle_is_let_go_and_named_again_for_its_next_request(port
     finally:
         decode.shutdown()
         prefill.stop()
+
+
+def test_rooms_are_reported_through_vllms_connector_stats_and_prometheus_metrics(ports):
+    """The model runner hands vLLM each step's stats: rooms, bytes and transfer times reach its
+    loggers (``reduce``) and ``/metrics`` (the connector's Prometheus metrics) on both sides."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvferry.vllm import KvferryConnector
+
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1])
+    try:
+        prompts = {f"s{i}": prompt_of(40 + i, n) for i, n in enumerate([33, 64, 100])}
+        for req_id, prompt in prompts.items():
+            prefill.prefill(req_id, prompt)
+        got = dict(prefill.params() for _ in prompts)
+        run_decode(decode, {r: (prompts[r], got[r]) for r in prompts})
+        blocks = sum(-(-len(p) // 32) for p in prompts.values())
+        from harness import LAYERS
+
+        block_bytes = decode.block_bytes * LAYERS
+        reduced = decode.transfer_stats.reduce()
+        assert reduced["kvferry_rooms_succeeded"] == 3, reduced
+        assert reduced["kvferry_rooms_failed"] == 0, reduced
+        assert reduced["kvferry_bytes"] == blocks * block_bytes, (reduced, blocks, block_bytes)
+        assert reduced["kvferry_transfer_ms_avg"] > 0
+        # The prefill's worker counts the rooms it sent, once each decode's room ended.
+        deadline = time.monotonic() + 20
+        sent = None
+        while time.monotonic() < deadline:
+            sent = prefill.transfer_stats()
+            if sent and sent["succeeded"] == 3:
+                break
+            time.sleep(0.1)
+        assert sent is not None and sent["succeeded"] == 3 and sent["bytes"] == blocks * block_bytes, sent
+        # vLLM builds the stats from the plain data its workers send, and aggregates them.
+        rebuilt = KvferryConnector.build_kv_connector_stats(decode.transfer_stats.to_dict())
+        both = rebuilt.aggregate(KvferryConnector.build_kv_connector_stats(sent))
+        assert both.reduce()["kvferry_rooms_succeeded"] == 6
+        # And its Prometheus logger observes the data per engine.
+        registry = CollectorRegistry()
+        types = {k: functools.partial(k, registry=registry) for k in (Counter, Gauge, Histogram)}
+        metrics = KvferryConnector.build_prom_metrics(
+            decode.config, types, ["model_name", "engine"], {0: ["tiny", "0"]}
+        )
+        metrics.observe(decode.transfer_stats.to_dict(), 0)
+        labels = {"model_name": "tiny", "engine": "0"}
+        assert registry.get_sample_value("vllm:kvferry_rooms_succeeded_total", labels) == 3
+        assert registry.get_sample_value("vllm:kvferry_bytes_total", labels) == blocks * block_bytes
+        assert registry.get_sample_value("vllm:kvferry_transfer_time_seconds_count", labels) == 3
+        metrics.observe({"failed": 1, "failed_by_reason": {"peer_unreachable": 1}}, 0)
+        assert registry.get_sample_value(
+            "vllm:kvferry_rooms_failed_total", dict(labels, reason="peer_unreachable")
+        ) == 1
+    finally:
+        decode.shutdown()
+        assert prefill.stop()
