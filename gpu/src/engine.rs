@@ -333,35 +333,21 @@ unsafe fn queue_all(
         CopyCall::Run(_) => true,
         CopyCall::Rows { rows, .. } => *rows < MIN_2D_ROWS_BESIDE_A_BATCH,
     };
-    let runs: Vec<CopyJob> = calls
-        .iter()
-        .filter(|c| in_batch(c))
-        .flat_map(|c| match *c {
-            CopyCall::Run(j) => vec![j],
-            CopyCall::Rows {
-                dst,
-                src,
-                width,
-                rows,
-                dst_pitch,
-                src_pitch,
-            } => (0..rows)
-                .map(|r| CopyJob {
-                    dst: dst + r * dst_pitch,
-                    src: src + r * src_pitch,
-                    len: width,
-                })
-                .collect(),
-        })
-        .collect();
     let batched = match api.cuMemcpyBatchAsync {
-        Some(batch) if runs.len() >= 2 => {
-            // SAFETY: the caller's contract, for each run.
-            let r = unsafe { queue_batch(batch, stream, &runs) };
-            driver::ok(r, "cuMemcpyBatchAsync").map_err(copy_error)?;
-            true
+        Some(batch) => {
+            let runs: Vec<CopyJob> = calls
+                .iter()
+                .filter(|c| in_batch(c))
+                .flat_map(CopyCall::pieces)
+                .collect();
+            runs.len() >= 2 && {
+                // SAFETY: the caller's contract, for each run.
+                let r = unsafe { queue_batch(batch, stream, &runs) };
+                driver::ok(r, "cuMemcpyBatchAsync").map_err(copy_error)?;
+                true
+            }
         }
-        _ => false,
+        None => false,
     };
     for call in calls {
         if batched && in_batch(call) {

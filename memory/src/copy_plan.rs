@@ -33,6 +33,36 @@ pub enum CopyCall {
 }
 
 impl CopyCall {
+    /// The contiguous pieces the call moves: itself for a run, each row for rows.
+    pub fn pieces(&self) -> impl Iterator<Item = CopyJob> {
+        let (first, width, rows, dst_pitch, src_pitch) = match *self {
+            CopyCall::Run(j) => (j, j.len, 1, 0, 0),
+            CopyCall::Rows {
+                dst,
+                src,
+                width,
+                rows,
+                dst_pitch,
+                src_pitch,
+            } => (
+                CopyJob {
+                    dst,
+                    src,
+                    len: width,
+                },
+                width,
+                rows,
+                dst_pitch,
+                src_pitch,
+            ),
+        };
+        (0..rows).map(move |r| CopyJob {
+            dst: first.dst + r * dst_pitch,
+            src: first.src + r * src_pitch,
+            len: width,
+        })
+    }
+
     /// Bytes the call moves.
     pub fn bytes(&self) -> usize {
         match *self {
@@ -120,30 +150,9 @@ fn rows_from(runs: &[CopyJob]) -> usize {
 /// Every byte the call reads and writes must be valid for it, and no destination byte may
 /// be a source byte of the same call.
 pub unsafe fn copy_with_cpu(call: &CopyCall) {
-    match *call {
-        CopyCall::Run(j) => {
-            // SAFETY: the caller's contract.
-            unsafe { std::ptr::copy_nonoverlapping(j.src as *const u8, j.dst as *mut u8, j.len) }
-        }
-        CopyCall::Rows {
-            dst,
-            src,
-            width,
-            rows,
-            dst_pitch,
-            src_pitch,
-        } => {
-            for r in 0..rows {
-                // SAFETY: the caller's contract, row by row.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (src + r * src_pitch) as *const u8,
-                        (dst + r * dst_pitch) as *mut u8,
-                        width,
-                    )
-                }
-            }
-        }
+    for j in call.pieces() {
+        // SAFETY: the caller's contract, piece by piece.
+        unsafe { std::ptr::copy_nonoverlapping(j.src as *const u8, j.dst as *mut u8, j.len) }
     }
 }
 
