@@ -43,21 +43,21 @@ async fn a_staging_node_publishes_its_pool_in_its_metrics() {
     let peer = decode.connect(addrs).await.unwrap();
     let report = kvferry_testkit::run_decode(&decode, peer, rooms(10, 1)).await;
     assert_all_clean(&report, 10);
-    // Metrics are published every 500 ms of driver turns.
+    // Metrics are published every 500 ms of driver turns, by each node on its own clock.
+    let expected = [
+        r#"kvferry_staging_buffers{role="decode",engine="host"} 3"#,
+        r#"kvferry_staging_buffers{role="prefill",engine="host"} 3"#,
+        "kvferry_staging_buffers_taken_total{",
+    ];
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let text = loop {
         let text = recorder.render();
-        if text.contains("kvferry_staging_buffers_taken_total")
-            || std::time::Instant::now() > deadline
-        {
+        if expected.iter().all(|line| text.contains(line)) || std::time::Instant::now() > deadline {
             break text;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    for line in [
-        r#"kvferry_staging_buffers{role="decode",engine="host"} 3"#,
-        r#"kvferry_staging_buffers{role="prefill",engine="host"} 3"#,
-    ] {
+    for line in expected {
         assert!(
             text.contains(line),
             "{line} not in ({} bytes):\n{text}",
@@ -65,8 +65,4 @@ async fn a_staging_node_publishes_its_pool_in_its_metrics() {
         );
     }
     assert!(text.contains("kvferry_staging_buffers_free{"), "{text}");
-    assert!(
-        text.contains("kvferry_staging_buffers_taken_total{"),
-        "{text}"
-    );
 }
