@@ -164,14 +164,13 @@ impl RdmaHello {
         })
     }
 
-    /// Where the destination of `slice` lies in the peer's memory: `(remote address, rkey)`,
-    /// or `None` if the peer announced no such region or the range leaves it. The sender
-    /// never builds a work request outside what the receiver registered.
+    /// Where the destination of `slice`'s first row lies in the peer's memory: `(remote
+    /// address, rkey)`, or `None` if the peer announced no such region or any row leaves it.
+    /// The sender never builds a work request outside what the receiver registered.
     pub fn target(&self, slice: &Slice) -> Option<(u64, u32)> {
         let code = slice.region.code();
         let r = self.regions.iter().find(|r| r.region == code)?;
-        let end = slice.dst_offset.checked_add(slice.len)?;
-        if slice.len == 0 || end > r.len {
+        if slice.dst_end()? > r.len {
             return None;
         }
         Some((r.addr + slice.dst_offset, r.rkey))

@@ -19,7 +19,7 @@ use crate::verbs::{LocalPiece, MemoryRegistration, RcQueuePair};
 use crate::{writable, HandshakeError, QpState, RdmaHello, RemoteRegion};
 
 /// The deepest send queue a session's QP asks for. An operation is one work request per
-/// slice, so the core's `max_ops_in_flight x max_op_slices` can exceed any device: a post
+/// row of each slice, so the core's `max_ops_in_flight x max_op_slices` can exceed any device: a post
 /// that does not fit fails at once (a full send queue) and the core retries it later.
 const QP_DEPTH_MAX: u32 = 16384;
 
@@ -265,7 +265,7 @@ impl RdmaLink {
         Ok(HelloOutcome::Replaced { hello: ours })
     }
 
-    /// Posts `op`: one RDMA WRITE per slice, chained, the last one signalled.
+    /// Posts `op`: one RDMA WRITE per row of each slice, chained, the last one signalled.
     pub fn post(&mut self, node: &RdmaNode, op: &TransferOp) -> Result<(), PostError> {
         self.post_as(node, op, false)
     }
@@ -285,9 +285,13 @@ impl RdmaLink {
         let mut remote = Vec::with_capacity(op.slices.len());
         for s in op.slices.iter() {
             let missing = PostError::NoTarget { region: s.region };
-            local.push(node.local(s.region, s.src_offset, s.len).ok_or(missing)?);
-            let missing = PostError::NoTarget { region: s.region };
-            remote.push(peer.target(s).ok_or(missing)?);
+            let (addr, rkey) = peer.target(s).ok_or(missing)?;
+            for i in 0..s.rows {
+                let (src, dst) = s.row(i);
+                let missing = PostError::NoTarget { region: s.region };
+                local.push(node.local(s.region, src, s.len).ok_or(missing)?);
+                remote.push((addr + (dst - s.dst_offset), rkey));
+            }
         }
         if wrong_rkey {
             if let Some((_, rkey)) = remote.first_mut() {

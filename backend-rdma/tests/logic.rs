@@ -223,12 +223,7 @@ fn the_rdma_hello_decoder_is_total() {
 fn a_write_target_never_leaves_the_region_the_peer_registered() {
     let h = hello();
     let kv = Region::Kv { layer: 0, plane: 1 };
-    let slice = |region, off, len| Slice {
-        region,
-        src_offset: 0,
-        dst_offset: off,
-        len,
-    };
+    let slice = |region, off, len| Slice::run(region, 0, off, len);
     assert_eq!(h.target(&slice(kv, 4096, 4096)), Some((0x7000_1000, 0x55)));
     assert_eq!(
         h.target(&slice(kv, (1 << 20) - 4096, 4096)),

@@ -82,12 +82,7 @@ fn a_chained_write_lands_byte_for_byte_and_completes_once() {
     let mut local = Vec::new();
     let mut remote = Vec::new();
     for (from, to) in pieces {
-        let slice = Slice {
-            region: kv,
-            src_offset: from,
-            dst_offset: to,
-            len: 65536,
-        };
+        let slice = Slice::run(kv, from, to, 65536);
         remote.push(hello.target(&slice).unwrap());
         local.push(LocalPiece {
             addr: src.as_ptr() as u64 + from,
@@ -112,12 +107,7 @@ fn a_fence_flushes_outstanding_writes_and_then_nothing_lands() {
     let kv = Region::Kv { layer: 0, plane: 0 };
     let hello = b.hello(vec![dst_mr.announce(kv.code())]).unwrap();
     for i in 0..16u64 {
-        let slice = Slice {
-            region: kv,
-            src_offset: 0,
-            dst_offset: 0,
-            len: len as u64,
-        };
+        let slice = Slice::run(kv, 0, 0, len as u64);
         let local = [LocalPiece {
             addr: src.as_ptr() as u64,
             len: len as u32,

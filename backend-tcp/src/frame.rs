@@ -12,7 +12,7 @@ pub const KIND_DATA: u8 = 2;
 /// Size of a write header.
 pub const WRITE_HEADER_LEN: usize = 33;
 /// Size of one slice descriptor.
-pub const SLICE_DESC_LEN: usize = 20;
+pub const SLICE_DESC_LEN: usize = kvferry_core::DESCRIPTOR_LEN;
 /// Size of an acknowledgement.
 pub const ACK_LEN: usize = 9;
 /// Frame type of a write batch.
@@ -140,11 +140,14 @@ impl WriteHeader {
     }
 }
 
-/// Encodes one slice descriptor (destination side only: region, offset, length).
+/// Encodes one slice descriptor (destination side only: region, offset, row length, rows,
+/// stride).
 pub fn encode_slice(s: &Slice, out: &mut Vec<u8>) {
     out.extend_from_slice(&s.region.code().to_le_bytes());
     out.extend_from_slice(&s.dst_offset.to_le_bytes());
     out.extend_from_slice(&s.len.to_le_bytes());
+    out.extend_from_slice(&s.rows.to_le_bytes());
+    out.extend_from_slice(&s.dst_stride.to_le_bytes());
 }
 
 /// Decodes the descriptor table and checks it adds up to the header's payload.
@@ -164,17 +167,24 @@ pub fn decode_slices(table: &[u8], payload: u64) -> Result<Vec<Slice>, FrameErro
         let offset = u64::from_le_bytes(o);
         o.copy_from_slice(&d[12..20]);
         let len = u64::from_le_bytes(o);
-        if len == 0 {
-            return Err(FrameError::Malformed("empty slice"));
+        r.copy_from_slice(&d[20..24]);
+        let rows = u32::from_le_bytes(r);
+        o.copy_from_slice(&d[24..32]);
+        let stride = u64::from_le_bytes(o);
+        if kvferry_core::rows_end(offset, len, rows, stride).is_none() {
+            return Err(FrameError::Malformed("slice rows"));
         }
         total = total
-            .checked_add(len)
+            .checked_add(len * u64::from(rows))
             .ok_or(FrameError::Malformed("payload overflow"))?;
         out.push(Slice {
             region,
             src_offset: offset,
             dst_offset: offset,
             len,
+            rows,
+            src_stride: stride,
+            dst_stride: stride,
         });
     }
     if total != payload {

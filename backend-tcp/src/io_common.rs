@@ -10,7 +10,7 @@ use tracing::warn;
 #[cfg(test)]
 use crate::frame::DataHello;
 use crate::frame::{encode_slice, FrameError, WriteHeader, KIND_CONTROL, KIND_DATA, MAGIC};
-use kvferry_memory::{MemoryMap, WriteCheck};
+use kvferry_memory::{MemoryMap, SliceSide, WriteCheck};
 
 /// Hands permits back through a [`WriteCheck`] behind any pointer (`Arc` on tokio, `Rc` on
 /// a thread-per-core runtime).
@@ -112,15 +112,38 @@ pub fn prepare_op(
     }
     let mut sources: Vec<(usize, usize)> = Vec::with_capacity(op.slices.len());
     for s in op.slices.iter() {
-        match reachable(memory, s.region, s.src_offset, s.len) {
-            Ok(p) => sources.push((p as usize, s.len as usize)),
-            Err(e) => {
-                warn!(op = %op.id, error = %e, "source range cannot be read");
-                return (sources, true);
-            }
+        if let Err(e) = push_rows(memory, s, SliceSide::Source, &mut sources) {
+            warn!(op = %op.id, error = %e, "source range cannot be read");
+            return (sources, true);
         }
     }
     (sources, false)
+}
+
+/// Appends the (address, length) of every row of `s` on `side`, in order, if this process
+/// can move their bytes ([`reachable`] over the span from the first row to the last).
+pub(crate) fn push_rows(
+    memory: &MemoryMap,
+    s: &Slice,
+    side: SliceSide,
+    out: &mut Vec<(usize, usize)>,
+) -> Result<(), kvferry_memory::AccessError> {
+    let (offset, stride) = match side {
+        SliceSide::Source => (s.src_offset, s.src_stride),
+        SliceSide::Destination => (s.dst_offset, s.dst_stride),
+    };
+    let span = kvferry_core::rows_end(offset, s.len, s.rows, stride)
+        .map(|end| end - offset)
+        .ok_or(kvferry_memory::AccessError::OutOfBounds(
+            kvferry_memory::OutOfBounds {
+                region: s.region,
+                offset,
+                len: s.len,
+            },
+        ))?;
+    let first = reachable(memory, s.region, offset, span)? as usize;
+    out.extend((0..s.rows as usize).map(|i| (first + i * stride as usize, s.len as usize)));
+    Ok(())
 }
 
 /// A range's address if this process can move its bytes: host memory, or device memory the
@@ -287,14 +310,12 @@ where
     // Held until the payload is applied or abandoned (a cancelled task drops it): the core
     // keeps the room's pages while it is out.
     let landing = Landing::new(permit, EndThrough(check.clone()));
-    let targets: Option<Vec<(usize, usize)>> = slices
+    let mut targets = Vec::with_capacity(slices.len());
+    let targets = slices
         .iter()
-        .map(|s| {
-            reachable(memory, s.region, s.dst_offset, s.len)
-                .ok()
-                .map(|p| (p as usize, s.len as usize))
-        })
-        .collect();
+        .try_for_each(|s| push_rows(memory, s, SliceSide::Destination, &mut targets))
+        .ok()
+        .map(|()| targets);
     Ok(match targets {
         Some(targets) => Admission::Apply { landing, targets },
         None => Admission::Refuse(None),

@@ -36,10 +36,12 @@ pub(crate) struct Piece {
     kind: MemoryKind,
 }
 
-/// The ranges of `slices` (addresses from registered memory) with their memory kinds.
+/// The ranges of `slices`' rows (addresses from registered memory, a row each) with their
+/// memory kinds.
 pub(crate) fn pieces(memory: &MemoryMap, slices: &[Slice], addrs: &[(usize, usize)]) -> Vec<Piece> {
     slices
         .iter()
+        .flat_map(|s| std::iter::repeat(s).take(s.rows as usize))
         .zip(addrs)
         .map(|(s, &(addr, len))| Piece {
             addr,

@@ -48,7 +48,7 @@ async fn pair() -> (TcpStream, TcpStream) {
 }
 
 fn op(id: u64, room: u64, slices: Vec<Slice>) -> TransferOp {
-    let bytes = slices.iter().map(|s| s.len).sum();
+    let bytes = slices.iter().map(Slice::bytes).sum();
     TransferOp {
         checksum: false,
         id: TransferId(id),
@@ -94,31 +94,12 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
     let sender = DataSender::spawn(a, src.clone(), report);
     // pages 0..4 -> 100..104, pages 6..8 -> 10..12
     let slices = vec![
-        Slice {
-            region,
-            src_offset: 0,
-            dst_offset: 100 * 1024,
-            len: 4 * 1024,
-        },
-        Slice {
-            region,
-            src_offset: 6 * 1024,
-            dst_offset: 10 * 1024,
-            len: 2 * 1024,
-        },
+        Slice::run(region, 0, 100 * 1024, 4 * 1024),
+        Slice::run(region, 6 * 1024, 10 * 1024, 2 * 1024),
     ];
     sender.send(op(1, 7, slices)).unwrap();
     sender
-        .send(op(
-            2,
-            8,
-            vec![Slice {
-                region,
-                src_offset: 0,
-                dst_offset: 0,
-                len: 1024,
-            }],
-        ))
+        .send(op(2, 8, vec![Slice::run(region, 0, 0, 1024)]))
         .unwrap();
     while got.lock().unwrap().len() < 2 {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
@@ -146,6 +127,66 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
 }
 
 #[tokio::test]
+async fn a_strided_slice_moves_each_row_from_its_source_row_to_its_destination_row() {
+    let layout = small_layout(256);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let dst = Arc::new(MemoryMap::allocate(layout));
+    let region = Region::Kv { layer: 0, plane: 1 };
+    // Source rows of 64 bytes, byte value = row + 1; the slice takes bytes 32..48 of each of
+    // 16 rows into destination rows of 16 bytes (a decode holding a quarter of the heads).
+    for r in 0..16u64 {
+        src.write(region, r * 64, &[r as u8 + 1; 64]).unwrap();
+    }
+    let (a, b) = pair().await;
+    let limits = Limits {
+        checksum: true,
+        max_slices: 4096,
+        max_bytes: 1 << 30,
+    };
+    let server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        Arc::new(AllowRoom(RoomId(3))),
+        limits,
+    ));
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src.clone(), report);
+    let slice = Slice {
+        region,
+        src_offset: 32,
+        dst_offset: 2048,
+        len: 16,
+        rows: 16,
+        src_stride: 64,
+        dst_stride: 16,
+    };
+    sender
+        .send(TransferOp {
+            checksum: true,
+            ..op(1, 3, vec![slice])
+        })
+        .unwrap();
+    while got.lock().unwrap().is_empty() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![(TransferId(1), TransferOutcome::Done)]
+    );
+    let mut landed = vec![0u8; 256 + 32];
+    dst.read(region, 2048 - 16, &mut landed).unwrap();
+    let mut want = vec![0u8; 16];
+    for r in 0..16u8 {
+        want.extend([r + 1; 16]);
+    }
+    want.extend([0u8; 16]);
+    assert_eq!(landed, want, "each row in its place, nothing around them");
+    sender.close().await;
+    let stats = server.await.unwrap().unwrap();
+    assert_eq!((stats.applied, stats.refused), (1, 0));
+}
+
+#[tokio::test]
 async fn a_closed_connection_fails_unacknowledged_operations_transiently() {
     let layout = small_layout(256);
     let src = Arc::new(MemoryMap::allocate(layout));
@@ -154,16 +195,7 @@ async fn a_closed_connection_fails_unacknowledged_operations_transiently() {
     let (report, got) = collector();
     let sender = DataSender::spawn(a, src, report);
     let region = Region::Kv { layer: 0, plane: 0 };
-    let _ = sender.send(op(
-        5,
-        1,
-        vec![Slice {
-            region,
-            src_offset: 0,
-            dst_offset: 0,
-            len: 1024,
-        }],
-    ));
+    let _ = sender.send(op(5, 1, vec![Slice::run(region, 0, 0, 1024)]));
     sender.close().await;
     assert_eq!(
         *got.lock().unwrap(),
@@ -184,12 +216,7 @@ async fn an_acknowledgement_for_an_operation_never_sent_closes_the_connection_at
     let (report, got) = collector();
     let sender = DataSender::spawn(a, src, report);
     let region = Region::Kv { layer: 0, plane: 0 };
-    let slice = Slice {
-        region,
-        src_offset: 0,
-        dst_offset: 0,
-        len: 1024,
-    };
+    let slice = Slice::run(region, 0, 0, 1024);
     sender.send(op(1, 7, vec![slice])).unwrap();
     // The operation's header and payload arrive; the peer answers for operation 999.
     let mut frame = vec![0u8; kvferry_tcp::WRITE_HEADER_LEN + kvferry_tcp::SLICE_DESC_LEN + 1024];
@@ -242,12 +269,12 @@ fn checked_limits() -> Limits {
 /// A checked write batch for `room`: 1024 bytes of `byte` into page 3 of layer 0 plane 0,
 /// its trailer the XXH3-64 of `sent` (the bytes the writer held).
 fn checked_batch(room: u64, sent: &[u8], payload: &[u8]) -> Vec<u8> {
-    let slice = Slice {
-        region: Region::Kv { layer: 0, plane: 0 },
-        src_offset: 0,
-        dst_offset: 3 * 1024,
-        len: payload.len() as u64,
-    };
+    let slice = Slice::run(
+        Region::Kv { layer: 0, plane: 0 },
+        0,
+        3 * 1024,
+        payload.len() as u64,
+    );
     let mut out = Vec::new();
     kvferry_tcp::WriteHeader {
         op: TransferId(9),
@@ -416,12 +443,7 @@ async fn a_checksummed_operation_lands_and_is_acknowledged() {
     let dst = Arc::new(MemoryMap::allocate(layout));
     let region = Region::Kv { layer: 1, plane: 0 };
     src.write(region, 2 * 1024, &[0x5Au8; 2048]).unwrap();
-    let slices = vec![Slice {
-        region,
-        src_offset: 2 * 1024,
-        dst_offset: 8 * 1024,
-        len: 2048,
-    }];
+    let slices = vec![Slice::run(region, 2 * 1024, 8 * 1024, 2048)];
     assert_eq!(
         send_checked(src, dst.clone(), op(4, 7, slices)).await,
         vec![(TransferId(4), TransferOutcome::Done)]
@@ -445,11 +467,13 @@ async fn a_checksummed_operation_larger_than_what_is_hashed_ahead_lands_and_is_a
     src.write(region, 0, &bytes).unwrap();
     let piece = 300 * 1024;
     let slices = (0..3)
-        .map(|i| Slice {
-            region,
-            src_offset: (i * piece) as u64,
-            dst_offset: (1024 * 1024 - (i + 1) * piece) as u64,
-            len: piece as u64,
+        .map(|i| {
+            Slice::run(
+                region,
+                (i * piece) as u64,
+                (1024 * 1024 - (i + 1) * piece) as u64,
+                piece as u64,
+            )
         })
         .collect();
     assert_eq!(

@@ -718,6 +718,9 @@ pub enum WriteRefused {
     /// The bytes are not the heads the writer shares with this endpoint, in one token row
     /// (attention heads split across ranks).
     HeadsNotShared,
+    /// The rows are malformed (empty, overlapping, a stride with one row) or strided outside a
+    /// KV region.
+    BadRows,
     /// The writer's session was taken over by a fresh connection: its writes are void (the
     /// operations are retried there), and the room does not fail for them.
     SessionSuperseded,

@@ -94,7 +94,7 @@ pub struct Config {
     /// the sender's XXH3-64 before it acknowledges (over RDMA: each operation's landed bytes
     /// before the room succeeds), and a mismatch fails the room with `checksum_mismatch`.
     /// Both peers must agree (`KVFERRY_CHECKSUM`, 0 = off, 1 = on); needs `max_op_slices`
-    /// <= 4096 and `max_frame_len` >= 81948.
+    /// <= 4096 and `max_frame_len` >= 131100.
     pub checksum: bool,
     /// Listen beyond loopback with no cluster token, or with the CLI's built-in demo token
     /// that everyone knows (`KVFERRY_ALLOW_NO_TOKEN`, 0 = refuse, 1 = allow): anyone who
@@ -449,7 +449,7 @@ impl Config {
             return bad(
                 "MAX_FRAME_LEN",
                 self.max_frame_len.to_string(),
-                "must be at least 81948 with KVFERRY_CHECKSUM (the largest operation checksum frame)",
+                "must be at least 131100 with KVFERRY_CHECKSUM (the largest operation checksum frame)",
             );
         }
         Ok(())

@@ -316,6 +316,14 @@ impl RowWrite {
         }
     }
 
+    /// Whether every row of `slice` is admitted: one row as [`RowWrite::admits`]; several
+    /// rows the peer's part of token rows a whole number of rows apart.
+    pub fn admits_rows(&self, slice: &Slice) -> bool {
+        self.admits(slice.dst_offset, slice.len)
+            && (slice.rows == 1
+                || (self.len == slice.len && slice.dst_stride % self.row_bytes == 0))
+    }
+
     /// The token rows (region-wide row numbers) that an admitted write fills.
     pub fn rows(&self, offset: u64, len: u64) -> core::ops::Range<u64> {
         let first = offset / self.row_bytes;
@@ -390,18 +398,91 @@ impl Region {
     }
 }
 
-/// One contiguous copy: `len` bytes at `src_offset` in the source's `region` to `dst_offset`
-/// in the destination's region of the same name.
+/// One copy of `rows` rows of `len` bytes each: row `i` is read at `src_offset + i x
+/// src_stride` in the source's `region` and written at `dst_offset + i x dst_stride` in the
+/// destination's region of the same name. A contiguous run is one row (strides 0); a head
+/// slice of every token row of a page is one strided slice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Slice {
     /// Region on both sides.
     pub region: Region,
-    /// Byte offset in the source endpoint's region.
+    /// Byte offset of the first row in the source endpoint's region.
     pub src_offset: u64,
-    /// Byte offset in the destination endpoint's region.
+    /// Byte offset of the first row in the destination endpoint's region.
     pub dst_offset: u64,
-    /// Bytes to copy.
+    /// Bytes in each row.
     pub len: u64,
+    /// Rows, at least 1.
+    pub rows: u32,
+    /// Bytes from one row's start to the next one's in the source (0 for one row).
+    pub src_stride: u64,
+    /// Bytes from one row's start to the next one's in the destination (0 for one row).
+    pub dst_stride: u64,
+}
+
+impl Slice {
+    /// One contiguous run of `len` bytes.
+    pub const fn run(region: Region, src_offset: u64, dst_offset: u64, len: u64) -> Self {
+        Slice {
+            region,
+            src_offset,
+            dst_offset,
+            len,
+            rows: 1,
+            src_stride: 0,
+            dst_stride: 0,
+        }
+    }
+
+    /// Bytes the slice moves: `rows x len`, saturating.
+    pub fn bytes(&self) -> u64 {
+        self.len.saturating_mul(u64::from(self.rows))
+    }
+
+    /// Where row `i` starts: `(src, dst)` offsets.
+    pub fn row(&self, i: u32) -> (u64, u64) {
+        let i = u64::from(i);
+        (
+            self.src_offset + i * self.src_stride,
+            self.dst_offset + i * self.dst_stride,
+        )
+    }
+
+    /// Every row as a contiguous run, in order.
+    pub fn runs(&self) -> impl Iterator<Item = Slice> + '_ {
+        (0..self.rows).map(|i| {
+            let (src, dst) = self.row(i);
+            Slice::run(self.region, src, dst, self.len)
+        })
+    }
+
+    /// Where the destination's last row ends; `None` for a shape [`rows_end`] refuses.
+    pub fn dst_end(&self) -> Option<u64> {
+        rows_end(self.dst_offset, self.len, self.rows, self.dst_stride)
+    }
+}
+
+/// Bytes of one slice descriptor on the wire (write batches, operation checksums): `region`
+/// u32, `offset` u64, `len` u64, `rows` u32, `stride` u64.
+pub const DESCRIPTOR_LEN: usize = 32;
+
+/// Where the last of `rows` rows of `len` bytes, `stride` apart from `offset`, ends; `None`
+/// for a shape no writer sends: an empty row, no row, a stride with one row, rows that
+/// overlap (`stride < len`), or an end past `u64::MAX`.
+pub fn rows_end(offset: u64, len: u64, rows: u32, stride: u64) -> Option<u64> {
+    let well_formed = len > 0
+        && rows > 0
+        && if rows == 1 {
+            stride == 0
+        } else {
+            stride >= len
+        };
+    if !well_formed {
+        return None;
+    }
+    offset
+        .checked_add(u64::from(rows - 1).checked_mul(stride)?)?
+        .checked_add(len)
 }
 
 /// A run of consecutive page indices `start..start + len`.

@@ -75,6 +75,8 @@ pub use ids::{
     ConnId, DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId,
     TargetId, TransferId,
 };
-pub use layout::{ExtraPool, Heads, Layout, LayoutMismatch, PageRun, Region, Slice};
+pub use layout::{
+    rows_end, ExtraPool, Heads, Layout, LayoutMismatch, PageRun, Region, Slice, DESCRIPTOR_LEN,
+};
 pub use state::{FailureReason, InvalidTransition, KvPoll, Role};
 pub use timer::Timer;

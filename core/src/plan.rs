@@ -9,7 +9,8 @@ use crate::layout::{ExtraPool, Heads, Layout, Region, Slice};
 pub struct OpLimits {
     /// Most payload bytes per operation (a single slice larger than this is split at pages).
     pub max_bytes: u64,
-    /// Most slices per operation.
+    /// Most rows per operation, each slice counting its rows: bounds the descriptor table a
+    /// receiver reads and the work requests of one RDMA post.
     pub max_slices: u32,
 }
 
@@ -32,12 +33,12 @@ pub fn plan_kv(
         for plane in 0..layout.planes {
             let region = Region::Kv { layer, plane };
             for &(s, d, len) in &runs {
-                ops.push(Slice {
+                ops.push(Slice::run(
                     region,
-                    src_offset: u64::from(s) * page,
-                    dst_offset: u64::from(d) * page,
-                    len: len * page,
-                });
+                    u64::from(s) * page,
+                    u64::from(d) * page,
+                    len * page,
+                ));
             }
         }
     }
@@ -50,6 +51,7 @@ struct Ops {
     ops: Vec<Vec<Slice>>,
     cur: Vec<Slice>,
     cur_bytes: u64,
+    cur_rows: u32,
 }
 
 impl Ops {
@@ -59,20 +61,41 @@ impl Ops {
             ops: Vec::new(),
             cur: Vec::new(),
             cur_bytes: 0,
+            cur_rows: 0,
         }
     }
 
     /// Adds `slice` to the current operation, or starts the next one when it would not fit.
     fn push(&mut self, slice: Slice) {
         if !self.cur.is_empty()
-            && (self.cur_bytes + slice.len > self.limits.max_bytes
-                || self.cur.len() as u32 >= self.limits.max_slices)
+            && (self.cur_bytes + slice.bytes() > self.limits.max_bytes
+                || self.cur_rows.saturating_add(slice.rows) > self.limits.max_slices)
         {
             self.ops.push(std::mem::take(&mut self.cur));
             self.cur_bytes = 0;
+            self.cur_rows = 0;
         }
-        self.cur_bytes += slice.len;
+        self.cur_bytes += slice.bytes();
+        self.cur_rows = self.cur_rows.saturating_add(slice.rows);
         self.cur.push(slice);
+    }
+
+    /// Adds the contiguous run `slice`, extending the last slice where it continues it on
+    /// both sides and the operation has room.
+    fn push_merged(&mut self, slice: Slice) {
+        if let Some(last) = self.cur.last_mut() {
+            if last.rows == 1
+                && last.region == slice.region
+                && last.src_offset + last.len == slice.src_offset
+                && last.dst_offset + last.len == slice.dst_offset
+                && self.cur_bytes + slice.len <= self.limits.max_bytes
+            {
+                last.len += slice.len;
+                self.cur_bytes += slice.len;
+                return;
+            }
+        }
+        self.push(slice);
     }
 
     fn finish(mut self) -> Vec<Vec<Slice>> {
@@ -126,12 +149,12 @@ pub fn plan_extras(
             tensor: tensor as u16,
         };
         for (s, d, len) in paired_runs(src, dst, (limits.max_bytes / item).max(1)) {
-            ops.push(Slice {
+            ops.push(Slice::run(
                 region,
-                src_offset: u64::from(s) * item,
-                dst_offset: u64::from(d) * item,
-                len: len * item,
-            });
+                u64::from(s) * item,
+                u64::from(d) * item,
+                len * item,
+            ));
         }
     }
     ops.finish()
@@ -147,10 +170,11 @@ pub struct HeadSide {
 }
 
 /// Plans the head slices that copy room pages `src[i] -> dst[i]` for `layers` (every plane)
-/// between two endpoints that hold different heads: for every token row, the bytes of the
-/// heads both hold, from where they sit in the source's row to where they sit in the
-/// destination's. Slices that are contiguous on both sides are merged. Ordered by layer,
-/// plane, page, token, cut into operations that respect `limits`; empty when the two share no
+/// between two endpoints that hold different heads: for every page, one slice whose rows are
+/// the page's token rows, each the bytes of the heads both hold, from where they sit in the
+/// source's row to where they sit in the destination's. Where those bytes are whole rows on
+/// both sides the page is one run, and runs contiguous on both sides are merged. Ordered by
+/// layer, plane, page, cut into operations that respect `limits`; empty when the two share no
 /// head (the caller refuses such a pairing).
 pub fn plan_kv_heads(
     planes: u8,
@@ -171,51 +195,47 @@ pub fn plan_kv_heads(
     let (src_row, dst_row) = (from.heads.row_bytes(), to.heads.row_bytes());
     let src_skip = u64::from(shared.start - from.heads.start) * head;
     let dst_skip = u64::from(shared.start - to.heads.start) * head;
-    let mut ops = Vec::new();
-    let mut cur: Vec<Slice> = Vec::new();
-    let mut cur_bytes = 0u64;
+    let whole_rows = len == src_row && len == dst_row;
+    // A page's rows go in pieces of at most `max_bytes` (a page is far smaller in practice).
+    let rows_per_slice = u32::try_from((limits.max_bytes / len).max(1))
+        .unwrap_or(u32::MAX)
+        .min(limits.max_slices.max(1))
+        .min(tokens);
+    let mut ops = Ops::new(limits);
     for layer in layers {
         for plane in 0..planes {
             let region = Region::Kv { layer, plane };
             for (&s, &d) in src.iter().zip(dst) {
-                for t in 0..u64::from(tokens) {
-                    let slice = Slice {
+                let src_page = u64::from(s) * u64::from(from.page_bytes) + src_skip;
+                let dst_page = u64::from(d) * u64::from(to.page_bytes) + dst_skip;
+                if whole_rows {
+                    ops.push_merged(Slice::run(
                         region,
-                        src_offset: u64::from(s) * u64::from(from.page_bytes)
-                            + t * src_row
-                            + src_skip,
-                        dst_offset: u64::from(d) * u64::from(to.page_bytes)
-                            + t * dst_row
-                            + dst_skip,
+                        src_page,
+                        dst_page,
+                        u64::from(tokens) * len,
+                    ));
+                    continue;
+                }
+                let mut first = 0;
+                while first < tokens {
+                    let rows = rows_per_slice.min(tokens - first);
+                    let at = u64::from(first);
+                    ops.push(Slice {
+                        region,
+                        src_offset: src_page + at * src_row,
+                        dst_offset: dst_page + at * dst_row,
                         len,
-                    };
-                    if let Some(last) = cur.last_mut() {
-                        if last.region == region
-                            && last.src_offset + last.len == slice.src_offset
-                            && last.dst_offset + last.len == slice.dst_offset
-                            && cur_bytes + len <= limits.max_bytes
-                        {
-                            last.len += len;
-                            cur_bytes += len;
-                            continue;
-                        }
-                        if cur_bytes + len > limits.max_bytes
-                            || cur.len() as u32 >= limits.max_slices
-                        {
-                            ops.push(std::mem::take(&mut cur));
-                            cur_bytes = 0;
-                        }
-                    }
-                    cur.push(slice);
-                    cur_bytes += len;
+                        rows,
+                        src_stride: if rows > 1 { src_row } else { 0 },
+                        dst_stride: if rows > 1 { dst_row } else { 0 },
+                    });
+                    first += rows;
                 }
             }
         }
     }
-    if !cur.is_empty() {
-        ops.push(cur);
-    }
-    ops
+    ops.finish()
 }
 
 /// Slices of the aux row and state slot of a room (the last operation of a room).
@@ -233,12 +253,12 @@ pub fn plan_aux(
     ];
     for (region, item, s, d) in pairs {
         if let (true, Some(s), Some(d)) = (item > 0, s, d) {
-            slices.push(Slice {
+            slices.push(Slice::run(
                 region,
-                src_offset: u64::from(s) * u64::from(item),
-                dst_offset: u64::from(d) * u64::from(item),
-                len: u64::from(item),
-            });
+                u64::from(s) * u64::from(item),
+                u64::from(d) * u64::from(item),
+                u64::from(item),
+            ));
         }
     }
     slices

@@ -23,12 +23,12 @@ fn a_write_that_failed_its_checksum_fails_the_room_with_checksum_mismatch() {
     run_ms(&mut sim, 5);
     let session = sim.session(d, p).expect("session");
     let page = u64::from(small_layout(1).page_bytes);
-    let slice = [Slice {
-        region: Region::Kv { layer: 0, plane: 0 },
-        src_offset: 0,
-        dst_offset: u64::from(dst[0]) * page,
-        len: page,
-    }];
+    let slice = [Slice::run(
+        Region::Kv { layer: 0, plane: 0 },
+        0,
+        u64::from(dst[0]) * page,
+        page,
+    )];
     let now = sim.now;
     let permit = sim.nodes[d]
         .endpoint

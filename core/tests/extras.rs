@@ -112,11 +112,13 @@ fn extra_items_move_with_the_room_into_every_tensor_of_their_pool() {
 fn extra_items_pair_by_position_and_coalesce_where_both_sides_run() {
     let ops = plan_extras(&pools(64), 1, &[3, 4, 40], &[10, 11, 12], WIDE);
     let slices: Vec<Slice> = ops.concat();
-    let at = |tensor: u16, src: u64, dst: u64, items: u64| Slice {
-        region: Region::Extra { pool: 1, tensor },
-        src_offset: src * 256,
-        dst_offset: dst * 256,
-        len: items * 256,
+    let at = |tensor: u16, src: u64, dst: u64, items: u64| {
+        Slice::run(
+            Region::Extra { pool: 1, tensor },
+            src * 256,
+            dst * 256,
+            items * 256,
+        )
     };
     let want: Vec<Slice> = (0..3)
         .flat_map(|t| [at(t, 3, 10, 2), at(t, 40, 12, 1)])
@@ -241,12 +243,12 @@ fn a_write_outside_the_granted_items_is_refused() {
             granting(vec![vec![5], vec![10, 11, 12]]),
         );
         let session = sim.session(d, p).expect("session");
-        let slice = [Slice {
-            region: Region::Extra { pool: 1, tensor: 2 },
-            src_offset: 0,
-            dst_offset: offset,
+        let slice = [Slice::run(
+            Region::Extra { pool: 1, tensor: 2 },
+            0,
+            offset,
             len,
-        }];
+        )];
         let now = sim.now;
         let got = sim.nodes[d]
             .endpoint
@@ -326,21 +328,21 @@ fn pages_and_aux(dst: &[u32]) -> Vec<Slice> {
     for layer in 0..l.layers {
         for plane in 0..l.planes {
             for &p in dst {
-                out.push(Slice {
-                    region: Region::Kv { layer, plane },
-                    src_offset: 0,
-                    dst_offset: u64::from(p) * page,
-                    len: page,
-                });
+                out.push(Slice::run(
+                    Region::Kv { layer, plane },
+                    0,
+                    u64::from(p) * page,
+                    page,
+                ));
             }
         }
     }
-    out.push(Slice {
-        region: Region::Aux,
-        src_offset: 0,
-        dst_offset: u64::from(l.aux_bytes),
-        len: u64::from(l.aux_bytes),
-    });
+    out.push(Slice::run(
+        Region::Aux,
+        0,
+        u64::from(l.aux_bytes),
+        u64::from(l.aux_bytes),
+    ));
     out
 }
 
@@ -349,14 +351,16 @@ fn state_slot_5() -> Vec<Slice> {
     [48u64, 80]
         .iter()
         .enumerate()
-        .map(|(t, &b)| Slice {
-            region: Region::Extra {
-                pool: 0,
-                tensor: t as u16,
-            },
-            src_offset: 0,
-            dst_offset: 5 * b,
-            len: b,
+        .map(|(t, &b)| {
+            Slice::run(
+                Region::Extra {
+                    pool: 0,
+                    tensor: t as u16,
+                },
+                0,
+                5 * b,
+                b,
+            )
         })
         .collect()
 }

@@ -211,12 +211,12 @@ fn a_write_from_an_idle_source_is_refused() {
     });
     run_ms(&mut sim, 5);
     let session = sim.session(d, ps[1]).expect("session");
-    let slice = [kvferry_core::Slice {
-        region: kvferry_core::Region::Aux,
-        src_offset: 0,
-        dst_offset: 6 * u64::from(small_layout(1).aux_bytes),
-        len: u64::from(small_layout(1).aux_bytes),
-    }];
+    let slice = [kvferry_core::Slice::run(
+        kvferry_core::Region::Aux,
+        0,
+        6 * u64::from(small_layout(1).aux_bytes),
+        u64::from(small_layout(1).aux_bytes),
+    )];
     let now = sim.now;
     assert_eq!(
         sim.nodes[d]

@@ -71,7 +71,7 @@ fn move_heads(prefill_tp: u16, decode_tp: u16, d: u16, sources: &[u16]) -> (Vec<
         let from = rank_of(prefill_tp, p);
         let src = region(from, 3);
         for op in plan_kv_heads(1, from, to, 0..1, &pages, &dst_pages, WIDE) {
-            for s in op {
+            for s in op.iter().flat_map(Slice::runs) {
                 let (a, b, n) = (s.src_offset as usize, s.dst_offset as usize, s.len as usize);
                 dst[b..b + n].copy_from_slice(&src[a..a + n]);
             }
@@ -136,23 +136,58 @@ fn a_swapped_head_is_caught_by_the_byte_check() {
 }
 
 #[test]
-fn head_slices_merge_where_both_sides_are_contiguous() {
-    // Decode holds a subset of the prefill rank's heads: its whole rows come from strided
-    // source bytes, one slice per token; same heads on both sides are whole pages.
+fn a_pages_head_slices_are_one_strided_slice() {
+    // Decode rank 1 of 2 holds heads 2..4 of the prefill rank's 4: each of the page's 4 token
+    // rows gives its last 16 bytes of 32, into whole rows of 16 on decode.
     let (from, to) = (rank_of(1, 0), rank_of(2, 1));
-    let ops = plan_kv_heads(1, from, to, 0..1, &[0], &[0], WIDE);
-    assert_eq!(ops.concat().len(), 4, "one slice per token");
+    let ops = plan_kv_heads(1, from, to, 0..1, &[1], &[3], WIDE);
+    assert_eq!(
+        ops.concat(),
+        vec![Slice {
+            region: Region::Kv { layer: 0, plane: 0 },
+            src_offset: 128 + 16,
+            dst_offset: 3 * 64,
+            len: 16,
+            rows: 4,
+            src_stride: 32,
+            dst_stride: 16,
+        }]
+    );
+}
+
+#[test]
+fn a_slices_rows_are_cut_to_the_operation_limits() {
+    let (from, to) = (rank_of(1, 0), rank_of(2, 0));
+    let limits = OpLimits {
+        max_bytes: u64::MAX,
+        max_slices: 3,
+    };
+    let ops = plan_kv_heads(1, from, to, 0..1, &[0], &[0], limits);
+    let rows: Vec<Vec<u32>> = ops
+        .iter()
+        .map(|op| op.iter().map(|s| s.rows).collect())
+        .collect();
+    assert_eq!(rows, vec![vec![3], vec![1]], "at most 3 rows an operation");
+    let limits = OpLimits {
+        max_bytes: 32,
+        max_slices: u32::MAX,
+    };
+    let ops = plan_kv_heads(1, from, to, 0..1, &[0], &[0], limits);
+    assert!(ops
+        .iter()
+        .all(|op| op.iter().map(Slice::bytes).sum::<u64>() <= 32));
+    assert_eq!(ops.concat().iter().map(Slice::bytes).sum::<u64>(), 64);
+}
+
+#[test]
+fn whole_pages_merge_where_both_sides_hold_the_same_heads() {
+    let from = rank_of(1, 0);
     let ops = plan_kv_heads(2, from, from, 0..2, &[0, 1], &[3, 4], WIDE);
     assert_eq!(
         ops.concat(),
         (0..2u16)
             .flat_map(|layer| (0..2u8).map(move |plane| (layer, plane)))
-            .map(|(layer, plane)| Slice {
-                region: Region::Kv { layer, plane },
-                src_offset: 0,
-                dst_offset: 3 * 128,
-                len: 2 * 128,
-            })
+            .map(|(layer, plane)| Slice::run(Region::Kv { layer, plane }, 0, 3 * 128, 2 * 128))
             .collect::<Vec<_>>()
     );
 }
@@ -288,12 +323,12 @@ fn a_write_of_heads_the_source_does_not_share_is_refused_and_fails_the_room() {
         run_ms(&mut sim, 5);
         let session = sim.session(ds[0], ps[1]).expect("session");
         let at = u64::from(page) * u64::from(rank_of(1, 0).page_bytes);
-        let slice = [Slice {
-            region: Region::Kv { layer: 0, plane: 0 },
-            src_offset: 0,
-            dst_offset: at + offset,
+        let slice = [Slice::run(
+            Region::Kv { layer: 0, plane: 0 },
+            0,
+            at + offset,
             len,
-        }];
+        )];
         let now = sim.now;
         let got = sim.nodes[ds[0]]
             .endpoint
@@ -313,6 +348,61 @@ fn a_write_of_heads_the_source_does_not_share_is_refused_and_fails_the_room() {
                 Some(KvPoll::Failed(kvferry_core::FailureReason::ProtocolError))
             );
         }
+    }
+}
+
+#[test]
+fn a_strided_write_is_admitted_only_as_the_shared_heads_of_whole_token_rows() {
+    // Rank 1 holds heads 2..4 of the decode's 0..4: bytes 16..32 of every 32-byte row.
+    let kv = Region::Kv { layer: 0, plane: 0 };
+    let strided = |offset: u64, len: u64, rows: u32, stride: u64| Slice {
+        region: kv,
+        src_offset: 0,
+        dst_offset: offset,
+        len,
+        rows,
+        src_stride: stride,
+        dst_stride: stride,
+    };
+    let cases = [
+        (strided(16, 16, 4, 32), None),
+        (strided(16, 16, 2, 64), None),
+        (strided(16, 16, 4, 48), Some(WriteRefused::HeadsNotShared)),
+        (strided(0, 16, 4, 32), Some(WriteRefused::HeadsNotShared)),
+        (strided(16, 16, 4, 8), Some(WriteRefused::BadRows)),
+        (strided(16, 16, 1, 32), Some(WriteRefused::BadRows)),
+        (strided(16, 16, 0, 0), Some(WriteRefused::BadRows)),
+        (strided(16, 16, 13, 32), Some(WriteRefused::PageNotGranted)),
+        (
+            Slice {
+                region: Region::Aux,
+                ..strided(0, 4, 2, 4)
+            },
+            Some(WriteRefused::BadRows),
+        ),
+    ];
+    for (i, (slice, refused)) in cases.into_iter().enumerate() {
+        let room = 20 + i as u64;
+        let (mut sim, ps, ds) = split_cluster(2, 1);
+        let page = open_split(&mut sim, ds[0], &ps, room, 1)[2];
+        run_ms(&mut sim, 5);
+        let session = sim.session(ds[0], ps[1]).expect("session");
+        let at = u64::from(page) * u64::from(rank_of(1, 0).page_bytes);
+        let slice = Slice {
+            dst_offset: slice.dst_offset + if slice.region == kv { at } else { 0 },
+            ..slice
+        };
+        let now = sim.now;
+        let got = sim.nodes[ds[0]]
+            .endpoint
+            .begin_write(now, session, RoomId(room), 0, &[slice]);
+        assert_eq!(got.as_ref().err(), refused.as_ref(), "{slice:?}");
+        let want = if refused.is_some() {
+            Some(KvPoll::Failed(kvferry_core::FailureReason::ProtocolError))
+        } else {
+            Some(KvPoll::WaitingForInput)
+        };
+        assert_eq!(state(&sim, ds[0], room), want, "{slice:?}");
     }
 }
 

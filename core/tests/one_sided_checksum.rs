@@ -49,6 +49,8 @@ fn room_ranges(sim: &Sim, d: usize, dst: &[u32]) -> Vec<LandedRange> {
                     region: Region::Kv { layer, plane },
                     offset: u64::from(p) * page,
                     len: page,
+                    rows: 1,
+                    stride: 0,
                 });
             }
         }
@@ -58,6 +60,8 @@ fn room_ranges(sim: &Sim, d: usize, dst: &[u32]) -> Vec<LandedRange> {
         region: Region::Aux,
         offset: ROOM * aux,
         len: aux,
+        rows: 1,
+        stride: 0,
     });
     out
 }
@@ -190,6 +194,8 @@ fn a_checksum_for_a_page_the_room_was_not_granted_fails_the_room() {
             region: Region::Kv { layer: 0, plane: 0 },
             offset: u64::from(outside) * page,
             len: page,
+            rows: 1,
+            stride: 0,
         }]),
     );
     assert!(verifications(&mut sim, d).is_empty());

@@ -17,18 +17,18 @@ fn contiguous_pages_on_both_sides_become_one_slice_per_region() {
     assert_eq!(
         ops[0],
         vec![
-            Slice {
-                region: Region::Kv { layer: 0, plane: 0 },
-                src_offset: 10 * 1024,
-                dst_offset: 50 * 1024,
-                len: 4 * 1024
-            },
-            Slice {
-                region: Region::Kv { layer: 0, plane: 1 },
-                src_offset: 10 * 1024,
-                dst_offset: 50 * 1024,
-                len: 4 * 1024
-            },
+            Slice::run(
+                Region::Kv { layer: 0, plane: 0 },
+                10 * 1024,
+                50 * 1024,
+                4 * 1024
+            ),
+            Slice::run(
+                Region::Kv { layer: 0, plane: 1 },
+                10 * 1024,
+                50 * 1024,
+                4 * 1024
+            ),
         ]
     );
 }
@@ -108,23 +108,7 @@ fn aux_and_state_slices_use_their_slots() {
     let mut l = small_layout(16);
     l.state_bytes = 256;
     let s = plan_aux(&l, Some(2), Some(7), Some(1), Some(3));
-    assert_eq!(
-        s[0],
-        Slice {
-            region: Region::Aux,
-            src_offset: 128,
-            dst_offset: 448,
-            len: 64
-        }
-    );
-    assert_eq!(
-        s[1],
-        Slice {
-            region: Region::State,
-            src_offset: 256,
-            dst_offset: 768,
-            len: 256
-        }
-    );
+    assert_eq!(s[0], Slice::run(Region::Aux, 128, 448, 64));
+    assert_eq!(s[1], Slice::run(Region::State, 256, 768, 256));
     assert!(plan_aux(&l, None, Some(1), None, None).is_empty());
 }

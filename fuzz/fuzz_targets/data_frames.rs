@@ -19,9 +19,9 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(header) = WriteHeader::decode(&h, 4096, 1 << 30) {
             let table = &data[WRITE_HEADER_LEN..];
             if let Ok(slices) = decode_slices(table, header.payload) {
-                let total: u64 = slices.iter().map(|s| s.len).sum();
+                let total: u64 = slices.iter().map(kvferry_core::Slice::bytes).sum();
                 assert_eq!(total, header.payload);
-                assert!(slices.iter().all(|s| s.len > 0));
+                assert!(slices.iter().all(|s| s.len > 0 && s.dst_end().is_some()));
                 validate(&header, &slices);
             }
         }
@@ -59,7 +59,7 @@ fn validate(header: &WriteHeader, slices: &[kvferry_core::Slice]) {
     let verdict =
         sim.nodes[d].endpoint.begin_write(now, sd, header.room, header.generation, slices);
     if let Ok(permit) = verdict {
-        for s in slices {
+        for s in slices.iter().flat_map(kvferry_core::Slice::runs) {
             if let Region::Kv { .. } = s.region {
                 for p in s.dst_offset / page..=(s.dst_offset + s.len - 1) / page {
                     let owner = sim.nodes[d].pages.get(p as usize).copied().flatten();

@@ -30,12 +30,7 @@ fuzz_target!(|data: &[u8]| {
     let Some(region) = Region::from_code(code) else {
         return;
     };
-    let slice = Slice {
-        region,
-        src_offset: 0,
-        dst_offset: word(4),
-        len: word(12),
-    };
+    let slice = Slice::run(region, 0, word(4), word(12));
     if let Some((addr, rkey)) = hello.target(&slice) {
         let r = hello
             .regions

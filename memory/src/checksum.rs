@@ -48,7 +48,7 @@ impl MemoryMap {
     /// decode's pages held by a write permit).
     pub fn checksum(&self, slices: &[Slice], side: SliceSide) -> Result<u64, AccessError> {
         let mut hasher = Checksum::new();
-        for s in slices {
+        for s in slices.iter().flat_map(Slice::runs) {
             let offset = match side {
                 SliceSide::Source => s.src_offset,
                 SliceSide::Destination => s.dst_offset,

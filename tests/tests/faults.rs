@@ -386,12 +386,12 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
         src,
         Arc::new(move |_, r| *o.lock().unwrap() = Some(r)),
     );
-    let slice = Slice {
-        region: Region::Kv { layer: 0, plane: 0 },
-        src_offset: 50 * 4096,
-        dst_offset: 50 * 4096,
-        len: 4096,
-    };
+    let slice = Slice::run(
+        Region::Kv { layer: 0, plane: 0 },
+        50 * 4096,
+        50 * 4096,
+        4096,
+    );
     let op = TransferOp {
         checksum: false,
         id: TransferId(1),

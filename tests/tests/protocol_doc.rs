@@ -276,13 +276,15 @@ fn every_control_frame_has_the_size_and_field_offsets_the_protocol_doc_states() 
     );
 }
 
-/// Each range of an `OpChecksum` adds the 20 bytes the doc states, fields in its order.
+/// Each range of an `OpChecksum` adds the 32 bytes the doc states, fields in its order.
 #[test]
 fn each_range_of_an_op_checksum_adds_the_bytes_the_doc_states() {
     let range = LandedRange {
         region: Region::Kv { layer: 2, plane: 1 },
         offset: 4096,
         len: 1024,
+        rows: 16,
+        stride: 2048,
     };
     let frame = |n: usize| {
         let mut out = Vec::new();
@@ -296,7 +298,8 @@ fn each_range_of_an_op_checksum_adds_the_bytes_the_doc_states() {
         out
     };
     let (one, two) = (frame(1), frame(2));
-    assert_eq!(two.len() - one.len(), 20);
+    assert_eq!(two.len() - one.len(), 32);
+    assert!(DOC.contains("| 32 x range_count | ranges |"));
     let at = HEADER_LEN + 8 + 4 + 8 + 2;
     let le = |b: &[u8]| {
         let mut x = [0u8; 8];
@@ -306,7 +309,9 @@ fn each_range_of_an_op_checksum_adds_the_bytes_the_doc_states() {
     assert_eq!(le(&one[at..at + 4]), u64::from(range.region.code()));
     assert_eq!(le(&one[at + 4..at + 12]), 4096);
     assert_eq!(le(&one[at + 12..at + 20]), 1024);
-    assert_eq!(one.len(), at + 20);
+    assert_eq!(le(&one[at + 20..at + 24]), 16);
+    assert_eq!(le(&one[at + 24..at + 32]), 2048);
+    assert_eq!(one.len(), at + 32);
 }
 
 #[test]
@@ -377,21 +382,39 @@ fn the_data_planes_write_batch_header_and_ack_have_the_layout_the_doc_states() {
     );
     check_bytes("### Ack", &ack, &[("op", 0x3333), ("status", 2)]);
     let mut slice = Vec::new();
-    kvferry_tcp::encode_slice(
-        &kvferry_core::Slice {
-            region: kvferry_core::Region::Aux,
-            src_offset: 0,
-            dst_offset: 5,
-            len: 6,
-        },
-        &mut slice,
+    let strided = kvferry_core::Slice {
+        region: Region::Kv { layer: 1, plane: 0 },
+        src_offset: 0,
+        dst_offset: 5,
+        len: 6,
+        rows: 7,
+        src_stride: 99,
+        dst_stride: 8,
+    };
+    kvferry_tcp::encode_slice(&strided, &mut slice);
+    assert!(DOC.contains("| 32 x slice_count | slices |"));
+    check_bytes(
+        "#### Slice descriptor",
+        &slice,
+        &[
+            ("region", u64::from(strided.region.code())),
+            ("dst_offset", 5),
+            ("len", 6),
+            ("rows", 7),
+            ("stride", 8),
+        ],
     );
+    let decoded = kvferry_tcp::decode_slices(&slice, 42).unwrap();
     assert_eq!(
-        slice.len(),
-        20,
-        "a slice descriptor is 20 bytes (`20 x slice_count`)"
+        (
+            decoded[0].dst_offset,
+            decoded[0].len,
+            decoded[0].rows,
+            decoded[0].dst_stride
+        ),
+        (5, 6, 7, 8),
+        "the payload is rows x len"
     );
-    assert!(DOC.contains("| 20 x slice_count | slices | `region: u32, dst_offset: u64, len: u64`"));
 }
 
 /// The lines of the doc from the first that contains `start` up to the next blank line.

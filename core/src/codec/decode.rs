@@ -323,7 +323,7 @@ pub(super) fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
             let (room, generation) = r.room()?;
             let checksum = r.u64()?;
             let n = usize::from(r.u16()?);
-            if n == 0 || n > MAX_CHECKED_RANGES || n > r.buf.len() / 20 {
+            if n == 0 || n > MAX_CHECKED_RANGES || n > r.buf.len() / DESCRIPTOR_LEN {
                 return Err(r.invalid("ranges"));
             }
             let ranges = (0..n)
@@ -331,13 +331,17 @@ pub(super) fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                     let region = Region::from_code(r.u32()?).ok_or(r.invalid("region"))?;
                     let offset = r.u64()?;
                     let len = r.u64()?;
-                    if len == 0 || offset.checked_add(len).is_none() {
+                    let rows = r.u32()?;
+                    let stride = r.u64()?;
+                    if rows_end(offset, len, rows, stride).is_none() {
                         return Err(r.invalid("range"));
                     }
                     Ok(LandedRange {
                         region,
                         offset,
                         len,
+                        rows,
+                        stride,
                     })
                 })
                 .collect::<Result<Vec<_>, _>>()?;

@@ -12,7 +12,8 @@ use smallvec::SmallVec;
 use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 use crate::ids::{Generation, Incarnation, NodeId, PromptDigest, RoomId};
 use crate::layout::{
-    ExtraPool, Heads, Layout, PageRun, Region, MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS,
+    rows_end, ExtraPool, Heads, Layout, PageRun, Region, DESCRIPTOR_LEN, MAX_EXTRA_POOLS,
+    MAX_EXTRA_TENSORS,
 };
 use crate::state::{FailureReason, Role};
 use decode::decode_body;
@@ -20,7 +21,7 @@ use decode::decode_body;
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
 /// challenge and proofs; version 3 added the frame count to the heartbeat (an older peer is
 /// refused: [`ErrorCode::VersionMismatch`]).
-pub const PROTOCOL_VERSION: u8 = 7;
+pub const PROTOCOL_VERSION: u8 = 8;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
 
@@ -153,8 +154,12 @@ pub struct LandedRange {
     pub region: Region,
     /// Byte offset in decode's region.
     pub offset: u64,
-    /// Bytes (never 0).
+    /// Bytes of each row (never 0).
     pub len: u64,
+    /// Rows (at least 1).
+    pub rows: u32,
+    /// Bytes from one row's start to the next (0 for one row, at least `len` otherwise).
+    pub stride: u64,
 }
 
 /// Most ranges one [`Message::OpChecksum`] names.
@@ -162,7 +167,8 @@ pub const MAX_CHECKED_RANGES: usize = 4096;
 
 /// Bytes of the largest [`Message::OpChecksum`] frame, header included: a node with the
 /// checksum on must accept frames this long.
-pub const MAX_OP_CHECKSUM_FRAME: usize = HEADER_LEN + 8 + 4 + 8 + 2 + 20 * MAX_CHECKED_RANGES;
+pub const MAX_OP_CHECKSUM_FRAME: usize =
+    HEADER_LEN + 8 + 4 + 8 + 2 + DESCRIPTOR_LEN * MAX_CHECKED_RANGES;
 
 /// The handshake: who the peer is, what memory it registered, how often it speaks, and its
 /// proof of the cluster token.
@@ -585,6 +591,8 @@ impl Message {
                     out.put_u32_le(r.region.code());
                     out.put_u64_le(r.offset);
                     out.put_u64_le(r.len);
+                    out.put_u32_le(r.rows);
+                    out.put_u64_le(r.stride);
                 }
             }
             Message::Transport { payload } => {

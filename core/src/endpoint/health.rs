@@ -139,6 +139,8 @@ impl Endpoint {
                             region: s.region,
                             offset: s.dst_offset,
                             len: s.len,
+                            rows: s.rows,
+                            stride: s.dst_stride,
                         })
                         .collect();
                     self.transmits.push_back((

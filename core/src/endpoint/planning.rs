@@ -130,7 +130,7 @@ impl Endpoint {
         }
         let any = !new_ops.is_empty();
         for (sid, kind, layers, slices) in new_ops {
-            let bytes = slices.iter().map(|x| x.len).sum();
+            let bytes = slices.iter().map(Slice::bytes).sum();
             self.counters.ops_planned += 1;
             self.counters.bytes_planned += bytes;
             let id = self.alloc_op_id();

@@ -302,12 +302,7 @@ impl Endpoint {
                     return;
                 }
                 self.counters.probes_sent += 1;
-                let slices: Arc<[Slice]> = Arc::from(vec![Slice {
-                    region: Region::Scratch,
-                    src_offset: 0,
-                    dst_offset: 0,
-                    len: 8,
-                }]);
+                let slices: Arc<[Slice]> = Arc::from(vec![Slice::run(Region::Scratch, 0, 0, 8)]);
                 let id = self.alloc_op_id();
                 self.ops.insert(
                     id,

@@ -36,6 +36,7 @@ impl Endpoint {
                     | WriteRefused::SlotNotGranted
                     | WriteRefused::LayerNotOwned
                     | WriteRefused::HeadsNotShared
+                    | WriteRefused::BadRows
                     | WriteRefused::UnknownRegion
                     | WriteRefused::NotASource
             );
@@ -172,7 +173,7 @@ impl Endpoint {
             .and_then(|s| s.peer)
             .and_then(|p| self.local.heads.row_write(layout.page_bytes, &p.heads));
         let rank = |p: u64| rr.pages.as_ref().and_then(|ps| ps.rank(p as u32));
-        for s in slices {
+        for s in slices.iter().flat_map(Slice::runs) {
             match s.region {
                 // A source holding other heads fills token rows (its part of each).
                 Region::Kv { layer, plane } if rows.is_some_and(|w| w.tokens > 0) => {
@@ -248,11 +249,11 @@ impl Endpoint {
             .local
             .region_len(slice.region)
             .ok_or(WriteRefused::UnknownRegion)?;
-        let end = slice
-            .dst_offset
-            .checked_add(slice.len)
-            .ok_or(WriteRefused::OutOfRegion)?;
-        if end > region_len || slice.len == 0 {
+        let end = slice.dst_end().ok_or(WriteRefused::BadRows)?;
+        if slice.rows > 1 && !matches!(slice.region, Region::Kv { .. }) {
+            return Err(WriteRefused::BadRows);
+        }
+        if end > region_len {
             return Err(WriteRefused::OutOfRegion);
         }
         if slice.region == Region::Scratch {
@@ -287,7 +288,7 @@ impl Endpoint {
                 }
                 let rows =
                     peer.and_then(|p| self.local.heads.row_write(layout.page_bytes, &p.heads));
-                if rows.is_some_and(|w| !w.admits(slice.dst_offset, slice.len)) {
+                if rows.is_some_and(|w| !w.admits_rows(slice)) {
                     return Err(WriteRefused::HeadsNotShared);
                 }
                 let page = u64::from(layout.page_bytes);
@@ -368,11 +369,14 @@ impl Endpoint {
                 src_offset: 0,
                 dst_offset: r.offset,
                 len: r.len,
+                rows: r.rows,
+                src_stride: 0,
+                dst_stride: r.stride,
             })
             .collect();
         // Bounded like one operation, and only into a room's memory: a peer cannot make this
         // node hash more than it could have written.
-        let bytes = slices.iter().fold(0u64, |n, s| n.saturating_add(s.len));
+        let bytes = slices.iter().fold(0u64, |n, s| n.saturating_add(s.bytes()));
         if bytes > self.config.max_op_bytes || slices.iter().any(|s| s.region == Region::Scratch) {
             self.strike(
                 sid,

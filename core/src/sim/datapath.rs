@@ -175,10 +175,12 @@ impl Sim {
                     continue;
                 }
                 // Only whole units count: a page half written is not there.
-                let first = slice.dst_offset.div_ceil(unit);
-                let end = (slice.dst_offset + slice.len) / unit;
-                for i in first..end {
-                    landed.insert((slice.region.code(), i));
+                for row in slice.runs() {
+                    let first = row.dst_offset.div_ceil(unit);
+                    let end = (row.dst_offset + row.len) / unit;
+                    for i in first..end {
+                        landed.insert((row.region.code(), i));
+                    }
                 }
             }
         }
@@ -198,12 +200,12 @@ impl Sim {
         let Some(room) = f.op.room else { return };
         let key = (room, f.op.generation);
         let page_bytes = u64::from(self.nodes[node].info.layout.page_bytes);
-        for slice in f.op.slices.iter() {
+        for slice in f.op.slices.iter().flat_map(crate::layout::Slice::runs) {
             if !matches!(slice.region, Region::Kv { .. }) {
                 continue;
             }
-            let first = offset(slice) / page_bytes;
-            let last = (offset(slice) + slice.len - 1) / page_bytes;
+            let first = offset(&slice) / page_bytes;
+            let last = (offset(&slice) + slice.len - 1) / page_bytes;
             for p in first..=last {
                 let owner = self.nodes[node].pages.get(p as usize).copied().flatten();
                 if owner != Some(key) {

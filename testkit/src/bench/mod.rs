@@ -111,7 +111,7 @@ pub fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
 
 /// Operation `id` of the bench's one room: `slices` of its KV, as the core would plan it.
 pub fn bench_op(id: u64, slices: Arc<[Slice]>) -> TransferOp {
-    let bytes = slices.iter().map(|s| s.len).sum();
+    let bytes = slices.iter().map(Slice::bytes).sum();
     TransferOp {
         checksum: false,
         id: TransferId(id),
@@ -238,12 +238,7 @@ pub fn median(mut v: Vec<Duration>) -> Duration {
 pub fn scattered(n: u32, page: u64) -> Arc<[Slice]> {
     let region = Region::Kv { layer: 0, plane: 0 };
     (0..u64::from(n))
-        .map(|i| Slice {
-            region,
-            src_offset: 2 * i * page,
-            dst_offset: (2 * i + 1) * page,
-            len: page,
-        })
+        .map(|i| Slice::run(region, 2 * i * page, (2 * i + 1) * page, page))
         .collect::<Vec<_>>()
         .into()
 }
@@ -291,12 +286,12 @@ struct Workload {
 
 fn workloads(iterations: usize) -> [Workload; 4] {
     let whole = |len: u64, dst_offset: u64| -> Arc<[Slice]> {
-        vec![Slice {
-            region: Region::Kv { layer: 0, plane: 0 },
-            src_offset: 0,
+        vec![Slice::run(
+            Region::Kv { layer: 0, plane: 0 },
+            0,
             dst_offset,
             len,
-        }]
+        )]
         .into()
     };
     [
@@ -389,7 +384,7 @@ async fn measure(
     runtimes: Runtimes,
     blocks: usize,
 ) -> std::io::Result<Vec<BenchResult>> {
-    let bytes: u64 = w.slices.iter().map(|s| s.len).sum();
+    let bytes: u64 = w.slices.iter().map(Slice::bytes).sum();
     let mut raw = Raw::new(bytes as usize).await?;
     let mut kv = match runtimes.tokio {
         true => Some(Kv::new(w.page, w.pages).await?),
@@ -575,12 +570,7 @@ mod tests {
     #[test]
     fn the_bench_admits_writes_through_a_real_core_and_refuses_others() {
         let check = bench_check(flat_layout(4096, 16)).unwrap();
-        let slice = |off: u64, len: u64| Slice {
-            region: Region::Kv { layer: 0, plane: 0 },
-            src_offset: 0,
-            dst_offset: off,
-            len,
-        };
+        let slice = |off: u64, len: u64| Slice::run(Region::Kv { layer: 0, plane: 0 }, 0, off, len);
         let permit = check.begin(RoomId(1), 0, &[slice(0, 16 * 4096)]).unwrap();
         check.end(permit);
         assert_eq!(
