@@ -150,13 +150,16 @@ pub fn encode_slice(s: &Slice, out: &mut Vec<u8>) {
     out.extend_from_slice(&s.dst_stride.to_le_bytes());
 }
 
-/// Decodes the descriptor table and checks it adds up to the header's payload.
-pub fn decode_slices(table: &[u8], payload: u64) -> Result<Vec<Slice>, FrameError> {
+/// Decodes the descriptor table and checks it adds up to the header's payload and carries at
+/// most `max_rows` rows in all (the receiver's `max_op_slices`: what one write may make it
+/// place and account, whatever its bytes).
+pub fn decode_slices(table: &[u8], payload: u64, max_rows: u32) -> Result<Vec<Slice>, FrameError> {
     if table.len() % SLICE_DESC_LEN != 0 {
         return Err(FrameError::Malformed("slice table length"));
     }
     let mut out = Vec::with_capacity(table.len() / SLICE_DESC_LEN);
     let mut total = 0u64;
+    let mut rows_total = 0u64;
     for d in table.chunks_exact(SLICE_DESC_LEN) {
         let mut r = [0u8; 4];
         r.copy_from_slice(&d[0..4]);
@@ -173,6 +176,10 @@ pub fn decode_slices(table: &[u8], payload: u64) -> Result<Vec<Slice>, FrameErro
         let stride = u64::from_le_bytes(o);
         if kvferry_core::rows_end(offset, len, rows, stride).is_none() {
             return Err(FrameError::Malformed("slice rows"));
+        }
+        rows_total += u64::from(rows);
+        if rows_total > u64::from(max_rows) {
+            return Err(FrameError::Malformed("more rows than max_op_slices"));
         }
         total = total
             .checked_add(len * u64::from(rows))

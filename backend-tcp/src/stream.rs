@@ -73,7 +73,8 @@ where
         }
         table.resize(h.slices as usize * SLICE_DESC_LEN, 0);
         stream.read_exact(&mut table).await?;
-        let slices = decode_slices(&table, h.payload).map_err(ServeError::Frame)?;
+        let slices =
+            decode_slices(&table, h.payload, limits.max_slices).map_err(ServeError::Frame)?;
         let status = match admit(&check, memory, &h, &slices)? {
             Admission::Apply { landing, targets } => {
                 let device = memory.staging().is_some() && staged::on_device(memory, &slices);

@@ -203,6 +203,60 @@ async fn a_closed_connection_fails_unacknowledged_operations_transiently() {
     );
 }
 
+/// One 32-byte descriptor may not make a receiver place and account millions of rows: a
+/// batch whose rows exceed the receiver's `max_op_slices` closes the connection before any
+/// payload byte is read, and nothing lands.
+#[tokio::test]
+async fn a_batch_with_more_rows_than_the_receiver_allows_closes_the_connection() {
+    use tokio::io::AsyncWriteExt;
+    let layout = small_layout(256);
+    let dst = Arc::new(MemoryMap::allocate(layout));
+    let (mut a, b) = pair().await;
+    let limits = Limits {
+        checksum: false,
+        max_slices: 4096,
+        max_bytes: 1 << 30,
+    };
+    let server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        Arc::new(AllowRoom(RoomId(7))),
+        limits,
+    ));
+    let rows = 64 * 1024u32;
+    let hostile = Slice {
+        region: Region::Kv { layer: 0, plane: 0 },
+        src_offset: 0,
+        dst_offset: 0,
+        len: 1,
+        rows,
+        src_stride: 1,
+        dst_stride: 1,
+    };
+    let mut frame = Vec::new();
+    kvferry_tcp::WriteHeader {
+        op: TransferId(1),
+        room: RoomId(7),
+        generation: 0,
+        slices: 1,
+        payload: u64::from(rows),
+        checked: false,
+    }
+    .encode(&mut frame);
+    kvferry_tcp::encode_slice(&hostile, &mut frame);
+    frame.extend(vec![0xAB; rows as usize]);
+    let _ = a.write_all(&frame).await;
+    let served = tokio::time::timeout(std::time::Duration::from_secs(5), server)
+        .await
+        .expect("the receiver ends the connection")
+        .unwrap();
+    assert!(served.is_err(), "{served:?}");
+    let mut page = vec![0u8; 1024];
+    dst.read(Region::Kv { layer: 0, plane: 0 }, 0, &mut page)
+        .unwrap();
+    assert!(page.iter().all(|b| *b == 0), "nothing landed");
+}
+
 /// A peer that acknowledges an operation this connection never sent broke the protocol:
 /// the connection closes at once in both directions (the peer reads its end, so it knows to
 /// open another), the operation in flight is reported transient for a retry elsewhere, and

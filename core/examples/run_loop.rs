@@ -110,7 +110,7 @@ fn main() {
                     .begin_write(now, at_decode, room, op.generation, &op.slices)
             }) {
                 Some(Ok(permit)) => {
-                    for s in op.slices.iter() {
+                    for s in op.slices.iter().flat_map(kvferry_core::Slice::runs) {
                         let (src, dst) = (s.src_offset as usize, s.dst_offset as usize);
                         let len = s.len as usize;
                         let bytes = prefill.memory[&s.region][src..src + len].to_vec();

@@ -64,7 +64,8 @@ pub struct Config {
     pub fence_timeout: Duration,
     /// Most bytes in one data-path operation (`KVFERRY_MAX_OP_BYTES`, 64 MiB).
     pub max_op_bytes: u64,
-    /// Most slices in one data-path operation (`KVFERRY_MAX_OP_SLICES`, 4096).
+    /// Most slice rows in one data-path operation, a contiguous slice being one row
+    /// (`KVFERRY_MAX_OP_SLICES`, 4096).
     pub max_op_slices: u32,
     /// Operations in flight per session (`KVFERRY_MAX_OPS_IN_FLIGHT`, 8).
     pub max_ops_in_flight: u32,

@@ -252,3 +252,27 @@ fn a_fence_of_the_session_does_not_void_a_check_of_bytes_that_already_landed() {
     sim.nodes[d].endpoint.end_write(later, permit.applied());
     assert_eq!(state(&sim, d, ROOM), Some(KvPoll::Success));
 }
+
+#[test]
+fn an_op_checksum_whose_ranges_carry_more_rows_than_one_operation_is_malformed() {
+    let range = |rows: u32| LandedRange {
+        region: Region::Kv { layer: 0, plane: 0 },
+        offset: 0,
+        len: 1,
+        rows,
+        stride: if rows > 1 { 1 } else { 0 },
+    };
+    let decoded = |rows: u32| {
+        let mut frame = Vec::new();
+        op_checksum(vec![range(rows)]).encode(&mut frame);
+        Message::decode(&frame, u32::MAX).map(|m| m.map(|(m, _)| m))
+    };
+    assert!(matches!(
+        decoded(4096),
+        Ok(Some(Message::OpChecksum { .. }))
+    ));
+    assert!(
+        decoded(4097).is_err(),
+        "a peer cannot make decode hash millions of rows"
+    );
+}

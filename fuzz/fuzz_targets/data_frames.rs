@@ -18,7 +18,7 @@ fuzz_target!(|data: &[u8]| {
         h.copy_from_slice(&data[..WRITE_HEADER_LEN]);
         if let Ok(header) = WriteHeader::decode(&h, 4096, 1 << 30) {
             let table = &data[WRITE_HEADER_LEN..];
-            if let Ok(slices) = decode_slices(table, header.payload) {
+            if let Ok(slices) = decode_slices(table, header.payload, 4096) {
                 let total: u64 = slices.iter().map(kvferry_core::Slice::bytes).sum();
                 assert_eq!(total, header.payload);
                 assert!(slices.iter().all(|s| s.len > 0 && s.dst_end().is_some()));

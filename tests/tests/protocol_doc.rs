@@ -404,7 +404,11 @@ fn the_data_planes_write_batch_header_and_ack_have_the_layout_the_doc_states() {
             ("stride", 8),
         ],
     );
-    let decoded = kvferry_tcp::decode_slices(&slice, 42).unwrap();
+    let decoded = kvferry_tcp::decode_slices(&slice, 42, 4096).unwrap();
+    assert!(
+        kvferry_tcp::decode_slices(&slice, 42, 6).is_err(),
+        "more rows than the receiver's max_op_slices"
+    );
     assert_eq!(
         (
             decoded[0].dst_offset,

@@ -345,6 +345,10 @@ pub(super) fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
                     })
                 })
                 .collect::<Result<Vec<_>, _>>()?;
+            let rows: u64 = ranges.iter().map(|r| u64::from(r.rows)).sum();
+            if rows > MAX_CHECKED_RANGES as u64 {
+                return Err(r.invalid("ranges"));
+            }
             Message::OpChecksum {
                 room,
                 generation,
