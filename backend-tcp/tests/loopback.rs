@@ -47,6 +47,31 @@ async fn pair() -> (TcpStream, TcpStream) {
     (a, b)
 }
 
+/// A connection whose far end serves writes into `dst` for `room` (limits 4096 rows, 1 GiB):
+/// the writing end and the server's task.
+async fn serving(
+    dst: &Arc<MemoryMap>,
+    room: u64,
+    checksum: bool,
+) -> (
+    TcpStream,
+    tokio::task::JoinHandle<Result<kvferry_tcp::ServeStats, kvferry_tcp::ServeError>>,
+) {
+    let (a, b) = pair().await;
+    let limits = Limits {
+        checksum,
+        max_slices: 4096,
+        max_bytes: 1 << 30,
+    };
+    let server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        Arc::new(AllowRoom(RoomId(room))),
+        limits,
+    ));
+    (a, server)
+}
+
 fn op(id: u64, room: u64, slices: Vec<Slice>) -> TransferOp {
     let bytes = slices.iter().map(Slice::bytes).sum();
     TransferOp {
@@ -78,18 +103,7 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
         src.write(region, p * 1024, &vec![p as u8 + 1; 1024])
             .unwrap();
     }
-    let (a, b) = pair().await;
-    let limits = Limits {
-        checksum: false,
-        max_slices: 4096,
-        max_bytes: 1 << 30,
-    };
-    let server = tokio::spawn(serve_writes(
-        b,
-        dst.clone(),
-        Arc::new(AllowRoom(RoomId(7))),
-        limits,
-    ));
+    let (a, server) = serving(&dst, 7, false).await;
     let (report, got) = collector();
     let sender = DataSender::spawn(a, src.clone(), report);
     // pages 0..4 -> 100..104, pages 6..8 -> 10..12
@@ -137,18 +151,7 @@ async fn a_strided_slice_moves_each_row_from_its_source_row_to_its_destination_r
     for r in 0..16u64 {
         src.write(region, r * 64, &[r as u8 + 1; 64]).unwrap();
     }
-    let (a, b) = pair().await;
-    let limits = Limits {
-        checksum: true,
-        max_slices: 4096,
-        max_bytes: 1 << 30,
-    };
-    let server = tokio::spawn(serve_writes(
-        b,
-        dst.clone(),
-        Arc::new(AllowRoom(RoomId(3))),
-        limits,
-    ));
+    let (a, server) = serving(&dst, 3, true).await;
     let (report, got) = collector();
     let sender = DataSender::spawn(a, src.clone(), report);
     let slice = Slice {
@@ -211,18 +214,7 @@ async fn a_batch_with_more_rows_than_the_receiver_allows_closes_the_connection()
     use tokio::io::AsyncWriteExt;
     let layout = small_layout(256);
     let dst = Arc::new(MemoryMap::allocate(layout));
-    let (mut a, b) = pair().await;
-    let limits = Limits {
-        checksum: false,
-        max_slices: 4096,
-        max_bytes: 1 << 30,
-    };
-    let server = tokio::spawn(serve_writes(
-        b,
-        dst.clone(),
-        Arc::new(AllowRoom(RoomId(7))),
-        limits,
-    ));
+    let (mut a, server) = serving(&dst, 7, false).await;
     let rows = 64 * 1024u32;
     let hostile = Slice {
         region: Region::Kv { layer: 0, plane: 0 },
