@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Every RDMA test, demo and bench, run inside the soft-RoCE guest of scripts/rdma-vm.sh:
+# The RDMA tests, demos and bench, run inside the soft-RoCE guest of scripts/rdma-vm.sh:
 #
 #   scripts/rdma-guest.sh --build          # on the host: build what the guest runs
 #   scripts/rdma-vm.sh --timeout 1500 scripts/rdma-guest.sh
+#
+# CI's run fits its time under emulation (about 20 minutes): every RDMA-specific test, the
+# generic driver and device suites on the tokio driver, one demo per runtime with aborts,
+# faults and the checksum on, the restart and busy-polling checks on both runtimes, and one
+# case per engine. KVFERRY_GUEST_FULL=1 runs everything (both drivers and the two mixed, each
+# demo on its own, the bench, every engine case chosen below; about 50 minutes here).
 #
 # No test may skip for want of a device here (KVFERRY_REQUIRE_RDMA makes that a failure), and
 # a line saying SKIPPED fails the stage too. KVFERRY_BIN picks the binary for the demos and
@@ -34,6 +40,7 @@ for line in sys.stdin:
 fi
 
 export KVFERRY_REQUIRE_RDMA=1
+full=${KVFERRY_GUEST_FULL:-}
 kvf=${KVFERRY_BIN:-target/debug/kvferry}
 failed=()
 log=$(mktemp)
@@ -55,7 +62,8 @@ ibv_devices
 [ -e /sys/class/infiniband/rxe0 ] || { echo "rdma-guest: no rxe0" >&2; exit 1; }
 
 # The generic driver suite runs over RDMA on both drivers (tokio, glommio, and the two mixed
-# in one run). Left out, each for
+# in one run; the tokio driver alone in CI, the glommio driver's RDMA plane being covered by
+# the RDMA tests, the demos and the checks below). Left out, each for
 # a reason that is about the scenario, not the device:
 #   a_failing_session_is_blacklisted...: its faults are injected on the TCP receive path,
 #     which a one-sided RDMA write never passes through;
@@ -68,43 +76,54 @@ tcp_only=(
     --skip a_stalled_decode_does_not_delay_rooms_toward_another_decode
     --skip a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack
 )
+drivers=()
+[ -n "$full" ] || drivers=(--skip glommio)
 while read -r name exe; do
     case "$name" in
         drivers)
-            run env KVFERRY_TEST_BACKEND=rdma "$exe" "${tcp_only[@]}" --test-threads 1
+            run env KVFERRY_TEST_BACKEND=rdma "$exe" "${tcp_only[@]}" "${drivers[@]}" --test-threads 1
             ;;
         # Device memory on RDMA nodes: no engine here exports a dma-buf, so each such node
         # stages over TCP and its RDMA peer follows (the tcp_staged path, every byte checked).
         device)
-            run env KVFERRY_TEST_BACKEND=rdma "$exe" --test-threads 1
+            run env KVFERRY_TEST_BACKEND=rdma "$exe" "${drivers[@]}" --test-threads 1
             ;;
         *) run "$exe" --test-threads 1 ;;
     esac
 done < "$list"
 
-# Sizes for soft-RoCE under emulation (about 40 MB/s); KVFERRY_GUEST_FULL=1 runs the
-# defaults and the whole bench (with a release build, for the figures).
-if [ -n "${KVFERRY_GUEST_FULL:-}" ]; then
+# Sizes for soft-RoCE under emulation (about 40 MB/s). KVFERRY_GUEST_FULL=1 runs each demo on
+# its own and the bench (with a release build and KVFERRY_GUEST_DEFAULTS=1: the defaults,
+# for the figures in docs/PERFORMANCE.md).
+if [ -n "${KVFERRY_GUEST_DEFAULTS:-}" ]; then
     run "$kvf" demo --backend rdma
     run "$kvf" demo --backend rdma --checksum
     run "$kvf" demo --backend rdma --rooms 200 --abort-rate 0.1 --concurrency 32
     run "$kvf" demo --overlap --backend rdma
     run "$kvf" bench --backend rdma --iterations 1
-else
+elif [ -n "$full" ]; then
     run "$kvf" demo --backend rdma --rooms 32 --pages-per-room 8
     run "$kvf" demo --backend rdma --rooms 100 --pages-per-room 8 --abort-rate 0.1 --concurrency 32
     run "$kvf" demo --backend rdma --rooms 100 --pages-per-room 8 --fault-rate 0.02
     run "$kvf" demo --backend rdma --rooms 32 --pages-per-room 8 --checksum
     run "$kvf" demo --overlap --backend rdma
     run "$kvf" bench --backend rdma --quick
+    # The same data plane on the glommio driver, one shard and two.
+    run "$kvf" demo --runtime glommio --backend rdma --rooms 32 --pages-per-room 8
+    run "$kvf" demo --runtime glommio --shards 2 --backend rdma --rooms 100 --pages-per-room 8 \
+        --abort-rate 0.1 --concurrency 32
+    run "$kvf" demo --runtime glommio --backend rdma --rooms 100 --pages-per-room 8 --fault-rate 0.02
+    run "$kvf" demo --runtime glommio --backend rdma --rooms 32 --pages-per-room 8 --checksum
+    run "$kvf" bench --runtime glommio --backend rdma --quick
+else
+    # Aborts with the fence, writes the decode's device refuses and the checksum, in one run
+    # per driver (glommio on two shards).
+    mixed=(--backend rdma --rooms 100 --pages-per-room 8 --abort-rate 0.1 --fault-rate 0.02
+        --checksum --concurrency 32)
+    run "$kvf" demo "${mixed[@]}"
+    run "$kvf" demo --runtime glommio --shards 2 "${mixed[@]}"
+    run "$kvf" demo --overlap --backend rdma
 fi
-# The same data plane on the glommio driver, one shard and two.
-run "$kvf" demo --runtime glommio --backend rdma --rooms 32 --pages-per-room 8
-run "$kvf" demo --runtime glommio --shards 2 --backend rdma --rooms 100 --pages-per-room 8 \
-    --abort-rate 0.1 --concurrency 32
-run "$kvf" demo --runtime glommio --backend rdma --rooms 100 --pages-per-room 8 --fault-rate 0.02
-run "$kvf" demo --runtime glommio --backend rdma --rooms 32 --pages-per-room 8 --checksum
-run "$kvf" bench --runtime glommio --backend rdma --quick
 
 # Python nodes over RDMA (the wheel's verbs loaded at run time): rooms with every byte
 # checked, a TCP-only peer served over TCP, a prefill killed mid-room. KVFERRY_GUEST_PY is
@@ -120,25 +139,27 @@ fi
 
 # The engines over RDMA (KVFERRY_GUEST_SGLANG, KVFERRY_GUEST_VLLM: the Pythons of CI's SGLang
 # and vLLM venvs, the wheel installed): every node asks for rdma, and each case checks that
-# every session took it. Chosen to fit CI's time (each import of torch takes about half a
-# minute here): SGLang's classes at the same TP, at different TP, with MLA and with state
-# pools; vLLM's Scheduler pulling and pushing.
+# every session took it. Each import of torch takes a minute or more here, so CI runs one case
+# per engine (SGLang's classes at different TP, vLLM's Scheduler pulling); KVFERRY_GUEST_FULL
+# adds SGLang's same-TP, MLA and state-pool cases and vLLM's push.
 engine_env=(env KVFERRY_TRANSPORT=rdma PYTHONDONTWRITEBYTECODE=1)
 if [ -n "${KVFERRY_GUEST_SGLANG:-}" ]; then
     t=python/tests_sglang
+    cases=("$t/test_layouts.py::test_mha_heads_move_between_different_tp_sizes[prefill_tp2_to_decode_tp1]")
+    [ -z "$full" ] || cases+=(
+        "$t/test_sglang_backend.py::test_rooms_move_through_sglang_classes_with_chunked_sends_and_every_byte_checked"
+        "$t/test_layouts.py::test_mla_latent_kv_moves_once_per_decode_rank[prefill_tp1_to_decode_tp2]"
+        "$t/test_state_pools.py::test_mamba_swa_and_dsa_state_move_with_the_room")
     run "${engine_env[@]}" "$KVFERRY_GUEST_SGLANG" -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
-        "$t/test_sglang_backend.py::test_rooms_move_through_sglang_classes_with_chunked_sends_and_every_byte_checked" \
-        "$t/test_layouts.py::test_mha_heads_move_between_different_tp_sizes[prefill_tp2_to_decode_tp1]" \
-        "$t/test_layouts.py::test_mla_latent_kv_moves_once_per_decode_rank[prefill_tp1_to_decode_tp2]" \
-        "$t/test_state_pools.py::test_mamba_swa_and_dsa_state_move_with_the_room"
+        "${cases[@]}"
 else
     echo "rdma-guest: KVFERRY_GUEST_SGLANG unset, SGLang's cases over RDMA were not run"
 fi
 if [ -n "${KVFERRY_GUEST_VLLM:-}" ]; then
     t=python/tests_vllm
-    run "${engine_env[@]}" "$KVFERRY_GUEST_VLLM" -m pytest -q -p no:cacheprovider \
-        "$t/test_connector.py::test_rooms_move_through_vllms_scheduler_with_every_byte_checked" \
-        "$t/test_connector.py::test_push_rooms_move_layer_by_layer_with_every_byte_checked"
+    cases=("$t/test_connector.py::test_rooms_move_through_vllms_scheduler_with_every_byte_checked")
+    [ -z "$full" ] || cases+=("$t/test_connector.py::test_push_rooms_move_layer_by_layer_with_every_byte_checked")
+    run "${engine_env[@]}" "$KVFERRY_GUEST_VLLM" -m pytest -q -p no:cacheprovider "${cases[@]}"
 else
     echo "rdma-guest: KVFERRY_GUEST_VLLM unset, vLLM's cases over RDMA were not run"
 fi
