@@ -9,7 +9,9 @@ Selected with two config fields::
 
 One vLLM request is one kvferry room. The prefill (producer) computes the prompt, keeps its
 blocks when the request finishes and returns, in the response's ``kv_transfer_params``, where
-to reach its worker's kvferry node and the room's id. The decode (consumer) allocates blocks
+to reach its workers' kvferry nodes (one per TP rank) and the room's id. At TP > 1 each
+decode rank loads its part from the prefill rank of the same index, under the same room id;
+vLLM counts a request loaded only once every rank reported it, and failed if any rank did. The decode (consumer) allocates blocks
 for the prompt tokens it does not hold, opens the room as receiver over those blocks and
 waits; the prefill's worker sends the tail of its blocks that the decode granted, and frees
 them only once kvferry says no write of the room can land any more. A room that fails is
@@ -84,7 +86,8 @@ def _room_tag(key: bytes, count: int) -> int:
     return int.from_bytes(mac[:2], "little") & ((1 << _TAG_BITS) - 1)
 
 
-#: Addresses one room's params may name (a prefill's TP ranks).
+#: Addresses one room's params may name: a prefill's TP ranks, rank ``r``'s listener at index
+#: ``r``.
 _MAX_ADDRS = 64
 
 
@@ -194,6 +197,39 @@ def _local_ip() -> str:
         return "127.0.0.1"
     finally:
         s.close()
+
+
+def tp_rank(vllm_config) -> int:
+    """This worker's TP rank: vLLM's tensor-parallel group where it is set up, else the rank
+    vLLM's worker wrote into the config (``rank % TP``: PP is 1 here)."""
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            model_parallel_is_initialized,
+        )
+
+        if model_parallel_is_initialized():
+            return int(get_tensor_model_parallel_rank())
+    except ImportError:
+        pass
+    parallel = vllm_config.parallel_config
+    return int(parallel.rank) % int(parallel.tensor_parallel_size)
+
+
+def _rank_bound(prompt: Optional[int], rank: int) -> Optional[int]:
+    """The digest a room of prefill rank ``rank`` is bound to: the prompt's and the rank's,
+    so that a decode rank handed another rank's listener (a router that reordered
+    ``kvferry_addrs``) is refused (``prompt_mismatch``) instead of loading other heads."""
+    if prompt is None:
+        return None
+    mixed = hashlib.sha256(b"kvferry/vllm rank" + prompt.to_bytes(8, "little") + rank.to_bytes(4, "little"))
+    return int.from_bytes(mixed.digest()[:8], "little")
+
+
+def _plus(addr: str, n: int) -> str:
+    """``host:port`` with ``n`` added to the port."""
+    host, _, port = addr.rpartition(":")
+    return f"{host}:{int(port) + n}"
 
 
 def kv_shape(vllm_config) -> dict:
@@ -419,20 +455,21 @@ class KvferryConnector(KVConnectorBase_V1):
         self._extra = _extra(vllm_config)
         self._shape = kv_shape(vllm_config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        if parallel.pipeline_parallel_size != 1:
             raise ValueError(
-                "kvferry.vllm serves TP 1 and PP 1 engines so far "
-                f"(this one: TP {parallel.tensor_parallel_size}, "
-                f"PP {parallel.pipeline_parallel_size})"
+                "kvferry.vllm serves PP 1 engines so far "
+                f"(this one: PP {parallel.pipeline_parallel_size})"
             )
+        #: This engine's TP size: one kvferry node per rank, rank r listening on port + r.
+        self._tp = int(parallel.tensor_parallel_size)
         self._producer = vllm_config.kv_transfer_config.is_kv_producer
         self._consumer = vllm_config.kv_transfer_config.is_kv_consumer
-        port = int(self._extra.get("port", DEFAULT_PORT))
+        self._port = int(self._extra.get("port", DEFAULT_PORT))
         host = str(self._extra.get("host") or _local_ip())
-        self._advertised = [f"{host}:{port}"]
+        self._advertised = [f"{host}:{self._port + r}" for r in range(self._tp)]
         # The listener binds the address decode dials unless told otherwise: a wildcard
         # listener needs a cluster token (KVFERRY_TOKEN), which kvferry enforces.
-        self._listen = f"{self._extra.get('listen_host', host)}:{port}"
+        self._listen_host = str(self._extra.get("listen_host", host))
         self._lease = float(self._extra.get("lease_s", DEFAULT_LEASE_S))
         # Room ids: a prefix drawn from this engine's id (a new one at every start, the
         # same in its scheduler and worker processes) above 32 random bits, so a restarted
@@ -503,6 +540,10 @@ class KvferryConnector(KVConnectorBase_V1):
         # A router's push room comes before the prefill has said anything: the block shape
         # is checked by kvferry's handshake (layers and block bytes) instead.
         pulled, refused = _pulled(params)
+        if refused is None and len(pulled.addrs) != self._tp:
+            refused = (f"the prefill runs TP {len(pulled.addrs)} ({_ADDRS} names {len(pulled.addrs)} "
+                       f"ranks), this decode TP {self._tp}: kvferry.vllm moves KV between equal TP "
+                       "sizes so far")
         if refused is None and not params.get(_PUSH):
             refused = shape_mismatch(self._shape, params.get(_SHAPE))
         if refused is not None:
@@ -776,10 +817,14 @@ class _Worker:
         #: Prefill: when each room's chunk went out, and its bytes.
         self._sent_at: dict[int, tuple[float, int]] = {}
         self._producer = connector._producer
+        #: This worker's TP rank and its engine's TP size: it loads from (and sends to) the
+        #: peer rank of the same index.
+        self._rank, self._tp = tp_rank(connector._config), connector._tp
         extra = connector._extra
         metrics = extra.get("metrics_addr") or os.environ.get("KVFERRY_METRICS_ADDR")
         try:
-            kvferry.enable_metrics(metrics)
+            # Each rank serves its own metrics, rank r on the given port + r.
+            kvferry.enable_metrics(_plus(metrics, self._rank) if metrics and self._rank else metrics)
         except kvferry.InvalidArgument:
             pass  # already enabled in this process
         layout = {
@@ -799,7 +844,8 @@ class _Worker:
             rdma_device=extra.get("rdma_device"),
             **knobs,
         )
-        logger.info("kvferry %s node over vLLM's KV: %s", "prefill" if self._producer else "decode", layout)
+        logger.info("kvferry %s node of TP rank %d/%d over vLLM's KV: %s",
+                    "prefill" if self._producer else "decode", self._rank, self._tp, layout)
         # kvferry's layer index of each vLLM layer name (layers sharing a cache share it).
         index: dict[int, int] = {}
         self._layer_of = {
@@ -836,7 +882,7 @@ class _Worker:
         self._openers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvferry-open")
         self._asks = None
         if self._producer:
-            self.node.listen(connector._listen)
+            self.node.listen(f"{connector._listen_host}:{connector._port + self._rank}")
             self._asks = threading.Thread(target=self._answer_asks, name="kvferry-asks", daemon=True)
             self._asks.start()
 
@@ -1031,9 +1077,10 @@ class _Worker:
     def _open_now(self, req_id: str, recv: _Recv) -> None:
         peer = None
         try:
-            peer = self._peer(recv.addrs)
+            peer = self._peer(self._sources(recv.addrs)[0])
             self.node.reach(peer)
-            self.node.open_receiver(recv.room, [peer], pages=recv.blocks, prompt=recv.prompt)
+            self.node.open_receiver(recv.room, [peer], pages=recv.blocks,
+                                    prompt=_rank_bound(recv.prompt, self._rank))
         except Exception as e:  # noqa: BLE001 - whatever it was, the request must end
             # A load failure: vLLM recomputes the request instead of waiting for a room
             # that was never opened.
@@ -1073,21 +1120,31 @@ class _Worker:
         return True
 
     def _release_now(self, room: int, addrs: list[str], reason: str) -> None:
-        """Tells the prefill of ``room`` that this decode will not load it (``reason``), so
-        that it frees the blocks it held for it."""
-        try:
-            peer = self._peer(addrs)
-            self.node.reach(peer)
-        except self._kvferry.KvferryError as e:
-            logger.warning("kvferry: the prefill of room %d cannot be told to free its blocks (%s): "
-                           "they are freed when its lease runs out", room, e)
-            return
-        self._fail_unopened(room, peer, reason)
+        """Tells the prefill ranks this rank pairs with that this decode will not load
+        ``room`` (``reason``), so that they free the blocks they held for it."""
+        for addr in self._sources(addrs):
+            try:
+                peer = self._peer(addr)
+                self.node.reach(peer)
+            except self._kvferry.KvferryError as e:
+                logger.warning("kvferry: the prefill rank at %s of room %d cannot be told to free its "
+                               "blocks (%s): they are freed when its lease runs out", addr, room, e)
+                continue
+            self._fail_unopened(room, peer, reason)
 
-    def _peer(self, addrs: list[str]) -> int:
-        """The kvferry peer of a prefill, named once (the core keeps it connected, and lets
-        it go after ``KVFERRY_PEER_IDLE_TIMEOUT_MS`` unused)."""
-        return self._peers.get(addrs, reach=False)
+    def _sources(self, addrs: list[str]) -> list[str]:
+        """The listeners of the prefill ranks this rank pairs with, of a room whose params name
+        one per prefill rank: rank r's alone at equal TP sizes; where the sizes differ (a
+        room refused before it opens), every prefill rank p with p % TP == r, so that the
+        decode's ranks together release each prefill rank once."""
+        if len(addrs) == self._tp:
+            return [addrs[self._rank]]
+        return [a for p, a in enumerate(addrs) if p % self._tp == self._rank]
+
+    def _peer(self, addr: str) -> int:
+        """The kvferry peer of a prefill rank, named once (the core keeps it connected, and
+        lets it go after ``KVFERRY_PEER_IDLE_TIMEOUT_MS`` unused)."""
+        return self._peers.get([addr], reach=False)
 
     def progress(self) -> tuple[set[str], set[str], set[str]]:
         """Requests whose blocks are free to reuse (prefill), loaded or failed (decode)."""
@@ -1243,7 +1300,7 @@ class _Worker:
                 del self._pushes[room]
             return
         try:
-            self.node.open_sender(room, prompt=pushed.prompt)
+            self.node.open_sender(room, prompt=_rank_bound(pushed.prompt, self._rank))
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: push room %d not opened: %s", room, e)
             pushed.failed = True
@@ -1262,7 +1319,7 @@ class _Worker:
         """Sends the tail of the room's blocks the decode granted (it holds the rest)."""
         req_id, send = self._sends.pop(room)
         try:
-            self.node.open_sender(room, prompt=send.prompt)
+            self.node.open_sender(room, prompt=_rank_bound(send.prompt, self._rank))
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: room %d of request %s not opened: %s", room, req_id, e)
             self._free_now.add(req_id)

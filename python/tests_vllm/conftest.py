@@ -13,6 +13,7 @@ engine_processes.start_forkserver(
     here,
     [
         "harness",
+        "ranks",
         "test_connector",
         "kvferry.vllm",
         "vllm.distributed.kv_transfer.kv_connector.v1.base",

@@ -51,12 +51,13 @@ def tiny_model_dir() -> str:
 
 def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
                 policy: str = "recompute", extra: Optional[dict] = None,
-                max_num_batched_tokens: int = 64):
+                max_num_batched_tokens: int = 64, tp: int = 1):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -91,6 +92,7 @@ def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str =
         cache_config=cache,
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
     )
 
 

@@ -1,0 +1,291 @@
+"""An engine at TP > 1 without a model, as vLLM runs one: vLLM's ``Scheduler`` (with the
+connector's scheduler half) in the test's process, and one process per TP rank running the
+connector's worker half over that rank's KV heads. Each step goes to every rank with the same
+metadata, as vLLM's executor broadcasts it, and their outputs are combined by vLLM's own
+``KVOutputAggregator``: a request counts as loaded (or sent) only once every rank said so.
+
+A rank holds heads ``[r * h, (r + 1) * h)`` of the model's ``KV_HEADS`` (``h = KV_HEADS /
+TP``) and its "forward pass" writes exactly those heads of the pattern ``harness.pattern``
+gives the whole block, so a decode rank that received another rank's heads fails the check.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Optional
+
+import torch
+
+from harness import HEAD_SIZE, KV_HEADS, LAYERS, make_config, mp_context, pattern
+
+
+def _rank_heads(tp: int, rank: int) -> tuple[int, int]:
+    h = KV_HEADS // tp
+    return rank * h, (rank + 1) * h
+
+
+def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blocks: int, kw: dict,
+               inbox, outbox) -> None:
+    """One TP rank: kvferry's worker connector over this rank's KV tensors, stepped by the
+    engine's process."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvferry.vllm import KvferryConnector
+
+    config = make_config(role, port, tp=tp, **kw)
+    # One engine's config, as vLLM hands its workers: the engine's id, and each its rank.
+    config.kv_transfer_config.engine_id = engine_id
+    config.parallel_config.rank = rank
+    bs = config.cache_config.block_size
+    dtype = config.model_config.dtype
+    lo, hi = _rank_heads(tp, rank)
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=hi - lo, head_size=HEAD_SIZE, dtype=dtype)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    kv = {name: torch.zeros((num_blocks, hi - lo, bs, 2 * HEAD_SIZE), dtype=dtype) for name in names}
+    worker = KvferryConnector(config, KVConnectorRole.WORKER, kv_config)
+    worker.register_kv_caches(kv)
+    full_bytes = KV_HEADS * bs * 2 * HEAD_SIZE * torch.tensor([], dtype=dtype).element_size()
+
+    def rows_of(block: int, layer: int) -> torch.Tensor:
+        return kv[names[layer]][block].view(torch.uint8).view(hi - lo, bs, -1)
+
+    def want_of(prompt: list[int], index: int, layer: int) -> torch.Tensor:
+        return pattern(prompt, index, layer, full_bytes).view(KV_HEADS, bs, -1)[lo:hi]
+
+    outbox.put(("ready", rank))
+    while True:
+        cmd = inbox.get()
+        if cmd[0] == "stop":
+            worker.shutdown()
+            outbox.put(("stopped", rank))
+            return
+        if cmd[0] == "paths":
+            outbox.put(("paths", worker.session_paths()))
+            continue
+        if cmd[0] == "plant":
+            # Another rank's heads of the pattern, written over this rank's blocks.
+            _, prompt, blocks, other = cmd
+            olo, ohi = _rank_heads(tp, other)
+            for index in range(-(-len(prompt) // bs)):
+                for layer in range(LAYERS):
+                    whole = pattern(prompt, index, layer, full_bytes).view(KV_HEADS, bs, -1)
+                    rows_of(blocks[index], layer).copy_(whole[olo:ohi])
+            outbox.put(("planted", None))
+            continue
+        if cmd[0] == "check":
+            _, prompt, blocks = cmd
+            said = None
+            for index in range(-(-len(prompt) // bs)):
+                rows = min(len(prompt) - index * bs, bs)
+                for layer in range(LAYERS):
+                    got = rows_of(blocks[index], layer)[:, :rows, :]
+                    want = want_of(prompt, index, layer)[:, :rows, :]
+                    if said is None and not torch.equal(got, want):
+                        said = (f"rank {rank}: block {index} layer {layer} differs "
+                                f"({int((got == want).sum())} of {want.numel()} bytes equal)")
+            outbox.put(("checked", said))
+            continue
+        _, meta, finished, writes = cmd
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for layer in range(LAYERS):
+            for prompt, first, last, blocks in writes:
+                for index in range(first // bs, (last - 1) // bs + 1):
+                    a = max(first, index * bs) - index * bs
+                    b = min(last, (index + 1) * bs) - index * bs
+                    rows_of(blocks[index], layer)[:, a:b, :] = want_of(prompt, index, layer)[:, a:b, :]
+            if writes:
+                worker.save_kv_layer(names[layer], kv[names[layer]], None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(finished)
+        invalid = worker.get_block_ids_with_load_errors()
+        stats = worker.get_kv_connector_stats()
+        worker.clear_connector_metadata()
+        outbox.put(("stepped", (results.finished_sending, results.finished_recving, results.failed_recving,
+                                invalid, stats.data if stats is not None else None)))
+
+
+class Ranks:
+    """vLLM's scheduler of one engine and its TP ranks, one process each, stepped by hand."""
+
+    def __init__(self, role: str, port: int, tp: int, num_blocks: int = 256, **kw):
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.role, self.tp = role, tp
+        self.config = make_config(role, port, tp=tp, **kw)
+        bs = self.config.cache_config.block_size
+        spec = FullAttentionSpec(block_size=bs, num_kv_heads=KV_HEADS // tp, head_size=HEAD_SIZE,
+                                 dtype=self.config.model_config.dtype)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                  kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_config,
+                                   structured_output_manager=StructuredOutputManager(self.config),
+                                   block_size=bs, log_stats=True)
+        self.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        ctx = mp_context()
+        self.inboxes, self.outboxes, self.procs = [], [], []
+        for rank in range(tp):
+            inbox, outbox = ctx.Queue(), ctx.Queue()
+            proc = ctx.Process(target=_rank_main, args=(role, port, tp, rank, self.config.kv_transfer_config.engine_id, num_blocks, kw,
+                                     inbox, outbox),
+                               daemon=True)
+            proc.start()
+            self.inboxes.append(inbox)
+            self.outboxes.append(outbox)
+            self.procs.append(proc)
+        for rank in range(tp):
+            assert self._answer(rank, "ready", 600) == rank
+        self.outputs: dict[str, object] = {}
+        self.params: dict[str, dict] = {}
+        self.load_failures: set[str] = set()
+        self.loaded: set[str] = set()
+        #: Ranks whose process was killed: they answer nothing any more.
+        self.dead: set[int] = set()
+        #: Rooms each rank reported through vLLM's connector stats: succeeded, failed.
+        self.rank_rooms = [[0, 0] for _ in range(tp)]
+
+    def _answer(self, rank: int, kind: str, timeout: float = 60):
+        """The next answer of ``rank``, which must be ``kind``; a rank that died says so."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got, value = self.outboxes[rank].get(timeout=1)
+                assert got == kind, (got, kind)
+                return value
+            except queue.Empty:
+                assert self.procs[rank].is_alive(), f"TP rank {rank} of the {self.role} died"
+                assert time.monotonic() < deadline, f"TP rank {rank} of the {self.role} did not answer {kind}"
+
+    def _live(self) -> list[int]:
+        return [r for r in range(self.tp) if r not in self.dead]
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, params: Optional[dict]):
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": params} if params else None)
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sp,
+                      pooling_params=None, mm_features=None,
+                      block_hasher=get_request_block_hasher(self.config.cache_config.block_size, sha256))
+        if params is not None:
+            req.kv_transfer_params = params
+        self.scheduler.add_request(req)
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.scheduler.kv_cache_manager.get_blocks(request_id).get_block_ids()[0]
+
+    def step(self) -> list:
+        """One engine step over every rank; returns the requests that finished."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        from kvferry.vllm import KvferryConnector
+
+        out = self.scheduler.schedule()
+        writes = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            params = req.kv_transfer_params or {}
+            if (self.role == "kv_consumer" and params.get("do_remote_prefill")
+                    and req_id not in self.load_failures):
+                continue  # it runs on loaded KV: the check sees what kvferry delivered
+            first = req.num_computed_tokens - n
+            last = min(first + n, req.num_prompt_tokens)
+            if last > first:
+                writes.append((list(req.prompt_token_ids), first, last, self.blocks_of(req_id)))
+        for rank in self._live():
+            self.inboxes[rank].put(("step", out.kv_connector_metadata, out.finished_req_ids, writes))
+        sampled = {}
+        for req_id in out.num_scheduled_tokens:
+            req = self.scheduler.requests[req_id]
+            sampled[req_id] = [7] if req.num_computed_tokens >= req.num_tokens else []
+        req_ids = list(sampled)
+        outputs = []
+        for rank in self._live():
+            sent, recvd, failed, invalid, stats = self._answer(rank, "stepped")
+            if stats:
+                self.rank_rooms[rank][0] += stats["succeeded"]
+                self.rank_rooms[rank][1] += stats["failed"]
+            outputs.append(ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[sampled[r] for r in req_ids],
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
+                kv_connector_output=KVConnectorOutput(
+                    finished_sending=sent or None,
+                    finished_recving=recvd or None,
+                    failed_recving=failed,
+                    invalid_block_ids=invalid,
+                    kv_connector_stats=KvferryConnector.build_kv_connector_stats(stats) if stats else None,
+                ),
+            ))
+        mro = self.aggregator.aggregate(outputs, 0)
+        kv_out = mro.kv_connector_output
+        if kv_out is not None:
+            self.load_failures |= kv_out.failed_recving
+            self.loaded |= (kv_out.finished_recving or set()) - kv_out.failed_recving
+        finished = []
+        for eco in self.scheduler.update_from_output(out, mro).values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.outputs[o.request_id] = o
+                    if o.kv_transfer_params:
+                        self.params[o.request_id] = o.kv_transfer_params
+                    finished.append(o)
+        return finished
+
+    def check_blocks(self, request_id: str, prompt: list[int]) -> int:
+        """Checks every byte of the request's prompt blocks on every rank (each its heads);
+        returns the blocks checked."""
+        blocks = self.blocks_of(request_id)
+        for rank in self._live():
+            self.inboxes[rank].put(("check", list(prompt), blocks))
+        said = [s for s in (self._answer(rank, "checked") for rank in self._live()) if s]
+        if said:
+            raise AssertionError(f"{request_id}: " + "; ".join(said))
+        return -(-len(prompt) // self.config.cache_config.block_size)
+
+    def plant_heads_of(self, request_id: str, prompt: list[int], rank: int, heads_of: int) -> None:
+        """Writes rank ``heads_of``'s heads of the request's pattern over rank ``rank``'s blocks."""
+        self.inboxes[rank].put(("plant", list(prompt), self.blocks_of(request_id), heads_of))
+        self._answer(rank, "planted")
+
+    def session_paths(self) -> list:
+        paths = []
+        for rank in self._live():
+            self.inboxes[rank].put(("paths",))
+            paths += self._answer(rank, "paths")
+        return paths
+
+    def kill(self, rank: int) -> None:
+        """Kills one rank's process (SIGKILL), as a crashed worker goes."""
+        self.procs[rank].kill()
+        self.procs[rank].join()
+        self.dead.add(rank)
+
+    def idle(self) -> bool:
+        return not self.scheduler.requests
+
+    def shutdown(self) -> None:
+        for rank in self._live():
+            self.inboxes[rank].put(("stop",))
+        for rank in self._live():
+            try:
+                self._answer(rank, "stopped", 30)
+            finally:
+                self.procs[rank].join(timeout=10)
+        self.scheduler.shutdown()

@@ -1,0 +1,178 @@
+"""kvferry's vLLM connector at TP > 1: vLLM's scheduler of each engine in the test's process,
+each TP rank's worker connector in its own process over that rank's KV heads, their outputs
+combined by vLLM's ``KVOutputAggregator`` (``ranks.py``). Every byte of every rank's heads is
+checked."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import pytest
+
+from harness import assert_data_path
+from ranks import Ranks
+from test_connector import prompt_of
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free (an engine's TP ranks listen on port + rank)."""
+    for _ in range(100):
+        socks = []
+        try:
+            socks.append(socket.socket())
+            socks[0].bind(("127.0.0.1", 0))
+            base = socks[0].getsockname()[1]
+            if base + n >= 65536:
+                continue
+            for k in range(1, n):
+                socks.append(socket.socket())
+                socks[k].bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def prefill_all(prefill: Ranks, prompts: dict[str, list[int]], deadline: float = 60) -> dict[str, dict]:
+    """Computes each prompt on the prefill engine for a remote decode; its params by request."""
+    for req_id, prompt in prompts.items():
+        prefill.add(req_id, prompt, 1, {"do_remote_decode": True})
+    end = time.monotonic() + deadline
+    while not prompts.keys() <= prefill.params.keys():
+        assert time.monotonic() < end, f"prefill still computes: {prefill.scheduler.get_request_counts()}"
+        prefill.step()
+    # vLLM steps an engine once more after requests finished, to tell its workers.
+    prefill.step()
+    return {r: prefill.params[r] for r in prompts}
+
+
+def load_all(decode: Ranks, prefill: Ranks | None, requests: dict[str, tuple[list[int], dict]],
+             deadline: float = 60) -> dict[str, int]:
+    """Adds each request to the decode with its params and steps both engines until each
+    finished; checks every prompt block on every rank once a request runs on loaded KV.
+    Returns the blocks checked by request."""
+    from vllm.v1.request import RequestStatus
+
+    for req_id, (prompt, params) in requests.items():
+        decode.add(req_id, prompt, 3, dict(params))
+    checked = {}
+    end = time.monotonic() + deadline
+    while len(decode.outputs.keys() & requests.keys()) < len(requests):
+        assert time.monotonic() < end, f"decode still waits: {decode.scheduler.get_request_counts()}"
+        decode.step()
+        if prefill is not None:
+            prefill.step()
+        for req_id, (prompt, _) in requests.items():
+            req = decode.scheduler.requests.get(req_id)
+            if (req is not None and req_id not in checked and req.status == RequestStatus.RUNNING
+                    and req_id not in decode.load_failures):
+                checked[req_id] = decode.check_blocks(req_id, prompt)
+        time.sleep(0.002)
+    return checked
+
+
+def drain(prefill: Ranks, timeout: float = 20) -> bool:
+    """Steps the prefill until it holds no request (every block released); whether it did."""
+    end = time.monotonic() + timeout
+    while not prefill.idle() and time.monotonic() < end:
+        prefill.step()
+        time.sleep(0.01)
+    return prefill.idle()
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(role: str, tp: int, **kw) -> Ranks:
+        made.append(Ranks(role, free_ports(tp), tp, **kw))
+        return made[-1]
+
+    yield make
+    for engine in reversed(made):
+        engine.shutdown()
+
+
+def test_rooms_move_rank_to_rank_at_tp2_with_every_head_checked(engines):
+    prefill = engines("kv_producer", 2)
+    decode = engines("kv_consumer", 2)
+    prompts = {f"t{i}": prompt_of(i, n) for i, n in enumerate([5, 32, 33, 100, 257])}
+    params = prefill_all(prefill, prompts)
+    for p in params.values():
+        # One listener per prefill rank, in rank order.
+        assert len(p["kvferry_addrs"]) == 2, p
+    checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})
+    assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert decode.rank_rooms == [[len(prompts), 0], [len(prompts), 0]]
+    assert_data_path(decode.session_paths(), received=True)
+    # Each prefill rank let its blocks go once its room ended; vLLM freed them when both had.
+    assert drain(prefill), "the prefill still holds blocks"
+
+
+def test_a_rank_with_another_ranks_heads_is_caught_by_the_check(engines):
+    """The check can fail: decode rank 0's blocks holding rank 1's heads are caught."""
+    prefill = engines("kv_producer", 2)
+    decode = engines("kv_consumer", 2)
+    prompt = prompt_of(3, 100)
+    params = prefill_all(prefill, {"h": prompt})
+    load_all(decode, prefill, {"h": (prompt, params["h"])})
+    decode.add("swapped", prompt, 3, None)
+    decode.step()
+    decode.plant_heads_of("swapped", prompt, rank=0, heads_of=1)
+    with pytest.raises(AssertionError, match="rank 0: block 0 layer 0 differs"):
+        decode.check_blocks("swapped", prompt)
+
+
+def test_ranks_reordered_by_a_router_are_refused_not_loaded(engines):
+    """A decode rank handed another prefill rank's listener would load other heads: each
+    rank's room is bound to its prompt and its rank, so every rank refuses and vLLM
+    recomputes the request."""
+    prefill = engines("kv_producer", 2)
+    decode = engines("kv_consumer", 2)
+    prompt = prompt_of(4, 100)
+    params = prefill_all(prefill, {"r": prompt})["r"]
+    params = dict(params, kvferry_addrs=list(reversed(params["kvferry_addrs"])))
+    started = time.monotonic()
+    load_all(decode, prefill, {"r": (prompt, params)}, deadline=30)
+    assert "r" in decode.load_failures and "r" not in decode.loaded
+    assert time.monotonic() - started < 15
+    # Recomputed: the request ran and its blocks hold its own KV.
+    assert decode.outputs["r"].finish_reason is not None
+
+
+def test_a_killed_prefill_rank_fails_the_whole_request_and_decode_recomputes(engines):
+    """Rank 0's part lands, rank 1's prefill is gone: vLLM hears of the request from both
+    decode ranks, one with a failure, and recomputes it; no rank's success stands for the
+    whole."""
+    prefill = engines("kv_producer", 2)
+    decode = engines("kv_consumer", 2)
+    prompt = prompt_of(5, 100)
+    params = prefill_all(prefill, {"k": prompt})["k"]
+    prefill.kill(1)
+    started = time.monotonic()
+    load_all(decode, None, {"k": (prompt, params)}, deadline=30)
+    assert "k" in decode.load_failures and "k" not in decode.loaded
+    # Rank 0's room landed; rank 1's failed; the request is not loaded.
+    assert decode.rank_rooms == [[1, 0], [0, 1]]
+    # unreachable_timeout_ms is 2 s in these tests.
+    assert time.monotonic() - started < 15
+    assert decode.outputs["k"].finish_reason is not None
+    assert decode.idle()
+
+
+def test_a_prefill_at_another_tp_size_is_refused_naming_both_sizes(engines, caplog):
+    prefill = engines("kv_producer", 2)
+    decode = engines("kv_consumer", 1)
+    prompt = prompt_of(6, 100)
+    params = prefill_all(prefill, {"m": prompt})["m"]
+    with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
+        load_all(decode, prefill, {"m": (prompt, params)}, deadline=30)
+    assert "m" in decode.load_failures
+    assert "the prefill runs TP 2" in caplog.text and "this decode TP 1" in caplog.text, caplog.text
+    assert decode.outputs["m"].finish_reason is not None
