@@ -216,6 +216,65 @@ def tp_rank(vllm_config) -> int:
     return int(parallel.rank) % int(parallel.tensor_parallel_size)
 
 
+def rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
+    """``(first, count)`` of the model's ``total`` KV heads that TP rank ``rank`` of ``tp``
+    holds, as vLLM places them: an equal share each, or, with more ranks than heads, one head
+    per rank, each head on ``tp / total`` consecutive ranks."""
+    if tp <= total:
+        return rank * (total // tp), total // tp
+    return rank // (tp // total), 1
+
+
+def tp_pair_refusal(prefill_tp: int, decode_tp: int, total: int) -> Optional[str]:
+    """Why a decode at ``decode_tp`` cannot load from a prefill at ``prefill_tp`` (a model of
+    ``total`` KV heads), or None: equal sizes always pair rank to rank; different ones pair
+    by heads where each side splits the heads evenly and no prefill head is replicated."""
+    if prefill_tp == decode_tp:
+        return None
+    why = None
+    if not total:
+        why = "the model names no KV head count"
+    elif prefill_tp > total:
+        why = f"the prefill replicates KV heads ({total} heads on {prefill_tp} ranks), not served yet"
+    elif total % prefill_tp or (total % decode_tp and decode_tp % total):
+        why = f"{total} KV heads do not split evenly over both"
+    if why is None:
+        return None
+    return f"the prefill runs TP {prefill_tp} ({_ADDRS} names {prefill_tp} ranks), this decode TP {decode_tp}: {why}"
+
+
+def tp_sources(prefill_tp: int, decode_tp: int, total: int, rank: int) -> tuple[list[int], int]:
+    """The prefill ranks decode rank ``rank`` loads from (those holding any of its heads;
+    rank to rank at equal sizes) and how many decode ranks each of them sends to."""
+    if prefill_tp == decode_tp:
+        return [rank], 1
+    first, count = rank_heads(total, decode_tp, rank)
+    per = total // prefill_tp
+    sources = list(range(first // per, (first + count - 1) // per + 1))
+    # Decode ranks holding heads of the first source (every source serves as many).
+    lo, hi = sources[0] * per, sources[0] * per + per
+    receivers = sum(1 for r in range(decode_tp)
+                    if (lambda f, c: f < hi and f + c > lo)(*rank_heads(total, decode_tp, r)))
+    return sources, receivers
+
+
+def kv_heads(kv_caches: dict, num_blocks: int, block_size: int, total: int, tp: int,
+             rank: int) -> Optional[tuple[int, int, int, int]]:
+    """The heads this rank's KV blocks hold, as kvferry's ``heads`` (total, first, count,
+    bytes of one head in a token row), from vLLM's layouts: ``[blocks, heads, block_size,
+    2 * head_size]`` (the CPU backend: each head's rows contiguous, so one "row" per block of
+    ``heads`` parts) or ``[2, blocks, block_size, heads, head_size]`` (token rows of heads).
+    None where the layout is neither (such a rank moves whole blocks: equal TP sizes only)."""
+    first, count = rank_heads(total, tp, rank)
+    t = next(iter(kv_caches.values()))
+    dims, elem = tuple(t.shape), t.element_size()
+    if len(dims) == 4 and dims[0] == num_blocks and dims[1] == count and dims[2] == block_size:
+        return total, first, count, block_size * dims[3] * elem
+    if len(dims) == 5 and dims[:2] == (2, num_blocks) and dims[2] == block_size and dims[3] == count:
+        return total, first, count, dims[4] * elem
+    return None
+
+
 def _rank_bound(prompt: Optional[int], rank: int) -> Optional[int]:
     """The digest a room of prefill rank ``rank`` is bound to: the prompt's and the rank's,
     so that a decode rank handed another rank's listener (a router that reordered
@@ -540,10 +599,8 @@ class KvferryConnector(KVConnectorBase_V1):
         # A router's push room comes before the prefill has said anything: the block shape
         # is checked by kvferry's handshake (layers and block bytes) instead.
         pulled, refused = _pulled(params)
-        if refused is None and len(pulled.addrs) != self._tp:
-            refused = (f"the prefill runs TP {len(pulled.addrs)} ({_ADDRS} names {len(pulled.addrs)} "
-                       f"ranks), this decode TP {self._tp}: kvferry.vllm moves KV between equal TP "
-                       "sizes so far")
+        if refused is None:
+            refused = tp_pair_refusal(len(pulled.addrs), self._tp, self._shape["num_kv_heads"])
         if refused is None and not params.get(_PUSH):
             refused = shape_mismatch(self._shape, params.get(_SHAPE))
         if refused is not None:
@@ -833,6 +890,11 @@ class _Worker:
             "page_bytes": page_bytes,
             "pages": pages,
         }
+        #: The model's KV heads, and those this rank's blocks hold (None: a layout without a
+        #: head split kvferry knows, served at equal TP sizes only).
+        self._total_heads = int(connector._shape["num_kv_heads"])
+        self._heads = kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
+                               self._total_heads, self._tp, self._rank)
         knobs = {k: int(v) for k, v in extra.items() if k.endswith("_ms")}
         self.node = kvferry.Node(
             "prefill" if self._producer else "decode",
@@ -842,10 +904,12 @@ class _Worker:
             kv_device=device.index if device.type == "cuda" else None,
             transport=extra.get("transport"),
             rdma_device=extra.get("rdma_device"),
+            heads=self._heads,
             **knobs,
         )
-        logger.info("kvferry %s node of TP rank %d/%d over vLLM's KV: %s",
-                    "prefill" if self._producer else "decode", self._rank, self._tp, layout)
+        logger.info("kvferry %s node of TP rank %d/%d over vLLM's KV: %s, heads %s",
+                    "prefill" if self._producer else "decode", self._rank, self._tp, layout,
+                    self._heads or "whole blocks")
         # kvferry's layer index of each vLLM layer name (layers sharing a cache share it).
         index: dict[int, int] = {}
         self._layer_of = {
@@ -1074,21 +1138,35 @@ class _Worker:
 
         self._openers.submit(work, *args).add_done_callback(reported)
 
+    def _bound(self, prompt: Optional[int], rank: int) -> Optional[int]:
+        """The digest a room between this rank and prefill rank ``rank`` is bound to: the
+        prompt's, and the rank's where the blocks declare no heads (with heads declared,
+        kvferry refuses a request for heads the prefill rank does not hold)."""
+        return prompt if self._heads is not None else _rank_bound(prompt, rank)
+
     def _open_now(self, req_id: str, recv: _Recv) -> None:
-        peer = None
+        peers: list[int] = []
         try:
-            peer = self._peer(self._sources(recv.addrs)[0])
-            self.node.reach(peer)
-            self.node.open_receiver(recv.room, [peer], pages=recv.blocks,
-                                    prompt=_rank_bound(recv.prompt, self._rank))
+            prefill_tp = len(recv.addrs)
+            if prefill_tp != self._tp and self._heads is None:
+                raise ValueError(f"the prefill runs TP {prefill_tp}, this decode TP {self._tp}, and this rank's "
+                                 "KV layout has no head split kvferry knows (whole blocks: equal TP only)")
+            sources, receivers = tp_sources(prefill_tp, self._tp, self._total_heads, self._rank)
+            for p in sources:
+                peers.append(self._peer(recv.addrs[p]))
+                self.node.reach(peers[-1])
+            self.node.open_receiver(recv.room, peers, pages=recv.blocks, receivers=receivers,
+                                    prompt=self._bound(recv.prompt, self._rank))
         except Exception as e:  # noqa: BLE001 - whatever it was, the request must end
             # A load failure: vLLM recomputes the request instead of waiting for a room
             # that was never opened.
             logger.error("kvferry: request %s: room %d not opened: %s", req_id, recv.room, e)
-            if peer is not None and isinstance(e, (self._kvferry.PeerRefused, self._kvferry.PeerUnreachable)):
-                # The prefill refused us or stayed unreachable: the room fails here with that
-                # reason (and is counted under it) without waiting on the peer again.
-                self._fail_unopened(recv.room, peer, e.args[0])
+            if peers and isinstance(e, (self._kvferry.PeerRefused, self._kvferry.PeerUnreachable)):
+                # A prefill rank refused us or stayed unreachable: the room fails here with
+                # that reason (and is counted under it) without waiting on the peer again,
+                # and each source reached before it hears that it may free its blocks.
+                for peer in peers:
+                    self._fail_unopened(recv.room, peer, e.args[0])
             with self._lock:
                 recv.refused = str(e)
                 self._failed_now.add(req_id)
@@ -1133,12 +1211,11 @@ class _Worker:
             self._fail_unopened(room, peer, reason)
 
     def _sources(self, addrs: list[str]) -> list[str]:
-        """The listeners of the prefill ranks this rank pairs with, of a room whose params name
-        one per prefill rank: rank r's alone at equal TP sizes; where the sizes differ (a
-        room refused before it opens), every prefill rank p with p % TP == r, so that the
-        decode's ranks together release each prefill rank once."""
-        if len(addrs) == self._tp:
-            return [addrs[self._rank]]
+        """The listeners of the prefill ranks this rank loads from, of a room whose params
+        name one per prefill rank; for a pair of TP sizes that is refused, every prefill rank
+        p with p % TP == r, so that the decode's ranks together release each prefill rank."""
+        if tp_pair_refusal(len(addrs), self._tp, self._total_heads) is None:
+            return [addrs[p] for p in tp_sources(len(addrs), self._tp, self._total_heads, self._rank)[0]]
         return [a for p, a in enumerate(addrs) if p % self._tp == self._rank]
 
     def _peer(self, addr: str) -> int:
@@ -1300,7 +1377,7 @@ class _Worker:
                 del self._pushes[room]
             return
         try:
-            self.node.open_sender(room, prompt=_rank_bound(pushed.prompt, self._rank))
+            self.node.open_sender(room, prompt=self._bound(pushed.prompt, self._rank))
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: push room %d not opened: %s", room, e)
             pushed.failed = True
@@ -1319,7 +1396,7 @@ class _Worker:
         """Sends the tail of the room's blocks the decode granted (it holds the rest)."""
         req_id, send = self._sends.pop(room)
         try:
-            self.node.open_sender(room, prompt=_rank_bound(send.prompt, self._rank))
+            self.node.open_sender(room, prompt=self._bound(send.prompt, self._rank))
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: room %d of request %s not opened: %s", room, req_id, e)
             self._free_now.add(req_id)

@@ -11,7 +11,8 @@ be reached answers the client with 502 and the reason; nothing waits forever
     python -m kvferry.vllm_proxy --port 8000 \\
         --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200
 
-Push mode (``--push``, each prefill given as ``URL=HOST:PORT`` with its kvferry listener):
+Push mode (``--push``, each prefill given as ``URL=HOST:PORT`` with its kvferry listener, or
+``URL=HOST:PORT,HOST:PORT,...`` with one per TP rank in rank order):
 the router draws the room and sends the request to both engines at once; the decode opens
 the room over its blocks while the prefill computes, and the prefill sends each step's blocks
 layer by layer as its forward pass writes them. If the prefill fails, the decode's room
@@ -57,7 +58,9 @@ class Router:
 
     def __init__(self, prefills: list[str], decodes: list[str], timeout: float, push: bool = False):
         # "URL=HOST:PORT" names a prefill's kvferry listener too, which push mode needs.
-        parsed = [tuple(p.split("=", 1)) if "=" in p else (p, None) for p in prefills]
+        # At TP > 1, one listener per rank in rank order, comma-separated.
+        parsed = [(p.split("=", 1)[0], p.split("=", 1)[1].split(",")) if "=" in p else (p, None)
+                  for p in prefills]
         if push and any(kv is None for _, kv in parsed):
             raise ValueError("--push needs every --prefill as URL=KVFERRY_HOST:PORT")
         self._push = push
@@ -110,7 +113,7 @@ class Router:
         pre = prefill_body(body, {"do_remote_decode": True, "kvferry_push": True, "kvferry_room": room})
         body = dict(body, kv_transfer_params={
             "do_remote_prefill": True, "kvferry_push": True, "kvferry_room": room,
-            "kvferry_addrs": [kv_addr]})
+            "kvferry_addrs": list(kv_addr)})
 
         async def compute() -> None:
             try:

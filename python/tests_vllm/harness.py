@@ -22,20 +22,20 @@ HEAD_SIZE = 32
 EOS = 2
 
 
-def tiny_model_dir() -> str:
-    """A directory holding a tiny Llama's ``config.json`` (no weights: the scheduler reads
-    the shape only)."""
-    d = os.path.join(tempfile.gettempdir(), "kvferry-vllm-tiny-llama")
+def tiny_model_dir(kv_heads: int = KV_HEADS) -> str:
+    """A directory holding a tiny Llama's ``config.json`` with ``kv_heads`` KV heads (no
+    weights: the scheduler reads the shape only)."""
+    d = os.path.join(tempfile.gettempdir(), "kvferry-vllm-tiny-llama" + ("" if kv_heads == KV_HEADS else f"-{kv_heads}kv"))
     os.makedirs(d, exist_ok=True)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": 1000,
-        "hidden_size": KV_HEADS * 2 * HEAD_SIZE,
+        "hidden_size": kv_heads * 2 * HEAD_SIZE,
         "intermediate_size": 256,
         "num_hidden_layers": LAYERS,
-        "num_attention_heads": KV_HEADS * 2,
-        "num_key_value_heads": KV_HEADS,
+        "num_attention_heads": kv_heads * 2,
+        "num_key_value_heads": kv_heads,
         "head_dim": HEAD_SIZE,
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
@@ -51,7 +51,7 @@ def tiny_model_dir() -> str:
 
 def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
                 policy: str = "recompute", extra: Optional[dict] = None,
-                max_num_batched_tokens: int = 64, tp: int = 1):
+                max_num_batched_tokens: int = 64, tp: int = 1, kv_heads: int = KV_HEADS):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -62,7 +62,7 @@ def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str =
         VllmConfig,
     )
 
-    model = ModelConfig(model=tiny_model_dir(), dtype=dtype, seed=0, skip_tokenizer_init=True)
+    model = ModelConfig(model=tiny_model_dir(kv_heads), dtype=dtype, seed=0, skip_tokenizer_init=True)
     scheduler = SchedulerConfig(
         max_num_seqs=16,
         max_num_batched_tokens=max_num_batched_tokens,

@@ -4,9 +4,10 @@ connector's worker half over that rank's KV heads. Each step goes to every rank 
 metadata, as vLLM's executor broadcasts it, and their outputs are combined by vLLM's own
 ``KVOutputAggregator``: a request counts as loaded (or sent) only once every rank said so.
 
-A rank holds heads ``[r * h, (r + 1) * h)`` of the model's ``KV_HEADS`` (``h = KV_HEADS /
-TP``) and its "forward pass" writes exactly those heads of the pattern ``harness.pattern``
-gives the whole block, so a decode rank that received another rank's heads fails the check.
+A rank holds the heads vLLM places on it (``kvferry.vllm.rank_heads``: an equal share, or one
+head replicated over ``TP / heads`` ranks) and its "forward pass" writes exactly those heads
+of the pattern ``harness.pattern`` gives the whole block, so a decode rank that received
+another rank's heads fails the check.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import torch
 from harness import HEAD_SIZE, KV_HEADS, LAYERS, make_config, mp_context, pattern
 
 
-def _rank_heads(tp: int, rank: int) -> tuple[int, int]:
-    h = KV_HEADS // tp
-    return rank * h, (rank + 1) * h
+def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
+    from kvferry.vllm import rank_heads
+
+    first, count = rank_heads(total, tp, rank)
+    return first, first + count
 
 
 def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blocks: int, kw: dict,
@@ -35,25 +38,26 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
     from kvferry.vllm import KvferryConnector
 
     config = make_config(role, port, tp=tp, **kw)
+    total = kw.get("kv_heads", KV_HEADS)
     # One engine's config, as vLLM hands its workers: the engine's id, and each its rank.
     config.kv_transfer_config.engine_id = engine_id
     config.parallel_config.rank = rank
     bs = config.cache_config.block_size
     dtype = config.model_config.dtype
-    lo, hi = _rank_heads(tp, rank)
+    lo, hi = _rank_heads(total, tp, rank)
     spec = FullAttentionSpec(block_size=bs, num_kv_heads=hi - lo, head_size=HEAD_SIZE, dtype=dtype)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
     kv = {name: torch.zeros((num_blocks, hi - lo, bs, 2 * HEAD_SIZE), dtype=dtype) for name in names}
     worker = KvferryConnector(config, KVConnectorRole.WORKER, kv_config)
     worker.register_kv_caches(kv)
-    full_bytes = KV_HEADS * bs * 2 * HEAD_SIZE * torch.tensor([], dtype=dtype).element_size()
+    full_bytes = total * bs * 2 * HEAD_SIZE * torch.tensor([], dtype=dtype).element_size()
 
     def rows_of(block: int, layer: int) -> torch.Tensor:
         return kv[names[layer]][block].view(torch.uint8).view(hi - lo, bs, -1)
 
     def want_of(prompt: list[int], index: int, layer: int) -> torch.Tensor:
-        return pattern(prompt, index, layer, full_bytes).view(KV_HEADS, bs, -1)[lo:hi]
+        return pattern(prompt, index, layer, full_bytes).view(total, bs, -1)[lo:hi]
 
     outbox.put(("ready", rank))
     while True:
@@ -68,10 +72,10 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         if cmd[0] == "plant":
             # Another rank's heads of the pattern, written over this rank's blocks.
             _, prompt, blocks, other = cmd
-            olo, ohi = _rank_heads(tp, other)
+            olo, ohi = _rank_heads(total, tp, other)
             for index in range(-(-len(prompt) // bs)):
                 for layer in range(LAYERS):
-                    whole = pattern(prompt, index, layer, full_bytes).view(KV_HEADS, bs, -1)
+                    whole = pattern(prompt, index, layer, full_bytes).view(total, bs, -1)
                     rows_of(blocks[index], layer).copy_(whole[olo:ohi])
             outbox.put(("planted", None))
             continue
@@ -118,10 +122,11 @@ class Ranks:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
-        self.role, self.tp = role, tp
+        self.role, self.tp, self.port = role, tp, port
         self.config = make_config(role, port, tp=tp, **kw)
         bs = self.config.cache_config.block_size
-        spec = FullAttentionSpec(block_size=bs, num_kv_heads=KV_HEADS // tp, head_size=HEAD_SIZE,
+        spec = FullAttentionSpec(block_size=bs, num_kv_heads=max(1, kw.get("kv_heads", KV_HEADS) // tp),
+                                 head_size=HEAD_SIZE,
                                  dtype=self.config.model_config.dtype)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],

@@ -6,12 +6,14 @@ checked."""
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import time
 
 import pytest
 
 from harness import assert_data_path
+from kvferry.vllm import PUSH_BIT
 from ranks import Ranks
 from test_connector import prompt_of
 
@@ -115,6 +117,25 @@ def test_rooms_move_rank_to_rank_at_tp2_with_every_head_checked(engines):
     assert drain(prefill), "the prefill still holds blocks"
 
 
+def test_push_rooms_move_rank_to_rank_at_tp2(engines):
+    """The router draws the room and names every prefill rank's listener: each prefill rank
+    pushes its heads to the decode rank of its index as the forward pass writes them."""
+    prefill = engines("kv_producer", 2)
+    decode = engines("kv_consumer", 2)
+    prompts = {f"p{i}": prompt_of(20 + i, n) for i, n in enumerate([5, 100, 257])}
+    requests = {}
+    for req_id, prompt in prompts.items():
+        room = PUSH_BIT | secrets.randbits(32)
+        addrs = [f"127.0.0.1:{prefill.port + r}" for r in range(2)]
+        requests[req_id] = (prompt, {"do_remote_prefill": True, "kvferry_push": True,
+                                     "kvferry_room": room, "kvferry_addrs": addrs})
+        prefill.add(req_id, prompt, 1, {"do_remote_decode": True, "kvferry_push": True, "kvferry_room": room})
+    checked = load_all(decode, prefill, requests)
+    assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert drain(prefill), "the prefill still holds blocks"
+
+
 def test_a_rank_with_another_ranks_heads_is_caught_by_the_check(engines):
     """The check can fail: decode rank 0's blocks holding rank 1's heads are caught."""
     prefill = engines("kv_producer", 2)
@@ -131,8 +152,8 @@ def test_a_rank_with_another_ranks_heads_is_caught_by_the_check(engines):
 
 def test_ranks_reordered_by_a_router_are_refused_not_loaded(engines):
     """A decode rank handed another prefill rank's listener would load other heads: each
-    rank's room is bound to its prompt and its rank, so every rank refuses and vLLM
-    recomputes the request."""
+    decode rank's room asks for the heads it holds, which the prefill rank it reached does
+    not hold, so every rank's room fails and vLLM recomputes the request."""
     prefill = engines("kv_producer", 2)
     decode = engines("kv_consumer", 2)
     prompt = prompt_of(4, 100)
@@ -166,13 +187,34 @@ def test_a_killed_prefill_rank_fails_the_whole_request_and_decode_recomputes(eng
     assert decode.idle()
 
 
-def test_a_prefill_at_another_tp_size_is_refused_naming_both_sizes(engines, caplog):
-    prefill = engines("kv_producer", 2)
-    decode = engines("kv_consumer", 1)
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp,kv_heads",
+    [(2, 1, 2), (1, 2, 2), (4, 2, 4), (2, 4, 4), (2, 4, 2)],
+    ids=["2_to_1", "1_to_2", "4_to_2", "2_to_4", "2_to_4_replicated_heads"],
+)
+def test_mha_heads_move_between_different_tp_sizes(engines, prefill_tp, decode_tp, kv_heads):
+    """Each decode rank receives exactly its heads from the prefill ranks holding them (with
+    more decode ranks than heads, each head to every rank that replicates it); the request
+    loads only once every decode rank's room landed."""
+    prefill = engines("kv_producer", prefill_tp, kv_heads=kv_heads)
+    decode = engines("kv_consumer", decode_tp, kv_heads=kv_heads)
+    prompts = {f"d{i}": prompt_of(30 + i, n) for i, n in enumerate([5, 100, 257])}
+    params = prefill_all(prefill, prompts)
+    checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})
+    assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert decode.rank_rooms == [[len(prompts), 0]] * decode_tp
+    assert drain(prefill), "the prefill still holds blocks"
+
+
+def test_a_prefill_that_replicates_heads_is_refused_naming_both_sizes(engines, caplog):
+    prefill = engines("kv_producer", 4, kv_heads=2)
+    decode = engines("kv_consumer", 2, kv_heads=2)
     prompt = prompt_of(6, 100)
     params = prefill_all(prefill, {"m": prompt})["m"]
     with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
         load_all(decode, prefill, {"m": (prompt, params)}, deadline=30)
     assert "m" in decode.load_failures
-    assert "the prefill runs TP 2" in caplog.text and "this decode TP 1" in caplog.text, caplog.text
+    assert "the prefill runs TP 4" in caplog.text and "this decode TP 2" in caplog.text, caplog.text
+    assert "replicates KV heads" in caplog.text, caplog.text
     assert decode.outputs["m"].finish_reason is not None
