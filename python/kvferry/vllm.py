@@ -907,7 +907,7 @@ class _Worker:
             heads=self._heads,
             **knobs,
         )
-        logger.info("kvferry %s node of TP rank %d/%d over vLLM's KV: %s, heads %s",
+        logger.info("kvferry %s node over vLLM's KV (TP rank %d of %d): %s, heads %s",
                     "prefill" if self._producer else "decode", self._rank, self._tp, layout,
                     self._heads or "whole blocks")
         # kvferry's layer index of each vLLM layer name (layers sharing a cache share it).

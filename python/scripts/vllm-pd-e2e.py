@@ -15,6 +15,11 @@ alone (the reference), then as a producer and a consumer engine over kvferry beh
 - a prefill restarted at the same address serves the next requests, outputs equal again;
 - the check can fail: a decode handed another prompt's room answers differently.
 
+With ``--prefill-tp P --decode-tp D`` it serves the prefill at TP P and the decode at TP D
+instead (vLLM's CPU executor, one worker process per rank) and checks only that every
+output, pull and push, sequential and concurrent, equals the reference's (at TP 1) and that
+every decode rank counted its rooms.
+
 Run with the venv of ``python/scripts/vllm-venv.sh`` (kvferry installed into it):
 ``$(python/scripts/vllm-venv.sh) python/scripts/vllm-pd-e2e.py``. Env: ``KVFERRY_E2E_KEEP=1``
 keeps the work dir (logs). Prints one JSON line of figures at the end.
@@ -22,6 +27,7 @@ keeps the work dir (logs). Prints one JSON line of figures at the end.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as cf
 import json
 import os
@@ -81,7 +87,7 @@ class Engine:
     """One vLLM OpenAI server in its own process group."""
 
     def __init__(self, name: str, model: str, work: str, port: int, transfer: dict | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, tp: int = 1):
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(work, f"{name}.log")
@@ -89,6 +95,8 @@ class Engine:
                "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "1024",
                "--dtype", "float32", "--no-enable-prefix-caching", "--max-num-seqs", "8",
                "--seed", "0"]
+        if tp > 1:
+            cmd += ["--tensor-parallel-size", str(tp)]
         if transfer is not None:
             # Stats on, as vLLM runs by default: the connector's reach its /metrics.
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
@@ -176,6 +184,103 @@ def cleanup_shm() -> None:
 
 
 MODEL = ""
+
+
+def tp_main(prefill_tp: int, decode_tp: int) -> int:
+    """Prefill at TP ``prefill_tp``, decode at TP ``decode_tp``: every output equals a TP 1
+    engine's, pull and push, and every decode rank's node counted its rooms."""
+    global MODEL
+    work = tempfile.mkdtemp(prefix="kvferry-vllm-tp.")
+    MODEL = os.path.join(work, "tiny-llama")
+    build_model(MODEL)
+    figures: dict = {"prefill_tp": prefill_tp, "decode_tp": decode_tp}
+    engines: list[Engine] = []
+    proxies: list[subprocess.Popen] = []
+    ok = False
+    try:
+        ps = prompts(8)
+        ref_engine = Engine("reference", MODEL, work, free_port())
+        engines.append(ref_engine)
+        ref_engine.wait_ready()
+        reference = {p: completion(ref_engine.url, p) for p in ps}
+        ref_engine.kill(signal.SIGTERM)
+        engines.remove(ref_engine)
+        # Each engine's ranks listen (and serve metrics) on consecutive ports.
+        kv_base, metrics_base = 15600 + os.getpid() % 1000 * 8, 25600 + os.getpid() % 1000 * 8
+        prefill = Engine("prefill", MODEL, work, free_port(), {
+            "kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"port": kv_base, "host": "127.0.0.1"},
+        }, tp=prefill_tp)
+        decode = Engine("decode", MODEL, work, free_port(), {
+            "kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm",
+            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"port": kv_base + 4, "host": "127.0.0.1",
+                                          "metrics_addr": f"127.0.0.1:{metrics_base}",
+                                          "unreachable_timeout_ms": 3000},
+        }, tp=decode_tp)
+        engines += [prefill, decode]
+        figures["prefill_start_s"] = round(prefill.wait_ready(600), 1)
+        figures["decode_start_s"] = round(decode.wait_ready(600), 1)
+        for engine, role, tp in ((prefill, "prefill", prefill_tp), (decode, "decode", decode_tp)):
+            for rank in range(tp):
+                line = f"kvferry {role} node over vLLM's KV (TP rank {rank} of {tp})"
+                assert line in engine.text(), f"no '{line}' in the {role}'s log"
+        kv_addrs = ",".join(f"127.0.0.1:{kv_base + r}" for r in range(prefill_tp))
+        urls = []
+        for push in (False, True):
+            port = free_port()
+            args = ["--prefill", f"{prefill.url}={kv_addrs}", "--push"] if push else ["--prefill", prefill.url]
+            proxies.append(subprocess.Popen(
+                [PY, "-m", "kvferry.vllm_proxy", "--port", str(port), "--host", "127.0.0.1", *args,
+                 "--decode", decode.url, "--timeout", "120"],
+                stdout=open(os.path.join(work, f"proxy-{int(push)}.log"), "ab"), stderr=subprocess.STDOUT))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            for _ in range(60):
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1)
+                    break
+                except (urllib.error.URLError, OSError):
+                    time.sleep(0.5)
+        for url, mode in zip(urls, ("pull", "push")):
+            t0 = time.monotonic()
+            for p in ps:
+                got = completion(url, p)
+                assert got == reference[p], f"{mode}, sequential: {got!r} != {reference[p]!r}"
+            figures[f"{mode}_sequential_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
+            with cf.ThreadPoolExecutor(8) as pool:
+                outs = list(pool.map(lambda p: completion(url, p), ps))
+            for p, got in zip(ps, outs):
+                assert got == reference[p], f"{mode}, concurrent: {got!r} != {reference[p]!r}"
+        assert "failed to load its KV" not in decode.text(), "a room failed"
+        # Every decode rank's node moved every request's room.
+        counted = []
+        for rank in range(decode_tp):
+            deadline = time.monotonic() + 10
+            while True:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_base + rank}/metrics", timeout=5).read().decode()
+                m = re.search(r'kvferry_rooms_succeeded_total\{role="decode"\} (\d+)', text)
+                if (m and int(m.group(1)) >= 4 * len(ps)) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            counted.append(int(m.group(1)) if m else 0)
+        figures["decode_rooms_succeeded_by_rank"] = counted
+        assert all(n >= 4 * len(ps) for n in counted), counted
+        ok = True
+        figures["ok"] = True
+        print(json.dumps(figures))
+        return 0
+    finally:
+        for proxy in proxies:
+            proxy.terminate()
+        for e in engines:
+            e.kill(signal.SIGTERM)
+        cleanup_shm()
+        if not ok or os.environ.get("KVFERRY_E2E_KEEP"):
+            print(f"vllm-pd-e2e: logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> int:
@@ -374,4 +479,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prefill-tp", type=int, default=1)
+    ap.add_argument("--decode-tp", type=int, default=1)
+    args = ap.parse_args()
+    if args.prefill_tp == args.decode_tp == 1:
+        sys.exit(main())
+    sys.exit(tp_main(args.prefill_tp, args.decode_tp))
