@@ -64,7 +64,8 @@ _PROMPT = "kvferry_prompt"
 #: Room ids a router draws for push mode carry this bit; a prefill's own (pull) ids do not.
 PUSH_BIT = 1 << 62
 
-#: The listener port of TP rank r is ``port + r`` (``kv_connector_extra_config``).
+#: The listener port of TP rank r of DP engine d is ``port + d * TP + r``
+#: (``kv_connector_extra_config``).
 DEFAULT_PORT = 14600
 #: How long a prefill keeps a finished request's blocks for a decode that never asks.
 DEFAULT_LEASE_S = 120.0
@@ -519,11 +520,13 @@ class KvferryConnector(KVConnectorBase_V1):
                 "kvferry.vllm serves PP 1 engines so far "
                 f"(this one: PP {parallel.pipeline_parallel_size})"
             )
-        #: This engine's TP size: one kvferry node per rank, rank r listening on port + r.
+        #: This engine's TP size: one kvferry node per rank, rank r listening on
+        #: port + DP index x TP + r, so the DP engines of one host never share a port.
         self._tp = int(parallel.tensor_parallel_size)
         self._producer = vllm_config.kv_transfer_config.is_kv_producer
         self._consumer = vllm_config.kv_transfer_config.is_kv_consumer
-        self._port = int(self._extra.get("port", DEFAULT_PORT))
+        dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
+        self._port = int(self._extra.get("port", DEFAULT_PORT)) + dp_index * self._tp
         host = str(self._extra.get("host") or _local_ip())
         self._advertised = [f"{host}:{self._port + r}" for r in range(self._tp)]
         # The listener binds the address decode dials unless told otherwise: a wildcard
@@ -880,8 +883,10 @@ class _Worker:
         extra = connector._extra
         metrics = extra.get("metrics_addr") or os.environ.get("KVFERRY_METRICS_ADDR")
         try:
-            # Each rank serves its own metrics, rank r on the given port + r.
-            kvferry.enable_metrics(_plus(metrics, self._rank) if metrics and self._rank else metrics)
+            # Each rank serves its own metrics, on the given port plus its offset from the
+            # engines' base listener port (its DP index x TP + its rank).
+            offset = connector._port - int(extra.get("port", DEFAULT_PORT)) + self._rank
+            kvferry.enable_metrics(_plus(metrics, offset) if metrics and offset else metrics)
         except kvferry.InvalidArgument:
             pass  # already enabled in this process
         layout = {

@@ -51,7 +51,8 @@ def tiny_model_dir(kv_heads: int = KV_HEADS) -> str:
 
 def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
                 policy: str = "recompute", extra: Optional[dict] = None,
-                max_num_batched_tokens: int = 64, tp: int = 1, kv_heads: int = KV_HEADS):
+                max_num_batched_tokens: int = 64, tp: int = 1, kv_heads: int = KV_HEADS,
+                dp: tuple[int, int] = (0, 1)):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -92,7 +93,8 @@ def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str =
         cache_config=cache,
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_rank=dp[0],
+                                       data_parallel_size=dp[1]),
     )
 
 

@@ -91,8 +91,8 @@ def drain(prefill: Ranks, timeout: float = 20) -> bool:
 def engines():
     made = []
 
-    def make(role: str, tp: int, **kw) -> Ranks:
-        made.append(Ranks(role, free_ports(tp), tp, **kw))
+    def make(role: str, tp: int, port: int | None = None, **kw) -> Ranks:
+        made.append(Ranks(role, port or free_ports(tp), tp, **kw))
         return made[-1]
 
     yield make
@@ -218,3 +218,23 @@ def test_a_prefill_that_replicates_heads_is_refused_naming_both_sizes(engines, c
     assert "the prefill runs TP 4" in caplog.text and "this decode TP 2" in caplog.text, caplog.text
     assert "replicates KV heads" in caplog.text, caplog.text
     assert decode.outputs["m"].finish_reason is not None
+
+
+def test_data_parallel_prefill_engines_of_one_host_listen_apart_and_feed_one_decode(engines):
+    """Two DP engines given one ``port``: each rank listens on port + DP index x TP + rank,
+    and a decode loads from either."""
+    base = free_ports(4)
+    prefills = [engines("kv_producer", 2, port=base, dp=(i, 2)) for i in range(2)]
+    decode = engines("kv_consumer", 2)
+    prompts = {f"dp{i}": prompt_of(40 + i, n) for i, n in enumerate([33, 100, 257, 64])}
+    params = {}
+    for i, (req_id, prompt) in enumerate(prompts.items()):
+        params.update(prefill_all(prefills[i % 2], {req_id: prompt}))
+    assert params["dp0"]["kvferry_addrs"] == [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
+    assert params["dp1"]["kvferry_addrs"] == [f"127.0.0.1:{base + 2}", f"127.0.0.1:{base + 3}"]
+    checked = {}
+    for i, req_id in enumerate(prompts):
+        checked.update(load_all(decode, prefills[i % 2], {req_id: (prompts[req_id], params[req_id])}))
+    assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert all(drain(p) for p in prefills), "a prefill still holds blocks"
