@@ -226,14 +226,19 @@ def rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
     return rank // (tp // total), 1
 
 
-def tp_pair_refusal(prefill_tp: int, decode_tp: int, total: int) -> Optional[str]:
+def tp_pair_refusal(prefill_tp: int, decode_tp: int, total: int, mla: bool = False) -> Optional[str]:
     """Why a decode at ``decode_tp`` cannot load from a prefill at ``prefill_tp`` (a model of
     ``total`` KV heads), or None: equal sizes always pair rank to rank; different ones pair
-    by heads where each side splits the heads evenly and no prefill head is replicated."""
+    by heads where each side splits the heads evenly and no prefill head is replicated. MLA's
+    latent KV is whole on every rank: any pair where the decode's size is a multiple of the
+    prefill's, or smaller."""
     if prefill_tp == decode_tp:
         return None
     why = None
-    if not total:
+    if mla:
+        if decode_tp > prefill_tp and decode_tp % prefill_tp:
+            why = "MLA: the decode's TP is not a multiple of the prefill's"
+    elif not total:
         why = "the model names no KV head count"
     elif prefill_tp > total:
         why = f"the prefill replicates KV heads ({total} heads on {prefill_tp} ranks), not served yet"
@@ -244,11 +249,19 @@ def tp_pair_refusal(prefill_tp: int, decode_tp: int, total: int) -> Optional[str
     return f"the prefill runs TP {prefill_tp} ({_ADDRS} names {prefill_tp} ranks), this decode TP {decode_tp}: {why}"
 
 
-def tp_sources(prefill_tp: int, decode_tp: int, total: int, rank: int) -> tuple[list[int], int]:
-    """The prefill ranks decode rank ``rank`` loads from (those holding any of its heads;
-    rank to rank at equal sizes) and how many decode ranks each of them sends to."""
+def tp_sources(prefill_tp: int, decode_tp: int, total: int, rank: int,
+               mla: bool = False) -> tuple[list[int], int, list[int]]:
+    """The prefill ranks decode rank ``rank`` names in its room (those holding any of its
+    heads; rank to rank at equal sizes), how many decode ranks each of them sends to, and the
+    positions among them of idle sources (they only confirm). MLA: rank ``rank % prefill_tp``
+    sends the latent KV, and each prefill rank no decode rank loads from is an idle source of
+    decode rank ``p % decode_tp``, so that every prefill rank hears of the room."""
     if prefill_tp == decode_tp:
-        return [rank], 1
+        return [rank], 1, []
+    if mla:
+        idle = [p for p in range(decode_tp, prefill_tp) if p % decode_tp == rank]
+        receivers = decode_tp // prefill_tp if decode_tp > prefill_tp else 1
+        return [rank % prefill_tp] + idle, receivers, list(range(1, 1 + len(idle)))
     first, count = rank_heads(total, decode_tp, rank)
     per = total // prefill_tp
     sources = list(range(first // per, (first + count - 1) // per + 1))
@@ -256,7 +269,7 @@ def tp_sources(prefill_tp: int, decode_tp: int, total: int, rank: int) -> tuple[
     lo, hi = sources[0] * per, sources[0] * per + per
     receivers = sum(1 for r in range(decode_tp)
                     if (lambda f, c: f < hi and f + c > lo)(*rank_heads(total, decode_tp, r)))
-    return sources, receivers
+    return sources, receivers, []
 
 
 def kv_heads(kv_caches: dict, num_blocks: int, block_size: int, total: int, tp: int,
@@ -514,6 +527,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._config = vllm_config
         self._extra = _extra(vllm_config)
         self._shape = kv_shape(vllm_config)
+        #: MLA: every rank holds the whole latent KV (no head split).
+        self._mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ValueError(
@@ -603,7 +618,7 @@ class KvferryConnector(KVConnectorBase_V1):
         # is checked by kvferry's handshake (layers and block bytes) instead.
         pulled, refused = _pulled(params)
         if refused is None:
-            refused = tp_pair_refusal(len(pulled.addrs), self._tp, self._shape["num_kv_heads"])
+            refused = tp_pair_refusal(len(pulled.addrs), self._tp, self._shape["num_kv_heads"], self._mla)
         if refused is None and not params.get(_PUSH):
             refused = shape_mismatch(self._shape, params.get(_SHAPE))
         if refused is not None:
@@ -898,8 +913,9 @@ class _Worker:
         #: The model's KV heads, and those this rank's blocks hold (None: a layout without a
         #: head split kvferry knows, served at equal TP sizes only).
         self._total_heads = int(connector._shape["num_kv_heads"])
-        self._heads = kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
-                               self._total_heads, self._tp, self._rank)
+        self._mla = connector._mla
+        self._heads = None if self._mla else kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
+                                                      self._total_heads, self._tp, self._rank)
         knobs = {k: int(v) for k, v in extra.items() if k.endswith("_ms")}
         self.node = kvferry.Node(
             "prefill" if self._producer else "decode",
@@ -935,7 +951,7 @@ class _Worker:
         self._free_now: set[str] = set()
         # Prefill: rooms waiting for their decode, by room; asks that came before the room.
         self._sends: dict[int, tuple[str, _Send]] = {}
-        self._asked: dict[int, tuple[int, float]] = {}
+        self._asked: dict[int, tuple[Optional[int], float]] = {}
         self._sending: dict[int, str] = {}
         self._room_prefix = connector._room_prefix
         self._room_key = connector._room_key
@@ -1146,22 +1162,23 @@ class _Worker:
     def _bound(self, prompt: Optional[int], rank: int) -> Optional[int]:
         """The digest a room between this rank and prefill rank ``rank`` is bound to: the
         prompt's, and the rank's where the blocks declare no heads (with heads declared,
-        kvferry refuses a request for heads the prefill rank does not hold)."""
-        return prompt if self._heads is not None else _rank_bound(prompt, rank)
+        kvferry refuses a request for heads the prefill rank does not hold; MLA's latent KV
+        is the same on every rank)."""
+        return prompt if self._heads is not None or self._mla else _rank_bound(prompt, rank)
 
     def _open_now(self, req_id: str, recv: _Recv) -> None:
         peers: list[int] = []
         try:
             prefill_tp = len(recv.addrs)
-            if prefill_tp != self._tp and self._heads is None:
+            if prefill_tp != self._tp and self._heads is None and not self._mla:
                 raise ValueError(f"the prefill runs TP {prefill_tp}, this decode TP {self._tp}, and this rank's "
                                  "KV layout has no head split kvferry knows (whole blocks: equal TP only)")
-            sources, receivers = tp_sources(prefill_tp, self._tp, self._total_heads, self._rank)
+            sources, receivers, idle = tp_sources(prefill_tp, self._tp, self._total_heads, self._rank, self._mla)
             for p in sources:
                 peers.append(self._peer(recv.addrs[p]))
                 self.node.reach(peers[-1])
             self.node.open_receiver(recv.room, peers, pages=recv.blocks, receivers=receivers,
-                                    prompt=self._bound(recv.prompt, self._rank))
+                                    idle_sources=idle, prompt=self._bound(recv.prompt, self._rank))
         except Exception as e:  # noqa: BLE001 - whatever it was, the request must end
             # A load failure: vLLM recomputes the request instead of waiting for a room
             # that was never opened.
@@ -1219,8 +1236,9 @@ class _Worker:
         """The listeners of the prefill ranks this rank loads from, of a room whose params
         name one per prefill rank; for a pair of TP sizes that is refused, every prefill rank
         p with p % TP == r, so that the decode's ranks together release each prefill rank."""
-        if tp_pair_refusal(len(addrs), self._tp, self._total_heads) is None:
-            return [addrs[p] for p in tp_sources(len(addrs), self._tp, self._total_heads, self._rank)[0]]
+        if tp_pair_refusal(len(addrs), self._tp, self._total_heads, self._mla) is None:
+            sources = tp_sources(len(addrs), self._tp, self._total_heads, self._rank, self._mla)[0]
+            return [addrs[p] for p in sources]
         return [a for p, a in enumerate(addrs) if p % self._tp == self._rank]
 
     def _peer(self, addr: str) -> int:
@@ -1326,12 +1344,15 @@ class _Worker:
                 return
             with self._lock:
                 if got is not None:
-                    room, _generation, pages = got
-                    self._answer(room, pages)
+                    room, _generation, pages, skip = got
+                    # An idle source's ask (it wants nothing: skip None) sends every block;
+                    # kvferry moves none of them and the room ends when the decode confirms.
+                    self._answer(room, None if skip is None else pages)
                 self._expire(time.monotonic())
 
-    def _answer(self, room: int, pages: int) -> None:
-        """A decode asked for ``room``; the caller holds the lock."""
+    def _answer(self, room: int, pages: Optional[int]) -> None:
+        """A decode asked for ``room`` (``pages``: its tail it granted; None: it asked this
+        rank for nothing, as an idle source); the caller holds the lock."""
         if room in self._sends:
             self._start_send(room, pages)
         elif room in self._pushes:
@@ -1370,11 +1391,14 @@ class _Worker:
                 del self._asked[room]
                 self._refuse(room, "no such room on this prefill")
 
-    def _grant_push(self, room: int, pages: int) -> None:
-        """A decode asked for a push room being computed: open it and send what is done."""
+    def _grant_push(self, room: int, pages: Optional[int]) -> None:
+        """A decode asked for a push room being computed: open it and send what is done (an
+        idle source's ask, ``pages`` None, as if it asked for every block)."""
         pushed = self._pushes[room]
         if pushed.granted is not None:
             return
+        if pages is None:
+            pages = pushed.total
         pushed.granted = pages
         if pushed.failed:
             self._refuse(room, "the prefill request was aborted")
@@ -1397,9 +1421,12 @@ class _Worker:
         # Mid-forward, this step's blocks are still being written: only earlier ones go.
         self._push_more(room, pushed, pushed.safe, layerwise=False)
 
-    def _start_send(self, room: int, pages: int) -> None:
-        """Sends the tail of the room's blocks the decode granted (it holds the rest)."""
+    def _start_send(self, room: int, pages: Optional[int]) -> None:
+        """Sends the tail of the room's blocks the decode granted (it holds the rest); every
+        block for an idle source's ask (``pages`` None: kvferry moves none of them)."""
         req_id, send = self._sends.pop(room)
+        if pages is None:
+            pages = len(send.blocks)
         try:
             self.node.open_sender(room, prompt=self._bound(send.prompt, self._rank))
         except self._kvferry.KvferryError as e:

@@ -406,6 +406,9 @@ fn parse_extras(
     Ok((pools, regions))
 }
 
+/// A prefill's announcement as Python sees it: `(room, generation, pages, skip_pages)`.
+type AskedRoom = (u64, u32, u32, Option<u32>);
+
 fn parse_addr(a: &str) -> PyResult<std::net::SocketAddr> {
     a.parse()
         .map_err(|e| InvalidArgument::new_err(format!("address {a:?}: {e}")))
@@ -738,10 +741,12 @@ impl Node {
         self.block(py, self.node.grant_pages(RoomId(room), grant))
     }
 
-    /// Prefill: the next room a decode asked for, as `(room, generation, pages)`; waits up to
-    /// `timeout` seconds (0: do not wait), `None` if none came.
+    /// Prefill: the next room a decode asked for, as `(room, generation, pages, skip_pages)`:
+    /// the pages it granted (0 while it waits for pages) after the `skip_pages` it holds,
+    /// `skip_pages` None where the decode wants nothing from this rank (an idle source, which
+    /// only confirms); waits up to `timeout` seconds (0: do not wait), `None` if none came.
     #[pyo3(signature = (timeout=0.0))]
-    fn next_announcement(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<(u64, u32, u32)>> {
+    fn next_announcement(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<AskedRoom>> {
         self.check_open()?;
         let wait = Duration::from_secs_f64(timeout.max(0.0));
         let got = py.allow_threads(|| {
@@ -749,7 +754,10 @@ impl Node {
             self.runtime
                 .block_on(async { tokio::time::timeout(wait, rx.recv()).await.ok().flatten() })
         });
-        Ok(got.map(|a| (a.room.0, a.generation, a.pages)))
+        Ok(got.map(|a| {
+            let skip = (a.skip_pages != kvferry_core::codec::SKIP_ALL).then_some(a.skip_pages);
+            (a.room.0, a.generation, a.pages, skip)
+        }))
     }
 
     /// Prefill: opens the sender side of room `room`, holding the KV of the tokens whose

@@ -26,7 +26,7 @@ def test_a_room_moves_with_the_checksum_on():
     d, dst = node("decode", False, checksum=True)
     peer = d.connect([p.listen("127.0.0.1:0")[0]])
     d.open_receiver(1, [peer], pages=[4, 5], aux_slot=0)
-    room, generation, _ = p.next_announcement(timeout=10.0)
+    room, generation, _, _ = p.next_announcement(timeout=10.0)
     p.open_sender(room, generation)
     p.send_chunk(room, [0, 1], last=True, aux_slot=1)
     assert d.wait(1, 20.0) == KVPoll.Success

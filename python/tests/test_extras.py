@@ -52,7 +52,7 @@ def test_state_slots_and_window_pages_move_item_for_item():
     addr = p.listen("127.0.0.1:0")[0]
     peer = d.connect([addr])
     d.open_receiver(1, [peer], pages=[2, 3], aux_slot=0, extras=[[4], [0, 1, 5]])
-    room, generation, _pages = p.next_announcement(timeout=10.0)
+    room, generation, _pages, _skip = p.next_announcement(timeout=10.0)
     p.open_sender(room, generation)
     p.send_chunk(room, [0, 1], last=True, aux_slot=1, extras=[[2], [3, 4, 0]])
     assert d.wait(1, 20.0) == KVPoll.Success

@@ -53,7 +53,7 @@ def serve_prefill(addr_queue, stop):
         a = n.next_announcement(timeout=0.1)
         if a is None:
             continue
-        room, generation, _pages = a
+        room, generation, _pages, _skip = a
         n.open_sender(room, generation)
         first = (room % 4) * PAGES_PER_ROOM
         n.send_chunk(room, list(range(first, first + PAGES_PER_ROOM)), last=True)

@@ -50,7 +50,7 @@ def serve_prefill(addr_queue, stop, send):
         a = n.next_announcement(timeout=0.1)
         if a is None:
             continue
-        room, generation, _pages = a
+        room, generation, _pages, _skip = a
         n.open_sender(room, generation, prompt=kvferry.prompt_digest(prompt_tokens(room)))
         if send.is_set():
             try:
@@ -289,6 +289,32 @@ def test_a_chunk_for_a_room_the_decode_refused_raises_its_failure():
     assert d.wait(13, 10.0) == KVPoll.Failed
     d.shutdown()
     p.shutdown()
+
+
+def test_an_announcement_says_what_the_decode_wants_from_this_rank():
+    """A room fed by two prefills, one of them an idle source: the one asked for pages hears
+    how many after how many skipped, the idle one hears that nothing is wanted (None); each
+    opens and sends its chunk, and the room lands the first one's pages only."""
+    kv, aux = pool(fill=True)
+    p, q = node("prefill", kv, aux), node("prefill", kv, aux)
+    addrs = [n.listen("127.0.0.1:0")[0] for n in (p, q)]
+    dkv, daux = pool(fill=False)
+    d = node("decode", dkv, daux)
+    d.open_receiver(21, [d.connect([a]) for a in addrs], pages=[4, 5], aux_slot=1, skip_pages=1,
+                    idle_sources=[1])
+    heard = {}
+    for name, n in (("asked", p), ("idle", q)):
+        room, generation, pages, skip = n.next_announcement(timeout=10.0)
+        heard[name] = (room, pages, skip)
+        n.open_sender(room, generation)
+        n.send_chunk(room, [1, 2, 3], last=True, aux_slot=2)
+    assert heard == {"asked": (21, 2, 1), "idle": (21, 0, None)}
+    assert d.wait(21, 10.0) == KVPoll.Success
+    for r in range(REGIONS):
+        assert (dkv[r, 4] == kv[r, 2]).all() and (dkv[r, 5] == kv[r, 3]).all()
+    d.shutdown()
+    p.shutdown()
+    q.shutdown()
 
 
 def test_the_prompt_digest_is_the_documented_one_and_refuses_ids_outside_u32():

@@ -49,10 +49,35 @@ def tiny_model_dir(kv_heads: int = KV_HEADS) -> str:
     return d
 
 
+#: MLA's latent KV per token: ``kv_lora_rank`` 64 + ``qk_rope_head_dim`` 16 (``tiny_mla_dir``).
+MLA_LATENT = 80
+
+
+def tiny_mla_dir() -> str:
+    """A directory holding a tiny DeepSeek-V2's ``config.json``: vLLM's ModelConfig says
+    ``use_mla`` for it (no weights: the scheduler reads the shape only)."""
+    d = os.path.join(tempfile.gettempdir(), "kvferry-vllm-tiny-mla")
+    os.makedirs(d, exist_ok=True)
+    cfg = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 1000,
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+        "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 64, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+        "v_head_dim": 32, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": LAYERS, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": EOS, "tie_word_embeddings": False,
+        "rope_theta": 10000, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": False, "scoring_func": "softmax",
+    }
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
 def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
                 policy: str = "recompute", extra: Optional[dict] = None,
                 max_num_batched_tokens: int = 64, tp: int = 1, kv_heads: int = KV_HEADS,
-                dp: tuple[int, int] = (0, 1)):
+                dp: tuple[int, int] = (0, 1), mla: bool = False):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -63,7 +88,7 @@ def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str =
         VllmConfig,
     )
 
-    model = ModelConfig(model=tiny_model_dir(kv_heads), dtype=dtype, seed=0, skip_tokenizer_init=True)
+    model = ModelConfig(model=tiny_mla_dir() if mla else tiny_model_dir(kv_heads), dtype=dtype, seed=0, skip_tokenizer_init=True)
     scheduler = SchedulerConfig(
         max_num_seqs=16,
         max_num_batched_tokens=max_num_batched_tokens,

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from harness import HEAD_SIZE, KV_HEADS, LAYERS, make_config, mp_context, pattern
+from harness import HEAD_SIZE, KV_HEADS, LAYERS, MLA_LATENT, make_config, mp_context, pattern
 
 
 def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
@@ -38,20 +38,23 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
     from kvferry.vllm import KvferryConnector
 
     config = make_config(role, port, tp=tp, **kw)
-    total = kw.get("kv_heads", KV_HEADS)
+    # MLA: every rank holds the whole latent KV, [blocks, block_size, latent] (one "head").
+    mla = kw.get("mla", False)
+    total = 1 if mla else kw.get("kv_heads", KV_HEADS)
     # One engine's config, as vLLM hands its workers: the engine's id, and each its rank.
     config.kv_transfer_config.engine_id = engine_id
     config.parallel_config.rank = rank
     bs = config.cache_config.block_size
     dtype = config.model_config.dtype
-    lo, hi = _rank_heads(total, tp, rank)
+    lo, hi = (0, 1) if mla else _rank_heads(total, tp, rank)
     spec = FullAttentionSpec(block_size=bs, num_kv_heads=hi - lo, head_size=HEAD_SIZE, dtype=dtype)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-    kv = {name: torch.zeros((num_blocks, hi - lo, bs, 2 * HEAD_SIZE), dtype=dtype) for name in names}
+    shape = (num_blocks, bs, MLA_LATENT) if mla else (num_blocks, hi - lo, bs, 2 * HEAD_SIZE)
+    kv = {name: torch.zeros(shape, dtype=dtype) for name in names}
     worker = KvferryConnector(config, KVConnectorRole.WORKER, kv_config)
     worker.register_kv_caches(kv)
-    full_bytes = total * bs * 2 * HEAD_SIZE * torch.tensor([], dtype=dtype).element_size()
+    full_bytes = total * bs * (MLA_LATENT if mla else 2 * HEAD_SIZE) * torch.tensor([], dtype=dtype).element_size()
 
     def rows_of(block: int, layer: int) -> torch.Tensor:
         return kv[names[layer]][block].view(torch.uint8).view(hi - lo, bs, -1)

@@ -58,15 +58,25 @@ def test_heads_are_placed_as_vllm_places_them():
 def test_each_decode_rank_loads_from_the_prefill_ranks_holding_its_heads():
     from kvferry.vllm import tp_sources
 
-    assert [tp_sources(2, 2, 8, r) for r in range(2)] == [([0], 1), ([1], 1)]
-    assert tp_sources(2, 1, 8, 0) == ([0, 1], 1)
-    assert [tp_sources(4, 2, 8, r) for r in range(2)] == [([0, 1], 1), ([2, 3], 1)]
+    assert [tp_sources(2, 2, 8, r) for r in range(2)] == [([0], 1, []), ([1], 1, [])]
+    assert tp_sources(2, 1, 8, 0) == ([0, 1], 1, [])
+    assert [tp_sources(4, 2, 8, r) for r in range(2)] == [([0, 1], 1, []), ([2, 3], 1, [])]
     # Each prefill rank feeds two decode ranks.
-    assert [tp_sources(1, 2, 8, r) for r in range(2)] == [([0], 2), ([0], 2)]
-    assert [tp_sources(2, 4, 8, r) for r in range(4)] == [([0], 2), ([0], 2), ([1], 2), ([1], 2)]
+    assert [tp_sources(1, 2, 8, r) for r in range(2)] == [([0], 2, []), ([0], 2, [])]
+    assert [tp_sources(2, 4, 8, r) for r in range(4)] == [([0], 2, []), ([0], 2, []), ([1], 2, []), ([1], 2, [])]
     # Two heads over four decode ranks: each head to the two ranks that replicate it.
-    assert [tp_sources(2, 4, 2, r) for r in range(4)] == [([0], 2), ([0], 2), ([1], 2), ([1], 2)]
-    assert [tp_sources(1, 4, 2, r) for r in range(4)] == [([0], 4)] * 4
+    assert [tp_sources(2, 4, 2, r) for r in range(4)] == [([0], 2, []), ([0], 2, []), ([1], 2, []), ([1], 2, [])]
+    assert [tp_sources(1, 4, 2, r) for r in range(4)] == [([0], 4, [])] * 4
+
+
+def test_mla_loads_from_one_prefill_rank_and_names_the_others_idle():
+    from kvferry.vllm import tp_sources
+
+    assert [tp_sources(2, 2, 4, r, mla=True) for r in range(2)] == [([0], 1, []), ([1], 1, [])]
+    # Prefill rank 1 sends to nobody: decode rank 0 names it as an idle source.
+    assert tp_sources(2, 1, 4, 0, mla=True) == ([0, 1], 1, [1])
+    assert [tp_sources(4, 2, 4, r, mla=True) for r in range(2)] == [([0, 2], 1, [1]), ([1, 3], 1, [1])]
+    assert [tp_sources(1, 2, 4, r, mla=True) for r in range(2)] == [([0], 2, []), ([0], 2, [])]
 
 
 def test_tp_pairs_the_heads_cannot_serve_are_refused_naming_both_sizes():
@@ -77,6 +87,9 @@ def test_tp_pairs_the_heads_cannot_serve_are_refused_naming_both_sizes():
     said = tp_pair_refusal(4, 2, 2)
     assert "the prefill runs TP 4" in said and "this decode TP 2" in said and "replicates" in said
     assert "do not split evenly" in tp_pair_refusal(2, 3, 8)
+    # MLA: any pair where the decode's size is a multiple of the prefill's, or smaller.
+    assert tp_pair_refusal(4, 2, 1, mla=True) is None and tp_pair_refusal(4, 3, 1, mla=True) is None
+    assert "not a multiple" in tp_pair_refusal(2, 3, 1, mla=True)
 
 
 def test_the_heads_of_vllms_layouts_are_declared_and_others_are_not():

@@ -238,3 +238,20 @@ def test_data_parallel_prefill_engines_of_one_host_listen_apart_and_feed_one_dec
     assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
     assert decode.loaded == set(prompts) and not decode.load_failures
     assert all(drain(p) for p in prefills), "a prefill still holds blocks"
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 2), (2, 1), (1, 2), (4, 2)],
+                         ids=["2_to_2", "2_to_1", "1_to_2", "4_to_2"])
+def test_mla_latent_kv_moves_once_per_decode_rank(engines, prefill_tp, decode_tp):
+    """Every rank holds the whole latent KV: each decode rank loads it from one prefill rank
+    (``rank % prefill TP``), and a prefill rank no decode rank loads from is an idle source
+    that only confirms, so it frees its blocks as soon as the room ends."""
+    prefill = engines("kv_producer", prefill_tp, mla=True)
+    decode = engines("kv_consumer", decode_tp, mla=True)
+    prompts = {f"m{i}": prompt_of(50 + i, n) for i, n in enumerate([5, 100, 257])}
+    params = prefill_all(prefill, prompts)
+    checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})
+    bs = decode.config.cache_config.block_size  # vLLM picks MLA's block size
+    assert checked == {r: -(-len(p) // bs) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert drain(prefill, timeout=10), "a prefill rank still holds blocks"
