@@ -61,6 +61,8 @@ _SHAPE = "kvferry_shape"
 _DONE = "kvferry_consumed"
 _PUSH = "kvferry_push"
 _PROMPT = "kvferry_prompt"
+#: The prefill's pipeline stages: ``kvferry_addrs`` names PP x TP listeners, stage-major.
+_PP = "kvferry_pp"
 #: Room ids a router draws for push mode carry this bit; a prefill's own (pull) ids do not.
 PUSH_BIT = 1 << 62
 
@@ -152,6 +154,22 @@ def _pulled(params: Any) -> tuple[Optional[_Pulled], Optional[str]]:
             or not all(_socket_addr(a) for a in addrs)):
         return None, f"{_ROOM}={room}: {_ADDRS}={addrs!r} is not a list of 1..{_MAX_ADDRS} ip:port strings"
     return _Pulled(room=room, addrs=list(addrs)), None
+
+
+def _stages(params: dict) -> int:
+    """The prefill's pipeline stages its params name (1 when they name none)."""
+    pp = params.get(_PP, 1)
+    return pp if isinstance(pp, int) and not isinstance(pp, bool) and pp > 0 else 1
+
+
+def _stages_refusal(params: dict, pulled: "_Pulled") -> Optional[str]:
+    """Why ``kvferry_pp`` does not split the room's listeners into equal stages, or None."""
+    pp = params.get(_PP, 1)
+    if isinstance(pp, bool) or not isinstance(pp, int) or not 0 < pp <= len(pulled.addrs):
+        return f"{_PP}={pp!r} is not a stage count (1..{len(pulled.addrs)})"
+    if len(pulled.addrs) % pp:
+        return f"{_PP}={pp} does not split {len(pulled.addrs)} listeners in {_ADDRS} into equal stages"
+    return None
 
 
 def _prompt_of(request) -> Optional[int]:
@@ -299,6 +317,35 @@ def _rank_bound(prompt: Optional[int], rank: int) -> Optional[int]:
     return int.from_bytes(mixed.digest()[:8], "little")
 
 
+def pp_rank(vllm_config) -> int:
+    """This worker's pipeline stage: vLLM's pipeline group where it is set up, else from the
+    rank vLLM's worker wrote into the config (``rank // TP``)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, model_parallel_is_initialized
+
+        if model_parallel_is_initialized():
+            return int(get_pp_group().rank_in_group)
+    except ImportError:
+        pass
+    parallel = vllm_config.parallel_config
+    return int(parallel.rank) // int(parallel.tensor_parallel_size) % int(parallel.pipeline_parallel_size)
+
+
+def stage_layers(names) -> Optional[tuple[int, int]]:
+    """``(first, end)`` of the model layers a pipeline stage's KV cache names cover
+    (``model.layers.N...``), or None where a name carries no layer number or the numbers
+    are not one run."""
+    import re
+
+    matches = [re.search(r"(?:^|\.)layers\.(\d+)\.", n) for n in names]
+    if not matches or not all(matches):
+        return None
+    found = sorted({int(m.group(1)) for m in matches})
+    if found != list(range(found[0], found[-1] + 1)):
+        return None
+    return found[0], found[-1] + 1
+
+
 def _plus(addr: str, n: int) -> str:
     """``host:port`` with ``n`` added to the port."""
     host, _, port = addr.rpartition(":")
@@ -387,6 +434,8 @@ class _Recv:
     opened: bool = False
     #: When the room opened here (``time.monotonic()``), for its transfer time.
     opened_at: Optional[float] = None
+    #: The prefill's pipeline stages (``addrs`` holds stages x its TP, stage-major).
+    stages: int = 1
 
 
 @dataclass
@@ -401,7 +450,7 @@ class KvferryMetadata(KVConnectorMetadata):
     #: block shape refused), with the reason: each is opened without pages and failed with
     #: it (counted under it), so its prefill frees the blocks at once instead of at the end
     #: of its lease.
-    releases: list[tuple[int, list[str], str]] = field(default_factory=list)
+    releases: list[tuple[int, list[str], int, str]] = field(default_factory=list)
     #: Push-mode prefill requests scheduled this step.
     pushes: dict[str, _PushStep] = field(default_factory=dict)
     #: Push-mode prefill requests that ended without their prompt computed (abort).
@@ -530,20 +579,22 @@ class KvferryConnector(KVConnectorBase_V1):
         #: MLA: every rank holds the whole latent KV (no head split).
         self._mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            raise ValueError(
-                "kvferry.vllm serves PP 1 engines so far "
-                f"(this one: PP {parallel.pipeline_parallel_size})"
-            )
-        #: This engine's TP size: one kvferry node per rank, rank r listening on
-        #: port + DP index x TP + r, so the DP engines of one host never share a port.
+        #: This engine's TP size and pipeline stages: one kvferry node per worker, the worker
+        #: of stage s and TP rank r listening on port + DP index x PP x TP + s x TP + r, so the
+        #: DP engines of one host never share a port.
         self._tp = int(parallel.tensor_parallel_size)
+        self._pp = int(parallel.pipeline_parallel_size)
         self._producer = vllm_config.kv_transfer_config.is_kv_producer
         self._consumer = vllm_config.kv_transfer_config.is_kv_consumer
+        if self._pp != 1 and not self._producer:
+            raise ValueError(
+                "kvferry.vllm serves pipeline-parallel prefills, not decodes "
+                f"(this consumer: PP {self._pp}); run the decode at PP 1"
+            )
         dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
-        self._port = int(self._extra.get("port", DEFAULT_PORT)) + dp_index * self._tp
+        self._port = int(self._extra.get("port", DEFAULT_PORT)) + dp_index * self._pp * self._tp
         host = str(self._extra.get("host") or _local_ip())
-        self._advertised = [f"{host}:{self._port + r}" for r in range(self._tp)]
+        self._advertised = [f"{host}:{self._port + r}" for r in range(self._pp * self._tp)]
         # The listener binds the address decode dials unless told otherwise: a wildcard
         # listener needs a cluster token (KVFERRY_TOKEN), which kvferry enforces.
         self._listen_host = str(self._extra.get("listen_host", host))
@@ -618,7 +669,10 @@ class KvferryConnector(KVConnectorBase_V1):
         # is checked by kvferry's handshake (layers and block bytes) instead.
         pulled, refused = _pulled(params)
         if refused is None:
-            refused = tp_pair_refusal(len(pulled.addrs), self._tp, self._shape["num_kv_heads"], self._mla)
+            refused = _stages_refusal(params, pulled)
+        if refused is None:
+            refused = tp_pair_refusal(len(pulled.addrs) // _stages(params), self._tp,
+                                      self._shape["num_kv_heads"], self._mla)
         if refused is None and not params.get(_PUSH):
             refused = shape_mismatch(self._shape, params.get(_SHAPE))
         if refused is not None:
@@ -631,11 +685,12 @@ class KvferryConnector(KVConnectorBase_V1):
                 # The prefill holds the prompt's blocks for this room: let it go now (where
                 # the two nodes' layouts differ, kvferry's handshake refuses even that, and
                 # the prefill frees them at the end of its lease).
-                self._pending.releases.append((pulled.room, pulled.addrs, "incompatible_peer"))
+                self._pending.releases.append((pulled.room, pulled.addrs, _stages(params), "incompatible_peer"))
             pulled = None
         self._pending.recvs[request.request_id] = _Recv(
             room=pulled.room if pulled else 0,
             addrs=pulled.addrs if pulled else [],
+            stages=_stages(params),
             blocks=block_ids,
             refused=refused,
             prompt=_prompt_of(request) if refused is None else None,
@@ -698,7 +753,7 @@ class KvferryConnector(KVConnectorBase_V1):
             params[_DONE] = True
             pulled, _ = _pulled(params)
             if pulled is not None:
-                self._pending.releases.append((pulled.room, pulled.addrs, "aborted_locally"))
+                self._pending.releases.append((pulled.room, pulled.addrs, _stages(params), "aborted_locally"))
             return False, None
         if not self._producer or not params or not params.get("do_remote_decode"):
             return False, None
@@ -723,6 +778,7 @@ class KvferryConnector(KVConnectorBase_V1):
             "do_remote_decode": False,
             _ROOM: room,
             _ADDRS: self._advertised,
+            _PP: self._pp,
             _SHAPE: self._shape,
             # For routers and logs: the decode's own digest is what the prefill checks.
             _PROMPT: prompt,
@@ -895,17 +951,29 @@ class _Worker:
         #: This worker's TP rank and its engine's TP size: it loads from (and sends to) the
         #: peer rank of the same index.
         self._rank, self._tp = tp_rank(connector._config), connector._tp
+        #: This worker's pipeline stage, and the model layers its KV holds (None: all).
+        stage = pp_rank(connector._config) if connector._pp > 1 else 0
+        layer_range = None
+        if connector._pp > 1:
+            layer_range = stage_layers(list(kv_caches))
+            if layer_range is None or layer_range[1] - layer_range[0] != len(spans) // planes:
+                raise ValueError(
+                    f"kvferry.vllm: pipeline stage {stage}'s KV cache names no single run of "
+                    f"model layers ({sorted(kv_caches)[:4]}...)"
+                )
+        #: This worker's listener: the engine's base port + stage x TP + rank.
+        self._port = connector._port + stage * self._tp + self._rank
         extra = connector._extra
         metrics = extra.get("metrics_addr") or os.environ.get("KVFERRY_METRICS_ADDR")
         try:
-            # Each rank serves its own metrics, on the given port plus its offset from the
-            # engines' base listener port (its DP index x TP + its rank).
-            offset = connector._port - int(extra.get("port", DEFAULT_PORT)) + self._rank
+            # Each worker serves its own metrics, on the given port plus its listener's
+            # offset from the configured port.
+            offset = self._port - int(extra.get("port", DEFAULT_PORT))
             kvferry.enable_metrics(_plus(metrics, offset) if metrics and offset else metrics)
         except kvferry.InvalidArgument:
             pass  # already enabled in this process
         layout = {
-            "layers": len(spans) // planes,
+            "layers": int(connector._shape["num_layers"]) if layer_range else len(spans) // planes,
             "planes": planes,
             "page_bytes": page_bytes,
             "pages": pages,
@@ -926,15 +994,18 @@ class _Worker:
             transport=extra.get("transport"),
             rdma_device=extra.get("rdma_device"),
             heads=self._heads,
+            layer_range=layer_range,
             **knobs,
         )
         logger.info("kvferry %s node over vLLM's KV (TP rank %d of %d): %s, heads %s",
                     "prefill" if self._producer else "decode", self._rank, self._tp, layout,
                     self._heads or "whole blocks")
-        # kvferry's layer index of each vLLM layer name (layers sharing a cache share it).
+        # kvferry's layer index of each vLLM layer name (layers sharing a cache share it;
+        # a pipeline stage's are the model's).
         index: dict[int, int] = {}
+        first = layer_range[0] if layer_range else 0
         self._layer_of = {
-            name: index.setdefault(t.data_ptr(), len(index)) for name, t in kv_caches.items()
+            name: first + index.setdefault(t.data_ptr(), len(index)) for name, t in kv_caches.items()
         }
         self._lock = threading.Lock()
         self._peers = KeptPeers(self.node)
@@ -942,7 +1013,7 @@ class _Worker:
         self._pushes: dict[int, _Pushed] = {}
         self._step_rooms: Optional[list[int]] = None
         self._marked: set[int] = set()
-        self._layers = len(index)
+        self._layers = range(first, first + len(index))
         # On a GPU, save_kv_layer runs when a layer's kernels are queued, not when they ran:
         # push rooms then go whole after the forward pass, once its stream is synchronized.
         self._cuda = device if device.type == "cuda" else None
@@ -967,7 +1038,7 @@ class _Worker:
         self._openers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvferry-open")
         self._asks = None
         if self._producer:
-            self.node.listen(f"{connector._listen_host}:{connector._port + self._rank}")
+            self.node.listen(f"{connector._listen_host}:{self._port}")
             self._asks = threading.Thread(target=self._answer_asks, name="kvferry-asks", daemon=True)
             self._asks.start()
 
@@ -1078,7 +1149,7 @@ class _Worker:
         """Push mode, after the forward pass (vLLM's ``wait_for_save``): this step's blocks
         are complete; every layer not reported yet is released, and what no layerwise chunk
         carried (a room granted mid-step, a step that reported no layer) goes whole now."""
-        for layer in range(self._layers):
+        for layer in self._layers:
             self._mark(layer)
         if meta.pushes and self._cuda is not None:
             # The forward pass's kernels were only queued: the KV is written once they ran.
@@ -1126,8 +1197,8 @@ class _Worker:
                     self._start_send(send.room, asked[0])
         for req_id, recv in meta.recvs.items():
             self._open_recv(req_id, recv)
-        for room, addrs, reason in meta.releases:
-            self._submit(self._release_now, room, addrs, reason)
+        for room, addrs, stages, reason in meta.releases:
+            self._submit(self._release_now, room, addrs, stages, reason)
         for req_id in meta.aborts:
             with self._lock:
                 recv = self._recvs.get(req_id)
@@ -1169,13 +1240,13 @@ class _Worker:
     def _open_now(self, req_id: str, recv: _Recv) -> None:
         peers: list[int] = []
         try:
-            prefill_tp = len(recv.addrs)
+            prefill_tp = len(recv.addrs) // recv.stages
             if prefill_tp != self._tp and self._heads is None and not self._mla:
                 raise ValueError(f"the prefill runs TP {prefill_tp}, this decode TP {self._tp}, and this rank's "
                                  "KV layout has no head split kvferry knows (whole blocks: equal TP only)")
-            sources, receivers, idle = tp_sources(prefill_tp, self._tp, self._total_heads, self._rank, self._mla)
-            for p in sources:
-                peers.append(self._peer(recv.addrs[p]))
+            named, receivers, idle = self._sources(recv.addrs, recv.stages)
+            for addr in named:
+                peers.append(self._peer(addr))
                 self.node.reach(peers[-1])
             self.node.open_receiver(recv.room, peers, pages=recv.blocks, receivers=receivers,
                                     idle_sources=idle, prompt=self._bound(recv.prompt, self._rank))
@@ -1219,10 +1290,10 @@ class _Worker:
         self._forget(room)
         return True
 
-    def _release_now(self, room: int, addrs: list[str], reason: str) -> None:
+    def _release_now(self, room: int, addrs: list[str], stages: int, reason: str) -> None:
         """Tells the prefill ranks this rank pairs with that this decode will not load
         ``room`` (``reason``), so that they free the blocks they held for it."""
-        for addr in self._sources(addrs):
+        for addr in self._sources(addrs, stages)[0]:
             try:
                 peer = self._peer(addr)
                 self.node.reach(peer)
@@ -1232,14 +1303,18 @@ class _Worker:
                 continue
             self._fail_unopened(room, peer, reason)
 
-    def _sources(self, addrs: list[str]) -> list[str]:
-        """The listeners of the prefill ranks this rank loads from, of a room whose params
-        name one per prefill rank; for a pair of TP sizes that is refused, every prefill rank
-        p with p % TP == r, so that the decode's ranks together release each prefill rank."""
-        if tp_pair_refusal(len(addrs), self._tp, self._total_heads, self._mla) is None:
-            sources = tp_sources(len(addrs), self._tp, self._total_heads, self._rank, self._mla)[0]
-            return [addrs[p] for p in sources]
-        return [a for p, a in enumerate(addrs) if p % self._tp == self._rank]
+    def _sources(self, addrs: list[str], stages: int) -> tuple[list[str], int, list[int]]:
+        """The listeners this rank's room names, of a room whose params name one per prefill
+        worker (``stages`` x its TP, stage-major): in every stage, the ranks holding any of
+        its heads; with how many decode ranks each sends to and the positions of idle
+        sources. For a pair of TP sizes that is refused, every prefill worker p with
+        p % TP == r, so that the decode's ranks together release each of them."""
+        prefill_tp = len(addrs) // stages
+        if tp_pair_refusal(prefill_tp, self._tp, self._total_heads, self._mla) is not None:
+            return [a for p, a in enumerate(addrs) if p % self._tp == self._rank], 1, []
+        sources, receivers, idle = tp_sources(prefill_tp, self._tp, self._total_heads, self._rank, self._mla)
+        named = [addrs[s * prefill_tp + p] for s in range(stages) for p in sources]
+        return named, receivers, [s * len(sources) + i for s in range(stages) for i in idle]
 
     def _peer(self, addr: str) -> int:
         """The kvferry peer of a prefill rank, named once (the core keeps it connected, and

@@ -77,7 +77,7 @@ def tiny_mla_dir() -> str:
 def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
                 policy: str = "recompute", extra: Optional[dict] = None,
                 max_num_batched_tokens: int = 64, tp: int = 1, kv_heads: int = KV_HEADS,
-                dp: tuple[int, int] = (0, 1), mla: bool = False):
+                dp: tuple[int, int] = (0, 1), mla: bool = False, pp: int = 1):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -118,7 +118,8 @@ def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str =
         cache_config=cache,
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_rank=dp[0],
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                       data_parallel_rank=dp[0],
                                        data_parallel_size=dp[1]),
     )
 

@@ -30,8 +30,9 @@ def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
 
 def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blocks: int, kw: dict,
                inbox, outbox) -> None:
-    """One TP rank: kvferry's worker connector over this rank's KV tensors, stepped by the
-    engine's process."""
+    """One worker (global ``rank``: pipeline stage ``rank // tp``, TP rank ``rank % tp``):
+    kvferry's worker connector over its KV tensors (its stage's layers, its heads), stepped
+    by the engine's process."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -46,12 +47,15 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
     config.parallel_config.rank = rank
     bs = config.cache_config.block_size
     dtype = config.model_config.dtype
-    lo, hi = (0, 1) if mla else _rank_heads(total, tp, rank)
+    lo, hi = (0, 1) if mla else _rank_heads(total, tp, rank % tp)
+    per = LAYERS // kw.get("pp", 1)
+    mine = list(range(rank // tp * per, (rank // tp + 1) * per))
     spec = FullAttentionSpec(block_size=bs, num_kv_heads=hi - lo, head_size=HEAD_SIZE, dtype=dtype)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    names = {layer: f"model.layers.{layer}.self_attn.attn" for layer in mine}
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(list(names.values()), spec)])
     shape = (num_blocks, bs, MLA_LATENT) if mla else (num_blocks, hi - lo, bs, 2 * HEAD_SIZE)
-    kv = {name: torch.zeros(shape, dtype=dtype) for name in names}
+    kv = {name: torch.zeros(shape, dtype=dtype) for name in names.values()}
     worker = KvferryConnector(config, KVConnectorRole.WORKER, kv_config)
     worker.register_kv_caches(kv)
     full_bytes = total * bs * (MLA_LATENT if mla else 2 * HEAD_SIZE) * torch.tensor([], dtype=dtype).element_size()
@@ -75,9 +79,9 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         if cmd[0] == "plant":
             # Another rank's heads of the pattern, written over this rank's blocks.
             _, prompt, blocks, other = cmd
-            olo, ohi = _rank_heads(total, tp, other)
+            olo, ohi = _rank_heads(total, tp, other % tp)
             for index in range(-(-len(prompt) // bs)):
-                for layer in range(LAYERS):
+                for layer in mine:
                     whole = pattern(prompt, index, layer, full_bytes).view(total, bs, -1)
                     rows_of(blocks[index], layer).copy_(whole[olo:ohi])
             outbox.put(("planted", None))
@@ -87,7 +91,7 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
             said = None
             for index in range(-(-len(prompt) // bs)):
                 rows = min(len(prompt) - index * bs, bs)
-                for layer in range(LAYERS):
+                for layer in mine:
                     got = rows_of(blocks[index], layer)[:, :rows, :]
                     want = want_of(prompt, index, layer)[:, :rows, :]
                     if said is None and not torch.equal(got, want):
@@ -99,7 +103,7 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
-        for layer in range(LAYERS):
+        for layer in mine:
             for prompt, first, last, blocks in writes:
                 for index in range(first // bs, (last - 1) // bs + 1):
                     a = max(first, index * bs) - index * bs
@@ -119,13 +123,14 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
 class Ranks:
     """vLLM's scheduler of one engine and its TP ranks, one process each, stepped by hand."""
 
-    def __init__(self, role: str, port: int, tp: int, num_blocks: int = 256, **kw):
+    def __init__(self, role: str, port: int, tp: int, num_blocks: int = 256, pp: int = 1, **kw):
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.role, self.tp, self.port = role, tp, port
+        kw = dict(kw, pp=pp)
         self.config = make_config(role, port, tp=tp, **kw)
         bs = self.config.cache_config.block_size
         spec = FullAttentionSpec(block_size=bs, num_kv_heads=max(1, kw.get("kv_heads", KV_HEADS) // tp),
@@ -138,10 +143,12 @@ class Ranks:
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=bs, log_stats=True)
-        self.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        #: Every worker, stage-major: vLLM's executor hears each of them.
+        self.workers = tp * pp
+        self.aggregator = KVOutputAggregator(expected_finished_count=self.workers)
         ctx = mp_context()
         self.inboxes, self.outboxes, self.procs = [], [], []
-        for rank in range(tp):
+        for rank in range(self.workers):
             inbox, outbox = ctx.Queue(), ctx.Queue()
             proc = ctx.Process(target=_rank_main, args=(role, port, tp, rank, self.config.kv_transfer_config.engine_id, num_blocks, kw,
                                      inbox, outbox),
@@ -150,7 +157,7 @@ class Ranks:
             self.inboxes.append(inbox)
             self.outboxes.append(outbox)
             self.procs.append(proc)
-        for rank in range(tp):
+        for rank in range(self.workers):
             assert self._answer(rank, "ready", 600) == rank
         self.outputs: dict[str, object] = {}
         self.params: dict[str, dict] = {}
@@ -159,7 +166,7 @@ class Ranks:
         #: Ranks whose process was killed: they answer nothing any more.
         self.dead: set[int] = set()
         #: Rooms each rank reported through vLLM's connector stats: succeeded, failed.
-        self.rank_rooms = [[0, 0] for _ in range(tp)]
+        self.rank_rooms = [[0, 0] for _ in range(self.workers)]
 
     def _answer(self, rank: int, kind: str, timeout: float = 60):
         """The next answer of ``rank``, which must be ``kind``; a rank that died says so."""
@@ -174,7 +181,7 @@ class Ranks:
                 assert time.monotonic() < deadline, f"TP rank {rank} of the {self.role} did not answer {kind}"
 
     def _live(self) -> list[int]:
-        return [r for r in range(self.tp) if r not in self.dead]
+        return [r for r in range(self.workers) if r not in self.dead]
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, params: Optional[dict]):
         from vllm import SamplingParams

@@ -92,7 +92,7 @@ def engines():
     made = []
 
     def make(role: str, tp: int, port: int | None = None, **kw) -> Ranks:
-        made.append(Ranks(role, port or free_ports(tp), tp, **kw))
+        made.append(Ranks(role, port or free_ports(tp * kw.get("pp", 1)), tp, **kw))
         return made[-1]
 
     yield make
@@ -255,3 +255,32 @@ def test_mla_latent_kv_moves_once_per_decode_rank(engines, prefill_tp, decode_tp
     assert checked == {r: -(-len(p) // bs) for r, p in prompts.items()}
     assert decode.loaded == set(prompts) and not decode.load_failures
     assert drain(prefill, timeout=10), "a prefill rank still holds blocks"
+
+
+@pytest.mark.parametrize("prefill_pp,prefill_tp,decode_tp", [(2, 1, 1), (2, 2, 1), (2, 1, 2)],
+                         ids=["pp2_to_tp1", "pp2_tp2_to_tp1", "pp2_to_tp2"])
+def test_a_pipeline_parallel_prefill_sends_each_stages_layers(engines, prefill_pp, prefill_tp, decode_tp):
+    """Each stage's workers hold their layers: every decode rank's room is fed by the ranks
+    holding its heads in every stage, and lands only when every stage's layers did."""
+    prefill = engines("kv_producer", prefill_tp, pp=prefill_pp)
+    decode = engines("kv_consumer", decode_tp)
+    prompts = {f"s{i}": prompt_of(60 + i, n) for i, n in enumerate([5, 100, 257])}
+    params = prefill_all(prefill, prompts)
+    for p in params.values():
+        assert p["kvferry_pp"] == prefill_pp and len(p["kvferry_addrs"]) == prefill_pp * prefill_tp, p
+    checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})
+    assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert drain(prefill), "a prefill stage still holds blocks"
+
+
+def test_a_killed_pipeline_stage_fails_the_whole_request(engines):
+    """Stage 0's layers land, stage 1's worker is gone: the room never counts as loaded."""
+    prefill = engines("kv_producer", 1, pp=2)
+    decode = engines("kv_consumer", 1)
+    prompt = prompt_of(70, 100)
+    params = prefill_all(prefill, {"k": prompt})["k"]
+    prefill.kill(1)
+    load_all(decode, None, {"k": (prompt, params)}, deadline=30)
+    assert "k" in decode.load_failures and "k" not in decode.loaded
+    assert decode.outputs["k"].finish_reason is not None
