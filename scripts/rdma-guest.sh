@@ -40,6 +40,9 @@ for line in sys.stdin:
 fi
 
 export KVFERRY_REQUIRE_RDMA=1
+# The guest runs under software emulation, tens of times slower than the hardware the tests'
+# operation deadlines model: a write batch that takes a NIC microseconds can take a second.
+export KVFERRY_TEST_TIME_SCALE=${KVFERRY_TEST_TIME_SCALE:-5}
 full=${KVFERRY_GUEST_FULL:-}
 kvf=${KVFERRY_BIN:-target/debug/kvferry}
 failed=()

@@ -25,7 +25,18 @@ pub fn small_shape() -> Shape {
     }
 }
 
-/// Core knobs with short deadlines so failure tests finish fast.
+/// How many times slower than the hardware its deadlines model this machine runs:
+/// `KVFERRY_TEST_TIME_SCALE` (1 unless set; the emulated soft-RoCE guest sets it).
+pub fn time_scale() -> u32 {
+    std::env::var("KVFERRY_TEST_TIME_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(1)
+}
+
+/// Core knobs with short deadlines so failure tests finish fast. An operation's deadline
+/// grows with [`time_scale`]: under emulation one write batch can take most of a second.
 pub fn fast_core() -> Config {
     Config {
         bootstrap_timeout: Duration::from_secs(2),
@@ -33,7 +44,7 @@ pub fn fast_core() -> Config {
         abort_ack_timeout: Duration::from_millis(500),
         heartbeat_interval: Duration::from_millis(200),
         progress_interval: Duration::from_millis(200),
-        operation_timeout: Duration::from_millis(1000),
+        operation_timeout: Duration::from_millis(1000) * time_scale(),
         retry_backoff: Duration::from_millis(5),
         ..Config::default()
     }
