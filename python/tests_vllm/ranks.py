@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Optional
 
 import torch
 
-from harness import HEAD_SIZE, KV_HEADS, LAYERS, MLA_LATENT, make_config, mp_context, pattern
+from harness import HEAD_SIZE, KV_HEADS, LAYERS, MLA_LATENT, Side, make_config, mp_context, pattern
 
 
 def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
@@ -183,21 +182,8 @@ class Ranks:
     def _live(self) -> list[int]:
         return [r for r in range(self.workers) if r not in self.dead]
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int, params: Optional[dict]):
-        from vllm import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.request import Request
-
-        init_none_hash(sha256)
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                            extra_args={"kv_transfer_params": params} if params else None)
-        req = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                      pooling_params=None, mm_features=None,
-                      block_hasher=get_request_block_hasher(self.config.cache_config.block_size, sha256))
-        if params is not None:
-            req.kv_transfer_params = params
-        self.scheduler.add_request(req)
+    # The same request vLLM's engine builds, added to this engine's scheduler.
+    add = Side.add
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.scheduler.kv_cache_manager.get_blocks(request_id).get_block_ids()[0]
