@@ -6,9 +6,9 @@
 #
 # CI's run fits its time under emulation (about 20 minutes): every RDMA-specific test, the
 # generic driver and device suites on the tokio driver, one demo per runtime with aborts,
-# faults and the checksum on, the restart and busy-polling checks on both runtimes, and one
-# case per engine. KVFERRY_GUEST_FULL=1 runs everything (both drivers and the two mixed, each
-# demo on its own, the bench, every engine case chosen below; about 50 minutes here).
+# faults and the checksum on, the Python RDMA suite, and the restart and busy-polling checks
+# on both runtimes. KVFERRY_GUEST_FULL=1 runs everything (both drivers and the two mixed, each
+# demo on its own, the bench, the engines' cases chosen below; about 60 minutes here).
 #
 # No test may skip for want of a device here (KVFERRY_REQUIRE_RDMA makes that a failure), and
 # a line saying SKIPPED fails the stage too. KVFERRY_BIN picks the binary for the demos and
@@ -134,30 +134,51 @@ else
 fi
 
 # Python nodes over RDMA (the wheel's verbs loaded at run time): rooms with every byte
-# checked, a TCP-only peer served over TCP, a prefill killed mid-room. KVFERRY_GUEST_PY is
-# the Python of a venv the wheel was installed into (CI's); the tests for hosts without a
-# device are left out by name, nothing else may skip.
-# Left to KVFERRY_GUEST_FULL=1 for now: in 2 of 4 guest runs on the 2026-11-28 machine this
-# suite stalled past every timeout of its own (once in the "auto" rooms, once in the killed
-# prefill), with one guest CPU busy; its diagnosis is open (docs/PERFORMANCE.md, 2026-11-28).
-if [ -n "${KVFERRY_GUEST_PY:-}" ] && [ -n "$full" ]; then
-    run env KVFERRY_TEST_RDMA=1 PYTHONDONTWRITEBYTECODE=1 "$KVFERRY_GUEST_PY" -m pytest -q -s \
+# checked (transport rdma and auto), a TCP-only peer served over TCP, a prefill killed
+# mid-room. KVFERRY_GUEST_PY is the Python of a venv the wheel was installed into (CI's); the
+# tests for hosts without a device are left out by name, nothing else may skip. Two guest runs
+# on 2026-11-27/28 saw this suite stall past its own timeouts (docs/PERFORMANCE.md); 15 runs
+# of it in a row the next day, 5 of them beside three busy loops, did not. A run past 300 s
+# leaves every thread's stack of its processes in the log before it is killed.
+py_suite() {
+    env KVFERRY_TEST_RDMA=1 PYTHONDONTWRITEBYTECODE=1 "$KVFERRY_GUEST_PY" -m pytest -q -s \
         -p no:cacheprovider python/tests/test_rdma.py \
-        -k "over_rdma or tcp_only or killed_mid_room or does_not_link or unknown_transport"
+        -k "over_rdma or tcp_only or killed_mid_room or does_not_link or unknown_transport" &
+    local pid=$! began=$SECONDS
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 2
+        if ((SECONDS - began > 300)); then
+            echo "rdma-guest: the Python RDMA suite ran past 300 s; every thread's stack:"
+            for p in "$pid" $(pgrep -P "$pid"); do
+                echo "--- pid $p: $(tr '\0' ' ' < "/proc/$p/cmdline" | head -c 200)"
+                gdb -p "$p" -batch -ex "thread apply all bt 16" 2>/dev/null | grep -E '^Thread|^#'
+            done
+            pkill -9 -P "$pid"
+            kill -9 "$pid"
+            wait "$pid"
+            return 1
+        fi
+    done
+    wait "$pid"
+}
+if [ -n "${KVFERRY_GUEST_PY:-}" ]; then
+    run py_suite
 else
-    echo "rdma-guest: the Python RDMA suite was not run (it needs KVFERRY_GUEST_PY and KVFERRY_GUEST_FULL=1)"
+    echo "rdma-guest: KVFERRY_GUEST_PY unset, the Python RDMA suite was not run"
 fi
 
 # The engines over RDMA (KVFERRY_GUEST_SGLANG, KVFERRY_GUEST_VLLM: the Pythons of CI's SGLang
 # and vLLM venvs, the wheel installed): every node asks for rdma, and each case checks that
-# every session took it. Each import of torch takes a minute or more here, so CI runs one case
-# per engine (SGLang's classes at different TP, vLLM's Scheduler pulling); KVFERRY_GUEST_FULL
-# adds SGLang's same-TP, MLA and state-pool cases and vLLM's push.
+# every session took it. Under KVFERRY_GUEST_FULL=1 only: each engine's case imports torch in
+# two processes, 5 to 10 minutes a case here (CI's guest ran past its 30 minutes with one per
+# engine on 2026-11-28), and the engines reach RDMA through the wheel the Python suite above
+# runs over it.
 engine_env=(env KVFERRY_TRANSPORT=rdma PYTHONDONTWRITEBYTECODE=1)
-if [ -n "${KVFERRY_GUEST_SGLANG:-}" ]; then
+if [ -z "$full" ]; then
+    echo "rdma-guest: the engines' cases over RDMA were not run (KVFERRY_GUEST_FULL=1 runs them)"
+elif [ -n "${KVFERRY_GUEST_SGLANG:-}" ]; then
     t=python/tests_sglang
-    cases=("$t/test_layouts.py::test_mha_heads_move_between_different_tp_sizes[prefill_tp2_to_decode_tp1]")
-    [ -z "$full" ] || cases+=(
+    cases=("$t/test_layouts.py::test_mha_heads_move_between_different_tp_sizes[prefill_tp2_to_decode_tp1]"
         "$t/test_sglang_backend.py::test_rooms_move_through_sglang_classes_with_chunked_sends_and_every_byte_checked"
         "$t/test_layouts.py::test_mla_latent_kv_moves_once_per_decode_rank[prefill_tp1_to_decode_tp2]"
         "$t/test_state_pools.py::test_mamba_swa_and_dsa_state_move_with_the_room")
@@ -166,12 +187,12 @@ if [ -n "${KVFERRY_GUEST_SGLANG:-}" ]; then
 else
     echo "rdma-guest: KVFERRY_GUEST_SGLANG unset, SGLang's cases over RDMA were not run"
 fi
-if [ -n "${KVFERRY_GUEST_VLLM:-}" ]; then
+if [ -n "$full" ] && [ -n "${KVFERRY_GUEST_VLLM:-}" ]; then
     t=python/tests_vllm
-    cases=("$t/test_connector.py::test_rooms_move_through_vllms_scheduler_with_every_byte_checked")
-    [ -z "$full" ] || cases+=("$t/test_connector.py::test_push_rooms_move_layer_by_layer_with_every_byte_checked")
+    cases=("$t/test_connector.py::test_rooms_move_through_vllms_scheduler_with_every_byte_checked"
+        "$t/test_connector.py::test_push_rooms_move_layer_by_layer_with_every_byte_checked")
     run "${engine_env[@]}" "$KVFERRY_GUEST_VLLM" -m pytest -q -p no:cacheprovider "${cases[@]}"
-else
+elif [ -n "$full" ]; then
     echo "rdma-guest: KVFERRY_GUEST_VLLM unset, vLLM's cases over RDMA were not run"
 fi
 

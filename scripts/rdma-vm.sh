@@ -37,10 +37,11 @@ mkdir -p "$cache"
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 
-# -- packages: qemu and the guest's tools, rdma-core for the command (installed, never skipped)
+# -- packages: qemu and the guest's tools (gdb for the stacks of a stalled run), rdma-core for the
+# command (installed, never skipped)
 need=()
 for pkg in qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-providers \
-    ibverbs-utils perftest; do
+    ibverbs-utils perftest gdb; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
