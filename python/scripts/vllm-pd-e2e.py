@@ -13,12 +13,14 @@ alone (the reference), then as a producer and a consumer engine over kvferry beh
   kvferry's reason (logged), vLLM recomputes the prompt, and the output still equals the
   reference, within a bounded time (no hang);
 - a prefill restarted at the same address serves the next requests, outputs equal again;
-- the check can fail: a decode handed another prompt's room answers differently.
+- a router's mistakes sent straight to the decode (two prompts' rooms swapped, a shorter
+  prompt's room, garbage params, a room id that names no room) each end in a refused load
+  with its reason and a recomputed answer equal to the reference, within 15 s, and each
+  swapped room then loads through its own request.
 
-With ``--prefill-tp P --decode-tp D`` it serves the prefill at TP P and the decode at TP D
-instead (vLLM's CPU executor, one worker process per rank) and checks only that every
-output, pull and push, sequential and concurrent, equals the reference's (at TP 1) and that
-every decode rank counted its rooms.
+``--prefill-tp P --decode-tp D`` serves the prefill at TP P and the decode at TP D (vLLM's
+CPU executor, one worker process per rank; the reference stays at TP 1) through the same
+checks, each decode rank's node counting its rooms. CI runs ``--prefill-tp 2 --decode-tp 1``.
 
 Run with the venv of ``python/scripts/vllm-venv.sh`` (kvferry installed into it):
 ``$(python/scripts/vllm-venv.sh) python/scripts/vllm-pd-e2e.py``. Env: ``KVFERRY_E2E_KEEP=1``
@@ -186,111 +188,12 @@ def cleanup_shm() -> None:
 MODEL = ""
 
 
-def tp_main(prefill_tp: int, decode_tp: int) -> int:
-    """Prefill at TP ``prefill_tp``, decode at TP ``decode_tp``: every output equals a TP 1
-    engine's, pull and push, and every decode rank's node counted its rooms."""
-    global MODEL
-    work = tempfile.mkdtemp(prefix="kvferry-vllm-tp.")
-    MODEL = os.path.join(work, "tiny-llama")
-    build_model(MODEL)
-    figures: dict = {"prefill_tp": prefill_tp, "decode_tp": decode_tp}
-    engines: list[Engine] = []
-    proxies: list[subprocess.Popen] = []
-    ok = False
-    try:
-        ps = prompts(8)
-        ref_engine = Engine("reference", MODEL, work, free_port())
-        engines.append(ref_engine)
-        ref_engine.wait_ready()
-        reference = {p: completion(ref_engine.url, p) for p in ps}
-        ref_engine.kill(signal.SIGTERM)
-        engines.remove(ref_engine)
-        # Each engine's ranks listen (and serve metrics) on consecutive ports.
-        kv_base, metrics_base = 15600 + os.getpid() % 1000 * 8, 25600 + os.getpid() % 1000 * 8
-        prefill = Engine("prefill", MODEL, work, free_port(), {
-            "kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"port": kv_base, "host": "127.0.0.1"},
-        }, tp=prefill_tp)
-        decode = Engine("decode", MODEL, work, free_port(), {
-            "kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm",
-            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-            # First contact waits on a machine whose cores the engines' workers keep busy.
-            "kv_connector_extra_config": {"port": kv_base + 4, "host": "127.0.0.1",
-                                          "metrics_addr": f"127.0.0.1:{metrics_base}",
-                                          "unreachable_timeout_ms": 20000},
-        }, tp=decode_tp)
-        engines += [prefill, decode]
-        figures["prefill_start_s"] = round(prefill.wait_ready(600), 1)
-        figures["decode_start_s"] = round(decode.wait_ready(600), 1)
-        for engine, role, tp in ((prefill, "prefill", prefill_tp), (decode, "decode", decode_tp)):
-            for rank in range(tp):
-                line = f"kvferry {role} node over vLLM's KV (TP rank {rank} of {tp})"
-                assert line in engine.text(), f"no '{line}' in the {role}'s log"
-        kv_addrs = ",".join(f"127.0.0.1:{kv_base + r}" for r in range(prefill_tp))
-        urls = []
-        for push in (False, True):
-            port = free_port()
-            args = ["--prefill", f"{prefill.url}={kv_addrs}", "--push"] if push else ["--prefill", prefill.url]
-            proxies.append(subprocess.Popen(
-                [PY, "-m", "kvferry.vllm_proxy", "--port", str(port), "--host", "127.0.0.1", *args,
-                 "--decode", decode.url, "--timeout", "120"],
-                stdout=open(os.path.join(work, f"proxy-{int(push)}.log"), "ab"), stderr=subprocess.STDOUT))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:
-            for _ in range(60):
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=1)
-                    break
-                except (urllib.error.URLError, OSError):
-                    time.sleep(0.5)
-        for url, mode in zip(urls, ("pull", "push")):
-            t0 = time.monotonic()
-            for p in ps:
-                got = completion(url, p)
-                assert got == reference[p], f"{mode}, sequential: {got!r} != {reference[p]!r}"
-            figures[f"{mode}_sequential_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
-            with cf.ThreadPoolExecutor(8) as pool:
-                outs = list(pool.map(lambda p: completion(url, p), ps))
-            for p, got in zip(ps, outs):
-                assert got == reference[p], f"{mode}, concurrent: {got!r} != {reference[p]!r}"
-        said = decode.text()
-        assert "failed to load its KV" not in said and "not opened" not in said, "a room failed"
-        # Every decode rank's node moved every request's room.
-        counted = []
-        for rank in range(decode_tp):
-            deadline = time.monotonic() + 10
-            while True:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_base + rank}/metrics", timeout=5).read().decode()
-                m = re.search(r'kvferry_rooms_succeeded_total\{role="decode"\} (\d+)', text)
-                if (m and int(m.group(1)) >= 4 * len(ps)) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            counted.append(int(m.group(1)) if m else 0)
-        figures["decode_rooms_succeeded_by_rank"] = counted
-        assert all(n >= 4 * len(ps) for n in counted), counted
-        ok = True
-        figures["ok"] = True
-        print(json.dumps(figures))
-        return 0
-    finally:
-        for proxy in proxies:
-            proxy.terminate()
-        for e in engines:
-            e.kill(signal.SIGTERM)
-        cleanup_shm()
-        if not ok or os.environ.get("KVFERRY_E2E_KEEP"):
-            print(f"vllm-pd-e2e: logs kept in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-
-
-def main() -> int:
+def main(prefill_tp: int = 1, decode_tp: int = 1) -> int:
     global MODEL
     work = tempfile.mkdtemp(prefix="kvferry-vllm-pd.")
     MODEL = os.path.join(work, "tiny-llama")
     build_model(MODEL)
-    figures: dict = {}
+    figures: dict = {"prefill_tp": prefill_tp, "decode_tp": decode_tp}
     engines: list[Engine] = []
     proxies: list[subprocess.Popen] = []
     ok = False
@@ -305,31 +208,35 @@ def main() -> int:
         ref_engine.kill(signal.SIGTERM)
         engines.remove(ref_engine)
 
-        kv_ports = free_port(), free_port()
-        metrics_port = free_port()
+        # Each engine's ranks listen (and serve metrics) on consecutive ports.
+        kv_base, metrics_base = 15600 + os.getpid() % 1000 * 8, 25600 + os.getpid() % 1000 * 8
         prefill_port, decode_port = free_port(), free_port()
+        kv_addrs = ",".join(f"127.0.0.1:{kv_base + r}" for r in range(prefill_tp))
 
         def start_prefill() -> Engine:
             return Engine("prefill", MODEL, work, prefill_port, {
                 "kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm",
                 "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"port": kv_ports[0], "host": "127.0.0.1"},
-            })
+                "kv_connector_extra_config": {"port": kv_base, "host": "127.0.0.1"},
+            }, tp=prefill_tp)
 
         prefill = start_prefill()
         decode = Engine("decode", MODEL, work, decode_port, {
             "kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm",
             "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"port": kv_ports[1], "host": "127.0.0.1",
-                                          "metrics_addr": f"127.0.0.1:{metrics_port}",
-                                          "unreachable_timeout_ms": 3000},
-        })
+            # At TP > 1 first contact waits on cores the engines' workers keep busy.
+            "kv_connector_extra_config": {"port": kv_base + 4, "host": "127.0.0.1",
+                                          "metrics_addr": f"127.0.0.1:{metrics_base}",
+                                          "unreachable_timeout_ms": 3000 if prefill_tp == decode_tp == 1 else 20000},
+        }, tp=decode_tp)
         engines += [prefill, decode]
-        prefill.wait_ready()
-        decode.wait_ready()
-        # The connector's start line reaches vLLM's log at vLLM's default level.
-        for engine, role in ((prefill, "prefill"), (decode, "decode")):
-            assert f"kvferry {role} node over vLLM's KV" in engine.text(), f"no kvferry start line in the {role}'s log"
+        figures["prefill_start_s"] = round(prefill.wait_ready(600), 1)
+        figures["decode_start_s"] = round(decode.wait_ready(600), 1)
+        # The connector's start line reaches vLLM's log at vLLM's default level, one per rank.
+        for engine, role, tp in ((prefill, "prefill", prefill_tp), (decode, "decode", decode_tp)):
+            for rank in range(tp):
+                line = f"kvferry {role} node over vLLM's KV (TP rank {rank} of {tp})"
+                assert line in engine.text(), f"no '{line}' in the {role}'s log"
         proxy_port = free_port()
         proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(proxy_port),
                                   "--host", "127.0.0.1", "--prefill", prefill.url,
@@ -341,7 +248,7 @@ def main() -> int:
         push_port = free_port()
         push_proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(push_port),
                                        "--host", "127.0.0.1", "--push",
-                                       "--prefill", f"{prefill.url}=127.0.0.1:{kv_ports[0]}",
+                                       "--prefill", f"{prefill.url}={kv_addrs}",
                                        "--decode", decode.url, "--timeout", "120"],
                                       stdout=open(os.path.join(work, "push-proxy.log"), "ab"),
                                       stderr=subprocess.STDOUT)
@@ -367,16 +274,20 @@ def main() -> int:
         figures["concurrent_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
         for p, got in zip(ps, outs):
             assert got == reference[p], f"concurrent: {got!r} != {reference[p]!r}"
-        # The node publishes its counters every few hundred milliseconds.
-        deadline = time.monotonic() + 10
-        while True:
-            metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-            m = re.search(r'kvferry_rooms_succeeded_total\{role="decode"\} (\d+)', metrics)
-            if (m and int(m.group(1)) >= 2 * len(ps)) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert m and int(m.group(1)) >= 2 * len(ps), f"decode metrics: {m and m.group(0)}"
-        figures["decode_rooms_succeeded"] = int(m.group(1))
+        # Every decode rank's node moved every request's room; a node publishes its counters
+        # every few hundred milliseconds.
+        counted = []
+        for rank in range(decode_tp):
+            deadline = time.monotonic() + 10
+            while True:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_base + rank}/metrics", timeout=5).read().decode()
+                m = re.search(r'kvferry_rooms_succeeded_total\{role="decode"\} (\d+)', text)
+                if (m and int(m.group(1)) >= 2 * len(ps)) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            counted.append(int(m.group(1)) if m else 0)
+        figures["decode_rooms_succeeded_by_rank"] = counted
+        assert all(n >= 2 * len(ps) for n in counted), f"decode rooms by rank: {counted}"
         # vLLM's own /metrics counts them too, through the connector's stats.
         deadline = time.monotonic() + 20
         while True:
@@ -417,6 +328,13 @@ def main() -> int:
         assert swapped == [reference[a], reference[b], reference[a]], "a swapped room changed an answer"
         assert "prompt_mismatch" in decode.text(), "the decode did not say why it recomputed"
         figures["swapped_rooms_refused"] = True
+        # Each room survived the asks for other prompts: its own request loads it. (This
+        # also frees the prefill's blocks: a vLLM engine that holds blocks for a room keeps
+        # stepping, at TP > 1 a worker process per rank spinning on its queue, which on a
+        # 2-core machine starves the decode of CPU for the rooms' 120 s lease.)
+        for prompt, params in ((a, pa), (b, pb), (short, pshort)):
+            got = completion(decode.url, prompt, {"kv_transfer_params": params})
+            assert got == reference[prompt], f"a room after a mismatched ask: {got!r} != {reference[prompt]!r}"
         # Garbage params: each request still answers as the reference, promptly, and the
         # engine keeps serving.
         p = prompts(1, base=9)[0]
@@ -428,15 +346,18 @@ def main() -> int:
                     for addrs in (39600, [39600], [], ["localhost:1"], ["127.0.0.1:99999"], None)]
         garbage += [{"do_remote_prefill": True, "kvferry_room": good["kvferry_room"],
                      "kvferry_addrs": good["kvferry_addrs"], "kvferry_shape": s} for s in ("x", None, {"block_size": 7})]
-        slowest = 0.0
+        # The room the garbage is made from is loaded by its own request first (the blocks
+        # freed, as above); the garbage then names a room that is over.
+        assert completion(decode.url, p, {"kv_transfer_params": good}) == reference[p]
+        took = []
         for params in garbage:
             t0 = time.monotonic()
             got = completion(decode.url, p, {"kv_transfer_params": params})
-            slowest = max(slowest, time.monotonic() - t0)
+            took.append(round(time.monotonic() - t0, 2))
             assert got == reference[p], f"garbage params {params!r}: {got!r} != {reference[p]!r}"
         figures["garbage_params_requests"] = len(garbage)
-        figures["garbage_params_slowest_s"] = round(slowest, 2)
-        assert slowest < 15, f"a request with garbage params took {slowest:.1f} s"
+        figures["garbage_params_slowest_s"] = max(took)
+        assert max(took) < 15, f"a request with garbage params took {max(took)} s (each: {took})"
         p = prompts(1, base=5)[0]
         wrong = dict(prefill_params(prefill.url, p))
         wrong["kvferry_room"] ^= 1
@@ -455,12 +376,12 @@ def main() -> int:
         got = completion(decode.url, p, {"kv_transfer_params": params})
         figures["load_from_killed_prefill_s"] = round(time.monotonic() - t0, 2)
         assert got == reference[p], f"after the kill: {got!r} != {reference[p]!r}"
-        assert figures["load_from_killed_prefill_s"] < 30
+        assert figures["load_from_killed_prefill_s"] < (30 if prefill_tp == decode_tp == 1 else 50)
 
         # Restarted at the same addresses: the next requests match again.
         prefill = start_prefill()
         engines.append(prefill)
-        prefill.wait_ready()
+        prefill.wait_ready(600)
         for p in prompts(4, base=5)[2:]:
             got = completion(proxy_url, p)
             assert got == reference[p], f"after the restart: {got!r} != {reference[p]!r}"
@@ -485,6 +406,4 @@ if __name__ == "__main__":
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
     args = ap.parse_args()
-    if args.prefill_tp == args.decode_tp == 1:
-        sys.exit(main())
-    sys.exit(tp_main(args.prefill_tp, args.decode_tp))
+    sys.exit(main(args.prefill_tp, args.decode_tp))
