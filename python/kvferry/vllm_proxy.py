@@ -12,7 +12,9 @@ be reached answers the client with 502 and the reason; nothing waits forever
         --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200
 
 Push mode (``--push``, each prefill given as ``URL=HOST:PORT`` with its kvferry listener, or
-``URL=HOST:PORT,HOST:PORT,...`` with one per TP rank in rank order):
+``URL=HOST:PORT,HOST:PORT,...`` with one per TP rank in rank order, or for a pipeline-parallel
+prefill ``URL=pp=N,HOST:PORT,...`` with one per worker, stage-major: stage s, rank r at
+s x TP + r):
 the router draws the room and sends the request to both engines at once; the decode opens
 the room over its blocks while the prefill computes, and the prefill sends each step's blocks
 layer by layer as its forward pass writes them. If the prefill fails, the decode's room
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import itertools
 import json
 import logging
@@ -38,6 +41,54 @@ logger = logging.getLogger("kvferry.vllm_proxy")
 #: The bit of a room id that says a router drew it (push mode); ``kvferry.vllm.PUSH_BIT``,
 #: written out so that the proxy runs without vLLM installed.
 PUSH_BIT = 1 << 62
+
+
+def parse_prefill(spec: str) -> tuple[str, list[str] | None, int]:
+    """``URL``, ``URL=HOST:PORT,...`` or ``URL=pp=N,HOST:PORT,...``: the prefill's base URL,
+    its workers' kvferry listeners (None if not named) and its pipeline stage count."""
+    if "=" not in spec:
+        return spec, None, 1
+    url, _, rest = spec.partition("=")
+    items = [a.strip() for a in rest.split(",") if a.strip()]
+    pp = 1
+    if items and items[0].startswith("pp="):
+        try:
+            pp = int(items[0][3:])
+        except ValueError:
+            raise ValueError(f"--prefill {spec!r}: {items[0]!r} is not pp=STAGES") from None
+        items = items[1:]
+    if not items:
+        raise ValueError(f"--prefill {spec!r} names no kvferry listener")
+    if pp < 1 or len(items) % pp:
+        raise ValueError(f"--prefill {spec!r}: {len(items)} listeners do not split into {pp} equal stages")
+    for a in items:
+        if not socket_addr(a):
+            # A decode dials listeners by address only: it would refuse every room.
+            raise ValueError(f"--prefill {spec!r}: {a!r} is not an ip:port ([v6]:port) kvferry listener")
+    return url, items, pp
+
+
+def socket_addr(a: str) -> bool:
+    """Whether ``a`` is an ``ip:port`` (``[v6]:port``) a kvferry node can dial."""
+    host, sep, port = a.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def push_params(room: int, kv_addrs: list[str], pp: int) -> tuple[dict, dict]:
+    """The ``kv_transfer_params`` of a push room: the prefill's, then the decode's."""
+    decode = {"do_remote_prefill": True, "kvferry_push": True, "kvferry_room": room,
+              "kvferry_addrs": list(kv_addrs)}
+    if pp > 1:
+        decode["kvferry_pp"] = pp
+    return {"do_remote_decode": True, "kvferry_push": True, "kvferry_room": room}, decode
 
 
 def prefill_body(body: dict, params: dict) -> dict:
@@ -58,10 +109,8 @@ class Router:
 
     def __init__(self, prefills: list[str], decodes: list[str], timeout: float, push: bool = False):
         # "URL=HOST:PORT" names a prefill's kvferry listener too, which push mode needs.
-        # At TP > 1, one listener per rank in rank order, comma-separated.
-        parsed = [(p.split("=", 1)[0], p.split("=", 1)[1].split(",")) if "=" in p else (p, None)
-                  for p in prefills]
-        if push and any(kv is None for _, kv in parsed):
+        parsed = [parse_prefill(p) for p in prefills]
+        if push and any(kv is None for _, kv, _ in parsed):
             raise ValueError("--push needs every --prefill as URL=KVFERRY_HOST:PORT")
         self._push = push
         self._prefills = itertools.cycle(parsed)
@@ -82,9 +131,9 @@ class Router:
         except json.JSONDecodeError as e:
             return web.json_response({"error": f"the request is not JSON: {e}"}, status=400)
         headers = {"X-Request-Id": request.headers.get("X-Request-Id") or str(uuid.uuid4())}
-        prefill, kv_addr = next(self._prefills)
+        prefill, kv_addrs, pp = next(self._prefills)
         if self._push:
-            return await self._push_route(request, body, headers, prefill, kv_addr)
+            return await self._push_route(request, body, headers, prefill, kv_addrs, pp)
         return await self._pull_route(request, body, headers, prefill)
 
     async def _pull_route(self, request, body, headers, prefill) -> web.StreamResponse:
@@ -107,13 +156,12 @@ class Router:
             logger.warning("prefill %s returned no kv_transfer_params: decode computes the prompt", prefill)
         return await self._decode(request, body, headers)
 
-    async def _push_route(self, request, body, headers, prefill, kv_addr) -> web.StreamResponse:
+    async def _push_route(self, request, body, headers, prefill, kv_addrs, pp) -> web.StreamResponse:
         assert self._session is not None
         room = PUSH_BIT | (secrets.randbits(32) or 1)
-        pre = prefill_body(body, {"do_remote_decode": True, "kvferry_push": True, "kvferry_room": room})
-        body = dict(body, kv_transfer_params={
-            "do_remote_prefill": True, "kvferry_push": True, "kvferry_room": room,
-            "kvferry_addrs": list(kv_addr)})
+        to_prefill, to_decode = push_params(room, kv_addrs, pp)
+        pre = prefill_body(body, to_prefill)
+        body = dict(body, kv_transfer_params=to_decode)
 
         async def compute() -> None:
             try:
@@ -165,14 +213,19 @@ def main() -> None:
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--prefill", action="append", required=True,
-                    help="a prefill engine's base URL, or URL=HOST:PORT with its kvferry listener (push mode)")
+                    help="a prefill engine's base URL, or URL=HOST:PORT,... with its workers' kvferry "
+                         "listeners (push mode; URL=pp=N,HOST:PORT,... for N pipeline stages, stage-major)")
     ap.add_argument("--decode", action="append", required=True, help="a decode engine's base URL")
     ap.add_argument("--push", action="store_true",
                     help="tell both engines the room at once: the prefill sends each layer as it is computed")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take in all")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
-    web.run_app(app(args.prefill, args.decode, args.timeout, args.push), host=args.host, port=args.port)
+    try:
+        application = app(args.prefill, args.decode, args.timeout, args.push)
+    except ValueError as e:
+        ap.error(str(e))
+    web.run_app(application, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

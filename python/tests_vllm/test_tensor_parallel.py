@@ -14,6 +14,7 @@ import pytest
 
 from harness import assert_data_path
 from kvferry.vllm import PUSH_BIT
+from kvferry.vllm_proxy import push_params
 from ranks import Ranks
 from test_connector import prompt_of
 
@@ -269,6 +270,26 @@ def test_a_pipeline_parallel_prefill_sends_each_stages_layers(engines, prefill_p
     for p in params.values():
         assert p["kvferry_pp"] == prefill_pp and len(p["kvferry_addrs"]) == prefill_pp * prefill_tp, p
     checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})
+    assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert drain(prefill), "a prefill stage still holds blocks"
+
+
+@pytest.mark.parametrize("prefill_tp", [1, 2], ids=["pp2_to_tp1", "pp2_tp2_to_tp1"])
+def test_push_rooms_from_a_pipeline_parallel_prefill_take_every_stages_layers(engines, prefill_tp):
+    """Push mode with the router's params (``kvferry.vllm_proxy``'s ``URL=pp=2,...``): every
+    stage's workers push their layers as the forward pass writes them, and the decode's room
+    lands only once every stage's did."""
+    prefill = engines("kv_producer", prefill_tp, pp=2)
+    decode = engines("kv_consumer", 1)
+    prompts = {f"q{i}": prompt_of(80 + i, n) for i, n in enumerate([5, 100, 257])}
+    requests = {}
+    for req_id, prompt in prompts.items():
+        addrs = [f"127.0.0.1:{prefill.port + w}" for w in range(2 * prefill_tp)]
+        to_prefill, to_decode = push_params(PUSH_BIT | secrets.randbits(32), addrs, 2)
+        requests[req_id] = (prompt, to_decode)
+        prefill.add(req_id, prompt, 1, to_prefill)
+    checked = load_all(decode, prefill, requests)
     assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
     assert decode.loaded == set(prompts) and not decode.load_failures
     assert drain(prefill), "a prefill stage still holds blocks"
