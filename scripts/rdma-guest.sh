@@ -141,17 +141,18 @@ fi
 # of it in a row the next day, 5 of them beside three busy loops, did not. A run past 300 s
 # leaves every thread's stack of its processes in the log before it is killed.
 py_suite() {
-    env KVFERRY_TEST_RDMA=1 PYTHONDONTWRITEBYTECODE=1 "$KVFERRY_GUEST_PY" -m pytest -q -s \
+    env KVFERRY_TEST_RDMA=1 PYTHONDONTWRITEBYTECODE=1 "$KVFERRY_GUEST_PY" -m pytest -q -s -rs \
         -p no:cacheprovider python/tests/test_rdma.py \
         -k "over_rdma or tcp_only or killed_mid_room or does_not_link or unknown_transport" &
     local pid=$! began=$SECONDS
     while kill -0 "$pid" 2>/dev/null; do
         sleep 2
         if ((SECONDS - began > 300)); then
-            echo "rdma-guest: the Python RDMA suite ran past 300 s; every thread's stack:"
+            echo "rdma-guest: the Python RDMA suite ran past 300 s; each thread's wait channel and stack:"
             for p in "$pid" $(pgrep -P "$pid"); do
                 echo "--- pid $p: $(tr '\0' ' ' < "/proc/$p/cmdline" | head -c 200)"
-                gdb -p "$p" -batch -ex "thread apply all bt 16" 2>/dev/null | grep -E '^Thread|^#'
+                for t in /proc/"$p"/task/*; do echo "task ${t##*/}: $(cat "$t/wchan" 2>/dev/null)"; done
+                timeout 60 gdb -p "$p" -batch -ex "thread apply all bt 16" 2>/dev/null | grep -E '^Thread|^#'
             done
             pkill -9 -P "$pid"
             kill -9 "$pid"
@@ -182,7 +183,7 @@ elif [ -n "${KVFERRY_GUEST_SGLANG:-}" ]; then
         "$t/test_sglang_backend.py::test_rooms_move_through_sglang_classes_with_chunked_sends_and_every_byte_checked"
         "$t/test_layouts.py::test_mla_latent_kv_moves_once_per_decode_rank[prefill_tp1_to_decode_tp2]"
         "$t/test_state_pools.py::test_mamba_swa_and_dsa_state_move_with_the_room")
-    run "${engine_env[@]}" "$KVFERRY_GUEST_SGLANG" -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
+    run "${engine_env[@]}" "$KVFERRY_GUEST_SGLANG" -m pytest -q -rs -p no:cacheprovider -W ignore::UserWarning \
         "${cases[@]}"
 else
     echo "rdma-guest: KVFERRY_GUEST_SGLANG unset, SGLang's cases over RDMA were not run"
@@ -191,7 +192,7 @@ if [ -n "$full" ] && [ -n "${KVFERRY_GUEST_VLLM:-}" ]; then
     t=python/tests_vllm
     cases=("$t/test_connector.py::test_rooms_move_through_vllms_scheduler_with_every_byte_checked"
         "$t/test_connector.py::test_push_rooms_move_layer_by_layer_with_every_byte_checked")
-    run "${engine_env[@]}" "$KVFERRY_GUEST_VLLM" -m pytest -q -p no:cacheprovider "${cases[@]}"
+    run "${engine_env[@]}" "$KVFERRY_GUEST_VLLM" -m pytest -q -rs -p no:cacheprovider "${cases[@]}"
 elif [ -n "$full" ]; then
     echo "rdma-guest: KVFERRY_GUEST_VLLM unset, vLLM's cases over RDMA were not run"
 fi
