@@ -18,16 +18,14 @@ import sys
 import time
 
 here = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(here, "..", "tests_vllm"))
+tests = os.path.join(os.path.dirname(here), "tests_vllm")
+sys.path[:0] = [tests, os.path.join(os.path.dirname(here), "testing")]
 
+import engine_processes  # noqa: E402
 from harness import BLOCK_SIZE, HEAD_SIZE, KV_HEADS, LAYERS, Side  # noqa: E402
 from test_connector import Prefill, free_port  # noqa: E402
 
-p = argparse.ArgumentParser()
-p.add_argument("--requests", type=int, default=400)
-p.add_argument("--concurrency", type=int, default=8)
-p.add_argument("--prompt", type=int, default=128)
-args = p.parse_args()
+args = None
 
 
 def connector_path(transfer: bool = True) -> float:
@@ -70,6 +68,14 @@ def python_api() -> float:
 
 
 if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=128)
+    args = p.parse_args()
+    # The prefill forks from a server that imported vLLM and the harness once (as the
+    # suite's conftest.py starts it).
+    engine_processes.start_forkserver(tests, ["harness", "test_connector", "kvferry.vllm"])
     api = python_api()
     through = connector_path()
     local = connector_path(transfer=False)
