@@ -29,7 +29,6 @@ import concurrent.futures
 import copy
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -38,6 +37,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from kvferry._addrs import socket_addr as _socket_addr
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -101,22 +102,6 @@ class _Pulled:
 
     room: int
     addrs: list[str]
-
-
-def _socket_addr(a: Any) -> bool:
-    """Whether ``a`` is an ``ip:port`` (``[v6]:port``) string a kvferry node can dial."""
-    if not isinstance(a, str):
-        return False
-    host, sep, port = a.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _params_of(request) -> Optional[dict]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import itertools
 import json
 import logging
@@ -35,6 +34,8 @@ import secrets
 import uuid
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+from kvferry._addrs import socket_addr
 
 logger = logging.getLogger("kvferry.vllm_proxy")
 
@@ -66,20 +67,6 @@ def parse_prefill(spec: str) -> tuple[str, list[str] | None, int]:
             # A decode dials listeners by address only: it would refuse every room.
             raise ValueError(f"--prefill {spec!r}: {a!r} is not an ip:port ([v6]:port) kvferry listener")
     return url, items, pp
-
-
-def socket_addr(a: str) -> bool:
-    """Whether ``a`` is an ``ip:port`` (``[v6]:port``) a kvferry node can dial."""
-    host, sep, port = a.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def push_params(room: int, kv_addrs: list[str], pp: int) -> tuple[dict, dict]:
