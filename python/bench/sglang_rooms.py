@@ -64,6 +64,8 @@ def rank(mode, port, kv):
     a.kv_data_lens = [kv[b].nbytes for b in range(BUFFERS)]
     a.kv_item_lens = [args.page_bytes] * BUFFERS
     a.page_size = 1
+    # One KV head a page (what the tests' ranks declare): no model config to read the count from.
+    a.kv_head_num = a.total_kv_head_num = 1
     a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = meta.get_buf_infos()
     a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
     if mode == "prefill":

@@ -1194,15 +1194,27 @@ class _Worker:
                     self._aborting.add(req_id)
 
     def _open_recv(self, req_id: str, recv: _Recv) -> None:
-        """Opens a decode room off vLLM's step: the first room toward a prefill waits for
-        its first contact (up to kvferry's ``unreachable_timeout``), which must not stall
-        the engine."""
+        """Opens a decode room: in vLLM's step where every prefill rank it names had its
+        first contact (the open does not wait then, and a hand-off to another thread costs
+        up to Python's 5 ms switch interval while the engine runs Python), else off the
+        step, since a first contact waits up to kvferry's ``unreachable_timeout``."""
         with self._lock:
             self._recvs[req_id] = recv
             if recv.refused is not None:
                 self._failed_now.add(req_id)
                 return
-        self._submit(self._open_now, req_id, recv)
+        if self._contacted(recv):
+            self._open_now(req_id, recv)
+        else:
+            self._submit(self._open_now, req_id, recv)
+
+    def _contacted(self, recv: _Recv) -> bool:
+        """Whether every prefill rank ``recv``'s room names had its first contact."""
+        try:
+            named, _, _ = self._sources(recv.addrs, recv.stages)
+        except Exception:  # noqa: BLE001 - the opener reports what is wrong with them
+            return False
+        return all(self._peers.contacted([addr]) for addr in named)
 
     def _submit(self, work, *args) -> None:
         """Runs ``work`` on the opener threads; an exception it raises is logged with its
@@ -1232,7 +1244,7 @@ class _Worker:
             named, receivers, idle = self._sources(recv.addrs, recv.stages)
             for addr in named:
                 peers.append(self._peer(addr))
-                self.node.reach(peers[-1])
+                self._peers.reach(peers[-1])
             self.node.open_receiver(recv.room, peers, pages=recv.blocks, receivers=receivers,
                                     idle_sources=idle, prompt=self._bound(recv.prompt, self._rank))
         except Exception as e:  # noqa: BLE001 - whatever it was, the request must end
@@ -1281,7 +1293,7 @@ class _Worker:
         for addr in self._sources(addrs, stages)[0]:
             try:
                 peer = self._peer(addr)
-                self.node.reach(peer)
+                self._peers.reach(peer)
             except self._kvferry.KvferryError as e:
                 logger.warning("kvferry: the prefill rank at %s of room %d cannot be told to free its "
                                "blocks (%s): they are freed when its lease runs out", addr, room, e)

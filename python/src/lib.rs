@@ -428,8 +428,27 @@ impl Node {
         F: std::future::Future<Output = Result<T, NodeError>> + Send,
     {
         self.check_open()?;
-        py.allow_threads(|| self.runtime.block_on(f))
-            .map_err(node_error)
+        self.finish(py, f).map_err(node_error)
+    }
+
+    /// Runs `f` to its end on the node's runtime, releasing the GIL only if it has to wait.
+    /// Most node calls end at their first poll (the core answers inline); a thread that
+    /// gives the GIL back while another runs Python waits up to Python's switch interval
+    /// (5 ms) to get it again, which cost the vLLM connector's opener threads 5-20 ms a room.
+    fn finish<T: Send, F>(&self, py: Python<'_>, f: F) -> T
+    where
+        F: std::future::Future<Output = T> + Send,
+    {
+        let mut f = std::pin::pin!(f);
+        let first = {
+            let _context = self.runtime.enter();
+            f.as_mut()
+                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+        };
+        match first {
+            std::task::Poll::Ready(done) => done,
+            std::task::Poll::Pending => py.allow_threads(|| self.runtime.block_on(f)),
+        }
     }
 
     fn follow(&self, room: u64, handle: RoomHandle) {
@@ -749,10 +768,18 @@ impl Node {
     fn next_announcement(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<AskedRoom>> {
         self.check_open()?;
         let wait = Duration::from_secs_f64(timeout.max(0.0));
-        let got = py.allow_threads(|| {
-            let mut rx = lock(&self.announcements);
-            self.runtime
-                .block_on(async { tokio::time::timeout(wait, rx.recv()).await.ok().flatten() })
+        // One already queued is taken with the GIL held (see `finish`).
+        let queued = self
+            .announcements
+            .try_lock()
+            .ok()
+            .and_then(|mut rx| rx.try_recv().ok());
+        let got = queued.or_else(|| {
+            py.allow_threads(|| {
+                let mut rx = lock(&self.announcements);
+                self.runtime
+                    .block_on(async { tokio::time::timeout(wait, rx.recv()).await.ok().flatten() })
+            })
         });
         Ok(got.map(|a| {
             let skip = (a.skip_pages != kvferry_core::codec::SKIP_ALL).then_some(a.skip_pages);
@@ -805,17 +832,14 @@ impl Node {
             extras,
         };
         self.check_open()?;
-        py.allow_threads(|| {
-            self.runtime
-                .block_on(self.node.send_chunk(RoomId(room), chunk))
-        })
-        .map_err(|e| match e {
-            // Its decode refused or aborted it: the prefill learns why, as a room failure.
-            NodeError::Api(ApiError::RoomConcluded(_, KvPoll::Failed(reason))) => {
-                room_failure(reason)
-            }
-            e => node_error(e),
-        })
+        self.finish(py, self.node.send_chunk(RoomId(room), chunk))
+            .map_err(|e| match e {
+                // Its decode refused or aborted it: the prefill learns why, as a room failure.
+                NodeError::Api(ApiError::RoomConcluded(_, KvPoll::Failed(reason))) => {
+                    room_failure(reason)
+                }
+                e => node_error(e),
+            })
     }
 
     /// Prefill: layer `layer` of `rooms` finished its forward pass (layerwise chunks).
@@ -877,13 +901,11 @@ impl Node {
             .cloned()
             .ok_or_else(|| InvalidArgument::new_err(format!("no room {room} on this node")))?;
         let wait = Duration::from_secs_f64(timeout.max(0.0));
-        let state = py.allow_threads(|| {
-            self.runtime.block_on(async {
-                match tokio::time::timeout(wait, handle.terminal()).await {
-                    Ok(state) => state,
-                    Err(_) => handle.view().state,
-                }
-            })
+        let state = self.finish(py, async {
+            match tokio::time::timeout(wait, handle.terminal()).await {
+                Ok(state) => state,
+                Err(_) => handle.view().state,
+            }
         });
         Ok(kvpoll(state))
     }

@@ -505,6 +505,45 @@ def test_a_prefill_left_idle_is_let_go_and_named_again_for_its_next_request(port
         prefill.stop()
 
 
+def test_a_room_toward_a_prefill_already_contacted_opens_in_the_step_that_scheduled_it(ports):
+    """The first room toward a prefill opens off vLLM's step (its first contact may wait up to
+    ``unreachable_timeout``); the next ones open in the step itself, with no hand-off to
+    another thread, until the prefill is let go and has to be contacted again."""
+    prefill = Prefill(ports[0])
+    decode = Side("kv_consumer", ports[1], extra={"peer_idle_timeout_ms": 300})
+    worker = decode.worker._worker
+    off_step, in_step = [], {}
+    submit, open_recv = worker._submit, worker._open_recv
+
+    def opened(req_id, recv):
+        open_recv(req_id, recv)
+        in_step[req_id] = recv.opened
+
+    worker._submit = lambda work, *args: (off_step.append(work.__name__), submit(work, *args))
+    worker._open_recv = opened
+    try:
+        for i, wait in enumerate([0.0, 1.0, 0.0]):
+            prompt = prompt_of(i, 40)
+            prefill.prefill(f"r{i}", prompt)
+            rid, params = prefill.params()
+            decode.add(rid, prompt, 3, dict(params))
+            end = time.monotonic() + 60
+            while rid not in decode.outputs:
+                assert time.monotonic() < end, f"decode still waits: {decode.scheduler.get_request_counts()}"
+                decode.step()
+            if i == 1:
+                assert in_step[rid] and off_step == [], "opened in the step"
+            else:
+                assert off_step == ["_open_now"], f"{rid}: opened off the step for a first contact"
+            off_step.clear()
+            time.sleep(wait)
+        assert worker.node.counters()["peers_let_go"] == 1
+        assert not decode.load_failures
+    finally:
+        decode.shutdown()
+        prefill.stop()
+
+
 def test_rooms_are_reported_through_vllms_connector_stats_and_prometheus_metrics(ports):
     """The model runner hands vLLM each step's stats: rooms, bytes and transfer times reach its
     loggers (``reduce``) and ``/metrics`` (the connector's Prometheus metrics) on both sides."""
