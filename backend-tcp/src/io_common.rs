@@ -120,8 +120,9 @@ pub fn prepare_op(
     (sources, false)
 }
 
-/// Appends the (address, length) of every row of `s` on `side`, in order, if this process
-/// can move their bytes ([`reachable`] over the span from the first row to the last).
+/// Appends the (address, length) of every row of `s` on `side`, in order (rows that touch
+/// as one range), if this process can move their bytes ([`reachable`] over the span from
+/// the first row to the last).
 pub(crate) fn push_rows(
     memory: &MemoryMap,
     s: &Slice,
@@ -142,7 +143,12 @@ pub(crate) fn push_rows(
             },
         ))?;
     let first = reachable(memory, s.region, offset, span)? as usize;
-    out.extend((0..s.rows as usize).map(|i| (first + i * stride as usize, s.len as usize)));
+    if stride == s.len {
+        // Rows that touch are one range: one iovec (the kernel's cost is per iovec).
+        out.push((first, span as usize));
+    } else {
+        out.extend((0..s.rows as usize).map(|i| (first + i * stride as usize, s.len as usize)));
+    }
     Ok(())
 }
 
@@ -345,6 +351,34 @@ pub fn parse_preamble(bytes: &[u8]) -> Result<Preamble, ServeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_that_touch_are_one_range_and_rows_apart_one_range_each() {
+        let map = MemoryMap::allocate(kvferry_core::sim::small_layout(16));
+        let region = kvferry_core::Region::Kv { layer: 1, plane: 0 };
+        // A rank's four rows of 256 bytes: side by side in its own page, every 512 bytes
+        // in a page of twice its heads.
+        let rows = Slice {
+            region,
+            src_offset: 1024,
+            dst_offset: 4096,
+            len: 256,
+            rows: 4,
+            src_stride: 256,
+            dst_stride: 512,
+        };
+        let (mut src, mut dst) = (Vec::new(), Vec::new());
+        push_rows(&map, &rows, SliceSide::Source, &mut src).unwrap();
+        push_rows(&map, &rows, SliceSide::Destination, &mut dst).unwrap();
+        let at = |offset| map.host_range(region, offset, 1).unwrap() as usize;
+        assert_eq!(src, vec![(at(1024), 1024)]);
+        assert_eq!(
+            dst,
+            (0..4)
+                .map(|i| (at(4096) + i * 512, 256))
+                .collect::<Vec<_>>()
+        );
+    }
 
     fn parse(bytes: &[u8]) -> Result<Option<Preamble>, ServeError> {
         parse_preamble(bytes).map(Some)
