@@ -20,7 +20,7 @@ alone (the reference), then as a producer and a consumer engine over kvferry beh
 
 ``--prefill-tp P --decode-tp D`` serves the prefill at TP P and the decode at TP D (vLLM's
 CPU executor, one worker process per rank; the reference stays at TP 1) through the same
-checks, each decode rank's node counting its rooms. CI runs ``--prefill-tp 2 --decode-tp 1``.
+checks, each decode rank's node counting its rooms. CI runs it at TP 1 -> 1 (at 2 -> 1 on two cores it flaps: docs/PERFORMANCE.md).
 
 Run with the venv of ``python/scripts/vllm-venv.sh`` (kvferry installed into it):
 ``$(python/scripts/vllm-venv.sh) python/scripts/vllm-pd-e2e.py``. Env: ``KVFERRY_E2E_KEEP=1``
