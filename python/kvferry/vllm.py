@@ -39,11 +39,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvferry._addrs import socket_addr as _socket_addr
+from kvferry._vllm_groups import KvGroups, NullBlockInRoom
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -551,9 +553,11 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             self._failed.labels(*labels, reason).inc(n)
 
 
-class KvferryConnector(KVConnectorBase_V1):
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """kvferry's vLLM connector: the scheduler half decides which requests move and which
-    blocks they use; the worker half runs a kvferry node over vLLM's KV tensors."""
+    blocks they use; the worker half runs a kvferry node over vLLM's KV tensors. With vLLM's
+    hybrid KV cache manager on, every full-attention and sliding-window group moves with the
+    request (``KvGroups``)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -561,6 +565,14 @@ class KvferryConnector(KVConnectorBase_V1):
         self._config = vllm_config
         self._extra = _extra(vllm_config)
         self._shape = kv_shape(vllm_config)
+        #: The KV cache groups a request's blocks move in, and the order of a room's pages.
+        self._groups = KvGroups.of(kv_cache_config, self._shape["block_size"])
+        if self._groups.hybrid:
+            # A prefill whose groups differ is refused naming both (``shape_mismatch``).
+            self._shape["kv_groups"] = self._groups.signature()
+        # Block ids are unique only within a group: with several, vLLM's scheduler takes a
+        # failed load by request only (it raises on block ids).
+        self._blocks_name_loads = kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1
         #: MLA: every rank holds the whole latent KV (no head split).
         self._mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         parallel = vllm_config.parallel_config
@@ -575,6 +587,11 @@ class KvferryConnector(KVConnectorBase_V1):
             raise ValueError(
                 "kvferry.vllm serves pipeline-parallel prefills, not decodes "
                 f"(this consumer: PP {self._pp}); run the decode at PP 1"
+            )
+        if self._pp != 1 and self._groups.hybrid:
+            raise ValueError(
+                f"kvferry.vllm serves hybrid KV cache groups ({self._groups.signature()}) at PP 1 "
+                f"only (this engine: PP {self._pp})"
             )
         dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
         self._port = int(self._extra.get("port", DEFAULT_PORT)) + dp_index * self._pp * self._tp
@@ -634,8 +651,8 @@ class KvferryConnector(KVConnectorBase_V1):
                 return
             room = _room_id(params.get(_ROOM))
             if room is not None and room & PUSH_BIT:
-                total = -(-len(request.prompt_token_ids or []) // self._shape["block_size"])
-                self._pushing.setdefault(request.request_id, (room, total, request, _prompt_of(request)))
+                total = self._groups.count(len(request.prompt_token_ids or []))
+                self._pushing.setdefault(request.request_id, (room, total, request, self._bound_of(request)))
             else:
                 logger.error("kvferry: push request %s has no router room (%s=%r)",
                              request.request_id, _ROOM, params.get(_ROOM))
@@ -647,12 +664,21 @@ class KvferryConnector(KVConnectorBase_V1):
         # One transfer per request, even after a preemption or a failed load (which then
         # recomputes).
         params[_DONE] = True
-        block_ids = list(blocks.get_unhashed_block_ids())
-        need = -(-num_external_tokens // self._shape["block_size"])
-        block_ids = block_ids[-need:] if need else []
+        tokens = len(request.prompt_token_ids or [])
+        # The blocks this decode holds itself (a local prefix hit) are the prompt's first.
+        held = (tokens - num_external_tokens) // self._shape["block_size"]
+        block_ids: list[int] = []
+        try:
+            block_ids = self._groups.pages(blocks.get_block_ids(), tokens, first=held)
+        except NullBlockInRoom as e:
+            held_refusal: Optional[str] = f"this decode's blocks for the room: {e}"
+        else:
+            held_refusal = None
         # A router's push room comes before the prefill has said anything: the block shape
         # is checked by kvferry's handshake (layers and block bytes) instead.
         pulled, refused = _pulled(params)
+        if refused is None:
+            refused = held_refusal
         if refused is None:
             refused = _stages_refusal(params, pulled)
         if refused is None:
@@ -678,7 +704,7 @@ class KvferryConnector(KVConnectorBase_V1):
             stages=_stages(params),
             blocks=block_ids,
             refused=refused,
-            prompt=_prompt_of(request) if refused is None else None,
+            prompt=self._bound_of(request) if refused is None else None,
         )
         self._loading[request.request_id] = pulled.room if pulled else 0
 
@@ -701,16 +727,31 @@ class KvferryConnector(KVConnectorBase_V1):
             # Runs before vLLM counts this step's tokens as computed.
             done = min(request.num_computed_tokens + n, request.num_prompt_tokens)
             full = total if done >= request.num_prompt_tokens else done // bs
-            blocks = self._kv_cache_manager.get_blocks(req_id).get_block_ids()[0]
-            meta.pushes[req_id] = _PushStep(room=room, computed=list(blocks[:full]), total=total,
-                                            prompt=prompt)
+            tables = self._kv_cache_manager.get_blocks(req_id).get_block_ids()
+            try:
+                computed = self._groups.pages(tables, request.num_prompt_tokens, end=full)
+            except NullBlockInRoom as e:
+                # Not reachable while vLLM frees only blocks before a window; if it were, the
+                # room fails rather than sending a block another request may own.
+                logger.error("kvferry: push room %d of request %s: %s", room, req_id, e)
+                self._pushing.pop(req_id, None)
+                meta.push_aborts.add(room)
+                continue
+            meta.pushes[req_id] = _PushStep(room=room, computed=computed, total=total, prompt=prompt)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_recving or ():
             self._loading.pop(req_id, None)
 
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """The groups a load fills: every group kvferry moves (vLLM zeroes no block of them)."""
+        return self._groups.ids
+
     def request_finished(self, request, block_ids: list[int]):
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         params = _params_of(request)
         req_id = request.request_id
         push = self._pushing.pop(req_id, None)
@@ -747,16 +788,20 @@ class KvferryConnector(KVConnectorBase_V1):
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
-        ) or not block_ids:
+        ) or not any(block_ids):
             return False, None
-        room = self._next_room()
         # The prompt's blocks only (a caller that let the prefill generate more than one
         # token must not shift the decode's tail).
-        prompt_blocks = -(-request.num_prompt_tokens // self._shape["block_size"])
+        try:
+            pages = self._groups.pages(block_ids, request.num_prompt_tokens)
+        except NullBlockInRoom as e:
+            logger.error("kvferry: request %s: its blocks cannot be a room: %s", req_id, e)
+            return False, None
+        room = self._next_room()
         prompt = _prompt_of(request)
         self._pending.sends[req_id] = _Send(
-            room=room, blocks=list(block_ids[:prompt_blocks]), deadline=time.monotonic() + self._lease,
-            prompt=prompt,
+            room=room, blocks=pages, deadline=time.monotonic() + self._lease,
+            prompt=self._bound_of(request),
         )
         return True, {
             "do_remote_prefill": True,
@@ -770,7 +815,18 @@ class KvferryConnector(KVConnectorBase_V1):
             "remote_num_tokens": request.num_computed_tokens,
         }
 
-    def _push_finished(self, request, room: int, block_ids: list[int]):
+    def _bound_of(self, request) -> Optional[int]:
+        """The digest ``request``'s room is bound to: its prompt's, mixed with the KV cache
+        groups where they are hybrid, so that a push room (whose shape only kvferry's
+        handshake checks) between engines of different groups is refused, never loaded."""
+        prompt = _prompt_of(request)
+        if prompt is None or not self._groups.hybrid:
+            return prompt
+        mixed = hashlib.sha256(b"kvferry/vllm groups" + prompt.to_bytes(8, "little")
+                               + repr(self._groups.signature()).encode())
+        return int.from_bytes(mixed.digest()[:8], "little")
+
+    def _push_finished(self, request, room: int, block_ids: tuple[list[int], ...]):
         """A push-mode prefill request ended: its room already has (or will have) every
         block; the blocks stay until kvferry releases them. One that ended without its
         prompt computed (aborted) fails its room at once."""
@@ -779,11 +835,17 @@ class KvferryConnector(KVConnectorBase_V1):
         done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not done:
             self._pending.push_aborts.add(room)
-        if not block_ids:
+        if not any(block_ids):
             return False, None
+        try:
+            pages = self._groups.pages(block_ids, request.num_prompt_tokens)
+        except NullBlockInRoom as e:
+            logger.error("kvferry: push room %d of request %s: %s", room, request.request_id, e)
+            self._pending.push_aborts.add(room)
+            pages, done = [], False
         self._pending.sends[request.request_id] = _Send(
-            room=room, blocks=list(block_ids), deadline=time.monotonic() + self._lease,
-            prompt=_prompt_of(request),
+            room=room, blocks=pages, deadline=time.monotonic() + self._lease,
+            prompt=self._bound_of(request),
         )
         if not done:
             return True, None
@@ -847,7 +909,9 @@ class KvferryConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
             return set()
-        return self._worker.take_load_errors()
+        errors = self._worker.take_load_errors()
+        # Every failed load is also reported by request (``failed_recving``).
+        return errors if self._blocks_name_loads else set()
 
     def get_kv_connector_stats(self) -> Optional[KvferryStats]:
         """The rooms this worker ended since the last call (``None`` if none): vLLM's model
@@ -982,9 +1046,9 @@ class _Worker:
             layer_range=layer_range,
             **knobs,
         )
-        logger.info("kvferry %s node over vLLM's KV (TP rank %d of %d): %s, heads %s",
+        logger.info("kvferry %s node over vLLM's KV (TP rank %d of %d): %s, heads %s, KV cache groups %s",
                     "prefill" if self._producer else "decode", self._rank, self._tp, layout,
-                    self._heads or "whole blocks")
+                    self._heads or "whole blocks", connector._groups.signature())
         # kvferry's layer index of each vLLM layer name (layers sharing a cache share it;
         # a pipeline stage's are the model's).
         index: dict[int, int] = {}
@@ -992,6 +1056,10 @@ class _Worker:
         self._layer_of = {
             name: first + index.setdefault(t.data_ptr(), len(index)) for name, t in kv_caches.items()
         }
+        #: How many vLLM layers write each kvferry layer (a hybrid model's groups share
+        #: tensors): a push chunk's layer goes only once all of them ran.
+        self._writers = collections.Counter(self._layer_of.values())
+        self._written: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self._peers = KeptPeers(self.node)
         # Prefill, push mode: per room, what is computed and what went to the decode.
@@ -1055,7 +1123,10 @@ class _Worker:
     def layer_done(self, layer_name: str) -> None:
         """Push mode: a layer's forward pass ended; its part of this step's chunks may go."""
         layer = self._layer_of.get(layer_name)
-        if layer is not None:
+        if layer is None:
+            return
+        self._written[layer] += 1
+        if self._written[layer] >= self._writers[layer]:
             self._mark(layer)
 
     def _mark(self, layer: int) -> None:
@@ -1148,6 +1219,7 @@ class _Worker:
                 self._push_more(step.room, pushed, pushed.safe, layerwise=False)
         self._step_rooms = None
         self._marked = set()
+        self._written = collections.Counter()
 
     def take(self, meta: KvferryMetadata) -> None:
         """A step's requests that finished, opened or ended: rooms to serve, open or abort."""

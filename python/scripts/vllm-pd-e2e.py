@@ -21,6 +21,8 @@ alone (the reference), then as a producer and a consumer engine over kvferry beh
 ``--prefill-tp P --decode-tp D`` serves the prefill at TP P and the decode at TP D (vLLM's
 CPU executor, one worker process per rank; the reference stays at TP 1) through the same
 checks, each decode rank's node counting its rooms. CI runs it at TP 1 -> 1 (at 2 -> 1 on two cores it flaps: docs/PERFORMANCE.md).
+``--hybrid`` gives the model's second layer a sliding window: vLLM's hybrid KV cache manager
+runs (two KV cache groups over shared tensors) in every engine, the reference included.
 
 Run with the venv of ``python/scripts/vllm-venv.sh`` (kvferry installed into it):
 ``$(python/scripts/vllm-venv.sh) python/scripts/vllm-pd-e2e.py``. Env: ``KVFERRY_E2E_KEEP=1``
@@ -58,7 +60,11 @@ def free_port() -> int:
     return port
 
 
-def build_model(out: str) -> None:
+#: ``--hybrid``: the model's second layer attends over a sliding window of this many tokens.
+WINDOW = 40
+
+
+def build_model(out: str, hybrid: bool = False) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -77,6 +83,11 @@ def build_model(out: str) -> None:
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                       pad_token_id=3, tie_word_embeddings=False)
+    if hybrid:
+        # vLLM's Llama reads each layer's kind from ``layer_types``: a full-attention group
+        # and a sliding-window group, each with its own block table.
+        cfg.layer_types = ["full_attention", "sliding_attention"]
+        cfg.sliding_window = WINDOW
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -198,12 +209,12 @@ def cleanup_shm() -> None:
 MODEL = ""
 
 
-def main(prefill_tp: int = 1, decode_tp: int = 1) -> int:
+def main(prefill_tp: int = 1, decode_tp: int = 1, hybrid: bool = False) -> int:
     global MODEL
     work = tempfile.mkdtemp(prefix="kvferry-vllm-pd.")
     MODEL = os.path.join(work, "tiny-llama")
-    build_model(MODEL)
-    figures: dict = {"prefill_tp": prefill_tp, "decode_tp": decode_tp}
+    build_model(MODEL, hybrid)
+    figures: dict = {"prefill_tp": prefill_tp, "decode_tp": decode_tp, "hybrid": hybrid}
     engines: list[Engine] = []
     proxies: list[subprocess.Popen] = []
     ok = False
@@ -247,6 +258,10 @@ def main(prefill_tp: int = 1, decode_tp: int = 1) -> int:
             for rank in range(tp):
                 line = f"kvferry {role} node over vLLM's KV (TP rank {rank} of {tp})"
                 assert line in engine.text(), f"no '{line}' in the {role}'s log"
+            if hybrid:
+                # vLLM's hybrid KV cache manager runs, and kvferry moves both groups.
+                groups = f"KV cache groups [['full', 0], ['sliding_window', {WINDOW}]]"
+                assert groups in engine.text(), f"no '{groups}' in the {role}'s log"
         proxy_port = free_port()
         proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(proxy_port),
                                   "--host", "127.0.0.1", "--prefill", prefill.url,
@@ -413,5 +428,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--hybrid", action="store_true",
+                    help=f"a model whose second layer has a {WINDOW}-token sliding window (vLLM's hybrid KV cache manager)")
     args = ap.parse_args()
-    sys.exit(main(args.prefill_tp, args.decode_tp))
+    sys.exit(main(args.prefill_tp, args.decode_tp, args.hybrid))

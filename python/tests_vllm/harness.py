@@ -77,7 +77,7 @@ def tiny_mla_dir() -> str:
 def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
                 policy: str = "recompute", extra: Optional[dict] = None,
                 max_num_batched_tokens: int = 64, tp: int = 1, kv_heads: int = KV_HEADS,
-                dp: tuple[int, int] = (0, 1), mla: bool = False, pp: int = 1):
+                dp: tuple[int, int] = (0, 1), mla: bool = False, pp: int = 1, window: int = 0):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -95,6 +95,9 @@ def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str =
         max_model_len=2048,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
+        # A hybrid engine (``window``) runs vLLM's hybrid KV cache manager, as vLLM does for
+        # a model with sliding-window layers when the connector supports it.
+        disable_hybrid_kv_cache_manager=False if window else None,
     )
     cache = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True)
     transfer = KVTransferConfig(
@@ -132,23 +135,38 @@ def pattern(prompt: list[int], block: int, layer: int, nbytes: int) -> torch.Ten
 
 
 class Side:
-    """vLLM's scheduler and kvferry's worker connector of one engine, stepped by hand."""
+    """vLLM's scheduler and kvferry's worker connector of one engine, stepped by hand. With
+    ``window`` (tokens), a hybrid model: layer 0 full attention, layer 1 a sliding window,
+    each its own KV cache group with its own block table, both layers over one tensor."""
 
-    def __init__(self, role: str, port: int, num_blocks: int = 256, **kw):
+    def __init__(self, role: str, port: int, num_blocks: int = 256, window: int = 0, **kw):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
         from vllm.v1.structured_output import StructuredOutputManager
 
         from kvferry.vllm import KvferryConnector
 
-        self.config = make_config(role, port, **kw)
+        self.config = make_config(role, port, window=window, **kw)
         block_size = self.config.cache_config.block_size
         dtype = self.config.model_config.dtype
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                  kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        if window:
+            swa = SlidingWindowSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                    dtype=dtype, sliding_window=window)
+            groups = [KVCacheGroupSpec(names[:1], spec), KVCacheGroupSpec(names[1:], swa)]
+        else:
+            groups = [KVCacheGroupSpec(names, spec)]
+        #: The KV cache group of each layer.
+        self.group_of = [next(g for g, group in enumerate(groups) if n in group.layer_names) for n in names]
+        self.window = window
+        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.config,
@@ -162,6 +180,11 @@ class Side:
             name: torch.zeros((num_blocks, KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=dtype)
             for name in names
         }
+        if window:
+            # vLLM's hybrid allocation: one tensor per position in a group, shared by the
+            # groups' layers (a block belongs to one group at a time).
+            shared = self.kv[names[0]]
+            self.kv = {name: shared.view(shared.shape) for name in names}
         self.worker = KvferryConnector(self.config, KVConnectorRole.WORKER, kv_config)
         self.worker.register_kv_caches(self.kv)
         self.block_bytes = KV_HEADS * block_size * 2 * HEAD_SIZE * self.kv[names[0]].element_size()
@@ -189,9 +212,17 @@ class Side:
         self.scheduler.add_request(req)
         return req
 
-    def blocks_of(self, request_id: str) -> list[int]:
+    def blocks_of(self, request_id: str, layer: int = 0) -> list[int]:
+        """The block table of ``layer``'s KV cache group for the request."""
         blocks = self.scheduler.kv_cache_manager.get_blocks(request_id)
-        return blocks.get_block_ids()[0]
+        return blocks.get_block_ids()[self.group_of[layer]]
+
+    def first_block(self, layer: int, tokens: int) -> int:
+        """The first block of a ``tokens``-token prompt that ``layer`` keeps for the next
+        token (a sliding window frees the blocks wholly before it)."""
+        if not self.window or self.group_of[layer] == 0:
+            return 0
+        return max(0, tokens - self.window + 1) // self.config.cache_config.block_size
 
     def block_bytes_of(self, block: int, layer: int) -> torch.Tensor:
         name = f"model.layers.{layer}.self_attn.attn"
@@ -267,25 +298,33 @@ class Side:
         last = min(first + n, req.num_prompt_tokens)
         if last <= first:
             return
-        blocks = self.blocks_of(req.request_id)
+        blocks = self.blocks_of(req.request_id, layer)
         bs = self.config.cache_config.block_size
         # Only the token rows this step computes: a block sent before all its tokens were
         # written would fail the check.
         for index in range(first // bs, (last - 1) // bs + 1):
+            assert blocks[index] != 0, f"{req.request_id}: layer {layer} computes into vLLM's null block"
+
             lo = max(first, index * bs) - index * bs
             hi = min(last, (index + 1) * bs) - index * bs
             rows = self.block_bytes_of(blocks[index], layer).view(KV_HEADS, bs, -1)
             want = pattern(req.prompt_token_ids, index, layer, self.block_bytes).view(KV_HEADS, bs, -1)
             rows[:, lo:hi, :] = want[:, lo:hi, :]
 
-    def check_blocks(self, request_id: str, prompt: list[int]) -> int:
-        """Checks every byte of the request's prompt blocks; returns the blocks checked."""
-        blocks = self.blocks_of(request_id)
+    def check_blocks(self, request_id: str, prompt: list[int], held: int = 0) -> int:
+        """Checks every byte of the request's prompt blocks from block ``held`` (the ones
+        before it this engine held itself: another prompt's pattern); returns the prompt's
+        blocks."""
         bs = self.config.cache_config.block_size
         n = -(-len(prompt) // bs)
-        for index in range(n):
+        checked = 0
+        for index in range(held, n):
             rows = min(len(prompt) - index * bs, bs)  # the prompt's tokens in this block
             for layer in range(LAYERS):
+                if index < self.first_block(layer, len(prompt)):
+                    continue  # out of the layer's window: vLLM freed it
+                blocks = self.blocks_of(request_id, layer)
+                checked += 1
                 got = self.block_bytes_of(blocks[index], layer).view(KV_HEADS, bs, -1)[:, :rows, :]
                 want = pattern(prompt, index, layer, self.block_bytes).view(KV_HEADS, bs, -1)[:, :rows, :]
                 if not torch.equal(got, want):
@@ -294,6 +333,7 @@ class Side:
                         f"{request_id}: block {index} layer {layer} differs "
                         f"({same} of {want.numel()} bytes equal, zero: {not bool(got.any())})"
                     )
+        assert checked, f"{request_id}: no block checked"
         return n
 
     def idle(self) -> bool:

@@ -190,9 +190,11 @@ def prompt_of(i: int, n: int) -> list[int]:
     return [(i * 37 + k * 11) % 997 + 3 for k in range(n)]
 
 
-def run_decode(decode: Side, requests: dict[str, tuple[list[int], dict]], deadline: float = 60) -> dict:
+def run_decode(decode: Side, requests: dict[str, tuple[list[int], dict]], deadline: float = 60,
+               held: int = 0) -> dict:
     """Adds each request to the decode with its prefill's params and steps until all finish;
-    checks every prompt block once the request runs on loaded KV. Returns blocks checked."""
+    checks every prompt block from block ``held`` (those before it the decode holds itself)
+    once the request runs on loaded KV. Returns the prompt's blocks of each request."""
     from vllm.v1.request import RequestStatus
 
     for req_id, (prompt, params) in requests.items():
@@ -206,7 +208,7 @@ def run_decode(decode: Side, requests: dict[str, tuple[list[int], dict]], deadli
             req = decode.scheduler.requests.get(req_id)
             if (req is not None and req_id not in checked and req.status == RequestStatus.RUNNING
                     and req_id not in decode.load_failures):
-                checked[req_id] = decode.check_blocks(req_id, prompt)
+                checked[req_id] = decode.check_blocks(req_id, prompt, held)
         time.sleep(0.002)
     return checked
 

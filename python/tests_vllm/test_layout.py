@@ -103,3 +103,70 @@ def test_the_heads_of_vllms_layouts_are_declared_and_others_are_not():
     assert kv_heads(nhd, 10, 16, 8, 4, 3) == (8, 6, 2, 32 * 2)
     # MLA's latent KV: no heads.
     assert kv_heads({"l0": torch.zeros((10, 16, 576))}, 10, 16, 1, 2, 0) is None
+
+
+def _hybrid_config(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.attn"], s) for i, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _spec(window: int = 0, block_size: int = 32):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if window:
+        return SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=32,
+                                 dtype=torch.float32, sliding_window=window)
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+
+
+def test_a_rooms_pages_are_the_prompts_blocks_index_major_without_the_windows_freed_ones():
+    from kvferry._vllm_groups import KvGroups
+
+    groups = KvGroups.of(_hybrid_config(_spec(), _spec(window=48)), 32)
+    full = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    window = [0, 0, 0, 0, 0, 0, 26, 27, 28]  # vLLM's null block where the window freed one
+    # 257 tokens: the window needs tokens 210..256, blocks 6-8.
+    assert groups.pages([full, window], 257) == [10, 11, 12, 13, 14, 15, 16, 26, 17, 27, 18, 28]
+    assert groups.count(257) == 12
+
+
+def test_a_decode_holding_the_first_blocks_grants_the_tail_of_the_prefills_pages():
+    from kvferry._vllm_groups import KvGroups
+
+    groups = KvGroups.of(_hybrid_config(_spec(), _spec(window=48), _spec(window=100)), 32)
+    tables = [list(range(100, 110)), list(range(200, 210)), list(range(300, 310))]
+    for tokens in (5, 48, 70, 150, 300):
+        whole = groups.pages(tables, tokens)
+        for held in range(-(-tokens // 32) + 1):
+            part = groups.pages(tables, tokens, first=held)
+            assert part == whole[len(whole) - len(part):], (tokens, held)
+
+
+def test_a_freed_block_a_room_needs_is_refused_naming_it():
+    from kvferry._vllm_groups import KvGroups, NullBlockInRoom
+
+    groups = KvGroups.of(_hybrid_config(_spec(), _spec(window=48)), 32)
+    with pytest.raises(NullBlockInRoom, match="block 7 of group 1"):
+        groups.pages([[1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 0, 0, 0, 26, 0, 28]], 257)
+
+
+def test_a_kv_cache_group_kvferry_cannot_move_is_refused_naming_it():
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvferry._vllm_groups import KvGroups
+
+    mamba = MambaSpec(block_size=32, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32))
+    with pytest.raises(ValueError, match=r"KV cache group 1 \(MambaSpec"):
+        KvGroups.of(_hybrid_config(_spec(), mamba), 32)
+    with pytest.raises(ValueError, match="16-token blocks"):
+        KvGroups.of(_hybrid_config(_spec(), _spec(window=48, block_size=16)), 32)
+
+
+def test_one_full_attention_group_is_not_hybrid_and_its_pages_are_the_prompts_blocks():
+    from kvferry._vllm_groups import KvGroups
+
+    groups = KvGroups.of(_hybrid_config(_spec()), 32)
+    assert not groups.hybrid and KvGroups.of(None, 32) == groups
+    assert groups.pages([[5, 6, 7, 8]], 100, first=1) == [6, 7, 8]

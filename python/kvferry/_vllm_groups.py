@@ -1,0 +1,120 @@
+"""vLLM's KV cache groups as kvferry moves them: which groups a request's blocks move in,
+and the order of a room's pages over them.
+
+vLLM's hybrid KV cache manager gives each group of layers (full attention, sliding window)
+its own block table over one block pool; the groups' layers share the KV tensors, so block
+``b`` of any group is the same bytes in every tensor, and only the group owning ``b`` writes
+them. A room's pages are the prompt's blocks index-major, each index's groups in vLLM's
+order, a sliding-window group's blocks only from the first one its window still needs for
+the next token (vLLM frees the ones before it). A decode that holds the first ``c`` blocks
+itself (a local prefix hit) grants the tail of the same list, so a prefill that knows only
+how many pages were granted sends exactly the decode's pages.
+
+This module imports vLLM only inside ``KvGroups.of``: it must never be what pulls vLLM into
+a process that only builds a config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+#: The group kinds kvferry moves, by vLLM spec class.
+_FULL = ("FullAttentionSpec", "MLAAttentionSpec")
+_WINDOW = ("SlidingWindowSpec",)
+
+
+class NullBlockInRoom(ValueError):
+    """A block a room needs is vLLM's null block (freed by the group's window): moving it
+    would read or overwrite bytes no request owns."""
+
+
+@dataclass(frozen=True)
+class KvGroups:
+    """The KV cache groups a request's blocks move in, in vLLM's group order: each group's
+    vLLM group id and its sliding window in tokens (0: full attention)."""
+
+    ids: tuple[int, ...]
+    windows: tuple[int, ...]
+    block_size: int
+    #: vLLM's null block: a freed position in a group's block table.
+    null_block: int = 0
+
+    @classmethod
+    def of(cls, kv_cache_config, block_size: int) -> "KvGroups":
+        """The groups of ``kv_cache_config`` (None: one full-attention group); a group kvferry
+        cannot move (Mamba state, chunked local attention, ...) is refused naming it."""
+        if kv_cache_config is None:
+            return cls((0,), (0,), block_size)
+        groups = list(kv_cache_config.kv_cache_groups)
+        transfer = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
+        ids, windows = [], []
+        for i in transfer:
+            spec = groups[i].kv_cache_spec
+            kind = type(spec).__name__
+            where = f"KV cache group {i} ({kind}, layers {list(groups[i].layer_names)[:3]}...)"
+            if kind in _FULL:
+                window = 0
+            elif kind in _WINDOW:
+                window = int(spec.sliding_window)
+                if int(getattr(spec, "extra_retained_tokens", 0) or 0):
+                    raise ValueError(f"kvferry.vllm: {where} retains extra tokens past its window; "
+                                     "kvferry moves plain sliding windows")
+            else:
+                raise ValueError(
+                    f"kvferry.vllm: {where}: kvferry moves full-attention and sliding-window "
+                    "groups; this model's KV cache is refused rather than loaded wrong"
+                )
+            if int(spec.block_size) != block_size:
+                raise ValueError(f"kvferry.vllm: {where} has {spec.block_size}-token blocks, "
+                                 f"the engine {block_size}")
+            ids.append(i)
+            windows.append(window)
+        if not ids:
+            raise ValueError("kvferry.vllm: no KV cache group of this engine is transferable")
+        return cls(tuple(ids), tuple(windows), block_size)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the pages are not simply the prompt's blocks of one full-attention group."""
+        return self.windows != (0,)
+
+    def signature(self) -> list:
+        """What both sides must agree on: each group's kind and window, in order."""
+        return [["sliding_window", w] if w else ["full", 0] for w in self.windows]
+
+    def first_block(self, group: int, tokens: int) -> int:
+        """The first block of a ``tokens``-token prompt that group ``group`` still holds for
+        the next token: vLLM frees a sliding window's blocks wholly before it."""
+        window = self.windows[group]
+        if not window:
+            return 0
+        return max(0, tokens - window + 1) // self.block_size
+
+    def pages(self, block_ids: Sequence[Sequence[int]], tokens: int, first: int = 0,
+              end: Optional[int] = None) -> list[int]:
+        """The room's pages of a ``tokens``-token prompt, over vLLM's per-group block tables
+        ``block_ids`` (indexed by vLLM group id, each from the prompt's first block): from
+        block ``first`` (the blocks before it held elsewhere) to ``end`` (default: the
+        prompt's last). Raises ``NullBlockInRoom`` naming the block if one of them was freed."""
+        n = -(-tokens // self.block_size)
+        end = n if end is None else min(end, n)
+        starts = [self.first_block(g, tokens) for g in range(len(self.ids))]
+        out = []
+        for index in range(first, end):
+            for g, gid in enumerate(self.ids):
+                if index < starts[g]:
+                    continue
+                table = block_ids[gid]
+                if index >= len(table):
+                    raise NullBlockInRoom(f"group {gid} holds {len(table)} blocks of the prompt's {n}")
+                block = int(table[index])
+                if block == self.null_block:
+                    raise NullBlockInRoom(f"block {index} of group {gid} is vLLM's null block")
+                out.append(block)
+        return out
+
+    def count(self, tokens: int) -> int:
+        """How many pages a ``tokens``-token prompt's room has."""
+        n = -(-tokens // self.block_size)
+        return sum(n - min(n, self.first_block(g, tokens)) for g in range(len(self.ids)))

@@ -1,0 +1,201 @@
+"""vLLM's hybrid KV cache manager through kvferry: a model with a full-attention layer and a
+sliding-window layer, each its own KV cache group with its own block table over one shared
+tensor. Every group's blocks move with the request (the sliding window's only from the
+first block its window still needs: vLLM freed the ones before), and every byte of every
+block the decode attends to is checked."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+import pytest
+
+from harness import Side, assert_data_path
+from test_connector import Prefill, ports, prompt_of, push_params, run_decode  # noqa: F401
+
+from kvferry.vllm import PUSH_BIT
+
+#: Tokens of the sliding window: a 257-token prompt keeps its last 3 of 9 blocks in it.
+WINDOW = 48
+
+
+def attended(side: Side, prompt: list[int]) -> int:
+    """Blocks of both layers the decode attends to for ``prompt``'s next token."""
+    n = -(-len(prompt) // 32)
+    return n + n - side.first_block(1, len(prompt))
+
+
+def test_hybrid_rooms_move_every_groups_blocks_with_every_byte_checked(ports):
+    prefill = Prefill(ports[0], window=WINDOW)
+    decode = Side("kv_consumer", ports[1], window=WINDOW)
+    opened = {}
+    open_now = decode.worker._worker._open_now
+
+    def spy(req_id, recv):
+        opened[req_id] = list(recv.blocks)
+        return open_now(req_id, recv)
+
+    decode.worker._worker._open_now = spy
+    try:
+        # Under a block, exactly the window, past it by a block, and far past it.
+        lengths = [5, 48, 100, 257, 150]
+        prompts = {f"h{i}": prompt_of(i, n) for i, n in enumerate(lengths)}
+        for req_id, prompt in prompts.items():
+            prefill.prefill(req_id, prompt)
+            rid, params = prefill.params()
+            assert params["kvferry_shape"]["kv_groups"] == [["full", 0], ["sliding_window", WINDOW]]
+            checked = run_decode(decode, {rid: (prompt, params)})
+            assert checked == {rid: -(-len(prompt) // 32)}
+            # The room held exactly the blocks the decode attends to: 9 + 3 for 257 tokens.
+            assert len(opened[rid]) == attended(decode, prompt), (rid, opened[rid])
+        assert len(opened["h3"]) == 12
+        assert not decode.load_failures, decode.load_failures
+        assert_data_path(decode.worker.session_paths(), received=True)
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the prefill still holds requests (blocks never released)"
+
+
+def test_a_decode_holding_a_prompts_first_blocks_loads_the_rest_of_every_group(ports):
+    """A local prefix hit on the decode (its first two blocks in both groups): the room
+    holds the rest of each group, and the prefill sends exactly those blocks."""
+    prefill = Prefill(ports[0], window=WINDOW)
+    decode = Side("kv_consumer", ports[1], window=WINDOW)
+    opened = {}
+    open_now = decode.worker._worker._open_now
+
+    def spy(req_id, recv):
+        opened[req_id] = list(recv.blocks)
+        return open_now(req_id, recv)
+
+    decode.worker._worker._open_now = spy
+    try:
+        first = prompt_of(1, 70)
+        prefill.prefill("a", first)
+        rid, params = prefill.params()
+        assert run_decode(decode, {rid: (first, params)}) == {"a": 3}
+        # 64 tokens in common: two blocks the decode computed (loaded) and cached.
+        second = first[:64] + prompt_of(5, 86)
+        prefill.prefill("b", second)
+        rid, params = prefill.params()
+        assert run_decode(decode, {rid: (second, params)}, held=2) == {"b": 5}
+        # Full attention's blocks 2-4 and the window's 3-4, of 5 + 2 the prefill holds.
+        assert len(opened["b"]) == 5, opened
+        assert not decode.load_failures, decode.load_failures
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the prefill still holds requests (blocks never released)"
+
+
+def test_hybrid_push_rooms_move_layer_by_layer_with_every_byte_checked(ports):
+    """Push mode over a hybrid model: each step's blocks of both groups go as the forward
+    pass writes them; a block the window frees later is never sent."""
+    prefill = Prefill(ports[0], window=WINDOW)
+    decode = Side("kv_consumer", ports[1], window=WINDOW)
+    try:
+        lengths = [5, 100, 257, 150]
+        prompts = {f"p{i}": prompt_of(20 + i, n) for i, n in enumerate(lengths)}
+        rooms = {r: PUSH_BIT | secrets.randbits(32) for r in prompts}
+        requests = {}
+        for i, (req_id, prompt) in enumerate(prompts.items()):
+            params = push_params(rooms[req_id], ports[0])
+            if i % 2 == 0:
+                # The decode asks first: its room goes layer by layer with the forward pass.
+                decode.add(req_id, prompt, 3, params)
+                decode.step()
+                prefill.prefill(req_id, prompt, room=rooms[req_id])
+            else:
+                prefill.prefill(req_id, prompt, room=rooms[req_id])
+                requests[req_id] = (prompt, params)
+        checked = run_decode(decode, requests)
+        while len(decode.outputs.keys() & prompts.keys()) < len(prompts):
+            decode.step()
+        got = dict(prefill.params() for _ in prompts)
+        assert all(p["kvferry_push"] for p in got.values()), got
+        assert not decode.load_failures, decode.load_failures
+        assert checked == {r: -(-len(prompts[r]) // 32) for r in requests}
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the prefill still holds requests (blocks never released)"
+    assert prefill.chunks["layerwise"] > 0, prefill.chunks
+
+
+def test_a_block_of_the_window_swapped_with_a_full_attention_block_is_caught(ports):
+    """The check can fail: a decode whose window block holds the full-attention layer's
+    bytes is caught."""
+    from vllm.v1.request import RequestStatus
+
+    prefill = Prefill(ports[0], window=WINDOW)
+    decode = Side("kv_consumer", ports[1], window=WINDOW)
+    try:
+        prompt = prompt_of(3, 100)
+        prefill.prefill("s", prompt)
+        rid, params = prefill.params()
+        decode.add(rid, prompt, 3, dict(params))
+        deadline = time.monotonic() + 30
+        while decode.scheduler.requests[rid].status != RequestStatus.RUNNING:
+            assert time.monotonic() < deadline
+            decode.step()
+            time.sleep(0.002)
+        decode.check_blocks(rid, prompt)
+        full, window = decode.blocks_of(rid, 0), decode.blocks_of(rid, 1)
+        decode.block_bytes_of(window[3], 1).copy_(decode.block_bytes_of(full[3], 0))
+        with pytest.raises(AssertionError, match="block 3 layer 1 differs"):
+            decode.check_blocks(rid, prompt)
+    finally:
+        decode.shutdown()
+        prefill.stop()
+
+
+@pytest.mark.parametrize("prefill_window", [0, 32], ids=["full_only_prefill", "other_window"])
+def test_a_prefill_whose_kv_cache_groups_differ_is_refused_naming_both(ports, caplog, prefill_window):
+    prefill = Prefill(ports[0], window=prefill_window)
+    decode = Side("kv_consumer", ports[1], window=WINDOW)
+    try:
+        prompt = prompt_of(4, 100)
+        prefill.prefill("g", prompt)
+        rid, params = prefill.params()
+        with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
+            run_decode(decode, {rid: (prompt, params)})
+        assert rid in decode.load_failures
+        assert "kv_groups: prefill" in caplog.text and f"['sliding_window', {WINDOW}]" in caplog.text, caplog.text
+        # vLLM recomputed it.
+        assert decode.outputs[rid].finish_reason is not None
+        if prefill_window:
+            # Nodes of one layout: the decode tells the prefill at once to let its blocks go
+            # (of another layout, kvferry's handshake refuses even that: the lease ends it).
+            assert prefill.wait_idle(20)
+    finally:
+        decode.shutdown()
+        prefill.stop()
+
+
+def test_a_push_room_between_engines_of_different_groups_is_refused_not_loaded(ports, caplog):
+    """Push mode: nothing names the prefill's groups to the decode before the room opens,
+    so the room is bound to them: the prefill refuses it and the decode recomputes."""
+    from vllm.v1.request import RequestStatus
+
+    prefill = Prefill(ports[0], window=32)
+    decode = Side("kv_consumer", ports[1], window=WINDOW)
+    try:
+        prompt = prompt_of(6, 150)
+        room = PUSH_BIT | secrets.randbits(32)
+        with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
+            decode.add("q", prompt, 3, push_params(room, ports[0]))
+            decode.step()
+            prefill.prefill("q", prompt, room=room)
+            deadline = time.monotonic() + 30
+            while "q" not in decode.outputs:
+                assert time.monotonic() < deadline, decode.scheduler.get_request_counts()
+                decode.step()
+                time.sleep(0.002)
+        assert "q" in decode.load_failures
+        assert "prompt_mismatch" in caplog.text, caplog.text
+        assert decode.scheduler.requests.get("q") is None or decode.scheduler.requests["q"].status != RequestStatus.RUNNING
+        prefill.params()
+        assert prefill.wait_idle(20)
+    finally:
+        decode.shutdown()
+        prefill.stop()
