@@ -19,9 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-#: The group kinds kvferry moves, by vLLM spec class.
+#: The group kinds kvferry moves, by vLLM spec class: full attention keeps every block; a
+#: sliding window frees the blocks wholly before its window; chunked local attention those
+#: before the current chunk.
 _FULL = ("FullAttentionSpec", "MLAAttentionSpec")
 _WINDOW = ("SlidingWindowSpec",)
+_CHUNKED = ("ChunkedLocalAttentionSpec",)
+
+
+_FULL_KIND = ("full", 0, 0)
 
 
 class NullBlockInRoom(ValueError):
@@ -32,10 +38,11 @@ class NullBlockInRoom(ValueError):
 @dataclass(frozen=True)
 class KvGroups:
     """The KV cache groups a request's blocks move in, in vLLM's group order: each group's
-    vLLM group id and its sliding window in tokens (0: full attention)."""
+    vLLM group id and its kind as ``(name, tokens, extra)``: ``("full", 0, 0)``,
+    ``("sliding_window", window, extra tokens retained)``, ``("chunked_local", chunk, 0)``."""
 
     ids: tuple[int, ...]
-    windows: tuple[int, ...]
+    kinds: tuple[tuple[str, int, int], ...]
     block_size: int
     #: vLLM's null block: a freed position in a group's block table.
     null_block: int = 0
@@ -45,51 +52,58 @@ class KvGroups:
         """The groups of ``kv_cache_config`` (None: one full-attention group); a group kvferry
         cannot move (Mamba state, chunked local attention, ...) is refused naming it."""
         if kv_cache_config is None:
-            return cls((0,), (0,), block_size)
+            return cls((0,), (_FULL_KIND,), block_size)
         groups = list(kv_cache_config.kv_cache_groups)
         transfer = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
-        ids, windows = [], []
+        ids, kinds = [], []
         for i in transfer:
             spec = groups[i].kv_cache_spec
             kind = type(spec).__name__
             where = f"KV cache group {i} ({kind}, layers {list(groups[i].layer_names)[:3]}...)"
             if kind in _FULL:
-                window = 0
+                this = _FULL_KIND
             elif kind in _WINDOW:
-                window = int(spec.sliding_window)
-                if int(getattr(spec, "extra_retained_tokens", 0) or 0):
-                    raise ValueError(f"kvferry.vllm: {where} retains extra tokens past its window; "
-                                     "kvferry moves plain sliding windows")
+                this = ("sliding_window", int(spec.sliding_window),
+                        int(getattr(spec, "extra_retained_tokens", 0) or 0))
+            elif kind in _CHUNKED:
+                this = ("chunked_local", int(spec.attention_chunk_size), 0)
             else:
                 raise ValueError(
-                    f"kvferry.vllm: {where}: kvferry moves full-attention and sliding-window "
-                    "groups; this model's KV cache is refused rather than loaded wrong"
+                    f"kvferry.vllm: {where}: kvferry moves full-attention, sliding-window and "
+                    "chunked local attention groups; this model's KV cache is refused rather "
+                    "than loaded wrong"
                 )
             if int(spec.block_size) != block_size:
                 raise ValueError(f"kvferry.vllm: {where} has {spec.block_size}-token blocks, "
                                  f"the engine {block_size}")
             ids.append(i)
-            windows.append(window)
+            kinds.append(this)
         if not ids:
             raise ValueError("kvferry.vllm: no KV cache group of this engine is transferable")
-        return cls(tuple(ids), tuple(windows), block_size)
+        return cls(tuple(ids), tuple(kinds), block_size)
 
     @property
     def hybrid(self) -> bool:
         """Whether the pages are not simply the prompt's blocks of one full-attention group."""
-        return self.windows != (0,)
+        return self.kinds != (_FULL_KIND,)
 
     def signature(self) -> list:
-        """What both sides must agree on: each group's kind and window, in order."""
-        return [["sliding_window", w] if w else ["full", 0] for w in self.windows]
+        """What both sides must agree on: each group's kind and size (and the tokens a window
+        retains past itself, where it does), in order."""
+        return [[name, size, extra] if extra else [name, size] for name, size, extra in self.kinds]
 
     def first_block(self, group: int, tokens: int) -> int:
         """The first block of a ``tokens``-token prompt that group ``group`` still holds for
-        the next token: vLLM frees a sliding window's blocks wholly before it."""
-        window = self.windows[group]
-        if not window:
-            return 0
-        return max(0, tokens - window + 1) // self.block_size
+        the next token: vLLM frees the blocks wholly before what that token attends to (as
+        its ``get_num_skipped_tokens`` counts them, for the prompt's tokens computed)."""
+        name, size, extra = self.kinds[group]
+        if name == "sliding_window":
+            skipped = max(0, tokens - size + 1 - extra)
+        elif name == "chunked_local":
+            skipped = tokens // size * size
+        else:
+            skipped = 0
+        return skipped // self.block_size
 
     def pages(self, block_ids: Sequence[Sequence[int]], tokens: int, first: int = 0,
               end: Optional[int] = None) -> list[int]:

@@ -77,7 +77,7 @@ def tiny_mla_dir() -> str:
 def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
                 policy: str = "recompute", extra: Optional[dict] = None,
                 max_num_batched_tokens: int = 64, tp: int = 1, kv_heads: int = KV_HEADS,
-                dp: tuple[int, int] = (0, 1), mla: bool = False, pp: int = 1, window: int = 0):
+                dp: tuple[int, int] = (0, 1), mla: bool = False, pp: int = 1, hybrid: bool = False):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -97,7 +97,7 @@ def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str =
         is_encoder_decoder=False,
         # A hybrid engine (``window``) runs vLLM's hybrid KV cache manager, as vLLM does for
         # a model with sliding-window layers when the connector supports it.
-        disable_hybrid_kv_cache_manager=False if window else None,
+        disable_hybrid_kv_cache_manager=False if hybrid else None,
     )
     cache = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True)
     transfer = KVTransferConfig(
@@ -137,12 +137,14 @@ def pattern(prompt: list[int], block: int, layer: int, nbytes: int) -> torch.Ten
 class Side:
     """vLLM's scheduler and kvferry's worker connector of one engine, stepped by hand. With
     ``window`` (tokens), a hybrid model: layer 0 full attention, layer 1 a sliding window,
-    each its own KV cache group with its own block table, both layers over one tensor."""
+    each its own KV cache group with its own block table, both layers over one tensor; with
+    ``chunk`` (tokens), layer 1 chunked local attention instead."""
 
-    def __init__(self, role: str, port: int, num_blocks: int = 256, window: int = 0, **kw):
+    def __init__(self, role: str, port: int, num_blocks: int = 256, window: int = 0, chunk: int = 0, **kw):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (
+            ChunkedLocalAttentionSpec,
             FullAttentionSpec,
             KVCacheConfig,
             KVCacheGroupSpec,
@@ -152,20 +154,21 @@ class Side:
 
         from kvferry.vllm import KvferryConnector
 
-        self.config = make_config(role, port, window=window, **kw)
+        self.config = make_config(role, port, hybrid=bool(window or chunk), **kw)
         block_size = self.config.cache_config.block_size
         dtype = self.config.model_config.dtype
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        if window:
-            swa = SlidingWindowSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                                    dtype=dtype, sliding_window=window)
-            groups = [KVCacheGroupSpec(names[:1], spec), KVCacheGroupSpec(names[1:], swa)]
+        if window or chunk:
+            shape = dict(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
+            local = (SlidingWindowSpec(sliding_window=window, **shape) if window
+                     else ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **shape))
+            groups = [KVCacheGroupSpec(names[:1], spec), KVCacheGroupSpec(names[1:], local)]
         else:
             groups = [KVCacheGroupSpec(names, spec)]
         #: The KV cache group of each layer.
         self.group_of = [next(g for g, group in enumerate(groups) if n in group.layer_names) for n in names]
-        self.window = window
+        self.window, self.chunk = window, chunk
         kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
@@ -180,7 +183,7 @@ class Side:
             name: torch.zeros((num_blocks, KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=dtype)
             for name in names
         }
-        if window:
+        if window or chunk:
             # vLLM's hybrid allocation: one tensor per position in a group, shared by the
             # groups' layers (a block belongs to one group at a time).
             shared = self.kv[names[0]]
@@ -220,9 +223,14 @@ class Side:
     def first_block(self, layer: int, tokens: int) -> int:
         """The first block of a ``tokens``-token prompt that ``layer`` keeps for the next
         token (a sliding window frees the blocks wholly before it)."""
-        if not self.window or self.group_of[layer] == 0:
+        if self.group_of[layer] == 0:
             return 0
-        return max(0, tokens - self.window + 1) // self.config.cache_config.block_size
+        bs = self.config.cache_config.block_size
+        if self.window:
+            return max(0, tokens - self.window + 1) // bs
+        if self.chunk:
+            return tokens // self.chunk * self.chunk // bs
+        return 0
 
     def block_bytes_of(self, block: int, layer: int) -> torch.Tensor:
         name = f"model.layers.{layer}.self_attn.attn"

@@ -27,9 +27,10 @@ def attended(side: Side, prompt: list[int]) -> int:
     return n + n - side.first_block(1, len(prompt))
 
 
-def test_hybrid_rooms_move_every_groups_blocks_with_every_byte_checked(ports):
-    prefill = Prefill(ports[0], window=WINDOW)
-    decode = Side("kv_consumer", ports[1], window=WINDOW)
+@pytest.mark.parametrize("local", [{"window": WINDOW}, {"chunk": 64}], ids=["sliding_window", "chunked_local"])
+def test_hybrid_rooms_move_every_groups_blocks_with_every_byte_checked(ports, local):
+    prefill = Prefill(ports[0], **local)
+    decode = Side("kv_consumer", ports[1], **local)
     opened = {}
     open_now = decode.worker._worker._open_now
 
@@ -45,12 +46,15 @@ def test_hybrid_rooms_move_every_groups_blocks_with_every_byte_checked(ports):
         for req_id, prompt in prompts.items():
             prefill.prefill(req_id, prompt)
             rid, params = prefill.params()
-            assert params["kvferry_shape"]["kv_groups"] == [["full", 0], ["sliding_window", WINDOW]]
+            kind = ["sliding_window", WINDOW] if "window" in local else ["chunked_local", 64]
+            assert params["kvferry_shape"]["kv_groups"] == [["full", 0], kind]
             checked = run_decode(decode, {rid: (prompt, params)})
             assert checked == {rid: -(-len(prompt) // 32)}
             # The room held exactly the blocks the decode attends to: 9 + 3 for 257 tokens.
             assert len(opened[rid]) == attended(decode, prompt), (rid, opened[rid])
-        assert len(opened["h3"]) == 12
+        # 257 tokens: 9 blocks of full attention, and the window's last 3 (48 tokens) or
+        # the chunk's last block (tokens 256-257).
+        assert len(opened["h3"]) == (12 if "window" in local else 10)
         assert not decode.load_failures, decode.load_failures
         assert_data_path(decode.worker.session_paths(), received=True)
     finally:

@@ -152,6 +152,25 @@ def test_a_freed_block_a_room_needs_is_refused_naming_it():
         groups.pages([[1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 0, 0, 0, 26, 0, 28]], 257)
 
 
+def test_chunked_local_attention_and_retained_window_tokens_keep_what_vllm_keeps():
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    from kvferry._vllm_groups import KvGroups
+
+    chunked = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                                        attention_chunk_size=64)
+    groups = KvGroups.of(_hybrid_config(_spec(), chunked), 32)
+    # 150 tokens: the next token's chunk starts at 128 (block 4).
+    assert groups.first_block(1, 150) == 4 and groups.first_block(1, 128) == 4 and groups.first_block(1, 127) == 2
+    assert groups.signature() == [["full", 0], ["chunked_local", 64]]
+    retained = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                                 sliding_window=48, extra_retained_tokens=40)
+    groups = KvGroups.of(_hybrid_config(_spec(), retained), 32)
+    # 257 tokens: the window needs 210..256, and 40 more tokens are kept: 170.. (block 5).
+    assert groups.first_block(1, 257) == 5
+    assert groups.signature() == [["full", 0], ["sliding_window", 48, 40]]
+
+
 def test_a_kv_cache_group_kvferry_cannot_move_is_refused_naming_it():
     from vllm.v1.kv_cache_interface import MambaSpec
 
