@@ -28,12 +28,13 @@ from test_connector import Prefill, free_port  # noqa: E402
 args = None
 
 
-def connector_path(transfer: bool = True) -> float:
+def connector_path(transfer: bool = True, **layout) -> float:
     """Requests per second, each computed by the prefill and moved to the decode; without
     ``transfer`` the same flow of steps with the decode computing the prompt itself (what
-    vLLM's scheduling costs here without kvferry)."""
-    prefill = Prefill(free_port(), max_num_batched_tokens=args.prompt * args.concurrency)
-    decode = Side("kv_consumer", free_port(), max_num_batched_tokens=args.prompt * args.concurrency)
+    vLLM's scheduling costs here without kvferry). ``layout``: the harness's hybrid model
+    (``window=`` tokens: layer 1 a sliding window)."""
+    prefill = Prefill(free_port(), max_num_batched_tokens=args.prompt * args.concurrency, **layout)
+    decode = Side("kv_consumer", free_port(), max_num_batched_tokens=args.prompt * args.concurrency, **layout)
     try:
         prompt = lambda i: [(i * 31 + k) % 997 + 3 for k in range(args.prompt)]  # noqa: E731
         started = time.perf_counter()
@@ -72,6 +73,8 @@ if __name__ == "__main__":
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--hybrid", action="store_true",
+                   help="also a hybrid model (layer 1 a 48-token sliding window) in the same sitting")
     args = p.parse_args()
     # The prefill forks from a server that imported vLLM and the harness once (as the
     # suite's conftest.py starts it).
@@ -82,3 +85,9 @@ if __name__ == "__main__":
     print(f"connector: {through:.0f} requests/s (one room each); python API: {api:.0f} rooms/s; "
           f"connector / API: {through / api:.2f}; the same steps with the decode computing "
           f"(no kvferry): {local:.0f} requests/s; connector / no kvferry: {through / local:.2f}")
+    if args.hybrid:
+        for name, layout in (("sliding window", {"window": 48}),):
+            moved, computed = connector_path(**layout), connector_path(transfer=False, **layout)
+            print(f"hybrid, {name}: connector {moved:.0f} requests/s ({moved / through:.2f} of full "
+                  f"attention's); the same steps with no kvferry {computed:.0f}; connector / no "
+                  f"kvferry: {moved / computed:.2f}")

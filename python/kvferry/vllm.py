@@ -64,8 +64,6 @@ _SHAPE = "kvferry_shape"
 _DONE = "kvferry_consumed"
 _PUSH = "kvferry_push"
 _PROMPT = "kvferry_prompt"
-#: Set on a prefill request whose prompt's last token was left to the decode.
-_CUT = "kvferry_cut"
 #: The prefill's pipeline stages: ``kvferry_addrs`` names PP x TP listeners, stage-major.
 _PP = "kvferry_pp"
 #: Room ids a router draws for push mode carry this bit; a prefill's own (pull) ids do not.
@@ -161,16 +159,13 @@ def _stages_refusal(params: dict, pulled: "_Pulled") -> Optional[str]:
     return None
 
 
-def _prompt_of(request, backoff: int = 0) -> Optional[int]:
-    """The prompt digest of ``request``'s prompt token ids (all but the last ``backoff``):
-    both sides name it, so a room handed to another prompt's request is refused
-    (``prompt_mismatch``) instead of loaded. None (nothing checked) for a prompt given
-    without token ids."""
+def _prompt_of(request) -> Optional[int]:
+    """The prompt digest of ``request``'s prompt token ids: both sides name it, so a room
+    handed to another prompt's request is refused (``prompt_mismatch``) instead of loaded.
+    None (nothing checked) for a prompt given without token ids."""
     tokens = request.prompt_token_ids
     if tokens is None:
         return None
-    if backoff and len(tokens) > backoff:
-        tokens = tokens[:-backoff]
     import kvferry
 
     try:
@@ -644,33 +639,10 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         if params.get(_DONE):
             return 0, False
-        count = self._loaded_tokens(request) - num_computed_tokens
+        count = len(request.prompt_token_ids or []) - num_computed_tokens
         if count <= 0:
             return 0, False
         return count, True
-
-    def _loaded_tokens(self, request) -> int:
-        """Decode: the prompt tokens a room brings (all but the ones the prefill leaves to
-        the decode: ``KvGroups.backoff``)."""
-        tokens = len(request.prompt_token_ids or [])
-        # A prompt no longer than that loads nothing: the decode computes it whole.
-        return max(0, tokens - self._groups.backoff)
-
-    def on_new_request(self, request) -> None:
-        """Prefill of a model with recurrent state: the request computes all but its prompt's
-        last token, so that the state it leaves is the one the decode derives the last
-        token's from (the decode recomputes that token)."""
-        params = _params_of(request)
-        backoff = self._groups.backoff
-        if (not backoff or not self._producer or not params or not params.get("do_remote_decode")
-                or params.get(_CUT) or request.num_prompt_tokens <= backoff
-                or request.prompt_token_ids is None or request.get_skip_reading_prefix_cache()):
-            return
-        del request.prompt_token_ids[-backoff:]
-        del request._all_token_ids[-backoff:]
-        request.num_prompt_tokens -= backoff
-        request.max_tokens = 1
-        params[_CUT] = True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = _params_of(request)
@@ -692,7 +664,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         # One transfer per request, even after a preemption or a failed load (which then
         # recomputes).
         params[_DONE] = True
-        tokens = self._loaded_tokens(request)
+        tokens = len(request.prompt_token_ids or [])
         # The blocks this decode holds itself (a local prefix hit) are the prompt's first.
         held = (tokens - num_external_tokens) // self._shape["block_size"]
         block_ids: list[int] = []
@@ -847,8 +819,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         """The digest ``request``'s room is bound to: its prompt's, mixed with the KV cache
         groups where they are hybrid, so that a push room (whose shape only kvferry's
         handshake checks) between engines of different groups is refused, never loaded."""
-        # A decode's request still holds the token its prefill left to it.
-        prompt = _prompt_of(request, 0 if self._producer else self._groups.backoff)
+        prompt = _prompt_of(request)
         if prompt is None or not self._groups.hybrid:
             return prompt
         mixed = hashlib.sha256(b"kvferry/vllm groups" + prompt.to_bytes(8, "little")
@@ -971,27 +942,6 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = None
 
 
-def _layer_base(entry) -> int:
-    """Where a layer's KV starts: its tensor's, or for recurrent state (a list of views into
-    the layer's blocks: conv, then SSM state) the first view's."""
-    if isinstance(entry, (list, tuple)):
-        return min(int(t.data_ptr()) for t in entry)
-    return int(entry.data_ptr())
-
-
-def _state_region(name: str, views, num_blocks: int, block: int) -> tuple[int, int]:
-    """``(start, bytes)`` of a recurrent-state layer's blocks: its views must lie in
-    ``num_blocks`` blocks of ``block`` bytes from the first view's start (the blocks the
-    attention layers sharing its tensor hold), else it is refused naming them."""
-    base = _layer_base(views)
-    for t in views:
-        step = int(t.stride(0) * t.element_size())
-        if tuple(t.shape)[0] != num_blocks or step != block:
-            raise ValueError(f"kvferry.vllm: the state of {name} {tuple(t.shape)} is not {num_blocks} blocks "
-                             f"of {block} bytes (a block every {step} bytes)")
-    return base, block * num_blocks
-
-
 def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]], int, int, int]:
     """``(spans, planes, page_bytes, pages)`` of vLLM's KV tensors as kvferry regions: one
     region per distinct layer tensor (layers that share a cache appear once) and plane, one
@@ -999,12 +949,7 @@ def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]],
     CPU layout, one plane) or ``[2, num_blocks, ...]`` (K, then V: two planes). Anything
     else, or blocks that are not contiguous equal byte ranges, is refused naming the shape."""
     spans, seen, shape = [], set(), None
-    states = {}
     for name, t in kv_caches.items():
-        if isinstance(t, (list, tuple)):
-            # Recurrent state shares the blocks of the attention layers' tensors.
-            states[name] = t
-            continue
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
@@ -1032,14 +977,6 @@ def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]],
         spans.extend((int(p.data_ptr()), block * num_blocks) for p in planes)
     if shape is None:
         raise ValueError("kvferry.vllm: vLLM registered no KV cache")
-    for name, views in states.items():
-        if shape[0] != 1:
-            raise ValueError(f"kvferry.vllm: {name} keeps recurrent state beside K and V planes; "
-                             "kvferry moves state in block-major layouts only")
-        region = _state_region(name, views, num_blocks, shape[1])
-        if region[0] not in seen:
-            seen.add(region[0])
-            spans.append(region)
     return spans, shape[0], shape[1], num_blocks
 
 
@@ -1053,8 +990,7 @@ class _Worker:
 
         self._kvferry = kvferry
         spans, planes, page_bytes, pages = kv_regions(kv_caches, connector.num_blocks())
-        first_entry = next(iter(kv_caches.values()))
-        device = (first_entry[0] if isinstance(first_entry, (list, tuple)) else first_entry).device
+        device = next(iter(kv_caches.values())).device
         #: Bytes of one vLLM block over every layer and plane.
         self._block_bytes = page_bytes * len(spans)
         self._stats = KvferryStats()
@@ -1095,9 +1031,7 @@ class _Worker:
         #: head split kvferry knows, served at equal TP sizes only).
         self._total_heads = int(connector._shape["num_kv_heads"])
         self._mla = connector._mla
-        # A block holding recurrent state beside the heads has no head split (equal TP only).
-        stateful = connector._groups.backoff > 0
-        self._heads = None if self._mla or stateful else kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
+        self._heads = None if self._mla else kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
                                                       self._total_heads, self._tp, self._rank)
         knobs = {k: int(v) for k, v in extra.items() if k.endswith("_ms")}
         self.node = kvferry.Node(
@@ -1120,7 +1054,7 @@ class _Worker:
         index: dict[int, int] = {}
         first = layer_range[0] if layer_range else 0
         self._layer_of = {
-            name: first + index.setdefault(_layer_base(t), len(index)) for name, t in kv_caches.items()
+            name: first + index.setdefault(t.data_ptr(), len(index)) for name, t in kv_caches.items()
         }
         #: How many vLLM layers write each kvferry layer (a hybrid model's groups share
         #: tensors): a push chunk's layer goes only once all of them ran.
