@@ -360,10 +360,13 @@ def shape_mismatch(ours: dict, theirs: Any) -> Optional[str]:
     """``None`` when the prefill's block shape is ours, else what differs with both values."""
     if not isinstance(theirs, dict):
         return f"the prefill sent no block shape ({_SHAPE}: {theirs!r})"
+    # Every key either side names: a prefill of hybrid groups and a decode of one group
+    # differ as much as the other way round.
+    keys = list(ours) + [k for k in theirs if k not in ours]
     diffs = [
-        f"{key}: prefill {theirs.get(key)!r}, decode {value!r}"
-        for key, value in ours.items()
-        if theirs.get(key) != value
+        f"{key}: prefill {theirs.get(key)!r}, decode {ours.get(key)!r}"
+        for key in keys
+        if theirs.get(key) != ours.get(key)
     ]
     return "; ".join(diffs) or None
 

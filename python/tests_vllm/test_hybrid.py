@@ -203,3 +203,20 @@ def test_a_push_room_between_engines_of_different_groups_is_refused_not_loaded(p
     finally:
         decode.shutdown()
         prefill.stop()
+
+
+def test_a_hybrid_prefill_is_refused_by_a_decode_of_one_group_naming_both(ports, caplog):
+    prefill = Prefill(ports[0], window=WINDOW)
+    decode = Side("kv_consumer", ports[1])
+    try:
+        prompt = prompt_of(7, 100)
+        prefill.prefill("r", prompt)
+        rid, params = prefill.params()
+        with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
+            run_decode(decode, {rid: (prompt, params)})
+        assert rid in decode.load_failures
+        assert f"kv_groups: prefill [['full', 0], ['sliding_window', {WINDOW}]], decode None" in caplog.text, caplog.text
+        assert decode.outputs[rid].finish_reason is not None
+    finally:
+        decode.shutdown()
+        prefill.stop()

@@ -44,6 +44,9 @@ def test_a_block_shape_mismatch_names_both_values():
     said = shape_mismatch(ours, theirs)
     assert said == "block_size: prefill 32, decode 64; kv_dtype: prefill 'bfloat16', decode 'float16'"
     assert shape_mismatch(ours, dict(ours)) is None
+    # A key only the prefill names (its hybrid KV cache groups) differs too.
+    hybrid = dict(ours, kv_groups=[["full", 0], ["sliding_window", 48]])
+    assert shape_mismatch(ours, hybrid) == "kv_groups: prefill [['full', 0], ['sliding_window', 48]], decode None"
     assert "no block shape" in shape_mismatch(ours, None)
 
 
