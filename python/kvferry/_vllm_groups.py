@@ -25,8 +25,6 @@ from typing import Optional, Sequence
 _FULL = ("FullAttentionSpec", "MLAAttentionSpec")
 _WINDOW = ("SlidingWindowSpec",)
 _CHUNKED = ("ChunkedLocalAttentionSpec",)
-
-
 _FULL_KIND = ("full", 0, 0)
 
 

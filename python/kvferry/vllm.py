@@ -294,14 +294,20 @@ def kv_heads(kv_caches: dict, num_blocks: int, block_size: int, total: int, tp: 
     return None
 
 
+def _mixed(prompt: Optional[int], label: bytes, what: bytes) -> Optional[int]:
+    """A prompt digest mixed with ``what`` under ``label``: a room bound to it is refused
+    (``prompt_mismatch``) by a side whose ``what`` differs. None stays None."""
+    if prompt is None:
+        return None
+    mixed = hashlib.sha256(label + prompt.to_bytes(8, "little") + what)
+    return int.from_bytes(mixed.digest()[:8], "little")
+
+
 def _rank_bound(prompt: Optional[int], rank: int) -> Optional[int]:
     """The digest a room of prefill rank ``rank`` is bound to: the prompt's and the rank's,
     so that a decode rank handed another rank's listener (a router that reordered
     ``kvferry_addrs``) is refused (``prompt_mismatch``) instead of loading other heads."""
-    if prompt is None:
-        return None
-    mixed = hashlib.sha256(b"kvferry/vllm rank" + prompt.to_bytes(8, "little") + rank.to_bytes(4, "little"))
-    return int.from_bytes(mixed.digest()[:8], "little")
+    return _mixed(prompt, b"kvferry/vllm rank", rank.to_bytes(4, "little"))
 
 
 def pp_rank(vllm_config) -> int:
@@ -655,7 +661,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             room = _room_id(params.get(_ROOM))
             if room is not None and room & PUSH_BIT:
                 total = self._groups.count(len(request.prompt_token_ids or []))
-                self._pushing.setdefault(request.request_id, (room, total, request, self._bound_of(request)))
+                self._pushing.setdefault(request.request_id, (room, total, request, self._bound(_prompt_of(request))))
             else:
                 logger.error("kvferry: push request %s has no router room (%s=%r)",
                              request.request_id, _ROOM, params.get(_ROOM))
@@ -707,7 +713,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             stages=_stages(params),
             blocks=block_ids,
             refused=refused,
-            prompt=self._bound_of(request) if refused is None else None,
+            prompt=self._bound(_prompt_of(request)) if refused is None else None,
         )
         self._loading[request.request_id] = pulled.room if pulled else 0
 
@@ -804,7 +810,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         prompt = _prompt_of(request)
         self._pending.sends[req_id] = _Send(
             room=room, blocks=pages, deadline=time.monotonic() + self._lease,
-            prompt=self._bound_of(request),
+            prompt=self._bound(prompt),
         )
         return True, {
             "do_remote_prefill": True,
@@ -818,16 +824,14 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             "remote_num_tokens": request.num_computed_tokens,
         }
 
-    def _bound_of(self, request) -> Optional[int]:
-        """The digest ``request``'s room is bound to: its prompt's, mixed with the KV cache
-        groups where they are hybrid, so that a push room (whose shape only kvferry's
-        handshake checks) between engines of different groups is refused, never loaded."""
-        prompt = _prompt_of(request)
-        if prompt is None or not self._groups.hybrid:
+    def _bound(self, prompt: Optional[int]) -> Optional[int]:
+        """The digest a room of prompt digest ``prompt`` is bound to: the prompt's, mixed with
+        the KV cache groups where they are hybrid, so that a push room (whose shape only
+        kvferry's handshake checks) between engines of different groups is refused, never
+        loaded."""
+        if not self._groups.hybrid:
             return prompt
-        mixed = hashlib.sha256(b"kvferry/vllm groups" + prompt.to_bytes(8, "little")
-                               + repr(self._groups.signature()).encode())
-        return int.from_bytes(mixed.digest()[:8], "little")
+        return _mixed(prompt, b"kvferry/vllm groups", repr(self._groups.signature()).encode())
 
     def _push_finished(self, request, room: int, block_ids: tuple[list[int], ...]):
         """A push-mode prefill request ended: its room already has (or will have) every
@@ -848,7 +852,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             pages, done = [], False
         self._pending.sends[request.request_id] = _Send(
             room=room, blocks=pages, deadline=time.monotonic() + self._lease,
-            prompt=self._bound_of(request),
+            prompt=self._bound(_prompt_of(request)),
         )
         if not done:
             return True, None

@@ -355,6 +355,32 @@ def push_params(room: int, kv_port: int) -> dict:
             "kvferry_addrs": [f"127.0.0.1:{kv_port}"]}
 
 
+def push_rooms(prefill: "Prefill", decode: Side, prompts: dict[str, list[int]], kv_port: int) -> dict:
+    """Pushes each prompt through a router's room: for every other one the decode asks first
+    (its room waits at the prefill for the request), for the rest the prefill starts first.
+    Steps until every request finished and checks each push room succeeded; returns the
+    blocks checked of the requests the prefill started first (``run_decode``)."""
+    rooms = {r: PUSH_BIT | secrets.randbits(32) for r in prompts}
+    requests = {}
+    for i, (req_id, prompt) in enumerate(prompts.items()):
+        params = push_params(rooms[req_id], kv_port)
+        if i % 2 == 0:
+            decode.add(req_id, prompt, 3, params)
+            decode.step()
+            prefill.prefill(req_id, prompt, room=rooms[req_id])
+        else:
+            prefill.prefill(req_id, prompt, room=rooms[req_id])
+            requests[req_id] = (prompt, params)
+    checked = run_decode(decode, requests)
+    while len(decode.outputs.keys() & prompts.keys()) < len(prompts):
+        decode.step()
+    got = dict(prefill.params() for _ in prompts)
+    assert all(p["kvferry_push"] for p in got.values()), got
+    assert not decode.load_failures, decode.load_failures
+    assert checked == {r: -(-len(prompts[r]) // 32) for r in requests}
+    return checked
+
+
 def test_push_rooms_move_layer_by_layer_with_every_byte_checked(ports):
     """The router draws the room and tells both sides at once: the prefill sends each step's
     blocks layer by layer as its forward pass writes them (chunked: 257 tokens take five
@@ -363,26 +389,7 @@ def test_push_rooms_move_layer_by_layer_with_every_byte_checked(ports):
     decode = Side("kv_consumer", ports[1])
     try:
         lengths = [5, 64, 100, 257, 200, 33]
-        prompts = {f"p{i}": prompt_of(10 + i, n) for i, n in enumerate(lengths)}
-        rooms = {r: PUSH_BIT | secrets.randbits(32) for r in prompts}
-        requests = {}
-        for i, (req_id, prompt) in enumerate(prompts.items()):
-            params = push_params(rooms[req_id], ports[0])
-            if i % 2 == 0:
-                # The decode asks first (its room waits at the prefill for the request).
-                decode.add(req_id, prompt, 3, params)
-                decode.step()
-                prefill.prefill(req_id, prompt, room=rooms[req_id])
-            else:
-                prefill.prefill(req_id, prompt, room=rooms[req_id])
-                requests[req_id] = (prompt, params)
-        checked = run_decode(decode, requests)
-        while len(decode.outputs.keys() & prompts.keys()) < len(prompts):
-            decode.step()
-        got = dict(prefill.params() for _ in prompts)
-        assert all(p["kvferry_push"] for p in got.values()), got
-        assert not decode.load_failures, decode.load_failures
-        assert checked == {r: -(-len(prompts[r]) // 32) for r in requests}
+        push_rooms(prefill, decode, {f"p{i}": prompt_of(10 + i, n) for i, n in enumerate(lengths)}, ports[0])
         assert_data_path(decode.worker.session_paths(), received=True)
         assert_data_path(prefill.session_paths(), received=False)
     finally:

@@ -13,12 +13,25 @@ import time
 import pytest
 
 from harness import Side, assert_data_path
-from test_connector import Prefill, ports, prompt_of, push_params, run_decode  # noqa: F401
+from test_connector import Prefill, ports, prompt_of, push_params, push_rooms, run_decode  # noqa: F401
 
 from kvferry.vllm import PUSH_BIT
 
 #: Tokens of the sliding window: a 257-token prompt keeps its last 3 of 9 blocks in it.
 WINDOW = 48
+
+
+def rooms_opened(decode: Side) -> dict[str, list[int]]:
+    """The pages each decode room opened over, by request, as the decode opens them."""
+    opened: dict[str, list[int]] = {}
+    open_now = decode.worker._worker._open_now
+
+    def spy(req_id, recv):
+        opened[req_id] = list(recv.blocks)
+        return open_now(req_id, recv)
+
+    decode.worker._worker._open_now = spy
+    return opened
 
 
 def attended(side: Side, prompt: list[int]) -> int:
@@ -31,14 +44,7 @@ def attended(side: Side, prompt: list[int]) -> int:
 def test_hybrid_rooms_move_every_groups_blocks_with_every_byte_checked(ports, local):
     prefill = Prefill(ports[0], **local)
     decode = Side("kv_consumer", ports[1], **local)
-    opened = {}
-    open_now = decode.worker._worker._open_now
-
-    def spy(req_id, recv):
-        opened[req_id] = list(recv.blocks)
-        return open_now(req_id, recv)
-
-    decode.worker._worker._open_now = spy
+    opened = rooms_opened(decode)
     try:
         # Under a block, exactly the window, past it by a block, and far past it.
         lengths = [5, 48, 100, 257, 150]
@@ -67,14 +73,7 @@ def test_a_decode_holding_a_prompts_first_blocks_loads_the_rest_of_every_group(p
     holds the rest of each group, and the prefill sends exactly those blocks."""
     prefill = Prefill(ports[0], window=WINDOW)
     decode = Side("kv_consumer", ports[1], window=WINDOW)
-    opened = {}
-    open_now = decode.worker._worker._open_now
-
-    def spy(req_id, recv):
-        opened[req_id] = list(recv.blocks)
-        return open_now(req_id, recv)
-
-    decode.worker._worker._open_now = spy
+    opened = rooms_opened(decode)
     try:
         first = prompt_of(1, 70)
         prefill.prefill("a", first)
@@ -100,26 +99,7 @@ def test_hybrid_push_rooms_move_layer_by_layer_with_every_byte_checked(ports):
     decode = Side("kv_consumer", ports[1], window=WINDOW)
     try:
         lengths = [5, 100, 257, 150]
-        prompts = {f"p{i}": prompt_of(20 + i, n) for i, n in enumerate(lengths)}
-        rooms = {r: PUSH_BIT | secrets.randbits(32) for r in prompts}
-        requests = {}
-        for i, (req_id, prompt) in enumerate(prompts.items()):
-            params = push_params(rooms[req_id], ports[0])
-            if i % 2 == 0:
-                # The decode asks first: its room goes layer by layer with the forward pass.
-                decode.add(req_id, prompt, 3, params)
-                decode.step()
-                prefill.prefill(req_id, prompt, room=rooms[req_id])
-            else:
-                prefill.prefill(req_id, prompt, room=rooms[req_id])
-                requests[req_id] = (prompt, params)
-        checked = run_decode(decode, requests)
-        while len(decode.outputs.keys() & prompts.keys()) < len(prompts):
-            decode.step()
-        got = dict(prefill.params() for _ in prompts)
-        assert all(p["kvferry_push"] for p in got.values()), got
-        assert not decode.load_failures, decode.load_failures
-        assert checked == {r: -(-len(prompts[r]) // 32) for r in requests}
+        push_rooms(prefill, decode, {f"p{i}": prompt_of(20 + i, n) for i, n in enumerate(lengths)}, ports[0])
     finally:
         decode.shutdown()
         assert prefill.stop(), "the prefill still holds requests (blocks never released)"
