@@ -182,14 +182,18 @@ pub fn rdma_config(
 
 /// With `KVFERRY_TEST_BACKEND=rdma`, nodes move data over the first RDMA device, on either
 /// runtime, so the suite written for TCP runs over RDMA too (`scripts/rdma-guest.sh` does so
-/// on soft-RoCE).
+/// on soft-RoCE); with `KVFERRY_TEST_BACKEND=same_host`, over the same-host path (the
+/// nodes of a test share its process, so its host).
 pub fn use_test_backend(cfg: &mut kvferry_tokio::NodeConfig) {
-    let rdma = std::env::var("KVFERRY_TEST_BACKEND").is_ok_and(|b| b == "rdma");
-    if rdma {
-        cfg.backend = kvferry_testkit::DataBackend::Rdma {
-            device: None,
-            port: 1,
-        };
+    match std::env::var("KVFERRY_TEST_BACKEND").as_deref() {
+        Ok("rdma") => {
+            cfg.backend = kvferry_testkit::DataBackend::Rdma {
+                device: None,
+                port: 1,
+            };
+        }
+        Ok("same_host") => cfg.same_host = kvferry_testkit::SameHost::Auto,
+        _ => {}
     }
 }
 

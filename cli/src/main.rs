@@ -291,8 +291,10 @@ struct CommonArgs {
     /// its cores; shards of a pinned node cannot move away from a busy core).
     #[arg(long)]
     pin: bool,
-    /// The data-plane backend: tcp, rdma (builds with the `rdma` feature; either runtime), or
-    /// auto (RDMA where this build and host can, TCP otherwise, said at start).
+    /// The data-plane backend: tcp, rdma (builds with the `rdma` feature; either runtime),
+    /// same-host (cross-memory attach with a peer on this host, TCP otherwise), or auto
+    /// (same-host where the peer shares this host, else RDMA where this build and host can,
+    /// else TCP; said at start and per session).
     #[arg(long, default_value = "tcp")]
     backend: String,
     /// With --backend rdma or auto: the RDMA device to use (default: the one nearest the KV).
@@ -318,6 +320,11 @@ impl CommonArgs {
 
     fn data_backend(&self) -> Result<kvferry_testkit::DataBackend, String> {
         Ok(kvferry_testkit::Backend::parse(&self.backend)?.data_backend(self.rdma_device.clone()))
+    }
+
+    /// Whether sessions with a peer on this host take the same-host path (`same-host`, `auto`).
+    fn same_host(&self) -> Result<kvferry_testkit::SameHost, String> {
+        Ok(kvferry_testkit::Backend::parse(&self.backend)?.same_host())
     }
 }
 
@@ -362,6 +369,30 @@ fn install_metrics(addr: Option<SocketAddr>) -> Result<(), String> {
             .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
     }
     Ok(())
+}
+
+/// Prints one `bench --backend same-host` result: GB/s of each path and of memcpy, and the
+/// ratios the same-host path is held to.
+fn print_same_host_point(p: &kvferry_testkit::bench::SameHostPoint, json: bool) {
+    let (cma, memcpy, tcp) = (p.gbps(p.same_host), p.gbps(p.memcpy), p.gbps(p.tcp));
+    if json {
+        println!(
+            "{{\"workload\":\"{}\",\"bytes\":{},\"same_host_gbps\":{cma:.3},\"memcpy_gbps\":{memcpy:.3},\"tcp_gbps\":{tcp:.3},\"vs_memcpy\":{:.3},\"vs_tcp\":{:.3},\"clean\":{}}}",
+            p.workload,
+            p.bytes,
+            cma / memcpy,
+            cma / tcp,
+            p.clean
+        );
+    } else {
+        println!(
+            "{:<22} same-host {cma:>6.2} GB/s   memcpy {memcpy:>6.2} GB/s   loopback tcp {tcp:>6.2} GB/s   same-host/memcpy {:.2}x   same-host/tcp {:.2}x{}",
+            p.workload,
+            cma / memcpy,
+            cma / tcp,
+            if p.clean { "" } else { "   NOT CLEAN" }
+        );
+    }
 }
 
 /// Prints one `bench --tls` or `--backend rdma` result: a workload over the two links named
@@ -593,6 +624,7 @@ async fn run(cli: Cli) -> Result<(), String> {
                 common.runtime()?,
                 kvferry_testkit::DemoLink {
                     backend: common.data_backend()?,
+                    same_host: common.same_host()?,
                     tls: common.tls(),
                 },
             )
@@ -856,6 +888,19 @@ async fn run(cli: Cli) -> Result<(), String> {
                     .map_err(|e| e.to_string())?;
                 return link_points_clean(&points);
             }
+            if kvferry_testkit::Backend::parse(&backend)? == kvferry_testkit::Backend::SameHost {
+                let mut print = |p: &bench::SameHostPoint| print_same_host_point(p, json);
+                let points = bench::same_host(iterations.max(3), &mut print)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if points.iter().any(|p| !p.clean) {
+                    return Err(
+                        "a same-host bench room did not land every byte, or took the wrong path"
+                            .to_owned(),
+                    );
+                }
+                return Ok(());
+            }
             if kvferry_testkit::Backend::parse(&backend)? == kvferry_testkit::Backend::Rdma {
                 let mut print = |p: &bench::LinkPoint| print_link_point(p, ["tcp", "rdma"], json);
                 let points = bench::backends(links, rdma_device, &mut print)
@@ -949,6 +994,7 @@ fn start_node(
     let shape = shape.shape()?;
     let mut cfg = node_config(role, &shape, config, common.token.as_bytes(), rand_seed());
     cfg.backend = common.data_backend()?;
+    cfg.same_host = common.same_host()?;
     cfg.tls = common.tls();
     let node = runtime
         .start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))

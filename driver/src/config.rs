@@ -21,6 +21,8 @@ pub struct NodeConfig {
     pub faults: Option<FaultPlan>,
     /// Which data plane carries the operations.
     pub backend: DataBackend,
+    /// Whether sessions with peers on this host take the same-host path.
+    pub same_host: crate::SameHost,
     /// TLS on every control and data connection (`None`: plain TCP). The cluster-token
     /// proofs of the handshake run inside it either way.
     pub tls: Option<kvferry_tcp::TlsFiles>,
@@ -70,6 +72,8 @@ pub enum DataPath {
     Rdma,
     /// One-sided RDMA WRITEs with this node's device memory registered directly (dma-buf).
     RdmaDmaBuf,
+    /// Same host: cross-memory attach (`process_vm_writev`) into the decode's memory.
+    Cma,
 }
 
 impl DataPath {
@@ -80,6 +84,7 @@ impl DataPath {
             DataPath::TcpStaged => "tcp_staged",
             DataPath::Rdma => "rdma",
             DataPath::RdmaDmaBuf => "rdma_dmabuf",
+            DataPath::Cma => "cma",
         }
     }
 

@@ -6,7 +6,6 @@ use crate::Answer;
 #[cfg(doc)]
 use crate::Driver;
 use kvferry_core::{Event, SessionId, SessionKey, TargetId, TransferOp};
-#[cfg(feature = "rdma")]
 use kvferry_core::{Slice, WritePermit};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -142,7 +141,6 @@ pub enum Job<H: Host> {
     /// Hashes the bytes an RDMA write landed in `ranges` of `memory`, off the driver's thread,
     /// and hands `permit` back with `end_write`: `applied()` if they hash to `checksum`,
     /// `corrupt()` if not ([`crate::landed_verdict`]).
-    #[cfg(feature = "rdma")]
     VerifyLanded {
         /// The write's permit.
         permit: WritePermit,

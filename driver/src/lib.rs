@@ -17,6 +17,7 @@ mod accept;
 mod admission;
 mod announce;
 mod calls;
+pub mod cma;
 mod config;
 mod error;
 mod fault_switch;
@@ -37,6 +38,7 @@ pub use accept::{accept, Accepted};
 pub use admission::{CoreCheck, EndpointAccess};
 pub use announce::{Announcement, Announcer};
 pub use calls::{Embedder, ShardCalls};
+pub use cma::{SameHost, SameHostPlane};
 pub use config::{
     check_memory, log_start, tcp_only, DataBackend, DataPath, NodeConfig, START_TARGET, TCP_PATH,
 };

@@ -75,6 +75,8 @@ pub struct Driver<H: Host> {
     /// The node's RDMA data plane, when its data moves over RDMA.
     #[cfg(feature = "rdma")]
     rdma: Option<crate::rdma::RdmaPlane>,
+    /// The node's same-host plane (cross-memory attach with peers on this host).
+    same_host: Option<std::sync::Arc<crate::cma::SameHostPlane>>,
 }
 
 impl<H: Host> Driver<H> {
@@ -109,7 +111,18 @@ impl<H: Host> Driver<H> {
             ends: crate::listener::Ends::default(),
             #[cfg(feature = "rdma")]
             rdma: None,
+            same_host: None,
         }
+    }
+
+    /// Moves this driver's sessions with peers on this host over `plane` where both can.
+    pub fn set_same_host_plane(&mut self, plane: std::sync::Arc<crate::cma::SameHostPlane>) {
+        self.same_host = Some(plane);
+    }
+
+    /// The node's same-host plane, if it has one.
+    pub fn same_host_plane(&self) -> Option<&std::sync::Arc<crate::cma::SameHostPlane>> {
+        self.same_host.as_ref()
     }
 
     /// The shared staging pool of the node's device memory, exported with its metrics.
@@ -302,6 +315,13 @@ impl<H: Host> Driver<H> {
             let now = Instant::now();
             while let Some(op) = self.endpoint.poll_transfer(now) {
                 progressed = true;
+                let Some(op) = crate::cma::post(self, op) else {
+                    budget -= 1;
+                    if budget == 0 {
+                        return true;
+                    }
+                    continue;
+                };
                 if let Some(op) = plane::post(self, op) {
                     self.dispatch(now, op);
                 }
@@ -357,6 +377,7 @@ impl<H: Host> Driver<H> {
                     }
                     self.use_tcp_path(session, "this node has no RDMA data plane");
                 }
+                crate::cma::establish(self, session);
             }
             Event::SessionClosed { session } => {
                 self.handshakes
@@ -396,6 +417,12 @@ impl<H: Host> Driver<H> {
                 }
             }
             Event::RoomAnnounced { .. } => self.announcements.on_event(event),
+            Event::TransportReceived {
+                session,
+                ref payload,
+            } if kvferry_cma::CmaMessage::claims(payload) => {
+                crate::cma::on_message(self, session, payload)
+            }
             Event::TransportReceived {
                 session,
                 ref payload,
@@ -442,6 +469,7 @@ impl<H: Host> Driver<H> {
                 parked: Vec::new(),
                 path: None,
                 linger: None,
+                cma: None,
                 #[cfg(feature = "rdma")]
                 rdma: None,
             },
@@ -783,6 +811,15 @@ impl<H: Host> Driver<H> {
     /// [`Driver::released`] confirms it.
     fn start_fence(&mut self, session: SessionId) {
         self.unpark(session);
+        if crate::cma::fence(self, session) {
+            return;
+        }
+        self.fence_data_connections(session);
+    }
+
+    /// The fence of the session's RDMA queue pair or TCP data connections (after a same-host
+    /// writer confirmed its own).
+    pub(crate) fn fence_data_connections(&mut self, session: SessionId) {
         if plane::fence(self, session) {
             return;
         }

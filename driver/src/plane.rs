@@ -54,15 +54,14 @@ pub(crate) fn close<H: crate::Host>(_io: &mut crate::SessionIo<H>) {
 pub(crate) fn verify_landed<H: crate::Host>(
     driver: &mut crate::Driver<H>,
     permit: kvferry_core::WritePermit,
-    _ranges: Vec<kvferry_core::Slice>,
-    _checksum: u64,
+    ranges: Vec<kvferry_core::Slice>,
+    checksum: u64,
 ) {
-    #[cfg(feature = "rdma")]
-    if let Some(memory) = driver.rdma_plane().map(|p| p.memory().clone()) {
+    if let Some(memory) = one_sided_memory(driver) {
         driver.host().start(crate::Job::VerifyLanded {
             permit,
-            ranges: _ranges,
-            checksum: _checksum,
+            ranges,
+            checksum,
             memory,
         });
         return;
@@ -70,6 +69,18 @@ pub(crate) fn verify_landed<H: crate::Host>(
     driver
         .endpoint_mut()
         .end_write(std::time::Instant::now(), permit);
+}
+
+/// The memory one-sided planes write into on this node (RDMA's or the same-host plane's:
+/// the node's one map either way).
+fn one_sided_memory<H: crate::Host>(
+    driver: &crate::Driver<H>,
+) -> Option<std::sync::Arc<kvferry_memory::MemoryMap>> {
+    #[cfg(feature = "rdma")]
+    if let Some(memory) = driver.rdma_plane().map(|p| p.memory().clone()) {
+        return Some(memory);
+    }
+    driver.same_host_plane().map(|p| p.memory().clone())
 }
 
 /// Decode over a one-sided plane into device memory whose writes need a flush

@@ -103,7 +103,6 @@ pub trait Runtime: Host<Task: Task + Future + Unpin> + Clone {
 
     /// Runs `f` where it may take long (not on the thread of a task of the node); `None` if
     /// it could not finish (it panicked).
-    #[cfg(feature = "rdma")]
     fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce() -> T + Send + 'static,
@@ -179,7 +178,6 @@ impl<R: Runtime> Job<R> {
             Job::WatchCompletions { session, qp, stop } => {
                 crate::rdma::watch(rt, session, qp, stop).await;
             }
-            #[cfg(feature = "rdma")]
             Job::VerifyLanded {
                 permit,
                 ranges,

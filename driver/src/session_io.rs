@@ -25,6 +25,8 @@ pub struct SessionIo<H: Host> {
     pub(crate) path: Option<DataPath>,
     /// Ends the control writer's linger while the session closes (the core decides when).
     pub(crate) linger: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The session's same-host state, once a side offered or declined it.
+    pub(crate) cma: Option<crate::cma::SessionCma>,
     /// The session's RDMA queue pair, when its data moves over RDMA.
     #[cfg(feature = "rdma")]
     pub(crate) rdma: Option<crate::rdma::SessionRdma>,

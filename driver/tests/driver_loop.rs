@@ -98,6 +98,7 @@ impl Host for Recorder {
                 log.lingers.push(linger);
             }
             Job::Release { .. } => {}
+            Job::VerifyLanded { .. } => {}
             #[cfg(feature = "rdma")]
             _ => {}
         }

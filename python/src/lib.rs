@@ -19,7 +19,9 @@ use kvferry_core::{
     KvPoll, Layout, NodeId, PromptDigest, Role, RoomId,
 };
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
-use kvferry_tokio::{Announcement, DataBackend, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
+use kvferry_tokio::{Announcement, DataBackend, KvNode, NodeConfig, NodeError, PeerId, RoomHandle,
+    SameHost,
+};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -192,21 +194,22 @@ fn room_failure(reason: FailureReason) -> PyErr {
 
 /// The data plane a node asks for: `transport` ("auto", "rdma", "tcp"; else
 /// `KVFERRY_TRANSPORT`, else "auto") on `rdma_device` (else `KVFERRY_RDMA_DEVICE`, else the
-/// device nearest the node's memory).
+/// device nearest the node's memory), and whether peers on this host take the same-host
+/// path ("auto" only).
 fn parse_transport(
     transport: Option<String>,
     rdma_device: Option<String>,
     port: u8,
-) -> PyResult<DataBackend> {
+) -> PyResult<(DataBackend, SameHost)> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let device = rdma_device.or_else(|| env("KVFERRY_RDMA_DEVICE"));
     let transport = transport.or_else(|| env("KVFERRY_TRANSPORT"));
     match transport.as_deref().unwrap_or("auto") {
-        "auto" => Ok(DataBackend::Auto { device, port }),
-        "rdma" => Ok(DataBackend::Rdma { device, port }),
-        "tcp" => Ok(DataBackend::Tcp),
+        "auto" => Ok((DataBackend::Auto { device, port }, SameHost::Auto)),
+        "rdma" => Ok((DataBackend::Rdma { device, port }, SameHost::Off)),
+        "tcp" => Ok((DataBackend::Tcp, SameHost::Off)),
         other => Err(InvalidArgument::new_err(format!(
-            "transport {other:?}: one of \"auto\" (RDMA where both sides can, else TCP), \"rdma\" (refuse to start without it) or \"tcp\""
+            "transport {other:?}: one of \"auto\" (same-host memory copies with a peer on this host, else RDMA where both sides can, else TCP), \"rdma\" (refuse to start without it) or \"tcp\""
         ))),
     }
 }
@@ -494,7 +497,7 @@ impl Node {
         config: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let role = parse_role(role)?;
-        let backend = parse_transport(transport, rdma_device, rdma_port)?;
+        let (backend, same_host) = parse_transport(transport, rdma_device, rdma_port)?;
         let layout = parse_layout(layout)?;
         let heads = match heads {
             None => Heads::whole(&layout),
@@ -582,6 +585,7 @@ impl Node {
             seed: started,
             faults: None,
             backend,
+            same_host,
             tls: None,
         };
         let runtime = tokio::runtime::Builder::new_multi_thread()

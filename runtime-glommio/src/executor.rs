@@ -149,6 +149,8 @@ pub(crate) struct ShardSetup {
     pub(crate) tls: Option<kvferry_tcp::TlsSetup>,
     /// The node's RDMA device, when data moves over RDMA (opened once for all shards).
     pub(crate) rdma: crate::RdmaDevice,
+    /// The node's same-host plane (opened once for all shards).
+    pub(crate) same_host: Arc<kvferry_driver::SameHostPlane>,
 }
 
 /// The running shards of a node: their command channels, threads, and pinned cores.
@@ -188,6 +190,7 @@ pub(crate) fn spawn_shards(
     let mut senders = Vec::with_capacity(n);
     let mut ends = Vec::with_capacity(n);
     let mut threads = Vec::with_capacity(n);
+    let same_host = kvferry_driver::SameHostPlane::open(config.same_host, memory.clone());
     for i in 0..n {
         let (tx, rx) = flume::unbounded::<Cmd>();
         let (alive, end) = flume::bounded::<()>(1);
@@ -203,6 +206,7 @@ pub(crate) fn spawn_shards(
             alive,
             tls: tls.clone(),
             rdma: rdma.clone(),
+            same_host: same_host.clone(),
         };
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         let placement = cores.core(i).map_or(Placement::Unbound, Placement::Fixed);

@@ -40,7 +40,7 @@ use kvferry_driver::{
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultKind, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
-    RoomHandle, RoomView, Unsupported,
+    RoomHandle, RoomView, SameHost, Unsupported,
 };
 use kvferry_memory::MemoryMap;
 use kvferry_tcp::fd::second_handle;
@@ -409,6 +409,7 @@ pub(crate) async fn shard_main(
         d.set_faults(setup.config.faults);
         let staging = d.host().memory.staging().cloned();
         d.set_staging(staging);
+        d.set_same_host_plane(setup.same_host.clone());
         #[cfg(feature = "rdma")]
         {
             let memory = d.host().memory.clone();
@@ -617,7 +618,6 @@ impl Runtime for ShardHost {
         readable.wait().await
     }
 
-    #[cfg(feature = "rdma")]
     fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce() -> T + Send + 'static,

@@ -26,6 +26,7 @@ fn a_too_low_memlock_limit_is_a_typed_error_that_names_the_fix() {
         seed: 1,
         faults: None,
         backend: Default::default(),
+        same_host: Default::default(),
         tls: None,
     };
     let err = GlommioNode::start(

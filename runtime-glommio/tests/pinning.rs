@@ -20,6 +20,7 @@ fn start(node: u64, pin: bool) -> GlommioNode {
         seed: node,
         faults: None,
         backend: Default::default(),
+        same_host: Default::default(),
         tls: None,
     };
     let shards = ShardConfig {

@@ -28,6 +28,7 @@ fn start(role: Role, node: u64, layout: Layout) -> Result<Node, kvferry_tokio::N
         seed: started ^ node,
         faults: None,
         backend: Default::default(), // TCP data connections
+        same_host: Default::default(),
         tls: None,
     };
     Node::start(config, Arc::new(MemoryMap::allocate(layout)))

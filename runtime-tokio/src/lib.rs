@@ -37,7 +37,7 @@ pub use kvferry_driver::rdma::SessionRdma;
 use kvferry_driver::runtime::{Reporter, Work};
 pub use kvferry_driver::{
     export_metrics, shard_of, Announcement, DataBackend, DataPath, FaultKind, FaultPlan, KvNode,
-    Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, Unsupported,
+    Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, SameHost, Unsupported,
 };
 use kvferry_driver::{
     runtime, Announcer, CoreCheck, Driver, DriverAccess, Embedder, Host, Job, Runtime, RuntimeNode,
@@ -211,6 +211,10 @@ impl Node {
             let mut driver = shared.lock();
             driver.set_faults(config.faults);
             driver.set_staging(shared.memory.staging().cloned());
+            driver.set_same_host_plane(kvferry_driver::SameHostPlane::open(
+                config.same_host,
+                shared.memory.clone(),
+            ));
             #[cfg(feature = "rdma")]
             driver.set_rdma_plane(
                 rdma.map(|node| kvferry_driver::rdma::RdmaPlane::new(node, shared.memory.clone())),
@@ -423,7 +427,6 @@ impl Runtime for TokioHost {
         rdma::wait(readable).await
     }
 
-    #[cfg(feature = "rdma")]
     fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce() -> T + Send + 'static,

@@ -42,13 +42,19 @@ pub async fn run_pair<P: KvNode, D: KvNode>(
 pub struct DemoLink {
     /// TCP data connections or RDMA.
     pub backend: kvferry_tokio::DataBackend,
+    /// Whether the two nodes (one process, so one host) take the same-host path.
+    pub same_host: kvferry_tokio::SameHost,
     /// TLS on every connection (tokio runtime).
     pub tls: Option<kvferry_tcp::TlsFiles>,
 }
 
 impl From<kvferry_tokio::DataBackend> for DemoLink {
     fn from(backend: kvferry_tokio::DataBackend) -> Self {
-        DemoLink { backend, tls: None }
+        DemoLink {
+            backend,
+            same_host: Default::default(),
+            tls: None,
+        }
     }
 }
 
@@ -62,12 +68,18 @@ pub async fn run_demo(
     runtime: Runtime,
     link: DemoLink,
 ) -> Result<Report, NodeError> {
-    let DemoLink { backend, tls } = link;
+    let DemoLink {
+        backend,
+        same_host,
+        tls,
+    } = link;
     let token = kvferry_core::auth::DEMO_TOKEN.to_vec();
     let mut prefill_cfg = node_config(Role::Prefill, &shape, core.clone(), &token, 1);
     let mut decode_cfg = node_config(Role::Decode, &shape, core, &token, 2);
     prefill_cfg.backend = backend.clone();
     decode_cfg.backend = backend;
+    prefill_cfg.same_host = same_host;
+    decode_cfg.same_host = same_host;
     prefill_cfg.tls = tls.clone();
     decode_cfg.tls = tls;
     if faults.fault_rate > 0.0 {

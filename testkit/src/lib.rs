@@ -29,7 +29,7 @@ pub use prefill::*;
 pub use report::*;
 pub use shape::*;
 
-pub use kvferry_tokio::DataBackend;
+pub use kvferry_tokio::{DataBackend, SameHost};
 
 #[cfg(feature = "gpu")]
 pub mod gpu_demo;

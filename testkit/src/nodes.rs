@@ -36,6 +36,7 @@ pub fn node_config(role: Role, shape: &Shape, core: Config, token: &[u8], seed: 
         seed,
         faults: None,
         backend: Default::default(),
+        same_host: Default::default(),
         tls: None,
     }
 }
@@ -70,8 +71,11 @@ pub enum Backend {
     Tcp,
     /// RDMA verbs (builds with the `rdma` feature, hosts with a device).
     Rdma,
-    /// RDMA where this build and host can, TCP otherwise (said at start).
+    /// Same-host copies with a peer on this host, else RDMA where this build and host can,
+    /// else TCP (said at start and per session).
     Auto,
+    /// Same-host copies with a peer on this host, TCP otherwise (said per session).
+    SameHost,
 }
 
 impl Backend {
@@ -82,7 +86,10 @@ impl Backend {
             "tcp" => Ok(Backend::Tcp),
             "rdma" => rdma_available().map(|()| Backend::Rdma),
             "auto" => Ok(Backend::Auto),
-            other => Err(format!("unknown backend {other:?} (tcp, rdma or auto)")),
+            "same-host" | "same_host" => Ok(Backend::SameHost),
+            other => Err(format!(
+                "unknown backend {other:?} (tcp, rdma, same-host or auto)"
+            )),
         }
     }
 
@@ -93,6 +100,15 @@ impl Backend {
             Backend::Tcp => kvferry_tokio::DataBackend::Tcp,
             Backend::Rdma => kvferry_tokio::DataBackend::Rdma { device, port: 1 },
             Backend::Auto => kvferry_tokio::DataBackend::Auto { device, port: 1 },
+            Backend::SameHost => kvferry_tokio::DataBackend::Tcp,
+        }
+    }
+
+    /// Whether sessions with a peer on this host take the same-host path.
+    pub fn same_host(self) -> kvferry_tokio::SameHost {
+        match self {
+            Backend::Auto | Backend::SameHost => kvferry_tokio::SameHost::Auto,
+            Backend::Tcp | Backend::Rdma => kvferry_tokio::SameHost::Off,
         }
     }
 }

@@ -159,6 +159,14 @@ impl Endpoint {
         }
     }
 
+    /// Decode: `session`'s writes are seen landing again (its one-sided path was declined or
+    /// given up): its rooms succeed on the bytes counted, as over TCP.
+    pub fn clear_one_sided(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.one_sided = false;
+        }
+    }
+
     /// Decode: what the one-sided `session` writes into this node's memory becomes visible
     /// to the memory's device only after a flush (GPUDirect RDMA whose write ordering is
     /// weaker than the owner's). Its rooms report `Success` only once

@@ -477,11 +477,13 @@ mod copy_engine;
 mod glommio_bench;
 mod layer_events;
 mod links;
+mod same_host;
 mod scaling;
 
 pub use copy_engine::*;
 pub use layer_events::*;
 pub use links::*;
+pub use same_host::*;
 pub use scaling::*;
 
 #[cfg(test)]

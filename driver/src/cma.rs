@@ -1,0 +1,450 @@
+//! The same-host data plane, written once for every runtime: when a prefill and a decode
+//! run on one host (same boot, same PID namespace), the prefill copies each operation
+//! straight into the decode's registered memory with cross-memory attach
+//! (`process_vm_writev`, [`kvferry_cma`]). Chosen per session over the control channel
+//! (`Offer`, `Open` with the proof cell, `Accept`, or `Decline` with why, both sides logging
+//! it); the TCP path is set up as always and carries whatever went before the choice, and a
+//! session whose copies start failing falls back to it, saying why.
+//!
+//! A copy runs inline on the driver, so once the core settles an operation nothing of it is
+//! still landing: the prefill's fences need nothing more than TCP's, and a decode's fence
+//! is the prefill's word that it wrote nothing since ([`CmaMessage::Fence`], `Fenced`),
+//! then the TCP data connections closed as usual.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvferry_cma::{
+    CmaError, CmaMessage, CmaRegion, CmaTarget, Decline, HostIdentity, Offer, Open, PtracePolicy,
+};
+use kvferry_core::{Role, SessionId, TransferOp, TransferOutcome};
+use kvferry_memory::{MemoryMap, SliceSide};
+use tracing::{debug, info, warn};
+
+use crate::{DataPath, Driver, FaultKind, Host, START_TARGET};
+
+/// Whether a node moves sessions with peers on its own host over the same-host path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SameHost {
+    /// Never: every session takes TCP or RDMA (`transport="tcp"` or `"rdma"`).
+    #[default]
+    Off,
+    /// Where the peer shares this host and both sides can (`transport="auto"`).
+    Auto,
+}
+
+/// A node's same-host plane: its memory, who it is, and the permission it grants writers.
+pub struct SameHostPlane {
+    memory: Arc<MemoryMap>,
+    /// Who this process is, or why this node never takes the path.
+    usable: Result<HostIdentity, Decline>,
+    /// The proof cell: a writer reads it before its first copy.
+    nonce: Box<[u8; 16]>,
+}
+
+impl SameHostPlane {
+    /// The plane of a node over `memory` as `mode` asks: one that declines every session
+    /// (and says why) where the node cannot or must not take the path.
+    pub fn open(mode: SameHost, memory: Arc<MemoryMap>) -> Arc<SameHostPlane> {
+        let usable = match mode {
+            SameHost::Off => Err(Decline::Forbidden),
+            SameHost::Auto if memory.device_regions().next().is_some() => {
+                Err(Decline::DeviceMemory)
+            }
+            SameHost::Auto => HostIdentity::current(),
+        };
+        if mode == SameHost::Auto {
+            match &usable {
+                Ok(_) => {
+                    info!(target: START_TARGET, "same-host path ready: peers on this host move over cross-memory attach")
+                }
+                Err(why) => {
+                    info!(target: START_TARGET, why = why.as_str(), "no same-host path: peers on this host move over the network path")
+                }
+            }
+        }
+        Arc::new(SameHostPlane {
+            memory,
+            usable,
+            nonce: Box::new(nonce()),
+        })
+    }
+
+    /// The node's memory.
+    pub fn memory(&self) -> &Arc<MemoryMap> {
+        &self.memory
+    }
+
+    fn regions(&self) -> Vec<CmaRegion> {
+        self.memory
+            .region_lens()
+            .filter(|(region, _)| writable(*region))
+            .filter_map(|(region, len)| {
+                let addr = self.memory.range(region, 0, len).ok()? as u64;
+                Some(CmaRegion {
+                    region: region.code(),
+                    addr,
+                    len,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Regions a decode lets its writers write: those rooms and probes write (never anything
+/// else the map holds).
+fn writable(region: kvferry_core::Region) -> bool {
+    use kvferry_core::Region;
+    matches!(
+        region,
+        Region::Kv { .. } | Region::Aux | Region::State | Region::Extra { .. } | Region::Scratch
+    )
+}
+
+/// A fresh 16-byte nonce per node (no two nodes' proof cells agree by chance).
+fn nonce() -> [u8; 16] {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut z = t ^ (u64::from(std::process::id()) << 32) ^ 0x9E37_79B9_7F4A_7C15;
+    let mut out = [0u8; 16];
+    for half in out.chunks_mut(8) {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut x = z;
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        half.copy_from_slice(&(x ^ (x >> 31)).to_le_bytes());
+    }
+    out
+}
+
+/// A receiver's permission for one writer process, given back when the session ends.
+pub struct Grant {
+    writer: u32,
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        PtracePolicy::process().release(self.writer);
+    }
+}
+
+/// One session's same-host state.
+pub enum SessionCma {
+    /// Writer: offered, waiting for the receiver's `Open` or `Decline`.
+    Offered,
+    /// Writer: the receiver's memory, where this session's operations go.
+    Writing(CmaTarget),
+    /// Receiver: opened for the writer; `accepted` once it said it writes this way.
+    Opened {
+        /// The writer's permission, held while the session lasts.
+        _grant: Grant,
+        /// The writer accepted: the session is one-sided.
+        accepted: bool,
+        /// The fence waiting for the writer's `Fenced`, by epoch.
+        fencing: Option<u32>,
+        /// The last fence's epoch.
+        epoch: u32,
+    },
+    /// Not this session, and why.
+    Declined(Decline),
+}
+
+fn plane<H: Host>(driver: &Driver<H>) -> Option<Arc<SameHostPlane>> {
+    driver.same_host_plane().cloned()
+}
+
+fn state<H: Host>(driver: &mut Driver<H>, sid: SessionId) -> Option<&mut Option<SessionCma>> {
+    driver.session_io(sid).map(|io| &mut io.cma)
+}
+
+fn send<H: Host>(driver: &mut Driver<H>, sid: SessionId, msg: &CmaMessage) {
+    if let Err(e) = driver
+        .endpoint_mut()
+        .send_transport(Instant::now(), sid, &msg.encode())
+    {
+        debug!(session = %sid, error = %e, "could not send a same-host message");
+    }
+}
+
+/// Logs why `sid` does not take the same-host path: at info where this node asked for it.
+fn declined<H: Host>(driver: &mut Driver<H>, sid: SessionId, why: Decline, by_peer: bool) {
+    let asked = plane(driver).is_some_and(|p| p.usable.is_ok());
+    if asked {
+        info!(target: START_TARGET, session = %sid, why = why.as_str(), by_peer, "same-host path declined: the session keeps the network path");
+    } else {
+        debug!(session = %sid, why = why.as_str(), by_peer, "same-host path declined");
+    }
+    if let Some(s) = state(driver, sid) {
+        *s = Some(SessionCma::Declined(why));
+    }
+}
+
+/// The session is established: a prefill offers the path to its decode (or says at once
+/// why it will not take it, where it was asked to).
+pub(crate) fn establish<H: Host>(driver: &mut Driver<H>, sid: SessionId) {
+    let Some(plane) = plane(driver) else {
+        return;
+    };
+    let writer = driver.endpoint().info().role == Role::Prefill
+        && driver
+            .endpoint()
+            .peer(sid)
+            .is_some_and(|p| p.role == Role::Decode);
+    if !writer {
+        return;
+    }
+    match plane.usable {
+        Ok(host) => {
+            if let Some(s) = state(driver, sid) {
+                *s = Some(SessionCma::Offered);
+            }
+            let offer = CmaMessage::Offer(Offer {
+                host,
+                pid: std::process::id(),
+            });
+            send(driver, sid, &offer);
+        }
+        Err(Decline::Forbidden) => {}
+        Err(why) => {
+            send(driver, sid, &CmaMessage::Decline(why));
+            declined(driver, sid, why, false);
+        }
+    }
+}
+
+/// A same-host message from the peer of `sid`.
+pub(crate) fn on_message<H: Host>(driver: &mut Driver<H>, sid: SessionId, payload: &[u8]) {
+    let Some(plane) = plane(driver) else {
+        return;
+    };
+    let msg = match CmaMessage::decode(payload) {
+        Ok(m) => m,
+        Err(e) => {
+            warn!(session = %sid, error = %e, "same-host message refused");
+            return;
+        }
+    };
+    match msg {
+        CmaMessage::Offer(offer) => on_offer(driver, &plane, sid, offer),
+        CmaMessage::Open(open) => on_open(driver, sid, open),
+        CmaMessage::Accept => on_accept(driver, sid),
+        CmaMessage::Decline(why) => {
+            if matches!(state(driver, sid), Some(Some(SessionCma::Opened { .. }))) {
+                driver.endpoint_mut().clear_one_sided(sid);
+            }
+            declined(driver, sid, why, true);
+        }
+        CmaMessage::Fence { epoch } => {
+            // Every copy runs inline: none issued before this message is still landing.
+            if matches!(state(driver, sid), Some(Some(SessionCma::Writing(_)))) {
+                send(driver, sid, &CmaMessage::Fenced { epoch });
+            }
+        }
+        CmaMessage::Fenced { epoch } => on_fenced(driver, sid, epoch),
+    }
+}
+
+/// Receiver: the writer shares this host? Grant it the memory and the proof, or decline.
+fn on_offer<H: Host>(
+    driver: &mut Driver<H>,
+    plane: &Arc<SameHostPlane>,
+    sid: SessionId,
+    offer: Offer,
+) {
+    let regions = plane.regions();
+    let answer = plane
+        .usable
+        .and_then(|me| me.reaches(&offer.host))
+        .and_then(|()| {
+            if CmaMessage::open_fits(regions.len()) {
+                Ok(())
+            } else {
+                Err(Decline::TooManyRegions)
+            }
+        })
+        .and_then(|()| PtracePolicy::process().grant(offer.pid));
+    match answer {
+        Err(why) => {
+            send(driver, sid, &CmaMessage::Decline(why));
+            declined(driver, sid, why, false);
+        }
+        Ok(()) => {
+            let grant = Grant { writer: offer.pid };
+            // One-sided from now on: the writer's first copies and its word on them may
+            // follow its `Accept` in the same read, before this node hears the `Accept`.
+            // Writes that still come over TCP are acknowledged before that word, so a room
+            // succeeding on it is as true there.
+            driver.endpoint_mut().set_one_sided(sid);
+            if let Some(s) = state(driver, sid) {
+                *s = Some(SessionCma::Opened {
+                    _grant: grant,
+                    accepted: false,
+                    fencing: None,
+                    epoch: 0,
+                });
+            }
+            let open = CmaMessage::Open(Open {
+                pid: std::process::id(),
+                nonce_addr: plane.nonce.as_ptr() as u64,
+                nonce: *plane.nonce,
+                regions,
+            });
+            send(driver, sid, &open);
+        }
+    }
+}
+
+/// Writer: the receiver opened its memory. Prove the pid is the receiver, then write there.
+fn on_open<H: Host>(driver: &mut Driver<H>, sid: SessionId, open: Open) {
+    if !matches!(state(driver, sid), Some(Some(SessionCma::Offered))) {
+        debug!(session = %sid, "same-host Open without an offer");
+        return;
+    }
+    let target = CmaTarget::new(open.pid, open.regions);
+    if let Err(e) = target.prove(open.nonce_addr, &open.nonce) {
+        let why = match e {
+            CmaError::Permission => Decline::PtraceRefused,
+            _ => Decline::NotThePeer,
+        };
+        send(driver, sid, &CmaMessage::Decline(why));
+        declined(driver, sid, why, false);
+        return;
+    }
+    if let Some(s) = state(driver, sid) {
+        *s = Some(SessionCma::Writing(target));
+    }
+    send(driver, sid, &CmaMessage::Accept);
+    driver.set_path(
+        sid,
+        DataPath::Cma,
+        "same host: cross-memory attach into the decode's memory",
+    );
+}
+
+/// Receiver: the writer writes this session's operations into this process from now on.
+fn on_accept<H: Host>(driver: &mut Driver<H>, sid: SessionId) {
+    match state(driver, sid) {
+        Some(Some(SessionCma::Opened { accepted, .. })) => *accepted = true,
+        _ => {
+            debug!(session = %sid, "same-host Accept without an Open");
+            return;
+        }
+    }
+    driver.set_path(
+        sid,
+        DataPath::Cma,
+        "same host: the prefill writes into this memory",
+    );
+}
+
+/// Copies `op` into the receiver when its session takes the same-host path; gives it back
+/// otherwise.
+pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<TransferOp> {
+    let Some(plane) = plane(driver) else {
+        return Some(op);
+    };
+    let faults = driver.faults();
+    let target = match driver.session_io(op.session).and_then(|io| io.cma.as_ref()) {
+        Some(SessionCma::Writing(t)) => t.clone(),
+        _ => return Some(op),
+    };
+    let memory = plane.memory();
+    let checksum = if op.checksum && op.room.is_some() {
+        memory.checksum(&op.slices, SliceSide::Source).ok()
+    } else {
+        None
+    };
+    let hit = faults
+        .filter(|f| op.room.is_some_and(|room| f.hits(room, op.id)))
+        .map(|f| f.kind);
+    let now = Instant::now();
+    if hit == Some(FaultKind::Break) {
+        // Injected (demos and tests): the copy fails as a broken connection would.
+        driver
+            .endpoint_mut()
+            .handle_transfer_result(now, op.id, TransferOutcome::Transient);
+        return None;
+    }
+    let flipped = hit == Some(FaultKind::FlipBit) && flip(memory, &op);
+    if flipped {
+        warn!(session = %op.session, room = ?op.room, "injected fault: one bit of a copy flipped");
+    }
+    let result = target.write(memory, &op.slices);
+    if flipped {
+        flip(memory, &op);
+    }
+    let outcome = match result {
+        Ok(_) => {
+            if let Some(sum) = checksum {
+                driver.endpoint_mut().handle_source_checksum(op.id, sum);
+            }
+            TransferOutcome::Done
+        }
+        Err(e @ (CmaError::OutsideRegion { .. } | CmaError::Source(_))) => {
+            warn!(session = %op.session, room = ?op.room, error = %e, "same-host copy refused");
+            TransferOutcome::Fatal
+        }
+        Err(e) => {
+            // The receiver's memory or permission went away under the session: it moves
+            // over the network path from now on, and the operation is retried there.
+            warn!(session = %op.session, room = ?op.room, error = %e, "same-host copy failed: the session falls back to the network path");
+            if let Some(io) = driver.session_io(op.session) {
+                io.cma = Some(SessionCma::Declined(Decline::PtraceRefused));
+            }
+            driver.use_tcp_path(op.session, "the same-host copy failed");
+            TransferOutcome::Transient
+        }
+    };
+    driver
+        .endpoint_mut()
+        .handle_transfer_result(now, op.id, outcome);
+    None
+}
+
+/// Flips the first source bit of `op` (again, to restore it).
+fn flip(memory: &MemoryMap, op: &TransferOp) -> bool {
+    let Some(first) = op.slices.first() else {
+        return false;
+    };
+    let mut byte = [0u8; 1];
+    let read = memory.read(first.region, first.src_offset, &mut byte);
+    byte[0] ^= 1;
+    read.is_ok() && memory.write(first.region, first.src_offset, &byte).is_ok()
+}
+
+/// Receiver: the core's fence of `sid`, whose writer copies into this process: ask the
+/// writer to confirm that nothing it issued before is still landing; the TCP side of the
+/// fence follows its answer ([`on_fenced`]). `false` when the session's writer does not
+/// copy this way.
+pub(crate) fn fence<H: Host>(driver: &mut Driver<H>, sid: SessionId) -> bool {
+    let epoch = match state(driver, sid) {
+        Some(Some(SessionCma::Opened {
+            accepted: true,
+            fencing,
+            epoch,
+            ..
+        })) => {
+            *epoch = epoch.wrapping_add(1);
+            *fencing = Some(*epoch);
+            *epoch
+        }
+        _ => return false,
+    };
+    send(driver, sid, &CmaMessage::Fence { epoch });
+    true
+}
+
+/// Receiver: the writer confirmed the fence of `epoch`.
+fn on_fenced<H: Host>(driver: &mut Driver<H>, sid: SessionId, epoch: u32) {
+    match state(driver, sid) {
+        Some(Some(SessionCma::Opened { fencing, .. })) if *fencing == Some(epoch) => {
+            *fencing = None;
+        }
+        _ => {
+            debug!(session = %sid, epoch, "same-host Fenced for no fence");
+            return;
+        }
+    }
+    driver.fence_data_connections(sid);
+}
