@@ -119,11 +119,13 @@ impl CmaTarget {
     }
 
     /// Copies every row of `slices` from `memory` to the same region in the receiver, in
-    /// as few calls as the iovec limit allows (rows adjacent on both sides merged). Nothing
-    /// is copied if any row lies outside what either side has. Returns the bytes copied.
+    /// as few calls as the iovec limit allows (rows adjacent on both sides merged), on up to
+    /// [`COPY_THREADS`] threads at once for a large operation (one call copies at about two
+    /// thirds of one thread's memcpy: the kernel pins and maps every page it writes). Nothing
+    /// is copied if any row lies outside what either side has. Returns the bytes copied; the
+    /// copy is over, on every thread, when it returns.
     pub fn write(&self, memory: &MemoryMap, slices: &[Slice]) -> Result<u64, CmaError> {
-        let mut local: Vec<libc::iovec> = Vec::new();
-        let mut remote: Vec<libc::iovec> = Vec::new();
+        let mut runs: Vec<Run> = Vec::new();
         let mut total = 0u64;
         for slice in slices {
             let code = slice.region.code();
@@ -133,53 +135,83 @@ impl CmaTarget {
                 .ok()
                 .map(|i| self.regions[i])
                 .ok_or(CmaError::OutsideRegion { region: code })?;
-            let end = slice
-                .dst_end()
-                .ok_or(CmaError::OutsideRegion { region: code })?;
+            let end = slice.dst_end().ok_or(CmaError::OutsideRegion { region: code })?;
             if end > target.len {
                 return Err(CmaError::OutsideRegion { region: code });
             }
             for run in slice.runs() {
                 let src = memory
                     .host_range(run.region, run.src_offset, run.len)
-                    .map_err(|e| CmaError::Source(e.to_string()))?;
-                let dst = target.addr + run.dst_offset;
+                    .map_err(|e| CmaError::Source(e.to_string()))?
+                    as usize;
+                let dst = (target.addr + run.dst_offset) as usize;
                 let len = run.len as usize;
                 total += run.len;
                 // Rows that continue the previous one on both sides go in the same iovec.
-                if let (Some(l), Some(r)) = (local.last_mut(), remote.last_mut()) {
-                    let l_end = (l.iov_base as usize).wrapping_add(l.iov_len);
-                    let r_end = (r.iov_base as usize).wrapping_add(r.iov_len);
-                    if l_end == src as usize && r_end == dst as usize {
-                        l.iov_len += len;
-                        r.iov_len += len;
+                if let Some(last) = runs.last_mut() {
+                    if last.src + last.len == src && last.dst + last.len == dst {
+                        last.len += len;
                         continue;
                     }
                 }
-                local.push(libc::iovec {
-                    iov_base: src.cast(),
-                    iov_len: len,
-                });
-                remote.push(libc::iovec {
-                    iov_base: dst as *mut libc::c_void,
-                    iov_len: len,
-                });
+                runs.push(Run { src, dst, len });
             }
         }
-        for (l, r) in local.chunks(IOV_MAX).zip(remote.chunks(IOV_MAX)) {
-            let want: usize = l.iter().map(|v| v.iov_len).sum();
+        let parts = parts_for(total as usize);
+        if parts <= 1 {
+            self.copy(&runs)?;
+            return Ok(total);
+        }
+        let shares = split(&runs, total as usize, parts);
+        std::thread::scope(|scope| {
+            let (first, rest) = shares.split_first().map_or((&[][..], &[][..]), |(f, r)| (&f[..], r));
+            let others: Vec<_> = rest
+                .iter()
+                .map(|share| scope.spawn(move || self.copy(share)))
+                .collect();
+            let mut result = self.copy(first);
+            for t in others {
+                let r = t.join().unwrap_or(Err(CmaError::Os(0)));
+                if result.is_ok() {
+                    result = r;
+                }
+            }
+            result
+        })?;
+        Ok(total)
+    }
+
+    /// One thread's share: calls of at most [`IOV_MAX`] iovecs each, in order.
+    fn copy(&self, runs: &[Run]) -> Result<(), CmaError> {
+        for batch in runs.chunks(IOV_MAX) {
+            let local: Vec<libc::iovec> = batch
+                .iter()
+                .map(|r| libc::iovec {
+                    iov_base: r.src as *mut libc::c_void,
+                    iov_len: r.len,
+                })
+                .collect();
+            let remote: Vec<libc::iovec> = batch
+                .iter()
+                .map(|r| libc::iovec {
+                    iov_base: r.dst as *mut libc::c_void,
+                    iov_len: r.len,
+                })
+                .collect();
+            let want: usize = batch.iter().map(|r| r.len).sum();
             // SAFETY: every local iovec lies inside `memory`'s host regions (bounds-checked by
-            // `host_range`), which outlive the call, and the caller owns those pages per the
-            // core (a room's source pages are held until its operations settle); every remote
-            // iovec lies inside a region the receiver announced for this session, which the
-            // kernel checks against the receiver's own mappings.
+            // `host_range`), which outlive the call (the caller holds the map across
+            // `write`, whose threads end before it returns), and the caller owns those pages
+            // per the core (a room's source pages are held until its operations settle);
+            // every remote iovec lies inside a region the receiver announced for this
+            // session, which the kernel checks against the receiver's own mappings.
             let n = unsafe {
                 libc::process_vm_writev(
                     self.pid,
-                    l.as_ptr(),
-                    l.len() as libc::c_ulong,
-                    r.as_ptr(),
-                    r.len() as libc::c_ulong,
+                    local.as_ptr(),
+                    local.len() as libc::c_ulong,
+                    remote.as_ptr(),
+                    remote.len() as libc::c_ulong,
                     0,
                 )
             };
@@ -190,8 +222,57 @@ impl CmaTarget {
                 return Err(CmaError::Fault { copied: n as usize });
             }
         }
-        Ok(total)
+        Ok(())
     }
+}
+
+/// Most threads one operation's copy runs on.
+pub const COPY_THREADS: usize = 4;
+/// Least bytes a thread is given: below it a thread's start costs more than it saves.
+const BYTES_PER_THREAD: usize = 2 << 20;
+
+/// One contiguous copy: `len` bytes from this process's `src` to the receiver's `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Run {
+    src: usize,
+    dst: usize,
+    len: usize,
+}
+
+/// How many threads an operation of `bytes` is copied on.
+fn parts_for(bytes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.min(COPY_THREADS).min(bytes / BYTES_PER_THREAD).max(1)
+}
+
+/// `runs` cut into `parts` shares of nearly equal bytes, in order (a run split where a
+/// share ends).
+fn split(runs: &[Run], total: usize, parts: usize) -> Vec<Vec<Run>> {
+    let per = total.div_ceil(parts.max(1)).max(1);
+    let mut shares = vec![Vec::new()];
+    let mut room = per;
+    for &run in runs {
+        let mut run = run;
+        while run.len > 0 {
+            if room == 0 {
+                shares.push(Vec::new());
+                room = per;
+            }
+            let take = run.len.min(room);
+            if let Some(share) = shares.last_mut() {
+                share.push(Run {
+                    src: run.src,
+                    dst: run.dst,
+                    len: take,
+                });
+            }
+            run.src += take;
+            run.dst += take;
+            run.len -= take;
+            room -= take;
+        }
+    }
+    shares
 }
 
 fn errno() -> i32 {
@@ -314,6 +395,52 @@ mod tests {
             target_of(&dst).write(&src, &[unknown]),
             Err(CmaError::OutsideRegion { .. })
         ));
+    }
+
+    #[test]
+    fn shares_cover_every_byte_once_in_order_and_nearly_equal() {
+        let runs = vec![
+            Run { src: 0, dst: 1000, len: 10 },
+            Run { src: 100, dst: 2000, len: 25 },
+            Run { src: 500, dst: 3000, len: 5 },
+        ];
+        let shares = split(&runs, 40, 3);
+        assert_eq!(shares.len(), 3);
+        let sizes: Vec<usize> = shares.iter().map(|s| s.iter().map(|r| r.len).sum()).collect();
+        assert_eq!(sizes, vec![14, 14, 12]);
+        let flat: Vec<(usize, usize)> = shares
+            .iter()
+            .flatten()
+            .flat_map(|r| (0..r.len).map(move |i| (r.src + i, r.dst + i)))
+            .collect();
+        let want: Vec<(usize, usize)> = runs
+            .iter()
+            .flat_map(|r| (0..r.len).map(move |i| (r.src + i, r.dst + i)))
+            .collect();
+        assert_eq!(flat, want);
+    }
+
+    #[test]
+    fn a_large_copy_on_several_threads_lands_every_byte() {
+        let layout = Layout {
+            layers: 1,
+            planes: 1,
+            page_bytes: 1 << 20,
+            pages: 12,
+            aux_bytes: 0,
+            state_bytes: 0,
+            slots: 0,
+        };
+        let src = MemoryMap::allocate(layout);
+        let dst = MemoryMap::allocate(layout);
+        let region = Region::Kv { layer: 0, plane: 0 };
+        let bytes: Vec<u8> = (0..12u64 << 20).map(|i| (i * 7 + i / 4099) as u8).collect();
+        src.write(region, 0, &bytes).unwrap();
+        let copied = target_of(&dst)
+            .write(&src, &[Slice::run(region, 0, 0, 12 << 20)])
+            .unwrap();
+        assert_eq!(copied, 12 << 20);
+        assert_eq!(read(&dst, region, 0, 12 << 20), bytes);
     }
 
     #[test]

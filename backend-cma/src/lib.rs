@@ -17,6 +17,6 @@ mod copy;
 mod host;
 mod message;
 
-pub use copy::{CmaError, CmaTarget, IOV_MAX};
+pub use copy::{CmaError, CmaTarget, COPY_THREADS, IOV_MAX};
 pub use host::{HostIdentity, PtracePolicy, PtraceScope};
 pub use message::{CmaMessage, CmaRegion, Decline, MessageError, Offer, Open, TAG};

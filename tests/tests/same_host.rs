@@ -1,0 +1,238 @@
+//! The same-host path end to end (cross-memory attach): a prefill and a decode of one process
+//! share its host, so with `SameHost::Auto` on both sides the prefill copies each operation
+//! straight into the decode's memory. Every byte verified, on every driver. The driver suites
+//! run over it as well (`KVFERRY_TEST_BACKEND=same_host`, in CI); these are the scenarios
+//! that are about the path itself: who takes it, the checksum, fences and fallbacks.
+#![allow(clippy::unwrap_used)] // tests may panic
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry_core::{Config, FailureReason, Grant, KvPoll, Role, RoomId};
+use kvferry_memory::MemoryMap;
+use kvferry_testkit::{node_config, path_label, run_pair, AnyNode, Report, SameHost, Shape};
+use kvferry_tests::proxy::FaultProxy;
+use kvferry_tests::{
+    assert_all_clean, fast_core, on_every_driver, rooms, small_shape, KvNode, Runtime,
+};
+use kvferry_tokio::{FaultKind, FaultPlan};
+
+/// A node of `role` on `rt` whose sessions with peers on this host take the same-host path
+/// where `same_host` says so.
+fn start(
+    rt: Runtime,
+    role: Role,
+    shape: &Shape,
+    core: Config,
+    seed: u64,
+    same_host: SameHost,
+) -> AnyNode {
+    let mut cfg = node_config(role, shape, core, b"test-token", seed);
+    cfg.same_host = same_host;
+    rt.start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
+        .unwrap()
+}
+
+/// Both sides with `same_host` each, `run` moved end to end.
+async fn pair(
+    p: Runtime,
+    d: Runtime,
+    core: Config,
+    sides: [SameHost; 2],
+    run: kvferry_testkit::DecodeRun,
+) -> (Report, AnyNode, AnyNode) {
+    let prefill = start(p, Role::Prefill, &run.shape, core.clone(), 1, sides[0]);
+    let decode = start(d, Role::Decode, &run.shape, core, 2, sides[1]);
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    (report, prefill, decode)
+}
+
+const BOTH: [SameHost; 2] = [SameHost::Auto, SameHost::Auto];
+
+async fn rooms_move_over_the_same_host_path_with_every_byte_verified(p: Runtime, d: Runtime) {
+    let (report, _, _) = pair(p, d, fast_core(), BOTH, rooms(300, 1)).await;
+    assert_all_clean(&report, 300);
+    assert_eq!(report.pages_verified, 300 * 8 * 4 * 2);
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        ("cma", "cma")
+    );
+}
+
+/// Either side that forbids the path (`transport="tcp"`): the session moves over TCP, every
+/// byte verified.
+async fn a_side_that_forbids_the_same_host_path_keeps_the_session_on_tcp(p: Runtime, d: Runtime) {
+    for sides in [
+        [SameHost::Auto, SameHost::Off],
+        [SameHost::Off, SameHost::Auto],
+    ] {
+        let (report, _, _) = pair(p, d, fast_core(), sides, rooms(40, 1)).await;
+        assert_all_clean(&report, 40);
+        assert_eq!(
+            (report.prefill_path.as_str(), report.decode_path.as_str()),
+            ("tcp", "tcp"),
+            "{sides:?}"
+        );
+    }
+}
+
+/// With the end-to-end checksum, every copy's source hash goes to the decode, which hashes
+/// what landed before the room may succeed: one passed check per operation.
+async fn under_the_checksum_every_same_host_copy_is_checked_on_landing(p: Runtime, d: Runtime) {
+    let core = Config {
+        checksum: true,
+        ..fast_core()
+    };
+    let (report, prefill, decode) = pair(p, d, core, BOTH, rooms(100, 1)).await;
+    assert_all_clean(&report, 100);
+    assert_eq!(report.decode_path, "cma");
+    let (pc, dc) = (prefill.counters().await, decode.counters().await);
+    assert_eq!(dc.landed_checks_passed, pc.ops_planned, "one check per operation");
+    assert_eq!(dc.protocol_errors, 0);
+}
+
+/// 100 rooms with a bit flipped in about 3 % of the copies (the prefill flips its source
+/// after hashing it and restores it after the copy).
+async fn flipped(p: Runtime, d: Runtime, checksum: bool) -> Report {
+    let run = rooms(100, 1);
+    let core = Config {
+        checksum,
+        ..fast_core()
+    };
+    let prefill = start(p, Role::Prefill, &run.shape, core.clone(), 1, SameHost::Auto);
+    let decode = start(d, Role::Decode, &run.shape, core, 2, SameHost::Auto);
+    prefill
+        .set_faults(Some(FaultPlan {
+            rate: 0.03,
+            seed: 11,
+            kind: FaultKind::FlipBit,
+        }))
+        .await;
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    assert_eq!(report.decode_path, "cma");
+    report
+}
+
+/// Under the checksum exactly the rooms a flip hit fail with `checksum_mismatch`; no page is
+/// left corrupted.
+async fn a_bit_flipped_in_a_same_host_copy_fails_its_room_with_checksum_mismatch(
+    p: Runtime,
+    d: Runtime,
+) {
+    let report = flipped(p, d, true).await;
+    let failed = report.failed_by_reason.get("checksum_mismatch").copied();
+    assert!(failed.unwrap_or(0) >= 1, "{report:?}");
+    assert_eq!(report.failed_by_reason.len(), 1, "{report:?}");
+    assert_eq!(report.rooms_succeeded + failed.unwrap_or(0), 100);
+    assert_eq!((report.pages_corrupted, report.rooms_unfinished), (0, 0));
+}
+
+/// The negative control: without the checksum the decode never sees a copy land, the rooms
+/// succeed on the source's word, and the flipped bits are found in the pages.
+async fn without_the_checksum_a_flipped_same_host_copy_lands_as_a_corrupted_page(
+    p: Runtime,
+    d: Runtime,
+) {
+    let report = flipped(p, d, false).await;
+    assert_eq!(report.rooms_succeeded, 100, "{report:?}");
+    assert!(report.pages_corrupted + report.aux_corrupted >= 1, "{report:?}");
+}
+
+/// Copies that fail (injected: as a broken connection) are retried like any transfer: every
+/// room succeeds, every byte verified.
+async fn failed_same_host_copies_are_retried_and_every_room_lands(p: Runtime, d: Runtime) {
+    let run = rooms(100, 1);
+    let prefill = start(p, Role::Prefill, &run.shape, fast_core(), 1, SameHost::Auto);
+    let decode = start(d, Role::Decode, &run.shape, fast_core(), 2, SameHost::Auto);
+    prefill
+        .set_faults(Some(FaultPlan {
+            rate: 0.05,
+            seed: 3,
+            kind: FaultKind::Break,
+        }))
+        .await;
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    assert_all_clean(&report, 100);
+    assert!(report.retries >= 1, "{report:?}");
+    assert_eq!(report.decode_path, "cma");
+}
+
+on_every_driver!(
+    rooms_move_over_the_same_host_path_with_every_byte_verified,
+    a_side_that_forbids_the_same_host_path_keeps_the_session_on_tcp,
+    under_the_checksum_every_same_host_copy_is_checked_on_landing,
+    a_bit_flipped_in_a_same_host_copy_fails_its_room_with_checksum_mismatch,
+    without_the_checksum_a_flipped_same_host_copy_lands_as_a_corrupted_page,
+    failed_same_host_copies_are_retried_and_every_room_lands,
+);
+
+/// The control link goes dark right when the decode aborts a room the prefill is copying:
+/// the decode cannot stop a same-host writer itself, so its pages stay quarantined past the
+/// abort deadline (when TCP would have released them) until the fence the writer cannot
+/// confirm times out and the session ends; the writer, which hears nothing either, has ended
+/// its side by its liveness window, so nothing copies into them afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_abort_keeps_same_host_pages_quarantined_until_the_session_ends() {
+    let shape = Shape {
+        page_bytes: 64 * 1024,
+        pages_per_room: 64,
+        chunks: 64,
+        ..small_shape()
+    };
+    let core = Config {
+        waiting_timeout: Duration::from_secs(30),
+        fence_timeout: Duration::from_secs(2),
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_misses: 5,
+        ..fast_core()
+    };
+    let prefill = start(Runtime::Tokio, Role::Prefill, &shape, core.clone(), 81, SameHost::Auto);
+    let addrs = prefill.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let mut proxies = Vec::new();
+    for (i, &addr) in addrs.iter().enumerate() {
+        proxies.push(FaultProxy::start(addr, 5 + i as u64).await.unwrap());
+    }
+    let behind: Vec<SocketAddr> = proxies.iter().map(|p| p.addr).collect();
+    let decode = start(Runtime::Tokio, Role::Decode, &shape, core, 82, SameHost::Auto);
+    let peer = decode.connect(behind).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(path_label(&decode).await.contains("cma"));
+    // The room's chunks come 5 ms apart through the proxy: far slower than the copies.
+    for proxy in &proxies {
+        proxy.set(|f| f.delay = Duration::from_millis(5));
+    }
+    let grant = Grant {
+        extras: Vec::new(),
+        pages: (0..64).collect(),
+        aux_slot: Some(0),
+        state_slot: None,
+        receivers: 1,
+        skip_pages: 0,
+        idle_sources: 0,
+        prompt: None,
+    };
+    let server = tokio::spawn(kvferry_testkit::serve_prefill(prefill.clone(), shape.clone()));
+    let mut h = decode
+        .open_receiver(RoomId(1), 0, vec![peer], Some(grant))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    for proxy in &proxies {
+        proxy.set(|f| f.blackhole_until = Some(Instant::now() + Duration::from_secs(30)));
+    }
+    let t0 = Instant::now();
+    decode.abort(RoomId(1)).await.unwrap();
+    assert_eq!(
+        h.terminal().await,
+        KvPoll::Failed(FailureReason::AbortedLocally)
+    );
+    tokio::time::timeout(Duration::from_secs(10), h.releasable())
+        .await
+        .expect("released once the session ended");
+    let held = t0.elapsed();
+    // The abort deadline (500 ms) plus the fence's (2 s): not before.
+    assert!(held >= Duration::from_millis(2400), "released after {held:?}");
+    assert!(decode.counters().await.fences >= 1, "the session was fenced");
+    server.abort();
+}
