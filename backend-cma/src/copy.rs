@@ -135,7 +135,9 @@ impl CmaTarget {
                 .ok()
                 .map(|i| self.regions[i])
                 .ok_or(CmaError::OutsideRegion { region: code })?;
-            let end = slice.dst_end().ok_or(CmaError::OutsideRegion { region: code })?;
+            let end = slice
+                .dst_end()
+                .ok_or(CmaError::OutsideRegion { region: code })?;
             if end > target.len {
                 return Err(CmaError::OutsideRegion { region: code });
             }
@@ -164,7 +166,9 @@ impl CmaTarget {
         }
         let shares = split(&runs, total as usize, parts);
         std::thread::scope(|scope| {
-            let (first, rest) = shares.split_first().map_or((&[][..], &[][..]), |(f, r)| (&f[..], r));
+            let (first, rest) = shares
+                .split_first()
+                .map_or((&[][..], &[][..]), |(f, r)| (&f[..], r));
             let others: Vec<_> = rest
                 .iter()
                 .map(|share| scope.spawn(move || self.copy(share)))
@@ -400,13 +404,28 @@ mod tests {
     #[test]
     fn shares_cover_every_byte_once_in_order_and_nearly_equal() {
         let runs = vec![
-            Run { src: 0, dst: 1000, len: 10 },
-            Run { src: 100, dst: 2000, len: 25 },
-            Run { src: 500, dst: 3000, len: 5 },
+            Run {
+                src: 0,
+                dst: 1000,
+                len: 10,
+            },
+            Run {
+                src: 100,
+                dst: 2000,
+                len: 25,
+            },
+            Run {
+                src: 500,
+                dst: 3000,
+                len: 5,
+            },
         ];
         let shares = split(&runs, 40, 3);
         assert_eq!(shares.len(), 3);
-        let sizes: Vec<usize> = shares.iter().map(|s| s.iter().map(|r| r.len).sum()).collect();
+        let sizes: Vec<usize> = shares
+            .iter()
+            .map(|s| s.iter().map(|r| r.len).sum())
+            .collect();
         assert_eq!(sizes, vec![14, 14, 12]);
         let flat: Vec<(usize, usize)> = shares
             .iter()

@@ -52,6 +52,8 @@ pub enum Timer {
     Linger(SessionId),
     /// A fence of the session was not confirmed within `fence_timeout`.
     Fence(SessionId),
+    /// An ended writer-fenced session's writer has had its liveness window to stop writing.
+    WriterQuarantine(SessionId),
 }
 
 /// Opaque key of an armed timer, kept by its owner to disarm it.

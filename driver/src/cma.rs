@@ -129,18 +129,52 @@ impl Drop for Grant {
     }
 }
 
+/// The session is closing: a writer copies nothing more from now on (a receiver keeps its
+/// state until the session is gone: its writer's pid decides how long its pages wait).
+pub(crate) fn stop_writing<H: Host>(io: &mut crate::SessionIo<H>) {
+    if matches!(io.cma, Some(SessionCma::Writing(_))) {
+        io.cma = None;
+    }
+}
+
+/// Receiver: the writer of `io`'s session, if it was let copy into this process.
+pub(crate) fn writer_of<H: Host>(io: &crate::SessionIo<H>) -> Option<u32> {
+    match &io.cma {
+        Some(SessionCma::Opened { grant, .. }) => Some(grant.writer),
+        _ => None,
+    }
+}
+
+/// Whether process `pid` can no longer write: gone, a zombie, or past releasing its memory
+/// (its exit closes its sockets after that, so a peer that hears them close may find it so).
+pub(crate) fn exited(pid: u32) -> bool {
+    if pid == std::process::id() {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    // After the command's closing parenthesis: state, then fields 4.. (vsize is field 23).
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return false;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let state = fields.first().copied().unwrap_or("");
+    let vsize = fields.get(20).and_then(|v| v.parse::<u64>().ok());
+    matches!(state, "Z" | "X" | "x") || vsize == Some(0)
+}
+
 /// One session's same-host state.
 pub enum SessionCma {
     /// Writer: offered, waiting for the receiver's `Open` or `Decline`.
     Offered,
     /// Writer: the receiver's memory, where this session's operations go.
     Writing(CmaTarget),
-    /// Receiver: opened for the writer; `accepted` once it said it writes this way.
+    /// Receiver: opened for the writer (one-sided from then on: it may accept and copy
+    /// before this side hears it).
     Opened {
         /// The writer's permission, held while the session lasts.
-        _grant: Grant,
-        /// The writer accepted: the session is one-sided.
-        accepted: bool,
+        grant: Grant,
         /// The fence waiting for the writer's `Fenced`, by epoch.
         fencing: Option<u32>,
         /// The last fence's epoch.
@@ -236,10 +270,9 @@ pub(crate) fn on_message<H: Host>(driver: &mut Driver<H>, sid: SessionId, payloa
             declined(driver, sid, why, true);
         }
         CmaMessage::Fence { epoch } => {
-            // Every copy runs inline: none issued before this message is still landing.
-            if matches!(state(driver, sid), Some(Some(SessionCma::Writing(_)))) {
-                send(driver, sid, &CmaMessage::Fenced { epoch });
-            }
+            // Every copy runs inline: none issued before this message is still landing,
+            // whatever this side's state.
+            send(driver, sid, &CmaMessage::Fenced { epoch });
         }
         CmaMessage::Fenced { epoch } => on_fenced(driver, sid, epoch),
     }
@@ -276,10 +309,10 @@ fn on_offer<H: Host>(
             // Writes that still come over TCP are acknowledged before that word, so a room
             // succeeding on it is as true there.
             driver.endpoint_mut().set_one_sided(sid);
+            driver.endpoint_mut().set_fenced_by_writer(sid);
             if let Some(s) = state(driver, sid) {
                 *s = Some(SessionCma::Opened {
-                    _grant: grant,
-                    accepted: false,
+                    grant,
                     fencing: None,
                     epoch: 0,
                 });
@@ -325,7 +358,7 @@ fn on_open<H: Host>(driver: &mut Driver<H>, sid: SessionId, open: Open) {
 /// Receiver: the writer writes this session's operations into this process from now on.
 fn on_accept<H: Host>(driver: &mut Driver<H>, sid: SessionId) {
     match state(driver, sid) {
-        Some(Some(SessionCma::Opened { accepted, .. })) => *accepted = true,
+        Some(Some(SessionCma::Opened { .. })) => {}
         _ => {
             debug!(session = %sid, "same-host Accept without an Open");
             return;
@@ -415,16 +448,11 @@ fn flip(memory: &MemoryMap, op: &TransferOp) -> bool {
 
 /// Receiver: the core's fence of `sid`, whose writer copies into this process: ask the
 /// writer to confirm that nothing it issued before is still landing; the TCP side of the
-/// fence follows its answer ([`on_fenced`]). `false` when the session's writer does not
-/// copy this way.
+/// fence follows its answer ([`on_fenced`]). `false` when the session's writer was never
+/// let copy this way.
 pub(crate) fn fence<H: Host>(driver: &mut Driver<H>, sid: SessionId) -> bool {
     let epoch = match state(driver, sid) {
-        Some(Some(SessionCma::Opened {
-            accepted: true,
-            fencing,
-            epoch,
-            ..
-        })) => {
+        Some(Some(SessionCma::Opened { fencing, epoch, .. })) => {
             *epoch = epoch.wrapping_add(1);
             *fencing = Some(*epoch);
             *epoch

@@ -619,8 +619,15 @@ impl<H: Host> Driver<H> {
 
     /// Every connection of `session` is closed: the core forgets it.
     pub fn closed(&mut self, session: SessionId) {
-        self.io.remove(&session);
+        let writer = self
+            .io
+            .remove(&session)
+            .and_then(|io| crate::cma::writer_of(&io));
         self.endpoint.handle_disconnected(Instant::now(), session);
+        if writer.is_some_and(crate::cma::exited) {
+            // A same-host writer that exited writes nothing more: no quarantine to wait out.
+            self.endpoint.handle_writer_exited(Instant::now(), session);
+        }
         self.drain();
     }
 

@@ -37,11 +37,10 @@ mod tcp_only {
 #[cfg(not(feature = "rdma"))]
 pub(crate) use tcp_only::{establish, fence, post, transport};
 
-/// The session is closing: its RDMA queue pair (if any) goes to the error state and its
+/// The session is closing: its RDMA queue pair (if any) goes to the error state and a
 /// same-host writer lets go of the peer's memory, so nothing more of it lands.
 pub(crate) fn close<H: crate::Host>(_io: &mut crate::SessionIo<H>) {
-    // The same-host writer copies no more; a receiver's ptrace permission goes.
-    _io.cma = None;
+    crate::cma::stop_writing(_io);
     #[cfg(feature = "rdma")]
     if let Some(r) = _io.rdma.take() {
         r.close();

@@ -141,6 +141,8 @@ impl Endpoint {
             target: None,
             epoch: 0,
             one_sided: false,
+            fenced_by_writer: false,
+            writer_stopped: false,
             flush_landed: false,
         };
         self.timers.set(
@@ -279,6 +281,9 @@ impl Endpoint {
                 let reason = code.failure_reason();
                 if let Some(s) = self.sessions.get_mut(&sid) {
                     s.close_reason = reason;
+                    // The peer's core stopped handing out this session's operations before
+                    // it sent this: a writer that copies inline has nothing left landing.
+                    s.writer_stopped = true;
                 }
                 self.fail_session_rooms(now, sid, reason);
                 self.request_close(sid);

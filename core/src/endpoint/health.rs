@@ -442,13 +442,28 @@ impl Endpoint {
         };
         // Nothing written before the fence can land any more: its permits are void.
         s.epoch = s.epoch.wrapping_add(1);
-        let mut rooms: Vec<RoomId> = s.rooms.iter().copied().collect();
+        let rooms = self.rooms_written_by(sid);
+        self.sources_drained(now, sid, rooms);
+    }
+
+    /// Every room `sid` may have written: its own, and those fresh sessions took over from it.
+    pub(super) fn rooms_written_by(&self, sid: SessionId) -> Vec<RoomId> {
+        let mut rooms: Vec<RoomId> = self
+            .sessions
+            .get(&sid)
+            .map(|s| s.rooms.iter().copied().collect())
+            .unwrap_or_default();
         // Writes of this connection may be pending in rooms a fresh session took over.
         for to in self.successions.successors(sid) {
             if let Some(x) = self.sessions.get(&to) {
                 rooms.extend(x.rooms.iter().copied());
             }
         }
+        rooms
+    }
+
+    /// Decode: `sid` can write none of `rooms` any more: its sources there count as drained.
+    pub(super) fn sources_drained(&mut self, now: Instant, sid: SessionId, rooms: Vec<RoomId>) {
         for room in rooms {
             let Some(r) = self.rooms.get_mut(&room) else {
                 continue;

@@ -361,7 +361,15 @@ impl Endpoint {
         }
         self.fail_session_rooms(now, session, reason);
         self.settle_session_ops(now, session, false);
-        self.fence_done(now, session);
+        let writer_fenced = self
+            .sessions
+            .get(&session)
+            .is_some_and(|s| s.fenced_by_writer && !s.writer_stopped);
+        if writer_fenced {
+            self.quarantine_until_writer_gives_up(now, session);
+        } else {
+            self.fence_done(now, session);
+        }
         if self.successions.connection_gone(session) {
             // Ended for good: links to it (or to sessions it took over) ended with it.
             self.remember_ended(session, reason);
@@ -432,6 +440,26 @@ impl Endpoint {
             self.timers
                 .set(&mut s.data_timer, now + wait, Timer::DataReconnect(session));
         }
+    }
+
+    /// Decode: `sid` ended and only its writer could stop its writes: its rooms' pages stay
+    /// quarantined for its liveness window and a heartbeat (the writer gives up a session it
+    /// has not heard for that long, and writes nothing after), or until the writer exits.
+    fn quarantine_until_writer_gives_up(&mut self, now: Instant, sid: SessionId) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        s.epoch = s.epoch.wrapping_add(1);
+        let until = now + s.window + self.config.heartbeat_interval;
+        let rooms = self.rooms_written_by(sid);
+        if rooms.is_empty() {
+            return;
+        }
+        info!(session = %sid, rooms = rooms.len(), wait = ?(until - now), "session ended before its writer confirmed it stopped: its rooms' pages stay quarantined");
+        let mut q = WriterQuarantine { rooms, timer: None };
+        self.timers
+            .set(&mut q.timer, until, Timer::WriterQuarantine(sid));
+        self.writer_quarantines.insert(sid, q);
     }
 
     /// The driver carried out [`Action::FenceSession`]: no write of this session that was in

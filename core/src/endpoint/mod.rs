@@ -136,6 +136,16 @@ pub struct Endpoint {
     dials: Deadlines<DialId>,
     /// Replaced data paths still flushing, each with its `operation_timeout`.
     drains: Deadlines<DrainId>,
+    /// Sessions that ended while only their writer could fence them: the rooms they could
+    /// still write, quarantined until the writer's liveness window has passed.
+    writer_quarantines: Map<SessionId, WriterQuarantine>,
+}
+
+/// The rooms an ended writer-fenced session could still write, and when that is over.
+#[derive(Debug)]
+struct WriterQuarantine {
+    rooms: Vec<RoomId>,
+    timer: Option<TimerKey>,
 }
 
 /// A peer to stay connected to: the core decides when to (re)connect.
@@ -245,6 +255,13 @@ struct Session {
     /// Its writes land without this endpoint seeing them (RDMA): `Success` of its rooms
     /// rests on the source's word, bound to the peer's incarnation, not on landed bytes.
     one_sided: bool,
+    /// Only its writer can stop its writes (the same-host path copies from the peer's own
+    /// process): closing its connections fences nothing, so its rooms' pages stay
+    /// quarantined after it ends until the writer can no longer write.
+    fenced_by_writer: bool,
+    /// The peer said it closes the session (an `Error` frame): it hands out no operation of
+    /// it any more, so a writer-fenced session needs no quarantine after it ends.
+    writer_stopped: bool,
     /// What it writes one-sided becomes visible to the memory's device only after a flush
     /// ([`Action::FlushLanded`]) before the room is reported `Success`.
     flush_landed: bool,
@@ -540,6 +557,7 @@ impl Endpoint {
             listener: Listener::default(),
             dials: Deadlines::default(),
             drains: Deadlines::default(),
+            writer_quarantines: Map::default(),
             hasher,
         })
     }
@@ -698,7 +716,13 @@ impl Endpoint {
                 continue;
             };
             session.in_ready = false;
-            if session.fencing || session.handing_over || session.in_flight >= max {
+            // A closing session runs nothing more: a peer that hears its goodbye may count
+            // on it (a same-host writer's receiver releases its pages on it).
+            if session.fencing
+                || session.handing_over
+                || session.in_flight >= max
+                || session.state == SessionState::Closing
+            {
                 continue;
             }
             let Some(id) = session.queue.pop_front() else {

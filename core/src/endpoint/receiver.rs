@@ -159,11 +159,35 @@ impl Endpoint {
         }
     }
 
+    /// Decode: only the peer can stop `session`'s writes (it copies into this process from
+    /// its own, on the same host): a fence completes on its word, and once the session ends
+    /// without it, its rooms' pages stay quarantined for the session's liveness window (the
+    /// writer gives up a silent session within it and writes nothing after), or until
+    /// [`Endpoint::handle_writer_exited`].
+    pub fn set_fenced_by_writer(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.fenced_by_writer = true;
+        }
+    }
+
+    /// Decode: the process that wrote `session` (ended, fenced by its writer) has exited:
+    /// nothing of it can land any more, and its rooms' pages go back now.
+    pub fn handle_writer_exited(&mut self, now: Instant, session: SessionId) {
+        let now = self.clock(now);
+        if let Some(mut q) = self.writer_quarantines.remove(&session) {
+            self.timers.cancel(&mut q.timer);
+            debug!(%session, rooms = q.rooms.len(), "the writer exited: its rooms' pages go back");
+            self.sources_drained(now, session, q.rooms);
+        }
+    }
+
     /// Decode: `session`'s writes are seen landing again (its one-sided path was declined or
-    /// given up): its rooms succeed on the bytes counted, as over TCP.
+    /// given up): its rooms succeed on the bytes counted, and closing its connections
+    /// fences it, as over TCP.
     pub fn clear_one_sided(&mut self, session: SessionId) {
         if let Some(s) = self.sessions.get_mut(&session) {
             s.one_sided = false;
+            s.fenced_by_writer = false;
         }
     }
 

@@ -200,6 +200,18 @@ impl Endpoint {
                     self.actions.push_back(Action::StopLingering(sid));
                 }
             }
+            Timer::WriterQuarantine(sid) => {
+                let Some(q) = self.writer_quarantines.get_mut(&sid) else {
+                    return;
+                };
+                if !fired(&mut q.timer, key) {
+                    return;
+                }
+                if let Some(q) = self.writer_quarantines.remove(&sid) {
+                    debug!(session = %sid, "the writer's liveness window passed: its rooms' pages go back");
+                    self.sources_drained(now, sid, q.rooms);
+                }
+            }
             Timer::Fence(sid) => {
                 let Some(s) = self.sessions.get_mut(&sid) else {
                     return;
