@@ -399,6 +399,19 @@ mod tests {
         }
     }
 
+    /// The sizes docs/PROTOCOL.md ("Same-host messages") gives each kind.
+    #[test]
+    fn every_kind_has_the_length_the_protocol_doc_gives() {
+        let lens: Vec<usize> = every_kind().iter().map(|m| m.encode().len()).collect();
+        // tag and kind, then: Offer 16 + 8 + 8 + 4; Open 4 + 8 + 16 + 2 + 20 per region
+        // (two here); Accept nothing; Decline 1; Fence and Fenced 4.
+        assert_eq!(lens, vec![2 + 36, 2 + 30 + 40, 2, 3, 6, 6]);
+        let open = CmaMessage::decode(&every_kind()[1].encode()).unwrap();
+        let b = open.encode();
+        assert_eq!(&b[..2], &[0x43, 2]);
+        assert_eq!(u16::from_le_bytes([b[30], b[31]]), 2, "n at offset 30");
+    }
+
     #[test]
     fn every_truncation_and_every_extra_byte_is_a_typed_error() {
         for m in every_kind() {

@@ -97,7 +97,7 @@ try:
     raise SystemExit("transport=rdma started without libibverbs")
 except kvferry.TransportUnavailable as e:
     assert "libibverbs" in str(e), e
-p, pkv, _ = node("prefill")
+p, pkv, _ = node("prefill", transport="tcp")
 pkv[:] = 7
 d, dkv, _ = node("decode")
 peer = d.connect(p.listen("127.0.0.1:0"))
@@ -136,12 +136,26 @@ def test_rdma_refuses_to_start_without_a_device_naming_what_is_missing():
         node("decode", kv, aux, transport="rdma")
 
 
-@no_rdma
-def test_auto_moves_over_tcp_where_there_is_no_rdma():
+def test_auto_with_a_peer_process_on_this_host_moves_over_the_same_host_path():
     p = Prefill("auto")
     try:
         kv, aux = pool(fill=False)
         d = node("decode", kv, aux)  # transport defaults to auto
+        peer = d.connect([p.addr])
+        move_rooms(d, peer, range(1, 11), kv, aux)
+        assert {path for _, path in d.session_paths()} == {"cma"}, d.session_paths()
+        assert {path for _, path in p.paths()} == {"cma"}
+        d.shutdown()
+    finally:
+        p.close()
+
+
+@no_rdma
+def test_auto_moves_over_tcp_where_the_peer_turns_the_same_host_path_off_and_there_is_no_rdma():
+    p = Prefill("tcp")
+    try:
+        kv, aux = pool(fill=False)
+        d = node("decode", kv, aux)
         peer = d.connect([p.addr])
         move_rooms(d, peer, [1, 2], kv, aux)
         assert {path for _, path in d.session_paths()} == {"tcp"}
@@ -160,7 +174,8 @@ def test_an_unknown_transport_is_refused_naming_the_choices():
 @needs_rdma
 @pytest.mark.parametrize("transport", ["rdma", "auto"])
 def test_rooms_move_over_rdma_with_every_byte_checked(transport):
-    p = Prefill(transport)
+    # A prefill on "rdma" takes no same-host path, so an "auto" decode picks RDMA.
+    p = Prefill("rdma")
     try:
         kv, aux = pool(fill=False)
         d = node("decode", kv, aux, transport=transport)
