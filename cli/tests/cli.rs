@@ -126,3 +126,125 @@ fn prefix_rooms_move_between_the_cli_prefill_and_decode_with_every_page_verified
         assert!(report.contains(field), "{field} in {report}");
     }
 }
+
+/// A `kvferry prefill` process started with `pre` before it (a wrapper such as `unshare`) and
+/// `args` after, its address read from its log (which keeps being read so that it never
+/// blocks on a full pipe).
+fn spawn_prefill(pre: &[&str], args: &[&str]) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let bin = env!("CARGO_BIN_EXE_kvferry");
+    let mut cmd = match pre.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    };
+    let mut prefill = cmd
+        .args(["prefill", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kvferry prefill starts");
+    let stderr = prefill.stderr.take().expect("stderr");
+    let mut lines = BufReader::new(stderr).lines().map_while(Result::ok);
+    let mut addr = None;
+    for line in lines.by_ref() {
+        if let Some(a) = line
+            .split_whitespace()
+            .find(|w| w.starts_with("127.0.0.1:"))
+        {
+            addr = Some(a.trim_matches(|c: char| c == ',' || c == ')').to_owned());
+            break;
+        }
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+    (prefill, addr.expect("prefill prints its address"))
+}
+
+/// `kvferry decode --json` against `addr` with `args`; its report.
+fn decode_report(addr: &str, args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["decode", "--connect", addr, "--json"])
+        .args(args)
+        .output()
+        .expect("kvferry decode runs");
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.success(), report + &err)
+}
+
+/// Two processes on one host, both on `--backend same-host`: the prefill copies into the
+/// decode's memory (cross-memory attach), every page verified.
+#[test]
+fn a_cli_prefill_and_decode_on_one_host_move_rooms_over_the_same_host_path() {
+    let (mut prefill, addr) = spawn_prefill(&[], &["--backend", "same-host"]);
+    let (ok, report) = decode_report(&addr, &["--rooms", "64", "--backend", "same-host"]);
+    let _ = prefill.kill();
+    let _ = prefill.wait();
+    assert!(ok, "{report}");
+    for field in [
+        r#""rooms_succeeded":64"#,
+        r#""pages_corrupted":0"#,
+        r#"path="cma""#,
+    ] {
+        assert!(report.contains(field), "{field} in {report}");
+    }
+}
+
+/// The prefill in a PID namespace of its own (as in another container): same boot, but its
+/// pid would name another process here, so the decode declines, says why, and the rooms
+/// move over TCP. Needs root for `unshare -p`; says SKIPPED otherwise.
+#[test]
+fn a_prefill_in_another_pid_namespace_moves_over_tcp_and_the_decode_says_why() {
+    let unshare = Command::new("unshare")
+        .args(["-p", "-f", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !unshare {
+        eprintln!("SKIPPED: unshare -p needs root (or user namespaces) here");
+        return;
+    }
+    let (mut prefill, addr) = spawn_prefill(&["unshare", "-p", "-f"], &["--backend", "same-host"]);
+    let (ok, report) = decode_report(&addr, &["--rooms", "16", "--backend", "same-host"]);
+    let _ = prefill.kill();
+    let _ = prefill.wait();
+    assert!(ok, "{report}");
+    assert!(report.contains(r#""rooms_succeeded":16"#), "{report}");
+    assert!(report.contains(r#""decode_path":"tcp""#), "{report}");
+    assert!(
+        report.contains("same-host path declined") && report.contains("different PID namespaces"),
+        "the decode says why: {report}"
+    );
+}
+
+/// The prefill process killed while it copies rooms into the decode: the decode's rooms end
+/// (none unfinished), no page it verified is corrupted and no free page was written, and
+/// the writer's exit releases its pages without waiting out its liveness window.
+#[test]
+fn a_same_host_prefill_killed_mid_run_leaves_no_corrupted_or_written_free_page() {
+    let (mut prefill, addr) = spawn_prefill(&[], &["--backend", "same-host"]);
+    let decode = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            decode_report(&addr, &["--rooms", "600", "--backend", "same-host"])
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let _ = prefill.kill();
+    let _ = prefill.wait();
+    let (_, report) = decode.join().expect("decode thread");
+    for field in [
+        r#""pages_corrupted":0"#,
+        r#""free_pages_written":0"#,
+        r#""rooms_unfinished":0"#,
+        r#"path="cma""#,
+    ] {
+        assert!(report.contains(field), "{field} in {report}");
+    }
+    assert!(!report.contains(r#""rooms_succeeded":600"#), "{report}");
+    // The writer's exit is seen: its pages wait out no liveness window.
+    assert!(!report.contains("stay quarantined"), "{report}");
+}

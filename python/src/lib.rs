@@ -657,7 +657,7 @@ impl Node {
     }
 
     /// The data path each live session moves its operations on: `(session, path)` pairs,
-    /// `path` one of "tcp", "tcp_staged", "rdma", "rdma_dmabuf" (`kvferry_session_path`).
+    /// `path` one of "tcp", "tcp_staged", "rdma", "rdma_dmabuf", "cma" (`kvferry_session_path`).
     fn session_paths(&self, py: Python<'_>) -> PyResult<Vec<(u64, &'static str)>> {
         let node = self.node.clone();
         let paths = self.block(py, async move { Ok(node.data_paths().await) })?;

@@ -11,7 +11,7 @@ pub struct Report {
     /// The data-plane backend (`tcp`).
     pub backend: String,
     /// The data paths the prefill's sessions took (`tcp`, `tcp_staged`, `rdma`,
-    /// `rdma_dmabuf`; several joined by `+`).
+    /// `rdma_dmabuf`, `cma`; several joined by `+`).
     pub prefill_path: String,
     /// The data paths the decode's sessions took.
     pub decode_path: String,
