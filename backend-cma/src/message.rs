@@ -75,6 +75,9 @@ pub enum Decline {
     TooManyRegions,
     /// This host cannot say who it is (no /proc), or the platform has no cross-memory attach.
     Unsupported,
+    /// Copies that had worked failed (the receiver's memory unmapped, the process gone): the
+    /// session moves over TCP from now on.
+    CopyFailed,
 }
 
 impl Decline {
@@ -90,6 +93,7 @@ impl Decline {
             Decline::NotThePeer => 7,
             Decline::TooManyRegions => 8,
             Decline::Unsupported => 9,
+            Decline::CopyFailed => 10,
         }
     }
 
@@ -105,6 +109,7 @@ impl Decline {
             7 => Decline::NotThePeer,
             8 => Decline::TooManyRegions,
             9 => Decline::Unsupported,
+            10 => Decline::CopyFailed,
             _ => return None,
         })
     }
@@ -121,6 +126,7 @@ impl Decline {
             Decline::NotThePeer => "the peer's pid does not hold its proof",
             Decline::TooManyRegions => "more regions than one Open announces",
             Decline::Unsupported => "this host has no cross-memory attach or no host identity",
+            Decline::CopyFailed => "a same-host copy failed",
         }
     }
 }
@@ -454,10 +460,10 @@ mod tests {
 
     #[test]
     fn every_decline_code_round_trips_and_zero_names_none() {
-        for code in 1..=9 {
+        for code in 1..=10 {
             assert_eq!(Decline::from_code(code).map(Decline::code), Some(code));
         }
         assert_eq!(Decline::from_code(0), None);
-        assert_eq!(Decline::from_code(10), None);
+        assert_eq!(Decline::from_code(11), None);
     }
 }

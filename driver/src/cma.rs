@@ -266,6 +266,9 @@ pub(crate) fn on_message<H: Host>(driver: &mut Driver<H>, sid: SessionId, payloa
         CmaMessage::Decline(why) => {
             if matches!(state(driver, sid), Some(Some(SessionCma::Opened { .. }))) {
                 driver.endpoint_mut().clear_one_sided(sid);
+                if driver.session_path(sid) == Some(DataPath::Cma) {
+                    driver.set_path(sid, DataPath::Tcp, "the prefill's same-host copies failed");
+                }
             }
             declined(driver, sid, why, true);
         }
@@ -420,12 +423,18 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
         }
         Err(e) => {
             // The receiver's memory or permission went away under the session: it moves
-            // over the network path from now on, and the operation is retried there.
-            warn!(session = %op.session, room = ?op.room, error = %e, "same-host copy failed: the session falls back to the network path");
+            // over its TCP data connections from now on (the receiver hears why), and the
+            // operation is retried there.
+            warn!(session = %op.session, room = ?op.room, error = %e, "same-host copy failed: the session falls back to TCP");
+            let why = match e {
+                CmaError::Permission => Decline::PtraceRefused,
+                _ => Decline::CopyFailed,
+            };
             if let Some(io) = driver.session_io(op.session) {
-                io.cma = Some(SessionCma::Declined(Decline::PtraceRefused));
+                io.cma = Some(SessionCma::Declined(why));
             }
-            driver.use_tcp_path(op.session, "the same-host copy failed");
+            send(driver, op.session, &CmaMessage::Decline(why));
+            driver.set_path(op.session, DataPath::Tcp, "the same-host copy failed");
             TransferOutcome::Transient
         }
     };
