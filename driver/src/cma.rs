@@ -395,6 +395,14 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
         .filter(|f| op.room.is_some_and(|room| f.hits(room, op.id)))
         .map(|f| f.kind);
     let now = Instant::now();
+    if !driver.endpoint().may_write_unseen(op.session, now) {
+        // The decode may have given the session up (and its pages with it): no copy now.
+        debug!(session = %op.session, room = ?op.room, "same-host copy withheld: the decode has been silent for the liveness window");
+        driver
+            .endpoint_mut()
+            .handle_transfer_result(now, op.id, TransferOutcome::Transient);
+        return None;
+    }
     if hit == Some(FaultKind::Break) {
         // Injected (demos and tests): the copy fails as a broken connection would.
         driver

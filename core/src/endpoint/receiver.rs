@@ -170,6 +170,17 @@ impl Endpoint {
         }
     }
 
+    /// Prefill: whether a write into `session`'s peer that the peer does not see land (a
+    /// same-host copy) may run now: the session is not closing and the peer was heard
+    /// within the session's liveness window. A peer silent for longer may have given the
+    /// session up and, if only this writer could fence it, released its pages one window
+    /// and a heartbeat after; a writer that copies only while this holds never lands there.
+    pub fn may_write_unseen(&self, session: SessionId, now: Instant) -> bool {
+        self.sessions
+            .get(&session)
+            .is_some_and(|s| s.state != SessionState::Closing && now < s.last_rx + s.window)
+    }
+
     /// Decode: the process that wrote `session` (ended, fenced by its writer) has exited:
     /// nothing of it can land any more, and its rooms' pages go back now.
     pub fn handle_writer_exited(&mut self, now: Instant, session: SessionId) {
