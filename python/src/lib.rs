@@ -19,8 +19,8 @@ use kvferry_core::{
     KvPoll, Layout, NodeId, PromptDigest, Role, RoomId,
 };
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
-use kvferry_tokio::{Announcement, DataBackend, KvNode, NodeConfig, NodeError, PeerId, RoomHandle,
-    SameHost,
+use kvferry_tokio::{
+    Announcement, DataBackend, KvNode, NodeConfig, NodeError, PeerId, RoomHandle, SameHost,
 };
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
