@@ -177,13 +177,9 @@ impl RdmaHello {
     }
 }
 
-/// Regions of a layout that a decode announces to prefills: KV, aux, state and extras, which rooms
-/// write, and the 64-byte scratch region, which only probes write (a probe over RDMA must
-/// travel the same path as the operations whose failures blacklisted the session) and which
-/// holds nothing anyone reads.
+/// Regions of a layout that a decode announces to prefills: those written over a one-sided
+/// path ([`Region::written_by_peers`]); a probe over RDMA must travel the same path as the
+/// operations whose failures blacklisted the session, so the scratch region is one of them.
 pub fn writable(region: Region) -> bool {
-    matches!(
-        region,
-        Region::Kv { .. } | Region::Aux | Region::State | Region::Extra { .. } | Region::Scratch
-    )
+    region.written_by_peers()
 }

@@ -377,6 +377,20 @@ impl Region {
         }
     }
 
+    /// Whether a decode lets its sources write this region over a one-sided path (RDMA,
+    /// same-host copies): those rooms and probes write (KV, aux, state, extras, and the
+    /// 64-byte scratch region only probes write, which holds nothing anyone reads).
+    pub fn written_by_peers(self) -> bool {
+        matches!(
+            self,
+            Region::Kv { .. }
+                | Region::Aux
+                | Region::State
+                | Region::Extra { .. }
+                | Region::Scratch
+        )
+    }
+
     /// Inverse of [`Region::code`]; `None` for codes that name no region.
     pub fn from_code(code: u32) -> Option<Region> {
         match code {

@@ -21,6 +21,7 @@ use kvferry_core::{Role, SessionId, TransferOp, TransferOutcome};
 use kvferry_memory::{MemoryMap, SliceSide};
 use tracing::{debug, info, warn};
 
+use crate::faults::flip_first_source_bit;
 use crate::{DataPath, Driver, FaultKind, Host, START_TARGET};
 
 /// Whether a node moves sessions with peers on its own host over the same-host path.
@@ -78,7 +79,7 @@ impl SameHostPlane {
     fn regions(&self) -> Vec<CmaRegion> {
         self.memory
             .region_lens()
-            .filter(|(region, _)| writable(*region))
+            .filter(|(region, _)| region.written_by_peers())
             .filter_map(|(region, len)| {
                 let addr = self.memory.range(region, 0, len).ok()? as u64;
                 Some(CmaRegion {
@@ -89,16 +90,6 @@ impl SameHostPlane {
             })
             .collect()
     }
-}
-
-/// Regions a decode lets its writers write: those rooms and probes write (never anything
-/// else the map holds).
-fn writable(region: kvferry_core::Region) -> bool {
-    use kvferry_core::Region;
-    matches!(
-        region,
-        Region::Kv { .. } | Region::Aux | Region::State | Region::Extra { .. } | Region::Scratch
-    )
 }
 
 /// A fresh 16-byte nonce per node (no two nodes' proof cells agree by chance).
@@ -410,13 +401,13 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
             .handle_transfer_result(now, op.id, TransferOutcome::Transient);
         return None;
     }
-    let flipped = hit == Some(FaultKind::FlipBit) && flip(memory, &op);
+    let flipped = hit == Some(FaultKind::FlipBit) && flip_first_source_bit(memory, &op.slices);
     if flipped {
         warn!(session = %op.session, room = ?op.room, "injected fault: one bit of a copy flipped");
     }
     let result = target.write(memory, &op.slices);
     if flipped {
-        flip(memory, &op);
+        flip_first_source_bit(memory, &op.slices);
     }
     let outcome = match result {
         Ok(_) => {
@@ -450,17 +441,6 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
         .endpoint_mut()
         .handle_transfer_result(now, op.id, outcome);
     None
-}
-
-/// Flips the first source bit of `op` (again, to restore it).
-fn flip(memory: &MemoryMap, op: &TransferOp) -> bool {
-    let Some(first) = op.slices.first() else {
-        return false;
-    };
-    let mut byte = [0u8; 1];
-    let read = memory.read(first.region, first.src_offset, &mut byte);
-    byte[0] ^= 1;
-    read.is_ok() && memory.write(first.region, first.src_offset, &byte).is_ok()
 }
 
 /// Receiver: the core's fence of `sid`, whose writer copies into this process: ask the

@@ -1,6 +1,7 @@
 //! Injected data-path faults (demos and tests): which writes are hit, and what a hit does.
 
-use kvferry_core::{RoomId, TransferId};
+use kvferry_core::{RoomId, Slice, TransferId};
+use kvferry_memory::MemoryMap;
 
 /// Reproducible data-path fault injection: each write is hit with probability `rate`,
 /// decided by a hash of (seed, room, operation id); `kind` says what a hit does.
@@ -38,4 +39,16 @@ impl FaultPlan {
         z ^= z >> 31;
         ((z >> 11) as f64 / (1u64 << 53) as f64) < self.rate
     }
+}
+
+/// `FaultKind::FlipBit` on a one-sided path: flips the first bit of the first source byte of
+/// `slices` (again, to restore it); `false` if it cannot be read or written.
+pub(crate) fn flip_first_source_bit(memory: &MemoryMap, slices: &[Slice]) -> bool {
+    let Some(first) = slices.first() else {
+        return false;
+    };
+    let mut byte = [0u8; 1];
+    let read = memory.read(first.region, first.src_offset, &mut byte);
+    byte[0] ^= 1;
+    read.is_ok() && memory.write(first.region, first.src_offset, &byte).is_ok()
 }

@@ -454,15 +454,7 @@ fn post_on<H: Host>(driver: &mut Driver<H>, plane: &RdmaPlane, op: TransferOp) {
     // whoever reuses them).
     let poison = hit.is_some_and(|f| f.kind == FaultKind::Break);
     // Flips the first source bit (again, to restore it): the write was hashed before.
-    let flip = |memory: &MemoryMap| {
-        let Some(first) = op.slices.first() else {
-            return false;
-        };
-        let mut byte = [0u8; 1];
-        let read = memory.read(first.region, first.src_offset, &mut byte);
-        byte[0] ^= 1;
-        read.is_ok() && memory.write(first.region, first.src_offset, &byte).is_ok()
-    };
+    let flip = |memory: &MemoryMap| crate::faults::flip_first_source_bit(memory, &op.slices);
     let flipped = hit.is_some_and(|f| f.kind == FaultKind::FlipBit) && flip(memory);
     if flipped {
         warn!(session = %op.session, room = ?op.room, "injected fault: one bit of a write flipped");
