@@ -75,28 +75,7 @@ fn the_tls_bench_names_the_runtime_that_ran() {
 /// every room succeeds and every granted page holds its room page's pattern.
 #[test]
 fn prefix_rooms_move_between_the_cli_prefill_and_decode_with_every_page_verified() {
-    use std::io::{BufRead, BufReader};
-    let mut prefill = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["prefill", "--listen", "127.0.0.1:0", "--page-bytes", "4096"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("kvferry prefill starts");
-    let stderr = prefill.stderr.take().expect("stderr");
-    let mut lines = BufReader::new(stderr).lines().map_while(Result::ok);
-    let mut addr = None;
-    for line in lines.by_ref() {
-        if let Some(a) = line
-            .split_whitespace()
-            .find(|w| w.starts_with("127.0.0.1:"))
-        {
-            addr = Some(a.trim_matches(|c: char| c == ',' || c == ')').to_owned());
-            break;
-        }
-    }
-    let addr = addr.expect("prefill prints its address");
-    // Keep reading its log so that it never blocks on a full pipe.
-    std::thread::spawn(move || lines.for_each(drop));
+    let (mut prefill, addr) = spawn_prefill(&[], &["--page-bytes", "4096"]);
     let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
         .args([
             "decode",

@@ -45,17 +45,24 @@ fn closed(e: &Event) -> bool {
     matches!(e, Event::SessionClosed { .. })
 }
 
-/// The link goes dark: the decode gives the silent session up after its liveness window, and
-/// the room's pages go back only a window and a heartbeat after that.
-#[test]
-fn pages_a_silent_writer_could_still_copy_into_outlive_the_session_by_its_liveness_window() {
-    let (mut sim, p, d, _) = writer_fenced_room(71, true);
+/// The link of a `writer_fenced_room` goes dark for good: when the decode gave the session
+/// up, and when the room's pages went back.
+fn silent_link(fenced_by_writer: bool) -> (Instant, Instant) {
+    let (mut sim, p, d, _) = writer_fenced_room(71, fenced_by_writer);
     let far = sim.now + Duration::from_secs(60);
     sim.blackhole(d, p, far);
     sim.run_for(Duration::from_secs(5), 1_000_000)
         .expect("runs");
     let ended = first(&sim, d, closed).expect("the decode gave the session up");
     let back = first(&sim, d, released).expect("the pages went back");
+    (ended, back)
+}
+
+/// The link goes dark: the decode gives the silent session up after its liveness window, and
+/// the room's pages go back only a window and a heartbeat after that.
+#[test]
+fn pages_a_silent_writer_could_still_copy_into_outlive_the_session_by_its_liveness_window() {
+    let (ended, back) = silent_link(true);
     let c = config();
     let window = c.heartbeat_interval * c.heartbeat_misses;
     assert!(
@@ -69,13 +76,7 @@ fn pages_a_silent_writer_could_still_copy_into_outlive_the_session_by_its_livene
 /// pages at once (over TCP the decode's own sockets stop every write).
 #[test]
 fn without_a_writer_fence_the_same_silence_releases_the_pages_when_the_session_ends() {
-    let (mut sim, p, d, _) = writer_fenced_room(71, false);
-    let far = sim.now + Duration::from_secs(60);
-    sim.blackhole(d, p, far);
-    sim.run_for(Duration::from_secs(5), 1_000_000)
-        .expect("runs");
-    let ended = first(&sim, d, closed).expect("the decode gave the session up");
-    let back = first(&sim, d, released).expect("the pages went back");
+    let (ended, back) = silent_link(false);
     let c = config();
     assert!(
         back < ended + c.heartbeat_interval * c.heartbeat_misses,
