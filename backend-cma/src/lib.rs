@@ -7,7 +7,9 @@
 //! `docs/PROTOCOL.md`, "Same-host path"), the ptrace permission a receiver grants its writer
 //! ([`PtracePolicy`]), and the copies themselves: `process_vm_writev` from this process's
 //! memory straight into the peer's registered regions, scatter-gather and batched to the
-//! kernel's iovec limit, never outside what the peer announced ([`CmaTarget`]).
+//! kernel's iovec limit, never outside what the peer announced ([`CmaTarget`]). Device
+//! memory on the same host is announced here too ([`DeviceRegion`]: a CUDA IPC export); its
+//! copies are the copy engine's (`kvferry_memory::CopyEngine::copy_to_peer`).
 //!
 //! Like every backend it moves bytes; it never decides a retry, a timeout or a room's fate:
 //! each copy's error says what happened ([`CmaError`]) and the driver hands the core the
@@ -19,4 +21,4 @@ mod message;
 
 pub use copy::{CmaError, CmaTarget, COPY_THREADS, IOV_MAX};
 pub use host::{HostIdentity, PtracePolicy, PtraceScope};
-pub use message::{CmaMessage, CmaRegion, Decline, MessageError, Offer, Open, TAG};
+pub use message::{CmaMessage, CmaRegion, Decline, DeviceRegion, MessageError, Offer, Open, TAG};

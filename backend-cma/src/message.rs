@@ -10,6 +10,13 @@ pub const TAG: u8 = 0x43;
 /// Most regions one `Open` may announce (what fits a `Transport` frame).
 const MAX_REGIONS: usize = 800;
 const REGION_LEN: usize = 4 + 8 + 8;
+/// Bytes of one device region in an `Open`: code, address, length, offset, handle.
+const DEVICE_REGION_LEN: usize = 4 + 8 + 8 + 8 + 64;
+/// Bytes of an `Open` before its regions: tag, kind, pid, proof address, nonce, and the two
+/// counts.
+const OPEN_FIXED_LEN: usize = 2 + 4 + 8 + 16 + 2 + 2;
+/// Most bytes one same-host message takes (a `Transport` frame's payload).
+const MAX_MESSAGE_LEN: usize = 16 * 1024;
 
 const KIND_OFFER: u8 = 1;
 const KIND_OPEN: u8 = 2;
@@ -38,6 +45,22 @@ pub struct CmaRegion {
     pub len: u64,
 }
 
+/// One region of device memory the receiver lets its writer write, exported for the
+/// writer's process to map (CUDA IPC).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRegion {
+    /// Which region of the layout (`Region::code`).
+    pub region: u32,
+    /// Its device address in the receiver's process.
+    pub addr: u64,
+    /// Its length in bytes.
+    pub len: u64,
+    /// Where it starts inside the exported allocation.
+    pub offset: u64,
+    /// The allocation's handle (`cuIpcGetMemHandle`).
+    pub handle: [u8; 64],
+}
+
 /// Receiver -> writer: the receiver shares the writer's host and let it write: where, and
 /// the proof cell that shows the pid is the receiver.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,8 +71,10 @@ pub struct Open {
     pub nonce_addr: u64,
     /// What the writer must read at `nonce_addr` before its first write.
     pub nonce: [u8; 16],
-    /// The regions the writer may write.
+    /// The host-memory regions the writer may write (cross-memory attach).
     pub regions: Vec<CmaRegion>,
+    /// The device-memory regions the writer may write (CUDA IPC).
+    pub device: Vec<DeviceRegion>,
 }
 
 /// Why a side does not move a session over the same-host path (the session stays on TCP or
@@ -78,6 +103,13 @@ pub enum Decline {
     /// Copies that had worked failed (the receiver's memory unmapped, the process gone): the
     /// session moves over TCP from now on.
     CopyFailed,
+    /// Device memory the receiver could not export or the writer could not map (no CUDA
+    /// IPC: a VMM or expandable-segments allocation, no peer access between the GPUs, a
+    /// copy engine without it).
+    IpcUnavailable,
+    /// The checksum option with device memory: the CPU cannot hash bytes a GPU copy lands,
+    /// so such a session keeps the staged path, which hashes them in host buffers.
+    ChecksumOnDevice,
 }
 
 impl Decline {
@@ -94,6 +126,8 @@ impl Decline {
             Decline::TooManyRegions => 8,
             Decline::Unsupported => 9,
             Decline::CopyFailed => 10,
+            Decline::IpcUnavailable => 11,
+            Decline::ChecksumOnDevice => 12,
         }
     }
 
@@ -110,6 +144,8 @@ impl Decline {
             8 => Decline::TooManyRegions,
             9 => Decline::Unsupported,
             10 => Decline::CopyFailed,
+            11 => Decline::IpcUnavailable,
+            12 => Decline::ChecksumOnDevice,
             _ => return None,
         })
     }
@@ -120,13 +156,17 @@ impl Decline {
             Decline::OtherHost => "different hosts",
             Decline::OtherPidNamespace => "different PID namespaces",
             Decline::Forbidden => "the same-host path is turned off (transport)",
-            Decline::DeviceMemory => "device memory (no CUDA IPC path)",
+            Decline::DeviceMemory => {
+                "device memory a same-host copy cannot reach (device source, host destination; or no copy engine)"
+            }
             Decline::PtraceRefused => "the kernel refused cross-memory attach (ptrace rules)",
             Decline::PtraceHeld => "Yama's one ptracer exception is held by another peer",
             Decline::NotThePeer => "the peer's pid does not hold its proof",
             Decline::TooManyRegions => "more regions than one Open announces",
             Decline::Unsupported => "this host has no cross-memory attach or no host identity",
             Decline::CopyFailed => "a same-host copy failed",
+            Decline::IpcUnavailable => "device memory not mappable across the processes (CUDA IPC)",
+            Decline::ChecksumOnDevice => "the checksum option with device memory",
         }
     }
 }
@@ -208,9 +248,11 @@ impl CmaMessage {
         is_same_host(payload)
     }
 
-    /// Whether a [`CmaMessage::Open`] of `regions` regions fits one message.
-    pub fn open_fits(regions: usize) -> bool {
+    /// Whether a [`CmaMessage::Open`] of `regions` host and `device` device regions fits
+    /// one message.
+    pub fn open_fits(regions: usize, device: usize) -> bool {
         regions <= MAX_REGIONS
+            && OPEN_FIXED_LEN + regions * REGION_LEN + device * DEVICE_REGION_LEN <= MAX_MESSAGE_LEN
     }
 
     /// Encodes the message (little-endian).
@@ -236,6 +278,16 @@ impl CmaMessage {
                     out.extend_from_slice(&r.region.to_le_bytes());
                     out.extend_from_slice(&r.addr.to_le_bytes());
                     out.extend_from_slice(&r.len.to_le_bytes());
+                }
+                out.extend_from_slice(
+                    &(o.device.len().min(u16::MAX as usize) as u16).to_le_bytes(),
+                );
+                for r in &o.device {
+                    out.extend_from_slice(&r.region.to_le_bytes());
+                    out.extend_from_slice(&r.addr.to_le_bytes());
+                    out.extend_from_slice(&r.len.to_le_bytes());
+                    out.extend_from_slice(&r.offset.to_le_bytes());
+                    out.extend_from_slice(&r.handle);
                 }
             }
             CmaMessage::Accept => out.push(KIND_ACCEPT),
@@ -301,11 +353,41 @@ impl CmaMessage {
                     }
                     regions.push(region);
                 }
+                let d = usize::from(r.u16()?);
+                if !CmaMessage::open_fits(n, d) {
+                    return Err(MessageError::TooManyRegions(n + d));
+                }
+                if r.b.len() - r.at < d * DEVICE_REGION_LEN {
+                    return Err(MessageError::Truncated);
+                }
+                let mut device = Vec::with_capacity(d);
+                for _ in 0..d {
+                    let region = r.u32()?;
+                    let addr = r.u64()?;
+                    let len = r.u64()?;
+                    let offset = r.u64()?;
+                    let mut handle = [0u8; 64];
+                    handle.copy_from_slice(r.take(64)?);
+                    if len == 0
+                        || addr.checked_add(len).is_none()
+                        || offset.checked_add(len).is_none()
+                    {
+                        return Err(MessageError::BadRegion(region));
+                    }
+                    device.push(DeviceRegion {
+                        region,
+                        addr,
+                        len,
+                        offset,
+                        handle,
+                    });
+                }
                 CmaMessage::Open(Open {
                     pid,
                     nonce_addr,
                     nonce,
                     regions,
+                    device,
                 })
             }
             KIND_ACCEPT => CmaMessage::Accept,
@@ -390,6 +472,13 @@ mod tests {
                         len: 64,
                     },
                 ],
+                device: vec![DeviceRegion {
+                    region: 0x0101,
+                    addr: 0x7f10_0020_0000,
+                    len: 1 << 20,
+                    offset: 2 << 20,
+                    handle: [9; 64],
+                }],
             }),
             CmaMessage::Accept,
             CmaMessage::Decline(Decline::PtraceHeld),
@@ -409,13 +498,24 @@ mod tests {
     #[test]
     fn every_kind_has_the_length_the_protocol_doc_gives() {
         let lens: Vec<usize> = every_kind().iter().map(|m| m.encode().len()).collect();
-        // tag and kind, then: Offer 16 + 8 + 8 + 4; Open 4 + 8 + 16 + 2 + 20 per region
-        // (two here); Accept nothing; Decline 1; Fence and Fenced 4.
-        assert_eq!(lens, vec![2 + 36, 2 + 30 + 40, 2, 3, 6, 6]);
+        // tag and kind, then: Offer 16 + 8 + 8 + 4; Open 4 + 8 + 16 + 2 + 20 per host region
+        // (two here) + 2 + 92 per device region (one here); Accept nothing; Decline 1; Fence
+        // and Fenced 4.
+        assert_eq!(lens, vec![2 + 36, 2 + 30 + 40 + 2 + 92, 2, 3, 6, 6]);
         let open = CmaMessage::decode(&every_kind()[1].encode()).unwrap();
         let b = open.encode();
         assert_eq!(&b[..2], &[0x43, 2]);
         assert_eq!(u16::from_le_bytes([b[30], b[31]]), 2, "n at offset 30");
+        assert_eq!(
+            u16::from_le_bytes([b[72], b[73]]),
+            1,
+            "d after the host regions"
+        );
+        assert_eq!(
+            &b[74 + 28..74 + 92],
+            &[9; 64],
+            "the handle ends each device region"
+        );
     }
 
     #[test]
@@ -443,12 +543,59 @@ mod tests {
                     addr,
                     len,
                 }],
+                device: Vec::new(),
             });
             assert_eq!(
                 CmaMessage::decode(&m.encode()),
                 Err(MessageError::BadRegion(5))
             );
+            let d = CmaMessage::Open(Open {
+                pid: 1,
+                nonce_addr: 0,
+                nonce: [0; 16],
+                regions: Vec::new(),
+                device: vec![DeviceRegion {
+                    region: 6,
+                    addr,
+                    len,
+                    offset: 0,
+                    handle: [0; 64],
+                }],
+            });
+            assert_eq!(
+                CmaMessage::decode(&d.encode()),
+                Err(MessageError::BadRegion(6))
+            );
         }
+    }
+
+    #[test]
+    fn an_open_fits_one_transport_frame_or_is_refused() {
+        // 32 fixed bytes + 20 per host region + 92 per device region <= 16 KiB.
+        assert!(CmaMessage::open_fits(2, 177));
+        assert!(!CmaMessage::open_fits(2, 178));
+        assert!(CmaMessage::open_fits(800, 0));
+        assert!(!CmaMessage::open_fits(801, 0));
+        let big = CmaMessage::Open(Open {
+            pid: 1,
+            nonce_addr: 0,
+            nonce: [0; 16],
+            regions: Vec::new(),
+            device: vec![
+                DeviceRegion {
+                    region: 6,
+                    addr: 4096,
+                    len: 4096,
+                    offset: 0,
+                    handle: [0; 64],
+                };
+                178
+            ],
+        });
+        assert_eq!(
+            CmaMessage::decode(&big.encode()),
+            Err(MessageError::TooManyRegions(178))
+        );
     }
 
     #[test]
@@ -460,10 +607,10 @@ mod tests {
 
     #[test]
     fn every_decline_code_round_trips_and_zero_names_none() {
-        for code in 1..=10 {
+        for code in 1..=12 {
             assert_eq!(Decline::from_code(code).map(Decline::code), Some(code));
         }
         assert_eq!(Decline::from_code(0), None);
-        assert_eq!(Decline::from_code(11), None);
+        assert_eq!(Decline::from_code(13), None);
     }
 }

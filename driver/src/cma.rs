@@ -6,6 +6,12 @@
 //! it); the TCP path is set up as always and carries whatever went before the choice, and a
 //! session whose copies start failing falls back to it, saying why.
 //!
+//! Device memory on both sides moves the same way over CUDA IPC: the decode exports its
+//! device regions in its `Open` ([`DeviceRegion`]), the prefill maps them once per session
+//! through its copy engine and copies GPU to GPU on its copy stream
+//! ([`CopyEngine::copy_to_peer`]), waiting for the copy's event before it reports the
+//! operation; host regions of the same session (metadata) still go by cross-memory attach.
+//!
 //! A copy runs inline on the driver, so once the core settles an operation nothing of it is
 //! still landing: the prefill's fences need nothing more than TCP's, and a decode's fence
 //! is the prefill's word that it wrote nothing since ([`CmaMessage::Fence`], `Fenced`),
@@ -15,10 +21,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvferry_cma::{
-    CmaError, CmaMessage, CmaRegion, CmaTarget, Decline, HostIdentity, Offer, Open, PtracePolicy,
+    CmaError, CmaMessage, CmaRegion, CmaTarget, Decline, DeviceRegion, HostIdentity, Offer, Open,
+    PtracePolicy,
 };
-use kvferry_core::{Role, SessionId, TransferOp, TransferOutcome};
-use kvferry_memory::{MemoryMap, SliceSide};
+use kvferry_core::{Role, SessionId, Slice, TransferOp, TransferOutcome};
+use kvferry_memory::{
+    CopyEngine, CopyError, CopyJob, IpcExport, IpcMapping, MemoryKind, MemoryMap, SliceSide,
+};
 use tracing::{debug, info, warn};
 
 use crate::faults::flip_first_source_bit;
@@ -47,15 +56,17 @@ impl SameHostPlane {
     /// The plane of a node over `memory` as `mode` asks: one that declines every session
     /// (and says why) where the node cannot or must not take the path.
     pub fn open(mode: SameHost, memory: Arc<MemoryMap>) -> Arc<SameHostPlane> {
+        let device = memory.device_regions().next().is_some();
         let usable = match mode {
             SameHost::Off => Err(Decline::Forbidden),
-            SameHost::Auto if memory.device_regions().next().is_some() => {
-                Err(Decline::DeviceMemory)
-            }
+            SameHost::Auto if device && memory.staging().is_none() => Err(Decline::DeviceMemory),
             SameHost::Auto => HostIdentity::current(),
         };
         if mode == SameHost::Auto {
             match &usable {
+                Ok(_) if device => {
+                    info!(target: START_TARGET, "same-host path ready: peers on this host move over CUDA IPC (device memory) and cross-memory attach (host memory)")
+                }
                 Ok(_) => {
                     info!(target: START_TARGET, "same-host path ready: peers on this host move over cross-memory attach")
                 }
@@ -76,10 +87,17 @@ impl SameHostPlane {
         &self.memory
     }
 
+    /// The copy engine device memory is reached through, if any.
+    fn engine(&self) -> Option<Arc<dyn CopyEngine>> {
+        self.memory.staging().map(|s| s.engine().clone())
+    }
+
+    /// The host-memory regions a writer may write.
     fn regions(&self) -> Vec<CmaRegion> {
         self.memory
             .region_lens()
             .filter(|(region, _)| region.written_by_peers())
+            .filter(|(region, _)| matches!(self.memory.kind(*region), Some(MemoryKind::Host)))
             .filter_map(|(region, len)| {
                 let addr = self.memory.range(region, 0, len).ok()? as u64;
                 Some(CmaRegion {
@@ -89,6 +107,192 @@ impl SameHostPlane {
                 })
             })
             .collect()
+    }
+}
+
+impl SameHostPlane {
+    /// The device-memory regions a writer may write, each exported for another process to
+    /// map; `Err` names the region the engine could not export and why.
+    fn device_regions(&self, importer: u32) -> Result<Vec<DeviceRegion>, String> {
+        let mut out = Vec::new();
+        for (region, len) in self.memory.region_lens() {
+            let Some(MemoryKind::Cuda { device }) = self.memory.kind(region) else {
+                continue;
+            };
+            if !region.written_by_peers() {
+                continue;
+            }
+            let engine = self
+                .engine()
+                .ok_or_else(|| "device memory without a copy engine".to_owned())?;
+            let addr = self
+                .memory
+                .range(region, 0, len)
+                .map_err(|e| e.to_string())? as u64;
+            let export = engine
+                .export_ipc(device, addr, len, importer)
+                .map_err(|e| format!("{region:?} on CUDA device {device}: {e}"))?;
+            out.push(DeviceRegion {
+                region: region.code(),
+                addr,
+                len,
+                offset: export.offset,
+                handle: export.handle,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Maps the receiver's device regions for copies from this node's regions of the same
+    /// codes; `Err` says why the session cannot take the path.
+    fn import(&self, open: &Open) -> Result<Vec<DeviceTarget>, (Decline, String)> {
+        let kinds: std::collections::HashMap<u32, MemoryKind> = self
+            .memory
+            .kinds()
+            .map(|(region, kind)| (region.code(), kind))
+            .collect();
+        if let Some(r) = open
+            .regions
+            .iter()
+            .find(|r| matches!(kinds.get(&r.region), Some(MemoryKind::Cuda { .. })))
+        {
+            return Err((
+                Decline::DeviceMemory,
+                format!(
+                    "region {:#x} is device memory here and host memory in the decode",
+                    r.region
+                ),
+            ));
+        }
+        let mut out = Vec::new();
+        for d in &open.device {
+            let device = match kinds.get(&d.region) {
+                Some(MemoryKind::Cuda { device }) => *device,
+                Some(MemoryKind::Host) => {
+                    return Err((
+                        Decline::DeviceMemory,
+                        format!(
+                            "region {:#x} is host memory here and device memory in the decode",
+                            d.region
+                        ),
+                    ))
+                }
+                None => continue,
+            };
+            let engine = self.engine().ok_or_else(|| {
+                (
+                    Decline::DeviceMemory,
+                    "device memory without a copy engine".to_owned(),
+                )
+            })?;
+            let export = IpcExport {
+                handle: d.handle,
+                offset: d.offset,
+            };
+            let mapping = engine
+                .import_ipc(device, open.pid, d.addr, &export)
+                .map_err(|e| (Decline::IpcUnavailable, e.to_string()))?;
+            out.push(DeviceTarget {
+                region: d.region,
+                len: d.len,
+                device,
+                mapping,
+            });
+        }
+        out.sort_by_key(|d| d.region);
+        Ok(out)
+    }
+}
+
+/// One device region of the receiver, mapped into this process.
+struct DeviceTarget {
+    region: u32,
+    len: u64,
+    /// This node's device the copies into it run on.
+    device: u32,
+    mapping: IpcMapping,
+}
+
+/// Where a writer's copies of one session go: the receiver's host regions (cross-memory
+/// attach) and its device regions mapped here (CUDA IPC).
+pub struct SameHostTarget {
+    host: CmaTarget,
+    device: Vec<DeviceTarget>,
+    engine: Option<Arc<dyn CopyEngine>>,
+}
+
+/// Why a copy into the receiver did not complete.
+enum CopyFailure {
+    Host(CmaError),
+    Device(CopyError),
+}
+
+impl std::fmt::Display for CopyFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CopyFailure::Host(e) => e.fmt(f),
+            CopyFailure::Device(e) => e.fmt(f),
+        }
+    }
+}
+
+impl SameHostTarget {
+    /// Copies every row of `slices` into the receiver: device regions' rows by the copy
+    /// engine, the rest by cross-memory attach. Nothing is copied if a device row leaves its
+    /// region; when it returns, every byte landed.
+    fn write(&self, memory: &MemoryMap, slices: &[Slice]) -> Result<(), CopyFailure> {
+        if self.device.is_empty() {
+            return self
+                .host
+                .write(memory, slices)
+                .map(drop)
+                .map_err(CopyFailure::Host);
+        }
+        let mut host = Vec::new();
+        let mut jobs: Vec<(u32, CopyJob)> = Vec::new();
+        for slice in slices {
+            let code = slice.region.code();
+            let Ok(i) = self.device.binary_search_by_key(&code, |d| d.region) else {
+                host.push(*slice);
+                continue;
+            };
+            let target = &self.device[i];
+            let outside = CopyFailure::Host(CmaError::OutsideRegion { region: code });
+            if !slice.dst_end().is_some_and(|end| end <= target.len) {
+                return Err(outside);
+            }
+            for run in slice.runs() {
+                let src = memory
+                    .range(run.region, run.src_offset, run.len)
+                    .map_err(|e| CopyFailure::Host(CmaError::Source(e.to_string())))?;
+                jobs.push((
+                    target.device,
+                    CopyJob {
+                        dst: (target.mapping.addr + run.dst_offset) as usize,
+                        src: src as usize,
+                        len: run.len as usize,
+                    },
+                ));
+            }
+        }
+        if !host.is_empty() {
+            self.host.write(memory, &host).map_err(CopyFailure::Host)?;
+        }
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        let engine = self.engine.as_ref().ok_or_else(|| {
+            CopyFailure::Device(CopyError("device memory without a copy engine".to_owned()))
+        })?;
+        jobs.sort_by_key(|(device, _)| *device);
+        for group in jobs.chunk_by(|a, b| a.0 == b.0) {
+            let device = group[0].0;
+            let batch: Vec<CopyJob> = group.iter().map(|(_, job)| *job).collect();
+            engine
+                .copy_to_peer(device, &batch)
+                .map_err(CopyFailure::Device)?;
+        }
+        Ok(())
     }
 }
 
@@ -160,7 +364,7 @@ pub enum SessionCma {
     /// Writer: offered, waiting for the receiver's `Open` or `Decline`.
     Offered,
     /// Writer: the receiver's memory, where this session's operations go.
-    Writing(CmaTarget),
+    Writing(Arc<SameHostTarget>),
     /// Receiver: opened for the writer (one-sided from then on: it may accept and copy
     /// before this side hears it).
     Opened {
@@ -170,6 +374,8 @@ pub enum SessionCma {
         fencing: Option<u32>,
         /// The last fence's epoch.
         epoch: u32,
+        /// Whether device regions were opened (the path is CUDA IPC).
+        device: bool,
     },
     /// Not this session, and why.
     Declined(Decline),
@@ -257,8 +463,12 @@ pub(crate) fn on_message<H: Host>(driver: &mut Driver<H>, sid: SessionId, payloa
         CmaMessage::Decline(why) => {
             if matches!(state(driver, sid), Some(Some(SessionCma::Opened { .. }))) {
                 driver.endpoint_mut().clear_one_sided(sid);
-                if driver.session_path(sid) == Some(DataPath::Cma) {
-                    driver.set_path(sid, DataPath::Tcp, "the prefill's same-host copies failed");
+                if matches!(
+                    driver.session_path(sid),
+                    Some(DataPath::Cma | DataPath::CudaIpc)
+                ) {
+                    let tcp = driver.tcp_path();
+                    driver.set_path(sid, tcp, "the prefill's same-host copies failed");
                 }
             }
             declined(driver, sid, why, true);
@@ -280,11 +490,20 @@ fn on_offer<H: Host>(
     offer: Offer,
 ) {
     let regions = plane.regions();
+    let checksum = driver.endpoint().config().checksum;
+    let mut device = Vec::new();
     let answer = plane
         .usable
         .and_then(|me| me.reaches(&offer.host))
         .and_then(|()| {
-            if CmaMessage::open_fits(regions.len()) {
+            device = plane.device_regions(offer.pid).map_err(|e| {
+                info!(target: START_TARGET, session = %sid, error = %e, "this node's device memory cannot be exported to the prefill");
+                Decline::IpcUnavailable
+            })?;
+            if checksum && !device.is_empty() {
+                return Err(Decline::ChecksumOnDevice);
+            }
+            if CmaMessage::open_fits(regions.len(), device.len()) {
                 Ok(())
             } else {
                 Err(Decline::TooManyRegions)
@@ -309,6 +528,7 @@ fn on_offer<H: Host>(
                     grant,
                     fencing: None,
                     epoch: 0,
+                    device: !device.is_empty(),
                 });
             }
             let open = CmaMessage::Open(Open {
@@ -316,6 +536,7 @@ fn on_offer<H: Host>(
                 nonce_addr: plane.nonce.as_ptr() as u64,
                 nonce: *plane.nonce,
                 regions,
+                device,
             });
             send(driver, sid, &open);
         }
@@ -328,8 +549,11 @@ fn on_open<H: Host>(driver: &mut Driver<H>, sid: SessionId, open: Open) {
         debug!(session = %sid, "same-host Open without an offer");
         return;
     }
-    let target = CmaTarget::new(open.pid, open.regions);
-    if let Err(e) = target.prove(open.nonce_addr, &open.nonce) {
+    let Some(plane) = plane(driver) else {
+        return;
+    };
+    let host = CmaTarget::new(open.pid, open.regions.clone());
+    if let Err(e) = host.prove(open.nonce_addr, &open.nonce) {
         let why = match e {
             CmaError::Permission => Decline::PtraceRefused,
             _ => Decline::NotThePeer,
@@ -338,31 +562,71 @@ fn on_open<H: Host>(driver: &mut Driver<H>, sid: SessionId, open: Open) {
         declined(driver, sid, why, false);
         return;
     }
+    let checksum = driver.endpoint().config().checksum;
+    let device = plane.import(&open).and_then(|device| {
+        if checksum && !device.is_empty() {
+            Err((
+                Decline::ChecksumOnDevice,
+                "this node hashes what it sends".to_owned(),
+            ))
+        } else {
+            Ok(device)
+        }
+    });
+    let device = match device {
+        Ok(d) => d,
+        Err((why, detail)) => {
+            info!(target: START_TARGET, session = %sid, why = why.as_str(), detail, "the decode's device memory cannot be reached from here");
+            send(driver, sid, &CmaMessage::Decline(why));
+            declined(driver, sid, why, false);
+            return;
+        }
+    };
+    let (path, why) = if device.is_empty() {
+        (
+            DataPath::Cma,
+            "same host: cross-memory attach into the decode's memory",
+        )
+    } else {
+        (
+            DataPath::CudaIpc,
+            "same host: GPU copies into the decode's device memory (CUDA IPC)",
+        )
+    };
+    let target = SameHostTarget {
+        host,
+        device,
+        engine: plane.engine(),
+    };
     if let Some(s) = state(driver, sid) {
-        *s = Some(SessionCma::Writing(target));
+        *s = Some(SessionCma::Writing(Arc::new(target)));
     }
     send(driver, sid, &CmaMessage::Accept);
-    driver.set_path(
-        sid,
-        DataPath::Cma,
-        "same host: cross-memory attach into the decode's memory",
-    );
+    driver.set_path(sid, path, why);
 }
 
 /// Receiver: the writer writes this session's operations into this process from now on.
 fn on_accept<H: Host>(driver: &mut Driver<H>, sid: SessionId) {
-    match state(driver, sid) {
-        Some(Some(SessionCma::Opened { .. })) => {}
+    let device = match state(driver, sid) {
+        Some(Some(SessionCma::Opened { device, .. })) => *device,
         _ => {
             debug!(session = %sid, "same-host Accept without an Open");
             return;
         }
+    };
+    if device {
+        driver.set_path(
+            sid,
+            DataPath::CudaIpc,
+            "same host: the prefill's GPU copies into this device memory (CUDA IPC)",
+        );
+    } else {
+        driver.set_path(
+            sid,
+            DataPath::Cma,
+            "same host: the prefill writes into this memory",
+        );
     }
-    driver.set_path(
-        sid,
-        DataPath::Cma,
-        "same host: the prefill writes into this memory",
-    );
 }
 
 /// Copies `op` into the receiver when its session takes the same-host path; gives it back
@@ -416,7 +680,7 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
             }
             TransferOutcome::Done
         }
-        Err(e @ (CmaError::OutsideRegion { .. } | CmaError::Source(_))) => {
+        Err(e @ CopyFailure::Host(CmaError::OutsideRegion { .. } | CmaError::Source(_))) => {
             warn!(session = %op.session, room = ?op.room, error = %e, "same-host copy refused");
             TransferOutcome::Fatal
         }
@@ -426,14 +690,15 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
             // operation is retried there.
             warn!(session = %op.session, room = ?op.room, error = %e, "same-host copy failed: the session falls back to TCP");
             let why = match e {
-                CmaError::Permission => Decline::PtraceRefused,
+                CopyFailure::Host(CmaError::Permission) => Decline::PtraceRefused,
                 _ => Decline::CopyFailed,
             };
             if let Some(io) = driver.session_io(op.session) {
                 io.cma = Some(SessionCma::Declined(why));
             }
             send(driver, op.session, &CmaMessage::Decline(why));
-            driver.set_path(op.session, DataPath::Tcp, "the same-host copy failed");
+            let tcp = driver.tcp_path();
+            driver.set_path(op.session, tcp, "the same-host copy failed");
             TransferOutcome::Transient
         }
     };

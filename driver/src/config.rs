@@ -74,6 +74,9 @@ pub enum DataPath {
     RdmaDmaBuf,
     /// Same host: cross-memory attach (`process_vm_writev`) into the decode's memory.
     Cma,
+    /// Same host, device memory: copies on the prefill's GPU into the decode's device
+    /// memory mapped through CUDA IPC (host regions, if any, by cross-memory attach).
+    CudaIpc,
 }
 
 impl DataPath {
@@ -85,6 +88,7 @@ impl DataPath {
             DataPath::Rdma => "rdma",
             DataPath::RdmaDmaBuf => "rdma_dmabuf",
             DataPath::Cma => "cma",
+            DataPath::CudaIpc => "cuda_ipc",
         }
     }
 

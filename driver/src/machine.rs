@@ -730,16 +730,20 @@ impl<H: Host> Driver<H> {
     /// the peer said it does none for this session): opened now if this side opens them,
     /// the operations held meanwhile going out on them.
     pub fn use_tcp_path(&mut self, session: SessionId, why: &'static str) {
-        let path = if self.staging.is_some() {
-            DataPath::TcpStaged
-        } else {
-            DataPath::Tcp
-        };
-        self.set_path(session, path, why);
+        self.set_path(session, self.tcp_path(), why);
         if let Some(io) = self.io.get_mut(&session) {
             io.send_parked();
         }
         self.open_data_connections(session, self.data_connections);
+    }
+
+    /// The TCP path this node's sessions take: staged where its memory needs a copy engine.
+    pub(crate) fn tcp_path(&self) -> DataPath {
+        if self.staging.is_some() {
+            DataPath::TcpStaged
+        } else {
+            DataPath::Tcp
+        }
     }
 
     /// Records (and logs) the path `session`'s operations take.

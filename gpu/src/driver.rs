@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUflushGPUDirectRDMAWritesScope,
-    CUflushGPUDirectRDMAWritesTarget, CUmemRangeHandleType, CUmemcpyAttributes,
+    CUflushGPUDirectRDMAWritesTarget, CUipcMemHandle, CUmemRangeHandleType, CUmemcpyAttributes,
     CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
 };
 
@@ -76,6 +76,18 @@ pub(crate) struct CudaApi {
             CUstream,
         ) -> CUresult,
     >,
+    /// Exports an allocation for another process of this host (legacy `cuMemAlloc`
+    /// allocations; VMM ones refuse).
+    pub cuIpcGetMemHandle:
+        Option<unsafe extern "C" fn(*mut CUipcMemHandle, CUdeviceptr) -> CUresult>,
+    /// Maps another process's exported allocation into the current context.
+    pub cuIpcOpenMemHandle:
+        Option<unsafe extern "C" fn(*mut CUdeviceptr, CUipcMemHandle, c_uint) -> CUresult>,
+    /// Unmaps what `cuIpcOpenMemHandle` mapped.
+    pub cuIpcCloseMemHandle: Option<unsafe extern "C" fn(CUdeviceptr) -> CUresult>,
+    /// One device-to-device copy (either side may be a mapped peer allocation).
+    pub cuMemcpyDtoDAsync:
+        Option<unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize, CUstream) -> CUresult>,
     /// CUDA 11.3+: makes a NIC's earlier writes visible to the device's own work.
     pub cuFlushGPUDirectRDMAWrites: Option<
         unsafe extern "C" fn(
@@ -94,6 +106,7 @@ impl std::fmt::Debug for CudaApi {
             )
             .field("rdma_flush", &self.cuFlushGPUDirectRDMAWrites.is_some())
             .field("batched_copies", &self.cuMemcpyBatchAsync.is_some())
+            .field("ipc", &self.cuIpcOpenMemHandle.is_some())
             .finish()
     }
 }
@@ -188,6 +201,10 @@ fn resolve(lib: &'static libloading::Library) -> Result<CudaApi, GpuError> {
         cuMemGetHandleForAddressRange: optional!("cuMemGetHandleForAddressRange"),
         cuMemcpyBatchAsync: optional!("cuMemcpyBatchAsync"),
         cuFlushGPUDirectRDMAWrites: optional!("cuFlushGPUDirectRDMAWrites"),
+        cuIpcGetMemHandle: optional!("cuIpcGetMemHandle"),
+        cuIpcOpenMemHandle: optional!("cuIpcOpenMemHandle_v2"),
+        cuIpcCloseMemHandle: optional!("cuIpcCloseMemHandle"),
+        cuMemcpyDtoDAsync: optional!("cuMemcpyDtoDAsync_v2"),
     })
 }
 

@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{
     CUdevice_attribute, CUevent, CUflushGPUDirectRDMAWritesScope, CUflushGPUDirectRDMAWritesTarget,
-    CUmemLocation, CUmemLocationType, CUmemRangeHandleType, CUmemcpyAttributes,
+    CUipcMemHandle, CUmemLocation, CUmemLocationType, CUmemRangeHandleType, CUmemcpyAttributes,
     CUmemcpySrcAccessOrder, CUmemorytype, CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
 };
 use kvferry_core::Region;
 use kvferry_memory::{
     plan_copies, CopyCall, CopyCounts, CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob,
-    DmaBuf, HostBuffer, MemoryKind, MemoryMap,
+    DmaBuf, HostBuffer, IpcExport, IpcMapping, MemoryKind, MemoryMap,
 };
 
 use crate::driver::{self, api, CudaApi, DeviceContext};
@@ -41,6 +41,10 @@ const EVENT_DISABLE_TIMING: u32 = 2;
 
 /// `CU_MEMHOSTREGISTER_PORTABLE`: pinned for every context, so any device's copies see it.
 const HOST_REGISTER_PORTABLE: u32 = 1;
+
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: an allocation of another GPU is mapped with peer
+/// access enabled as needed (NVLink or PCIe peer to peer).
+const IPC_LAZY_ENABLE_PEER_ACCESS: u32 = 1;
 
 /// Whether a NIC's writes into a device need a flush before the device's work sees them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,6 +144,33 @@ pub struct CudaCopyEngine {
     devices: BTreeMap<u32, DeviceCopies>,
     counts: CopyCounts,
     timeout: Duration,
+    /// Other processes' allocations mapped here, by handle and device: the driver maps one
+    /// allocation once per context, so every region of it shares the mapping.
+    imports: Mutex<Vec<(ImportKey, std::sync::Weak<Imported>)>>,
+}
+
+/// An exported allocation's handle and the device it is mapped for.
+type ImportKey = ([u8; 64], u32);
+
+/// Another process's allocation mapped into one device's context; unmapped on drop.
+struct Imported {
+    shared: Arc<DeviceShared>,
+    base: u64,
+}
+
+impl Drop for Imported {
+    fn drop(&mut self) {
+        let Some(close) = self.shared.api().cuIpcCloseMemHandle else {
+            return;
+        };
+        if let Ok(_in) = self.shared.ctx.enter() {
+            // SAFETY: `base` was mapped by cuIpcOpenMemHandle in this context, and no copy
+            // into it is queued any more (every copy waits for its event before it returns,
+            // and the session's target holding this mapping is gone).
+            // A failed unmap leaves nothing to do: the mapping ends with the process.
+            let _ = unsafe { close(self.base) };
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaCopyEngine {
@@ -175,6 +206,7 @@ impl CudaCopyEngine {
             devices: map,
             counts: CopyCounts::default(),
             timeout,
+            imports: Mutex::new(Vec::new()),
         }))
     }
 
@@ -639,6 +671,199 @@ impl CopyEngine for CudaCopyEngine {
         })
     }
 
+    fn export_ipc(
+        &self,
+        device: u32,
+        addr: u64,
+        len: u64,
+        importer: u32,
+    ) -> Result<IpcExport, CopyError> {
+        let dev = self.device(device)?;
+        if importer == std::process::id() {
+            // This process maps its own memory in place (`import_ipc`): no handle is needed,
+            // and memory no handle exports (a pool's, the VMM API's) serves as well.
+            return Ok(IpcExport {
+                handle: [0; 64],
+                offset: 0,
+            });
+        }
+        let api = dev.shared.api();
+        let get = api
+            .cuIpcGetMemHandle
+            .ok_or_else(|| CopyError("the CUDA driver lacks cuIpcGetMemHandle".to_owned()))?;
+        let _in = dev.shared.ctx.enter().map_err(copy_error)?;
+        let mut base = 0u64;
+        let mut size: usize = 0;
+        // SAFETY: asks the driver which allocation holds `addr`; it writes the two values.
+        driver::ok(
+            unsafe { (api.cuMemGetAddressRange)(&mut base, &mut size, addr) },
+            "cuMemGetAddressRange",
+        )
+        .map_err(copy_error)?;
+        if addr < base || addr - base + len > size as u64 {
+            return Err(CopyError(format!(
+                "{len} bytes at {addr:#x} span more than one CUDA allocation (the one holding its start ends at {:#x}); a caching allocator's expandable segments do this",
+                base + size as u64
+            )));
+        }
+        // SAFETY: a zeroed handle is a valid value of this plain byte array.
+        let mut handle: CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: exports a live allocation of the entered context; the driver writes the
+        // handle.
+        let r = unsafe { get(&mut handle, base) };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(CopyError(format!(
+                "cuIpcGetMemHandle: {r:?} (only cuMemAlloc allocations export this way: not a memory pool's (cuMemAllocAsync) nor the VMM API's, such as PyTorch's expandable_segments)"
+            )));
+        }
+        let mut bytes = [0u8; 64];
+        for (b, c) in bytes.iter_mut().zip(handle.reserved.iter()) {
+            *b = *c as u8;
+        }
+        Ok(IpcExport {
+            handle: bytes,
+            offset: addr - base,
+        })
+    }
+
+    fn import_ipc(
+        &self,
+        device: u32,
+        owner: u32,
+        owner_addr: u64,
+        export: &IpcExport,
+    ) -> Result<IpcMapping, CopyError> {
+        if owner == std::process::id() {
+            // The driver refuses to open a process's own handle, and needs not: with unified
+            // addressing the exporter's address is valid in every context of this process.
+            return Ok(IpcMapping {
+                addr: owner_addr,
+                keep: None,
+            });
+        }
+        let dev = self.device(device)?;
+        let api = dev.shared.api();
+        let open = api
+            .cuIpcOpenMemHandle
+            .ok_or_else(|| CopyError("the CUDA driver lacks cuIpcOpenMemHandle".to_owned()))?;
+        if api.cuMemcpyDtoDAsync.is_none() || api.cuIpcCloseMemHandle.is_none() {
+            return Err(CopyError(
+                "the CUDA driver lacks cuMemcpyDtoDAsync_v2 or cuIpcCloseMemHandle".to_owned(),
+            ));
+        }
+        let key = (export.handle, device);
+        let mut imports = self
+            .imports
+            .lock()
+            .map_err(|_| CopyError("the engine's import table is poisoned".to_owned()))?;
+        imports.retain(|(_, weak)| weak.strong_count() > 0);
+        let found = imports
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, weak)| weak.upgrade());
+        let imported = match found {
+            Some(i) => i,
+            None => {
+                // SAFETY: a zeroed handle is a valid value of this plain byte array.
+                let mut handle: CUipcMemHandle = unsafe { std::mem::zeroed() };
+                for (c, b) in handle.reserved.iter_mut().zip(export.handle.iter()) {
+                    *c = *b as _;
+                }
+                let _in = dev.shared.ctx.enter().map_err(copy_error)?;
+                let mut base = 0u64;
+                // SAFETY: maps the exported allocation into the entered context; the driver
+                // writes its address here. Closed by `Imported::drop`.
+                let r = unsafe { open(&mut base, handle, IPC_LAZY_ENABLE_PEER_ACCESS) };
+                if r != CUresult::CUDA_SUCCESS {
+                    return Err(CopyError(format!(
+                        "cuIpcOpenMemHandle on CUDA device {device}: {r:?} (no peer access between the two GPUs, or the exporter is gone)"
+                    )));
+                }
+                let imported = Arc::new(Imported {
+                    shared: dev.shared.clone(),
+                    base,
+                });
+                imports.push((key, Arc::downgrade(&imported)));
+                imported
+            }
+        };
+        Ok(IpcMapping {
+            addr: imported.base + export.offset,
+            keep: Some(imported),
+        })
+    }
+
+    fn copy_to_peer(&self, device: u32, jobs: &[CopyJob]) -> Result<(), CopyError> {
+        let dev = self.device(device)?;
+        let shared = &dev.shared;
+        if shared.stalled.load(Ordering::SeqCst) {
+            return Err(CopyError(format!(
+                "CUDA device {device}'s copies stalled earlier: it takes no more"
+            )));
+        }
+        let api = shared.api();
+        let copy = api
+            .cuMemcpyDtoDAsync
+            .ok_or_else(|| CopyError("the CUDA driver lacks cuMemcpyDtoDAsync_v2".to_owned()))?;
+        let runs = merge_runs(jobs);
+        let calls: Vec<CopyCall> = runs.iter().map(|j| CopyCall::Run(*j)).collect();
+        self.counts.count(jobs.len(), &calls);
+        let _in = shared.ctx.enter().map_err(copy_error)?;
+        // SAFETY (both branches): every source lies in this node's registered device memory
+        // (bounds-checked by MemoryMap) and every destination inside a peer's allocation this
+        // engine mapped (bounds-checked by the caller against the exported region), both
+        // held until this returns; the stream is the entered context's.
+        match api.cuMemcpyBatchAsync {
+            Some(batch) if runs.len() >= 2 => {
+                let r = unsafe { queue_batch(batch, shared.stream.0, &runs) };
+                driver::ok(r, "cuMemcpyBatchAsync").map_err(copy_error)?;
+            }
+            _ => {
+                for run in &runs {
+                    let r =
+                        unsafe { copy(run.dst as u64, run.src as u64, run.len, shared.stream.0) };
+                    driver::ok(r, "cuMemcpyDtoDAsync").map_err(copy_error)?;
+                }
+            }
+        }
+        let event = shared.event().map_err(copy_error)?;
+        // SAFETY: an event and the stream of the entered context.
+        driver::ok(
+            unsafe { (api.cuEventRecord)(event.0, shared.stream.0) },
+            "cuEventRecord",
+        )
+        .map_err(copy_error)?;
+        let deadline = Instant::now() + self.timeout;
+        let mut spins = 0u32;
+        let result = loop {
+            // SAFETY: queries an event of the entered context.
+            match unsafe { (api.cuEventQuery)(event.0) } {
+                CUresult::CUDA_SUCCESS => break Ok(()),
+                CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
+                    // A page's copy takes microseconds: spin a little, then sleep briefly.
+                    spins += 1;
+                    if spins < 64 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(20));
+                    }
+                }
+                CUresult::CUDA_ERROR_NOT_READY => {
+                    shared.stalled.store(true, Ordering::SeqCst);
+                    return Err(CopyError(format!(
+                        "copies into a peer on CUDA device {device} took over {:?}: the device takes no more",
+                        self.timeout
+                    )));
+                }
+                r => break driver::ok(r, "cuEventQuery").map_err(copy_error),
+            }
+        };
+        if let Ok(mut free) = shared.events.lock() {
+            free.push(event);
+        }
+        result
+    }
+
     fn remote_writes_need_flush(&self, device: u32) -> bool {
         self.devices
             .get(&device)
@@ -663,6 +888,21 @@ impl CopyEngine for CudaCopyEngine {
         };
         driver::ok(r, "cuFlushGPUDirectRDMAWrites").map_err(copy_error)
     }
+}
+
+/// `jobs` with each run that continues the previous one on both sides merged into it.
+fn merge_runs(jobs: &[CopyJob]) -> Vec<CopyJob> {
+    let mut runs: Vec<CopyJob> = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        if let Some(last) = runs.last_mut() {
+            if last.src + last.len == job.src && last.dst + last.len == job.dst {
+                last.len += job.len;
+                continue;
+            }
+        }
+        runs.push(*job);
+    }
+    runs
 }
 
 /// What the driver says the memory at `ptr` is: host memory it does not know, or a device's.

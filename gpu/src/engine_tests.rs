@@ -466,3 +466,216 @@ fn scattered_pages_are_one_batched_copy_where_the_driver_has_it() {
         assert_eq!(&staged[at..at + 256], &device[from..from + 256]);
     }
 }
+
+/// A process id that is not this test's: the engine maps its exports as another process's.
+fn other_process() -> u32 {
+    std::process::id() + 1
+}
+
+#[test]
+fn an_ipc_export_names_the_allocation_and_where_the_region_starts_in_it() {
+    let _serial = fake::reset(1);
+    let host = vec![0u8; 3 * 4096];
+    let base = host.as_ptr() as u64;
+    state(|s| s.allocations.push((base, host.len(), 0)));
+    let engine =
+        CudaCopyEngine::open_with(fake::api(true, true), &[0], DEFAULT_COPY_TIMEOUT).unwrap();
+    push_own(OWN);
+    let export = engine
+        .export_ipc(0, base + 4096, 4096, other_process())
+        .unwrap();
+    assert_eq!(export.offset, 4096);
+    assert_eq!(&export.handle[..8], b"fakeipc\0");
+    assert_eq!(state(|s| s.exported.clone()), vec![base]);
+    let err = engine
+        .export_ipc(0, base + 4096, 3 * 4096, other_process())
+        .unwrap_err();
+    assert!(err.0.contains("more than one CUDA allocation"), "{err}");
+    assert_callers_context_kept();
+}
+
+#[test]
+fn memory_the_driver_does_not_know_is_not_exported_and_the_error_says_why() {
+    let _serial = fake::reset(1);
+    let host = vec![0u8; 4096];
+    let engine =
+        CudaCopyEngine::open_with(fake::api(true, true), &[0], DEFAULT_COPY_TIMEOUT).unwrap();
+    let err = engine
+        .export_ipc(0, host.as_ptr() as u64, 4096, other_process())
+        .unwrap_err();
+    assert!(err.0.contains("cuMemGetAddressRange"), "{err}");
+}
+
+#[test]
+fn a_peer_allocation_is_mapped_once_per_device_and_unmapped_when_its_last_region_lets_go() {
+    let _serial = fake::reset(1);
+    let peer = vec![0u8; 2 * 4096];
+    let base = peer.as_ptr() as u64;
+    state(|s| s.allocations.push((base, peer.len(), 0)));
+    let engine =
+        CudaCopyEngine::open_with(fake::api(true, true), &[0], DEFAULT_COPY_TIMEOUT).unwrap();
+    push_own(OWN);
+    let first = engine.export_ipc(0, base, 4096, other_process()).unwrap();
+    let second = engine
+        .export_ipc(0, base + 4096, 4096, other_process())
+        .unwrap();
+    let a = engine.import_ipc(0, other_process(), base, &first).unwrap();
+    let b = engine
+        .import_ipc(0, other_process(), base + 4096, &second)
+        .unwrap();
+    assert_eq!((a.addr, b.addr), (base, base + 4096));
+    assert_eq!(state(|s| (s.ipc_opens, s.ipc_open)), (1, 1), "one mapping");
+    drop(a);
+    assert_eq!(state(|s| s.ipc_open), 1, "the second region still uses it");
+    drop(b);
+    assert_eq!(state(|s| s.ipc_open), 0, "unmapped with its last region");
+    let again = engine.import_ipc(0, other_process(), base, &first).unwrap();
+    assert_eq!(state(|s| (s.ipc_opens, s.ipc_open)), (2, 1), "mapped anew");
+    drop(again);
+    assert_callers_context_kept();
+}
+
+#[test]
+fn an_export_of_this_very_process_is_used_in_place_and_never_opened() {
+    let _serial = fake::reset(1);
+    let memory = device_memory(0);
+    let (base, len) = first_region(&memory);
+    let engine =
+        CudaCopyEngine::open_with(fake::api(true, true), &[0], DEFAULT_COPY_TIMEOUT).unwrap();
+    let export = engine
+        .export_ipc(0, base, len as u64, std::process::id())
+        .unwrap();
+    assert!(
+        state(|s| s.exported.is_empty()),
+        "no handle for this process"
+    );
+    let mapping = engine
+        .import_ipc(0, std::process::id(), base, &export)
+        .unwrap();
+    assert_eq!(mapping.addr, base);
+    assert!(mapping.keep.is_none());
+    assert_eq!(state(|s| s.ipc_opens), 0);
+}
+
+#[test]
+fn a_mapping_the_driver_refuses_fails_with_the_reason() {
+    let _serial = fake::reset(1);
+    let memory = device_memory(0);
+    let (base, len) = first_region(&memory);
+    state(|s| s.ipc_refused = true);
+    let engine =
+        CudaCopyEngine::open_with(fake::api(true, true), &[0], DEFAULT_COPY_TIMEOUT).unwrap();
+    let export = engine
+        .export_ipc(0, base, len as u64, other_process())
+        .unwrap();
+    let err = engine
+        .import_ipc(0, other_process(), base, &export)
+        .unwrap_err();
+    assert!(err.0.contains("cuIpcOpenMemHandle"), "{err}");
+    assert!(err.0.contains("PEER_ACCESS_UNSUPPORTED"), "{err}");
+}
+
+#[test]
+fn copies_into_a_mapped_peer_land_every_byte_runs_that_continue_each_other_in_one_call() {
+    let _serial = fake::reset(1);
+    let mut src = vec![0u8; 4 * 4096];
+    for (i, b) in src.iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let dst = vec![0u8; 4 * 4096];
+    let (s0, d0) = (src.as_ptr() as usize, dst.as_ptr() as usize);
+    state(|s| {
+        s.allocations
+            .extend([(s0 as u64, src.len(), 0), (d0 as u64, dst.len(), 0)])
+    });
+    let engine =
+        CudaCopyEngine::open_with(fake::api(true, true), &[0], DEFAULT_COPY_TIMEOUT).unwrap();
+    push_own(OWN);
+    let export = engine
+        .export_ipc(0, d0 as u64, dst.len() as u64, other_process())
+        .unwrap();
+    let mapping = engine
+        .import_ipc(0, other_process(), d0 as u64, &export)
+        .unwrap();
+    let to = mapping.addr as usize;
+    // Pages 0 and 1 continue each other on both sides; page 3 goes to page 2.
+    let jobs = [
+        CopyJob {
+            dst: to,
+            src: s0,
+            len: 4096,
+        },
+        CopyJob {
+            dst: to + 4096,
+            src: s0 + 4096,
+            len: 4096,
+        },
+        CopyJob {
+            dst: to + 2 * 4096,
+            src: s0 + 3 * 4096,
+            len: 4096,
+        },
+    ];
+    engine.copy_to_peer(0, &jobs).unwrap();
+    assert_eq!(state(|s| s.copies_dtod), 2);
+    assert_eq!(&dst[..2 * 4096], &src[..2 * 4096]);
+    assert_eq!(&dst[2 * 4096..3 * 4096], &src[3 * 4096..]);
+    assert!(
+        dst[3 * 4096..].iter().all(|b| *b == 0),
+        "nothing else written"
+    );
+    drop(mapping);
+    assert_callers_context_kept();
+}
+
+#[test]
+fn a_copy_into_a_peer_that_never_completes_fails_at_the_timeout_and_its_device_takes_no_more() {
+    let _serial = fake::reset(1);
+    state(|s| s.hang = true);
+    let engine =
+        CudaCopyEngine::open_with(fake::api(true, true), &[0], Duration::from_millis(50)).unwrap();
+    let t0 = Instant::now();
+    let err = engine.copy_to_peer(0, &[]).unwrap_err();
+    assert!(err.0.contains("took over"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    state(|s| s.hang = false);
+    let err = engine.copy_to_peer(0, &[]).unwrap_err();
+    assert!(err.0.contains("stalled"), "{err}");
+}
+
+#[test]
+fn on_a_driver_with_batched_copies_many_peer_runs_are_one_call() {
+    let _serial = fake::reset(1);
+    let src = vec![5u8; 8 * 4096];
+    let dst = vec![0u8; 8 * 4096];
+    let (s0, d0) = (src.as_ptr() as usize, dst.as_ptr() as usize);
+    state(|s| {
+        s.allocations
+            .extend([(s0 as u64, src.len(), 0), (d0 as u64, dst.len(), 0)])
+    });
+    let engine =
+        CudaCopyEngine::open_with(fake::api_batched(), &[0], DEFAULT_COPY_TIMEOUT).unwrap();
+    let export = engine
+        .export_ipc(0, d0 as u64, dst.len() as u64, other_process())
+        .unwrap();
+    let mapping = engine
+        .import_ipc(0, other_process(), d0 as u64, &export)
+        .unwrap();
+    // Every other page: four runs that continue nothing.
+    let jobs: Vec<CopyJob> = (0..4)
+        .map(|i| CopyJob {
+            dst: mapping.addr as usize + 2 * i * 4096,
+            src: s0 + 2 * i * 4096,
+            len: 4096,
+        })
+        .collect();
+    engine.copy_to_peer(0, &jobs).unwrap();
+    assert_eq!(state(|s| (s.batches, s.batched, s.copies_dtod)), (1, 4, 0));
+    for i in 0..8 {
+        let want = if i % 2 == 0 { 5 } else { 0 };
+        assert!(
+            dst[i * 4096..(i + 1) * 4096].iter().all(|b| *b == want),
+            "page {i}"
+        );
+    }
+}

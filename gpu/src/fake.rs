@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUflushGPUDirectRDMAWritesScope,
-    CUflushGPUDirectRDMAWritesTarget, CUmemRangeHandleType, CUmemcpyAttributes,
+    CUflushGPUDirectRDMAWritesTarget, CUipcMemHandle, CUmemRangeHandleType, CUmemcpyAttributes,
     CUmemcpySrcAccessOrder, CUmemorytype, CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
 };
 
@@ -56,6 +56,16 @@ pub(crate) struct FakeState {
     pub batches: u64,
     /// Copies made by batched calls.
     pub batched: u64,
+    /// Allocations exported for IPC (their bases).
+    pub exported: Vec<u64>,
+    /// `cuIpcOpenMemHandle` calls, and mappings not closed yet.
+    pub ipc_opens: u64,
+    /// Mappings open (opens minus closes).
+    pub ipc_open: i64,
+    /// `cuIpcOpenMemHandle` fails with this (no peer access).
+    pub ipc_refused: bool,
+    /// Device-to-device copy calls.
+    pub copies_dtod: u64,
 }
 
 static STATE: Mutex<Option<FakeState>> = Mutex::new(None);
@@ -149,6 +159,10 @@ pub(crate) fn api(export: bool, flush: bool) -> &'static CudaApi {
         cuMemGetHandleForAddressRange: export.then_some(cuMemGetHandleForAddressRange as _),
         cuMemcpyBatchAsync: None,
         cuFlushGPUDirectRDMAWrites: flush.then_some(cuFlushGPUDirectRDMAWrites as _),
+        cuIpcGetMemHandle: Some(cuIpcGetMemHandle),
+        cuIpcOpenMemHandle: Some(cuIpcOpenMemHandle),
+        cuIpcCloseMemHandle: Some(cuIpcCloseMemHandle),
+        cuMemcpyDtoDAsync: Some(cuMemcpyDtoDAsync),
     }))
 }
 
@@ -351,6 +365,85 @@ unsafe extern "C" fn cuMemcpyHtoDAsync(
         state(|s| s.copies += 1);
         // SAFETY: as above.
         unsafe { std::ptr::copy_nonoverlapping(src.cast::<u8>(), dst as *mut u8, len) };
+    }
+    r
+}
+/// The fake's handle: `"fakeipc"` and the allocation's base.
+fn fake_handle(base: u64) -> CUipcMemHandle {
+    // SAFETY: a zeroed handle is a valid value of this plain byte array.
+    let mut h: CUipcMemHandle = unsafe { std::mem::zeroed() };
+    for (c, b) in h
+        .reserved
+        .iter_mut()
+        .zip(b"fakeipc\0".iter().chain(base.to_le_bytes().iter()))
+    {
+        *c = *b as _;
+    }
+    h
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuIpcGetMemHandle(out: *mut CUipcMemHandle, base: CUdeviceptr) -> CUresult {
+    let r = in_context("cuIpcGetMemHandle");
+    if r != OK {
+        return r;
+    }
+    let known = state(|s| s.allocations.iter().any(|(b, _, _)| *b == base));
+    if !known {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    state(|s| s.exported.push(base));
+    // SAFETY: the caller passes a handle to write.
+    unsafe { *out = fake_handle(base) };
+    OK
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuIpcOpenMemHandle(
+    out: *mut CUdeviceptr,
+    handle: CUipcMemHandle,
+    _flags: c_uint,
+) -> CUresult {
+    let r = in_context("cuIpcOpenMemHandle");
+    if r != OK {
+        return r;
+    }
+    if state(|s| s.ipc_refused) {
+        return CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+    }
+    let bytes: Vec<u8> = handle.reserved.iter().map(|c| *c as u8).collect();
+    if &bytes[..8] != b"fakeipc\0" {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    let mut base = [0u8; 8];
+    base.copy_from_slice(&bytes[8..16]);
+    state(|s| {
+        s.ipc_opens += 1;
+        s.ipc_open += 1;
+    });
+    // SAFETY: the caller passes an address to write; the fake maps an allocation at its
+    // own address (one address space).
+    unsafe { *out = u64::from_le_bytes(base) };
+    OK
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuIpcCloseMemHandle(_: CUdeviceptr) -> CUresult {
+    let r = in_context("cuIpcCloseMemHandle");
+    if r == OK {
+        state(|s| s.ipc_open -= 1);
+    }
+    r
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemcpyDtoDAsync(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    len: usize,
+    _: CUstream,
+) -> CUresult {
+    let r = in_context("cuMemcpyDtoDAsync");
+    if r == OK {
+        state(|s| s.copies_dtod += 1);
+        // SAFETY: fake device memory is host memory the test owns.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
     }
     r
 }

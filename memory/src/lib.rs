@@ -21,5 +21,6 @@ pub use numa::cpus_near;
 pub use region::{page_size, AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds};
 pub use staging::{
     abandoned_copies, CopyCounts, CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf,
-    HostCopyEngine, InFlightCopies, MemoryKind, Staging, StagingBuffer, StagingConfig,
+    HostCopyEngine, InFlightCopies, IpcExport, IpcMapping, MemoryKind, Staging, StagingBuffer,
+    StagingConfig,
 };

@@ -77,6 +77,36 @@ pub struct DmaBuf {
     pub offset: u64,
 }
 
+/// Device memory exported for another process on this host to map (CUDA IPC): the
+/// allocation's handle, and where the exported range starts inside the allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcExport {
+    /// The engine's opaque handle of the whole allocation (`cuIpcGetMemHandle`'s 64 bytes).
+    pub handle: [u8; 64],
+    /// The offset of the exported address inside that allocation.
+    pub offset: u64,
+}
+
+/// Another process's exported device memory as this process reaches it: the address the
+/// exported range starts at here. The mapping lasts as long as this value (and its clones).
+#[derive(Clone)]
+pub struct IpcMapping {
+    /// Where the exported range starts in this process's (unified) address space.
+    pub addr: u64,
+    /// What keeps the mapping open (closed when the last clone is dropped); `None` where
+    /// nothing was opened (an export of this very process).
+    pub keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for IpcMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcMapping")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("opened", &self.keep.is_some())
+            .finish()
+    }
+}
+
 /// Called once when a batch of copies landed (or the first of them failed).
 pub type CopyDone = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
@@ -119,6 +149,47 @@ pub trait CopyEngine: Send + Sync + 'static {
     /// device's own work: called before a room those writes filled is reported `Success`.
     fn flush_remote_writes(&self, _device: u32) -> Result<(), CopyError> {
         Ok(())
+    }
+
+    /// Exports `len` bytes of `device`'s memory at `addr` for process `importer` of this host
+    /// to map ([`CopyEngine::import_ipc`]); `Err` says why not. By default an engine cannot,
+    /// and same-host peers move such memory over the network path.
+    fn export_ipc(
+        &self,
+        _device: u32,
+        _addr: u64,
+        _len: u64,
+        _importer: u32,
+    ) -> Result<IpcExport, CopyError> {
+        Err(CopyError(format!(
+            "the {} copy engine cannot export device memory to another process",
+            self.name()
+        )))
+    }
+
+    /// Maps `export`, made by process `owner` where the range starts at `owner_addr`, for
+    /// copies from `device` ([`CopyEngine::copy_to_peer`]); `Err` says why not.
+    fn import_ipc(
+        &self,
+        _device: u32,
+        _owner: u32,
+        _owner_addr: u64,
+        _export: &IpcExport,
+    ) -> Result<IpcMapping, CopyError> {
+        Err(CopyError(format!(
+            "the {} copy engine cannot map another process's device memory",
+            self.name()
+        )))
+    }
+
+    /// Copies `jobs` on `device`'s copy stream, each destination inside a mapping of
+    /// [`CopyEngine::import_ipc`] and each source this process's memory, and returns once
+    /// every byte landed (the caller's thread waits on the copy's completion only).
+    fn copy_to_peer(&self, _device: u32, _jobs: &[CopyJob]) -> Result<(), CopyError> {
+        Err(CopyError(format!(
+            "the {} copy engine cannot copy into another process's device memory",
+            self.name()
+        )))
     }
 
     /// The device whose copies this engine's staging buffers serve first: the pool is placed
@@ -239,7 +310,64 @@ impl CopyEngine for HostCopyEngine {
             done(Err(CopyError("the host copy thread is gone".to_owned())));
         }
     }
+
+    /// Its "device" memory is this process's host memory: an export names the process and
+    /// the address, and only this process maps it (two nodes of one test process).
+    fn export_ipc(
+        &self,
+        _device: u32,
+        addr: u64,
+        _len: u64,
+        _importer: u32,
+    ) -> Result<IpcExport, CopyError> {
+        let mut handle = [0u8; 64];
+        handle[..8].copy_from_slice(HOST_IPC_MAGIC);
+        handle[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        handle[12..20].copy_from_slice(&addr.to_le_bytes());
+        Ok(IpcExport { handle, offset: 0 })
+    }
+
+    fn import_ipc(
+        &self,
+        _device: u32,
+        owner: u32,
+        owner_addr: u64,
+        export: &IpcExport,
+    ) -> Result<IpcMapping, CopyError> {
+        let mine = std::process::id();
+        let exported_by = u32::from_le_bytes([
+            export.handle[8],
+            export.handle[9],
+            export.handle[10],
+            export.handle[11],
+        ]);
+        if &export.handle[..8] != HOST_IPC_MAGIC || owner != mine || exported_by != mine {
+            return Err(CopyError(format!(
+                "the host copy engine maps only its own process's memory (process {owner}'s export, this is {mine})"
+            )));
+        }
+        Ok(IpcMapping {
+            addr: owner_addr,
+            keep: None,
+        })
+    }
+
+    fn copy_to_peer(&self, _device: u32, jobs: &[CopyJob]) -> Result<(), CopyError> {
+        let calls = crate::plan_copies(jobs);
+        self.counts.count(jobs.len(), &calls);
+        for call in &calls {
+            // SAFETY: sources are registered memory of this process (bounds-checked by
+            // MemoryMap) and destinations lie inside a mapping of `import_ipc`, which is this
+            // process's own registered memory, bounds-checked by the caller against the
+            // exported region's length.
+            unsafe { crate::copy_with_cpu(call) };
+        }
+        Ok(())
+    }
 }
+
+/// The first bytes of a [`HostCopyEngine`]'s export handle.
+const HOST_IPC_MAGIC: &[u8; 8] = b"kvfhost\0";
 
 /// How much host memory a node stages device bytes through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,11 +10,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_core::{Config, FailureReason, Grant, KvPoll, Role, RoomId};
-use kvferry_memory::MemoryMap;
+use kvferry_memory::{HostCopyEngine, MemoryMap};
 use kvferry_testkit::{node_config, path_label, run_pair, AnyNode, Report, SameHost, Shape};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
-    assert_all_clean, fast_core, on_every_driver, rooms, small_shape, KvNode, Runtime,
+    assert_all_clean, device_memory, fast_core, on_every_driver, rooms, small_shape, staged_core,
+    KvNode, Runtime,
 };
 use kvferry_tokio::{FaultKind, FaultPlan};
 
@@ -32,6 +33,19 @@ fn start(
     cfg.same_host = same_host;
     rt.start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
         .unwrap()
+}
+
+/// A node of `role` on `rt` over `memory`, taking the same-host path where it can.
+fn start_over(rt: Runtime, role: Role, core: Config, seed: u64, memory: Arc<MemoryMap>) -> AnyNode {
+    let mut cfg = node_config(role, &small_shape(), core, b"test-token", seed);
+    cfg.same_host = SameHost::Auto;
+    rt.start(cfg, memory).unwrap()
+}
+
+/// Device memory (KV on "CUDA device 0", metadata in host memory) reached through the host
+/// copy engine, whose exports map only in this process: both nodes of a test share it.
+fn device() -> Arc<MemoryMap> {
+    device_memory(HostCopyEngine::new(Duration::ZERO), 4, 8192)
 }
 
 /// Both sides with `same_host` each, `run` moved end to end.
@@ -183,6 +197,69 @@ async fn failed_same_host_copies_are_retried_and_every_room_lands(p: Runtime, d:
     assert!(report.retries >= 1, "{report:?}");
     assert_eq!(report.decode_path, "cma");
 }
+
+/// KV in device memory on both sides: the decode exports it, the prefill maps it and its
+/// copy engine writes each operation's pages straight into it (CUDA IPC); the metadata
+/// regions, in host memory, go by cross-memory attach. Every byte verified.
+async fn device_memory_on_both_sides_moves_over_cuda_ipc_with_every_byte_verified(
+    p: Runtime,
+    d: Runtime,
+) {
+    let run = rooms(100, 1);
+    let prefill = start_over(p, Role::Prefill, staged_core(), 1, device());
+    let decode = start_over(d, Role::Decode, staged_core(), 2, device());
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    assert_all_clean(&report, 100);
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        ("cuda_ipc", "cuda_ipc")
+    );
+}
+
+/// A prefill whose KV is device memory and a decode whose KV is host memory: no copy engine
+/// reaches host memory of another process, so the session keeps the staged TCP path, and
+/// says why.
+async fn a_device_source_for_a_host_destination_keeps_the_staged_path(p: Runtime, d: Runtime) {
+    let run = rooms(40, 1);
+    let prefill = start_over(p, Role::Prefill, staged_core(), 1, device());
+    let decode = start_over(
+        d,
+        Role::Decode,
+        staged_core(),
+        2,
+        Arc::new(MemoryMap::allocate(small_shape().layout())),
+    );
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    assert_all_clean(&report, 40);
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        ("tcp_staged", "tcp")
+    );
+}
+
+/// With the end-to-end checksum, device memory keeps the staged path (the CPU hashes bytes
+/// only in host buffers), every byte verified.
+async fn under_the_checksum_device_memory_keeps_the_staged_path(p: Runtime, d: Runtime) {
+    let core = Config {
+        checksum: true,
+        ..staged_core()
+    };
+    let run = rooms(40, 1);
+    let prefill = start_over(p, Role::Prefill, core.clone(), 1, device());
+    let decode = start_over(d, Role::Decode, core, 2, device());
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    assert_all_clean(&report, 40);
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        ("tcp_staged", "tcp_staged")
+    );
+}
+
+on_every_driver!(
+    device_memory_on_both_sides_moves_over_cuda_ipc_with_every_byte_verified,
+    a_device_source_for_a_host_destination_keeps_the_staged_path,
+    under_the_checksum_device_memory_keeps_the_staged_path,
+);
 
 on_every_driver!(
     rooms_move_over_the_same_host_path_with_every_byte_verified,
