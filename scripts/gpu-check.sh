@@ -16,7 +16,8 @@
 #
 # What --run checks: the gpu crate's tests on the GPU (probe, device regions, events, the
 # layer waiter, the CUDA copy engine staging device pages both ways, pointer kinds, the
-# caller's context kept), the layerwise overlap demo with real kernels against the ideal,
+# caller's context kept, CUDA IPC copies into another process's memory checked there), the
+# layerwise overlap demo with real kernels against the ideal,
 # device-to-device rooms between two nodes over loopback TCP (tokio and glommio) against the
 # same run's host-to-host rooms, every byte verified, a fault run on the CUDA engine (rooms
 # aborted mid-copy, a prefill gone with copies in flight: nothing held after), and the copy
@@ -171,6 +172,10 @@ for f in figures:
         seen[f"copy engine {f['workload']} {f['direction']} vs one 64 MiB copy"] = (f["ratio"], ">=", f["target"])
     elif f.get("check") == "device_rooms" and "ratio" in f:
         seen[f"device rooms vs host rooms, {f['runtime']}"] = (f["ratio"], ">=", f["target"])
+    elif f.get("check") == "cuda_ipc" and f.get("target") is not None:
+        seen[f"CUDA IPC {f['workload']} vs cuMemcpyDtoD in one process"] = (f["ratio"], ">=", f["target"])
+    elif f.get("check") == "ipc_rooms" and "ratio" in f:
+        seen[f"same-host CUDA IPC rooms vs staged TCP rooms, {f['runtime']}"] = (f["ratio"], ">=", f["target"])
 try:
     demo = json.load(open(os.path.join(out, "gpu-20ms.json")))
     for run in demo.get("runs", []):
@@ -181,6 +186,8 @@ except (OSError, ValueError):
 expected = [f"copy engine {w} {d} vs one 64 MiB copy" for w in ("contiguous", "pages_4k", "rows_256b") for d in ("d2h", "h2d")]
 expected += [f"device rooms vs host rooms, {r}" for r in ("tokio", "glommio")]
 expected += ["layerwise complete vs ideal, 20 ms a layer"]
+expected += ["CUDA IPC contiguous_64MiB vs cuMemcpyDtoD in one process"]
+expected += ["same-host CUDA IPC rooms vs staged TCP rooms, tokio"]
 failed = 0
 for name in expected + sorted(set(seen) - set(expected)):
     if name not in seen:

@@ -605,6 +605,22 @@ mod tests {
         assert_eq!(CmaMessage::decode(&[0]), Err(MessageError::NotSameHost));
     }
 
+    /// docs/PROTOCOL.md's `Decline` bullet names every code the decoder knows, and no other.
+    #[test]
+    fn the_protocol_doc_names_every_decline_code() {
+        let doc = include_str!("../../docs/PROTOCOL.md");
+        let start = doc.find("- `Decline` (either way)").unwrap();
+        let end = start + doc[start..].find("\n- ").unwrap();
+        let bullet = doc[start..end].replace('\n', " ");
+        let named: Vec<u8> = (1..=20)
+            .filter(|c| bullet.contains(&format!(": {c} ")) || bullet.contains(&format!(", {c} ")))
+            .collect();
+        let known: Vec<u8> = (1..=20)
+            .filter(|c| Decline::from_code(*c).is_some())
+            .collect();
+        assert_eq!(named, known, "{bullet}");
+    }
+
     #[test]
     fn every_decline_code_round_trips_and_zero_names_none() {
         for code in 1..=12 {

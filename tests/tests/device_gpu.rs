@@ -1,7 +1,9 @@
 //! KV in GPU memory end to end (feature `gpu`): a prefill and a decode node over device
 //! regions of GPU 0, staged through the CUDA copy engine over loopback TCP, every byte checked
-//! by copying it back from the device. Skips with its reason where no GPU is usable. The same
-//! pipeline runs without a GPU in tests/device.rs through the host copy engine.
+//! by copying it back from the device; and the same rooms over the same-host path, whose
+//! copies go GPU to GPU (CUDA IPC; in one process the exporter's addresses serve as they
+//! are). Skips with its reason where no GPU is usable. The same pipelines run without a GPU
+//! in tests/device.rs and tests/same_host.rs through the host copy engine.
 #![cfg(feature = "gpu")]
 #![allow(clippy::unwrap_used)] // tests may panic
 
@@ -12,7 +14,7 @@ use kvferry_core::Role;
 use kvferry_gpu::cuda::{DeviceRegion, Gpu};
 use kvferry_gpu::engine::CudaCopyEngine;
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap, Staging, StagingConfig};
-use kvferry_testkit::{node_config, run_pair, DecodeRun, Shape};
+use kvferry_testkit::{node_config, run_pair, DecodeRun, SameHost, Shape};
 use kvferry_tests::{assert_all_clean, fast_core, KvNode, Runtime, GLOMMIO};
 
 /// 8 layers x K/V of 16 KiB pages, 32 pages a room: 8 MiB a room.
@@ -81,10 +83,24 @@ async fn run_rooms(
     shape: &Shape,
     memory: impl Fn() -> Arc<MemoryMap>,
 ) -> kvferry_testkit::Report {
+    run_rooms_over(runtime, shape, memory, None).await
+}
+
+/// [`run_rooms`] with both nodes' same-host choice set to `same_host` where given.
+async fn run_rooms_over(
+    runtime: Runtime,
+    shape: &Shape,
+    memory: impl Fn() -> Arc<MemoryMap>,
+    same_host: Option<SameHost>,
+) -> kvferry_testkit::Report {
     let mut pc = node_config(Role::Prefill, shape, fast_core(), b"gpu", 1);
     let mut dc = node_config(Role::Decode, shape, fast_core(), b"gpu", 2);
     kvferry_tests::use_test_backend(&mut pc);
     kvferry_tests::use_test_backend(&mut dc);
+    if let Some(choice) = same_host {
+        pc.same_host = choice;
+        dc.same_host = choice;
+    }
     let prefill = runtime.start(pc, memory()).unwrap();
     let decode = runtime.start(dc, memory()).unwrap();
     let report = run_pair(&prefill, &decode, rooms(shape, 0.0))
@@ -126,6 +142,42 @@ async fn device_rooms(runtime: Runtime) {
         device.throughput_gbps,
         host.throughput_gbps,
         device.throughput_gbps / host.throughput_gbps
+    );
+}
+
+/// Device rooms staged over TCP, then the same rooms over the same-host path (GPU-to-GPU
+/// copies, CUDA IPC), every byte verified both times.
+async fn ipc_rooms(runtime: Runtime) {
+    let gpu = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED: no usable GPU here ({e})");
+            return;
+        }
+    };
+    let shape = shape();
+    let regions = std::sync::Mutex::new(Vec::new());
+    let memory = || {
+        let (r, m) = device_memory(&gpu, &shape);
+        regions.lock().unwrap().push(r);
+        m
+    };
+    let staged = run_rooms_over(runtime, &shape, memory, Some(SameHost::Off)).await;
+    assert_all_clean(&staged, 64);
+    assert!(staged.decode_path.contains("staged"), "{staged:?}");
+    let ipc = run_rooms_over(runtime, &shape, memory, Some(SameHost::Auto)).await;
+    assert_all_clean(&ipc, 64);
+    assert_eq!(
+        (ipc.prefill_path.as_str(), ipc.decode_path.as_str()),
+        ("cuda_ipc", "cuda_ipc"),
+        "{ipc:?}"
+    );
+    println!(
+        "{{\"check\":\"ipc_rooms\",\"runtime\":\"{}\",\"rooms\":64,\"gbps\":{:.3},\"staged_gbps\":{:.3},\"ratio\":{:.3},\"target\":1.0}}",
+        runtime.name(),
+        ipc.throughput_gbps,
+        staged.throughput_gbps,
+        ipc.throughput_gbps / staged.throughput_gbps
     );
 }
 
@@ -191,6 +243,11 @@ async fn faults_on_the_cuda_engine(runtime: Runtime) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rooms_aborted_mid_copy_and_a_prefill_gone_with_copies_in_flight_end_and_leak_nothing() {
     faults_on_the_cuda_engine(Runtime::Tokio).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn device_to_device_rooms_over_cuda_ipc_verify_every_byte_and_outrun_staged_tcp() {
+    ipc_rooms(Runtime::Tokio).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
