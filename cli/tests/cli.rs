@@ -155,8 +155,8 @@ fn decode_report(addr: &str, args: &[&str]) -> (bool, String) {
     (out.status.success(), report + &err)
 }
 
-/// Two processes on one host, both on `--backend same-host`: the prefill copies into the
-/// decode's memory (cross-memory attach), every page verified.
+/// Two processes on one host, both on `--backend same-host` (the path required): the
+/// prefill copies into the decode's memory (cross-memory attach), every page verified.
 #[test]
 fn a_cli_prefill_and_decode_on_one_host_move_rooms_over_the_same_host_path() {
     let (mut prefill, addr) = spawn_prefill(&[], &["--backend", "same-host"]);
@@ -173,21 +173,28 @@ fn a_cli_prefill_and_decode_on_one_host_move_rooms_over_the_same_host_path() {
     }
 }
 
-/// The prefill in a PID namespace of its own (as in another container): same boot, but its
-/// pid would name another process here, so the decode declines, says why, and the rooms
-/// move over TCP. Needs root for `unshare -p`; says SKIPPED otherwise.
-#[test]
-fn a_prefill_in_another_pid_namespace_moves_over_tcp_and_the_decode_says_why() {
+/// Whether `unshare -p` works here (root or user namespaces); says SKIPPED otherwise.
+fn can_unshare_pid() -> bool {
     let unshare = Command::new("unshare")
         .args(["-p", "-f", "true"])
         .status()
         .is_ok_and(|s| s.success());
     if !unshare {
         eprintln!("SKIPPED: unshare -p needs root (or user namespaces) here");
+    }
+    unshare
+}
+
+/// The prefill in a PID namespace of its own (as in another container): same boot, but its
+/// pid would name another process here, so the decode declines, says why, and the rooms
+/// move over TCP (`--backend auto` on both).
+#[test]
+fn a_prefill_in_another_pid_namespace_moves_over_tcp_and_the_decode_says_why() {
+    if !can_unshare_pid() {
         return;
     }
-    let (mut prefill, addr) = spawn_prefill(&["unshare", "-p", "-f"], &["--backend", "same-host"]);
-    let (ok, report) = decode_report(&addr, &["--rooms", "16", "--backend", "same-host"]);
+    let (mut prefill, addr) = spawn_prefill(&["unshare", "-p", "-f"], &["--backend", "auto"]);
+    let (ok, report) = decode_report(&addr, &["--rooms", "16", "--backend", "auto"]);
     let _ = prefill.kill();
     let _ = prefill.wait();
     assert!(ok, "{report}");
@@ -195,6 +202,29 @@ fn a_prefill_in_another_pid_namespace_moves_over_tcp_and_the_decode_says_why() {
     assert!(report.contains(r#""decode_path":"tcp""#), "{report}");
     assert!(
         report.contains("same-host path declined") && report.contains("different PID namespaces"),
+        "the decode says why: {report}"
+    );
+}
+
+/// A decode that requires the path (`--backend same-host`) and a prefill in another PID
+/// namespace: each session is refused as it is established, every room fails
+/// `incompatible_peer` (none moves over TCP), and the decode says why.
+#[test]
+fn a_decode_that_requires_the_same_host_path_refuses_a_prefill_in_another_pid_namespace() {
+    if !can_unshare_pid() {
+        return;
+    }
+    let (mut prefill, addr) = spawn_prefill(&["unshare", "-p", "-f"], &["--backend", "auto"]);
+    let (ok, report) = decode_report(&addr, &["--rooms", "16", "--backend", "same-host"]);
+    let _ = prefill.kill();
+    let _ = prefill.wait();
+    assert!(
+        report.contains(r#""rooms_succeeded":0"#),
+        "ok={ok}: {report}"
+    );
+    assert!(report.contains(r#""incompatible_peer":16"#), "{report}");
+    assert!(
+        report.contains("requires it") && report.contains("different PID namespaces"),
         "the decode says why: {report}"
     );
 }

@@ -41,10 +41,38 @@ pub enum SameHost {
     Off,
     /// Where the peer shares this host and both sides can (`transport="auto"`).
     Auto,
+    /// Always: a node that cannot does not start, and a session whose peer cannot take the
+    /// path is refused, its rooms failing `IncompatiblePeer` with why
+    /// (`transport="same-host"`).
+    Required,
+}
+
+impl SameHost {
+    /// Whether sessions with peers on this host may take the path.
+    fn wanted(self) -> bool {
+        matches!(self, SameHost::Auto | SameHost::Required)
+    }
+}
+
+/// A node whose configuration requires the same-host path (`SameHost::Required`) and cannot
+/// take it over `memory` does not start: the error says why.
+pub fn check_same_host(mode: SameHost, memory: &MemoryMap) -> Result<(), crate::NodeError> {
+    if mode != SameHost::Required {
+        return Ok(());
+    }
+    let usable = if memory.device_regions().next().is_some() && memory.staging().is_none() {
+        Err(Decline::DeviceMemory)
+    } else {
+        HostIdentity::current().map(drop)
+    };
+    usable.map_err(|why| {
+        crate::NodeError::Unsupported(crate::Unsupported::SameHostUnavailable(why.as_str()))
+    })
 }
 
 /// A node's same-host plane: its memory, who it is, and the permission it grants writers.
 pub struct SameHostPlane {
+    mode: SameHost,
     memory: Arc<MemoryMap>,
     /// Who this process is, or why this node never takes the path.
     usable: Result<HostIdentity, Decline>,
@@ -59,10 +87,10 @@ impl SameHostPlane {
         let device = memory.device_regions().next().is_some();
         let usable = match mode {
             SameHost::Off => Err(Decline::Forbidden),
-            SameHost::Auto if device && memory.staging().is_none() => Err(Decline::DeviceMemory),
-            SameHost::Auto => HostIdentity::current(),
+            _ if device && memory.staging().is_none() => Err(Decline::DeviceMemory),
+            SameHost::Auto | SameHost::Required => HostIdentity::current(),
         };
-        if mode == SameHost::Auto {
+        if mode.wanted() {
             match &usable {
                 Ok(_) if device => {
                     info!(target: START_TARGET, "same-host path ready: peers on this host move over CUDA IPC (device memory) and cross-memory attach (host memory)")
@@ -76,6 +104,7 @@ impl SameHostPlane {
             }
         }
         Arc::new(SameHostPlane {
+            mode,
             memory,
             usable,
             nonce: Box::new(nonce()),
@@ -399,7 +428,22 @@ fn send<H: Host>(driver: &mut Driver<H>, sid: SessionId, msg: &CmaMessage) {
 }
 
 /// Logs why `sid` does not take the same-host path: at info where this node asked for it.
+/// Where this node requires the path, the session is refused instead.
 fn declined<H: Host>(driver: &mut Driver<H>, sid: SessionId, why: Decline, by_peer: bool) {
+    if plane(driver).is_some_and(|p| p.mode == SameHost::Required) {
+        warn!(target: START_TARGET, session = %sid, why = why.as_str(), by_peer, "same-host path declined, and this node requires it (transport=same-host): the session is refused");
+        if let Some(s) = state(driver, sid) {
+            *s = Some(SessionCma::Declined(why));
+        }
+        let detail = format!(
+            "the same-host path is required (transport=same-host) and was declined: {}",
+            why.as_str()
+        );
+        driver
+            .endpoint_mut()
+            .refuse_session(Instant::now(), sid, &detail);
+        return;
+    }
     let asked = plane(driver).is_some_and(|p| p.usable.is_ok());
     if asked {
         info!(target: START_TARGET, session = %sid, why = why.as_str(), by_peer, "same-host path declined: the session keeps the network path");
@@ -436,7 +480,11 @@ pub(crate) fn establish<H: Host>(driver: &mut Driver<H>, sid: SessionId) {
             });
             send(driver, sid, &offer);
         }
-        Err(Decline::Forbidden) => {}
+        Err(Decline::Forbidden) => {
+            // Said, so that a decode that requires the path hears it will not come.
+            send(driver, sid, &CmaMessage::Decline(Decline::Forbidden));
+            declined(driver, sid, Decline::Forbidden, false);
+        }
         Err(why) => {
             send(driver, sid, &CmaMessage::Decline(why));
             declined(driver, sid, why, false);
@@ -688,17 +736,21 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
             // The receiver's memory or permission went away under the session: it moves
             // over its TCP data connections from now on (the receiver hears why), and the
             // operation is retried there.
-            warn!(session = %op.session, room = ?op.room, error = %e, "same-host copy failed: the session falls back to TCP");
+            warn!(session = %op.session, room = ?op.room, error = %e, "same-host copy failed");
             let why = match e {
                 CopyFailure::Host(CmaError::Permission) => Decline::PtraceRefused,
                 _ => Decline::CopyFailed,
             };
-            if let Some(io) = driver.session_io(op.session) {
-                io.cma = Some(SessionCma::Declined(why));
-            }
             send(driver, op.session, &CmaMessage::Decline(why));
-            let tcp = driver.tcp_path();
-            driver.set_path(op.session, tcp, "the same-host copy failed");
+            if plane.mode == SameHost::Required {
+                declined(driver, op.session, why, false);
+            } else {
+                if let Some(io) = driver.session_io(op.session) {
+                    io.cma = Some(SessionCma::Declined(why));
+                }
+                let tcp = driver.tcp_path();
+                driver.set_path(op.session, tcp, "the same-host copy failed");
+            }
             TransferOutcome::Transient
         }
     };

@@ -38,7 +38,7 @@ pub use accept::{accept, Accepted};
 pub use admission::{CoreCheck, EndpointAccess};
 pub use announce::{Announcement, Announcer};
 pub use calls::{Embedder, ShardCalls};
-pub use cma::{SameHost, SameHostPlane};
+pub use cma::{check_same_host, SameHost, SameHostPlane};
 pub use config::{
     check_memory, log_start, tcp_only, DataBackend, DataPath, NodeConfig, START_TARGET, TCP_PATH,
 };

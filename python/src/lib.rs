@@ -195,7 +195,7 @@ fn room_failure(reason: FailureReason) -> PyErr {
 /// The data plane a node asks for: `transport` ("auto", "rdma", "tcp"; else
 /// `KVFERRY_TRANSPORT`, else "auto") on `rdma_device` (else `KVFERRY_RDMA_DEVICE`, else the
 /// device nearest the node's memory), and whether peers on this host take the same-host
-/// path ("auto" only).
+/// path ("auto": where they can; "same-host": always, else the session is refused).
 fn parse_transport(
     transport: Option<String>,
     rdma_device: Option<String>,
@@ -208,8 +208,9 @@ fn parse_transport(
         "auto" => Ok((DataBackend::Auto { device, port }, SameHost::Auto)),
         "rdma" => Ok((DataBackend::Rdma { device, port }, SameHost::Off)),
         "tcp" => Ok((DataBackend::Tcp, SameHost::Off)),
+        "same-host" => Ok((DataBackend::Tcp, SameHost::Required)),
         other => Err(InvalidArgument::new_err(format!(
-            "transport {other:?}: one of \"auto\" (same-host memory copies with a peer on this host, else RDMA where both sides can, else TCP), \"rdma\" (refuse to start without it) or \"tcp\""
+            "transport {other:?}: one of \"auto\" (same-host memory copies with a peer on this host, else RDMA where both sides can, else TCP), \"same-host\" (only the same-host path: refuse to start without it, refuse sessions that cannot take it), \"rdma\" (refuse to start without it) or \"tcp\""
         ))),
     }
 }
@@ -223,7 +224,10 @@ fn node_error(e: NodeError) -> PyErr {
         NodeError::UnknownPeer(_) => UnknownPeer::new_err(e.to_string()),
         NodeError::Disconnected => ConnectError::new_err(e.to_string()),
         NodeError::UnreachableMemory { .. } => UnsupportedMemory::new_err(e.to_string()),
-        NodeError::Unsupported(kvferry_tokio::Unsupported::RdmaNotBuilt)
+        NodeError::Unsupported(
+            kvferry_tokio::Unsupported::RdmaNotBuilt
+            | kvferry_tokio::Unsupported::SameHostUnavailable(_),
+        )
         | NodeError::Backend(_) => TransportUnavailable::new_err(e.to_string()),
         NodeError::Unsupported(_) => InvalidArgument::new_err(e.to_string()),
         NodeError::HandshakeTimeout => HandshakeTimeout::new_err(e.to_string()),

@@ -120,6 +120,7 @@ impl GlommioNode {
         shards: ShardConfig,
     ) -> Result<GlommioNode, NodeError> {
         kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
+        kvferry_driver::check_same_host(config.same_host, &memory)?;
         kvferry_driver::log_start("glommio", &config, &memory);
         let (rdma, rdma_stop) = open_rdma(&config, &memory)?;
         let backend = if rdma.is_some() { "rdma" } else { "tcp" };

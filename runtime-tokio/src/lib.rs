@@ -136,6 +136,7 @@ impl Node {
     /// Must be called inside a tokio runtime.
     pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
         kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
+        kvferry_driver::check_same_host(config.same_host, &memory)?;
         kvferry_driver::log_start("tokio", &config, &memory);
         let now = Instant::now();
         let endpoint = Endpoint::new(config.core.clone(), config.info.clone(), config.seed, now)

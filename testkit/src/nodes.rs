@@ -107,7 +107,8 @@ impl Backend {
     /// Whether sessions with a peer on this host take the same-host path.
     pub fn same_host(self) -> kvferry_tokio::SameHost {
         match self {
-            Backend::Auto | Backend::SameHost => kvferry_tokio::SameHost::Auto,
+            Backend::Auto => kvferry_tokio::SameHost::Auto,
+            Backend::SameHost => kvferry_tokio::SameHost::Required,
             Backend::Tcp | Backend::Rdma => kvferry_tokio::SameHost::Off,
         }
     }

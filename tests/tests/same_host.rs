@@ -255,6 +255,44 @@ async fn under_the_checksum_device_memory_keeps_the_staged_path(p: Runtime, d: R
     );
 }
 
+/// A node that requires the path (`transport="same-host"`) and a peer that forbids it: the
+/// session is refused, every room fails `incompatible_peer` within its deadline, none moves
+/// over TCP. Either side may be the one that requires it.
+async fn a_node_that_requires_the_same_host_path_refuses_a_peer_that_forbids_it(
+    p: Runtime,
+    d: Runtime,
+) {
+    for sides in [
+        [SameHost::Required, SameHost::Off],
+        [SameHost::Off, SameHost::Required],
+    ] {
+        let (report, _, _) = pair(p, d, fast_core(), sides, rooms(8, 1)).await;
+        assert_eq!(report.rooms_failed, 8, "{sides:?}: {report:?}");
+        assert_eq!(
+            report.failed_by_reason.get("incompatible_peer"),
+            Some(&8),
+            "{sides:?}: {report:?}"
+        );
+        assert_eq!(report.pages_verified, 0, "{sides:?}: {report:?}");
+    }
+}
+
+/// Both sides require the path and share the host: it is taken, every byte verified.
+async fn nodes_that_require_the_same_host_path_take_it(p: Runtime, d: Runtime) {
+    let sides = [SameHost::Required, SameHost::Required];
+    let (report, _, _) = pair(p, d, fast_core(), sides, rooms(40, 1)).await;
+    assert_all_clean(&report, 40);
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        ("cma", "cma")
+    );
+}
+
+on_every_driver!(
+    a_node_that_requires_the_same_host_path_refuses_a_peer_that_forbids_it,
+    nodes_that_require_the_same_host_path_take_it,
+);
+
 on_every_driver!(
     device_memory_on_both_sides_moves_over_cuda_ipc_with_every_byte_verified,
     a_device_source_for_a_host_destination_keeps_the_staged_path,

@@ -764,6 +764,21 @@ impl Endpoint {
         self.actions.push_back(Action::CloseSession(sid));
     }
 
+    /// The embedder's data plane cannot serve `session` as this node's configuration demands
+    /// (a transport it requires and the peer cannot take): the peer hears why, the session's
+    /// rooms fail `IncompatiblePeer`, and its target is marked refused, as at a handshake
+    /// that refused the layout.
+    pub fn refuse_session(&mut self, now: Instant, session: SessionId, detail: &str) {
+        let now = self.clock(now);
+        self.close_session(
+            now,
+            session,
+            ErrorCode::IncompatibleLayout,
+            detail,
+            FailureReason::IncompatiblePeer,
+        );
+    }
+
     /// Tells the peer why, fails the session's rooms and asks the driver to close it.
     pub(super) fn close_session(
         &mut self,
