@@ -213,6 +213,9 @@ pub trait CopyEngine: Send + Sync + 'static {
 pub struct HostCopyEngine {
     jobs: flume::Sender<(CopyDirection, Vec<CopyJob>, CopyDone)>,
     counts: Arc<CopyCounts>,
+    /// Batches of the failing direction so far, and which direction fails after how many.
+    failing: Arc<AtomicU64>,
+    fail: Option<(CopyDirection, u64)>,
 }
 
 /// What a copy engine was asked to do, and the calls it made for it.
@@ -256,23 +259,25 @@ impl HostCopyEngine {
     }
 
     /// An engine that fails every batch of `fail.0`'s direction after the first `fail.1` of
-    /// them (fault tests).
+    /// them (fault tests). Copies into a peer ([`CopyEngine::copy_to_peer`]) count as the
+    /// prefill's outgoing batches (`DeviceToHost`), one per job (a staged operation is many
+    /// batches, a peer copy one call).
     pub fn failing(delay: Duration, fail: Option<(CopyDirection, u64)>) -> Arc<Self> {
         let (tx, rx) = flume::unbounded::<(CopyDirection, Vec<CopyJob>, CopyDone)>();
         let counts = Arc::new(CopyCounts::default());
         let counted = counts.clone();
+        let failing = Arc::new(AtomicU64::new(0));
+        let seen = failing.clone();
         std::thread::Builder::new()
             .name("kvferry-host-copy".to_owned())
             .spawn(move || {
-                let mut seen = 0u64;
                 while let Ok((direction, jobs, done)) = rx.recv() {
                     if !delay.is_zero() {
                         std::thread::sleep(delay);
                     }
                     if let Some((failing, ok)) = fail {
                         if failing == direction {
-                            seen += 1;
-                            if seen > ok {
+                            if seen.fetch_add(1, Ordering::SeqCst) + 1 > ok {
                                 done(Err(CopyError("injected copy failure".to_owned())));
                                 continue;
                             }
@@ -291,7 +296,12 @@ impl HostCopyEngine {
             })
             .map(|_| ())
             .unwrap_or_else(|e| panic!("cannot start the host copy thread: {e}"));
-        Arc::new(HostCopyEngine { jobs: tx, counts })
+        Arc::new(HostCopyEngine {
+            jobs: tx,
+            counts,
+            failing,
+            fail,
+        })
     }
 
     /// What it was asked to do and the calls it made (the copy benchmark's counts).
@@ -353,6 +363,12 @@ impl CopyEngine for HostCopyEngine {
     }
 
     fn copy_to_peer(&self, _device: u32, jobs: &[CopyJob]) -> Result<(), CopyError> {
+        if let Some((CopyDirection::DeviceToHost, ok)) = self.fail {
+            let n = jobs.len().max(1) as u64;
+            if self.failing.fetch_add(n, Ordering::SeqCst) + n > ok {
+                return Err(CopyError("injected copy failure".to_owned()));
+            }
+        }
         let calls = crate::plan_copies(jobs);
         self.counts.count(jobs.len(), &calls);
         for call in &calls {
