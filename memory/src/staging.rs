@@ -276,11 +276,9 @@ impl HostCopyEngine {
                         std::thread::sleep(delay);
                     }
                     if let Some((failing, ok)) = fail {
-                        if failing == direction {
-                            if seen.fetch_add(1, Ordering::SeqCst) + 1 > ok {
-                                done(Err(CopyError("injected copy failure".to_owned())));
-                                continue;
-                            }
+                        if failing == direction && seen.fetch_add(1, Ordering::SeqCst) + 1 > ok {
+                            done(Err(CopyError("injected copy failure".to_owned())));
+                            continue;
                         }
                     }
                     let calls = crate::plan_copies(&jobs);
