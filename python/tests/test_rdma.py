@@ -165,6 +165,41 @@ def test_auto_moves_over_tcp_where_the_peer_turns_the_same_host_path_off_and_the
         p.close()
 
 
+def test_same_host_on_both_sides_moves_over_the_same_host_path():
+    p = Prefill("same-host")
+    try:
+        kv, aux = pool(fill=False)
+        d = node("decode", kv, aux, transport="same-host")
+        peer = d.connect([p.addr])
+        move_rooms(d, peer, range(1, 6), kv, aux)
+        assert {path for _, path in d.session_paths()} == {"cma"}, d.session_paths()
+        assert {path for _, path in p.paths()} == {"cma"}
+        d.shutdown()
+    finally:
+        p.close()
+
+
+def test_same_host_refuses_a_peer_that_turns_the_path_off_and_its_rooms_fail_incompatible_peer():
+    p = Prefill("tcp")
+    try:
+        kv, aux = pool(fill=False)
+        d = node("decode", kv, aux, transport="same-host")
+        try:
+            peer = d.connect([p.addr])
+        except kvferry.PeerRefused as e:
+            # Refused before the connect returned: the reason says why.
+            assert "same-host" in str(e), e
+            return
+        d.open_receiver(1, [peer], pages=[5, 6, 7], aux_slot=0)
+        assert d.wait(1, 30.0) == KVPoll.Failed
+        failure = d.failure(1)
+        assert "incompatible_peer" in str(failure.args), failure.args
+        assert (kv[:, 5:8, :] == 0).all(), "nothing moved over TCP"
+        d.shutdown()
+    finally:
+        p.close()
+
+
 def test_an_unknown_transport_is_refused_naming_the_choices():
     kv, aux = pool(fill=False)
     with pytest.raises(kvferry.InvalidArgument, match='"auto".*"rdma".*"tcp"'):
