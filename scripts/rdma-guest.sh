@@ -39,6 +39,51 @@ for line in sys.stdin:
     exit 0
 fi
 
+# Yama's ptrace_scope 1 (Ubuntu's default) for an unprivileged user: a process may attach only
+# to its descendants, so two kvferry processes of one host take the same-host path only
+# because the decode declares its prefill process its ptracer (PR_SET_PTRACER); without that
+# the kernel refuses the proof read and the session is refused (both sides require the path).
+# Run here rather than on the CI host, which has no Yama; small rooms, as copies under
+# emulation are slow. `--yama` runs only this check; `--yama 2` runs it under scope 2 (no
+# attach without CAP_SYS_PTRACE), where it must fail: the check's negative control.
+yama_check() {
+    local scope=${1:-1}
+    local knob=/proc/sys/kernel/yama/ptrace_scope bin=${KVFERRY_BIN:-target/debug/kvferry}
+    if [ ! -w "$knob" ]; then
+        echo "rdma-guest: no writable $knob in this guest kernel" >&2
+        return 1
+    fi
+    local was dir addr="" rc=0
+    was=$(cat "$knob")
+    echo "$scope" > "$knob"
+    dir=$(mktemp -d)
+    chmod 777 "$dir"
+    local as=(setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all)
+    "${as[@]}" "$bin" prefill --listen 127.0.0.1:0 --backend same-host 2>"$dir/prefill.log" &
+    local prefill=$!
+    for _ in $(seq 1 600); do
+        addr=$(grep -o '127\.0\.0\.1:[0-9]*' "$dir/prefill.log" | head -n 1)
+        [ -n "$addr" ] && break
+        sleep 0.1
+    done
+    "${as[@]}" "$bin" decode --connect "$addr" --json --backend same-host --rooms 16 \
+        --pages-per-room 8 >"$dir/report.json" 2>"$dir/decode.log" || rc=$?
+    kill "$prefill" 2>/dev/null
+    wait "$prefill" 2>/dev/null
+    echo "$was" > "$knob"
+    cat "$dir/report.json"
+    grep -E "ptracer|same-host|data path" "$dir/decode.log" "$dir/prefill.log" | head -n 20
+    grep -q '"rooms_succeeded":16' "$dir/report.json" && grep -q '"pages_corrupted":0' "$dir/report.json" \
+        && grep -q 'path="cma"' "$dir/decode.log" || rc=1
+    [ "$(cat "$knob")" = "$was" ] || rc=1
+    echo "rdma-guest: Yama scope $scope, two unprivileged kvferry processes over the same-host path: rc=$rc"
+    return "$rc"
+}
+if [ "${1:-}" = "--yama" ]; then
+    yama_check "${2:-1}"
+    exit $?
+fi
+
 export KVFERRY_REQUIRE_RDMA=1
 # The guest runs under software emulation, tens of times slower than the hardware the tests'
 # operation deadlines model: a write batch that takes a NIC microseconds can take a second.
@@ -94,6 +139,7 @@ while read -r name exe; do
         *) run "$exe" --test-threads 1 ;;
     esac
 done < "$list"
+run yama_check
 
 # Sizes for soft-RoCE under emulation (about 40 MB/s). KVFERRY_GUEST_FULL=1 runs each demo on
 # its own and the bench (with a release build and KVFERRY_GUEST_DEFAULTS=1: the defaults,
