@@ -435,6 +435,7 @@ fn declined<H: Host>(driver: &mut Driver<H>, sid: SessionId, why: Decline, by_pe
         if let Some(s) = state(driver, sid) {
             *s = Some(SessionCma::Declined(why));
         }
+        driver.note_same_host_refusal(sid, why.as_str());
         let detail = format!(
             "the same-host path is required (transport=same-host) and was declined: {}",
             why.as_str()

@@ -101,6 +101,9 @@ pub enum Unsupported {
     /// The same-host path required (`SameHost::Required`) on a node that cannot take it;
     /// why, as a decline names it.
     SameHostUnavailable(&'static str),
+    /// The same-host path required and a session that cannot take it (this side refused
+    /// it); why, as the decline names it.
+    SameHostDeclined(&'static str),
 }
 
 impl std::fmt::Display for Unsupported {
@@ -108,6 +111,9 @@ impl std::fmt::Display for Unsupported {
         f.write_str(match self {
             Unsupported::RdmaNotBuilt => "this build has no RDMA support: rebuild with the `rdma` feature, or use --backend tcp",
             Unsupported::ChecksumOverRdmaDevice => "the end-to-end checksum (KVFERRY_CHECKSUM) over the RDMA backend hashes host memory only, and this node's KV is in device memory; turn it off or use the TCP backend (which hashes device memory in its staging buffers)",
+            Unsupported::SameHostDeclined(why) => {
+                return write!(f, "this node requires the same-host path (transport=same-host) and refused a session that cannot take it: {why}; use transport=auto to fall back to the network");
+            }
             Unsupported::SameHostUnavailable(why) => {
                 return write!(f, "the same-host path is required (transport=same-host) and this node cannot take it: {why}; use transport=auto to fall back to the network");
             }

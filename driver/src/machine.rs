@@ -433,6 +433,12 @@ impl<H: Host> Driver<H> {
         }
     }
 
+    /// This node refused `session` because it requires the same-host path and the session
+    /// cannot take it (`why`): its waiters hear that, not a peer's refusal.
+    pub(crate) fn note_same_host_refusal(&mut self, session: SessionId, why: &'static str) {
+        self.note_refusal(session, Refusal::SameHost(why), false);
+    }
+
     /// Remembers why `session` was refused, for its handshake's waiters and its target's.
     fn note_refusal(&mut self, session: SessionId, refusal: Refusal, first: bool) {
         if let Some(target) = self.io.get(&session).and_then(|io| io.target) {

@@ -14,6 +14,8 @@ pub(crate) enum Refusal {
     Peer(kvferry_core::codec::ErrorCode, String),
     /// This side refused the peer.
     Rejected(kvferry_core::RejectReason),
+    /// This side requires the same-host path and the session could not take it: why.
+    SameHost(&'static str),
 }
 
 impl Refusal {
@@ -24,6 +26,9 @@ impl Refusal {
                 detail: detail.clone(),
             },
             Refusal::Rejected(r) => NodeError::Rejected(*r),
+            Refusal::SameHost(why) => {
+                NodeError::Unsupported(crate::Unsupported::SameHostDeclined(why))
+            }
         }
     }
 }

@@ -226,7 +226,8 @@ fn node_error(e: NodeError) -> PyErr {
         NodeError::UnreachableMemory { .. } => UnsupportedMemory::new_err(e.to_string()),
         NodeError::Unsupported(
             kvferry_tokio::Unsupported::RdmaNotBuilt
-            | kvferry_tokio::Unsupported::SameHostUnavailable(_),
+            | kvferry_tokio::Unsupported::SameHostUnavailable(_)
+            | kvferry_tokio::Unsupported::SameHostDeclined(_),
         )
         | NodeError::Backend(_) => TransportUnavailable::new_err(e.to_string()),
         NodeError::Unsupported(_) => InvalidArgument::new_err(e.to_string()),
