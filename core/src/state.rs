@@ -152,7 +152,7 @@ impl FailureReason {
             FailureReason::AbortedLocally => "this endpoint's scheduler aborted the room",
             FailureReason::AbortedByPeer => "the peer aborted or failed the room (its scheduler gave up or it refused a write)",
             FailureReason::ProtocolError => "the peer violated the protocol for this room (a write outside its pages, a malformed request); check both sides run compatible kvferry versions",
-            FailureReason::IncompatiblePeer => "the peer was refused at the handshake (role, protocol version or memory layout); check that both sides use the same kvferry version and model shape",
+            FailureReason::IncompatiblePeer => "the peer was refused at the handshake (role, protocol version or memory layout) or by a transport one side requires (transport=\"same-host\" with a peer that cannot take it); the node logs which: check that both sides use the same kvferry version, model shape and transport",
             FailureReason::Shutdown => "the endpoint is shutting down",
             FailureReason::RoomIdReused => "prefill already concluded this room id for another decode (another node or an earlier incarnation of this one); resubmit the request under a fresh room id",
             FailureReason::PeerSilent => "nothing arrived from the peer for the liveness window while its address still took connections (a hung or overloaded peer process); check the peer process, and KVFERRY_HEARTBEAT_INTERVAL_MS / KVFERRY_HEARTBEAT_MISSES",
