@@ -632,20 +632,7 @@ impl CopyEngine for CudaCopyEngine {
         let _in = dev.shared.ctx.enter().map_err(copy_error)?;
         // The whole allocation is exported: its base and size are page-aligned, as the export
         // requires, and the asked-for range lies inside it.
-        let mut base = 0u64;
-        let mut size: usize = 0;
-        // SAFETY: asks the driver which allocation holds `addr`; it writes the two values.
-        driver::ok(
-            unsafe { (api.cuMemGetAddressRange)(&mut base, &mut size, addr) },
-            "cuMemGetAddressRange",
-        )
-        .map_err(copy_error)?;
-        if addr < base || addr - base + len as u64 > size as u64 {
-            return Err(CopyError(format!(
-                "{len} bytes at {addr:#x} span more than one CUDA allocation (the one holding its start ends at {:#x}); a caching allocator's expandable segments do this",
-                base + size as u64
-            )));
-        }
+        let (base, size) = allocation_holding(api, addr, len as u64)?;
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: exports a live allocation of this context; the driver writes one descriptor.
         let r = unsafe {
@@ -692,20 +679,7 @@ impl CopyEngine for CudaCopyEngine {
             .cuIpcGetMemHandle
             .ok_or_else(|| CopyError("the CUDA driver lacks cuIpcGetMemHandle".to_owned()))?;
         let _in = dev.shared.ctx.enter().map_err(copy_error)?;
-        let mut base = 0u64;
-        let mut size: usize = 0;
-        // SAFETY: asks the driver which allocation holds `addr`; it writes the two values.
-        driver::ok(
-            unsafe { (api.cuMemGetAddressRange)(&mut base, &mut size, addr) },
-            "cuMemGetAddressRange",
-        )
-        .map_err(copy_error)?;
-        if addr < base || addr - base + len > size as u64 {
-            return Err(CopyError(format!(
-                "{len} bytes at {addr:#x} span more than one CUDA allocation (the one holding its start ends at {:#x}); a caching allocator's expandable segments do this",
-                base + size as u64
-            )));
-        }
+        let (base, _) = allocation_holding(api, addr, len)?;
         // SAFETY: a zeroed handle is a valid value of this plain byte array.
         let mut handle: CUipcMemHandle = unsafe { std::mem::zeroed() };
         // SAFETY: exports a live allocation of the entered context; the driver writes the
@@ -888,6 +862,26 @@ impl CopyEngine for CudaCopyEngine {
         };
         driver::ok(r, "cuFlushGPUDirectRDMAWrites").map_err(copy_error)
     }
+}
+
+/// The CUDA allocation holding `len` bytes at `addr`: its base and size; an error if the
+/// range runs past it. The device's context must be entered.
+fn allocation_holding(api: &CudaApi, addr: u64, len: u64) -> Result<(u64, usize), CopyError> {
+    let mut base = 0u64;
+    let mut size: usize = 0;
+    // SAFETY: asks the driver which allocation holds `addr`; it writes the two values.
+    driver::ok(
+        unsafe { (api.cuMemGetAddressRange)(&mut base, &mut size, addr) },
+        "cuMemGetAddressRange",
+    )
+    .map_err(copy_error)?;
+    if addr < base || addr - base + len > size as u64 {
+        return Err(CopyError(format!(
+            "{len} bytes at {addr:#x} span more than one CUDA allocation (the one holding its start ends at {:#x}); a caching allocator's expandable segments do this",
+            base + size as u64
+        )));
+    }
+    Ok((base, size))
 }
 
 /// `jobs` with each run that continues the previous one on both sides merged into it.
