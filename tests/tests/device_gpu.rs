@@ -64,6 +64,13 @@ fn device_memory(gpu: &Gpu, shape: &Shape) -> (Vec<DeviceRegion>, Arc<MemoryMap>
     (regions, Arc::new(map.with_staging(staging)))
 }
 
+/// GPU 0, or `None` after saying why the test skips.
+fn gpu_or_skip() -> Option<Gpu> {
+    Gpu::open(0)
+        .map_err(|e| eprintln!("SKIPPED: no usable GPU here ({e})"))
+        .ok()
+}
+
 /// The rooms of `run_rooms` for `shape`: 64 rooms, every byte verified.
 fn rooms(shape: &Shape, abort_rate: f64) -> DecodeRun {
     DecodeRun {
@@ -112,12 +119,8 @@ async fn run_rooms_over(
 }
 
 async fn device_rooms(runtime: Runtime) {
-    let gpu = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED: no usable GPU here ({e})");
-            return;
-        }
+    let Some(gpu) = gpu_or_skip() else {
+        return;
     };
     let shape = shape();
     // The same rooms between host memories first: the loopback TCP the device rooms share.
@@ -148,12 +151,8 @@ async fn device_rooms(runtime: Runtime) {
 /// Device rooms staged over TCP, then the same rooms over the same-host path (GPU-to-GPU
 /// copies, CUDA IPC), every byte verified both times.
 async fn ipc_rooms(runtime: Runtime) {
-    let gpu = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED: no usable GPU here ({e})");
-            return;
-        }
+    let Some(gpu) = gpu_or_skip() else {
+        return;
     };
     let shape = shape();
     let regions = std::sync::Mutex::new(Vec::new());
@@ -185,12 +184,8 @@ async fn ipc_rooms(runtime: Runtime) {
 /// within its deadline, no landed page is corrupt, and once the nodes are gone kvferry holds
 /// the same contexts, pinned buffers and streams as before.
 async fn faults_on_the_cuda_engine(runtime: Runtime) {
-    let gpu = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED: no usable GPU here ({e})");
-            return;
-        }
+    let Some(gpu) = gpu_or_skip() else {
+        return;
     };
     let before = kvferry_gpu::engine::held();
     {
