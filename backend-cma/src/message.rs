@@ -10,8 +10,9 @@ pub const TAG: u8 = 0x43;
 /// Most regions one `Open` may announce (what fits a `Transport` frame).
 const MAX_REGIONS: usize = 800;
 const REGION_LEN: usize = 4 + 8 + 8;
-/// Bytes of one device region in an `Open`: code, address, length, offset, handle.
-const DEVICE_REGION_LEN: usize = 4 + 8 + 8 + 8 + 64;
+/// Bytes of one device region in an `Open`: code, handle type, address, length, offset,
+/// handle.
+const DEVICE_REGION_LEN: usize = 4 + 4 + 8 + 8 + 8 + 64;
 /// Bytes of an `Open` before its regions: tag, kind, pid, proof address, nonce, and the two
 /// counts.
 const OPEN_FIXED_LEN: usize = 2 + 4 + 8 + 16 + 2 + 2;
@@ -45,19 +46,22 @@ pub struct CmaRegion {
     pub len: u64,
 }
 
-/// One region of device memory the receiver lets its writer write, exported for the
-/// writer's process to map (CUDA IPC).
+/// One piece of a device-memory region the receiver lets its writer write, exported for the
+/// writer's process to map (CUDA IPC). A region spanning several allocations (the VMM API's)
+/// is several pieces of its code, next to each other in the list and in address order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceRegion {
     /// Which region of the layout (`Region::code`).
     pub region: u32,
-    /// Its device address in the receiver's process.
+    /// How the writer reaches it (`kvferry_memory::IpcHandleType`'s code).
+    pub handle_type: u32,
+    /// The piece's device address in the receiver's process.
     pub addr: u64,
     /// Its length in bytes.
     pub len: u64,
-    /// Where it starts inside the exported allocation.
+    /// Where it starts inside its allocation.
     pub offset: u64,
-    /// The allocation's handle (`cuIpcGetMemHandle`).
+    /// The allocation's handle (`cuIpcGetMemHandle`'s bytes, or a file descriptor's).
     pub handle: [u8; 64],
 }
 
@@ -215,8 +219,11 @@ pub enum MessageError {
     DeclineCode(u8),
     /// More regions than allowed.
     TooManyRegions(usize),
-    /// An empty region, or one whose end overflows the address space.
+    /// An empty region, one whose end overflows the address space, or a device region's
+    /// pieces apart or out of order.
     BadRegion(u32),
+    /// An unknown device-memory handle type.
+    HandleType(u32),
 }
 
 impl std::fmt::Display for MessageError {
@@ -228,8 +235,12 @@ impl std::fmt::Display for MessageError {
             MessageError::TrailingBytes => write!(f, "same-host message has trailing bytes"),
             MessageError::DeclineCode(c) => write!(f, "same-host decline code {c} is unknown"),
             MessageError::TooManyRegions(n) => write!(f, "same-host Open announces {n} regions"),
-            MessageError::BadRegion(c) => {
-                write!(f, "same-host region {c:#x} is empty or overflows")
+            MessageError::BadRegion(c) => write!(
+                f,
+                "same-host region {c:#x} is empty, overflows, or its pieces are apart"
+            ),
+            MessageError::HandleType(t) => {
+                write!(f, "same-host device handle type {t} is unknown")
             }
         }
     }
@@ -284,6 +295,7 @@ impl CmaMessage {
                 );
                 for r in &o.device {
                     out.extend_from_slice(&r.region.to_le_bytes());
+                    out.extend_from_slice(&r.handle_type.to_le_bytes());
                     out.extend_from_slice(&r.addr.to_le_bytes());
                     out.extend_from_slice(&r.len.to_le_bytes());
                     out.extend_from_slice(&r.offset.to_le_bytes());
@@ -360,9 +372,13 @@ impl CmaMessage {
                 if r.b.len() - r.at < d * DEVICE_REGION_LEN {
                     return Err(MessageError::Truncated);
                 }
-                let mut device = Vec::with_capacity(d);
+                let mut device: Vec<DeviceRegion> = Vec::with_capacity(d);
                 for _ in 0..d {
                     let region = r.u32()?;
+                    let handle_type = r.u32()?;
+                    if kvferry_memory::IpcHandleType::from_code(handle_type).is_none() {
+                        return Err(MessageError::HandleType(handle_type));
+                    }
                     let addr = r.u64()?;
                     let len = r.u64()?;
                     let offset = r.u64()?;
@@ -374,8 +390,16 @@ impl CmaMessage {
                     {
                         return Err(MessageError::BadRegion(region));
                     }
+                    // A region's pieces are next to each other, each starting where the
+                    // previous one ended.
+                    let follows = device.last().filter(|p| p.region == region);
+                    let seen = device.iter().any(|p| p.region == region);
+                    if seen && follows.map_or(true, |p| p.addr + p.len != addr) {
+                        return Err(MessageError::BadRegion(region));
+                    }
                     device.push(DeviceRegion {
                         region,
+                        handle_type,
                         addr,
                         len,
                         offset,
@@ -472,13 +496,32 @@ mod tests {
                         len: 64,
                     },
                 ],
-                device: vec![DeviceRegion {
-                    region: 0x0101,
-                    addr: 0x7f10_0020_0000,
-                    len: 1 << 20,
-                    offset: 2 << 20,
-                    handle: [9; 64],
-                }],
+                device: vec![
+                    DeviceRegion {
+                        region: 0x0101,
+                        handle_type: 1,
+                        addr: 0x7f10_0020_0000,
+                        len: 1 << 20,
+                        offset: 2 << 20,
+                        handle: [9; 64],
+                    },
+                    DeviceRegion {
+                        region: 0x0102,
+                        handle_type: 2,
+                        addr: 0x7f20_0000_0000,
+                        len: 2 << 20,
+                        offset: 0,
+                        handle: [8; 64],
+                    },
+                    DeviceRegion {
+                        region: 0x0102,
+                        handle_type: 2,
+                        addr: 0x7f20_0020_0000,
+                        len: 1 << 20,
+                        offset: 0,
+                        handle: [7; 64],
+                    },
+                ],
             }),
             CmaMessage::Accept,
             CmaMessage::Decline(Decline::PtraceHeld),
@@ -499,20 +542,21 @@ mod tests {
     fn every_kind_has_the_length_the_protocol_doc_gives() {
         let lens: Vec<usize> = every_kind().iter().map(|m| m.encode().len()).collect();
         // tag and kind, then: Offer 16 + 8 + 8 + 4; Open 4 + 8 + 16 + 2 + 20 per host region
-        // (two here) + 2 + 92 per device region (one here); Accept nothing; Decline 1; Fence
-        // and Fenced 4.
-        assert_eq!(lens, vec![2 + 36, 2 + 30 + 40 + 2 + 92, 2, 3, 6, 6]);
+        // (two here) + 2 + 96 per device region piece (three here); Accept nothing; Decline 1;
+        // Fence and Fenced 4.
+        assert_eq!(lens, vec![2 + 36, 2 + 30 + 40 + 2 + 3 * 96, 2, 3, 6, 6]);
         let open = CmaMessage::decode(&every_kind()[1].encode()).unwrap();
         let b = open.encode();
         assert_eq!(&b[..2], &[0x43, 2]);
         assert_eq!(u16::from_le_bytes([b[30], b[31]]), 2, "n at offset 30");
         assert_eq!(
             u16::from_le_bytes([b[72], b[73]]),
-            1,
+            3,
             "d after the host regions"
         );
+        assert_eq!(&b[74 + 4..74 + 8], &1u32.to_le_bytes(), "the handle type");
         assert_eq!(
-            &b[74 + 28..74 + 92],
+            &b[74 + 32..74 + 96],
             &[9; 64],
             "the handle ends each device region"
         );
@@ -556,6 +600,7 @@ mod tests {
                 regions: Vec::new(),
                 device: vec![DeviceRegion {
                     region: 6,
+                    handle_type: 1,
                     addr,
                     len,
                     offset: 0,
@@ -571,9 +616,9 @@ mod tests {
 
     #[test]
     fn an_open_fits_one_transport_frame_or_is_refused() {
-        // 32 fixed bytes + 20 per host region + 92 per device region <= 16 KiB.
-        assert!(CmaMessage::open_fits(2, 177));
-        assert!(!CmaMessage::open_fits(2, 178));
+        // 32 fixed bytes + 20 per host region + 96 per device region piece <= 16 KiB.
+        assert!(CmaMessage::open_fits(2, 169));
+        assert!(!CmaMessage::open_fits(2, 170));
         assert!(CmaMessage::open_fits(800, 0));
         assert!(!CmaMessage::open_fits(801, 0));
         let big = CmaMessage::Open(Open {
@@ -584,17 +629,83 @@ mod tests {
             device: vec![
                 DeviceRegion {
                     region: 6,
+                    handle_type: 1,
                     addr: 4096,
                     len: 4096,
                     offset: 0,
                     handle: [0; 64],
                 };
-                178
+                171
             ],
         });
         assert_eq!(
             CmaMessage::decode(&big.encode()),
-            Err(MessageError::TooManyRegions(178))
+            Err(MessageError::TooManyRegions(171))
+        );
+    }
+
+    fn device_open(pieces: &[(u32, u32, u64, u64)]) -> CmaMessage {
+        CmaMessage::Open(Open {
+            pid: 1,
+            nonce_addr: 0,
+            nonce: [0; 16],
+            regions: Vec::new(),
+            device: pieces
+                .iter()
+                .map(|&(region, handle_type, addr, len)| DeviceRegion {
+                    region,
+                    handle_type,
+                    addr,
+                    len,
+                    offset: 0,
+                    handle: [0; 64],
+                })
+                .collect(),
+        })
+    }
+
+    #[test]
+    fn a_device_regions_pieces_must_follow_each_other() {
+        let ok = device_open(&[
+            (6, 2, 0x1000, 0x1000),
+            (6, 2, 0x2000, 0x3000),
+            (7, 1, 0x9000, 16),
+        ]);
+        assert_eq!(CmaMessage::decode(&ok.encode()), Ok(ok));
+        for pieces in [
+            // A gap between two pieces.
+            [
+                (6, 2, 0x1000, 0x1000),
+                (6, 2, 0x3000, 0x1000),
+                (7, 1, 0x9000, 16),
+            ],
+            // Out of order.
+            [
+                (6, 2, 0x2000, 0x1000),
+                (6, 2, 0x1000, 0x1000),
+                (7, 1, 0x9000, 16),
+            ],
+            // Another region between them.
+            [
+                (6, 2, 0x1000, 0x1000),
+                (7, 1, 0x9000, 16),
+                (6, 2, 0x2000, 0x1000),
+            ],
+        ] {
+            assert_eq!(
+                CmaMessage::decode(&device_open(&pieces).encode()),
+                Err(MessageError::BadRegion(6)),
+                "{pieces:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_device_handle_type_is_refused() {
+        let m = device_open(&[(6, 3, 0x1000, 0x1000)]);
+        assert_eq!(
+            CmaMessage::decode(&m.encode()),
+            Err(MessageError::HandleType(3))
         );
     }
 

@@ -26,7 +26,8 @@ use kvferry_cma::{
 };
 use kvferry_core::{Role, SessionId, Slice, TransferOp, TransferOutcome};
 use kvferry_memory::{
-    CopyEngine, CopyError, CopyJob, IpcExport, IpcMapping, MemoryKind, MemoryMap, SliceSide,
+    CopyEngine, CopyError, CopyJob, IpcExport, IpcHandleType, IpcMapping, MemoryKind, MemoryMap,
+    SliceSide,
 };
 use tracing::{debug, info, warn};
 
@@ -141,9 +142,11 @@ impl SameHostPlane {
 
 impl SameHostPlane {
     /// The device-memory regions a writer may write, each exported for another process to
-    /// map; `Err` names the region the engine could not export and why.
-    fn device_regions(&self, importer: u32) -> Result<Vec<DeviceRegion>, String> {
+    /// map (one piece per allocation a region spans), and what keeps the exports valid;
+    /// `Err` names the region the engine could not export and why.
+    fn device_regions(&self, importer: u32) -> Result<(Vec<DeviceRegion>, Vec<Keep>), String> {
         let mut out = Vec::new();
+        let mut keep = Vec::new();
         for (region, len) in self.memory.region_lens() {
             let Some(MemoryKind::Cuda { device }) = self.memory.kind(region) else {
                 continue;
@@ -158,18 +161,28 @@ impl SameHostPlane {
                 .memory
                 .range(region, 0, len)
                 .map_err(|e| e.to_string())? as u64;
-            let export = engine
+            let pieces = engine
                 .export_ipc(device, addr, len, importer)
                 .map_err(|e| format!("{region:?} on CUDA device {device}: {e}"))?;
-            out.push(DeviceRegion {
-                region: region.code(),
-                addr,
-                len,
-                offset: export.offset,
-                handle: export.handle,
-            });
+            if !covers(&pieces, addr, len) {
+                return Err(format!(
+                    "{region:?} on CUDA device {device}: the {} copy engine's export does not cover the region",
+                    engine.name()
+                ));
+            }
+            for piece in pieces {
+                out.push(DeviceRegion {
+                    region: region.code(),
+                    handle_type: piece.handle_type.code(),
+                    addr: piece.addr,
+                    len: piece.len,
+                    offset: piece.offset,
+                    handle: piece.handle,
+                });
+                keep.extend(piece.keep);
+            }
         }
-        Ok(out)
+        Ok((out, keep))
     }
 
     /// Maps the receiver's device regions for copies from this node's regions of the same
@@ -193,7 +206,7 @@ impl SameHostPlane {
                 ),
             ));
         }
-        let mut out = Vec::new();
+        let mut out: Vec<DeviceTarget> = Vec::new();
         for d in &open.device {
             let device = match kinds.get(&d.region) {
                 Some(MemoryKind::Cuda { device }) => *device,
@@ -214,28 +227,62 @@ impl SameHostPlane {
                     "device memory without a copy engine".to_owned(),
                 )
             })?;
+            let handle_type = IpcHandleType::from_code(d.handle_type).ok_or_else(|| {
+                (
+                    Decline::IpcUnavailable,
+                    format!("device handle type {} is unknown", d.handle_type),
+                )
+            })?;
             let export = IpcExport {
+                handle_type,
                 handle: d.handle,
+                addr: d.addr,
+                len: d.len,
                 offset: d.offset,
+                keep: None,
             };
             let mapping = engine
-                .import_ipc(device, open.pid, d.addr, &export)
+                .import_ipc(device, open.pid, &export)
                 .map_err(|e| (Decline::IpcUnavailable, e.to_string()))?;
+            // The decoder holds a region's pieces next to each other and contiguous: a piece
+            // starts in the region where the previous one of its code ended.
+            let start = match out.last() {
+                Some(prev) if prev.region == d.region => prev.start + prev.len,
+                _ => 0,
+            };
             out.push(DeviceTarget {
                 region: d.region,
+                start,
                 len: d.len,
                 device,
                 mapping,
             });
         }
-        out.sort_by_key(|d| d.region);
+        out.sort_by_key(|d| (d.region, d.start));
         Ok(out)
     }
 }
 
-/// One device region of the receiver, mapped into this process.
+/// Whether `pieces` cover `len` bytes at `addr`, one after another.
+fn covers(pieces: &[IpcExport], addr: u64, len: u64) -> bool {
+    let mut at = addr;
+    for piece in pieces {
+        if piece.addr != at || piece.len == 0 {
+            return false;
+        }
+        at += piece.len;
+    }
+    at == addr + len
+}
+
+/// What keeps an export valid in the exporting process while its importer may take it.
+type Keep = Arc<dyn std::any::Any + Send + Sync>;
+
+/// One piece of a receiver's device region, mapped into this process.
 struct DeviceTarget {
     region: u32,
+    /// Where the piece starts in its region.
+    start: u64,
     len: u64,
     /// This node's device the copies into it run on.
     device: u32,
@@ -281,27 +328,41 @@ impl SameHostTarget {
         let mut jobs: Vec<(u32, CopyJob)> = Vec::new();
         for slice in slices {
             let code = slice.region.code();
-            let Ok(i) = self.device.binary_search_by_key(&code, |d| d.region) else {
+            let first = self.device.partition_point(|d| d.region < code);
+            let pieces = &self.device
+                [first..first + self.device[first..].partition_point(|d| d.region == code)];
+            let Some(last) = pieces.last() else {
                 host.push(*slice);
                 continue;
             };
-            let target = &self.device[i];
-            let outside = CopyFailure::Host(CmaError::OutsideRegion { region: code });
-            if !slice.dst_end().is_some_and(|end| end <= target.len) {
-                return Err(outside);
+            if !slice
+                .dst_end()
+                .is_some_and(|end| end <= last.start + last.len)
+            {
+                return Err(CopyFailure::Host(CmaError::OutsideRegion { region: code }));
             }
             for run in slice.runs() {
                 let src = memory
                     .range(run.region, run.src_offset, run.len)
                     .map_err(|e| CopyFailure::Host(CmaError::Source(e.to_string())))?;
-                jobs.push((
-                    target.device,
-                    CopyJob {
-                        dst: (target.mapping.addr + run.dst_offset) as usize,
-                        src: src as usize,
-                        len: run.len as usize,
-                    },
-                ));
+                // A run crossing from one allocation into the next is copied in two.
+                let (mut at, mut src, end) =
+                    (run.dst_offset, src as usize, run.dst_offset + run.len);
+                while at < end {
+                    let i = pieces.partition_point(|d| d.start + d.len <= at);
+                    let piece = &pieces[i];
+                    let n = (end.min(piece.start + piece.len) - at) as usize;
+                    jobs.push((
+                        piece.device,
+                        CopyJob {
+                            dst: (piece.mapping.addr + (at - piece.start)) as usize,
+                            src,
+                            len: n,
+                        },
+                    ));
+                    at += n as u64;
+                    src += n;
+                }
             }
         }
         if !host.is_empty() {
@@ -405,6 +466,8 @@ pub enum SessionCma {
         epoch: u32,
         /// Whether device regions were opened (the path is CUDA IPC).
         device: bool,
+        /// What keeps this node's device exports valid while the writer may map them.
+        exports: Vec<Keep>,
     },
     /// Not this session, and why.
     Declined(Decline),
@@ -541,11 +604,12 @@ fn on_offer<H: Host>(
     let regions = plane.regions();
     let checksum = driver.endpoint().config().checksum;
     let mut device = Vec::new();
+    let mut exports = Vec::new();
     let answer = plane
         .usable
         .and_then(|me| me.reaches(&offer.host))
         .and_then(|()| {
-            device = plane.device_regions(offer.pid).map_err(|e| {
+            (device, exports) = plane.device_regions(offer.pid).map_err(|e| {
                 info!(target: START_TARGET, session = %sid, error = %e, "this node's device memory cannot be exported to the prefill");
                 Decline::IpcUnavailable
             })?;
@@ -578,6 +642,7 @@ fn on_offer<H: Host>(
                     fencing: None,
                     epoch: 0,
                     device: !device.is_empty(),
+                    exports,
                 });
             }
             let open = CmaMessage::Open(Open {

@@ -8,8 +8,9 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUflushGPUDirectRDMAWritesScope,
-    CUflushGPUDirectRDMAWritesTarget, CUipcMemHandle, CUmemRangeHandleType, CUmemcpyAttributes,
-    CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
+    CUflushGPUDirectRDMAWritesTarget, CUipcMemHandle, CUmemAccessDesc, CUmemAllocationHandleType,
+    CUmemGenericAllocationHandle, CUmemRangeHandleType, CUmemcpyAttributes, CUpointer_attribute,
+    CUresult, CUstream, CUDA_MEMCPY2D,
 };
 
 use crate::GpuError;
@@ -85,6 +86,50 @@ pub(crate) struct CudaApi {
         Option<unsafe extern "C" fn(*mut CUdeviceptr, CUipcMemHandle, c_uint) -> CUresult>,
     /// Unmaps what `cuIpcOpenMemHandle` mapped.
     pub cuIpcCloseMemHandle: Option<unsafe extern "C" fn(CUdeviceptr) -> CUresult>,
+    /// The VMM API's handle of the physical allocation mapped at an address (fails for
+    /// memory the VMM API did not map).
+    pub cuMemRetainAllocationHandle:
+        Option<unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void) -> CUresult>,
+    /// Drops a VMM handle reference (retained, created or imported).
+    pub cuMemRelease: Option<unsafe extern "C" fn(CUmemGenericAllocationHandle) -> CUresult>,
+    /// Exports a VMM allocation as an OS handle (a file descriptor here).
+    pub cuMemExportToShareableHandle: Option<
+        unsafe extern "C" fn(
+            *mut c_void,
+            CUmemGenericAllocationHandle,
+            CUmemAllocationHandleType,
+            c_ulonglong,
+        ) -> CUresult,
+    >,
+    /// Imports another process's exported VMM allocation from its OS handle.
+    pub cuMemImportFromShareableHandle: Option<
+        unsafe extern "C" fn(
+            *mut CUmemGenericAllocationHandle,
+            *mut c_void,
+            CUmemAllocationHandleType,
+        ) -> CUresult,
+    >,
+    /// Reserves a virtual address range to map allocations into.
+    pub cuMemAddressReserve: Option<
+        unsafe extern "C" fn(*mut CUdeviceptr, usize, usize, CUdeviceptr, c_ulonglong) -> CUresult,
+    >,
+    /// Frees a reservation.
+    pub cuMemAddressFree: Option<unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult>,
+    /// Maps a VMM allocation into a reservation.
+    pub cuMemMap: Option<
+        unsafe extern "C" fn(
+            CUdeviceptr,
+            usize,
+            usize,
+            CUmemGenericAllocationHandle,
+            c_ulonglong,
+        ) -> CUresult,
+    >,
+    /// Unmaps what `cuMemMap` mapped.
+    pub cuMemUnmap: Option<unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult>,
+    /// Lets devices read and write a mapped range.
+    pub cuMemSetAccess:
+        Option<unsafe extern "C" fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize) -> CUresult>,
     /// One device-to-device copy (either side may be a mapped peer allocation).
     pub cuMemcpyDtoDAsync:
         Option<unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize, CUstream) -> CUresult>,
@@ -107,6 +152,7 @@ impl std::fmt::Debug for CudaApi {
             .field("rdma_flush", &self.cuFlushGPUDirectRDMAWrites.is_some())
             .field("batched_copies", &self.cuMemcpyBatchAsync.is_some())
             .field("ipc", &self.cuIpcOpenMemHandle.is_some())
+            .field("vmm_ipc", &self.cuMemImportFromShareableHandle.is_some())
             .finish()
     }
 }
@@ -204,6 +250,15 @@ fn resolve(lib: &'static libloading::Library) -> Result<CudaApi, GpuError> {
         cuIpcGetMemHandle: optional!("cuIpcGetMemHandle"),
         cuIpcOpenMemHandle: optional!("cuIpcOpenMemHandle_v2"),
         cuIpcCloseMemHandle: optional!("cuIpcCloseMemHandle"),
+        cuMemRetainAllocationHandle: optional!("cuMemRetainAllocationHandle"),
+        cuMemRelease: optional!("cuMemRelease"),
+        cuMemExportToShareableHandle: optional!("cuMemExportToShareableHandle"),
+        cuMemImportFromShareableHandle: optional!("cuMemImportFromShareableHandle"),
+        cuMemAddressReserve: optional!("cuMemAddressReserve"),
+        cuMemAddressFree: optional!("cuMemAddressFree"),
+        cuMemMap: optional!("cuMemMap"),
+        cuMemUnmap: optional!("cuMemUnmap"),
+        cuMemSetAccess: optional!("cuMemSetAccess"),
         cuMemcpyDtoDAsync: optional!("cuMemcpyDtoDAsync_v2"),
     })
 }

@@ -9,8 +9,10 @@ use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUflushGPUDirectRDMAWritesScope,
-    CUflushGPUDirectRDMAWritesTarget, CUipcMemHandle, CUmemRangeHandleType, CUmemcpyAttributes,
-    CUmemcpySrcAccessOrder, CUmemorytype, CUpointer_attribute, CUresult, CUstream, CUDA_MEMCPY2D,
+    CUflushGPUDirectRDMAWritesTarget, CUipcMemHandle, CUmemAccessDesc, CUmemAccess_flags,
+    CUmemAllocationHandleType, CUmemGenericAllocationHandle, CUmemRangeHandleType,
+    CUmemcpyAttributes, CUmemcpySrcAccessOrder, CUmemorytype, CUpointer_attribute, CUresult,
+    CUstream, CUDA_MEMCPY2D,
 };
 
 use crate::driver::CudaApi;
@@ -66,6 +68,31 @@ pub(crate) struct FakeState {
     pub ipc_refused: bool,
     /// Device-to-device copy calls.
     pub copies_dtod: u64,
+    /// Bases of the allocations the VMM API made (no legacy IPC handle; a file descriptor).
+    pub vmm: Vec<u64>,
+    /// VMM handle references taken (retained or imported) and not released.
+    pub vmm_refs: i64,
+    /// VMM allocations exported as file descriptors, and imported from them.
+    pub vmm_exports: u64,
+    /// VMM imports.
+    pub vmm_imports: u64,
+    /// Reservations mapped over an imported allocation: `(address, size, allocation base)`.
+    pub vmm_maps: Vec<(u64, usize, u64)>,
+    /// Reservations made and not freed.
+    pub reserved: i64,
+    /// The next reservation's address.
+    pub next_reservation: u64,
+}
+
+/// Where an address of a reservation mapped over an allocation reaches that allocation (the
+/// fake's memory is host memory at the allocation's own address).
+fn resolve(addr: u64) -> u64 {
+    state(|s| {
+        s.vmm_maps
+            .iter()
+            .find(|(va, size, _)| addr >= *va && addr < *va + *size as u64)
+            .map_or(addr, |(va, _, base)| base + (addr - va))
+    })
 }
 
 static STATE: Mutex<Option<FakeState>> = Mutex::new(None);
@@ -162,6 +189,15 @@ pub(crate) fn api(export: bool, flush: bool) -> &'static CudaApi {
         cuIpcGetMemHandle: Some(cuIpcGetMemHandle),
         cuIpcOpenMemHandle: Some(cuIpcOpenMemHandle),
         cuIpcCloseMemHandle: Some(cuIpcCloseMemHandle),
+        cuMemRetainAllocationHandle: Some(cuMemRetainAllocationHandle),
+        cuMemRelease: Some(cuMemRelease),
+        cuMemExportToShareableHandle: Some(cuMemExportToShareableHandle),
+        cuMemImportFromShareableHandle: Some(cuMemImportFromShareableHandle),
+        cuMemAddressReserve: Some(cuMemAddressReserve),
+        cuMemAddressFree: Some(cuMemAddressFree),
+        cuMemMap: Some(cuMemMap),
+        cuMemUnmap: Some(cuMemUnmap),
+        cuMemSetAccess: Some(cuMemSetAccess),
         cuMemcpyDtoDAsync: Some(cuMemcpyDtoDAsync),
     }))
 }
@@ -387,7 +423,8 @@ unsafe extern "C" fn cuIpcGetMemHandle(out: *mut CUipcMemHandle, base: CUdevicep
     if r != OK {
         return r;
     }
-    let known = state(|s| s.allocations.iter().any(|(b, _, _)| *b == base));
+    let known =
+        state(|s| s.allocations.iter().any(|(b, _, _)| *b == base) && !s.vmm.contains(&base));
     if !known {
         return CUresult::CUDA_ERROR_INVALID_VALUE;
     }
@@ -443,7 +480,9 @@ unsafe extern "C" fn cuMemcpyDtoDAsync(
     if r == OK {
         state(|s| s.copies_dtod += 1);
         // SAFETY: fake device memory is host memory the test owns.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(resolve(src) as *const u8, resolve(dst) as *mut u8, len)
+        };
     }
     r
 }
@@ -518,8 +557,8 @@ unsafe extern "C" fn cuMemcpyBatchAsync(
         // SAFETY: as above; fake device memory is host memory the test owns.
         unsafe {
             std::ptr::copy_nonoverlapping(
-                *srcs.add(i) as *const u8,
-                *dsts.add(i) as *mut u8,
+                resolve(*srcs.add(i)) as *const u8,
+                resolve(*dsts.add(i)) as *mut u8,
                 *sizes.add(i),
             )
         };
@@ -630,4 +669,184 @@ unsafe extern "C" fn cuFlushGPUDirectRDMAWrites(
         state(|s| s.flushes += 1);
     }
     r
+}
+/// The VMM allocation holding `ptr`: its base and length.
+fn vmm_holding(ptr: u64) -> Option<(u64, usize)> {
+    state(|s| {
+        s.allocations
+            .iter()
+            .find(|(b, l, _)| ptr >= *b && ptr < *b + *l as u64 && s.vmm.contains(b))
+            .map(|(b, l, _)| (*b, *l))
+    })
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemRetainAllocationHandle(
+    out: *mut CUmemGenericAllocationHandle,
+    ptr: *mut c_void,
+) -> CUresult {
+    let r = in_context("cuMemRetainAllocationHandle");
+    if r != OK {
+        return r;
+    }
+    let Some((base, _)) = vmm_holding(ptr as u64) else {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    };
+    state(|s| s.vmm_refs += 1);
+    // SAFETY: the caller passes a handle to write; the fake's handle is the base.
+    unsafe { *out = base };
+    OK
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemRelease(_: CUmemGenericAllocationHandle) -> CUresult {
+    let r = in_context("cuMemRelease");
+    if r == OK {
+        state(|s| s.vmm_refs -= 1);
+    }
+    r
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemExportToShareableHandle(
+    out: *mut c_void,
+    handle: CUmemGenericAllocationHandle,
+    kind: CUmemAllocationHandleType,
+    _: c_ulonglong,
+) -> CUresult {
+    let r = in_context("cuMemExportToShareableHandle");
+    if r != OK {
+        return r;
+    }
+    if kind != CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        || vmm_holding(handle).is_none()
+    {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    // The descriptor is a memory file holding the allocation's base: an importer that reads
+    // it got the exporter's descriptor, not a number that happens to match.
+    // SAFETY: a name and flags; returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(c"kvferry-fake-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return CUresult::CUDA_ERROR_UNKNOWN;
+    }
+    let bytes = handle.to_le_bytes();
+    // SAFETY: writes 8 bytes from a local array to the descriptor just made.
+    if unsafe { libc::pwrite(fd, bytes.as_ptr().cast(), 8, 0) } != 8 {
+        return CUresult::CUDA_ERROR_UNKNOWN;
+    }
+    state(|s| s.vmm_exports += 1);
+    // SAFETY: the handle's C type is int for this handle type.
+    unsafe { *out.cast::<c_int>() = fd };
+    OK
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemImportFromShareableHandle(
+    out: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    kind: CUmemAllocationHandleType,
+) -> CUresult {
+    let r = in_context("cuMemImportFromShareableHandle");
+    if r != OK {
+        return r;
+    }
+    if kind != CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    let mut bytes = [0u8; 8];
+    // SAFETY: reads 8 bytes into a local array from the descriptor the caller owns.
+    if unsafe { libc::pread(os_handle as isize as c_int, bytes.as_mut_ptr().cast(), 8, 0) } != 8 {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    let base = u64::from_le_bytes(bytes);
+    if vmm_holding(base).is_none() {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    state(|s| {
+        s.vmm_refs += 1;
+        s.vmm_imports += 1;
+    });
+    // SAFETY: the caller passes a handle to write.
+    unsafe { *out = base };
+    OK
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemAddressReserve(
+    out: *mut CUdeviceptr,
+    size: usize,
+    _: usize,
+    _: CUdeviceptr,
+    _: c_ulonglong,
+) -> CUresult {
+    let r = in_context("cuMemAddressReserve");
+    if r != OK {
+        return r;
+    }
+    // Reservations lie far from any host allocation: a copy that used one unresolved
+    // would fault, not land somewhere plausible.
+    let va = state(|s| {
+        s.reserved += 1;
+        let va = 0x6000_0000_0000 + s.next_reservation;
+        s.next_reservation += (size as u64).next_multiple_of(1 << 32);
+        va
+    });
+    // SAFETY: the caller passes an address to write.
+    unsafe { *out = va };
+    OK
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemAddressFree(_: CUdeviceptr, _: usize) -> CUresult {
+    let r = in_context("cuMemAddressFree");
+    if r == OK {
+        state(|s| s.reserved -= 1);
+    }
+    r
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemMap(
+    va: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    _: c_ulonglong,
+) -> CUresult {
+    let r = in_context("cuMemMap");
+    if r != OK {
+        return r;
+    }
+    match vmm_holding(handle) {
+        Some((base, len)) if base == handle && len == size && offset == 0 => {
+            state(|s| s.vmm_maps.push((va, size, base)));
+            OK
+        }
+        _ => CUresult::CUDA_ERROR_INVALID_VALUE,
+    }
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemUnmap(va: CUdeviceptr, _: usize) -> CUresult {
+    let r = in_context("cuMemUnmap");
+    if r == OK {
+        state(|s| s.vmm_maps.retain(|(v, _, _)| *v != va));
+    }
+    r
+}
+#[allow(non_snake_case)]
+unsafe extern "C" fn cuMemSetAccess(
+    va: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    let r = in_context("cuMemSetAccess");
+    if r != OK {
+        return r;
+    }
+    // SAFETY: the caller passes `count` descriptors.
+    let desc = unsafe { std::slice::from_raw_parts(desc, count) };
+    let mapped = state(|s| s.vmm_maps.iter().any(|(v, l, _)| *v == va && *l == size));
+    if !mapped
+        || desc
+            .iter()
+            .any(|d| d.flags != CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    {
+        return CUresult::CUDA_ERROR_INVALID_VALUE;
+    }
+    OK
 }

@@ -21,6 +21,6 @@ pub use numa::cpus_near;
 pub use region::{page_size, AccessError, ExternalRegion, HostBuffer, MemoryMap, OutOfBounds};
 pub use staging::{
     abandoned_copies, CopyCounts, CopyDirection, CopyDone, CopyEngine, CopyError, CopyJob, DmaBuf,
-    HostCopyEngine, InFlightCopies, IpcExport, IpcMapping, MemoryKind, Staging, StagingBuffer,
-    StagingConfig,
+    HostCopyEngine, InFlightCopies, IpcExport, IpcHandleType, IpcMapping, MemoryKind, Staging,
+    StagingBuffer, StagingConfig,
 };

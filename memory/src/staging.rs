@@ -77,14 +77,70 @@ pub struct DmaBuf {
     pub offset: u64,
 }
 
-/// Device memory exported for another process on this host to map (CUDA IPC): the
-/// allocation's handle, and where the exported range starts inside the allocation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How an importer reaches one exported piece of device memory ([`IpcExport::handle`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IpcHandleType {
+    /// The importer is the exporting process: the address is used as it is (no handle).
+    InPlace,
+    /// `cuIpcGetMemHandle`'s 64 bytes of the whole allocation (`cuMemAlloc` memory).
+    CudaIpc,
+    /// A file descriptor in the exporting process for one physical allocation of the VMM API
+    /// (`cuMemExportToShareableHandle`): bytes 0..4 the descriptor, 8..16 the allocation's
+    /// size. The importer takes its own copy of the descriptor (`pidfd_getfd`).
+    PosixFd,
+}
+
+impl IpcHandleType {
+    /// Its code on the wire.
+    pub fn code(self) -> u32 {
+        match self {
+            IpcHandleType::InPlace => 0,
+            IpcHandleType::CudaIpc => 1,
+            IpcHandleType::PosixFd => 2,
+        }
+    }
+
+    /// The type a wire code names, if any.
+    pub fn from_code(code: u32) -> Option<Self> {
+        match code {
+            0 => Some(IpcHandleType::InPlace),
+            1 => Some(IpcHandleType::CudaIpc),
+            2 => Some(IpcHandleType::PosixFd),
+            _ => None,
+        }
+    }
+}
+
+/// One piece of device memory exported for another process on this host to map: where it
+/// is in the exporter, how to reach it, and where it starts inside its allocation. A region
+/// is exported as one piece per allocation it spans (the VMM API maps several into one
+/// range; `cuMemAlloc` memory is one).
+#[derive(Clone)]
 pub struct IpcExport {
-    /// The engine's opaque handle of the whole allocation (`cuIpcGetMemHandle`'s 64 bytes).
+    /// How the importer reaches it.
+    pub handle_type: IpcHandleType,
+    /// The handle's bytes (see [`IpcHandleType`]).
     pub handle: [u8; 64],
-    /// The offset of the exported address inside that allocation.
+    /// Where the piece starts in the exporter's address space.
+    pub addr: u64,
+    /// Its length in bytes.
+    pub len: u64,
+    /// The offset of `addr` inside its allocation.
     pub offset: u64,
+    /// What keeps the export valid in the exporter (its file descriptor), held as long as
+    /// an importer may take it; `None` where nothing was opened.
+    pub keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for IpcExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcExport")
+            .field("handle_type", &self.handle_type)
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("offset", &self.offset)
+            .finish()
+    }
 }
 
 /// Another process's exported device memory as this process reaches it: the address the
@@ -152,7 +208,8 @@ pub trait CopyEngine: Send + Sync + 'static {
     }
 
     /// Exports `len` bytes of `device`'s memory at `addr` for process `importer` of this host
-    /// to map ([`CopyEngine::import_ipc`]); `Err` says why not. By default an engine cannot,
+    /// to map ([`CopyEngine::import_ipc`]): one piece per allocation the range spans, in
+    /// address order, together covering it; `Err` says why not. By default an engine cannot,
     /// and same-host peers move such memory over the network path.
     fn export_ipc(
         &self,
@@ -160,20 +217,20 @@ pub trait CopyEngine: Send + Sync + 'static {
         _addr: u64,
         _len: u64,
         _importer: u32,
-    ) -> Result<IpcExport, CopyError> {
+    ) -> Result<Vec<IpcExport>, CopyError> {
         Err(CopyError(format!(
             "the {} copy engine cannot export device memory to another process",
             self.name()
         )))
     }
 
-    /// Maps `export`, made by process `owner` where the range starts at `owner_addr`, for
-    /// copies from `device` ([`CopyEngine::copy_to_peer`]); `Err` says why not.
+    /// Maps `export`, a piece made by process `owner`, for copies from `device`
+    /// ([`CopyEngine::copy_to_peer`]); `Err` says why not. An [`IpcHandleType::InPlace`]
+    /// piece is taken only from this very process.
     fn import_ipc(
         &self,
         _device: u32,
         _owner: u32,
-        _owner_addr: u64,
         _export: &IpcExport,
     ) -> Result<IpcMapping, CopyError> {
         Err(CopyError(format!(
@@ -216,6 +273,8 @@ pub struct HostCopyEngine {
     /// Batches of the failing direction so far, and which direction fails after how many.
     failing: Arc<AtomicU64>,
     fail: Option<(CopyDirection, u64)>,
+    /// Exports end a piece at every multiple of this many bytes of address.
+    export_piece: Option<u64>,
 }
 
 /// What a copy engine was asked to do, and the calls it made for it.
@@ -263,6 +322,14 @@ impl HostCopyEngine {
     /// prefill's outgoing batches (`DeviceToHost`), one per job (a staged operation is many
     /// batches, a peer copy one call).
     pub fn failing(delay: Duration, fail: Option<(CopyDirection, u64)>) -> Arc<Self> {
+        Self::with(delay, fail, None)
+    }
+
+    fn with(
+        delay: Duration,
+        fail: Option<(CopyDirection, u64)>,
+        export_piece: Option<u64>,
+    ) -> Arc<Self> {
         let (tx, rx) = flume::unbounded::<(CopyDirection, Vec<CopyJob>, CopyDone)>();
         let counts = Arc::new(CopyCounts::default());
         let counted = counts.clone();
@@ -299,7 +366,15 @@ impl HostCopyEngine {
             counts,
             failing,
             fail,
+            export_piece,
         })
+    }
+
+    /// An engine whose exports ([`CopyEngine::export_ipc`]) end a piece at every multiple of
+    /// `piece` bytes of address, as a region over several allocations of the VMM API is
+    /// exported: pages that cross a piece's end are copied in two.
+    pub fn exporting_in_pieces(piece: u64) -> Arc<Self> {
+        Self::with(Duration::ZERO, None, Some(piece.max(1)))
     }
 
     /// What it was asked to do and the calls it made (the copy benchmark's counts).
@@ -319,43 +394,49 @@ impl CopyEngine for HostCopyEngine {
         }
     }
 
-    /// Its "device" memory is this process's host memory: an export names the process and
-    /// the address, and only this process maps it (two nodes of one test process).
+    /// Its "device" memory is this process's host memory: only this process maps it (two
+    /// nodes of one test process), in place.
     fn export_ipc(
         &self,
         _device: u32,
         addr: u64,
-        _len: u64,
+        len: u64,
         _importer: u32,
-    ) -> Result<IpcExport, CopyError> {
-        let mut handle = [0u8; 64];
-        handle[..8].copy_from_slice(HOST_IPC_MAGIC);
-        handle[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-        handle[12..20].copy_from_slice(&addr.to_le_bytes());
-        Ok(IpcExport { handle, offset: 0 })
+    ) -> Result<Vec<IpcExport>, CopyError> {
+        let piece = self.export_piece.unwrap_or(u64::MAX);
+        let end = addr.saturating_add(len);
+        let mut pieces = Vec::new();
+        let mut at = addr;
+        while at < end {
+            let next = end.min((at / piece).saturating_add(1).saturating_mul(piece));
+            pieces.push(IpcExport {
+                handle_type: IpcHandleType::InPlace,
+                handle: [0; 64],
+                addr: at,
+                len: next - at,
+                offset: 0,
+                keep: None,
+            });
+            at = next;
+        }
+        Ok(pieces)
     }
 
     fn import_ipc(
         &self,
         _device: u32,
         owner: u32,
-        owner_addr: u64,
         export: &IpcExport,
     ) -> Result<IpcMapping, CopyError> {
         let mine = std::process::id();
-        let exported_by = u32::from_le_bytes([
-            export.handle[8],
-            export.handle[9],
-            export.handle[10],
-            export.handle[11],
-        ]);
-        if &export.handle[..8] != HOST_IPC_MAGIC || owner != mine || exported_by != mine {
+        if export.handle_type != IpcHandleType::InPlace || owner != mine {
             return Err(CopyError(format!(
-                "the host copy engine maps only its own process's memory (process {owner}'s export, this is {mine})"
+                "the host copy engine maps only its own process's memory (process {owner}'s {:?} export, this is {mine})",
+                export.handle_type
             )));
         }
         Ok(IpcMapping {
-            addr: owner_addr,
+            addr: export.addr,
             keep: None,
         })
     }
@@ -365,6 +446,19 @@ impl CopyEngine for HostCopyEngine {
             let n = jobs.len().max(1) as u64;
             if self.failing.fetch_add(n, Ordering::SeqCst) + n > ok {
                 return Err(CopyError("injected copy failure".to_owned()));
+            }
+        }
+        if let Some(piece) = self.export_piece {
+            // Pieces of different allocations are not contiguous where they are mapped: a
+            // copy that crosses a piece's end would land outside it.
+            if let Some(job) = jobs
+                .iter()
+                .find(|j| j.len > 0 && j.dst as u64 / piece != (j.dst + j.len - 1) as u64 / piece)
+            {
+                return Err(CopyError(format!(
+                    "a copy of {} bytes to {:#x} crosses the end of an exported piece",
+                    job.len, job.dst
+                )));
             }
         }
         let calls = crate::plan_copies(jobs);
@@ -379,9 +473,6 @@ impl CopyEngine for HostCopyEngine {
         Ok(())
     }
 }
-
-/// The first bytes of a [`HostCopyEngine`]'s export handle.
-const HOST_IPC_MAGIC: &[u8; 8] = b"kvfhost\0";
 
 /// How much host memory a node stages device bytes through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -216,6 +216,27 @@ async fn device_memory_on_both_sides_moves_over_cuda_ipc_with_every_byte_verifie
     );
 }
 
+/// The decode's device regions exported in pieces (a region over several allocations of the
+/// VMM API: one piece each; here a piece ends at every 100000 bytes of address, inside a
+/// page, about four pieces a region): every
+/// page that crosses a piece's end lands in two copies, every byte verified.
+async fn device_regions_exported_in_pieces_move_over_cuda_ipc_with_every_byte_verified(
+    p: Runtime,
+    d: Runtime,
+) {
+    let run = rooms(100, 1);
+    // The writer's engine refuses a copy that crosses a piece's end, as a GPU's mapping would.
+    let pieces = || device_memory(HostCopyEngine::exporting_in_pieces(100_000), 4, 8192);
+    let prefill = start_over(p, Role::Prefill, staged_core(), 1, pieces());
+    let decode = start_over(d, Role::Decode, staged_core(), 2, pieces());
+    let report = run_pair(&prefill, &decode, run).await.unwrap();
+    assert_all_clean(&report, 100);
+    assert_eq!(
+        (report.prefill_path.as_str(), report.decode_path.as_str()),
+        ("cuda_ipc", "cuda_ipc")
+    );
+}
+
 /// A prefill whose KV is device memory and a decode whose KV is host memory: no copy engine
 /// reaches host memory of another process, so the session keeps the staged TCP path, and
 /// says why.
@@ -295,6 +316,7 @@ on_every_driver!(
 
 on_every_driver!(
     device_memory_on_both_sides_moves_over_cuda_ipc_with_every_byte_verified,
+    device_regions_exported_in_pieces_move_over_cuda_ipc_with_every_byte_verified,
     a_device_source_for_a_host_destination_keeps_the_staged_path,
     under_the_checksum_device_memory_keeps_the_staged_path,
 );
