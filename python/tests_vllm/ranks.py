@@ -27,17 +27,38 @@ def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
     return first, first + count
 
 
+def kv_groups(names: list[str], block_size: int, heads: int, dtype, window: int) -> list:
+    """The KV cache groups of ``names``' layers: one full-attention group, or with ``window``
+    (tokens) a hybrid model's two: layer 0 full attention, layer 1 a sliding window."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    shape = dict(block_size=block_size, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=dtype)
+    if not window:
+        return [KVCacheGroupSpec(names, FullAttentionSpec(**shape))]
+    return [KVCacheGroupSpec(names[:1], FullAttentionSpec(**shape)),
+            KVCacheGroupSpec(names[1:], SlidingWindowSpec(sliding_window=window, **shape))]
+
+
+def first_block(layer: int, tokens: int, block_size: int, window: int) -> int:
+    """The first block of a ``tokens``-token prompt ``layer`` keeps for the next token (its
+    sliding window's, with ``window``; vLLM frees the ones wholly before it)."""
+    if not window or layer == 0:
+        return 0
+    return max(0, tokens - window + 1) // block_size
+
+
 def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blocks: int, kw: dict,
                inbox, outbox) -> None:
     """One worker (global ``rank``: pipeline stage ``rank // tp``, TP rank ``rank % tp``):
     kvferry's worker connector over its KV tensors (its stage's layers, its heads), stepped
     by the engine's process."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvferry.vllm import KvferryConnector
 
-    config = make_config(role, port, tp=tp, **kw)
+    window = kw.pop("window", 0)
+    config = make_config(role, port, tp=tp, hybrid=bool(window), **kw)
     # MLA: every rank holds the whole latent KV, [blocks, block_size, latent] (one "head").
     mla = kw.get("mla", False)
     total = 1 if mla else kw.get("kv_heads", KV_HEADS)
@@ -49,12 +70,15 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
     lo, hi = (0, 1) if mla else _rank_heads(total, tp, rank % tp)
     per = LAYERS // kw.get("pp", 1)
     mine = list(range(rank // tp * per, (rank // tp + 1) * per))
-    spec = FullAttentionSpec(block_size=bs, num_kv_heads=hi - lo, head_size=HEAD_SIZE, dtype=dtype)
     names = {layer: f"model.layers.{layer}.self_attn.attn" for layer in mine}
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                              kv_cache_groups=[KVCacheGroupSpec(list(names.values()), spec)])
+                              kv_cache_groups=kv_groups(list(names.values()), bs, hi - lo, dtype, window))
     shape = (num_blocks, bs, MLA_LATENT) if mla else (num_blocks, hi - lo, bs, 2 * HEAD_SIZE)
     kv = {name: torch.zeros(shape, dtype=dtype) for name in names.values()}
+    if window:
+        # vLLM's hybrid allocation: the groups' layers share one tensor.
+        shared = next(iter(kv.values()))
+        kv = {name: shared for name in kv}
     worker = KvferryConnector(config, KVConnectorRole.WORKER, kv_config)
     worker.register_kv_caches(kv)
     full_bytes = total * bs * (MLA_LATENT if mla else 2 * HEAD_SIZE) * torch.tensor([], dtype=dtype).element_size()
@@ -77,21 +101,25 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
             continue
         if cmd[0] == "plant":
             # Another rank's heads of the pattern, written over this rank's blocks.
-            _, prompt, blocks, other = cmd
+            _, prompt, tables, other = cmd
             olo, ohi = _rank_heads(total, tp, other % tp)
             for index in range(-(-len(prompt) // bs)):
                 for layer in mine:
+                    if index < first_block(layer, len(prompt), bs, window):
+                        continue
                     whole = pattern(prompt, index, layer, full_bytes).view(total, bs, -1)
-                    rows_of(blocks[index], layer).copy_(whole[olo:ohi])
+                    rows_of(tables[layer][index], layer).copy_(whole[olo:ohi])
             outbox.put(("planted", None))
             continue
         if cmd[0] == "check":
-            _, prompt, blocks = cmd
+            _, prompt, tables = cmd
             said = None
             for index in range(-(-len(prompt) // bs)):
                 rows = min(len(prompt) - index * bs, bs)
                 for layer in mine:
-                    got = rows_of(blocks[index], layer)[:, :rows, :]
+                    if index < first_block(layer, len(prompt), bs, window):
+                        continue  # out of the layer's window: vLLM freed it
+                    got = rows_of(tables[layer][index], layer)[:, :rows, :]
                     want = want_of(prompt, index, layer)[:, :rows, :]
                     if said is None and not torch.equal(got, want):
                         said = (f"rank {rank}: block {index} layer {layer} differs "
@@ -103,11 +131,13 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         for layer in mine:
-            for prompt, first, last, blocks in writes:
+            for prompt, first, last, tables in writes:
                 for index in range(first // bs, (last - 1) // bs + 1):
                     a = max(first, index * bs) - index * bs
                     b = min(last, (index + 1) * bs) - index * bs
-                    rows_of(blocks[index], layer)[:, a:b, :] = want_of(prompt, index, layer)[:, a:b, :]
+                    block = tables[layer][index]
+                    assert block != 0, f"layer {layer} computes into vLLM's null block"
+                    rows_of(block, layer)[:, a:b, :] = want_of(prompt, index, layer)[:, a:b, :]
             if writes:
                 worker.save_kv_layer(names[layer], kv[names[layer]], None)
         worker.wait_for_save()
@@ -125,19 +155,22 @@ class Ranks:
     def __init__(self, role: str, port: int, tp: int, num_blocks: int = 256, pp: int = 1, **kw):
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import KVCacheConfig
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.role, self.tp, self.port = role, tp, port
         kw = dict(kw, pp=pp)
-        self.config = make_config(role, port, tp=tp, **kw)
+        #: With ``window`` (tokens): a hybrid model, layer 1 a sliding window (``kv_groups``).
+        self.window = kw.get("window", 0)
+        config_kw = {k: v for k, v in kw.items() if k != "window"}
+        self.config = make_config(role, port, tp=tp, hybrid=bool(self.window), **config_kw)
         bs = self.config.cache_config.block_size
-        spec = FullAttentionSpec(block_size=bs, num_kv_heads=max(1, kw.get("kv_heads", KV_HEADS) // tp),
-                                 head_size=HEAD_SIZE,
-                                 dtype=self.config.model_config.dtype)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                  kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        groups = kv_groups(names, bs, max(1, kw.get("kv_heads", KV_HEADS) // tp),
+                           self.config.model_config.dtype, self.window)
+        #: The KV cache group of each layer.
+        self.group_of = [0] + [len(groups) - 1] * (LAYERS - 1)
+        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
@@ -185,8 +218,10 @@ class Ranks:
     # The same request vLLM's engine builds, added to this engine's scheduler.
     add = Side.add
 
-    def blocks_of(self, request_id: str) -> list[int]:
-        return self.scheduler.kv_cache_manager.get_blocks(request_id).get_block_ids()[0]
+    def tables_of(self, request_id: str) -> list[list[int]]:
+        """The block table of each layer's KV cache group for the request."""
+        tables = self.scheduler.kv_cache_manager.get_blocks(request_id).get_block_ids()
+        return [list(tables[g]) for g in self.group_of]
 
     def step(self) -> list:
         """One engine step over every rank; returns the requests that finished."""
@@ -205,7 +240,7 @@ class Ranks:
             first = req.num_computed_tokens - n
             last = min(first + n, req.num_prompt_tokens)
             if last > first:
-                writes.append((list(req.prompt_token_ids), first, last, self.blocks_of(req_id)))
+                writes.append((list(req.prompt_token_ids), first, last, self.tables_of(req_id)))
         for rank in self._live():
             self.inboxes[rank].put(("step", out.kv_connector_metadata, out.finished_req_ids, writes))
         sampled = {}
@@ -252,9 +287,9 @@ class Ranks:
     def check_blocks(self, request_id: str, prompt: list[int]) -> int:
         """Checks every byte of the request's prompt blocks on every rank (each its heads);
         returns the blocks checked."""
-        blocks = self.blocks_of(request_id)
+        tables = self.tables_of(request_id)
         for rank in self._live():
-            self.inboxes[rank].put(("check", list(prompt), blocks))
+            self.inboxes[rank].put(("check", list(prompt), tables))
         said = [s for s in (self._answer(rank, "checked") for rank in self._live()) if s]
         if said:
             raise AssertionError(f"{request_id}: " + "; ".join(said))
@@ -262,7 +297,7 @@ class Ranks:
 
     def plant_heads_of(self, request_id: str, prompt: list[int], rank: int, heads_of: int) -> None:
         """Writes rank ``heads_of``'s heads of the request's pattern over rank ``rank``'s blocks."""
-        self.inboxes[rank].put(("plant", list(prompt), self.blocks_of(request_id), heads_of))
+        self.inboxes[rank].put(("plant", list(prompt), self.tables_of(request_id), heads_of))
         self._answer(rank, "planted")
 
     def session_paths(self) -> list:

@@ -208,6 +208,24 @@ def test_mha_heads_move_between_different_tp_sizes(engines, prefill_tp, decode_t
     assert drain(prefill), "the prefill still holds blocks"
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)], ids=["2_to_1", "1_to_2"])
+def test_hybrid_rooms_move_between_different_tp_sizes_with_every_groups_heads_checked(engines, prefill_tp, decode_tp):
+    """vLLM's hybrid KV cache manager (layer 1 a 48-token sliding window, its own block
+    table over the tensor both layers share) at different TP sizes: each decode rank
+    receives its heads of every group's blocks the next token attends to, every byte
+    checked."""
+    prefill = engines("kv_producer", prefill_tp, window=48)
+    decode = engines("kv_consumer", decode_tp, window=48)
+    prompts = {f"w{i}": prompt_of(40 + i, n) for i, n in enumerate([5, 48, 100, 257])}
+    params = prefill_all(prefill, prompts)
+    assert all(p["kvferry_shape"]["kv_groups"] == [["full", 0], ["sliding_window", 48]] for p in params.values())
+    checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})
+    assert checked == {r: -(-len(p) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert decode.rank_rooms == [[len(prompts), 0]] * decode_tp
+    assert drain(prefill), "the prefill still holds blocks"
+
+
 def test_a_prefill_that_replicates_heads_is_refused_naming_both_sizes(engines, caplog):
     prefill = engines("kv_producer", 4, kv_heads=2)
     decode = engines("kv_consumer", 2, kv_heads=2)
