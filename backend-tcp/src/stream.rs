@@ -8,7 +8,7 @@ use std::io;
 
 use futures_io::{AsyncRead, AsyncWrite};
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
-use kvferry_core::TransferId;
+use kvferry_core::{TransferId, WriteRefused};
 use tracing::{debug, warn};
 
 use crate::frame::{
@@ -113,7 +113,12 @@ where
                 discard(stream, h.payload + trailer, &mut stage).await?;
                 stats.refused += 1;
                 debug!(room = %h.room, op = %h.op, ?refused, "write refused");
-                AckStatus::Refused
+                if refused == Some(WriteRefused::AlreadyLanded) {
+                    // A retry of bytes that landed before the room succeeded: they are here.
+                    AckStatus::Applied
+                } else {
+                    AckStatus::Refused
+                }
             }
         };
         stream.write_all(&encode_ack(h.op, status)).await?;

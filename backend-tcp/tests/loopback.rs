@@ -13,6 +13,7 @@ use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::{serve_writes, DataSender, Limits, Report};
 use tokio::net::{TcpListener, TcpStream};
 
+/// Lets writes of its room land; one of the room 100 above it already succeeded.
 struct AllowRoom(RoomId);
 
 impl WriteCheck for AllowRoom {
@@ -32,6 +33,8 @@ impl WriteCheck for AllowRoom {
                 seq: 0,
                 applied: false,
             })
+        } else if room.0 == self.0 .0 + 100 {
+            Err(WriteRefused::AlreadyLanded)
         } else {
             Err(WriteRefused::UnknownRoom)
         }
@@ -138,6 +141,36 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
     sender.close().await;
     let stats = server.await.unwrap().unwrap();
     assert_eq!((stats.applied, stats.refused), (1, 1));
+}
+
+#[tokio::test]
+async fn a_repeat_of_a_write_whose_room_already_succeeded_is_acknowledged_done_and_touches_nothing()
+{
+    let layout = small_layout(256);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let dst = Arc::new(MemoryMap::allocate(layout));
+    let region = Region::Kv { layer: 0, plane: 0 };
+    src.write(region, 0, &[9u8; 1024]).unwrap();
+    let (a, server) = serving(&dst, 7, false).await;
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src.clone(), report);
+    sender
+        .send(op(1, 107, vec![Slice::run(region, 0, 0, 1024)]))
+        .unwrap();
+    while got.lock().unwrap().is_empty() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    // The sender's room must not fail for a retry whose bytes are there already.
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![(TransferId(1), TransferOutcome::Done)]
+    );
+    let mut page = vec![0u8; 1024];
+    dst.read(region, 0, &mut page).unwrap();
+    assert!(page.iter().all(|b| *b == 0), "nothing written");
+    sender.close().await;
+    let stats = server.await.unwrap().unwrap();
+    assert_eq!((stats.applied, stats.refused), (0, 1));
 }
 
 #[tokio::test]

@@ -701,6 +701,9 @@ pub enum WriteRefused {
     StaleGeneration,
     /// The room is terminal; its pages are quarantined or released.
     RoomConcluded,
+    /// The room already succeeded: every byte granted to it landed, so a repeated write (a
+    /// retry whose first attempt landed) is acknowledged as applied without applying it.
+    AlreadyLanded,
     /// The writer's session is not a granted source of the room.
     NotASource,
     /// The region does not exist in this endpoint's layout.

@@ -438,3 +438,70 @@ fn a_broken_data_connection_is_replaced_by_the_dialer_after_a_short_wait() {
     t.d.handle_timeout(t.now + Duration::from_secs(1));
     assert_eq!(opens(&mut t.d), 0);
 }
+
+/// Lands every operation through decode's permits only: the prefill has not heard of them.
+fn land_on_decode(t: &mut Pair, room: RoomId, ops: &[TransferOp]) {
+    for op in ops {
+        let permit = t.d.begin_write(t.now, t.sd, room, 0, &op.slices).unwrap();
+        t.d.end_write(t.now, permit.applied());
+    }
+}
+
+#[test]
+fn a_tcp_room_succeeds_when_its_last_byte_lands_without_waiting_for_the_sources_word() {
+    let mut t = Pair::new();
+    let room = RoomId(6);
+    let ops = open_room_and_plan(&mut t, room);
+    let (last, rest) = ops.split_last().unwrap();
+    land_on_decode(&mut t, room, rest);
+    assert_ne!(
+        t.d.room_state(room),
+        Some(KvPoll::Success),
+        "a write is missing"
+    );
+    land_on_decode(&mut t, room, std::slice::from_ref(last));
+    assert_eq!(t.d.room_state(room), Some(KvPoll::Success));
+    // The prefill learns from its acknowledgements; its word changes nothing here, and the
+    // room's record goes once it came (nothing of the room is in flight any more).
+    for op in &ops {
+        t.p.handle_transfer_result(t.now, op.id, TransferOutcome::Done);
+    }
+    t.pump();
+    assert_eq!(t.p.room_state(room), Some(KvPoll::Success));
+    assert_eq!(t.d.room_state(room), Some(KvPoll::Success));
+    assert!(releasable(&mut t.d, room));
+}
+
+#[test]
+fn a_write_repeated_after_its_room_succeeded_is_acknowledged_as_landed_without_landing() {
+    let mut t = Pair::new();
+    let room = RoomId(7);
+    let ops = open_room_and_plan(&mut t, room);
+    land_on_decode(&mut t, room, &ops);
+    assert_eq!(t.d.room_state(room), Some(KvPoll::Success));
+    // A retry of a write whose first attempt landed (its acknowledgement lost with the
+    // connection): the bytes are here, and nothing may write the embedder's pages now.
+    assert_eq!(
+        t.d.begin_write(t.now, t.sd, room, 0, &ops[0].slices),
+        Err(kvferry_core::WriteRefused::AlreadyLanded)
+    );
+}
+
+#[test]
+fn a_tcp_room_with_a_write_still_landing_succeeds_only_once_it_ends() {
+    let mut t = Pair::new();
+    let room = RoomId(8);
+    let ops = open_room_and_plan(&mut t, room);
+    // A second attempt of the first write is being applied while the first one lands.
+    let repeat =
+        t.d.begin_write(t.now, t.sd, room, 0, &ops[0].slices)
+            .unwrap();
+    land_on_decode(&mut t, room, &ops);
+    assert_ne!(
+        t.d.room_state(room),
+        Some(KvPoll::Success),
+        "a write into the room's pages is still landing"
+    );
+    t.d.end_write(t.now, repeat.applied());
+    assert_eq!(t.d.room_state(room), Some(KvPoll::Success));
+}

@@ -335,24 +335,10 @@ impl Endpoint {
                 }
                 src.done = true;
                 src.drained = true;
-                let all_done = rr.sources.iter().all(|s| s.done);
                 if r.state.is_terminal() {
                     self.maybe_release(now, room);
-                } else if all_done {
-                    let flush = rr.sources.iter().any(|s| {
-                        self.sessions
-                            .get(&s.session)
-                            .is_some_and(|x| x.one_sided && x.flush_landed)
-                    });
-                    if !flush {
-                        self.conclude(now, room, KvPoll::Success);
-                    } else if !rr.flushing {
-                        rr.flushing = true;
-                        self.actions.push_back(Action::FlushLanded {
-                            room,
-                            generation: r.generation,
-                        });
-                    }
+                } else {
+                    self.sources_done(now, room);
                 }
             }
             Some(reason) => {
@@ -366,6 +352,34 @@ impl Endpoint {
                     self.conclude(now, room, KvPoll::Failed(reason));
                 }
             }
+        }
+    }
+
+    /// Decode: once every source of a live room is done, the room succeeds (after flushing
+    /// what one-sided sources wrote, where their device needs it).
+    pub(super) fn sources_done(&mut self, now: Instant, room: RoomId) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
+        if r.state.is_terminal() || !rr.sources.iter().all(|s| s.done) {
+            return;
+        }
+        let flush = rr.sources.iter().any(|s| {
+            self.sessions
+                .get(&s.session)
+                .is_some_and(|x| x.one_sided && x.flush_landed)
+        });
+        if !flush {
+            self.conclude(now, room, KvPoll::Success);
+        } else if !rr.flushing {
+            rr.flushing = true;
+            self.actions.push_back(Action::FlushLanded {
+                room,
+                generation: r.generation,
+            });
         }
     }
 

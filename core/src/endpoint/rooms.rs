@@ -318,10 +318,9 @@ impl Endpoint {
                     true
                 }
             }
-            Side::Receiver(rr) => rr
-                .sources
-                .iter()
-                .all(|s| (s.drained || s.done) && s.pending.is_empty()),
+            // A source done by its coverage (TCP) may still have a repeat of a landed write
+            // in flight until its word says nothing is: the record stays to answer it.
+            Side::Receiver(rr) => rr.sources.iter().all(|s| s.drained && s.pending.is_empty()),
         };
         if !ready {
             return;

@@ -22,6 +22,10 @@ impl Endpoint {
             return Err(WriteRefused::SessionSuperseded);
         }
         let result = self.check_write_inner(session, room, generation, slice);
+        if result == Err(WriteRefused::AlreadyLanded) {
+            debug!(%room, %session, "a write repeated after its room succeeded");
+            return result;
+        }
         if let Err(refused) = result {
             self.counters.writes_refused += 1;
             warn!(%room, %session, ?refused, ?slice, "data-plane write refused");
@@ -140,10 +144,49 @@ impl Endpoint {
             // The bytes that landed are not the sender's: the room's pages are garbage.
             warn!(%room, session = %permit.session, "a write's checksum did not match what its sender computed");
             self.conclude(now, room, KvPoll::Failed(FailureReason::ChecksumMismatch));
+        } else if permit.applied && live {
+            self.settle_landed(now, room);
         }
 
         if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
             self.maybe_release(now, room);
+        }
+    }
+
+    /// Decode: a source on a session whose writes this node applies itself (TCP) is done
+    /// once every unit it was granted landed and none of its writes is still landing: its
+    /// word would only repeat what the coverage says. The room succeeds when every source is.
+    /// One-sided sources (RDMA, same host) keep waiting for their word: their bytes land
+    /// unseen; so does a source whose coverage says nothing (granted before its peer's
+    /// layout was known).
+    pub(super) fn settle_landed(&mut self, now: Instant, room: RoomId) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let Side::Receiver(rr) = &mut r.side else {
+            return;
+        };
+        let mut newly = false;
+        for src in rr.sources.iter_mut() {
+            let applied_here = self
+                .sessions
+                .get(&src.session)
+                .is_some_and(|s| !s.one_sided);
+            if applied_here
+                && src.granted
+                && !src.idle
+                && !src.done
+                && src.coverage.expected() > 0
+                && src.coverage.complete()
+                && src.pending.is_empty()
+                && src.checking.is_empty()
+            {
+                src.done = true;
+                newly = true;
+            }
+        }
+        if newly {
+            self.sources_done(now, room);
         }
     }
 
@@ -265,6 +308,9 @@ impl Endpoint {
         let r = self.rooms.get(&room).ok_or(WriteRefused::UnknownRoom)?;
         if r.generation != generation {
             return Err(WriteRefused::StaleGeneration);
+        }
+        if r.state == KvPoll::Success {
+            return Err(WriteRefused::AlreadyLanded);
         }
         if r.state.is_terminal() {
             return Err(WriteRefused::RoomConcluded);
