@@ -104,7 +104,7 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let t0 = Instant::now();
-            let outcome = decode_room(
+            let (outcome, ended) = decode_room(
                 &node,
                 peer,
                 &shape,
@@ -134,7 +134,9 @@ pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Re
                     at: started.elapsed(),
                 });
             }
-            (outcome, t0.elapsed())
+            // A room's latency runs to its end (Success: the KV is usable), not to its pages'
+            // release, which may wait for the source's word.
+            (outcome, ended.unwrap_or_else(Instant::now) - t0)
         }));
     }
     let mut report = Report {
@@ -252,7 +254,7 @@ pub(crate) async fn decode_room<N: KvNode>(
     tally: &Tally,
     deadline: Duration,
     abort_after: Option<Duration>,
-) -> RoomOutcome {
+) -> (RoomOutcome, Option<Instant>) {
     use std::sync::atomic::Ordering::Relaxed;
     let page_bytes = u64::from(shape.page_bytes);
     // Pages come back only on Releasable, so with `concurrency` rooms they always suffice.
@@ -261,7 +263,7 @@ pub(crate) async fn decode_room<N: KvNode>(
         let freed = book.freed.notified();
         let got = {
             let Ok(mut p) = book.pages.lock() else {
-                return RoomOutcome::Unfinished;
+                return (RoomOutcome::Unfinished, None);
             };
             match (
                 p.pool.free.len() >= shape.pages_per_room as usize,
@@ -319,7 +321,7 @@ pub(crate) async fn decode_room<N: KvNode>(
             warn!(%room, error = %e, "room could not be opened");
             give_back(&dst);
             let shut_down = matches!(e, NodeError::ShutDown);
-            return RoomOutcome::Refused(error_kind(&e), shut_down);
+            return (RoomOutcome::Refused(error_kind(&e), shut_down), None);
         }
     };
     if let Some(delay) = abort_after {
@@ -332,8 +334,9 @@ pub(crate) async fn decode_room<N: KvNode>(
         }
     }
     let Ok(state) = tokio::time::timeout(deadline, handle.terminal()).await else {
-        return RoomOutcome::Unfinished;
+        return (RoomOutcome::Unfinished, None);
     };
+    let ended = Instant::now();
     if state == KvPoll::Success {
         let check = check_room(
             shape,
@@ -362,9 +365,9 @@ pub(crate) async fn decode_room<N: KvNode>(
         .await
         .is_err()
     {
-        return RoomOutcome::Unfinished;
+        return (RoomOutcome::Unfinished, Some(ended));
     }
     write_free(memory, shape, dst.iter().copied());
     give_back(&dst);
-    RoomOutcome::Ended(state)
+    (RoomOutcome::Ended(state), Some(ended))
 }
