@@ -318,9 +318,12 @@ impl Endpoint {
                     true
                 }
             }
-            // A source done by its coverage (TCP) may still have a repeat of a landed write
-            // in flight until its word says nothing is: the record stays to answer it.
-            Side::Receiver(rr) => rr.sources.iter().all(|s| s.drained && s.pending.is_empty()),
+            // A repeat of a landed write that arrives after this is answered from the
+            // tombstone (`WriteRefused::AlreadyLanded`): it never writes the pages.
+            Side::Receiver(rr) => rr
+                .sources
+                .iter()
+                .all(|s| (s.drained || s.done) && s.pending.is_empty()),
         };
         if !ready {
             return;

@@ -305,7 +305,14 @@ impl Endpoint {
                 _ => Err(WriteRefused::NotASource),
             };
         }
-        let r = self.rooms.get(&room).ok_or(WriteRefused::UnknownRoom)?;
+        let Some(r) = self.rooms.get(&room) else {
+            // A room that succeeded here has every byte in place: a late repeat of one of its
+            // writes is answered as landed (and never applied).
+            return Err(match self.tombstones.get(room) {
+                Some((g, KvPoll::Success)) if g == generation => WriteRefused::AlreadyLanded,
+                _ => WriteRefused::UnknownRoom,
+            });
+        };
         if r.generation != generation {
             return Err(WriteRefused::StaleGeneration);
         }
