@@ -240,7 +240,7 @@ async fn aborted_rooms_give_their_pages_back_clean(p: Runtime, d: Runtime) {
         abort_rate: 0.5,
         seed: 3,
         shape,
-        ..rooms(300, 1)
+        ..rooms(150, 1)
     };
     let report = pair(p, d, fast_core(), run).await;
     let aborted = report

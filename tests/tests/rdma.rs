@@ -85,14 +85,14 @@ fn started_or_skip(
 async fn rooms_move_over_rdma_with_every_byte_verified() {
     for rt in RUNTIMES {
         eprintln!("{}", rt.name());
-        let run = rooms(300, 1);
+        let run = rooms(120, 1);
         let Some((prefill, decode)) = pair_or_skip(rt, &run.shape) else {
             return;
         };
         let report = run_pair(&prefill, &decode, run).await.unwrap();
         assert_eq!(report.backend, "rdma");
-        assert_all_clean(&report, 300);
-        assert_eq!(report.pages_verified, 300 * 8 * 4 * 2);
+        assert_all_clean(&report, 120);
+        assert_eq!(report.pages_verified, 120 * 8 * 4 * 2);
         assert_eq!(
             (report.prefill_path.as_str(), report.decode_path.as_str()),
             ("rdma", "rdma")
@@ -379,7 +379,7 @@ async fn aborted_rooms_over_rdma_give_their_pages_back_clean() {
         let run = DecodeRun {
             abort_rate: 0.5,
             seed: 3,
-            ..rooms(300, 1)
+            ..rooms(120, 1)
         };
         let Some((prefill, decode)) = pair_or_skip(rt, &run.shape) else {
             return;
