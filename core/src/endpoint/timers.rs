@@ -13,146 +13,12 @@ impl Endpoint {
 
     pub(super) fn on_timer(&mut self, now: Instant, key: TimerKey, timer: Timer) {
         match timer {
-            Timer::Bootstrap(room) => {
-                let Some(r) = self.rooms.get_mut(&room) else {
-                    return;
-                };
-                if !fired(&mut r.bootstrap_timer, key) {
-                    return;
-                }
-                if r.state != KvPoll::Bootstrapping {
-                    return;
-                }
-                let saturated = match &r.side {
-                    Side::Sender(s) => {
-                        s.saturated
-                            || s.announced_by.iter().any(|sid| {
-                                self.sessions
-                                    .get(sid)
-                                    .and_then(|x| x.capacity)
-                                    .is_some_and(|c| c.saturated())
-                            })
-                    }
-                    Side::Receiver(rr) => rr.queue_position > 0,
-                };
-                let down_target = match &r.side {
-                    Side::Receiver(rr) => rr.waiting_for.iter().find_map(|l| match *l {
-                        Link::Target(t) => Some(t),
-                        Link::Session(_) => None,
-                    }),
-                    Side::Sender(_) => None,
-                };
-                let reason = if let Some(t) = down_target {
-                    // Still waiting for a target's session: that is why it never bootstrapped.
-                    self.unreachable_reason(t)
-                } else if saturated {
-                    FailureReason::DecodeSaturated
-                } else {
-                    FailureReason::BootstrapTimeout
-                };
-                info!(%room, %reason, "room bootstrap deadline expired");
-                self.conclude(now, room, KvPoll::Failed(reason));
-            }
-            Timer::Waiting(room) => {
-                let Some(r) = self.rooms.get_mut(&room) else {
-                    return;
-                };
-                if !fired(&mut r.waiting_timer, key) {
-                    return;
-                }
-                if r.state.is_terminal() {
-                    return;
-                }
-                let due = r.last_activity + self.config.waiting_timeout;
-                if due > now {
-                    self.timers
-                        .set(&mut r.waiting_timer, due, Timer::Waiting(room));
-                    return;
-                }
-                info!(%room, "room waiting deadline expired");
-                self.conclude(now, room, KvPoll::Failed(FailureReason::WaitingTimeout));
-            }
-            Timer::AbortAck(room) => {
-                let Some(r) = self.rooms.get_mut(&room) else {
-                    return;
-                };
-                if !fired(&mut r.abort_timer, key) {
-                    return;
-                }
-                let Side::Receiver(rr) = &r.side else { return };
-                let undrained: SmallVec<[SessionId; 2]> = rr
-                    .sources
-                    .iter()
-                    .filter(|s| (s.granted && !s.drained && !s.done) || !s.pending.is_empty())
-                    .map(|s| s.session)
-                    .collect();
-                for sid in undrained {
-                    warn!(%room, session = %sid, "no drain acknowledgement in time, fencing the session");
-                    self.fence(sid);
-                }
-            }
-            Timer::Operation(id) => {
-                let Some(op) = self.ops.get_mut(&id) else {
-                    return;
-                };
-                if op.timer != Some(key) || op.phase != OpPhase::InFlight {
-                    return;
-                }
-                op.timer = None;
-                let session = op.session;
-                if op.superseded {
-                    // It hangs on a connection already replaced: the new one is not at fault.
-                    self.settle_attempt(now, id, TransferOutcome::Transient);
-                    return;
-                }
-                warn!(%session, room = ?op.room, "transfer attempt timed out; fencing the session");
-                // The attempt may still be writing: fence before anything else is sent.
-                self.fence(session);
-                self.settle_attempt(now, id, TransferOutcome::Transient);
-            }
-            Timer::Retry(id) => {
-                let Some(op) = self.ops.get_mut(&id) else {
-                    return;
-                };
-                if op.timer != Some(key) || op.phase != OpPhase::RetryWait {
-                    return;
-                }
-                op.timer = None;
-                op.phase = OpPhase::Queued;
-                let session = op.session;
-                if let Some(s) = self.sessions.get_mut(&session) {
-                    s.queue.push_front(id);
-                }
-                self.mark_ready(session);
-            }
-            Timer::Handshake(sid) => {
-                let Some(s) = self.sessions.get_mut(&sid) else {
-                    return;
-                };
-                if !fired(&mut s.handshake_timer, key) {
-                    return;
-                }
-                if s.state == SessionState::Handshaking {
-                    let target = s.target;
-                    if let Some(t) = target.and_then(|t| self.targets.get_mut(&t)) {
-                        // The connection was taken and nothing answered: the process is stuck.
-                        t.evidence = Some(LinkEvidence::Silent);
-                        if t.check == Some(sid) {
-                            // A link check given up: close it quietly (no error that a late
-                            // delivery could turn against the session it was checking).
-                            self.request_close(sid);
-                            return;
-                        }
-                    }
-                    self.close_session(
-                        now,
-                        sid,
-                        ErrorCode::HandshakeTimeout,
-                        "no hello in time",
-                        FailureReason::PeerSilent,
-                    );
-                }
-            }
+            Timer::Bootstrap(room) => self.on_bootstrap_timer(now, room, key),
+            Timer::Waiting(room) => self.on_waiting_timer(now, room, key),
+            Timer::AbortAck(room) => self.on_abort_ack_timer(room, key),
+            Timer::Operation(id) => self.on_operation_timer(now, id, key),
+            Timer::Retry(id) => self.on_retry_timer(id, key),
+            Timer::Handshake(sid) => self.on_handshake_timer(now, sid, key),
             Timer::Heartbeat(sid) => self.on_heartbeat_timer(now, sid, key),
             Timer::Reconnect(target) => {
                 let Some(t) = self.targets.get_mut(&target) else {
@@ -169,24 +35,7 @@ impl Endpoint {
                 self.dial(target);
             }
             Timer::Silence(sid) => self.on_silence_timer(now, sid, key),
-            Timer::DataReconnect(sid) => {
-                let Some(s) = self.sessions.get_mut(&sid) else {
-                    return;
-                };
-                if !fired(&mut s.data_timer, key) {
-                    return;
-                }
-                let live = matches!(
-                    s.state,
-                    SessionState::Established | SessionState::Blacklisted
-                );
-                let n = std::mem::take(&mut s.data_lost);
-                if live && !s.fencing {
-                    for _ in 0..n {
-                        self.actions.push_back(Action::OpenDataConnection(sid));
-                    }
-                }
-            }
+            Timer::DataReconnect(sid) => self.on_data_reconnect_timer(sid, key),
             Timer::Accepted(conn) => self.on_accepted_timer(conn, key),
             Timer::AcceptBackoff => self.on_accept_backoff_timer(key),
             Timer::Dial(dial) => self.on_dial_timer(now, dial, key),
@@ -212,22 +61,7 @@ impl Endpoint {
                     self.sources_drained(now, sid, q.rooms);
                 }
             }
-            Timer::Fence(sid) => {
-                let Some(s) = self.sessions.get_mut(&sid) else {
-                    return;
-                };
-                if fired(&mut s.fence_timer, key) && s.fencing && s.state != SessionState::Closing {
-                    warn!(session = %sid, "the data path did not confirm a fence in time; closing the session");
-                    self.counters.fence_timeouts += 1;
-                    self.close_session(
-                        now,
-                        sid,
-                        ErrorCode::FenceTimeout,
-                        "fence not confirmed in time",
-                        FailureReason::TransferFailed,
-                    );
-                }
-            }
+            Timer::Fence(sid) => self.on_fence_timer(now, sid, key),
             Timer::Shutdown => {
                 if fired(&mut self.shutdown_timer, key) {
                     self.finish_shutdown();
@@ -241,139 +75,342 @@ impl Endpoint {
                     self.on_target_idle(now, target);
                 }
             }
-            Timer::Unreachable(target) => {
-                let Some(t) = self.targets.get_mut(&target) else {
+            Timer::Unreachable(target) => self.on_unreachable_timer(now, target, key),
+            Timer::Liveness(sid) => self.on_liveness_timer(now, sid, key),
+            Timer::Probe(sid) => self.on_probe_timer(sid, key),
+            Timer::BlacklistIdle(sid) => self.on_blacklist_idle_timer(now, sid, key),
+        }
+    }
+
+    /// A room still Bootstrapping at its deadline fails: unreachable, saturated or bootstrap timeout, whichever kept it.
+    fn on_bootstrap_timer(&mut self, now: Instant, room: RoomId, key: TimerKey) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if !fired(&mut r.bootstrap_timer, key) {
+            return;
+        }
+        if r.state != KvPoll::Bootstrapping {
+            return;
+        }
+        let saturated = match &r.side {
+            Side::Sender(s) => {
+                s.saturated
+                    || s.announced_by.iter().any(|sid| {
+                        self.sessions
+                            .get(sid)
+                            .and_then(|x| x.capacity)
+                            .is_some_and(|c| c.saturated())
+                    })
+            }
+            Side::Receiver(rr) => rr.queue_position > 0,
+        };
+        let down_target = match &r.side {
+            Side::Receiver(rr) => rr.waiting_for.iter().find_map(|l| match *l {
+                Link::Target(t) => Some(t),
+                Link::Session(_) => None,
+            }),
+            Side::Sender(_) => None,
+        };
+        let reason = if let Some(t) = down_target {
+            // Still waiting for a target's session: that is why it never bootstrapped.
+            self.unreachable_reason(t)
+        } else if saturated {
+            FailureReason::DecodeSaturated
+        } else {
+            FailureReason::BootstrapTimeout
+        };
+        info!(%room, %reason, "room bootstrap deadline expired");
+        self.conclude(now, room, KvPoll::Failed(reason));
+    }
+
+    /// A decode room that heard nothing for `waiting_timeout` fails; one that heard since is re-armed.
+    fn on_waiting_timer(&mut self, now: Instant, room: RoomId, key: TimerKey) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if !fired(&mut r.waiting_timer, key) {
+            return;
+        }
+        if r.state.is_terminal() {
+            return;
+        }
+        let due = r.last_activity + self.config.waiting_timeout;
+        if due > now {
+            self.timers
+                .set(&mut r.waiting_timer, due, Timer::Waiting(room));
+            return;
+        }
+        info!(%room, "room waiting deadline expired");
+        self.conclude(now, room, KvPoll::Failed(FailureReason::WaitingTimeout));
+    }
+
+    /// An aborted room whose sources did not acknowledge the drain in time: their sessions are fenced.
+    fn on_abort_ack_timer(&mut self, room: RoomId, key: TimerKey) {
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        if !fired(&mut r.abort_timer, key) {
+            return;
+        }
+        let Side::Receiver(rr) = &r.side else { return };
+        let undrained: SmallVec<[SessionId; 2]> = rr
+            .sources
+            .iter()
+            .filter(|s| (s.granted && !s.drained && !s.done) || !s.pending.is_empty())
+            .map(|s| s.session)
+            .collect();
+        for sid in undrained {
+            warn!(%room, session = %sid, "no drain acknowledgement in time, fencing the session");
+            self.fence(sid);
+        }
+    }
+
+    /// An attempt not reported in time: its session is fenced (unless already replaced) and the attempt settled as transient.
+    fn on_operation_timer(&mut self, now: Instant, id: TransferId, key: TimerKey) {
+        let Some(op) = self.ops.get_mut(&id) else {
+            return;
+        };
+        if op.timer != Some(key) || op.phase != OpPhase::InFlight {
+            return;
+        }
+        op.timer = None;
+        let session = op.session;
+        if op.superseded {
+            // It hangs on a connection already replaced: the new one is not at fault.
+            self.settle_attempt(now, id, TransferOutcome::Transient);
+            return;
+        }
+        warn!(%session, room = ?op.room, "transfer attempt timed out; fencing the session");
+        // The attempt may still be writing: fence before anything else is sent.
+        self.fence(session);
+        self.settle_attempt(now, id, TransferOutcome::Transient);
+    }
+
+    /// An operation's retry wait is over: it is queued again at the front of its session.
+    fn on_retry_timer(&mut self, id: TransferId, key: TimerKey) {
+        let Some(op) = self.ops.get_mut(&id) else {
+            return;
+        };
+        if op.timer != Some(key) || op.phase != OpPhase::RetryWait {
+            return;
+        }
+        op.timer = None;
+        op.phase = OpPhase::Queued;
+        let session = op.session;
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.queue.push_front(id);
+        }
+        self.mark_ready(session);
+    }
+
+    /// No hello in time: the session closes, and its target learns the peer is silent.
+    fn on_handshake_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if !fired(&mut s.handshake_timer, key) {
+            return;
+        }
+        if s.state == SessionState::Handshaking {
+            let target = s.target;
+            if let Some(t) = target.and_then(|t| self.targets.get_mut(&t)) {
+                // The connection was taken and nothing answered: the process is stuck.
+                t.evidence = Some(LinkEvidence::Silent);
+                if t.check == Some(sid) {
+                    // A link check given up: close it quietly (no error that a late
+                    // delivery could turn against the session it was checking).
+                    self.request_close(sid);
                     return;
-                };
-                if !fired(&mut t.unreachable_timer, key) {
-                    return;
-                }
-                t.unreachable_reported = true;
-                let waiting = std::mem::take(&mut t.waiting);
-                let reason = self.unreachable_reason(target);
-                self.events
-                    .push_back(Event::TargetUnreachable { target, reason });
-                if !waiting.is_empty() {
-                    warn!(%target, rooms = waiting.len(), %reason, "peer unreachable for the whole window, failing the rooms waiting for it");
-                }
-                for room in waiting {
-                    let still = self.rooms.get(&room).is_some_and(|r| {
-                        matches!(&r.side, Side::Receiver(rr) if rr.waiting_for.contains(&Link::Target(target)))
-                    });
-                    if still {
-                        self.conclude(now, room, KvPoll::Failed(reason));
-                    }
                 }
             }
-            Timer::Liveness(sid) => {
-                let Some(s) = self.sessions.get_mut(&sid) else {
-                    return;
-                };
-                let window = s.window;
-                if !fired(&mut s.liveness_timer, key) {
-                    return;
-                }
-                let due = s.last_rx + window;
-                if due > now {
-                    self.timers
-                        .set(&mut s.liveness_timer, due, Timer::Liveness(sid));
-                    return;
-                }
-                // What fresh connections found during the silence names the cause; without
-                // any (a listener cannot dial), the peer is silent.
-                if self.hand_over_before_end(sid) {
-                    return;
-                }
-                let Some(s) = self.sessions.get_mut(&sid) else {
-                    return;
-                };
-                let evidence = s
-                    .target
-                    .filter(|_| !self.successions.is_superseded(sid))
-                    .and_then(|t| self.targets.get(&t))
-                    .and_then(|t| t.evidence);
-                // Without a link check (the accepting side never dials) the peer is silent.
-                let reason = evidence.map_or(FailureReason::PeerSilent, LinkEvidence::reason);
-                warn!(session = %sid, %reason, "peer silent for the whole liveness window");
-                self.close_session(
-                    now,
-                    sid,
-                    ErrorCode::HeartbeatsMissed,
-                    "heartbeats missed",
-                    reason,
-                );
-            }
-            Timer::Probe(sid) => {
-                let Some(s) = self.sessions.get_mut(&sid) else {
-                    return;
-                };
-                if !fired(&mut s.probe_timer, key) {
-                    return;
-                }
-                if s.state != SessionState::Blacklisted || s.probe_op.is_some() {
-                    return;
-                }
-                self.counters.probes_sent += 1;
-                let slices: Arc<[Slice]> = Arc::from(vec![Slice::run(Region::Scratch, 0, 0, 8)]);
-                let id = self.alloc_op_id();
-                self.ops.insert(
-                    id,
-                    Op {
-                        session: sid,
-                        room: None,
-                        generation: 0,
-                        kind: OpKind::Probe,
-                        slices,
-                        layers: 0..0,
-                        bytes: 8,
-                        attempt: 1,
-                        flushes: 0,
-                        phase: OpPhase::Queued,
-                        timer: None,
-                        superseded: false,
-                        source_checksum: None,
-                    },
-                );
-                if let Some(s) = self.sessions.get_mut(&sid) {
-                    s.probe_op = Some(id);
-                    s.queue.push_front(id);
-                }
-                self.mark_ready(sid);
-            }
-            Timer::BlacklistIdle(sid) => {
-                let idle = self.config.blacklist_idle_timeout;
-                let Some(s) = self.sessions.get_mut(&sid) else {
-                    return;
-                };
-                if !fired(&mut s.idle_timer, key) {
-                    return;
-                }
-                if s.state != SessionState::Blacklisted {
-                    return;
-                }
-                let due = s.last_targeted + idle;
-                if due > now {
-                    self.timers
-                        .set(&mut s.idle_timer, due, Timer::BlacklistIdle(sid));
-                    return;
-                }
-                info!(session = %sid, "blacklisted session idle, forgetting it");
-                self.counters.sessions_expired += 1;
-                self.events
-                    .push_back(Event::SessionExpired { session: sid });
-                // Expiry forgets the blacklist: do not carry it into a reconnect.
-                if let Some(s) = self.sessions.get_mut(&sid) {
-                    s.state = SessionState::Established;
-                }
-                self.close_session(
-                    now,
-                    sid,
-                    ErrorCode::Shutdown,
-                    "idle blacklisted session",
-                    FailureReason::SessionBlacklisted,
-                );
+            self.close_session(
+                now,
+                sid,
+                ErrorCode::HandshakeTimeout,
+                "no hello in time",
+                FailureReason::PeerSilent,
+            );
+        }
+    }
+
+    /// Broken data connections of a live, unfenced session are reopened.
+    fn on_data_reconnect_timer(&mut self, sid: SessionId, key: TimerKey) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if !fired(&mut s.data_timer, key) {
+            return;
+        }
+        let live = matches!(
+            s.state,
+            SessionState::Established | SessionState::Blacklisted
+        );
+        let n = std::mem::take(&mut s.data_lost);
+        if live && !s.fencing {
+            for _ in 0..n {
+                self.actions.push_back(Action::OpenDataConnection(sid));
             }
         }
+    }
+
+    /// A fence the data path did not confirm in time closes its session.
+    fn on_fence_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if fired(&mut s.fence_timer, key) && s.fencing && s.state != SessionState::Closing {
+            warn!(session = %sid, "the data path did not confirm a fence in time; closing the session");
+            self.counters.fence_timeouts += 1;
+            self.close_session(
+                now,
+                sid,
+                ErrorCode::FenceTimeout,
+                "fence not confirmed in time",
+                FailureReason::TransferFailed,
+            );
+        }
+    }
+
+    /// A target without a session for `unreachable_timeout`: reported, and the rooms waiting for it fail.
+    fn on_unreachable_timer(&mut self, now: Instant, target: crate::ids::TargetId, key: TimerKey) {
+        let Some(t) = self.targets.get_mut(&target) else {
+            return;
+        };
+        if !fired(&mut t.unreachable_timer, key) {
+            return;
+        }
+        t.unreachable_reported = true;
+        let waiting = std::mem::take(&mut t.waiting);
+        let reason = self.unreachable_reason(target);
+        self.events
+            .push_back(Event::TargetUnreachable { target, reason });
+        if !waiting.is_empty() {
+            warn!(%target, rooms = waiting.len(), %reason, "peer unreachable for the whole window, failing the rooms waiting for it");
+        }
+        for room in waiting {
+            let still = self.rooms.get(&room).is_some_and(|r| {
+                matches!(&r.side, Side::Receiver(rr) if rr.waiting_for.contains(&Link::Target(target)))
+            });
+            if still {
+                self.conclude(now, room, KvPoll::Failed(reason));
+            }
+        }
+    }
+
+    /// A session silent past its liveness window closes with the cause its link checks found
+    /// (or is handed over to its successor first).
+    fn on_liveness_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        let window = s.window;
+        if !fired(&mut s.liveness_timer, key) {
+            return;
+        }
+        let due = s.last_rx + window;
+        if due > now {
+            self.timers
+                .set(&mut s.liveness_timer, due, Timer::Liveness(sid));
+            return;
+        }
+        // What fresh connections found during the silence names the cause; without
+        // any (a listener cannot dial), the peer is silent.
+        if self.hand_over_before_end(sid) {
+            return;
+        }
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        let evidence = s
+            .target
+            .filter(|_| !self.successions.is_superseded(sid))
+            .and_then(|t| self.targets.get(&t))
+            .and_then(|t| t.evidence);
+        // Without a link check (the accepting side never dials) the peer is silent.
+        let reason = evidence.map_or(FailureReason::PeerSilent, LinkEvidence::reason);
+        warn!(session = %sid, %reason, "peer silent for the whole liveness window");
+        self.close_session(
+            now,
+            sid,
+            ErrorCode::HeartbeatsMissed,
+            "heartbeats missed",
+            reason,
+        );
+    }
+
+    /// A blacklisted session due a probe gets an 8-byte probe write at the front of its queue.
+    fn on_probe_timer(&mut self, sid: SessionId, key: TimerKey) {
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if !fired(&mut s.probe_timer, key) {
+            return;
+        }
+        if s.state != SessionState::Blacklisted || s.probe_op.is_some() {
+            return;
+        }
+        self.counters.probes_sent += 1;
+        let slices: Arc<[Slice]> = Arc::from(vec![Slice::run(Region::Scratch, 0, 0, 8)]);
+        let id = self.alloc_op_id();
+        self.ops.insert(
+            id,
+            Op {
+                session: sid,
+                room: None,
+                generation: 0,
+                kind: OpKind::Probe,
+                slices,
+                layers: 0..0,
+                bytes: 8,
+                attempt: 1,
+                flushes: 0,
+                phase: OpPhase::Queued,
+                timer: None,
+                superseded: false,
+                source_checksum: None,
+            },
+        );
+        if let Some(s) = self.sessions.get_mut(&sid) {
+            s.probe_op = Some(id);
+            s.queue.push_front(id);
+        }
+        self.mark_ready(sid);
+    }
+
+    /// A blacklisted session nobody targeted for `blacklist_idle_timeout` is forgotten.
+    fn on_blacklist_idle_timer(&mut self, now: Instant, sid: SessionId, key: TimerKey) {
+        let idle = self.config.blacklist_idle_timeout;
+        let Some(s) = self.sessions.get_mut(&sid) else {
+            return;
+        };
+        if !fired(&mut s.idle_timer, key) {
+            return;
+        }
+        if s.state != SessionState::Blacklisted {
+            return;
+        }
+        let due = s.last_targeted + idle;
+        if due > now {
+            self.timers
+                .set(&mut s.idle_timer, due, Timer::BlacklistIdle(sid));
+            return;
+        }
+        info!(session = %sid, "blacklisted session idle, forgetting it");
+        self.counters.sessions_expired += 1;
+        self.events
+            .push_back(Event::SessionExpired { session: sid });
+        // Expiry forgets the blacklist: do not carry it into a reconnect.
+        if let Some(s) = self.sessions.get_mut(&sid) {
+            s.state = SessionState::Established;
+        }
+        self.close_session(
+            now,
+            sid,
+            ErrorCode::Shutdown,
+            "idle blacklisted session",
+            FailureReason::SessionBlacklisted,
+        );
     }
 }
 
