@@ -34,6 +34,10 @@ use tracing::{debug, info, warn};
 use crate::faults::flip_first_source_bit;
 use crate::{DataPath, Driver, FaultKind, Host, START_TARGET};
 
+mod target;
+pub use target::SameHostTarget;
+use target::{CopyFailure, DeviceTarget};
+
 /// Whether a node moves sessions with peers on its own host over the same-host path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SameHost {
@@ -277,114 +281,6 @@ fn covers(pieces: &[IpcExport], addr: u64, len: u64) -> bool {
 
 /// What keeps an export valid in the exporting process while its importer may take it.
 type Keep = Arc<dyn std::any::Any + Send + Sync>;
-
-/// One piece of a receiver's device region, mapped into this process.
-struct DeviceTarget {
-    region: u32,
-    /// Where the piece starts in its region.
-    start: u64,
-    len: u64,
-    /// This node's device the copies into it run on.
-    device: u32,
-    mapping: IpcMapping,
-}
-
-/// Where a writer's copies of one session go: the receiver's host regions (cross-memory
-/// attach) and its device regions mapped here (CUDA IPC).
-pub struct SameHostTarget {
-    host: CmaTarget,
-    device: Vec<DeviceTarget>,
-    engine: Option<Arc<dyn CopyEngine>>,
-}
-
-/// Why a copy into the receiver did not complete.
-enum CopyFailure {
-    Host(CmaError),
-    Device(CopyError),
-}
-
-impl std::fmt::Display for CopyFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CopyFailure::Host(e) => e.fmt(f),
-            CopyFailure::Device(e) => e.fmt(f),
-        }
-    }
-}
-
-impl SameHostTarget {
-    /// Copies every row of `slices` into the receiver: device regions' rows by the copy
-    /// engine, the rest by cross-memory attach. Nothing is copied if a device row leaves its
-    /// region; when it returns, every byte landed.
-    fn write(&self, memory: &MemoryMap, slices: &[Slice]) -> Result<(), CopyFailure> {
-        if self.device.is_empty() {
-            return self
-                .host
-                .write(memory, slices)
-                .map(drop)
-                .map_err(CopyFailure::Host);
-        }
-        let mut host = Vec::new();
-        let mut jobs: Vec<(u32, CopyJob)> = Vec::new();
-        for slice in slices {
-            let code = slice.region.code();
-            let first = self.device.partition_point(|d| d.region < code);
-            let pieces = &self.device
-                [first..first + self.device[first..].partition_point(|d| d.region == code)];
-            let Some(last) = pieces.last() else {
-                host.push(*slice);
-                continue;
-            };
-            if !slice
-                .dst_end()
-                .is_some_and(|end| end <= last.start + last.len)
-            {
-                return Err(CopyFailure::Host(CmaError::OutsideRegion { region: code }));
-            }
-            for run in slice.runs() {
-                let src = memory
-                    .range(run.region, run.src_offset, run.len)
-                    .map_err(|e| CopyFailure::Host(CmaError::Source(e.to_string())))?;
-                // A run crossing from one allocation into the next is copied in two.
-                let (mut at, mut src, end) =
-                    (run.dst_offset, src as usize, run.dst_offset + run.len);
-                while at < end {
-                    let i = pieces.partition_point(|d| d.start + d.len <= at);
-                    let piece = &pieces[i];
-                    let n = (end.min(piece.start + piece.len) - at) as usize;
-                    jobs.push((
-                        piece.device,
-                        CopyJob {
-                            dst: (piece.mapping.addr + (at - piece.start)) as usize,
-                            src,
-                            len: n,
-                        },
-                    ));
-                    at += n as u64;
-                    src += n;
-                }
-            }
-        }
-        if !host.is_empty() {
-            self.host.write(memory, &host).map_err(CopyFailure::Host)?;
-        }
-        if jobs.is_empty() {
-            return Ok(());
-        }
-        let engine = self.engine.as_ref().ok_or_else(|| {
-            CopyFailure::Device(CopyError("device memory without a copy engine".to_owned()))
-        })?;
-        jobs.sort_by_key(|(device, _)| *device);
-        for group in jobs.chunk_by(|a, b| a.0 == b.0) {
-            let device = group[0].0;
-            let batch: Vec<CopyJob> = group.iter().map(|(_, job)| *job).collect();
-            engine
-                .copy_to_peer(device, &batch)
-                .map_err(CopyFailure::Device)?;
-        }
-        Ok(())
-    }
-}
 
 /// A fresh 16-byte nonce per node (no two nodes' proof cells agree by chance).
 fn nonce() -> [u8; 16] {
