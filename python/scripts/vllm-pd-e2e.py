@@ -208,6 +208,159 @@ def cleanup_shm() -> None:
                 pass
 
 
+def check_start_lines(prefill: Engine, decode: Engine, prefill_tp: int, decode_tp: int,
+                      hybrid: bool) -> None:
+    # The connector's start line reaches vLLM's log at vLLM's default level, one per rank.
+    for engine, role, tp in ((prefill, "prefill", prefill_tp), (decode, "decode", decode_tp)):
+        for rank in range(tp):
+            line = f"kvferry {role} node over vLLM's KV (TP rank {rank} of {tp})"
+            assert line in engine.text(), f"no '{line}' in the {role}'s log"
+        if hybrid:
+            # vLLM's hybrid KV cache manager runs, and kvferry moves both groups.
+            groups = f"KV cache groups [['full', 0], ['sliding_window', {WINDOW}]]"
+            assert groups in engine.text(), f"no '{groups}' in the {role}'s log"
+
+
+def start_proxies(work: str, prefill: Engine, decode: Engine, kv_addrs: str,
+                  proxies: list[subprocess.Popen]) -> tuple[str, str]:
+    """Starts the pull-mode and the push-mode router (each added to ``proxies`` as it starts)
+    and waits for both; returns their URLs."""
+    proxy_port = free_port()
+    proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(proxy_port),
+                              "--host", "127.0.0.1", "--prefill", prefill.url,
+                              "--decode", decode.url, "--timeout", "120"],
+                             stdout=open(os.path.join(work, "proxy.log"), "ab"),
+                             stderr=subprocess.STDOUT)
+    proxies.append(proxy)
+    proxy_url = f"http://127.0.0.1:{proxy_port}"
+    push_port = free_port()
+    push_proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(push_port),
+                                   "--host", "127.0.0.1", "--push",
+                                   "--prefill", f"{prefill.url}={kv_addrs}",
+                                   "--decode", decode.url, "--timeout", "120"],
+                                  stdout=open(os.path.join(work, "push-proxy.log"), "ab"),
+                                  stderr=subprocess.STDOUT)
+    proxies.append(push_proxy)
+    push_url = f"http://127.0.0.1:{push_port}"
+    for url in (proxy_url, push_url):
+        for _ in range(60):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
+    return proxy_url, push_url
+
+
+def check_pull(proxy_url: str, decode: Engine, ps: list[str], reference: dict, decode_tp: int,
+               metrics_base: int, figures: dict) -> None:
+    # Sequentially, then concurrently.
+    t0 = time.monotonic()
+    for p in ps:
+        got = completion(proxy_url, p)
+        assert got == reference[p], f"sequential: {got!r} != {reference[p]!r}"
+    figures["sequential_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: completion(proxy_url, p), ps))
+    figures["concurrent_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
+    for p, got in zip(ps, outs):
+        assert got == reference[p], f"concurrent: {got!r} != {reference[p]!r}"
+    # Every decode rank's node moved every request's room; a node publishes its counters
+    # every few hundred milliseconds.
+    deadline = time.monotonic() + 10
+    while True:
+        counted = decode_rooms(decode_tp, metrics_base)
+        if all(n >= 2 * len(ps) for n in counted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    figures["decode_rooms_succeeded_by_rank"] = counted
+    assert all(n >= 2 * len(ps) for n in counted), f"decode rooms by rank: {counted}"
+    # vLLM's own /metrics counts them too, through the connector's stats.
+    deadline = time.monotonic() + 20
+    while True:
+        text = urllib.request.urlopen(decode.url + "/metrics", timeout=5).read().decode()
+        v = re.search(r'vllm:kvferry_rooms_succeeded_total\{[^}]*\} ([0-9.e+]+)', text)
+        if (v and float(v.group(1)) >= 2 * len(ps)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert v and float(v.group(1)) >= 2 * len(ps), f"vLLM's metrics: {v and v.group(0)}"
+    assert "vllm:kvferry_transfer_time_seconds_count" in text, "no transfer time histogram in vLLM's metrics"
+    figures["vllm_metrics_rooms_succeeded"] = int(float(v.group(1)))
+
+
+def check_push(push_url: str, decode: Engine, ps: list[str], reference: dict, figures: dict) -> None:
+    # Push mode: the router tells both engines the room at once and the prefill sends
+    # each layer as it is computed; the answers are the reference's.
+    t0 = time.monotonic()
+    for p in ps:
+        got = completion(push_url, p)
+        assert got == reference[p], f"push, sequential: {got!r} != {reference[p]!r}"
+    figures["push_sequential_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
+    with cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: completion(push_url, p), ps))
+    for p, got in zip(ps, outs):
+        assert got == reference[p], f"push, concurrent: {got!r} != {reference[p]!r}"
+    assert "failed to load its KV" not in decode.text(), "a push room failed"
+
+
+def check_router_mistakes(prefill: Engine, decode: Engine, reference: dict, decode_tp: int,
+                          metrics_base: int, figures: dict) -> None:
+    # A router's mistakes, sent straight to the decode. Two prompts of the same length,
+    # each with the other's room, and one with a shorter prompt's room: the prefill
+    # refuses each (prompt_mismatch), the decode recomputes, and every answer is the
+    # reference's, never the other prompt's. A room id with a bit flipped names no room
+    # at all: the decode cannot load it, recomputes, and says why in its log.
+    a, b, short = swapped_pair()
+    pa, pb, pshort = (prefill_params(prefill.url, x) for x in (a, b, short))
+    t0 = time.monotonic()
+    swapped = [completion(decode.url, a, {"kv_transfer_params": pb}),
+               completion(decode.url, b, {"kv_transfer_params": pa}),
+               completion(decode.url, a, {"kv_transfer_params": pshort})]
+    figures["swapped_room_s"] = round((time.monotonic() - t0) / 3, 2)
+    assert swapped == [reference[a], reference[b], reference[a]], "a swapped room changed an answer"
+    assert "prompt_mismatch" in decode.text(), "the decode did not say why it recomputed"
+    figures["swapped_rooms_refused"] = True
+    # Garbage params: each request still answers as the reference, promptly, and the
+    # engine keeps serving.
+    p = prompts(1, base=9)[0]
+    good = prefill_params(prefill.url, p)
+    garbage = [{"do_remote_prefill": True, "kvferry_room": r, "kvferry_addrs": good["kvferry_addrs"],
+                "kvferry_shape": good["kvferry_shape"]} for r in (-1, 0, "12", 1.5, [5], 2**64 - 1)]
+    garbage += [{"do_remote_prefill": True, "kvferry_room": good["kvferry_room"], "kvferry_addrs": addrs,
+                 "kvferry_shape": good["kvferry_shape"]}
+                for addrs in (39600, [39600], [], ["localhost:1"], ["127.0.0.1:99999"], None)]
+    garbage += [{"do_remote_prefill": True, "kvferry_room": good["kvferry_room"],
+                 "kvferry_addrs": good["kvferry_addrs"], "kvferry_shape": s} for s in ("x", None, {"block_size": 7})]
+    # The room the garbage is made from is loaded by its own request first (every decode
+    # rank's node counts one room more), so the garbage names a room that is over. A
+    # room left held would keep the prefill engine stepping for its 120 s lease (at
+    # TP > 1 a worker process per rank spinning on its queue), which on a 2-core machine
+    # starves the decode: a garbage request then took 90 s.
+    before = decode_rooms(decode_tp, metrics_base)
+    assert completion(decode.url, p, {"kv_transfer_params": good}) == reference[p]
+    deadline = time.monotonic() + 10
+    while decode_rooms(decode_tp, metrics_base) != [n + 1 for n in before]:
+        assert time.monotonic() < deadline, f"the room was not loaded: {before} -> {decode_rooms(decode_tp, metrics_base)}"
+        time.sleep(0.2)
+    took = []
+    for params in garbage:
+        t0 = time.monotonic()
+        got = completion(decode.url, p, {"kv_transfer_params": params})
+        took.append(round(time.monotonic() - t0, 2))
+        assert got == reference[p], f"garbage params {params!r}: {got!r} != {reference[p]!r}"
+    figures["garbage_params_requests"] = len(garbage)
+    figures["garbage_params_slowest_s"] = max(took)
+    assert max(took) < 15, f"a request with garbage params took {max(took)} s (each: {took})"
+    p = prompts(1, base=5)[0]
+    wrong = dict(prefill_params(prefill.url, p))
+    wrong["kvferry_room"] ^= 1
+    logged = decode.text().count("failed to load its KV")
+    got = completion(decode.url, p, {"kv_transfer_params": wrong})
+    assert got == reference[p], "a recomputed prompt answers as the reference"
+    assert decode.text().count("failed to load its KV") > logged, "the decode did not log the failed load"
+
+
 MODEL = ""
 
 
@@ -257,140 +410,11 @@ def main(prefill_tp: int = 1, decode_tp: int = 1, hybrid: bool = False) -> int:
         engines.remove(ref_engine)
         figures["prefill_start_s"] = round(prefill.wait_ready(600), 1)
         figures["decode_start_s"] = round(decode.wait_ready(600), 1)
-        # The connector's start line reaches vLLM's log at vLLM's default level, one per rank.
-        for engine, role, tp in ((prefill, "prefill", prefill_tp), (decode, "decode", decode_tp)):
-            for rank in range(tp):
-                line = f"kvferry {role} node over vLLM's KV (TP rank {rank} of {tp})"
-                assert line in engine.text(), f"no '{line}' in the {role}'s log"
-            if hybrid:
-                # vLLM's hybrid KV cache manager runs, and kvferry moves both groups.
-                groups = f"KV cache groups [['full', 0], ['sliding_window', {WINDOW}]]"
-                assert groups in engine.text(), f"no '{groups}' in the {role}'s log"
-        proxy_port = free_port()
-        proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(proxy_port),
-                                  "--host", "127.0.0.1", "--prefill", prefill.url,
-                                  "--decode", decode.url, "--timeout", "120"],
-                                 stdout=open(os.path.join(work, "proxy.log"), "ab"),
-                                 stderr=subprocess.STDOUT)
-        proxies.append(proxy)
-        proxy_url = f"http://127.0.0.1:{proxy_port}"
-        push_port = free_port()
-        push_proxy = subprocess.Popen([PY, "-m", "kvferry.vllm_proxy", "--port", str(push_port),
-                                       "--host", "127.0.0.1", "--push",
-                                       "--prefill", f"{prefill.url}={kv_addrs}",
-                                       "--decode", decode.url, "--timeout", "120"],
-                                      stdout=open(os.path.join(work, "push-proxy.log"), "ab"),
-                                      stderr=subprocess.STDOUT)
-        proxies.append(push_proxy)
-        push_url = f"http://127.0.0.1:{push_port}"
-        for url in (proxy_url, push_url):
-            for _ in range(60):
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=1)
-                    break
-                except (urllib.error.URLError, OSError):
-                    time.sleep(0.5)
-
-        # Sequentially, then concurrently.
-        t0 = time.monotonic()
-        for p in ps:
-            got = completion(proxy_url, p)
-            assert got == reference[p], f"sequential: {got!r} != {reference[p]!r}"
-        figures["sequential_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
-        t0 = time.monotonic()
-        with cf.ThreadPoolExecutor(8) as pool:
-            outs = list(pool.map(lambda p: completion(proxy_url, p), ps))
-        figures["concurrent_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
-        for p, got in zip(ps, outs):
-            assert got == reference[p], f"concurrent: {got!r} != {reference[p]!r}"
-        # Every decode rank's node moved every request's room; a node publishes its counters
-        # every few hundred milliseconds.
-        deadline = time.monotonic() + 10
-        while True:
-            counted = decode_rooms(decode_tp, metrics_base)
-            if all(n >= 2 * len(ps) for n in counted) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        figures["decode_rooms_succeeded_by_rank"] = counted
-        assert all(n >= 2 * len(ps) for n in counted), f"decode rooms by rank: {counted}"
-        # vLLM's own /metrics counts them too, through the connector's stats.
-        deadline = time.monotonic() + 20
-        while True:
-            text = urllib.request.urlopen(decode.url + "/metrics", timeout=5).read().decode()
-            v = re.search(r'vllm:kvferry_rooms_succeeded_total\{[^}]*\} ([0-9.e+]+)', text)
-            if (v and float(v.group(1)) >= 2 * len(ps)) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert v and float(v.group(1)) >= 2 * len(ps), f"vLLM's metrics: {v and v.group(0)}"
-        assert "vllm:kvferry_transfer_time_seconds_count" in text, "no transfer time histogram in vLLM's metrics"
-        figures["vllm_metrics_rooms_succeeded"] = int(float(v.group(1)))
-
-        # Push mode: the router tells both engines the room at once and the prefill sends
-        # each layer as it is computed; the answers are the reference's.
-        t0 = time.monotonic()
-        for p in ps:
-            got = completion(push_url, p)
-            assert got == reference[p], f"push, sequential: {got!r} != {reference[p]!r}"
-        figures["push_sequential_requests_per_s"] = round(len(ps) / (time.monotonic() - t0), 2)
-        with cf.ThreadPoolExecutor(8) as pool:
-            outs = list(pool.map(lambda p: completion(push_url, p), ps))
-        for p, got in zip(ps, outs):
-            assert got == reference[p], f"push, concurrent: {got!r} != {reference[p]!r}"
-        assert "failed to load its KV" not in decode.text(), "a push room failed"
-
-        # A router's mistakes, sent straight to the decode. Two prompts of the same length,
-        # each with the other's room, and one with a shorter prompt's room: the prefill
-        # refuses each (prompt_mismatch), the decode recomputes, and every answer is the
-        # reference's, never the other prompt's. A room id with a bit flipped names no room
-        # at all: the decode cannot load it, recomputes, and says why in its log.
-        a, b, short = swapped_pair()
-        pa, pb, pshort = (prefill_params(prefill.url, x) for x in (a, b, short))
-        t0 = time.monotonic()
-        swapped = [completion(decode.url, a, {"kv_transfer_params": pb}),
-                   completion(decode.url, b, {"kv_transfer_params": pa}),
-                   completion(decode.url, a, {"kv_transfer_params": pshort})]
-        figures["swapped_room_s"] = round((time.monotonic() - t0) / 3, 2)
-        assert swapped == [reference[a], reference[b], reference[a]], "a swapped room changed an answer"
-        assert "prompt_mismatch" in decode.text(), "the decode did not say why it recomputed"
-        figures["swapped_rooms_refused"] = True
-        # Garbage params: each request still answers as the reference, promptly, and the
-        # engine keeps serving.
-        p = prompts(1, base=9)[0]
-        good = prefill_params(prefill.url, p)
-        garbage = [{"do_remote_prefill": True, "kvferry_room": r, "kvferry_addrs": good["kvferry_addrs"],
-                    "kvferry_shape": good["kvferry_shape"]} for r in (-1, 0, "12", 1.5, [5], 2**64 - 1)]
-        garbage += [{"do_remote_prefill": True, "kvferry_room": good["kvferry_room"], "kvferry_addrs": addrs,
-                     "kvferry_shape": good["kvferry_shape"]}
-                    for addrs in (39600, [39600], [], ["localhost:1"], ["127.0.0.1:99999"], None)]
-        garbage += [{"do_remote_prefill": True, "kvferry_room": good["kvferry_room"],
-                     "kvferry_addrs": good["kvferry_addrs"], "kvferry_shape": s} for s in ("x", None, {"block_size": 7})]
-        # The room the garbage is made from is loaded by its own request first (every decode
-        # rank's node counts one room more), so the garbage names a room that is over. A
-        # room left held would keep the prefill engine stepping for its 120 s lease (at
-        # TP > 1 a worker process per rank spinning on its queue), which on a 2-core machine
-        # starves the decode: a garbage request then took 90 s.
-        before = decode_rooms(decode_tp, metrics_base)
-        assert completion(decode.url, p, {"kv_transfer_params": good}) == reference[p]
-        deadline = time.monotonic() + 10
-        while decode_rooms(decode_tp, metrics_base) != [n + 1 for n in before]:
-            assert time.monotonic() < deadline, f"the room was not loaded: {before} -> {decode_rooms(decode_tp, metrics_base)}"
-            time.sleep(0.2)
-        took = []
-        for params in garbage:
-            t0 = time.monotonic()
-            got = completion(decode.url, p, {"kv_transfer_params": params})
-            took.append(round(time.monotonic() - t0, 2))
-            assert got == reference[p], f"garbage params {params!r}: {got!r} != {reference[p]!r}"
-        figures["garbage_params_requests"] = len(garbage)
-        figures["garbage_params_slowest_s"] = max(took)
-        assert max(took) < 15, f"a request with garbage params took {max(took)} s (each: {took})"
-        p = prompts(1, base=5)[0]
-        wrong = dict(prefill_params(prefill.url, p))
-        wrong["kvferry_room"] ^= 1
-        logged = decode.text().count("failed to load its KV")
-        got = completion(decode.url, p, {"kv_transfer_params": wrong})
-        assert got == reference[p], "a recomputed prompt answers as the reference"
-        assert decode.text().count("failed to load its KV") > logged, "the decode did not log the failed load"
+        check_start_lines(prefill, decode, prefill_tp, decode_tp, hybrid)
+        proxy_url, push_url = start_proxies(work, prefill, decode, kv_addrs, proxies)
+        check_pull(proxy_url, decode, ps, reference, decode_tp, metrics_base, figures)
+        check_push(push_url, decode, ps, reference, figures)
+        check_router_mistakes(prefill, decode, reference, decode_tp, metrics_base, figures)
 
         # A prefill killed after it computed a prompt: the decode's load fails with kvferry's
         # reason, vLLM recomputes, the answer is still the reference's, in bounded time.

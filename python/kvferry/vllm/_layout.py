@@ -1,0 +1,195 @@
+"""vLLM's parallel layout and KV tensors as kvferry sees them: ranks, heads, layers, shape, regions."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvferry.vllm._params import _ADDRS, _SHAPE
+
+
+def tp_rank(vllm_config) -> int:
+    """This worker's TP rank: vLLM's tensor-parallel group where it is set up, else the rank
+    vLLM's worker wrote into the config (``rank % TP``: PP is 1 here)."""
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            model_parallel_is_initialized,
+        )
+
+        if model_parallel_is_initialized():
+            return int(get_tensor_model_parallel_rank())
+    except ImportError:
+        pass
+    parallel = vllm_config.parallel_config
+    return int(parallel.rank) % int(parallel.tensor_parallel_size)
+
+
+def rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
+    """``(first, count)`` of the model's ``total`` KV heads that TP rank ``rank`` of ``tp``
+    holds, as vLLM places them: an equal share each, or, with more ranks than heads, one head
+    per rank, each head on ``tp / total`` consecutive ranks."""
+    if tp <= total:
+        return rank * (total // tp), total // tp
+    return rank // (tp // total), 1
+
+
+def tp_pair_refusal(prefill_tp: int, decode_tp: int, total: int, mla: bool = False) -> Optional[str]:
+    """Why a decode at ``decode_tp`` cannot load from a prefill at ``prefill_tp`` (a model of
+    ``total`` KV heads), or None: equal sizes always pair rank to rank; different ones pair
+    by heads where each side splits the heads evenly and no prefill head is replicated. MLA's
+    latent KV is whole on every rank: any pair where the decode's size is a multiple of the
+    prefill's, or smaller."""
+    if prefill_tp == decode_tp:
+        return None
+    why = None
+    if mla:
+        if decode_tp > prefill_tp and decode_tp % prefill_tp:
+            why = "MLA: the decode's TP is not a multiple of the prefill's"
+    elif not total:
+        why = "the model names no KV head count"
+    elif prefill_tp > total:
+        why = f"the prefill replicates KV heads ({total} heads on {prefill_tp} ranks), not served yet"
+    elif total % prefill_tp or (total % decode_tp and decode_tp % total):
+        why = f"{total} KV heads do not split evenly over both"
+    if why is None:
+        return None
+    return f"the prefill runs TP {prefill_tp} ({_ADDRS} names {prefill_tp} ranks), this decode TP {decode_tp}: {why}"
+
+
+def tp_sources(prefill_tp: int, decode_tp: int, total: int, rank: int,
+               mla: bool = False) -> tuple[list[int], int, list[int]]:
+    """The prefill ranks decode rank ``rank`` names in its room (those holding any of its
+    heads; rank to rank at equal sizes), how many decode ranks each of them sends to, and the
+    positions among them of idle sources (they only confirm). MLA: rank ``rank % prefill_tp``
+    sends the latent KV, and each prefill rank no decode rank loads from is an idle source of
+    decode rank ``p % decode_tp``, so that every prefill rank hears of the room."""
+    if prefill_tp == decode_tp:
+        return [rank], 1, []
+    if mla:
+        idle = [p for p in range(decode_tp, prefill_tp) if p % decode_tp == rank]
+        receivers = decode_tp // prefill_tp if decode_tp > prefill_tp else 1
+        return [rank % prefill_tp] + idle, receivers, list(range(1, 1 + len(idle)))
+    first, count = rank_heads(total, decode_tp, rank)
+    per = total // prefill_tp
+    sources = list(range(first // per, (first + count - 1) // per + 1))
+    # Decode ranks holding heads of the first source (every source serves as many).
+    lo, hi = sources[0] * per, sources[0] * per + per
+    receivers = sum(1 for r in range(decode_tp)
+                    if (lambda f, c: f < hi and f + c > lo)(*rank_heads(total, decode_tp, r)))
+    return sources, receivers, []
+
+
+def kv_heads(kv_caches: dict, num_blocks: int, block_size: int, total: int, tp: int,
+             rank: int) -> Optional[tuple[int, int, int, int]]:
+    """The heads this rank's KV blocks hold, as kvferry's ``heads`` (total, first, count,
+    bytes of one head in a token row), from vLLM's layouts: ``[blocks, heads, block_size,
+    2 * head_size]`` (the CPU backend: each head's rows contiguous, so one "row" per block of
+    ``heads`` parts) or ``[2, blocks, block_size, heads, head_size]`` (token rows of heads).
+    None where the layout is neither (such a rank moves whole blocks: equal TP sizes only)."""
+    first, count = rank_heads(total, tp, rank)
+    t = next(iter(kv_caches.values()))
+    dims, elem = tuple(t.shape), t.element_size()
+    if len(dims) == 4 and dims[0] == num_blocks and dims[1] == count and dims[2] == block_size:
+        return total, first, count, block_size * dims[3] * elem
+    if len(dims) == 5 and dims[:2] == (2, num_blocks) and dims[2] == block_size and dims[3] == count:
+        return total, first, count, dims[4] * elem
+    return None
+
+
+def pp_rank(vllm_config) -> int:
+    """This worker's pipeline stage: vLLM's pipeline group where it is set up, else from the
+    rank vLLM's worker wrote into the config (``rank // TP``)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, model_parallel_is_initialized
+
+        if model_parallel_is_initialized():
+            return int(get_pp_group().rank_in_group)
+    except ImportError:
+        pass
+    parallel = vllm_config.parallel_config
+    return int(parallel.rank) // int(parallel.tensor_parallel_size) % int(parallel.pipeline_parallel_size)
+
+
+def stage_layers(names) -> Optional[tuple[int, int]]:
+    """``(first, end)`` of the model layers a pipeline stage's KV cache names cover
+    (``model.layers.N...``), or None where a name carries no layer number or the numbers
+    are not one run."""
+    import re
+
+    matches = [re.search(r"(?:^|\.)layers\.(\d+)\.", n) for n in names]
+    if not matches or not all(matches):
+        return None
+    found = sorted({int(m.group(1)) for m in matches})
+    if found != list(range(found[0], found[-1] + 1)):
+        return None
+    return found[0], found[-1] + 1
+
+
+def kv_shape(vllm_config) -> dict:
+    """What both sides must agree on for a block to mean the same bytes: vLLM's block size,
+    the KV dtype, the model's KV head count and head size, and the layer count."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    dtype = cache.cache_dtype
+    if dtype == "auto":
+        dtype = str(model.dtype).replace("torch.", "")
+    return {
+        "block_size": int(cache.block_size),
+        "kv_dtype": str(dtype),
+        "num_kv_heads": int(model.get_total_num_kv_heads()),
+        "head_size": int(model.get_head_size()),
+        "num_layers": int(model.get_total_num_hidden_layers()),
+    }
+
+
+def shape_mismatch(ours: dict, theirs: Any) -> Optional[str]:
+    """``None`` when the prefill's block shape is ours, else what differs with both values."""
+    if not isinstance(theirs, dict):
+        return f"the prefill sent no block shape ({_SHAPE}: {theirs!r})"
+    # Every key either side names: a prefill of hybrid groups and a decode of one group
+    # differ as much as the other way round.
+    keys = list(ours) + [k for k in theirs if k not in ours]
+    diffs = [
+        f"{key}: prefill {theirs.get(key)!r}, decode {ours.get(key)!r}"
+        for key in keys
+        if theirs.get(key) != ours.get(key)
+    ]
+    return "; ".join(diffs) or None
+
+
+def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]], int, int, int]:
+    """``(spans, planes, page_bytes, pages)`` of vLLM's KV tensors as kvferry regions: one
+    region per distinct layer tensor (layers that share a cache appear once) and plane, one
+    page per vLLM block. A layer is ``[num_blocks, ...]`` (K and V inside each block: vLLM's
+    CPU layout, one plane) or ``[2, num_blocks, ...]`` (K, then V: two planes). Anything
+    else, or blocks that are not contiguous equal byte ranges, is refused naming the shape."""
+    spans, seen, shape = [], set(), None
+    for name, t in kv_caches.items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        dims = tuple(t.shape)
+        if not t.is_contiguous():
+            raise ValueError(f"kvferry.vllm: the KV cache of {name} {dims} is not contiguous")
+        if dims[0] == num_blocks:
+            planes = [t]
+        elif len(dims) > 1 and dims[0] == 2 and dims[1] == num_blocks:
+            planes = [t[0], t[1]]
+        else:
+            raise ValueError(
+                f"kvferry.vllm: the KV cache of {name} is {dims}; kvferry serves "
+                f"[{num_blocks} blocks, ...] and [2, {num_blocks} blocks, ...] layouts"
+            )
+        block = int(planes[0].stride(0) * t.element_size())
+        this = (len(planes), block)
+        if shape is None:
+            shape = this
+        elif this != shape:
+            raise ValueError(
+                f"kvferry.vllm: layer {name} has {len(planes)} planes of {block}-byte blocks, "
+                f"others {shape[0]} of {shape[1]}"
+            )
+        spans.extend((int(p.data_ptr()), block * num_blocks) for p in planes)
+    if shape is None:
+        raise ValueError("kvferry.vllm: vLLM registered no KV cache")
+    return spans, shape[0], shape[1], num_blocks
