@@ -166,6 +166,7 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
+// One arm per step of the property run: the whole vocabulary of the run reads in one place.
 fn apply(sim: &mut Sim, p: usize, d: usize, step: Step) {
     let now = sim.now;
     let sd = sim.session(d, p);

@@ -164,6 +164,8 @@ fn room_request(
     }))
 }
 
+// One arm per message type, in type order: the wire format reads as one table beside
+// docs/PROTOCOL.md, which splitting it would scatter.
 pub(super) fn decode_body(ty: u8, body: &[u8]) -> Result<Message, DecodeError> {
     let mut r = Reader { buf: body, ty };
     let msg = match ty {

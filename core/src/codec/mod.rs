@@ -452,6 +452,8 @@ impl Message {
         }
     }
 
+    // One arm per message type, the mirror of `decode_body`: kept as one table for the same
+    // reason.
     /// Appends this message as one frame to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         let start = out.len();

@@ -505,34 +505,7 @@ impl Endpoint {
     }
 
     pub(super) fn on_hello(&mut self, now: Instant, sid: SessionId, h: Hello) {
-        // The proof first: who we are and what we expect (role, layout) is told only to a
-        // peer that knows the token.
-        let checked = self.authenticate(sid, &h).and_then(|auth| {
-            if h.role == self.local.role {
-                return Err(HandshakeError::Refused(RejectReason::WrongRole));
-            }
-            let (ours, theirs) = (&self.local, &h);
-            let checked = ours
-                .layout
-                .compatible(&theirs.layout)
-                .and_then(|()| {
-                    ours.heads
-                        .compatible(&ours.layout, &theirs.heads, &theirs.layout)
-                })
-                .and_then(|()| ExtraPool::compatible(&ours.extras, &theirs.extras))
-                .and_then(|()| {
-                    LayoutMismatch::first(&[(
-                        "checksum",
-                        u64::from(self.config.checksum),
-                        u64::from(theirs.checksum),
-                    )])
-                })
-                .and_then(|()| extras_whole_heads(ours, theirs));
-            if let Err(m) = checked {
-                return Err(HandshakeError::Refused(RejectReason::IncompatibleLayout(m)));
-            }
-            Ok(auth)
-        });
+        let checked = self.check_hello(sid, &h);
         let (key, reply) = match checked {
             Ok(auth) => auth,
             Err(HandshakeError::OutOfOrder) => {
@@ -567,50 +540,7 @@ impl Endpoint {
             heartbeat_interval: Duration::from_millis(u64::from(h.heartbeat_interval_ms)),
             heartbeat_misses: h.heartbeat_misses,
         };
-        // A known peer: a new incarnation voids its previous life; the same one on a fresh
-        // connection takes the old session's work over (the old link went silent).
-        let mut resumed_from = None;
-        let mut was_blacklisted = false;
-        if let Some(&old) = self.nodes.get(&h.node) {
-            if old != sid {
-                let (old_inc, old_state) = self
-                    .sessions
-                    .get(&old)
-                    .map(|s| (s.peer.map(|p| p.incarnation), Some(s.state)))
-                    .unwrap_or((None, None));
-                if old_inc == Some(h.incarnation)
-                    && old_state == Some(SessionState::Established)
-                    && !self.successions.is_superseded(old)
-                {
-                    resumed_from = Some(old);
-                } else if old_inc != Some(h.incarnation) {
-                    info!(node = %h.node, old = %old, new = %sid, "peer restarted");
-                    self.events.push_back(Event::PeerRestarted {
-                        node: h.node,
-                        old,
-                        new: sid,
-                    });
-                    self.close_session(
-                        now,
-                        old,
-                        ErrorCode::Shutdown,
-                        "superseded by a new incarnation",
-                        FailureReason::PeerRestarted,
-                    );
-                } else {
-                    // Blacklisted (its rooms failed already) or closing: the new session
-                    // starts clean, except that a blacklist stands until a probe succeeds.
-                    was_blacklisted = old_state == Some(SessionState::Blacklisted);
-                    self.close_session(
-                        now,
-                        old,
-                        ErrorCode::Shutdown,
-                        "superseded by a new connection",
-                        FailureReason::ConnectionLost,
-                    );
-                }
-            }
-        }
+        let (mut resumed_from, was_blacklisted) = self.meet_known_peer(now, sid, &h);
         let pending_resume = resumed_from.filter(|_| inbound);
         if pending_resume.is_some() {
             resumed_from = None;
@@ -683,6 +613,99 @@ impl Endpoint {
             // Same process reconnected: its blacklist stands until a probe succeeds.
             self.blacklist(now, sid);
         }
+    }
+
+    /// The hello's proof, then its role and layout against ours: the session key and the
+    /// hello to answer with, or why the peer is refused. Who we are and what we expect is
+    /// told only to a peer that knows the token.
+    fn check_hello(
+        &mut self,
+        sid: SessionId,
+        h: &Hello,
+    ) -> Result<(SessionKey, Option<Hello>), HandshakeError> {
+        self.authenticate(sid, h).and_then(|auth| {
+            if h.role == self.local.role {
+                return Err(HandshakeError::Refused(RejectReason::WrongRole));
+            }
+            let (ours, theirs) = (&self.local, h);
+            let checked = ours
+                .layout
+                .compatible(&theirs.layout)
+                .and_then(|()| {
+                    ours.heads
+                        .compatible(&ours.layout, &theirs.heads, &theirs.layout)
+                })
+                .and_then(|()| ExtraPool::compatible(&ours.extras, &theirs.extras))
+                .and_then(|()| {
+                    LayoutMismatch::first(&[(
+                        "checksum",
+                        u64::from(self.config.checksum),
+                        u64::from(theirs.checksum),
+                    )])
+                })
+                .and_then(|()| extras_whole_heads(ours, theirs));
+            if let Err(m) = checked {
+                return Err(HandshakeError::Refused(RejectReason::IncompatibleLayout(m)));
+            }
+            Ok(auth)
+        })
+    }
+
+    /// A hello from a node this endpoint already has a session with (`sid` being a fresh
+    /// one): the old session of the same incarnation is to be taken over (returned), one of
+    /// a previous incarnation is closed as restarted, and one blacklisted or closing is
+    /// closed (whether it was blacklisted is returned: the blacklist stands).
+    fn meet_known_peer(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        h: &Hello,
+    ) -> (Option<SessionId>, bool) {
+        // A known peer: a new incarnation voids its previous life; the same one on a fresh
+        // connection takes the old session's work over (the old link went silent).
+        let mut resumed_from = None;
+        let mut was_blacklisted = false;
+        if let Some(&old) = self.nodes.get(&h.node) {
+            if old != sid {
+                let (old_inc, old_state) = self
+                    .sessions
+                    .get(&old)
+                    .map(|s| (s.peer.map(|p| p.incarnation), Some(s.state)))
+                    .unwrap_or((None, None));
+                if old_inc == Some(h.incarnation)
+                    && old_state == Some(SessionState::Established)
+                    && !self.successions.is_superseded(old)
+                {
+                    resumed_from = Some(old);
+                } else if old_inc != Some(h.incarnation) {
+                    info!(node = %h.node, old = %old, new = %sid, "peer restarted");
+                    self.events.push_back(Event::PeerRestarted {
+                        node: h.node,
+                        old,
+                        new: sid,
+                    });
+                    self.close_session(
+                        now,
+                        old,
+                        ErrorCode::Shutdown,
+                        "superseded by a new incarnation",
+                        FailureReason::PeerRestarted,
+                    );
+                } else {
+                    // Blacklisted (its rooms failed already) or closing: the new session
+                    // starts clean, except that a blacklist stands until a probe succeeds.
+                    was_blacklisted = old_state == Some(SessionState::Blacklisted);
+                    self.close_session(
+                        now,
+                        old,
+                        ErrorCode::Shutdown,
+                        "superseded by a new connection",
+                        FailureReason::ConnectionLost,
+                    );
+                }
+            }
+        }
+        (resumed_from, was_blacklisted)
     }
 
     pub(super) fn reject(&mut self, sid: SessionId, reason: RejectReason) {

@@ -85,19 +85,7 @@ impl Endpoint {
         if (op.superseded || moved) && outcome != TransferOutcome::Done {
             // Its connection was taken over (or the dialer moved to the fresh one and refused
             // what still came here): not a data-path failure, run it again as new.
-            op.superseded = false;
-            if room_live.is_none() {
-                self.op_finished(now, op.room, op.generation, op.layers.clone());
-                return;
-            }
-            op.phase = OpPhase::Queued;
-            let session = op.session;
-            let new_id = self.alloc_op_id();
-            self.ops.insert(new_id, op);
-            if let Some(s) = self.sessions.get_mut(&session) {
-                s.queue.push_front(new_id);
-            }
-            self.mark_ready(session);
+            self.run_again_as_new(now, op, room_live);
             return;
         }
         // A write flushed by a failure that was not its own spends no attempt, or a burst of
@@ -125,67 +113,14 @@ impl Endpoint {
             .get(&op.session)
             .is_some_and(|s| s.state == SessionState::Established);
         match outcome {
-            TransferOutcome::Done => {
-                if let Some(s) = self.sessions.get_mut(&op.session) {
-                    s.failures = 0;
-                }
-                self.counters.bytes_transferred += op.bytes;
-                // Before the room's word: decode must hold every checksum when it hears it.
-                if let (Some(checksum), Some(room)) = (op.source_checksum, room_live) {
-                    let ranges = op
-                        .slices
-                        .iter()
-                        .map(|s| LandedRange {
-                            region: s.region,
-                            offset: s.dst_offset,
-                            len: s.len,
-                            rows: s.rows,
-                            stride: s.dst_stride,
-                        })
-                        .collect();
-                    self.transmits.push_back((
-                        op.session,
-                        Message::OpChecksum {
-                            room,
-                            generation: op.generation,
-                            checksum,
-                            ranges,
-                        },
-                    ));
-                }
-                if op.attempt > 1 || op.flushes > 0 {
-                    self.counters.retry_recoveries += 1;
-                    warn!(
-                        session = %op.session,
-                        room = ?op.room,
-                        attempts = op.attempt,
-                        "transfer recovered after retry"
-                    );
-                }
-                self.op_finished(now, op.room, op.generation, op.layers.clone());
-            }
+            TransferOutcome::Done => self.attempt_done(now, op, room_live),
             TransferOutcome::Transient | TransferOutcome::Flushed
                 if (outcome == TransferOutcome::Flushed
                     || op.attempt < self.config.transfer_retries)
                     && room_live.is_some()
                     && session_usable =>
             {
-                self.counters.retries += 1;
-                let step = self.config.retry_backoff;
-                let jitter = self.rng.below(step.as_nanos() as u64 / 2 + 1);
-                let delay = step * op.attempt + Duration::from_nanos(jitter);
-                debug!(session = %op.session, room = ?op.room, attempt = op.attempt, ?outcome, ?delay, "transfer attempt failed, retrying");
-                if outcome == TransferOutcome::Flushed {
-                    op.flushes += 1;
-                } else {
-                    op.attempt += 1;
-                }
-                op.phase = OpPhase::RetryWait;
-                // A new id per attempt: a late report of the old attempt cannot be mistaken.
-                let new_id = self.alloc_op_id();
-                self.timers
-                    .set(&mut op.timer, now + delay, Timer::Retry(new_id));
-                self.ops.insert(new_id, op);
+                self.retry_later(now, op, outcome);
             }
             TransferOutcome::Refused => {
                 warn!(session = %op.session, room = ?op.room, "destination refused the write");
@@ -196,38 +131,131 @@ impl Endpoint {
                 self.op_finished(now, op.room, op.generation, op.layers.clone());
             }
             TransferOutcome::Transient | TransferOutcome::Fatal | TransferOutcome::Flushed => {
-                let first = op.slices.first().copied();
-                let Some(room) = room_live else {
-                    // The room already concluded (aborted): the failure says nothing new.
-                    self.op_finished(now, op.room, op.generation, op.layers.clone());
-                    return;
-                };
-                self.counters.ops_exhausted += 1;
-                warn!(
-                    session = %op.session,
-                    room = ?op.room,
-                    attempts = op.attempt,
-                    slices = op.slices.len(),
-                    bytes = op.bytes,
-                    first_slice = ?first,
-                    ?outcome,
-                    "transfer failed after retries"
-                );
-                // Fail first: with this operation gone the room must not look complete.
-                self.conclude(now, room, KvPoll::Failed(FailureReason::TransferFailed));
-                self.op_finished(now, op.room, op.generation, op.layers.clone());
-                let threshold = self.config.session_failure_threshold;
-                let blacklist = match self.sessions.get_mut(&op.session) {
-                    Some(s) if s.state == SessionState::Established => {
-                        s.failures += 1;
-                        s.failures >= threshold
-                    }
-                    _ => false,
-                };
-                if blacklist {
-                    self.blacklist(now, op.session);
-                }
+                self.attempt_exhausted(now, op, room_live, outcome);
             }
+        }
+    }
+
+    /// A superseded attempt (its connection taken over) runs again under a new id at the
+    /// front of its session's queue; one whose room ended is finished instead.
+    fn run_again_as_new(&mut self, now: Instant, mut op: Op, room_live: Option<RoomId>) {
+        op.superseded = false;
+        if room_live.is_none() {
+            self.op_finished(now, op.room, op.generation, op.layers.clone());
+            return;
+        }
+        op.phase = OpPhase::Queued;
+        let session = op.session;
+        let new_id = self.alloc_op_id();
+        self.ops.insert(new_id, op);
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.queue.push_front(new_id);
+        }
+        self.mark_ready(session);
+    }
+
+    /// An attempt that landed: the session's failure count resets, the checksum goes to the
+    /// decode before the room's word, and the operation is finished.
+    fn attempt_done(&mut self, now: Instant, op: Op, room_live: Option<RoomId>) {
+        if let Some(s) = self.sessions.get_mut(&op.session) {
+            s.failures = 0;
+        }
+        self.counters.bytes_transferred += op.bytes;
+        // Before the room's word: decode must hold every checksum when it hears it.
+        if let (Some(checksum), Some(room)) = (op.source_checksum, room_live) {
+            let ranges = op
+                .slices
+                .iter()
+                .map(|s| LandedRange {
+                    region: s.region,
+                    offset: s.dst_offset,
+                    len: s.len,
+                    rows: s.rows,
+                    stride: s.dst_stride,
+                })
+                .collect();
+            self.transmits.push_back((
+                op.session,
+                Message::OpChecksum {
+                    room,
+                    generation: op.generation,
+                    checksum,
+                    ranges,
+                },
+            ));
+        }
+        if op.attempt > 1 || op.flushes > 0 {
+            self.counters.retry_recoveries += 1;
+            warn!(
+                session = %op.session,
+                room = ?op.room,
+                attempts = op.attempt,
+                "transfer recovered after retry"
+            );
+        }
+        self.op_finished(now, op.room, op.generation, op.layers.clone());
+    }
+
+    /// A failed attempt with retries left (or flushed by another's failure): waits its
+    /// backoff under a new id, so that a late report of the old attempt cannot be mistaken.
+    fn retry_later(&mut self, now: Instant, mut op: Op, outcome: TransferOutcome) {
+        self.counters.retries += 1;
+        let step = self.config.retry_backoff;
+        let jitter = self.rng.below(step.as_nanos() as u64 / 2 + 1);
+        let delay = step * op.attempt + Duration::from_nanos(jitter);
+        debug!(session = %op.session, room = ?op.room, attempt = op.attempt, ?outcome, ?delay, "transfer attempt failed, retrying");
+        if outcome == TransferOutcome::Flushed {
+            op.flushes += 1;
+        } else {
+            op.attempt += 1;
+        }
+        op.phase = OpPhase::RetryWait;
+        // A new id per attempt: a late report of the old attempt cannot be mistaken.
+        let new_id = self.alloc_op_id();
+        self.timers
+            .set(&mut op.timer, now + delay, Timer::Retry(new_id));
+        self.ops.insert(new_id, op);
+    }
+
+    /// An operation out of attempts: its room fails, and its session counts one failure
+    /// toward the blacklist threshold.
+    fn attempt_exhausted(
+        &mut self,
+        now: Instant,
+        op: Op,
+        room_live: Option<RoomId>,
+        outcome: TransferOutcome,
+    ) {
+        let first = op.slices.first().copied();
+        let Some(room) = room_live else {
+            // The room already concluded (aborted): the failure says nothing new.
+            self.op_finished(now, op.room, op.generation, op.layers.clone());
+            return;
+        };
+        self.counters.ops_exhausted += 1;
+        warn!(
+            session = %op.session,
+            room = ?op.room,
+            attempts = op.attempt,
+            slices = op.slices.len(),
+            bytes = op.bytes,
+            first_slice = ?first,
+            ?outcome,
+            "transfer failed after retries"
+        );
+        // Fail first: with this operation gone the room must not look complete.
+        self.conclude(now, room, KvPoll::Failed(FailureReason::TransferFailed));
+        self.op_finished(now, op.room, op.generation, op.layers.clone());
+        let threshold = self.config.session_failure_threshold;
+        let blacklist = match self.sessions.get_mut(&op.session) {
+            Some(s) if s.state == SessionState::Established => {
+                s.failures += 1;
+                s.failures >= threshold
+            }
+            _ => false,
+        };
+        if blacklist {
+            self.blacklist(now, op.session);
         }
     }
 

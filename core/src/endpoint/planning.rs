@@ -1,6 +1,10 @@
-//! Prefill: turning a room's released layers and the receivers' grants into operations, and\n//! knowing when every one of them is done.
+//! Prefill: turning a room's released layers and the receivers' grants into operations, and
+//! knowing when every one of them is done.
 
 use super::*;
+
+/// An operation planned for a session: its kind, the layers it carries, its slices.
+type PlannedOp = (SessionId, OpKind, Range<usize>, Vec<Slice>);
 
 impl Endpoint {
     /// Plans every released, not yet planned layer of a bootstrapped sender room.
@@ -32,7 +36,7 @@ impl Endpoint {
                 return;
             }
         }
-        let mut new_ops: Vec<(SessionId, OpKind, Range<usize>, Vec<Slice>)> = Vec::new();
+        let mut new_ops: Vec<PlannedOp> = Vec::new();
         let mut overflow = false;
         for c in s.chunks.iter_mut() {
             let end = c.dst_start as usize + c.src.len();
@@ -129,6 +133,23 @@ impl Endpoint {
             }
         }
         let any = !new_ops.is_empty();
+        self.queue_planned(now, room, generation, new_ops);
+        if any {
+            self.set_state(room, KvPoll::Transferring);
+            self.send_progress(now, room, ProgressStage::Transferring);
+        }
+        self.report_delivered_layers(room);
+        self.check_sender_complete(now, room);
+    }
+
+    /// Puts a room's planned operations at the back of their sessions' queues.
+    fn queue_planned(
+        &mut self,
+        now: Instant,
+        room: RoomId,
+        generation: Generation,
+        new_ops: Vec<PlannedOp>,
+    ) {
         for (sid, kind, layers, slices) in new_ops {
             let bytes = slices.iter().map(Slice::bytes).sum();
             self.counters.ops_planned += 1;
@@ -158,12 +179,6 @@ impl Endpoint {
             }
             self.mark_ready(sid);
         }
-        if any {
-            self.set_state(room, KvPoll::Transferring);
-            self.send_progress(now, room, ProgressStage::Transferring);
-        }
-        self.report_delivered_layers(room);
-        self.check_sender_complete(now, room);
     }
 
     pub(super) fn check_sender_complete(&mut self, now: Instant, room: RoomId) {

@@ -1,4 +1,5 @@
-//! A fresh session of a peer taking a silent one's work over: who inherits, the resume, the\n//! hand-over before the old one ends, and the replay of what was in flight.
+//! A fresh session of a peer taking a silent one's work over: who inherits, the resume, the
+//! hand-over before the old one ends, and the replay of what was in flight.
 
 use super::*;
 

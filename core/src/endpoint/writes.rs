@@ -1,4 +1,6 @@
-//! Decode: what lands in its memory. Every write is checked against the room's grant, held by a\n//! permit while it lands, and counted toward the source's coverage once applied (or verified,\n//! for one-sided paths).
+//! Decode: what lands in its memory. Every write is checked against the room's grant, held by a
+//! permit while it lands, and counted toward the source's coverage once applied (or verified,
+//! for one-sided paths).
 
 use super::*;
 

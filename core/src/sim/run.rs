@@ -106,6 +106,8 @@ impl Sim {
         true
     }
 
+    // One arm per kind of pending event of the simulated network and data path: the
+    // simulation's whole model of the world reads in one place.
     pub(super) fn process(&mut self, p: Pending) {
         match p {
             Pending::Deliver {
