@@ -205,6 +205,8 @@ fn copies_into_another_processs_vmm_memory_land_every_byte() {
 
 /// Copies into memory of `kind` another process exported, checked there; prints the
 /// figures under `check`.
+// Runs only where a GPU is lent (none has been yet): kept in one piece, as written against
+// the driver's documentation, until a GPU run has checked it; split it after that run.
 fn copy_into_another_process(kind: &str, check_name: &str) {
     if std::env::var_os(CHILD).is_some() {
         return;

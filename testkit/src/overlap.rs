@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kvferry_core::{Chunk, Grant, KvPoll, Region, Role, RoomId};
 use kvferry_gpu::{LayerTimes, Span, Timeline};
 use kvferry_memory::MemoryMap;
-use kvferry_tokio::{KvNode, PeerId};
+use kvferry_tokio::{KvNode, PeerId, RoomHandle};
 use tokio::sync::mpsc;
 
 use crate::{aux_row, check_room, fill_room_layer, write_free, Shape, AUX_BYTES};
@@ -230,26 +230,69 @@ pub struct BatchMode {
     pub deadline: Duration,
 }
 
-/// Runs one batch from `prefill` to `decode` (connected as `peer`): opens every room on both
-/// sides, starts the forward pass, and sends each layer as it is staged (`layerwise`) or
-/// everything after the last layer. `landed` hears each room's index as decode sees it
-/// succeed. Rooms not finished within `deadline` are aborted and reported failed.
-pub async fn run_batch<P: KvNode, D: KvNode>(
+/// Follows the forward pass's layer signals until every layer is staged, marking each
+/// staged layer ready on every room when `layerwise`: when each layer was computed and
+/// staged, and why the pass stopped short (it failed, ended early, or fell silent past
+/// `deadline`), if it did.
+async fn follow_forward<P: KvNode>(
+    prefill: &P,
+    rooms: &[RoomId],
+    layerwise: bool,
+    deadline: Duration,
+    signals: &mut mpsc::UnboundedReceiver<LayerSignal>,
+    layers: usize,
+) -> Result<(Vec<Option<Instant>>, Vec<Option<Instant>>, Option<String>), String> {
+    let mut computed = vec![None; layers];
+    let mut staged = vec![None; layers];
+    let mut failure = None;
+    let mut staged_count = 0;
+    while staged_count < layers {
+        let signal = tokio::time::timeout(deadline, signals.recv()).await;
+        match signal {
+            Ok(Some(LayerSignal::Computed { layer, at })) => {
+                if let Some(c) = computed.get_mut(usize::from(layer)) {
+                    *c = Some(at);
+                }
+            }
+            Ok(Some(LayerSignal::Staged { layer, at })) => {
+                let Some(s) = staged.get_mut(usize::from(layer)) else {
+                    continue;
+                };
+                *s = Some(at);
+                staged_count += 1;
+                if layerwise {
+                    prefill
+                        .mark_layer_ready(rooms.to_vec(), layer)
+                        .await
+                        .map_err(|e| format!("mark_layer_ready: {e}"))?;
+                }
+            }
+            Ok(Some(LayerSignal::Failed(e))) => {
+                failure = Some(e);
+                break;
+            }
+            Ok(None) => {
+                failure = Some("the forward pass stopped before its last layer".to_owned());
+                break;
+            }
+            Err(_) => {
+                failure = Some(format!("no layer signal for {deadline:?}"));
+                break;
+            }
+        }
+    }
+    Ok((computed, staged, failure))
+}
+
+/// Opens every room of `batch` on both sides: the decode's with their grants, the prefill's
+/// with each room's aux row written first. Returns the decode's handles, then the prefill's.
+async fn open_batch<P: KvNode, D: KvNode>(
     prefill: &P,
     decode: &D,
     peer: PeerId,
     batch: &Batch,
-    mode: BatchMode,
-    forward: impl FnOnce() -> mpsc::UnboundedReceiver<LayerSignal>,
-    landed: Option<mpsc::UnboundedSender<u32>>,
-) -> Result<BatchTimes, String> {
-    let BatchMode {
-        layerwise,
-        deadline,
-    } = mode;
-    let layers = usize::from(batch.shape.layers);
+) -> Result<(Vec<RoomHandle>, Vec<RoomHandle>), String> {
     let n = batch.rooms as usize;
-    let rooms: Vec<RoomId> = (0..batch.rooms).map(|i| batch.room(i)).collect();
     let mut receivers = Vec::with_capacity(n);
     for i in 0..batch.rooms {
         let grant = Grant {
@@ -283,6 +326,30 @@ pub async fn run_batch<P: KvNode, D: KvNode>(
             .map_err(|e| format!("prefill could not open {room}: {e}"))?;
         senders.push(h);
     }
+    Ok((receivers, senders))
+}
+
+/// Runs one batch from `prefill` to `decode` (connected as `peer`): opens every room on both
+/// sides, starts the forward pass, and sends each layer as it is staged (`layerwise`) or
+/// everything after the last layer. `landed` hears each room's index as decode sees it
+/// succeed. Rooms not finished within `deadline` are aborted and reported failed.
+pub async fn run_batch<P: KvNode, D: KvNode>(
+    prefill: &P,
+    decode: &D,
+    peer: PeerId,
+    batch: &Batch,
+    mode: BatchMode,
+    forward: impl FnOnce() -> mpsc::UnboundedReceiver<LayerSignal>,
+    landed: Option<mpsc::UnboundedSender<u32>>,
+) -> Result<BatchTimes, String> {
+    let BatchMode {
+        layerwise,
+        deadline,
+    } = mode;
+    let layers = usize::from(batch.shape.layers);
+    let n = batch.rooms as usize;
+    let rooms: Vec<RoomId> = (0..batch.rooms).map(|i| batch.room(i)).collect();
+    let (receivers, senders) = open_batch(prefill, decode, peer, batch).await?;
     let chunk = |i: u32, layerwise: bool| Chunk {
         extras: Vec::new(),
         pages: batch.pages(i),
@@ -334,45 +401,8 @@ pub async fn run_batch<P: KvNode, D: KvNode>(
 
     let started = Instant::now();
     let mut signals = forward();
-    let mut computed = vec![None; layers];
-    let mut staged = vec![None; layers];
-    let mut failure = None;
-    let mut staged_count = 0;
-    while staged_count < layers {
-        let signal = tokio::time::timeout(deadline, signals.recv()).await;
-        match signal {
-            Ok(Some(LayerSignal::Computed { layer, at })) => {
-                if let Some(c) = computed.get_mut(usize::from(layer)) {
-                    *c = Some(at);
-                }
-            }
-            Ok(Some(LayerSignal::Staged { layer, at })) => {
-                let Some(s) = staged.get_mut(usize::from(layer)) else {
-                    continue;
-                };
-                *s = Some(at);
-                staged_count += 1;
-                if layerwise {
-                    prefill
-                        .mark_layer_ready(rooms.clone(), layer)
-                        .await
-                        .map_err(|e| format!("mark_layer_ready: {e}"))?;
-                }
-            }
-            Ok(Some(LayerSignal::Failed(e))) => {
-                failure = Some(e);
-                break;
-            }
-            Ok(None) => {
-                failure = Some("the forward pass stopped before its last layer".to_owned());
-                break;
-            }
-            Err(_) => {
-                failure = Some(format!("no layer signal for {deadline:?}"));
-                break;
-            }
-        }
-    }
+    let (computed, staged, failure) =
+        follow_forward(prefill, &rooms, layerwise, deadline, &mut signals, layers).await?;
     if let Some(e) = failure {
         for &room in &rooms {
             let _ = decode.abort(room).await;

@@ -105,6 +105,8 @@ impl Sim {
         w.arrived == w.rooms && self.releases - w.releases_before == w.expected_releases
     }
 
+    // One arm per step of a workload room's life (arrive, grant, chunk, layer, abort), as an
+    // embedder would take them: the simulated embedder reads in one place.
     pub(super) fn work(&mut self, item: WorkItem) {
         let now = self.now;
         let Some(mut w) = self.workload.take() else {
