@@ -20,8 +20,25 @@ fn node(runtime: Runtime, role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNo
         .unwrap()
 }
 
-fn dir(name: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("kvferry-tls-{}-{name}", std::process::id()))
+/// A throwaway certificate directory under the system's temporary one, removed when the
+/// test that holds it ends (pass or fail).
+struct CertDir(std::path::PathBuf);
+
+impl std::ops::Deref for CertDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for CertDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn dir(name: &str) -> CertDir {
+    CertDir(std::env::temp_dir().join(format!("kvferry-tls-{}-{name}", std::process::id())))
 }
 
 /// A prefill on `p` serving a decode on `d` over TLS: `n` rooms move, every byte verified.
@@ -42,7 +59,8 @@ async fn rooms_over_tls(p: Runtime, d: Runtime, tls: &TlsFiles, seed: u64, n: u6
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rooms_move_and_verify_over_tls() {
-    let tls = testcert::throwaway(&dir("ok"), "kvferry").unwrap();
+    let ok_dir = dir("ok");
+    let tls = testcert::throwaway(&ok_dir, "kvferry").unwrap();
     for runtime in RUNTIMES {
         rooms_over_tls(runtime, runtime, &tls, 71, 40).await;
     }
@@ -50,7 +68,8 @@ async fn rooms_move_and_verify_over_tls() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tokio_node_and_a_glommio_node_move_rooms_over_tls() {
-    let tls = testcert::throwaway(&dir("mixed"), "kvferry").unwrap();
+    let mixed_dir = dir("mixed");
+    let tls = testcert::throwaway(&mixed_dir, "kvferry").unwrap();
     let [tokio_rt, glommio_rt] = RUNTIMES;
     for (p, d) in [(tokio_rt, glommio_rt), (glommio_rt, tokio_rt)] {
         rooms_over_tls(p, d, &tls, 81, 20).await;
@@ -60,7 +79,8 @@ async fn a_tokio_node_and_a_glommio_node_move_rooms_over_tls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_without_the_clusters_tls_gets_no_session() {
     for runtime in RUNTIMES {
-        let tls = testcert::throwaway(&dir("a"), "kvferry").unwrap();
+        let a_dir = dir("a");
+        let tls = testcert::throwaway(&a_dir, "kvferry").unwrap();
         let prefill = node(runtime, Role::Prefill, Some(tls.clone()), 73);
         let addrs = prefill
             .listen("127.0.0.1:0".parse().unwrap())
@@ -74,7 +94,8 @@ async fn a_peer_without_the_clusters_tls_gets_no_session() {
             .expect("a typed error, not a hang");
         assert!(err.is_err(), "a plain connection got a session");
         // TLS with a certificate from another CA (the right token does not help).
-        let stranger = testcert::throwaway(&dir("b"), "kvferry").unwrap();
+        let b_dir = dir("b");
+        let stranger = testcert::throwaway(&b_dir, "kvferry").unwrap();
         let other = node(runtime, Role::Decode, Some(stranger), 75);
         let err = tokio::time::timeout(Duration::from_secs(15), other.connect(addrs.clone()))
             .await
@@ -119,7 +140,8 @@ async fn missing_tls_files_are_a_typed_error_on_both_runtimes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_never_starts_its_tls_handshake_is_dropped_after_the_handshake_timeout() {
     use tokio::io::AsyncReadExt;
-    let tls = testcert::throwaway(&dir("silent"), "kvferry").unwrap();
+    let silent_dir = dir("silent");
+    let tls = testcert::throwaway(&silent_dir, "kvferry").unwrap();
     for runtime in RUNTIMES {
         let shape = small_shape();
         let core = kvferry_core::Config {
