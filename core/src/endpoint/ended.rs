@@ -7,9 +7,10 @@ use std::collections::VecDeque;
 
 use foldhash::fast::FixedState;
 
-use super::Map;
 use crate::ids::SessionId;
 use crate::state::FailureReason;
+
+use super::Map;
 
 /// How many ended sessions keep their reason for rooms opened over them late.
 const ENDED_KEPT: usize = 1024;

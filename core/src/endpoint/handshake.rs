@@ -1,6 +1,23 @@
 //! Sessions: opening and accepting them, the challenges, proofs and hellos, refusals and strikes, and the control frames' dispatch.
 
-use super::*;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use crate::api::{
+    Capacity, DataRefusal, EndpointInfo, Event, PeerInfo, RejectReason, SessionState, SessionStats,
+};
+use crate::auth::{
+    connector_proof, constant_time_eq, listener_proof, Nonce, Proof, SessionKey, SessionTag,
+};
+use crate::codec::{DecodeError, ErrorCode, Hello, Message, HELLO_TYPE};
+use crate::ids::SessionId;
+use crate::layout::{ExtraPool, LayoutMismatch};
+use crate::state::{FailureReason, Role};
+use crate::timer::Timer;
+
+use super::{hello_transcript, Auth, Endpoint, HandshakeError, Session, Set};
 
 impl Endpoint {
     /// This side opened a control connection to a peer: returns its session handle and

@@ -1,6 +1,18 @@
 //! Data-path results: retries, the failure threshold, blacklist and probes, fences.
 
-use super::*;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::api::{Action, Event, OpKind, SessionState, TransferOutcome};
+use crate::codec::{LandedRange, Message};
+use crate::ids::{Generation, RoomId, SessionId, TransferId};
+use crate::state::{FailureReason, KvPoll, Role};
+use crate::timer::Timer;
+
+use super::planning::live_sender;
+use super::{Endpoint, Op, OpPhase, Side};
 
 /// Flushes one write may take without spending an attempt: one more means its path keeps
 /// failing under it, whatever its neighbours do.

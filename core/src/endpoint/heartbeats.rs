@@ -1,7 +1,19 @@
 //! Heartbeats and silence: a session's heartbeats sent on time, and a silent session's link
 //! checked with fresh connections until it moves again or its liveness window ends.
 
-use super::*;
+use std::time::Instant;
+
+use smallvec::SmallVec;
+use tracing::info;
+
+use crate::api::SessionState;
+use crate::codec::Message;
+use crate::ids::{RoomId, SessionId};
+use crate::state::Role;
+use crate::timer::{Timer, TimerKey};
+
+use super::timers::fired;
+use super::{Endpoint, Side};
 
 impl Endpoint {
     /// A session that heard nothing for `silence_timeout`, or whose peer confirmed none of our

@@ -1,6 +1,16 @@
 //! Links to peers: targets the core keeps connected, link checks of silent sessions, and closing sessions.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::api::{Action, ApiError, ConnectFailure, Event, Link, SessionState};
+use crate::codec::{ErrorCode, Message};
+use crate::ids::{DialId, SessionId, TargetId};
+use crate::state::{FailureReason, KvPoll};
+use crate::timer::Timer;
+
+use super::{Endpoint, RememberedBlacklist, Side, Target, WriterQuarantine};
 
 impl Endpoint {
     /// Registers a peer to stay connected to. The core asks for a connection at once

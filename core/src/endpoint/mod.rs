@@ -28,40 +28,31 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
-use tracing::{debug, info, warn};
+use tracing::debug;
 
 use crate::api::{
-    Action, ApiError, Capacity, Chunk, ConnectFailure, DataRefusal, EndpointInfo, Event, Grant,
-    Link, OpKind, PeerInfo, RejectReason, SessionState, SessionStats, TransferOp, TransferOutcome,
-    WritePermit, WriteRefused,
+    Action, Capacity, EndpointInfo, Event, Grant, Link, OpKind, PeerInfo, RejectReason,
+    SessionState, SessionStats, TransferOp,
 };
-use crate::auth::{
-    connector_proof, constant_time_eq, listener_proof, Nonce, Nonces, Proof, SessionKey, SessionTag,
-};
-use crate::codec::{
-    DecodeError, ErrorCode, Hello, LandedRange, Message, ProgressStage, RoomRequest, HELLO_TYPE,
-    SKIP_ALL,
-};
+use crate::auth::{Nonce, Nonces, SessionKey};
+use crate::codec::{Hello, Message, ProgressStage, RoomRequest};
 use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
 use crate::ids::{
     DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId, TargetId,
     TransferId,
 };
-use crate::layout::{page_runs, ExtraPool, LayoutMismatch, PageRun, PageSet, Region, Slice};
-use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLimits};
+use crate::layout::{PageSet, Slice};
 use crate::rng::Rng;
-use crate::state::{FailureReason, KvPoll, Role};
+use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
 use ended::EndedSessions;
 use layer_bits::LayerBits;
 use link::LinkEvidence;
 use listener::{Deadlines, Listener};
-use pending_rooms::{PendingRoom, PendingRooms};
-use planning::live_sender;
+use pending_rooms::PendingRooms;
 use successions::Successions;
-use timers::fired;
 use tombstones::Tombstones;
 
 /// Hash maps seeded from the endpoint seed: deterministic iteration for equal inputs, and

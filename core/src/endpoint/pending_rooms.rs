@@ -10,8 +10,10 @@ use std::collections::VecDeque;
 use foldhash::fast::FixedState;
 use smallvec::SmallVec;
 
-use super::Map;
 use crate::codec::RoomRequest;
+
+use super::Map;
+
 use crate::ids::{Generation, RoomId, SessionId};
 
 /// The messages one not-yet-opened room received.
@@ -127,7 +129,7 @@ impl PendingRooms {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{FixedState, PendingRooms, RoomId};
 
     #[test]
     fn rooms_opened_soon_after_they_arrive_leave_a_bounded_order_behind() {

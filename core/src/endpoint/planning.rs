@@ -1,7 +1,20 @@
 //! Prefill: turning a room's released layers and the receivers' grants into operations, and
 //! knowing when every one of them is done.
 
-use super::*;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tracing::warn;
+
+use crate::api::OpKind;
+use crate::codec::{ProgressStage, SKIP_ALL};
+use crate::ids::{Generation, RoomId, SessionId};
+use crate::layout::Slice;
+use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLimits};
+use crate::state::{FailureReason, KvPoll};
+
+use super::{Endpoint, Map, Op, OpPhase, Room, SenderRoom, Side};
 
 /// An operation planned for a session: its kind, the layers it carries, its slices.
 type PlannedOp = (SessionId, OpKind, Range<usize>, Vec<Slice>);

@@ -1,7 +1,13 @@
 //! What an embedder, a driver or a test may read of the endpoint: its identity, knobs and
 //! counters, and each room's and session's state.
 
-use super::*;
+use crate::api::{ApiError, Capacity, EndpointInfo, PeerInfo, SessionState, SessionStats};
+use crate::config::Config;
+use crate::counters::Counters;
+use crate::ids::{Generation, RoomId, SessionId};
+use crate::state::KvPoll;
+
+use super::Endpoint;
 
 impl Endpoint {
     /// This endpoint's identity.

@@ -1,6 +1,20 @@
 //! Decode: receiver rooms, page grants, and what sources say about a room.
 
-use super::*;
+use std::time::Instant;
+
+use smallvec::SmallVec;
+use tracing::{debug, info, warn};
+
+use crate::api::{Action, ApiError, EndpointInfo, Grant, Link, PeerInfo, SessionState};
+use crate::codec::{Message, ProgressStage, RoomRequest, SKIP_ALL};
+use crate::counters::Counters;
+use crate::ids::{Generation, RoomId, SessionId};
+use crate::layout::{page_runs, ExtraPool, PageSet};
+use crate::state::{FailureReason, KvPoll, Role};
+use crate::timer::Timer;
+
+use super::coverage::Coverage;
+use super::{Endpoint, Map, ReceiverRoom, Room, Side, Source};
 
 impl Endpoint {
     /// Decode: opens a receiver room fed by `sources` (one session per prefill rank feeding it).

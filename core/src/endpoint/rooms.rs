@@ -1,6 +1,17 @@
 //! Both roles: aborting, failing and concluding rooms, and releasing their pages.
 
-use super::*;
+use std::time::Instant;
+
+use smallvec::SmallVec;
+use tracing::{debug, warn};
+
+use crate::api::{ApiError, Event};
+use crate::codec::{ErrorCode, Message};
+use crate::ids::{Generation, RoomId, SessionId, TransferId};
+use crate::state::{FailureReason, KvPoll, Role};
+use crate::timer::Timer;
+
+use super::{Endpoint, OpPhase, PeerIdentity, Room, Side};
 
 impl Endpoint {
     /// Records a new room of either side in `Bootstrapping`, with its bootstrap deadline armed.

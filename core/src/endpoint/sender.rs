@@ -1,6 +1,20 @@
 //! Prefill: sender rooms, chunks and layers, and answering room requests (pending rooms, tombstones, reused ids).
 
-use super::*;
+use std::time::Instant;
+
+use smallvec::SmallVec;
+use tracing::{debug, info, warn};
+
+use crate::api::{ApiError, Chunk, Event, SessionState};
+use crate::codec::{Message, ProgressStage, RoomRequest};
+use crate::ids::{Generation, PromptDigest, RoomId, SessionId};
+use crate::layout::{ExtraPool, PageRun};
+use crate::state::{FailureReason, KvPoll, Role};
+use crate::timer::Timer;
+
+use super::layer_bits::LayerBits;
+use super::pending_rooms::PendingRoom;
+use super::{Endpoint, HeldChunk, PeerIdentity, Receiver, Room, SenderRoom, Side};
 
 impl Endpoint {
     /// Prefill: opens a sender room for the KV of `prompt`'s tokens (a request naming other

@@ -9,8 +9,9 @@
 
 use foldhash::fast::FixedState;
 
-use super::Map;
 use crate::ids::SessionId;
+
+use super::Map;
 
 /// Sessions taken over by a fresh connection and who carries their work now.
 #[derive(Debug)]
@@ -72,7 +73,7 @@ impl Successions {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{FixedState, SessionId, Successions};
 
     fn sid(n: u32) -> SessionId {
         SessionId(n)

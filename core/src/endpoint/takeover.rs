@@ -1,7 +1,13 @@
 //! A fresh session of a peer taking a silent one's work over: who inherits, the resume, the
 //! hand-over before the old one ends, and the replay of what was in flight.
 
-use super::*;
+use tracing::info;
+
+use crate::api::{Event, Link, SessionState};
+use crate::codec::Message;
+use crate::ids::{NodeId, RoomId, SessionId};
+
+use super::{Endpoint, OpPhase, Side};
 
 impl Endpoint {
     /// The live session that carries `session`'s work: itself, or the one that took it over.

@@ -1,6 +1,20 @@
 //! Deadlines: every timer the endpoint arms, and what its expiry does.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use smallvec::SmallVec;
+use tracing::{debug, info, warn};
+
+use crate::api::{Action, Event, Link, OpKind, SessionState, TransferOutcome};
+use crate::codec::ErrorCode;
+use crate::ids::{RoomId, SessionId, TransferId};
+use crate::layout::{Region, Slice};
+use crate::state::{FailureReason, KvPoll};
+use crate::timer::{Timer, TimerKey};
+
+use super::link::LinkEvidence;
+use super::{Endpoint, Op, OpPhase, Side};
 
 impl Endpoint {
     /// Processes every deadline due at `now`.

@@ -2,7 +2,17 @@
 //! permit while it lands, and counted toward the source's coverage once applied (or verified,
 //! for one-sided paths).
 
-use super::*;
+use std::time::Instant;
+
+use tracing::{debug, warn};
+
+use crate::api::{Action, SessionState, WritePermit, WriteRefused};
+use crate::codec::LandedRange;
+use crate::ids::{Generation, RoomId, SessionId};
+use crate::layout::{ExtraPool, Region, Slice};
+use crate::state::{FailureReason, KvPoll};
+
+use super::{Endpoint, Side, Source};
 
 impl Endpoint {
     /// Decode: may the peer behind `session` write `slice` for `(room, generation)`?
