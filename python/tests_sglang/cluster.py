@@ -12,9 +12,11 @@ what the model's prefill held, whichever ranks sent it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
+import shutil
 import socket
 import tempfile
 import time
@@ -66,6 +68,8 @@ def model_dir(layers=LAYERS, kv_heads=KV_HEADS) -> str:
     """A model directory with only a config.json: what kvferry's backend reads for the
     model's layer and KV head counts where ``KVArgs`` lacks them."""
     d = tempfile.mkdtemp(prefix="kvferry-model-")
+    # Gone when the test process ends (the ranks reading it end before).
+    atexit.register(shutil.rmtree, d, True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(
             {
