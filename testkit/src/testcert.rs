@@ -2,7 +2,7 @@
 //! it signed, written as PEM files. Never for production (the CA key is discarded, and every
 //! node shares one certificate).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use kvferry_tcp::TlsFiles;
 
@@ -28,4 +28,28 @@ pub fn throwaway(dir: &Path, server_name: &str) -> std::io::Result<TlsFiles> {
     std::fs::write(&files.cert, cert.pem())?;
     std::fs::write(&files.key, key.serialize_pem())?;
     Ok(files)
+}
+
+/// A directory for throwaway TLS material under the system's temporary one, named after
+/// `label` and this process, and removed when dropped (a bench or test that fails included).
+pub struct CertDir(PathBuf);
+
+impl CertDir {
+    /// The directory `kvferry-{label}-{pid}` (created by [`throwaway`]).
+    pub fn new(label: &str) -> CertDir {
+        CertDir(std::env::temp_dir().join(format!("kvferry-{label}-{}", std::process::id())))
+    }
+}
+
+impl std::ops::Deref for CertDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for CertDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -8,7 +8,8 @@ use std::time::Duration;
 use kvferry_core::Role;
 use kvferry_memory::MemoryMap;
 use kvferry_tcp::TlsFiles;
-use kvferry_testkit::{node_config, run_decode, serve_prefill, testcert};
+use kvferry_testkit::testcert::{self, CertDir};
+use kvferry_testkit::{node_config, run_decode, serve_prefill};
 use kvferry_tests::{fast_core, rooms, small_shape, AnyNode, KvNode, Runtime, RUNTIMES};
 
 fn node(runtime: Runtime, role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNode {
@@ -20,25 +21,9 @@ fn node(runtime: Runtime, role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNo
         .unwrap()
 }
 
-/// A throwaway certificate directory under the system's temporary one, removed when the
-/// test that holds it ends (pass or fail).
-struct CertDir(std::path::PathBuf);
-
-impl std::ops::Deref for CertDir {
-    type Target = std::path::Path;
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for CertDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
+/// A throwaway certificate directory for one test, removed when the test ends.
 fn dir(name: &str) -> CertDir {
-    CertDir(std::env::temp_dir().join(format!("kvferry-tls-{}-{name}", std::process::id())))
+    CertDir::new(&format!("tls-{name}"))
 }
 
 /// A prefill on `p` serving a decode on `d` over TLS: `n` rooms move, every byte verified.

@@ -112,14 +112,12 @@ pub async fn tls(
     run: LinkRun,
     done: &mut dyn FnMut(&LinkPoint),
 ) -> Result<Vec<LinkPoint>, kvferry_tokio::NodeError> {
-    let dir = std::env::temp_dir().join(format!("kvferry-bench-tls-{}", std::process::id()));
+    let dir = crate::testcert::CertDir::new("bench-tls");
     let files =
         crate::testcert::throwaway(&dir, "kvferry").map_err(kvferry_tokio::NodeError::Io)?;
     let tls = crate::DemoLink {
         tls: Some(files),
         ..crate::DemoLink::default()
     };
-    let points = side_by_side(run, [crate::DemoLink::default(), tls], done).await;
-    let _ = std::fs::remove_dir_all(&dir);
-    points
+    side_by_side(run, [crate::DemoLink::default(), tls], done).await
 }
