@@ -17,6 +17,9 @@ use crate::layout::{ExtraPool, LayoutMismatch};
 use crate::state::{FailureReason, Role};
 use crate::timer::Timer;
 
+use super::liveness::Liveness;
+use super::probation::Probation;
+use super::timers::SessionTimers;
 use super::{hello_transcript, Auth, Endpoint, HandshakeError, Session, Set};
 
 impl Endpoint {
@@ -118,33 +121,18 @@ impl Endpoint {
         let mut session = Session {
             state: SessionState::Handshaking,
             peer: None,
-            last_rx: now,
-            frames_sent: 0,
-            frames_received: 0,
-            frames_confirmed: 0,
-            unconfirmed_since: None,
-            handshake_timer: None,
-            heartbeat_timer: None,
-            liveness_timer: None,
-            silence_timer: None,
-            probe_timer: None,
-            idle_timer: None,
-            linger_timer: None,
-            fence_timer: None,
+            liveness: Liveness::new(
+                now,
+                self.config.heartbeat_interval * self.config.heartbeat_misses,
+                self.config.silence_timeout,
+            ),
+            probation: Probation::new(self.config.probe_interval),
+            timers: SessionTimers::default(),
             inbound,
             auth,
             data_lost: 0,
-            data_timer: None,
-            window: self.config.heartbeat_interval * self.config.heartbeat_misses,
-            silence: self.config.silence_timeout,
-            checking: false,
-            healthy_since: None,
             resumes: None,
             handing_over: false,
-            failures: 0,
-            probe_backoff: self.config.probe_interval,
-            probe_nonce: None,
-            probe_op: None,
             last_targeted: now,
             queue: VecDeque::new(),
             in_flight: 0,
@@ -163,7 +151,7 @@ impl Endpoint {
             flush_landed: false,
         };
         self.timers.set(
-            &mut session.handshake_timer,
+            &mut session.timers.handshake,
             now + self.config.handshake_timeout,
             Timer::Handshake(sid),
         );
@@ -254,7 +242,7 @@ impl Endpoint {
     /// One more frame read from the session's connection (the count its heartbeats report).
     fn count_received(&mut self, sid: SessionId) {
         if let Some(s) = self.sessions.get_mut(&sid) {
-            s.frames_received += 1;
+            s.liveness.frame_received();
         }
     }
 
@@ -262,7 +250,7 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        s.last_rx = now;
+        s.liveness.heard(now);
         let established = s.peer.is_some();
         if s.resumes.is_some() && !msg.is_handshake() {
             // The dialer uses the fresh connection: it took the work over on its side.
@@ -319,12 +307,7 @@ impl Endpoint {
                         free_pages,
                         queued_rooms,
                     });
-                    if frames_received >= s.frames_sent {
-                        s.unconfirmed_since = None;
-                    } else if frames_received > s.frames_confirmed {
-                        s.unconfirmed_since = Some(now);
-                    }
-                    s.frames_confirmed = s.frames_confirmed.max(frames_received);
+                    s.liveness.confirmed(frames_received, now);
                 }
             }
             Message::Probe { nonce } => {
@@ -575,8 +558,7 @@ impl Endpoint {
             return;
         };
         s.peer = Some(peer);
-        s.window = window;
-        s.silence = silence;
+        s.liveness.agree(window, silence);
         s.state = SessionState::Established;
         s.resumes = pending_resume;
         if let Some(o) = pending_resume.and_then(|o| self.sessions.get_mut(&o)) {
@@ -585,16 +567,16 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        self.timers.cancel(&mut s.handshake_timer);
+        self.timers.cancel(&mut s.timers.handshake);
         self.timers.set(
-            &mut s.heartbeat_timer,
+            &mut s.timers.heartbeat,
             now + interval,
             Timer::Heartbeat(sid),
         );
         self.timers
-            .set(&mut s.liveness_timer, now + window, Timer::Liveness(sid));
+            .set(&mut s.timers.liveness, now + window, Timer::Liveness(sid));
         self.timers
-            .set(&mut s.silence_timer, now + silence, Timer::Silence(sid));
+            .set(&mut s.timers.silence, now + silence, Timer::Silence(sid));
         let target = s.target;
         // Room messages queued for it while it handshook would leave behind our Hello (queued
         // just before this): they go, and `replay` below says where those rooms stand now.

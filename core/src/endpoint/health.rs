@@ -170,7 +170,7 @@ impl Endpoint {
     /// decode before the room's word, and the operation is finished.
     fn attempt_done(&mut self, now: Instant, op: Op, room_live: Option<RoomId>) {
         if let Some(s) = self.sessions.get_mut(&op.session) {
-            s.failures = 0;
+            s.probation.landed();
         }
         self.counters.bytes_transferred += op.bytes;
         // Before the room's word: decode must hold every checksum when it hears it.
@@ -260,10 +260,7 @@ impl Endpoint {
         self.op_finished(now, op.room, op.generation, op.layers.clone());
         let threshold = self.config.session_failure_threshold;
         let blacklist = match self.sessions.get_mut(&op.session) {
-            Some(s) if s.state == SessionState::Established => {
-                s.failures += 1;
-                s.failures >= threshold
-            }
+            Some(s) if s.state == SessionState::Established => s.probation.exhausted(threshold),
             _ => false,
         };
         if blacklist {
@@ -339,10 +336,9 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if s.probe_op != Some(id) {
+        if !s.probation.probe_ended(id) {
             return;
         }
-        s.probe_op = None;
         if s.state != SessionState::Blacklisted {
             return;
         }
@@ -350,7 +346,7 @@ impl Endpoint {
             // The data path works; confirm the peer's control loop answers too.
             let nonce = self.rng.next_u64();
             if let Some(s) = self.sessions.get_mut(&sid) {
-                s.probe_nonce = Some(nonce);
+                s.probation.challenged(nonce);
             }
             self.transmits.push_back((sid, Message::Probe { nonce }));
             // If the ack never comes, the next probe timer tries again.
@@ -362,15 +358,14 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if s.state != SessionState::Blacklisted || s.probe_nonce != Some(nonce) {
+        if s.state != SessionState::Blacklisted
+            || !s.probation.answered(nonce, self.config.probe_interval)
+        {
             return;
         }
-        s.probe_nonce = None;
         s.state = SessionState::Established;
-        s.failures = 0;
-        s.probe_backoff = self.config.probe_interval;
-        self.timers.cancel(&mut s.probe_timer);
-        self.timers.cancel(&mut s.idle_timer);
+        self.timers.cancel(&mut s.timers.probe);
+        self.timers.cancel(&mut s.timers.idle);
         self.counters.sessions_recovered += 1;
         info!(session = %sid, "blacklisted session recovered after a successful probe");
         self.events
@@ -387,13 +382,13 @@ impl Endpoint {
             return;
         }
         s.state = SessionState::Blacklisted;
-        s.probe_backoff = self.config.probe_interval;
+        s.probation.blacklisted(self.config.probe_interval);
         s.last_targeted = now;
         let idle = now + self.config.blacklist_idle_timeout;
         self.timers
-            .set(&mut s.idle_timer, idle, Timer::BlacklistIdle(sid));
+            .set(&mut s.timers.idle, idle, Timer::BlacklistIdle(sid));
         self.counters.sessions_blacklisted += 1;
-        warn!(session = %sid, failures = s.failures, "session blacklisted");
+        warn!(session = %sid, failures = s.probation.failures(), "session blacklisted");
         self.events
             .push_back(Event::SessionBlacklisted { session: sid });
         self.fail_session_rooms(now, sid, FailureReason::SessionBlacklisted);
@@ -408,11 +403,10 @@ impl Endpoint {
         if s.state != SessionState::Blacklisted {
             return;
         }
-        let base = s.probe_backoff;
+        let base = s.probation.next_probe_wait(max);
         let jitter = Duration::from_nanos(self.rng.below(base.as_nanos() as u64 / 4 + 1));
         self.timers
-            .set(&mut s.probe_timer, now + base + jitter, Timer::Probe(sid));
-        s.probe_backoff = (base * 2).min(max);
+            .set(&mut s.timers.probe, now + base + jitter, Timer::Probe(sid));
     }
 
     pub(super) fn fail_session_rooms(
@@ -539,7 +533,7 @@ impl Endpoint {
         s.fencing = true;
         // The driver must confirm that nothing in flight can land; the core bounds that wait.
         let at = self.last_now + self.config.fence_timeout;
-        self.timers.set(&mut s.fence_timer, at, Timer::Fence(sid));
+        self.timers.set(&mut s.timers.fence, at, Timer::Fence(sid));
         self.counters.fences += 1;
         self.actions.push_back(Action::FenceSession(sid));
     }

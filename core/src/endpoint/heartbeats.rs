@@ -12,6 +12,7 @@ use crate::ids::{RoomId, SessionId};
 use crate::state::Role;
 use crate::timer::{Timer, TimerKey};
 
+use super::liveness::Look;
 use super::timers::fired;
 use super::{Endpoint, Side};
 
@@ -29,8 +30,7 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        let silence = s.silence;
-        if !fired(&mut s.silence_timer, key) {
+        if !fired(&mut s.timers.silence, key) {
             return;
         }
         if !matches!(
@@ -39,36 +39,18 @@ impl Endpoint {
         ) {
             return;
         }
-        let heard = s.last_rx + silence;
-        let confirmed = s.unconfirmed_since.map(|t| t + silence);
-        let due = confirmed.map_or(heard, |c| c.min(heard));
-        if due > now {
-            let since = *s.healthy_since.get_or_insert(now);
-            if !s.checking || now.saturating_duration_since(since) >= s.window {
-                if s.checking {
-                    info!(session = %sid, "link check ended: the connection moved both ways for a whole window");
-                }
-                s.checking = false;
-                s.healthy_since = None;
-                self.timers
-                    .set(&mut s.silence_timer, due, Timer::Silence(sid));
-                return;
-            }
-        } else {
-            s.healthy_since = None;
+        if let Look::Moving(due) = s.liveness.look(sid, now) {
+            self.timers
+                .set(&mut s.timers.silence, due, Timer::Silence(sid));
+            return;
         }
         self.timers
-            .set(&mut s.silence_timer, now + pace, Timer::Silence(sid));
+            .set(&mut s.timers.silence, now + pace, Timer::Silence(sid));
         let Some(target) = s.target else {
             // Only the side that dials can check the link; the other waits for its peer's.
             return;
         };
-        let first = !s.checking;
-        s.checking = true;
-        let quiet_ms = now.saturating_duration_since(s.last_rx).as_millis() as u64;
-        let unconfirmed_ms = s
-            .unconfirmed_since
-            .map(|t| now.saturating_duration_since(t).as_millis() as u64);
+        let started = s.liveness.start_check(now);
         let node = s.peer.map(|p| p.node);
         let Some(t) = self.targets.get_mut(&target) else {
             return;
@@ -76,9 +58,10 @@ impl Endpoint {
         if t.session != Some(sid) {
             return;
         }
-        if first {
+        if let Some(stall) = started {
             t.evidence = None;
-            if heard <= now {
+            let (quiet_ms, unconfirmed_ms) = (stall.quiet_ms, stall.unconfirmed_ms);
+            if stall.quiet {
                 info!(session = %sid, ?node, quiet_ms, "peer silent; checking the link with fresh connections");
             } else {
                 info!(session = %sid, ?node, ?unconfirmed_ms, "peer heard but our frames not confirmed; checking the link with fresh connections");
@@ -99,7 +82,10 @@ impl Endpoint {
         Message::Heartbeat {
             free_pages,
             queued_rooms,
-            frames_received: self.sessions.get(&sid).map_or(0, |s| s.frames_received),
+            frames_received: self
+                .sessions
+                .get(&sid)
+                .map_or(0, |s| s.liveness.frames_received()),
         }
     }
 
@@ -108,14 +94,14 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if !fired(&mut s.heartbeat_timer, key) {
+        if !fired(&mut s.timers.heartbeat, key) {
             return;
         }
         if s.state == SessionState::Closing {
             return;
         }
         self.timers.set(
-            &mut s.heartbeat_timer,
+            &mut s.timers.heartbeat,
             now + interval,
             Timer::Heartbeat(sid),
         );

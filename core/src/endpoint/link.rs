@@ -177,7 +177,7 @@ impl Endpoint {
                 if live.is_some() {
                     // A link check: a peer that took the connection but says nothing is silent.
                     self.timers.set(
-                        &mut s.handshake_timer,
+                        &mut s.timers.handshake,
                         check_deadline,
                         Timer::Handshake(sid),
                     );
@@ -224,7 +224,7 @@ impl Endpoint {
         let live = self.target_session(target);
         let checking = live
             .and_then(|s| self.sessions.get(&s))
-            .is_some_and(|s| s.checking);
+            .is_some_and(|s| s.liveness.checking());
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
@@ -324,7 +324,7 @@ impl Endpoint {
     pub fn session_lingers(&self, session: SessionId) -> bool {
         self.sessions
             .get(&session)
-            .is_some_and(|s| s.linger_timer.is_some())
+            .is_some_and(|s| s.timers.linger.is_some())
     }
 
     /// The session's control connection is gone and the driver closed its data connections:
@@ -389,16 +389,7 @@ impl Endpoint {
                 // A fresh connection that ended unused: the session it was to take over goes on.
                 self.resume_unused(old);
             }
-            for t in [
-                &mut s.handshake_timer,
-                &mut s.heartbeat_timer,
-                &mut s.liveness_timer,
-                &mut s.silence_timer,
-                &mut s.probe_timer,
-                &mut s.idle_timer,
-            ] {
-                self.timers.cancel(t);
-            }
+            s.timers.cancel_all(&mut self.timers);
         }
         self.events.push_back(Event::SessionClosed { session });
         let refused = matches!(
@@ -446,9 +437,12 @@ impl Endpoint {
             return;
         }
         s.data_lost += 1;
-        if s.data_timer.is_none() {
-            self.timers
-                .set(&mut s.data_timer, now + wait, Timer::DataReconnect(session));
+        if s.timers.data.is_none() {
+            self.timers.set(
+                &mut s.timers.data,
+                now + wait,
+                Timer::DataReconnect(session),
+            );
         }
     }
 
@@ -460,7 +454,7 @@ impl Endpoint {
             return;
         };
         s.epoch = s.epoch.wrapping_add(1);
-        let until = now + s.window + self.config.heartbeat_interval;
+        let until = now + s.liveness.window() + self.config.heartbeat_interval;
         let rooms = self.rooms_written_by(sid);
         if rooms.is_empty() {
             return;
@@ -483,7 +477,7 @@ impl Endpoint {
             return;
         }
         s.fencing = false;
-        self.timers.cancel(&mut s.fence_timer);
+        self.timers.cancel(&mut s.timers.fence);
         self.settle_session_ops(now, session, true);
         self.fence_done(now, session);
         self.mark_ready(session);
@@ -627,9 +621,10 @@ impl Endpoint {
         // The control writer gets `close_linger` to send what is queued (the Error frame
         // that says why, say); the core decides when that is over, not the driver.
         let at = self.last_now + self.config.close_linger;
-        self.timers.set(&mut s.linger_timer, at, Timer::Linger(sid));
+        self.timers
+            .set(&mut s.timers.linger, at, Timer::Linger(sid));
         // A fence still waiting is moot: closing the session closes every connection.
-        self.timers.cancel(&mut s.fence_timer);
+        self.timers.cancel(&mut s.timers.fence);
         self.actions.push_back(Action::CloseSession(sid));
     }
 

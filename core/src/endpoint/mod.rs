@@ -8,8 +8,10 @@ mod heartbeats;
 mod layer_bits;
 mod link;
 mod listener;
+mod liveness;
 mod pending_rooms;
 mod planning;
+mod probation;
 mod queries;
 mod receiver;
 mod rooms;
@@ -51,8 +53,11 @@ use ended::EndedSessions;
 use layer_bits::LayerBits;
 use link::LinkEvidence;
 use listener::{Deadlines, Listener};
+use liveness::Liveness;
 use pending_rooms::PendingRooms;
+use probation::Probation;
 use successions::Successions;
+use timers::SessionTimers;
 use tombstones::Tombstones;
 
 /// Hash maps seeded from the endpoint seed: deterministic iteration for equal inputs, and
@@ -182,42 +187,18 @@ type PeerIdentity = (NodeId, Incarnation);
 struct Session {
     state: SessionState,
     peer: Option<PeerInfo>,
-    last_rx: Instant,
-    /// Frames handed to the driver for this connection, and frames read from it.
-    frames_sent: u64,
-    frames_received: u64,
-    /// The most frames the peer's heartbeats said it received.
-    frames_confirmed: u64,
-    /// Since when frames we sent wait for the peer to confirm them, with no progress: a link
-    /// the peer is heard on can still swallow what we send (TCP retransmission backoff).
-    unconfirmed_since: Option<Instant>,
-    handshake_timer: Option<TimerKey>,
-    heartbeat_timer: Option<TimerKey>,
-    liveness_timer: Option<TimerKey>,
-    silence_timer: Option<TimerKey>,
-    probe_timer: Option<TimerKey>,
-    idle_timer: Option<TimerKey>,
-    /// Armed while the session closes: how long its control writer may still send.
-    linger_timer: Option<TimerKey>,
-    /// Armed while a fence waits for the driver's confirmation.
-    fence_timer: Option<TimerKey>,
+    /// What the peer was heard and confirmed doing, and the link check it drives.
+    liveness: Liveness,
+    /// Consecutive failures toward the blacklist, and the probes back from it.
+    probation: Probation,
+    timers: SessionTimers,
     /// Accepted by our listener: our hello goes out only after the peer's hello proved it
     /// knows the cluster token.
     inbound: bool,
     /// The handshake's authentication so far, then the session's key.
     auth: Auth,
-    /// Broken data connections waiting to be replaced, and their timer.
+    /// Broken data connections waiting to be replaced.
     data_lost: u32,
-    data_timer: Option<TimerKey>,
-    /// How long this session may stay silent before it is given up: the longer of our
-    /// liveness window and the one the peer announced.
-    window: Duration,
-    /// Silence after which the link is checked: longer than the peer's heartbeat interval.
-    silence: Duration,
-    /// The dialer checks this session's link with fresh connections.
-    checking: bool,
-    /// During a check: since when both directions move again on the old connection.
-    healthy_since: Option<Instant>,
     /// Accepted side: the silent session of the same peer process this one will take over
     /// once the peer uses it (its first message after the hello) or the old one ends. The
     /// dialer may give up on a fresh connection whose hello was late; until it uses it, the
@@ -227,11 +208,6 @@ struct Session {
     /// already and refuses writes that still come here, so none is started until the take-over
     /// happens or the fresh session ends unused.
     handing_over: bool,
-    /// Consecutive exhausted operations.
-    failures: u32,
-    probe_backoff: Duration,
-    probe_nonce: Option<u64>,
-    probe_op: Option<TransferId>,
     last_targeted: Instant,
     queue: VecDeque<TransferId>,
     in_flight: u32,
@@ -579,8 +555,7 @@ impl Endpoint {
                 continue;
             }
             if let Some(s) = s {
-                s.frames_sent += 1;
-                s.unconfirmed_since.get_or_insert(self.last_now);
+                s.liveness.frame_sent(self.last_now);
             }
             return Some((session, msg));
         }

@@ -108,7 +108,7 @@ impl Endpoint {
 
     /// Consecutive exhausted operations of a session.
     pub fn session_failures(&self, session: SessionId) -> Option<u32> {
-        self.sessions.get(&session).map(|s| s.failures)
+        self.sessions.get(&session).map(|s| s.probation.failures())
     }
 
     /// Ids of the open sessions.

@@ -192,7 +192,7 @@ impl Endpoint {
     pub fn may_write_unseen(&self, session: SessionId, now: Instant) -> bool {
         self.sessions
             .get(&session)
-            .is_some_and(|s| s.state != SessionState::Closing && now < s.last_rx + s.window)
+            .is_some_and(|s| s.state != SessionState::Closing && s.liveness.alive_at(now))
     }
 
     /// Decode: the process that wrote `session` (ended, fenced by its writer) has exited:

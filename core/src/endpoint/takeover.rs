@@ -29,16 +29,9 @@ impl Endpoint {
         let rooms = std::mem::take(&mut o.rooms);
         let queue = std::mem::take(&mut o.queue);
         let old_target = o.target.take();
-        let (failures, capacity, in_flight) = (o.failures, o.capacity, o.in_flight);
+        let (failures, capacity, in_flight) = (o.probation.failures(), o.capacity, o.in_flight);
         o.in_flight = 0;
-        for t in [
-            &mut o.heartbeat_timer,
-            &mut o.silence_timer,
-            &mut o.probe_timer,
-            &mut o.idle_timer,
-        ] {
-            self.timers.cancel(t);
-        }
+        o.timers.cancel_watch(&mut self.timers);
         for op in self.ops.values_mut().filter(|op| op.session == old) {
             op.session = new;
             op.superseded = op.phase == OpPhase::InFlight;
@@ -82,7 +75,7 @@ impl Endpoint {
         };
         n.rooms.extend(rooms);
         n.queue.extend(queue);
-        n.failures = failures;
+        n.probation.carry_over(failures);
         n.capacity = n.capacity.or(capacity);
         n.in_flight += in_flight;
         n.target = n.target.or(old_target);

@@ -11,7 +11,7 @@ use crate::codec::ErrorCode;
 use crate::ids::{RoomId, SessionId, TransferId};
 use crate::layout::{Region, Slice};
 use crate::state::{FailureReason, KvPoll};
-use crate::timer::{Timer, TimerKey};
+use crate::timer::{Timer, TimerKey, TimerTable};
 
 use super::link::LinkEvidence;
 use super::{Endpoint, Op, OpPhase, Side};
@@ -58,7 +58,7 @@ impl Endpoint {
                 let Some(s) = self.sessions.get_mut(&sid) else {
                     return;
                 };
-                if fired(&mut s.linger_timer, key) && s.state == SessionState::Closing {
+                if fired(&mut s.timers.linger, key) && s.state == SessionState::Closing {
                     debug!(session = %sid, "close linger over; stopping the control writer");
                     self.actions.push_back(Action::StopLingering(sid));
                 }
@@ -223,7 +223,7 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if !fired(&mut s.handshake_timer, key) {
+        if !fired(&mut s.timers.handshake, key) {
             return;
         }
         if s.state == SessionState::Handshaking {
@@ -253,7 +253,7 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if !fired(&mut s.data_timer, key) {
+        if !fired(&mut s.timers.data, key) {
             return;
         }
         let live = matches!(
@@ -273,7 +273,7 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if fired(&mut s.fence_timer, key) && s.fencing && s.state != SessionState::Closing {
+        if fired(&mut s.timers.fence, key) && s.fencing && s.state != SessionState::Closing {
             warn!(session = %sid, "the data path did not confirm a fence in time; closing the session");
             self.counters.fence_timeouts += 1;
             self.close_session(
@@ -318,14 +318,13 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        let window = s.window;
-        if !fired(&mut s.liveness_timer, key) {
+        if !fired(&mut s.timers.liveness, key) {
             return;
         }
-        let due = s.last_rx + window;
+        let due = s.liveness.gives_up_at();
         if due > now {
             self.timers
-                .set(&mut s.liveness_timer, due, Timer::Liveness(sid));
+                .set(&mut s.timers.liveness, due, Timer::Liveness(sid));
             return;
         }
         // What fresh connections found during the silence names the cause; without
@@ -358,10 +357,10 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if !fired(&mut s.probe_timer, key) {
+        if !fired(&mut s.timers.probe, key) {
             return;
         }
-        if s.state != SessionState::Blacklisted || s.probe_op.is_some() {
+        if s.state != SessionState::Blacklisted || s.probation.probing() {
             return;
         }
         self.counters.probes_sent += 1;
@@ -386,7 +385,7 @@ impl Endpoint {
             },
         );
         if let Some(s) = self.sessions.get_mut(&sid) {
-            s.probe_op = Some(id);
+            s.probation.probe_queued(id);
             s.queue.push_front(id);
         }
         self.mark_ready(sid);
@@ -398,7 +397,7 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if !fired(&mut s.idle_timer, key) {
+        if !fired(&mut s.timers.idle, key) {
             return;
         }
         if s.state != SessionState::Blacklisted {
@@ -407,7 +406,7 @@ impl Endpoint {
         let due = s.last_targeted + idle;
         if due > now {
             self.timers
-                .set(&mut s.idle_timer, due, Timer::BlacklistIdle(sid));
+                .set(&mut s.timers.idle, due, Timer::BlacklistIdle(sid));
             return;
         }
         info!(session = %sid, "blacklisted session idle, forgetting it");
@@ -436,4 +435,54 @@ pub(super) fn fired(slot: &mut Option<TimerKey>, key: TimerKey) -> bool {
     }
     *slot = None;
     true
+}
+
+/// A session's deadlines, one slot each.
+///
+/// Invariant: a session that leaves the endpoint cancels every slot ([`Self::cancel_all`]),
+/// so no timer of a gone session stays in the table.
+#[derive(Debug, Default)]
+pub(super) struct SessionTimers {
+    pub(super) handshake: Option<TimerKey>,
+    pub(super) heartbeat: Option<TimerKey>,
+    pub(super) liveness: Option<TimerKey>,
+    pub(super) silence: Option<TimerKey>,
+    pub(super) probe: Option<TimerKey>,
+    /// A blacklisted session nobody targets is forgotten when it fires.
+    pub(super) idle: Option<TimerKey>,
+    /// Armed while the session closes: how long its control writer may still send.
+    pub(super) linger: Option<TimerKey>,
+    /// Armed while a fence waits for the driver's confirmation.
+    pub(super) fence: Option<TimerKey>,
+    /// Armed while broken data connections wait to be replaced.
+    pub(super) data: Option<TimerKey>,
+}
+
+impl SessionTimers {
+    /// Cancels the deadlines that watch the peer through this connection (heartbeats,
+    /// silence, probes, blacklist idleness): a fresh connection took the session over.
+    pub(super) fn cancel_watch(&mut self, timers: &mut TimerTable) {
+        for t in [
+            &mut self.heartbeat,
+            &mut self.silence,
+            &mut self.probe,
+            &mut self.idle,
+        ] {
+            timers.cancel(t);
+        }
+    }
+
+    /// Cancels every deadline: the session leaves the endpoint.
+    pub(super) fn cancel_all(&mut self, timers: &mut TimerTable) {
+        self.cancel_watch(timers);
+        for t in [
+            &mut self.handshake,
+            &mut self.liveness,
+            &mut self.linger,
+            &mut self.fence,
+            &mut self.data,
+        ] {
+            timers.cancel(t);
+        }
+    }
 }
