@@ -1,6 +1,5 @@
 //! Sessions: opening and accepting them, the challenges, proofs and hellos, refusals and strikes, and the control frames' dispatch.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
@@ -18,6 +17,7 @@ use crate::state::{FailureReason, Role};
 use crate::timer::Timer;
 
 use super::liveness::Liveness;
+use super::op_queue::OpQueue;
 use super::probation::Probation;
 use super::timers::SessionTimers;
 use super::{hello_transcript, Auth, Endpoint, HandshakeError, Session, Set};
@@ -46,7 +46,7 @@ impl Endpoint {
     /// A connection that became ours after the shutdown began (a dial or an accept already
     /// under way) is told so and closed at once: a node going away opens no session.
     fn refuse_while_shutting_down(&mut self, now: Instant, sid: SessionId) {
-        if self.shut_down {
+        if self.shutdown.begun() {
             self.close_for_shutdown(now, sid);
         }
     }
@@ -134,10 +134,7 @@ impl Endpoint {
             resumes: None,
             handing_over: false,
             last_targeted: now,
-            queue: VecDeque::new(),
-            in_flight: 0,
-            in_ready: false,
-            fencing: false,
+            ops: OpQueue::default(),
             rooms: Set::with_hasher(self.hasher.clone()),
             strikes: 0,
             capacity: None,

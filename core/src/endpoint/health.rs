@@ -69,7 +69,7 @@ impl Endpoint {
             op.source_checksum = None;
         }
         if let Some(s) = self.sessions.get_mut(&op.session) {
-            s.in_flight = s.in_flight.saturating_sub(1);
+            s.ops.ended();
         }
         self.mark_ready(op.session);
         let room_live = op.room.and_then(|room| {
@@ -161,7 +161,7 @@ impl Endpoint {
         let new_id = self.alloc_op_id();
         self.ops.insert(new_id, op);
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.queue.push_front(new_id);
+            s.ops.push_front(new_id);
         }
         self.mark_ready(session);
     }
@@ -527,10 +527,9 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if s.fencing || s.state == SessionState::Closing {
+        if s.state == SessionState::Closing || !s.ops.start_fence() {
             return;
         }
-        s.fencing = true;
         // The driver must confirm that nothing in flight can land; the core bounds that wait.
         let at = self.last_now + self.config.fence_timeout;
         self.timers.set(&mut s.timers.fence, at, Timer::Fence(sid));

@@ -294,7 +294,7 @@ impl Endpoint {
         let max = self.config.reconnect_max_interval;
         let shortest = self.config.reconnect_interval;
         let window = self.config.unreachable_timeout;
-        let shut_down = self.shut_down;
+        let shut_down = self.shutdown.begun();
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
@@ -433,7 +433,7 @@ impl Endpoint {
             s.state,
             SessionState::Established | SessionState::Blacklisted
         );
-        if !live || s.inbound || s.fencing || self.successions.is_superseded(session) {
+        if !live || s.inbound || s.ops.fencing() || self.successions.is_superseded(session) {
             return;
         }
         s.data_lost += 1;
@@ -473,10 +473,9 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&session) else {
             return;
         };
-        if !s.fencing {
+        if !s.ops.end_fence() {
             return;
         }
-        s.fencing = false;
         self.timers.cancel(&mut s.timers.fence);
         self.settle_session_ops(now, session, true);
         self.fence_done(now, session);
@@ -571,7 +570,7 @@ impl Endpoint {
 
     /// Asks the driver for one connection attempt to `target`, bounded by `connect_timeout`.
     pub(super) fn dial(&mut self, target: TargetId) {
-        if self.shut_down || !self.targets.contains_key(&target) {
+        if self.shutdown.begun() || !self.targets.contains_key(&target) {
             return;
         }
         let deadline = self.last_now + self.config.connect_timeout;
@@ -604,8 +603,7 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if !s.in_ready && !s.fencing && s.in_flight < max && !s.queue.is_empty() {
-            s.in_ready = true;
+        if s.ops.wants_turn(max) {
             self.ready_sessions.push_back(sid);
         }
     }

@@ -9,6 +9,7 @@ mod layer_bits;
 mod link;
 mod listener;
 mod liveness;
+mod op_queue;
 mod pending_rooms;
 mod planning;
 mod probation;
@@ -54,6 +55,7 @@ use layer_bits::LayerBits;
 use link::LinkEvidence;
 use listener::{Deadlines, Listener};
 use liveness::Liveness;
+use op_queue::OpQueue;
 use pending_rooms::PendingRooms;
 use probation::Probation;
 use successions::Successions;
@@ -95,11 +97,7 @@ pub struct Endpoint {
     /// Challenges for peers: unpredictable without the cluster token and our seed.
     nonces: Nonces,
     last_now: Instant,
-    shut_down: bool,
-    /// Armed by a shutdown while sessions are still closing.
-    shutdown_timer: Option<TimerKey>,
-    /// [`Event::ShutDown`] went out.
-    shutdown_complete: bool,
+    shutdown: Shutdown,
     sessions: Map<SessionId, Session>,
     next_session: u32,
     /// Established sessions by peer node, to notice restarts and duplicates.
@@ -137,6 +135,25 @@ pub struct Endpoint {
     /// Sessions that ended while only their writer could fence them: the rooms they could
     /// still write, quarantined until the writer's liveness window has passed.
     writer_quarantines: Map<SessionId, WriterQuarantine>,
+}
+
+/// Where the endpoint's shutdown stands: it goes one way, Running to Closing to Complete.
+#[derive(Debug)]
+enum Shutdown {
+    Running,
+    /// Begun: every session is closing, until the last one closed or `timer` fired.
+    Closing {
+        timer: Option<TimerKey>,
+    },
+    /// [`Event::ShutDown`] went out.
+    Complete,
+}
+
+impl Shutdown {
+    /// Whether the shutdown began: no new room, session or connection from now on.
+    fn begun(&self) -> bool {
+        !matches!(self, Shutdown::Running)
+    }
 }
 
 /// The rooms an ended writer-fenced session could still write, and when that is over.
@@ -209,10 +226,8 @@ struct Session {
     /// happens or the fresh session ends unused.
     handing_over: bool,
     last_targeted: Instant,
-    queue: VecDeque<TransferId>,
-    in_flight: u32,
-    in_ready: bool,
-    fencing: bool,
+    /// Its operations toward the peer: queued, in flight, its turn, a pending fence.
+    ops: OpQueue,
     rooms: Set<RoomId>,
     strikes: u32,
     capacity: Option<Capacity>,
@@ -499,9 +514,7 @@ impl Endpoint {
             rng: Rng::new(seed),
             nonces,
             last_now: now,
-            shut_down: false,
-            shutdown_timer: None,
-            shutdown_complete: false,
+            shutdown: Shutdown::Running,
             sessions: Map::with_hasher(hasher.clone()),
             next_session: 0,
             nodes: Map::with_hasher(hasher.clone()),
@@ -577,17 +590,10 @@ impl Endpoint {
             let Some(session) = self.sessions.get_mut(&sid) else {
                 continue;
             };
-            session.in_ready = false;
             // A closing session runs nothing more: a peer that hears its goodbye may count
             // on it (a same-host writer's receiver releases its pages on it).
-            if session.fencing
-                || session.handing_over
-                || session.in_flight >= max
-                || session.state == SessionState::Closing
-            {
-                continue;
-            }
-            let Some(id) = session.queue.pop_front() else {
+            let may_run = !session.handing_over && session.state != SessionState::Closing;
+            let Some(id) = session.ops.turn(max, may_run) else {
                 continue;
             };
             let Some(op) = self.ops.get_mut(&id) else {
@@ -595,7 +601,7 @@ impl Endpoint {
                 self.mark_ready(sid);
                 continue;
             };
-            session.in_flight += 1;
+            session.ops.started();
             op.phase = OpPhase::InFlight;
             let out = TransferOp {
                 id,

@@ -187,7 +187,7 @@ impl Endpoint {
                 },
             );
             if let Some(x) = self.sessions.get_mut(&sid) {
-                x.queue.push_back(id);
+                x.ops.push_back(id);
                 x.last_targeted = now;
             }
             self.mark_ready(sid);

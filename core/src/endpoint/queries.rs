@@ -92,8 +92,8 @@ impl Endpoint {
     /// Per-session data-path figures, for exporters.
     pub fn session_stats(&self, session: SessionId) -> Option<SessionStats> {
         self.sessions.get(&session).map(|s| SessionStats {
-            in_flight: s.in_flight,
-            queued: s.queue.len() as u32,
+            in_flight: s.ops.in_flight(),
+            queued: s.ops.queued() as u32,
             ..s.stats
         })
     }

@@ -11,7 +11,7 @@ use crate::ids::{Generation, RoomId, SessionId, TransferId};
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::Timer;
 
-use super::{Endpoint, OpPhase, PeerIdentity, Room, Side};
+use super::{Endpoint, OpPhase, PeerIdentity, Room, Shutdown, Side};
 
 impl Endpoint {
     /// Records a new room of either side in `Bootstrapping`, with its bootstrap deadline armed.
@@ -71,7 +71,9 @@ impl Endpoint {
     /// and closed. Later commands fail with [`ApiError::ShutDown`].
     pub fn shutdown(&mut self, now: Instant) {
         let now = self.clock(now);
-        self.shut_down = true;
+        if !self.shutdown.begun() {
+            self.shutdown = Shutdown::Closing { timer: None };
+        }
         // Kept peers are dialed no more, and none is waited for.
         for t in self.targets.values_mut() {
             self.timers.cancel(&mut t.timer);
@@ -93,23 +95,22 @@ impl Endpoint {
         }
         if self.sessions.is_empty() {
             self.finish_shutdown();
-        } else if self.shutdown_timer.is_none() && !self.shutdown_complete {
+        } else if let Shutdown::Closing { timer: slot @ None } = &mut self.shutdown {
             let due = now + self.config.shutdown_timeout;
-            self.timers
-                .set(&mut self.shutdown_timer, due, Timer::Shutdown);
+            self.timers.set(slot, due, Timer::Shutdown);
         }
     }
 
     /// Whether the shutdown completed ([`Event::ShutDown`] went out).
     pub fn shutdown_complete(&self) -> bool {
-        self.shutdown_complete
+        matches!(self.shutdown, Shutdown::Complete)
     }
 
     /// Whether this node may connect to a peer or take a connection now: not once its
     /// shutdown began (a caller's dial, a new target or a new listener gets `ShutDown`; a
     /// connection that arrives anyway is closed with `Error(Shutdown)` at once).
     pub fn may_connect(&self) -> Result<(), ApiError> {
-        if self.shut_down {
+        if self.shutdown.begun() {
             return Err(ApiError::ShutDown);
         }
         Ok(())
@@ -128,11 +129,11 @@ impl Endpoint {
 
     /// Reports the shutdown complete, once: when the last session closed, or at its timeout.
     pub(super) fn finish_shutdown(&mut self) {
-        if !self.shut_down || self.shutdown_complete {
+        let Shutdown::Closing { timer } = &mut self.shutdown else {
             return;
-        }
-        self.shutdown_complete = true;
-        self.timers.cancel(&mut self.shutdown_timer);
+        };
+        self.timers.cancel(timer);
+        self.shutdown = Shutdown::Complete;
         let unclosed = self.sessions.len();
         if unclosed > 0 {
             warn!(
@@ -152,7 +153,7 @@ impl Endpoint {
         if self.local.role != role {
             return Err(ApiError::WrongRole { needs: role });
         }
-        if self.shut_down {
+        if self.shutdown.begun() {
             return Err(ApiError::ShutDown);
         }
         if self.rooms.contains_key(&room) {

@@ -34,7 +34,7 @@ impl Endpoint {
                 needs: Role::Prefill,
             });
         }
-        if self.shut_down {
+        if self.shutdown.begun() {
             return Err(ApiError::ShutDown);
         }
         if self.rooms.contains_key(&room) {
@@ -108,7 +108,7 @@ impl Endpoint {
             Some(Side::Sender(s)) => s.receivers.iter().map(|x| x.session).find(|sid| {
                 sessions
                     .get(sid)
-                    .is_some_and(|x| x.queue.len() as u32 >= max_queued)
+                    .is_some_and(|x| x.ops.queued() as u32 >= max_queued)
             }),
             _ => None,
         };

@@ -27,10 +27,9 @@ impl Endpoint {
             return;
         };
         let rooms = std::mem::take(&mut o.rooms);
-        let queue = std::mem::take(&mut o.queue);
+        let ops = o.ops.hand_over();
         let old_target = o.target.take();
-        let (failures, capacity, in_flight) = (o.probation.failures(), o.capacity, o.in_flight);
-        o.in_flight = 0;
+        let (failures, capacity) = (o.probation.failures(), o.capacity);
         o.timers.cancel_watch(&mut self.timers);
         for op in self.ops.values_mut().filter(|op| op.session == old) {
             op.session = new;
@@ -74,10 +73,9 @@ impl Endpoint {
             return;
         };
         n.rooms.extend(rooms);
-        n.queue.extend(queue);
+        n.ops.take_over(ops);
         n.probation.carry_over(failures);
         n.capacity = n.capacity.or(capacity);
-        n.in_flight += in_flight;
         n.target = n.target.or(old_target);
         let inbound = n.inbound;
         self.nodes.insert(node, new);

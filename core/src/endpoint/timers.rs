@@ -14,7 +14,7 @@ use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
 
 use super::link::LinkEvidence;
-use super::{Endpoint, Op, OpPhase, Side};
+use super::{Endpoint, Op, OpPhase, Shutdown, Side};
 
 impl Endpoint {
     /// Processes every deadline due at `now`.
@@ -77,8 +77,10 @@ impl Endpoint {
             }
             Timer::Fence(sid) => self.on_fence_timer(now, sid, key),
             Timer::Shutdown => {
-                if fired(&mut self.shutdown_timer, key) {
-                    self.finish_shutdown();
+                if let Shutdown::Closing { timer } = &mut self.shutdown {
+                    if fired(timer, key) {
+                        self.finish_shutdown();
+                    }
                 }
             }
             Timer::TargetIdle(target) => {
@@ -213,7 +215,7 @@ impl Endpoint {
         op.phase = OpPhase::Queued;
         let session = op.session;
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.queue.push_front(id);
+            s.ops.push_front(id);
         }
         self.mark_ready(session);
     }
@@ -261,7 +263,7 @@ impl Endpoint {
             SessionState::Established | SessionState::Blacklisted
         );
         let n = std::mem::take(&mut s.data_lost);
-        if live && !s.fencing {
+        if live && !s.ops.fencing() {
             for _ in 0..n {
                 self.actions.push_back(Action::OpenDataConnection(sid));
             }
@@ -273,7 +275,7 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        if fired(&mut s.timers.fence, key) && s.fencing && s.state != SessionState::Closing {
+        if fired(&mut s.timers.fence, key) && s.ops.fencing() && s.state != SessionState::Closing {
             warn!(session = %sid, "the data path did not confirm a fence in time; closing the session");
             self.counters.fence_timeouts += 1;
             self.close_session(
@@ -386,7 +388,7 @@ impl Endpoint {
         );
         if let Some(s) = self.sessions.get_mut(&sid) {
             s.probation.probe_queued(id);
-            s.queue.push_front(id);
+            s.ops.push_front(id);
         }
         self.mark_ready(sid);
     }
