@@ -20,6 +20,7 @@ use super::liveness::Liveness;
 use super::op_queue::OpQueue;
 use super::probation::Probation;
 use super::timers::SessionTimers;
+use super::writer::Writer;
 use super::{hello_transcript, Auth, Endpoint, HandshakeError, Session, Set};
 
 impl Endpoint {
@@ -116,8 +117,7 @@ impl Endpoint {
     pub(super) fn new_session(&mut self, now: Instant, auth: Auth) -> SessionId {
         let inbound = matches!(auth, Auth::ListenerWaiting);
         let now = self.clock(now);
-        self.next_session += 1;
-        let sid = SessionId(self.next_session);
+        let sid = self.sessions.next_id();
         let mut session = Session {
             state: SessionState::Handshaking,
             peer: None,
@@ -142,10 +142,7 @@ impl Endpoint {
             stats: SessionStats::default(),
             target: None,
             epoch: 0,
-            one_sided: false,
-            fenced_by_writer: false,
-            writer_stopped: false,
-            flush_landed: false,
+            writer: Writer::default(),
         };
         self.timers.set(
             &mut session.timers.handshake,
@@ -285,7 +282,7 @@ impl Endpoint {
                     s.close_reason = reason;
                     // The peer's core stopped handing out this session's operations before
                     // it sent this: a writer that copies inline has nothing left landing.
-                    s.writer_stopped = true;
+                    s.writer.stopped();
                 }
                 self.fail_session_rooms(now, sid, reason);
                 self.request_close(sid);
@@ -542,9 +539,9 @@ impl Endpoint {
         if pending_resume.is_some() {
             resumed_from = None;
         } else {
-            self.nodes.insert(h.node, sid);
+            self.sessions.set_node(h.node, sid);
         }
-        let remembered = self.blacklist_memory.remove(&h.node);
+        let remembered = self.sessions.take_blacklist(h.node);
         let interval = self.config.heartbeat_interval;
         // Both ends give up on a silent session at the same moment: the longer of the two
         // announced liveness windows. Link checks wait out at least two of its heartbeats.
@@ -661,7 +658,7 @@ impl Endpoint {
         // connection takes the old session's work over (the old link went silent).
         let mut resumed_from = None;
         let mut was_blacklisted = false;
-        if let Some(&old) = self.nodes.get(&h.node) {
+        if let Some(old) = self.sessions.of_node(h.node) {
             if old != sid {
                 let (old_inc, old_state) = self
                     .sessions

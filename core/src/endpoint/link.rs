@@ -10,7 +10,8 @@ use crate::ids::{DialId, SessionId, TargetId};
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::Timer;
 
-use super::{Endpoint, RememberedBlacklist, Side, Target, WriterQuarantine};
+use super::sessions::RememberedBlacklist;
+use super::{Endpoint, Side, Target, WriterQuarantine};
 
 impl Endpoint {
     /// Registers a peer to stay connected to. The core asks for a connection at once
@@ -354,9 +355,10 @@ impl Endpoint {
             Some(peer) => info!(%session, node = %peer.node, "session closed by our shutdown"),
             None => debug!(%session, %reason, "session ended before its handshake"),
         }
-        if let (SessionState::Blacklisted, Some(peer)) = (s.state, s.peer) {
-            let until = s.last_targeted + self.config.blacklist_idle_timeout;
-            self.blacklist_memory.insert(
+        let (state, peer, last_targeted) = (s.state, s.peer, s.last_targeted);
+        if let (SessionState::Blacklisted, Some(peer)) = (state, peer) {
+            let until = last_targeted + self.config.blacklist_idle_timeout;
+            self.sessions.remember_blacklist(
                 peer.node,
                 RememberedBlacklist {
                     incarnation: peer.incarnation,
@@ -364,17 +366,15 @@ impl Endpoint {
                 },
             );
         }
-        if let Some(peer) = s.peer {
-            if self.nodes.get(&peer.node) == Some(&session) {
-                self.nodes.remove(&peer.node);
-            }
+        if let Some(peer) = peer {
+            self.sessions.forget_node(peer.node, session);
         }
         self.fail_session_rooms(now, session, reason);
         self.settle_session_ops(now, session, false);
         let writer_fenced = self
             .sessions
             .get(&session)
-            .is_some_and(|s| s.fenced_by_writer && !s.writer_stopped);
+            .is_some_and(|s| s.writer.may_write_after_end());
         if writer_fenced {
             self.quarantine_until_writer_gives_up(now, session);
         } else {

@@ -17,10 +17,12 @@ mod queries;
 mod receiver;
 mod rooms;
 mod sender;
+mod sessions;
 mod successions;
 mod takeover;
 mod timers;
 mod tombstones;
+mod writer;
 mod writes;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -58,9 +60,11 @@ use liveness::Liveness;
 use op_queue::OpQueue;
 use pending_rooms::PendingRooms;
 use probation::Probation;
+use sessions::Sessions;
 use successions::Successions;
 use timers::SessionTimers;
 use tombstones::Tombstones;
+use writer::Writer;
 
 /// Hash maps seeded from the endpoint seed: deterministic iteration for equal inputs, and
 /// keys chosen by peers cannot be aimed at a hasher they do not know.
@@ -98,12 +102,7 @@ pub struct Endpoint {
     nonces: Nonces,
     last_now: Instant,
     shutdown: Shutdown,
-    sessions: Map<SessionId, Session>,
-    next_session: u32,
-    /// Established sessions by peer node, to notice restarts and duplicates.
-    nodes: Map<NodeId, SessionId>,
-    /// Blacklists of peers whose connection dropped, so a reconnect cannot launder them.
-    blacklist_memory: Map<NodeId, RememberedBlacklist>,
+    sessions: Sessions,
     rooms: Map<RoomId, Room>,
     tombstones: Tombstones,
     /// Prefill: room messages that arrived before the sender room was opened.
@@ -236,19 +235,8 @@ struct Session {
     target: Option<TargetId>,
     /// Bumped by every completed fence: permits of an older epoch are void.
     epoch: u32,
-    /// Its writes land without this endpoint seeing them (RDMA): `Success` of its rooms
-    /// rests on the source's word, bound to the peer's incarnation, not on landed bytes.
-    one_sided: bool,
-    /// Only its writer can stop its writes (the same-host path copies from the peer's own
-    /// process): closing its connections fences nothing, so its rooms' pages stay
-    /// quarantined after it ends until the writer can no longer write.
-    fenced_by_writer: bool,
-    /// The peer said it closes the session (an `Error` frame): it hands out no operation of
-    /// it any more, so a writer-fenced session needs no quarantine after it ends.
-    writer_stopped: bool,
-    /// What it writes one-sided becomes visible to the memory's device only after a flush
-    /// ([`Action::FlushLanded`]) before the room is reported `Success`.
-    flush_landed: bool,
+    /// Decode: how the peer writes into our memory (seen or one-sided, who can stop it).
+    writer: Writer,
 }
 
 /// Where a session's handshake stands (see `docs/PROTOCOL.md`, "Handshake").
@@ -288,12 +276,6 @@ fn hello_transcript(h: &Hello) -> Vec<u8> {
     })
     .encode(&mut v);
     v
-}
-
-#[derive(Debug, Clone, Copy)]
-struct RememberedBlacklist {
-    incarnation: Incarnation,
-    until: Instant,
 }
 
 #[derive(Debug)]
@@ -515,10 +497,7 @@ impl Endpoint {
             nonces,
             last_now: now,
             shutdown: Shutdown::Running,
-            sessions: Map::with_hasher(hasher.clone()),
-            next_session: 0,
-            nodes: Map::with_hasher(hasher.clone()),
-            blacklist_memory: Map::with_hasher(hasher.clone()),
+            sessions: Sessions::new(hasher.clone()),
             rooms: Map::with_hasher(hasher.clone()),
             tombstones,
             pending: PendingRooms::new(hasher.clone()),

@@ -169,7 +169,7 @@ impl Endpoint {
     /// incarnation, instead of on bytes counted through [`Endpoint::end_write`].
     pub fn set_one_sided(&mut self, session: SessionId) {
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.one_sided = true;
+            s.writer.set_one_sided();
         }
     }
 
@@ -180,7 +180,7 @@ impl Endpoint {
     /// [`Endpoint::handle_writer_exited`].
     pub fn set_fenced_by_writer(&mut self, session: SessionId) {
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.fenced_by_writer = true;
+            s.writer.set_fenced_by_writer();
         }
     }
 
@@ -211,8 +211,7 @@ impl Endpoint {
     /// fences it, as over TCP.
     pub fn clear_one_sided(&mut self, session: SessionId) {
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.one_sided = false;
-            s.fenced_by_writer = false;
+            s.writer.set_seen();
         }
     }
 
@@ -222,7 +221,7 @@ impl Endpoint {
     /// [`Action::FlushLanded`] was carried out ([`Endpoint::end_flush`]).
     pub fn flush_landed_writes(&mut self, session: SessionId) {
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.flush_landed = true;
+            s.writer.set_flush_landed();
         }
     }
 
@@ -332,7 +331,10 @@ impl Endpoint {
                     self.strike(sid, "success before the request", false);
                     return;
                 }
-                let one_sided = self.sessions.get(&sid).is_some_and(|s| s.one_sided);
+                let one_sided = self
+                    .sessions
+                    .get(&sid)
+                    .is_some_and(|s| s.writer.one_sided());
                 // A checksummed one-sided source's bytes count as they are verified: its word
                 // waits for the checks still running, then needs them all, as over TCP.
                 let checked = one_sided && self.config.checksum;
@@ -384,7 +386,7 @@ impl Endpoint {
         let flush = rr.sources.iter().any(|s| {
             self.sessions
                 .get(&s.session)
-                .is_some_and(|x| x.one_sided && x.flush_landed)
+                .is_some_and(|x| x.writer.needs_flush())
         });
         if !flush {
             self.conclude(now, room, KvPoll::Success);

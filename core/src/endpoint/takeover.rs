@@ -78,7 +78,7 @@ impl Endpoint {
         n.capacity = n.capacity.or(capacity);
         n.target = n.target.or(old_target);
         let inbound = n.inbound;
-        self.nodes.insert(node, new);
+        self.sessions.set_node(node, new);
         // Whoever named the old session (an embedder's link, a target kept connected) now
         // names the new one: a target that still pointed at the old session would see it
         // close, dial again, and its fresh session would take this one over in turn.
@@ -120,7 +120,7 @@ impl Endpoint {
                 && o.peer.map(|p| (p.node, p.incarnation)) == Some(who)
         });
         if !same || self.successions.is_superseded(old) {
-            self.nodes.insert(node, sid);
+            self.sessions.set_node(node, sid);
             self.resume_unused(old);
             return;
         }

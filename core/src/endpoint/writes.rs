@@ -183,7 +183,7 @@ impl Endpoint {
             let applied_here = self
                 .sessions
                 .get(&src.session)
-                .is_some_and(|s| !s.one_sided);
+                .is_some_and(|s| !s.writer.one_sided());
             if applied_here
                 && src.granted
                 && !src.idle
@@ -416,7 +416,10 @@ impl Endpoint {
         checksum: u64,
         ranges: &[LandedRange],
     ) {
-        let one_sided = self.sessions.get(&sid).is_some_and(|s| s.one_sided);
+        let one_sided = self
+            .sessions
+            .get(&sid)
+            .is_some_and(|s| s.writer.one_sided());
         if !one_sided || !self.config.checksum {
             // Over TCP the checksum rides with the write itself; without the option there is
             // nothing to verify.
