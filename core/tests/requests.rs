@@ -207,11 +207,13 @@ proptest! {
     ) {
         let (mut sim, p, d) = opened(sender);
         let run_ok = |&(s, l): &(u32, u32)| l >= 1 && s.checked_add(l).is_some();
+        // `0xFFFFFFFF` is the wire's "no slot": a request carrying it asks for no aux row.
+        let asks_aux = aux.is_some_and(|a| a != u32::MAX);
         let wellformed = cut == 0
             && receivers >= 1
             && pages.iter().chain(extras.iter().flatten()).all(run_ok)
             && (skip != SKIP_ALL
-                || (pages.is_empty() && aux.is_none() && extras.iter().all(Vec::is_empty)));
+                || (pages.is_empty() && !asks_aux && extras.iter().all(Vec::is_empty)));
         let mut frame = request(receivers, skip, &pages, aux, extras);
         if cut > 0 {
             frame.truncate(frame.len().saturating_sub(cut).max(19));
