@@ -25,6 +25,10 @@ from typing import Optional, Sequence
 _FULL = ("FullAttentionSpec", "MLAAttentionSpec")
 _WINDOW = ("SlidingWindowSpec",)
 _CHUNKED = ("ChunkedLocalAttentionSpec",)
+#: Recurrent state (Mamba, GDN): one state block per request, not one per token block.
+_STATE = ("MambaSpec",)
+
+
 _FULL_KIND = ("full", 0, 0)
 
 
@@ -37,11 +41,16 @@ class NullBlockInRoom(ValueError):
 class KvGroups:
     """The KV cache groups a request's blocks move in, in vLLM's group order: each group's
     vLLM group id and its kind as ``(name, tokens, extra)``: ``("full", 0, 0)``,
-    ``("sliding_window", window, extra tokens retained)``, ``("chunked_local", chunk, 0)``."""
+    ``("sliding_window", window, extra tokens retained)``, ``("chunked_local", chunk, 0)``,
+    ``("state", blocks per request, 0)`` (Mamba/GDN: its state blocks go after the prompt's,
+    and the prefill computes all but the prompt's last token, which the decode recomputes
+    from the state: ``backoff``)."""
 
     ids: tuple[int, ...]
     kinds: tuple[tuple[str, int, int], ...]
     block_size: int
+    #: What a state group's blocks hold (its state shapes and dtypes): both sides must agree.
+    states: tuple[str, ...] = ()
     #: vLLM's null block: a freed position in a group's block table.
     null_block: int = 0
 
@@ -53,7 +62,7 @@ class KvGroups:
             return cls((0,), (_FULL_KIND,), block_size)
         groups = list(kv_cache_config.kv_cache_groups)
         transfer = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
-        ids, kinds = [], []
+        ids, kinds, states = [], [], []
         for i in transfer:
             spec = groups[i].kv_cache_spec
             kind = type(spec).__name__
@@ -65,6 +74,15 @@ class KvGroups:
                         int(getattr(spec, "extra_retained_tokens", 0) or 0))
             elif kind in _CHUNKED:
                 this = ("chunked_local", int(spec.attention_chunk_size), 0)
+            elif kind in _STATE:
+                mode = str(getattr(spec, "mamba_cache_mode", "none"))
+                if mode != "none":
+                    raise ValueError(f"kvferry.vllm: {where} caches state with mamba_cache_mode={mode!r}; "
+                                     "kvferry moves the state of mode 'none' (prefix caching off)")
+                ids.append(i)
+                kinds.append(("state", 1 + int(getattr(spec, "num_speculative_blocks", 0) or 0), 0))
+                states.append(f"{[list(x) for x in spec.shapes]} {[str(d).replace('torch.', '') for d in spec.dtypes]}")
+                continue
             else:
                 raise ValueError(
                     f"kvferry.vllm: {where}: kvferry moves full-attention, sliding-window and "
@@ -78,7 +96,14 @@ class KvGroups:
             kinds.append(this)
         if not ids:
             raise ValueError("kvferry.vllm: no KV cache group of this engine is transferable")
-        return cls(tuple(ids), tuple(kinds), block_size)
+        return cls(tuple(ids), tuple(kinds), block_size, tuple(states))
+
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens the prefill leaves to the decode: 1 with recurrent state (the decode
+        derives the last token's state from the one before it, which a prefill that computed
+        the whole prompt no longer holds), else 0."""
+        return 1 if any(name == "state" for name, _, _ in self.kinds) else 0
 
     @property
     def hybrid(self) -> bool:
@@ -88,13 +113,16 @@ class KvGroups:
     def signature(self) -> list:
         """What both sides must agree on: each group's kind and size (and the tokens a window
         retains past itself, where it does), in order."""
-        return [[name, size, extra] if extra else [name, size] for name, size, extra in self.kinds]
+        out = [[name, size, extra] if extra else [name, size] for name, size, extra in self.kinds]
+        return out + [["state_layout", s] for s in self.states]
 
     def first_block(self, group: int, tokens: int) -> int:
         """The first block of a ``tokens``-token prompt that group ``group`` still holds for
         the next token: vLLM frees the blocks wholly before what that token attends to (as
         its ``get_num_skipped_tokens`` counts them, for the prompt's tokens computed)."""
         name, size, extra = self.kinds[group]
+        if name == "state":
+            return 1 << 62  # no block per token
         if name == "sliding_window":
             skipped = max(0, tokens - size + 1 - extra)
         elif name == "chunked_local":
@@ -124,9 +152,20 @@ class KvGroups:
                 if block == self.null_block:
                     raise NullBlockInRoom(f"block {index} of group {gid} is vLLM's null block")
                 out.append(block)
+        if end == n:
+            # The state blocks come last, so that a decode that holds the first blocks
+            # still grants a tail of the same list.
+            for (name, size, _), gid in zip(self.kinds, self.ids):
+                if name != "state":
+                    continue
+                state = [int(b) for b in block_ids[gid] if int(b) != self.null_block]
+                if len(state) != size:
+                    raise NullBlockInRoom(f"group {gid} holds {len(state)} state blocks, not {size}")
+                out.extend(state)
         return out
 
     def count(self, tokens: int) -> int:
         """How many pages a ``tokens``-token prompt's room has."""
         n = -(-tokens // self.block_size)
-        return sum(n - min(n, self.first_block(g, tokens)) for g in range(len(self.ids)))
+        return sum(size if name == "state" else n - min(n, self.first_block(g, tokens))
+                   for g, (name, size, _) in enumerate(self.kinds))

@@ -77,7 +77,8 @@ def tiny_mla_dir() -> str:
 def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str = "float32",
                 policy: str = "recompute", extra: Optional[dict] = None,
                 max_num_batched_tokens: int = 64, tp: int = 1, kv_heads: int = KV_HEADS,
-                dp: tuple[int, int] = (0, 1), mla: bool = False, pp: int = 1, hybrid: bool = False):
+                dp: tuple[int, int] = (0, 1), mla: bool = False, pp: int = 1, hybrid: bool = False,
+                prefix_off: bool = False):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -99,7 +100,8 @@ def make_config(role: str, port: int, block_size: int = BLOCK_SIZE, dtype: str =
         # a model with sliding-window layers when the connector supports it.
         disable_hybrid_kv_cache_manager=False if hybrid else None,
     )
-    cache = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True)
+    # Recurrent state cached in vLLM's "none" mode: no prefix caching (``Side(mamba=True)``).
+    cache = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=not prefix_off)
     transfer = KVTransferConfig(
         kv_connector="KvferryConnector",
         kv_connector_module_path="kvferry.vllm",
@@ -138,14 +140,18 @@ class Side:
     """vLLM's scheduler and kvferry's worker connector of one engine, stepped by hand. With
     ``window`` (tokens), a hybrid model: layer 0 full attention, layer 1 a sliding window,
     each its own KV cache group with its own block table, both layers over one tensor; with
-    ``chunk`` (tokens), layer 1 chunked local attention instead."""
+    ``chunk`` (tokens), layer 1 chunked local attention instead; with ``mamba``, layer 1
+    keeps recurrent state (conv and SSM state views into the shared tensor's blocks, one
+    block per request), and a step writes a state derived from every token computed so far."""
 
-    def __init__(self, role: str, port: int, num_blocks: int = 256, window: int = 0, chunk: int = 0, **kw):
+    def __init__(self, role: str, port: int, num_blocks: int = 256, window: int = 0, chunk: int = 0,
+                 mamba: bool = False, **kw):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (
             ChunkedLocalAttentionSpec,
             FullAttentionSpec,
+            MambaSpec,
             KVCacheConfig,
             KVCacheGroupSpec,
             SlidingWindowSpec,
@@ -154,12 +160,21 @@ class Side:
 
         from kvferry.vllm import KvferryConnector
 
-        self.config = make_config(role, port, hybrid=bool(window or chunk), **kw)
+        hybrid = bool(window or chunk or mamba)
+        self.config = make_config(role, port, hybrid=hybrid, prefix_off=mamba, **kw)
         block_size = self.config.cache_config.block_size
         dtype = self.config.model_config.dtype
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        if window or chunk:
+        self.mamba = mamba
+        scheduler_block = block_size
+        if mamba:
+            # One state block per request ("none" mode: its block spans the model's length).
+            scheduler_block = self.config.model_config.max_model_len
+            local = MambaSpec(block_size=scheduler_block, shapes=((4, 64), (2, 16, 16)),
+                              dtypes=(dtype, dtype), page_size_padded=spec.page_size_bytes)
+            groups = [KVCacheGroupSpec(names[:1], spec), KVCacheGroupSpec(names[1:], local)]
+        elif window or chunk:
             shape = dict(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
             local = (SlidingWindowSpec(sliding_window=window, **shape) if window
                      else ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **shape))
@@ -175,7 +190,7 @@ class Side:
             vllm_config=self.config,
             kv_cache_config=kv_config,
             structured_output_manager=StructuredOutputManager(self.config),
-            block_size=block_size,
+            block_size=scheduler_block,
             log_stats=True,
         )
         # vLLM's CPU layout: [num_blocks, num_kv_heads, block_size, 2 * head_size] per layer.
@@ -183,14 +198,26 @@ class Side:
             name: torch.zeros((num_blocks, KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=dtype)
             for name in names
         }
-        if window or chunk:
+        if hybrid:
             # vLLM's hybrid allocation: one tensor per position in a group, shared by the
             # groups' layers (a block belongs to one group at a time).
             shared = self.kv[names[0]]
             self.kv = {name: shared.view(shared.shape) for name in names}
+        registered = self.kv
+        if mamba:
+            # vLLM 0.32.0's cache of a state layer: an int8 view of the state's bytes at the
+            # start of each block of the tensor it shares (strided by the attention page),
+            # here registered before the attention layer, as a model whose first layer
+            # keeps state registers it.
+            state = (4 * 64 + 2 * 16 * 16) * shared.element_size()
+            view = torch.as_strided(shared.view(torch.int8), (num_blocks, 1, 1, state),
+                                    (spec.page_size_bytes, state, state, 1))
+            registered = {names[1]: view, **{n: t for n, t in self.kv.items() if n != names[1]}}
         self.worker = KvferryConnector(self.config, KVConnectorRole.WORKER, kv_config)
-        self.worker.register_kv_caches(self.kv)
+        self.worker.register_kv_caches(registered)
         self.block_bytes = KV_HEADS * block_size * 2 * HEAD_SIZE * self.kv[names[0]].element_size()
+        #: Bytes of the state this harness writes in a state block (conv, then SSM state).
+        self.state_bytes = (4 * 64 + 2 * 16 * 16) * self.kv[names[0]].element_size()
         self.outputs: dict[str, object] = {}
         self.load_failures: set[str] = set()
         self.loaded: set[str] = set()
@@ -254,7 +281,8 @@ class Side:
                 req = self.scheduler.requests[req_id]
                 # schedule() already counted the scheduled tokens as computed.
                 self._forward(req, req.num_computed_tokens - n, n, layer)
-            if out.num_scheduled_tokens:
+            if out.num_scheduled_tokens and not (self.mamba and layer == 1):
+                # vLLM's state layers (Mamba, GDN) do not call save_kv_layer.
                 name = f"model.layers.{layer}.self_attn.attn"
                 self.worker.save_kv_layer(name, self.kv[name], None)
         for req_id in out.num_scheduled_tokens:
@@ -307,6 +335,10 @@ class Side:
         if last <= first:
             return
         blocks = self.blocks_of(req.request_id, layer)
+        if self.mamba and layer == 1:
+            # Recurrent state: the step leaves a state of every token computed so far.
+            self.state_of(blocks)[:] = pattern(req.prompt_token_ids[:last], 0, layer, self.state_bytes)
+            return
         bs = self.config.cache_config.block_size
         # Only the token rows this step computes: a block sent before all its tokens were
         # written would fail the check.
@@ -319,16 +351,28 @@ class Side:
             want = pattern(req.prompt_token_ids, index, layer, self.block_bytes).view(KV_HEADS, bs, -1)
             rows[:, lo:hi, :] = want[:, lo:hi, :]
 
+    def state_of(self, blocks: list[int]) -> torch.Tensor:
+        """The bytes of a request's state (its state group's one block) this harness writes."""
+        live = [b for b in blocks if b != 0]
+        assert len(live) == 1, f"state blocks {blocks}"
+        page = self.kv["model.layers.0.self_attn.attn"][live[0]]
+        return page.view(torch.uint8).reshape(-1)[: self.state_bytes]
+
     def check_blocks(self, request_id: str, prompt: list[int], held: int = 0) -> int:
         """Checks every byte of the request's prompt blocks from block ``held`` (the ones
         before it this engine held itself: another prompt's pattern); returns the prompt's
         blocks."""
+        if self.mamba and len(prompt) > 1:
+            # The decode loads all but the last token, which it recomputes from the state.
+            prompt = prompt[:-1]
         bs = self.config.cache_config.block_size
         n = -(-len(prompt) // bs)
         checked = 0
         for index in range(held, n):
             rows = min(len(prompt) - index * bs, bs)  # the prompt's tokens in this block
             for layer in range(LAYERS):
+                if self.mamba and layer == 1:
+                    continue
                 if index < self.first_block(layer, len(prompt)):
                     continue  # out of the layer's window: vLLM freed it
                 blocks = self.blocks_of(request_id, layer)
@@ -342,6 +386,10 @@ class Side:
                         f"({same} of {want.numel()} bytes equal, zero: {not bool(got.any())})"
                     )
         assert checked, f"{request_id}: no block checked"
+        if self.mamba:
+            got = self.state_of(self.blocks_of(request_id, 1))
+            if not torch.equal(got, pattern(prompt, 0, 1, self.state_bytes)):
+                raise AssertionError(f"{request_id}: the state differs")
         return n
 
     def idle(self) -> bool:

@@ -200,3 +200,94 @@ def test_a_hybrid_prefill_is_refused_by_a_decode_of_one_group_naming_both(ports,
     finally:
         decode.shutdown()
         prefill.stop()
+
+
+def test_recurrent_state_moves_after_the_prompts_blocks_and_the_decode_recomputes_the_last_token(ports):
+    """A Mamba/GDN layer beside a full-attention one: the prefill computes all but the
+    prompt's last token, its state block goes after the attention blocks, and the decode
+    loads both and recomputes the last token from that state."""
+    prefill = Prefill(ports[0], mamba=True)
+    decode = Side("kv_consumer", ports[1], mamba=True)
+    opened = {}
+    open_now = decode.worker._worker._open_now
+
+    def spy(req_id, recv):
+        opened[req_id] = list(recv.blocks)
+        return open_now(req_id, recv)
+
+    decode.worker._worker._open_now = spy
+    try:
+        lengths = [2, 33, 100, 257]
+        for i, n in enumerate(lengths):
+            prompt = prompt_of(30 + i, n)
+            prefill.prefill(f"m{i}", prompt)
+            rid, params = prefill.params()
+            assert params["kvferry_shape"]["kv_groups"] == [
+                ["full", 0], ["state", 1], ["state_layout", "[[4, 64], [2, 16, 16]] ['float32', 'float32']"]]
+            checked = run_decode(decode, {rid: (prompt, params)})
+            # The attention blocks of n - 1 tokens, and the state block.
+            assert checked == {rid: -(-(n - 1) // 32)}
+            assert len(opened[rid]) == -(-(n - 1) // 32) + 1
+            assert opened[rid][-1] == decode.blocks_of(rid, 1)[-1] if rid in decode.scheduler.requests else True
+        assert not decode.load_failures, decode.load_failures
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the prefill still holds requests (blocks never released)"
+
+
+def test_push_rooms_of_a_model_with_recurrent_state_carry_the_final_state(ports):
+    prefill = Prefill(ports[0], mamba=True)
+    decode = Side("kv_consumer", ports[1], mamba=True)
+    try:
+        prompts = {f"q{i}": prompt_of(40 + i, n) for i, n in enumerate([100, 257])}
+        rooms = {r: PUSH_BIT | secrets.randbits(32) for r in prompts}
+        for req_id, prompt in prompts.items():
+            # The decode asks first: the room waits for every chunk, the state's last.
+            decode.add(req_id, prompt, 3, push_params(rooms[req_id], ports[0]))
+            decode.step()
+            prefill.prefill(req_id, prompt, room=rooms[req_id])
+        checked = run_decode(decode, {})
+        from vllm.v1.request import RequestStatus
+
+        deadline = time.monotonic() + 60
+        checked = {}
+        while len(decode.outputs.keys() & prompts.keys()) < len(prompts):
+            assert time.monotonic() < deadline, decode.scheduler.get_request_counts()
+            decode.step()
+            for req_id, prompt in prompts.items():
+                req = decode.scheduler.requests.get(req_id)
+                if req is not None and req_id not in checked and req.status == RequestStatus.RUNNING:
+                    checked[req_id] = decode.check_blocks(req_id, prompt)
+            time.sleep(0.002)
+        assert checked == {"q0": 4, "q1": 8}
+        assert not decode.load_failures, decode.load_failures
+        for _ in prompts:
+            prefill.params()
+    finally:
+        decode.shutdown()
+        assert prefill.stop(), "the prefill still holds requests (blocks never released)"
+
+
+def test_a_one_token_prompt_of_a_model_with_recurrent_state_is_computed_by_the_decode(ports):
+    """Nothing to load (the decode recomputes the prompt's last token, its only one): the
+    decode computes it and tells the prefill to let the room's blocks go."""
+    prefill = Prefill(ports[0], mamba=True)
+    decode = Side("kv_consumer", ports[1], mamba=True)
+    try:
+        prefill.prefill("one", [17])
+        rid, params = prefill.params()
+        decode.add(rid, [17], 3, dict(params))
+        deadline = time.monotonic() + 30
+        while rid not in decode.outputs:
+            assert time.monotonic() < deadline, decode.scheduler.get_request_counts()
+            decode.step()
+            time.sleep(0.002)
+        assert rid not in decode.loaded and rid not in decode.load_failures
+        # vLLM steps once more to tell its workers of the finished request: the release
+        # goes with that step.
+        while decode.scheduler.has_requests():
+            decode.step()
+        assert prefill.wait_idle(20), "the prefill still holds the room's blocks"
+    finally:
+        decode.shutdown()
+        prefill.stop()

@@ -32,6 +32,23 @@ def test_a_layout_that_is_not_block_major_is_refused_naming_its_shape():
         kv_regions({"l0": t}, 10)
 
 
+def test_a_state_layers_strided_view_into_the_attention_blocks_is_their_region_in_any_order():
+    # vLLM 0.32.0 (CPU): a GDN layer's cache is an int8 view of its state bytes in each block
+    # of the tensor it shares with an attention layer (the block padded to the attention
+    # page, so the view is strided), and it may come before the attention layer.
+    page = 2 * 384 * 64 * 2
+    raw = torch.zeros(11 * page, dtype=torch.int8)
+    attn = raw[: 10 * page].view(torch.bfloat16).view(10, 2, 384, 64)
+    state = torch.as_strided(raw, (10, 1, 1, 68608), (page, 68608, 68608, 1))
+    for kv in ({"l0.linear_attn": state, "l1.attn": attn}, {"l1.attn": attn, "l0.linear_attn": state}):
+        spans, planes, page_bytes, pages = kv_regions(kv, 10)
+        assert (spans, planes, page_bytes, pages) == ([(attn.data_ptr(), 10 * page)], 1, page, 10)
+    # A view reaching past its block is refused naming it.
+    wide = torch.as_strided(raw, (10, 1, 1, page + 2), (page, page + 2, page + 2, 1))
+    with pytest.raises(ValueError, match=r"the state of l0.linear_attn \(10, 1, 1, 98306\)"):
+        kv_regions({"l0.linear_attn": wide, "l1.attn": attn}, 10)
+
+
 def test_layers_of_different_block_sizes_are_refused():
     kv = {"a": torch.zeros((10, 4, 8)), "b": torch.zeros((10, 4, 16))}
     with pytest.raises(ValueError, match="others"):
@@ -175,13 +192,17 @@ def test_chunked_local_attention_and_retained_window_tokens_keep_what_vllm_keeps
 
 
 def test_a_kv_cache_group_kvferry_cannot_move_is_refused_naming_it():
-    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, MambaSpec
 
     from kvferry._vllm_groups import KvGroups
 
-    mamba = MambaSpec(block_size=32, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32))
-    with pytest.raises(ValueError, match=r"KV cache group 1 \(MambaSpec"):
-        KvGroups.of(_hybrid_config(_spec(), mamba), 32)
+    cached = MambaSpec(block_size=32, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32),
+                       mamba_cache_mode="align")
+    with pytest.raises(ValueError, match=r"KV cache group 1 \(MambaSpec.*mamba_cache_mode='align'"):
+        KvGroups.of(_hybrid_config(_spec(), cached), 32)
+    cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"KV cache group 1 \(CrossAttentionSpec"):
+        KvGroups.of(_hybrid_config(_spec(), cross), 32)
     with pytest.raises(ValueError, match="16-token blocks"):
         KvGroups.of(_hybrid_config(_spec(), _spec(window=48, block_size=16)), 32)
 
@@ -192,3 +213,21 @@ def test_one_full_attention_group_is_not_hybrid_and_its_pages_are_the_prompts_bl
     groups = KvGroups.of(_hybrid_config(_spec()), 32)
     assert not groups.hybrid and KvGroups.of(None, 32) == groups
     assert groups.pages([[5, 6, 7, 8]], 100, first=1) == [6, 7, 8]
+
+
+def test_state_blocks_come_after_the_prompts_blocks_and_the_prefill_leaves_the_last_token():
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvferry._vllm_groups import KvGroups, NullBlockInRoom
+
+    state = MambaSpec(block_size=2048, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32))
+    groups = KvGroups.of(_hybrid_config(_spec(), state), 32)
+    assert groups.backoff == 1 and groups.count(100) == 4 + 1
+    tables = [[10, 11, 12, 13], [77]]
+    assert groups.pages(tables, 100) == [10, 11, 12, 13, 77]
+    # A decode holding the first two blocks grants the tail: the state still comes last.
+    assert groups.pages(tables, 100, first=2) == [12, 13, 77]
+    # A push step that completed only the first blocks sends no state yet.
+    assert groups.pages(tables, 100, end=2) == [10, 11]
+    with pytest.raises(NullBlockInRoom, match="0 state blocks"):
+        groups.pages([[10, 11, 12, 13], [0]], 100)

@@ -22,6 +22,7 @@ from kvferry.vllm._metadata import KvferryMetadata, _PushStep, _Recv, _Send
 from kvferry.vllm._params import (
     _ADDRS,
     _COUNTER_BITS,
+    _CUT,
     _DONE,
     _PP,
     _PROMPT,
@@ -139,10 +140,33 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         if params.get(_DONE):
             return 0, False
-        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        count = self._loaded_tokens(request) - num_computed_tokens
         if count <= 0:
             return 0, False
         return count, True
+
+    def _loaded_tokens(self, request) -> int:
+        """Decode: the prompt tokens a room brings (all but the ones the prefill leaves to
+        the decode: ``KvGroups.backoff``)."""
+        tokens = len(request.prompt_token_ids or [])
+        # A prompt no longer than that loads nothing: the decode computes it whole.
+        return max(0, tokens - self._groups.backoff)
+
+    def on_new_request(self, request) -> None:
+        """Prefill of a model with recurrent state: the request computes all but its prompt's
+        last token, so that the state it leaves is the one the decode derives the last
+        token's from (the decode recomputes that token)."""
+        params = _params_of(request)
+        backoff = self._groups.backoff
+        if (not backoff or not self._producer or not params or not params.get("do_remote_decode")
+                or params.get(_CUT) or request.num_prompt_tokens <= backoff
+                or request.prompt_token_ids is None or request.get_skip_reading_prefix_cache()):
+            return
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        params[_CUT] = True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = _params_of(request)
@@ -164,7 +188,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         # One transfer per request, even after a preemption or a failed load (which then
         # recomputes).
         params[_DONE] = True
-        tokens = len(request.prompt_token_ids or [])
+        tokens = self._loaded_tokens(request)
         # The blocks this decode holds itself (a local prefix hit) are the prompt's first.
         held = (tokens - num_external_tokens) // self._shape["block_size"]
         block_ids: list[int] = []
@@ -204,7 +228,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             stages=_stages(params),
             blocks=block_ids,
             refused=refused,
-            prompt=self._bound(_prompt_of(request)) if refused is None else None,
+            # A decode's request still holds the token its prefill left to it.
+            prompt=self._bound(_prompt_of(request, self._groups.backoff)) if refused is None else None,
         )
         self._loading[request.request_id] = pulled.room if pulled else 0
 

@@ -157,6 +157,29 @@ def shape_mismatch(ours: dict, theirs: Any) -> Optional[str]:
     return "; ".join(diffs) or None
 
 
+def _layer_base(entry) -> int:
+    """Where a layer's KV starts: its tensor's, or for recurrent state (a list of views into
+    the layer's blocks: conv, then SSM state) the first view's."""
+    if isinstance(entry, (list, tuple)):
+        return min(int(t.data_ptr()) for t in entry)
+    return int(entry.data_ptr())
+
+
+def _state_region(name: str, views, num_blocks: int, block: int) -> tuple[int, int]:
+    """``(start, bytes)`` of a recurrent-state layer's blocks: its views must lie in
+    ``num_blocks`` blocks of ``block`` bytes from the first view's start (the blocks the
+    attention layers sharing its tensor hold), else it is refused naming them."""
+    base = _layer_base(views)
+    for t in views:
+        step = int(t.stride(0) * t.element_size())
+        # The bytes of one block the view spans.
+        extent = (1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:]))) * t.element_size()
+        if tuple(t.shape)[0] != num_blocks or step != block or extent > block:
+            raise ValueError(f"kvferry.vllm: the state of {name} {tuple(t.shape)} is not {num_blocks} blocks "
+                             f"of {block} bytes (a block every {step} bytes)")
+    return base, block * num_blocks
+
+
 def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]], int, int, int]:
     """``(spans, planes, page_bytes, pages)`` of vLLM's KV tensors as kvferry regions: one
     region per distinct layer tensor (layers that share a cache appear once) and plane, one
@@ -164,7 +187,17 @@ def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]],
     CPU layout, one plane) or ``[2, num_blocks, ...]`` (K, then V: two planes). Anything
     else, or blocks that are not contiguous equal byte ranges, is refused naming the shape."""
     spans, seen, shape = [], set(), None
+    states = {}
     for name, t in kv_caches.items():
+        if isinstance(t, (list, tuple)):
+            # Recurrent state shares the blocks of the attention layers' tensors.
+            states[name] = t
+            continue
+        if t.dim() > 1 and tuple(t.shape)[0] == num_blocks and not t.is_contiguous():
+            # vLLM's view of a state layer's blocks (padded to the attention page, so
+            # strided): checked against the attention layers' blocks below.
+            states[name] = [t]
+            continue
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
@@ -192,4 +225,12 @@ def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]],
         spans.extend((int(p.data_ptr()), block * num_blocks) for p in planes)
     if shape is None:
         raise ValueError("kvferry.vllm: vLLM registered no KV cache")
+    for name, views in states.items():
+        if shape[0] != 1:
+            raise ValueError(f"kvferry.vllm: {name} keeps recurrent state beside K and V planes; "
+                             "kvferry moves state in block-major layouts only")
+        region = _state_region(name, views, num_blocks, shape[1])
+        if region[0] not in seen:
+            seen.add(region[0])
+            spans.append(region)
     return spans, shape[0], shape[1], num_blocks

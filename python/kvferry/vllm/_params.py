@@ -21,6 +21,8 @@ _SHAPE = "kvferry_shape"
 _DONE = "kvferry_consumed"
 _PUSH = "kvferry_push"
 _PROMPT = "kvferry_prompt"
+#: Set on a prefill request whose prompt's last token was left to the decode.
+_CUT = "kvferry_cut"
 #: The prefill's pipeline stages: ``kvferry_addrs`` names PP x TP listeners, stage-major.
 _PP = "kvferry_pp"
 #: Room ids a router draws for push mode carry this bit; a prefill's own (pull) ids do not.
@@ -104,13 +106,16 @@ def _stages_refusal(params: dict, pulled: "_Pulled") -> Optional[str]:
     return None
 
 
-def _prompt_of(request) -> Optional[int]:
-    """The prompt digest of ``request``'s prompt token ids: both sides name it, so a room
-    handed to another prompt's request is refused (``prompt_mismatch``) instead of loaded.
-    None (nothing checked) for a prompt given without token ids."""
+def _prompt_of(request, backoff: int = 0) -> Optional[int]:
+    """The prompt digest of ``request``'s prompt token ids (all but the last ``backoff``):
+    both sides name it, so a room handed to another prompt's request is refused
+    (``prompt_mismatch``) instead of loaded. None (nothing checked) for a prompt given
+    without token ids."""
     tokens = request.prompt_token_ids
     if tokens is None:
         return None
+    if backoff and len(tokens) > backoff:
+        tokens = tokens[:-backoff]
     import kvferry
 
     try:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 from kvferry.vllm._config import DEFAULT_PORT, _plus
 from kvferry.vllm._layout import (
+    _layer_base,
     kv_heads,
     kv_regions,
     pp_rank,
@@ -48,7 +49,8 @@ class _Worker:
 
         self._kvferry = kvferry
         spans, planes, page_bytes, pages = kv_regions(kv_caches, connector.num_blocks())
-        device = next(iter(kv_caches.values())).device
+        first_entry = next(iter(kv_caches.values()))
+        device = (first_entry[0] if isinstance(first_entry, (list, tuple)) else first_entry).device
         #: Bytes of one vLLM block over every layer and plane.
         self._block_bytes = page_bytes * len(spans)
         self._stats = KvferryStats()
@@ -89,7 +91,9 @@ class _Worker:
         #: head split kvferry knows, served at equal TP sizes only).
         self._total_heads = int(connector._shape["num_kv_heads"])
         self._mla = connector._mla
-        self._heads = None if self._mla else kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
+        # A block holding recurrent state beside the heads has no head split (equal TP only).
+        stateful = connector._groups.backoff > 0
+        self._heads = None if self._mla or stateful else kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
                                                       self._total_heads, self._tp, self._rank)
         knobs = {k: int(v) for k, v in extra.items() if k.endswith("_ms")}
         self.node = kvferry.Node(
@@ -112,7 +116,7 @@ class _Worker:
         index: dict[int, int] = {}
         first = layer_range[0] if layer_range else 0
         self._layer_of = {
-            name: first + index.setdefault(t.data_ptr(), len(index)) for name, t in kv_caches.items()
+            name: first + index.setdefault(_layer_base(t), len(index)) for name, t in kv_caches.items()
         }
         #: How many vLLM layers write each kvferry layer (a hybrid model's groups share
         #: tensors): a push chunk's layer goes only once all of them ran.
