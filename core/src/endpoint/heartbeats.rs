@@ -67,7 +67,7 @@ impl Endpoint {
                 info!(session = %sid, ?node, ?unconfirmed_ms, "peer heard but our frames not confirmed; checking the link with fresh connections");
             }
         }
-        if t.dial.is_none() && t.check.is_none() {
+        if t.attempt.pending().is_none() && t.check.is_none() {
             self.dial(target);
         }
     }

@@ -10,6 +10,7 @@ use crate::ids::{DialId, SessionId, TargetId};
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::Timer;
 
+use super::attempt::Attempt;
 use super::sessions::RememberedBlacklist;
 use super::{Endpoint, Side, Target, WriterQuarantine};
 
@@ -46,9 +47,7 @@ impl Endpoint {
                 waiting: Vec::new(),
                 unreachable_timer,
                 unreachable_reported: false,
-                dial: None,
-                abandoning: false,
-                given_up: None,
+                attempt: Attempt::default(),
                 check: None,
                 evidence: None,
                 last_used: now,
@@ -164,10 +163,9 @@ impl Endpoint {
         let live = self.target_session(target);
         if let Some(t) = self.targets.get_mut(&target) {
             debug!(%target, session = %sid, check = live.is_some(), "connected to target");
-            if let Some(dial) = t.dial.take() {
+            if let Some(dial) = t.attempt.end() {
                 self.dials.settle(&mut self.timers, dial);
             }
-            t.abandoning = false;
             if live.is_some() {
                 t.check = Some(sid);
             } else {
@@ -198,9 +196,11 @@ impl Endpoint {
         let now = self.clock(now);
         let Some(target) = self.target_of_dial(dial) else {
             // An attempt its deadline ended: what it found still says what the peer is.
-            if let Some(t) = self.targets.values_mut().find(|t| t.given_up == Some(dial)) {
-                t.given_up = None;
-                t.evidence = Some(LinkEvidence::of(failure));
+            for t in self.targets.values_mut() {
+                if t.attempt.late_report(dial) {
+                    t.evidence = Some(LinkEvidence::of(failure));
+                    break;
+                }
             }
             debug!(%dial, ?failure, "connect failure of an attempt already given up");
             return;
@@ -212,7 +212,7 @@ impl Endpoint {
     pub(super) fn target_of_dial(&self, dial: DialId) -> Option<TargetId> {
         self.targets
             .iter()
-            .find_map(|(id, t)| (t.dial == Some(dial)).then_some(*id))
+            .find_map(|(id, t)| t.attempt.is(dial).then_some(*id))
     }
 
     /// `target`'s attempt ended without a connection.
@@ -229,10 +229,9 @@ impl Endpoint {
         let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
-        if let Some(dial) = t.dial.take() {
+        if let Some(dial) = t.attempt.end() {
             self.dials.settle(&mut self.timers, dial);
         }
-        t.abandoning = false;
         t.evidence = Some(LinkEvidence::of(failure));
         if live.is_some() {
             // A link check: an attempt that timed out paced itself, so the next one goes out
@@ -581,10 +580,9 @@ impl Endpoint {
             return;
         };
         // One attempt per target: a new one supersedes one still pending.
-        if let Some(old) = t.dial.replace(dial) {
+        if let Some(old) = t.attempt.start(dial) {
             self.dials.settle(&mut self.timers, old);
         }
-        t.abandoning = false;
         self.actions.push_back(Action::Connect { target, dial });
     }
 

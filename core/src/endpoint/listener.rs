@@ -201,10 +201,7 @@ impl Endpoint {
     /// core set when it asked.
     pub fn handle_dial_began(&mut self, now: Instant, dial: DialId) {
         let now = self.clock(now);
-        let abandoning = self
-            .targets
-            .values()
-            .any(|t| t.dial == Some(dial) && t.abandoning);
+        let abandoning = self.targets.values().any(|t| t.attempt.abandoning(dial));
         if !abandoning {
             let at = now + self.config.connect_timeout;
             self.dials.rearm(&mut self.timers, dial, at, Timer::Dial);
@@ -261,16 +258,15 @@ impl Endpoint {
         if !self.dials.expire(dial, key) {
             return;
         }
-        let Some((&target, t)) = self.targets.iter_mut().find(|(_, t)| t.dial == Some(dial)) else {
+        let Some((&target, t)) = self.targets.iter_mut().find(|(_, t)| t.attempt.is(dial)) else {
             debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it");
             self.actions.push_back(Action::AbandonDial(dial));
             return;
         };
-        if !t.abandoning {
+        if t.attempt.abandon() {
             // The driver gives it up and says what it found (a refusal it had not read yet on
             // a busy machine is still a refusal); it has one more connect_timeout for that.
             debug!(%dial, "target's attempt did not connect within connect_timeout; abandoning it");
-            t.abandoning = true;
             self.actions.push_back(Action::AbandonDial(dial));
             let at = now + self.config.connect_timeout;
             self.dials.keep(&mut self.timers, dial, at, Timer::Dial);
@@ -278,7 +274,6 @@ impl Endpoint {
         }
         // Its driver never said how it ended (a task lost): counted here, as no answer.
         debug!(%dial, "target's attempt never reported; counted as no answer");
-        t.given_up = Some(dial);
         self.target_attempt_failed(now, target, ConnectFailure::NoAnswer);
     }
 

@@ -1,5 +1,6 @@
 //! [`Endpoint`]: the deterministic state machine of one prefill or decode rank.
 
+mod attempt;
 mod coverage;
 mod ended;
 mod handshake;
@@ -51,6 +52,7 @@ use crate::layout::{PageSet, Slice};
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
+use attempt::Attempt;
 use coverage::Coverage;
 use ended::EndedSessions;
 use layer_bits::LayerBits;
@@ -83,6 +85,15 @@ type Set<K> = HashSet<K, FixedState>;
 ///   prefill opens sender rooms, sends chunks and marks layers ready; both abort or fail rooms.
 /// - **Outputs** (`poll_*`): control frames to send, data-path operations to run, actions on
 ///   connections, scheduler events, and the next deadline.
+///
+/// # State
+///
+/// Each part of the state that has an invariant owns its fields and keeps it in its own
+/// module: the sessions by id and by peer node (`sessions`), and per session what its peer
+/// was heard doing (`liveness`), its record toward the blacklist (`probation`), its
+/// operations (`op_queue`), how its peer writes into us (`writer`) and its deadlines
+/// (`timers::SessionTimers`); rooms that ended (`tombstones`), requests for rooms not open
+/// yet (`pending_rooms`), take-overs (`successions`), the listener and dials (`listener`).
 ///
 /// # Drain contract
 ///
@@ -175,17 +186,8 @@ struct Target {
     unreachable_timer: Option<TimerKey>,
     /// `Event::TargetUnreachable` went out for the current time down.
     unreachable_reported: bool,
-    /// The connection attempt asked of the driver and not yet ended: by its outcome
-    /// ([`Endpoint::open_session_for`], [`Endpoint::handle_connect_failed`]) or by its
-    /// deadline, which counts as no answer. At most one per target.
-    dial: Option<DialId>,
-    /// The driver was told to give `dial` up ([`Action::AbandonDial`]) and has one more
-    /// `connect_timeout` to say what it found before the core counts it as no answer.
-    abandoning: bool,
-    /// The last attempt its deadline ended: what the driver reports of it later is still
-    /// evidence of the peer (a refusal that came late on a busy machine), though it is not
-    /// counted as an attempt again.
-    given_up: Option<DialId>,
+    /// Its connection attempt under way, one at most, and the last one given up.
+    attempt: Attempt,
     /// A fresh connection checking the link while the session is silent, in its handshake.
     check: Option<SessionId>,
     /// What the attempts since the session went silent or down found.

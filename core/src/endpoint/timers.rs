@@ -41,7 +41,7 @@ impl Endpoint {
                 if !fired(&mut t.timer, key) {
                     return;
                 }
-                let dialing = t.dial.is_some();
+                let dialing = t.attempt.pending().is_some();
                 if dialing || self.target_session(target).is_some() {
                     debug!(%target, dialing, "reconnect timer: no dial");
                     return;
