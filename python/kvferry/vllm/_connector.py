@@ -57,8 +57,8 @@ logger = logging.getLogger("kvferry.vllm")
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """kvferry's vLLM connector: the scheduler half decides which requests move and which
     blocks they use; the worker half runs a kvferry node over vLLM's KV tensors. With vLLM's
-    hybrid KV cache manager on, every full-attention and sliding-window group moves with the
-    request (``KvGroups``)."""
+    hybrid KV cache manager on, every full-attention, sliding-window, chunked local attention
+    and recurrent-state group moves with the request (``KvGroups``)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
