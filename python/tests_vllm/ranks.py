@@ -27,12 +27,30 @@ def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
     return first, first + count
 
 
-def kv_groups(names: list[str], block_size: int, heads: int, dtype, window: int) -> list:
+#: What a rank's state layer keeps in its state block: conv, then SSM state (``float32``).
+STATE_SHAPES = ((4, 64), (2, 16, 16))
+STATE_BYTES = (4 * 64 + 2 * 16 * 16) * 4
+
+
+def kv_groups(names: list[str], block_size: int, heads: int, dtype, window: int,
+              state_block: int = 0) -> list:
     """The KV cache groups of ``names``' layers: one full-attention group, or with ``window``
-    (tokens) a hybrid model's two: layer 0 full attention, layer 1 a sliding window."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    (tokens) a hybrid model's two: layer 0 full attention, layer 1 a sliding window; with
+    ``state_block`` (tokens: the model's length, one block per request), layer 1 keeps
+    recurrent state in vLLM's "none" mode."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     shape = dict(block_size=block_size, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=dtype)
+    if state_block:
+        full = FullAttentionSpec(**shape)
+        state = MambaSpec(block_size=state_block, shapes=STATE_SHAPES, dtypes=(dtype, dtype),
+                          page_size_padded=full.page_size_bytes)
+        return [KVCacheGroupSpec(names[:1], full), KVCacheGroupSpec(names[1:], state)]
     if not window:
         return [KVCacheGroupSpec(names, FullAttentionSpec(**shape))]
     return [KVCacheGroupSpec(names[:1], FullAttentionSpec(**shape)),
@@ -58,7 +76,8 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
     from kvferry.vllm import KvferryConnector
 
     window = kw.pop("window", 0)
-    config = make_config(role, port, tp=tp, hybrid=bool(window), **kw)
+    mamba = kw.pop("mamba", False)
+    config = make_config(role, port, tp=tp, hybrid=bool(window or mamba), prefix_off=mamba, **kw)
     # MLA: every rank holds the whole latent KV, [blocks, block_size, latent] (one "head").
     mla = kw.get("mla", False)
     total = 1 if mla else kw.get("kv_heads", KV_HEADS)
@@ -72,15 +91,25 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
     mine = list(range(rank // tp * per, (rank // tp + 1) * per))
     names = {layer: f"model.layers.{layer}.self_attn.attn" for layer in mine}
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                              kv_cache_groups=kv_groups(list(names.values()), bs, hi - lo, dtype, window))
+                              kv_cache_groups=kv_groups(list(names.values()), bs, hi - lo, dtype, window,
+                                                        config.model_config.max_model_len if mamba else 0))
     shape = (num_blocks, bs, MLA_LATENT) if mla else (num_blocks, hi - lo, bs, 2 * HEAD_SIZE)
     kv = {name: torch.zeros(shape, dtype=dtype) for name in names.values()}
-    if window:
+    registered = kv
+    if window or mamba:
         # vLLM's hybrid allocation: the groups' layers share one tensor.
         shared = next(iter(kv.values()))
         kv = {name: shared for name in kv}
+        registered = kv
+    if mamba:
+        # The state layer's cache as vLLM 0.32.0 registers it (first): an int8 view of the
+        # state's bytes at the start of each block of the shared tensor.
+        page = shared[0].numel() * shared.element_size()
+        view = torch.as_strided(shared.view(torch.int8), (num_blocks, 1, 1, STATE_BYTES),
+                                (page, STATE_BYTES, STATE_BYTES, 1))
+        registered = {names[1]: view, **{n: t for n, t in kv.items() if n != names[1]}}
     worker = KvferryConnector(config, KVConnectorRole.WORKER, kv_config)
-    worker.register_kv_caches(kv)
+    worker.register_kv_caches(registered)
     full_bytes = total * bs * (MLA_LATENT if mla else 2 * HEAD_SIZE) * torch.tensor([], dtype=dtype).element_size()
 
     def rows_of(block: int, layer: int) -> torch.Tensor:
@@ -88,6 +117,19 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
 
     def want_of(prompt: list[int], index: int, layer: int) -> torch.Tensor:
         return pattern(prompt, index, layer, full_bytes).view(total, bs, -1)[lo:hi]
+
+    def state_of(table: list[int]) -> torch.Tensor:
+        """The request's state bytes on this rank (its state group's one block)."""
+        live = [b for b in table if b != 0]
+        assert len(live) == 1, f"state blocks {table}"
+        return kv[names[mine[0]]][live[0]].view(torch.uint8).reshape(-1)[:STATE_BYTES]
+
+    def state_want(tokens: list[int], tp_rank: int) -> torch.Tensor:
+        """The state TP rank ``tp_rank``'s shard holds after ``tokens``: each rank's differs."""
+        return pattern(tokens, 0, 1000 + tp_rank, STATE_BYTES)
+
+    def is_state(layer: int) -> bool:
+        return mamba and layer == 1
 
     outbox.put(("ready", rank))
     while True:
@@ -103,9 +145,11 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
             # Another rank's heads of the pattern, written over this rank's blocks.
             _, prompt, tables, other = cmd
             olo, ohi = _rank_heads(total, tp, other % tp)
+            if mamba:
+                state_of(tables[1]).copy_(state_want(prompt, other % tp))
             for index in range(-(-len(prompt) // bs)):
                 for layer in mine:
-                    if index < first_block(layer, len(prompt), bs, window):
+                    if is_state(layer) or index < first_block(layer, len(prompt), bs, window):
                         continue
                     whole = pattern(prompt, index, layer, full_bytes).view(total, bs, -1)
                     rows_of(tables[layer][index], layer).copy_(whole[olo:ohi])
@@ -114,10 +158,12 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         if cmd[0] == "check":
             _, prompt, tables = cmd
             said = None
+            if mamba and 1 in mine and not torch.equal(state_of(tables[1]), state_want(prompt, rank % tp)):
+                said = f"rank {rank}: the state differs"
             for index in range(-(-len(prompt) // bs)):
                 rows = min(len(prompt) - index * bs, bs)
                 for layer in mine:
-                    if index < first_block(layer, len(prompt), bs, window):
+                    if is_state(layer) or index < first_block(layer, len(prompt), bs, window):
                         continue  # out of the layer's window: vLLM freed it
                     got = rows_of(tables[layer][index], layer)[:, :rows, :]
                     want = want_of(prompt, index, layer)[:, :rows, :]
@@ -131,6 +177,12 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         for layer in mine:
+            if is_state(layer):
+                # The step leaves a state of every token computed so far; vLLM's state
+                # layers do not call save_kv_layer.
+                for prompt, first, last, tables in writes:
+                    state_of(tables[layer]).copy_(state_want(prompt[:last], rank % tp))
+                continue
             for prompt, first, last, tables in writes:
                 for index in range(first // bs, (last - 1) // bs + 1):
                     a = max(first, index * bs) - index * bs
@@ -162,19 +214,23 @@ class Ranks:
         kw = dict(kw, pp=pp)
         #: With ``window`` (tokens): a hybrid model, layer 1 a sliding window (``kv_groups``).
         self.window = kw.get("window", 0)
-        config_kw = {k: v for k, v in kw.items() if k != "window"}
-        self.config = make_config(role, port, tp=tp, hybrid=bool(self.window), **config_kw)
+        #: With ``mamba``: layer 1 keeps recurrent state (``kv_groups``), each rank its shard.
+        self.mamba = kw.get("mamba", False)
+        config_kw = {k: v for k, v in kw.items() if k not in ("window", "mamba")}
+        self.config = make_config(role, port, tp=tp, hybrid=bool(self.window or self.mamba),
+                                  prefix_off=self.mamba, **config_kw)
         bs = self.config.cache_config.block_size
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        state_block = self.config.model_config.max_model_len if self.mamba else 0
         groups = kv_groups(names, bs, max(1, kw.get("kv_heads", KV_HEADS) // tp),
-                           self.config.model_config.dtype, self.window)
+                           self.config.model_config.dtype, self.window, state_block)
         #: The KV cache group of each layer.
         self.group_of = [0] + [len(groups) - 1] * (LAYERS - 1)
         kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
-                                   block_size=bs, log_stats=True)
+                                   block_size=state_block or bs, log_stats=True)
         #: Every worker, stage-major: vLLM's executor hears each of them.
         self.workers = tp * pp
         self.aggregator = KVOutputAggregator(expected_finished_count=self.workers)
@@ -285,8 +341,11 @@ class Ranks:
         return finished
 
     def check_blocks(self, request_id: str, prompt: list[int]) -> int:
-        """Checks every byte of the request's prompt blocks on every rank (each its heads);
-        returns the blocks checked."""
+        """Checks every byte of the request's prompt blocks on every rank (each its heads, and
+        with ``mamba`` its shard of the state); returns the blocks checked."""
+        if self.mamba and len(prompt) > 1:
+            # The decode loads all but the last token, which it recomputes from the state.
+            prompt = prompt[:-1]
         tables = self.tables_of(request_id)
         for rank in self._live():
             self.inboxes[rank].put(("check", list(prompt), tables))
@@ -296,7 +355,10 @@ class Ranks:
         return -(-len(prompt) // self.config.cache_config.block_size)
 
     def plant_heads_of(self, request_id: str, prompt: list[int], rank: int, heads_of: int) -> None:
-        """Writes rank ``heads_of``'s heads of the request's pattern over rank ``rank``'s blocks."""
+        """Writes rank ``heads_of``'s heads of the request's pattern (and its state, with
+        ``mamba``) over rank ``rank``'s blocks."""
+        if self.mamba and len(prompt) > 1:
+            prompt = prompt[:-1]
         self.inboxes[rank].put(("plant", list(prompt), self.tables_of(request_id), heads_of))
         self._answer(rank, "planted")
 

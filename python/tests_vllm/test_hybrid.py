@@ -290,8 +290,3 @@ def test_a_one_token_prompt_of_a_model_with_recurrent_state_is_computed_by_the_d
     finally:
         decode.shutdown()
         prefill.stop()
-
-
-def test_recurrent_state_above_tp_1_is_refused_at_start_naming_it(ports):
-    with pytest.raises(ValueError, match=r"recurrent state .*at TP 1 only \(this engine: TP 2\)"):
-        Side("kv_consumer", ports[1], mamba=True, tp=2)

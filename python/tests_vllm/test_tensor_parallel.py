@@ -323,3 +323,61 @@ def test_a_killed_pipeline_stage_fails_the_whole_request(engines):
     load_all(decode, None, {"k": (prompt, params)}, deadline=30)
     assert "k" in decode.load_failures and "k" not in decode.loaded
     assert decode.outputs["k"].finish_reason is not None
+
+
+def test_recurrent_state_moves_rank_to_rank_at_tp2_with_every_ranks_shard_checked(engines):
+    """Each rank keeps its shard of a Mamba/GDN layer's state beside its heads of a full
+    attention layer: rank r's room carries its attention blocks of all but the prompt's last
+    token and its state block, and the decode rank r recomputes the last token from it."""
+    prefill = engines("kv_producer", 2, mamba=True)
+    decode = engines("kv_consumer", 2, mamba=True)
+    prompts = {f"s{i}": prompt_of(50 + i, n) for i, n in enumerate([2, 33, 100, 257])}
+    params = prefill_all(prefill, prompts)
+    checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})
+    assert checked == {r: -(-(len(p) - 1) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert decode.rank_rooms == [[len(prompts), 0], [len(prompts), 0]]
+    assert drain(prefill), "the prefill still holds blocks"
+
+
+def test_a_rank_with_another_ranks_state_is_caught_by_the_check(engines):
+    """The check can fail: decode rank 0 holding rank 1's shard of the state is caught."""
+    prefill = engines("kv_producer", 2, mamba=True)
+    decode = engines("kv_consumer", 2, mamba=True)
+    prompt = prompt_of(5, 100)
+    params = prefill_all(prefill, {"m": prompt})
+    load_all(decode, prefill, {"m": (prompt, params["m"])})
+    decode.add("swapped", prompt, 3, None)
+    # Computed here (chunked: 64 tokens a step) until its blocks hold the whole prompt.
+    while len(decode.tables_of("swapped")[0]) < -(-(len(prompt) - 1) // 32):
+        decode.step()
+    # What a load would leave: each rank its own heads and shard of the state: checks out.
+    for rank in (0, 1):
+        decode.plant_heads_of("swapped", prompt, rank=rank, heads_of=rank)
+    decode.check_blocks("swapped", prompt)
+    decode.plant_heads_of("swapped", prompt, rank=0, heads_of=1)
+    with pytest.raises(AssertionError, match="rank 0: the state differs"):
+        decode.check_blocks("swapped", prompt)
+
+
+def test_recurrent_state_of_ranks_reordered_by_a_router_is_refused_not_loaded(engines):
+    """Blocks holding state declare no heads, so each rank's room is bound to its rank: a
+    decode rank handed another prefill rank's listener is refused, and vLLM recomputes."""
+    prefill = engines("kv_producer", 2, mamba=True)
+    decode = engines("kv_consumer", 2, mamba=True)
+    prompt = prompt_of(6, 100)
+    params = prefill_all(prefill, {"r": prompt})["r"]
+    params = dict(params, kvferry_addrs=list(reversed(params["kvferry_addrs"])))
+    load_all(decode, prefill, {"r": (prompt, params)}, deadline=30)
+    assert "r" in decode.load_failures and "r" not in decode.loaded
+
+
+def test_recurrent_state_between_different_tp_sizes_is_refused_not_loaded(engines):
+    """A state shard has no head split kvferry can plan: a decode at another TP size than
+    its prefill fails the load (the rank logs both sizes), and vLLM recomputes."""
+    prefill = engines("kv_producer", 2, mamba=True)
+    decode = engines("kv_consumer", 1, mamba=True)
+    prompt = prompt_of(7, 100)
+    params = prefill_all(prefill, {"d": prompt})["d"]
+    load_all(decode, prefill, {"d": (prompt, params)}, deadline=30)
+    assert "d" in decode.load_failures and "d" not in decode.loaded

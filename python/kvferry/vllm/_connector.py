@@ -94,13 +94,6 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kvferry.vllm serves hybrid KV cache groups ({self._groups.signature()}) at PP 1 "
                 f"only (this engine: PP {self._pp})"
             )
-        if self._tp != 1 and self._groups.backoff:
-            # Each rank would move its shard of the state rank to rank as whole blocks: not
-            # tested yet, so refused rather than served on trust.
-            raise ValueError(
-                f"kvferry.vllm moves recurrent state ({self._groups.signature()}) at TP 1 only "
-                f"(this engine: TP {self._tp})"
-            )
         dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
         self._port = int(self._extra.get("port", DEFAULT_PORT)) + dp_index * self._pp * self._tp
         host = str(self._extra.get("host") or _local_ip())
