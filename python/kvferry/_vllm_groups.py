@@ -77,8 +77,9 @@ class KvGroups:
             elif kind in _STATE:
                 mode = str(getattr(spec, "mamba_cache_mode", "none"))
                 if mode != "none":
-                    raise ValueError(f"kvferry.vllm: {where} caches state with mamba_cache_mode={mode!r}; "
-                                     "kvferry moves the state of mode 'none' (prefix caching off)")
+                    raise ValueError(f"kvferry.vllm: {where} caches state with mamba_cache_mode={mode!r} "
+                                     "(vLLM's choice when prefix caching is on); kvferry moves the state of "
+                                     "mode 'none': start vLLM with --no-enable-prefix-caching")
                 ids.append(i)
                 kinds.append(("state", 1 + int(getattr(spec, "num_speculative_blocks", 0) or 0), 0))
                 states.append(f"{[list(x) for x in spec.shapes]} {[str(d).replace('torch.', '') for d in spec.dtypes]}")

@@ -198,7 +198,7 @@ def test_a_kv_cache_group_kvferry_cannot_move_is_refused_naming_it():
 
     cached = MambaSpec(block_size=32, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32),
                        mamba_cache_mode="align")
-    with pytest.raises(ValueError, match=r"KV cache group 1 \(MambaSpec.*mamba_cache_mode='align'"):
+    with pytest.raises(ValueError, match=r"KV cache group 1 \(MambaSpec.*mamba_cache_mode='align'.*--no-enable-prefix-caching"):
         KvGroups.of(_hybrid_config(_spec(), cached), 32)
     cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"KV cache group 1 \(CrossAttentionSpec"):
