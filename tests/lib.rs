@@ -35,8 +35,9 @@ pub fn time_scale() -> u32 {
         .unwrap_or(1)
 }
 
-/// Core knobs with short deadlines so failure tests finish fast. An operation's deadline
-/// grows with [`time_scale`]: under emulation one write batch can take most of a second.
+/// Core knobs with short deadlines so failure tests finish fast. An operation's deadline and
+/// a connection attempt's grow with [`time_scale`]: under emulation one write batch can take
+/// most of a second.
 pub fn fast_core() -> Config {
     Config {
         bootstrap_timeout: Duration::from_secs(2),
@@ -45,6 +46,9 @@ pub fn fast_core() -> Config {
         heartbeat_interval: Duration::from_millis(200),
         progress_interval: Duration::from_millis(200),
         operation_timeout: Duration::from_millis(1000) * time_scale(),
+        // A data connection's dial and preamble: a cold emulated guest can take longer than
+        // the default's 200 ms, and each timed-out dial fails the operations waiting on it.
+        connect_timeout: Config::default().connect_timeout * time_scale(),
         retry_backoff: Duration::from_millis(5),
         ..Config::default()
     }

@@ -346,6 +346,7 @@ async fn an_rdma_node_refuses_to_start_where_the_host_cannot_naming_why() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_rdma_node_and_a_tcp_node_move_rooms_over_tcp() {
+    kvferry_tests::log_if_asked();
     for rt in RUNTIMES {
         eprintln!("{}", rt.name());
         let shape = kvferry_tests::small_shape();
