@@ -95,12 +95,11 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
                                                         config.model_config.max_model_len if mamba else 0))
     shape = (num_blocks, bs, MLA_LATENT) if mla else (num_blocks, hi - lo, bs, 2 * HEAD_SIZE)
     kv = {name: torch.zeros(shape, dtype=dtype) for name in names.values()}
-    registered = kv
     if window or mamba:
         # vLLM's hybrid allocation: the groups' layers share one tensor.
         shared = next(iter(kv.values()))
         kv = {name: shared for name in kv}
-        registered = kv
+    registered = kv
     if mamba:
         # The state layer's cache as vLLM 0.32.0 registers it (first): an int8 view of the
         # state's bytes at the start of each block of the shared tensor.
