@@ -29,8 +29,8 @@ impl Endpoint {
     pub fn open_session(&mut self, now: Instant) -> SessionId {
         let ours = self.nonces.fresh();
         let sid = self.new_session(now, Auth::ConnectorChallenged { ours });
-        self.transmits
-            .push_back((sid, Message::Challenge { nonce: ours }));
+        self.outbox
+            .transmit(sid, Message::Challenge { nonce: ours });
         self.refuse_while_shutting_down(now, sid);
         sid
     }
@@ -272,7 +272,7 @@ impl Endpoint {
                 } else {
                     warn!(session = %sid, ?code, %detail, "peer reported an error");
                 }
-                self.events.push_back(Event::PeerError {
+                self.outbox.event(Event::PeerError {
                     session: sid,
                     code,
                     detail: detail.clone(),
@@ -304,11 +304,9 @@ impl Endpoint {
                     s.liveness.confirmed(frames_received, now);
                 }
             }
-            Message::Probe { nonce } => {
-                self.transmits.push_back((sid, Message::ProbeAck { nonce }))
-            }
+            Message::Probe { nonce } => self.outbox.transmit(sid, Message::ProbeAck { nonce }),
             Message::Transport { payload } => {
-                self.events.push_back(Event::TransportReceived {
+                self.outbox.event(Event::TransportReceived {
                     session: sid,
                     payload,
                 });
@@ -378,8 +376,8 @@ impl Endpoint {
                 if let Some(s) = self.sessions.get_mut(&sid) {
                     s.auth = Auth::ListenerChallenged { theirs, ours };
                 }
-                self.transmits
-                    .push_back((sid, Message::Challenge { nonce: ours }));
+                self.outbox
+                    .transmit(sid, Message::Challenge { nonce: ours });
             }
             Auth::ConnectorChallenged { ours } => {
                 let mut hello = self.our_hello();
@@ -392,7 +390,7 @@ impl Endpoint {
                         hello: transcript,
                     };
                 }
-                self.transmits.push_back((sid, Message::Hello(hello)));
+                self.outbox.transmit(sid, Message::Hello(hello));
             }
             Auth::ListenerChallenged { theirs: seen, .. }
             | Auth::ConnectorHello { theirs: seen, .. }
@@ -519,7 +517,7 @@ impl Endpoint {
             None => return,
         };
         if let Some(hello) = reply {
-            self.transmits.push_back((sid, Message::Hello(hello)));
+            self.outbox.transmit(sid, Message::Hello(hello));
         }
         let peer = PeerInfo {
             role: h.role,
@@ -574,20 +572,15 @@ impl Endpoint {
         let target = s.target;
         // Room messages queued for it while it handshook would leave behind our Hello (queued
         // just before this): they go, and `replay` below says where those rooms stand now.
-        self.transmits
-            .retain(|(s, m)| *s != sid || m.is_handshake());
+        self.outbox.drop_room_messages(sid);
         if let Some(old) = resumed_from {
             self.take_over(h.node, old, sid);
         }
-        self.events
-            .push_back(Event::SessionEstablished { session: sid, peer });
+        self.outbox
+            .event(Event::SessionEstablished { session: sid, peer });
         let reset = self.config.reconnect_interval;
         if let Some(t) = target.and_then(|t| self.targets.get_mut(&t)) {
-            t.backoff = reset;
-            t.session = Some(sid);
-            t.check = None;
-            t.evidence = None;
-            self.timers.cancel(&mut t.timer);
+            t.established(sid, reset, &mut self.timers);
         }
         if resumed_from.is_none() {
             // Rooms opened on it while it was still handshaking (their messages were held
@@ -672,7 +665,7 @@ impl Endpoint {
                     resumed_from = Some(old);
                 } else if old_inc != Some(h.incarnation) {
                     info!(node = %h.node, old = %old, new = %sid, "peer restarted");
-                    self.events.push_back(Event::PeerRestarted {
+                    self.outbox.event(Event::PeerRestarted {
                         node: h.node,
                         old,
                         new: sid,
@@ -704,7 +697,7 @@ impl Endpoint {
     pub(super) fn reject(&mut self, sid: SessionId, reason: RejectReason) {
         warn!(session = %sid, ?reason, "peer refused at handshake");
         self.counters.sessions_rejected += 1;
-        self.events.push_back(Event::SessionRejected {
+        self.outbox.event(Event::SessionRejected {
             session: sid,
             reason,
         });

@@ -59,10 +59,9 @@ impl Endpoint {
         id: TransferId,
         outcome: TransferOutcome,
     ) {
-        let Some(mut op) = self.ops.remove(&id) else {
+        let Some(mut op) = self.ops.remove(id, &mut self.timers) else {
             return;
         };
-        self.timers.cancel(&mut op.timer);
         if outcome != TransferOutcome::Done {
             // A retry is hashed again where it is posted (or carries its checksum in the
             // batch, if it moves to TCP).
@@ -158,7 +157,7 @@ impl Endpoint {
         }
         op.phase = OpPhase::Queued;
         let session = op.session;
-        let new_id = self.alloc_op_id();
+        let new_id = self.ops.next_id();
         self.ops.insert(new_id, op);
         if let Some(s) = self.sessions.get_mut(&session) {
             s.ops.push_front(new_id);
@@ -186,7 +185,7 @@ impl Endpoint {
                     stride: s.dst_stride,
                 })
                 .collect();
-            self.transmits.push_back((
+            self.outbox.transmit(
                 op.session,
                 Message::OpChecksum {
                     room,
@@ -194,7 +193,7 @@ impl Endpoint {
                     checksum,
                     ranges,
                 },
-            ));
+            );
         }
         if op.attempt > 1 || op.flushes > 0 {
             self.counters.retry_recoveries += 1;
@@ -223,7 +222,7 @@ impl Endpoint {
         }
         op.phase = OpPhase::RetryWait;
         // A new id per attempt: a late report of the old attempt cannot be mistaken.
-        let new_id = self.alloc_op_id();
+        let new_id = self.ops.next_id();
         self.timers
             .set(&mut op.timer, now + delay, Timer::Retry(new_id));
         self.ops.insert(new_id, op);
@@ -318,7 +317,7 @@ impl Endpoint {
                 break;
             }
             s.layers_delivered += 1;
-            self.events.push_back(Event::LayerDelivered {
+            self.outbox.event(Event::LayerDelivered {
                 room,
                 generation,
                 layer: first_layer + l as u16,
@@ -348,7 +347,7 @@ impl Endpoint {
             if let Some(s) = self.sessions.get_mut(&sid) {
                 s.probation.challenged(nonce);
             }
-            self.transmits.push_back((sid, Message::Probe { nonce }));
+            self.outbox.transmit(sid, Message::Probe { nonce });
             // If the ack never comes, the next probe timer tries again.
         }
         self.schedule_probe(now, sid);
@@ -368,8 +367,7 @@ impl Endpoint {
         self.timers.cancel(&mut s.timers.idle);
         self.counters.sessions_recovered += 1;
         info!(session = %sid, "blacklisted session recovered after a successful probe");
-        self.events
-            .push_back(Event::SessionRecovered { session: sid });
+        self.outbox.event(Event::SessionRecovered { session: sid });
         let _ = now;
         self.mark_ready(sid);
     }
@@ -389,8 +387,8 @@ impl Endpoint {
             .set(&mut s.timers.idle, idle, Timer::BlacklistIdle(sid));
         self.counters.sessions_blacklisted += 1;
         warn!(session = %sid, failures = s.probation.failures(), "session blacklisted");
-        self.events
-            .push_back(Event::SessionBlacklisted { session: sid });
+        self.outbox
+            .event(Event::SessionBlacklisted { session: sid });
         self.fail_session_rooms(now, sid, FailureReason::SessionBlacklisted);
         self.schedule_probe(now, sid);
     }
@@ -447,12 +445,9 @@ impl Endpoint {
 
     /// After a fence or a close: every attempt of the session still in flight is settled.
     pub(super) fn settle_session_ops(&mut self, now: Instant, sid: SessionId, retry: bool) {
-        let ids: Vec<TransferId> = self
+        let ids = self
             .ops
-            .iter()
-            .filter(|(_, op)| op.session == sid && (op.phase == OpPhase::InFlight || !retry))
-            .map(|(id, _)| *id)
-            .collect();
+            .ids_where(|op| op.session == sid && (op.phase == OpPhase::InFlight || !retry));
         for id in ids {
             let phase = self.ops.get(&id).map(|o| o.phase);
             if phase == Some(OpPhase::InFlight) {
@@ -462,8 +457,7 @@ impl Endpoint {
                     TransferOutcome::Fatal
                 };
                 self.settle_attempt(now, id, outcome);
-            } else if let Some(mut op) = self.ops.remove(&id) {
-                self.timers.cancel(&mut op.timer);
+            } else if let Some(op) = self.ops.remove(id, &mut self.timers) {
                 self.op_finished(now, op.room, op.generation, op.layers.clone());
             }
         }
@@ -534,6 +528,6 @@ impl Endpoint {
         let at = self.last_now + self.config.fence_timeout;
         self.timers.set(&mut s.timers.fence, at, Timer::Fence(sid));
         self.counters.fences += 1;
-        self.actions.push_back(Action::FenceSession(sid));
+        self.outbox.action(Action::FenceSession(sid));
     }
 }

@@ -107,7 +107,7 @@ impl Endpoint {
         );
         let rooms: SmallVec<[RoomId; 16]> = s.rooms.iter().copied().collect();
         let heartbeat = self.heartbeat(sid);
-        self.transmits.push_back((sid, heartbeat));
+        self.outbox.transmit(sid, heartbeat);
         if self.local.role != Role::Prefill {
             return;
         }
@@ -131,14 +131,14 @@ impl Endpoint {
             s.last_progress_sent = Some(now);
             let generation = r.generation;
             if s.receivers.iter().any(|x| x.session == sid) {
-                self.transmits.push_back((
+                self.outbox.transmit(
                     sid,
                     Message::Progress {
                         room,
                         generation,
                         stage,
                     },
-                ));
+                );
             }
         }
     }

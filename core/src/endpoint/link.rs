@@ -10,9 +10,9 @@ use crate::ids::{DialId, SessionId, TargetId};
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::Timer;
 
-use super::attempt::Attempt;
 use super::sessions::RememberedBlacklist;
-use super::{Endpoint, Side, Target, WriterQuarantine};
+use super::targets::LinkEvidence;
+use super::{Endpoint, Side, WriterQuarantine};
 
 impl Endpoint {
     /// Registers a peer to stay connected to. The core asks for a connection at once
@@ -20,40 +20,7 @@ impl Endpoint {
     /// session drops or the connection attempt fails, until [`Endpoint::remove_target`].
     pub fn add_target(&mut self, now: Instant) -> TargetId {
         let now = self.clock(now);
-        self.next_target += 1;
-        let id = TargetId(self.next_target);
-        let backoff = self.config.reconnect_interval;
-        let mut unreachable_timer = None;
-        self.timers.set(
-            &mut unreachable_timer,
-            now + self.config.unreachable_timeout,
-            Timer::Unreachable(id),
-        );
-        let mut idle_timer = None;
-        if !self.config.peer_idle_timeout.is_zero() {
-            self.timers.set(
-                &mut idle_timer,
-                now + self.config.peer_idle_timeout,
-                Timer::TargetIdle(id),
-            );
-        }
-        self.targets.insert(
-            id,
-            Target {
-                session: None,
-                backoff,
-                timer: None,
-                down_since: Some(now),
-                waiting: Vec::new(),
-                unreachable_timer,
-                unreachable_reported: false,
-                attempt: Attempt::default(),
-                check: None,
-                evidence: None,
-                last_used: now,
-                idle_timer,
-            },
-        );
+        let id = self.targets.add(now, &self.config, &mut self.timers);
         self.dial(id);
         id
     }
@@ -62,11 +29,7 @@ impl Endpoint {
     /// connection of an attempt still under way is closed as soon as it arrives
     /// ([`Endpoint::open_session_for`]).
     pub fn remove_target(&mut self, target: TargetId) {
-        if let Some(mut t) = self.targets.remove(&target) {
-            self.timers.cancel(&mut t.timer);
-            self.timers.cancel(&mut t.unreachable_timer);
-            self.timers.cancel(&mut t.idle_timer);
-        }
+        self.targets.remove(target, &mut self.timers);
     }
 
     /// The embedder lets a kept peer go: the target is removed ([`Endpoint::remove_target`]),
@@ -118,7 +81,7 @@ impl Endpoint {
         }
         info!(%target, session = ?t.session, idle_ms = idle.as_millis() as u64, "kept peer unused for the idle timeout, letting it go");
         self.counters.peers_let_go += 1;
-        self.events.push_back(Event::TargetLetGo { target });
+        self.outbox.event(Event::TargetLetGo { target });
         self.disconnect_target(now, target);
     }
 
@@ -131,11 +94,7 @@ impl Endpoint {
         let now = self.clock(now);
         // A session a kept peer follows (one connection served both after a take-over)
         // stays while that target does.
-        if self
-            .targets
-            .values()
-            .any(|t| t.session == Some(session) || t.check == Some(session))
-        {
+        if self.targets.hold(session) {
             debug!(%session, "disconnect: still a kept peer's session; kept");
             return;
         }
@@ -154,7 +113,7 @@ impl Endpoint {
     /// the same peer process, it takes the silent session's work over.
     pub fn open_session_for(&mut self, now: Instant, target: TargetId) -> SessionId {
         let sid = self.open_session(now);
-        if !self.targets.contains_key(&target) {
+        if !self.targets.contains(&target) {
             // The target was removed while this attempt was under way: nobody wants it.
             self.disconnect(now, sid);
             return sid;
@@ -210,9 +169,7 @@ impl Endpoint {
 
     /// The target whose pending attempt `dial` is.
     pub(super) fn target_of_dial(&self, dial: DialId) -> Option<TargetId> {
-        self.targets
-            .iter()
-            .find_map(|(id, t)| t.attempt.is(dial).then_some(*id))
+        self.targets.of_dial(dial)
     }
 
     /// `target`'s attempt ended without a connection.
@@ -390,7 +347,7 @@ impl Endpoint {
             }
             s.timers.cancel_all(&mut self.timers);
         }
-        self.events.push_back(Event::SessionClosed { session });
+        self.outbox.event(Event::SessionClosed { session });
         let refused = matches!(
             reason,
             FailureReason::Unauthorized | FailureReason::IncompatiblePeer
@@ -398,20 +355,14 @@ impl Endpoint {
         for (&id, t) in self.targets.iter_mut() {
             if refused && (t.check == Some(session) || t.session == Some(session)) {
                 t.evidence = Some(LinkEvidence::Rejected(reason));
-                self.events
-                    .push_back(Event::TargetRefused { target: id, reason });
+                self.outbox
+                    .event(Event::TargetRefused { target: id, reason });
             }
             if t.check == Some(session) {
                 t.check = None;
             }
         }
-        let targets: Vec<TargetId> = self
-            .targets
-            .iter()
-            .filter(|(_, t)| t.session == Some(session))
-            .map(|(id, _)| *id)
-            .collect();
-        for target in targets {
+        for target in self.targets.on_session(session) {
             self.schedule_reconnect(now, target, false);
         }
         if self.sessions.is_empty() {
@@ -504,12 +455,12 @@ impl Endpoint {
         ) {
             return Err(ApiError::SessionNotReady(session));
         }
-        self.transmits.push_back((
+        self.outbox.transmit(
             session,
             Message::Transport {
                 payload: payload.to_vec(),
             },
-        ));
+        );
         Ok(())
     }
 
@@ -525,7 +476,7 @@ impl Endpoint {
             match *link {
                 Link::Session(sid) => sessions.push(self.heir(sid)),
                 Link::Target(t) => {
-                    if !self.targets.contains_key(&t) {
+                    if !self.targets.contains(&t) {
                         return Err(ApiError::UnknownTarget(t));
                     }
                     match self.target_session(t) {
@@ -549,7 +500,7 @@ impl Endpoint {
         self.timers.cancel(&mut t.unreachable_timer);
         t.unreachable_reported = false;
         if let Some(session) = t.session {
-            self.events.push_back(Event::TargetUp { target, session });
+            self.outbox.event(Event::TargetUp { target, session });
         }
         let waiting = std::mem::take(&mut t.waiting);
         for room in waiting {
@@ -569,7 +520,7 @@ impl Endpoint {
 
     /// Asks the driver for one connection attempt to `target`, bounded by `connect_timeout`.
     pub(super) fn dial(&mut self, target: TargetId) {
-        if self.shutdown.begun() || !self.targets.contains_key(&target) {
+        if self.shutdown.begun() || !self.targets.contains(&target) {
             return;
         }
         let deadline = self.last_now + self.config.connect_timeout;
@@ -583,7 +534,7 @@ impl Endpoint {
         if let Some(old) = t.attempt.start(dial) {
             self.dials.settle(&mut self.timers, old);
         }
-        self.actions.push_back(Action::Connect { target, dial });
+        self.outbox.action(Action::Connect { target, dial });
     }
 
     /// Why `session` ended, if it ended for good recently.
@@ -602,7 +553,7 @@ impl Endpoint {
             return;
         };
         if s.ops.wants_turn(max) {
-            self.ready_sessions.push_back(sid);
+            self.ops.ready(sid);
         }
     }
 
@@ -621,7 +572,7 @@ impl Endpoint {
             .set(&mut s.timers.linger, at, Timer::Linger(sid));
         // A fence still waiting is moot: closing the session closes every connection.
         self.timers.cancel(&mut s.timers.fence);
-        self.actions.push_back(Action::CloseSession(sid));
+        self.outbox.action(Action::CloseSession(sid));
     }
 
     /// The embedder's data plane cannot serve `session` as this node's configuration demands
@@ -655,48 +606,14 @@ impl Endpoint {
             return;
         }
         s.close_reason = reason;
-        self.transmits.push_back((
+        self.outbox.transmit(
             sid,
             Message::Error {
                 code,
                 detail: detail.to_owned(),
             },
-        ));
+        );
         self.fail_session_rooms(now, sid, reason);
         self.request_close(sid);
-    }
-}
-
-/// What the connection attempts to a target found, since its session went silent or down:
-/// the evidence that names the reason of rooms failed for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum LinkEvidence {
-    /// The host refused: nothing listens at the port.
-    Refused,
-    /// No answer within the connect timeout, or no route.
-    NoAnswer,
-    /// A connection was made but no hello came back: the peer process does not answer.
-    Silent,
-    /// The peer answered and refused us at the handshake (token, role, layout, version).
-    Rejected(FailureReason),
-}
-
-impl LinkEvidence {
-    /// What a failed connection attempt found.
-    pub(super) fn of(failure: ConnectFailure) -> Self {
-        match failure {
-            ConnectFailure::Refused => LinkEvidence::Refused,
-            ConnectFailure::NoAnswer => LinkEvidence::NoAnswer,
-        }
-    }
-
-    /// The reason of rooms that gave up on a link this evidence describes.
-    pub(super) fn reason(self) -> FailureReason {
-        match self {
-            LinkEvidence::Refused => FailureReason::ConnectionRefused,
-            LinkEvidence::NoAnswer => FailureReason::PeerUnreachable,
-            LinkEvidence::Silent => FailureReason::PeerSilent,
-            LinkEvidence::Rejected(reason) => reason,
-        }
     }
 }

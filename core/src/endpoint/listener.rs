@@ -201,7 +201,7 @@ impl Endpoint {
     /// core set when it asked.
     pub fn handle_dial_began(&mut self, now: Instant, dial: DialId) {
         let now = self.clock(now);
-        let abandoning = self.targets.values().any(|t| t.attempt.abandoning(dial));
+        let abandoning = self.targets.abandoning(dial);
         if !abandoning {
             let at = now + self.config.connect_timeout;
             self.dials.rearm(&mut self.timers, dial, at, Timer::Dial);
@@ -250,7 +250,7 @@ impl Endpoint {
     pub(super) fn on_drain_timer(&mut self, drain: DrainId, key: TimerKey) {
         if self.drains.expire(drain, key) {
             debug!(%drain, "replaced data path not drained within operation_timeout; stop collecting");
-            self.actions.push_back(Action::StopDraining(drain));
+            self.outbox.action(Action::StopDraining(drain));
         }
     }
 
@@ -260,14 +260,14 @@ impl Endpoint {
         }
         let Some((&target, t)) = self.targets.iter_mut().find(|(_, t)| t.attempt.is(dial)) else {
             debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it");
-            self.actions.push_back(Action::AbandonDial(dial));
+            self.outbox.action(Action::AbandonDial(dial));
             return;
         };
         if t.attempt.abandon() {
             // The driver gives it up and says what it found (a refusal it had not read yet on
             // a busy machine is still a refusal); it has one more connect_timeout for that.
             debug!(%dial, "target's attempt did not connect within connect_timeout; abandoning it");
-            self.actions.push_back(Action::AbandonDial(dial));
+            self.outbox.action(Action::AbandonDial(dial));
             let at = now + self.config.connect_timeout;
             self.dials.keep(&mut self.timers, dial, at, Timer::Dial);
             return;
@@ -280,13 +280,13 @@ impl Endpoint {
     pub(super) fn on_accepted_timer(&mut self, conn: ConnId, key: TimerKey) {
         if self.listener.pending.expire(conn, key) {
             warn!(%conn, "accepted connection did not become a session's in time; dropping it");
-            self.actions.push_back(Action::DropAccepted(conn));
+            self.outbox.action(Action::DropAccepted(conn));
         }
     }
 
     pub(super) fn on_accept_backoff_timer(&mut self, key: TimerKey) {
         if self.listener.resume(key) {
-            self.actions.push_back(Action::ResumeAccepting);
+            self.outbox.action(Action::ResumeAccepting);
         }
     }
 }

@@ -11,6 +11,8 @@ mod link;
 mod listener;
 mod liveness;
 mod op_queue;
+mod operations;
+mod outbox;
 mod pending_rooms;
 mod planning;
 mod probation;
@@ -21,6 +23,7 @@ mod sender;
 mod sessions;
 mod successions;
 mod takeover;
+mod targets;
 mod timers;
 mod tombstones;
 mod writer;
@@ -29,16 +32,14 @@ mod writes;
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use foldhash::fast::FixedState;
-use std::ops::Range;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use smallvec::SmallVec;
 use tracing::debug;
 
 use crate::api::{
-    Action, Capacity, EndpointInfo, Event, Grant, Link, OpKind, PeerInfo, RejectReason,
-    SessionState, SessionStats, TransferOp,
+    Action, Capacity, EndpointInfo, Event, Grant, Link, PeerInfo, RejectReason, SessionState,
+    SessionStats, TransferOp,
 };
 use crate::auth::{Nonce, Nonces, SessionKey};
 use crate::codec::{Hello, Message, ProgressStage, RoomRequest};
@@ -46,24 +47,24 @@ use crate::config::{Config, ConfigError};
 use crate::counters::Counters;
 use crate::ids::{
     DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId, TargetId,
-    TransferId,
 };
-use crate::layout::{PageSet, Slice};
+use crate::layout::PageSet;
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
-use attempt::Attempt;
 use coverage::Coverage;
 use ended::EndedSessions;
 use layer_bits::LayerBits;
-use link::LinkEvidence;
 use listener::{Deadlines, Listener};
 use liveness::Liveness;
 use op_queue::OpQueue;
+use operations::{Op, OpPhase, Operations};
+use outbox::Outbox;
 use pending_rooms::PendingRooms;
 use probation::Probation;
 use sessions::Sessions;
 use successions::Successions;
+use targets::Targets;
 use timers::SessionTimers;
 use tombstones::Tombstones;
 use writer::Writer;
@@ -93,7 +94,9 @@ type Set<K> = HashSet<K, FixedState>;
 /// was heard doing (`liveness`), its record toward the blacklist (`probation`), its
 /// operations (`op_queue`), how its peer writes into us (`writer`) and its deadlines
 /// (`timers::SessionTimers`); rooms that ended (`tombstones`), requests for rooms not open
-/// yet (`pending_rooms`), take-overs (`successions`), the listener and dials (`listener`).
+/// yet (`pending_rooms`), take-overs (`successions`), the listener and dials (`listener`),
+/// peers kept connected (`targets`), data-path operations and the sessions' turns to start
+/// them (`operations`), and what waits for the driver's drain (`outbox`).
 ///
 /// # Drain contract
 ///
@@ -118,18 +121,16 @@ pub struct Endpoint {
     tombstones: Tombstones,
     /// Prefill: room messages that arrived before the sender room was opened.
     pending: PendingRooms,
-    ops: Map<TransferId, Op>,
-    next_op: u64,
-    ready_sessions: VecDeque<SessionId>,
+    /// Data-path operations, and the sessions whose turn it is to start one.
+    ops: Operations,
     timers: TimerTable,
-    transmits: VecDeque<(SessionId, Message)>,
-    actions: VecDeque<Action>,
-    events: VecDeque<Event>,
+    /// Messages, actions and events waiting for the driver's drain.
+    outbox: Outbox,
     counters: Counters,
     capacity: Capacity,
     hasher: FixedState,
-    targets: Map<TargetId, Target>,
-    next_target: u32,
+    /// Peers kept connected.
+    targets: Targets,
     /// Write permits given so far (numbers them).
     next_permit: u64,
     /// Sessions taken over by a fresh connection, and who carries their work now.
@@ -171,31 +172,6 @@ impl Shutdown {
 struct WriterQuarantine {
     rooms: Vec<RoomId>,
     timer: Option<TimerKey>,
-}
-
-/// A peer to stay connected to: the core decides when to (re)connect.
-#[derive(Debug)]
-struct Target {
-    session: Option<SessionId>,
-    backoff: Duration,
-    timer: Option<TimerKey>,
-    /// Since when the target has had no established session (`None`: it has one).
-    down_since: Option<Instant>,
-    /// Receiver rooms waiting for this target's session.
-    waiting: Vec<RoomId>,
-    unreachable_timer: Option<TimerKey>,
-    /// `Event::TargetUnreachable` went out for the current time down.
-    unreachable_reported: bool,
-    /// Its connection attempt under way, one at most, and the last one given up.
-    attempt: Attempt,
-    /// A fresh connection checking the link while the session is silent, in its handshake.
-    check: Option<SessionId>,
-    /// What the attempts since the session went silent or down found.
-    evidence: Option<LinkEvidence>,
-    /// When a room last opened toward it or left its session: `peer_idle_timeout` counts
-    /// from here.
-    last_used: Instant,
-    idle_timer: Option<TimerKey>,
 }
 
 /// Who a peer is across connections: its node name and process incarnation.
@@ -432,36 +408,6 @@ impl Source {
     }
 }
 
-#[derive(Debug)]
-struct Op {
-    session: SessionId,
-    room: Option<RoomId>,
-    generation: Generation,
-    kind: OpKind,
-    slices: Arc<[Slice]>,
-    /// Owned-layer indexes (from the endpoint's first layer) the operation writes.
-    layers: Range<usize>,
-    bytes: u64,
-    attempt: u32,
-    /// Times it was flushed by a failure that was not its own (they spend no attempt).
-    flushes: u32,
-    phase: OpPhase,
-    timer: Option<TimerKey>,
-    /// In flight on a connection that a fresh one took over: whatever its report says but
-    /// `Done`, it runs again on the new session without counting an attempt.
-    superseded: bool,
-    /// One-sided data plane with the checksum option: the XXH3-64 of the source bytes, which
-    /// decode verifies over what landed once the operation is done.
-    source_checksum: Option<u64>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OpPhase {
-    Queued,
-    InFlight,
-    RetryWait,
-}
-
 impl Endpoint {
     /// A new endpoint. `seed` drives every random choice (jitter, nonces); `now` is the start.
     pub fn new(
@@ -503,17 +449,12 @@ impl Endpoint {
             rooms: Map::with_hasher(hasher.clone()),
             tombstones,
             pending: PendingRooms::new(hasher.clone()),
-            ops: Map::with_hasher(hasher.clone()),
-            next_op: 0,
-            ready_sessions: VecDeque::new(),
+            ops: Operations::default(),
             timers: TimerTable::default(),
-            transmits: VecDeque::new(),
-            actions: VecDeque::new(),
-            events: VecDeque::new(),
+            outbox: Outbox::default(),
             counters: Counters::default(),
             capacity: Capacity::default(),
-            targets: Map::with_hasher(hasher.clone()),
-            next_target: 0,
+            targets: Targets::default(),
             next_permit: 0,
             successions: Successions::new(hasher.clone()),
             ended: EndedSessions::new(hasher.clone()),
@@ -537,7 +478,7 @@ impl Endpoint {
     #[must_use]
     pub fn poll_message(&mut self) -> Option<(SessionId, Message)> {
         loop {
-            let (session, msg) = self.transmits.pop_front()?;
+            let (session, msg) = self.outbox.next_transmit()?;
             let s = self.sessions.get_mut(&session);
             // Until its handshake completes a session carries the handshake alone: a room
             // message for it (a room opened on it early) is dropped here and sent, from the
@@ -558,7 +499,7 @@ impl Endpoint {
     /// The next connection action the driver must carry out.
     #[must_use]
     pub fn poll_action(&mut self) -> Option<Action> {
-        self.actions.pop_front()
+        self.outbox.next_action()
     }
 
     /// The next data-path operation to run; sessions are served round-robin, each up to
@@ -566,7 +507,7 @@ impl Endpoint {
     #[must_use]
     pub fn poll_transfer(&mut self, now: Instant) -> Option<TransferOp> {
         let now = self.clock(now);
-        while let Some(sid) = self.ready_sessions.pop_front() {
+        while let Some(sid) = self.ops.next_ready() {
             let max = self.config.max_ops_in_flight;
             let Some(session) = self.sessions.get_mut(&sid) else {
                 continue;
@@ -611,7 +552,7 @@ impl Endpoint {
     /// The next event for the embedding scheduler.
     #[must_use]
     pub fn poll_event(&mut self) -> Option<Event> {
-        self.events.pop_front()
+        self.outbox.next_event()
     }
 
     /// The earliest deadline and why it exists. Call [`Endpoint::handle_timeout`] at it.
@@ -632,17 +573,12 @@ impl Endpoint {
         self.last_now
     }
 
-    fn alloc_op_id(&mut self) -> TransferId {
-        self.next_op += 1;
-        TransferId(self.next_op)
-    }
-
     fn owned_layers(&self) -> usize {
         usize::from(self.local.layer_end - self.local.layer_start)
     }
 
     fn emit_state(&mut self, room: RoomId, generation: Generation, state: KvPoll) {
-        self.events.push_back(Event::RoomState {
+        self.outbox.event(Event::RoomState {
             room,
             generation,
             state,

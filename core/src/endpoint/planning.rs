@@ -167,25 +167,21 @@ impl Endpoint {
             let bytes = slices.iter().map(Slice::bytes).sum();
             self.counters.ops_planned += 1;
             self.counters.bytes_planned += bytes;
-            let id = self.alloc_op_id();
-            self.ops.insert(
-                id,
-                Op {
-                    session: sid,
-                    room: Some(room),
-                    generation,
-                    kind,
-                    slices: Arc::from(slices),
-                    layers,
-                    bytes,
-                    attempt: 1,
-                    flushes: 0,
-                    phase: OpPhase::Queued,
-                    timer: None,
-                    superseded: false,
-                    source_checksum: None,
-                },
-            );
+            let id = self.ops.add(Op {
+                session: sid,
+                room: Some(room),
+                generation,
+                kind,
+                slices: Arc::from(slices),
+                layers,
+                bytes,
+                attempt: 1,
+                flushes: 0,
+                phase: OpPhase::Queued,
+                timer: None,
+                superseded: false,
+                source_checksum: None,
+            });
             if let Some(x) = self.sessions.get_mut(&sid) {
                 x.ops.push_back(id);
                 x.last_targeted = now;

@@ -66,7 +66,7 @@ impl Endpoint {
 
     /// Number of room operations queued, waiting for a retry, or in flight (probes excluded).
     pub fn live_ops(&self) -> usize {
-        self.ops.values().filter(|op| op.room.is_some()).count()
+        self.ops.of_rooms()
     }
 
     /// Number of armed deadlines.

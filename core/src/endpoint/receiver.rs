@@ -392,7 +392,7 @@ impl Endpoint {
             self.conclude(now, room, KvPoll::Success);
         } else if !rr.flushing {
             rr.flushing = true;
-            self.actions.push_back(Action::FlushLanded {
+            self.outbox.action(Action::FlushLanded {
                 room,
                 generation: r.generation,
             });
@@ -541,8 +541,7 @@ impl Endpoint {
             } else {
                 request.clone()
             };
-            self.transmits
-                .push_back((sid, Message::RoomRequest(request)));
+            self.outbox.transmit(sid, Message::RoomRequest(request));
         }
         if let Some(Side::Receiver(rr)) = self.rooms.get_mut(&room).map(|r| &mut r.side) {
             rr.request = Some(Box::new(request));
@@ -575,8 +574,7 @@ impl Endpoint {
         };
         let Side::Receiver(rr) = &r.side else { return };
         for src in &rr.sources {
-            self.transmits
-                .push_back((src.session, make(room, r.generation)));
+            self.outbox.transmit(src.session, make(room, r.generation));
         }
     }
 }

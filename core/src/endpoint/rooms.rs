@@ -7,7 +7,7 @@ use tracing::{debug, warn};
 
 use crate::api::{ApiError, Event};
 use crate::codec::{ErrorCode, Message};
-use crate::ids::{Generation, RoomId, SessionId, TransferId};
+use crate::ids::{Generation, RoomId, SessionId};
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::Timer;
 
@@ -75,10 +75,7 @@ impl Endpoint {
             self.shutdown = Shutdown::Closing { timer: None };
         }
         // Kept peers are dialed no more, and none is waited for.
-        for t in self.targets.values_mut() {
-            self.timers.cancel(&mut t.timer);
-            self.timers.cancel(&mut t.unreachable_timer);
-        }
+        self.targets.stop_dialing(&mut self.timers);
         let rooms: Vec<RoomId> = self.rooms.keys().copied().collect();
         for room in rooms {
             if self
@@ -141,7 +138,7 @@ impl Endpoint {
                 "shutdown timeout: sessions still closing are dropped"
             );
         }
-        self.events.push_back(Event::ShutDown { unclosed });
+        self.outbox.event(Event::ShutDown { unclosed });
     }
 
     pub(super) fn check_open(
@@ -219,28 +216,28 @@ impl Endpoint {
             Side::Sender(s) => {
                 s.chunks.clear();
                 for x in &s.receivers {
-                    self.transmits.push_back((
+                    self.outbox.transmit(
                         x.session,
                         Message::RoomStatus {
                             room,
                             generation,
                             failure,
                         },
-                    ));
+                    );
                 }
                 // Decode sessions that only announced the room learn it too.
                 for sid in &s.announced_by {
                     if !s.receivers.iter().any(|x| x.session == *sid) {
-                        self.transmits.push_back((
+                        self.outbox.transmit(
                             *sid,
                             Message::RoomStatus {
                                 room,
                                 generation,
                                 failure,
                             },
-                        ));
-                        self.transmits
-                            .push_back((*sid, Message::AbortAck { room, generation }));
+                        );
+                        self.outbox
+                            .transmit(*sid, Message::AbortAck { room, generation });
                     }
                 }
                 if failure.is_some() {
@@ -260,14 +257,14 @@ impl Endpoint {
                             src.drained = true;
                         }
                         waiting |= !src.drained;
-                        self.transmits.push_back((
+                        self.outbox.transmit(
                             src.session,
                             Message::Abort {
                                 room,
                                 generation,
                                 reason,
                             },
-                        ));
+                        );
                     }
                 }
                 if waiting {
@@ -285,19 +282,11 @@ impl Endpoint {
     /// Removes every queued or retry-waiting operation of a room; in-flight ones settle later.
     pub(super) fn drop_room_ops(&mut self, room: RoomId, generation: Generation) {
         let mut dropped = 0u32;
-        let ids: Vec<TransferId> = self
-            .ops
-            .iter()
-            .filter(|(_, op)| {
-                op.room == Some(room)
-                    && op.generation == generation
-                    && op.phase != OpPhase::InFlight
-            })
-            .map(|(id, _)| *id)
-            .collect();
+        let ids = self.ops.ids_where(|op| {
+            op.room == Some(room) && op.generation == generation && op.phase != OpPhase::InFlight
+        });
         for id in ids {
-            if let Some(mut op) = self.ops.remove(&id) {
-                self.timers.cancel(&mut op.timer);
+            if self.ops.remove(id, &mut self.timers).is_some() {
                 dropped += 1;
             }
         }
@@ -323,8 +312,8 @@ impl Endpoint {
                     if r.state != KvPoll::Success && !s.drained_acked {
                         s.drained_acked = true;
                         for x in &s.receivers {
-                            self.transmits
-                                .push_back((x.session, Message::AbortAck { room, generation }));
+                            self.outbox
+                                .transmit(x.session, Message::AbortAck { room, generation });
                         }
                     }
                     true
@@ -373,7 +362,6 @@ impl Endpoint {
         }
         self.tombstones.insert(room, generation, r.state, peers);
         self.counters.rooms_released += 1;
-        self.events
-            .push_back(Event::Releasable { room, generation });
+        self.outbox.event(Event::Releasable { room, generation });
     }
 }

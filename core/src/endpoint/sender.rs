@@ -221,7 +221,7 @@ impl Endpoint {
                     p.notices.retain(|(s, _)| *s != sid);
                     p.notices.push((sid, pos));
                     if first {
-                        self.events.push_back(Event::RoomAnnounced {
+                        self.outbox.event(Event::RoomAnnounced {
                             room,
                             generation,
                             session: sid,
@@ -263,7 +263,7 @@ impl Endpoint {
                     p.requests.retain(|(s, _)| *s != sid);
                     p.requests.push((sid, req));
                     if first {
-                        self.events.push_back(Event::RoomAnnounced {
+                        self.outbox.event(Event::RoomAnnounced {
                             room,
                             generation,
                             session: sid,
@@ -487,8 +487,8 @@ impl Endpoint {
         {
             // Another decode's abort of a room id this one serves (a refused reuse): it
             // touches nothing here.
-            self.transmits
-                .push_back((sid, Message::AbortAck { room, generation }));
+            self.outbox
+                .transmit(sid, Message::AbortAck { room, generation });
             return;
         }
         match self.rooms.get(&room) {
@@ -503,8 +503,8 @@ impl Endpoint {
                         .get(&room)
                         .is_some_and(|r| matches!(&r.side, Side::Sender(s) if s.ops_in_flight == 0))
                     {
-                        self.transmits
-                            .push_back((sid, Message::AbortAck { room, generation }));
+                        self.outbox
+                            .transmit(sid, Message::AbortAck { room, generation });
                     }
                 }
                 if !self
@@ -517,14 +517,14 @@ impl Endpoint {
             }
             Some(r) if r.generation > generation => {
                 // An older attempt: it was drained before the new one could open.
-                self.transmits
-                    .push_back((sid, Message::AbortAck { room, generation }));
+                self.outbox
+                    .transmit(sid, Message::AbortAck { room, generation });
             }
             _ => {
                 // Not open (yet, or any more): nothing of it is in flight.
                 self.fail_unopened(sid, room, generation, verdict);
-                self.transmits
-                    .push_back((sid, Message::AbortAck { room, generation }));
+                self.outbox
+                    .transmit(sid, Message::AbortAck { room, generation });
             }
         }
     }
@@ -541,14 +541,14 @@ impl Endpoint {
         s.stage = Some(stage);
         s.last_progress_sent = Some(now);
         for x in &s.receivers {
-            self.transmits.push_back((
+            self.outbox.transmit(
                 x.session,
                 Message::Progress {
                     room,
                     generation,
                     stage,
                 },
-            ));
+            );
         }
     }
 
@@ -681,16 +681,16 @@ impl Endpoint {
         generation: Generation,
         failure: Option<FailureReason>,
     ) {
-        self.transmits.push_back((
+        self.outbox.transmit(
             sid,
             Message::RoomStatus {
                 room,
                 generation,
                 failure,
             },
-        ));
-        self.transmits
-            .push_back((sid, Message::AbortAck { room, generation }));
+        );
+        self.outbox
+            .transmit(sid, Message::AbortAck { room, generation });
     }
 
     pub(super) fn pending_entry(

@@ -7,7 +7,7 @@ use crate::api::{Event, Link, SessionState};
 use crate::codec::Message;
 use crate::ids::{NodeId, RoomId, SessionId};
 
-use super::{Endpoint, OpPhase, Side};
+use super::{Endpoint, Side};
 
 impl Endpoint {
     /// The live session that carries `session`'s work: itself, or the one that took it over.
@@ -31,10 +31,7 @@ impl Endpoint {
         let old_target = o.target.take();
         let (failures, capacity) = (o.probation.failures(), o.capacity);
         o.timers.cancel_watch(&mut self.timers);
-        for op in self.ops.values_mut().filter(|op| op.session == old) {
-            op.session = new;
-            op.superseded = op.phase == OpPhase::InFlight;
-        }
+        self.ops.move_session(old, new);
         for room in &rooms {
             let Some(r) = self.rooms.get_mut(room) else {
                 continue;
@@ -83,17 +80,14 @@ impl Endpoint {
         // names the new one: a target that still pointed at the old session would see it
         // close, dial again, and its fresh session would take this one over in turn.
         self.successions.take_over(old, new);
-        for t in self.targets.values_mut().filter(|t| t.session == Some(old)) {
-            t.session = Some(new);
-        }
+        self.targets.follow(old, new);
         self.counters.sessions_resumed += 1;
         info!(%node, %old, %new, rooms = moved, "link back: a fresh connection took the silent session over");
-        self.events
-            .push_back(Event::SessionResumed { node, old, new });
+        self.outbox.event(Event::SessionResumed { node, old, new });
         if !inbound {
             // We dialed, so the peer takes over at our first message (sent now).
             let heartbeat = self.heartbeat(new);
-            self.transmits.push_back((new, heartbeat));
+            self.outbox.transmit(new, heartbeat);
         }
         // Both sides now carry on over `new`, so the old connection can go. The accepting
         // side closes it too rather than wait for the dialer's close: that close may sit
@@ -195,7 +189,7 @@ impl Endpoint {
                     }
                 }
             };
-            self.transmits.push_back((sid, msg));
+            self.outbox.transmit(sid, msg);
         }
     }
 }

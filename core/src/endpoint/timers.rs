@@ -13,7 +13,7 @@ use crate::layout::{Region, Slice};
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
 
-use super::link::LinkEvidence;
+use super::targets::LinkEvidence;
 use super::{Endpoint, Op, OpPhase, Shutdown, Side};
 
 impl Endpoint {
@@ -60,7 +60,7 @@ impl Endpoint {
                 };
                 if fired(&mut s.timers.linger, key) && s.state == SessionState::Closing {
                     debug!(session = %sid, "close linger over; stopping the control writer");
-                    self.actions.push_back(Action::StopLingering(sid));
+                    self.outbox.action(Action::StopLingering(sid));
                 }
             }
             Timer::WriterQuarantine(sid) => {
@@ -265,7 +265,7 @@ impl Endpoint {
         let n = std::mem::take(&mut s.data_lost);
         if live && !s.ops.fencing() {
             for _ in 0..n {
-                self.actions.push_back(Action::OpenDataConnection(sid));
+                self.outbox.action(Action::OpenDataConnection(sid));
             }
         }
     }
@@ -299,8 +299,8 @@ impl Endpoint {
         t.unreachable_reported = true;
         let waiting = std::mem::take(&mut t.waiting);
         let reason = self.unreachable_reason(target);
-        self.events
-            .push_back(Event::TargetUnreachable { target, reason });
+        self.outbox
+            .event(Event::TargetUnreachable { target, reason });
         if !waiting.is_empty() {
             warn!(%target, rooms = waiting.len(), %reason, "peer unreachable for the whole window, failing the rooms waiting for it");
         }
@@ -367,25 +367,21 @@ impl Endpoint {
         }
         self.counters.probes_sent += 1;
         let slices: Arc<[Slice]> = Arc::from(vec![Slice::run(Region::Scratch, 0, 0, 8)]);
-        let id = self.alloc_op_id();
-        self.ops.insert(
-            id,
-            Op {
-                session: sid,
-                room: None,
-                generation: 0,
-                kind: OpKind::Probe,
-                slices,
-                layers: 0..0,
-                bytes: 8,
-                attempt: 1,
-                flushes: 0,
-                phase: OpPhase::Queued,
-                timer: None,
-                superseded: false,
-                source_checksum: None,
-            },
-        );
+        let id = self.ops.add(Op {
+            session: sid,
+            room: None,
+            generation: 0,
+            kind: OpKind::Probe,
+            slices,
+            layers: 0..0,
+            bytes: 8,
+            attempt: 1,
+            flushes: 0,
+            phase: OpPhase::Queued,
+            timer: None,
+            superseded: false,
+            source_checksum: None,
+        });
         if let Some(s) = self.sessions.get_mut(&sid) {
             s.probation.probe_queued(id);
             s.ops.push_front(id);
@@ -413,8 +409,7 @@ impl Endpoint {
         }
         info!(session = %sid, "blacklisted session idle, forgetting it");
         self.counters.sessions_expired += 1;
-        self.events
-            .push_back(Event::SessionExpired { session: sid });
+        self.outbox.event(Event::SessionExpired { session: sid });
         // Expiry forgets the blacklist: do not carry it into a reconnect.
         if let Some(s) = self.sessions.get_mut(&sid) {
             s.state = SessionState::Established;

@@ -458,7 +458,7 @@ impl Endpoint {
         let Ok(permit) = self.admit(now, sid, room, generation, &slices, Landing::Check) else {
             return;
         };
-        self.actions.push_back(Action::VerifyLanded {
+        self.outbox.action(Action::VerifyLanded {
             permit,
             ranges: slices,
             checksum,
