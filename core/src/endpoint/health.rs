@@ -11,7 +11,6 @@ use crate::ids::{Generation, RoomId, SessionId, TransferId};
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::Timer;
 
-use super::planning::live_sender;
 use super::{Endpoint, Op, OpPhase, Side};
 
 /// Flushes one write may take without spending an attempt: one more means its path keeps
@@ -304,7 +303,7 @@ impl Endpoint {
     pub(super) fn report_delivered_layers(&mut self, room: RoomId) {
         let first_layer = self.local.layer_start;
         let owned = self.owned_layers();
-        let Some((generation, s)) = live_sender(&mut self.rooms, room) else {
+        let Some((generation, s)) = self.rooms.live_sender(room) else {
             return;
         };
         if !s.last_seen {

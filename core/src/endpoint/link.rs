@@ -62,7 +62,7 @@ impl Endpoint {
         };
         // Rooms that ended elsewhere (aborted, timed out) leave no claim on the target.
         let rooms = &self.rooms;
-        t.waiting.retain(|r| rooms.contains_key(r));
+        t.waiting.retain(|r| rooms.contains(r));
         let sessions = &self.sessions;
         let in_use = !t.waiting.is_empty()
             || t.session

@@ -18,6 +18,7 @@ mod planning;
 mod probation;
 mod queries;
 mod receiver;
+mod room_table;
 mod rooms;
 mod sender;
 mod sessions;
@@ -62,6 +63,7 @@ use operations::{Op, OpPhase, Operations};
 use outbox::Outbox;
 use pending_rooms::PendingRooms;
 use probation::Probation;
+use room_table::Rooms;
 use sessions::Sessions;
 use successions::Successions;
 use targets::Targets;
@@ -117,7 +119,8 @@ pub struct Endpoint {
     last_now: Instant,
     shutdown: Shutdown,
     sessions: Sessions,
-    rooms: Map<RoomId, Room>,
+    /// The rooms held, from their opening to their release.
+    rooms: Rooms,
     tombstones: Tombstones,
     /// Prefill: room messages that arrived before the sender room was opened.
     pending: PendingRooms,
@@ -446,7 +449,7 @@ impl Endpoint {
             last_now: now,
             shutdown: Shutdown::Running,
             sessions: Sessions::new(hasher.clone()),
-            rooms: Map::with_hasher(hasher.clone()),
+            rooms: Rooms::default(),
             tombstones,
             pending: PendingRooms::new(hasher.clone()),
             ops: Operations::default(),

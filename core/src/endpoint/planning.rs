@@ -14,7 +14,7 @@ use crate::layout::Slice;
 use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLimits};
 use crate::state::{FailureReason, KvPoll};
 
-use super::{Endpoint, Map, Op, OpPhase, Room, SenderRoom, Side};
+use super::{Endpoint, Op, OpPhase, SenderRoom, Side};
 
 /// An operation planned for a session: its kind, the layers it carries, its slices.
 type PlannedOp = (SessionId, OpKind, Range<usize>, Vec<Slice>);
@@ -36,7 +36,7 @@ impl Endpoint {
             heads: self.local.heads,
         };
         let sessions = &self.sessions;
-        let Some((generation, s)) = live_sender(&mut self.rooms, room) else {
+        let Some((generation, s)) = self.rooms.live_sender(room) else {
             return;
         };
         // Once the room's length is known, a grant its chunks leave partly unwritten fails
@@ -242,22 +242,5 @@ impl SenderRoom {
             }
         }
         None
-    }
-}
-
-/// A sender room past its bootstrap and not concluded, with its generation: the rooms whose
-/// layers may be planned and reported delivered.
-pub(super) fn live_sender(
-    rooms: &mut Map<RoomId, Room>,
-    room: RoomId,
-) -> Option<(Generation, &mut SenderRoom)> {
-    let r = rooms.get_mut(&room)?;
-    if r.state.is_terminal() || r.state == KvPoll::Bootstrapping {
-        return None;
-    }
-    let generation = r.generation;
-    match &mut r.side {
-        Side::Sender(s) => Some((generation, s)),
-        Side::Receiver(_) => None,
     }
 }

@@ -61,7 +61,7 @@ impl Endpoint {
 
     /// Ids of the rooms held, in no particular order.
     pub fn room_ids(&self) -> impl Iterator<Item = RoomId> + '_ {
-        self.rooms.keys().copied()
+        self.rooms.ids()
     }
 
     /// Number of room operations queued, waiting for a retry, or in flight (probes excluded).

@@ -14,7 +14,8 @@ use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::Timer;
 
 use super::coverage::Coverage;
-use super::{Endpoint, Map, ReceiverRoom, Room, Side, Source};
+use super::room_table::Rooms;
+use super::{Endpoint, ReceiverRoom, Room, Side, Source};
 
 impl Endpoint {
     /// Decode: opens a receiver room fed by `sources` (one session per prefill rank feeding it).
@@ -583,7 +584,7 @@ impl Endpoint {
 /// about another attempt, or a room gone, counts as stale. (Over the two fields, so the
 /// caller may use the endpoint's other state while it holds the room.)
 fn room_of_message<'a>(
-    rooms: &'a mut Map<RoomId, Room>,
+    rooms: &'a mut Rooms,
     counters: &mut Counters,
     room: RoomId,
     generation: Generation,

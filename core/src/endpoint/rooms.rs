@@ -76,7 +76,7 @@ impl Endpoint {
         }
         // Kept peers are dialed no more, and none is waited for.
         self.targets.stop_dialing(&mut self.timers);
-        let rooms: Vec<RoomId> = self.rooms.keys().copied().collect();
+        let rooms: Vec<RoomId> = self.rooms.ids().collect();
         for room in rooms {
             if self
                 .rooms
@@ -153,7 +153,7 @@ impl Endpoint {
         if self.shutdown.begun() {
             return Err(ApiError::ShutDown);
         }
-        if self.rooms.contains_key(&room) {
+        if self.rooms.contains(&room) {
             return Err(ApiError::RoomExists(room));
         }
         if let Some((used, _)) = self.tombstones.get(room) {
@@ -329,16 +329,9 @@ impl Endpoint {
         if !ready {
             return;
         }
-        let Some(mut r) = self.rooms.remove(&room) else {
+        let Some(r) = self.rooms.remove(room, &mut self.timers) else {
             return;
         };
-        for t in [
-            &mut r.bootstrap_timer,
-            &mut r.waiting_timer,
-            &mut r.abort_timer,
-        ] {
-            self.timers.cancel(t);
-        }
         let peers: SmallVec<[PeerIdentity; 1]> = match &r.side {
             Side::Sender(s) => s.peers.iter().copied().collect(),
             Side::Receiver(_) => SmallVec::new(),

@@ -37,7 +37,7 @@ impl Endpoint {
         if self.shutdown.begun() {
             return Err(ApiError::ShutDown);
         }
-        if self.rooms.contains_key(&room) {
+        if self.rooms.contains(&room) {
             return Err(ApiError::RoomExists(room));
         }
         // A failure decided before the room was opened (decode aborted, session blacklisted,
