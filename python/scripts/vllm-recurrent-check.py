@@ -3,8 +3,10 @@
 Builds a tiny random-weight Qwen3-Next (one gated-delta-net layer, one full-attention layer,
 bfloat16) and a word-level tokenizer (no download), then runs it on vLLM's CPU backend as
 one engine alone (the reference) and as a prefill engine and a decode engine, one process
-each, with ``kvferry.vllm.KvferryConnector`` between them (pull mode: the prefill's
-``kv_transfer_params`` handed to the decode, as vLLM's toy proxy does).
+each, with ``kvferry.vllm.KvferryConnector`` between them: in pull mode (the prefill's
+``kv_transfer_params`` handed to the decode, as vLLM's toy proxy does), then in push mode
+(``kvferry.vllm_proxy --push``'s params: a room id drawn for both, the decode dialing the
+prefill's listener and the prefill writing each layer and the state into its blocks).
 
 With recurrent state the prefill computes all but the prompt's last token and the decode
 computes that token as a one-token step on the state it loaded (vLLM's NixlConnector does
@@ -12,8 +14,8 @@ the same). vLLM's one-token (decode) GDN kernels round differently in bfloat16 f
 chunked prefill kernel, so the reference is the same engine prefilling each prompt as n - 1
 tokens and then 1. Fails unless, for every prompt, the decode's 8 greedy tokens equal that
 reference's, with their logprobs equal to 4 decimals when the prompts are sent one at a
-time and within ``CONCURRENT_TOLERANCE`` when they are sent all at once (a batch rounds
-differently), and the decode's kvferry node counted a room per prompt. Prints how far the
+time (pull and push) and within ``CONCURRENT_TOLERANCE`` when they are sent all at once (a
+batch rounds differently), and the decode's kvferry node counted a room per prompt and round. Prints how far the
 reference's own split moves the answer from one unchunked prefill.
 
 Run with the venv of ``python/scripts/vllm-venv.sh`` (kvferry installed into it):
@@ -42,6 +44,14 @@ TOKENS = 8
 #: Requests decoded in one batch round differently in bfloat16 from one decoded alone (seen:
 #: 0.0005), an order of magnitude under what a one-token last step moves (0.01-0.07).
 CONCURRENT_TOLERANCE = 0.005
+#: Each round and its logprob tolerance; "push" decodes one prompt at a time.
+ROUNDS = (("sequential", 0.0), ("concurrent", CONCURRENT_TOLERANCE), ("push", 0.0))
+#: ``kvferry.vllm.PUSH_BIT``: a room id a router drew (push mode).
+PUSH_BIT = 1 << 62
+
+
+def push_room(i: int) -> int:
+    return PUSH_BIT | (1000 + i)
 
 
 def prompts() -> list[list[int]]:
@@ -131,11 +141,13 @@ def role_prefill(model: str, work: str, port: int) -> None:
                           kv_connector_extra_config={"port": port, "host": "127.0.0.1"})
     llm = engine(model, kv_transfer_config=kt)
     idle = [TokensPrompt(prompt_token_ids=[5, 6])], SamplingParams(max_tokens=1)
-    for rnd in ("sequential", "concurrent"):
+    for rnd, _ in ROUNDS:
         params = []
-        for p in prompts():
-            sp = SamplingParams(temperature=0, max_tokens=1,
-                                extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        for i, p in enumerate(prompts()):
+            kp = {"do_remote_decode": True}
+            if rnd == "push":
+                kp.update(kvferry_push=True, kvferry_room=push_room(i))
+            sp = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": kp})
             params.append(llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0].kv_transfer_params)
         # One more engine step hands the finished requests' rooms to the worker.
         llm.generate(*idle, use_tqdm=False)
@@ -159,22 +171,33 @@ def role_decode(model: str, work: str, port: int, metrics_port: int, out: str) -
                                                      "metrics_addr": f"127.0.0.1:{metrics_port}"})
     llm = engine(model, kv_transfer_config=kt)
     res = {}
-    for rnd in ("sequential", "concurrent"):
-        while not os.path.exists(f"{work}/{rnd}.json"):
-            time.sleep(0.2)
-        with open(f"{work}/{rnd}.json") as f:
-            params = json.load(f)
+    for rnd, _ in ROUNDS:
+        if rnd == "push":
+            # The router's params: nothing comes from the prefill, which writes as it computes.
+            params = [{"do_remote_prefill": True, "kvferry_push": True, "kvferry_room": push_room(i),
+                       "kvferry_addrs": [f"127.0.0.1:{port}"]} for i in range(len(LENS))]
+        else:
+            while not os.path.exists(f"{work}/{rnd}.json"):
+                time.sleep(0.2)
+            with open(f"{work}/{rnd}.json") as f:
+                params = json.load(f)
         sps = [SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=1,
                               extra_args={"kv_transfer_params": kp}) for kp in params]
         tps = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
-        if rnd == "sequential":
+        if rnd != "concurrent":
             res[rnd] = [answer(llm.generate([tp], sp, use_tqdm=False)[0]) for tp, sp in zip(tps, sps)]
         else:
             res[rnd] = [answer(o) for o in llm.generate(tps, sps, use_tqdm=False)]
         open(f"{work}/{rnd}.done", "w").close()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    m = re.search(r"^kvferry_rooms_succeeded_total(?:\{[^}]*\})? (\S+)", text, re.M)
-    res["rooms_succeeded"] = float(m.group(1)) if m else None
+    # A node publishes its metrics at most every 500 ms: the last room may show a moment late.
+    deadline = time.monotonic() + 5
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        m = re.search(r"^kvferry_rooms_succeeded_total(?:\{[^}]*\})? (\S+)", text, re.M)
+        res["rooms_succeeded"] = float(m.group(1)) if m else None
+        if res["rooms_succeeded"] == len(ROUNDS) * len(LENS) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     with open(out, "w") as f:
         json.dump(res, f)
 
@@ -236,16 +259,17 @@ def main() -> int:
         return max(abs(x - y) for x, y in zip(a[1], b[1]))
 
     failures = []
-    for rnd, tolerance in (("sequential", 0.0), ("concurrent", CONCURRENT_TOLERANCE)):
+    for rnd, tolerance in ROUNDS:
         for n, want, have in zip(LENS, ref["split"], got[rnd]):
             if want[0] != have[0] or gap(want, have) > tolerance:
                 failures.append(f"{rnd} prompt of {n} tokens: decode {have}, reference (n-1, then 1) {want}")
-    if got["rooms_succeeded"] != 2 * len(LENS):
-        failures.append(f"the decode's node counted {got['rooms_succeeded']} rooms succeeded, not {2 * len(LENS)}")
+    if got["rooms_succeeded"] != len(ROUNDS) * len(LENS):
+        failures.append(f"the decode's node counted {got['rooms_succeeded']} rooms succeeded, "
+                        f"not {len(ROUNDS) * len(LENS)}")
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     print(json.dumps({
-        "prompts": len(LENS), "rounds": 2, "equal_to_split_reference": not failures,
+        "prompts": len(LENS), "rounds": [r for r, _ in ROUNDS], "equal_to_split_reference": not failures,
         "concurrent_max_logprob_gap": max(gap(a, b) for a, b in zip(ref["split"], got["concurrent"])),
         "split_tokens_equal_to_unchunked": sum(a[0] == b[0] for a, b in zip(ref["split"], ref["unchunked"])),
         "split_max_logprob_gap_to_unchunked": max(gap(a, b) for a, b in zip(ref["split"], ref["unchunked"])),
