@@ -302,13 +302,21 @@ fn print_data_plane(results: &[bench::BenchResult], json: bool) {
         if json {
             println!(
                 "{}",
-                serde_json::json!({ "workload": r.workload, "runtime": r.runtime, "unit": r.unit, "kvferry": r.kvferry, "raw": r.raw, "ratio": r.ratio, "target": r.target })
+                serde_json::json!({ "workload": r.workload, "runtime": r.runtime, "unit": r.unit, "kvferry": r.kvferry, "raw": r.raw, "ratio": r.ratio, "own_raw": r.own_raw, "own_ratio": r.own_ratio, "target": r.target })
             );
         } else {
-            println!(
-            "{:<18} {:<8} kvferry {:>10.3} {:<4}  raw {:>10.3} {:<4}  ratio {:>6.3}  (target {})",
-            r.workload, r.runtime, r.kvferry, r.unit, r.raw, r.unit, r.ratio, r.target
-        );
+            print!(
+                "{:<18} {:<8} kvferry {:>10.3} {:<4}  raw {:>10.3} {:<4}  ratio {:>6.3}  (target {})",
+                r.workload, r.runtime, r.kvferry, r.unit, r.raw, r.unit, r.ratio, r.target
+            );
+            // glommio's own sockets: what the runtime costs before kvferry adds anything.
+            if r.runtime == "glommio" {
+                print!(
+                    "  raw on glommio {:.3} {}, ratio {:.3}",
+                    r.own_raw, r.unit, r.own_ratio
+                );
+            }
+            println!();
         }
     }
     for (workload, advantage) in bench::glommio_vs_tokio(results) {

@@ -4,6 +4,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::channels::local_channel;
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
@@ -14,15 +15,17 @@ use kvferry_tcp::Limits;
 
 use super::{bench_check, bench_op, flat_layout};
 
-/// Operations to run back to back, and where to send their times.
+/// What to run back to back: `n` kvferry operations of the slices, or (`None`) `n` round
+/// trips over the plain glommio socket pair; and where to send their times.
 type Request = (
-    Arc<[Slice]>,
+    Option<Arc<[Slice]>>,
     usize,
     tokio::sync::oneshot::Sender<std::io::Result<Vec<Duration>>>,
 );
 
 /// A glommio sender and receiver executor pair (one per core where the machine allows)
-/// with one data connection between them, running operations on request.
+/// with one data connection between them, running operations on request, and a plain glommio
+/// socket pair beside it: glommio's own round trip, the figure kvferry on glommio is held to.
 pub(super) struct Pair {
     requests: flume::Sender<Request>,
     sender: glommio::ExecutorJoinHandle<std::io::Result<()>>,
@@ -30,9 +33,14 @@ pub(super) struct Pair {
 }
 
 impl Pair {
-    /// Starts both executors over memory of `pages` pages of `page_bytes`.
-    pub(super) async fn start(page_bytes: u32, pages: u32) -> std::io::Result<Pair> {
-        tokio::task::spawn_blocking(move || spawn(page_bytes, pages))
+    /// Starts both executors over memory of `pages` pages of `page_bytes`; a plain round
+    /// trip sends `raw_len` bytes and reads a 1-byte reply.
+    pub(super) async fn start(
+        page_bytes: u32,
+        pages: u32,
+        raw_len: usize,
+    ) -> std::io::Result<Pair> {
+        tokio::task::spawn_blocking(move || spawn(page_bytes, pages, raw_len))
             .await
             .map_err(io_error)?
     }
@@ -42,6 +50,19 @@ impl Pair {
     pub(super) async fn ops(
         &self,
         slices: Arc<[Slice]>,
+        n: usize,
+    ) -> std::io::Result<Vec<Duration>> {
+        self.request(Some(slices), n).await
+    }
+
+    /// The times of `n` round trips over the plain glommio socket pair.
+    pub(super) async fn raw_rounds(&self, n: usize) -> std::io::Result<Vec<Duration>> {
+        self.request(None, n).await
+    }
+
+    async fn request(
+        &self,
+        slices: Option<Arc<[Slice]>>,
         n: usize,
     ) -> std::io::Result<Vec<Duration>> {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -95,7 +116,7 @@ fn placement(cpu: usize) -> Placement {
     }
 }
 
-fn spawn(page_bytes: u32, pages: u32) -> std::io::Result<Pair> {
+fn spawn(page_bytes: u32, pages: u32, raw_len: usize) -> std::io::Result<Pair> {
     kvferry_glommio::ensure_memlock(2).map_err(io_error)?;
     let layout = flat_layout(page_bytes, pages);
     let src = Arc::new(MemoryMap::allocate(layout));
@@ -117,6 +138,20 @@ fn spawn(page_bytes: u32, pages: u32) -> std::io::Result<Pair> {
                 return;
             };
             let _ = stream.set_nodelay(true);
+            // The plain pair's echo: `raw_len` bytes in, one byte back.
+            let Ok(mut plain) = listener.accept().await else {
+                return;
+            };
+            let _ = plain.set_nodelay(true);
+            glommio::spawn_local(async move {
+                let mut sink = vec![0u8; raw_len];
+                while plain.read_exact(&mut sink).await.is_ok() {
+                    if plain.write_all(&[1]).await.is_err() {
+                        break;
+                    }
+                }
+            })
+            .detach();
             let check: Rc<dyn WriteCheck> = Rc::new(check);
             let limits = Limits {
                 checksum: false,
@@ -143,6 +178,9 @@ fn spawn(page_bytes: u32, pages: u32) -> std::io::Result<Pair> {
         .spawn(move || async move {
             let stream = TcpStream::connect(addr).await.map_err(io_error)?;
             let _ = stream.set_nodelay(true);
+            let mut plain = TcpStream::connect(addr).await.map_err(io_error)?;
+            let _ = plain.set_nodelay(true);
+            let bytes = vec![7u8; raw_len];
             // The driver's own sending side: writer task, ack reader task, ledger.
             let (done_tx, done_rx) = local_channel::new_unbounded();
             let report: kvferry_tcp::glommio::LocalReport = Rc::new(move |id, outcome| {
@@ -153,6 +191,10 @@ fn spawn(page_bytes: u32, pages: u32) -> std::io::Result<Pair> {
             let mut failed = None;
             while let Ok((slices, n, reply)) = incoming.recv_async().await {
                 let mut times = Vec::with_capacity(n);
+                let Some(slices) = slices else {
+                    let _ = reply.send(plain_rounds(&mut plain, &bytes, n).await);
+                    continue;
+                };
                 for _ in 0..n {
                     next += 1;
                     let op = bench_op(next, slices.clone());
@@ -190,4 +232,21 @@ fn spawn(page_bytes: u32, pages: u32) -> std::io::Result<Pair> {
         sender,
         receiver,
     })
+}
+
+/// `n` round trips of `bytes` out and one byte back over the plain glommio socket pair.
+async fn plain_rounds(
+    plain: &mut TcpStream,
+    bytes: &[u8],
+    n: usize,
+) -> std::io::Result<Vec<Duration>> {
+    let mut times = Vec::with_capacity(n);
+    let mut ack = [0u8; 1];
+    for _ in 0..n {
+        let t0 = Instant::now();
+        plain.write_all(bytes).await?;
+        plain.read_exact(&mut ack).await?;
+        times.push(t0.elapsed());
+    }
+    Ok(times)
 }

@@ -33,6 +33,11 @@ pub struct BenchResult {
     pub raw: f64,
     /// kvferry / raw.
     pub ratio: f64,
+    /// The same workload over a plain socket pair of kvferry's own runtime (glommio's sockets
+    /// for glommio; tokio's are `raw`).
+    pub own_raw: f64,
+    /// kvferry / own_raw, in the orientation of `ratio`.
+    pub own_ratio: f64,
     /// What the ratio must be for the target (">= x" or "<= x").
     pub target: &'static str,
 }
@@ -347,7 +352,8 @@ pub fn workload_names() -> Vec<&'static str> {
 /// on each of raw, tokio and glommio back to back, after one warm-up operation each, in an
 /// order that goes through all six permutations from block to block. A machine whose load
 /// drifts (a shared CI box) then slows every contender alike, and each figure is the median
-/// of all its operations.
+/// of all its operations. Glommio's turn also runs the workload over a plain glommio socket
+/// pair between its two executors (`own_raw`): what glommio's sockets cost before kvferry.
 ///
 /// `only` names one workload to run alone (to profile it); an unknown name is an
 /// `InvalidInput` error that lists the names.
@@ -391,10 +397,10 @@ async fn measure(
         false => None,
     };
     let pair = match runtimes.glommio {
-        true => Some(glommio_bench::Pair::start(w.page, w.pages).await?),
+        true => Some(glommio_bench::Pair::start(w.page, w.pages, bytes as usize).await?),
         false => None,
     };
-    let (mut r, mut k, mut g) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut r, mut k, mut g, mut gr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for block in 0..blocks {
         // Each contender warms up, then runs its share. The order goes through all six
         // permutations: a rotation alone keeps who follows whom, and position alone moved an
@@ -428,6 +434,9 @@ async fn measure(
                         let mut times = pair.ops(w.slices.clone(), w.ops + 1).await?;
                         times.remove(0);
                         g.extend(times);
+                        let mut times = pair.raw_rounds(w.ops + 1).await?;
+                        times.remove(0);
+                        gr.extend(times);
                     }
                 }
             }
@@ -437,35 +446,36 @@ async fn measure(
         pair.finish().await?;
     }
     let raw_t = median(r);
+    let glommio_raw_t = (!gr.is_empty()).then(|| median(gr));
     let mut out = Vec::new();
-    for (runtime, times) in [("tokio", k), ("glommio", g)] {
+    for (runtime, times, own) in [
+        ("tokio", k, raw_t),
+        ("glommio", g, glommio_raw_t.unwrap_or(raw_t)),
+    ] {
         if times.is_empty() {
             continue;
         }
         let t = median(times);
-        let (kvferry, raw, ratio) = match w.unit {
-            "GB/s" => {
-                let gb = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
-                (gb(t), gb(raw_t), raw_t.as_secs_f64() / t.as_secs_f64())
-            }
-            "ms" => (
-                t.as_secs_f64() * 1e3,
-                raw_t.as_secs_f64() * 1e3,
-                raw_t.as_secs_f64() / t.as_secs_f64(),
-            ),
-            _ => (
-                t.as_secs_f64() * 1e6,
-                raw_t.as_secs_f64() * 1e6,
-                t.as_secs_f64() / raw_t.as_secs_f64(),
-            ),
+        // Throughputs and batch times: raw / kvferry (above 1, kvferry is faster); latencies:
+        // kvferry / raw.
+        let figure = |d: Duration| match w.unit {
+            "GB/s" => bytes as f64 / d.as_secs_f64() / 1e9,
+            "ms" => d.as_secs_f64() * 1e3,
+            _ => d.as_secs_f64() * 1e6,
+        };
+        let ratio = |against: Duration| match w.unit {
+            "GB/s" | "ms" => against.as_secs_f64() / t.as_secs_f64(),
+            _ => t.as_secs_f64() / against.as_secs_f64(),
         };
         out.push(BenchResult {
             workload: w.name,
             runtime,
             unit: w.unit,
-            kvferry,
-            raw,
-            ratio,
+            kvferry: figure(t),
+            raw: figure(raw_t),
+            ratio: ratio(raw_t),
+            own_raw: figure(own),
+            own_ratio: ratio(own),
             target: w.target,
         });
     }
@@ -509,6 +519,7 @@ mod tests {
         for r in &results {
             assert!(r.kvferry.is_finite() && r.kvferry > 0.0, "{r:?}");
             assert!(r.raw.is_finite() && r.raw > 0.0, "{r:?}");
+            assert!(r.own_raw.is_finite() && r.own_raw > 0.0, "{r:?}");
         }
     }
 
@@ -550,6 +561,8 @@ mod tests {
             kvferry: 1.0,
             raw: 1.0,
             ratio,
+            own_raw: 1.0,
+            own_ratio: ratio,
             target: "",
         };
         let results = [
