@@ -266,7 +266,7 @@ fn a_target_dials_again_after_an_abandoned_attempt_and_connects_once_answered() 
     let (mut sim, d, p) = decode_and_prefill(22);
     sim.silence_dials(p, true);
     let target = sim.add_target(d, p);
-    run_ms(&mut sim, 1_000);
+    run_ms(&mut sim, 3_000);
     let abandoned = sim.nodes[d]
         .waits_ended
         .iter()
@@ -278,12 +278,70 @@ fn a_target_dials_again_after_an_abandoned_attempt_and_connects_once_answered() 
     );
     assert_eq!(sim.nodes[d].endpoint.target_session(target), None);
     sim.silence_dials(p, false);
-    run_ms(&mut sim, 1_000);
+    // The attempt under way stays unanswered; the next one, at most a capped deadline, a
+    // connect timeout and a pause later, connects.
+    run_ms(&mut sim, 3_000);
     assert!(
         sim.nodes[d].endpoint.target_session(target).is_some(),
         "the next attempt connects"
     );
     assert_eq!(sim.nodes[d].endpoint.dials_pending(), 0);
+}
+
+/// A link whose connect takes longer than `connect_timeout` (a long haul): the attempt cut
+/// short is followed by one given twice as long, which connects.
+#[test]
+fn a_target_whose_connect_outlasts_the_connect_timeout_is_reached_by_a_longer_attempt() {
+    let (mut sim, d, p) = decode_and_prefill(24);
+    let timeout = config().connect_timeout;
+    sim.slow_dials(p, timeout * 3 / 2);
+    let target = sim.add_target(d, p);
+    run_ms(&mut sim, 20 * timeout.as_millis() as u64);
+    assert!(
+        sim.nodes[d].endpoint.target_session(target).is_some(),
+        "reached"
+    );
+    let abandoned = sim.nodes[d]
+        .waits_ended
+        .iter()
+        .filter(|(_, w)| matches!(w, WaitEnded::AbandonDial(_)))
+        .count();
+    assert_eq!(
+        abandoned, 1,
+        "one attempt cut short, the next waited long enough"
+    );
+}
+
+/// Attempts nobody answers wait longer each time, up to eight connect timeouts: a slow link
+/// is reached, and a healed one is still found within that.
+#[test]
+fn unanswered_attempts_wait_longer_each_time_up_to_a_cap() {
+    let (mut sim, d, p) = decode_and_prefill(25);
+    sim.silence_dials(p, true);
+    let start = sim.now;
+    let target = sim.add_target(d, p);
+    let timeout = config().connect_timeout;
+    run_ms(&mut sim, 60 * timeout.as_millis() as u64);
+    let at: Vec<Duration> = sim.nodes[d]
+        .waits_ended
+        .iter()
+        .filter(|(_, w)| matches!(w, WaitEnded::AbandonDial(_)))
+        .map(|(t, _)| *t - start)
+        .collect();
+    assert_eq!(at[0], timeout, "the first waits one connect timeout");
+    let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(gaps[1] > gaps[0] && gaps[2] > gaps[1], "growing: {gaps:?}");
+    // Each gap: the attempt's own deadline, the driver's connect timeout to report it, and
+    // the pause before the next (`reconnect_interval` and its jitter).
+    let most = timeout * 8 + timeout + config().reconnect_interval * 2;
+    assert!(gaps.iter().all(|g| *g <= most), "capped: {gaps:?}");
+    assert!(gaps[gaps.len() - 1] >= timeout * 8, "at the cap: {gaps:?}");
+    sim.silence_dials(p, false);
+    run_ms(&mut sim, most.as_millis() as u64);
+    assert!(
+        sim.nodes[d].endpoint.target_session(target).is_some(),
+        "a healed link is found within the cap"
+    );
 }
 
 #[test]

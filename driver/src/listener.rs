@@ -113,6 +113,15 @@ impl<H: Host> Driver<H> {
         (dial, self.ends_mut().dials.arm(dial, over))
     }
 
+    /// One of `session`'s data connections is dialed now
+    /// ([`kvferry_core::Action::OpenDataConnection`]), within the deadline the core keeps for
+    /// that session's data dials; otherwise as [`Driver::dial_started`].
+    pub fn data_dial_started(&mut self, session: SessionId) -> (DialId, CoreWait) {
+        let dial = self.with(|e, now| e.handle_data_dial_started(now, session));
+        let over = self.endpoint().shutdown_complete();
+        (dial, self.ends_mut().dials.arm(dial, over))
+    }
+
     /// A target's attempt ([`kvferry_core::Action::Connect`]) begins now: its
     /// `connect_timeout` counts from here, not from when the core asked.
     pub fn dial_began(&mut self, dial: DialId) {

@@ -323,14 +323,20 @@ fn check<R: Runtime>(rt: R, session: SessionId) -> CoreCheck<DriverAccess<R>> {
     }
 }
 
-/// [`Runtime::dial`] for a caller or a data connection, until the core gives the attempt up
-/// (its `connect_timeout`); an attempt given up fails as timed out.
+/// [`Runtime::dial`] for a caller or (with its session and key) a data connection, until the
+/// core gives the attempt up (`connect_timeout`, or the session's data-dial deadline); an
+/// attempt given up fails as timed out.
 async fn dial_bounded<R: Runtime>(
     rt: &R,
     addr: SocketAddr,
-    key: Option<SessionKey>,
+    data: Option<(SessionId, SessionKey)>,
 ) -> io::Result<R::Stream> {
-    let Some((dial, abandon)) = rt.drive(|d| d.dial_started()) else {
+    let started = rt.drive(|d| match &data {
+        Some((session, _)) => d.data_dial_started(*session),
+        None => d.dial_started(),
+    });
+    let key = data.map(|(_, key)| key);
+    let Some((dial, abandon)) = started else {
         return Err(io::Error::other("the node is gone"));
     };
     dial_until(rt, addr, key, dial, abandon).await
@@ -393,7 +399,7 @@ async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
 /// `connect_timeout`; one that does not open is a lost data connection, which the core
 /// replaces after its `data_reconnect_interval`.
 async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, key: SessionKey) {
-    match dial_bounded(&rt, addr, Some(key)).await {
+    match dial_bounded(&rt, addr, Some((session, key))).await {
         Ok(stream) => attach_data(&rt, session, stream),
         Err(e) => {
             warn!(%session, error = %e, "data connection failed");

@@ -555,6 +555,7 @@ on_every_driver!(
     a_disconnected_persistent_peer_is_closed_and_dialed_no_more,
     a_connect_that_fails_part_way_leaves_no_session_behind,
     a_wait_for_a_kept_peer_ends_when_it_is_disconnected,
+    rooms_move_over_a_link_slower_than_the_connect_timeout,
 );
 
 /// A node that begins its shutdown closes its listeners before it tells any peer: a peer

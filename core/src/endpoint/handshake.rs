@@ -16,6 +16,7 @@ use crate::layout::{ExtraPool, LayoutMismatch};
 use crate::state::{FailureReason, Role};
 use crate::timer::Timer;
 
+use super::data_dials::DataDials;
 use super::liveness::Liveness;
 use super::op_queue::OpQueue;
 use super::probation::Probation;
@@ -131,6 +132,11 @@ impl Endpoint {
             inbound,
             auth,
             data_lost: 0,
+            data_dials: DataDials::new(
+                now,
+                self.config.connect_timeout,
+                self.config.handshake_timeout,
+            ),
             resumes: None,
             handing_over: false,
             last_targeted: now,
@@ -551,6 +557,7 @@ impl Endpoint {
         };
         s.peer = Some(peer);
         s.liveness.agree(window, silence);
+        s.data_dials.established(now);
         s.state = SessionState::Established;
         s.resumes = pending_resume;
         if let Some(o) = pending_resume.and_then(|o| self.sessions.get_mut(&o)) {
@@ -578,9 +585,12 @@ impl Endpoint {
         }
         self.outbox
             .event(Event::SessionEstablished { session: sid, peer });
-        let reset = self.config.reconnect_interval;
+        let link_timeout = self
+            .sessions
+            .get(&sid)
+            .map_or(self.config.connect_timeout, |s| s.data_dials.timeout());
         if let Some(t) = target.and_then(|t| self.targets.get_mut(&t)) {
-            t.established(sid, reset, &mut self.timers);
+            t.established(sid, &self.config, link_timeout, &mut self.timers);
         }
         if resumed_from.is_none() {
             // Rooms opened on it while it was still handshaking (their messages were held

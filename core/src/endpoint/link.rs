@@ -523,7 +523,7 @@ impl Endpoint {
         if self.shutdown.begun() || !self.targets.contains(&target) {
             return;
         }
-        let deadline = self.last_now + self.config.connect_timeout;
+        let deadline = self.last_now + self.target_dial_timeout(target);
         let dial = self
             .dials
             .start(&mut self.timers, deadline, DialId, Timer::Dial);
@@ -535,6 +535,15 @@ impl Endpoint {
             self.dials.settle(&mut self.timers, old);
         }
         self.outbox.action(Action::Connect { target, dial });
+    }
+
+    /// The deadline of `target`'s next attempt: a link check's is `connect_timeout` (a
+    /// healed link is found within it), a (re)connection's the target's own.
+    pub(super) fn target_dial_timeout(&self, target: TargetId) -> Duration {
+        match self.targets.get(&target) {
+            Some(t) if self.target_session(target).is_none() => t.dial_timeout,
+            _ => self.config.connect_timeout,
+        }
     }
 
     /// Why `session` ended, if it ended for good recently.

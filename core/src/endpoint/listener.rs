@@ -17,11 +17,11 @@
 
 use std::time::Instant;
 
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::{Endpoint, Map};
 use crate::api::{Action, ConnectFailure};
-use crate::ids::{ConnId, DialId, DrainId};
+use crate::ids::{ConnId, DialId, DrainId, SessionId};
 use crate::timer::{Timer, TimerKey, TimerTable};
 
 /// Attempts in progress, each with one deadline: accepted connections not yet a session's
@@ -194,6 +194,26 @@ impl Endpoint {
         )
     }
 
+    /// Input: the driver started dialing one of `session`'s data connections
+    /// ([`Action::OpenDataConnection`]). Its deadline is the session's: `connect_timeout`, or
+    /// twice what the session's own handshake took if that was longer, doubled after each of
+    /// the session's data dials that timed out (up to `handshake_timeout`), so a link slower
+    /// than `connect_timeout` still gets its data connections. Settle it as any dial.
+    pub fn handle_data_dial_started(&mut self, now: Instant, session: SessionId) -> DialId {
+        let now = self.clock(now);
+        let timeout = self
+            .sessions
+            .get(&session)
+            .map_or(self.config.connect_timeout, |s| s.data_dials.timeout());
+        let dial = self
+            .dials
+            .start(&mut self.timers, now + timeout, DialId, Timer::Dial);
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.data_dials.started(dial);
+        }
+        dial
+    }
+
     /// Input: the driver begins a target's attempt ([`Action::Connect`]) now, which may be a
     /// while after the core asked for it (a busy machine runs the task late): its
     /// `connect_timeout` counts from now, so the wait for a CPU is not taken for a peer that
@@ -203,8 +223,12 @@ impl Endpoint {
         let now = self.clock(now);
         let abandoning = self.targets.abandoning(dial);
         if !abandoning {
-            let at = now + self.config.connect_timeout;
-            self.dials.rearm(&mut self.timers, dial, at, Timer::Dial);
+            let timeout = self
+                .targets
+                .of_dial(dial)
+                .map_or(self.config.connect_timeout, |t| self.target_dial_timeout(t));
+            self.dials
+                .rearm(&mut self.timers, dial, now + timeout, Timer::Dial);
         }
     }
 
@@ -214,6 +238,7 @@ impl Endpoint {
     pub fn handle_dial_settled(&mut self, dial: DialId) {
         if self.target_of_dial(dial).is_none() {
             self.dials.settle(&mut self.timers, dial);
+            self.sessions.settle_data_dial(dial);
         }
     }
 
@@ -258,15 +283,29 @@ impl Endpoint {
         if !self.dials.expire(dial, key) {
             return;
         }
-        let Some((&target, t)) = self.targets.iter_mut().find(|(_, t)| t.attempt.is(dial)) else {
-            debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it");
+        let Some(target) = self.targets.of_dial(dial) else {
+            match self.sessions.data_dial_timed_out(dial) {
+                Some((session, next)) => {
+                    info!(%session, %dial, next_ms = next.as_millis() as u64, "data connection did not open in time; the session's next dials wait longer");
+                }
+                None => {
+                    debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it")
+                }
+            }
             self.outbox.action(Action::AbandonDial(dial));
+            return;
+        };
+        let check = self.target_session(target).is_some();
+        let Some(t) = self.targets.get_mut(&target) else {
             return;
         };
         if t.attempt.abandon() {
             // The driver gives it up and says what it found (a refusal it had not read yet on
             // a busy machine is still a refusal); it has one more connect_timeout for that.
-            debug!(%dial, "target's attempt did not connect within connect_timeout; abandoning it");
+            debug!(%dial, "target's attempt did not connect within its deadline; abandoning it");
+            if !check {
+                t.attempt_timed_out(&self.config);
+            }
             self.outbox.action(Action::AbandonDial(dial));
             let at = now + self.config.connect_timeout;
             self.dials.keep(&mut self.timers, dial, at, Timer::Dial);

@@ -2,6 +2,7 @@
 
 mod attempt;
 mod coverage;
+mod data_dials;
 mod ended;
 mod handshake;
 mod health;
@@ -54,6 +55,7 @@ use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
+use data_dials::DataDials;
 use ended::EndedSessions;
 use layer_bits::LayerBits;
 use listener::{Deadlines, Listener};
@@ -196,6 +198,8 @@ struct Session {
     auth: Auth,
     /// Broken data connections waiting to be replaced.
     data_lost: u32,
+    /// Data connections being dialed, and the deadline the next dial gets.
+    data_dials: DataDials,
     /// Accepted side: the silent session of the same peer process this one will take over
     /// once the peer uses it (its first message after the hello) or the old one ends. The
     /// dialer may give up on a fresh connection whose hello was late; until it uses it, the

@@ -6,11 +6,11 @@
 //! remembered blacklist is of a node with no established session since it was remembered
 //! (the next hello of that node takes it).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use foldhash::fast::FixedState;
 
-use crate::ids::{Incarnation, NodeId, SessionId};
+use crate::ids::{DialId, Incarnation, NodeId, SessionId};
 
 use super::{Map, Session};
 
@@ -95,6 +95,23 @@ impl Sessions {
     }
 
     /// The established session of `node`, if any.
+    /// A dial connected or failed: it no longer counts as the dialing session's.
+    pub(super) fn settle_data_dial(&mut self, dial: DialId) {
+        for s in self.by_id.values_mut() {
+            if s.data_dials.settled(dial) {
+                return;
+            }
+        }
+    }
+
+    /// A dial reached its deadline: the session it was a data connection of, if any, and the
+    /// deadline that session's next dials get.
+    pub(super) fn data_dial_timed_out(&mut self, dial: DialId) -> Option<(SessionId, Duration)> {
+        self.by_id
+            .iter_mut()
+            .find_map(|(sid, s)| s.data_dials.timed_out(dial).map(|t| (*sid, t)))
+    }
+
     pub(super) fn of_node(&self, node: NodeId) -> Option<SessionId> {
         self.by_node.get(&node).copied()
     }

@@ -59,6 +59,7 @@ impl Targets {
                 evidence: None,
                 last_used: now,
                 idle_timer,
+                dial_timeout: config.connect_timeout,
             },
         );
         id
@@ -160,21 +161,43 @@ pub(super) struct Target {
     /// from here.
     pub(super) last_used: Instant,
     pub(super) idle_timer: Option<TimerKey>,
+    /// The deadline of its next attempt that is not a link check: `connect_timeout`, doubled
+    /// after each attempt nobody answered in time (up to [`dial_timeout_cap`]), set from the
+    /// link's handshake once a session is established.
+    pub(super) dial_timeout: Duration,
+}
+
+/// The longest a target's attempt waits to connect: a link whose connect takes longer than
+/// `connect_timeout` is still reached, and after an outage a healed link is found within this.
+pub(super) fn dial_timeout_cap(config: &Config) -> Duration {
+    config.connect_timeout * 8
 }
 
 impl Target {
-    /// Its session is established: it is up, and the next loss dials at the shortest pause.
+    /// Its session is established: it is up, and the next loss dials at the shortest pause,
+    /// each attempt given `link_timeout` (what the link's handshake took, see
+    /// `DataDials::established`) within `connect_timeout` and the cap.
     pub(super) fn established(
         &mut self,
         session: SessionId,
-        reset: Duration,
+        config: &Config,
+        link_timeout: Duration,
         timers: &mut TimerTable,
     ) {
-        self.backoff = reset;
+        self.backoff = config.reconnect_interval;
         self.session = Some(session);
         self.check = None;
         self.evidence = None;
+        self.dial_timeout = link_timeout
+            .min(dial_timeout_cap(config))
+            .max(config.connect_timeout);
         timers.cancel(&mut self.timer);
+    }
+
+    /// An attempt that is not a link check got no answer within its deadline: the next one
+    /// waits twice as long, up to the cap (a link slower than the deadline is reached).
+    pub(super) fn attempt_timed_out(&mut self, config: &Config) {
+        self.dial_timeout = (self.dial_timeout * 2).min(dial_timeout_cap(config));
     }
 }
 
@@ -250,7 +273,8 @@ mod tests {
         let id = targets.add(now, &config(), &mut timers);
         targets.get_mut(&id).unwrap().established(
             SessionId(1),
-            Duration::from_millis(5),
+            &config(),
+            Duration::ZERO,
             &mut timers,
         );
         assert!(targets.remove(id, &mut timers).is_some());
@@ -288,12 +312,42 @@ mod tests {
             now + Duration::from_secs(1),
             Timer::Reconnect(id),
         );
-        t.established(SessionId(2), Duration::from_millis(50), &mut timers);
+        t.established(SessionId(2), &config(), Duration::ZERO, &mut timers);
         assert_eq!(
             (t.session, t.check, t.evidence),
             (Some(SessionId(2)), None, None)
         );
-        assert_eq!(t.backoff, Duration::from_millis(50));
+        assert_eq!(t.backoff, config().reconnect_interval);
         assert!(t.timer.is_none());
+    }
+
+    #[test]
+    fn unanswered_attempts_double_the_deadline_up_to_the_cap_and_a_session_sets_it_from_its_link() {
+        let (mut targets, mut timers, now) =
+            (Targets::default(), TimerTable::default(), Instant::now());
+        let config = config();
+        let id = targets.add(now, &config, &mut timers);
+        let t = targets.get_mut(&id).unwrap();
+        assert_eq!(t.dial_timeout, config.connect_timeout);
+        t.attempt_timed_out(&config);
+        assert_eq!(t.dial_timeout, config.connect_timeout * 2);
+        for _ in 0..10 {
+            t.attempt_timed_out(&config);
+        }
+        assert_eq!(t.dial_timeout, dial_timeout_cap(&config));
+        // A session whose handshake was quick: the next loss dials at connect_timeout again.
+        t.established(SessionId(1), &config, Duration::ZERO, &mut timers);
+        assert_eq!(t.dial_timeout, config.connect_timeout);
+        // One over a slow link: its attempts get what that link's handshake needed.
+        let slow = config.connect_timeout * 3;
+        t.established(SessionId(2), &config, slow, &mut timers);
+        assert_eq!(t.dial_timeout, slow);
+        t.established(
+            SessionId(3),
+            &config,
+            Duration::from_secs(3600),
+            &mut timers,
+        );
+        assert_eq!(t.dial_timeout, dial_timeout_cap(&config));
     }
 }

@@ -24,7 +24,9 @@ use crate::api::{
 };
 use crate::config::Config;
 use crate::endpoint::Endpoint;
-use crate::ids::{Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId};
+use crate::ids::{
+    DialId, Generation, Incarnation, NodeId, RoomId, SessionId, TargetId, TransferId,
+};
 use crate::layout::{Layout, Region};
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll, Role};
@@ -311,10 +313,12 @@ enum Pending {
         a: usize,
         b: usize,
     },
-    /// Node `node` carries out its core's [`Action::Connect`] for `target`.
+    /// Node `node` carries out its core's [`Action::Connect`] for `target`: attempt `dial`
+    /// connects now, unless the core abandoned it by then.
     Dial {
         node: usize,
         target: TargetId,
+        dial: DialId,
     },
     Work(WorkItem),
 }
@@ -377,6 +381,8 @@ pub struct Sim {
     targets: BTreeMap<(usize, TargetId), usize>,
     /// Nodes whose listeners answer no connection attempt ([`Sim::silence_dials`]).
     silent: BTreeSet<usize>,
+    /// How long a connection attempt to a node takes to connect ([`Sim::slow_dials`]).
+    dial_latency: BTreeMap<usize, Duration>,
     queue: BinaryHeap<Reverse<Queued>>,
     seq: u64,
     rng: Rng,
@@ -452,6 +458,7 @@ impl Sim {
             orphans: BTreeMap::new(),
             targets: BTreeMap::new(),
             silent: BTreeSet::new(),
+            dial_latency: BTreeMap::new(),
             next_orphan: 0,
             unlanded: HashMap::default(),
             landed_ops: HashMap::default(),
@@ -523,9 +530,23 @@ impl Sim {
                     Action::AbandonDial(dial) => self.nodes[n]
                         .waits_ended
                         .push((self.now, WaitEnded::AbandonDial(dial))),
-                    // Carried out at once: a silenced peer's attempt is never reported.
-                    Action::Connect { target, dial: _ } => {
-                        self.push(self.now, Pending::Dial { node: n, target })
+                    // Carried out after the peer's dial latency: a silenced peer's attempt is
+                    // never reported.
+                    Action::Connect { target, dial } => {
+                        let latency = self
+                            .targets
+                            .get(&(n, target))
+                            .and_then(|peer| self.dial_latency.get(peer))
+                            .copied()
+                            .unwrap_or_default();
+                        self.push(
+                            self.now + latency,
+                            Pending::Dial {
+                                node: n,
+                                target,
+                                dial,
+                            },
+                        )
                     }
                     // Other links are made by the test (connect, reset_link), and the data path
                     // has no connections to replace.

@@ -255,12 +255,17 @@ impl Sim {
                     self.connect(a, b);
                 }
             }
-            Pending::Dial { node, target } => {
+            Pending::Dial { node, target, dial } => {
                 let Some(&peer) = self.targets.get(&(node, target)) else {
                     return;
                 };
-                if self.silent.contains(&peer) {
-                    // Nobody answers, and nothing is reported: the core's deadline ends it.
+                let abandoned = self.nodes[node]
+                    .waits_ended
+                    .iter()
+                    .any(|(_, w)| *w == WaitEnded::AbandonDial(dial));
+                if self.silent.contains(&peer) || abandoned {
+                    // Nobody answers (or the driver gave the attempt up before it connected),
+                    // and nothing is reported: the core's deadline ends it.
                     return;
                 }
                 let sa = self.nodes[node].endpoint.open_session_for(self.now, target);

@@ -162,6 +162,12 @@ impl Sim {
         }
     }
 
+    /// Makes connection attempts to node `b` connect only after `latency` (a long link's
+    /// connect); an attempt the core abandons first never connects.
+    pub fn slow_dials(&mut self, b: usize, latency: Duration) {
+        self.dial_latency.insert(b, latency);
+    }
+
     /// The current session of node `a` toward node `b`, if their link is up.
     pub fn session(&self, a: usize, b: usize) -> Option<SessionId> {
         self.links.iter().rev().find_map(|l| {

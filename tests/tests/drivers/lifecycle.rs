@@ -471,3 +471,31 @@ pub(super) async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runt
         "the session was fenced"
     );
 }
+
+/// A link whose round trip is longer than `connect_timeout` (a long-haul link, a slow TLS
+/// handshake): the control session comes up, and the data connections, whose dial includes
+/// their preamble's round trip, get longer deadlines after each one that timed out until
+/// one opens; rooms then move, none failed by dials cut short.
+pub(super) async fn rooms_move_over_a_link_slower_than_the_connect_timeout(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let core = Config {
+        connect_timeout: Duration::from_millis(200),
+        operation_timeout: Duration::from_secs(10),
+        bootstrap_timeout: Duration::from_secs(20),
+        waiting_timeout: Duration::from_secs(20),
+        ..fast_core()
+    };
+    let (_prefill, addrs, _server) = prefill_on(p, &shape, core.clone(), 121, any_port()).await;
+    let mut proxies = Vec::new();
+    for (i, &addr) in addrs.iter().enumerate() {
+        let proxy = FaultProxy::start(addr, 13 + i as u64).await.unwrap();
+        // 150 ms each way: every round trip on the link takes 300 ms, over the 200 ms.
+        proxy.set(|f| f.delay = Duration::from_millis(150));
+        proxies.push(proxy);
+    }
+    let behind: Vec<SocketAddr> = proxies.iter().map(|p| p.addr).collect();
+    let decode = start_on(d, Role::Decode, &shape, core, 122);
+    let peer = decode.connect(behind).await.unwrap();
+    let report = run_decode(&decode, peer, rooms(3, 1)).await;
+    assert_all_clean(&report, 3);
+}
