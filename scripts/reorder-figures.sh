@@ -111,9 +111,16 @@ PIDS+=($!)
 ip netns exec "$D" python3 scripts/tcp-blast.py serve 7512 "$BYTES" >/dev/null 2>&1 &
 PIDS+=($!)
 sleep 0.5
-room=$(ip netns exec "$D" "$BIN" decode --connect 10.78.0.1:7511 --rooms "$ROOMS" \
-    --concurrency 1 --data-connections "$DATA_CONNECTIONS" --pages-per-room "$PAGES" --page-bytes "$PB" --json 2>/dev/null |
-    python3 -c 'import json,sys; r=json.load(sys.stdin); assert r["pages_corrupted"] == 0, r; print(r["latency_ms"]["p50"])')
+ip netns exec "$D" "$BIN" decode --connect 10.78.0.1:7511 --rooms "$ROOMS" \
+    --concurrency 1 --data-connections "$DATA_CONNECTIONS" --pages-per-room "$PAGES" --page-bytes "$PB" --json \
+    >"$WORK/decode.json" 2>"$WORK/decode.log" || true
+if ! room=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); assert r["pages_corrupted"] == 0 and r["rooms_succeeded"] == int(sys.argv[2]), r; print(r["latency_ms"]["p50"])' \
+    "$WORK/decode.json" "$ROOMS"); then
+    echo "reorder-figures: the decode did not move every room clean; its report and its log's end:" >&2
+    cat "$WORK/decode.json" >&2
+    tail -n 20 "$WORK/decode.log" "$WORK/prefill.log" >&2
+    exit 1
+fi
 plain=$(ip netns exec "$P" python3 scripts/tcp-blast.py send 10.78.0.2 7512 "$BYTES" "$ROOMS" |
     awk '{print $3}')
 warm=$(ip netns exec "$P" python3 scripts/tcp-blast.py send-warm 10.78.0.2 7512 "$BYTES" "$ROOMS" |

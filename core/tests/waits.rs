@@ -344,6 +344,34 @@ fn unanswered_attempts_wait_longer_each_time_up_to_a_cap() {
     );
 }
 
+/// Once a session measured the link, an attempt that times out is an outage, not a slow
+/// link: the attempts after a lost session keep `connect_timeout`, so a heal is found at once.
+#[test]
+fn after_a_session_an_outages_attempts_keep_the_connect_timeout() {
+    let (mut sim, d, p) = decode_and_prefill(26);
+    let target = sim.add_target(d, p);
+    run_ms(&mut sim, 1_000);
+    assert!(sim.nodes[d].endpoint.target_session(target).is_some());
+    sim.silence_dials(p, true);
+    sim.reset_link(d, p);
+    let start = sim.now;
+    let timeout = config().connect_timeout;
+    run_ms(&mut sim, 20 * timeout.as_millis() as u64);
+    let at: Vec<Duration> = sim.nodes[d]
+        .waits_ended
+        .iter()
+        .filter(|(t, w)| *t >= start && matches!(w, WaitEnded::AbandonDial(_)))
+        .map(|(t, _)| *t - start)
+        .collect();
+    let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    // Each gap: the deadline, the driver's connect timeout to report, the backoff's pause.
+    let most = timeout * 2 + config().reconnect_max_interval + config().reconnect_max_interval / 4;
+    assert!(
+        gaps.len() >= 3 && gaps.iter().all(|g| *g <= most),
+        "{gaps:?}"
+    );
+}
+
 #[test]
 fn a_connection_attempt_that_connects_is_never_abandoned() {
     let (mut sim, d, p) = decode_and_prefill(23);

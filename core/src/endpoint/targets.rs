@@ -60,6 +60,7 @@ impl Targets {
                 last_used: now,
                 idle_timer,
                 dial_timeout: config.connect_timeout,
+                link_measured: false,
             },
         );
         id
@@ -162,9 +163,13 @@ pub(super) struct Target {
     pub(super) last_used: Instant,
     pub(super) idle_timer: Option<TimerKey>,
     /// The deadline of its next attempt that is not a link check: `connect_timeout`, doubled
-    /// after each attempt nobody answered in time (up to [`dial_timeout_cap`]), set from the
-    /// link's handshake once a session is established.
+    /// after each attempt nobody answered in time until a session was established (up to
+    /// [`dial_timeout_cap`]), then set from that session's handshake.
     pub(super) dial_timeout: Duration,
+    /// A session's handshake measured the link: an attempt that times out after that is an
+    /// outage, not a slow link, and the next one keeps the deadline (a healed link is found
+    /// within it).
+    pub(super) link_measured: bool,
 }
 
 /// The longest a target's attempt waits to connect: a link whose connect takes longer than
@@ -191,13 +196,17 @@ impl Target {
         self.dial_timeout = link_timeout
             .min(dial_timeout_cap(config))
             .max(config.connect_timeout);
+        self.link_measured = true;
         timers.cancel(&mut self.timer);
     }
 
-    /// An attempt that is not a link check got no answer within its deadline: the next one
-    /// waits twice as long, up to the cap (a link slower than the deadline is reached).
+    /// An attempt that is not a link check got no answer within its deadline: before any
+    /// session measured the link, the next one waits twice as long, up to the cap (a link
+    /// slower than the deadline is reached); after, the deadline stays.
     pub(super) fn attempt_timed_out(&mut self, config: &Config) {
-        self.dial_timeout = (self.dial_timeout * 2).min(dial_timeout_cap(config));
+        if !self.link_measured {
+            self.dial_timeout = (self.dial_timeout * 2).min(dial_timeout_cap(config));
+        }
     }
 }
 
@@ -322,7 +331,7 @@ mod tests {
     }
 
     #[test]
-    fn unanswered_attempts_double_the_deadline_up_to_the_cap_and_a_session_sets_it_from_its_link() {
+    fn unanswered_attempts_double_the_deadline_until_a_session_sets_it_from_its_link() {
         let (mut targets, mut timers, now) =
             (Targets::default(), TimerTable::default(), Instant::now());
         let config = config();
@@ -335,8 +344,11 @@ mod tests {
             t.attempt_timed_out(&config);
         }
         assert_eq!(t.dial_timeout, dial_timeout_cap(&config));
-        // A session whose handshake was quick: the next loss dials at connect_timeout again.
+        // A session whose handshake was quick: the next loss dials at connect_timeout again,
+        // and an attempt that times out then is an outage: the deadline stays.
         t.established(SessionId(1), &config, Duration::ZERO, &mut timers);
+        assert_eq!(t.dial_timeout, config.connect_timeout);
+        t.attempt_timed_out(&config);
         assert_eq!(t.dial_timeout, config.connect_timeout);
         // One over a slow link: its attempts get what that link's handshake needed.
         let slow = config.connect_timeout * 3;
