@@ -378,9 +378,10 @@ pub enum Action {
     CloseSession(SessionId),
     /// Open a control connection to this target's address, then call
     /// [`crate::Endpoint::open_session_for`] (or [`crate::Endpoint::handle_connect_failed`]
-    /// with `dial` and what went wrong). The core bounds the attempt: `connect_timeout` after
-    /// it asked, or after the driver says it began ([`crate::Endpoint::handle_dial_began`]),
-    /// it names it in [`Action::AbandonDial`]; a driver that then says nothing for one more
+    /// with `dial` and what went wrong). The core bounds the attempt: the target's deadline
+    /// (`connect_timeout` on a fast link; see `Config::connect_timeout` for how it adapts)
+    /// after it asked, or after the driver says it began
+    /// ([`crate::Endpoint::handle_dial_began`]), it names it in [`Action::AbandonDial`]; a driver that then says nothing for one more
     /// `connect_timeout` has its attempt counted as no answer by the core itself. Also asked while the target's session is silent: a
     /// fresh connection that completes its handshake takes the silent session's work over.
     Connect {
@@ -421,7 +422,9 @@ pub enum Action {
     /// challenge in time). The core has forgotten it already: no
     /// [`crate::Endpoint::handle_accept_settled`] follows.
     DropAccepted(crate::ids::ConnId),
-    /// Give this connection attempt up now: it did not connect within `connect_timeout`.
+    /// Give this connection attempt up now: it did not connect within its deadline
+    /// (`connect_timeout`, or what the core adapted it to for a target or a session's data
+    /// connections).
     /// Report a target's with [`crate::Endpoint::handle_connect_failed`] (what it found:
     /// [`ConnectFailure::NoAnswer`] unless a refusal was already there to read); unreported,
     /// the core counts it as no answer one `connect_timeout` later. Any other attempt the

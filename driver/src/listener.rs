@@ -123,7 +123,7 @@ impl<H: Host> Driver<H> {
     }
 
     /// A target's attempt ([`kvferry_core::Action::Connect`]) begins now: its
-    /// `connect_timeout` counts from here, not from when the core asked.
+    /// deadline counts from here, not from when the core asked.
     pub fn dial_began(&mut self, dial: DialId) {
         self.with(|e, now| e.handle_dial_began(now, dial));
     }

@@ -395,9 +395,9 @@ async fn connect<R: Runtime>(rt: R, addr: SocketAddr, dial: Dial) {
     }
 }
 
-/// Opens one data connection of `session` ([`Job::OpenData`]) within the core's
-/// `connect_timeout`; one that does not open is a lost data connection, which the core
-/// replaces after its `data_reconnect_interval`.
+/// Opens one data connection of `session` ([`Job::OpenData`]) within the deadline the core
+/// keeps for the session's data dials; one that does not open is a lost data connection,
+/// which the core replaces after its `data_reconnect_interval`.
 async fn open_data<R: Runtime>(rt: R, session: SessionId, addr: SocketAddr, key: SessionKey) {
     match dial_bounded(&rt, addr, Some((session, key))).await {
         Ok(stream) => attach_data(&rt, session, stream),

@@ -3,8 +3,10 @@
 //! otherwise have every data connection given up before it opened.
 //!
 //! Invariants of [`DataDials`]: the deadline is never under `connect_timeout` nor over its
-//! cap; it grows (doubles) only when one of this session's own dials timed out; the session's
-//! control handshake, which crossed the same link, sets a floor of twice its duration.
+//! cap; it grows only when one of this session's own dials timed out, to twice that dial's
+//! own deadline (dials that started together and time out together double it once); the
+//! session's control handshake, which crossed the same link, sets a floor of twice its
+//! duration.
 
 use std::time::{Duration, Instant};
 
@@ -19,7 +21,8 @@ pub(super) struct DataDials {
     opened: Instant,
     timeout: Duration,
     cap: Duration,
-    pending: SmallVec<[DialId; 2]>,
+    /// Each dial under way, with the deadline it was given.
+    pending: SmallVec<[(DialId, Duration); 2]>,
 }
 
 impl DataDials {
@@ -48,27 +51,22 @@ impl DataDials {
         self.timeout
     }
 
-    /// A dial of this session started.
+    /// A dial of this session started with the current deadline.
     pub(super) fn started(&mut self, dial: DialId) {
-        self.pending.push(dial);
+        self.pending.push((dial, self.timeout));
     }
 
-    /// A dial connected or failed: whether it was this session's.
-    pub(super) fn settled(&mut self, dial: DialId) -> bool {
-        let Some(i) = self.pending.iter().position(|d| *d == dial) else {
-            return false;
-        };
-        self.pending.swap_remove(i);
-        true
+    /// A dial connected or failed: its deadline, if it was this session's.
+    pub(super) fn settled(&mut self, dial: DialId) -> Option<Duration> {
+        let i = self.pending.iter().position(|(d, _)| *d == dial)?;
+        Some(self.pending.swap_remove(i).1)
     }
 
-    /// A dial reached its deadline: if it was this session's, the next ones wait twice as
-    /// long (up to the cap), and the new deadline is returned.
+    /// A dial reached its deadline: if it was this session's, the next ones wait twice what
+    /// it had (up to the cap), and the new deadline is returned.
     pub(super) fn timed_out(&mut self, dial: DialId) -> Option<Duration> {
-        if !self.settled(dial) {
-            return None;
-        }
-        self.timeout = (self.timeout * 2).min(self.cap);
+        let had = self.settled(dial)?;
+        self.timeout = self.timeout.max(had * 2).min(self.cap);
         Some(self.timeout)
     }
 }
@@ -114,11 +112,21 @@ mod tests {
     }
 
     #[test]
+    fn dials_that_started_together_and_time_out_together_double_the_deadline_once() {
+        let mut d = DataDials::new(Instant::now(), CONNECT, CAP);
+        d.started(DialId(1));
+        d.started(DialId(2));
+        d.timed_out(DialId(1));
+        d.timed_out(DialId(2));
+        assert_eq!(d.timeout(), CONNECT * 2);
+    }
+
+    #[test]
     fn a_settled_dial_changes_nothing() {
         let mut d = DataDials::new(Instant::now(), CONNECT, CAP);
         d.started(DialId(4));
-        assert!(d.settled(DialId(4)));
-        assert!(!d.settled(DialId(4)));
+        assert_eq!(d.settled(DialId(4)), Some(CONNECT));
+        assert_eq!(d.settled(DialId(4)), None);
         assert_eq!(d.timed_out(DialId(4)), None);
         assert_eq!(d.timeout(), CONNECT);
     }

@@ -518,7 +518,8 @@ impl Endpoint {
         }
     }
 
-    /// Asks the driver for one connection attempt to `target`, bounded by `connect_timeout`.
+    /// Asks the driver for one connection attempt to `target`, bounded by the target's
+    /// deadline ([`Endpoint::target_dial_timeout`]).
     pub(super) fn dial(&mut self, target: TargetId) {
         if self.shutdown.begun() || !self.targets.contains(&target) {
             return;
@@ -537,13 +538,13 @@ impl Endpoint {
         self.outbox.action(Action::Connect { target, dial });
     }
 
-    /// The deadline of `target`'s next attempt: a link check's is `connect_timeout` (a
-    /// healed link is found within it), a (re)connection's the target's own.
+    /// The deadline of `target`'s next attempt, a link check's too: what its last session's
+    /// handshake measured (`connect_timeout` on a fast link, so a healed link is found
+    /// within it), or before any session a deadline that grows while nobody answers.
     pub(super) fn target_dial_timeout(&self, target: TargetId) -> Duration {
-        match self.targets.get(&target) {
-            Some(t) if self.target_session(target).is_none() => t.dial_timeout,
-            _ => self.config.connect_timeout,
-        }
+        self.targets
+            .get(&target)
+            .map_or(self.config.connect_timeout, |t| t.dial_timeout)
     }
 
     /// Why `session` ended, if it ended for good recently.

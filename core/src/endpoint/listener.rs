@@ -181,7 +181,8 @@ impl Endpoint {
     }
 
     /// Input: the driver started a connection attempt (a target's, a caller's or a data
-    /// connection's). It has `connect_timeout` to connect; if it has not by then,
+    /// connection's; a data connection's starts with [`Endpoint::handle_data_dial_started`]).
+    /// It has `connect_timeout` to connect; if it has not by then,
     /// [`Action::AbandonDial`] names it and the driver gives it up as timed out. Report it
     /// settled ([`Endpoint::handle_dial_settled`]) as soon as it connected or failed.
     pub fn handle_dial_started(&mut self, now: Instant) -> DialId {
@@ -216,7 +217,7 @@ impl Endpoint {
 
     /// Input: the driver begins a target's attempt ([`Action::Connect`]) now, which may be a
     /// while after the core asked for it (a busy machine runs the task late): its
-    /// `connect_timeout` counts from now, so the wait for a CPU is not taken for a peer that
+    /// deadline counts from now, so the wait for a CPU is not taken for a peer that
     /// does not answer. An attempt the driver never begins still ends at the deadline the
     /// core set when it asked.
     pub fn handle_dial_began(&mut self, now: Instant, dial: DialId) {
@@ -289,7 +290,7 @@ impl Endpoint {
                     info!(%session, %dial, next_ms = next.as_millis() as u64, "data connection did not open in time; the session's next dials wait longer");
                 }
                 None => {
-                    debug!(%dial, "connection attempt did not connect within connect_timeout; abandoning it")
+                    debug!(%dial, "connection attempt did not connect within its deadline; abandoning it")
                 }
             }
             self.outbox.action(Action::AbandonDial(dial));

@@ -5,6 +5,8 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 
+use foldhash::fast::FixedState;
+
 use crate::api::OpKind;
 use crate::ids::{Generation, RoomId, SessionId, TransferId};
 use crate::layout::Slice;
@@ -14,7 +16,7 @@ use super::Map;
 
 /// Every operation by id (ids never reused: a late report of an old attempt finds nothing),
 /// and the sessions whose turn it is to start one.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Operations {
     by_id: Map<TransferId, Op>,
     last_id: u64,
@@ -22,6 +24,15 @@ pub(super) struct Operations {
 }
 
 impl Operations {
+    /// No operation yet; ids hashed with the endpoint's seeded `hasher`.
+    pub(super) fn new(hasher: FixedState) -> Self {
+        Operations {
+            by_id: Map::with_hasher(hasher),
+            last_id: 0,
+            ready: VecDeque::new(),
+        }
+    }
+
     /// A fresh id, for an operation inserted under it.
     pub(super) fn next_id(&mut self) -> TransferId {
         self.last_id += 1;
@@ -146,7 +157,10 @@ mod tests {
 
     #[test]
     fn ids_are_never_reused_even_after_removal() {
-        let (mut ops, mut timers) = (Operations::default(), TimerTable::default());
+        let (mut ops, mut timers) = (
+            Operations::new(FixedState::default()),
+            TimerTable::default(),
+        );
         let a = ops.add(op(1, Some(1), OpPhase::Queued));
         ops.remove(a, &mut timers);
         let b = ops.add(op(1, Some(1), OpPhase::Queued));
@@ -156,7 +170,10 @@ mod tests {
 
     #[test]
     fn a_removed_operation_leaves_no_deadline_behind() {
-        let (mut ops, mut timers) = (Operations::default(), TimerTable::default());
+        let (mut ops, mut timers) = (
+            Operations::new(FixedState::default()),
+            TimerTable::default(),
+        );
         let id = ops.add(op(1, Some(1), OpPhase::InFlight));
         let o = ops.get_mut(&id).unwrap();
         timers.set(
@@ -170,7 +187,7 @@ mod tests {
 
     #[test]
     fn a_take_over_moves_every_operation_and_marks_only_those_in_flight_superseded() {
-        let mut ops = Operations::default();
+        let mut ops = Operations::new(FixedState::default());
         let queued = ops.add(op(1, Some(1), OpPhase::Queued));
         let flying = ops.add(op(1, Some(1), OpPhase::InFlight));
         let other = ops.add(op(2, Some(2), OpPhase::InFlight));
@@ -185,7 +202,7 @@ mod tests {
 
     #[test]
     fn probes_are_not_counted_as_room_operations() {
-        let mut ops = Operations::default();
+        let mut ops = Operations::new(FixedState::default());
         ops.add(op(1, Some(1), OpPhase::Queued));
         ops.add(op(1, None, OpPhase::InFlight));
         assert_eq!(ops.of_rooms(), 1);
@@ -194,7 +211,7 @@ mod tests {
 
     #[test]
     fn sessions_take_turns_in_the_order_they_became_ready() {
-        let mut ops = Operations::default();
+        let mut ops = Operations::new(FixedState::default());
         ops.ready(SessionId(2));
         ops.ready(SessionId(1));
         assert_eq!(ops.next_ready(), Some(SessionId(2)));

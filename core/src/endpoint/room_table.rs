@@ -1,6 +1,8 @@
 //! The rooms held by id: each is inserted when it opens and removed when it is released, and
 //! none of its deadlines outlives it.
 
+use foldhash::fast::FixedState;
+
 use crate::ids::{Generation, RoomId};
 use crate::state::KvPoll;
 use crate::timer::TimerTable;
@@ -8,12 +10,19 @@ use crate::timer::TimerTable;
 use super::{Map, Room, SenderRoom, Side};
 
 /// Every room held, by id.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Rooms {
     by_id: Map<RoomId, Room>,
 }
 
 impl Rooms {
+    /// No room yet; ids are hashed with the endpoint's seeded `hasher` (peers name rooms).
+    pub(super) fn new(hasher: FixedState) -> Self {
+        Rooms {
+            by_id: Map::with_hasher(hasher),
+        }
+    }
+
     /// Holds a room that just opened.
     pub(super) fn insert(&mut self, id: RoomId, room: Room) {
         self.by_id.insert(id, room);
@@ -78,8 +87,11 @@ mod tests {
 
     #[test]
     fn a_released_room_leaves_none_of_its_deadlines_behind() {
-        let (mut rooms, mut timers, now) =
-            (Rooms::default(), TimerTable::default(), Instant::now());
+        let (mut rooms, mut timers, now) = (
+            Rooms::new(FixedState::default()),
+            TimerTable::default(),
+            Instant::now(),
+        );
         let id = RoomId(9);
         let mut room = Room::bootstrapping(1, now, Side::Sender(SenderRoom::default()));
         timers.set(

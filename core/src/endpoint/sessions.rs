@@ -94,11 +94,10 @@ impl Sessions {
         self.by_id.iter()
     }
 
-    /// The established session of `node`, if any.
     /// A dial connected or failed: it no longer counts as the dialing session's.
     pub(super) fn settle_data_dial(&mut self, dial: DialId) {
         for s in self.by_id.values_mut() {
-            if s.data_dials.settled(dial) {
+            if s.data_dials.settled(dial).is_some() {
                 return;
             }
         }
@@ -112,6 +111,7 @@ impl Sessions {
             .find_map(|(sid, s)| s.data_dials.timed_out(dial).map(|t| (*sid, t)))
     }
 
+    /// The established session of `node`, if any.
     pub(super) fn of_node(&self, node: NodeId) -> Option<SessionId> {
         self.by_node.get(&node).copied()
     }

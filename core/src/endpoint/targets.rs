@@ -3,6 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use foldhash::fast::FixedState;
+
 use crate::api::ConnectFailure;
 use crate::config::Config;
 use crate::ids::{DialId, RoomId, SessionId, TargetId};
@@ -13,13 +15,21 @@ use super::attempt::Attempt;
 use super::Map;
 
 /// Every target by id, and the id counter.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Targets {
     by_id: Map<TargetId, Target>,
     last_id: u32,
 }
 
 impl Targets {
+    /// No target yet; ids hashed with the endpoint's seeded `hasher`.
+    pub(super) fn new(hasher: FixedState) -> Self {
+        Targets {
+            by_id: Map::with_hasher(hasher),
+            last_id: 0,
+        }
+    }
+
     /// A new target, down since `now`: its unreachable deadline and (with a
     /// `peer_idle_timeout`) its idle deadline are armed; the caller dials it.
     pub(super) fn add(
@@ -168,7 +178,7 @@ pub(super) struct Target {
     pub(super) dial_timeout: Duration,
     /// A session's handshake measured the link: an attempt that times out after that is an
     /// outage, not a slow link, and the next one keeps the deadline (a healed link is found
-    /// within it).
+    /// within it), until the target is reported unreachable (the link may have changed).
     pub(super) link_measured: bool,
 }
 
@@ -200,13 +210,20 @@ impl Target {
         timers.cancel(&mut self.timer);
     }
 
-    /// An attempt that is not a link check got no answer within its deadline: before any
+    /// An attempt that is not a link check got no answer within its deadline: unless a
     /// session measured the link, the next one waits twice as long, up to the cap (a link
-    /// slower than the deadline is reached); after, the deadline stays.
+    /// slower than the deadline is reached); if one did, this is an outage and the deadline
+    /// stays.
     pub(super) fn attempt_timed_out(&mut self, config: &Config) {
         if !self.link_measured {
             self.dial_timeout = (self.dial_timeout * 2).min(dial_timeout_cap(config));
         }
+    }
+
+    /// Down for the whole `unreachable_timeout`: what the last session measured may no longer
+    /// be the link (a route that moved), so unanswered attempts grow their deadline again.
+    pub(super) fn unreachable(&mut self) {
+        self.link_measured = false;
     }
 }
 
@@ -257,8 +274,11 @@ mod tests {
 
     #[test]
     fn a_new_target_is_down_with_its_unreachable_and_idle_deadlines_armed() {
-        let (mut targets, mut timers, now) =
-            (Targets::default(), TimerTable::default(), Instant::now());
+        let (mut targets, mut timers, now) = (
+            Targets::new(FixedState::default()),
+            TimerTable::default(),
+            Instant::now(),
+        );
         let config = config();
         let id = targets.add(now, &config, &mut timers);
         let t = targets.get(&id).unwrap();
@@ -277,8 +297,11 @@ mod tests {
 
     #[test]
     fn a_removed_target_leaves_no_deadline_behind() {
-        let (mut targets, mut timers, now) =
-            (Targets::default(), TimerTable::default(), Instant::now());
+        let (mut targets, mut timers, now) = (
+            Targets::new(FixedState::default()),
+            TimerTable::default(),
+            Instant::now(),
+        );
         let id = targets.add(now, &config(), &mut timers);
         targets.get_mut(&id).unwrap().established(
             SessionId(1),
@@ -293,8 +316,11 @@ mod tests {
 
     #[test]
     fn a_session_is_held_by_the_target_that_keeps_it_or_checks_it() {
-        let (mut targets, mut timers, now) =
-            (Targets::default(), TimerTable::default(), Instant::now());
+        let (mut targets, mut timers, now) = (
+            Targets::new(FixedState::default()),
+            TimerTable::default(),
+            Instant::now(),
+        );
         let a = targets.add(now, &config(), &mut timers);
         let b = targets.add(now, &config(), &mut timers);
         targets.get_mut(&a).unwrap().session = Some(SessionId(1));
@@ -309,8 +335,11 @@ mod tests {
 
     #[test]
     fn an_established_target_resets_its_backoff_and_forgets_what_attempts_found() {
-        let (mut targets, mut timers, now) =
-            (Targets::default(), TimerTable::default(), Instant::now());
+        let (mut targets, mut timers, now) = (
+            Targets::new(FixedState::default()),
+            TimerTable::default(),
+            Instant::now(),
+        );
         let id = targets.add(now, &config(), &mut timers);
         let t = targets.get_mut(&id).unwrap();
         t.backoff = Duration::from_secs(8);
@@ -332,8 +361,11 @@ mod tests {
 
     #[test]
     fn unanswered_attempts_double_the_deadline_until_a_session_sets_it_from_its_link() {
-        let (mut targets, mut timers, now) =
-            (Targets::default(), TimerTable::default(), Instant::now());
+        let (mut targets, mut timers, now) = (
+            Targets::new(FixedState::default()),
+            TimerTable::default(),
+            Instant::now(),
+        );
         let config = config();
         let id = targets.add(now, &config, &mut timers);
         let t = targets.get_mut(&id).unwrap();
@@ -350,6 +382,10 @@ mod tests {
         assert_eq!(t.dial_timeout, config.connect_timeout);
         t.attempt_timed_out(&config);
         assert_eq!(t.dial_timeout, config.connect_timeout);
+        // Down for the whole unreachable window: the link may have changed, attempts grow.
+        t.unreachable();
+        t.attempt_timed_out(&config);
+        assert_eq!(t.dial_timeout, config.connect_timeout * 2);
         // One over a slow link: its attempts get what that link's handshake needed.
         let slow = config.connect_timeout * 3;
         t.established(SessionId(2), &config, slow, &mut timers);

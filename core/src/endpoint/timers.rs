@@ -297,6 +297,7 @@ impl Endpoint {
             return;
         }
         t.unreachable_reported = true;
+        t.unreachable();
         let waiting = std::mem::take(&mut t.waiting);
         let reason = self.unreachable_reason(target);
         self.outbox

@@ -91,6 +91,9 @@ impl Sim {
         node.released.clear();
         node.concluded_at.clear();
         node.events.clear();
+        // Its dials and their ids went with it (the new endpoint numbers from 1 again).
+        node.waits_ended
+            .retain(|(_, w)| !matches!(w, WaitEnded::AbandonDial(_)));
         // The old process's targets went with it (a target toward `n` stays: it redials).
         self.targets.retain(|k, _| k.0 != n);
         self.unlanded.retain(|k, _| k.0 != n);
@@ -106,7 +109,8 @@ impl Sim {
                 Pending::Deliver { node, .. }
                 | Pending::OpDone { node, .. }
                 | Pending::Fence { node, .. }
-                | Pending::Close { node, .. } => *node != n,
+                | Pending::Close { node, .. }
+                | Pending::Dial { node, .. } => *node != n,
                 _ => true,
             })
             .collect();

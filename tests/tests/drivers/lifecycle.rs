@@ -474,8 +474,10 @@ pub(super) async fn a_lost_abort_keeps_pages_quarantined_until_the_fence(p: Runt
 
 /// A link whose round trip is longer than `connect_timeout` (a long-haul link, a slow TLS
 /// handshake): the control session comes up, and the data connections, whose dial includes
-/// their preamble's round trip, get longer deadlines after each one that timed out until
-/// one opens; rooms then move, none failed by dials cut short.
+/// their preamble's round trip, get twice what the session's handshake took over the same
+/// link; rooms then move, none failed by dials cut short. (The proxy accepts at once, so
+/// only the bytes after the connect are slow; the kept peer's slow connect is the
+/// simulation's `a_target_whose_connect_outlasts_the_connect_timeout_...`.)
 pub(super) async fn rooms_move_over_a_link_slower_than_the_connect_timeout(p: Runtime, d: Runtime) {
     let shape = small_shape();
     let core = Config {
