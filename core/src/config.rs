@@ -39,8 +39,9 @@ pub struct Config {
     /// attempts: a target's unanswered attempts double it (up to 8x) until a session's
     /// handshake measured the link (then twice that handshake's time, within those bounds),
     /// a session's data connections get at least twice its handshake's time (doubled after
-    /// each of theirs that timed out, up to `handshake_timeout`); an attempt without an
-    /// answer is evidence of an unreachable link (`KVFERRY_CONNECT_TIMEOUT_MS`, 200).
+    /// each of theirs that timed out, up to `handshake_timeout`), and an embedder's one-shot
+    /// connect 8x; an attempt without an answer is evidence of an unreachable link
+    /// (`KVFERRY_CONNECT_TIMEOUT_MS`, 200).
     pub connect_timeout: Duration,
     /// Deadline for the peer's hello after a session opened (`KVFERRY_HANDSHAKE_TIMEOUT_MS`, 10000).
     pub handshake_timeout: Duration,

@@ -372,6 +372,23 @@ fn after_a_session_an_outages_attempts_keep_the_connect_timeout() {
     );
 }
 
+/// An embedder's one-shot attempt has no later attempt to learn from: it gets the longest
+/// deadline a kept peer's attempts may reach, so a link slower than `connect_timeout` is
+/// still reached.
+#[test]
+fn a_callers_one_shot_attempt_waits_eight_connect_timeouts() {
+    let now = Instant::now();
+    let info = EndpointInfo::new(Role::Decode, NodeId(2), Incarnation(2), small_layout(64));
+    let mut e = Endpoint::new(config(), info, 7, now).unwrap();
+    let dial = e.handle_dial_started(now);
+    let timeout = config().connect_timeout;
+    assert_eq!(e.poll_timeout().map(|(at, _)| at), Some(now + timeout * 8));
+    e.handle_timeout(now + timeout * 8 - Duration::from_millis(1));
+    assert!(e.poll_action().is_none(), "kept until its deadline");
+    e.handle_timeout(now + timeout * 8);
+    assert!(matches!(e.poll_action(), Some(Action::AbandonDial(d)) if d == dial));
+}
+
 #[test]
 fn a_connection_attempt_that_connects_is_never_abandoned() {
     let (mut sim, d, p) = decode_and_prefill(23);

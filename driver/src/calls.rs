@@ -93,9 +93,8 @@ impl<C: ShardCalls> Embedder<C> {
     /// Opens sessions from every shard to each of a peer's `addrs` (one per shard of the
     /// peer) and waits for their handshakes; names the peer. If one fails, the sessions
     /// opened so far are closed again: a failed call leaves nothing behind. Each connection
-    /// gets one attempt of `connect_timeout`: over a link slower than that, keep the peer
-    /// ([`Embedder::connect_persistent`]), whose attempts adapt to the link, or raise
-    /// `connect_timeout`.
+    /// gets one attempt of at most 8 x `connect_timeout` (a link slower than
+    /// `connect_timeout` is still reached; one that never answers fails after it).
     pub async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
         let mut per_shard = Vec::with_capacity(self.calls.shards());
         for shard in 0..self.calls.shards() {

@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use tracing::{debug, info, warn};
 
+use super::targets::dial_timeout_cap;
 use super::{Endpoint, Map};
 use crate::api::{Action, ConnectFailure};
 use crate::ids::{ConnId, DialId, DrainId, SessionId};
@@ -180,16 +181,18 @@ impl Endpoint {
         self.listener.pending.len()
     }
 
-    /// Input: the driver started a connection attempt (a target's, a caller's or a data
-    /// connection's; a data connection's starts with [`Endpoint::handle_data_dial_started`]).
-    /// It has `connect_timeout` to connect; if it has not by then,
+    /// Input: the driver started a caller's one-shot connection attempt (a data
+    /// connection's starts with [`Endpoint::handle_data_dial_started`], a target's is the
+    /// core's own [`Action::Connect`]). No later attempt learns from it, so it gets the
+    /// longest deadline a target's attempt may reach (8 x `connect_timeout`): a link slower
+    /// than `connect_timeout` is still reached. If it has not connected by then,
     /// [`Action::AbandonDial`] names it and the driver gives it up as timed out. Report it
     /// settled ([`Endpoint::handle_dial_settled`]) as soon as it connected or failed.
     pub fn handle_dial_started(&mut self, now: Instant) -> DialId {
         let now = self.clock(now);
         self.dials.start(
             &mut self.timers,
-            now + self.config.connect_timeout,
+            now + dial_timeout_cap(&self.config),
             DialId,
             Timer::Dial,
         )
