@@ -227,6 +227,17 @@ fn a_fence_the_data_path_confirms_keeps_the_session() {
     );
 }
 
+/// When node `n` was told to abandon a connection attempt, counted from `since` (abandons
+/// before it left out).
+fn abandoned_since(sim: &Sim, n: usize, since: Instant) -> Vec<Duration> {
+    sim.nodes[n]
+        .waits_ended
+        .iter()
+        .filter(|(t, w)| *t >= since && matches!(w, WaitEnded::AbandonDial(_)))
+        .map(|(t, _)| *t - since)
+        .collect()
+}
+
 /// A decode and a prefill, not connected yet.
 fn decode_and_prefill(seed: u64) -> (Sim, usize, usize) {
     let mut sim = Sim::new(seed, Faults::default());
@@ -248,12 +259,7 @@ fn a_connection_attempt_nobody_answers_is_abandoned_at_the_connect_timeout() {
         "kept until its deadline"
     );
     run_ms(&mut sim, 1);
-    let abandoned: Vec<Duration> = sim.nodes[d]
-        .waits_ended
-        .iter()
-        .filter(|(_, w)| matches!(w, WaitEnded::AbandonDial(_)))
-        .map(|(t, _)| *t - start)
-        .collect();
+    let abandoned = abandoned_since(&sim, d, start);
     assert_eq!(
         abandoned,
         vec![timeout],
@@ -267,11 +273,7 @@ fn a_target_dials_again_after_an_abandoned_attempt_and_connects_once_answered() 
     sim.silence_dials(p, true);
     let target = sim.add_target(d, p);
     run_ms(&mut sim, 3_000);
-    let abandoned = sim.nodes[d]
-        .waits_ended
-        .iter()
-        .filter(|(_, w)| matches!(w, WaitEnded::AbandonDial(_)))
-        .count();
+    let abandoned = abandoned_since(&sim, d, sim.start).len();
     assert!(
         abandoned >= 3,
         "attempts go on, each abandoned: {abandoned}"
@@ -301,11 +303,7 @@ fn a_target_whose_connect_outlasts_the_connect_timeout_is_reached_by_a_longer_at
         sim.nodes[d].endpoint.target_session(target).is_some(),
         "reached"
     );
-    let abandoned = sim.nodes[d]
-        .waits_ended
-        .iter()
-        .filter(|(_, w)| matches!(w, WaitEnded::AbandonDial(_)))
-        .count();
+    let abandoned = abandoned_since(&sim, d, sim.start).len();
     assert_eq!(
         abandoned, 1,
         "one attempt cut short, the next waited long enough"
@@ -322,12 +320,7 @@ fn unanswered_attempts_wait_longer_each_time_up_to_a_cap() {
     let target = sim.add_target(d, p);
     let timeout = config().connect_timeout;
     run_ms(&mut sim, 60 * timeout.as_millis() as u64);
-    let at: Vec<Duration> = sim.nodes[d]
-        .waits_ended
-        .iter()
-        .filter(|(_, w)| matches!(w, WaitEnded::AbandonDial(_)))
-        .map(|(t, _)| *t - start)
-        .collect();
+    let at = abandoned_since(&sim, d, start);
     assert_eq!(at[0], timeout, "the first waits one connect timeout");
     let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
     assert!(gaps[1] > gaps[0] && gaps[2] > gaps[1], "growing: {gaps:?}");
@@ -357,12 +350,7 @@ fn after_a_session_an_outages_attempts_keep_the_connect_timeout() {
     let start = sim.now;
     let timeout = config().connect_timeout;
     run_ms(&mut sim, 20 * timeout.as_millis() as u64);
-    let at: Vec<Duration> = sim.nodes[d]
-        .waits_ended
-        .iter()
-        .filter(|(t, w)| *t >= start && matches!(w, WaitEnded::AbandonDial(_)))
-        .map(|(t, _)| *t - start)
-        .collect();
+    let at = abandoned_since(&sim, d, start);
     let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
     // Each gap: the deadline, the driver's connect timeout to report, the backoff's pause.
     let most = timeout * 2 + config().reconnect_max_interval + config().reconnect_max_interval / 4;

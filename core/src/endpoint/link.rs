@@ -153,7 +153,7 @@ impl Endpoint {
     /// still names the reason of rooms waiting for the peer.
     pub fn handle_connect_failed(&mut self, now: Instant, dial: DialId, failure: ConnectFailure) {
         let now = self.clock(now);
-        let Some(target) = self.target_of_dial(dial) else {
+        let Some(target) = self.targets.of_dial(dial) else {
             // An attempt its deadline ended: what it found still says what the peer is.
             for t in self.targets.values_mut() {
                 if t.attempt.late_report(dial) {
@@ -165,11 +165,6 @@ impl Endpoint {
             return;
         };
         self.target_attempt_failed(now, target, failure);
-    }
-
-    /// The target whose pending attempt `dial` is.
-    pub(super) fn target_of_dial(&self, dial: DialId) -> Option<TargetId> {
-        self.targets.of_dial(dial)
     }
 
     /// `target`'s attempt ended without a connection.
@@ -519,12 +514,15 @@ impl Endpoint {
     }
 
     /// Asks the driver for one connection attempt to `target`, bounded by the target's
-    /// deadline ([`Endpoint::target_dial_timeout`]).
+    /// deadline (`Target::dial_timeout`).
     pub(super) fn dial(&mut self, target: TargetId) {
-        if self.shutdown.begun() || !self.targets.contains(&target) {
+        let Some(timeout) = self.targets.get(&target).map(|t| t.dial_timeout) else {
+            return;
+        };
+        if self.shutdown.begun() {
             return;
         }
-        let deadline = self.last_now + self.target_dial_timeout(target);
+        let deadline = self.last_now + timeout;
         let dial = self
             .dials
             .start(&mut self.timers, deadline, DialId, Timer::Dial);
@@ -536,15 +534,6 @@ impl Endpoint {
             self.dials.settle(&mut self.timers, old);
         }
         self.outbox.action(Action::Connect { target, dial });
-    }
-
-    /// The deadline of `target`'s next attempt, a link check's too: what its last session's
-    /// handshake measured (`connect_timeout` on a fast link, so a healed link is found
-    /// within it), or before any session a deadline that grows while nobody answers.
-    pub(super) fn target_dial_timeout(&self, target: TargetId) -> Duration {
-        self.targets
-            .get(&target)
-            .map_or(self.config.connect_timeout, |t| t.dial_timeout)
     }
 
     /// Why `session` ended, if it ended for good recently.

@@ -230,7 +230,8 @@ impl Endpoint {
             let timeout = self
                 .targets
                 .of_dial(dial)
-                .map_or(self.config.connect_timeout, |t| self.target_dial_timeout(t));
+                .and_then(|t| self.targets.get(&t))
+                .map_or(self.config.connect_timeout, |t| t.dial_timeout);
             self.dials
                 .rearm(&mut self.timers, dial, now + timeout, Timer::Dial);
         }
@@ -240,7 +241,7 @@ impl Endpoint {
     /// A target's attempt ([`Action::Connect`]) is not settled here but by its outcome, so a
     /// connection that never becomes the target's session still ends at its deadline.
     pub fn handle_dial_settled(&mut self, dial: DialId) {
-        if self.target_of_dial(dial).is_none() {
+        if self.targets.of_dial(dial).is_none() {
             self.dials.settle(&mut self.timers, dial);
             self.sessions.settle_data_dial(dial);
         }

@@ -123,6 +123,34 @@ pub(super) struct Op {
     pub(super) source_checksum: Option<u64>,
 }
 
+impl Op {
+    /// A new operation of `session`, queued for its first attempt, its bytes those of `slices`.
+    pub(super) fn queued(
+        session: SessionId,
+        room: Option<RoomId>,
+        generation: Generation,
+        kind: OpKind,
+        slices: Arc<[Slice]>,
+        layers: Range<usize>,
+    ) -> Op {
+        Op {
+            session,
+            room,
+            generation,
+            kind,
+            bytes: slices.iter().map(Slice::bytes).sum(),
+            slices,
+            layers,
+            attempt: 1,
+            flushes: 0,
+            phase: OpPhase::Queued,
+            timer: None,
+            superseded: false,
+            source_checksum: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum OpPhase {
     Queued,
@@ -137,30 +165,28 @@ mod tests {
     use crate::timer::Timer;
     use std::time::{Duration, Instant};
 
+    fn no_ops() -> Operations {
+        Operations::new(FixedState::default())
+    }
+
     fn op(session: u32, room: Option<u64>, phase: OpPhase) -> Op {
+        let slices = Arc::from(vec![Slice::run(Region::Scratch, 0, 0, 8)]);
         Op {
-            session: SessionId(session),
-            room: room.map(RoomId),
-            generation: 1,
-            kind: OpKind::Kv,
-            slices: Arc::from(vec![Slice::run(Region::Scratch, 0, 0, 8)]),
-            layers: 0..0,
-            bytes: 8,
-            attempt: 0,
-            flushes: 0,
             phase,
-            timer: None,
-            superseded: false,
-            source_checksum: None,
+            ..Op::queued(
+                SessionId(session),
+                room.map(RoomId),
+                1,
+                OpKind::Kv,
+                slices,
+                0..0,
+            )
         }
     }
 
     #[test]
     fn ids_are_never_reused_even_after_removal() {
-        let (mut ops, mut timers) = (
-            Operations::new(FixedState::default()),
-            TimerTable::default(),
-        );
+        let (mut ops, mut timers) = (no_ops(), TimerTable::default());
         let a = ops.add(op(1, Some(1), OpPhase::Queued));
         ops.remove(a, &mut timers);
         let b = ops.add(op(1, Some(1), OpPhase::Queued));
@@ -170,10 +196,7 @@ mod tests {
 
     #[test]
     fn a_removed_operation_leaves_no_deadline_behind() {
-        let (mut ops, mut timers) = (
-            Operations::new(FixedState::default()),
-            TimerTable::default(),
-        );
+        let (mut ops, mut timers) = (no_ops(), TimerTable::default());
         let id = ops.add(op(1, Some(1), OpPhase::InFlight));
         let o = ops.get_mut(&id).unwrap();
         timers.set(
@@ -187,7 +210,7 @@ mod tests {
 
     #[test]
     fn a_take_over_moves_every_operation_and_marks_only_those_in_flight_superseded() {
-        let mut ops = Operations::new(FixedState::default());
+        let mut ops = no_ops();
         let queued = ops.add(op(1, Some(1), OpPhase::Queued));
         let flying = ops.add(op(1, Some(1), OpPhase::InFlight));
         let other = ops.add(op(2, Some(2), OpPhase::InFlight));
@@ -202,7 +225,7 @@ mod tests {
 
     #[test]
     fn probes_are_not_counted_as_room_operations() {
-        let mut ops = Operations::new(FixedState::default());
+        let mut ops = no_ops();
         ops.add(op(1, Some(1), OpPhase::Queued));
         ops.add(op(1, None, OpPhase::InFlight));
         assert_eq!(ops.of_rooms(), 1);
@@ -211,7 +234,7 @@ mod tests {
 
     #[test]
     fn sessions_take_turns_in_the_order_they_became_ready() {
-        let mut ops = Operations::new(FixedState::default());
+        let mut ops = no_ops();
         ops.ready(SessionId(2));
         ops.ready(SessionId(1));
         assert_eq!(ops.next_ready(), Some(SessionId(2)));

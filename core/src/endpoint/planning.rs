@@ -14,7 +14,7 @@ use crate::layout::Slice;
 use crate::plan::{plan_aux, plan_extras, plan_kv, plan_kv_heads, HeadSide, OpLimits};
 use crate::state::{FailureReason, KvPoll};
 
-use super::{Endpoint, Op, OpPhase, SenderRoom, Side};
+use super::{Endpoint, Op, SenderRoom, Side};
 
 /// An operation planned for a session: its kind, the layers it carries, its slices.
 type PlannedOp = (SessionId, OpKind, Range<usize>, Vec<Slice>);
@@ -164,24 +164,10 @@ impl Endpoint {
         new_ops: Vec<PlannedOp>,
     ) {
         for (sid, kind, layers, slices) in new_ops {
-            let bytes = slices.iter().map(Slice::bytes).sum();
+            let op = Op::queued(sid, Some(room), generation, kind, Arc::from(slices), layers);
             self.counters.ops_planned += 1;
-            self.counters.bytes_planned += bytes;
-            let id = self.ops.add(Op {
-                session: sid,
-                room: Some(room),
-                generation,
-                kind,
-                slices: Arc::from(slices),
-                layers,
-                bytes,
-                attempt: 1,
-                flushes: 0,
-                phase: OpPhase::Queued,
-                timer: None,
-                superseded: false,
-                source_checksum: None,
-            });
+            self.counters.bytes_planned += op.bytes;
+            let id = self.ops.add(op);
             if let Some(x) = self.sessions.get_mut(&sid) {
                 x.ops.push_back(id);
                 x.last_targeted = now;

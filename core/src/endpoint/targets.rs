@@ -172,9 +172,10 @@ pub(super) struct Target {
     /// from here.
     pub(super) last_used: Instant,
     pub(super) idle_timer: Option<TimerKey>,
-    /// The deadline of its next attempt that is not a link check: `connect_timeout`, doubled
-    /// after each attempt nobody answered in time until a session was established (up to
-    /// [`dial_timeout_cap`]), then set from that session's handshake.
+    /// The deadline of its next attempt, a link check's too: `connect_timeout`, doubled after
+    /// each attempt nobody answered in time until a session was established (up to
+    /// [`dial_timeout_cap`]), then what that session's handshake measured (`connect_timeout`
+    /// on a fast link, so a healed link is found within it).
     pub(super) dial_timeout: Duration,
     /// A session's handshake measured the link: an attempt that times out after that is an
     /// outage, not a slow link, and the next one keeps the deadline (a healed link is found
@@ -272,13 +273,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_new_target_is_down_with_its_unreachable_and_idle_deadlines_armed() {
-        let (mut targets, mut timers, now) = (
+    /// No target yet, an empty timer table, and the time now.
+    fn fresh() -> (Targets, TimerTable, Instant) {
+        (
             Targets::new(FixedState::default()),
             TimerTable::default(),
             Instant::now(),
-        );
+        )
+    }
+
+    #[test]
+    fn a_new_target_is_down_with_its_unreachable_and_idle_deadlines_armed() {
+        let (mut targets, mut timers, now) = fresh();
         let config = config();
         let id = targets.add(now, &config, &mut timers);
         let t = targets.get(&id).unwrap();
@@ -297,11 +303,7 @@ mod tests {
 
     #[test]
     fn a_removed_target_leaves_no_deadline_behind() {
-        let (mut targets, mut timers, now) = (
-            Targets::new(FixedState::default()),
-            TimerTable::default(),
-            Instant::now(),
-        );
+        let (mut targets, mut timers, now) = fresh();
         let id = targets.add(now, &config(), &mut timers);
         targets.get_mut(&id).unwrap().established(
             SessionId(1),
@@ -316,11 +318,7 @@ mod tests {
 
     #[test]
     fn a_session_is_held_by_the_target_that_keeps_it_or_checks_it() {
-        let (mut targets, mut timers, now) = (
-            Targets::new(FixedState::default()),
-            TimerTable::default(),
-            Instant::now(),
-        );
+        let (mut targets, mut timers, now) = fresh();
         let a = targets.add(now, &config(), &mut timers);
         let b = targets.add(now, &config(), &mut timers);
         targets.get_mut(&a).unwrap().session = Some(SessionId(1));
@@ -335,11 +333,7 @@ mod tests {
 
     #[test]
     fn an_established_target_resets_its_backoff_and_forgets_what_attempts_found() {
-        let (mut targets, mut timers, now) = (
-            Targets::new(FixedState::default()),
-            TimerTable::default(),
-            Instant::now(),
-        );
+        let (mut targets, mut timers, now) = fresh();
         let id = targets.add(now, &config(), &mut timers);
         let t = targets.get_mut(&id).unwrap();
         t.backoff = Duration::from_secs(8);
@@ -361,11 +355,7 @@ mod tests {
 
     #[test]
     fn unanswered_attempts_double_the_deadline_until_a_session_sets_it_from_its_link() {
-        let (mut targets, mut timers, now) = (
-            Targets::new(FixedState::default()),
-            TimerTable::default(),
-            Instant::now(),
-        );
+        let (mut targets, mut timers, now) = fresh();
         let config = config();
         let id = targets.add(now, &config, &mut timers);
         let t = targets.get_mut(&id).unwrap();

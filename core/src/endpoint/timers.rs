@@ -368,21 +368,9 @@ impl Endpoint {
         }
         self.counters.probes_sent += 1;
         let slices: Arc<[Slice]> = Arc::from(vec![Slice::run(Region::Scratch, 0, 0, 8)]);
-        let id = self.ops.add(Op {
-            session: sid,
-            room: None,
-            generation: 0,
-            kind: OpKind::Probe,
-            slices,
-            layers: 0..0,
-            bytes: 8,
-            attempt: 1,
-            flushes: 0,
-            phase: OpPhase::Queued,
-            timer: None,
-            superseded: false,
-            source_checksum: None,
-        });
+        let id = self
+            .ops
+            .add(Op::queued(sid, None, 0, OpKind::Probe, slices, 0..0));
         if let Some(s) = self.sessions.get_mut(&sid) {
             s.probation.probe_queued(id);
             s.ops.push_front(id);
