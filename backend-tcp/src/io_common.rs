@@ -12,9 +12,12 @@ use crate::frame::DataHello;
 use crate::frame::{encode_slice, FrameError, WriteHeader, KIND_CONTROL, KIND_DATA, MAGIC};
 use kvferry_memory::{MemoryMap, SliceSide, WriteCheck};
 
-/// Hands permits back through a [`WriteCheck`] behind any pointer (`Arc` on tokio, `Rc` on
-/// a thread-per-core runtime).
-pub(crate) struct EndThrough<P>(pub(crate) P);
+/// Hands a write's permit back, with the write's slices, through a [`WriteCheck`] behind
+/// any pointer (`Arc` on tokio, `Rc` on a thread-per-core runtime).
+pub(crate) struct EndThrough<P> {
+    check: P,
+    slices: Vec<Slice>,
+}
 
 impl<P> EndWrite for EndThrough<P>
 where
@@ -22,7 +25,7 @@ where
     P::Target: WriteCheck,
 {
     fn end_write(&self, permit: WritePermit) {
-        self.0.end(permit);
+        self.check.end(permit, &self.slices);
     }
 }
 
@@ -315,7 +318,13 @@ where
     };
     // Held until the payload is applied or abandoned (a cancelled task drops it): the core
     // keeps the room's pages while it is out.
-    let landing = Landing::new(permit, EndThrough(check.clone()));
+    let landing = Landing::new(
+        permit,
+        EndThrough {
+            check: check.clone(),
+            slices: slices.to_vec(),
+        },
+    );
     let mut targets = Vec::with_capacity(slices.len());
     let targets = slices
         .iter()

@@ -40,7 +40,7 @@ impl WriteCheck for AllowRoom {
         }
     }
 
-    fn end(&self, _permit: WritePermit) {}
+    fn end(&self, _permit: WritePermit, _slices: &[Slice]) {}
 }
 
 async fn pair() -> (TcpStream, TcpStream) {
@@ -332,7 +332,7 @@ impl WriteCheck for Recording {
         AllowRoom(self.0).begin(room, generation, s)
     }
 
-    fn end(&self, permit: WritePermit) {
+    fn end(&self, permit: WritePermit, _slices: &[Slice]) {
         self.1.lock().unwrap().push(permit);
     }
 }

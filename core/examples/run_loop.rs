@@ -117,7 +117,7 @@ fn main() {
                         let target = decode.memory.get_mut(&s.region).expect("region");
                         target[dst..dst + len].copy_from_slice(&bytes);
                     }
-                    decode.endpoint.end_write(now, permit.applied());
+                    decode.endpoint.end_write(now, permit.applied(), &op.slices);
                     TransferOutcome::Done
                 }
                 _ => TransferOutcome::Refused,
@@ -128,7 +128,7 @@ fn main() {
         for n in [&mut prefill, &mut decode] {
             while let Some(action) = n.endpoint.poll_action() {
                 if let Action::VerifyLanded { permit, .. } = action {
-                    n.endpoint.end_write(now, permit);
+                    n.endpoint.end_write(now, permit, &[]);
                 }
             }
             while n.endpoint.poll_event().is_some() {}

@@ -47,6 +47,11 @@ pub struct Counters {
     pub writes_refused: u64,
     /// Decode: one-sided operations whose landed bytes matched their source's checksum.
     pub landed_checks_passed: u64,
+    /// Decode: writes whose every byte was applied into a room's pages.
+    pub writes_applied: u64,
+    /// Decode: writes into a room's pages that the grant table left to the core, admitted
+    /// under the driver's lock (a session or room the table was not told of yet).
+    pub writes_admitted_locked: u64,
     /// Rooms that reached Success.
     pub rooms_succeeded: u64,
     /// Rooms that reached Failed, by reason ([`FailureReason::index`]).
@@ -81,6 +86,8 @@ impl Counters {
         self.stale_messages += other.stale_messages;
         self.writes_refused += other.writes_refused;
         self.landed_checks_passed += other.landed_checks_passed;
+        self.writes_applied += other.writes_applied;
+        self.writes_admitted_locked += other.writes_admitted_locked;
         self.fence_timeouts += other.fence_timeouts;
         self.rooms_succeeded += other.rooms_succeeded;
         self.rooms_released += other.rooms_released;
@@ -124,6 +131,8 @@ impl Counters {
             ("stale_messages", self.stale_messages),
             ("writes_refused", self.writes_refused),
             ("landed_checks_passed", self.landed_checks_passed),
+            ("writes_applied", self.writes_applied),
+            ("writes_admitted_locked", self.writes_admitted_locked),
             ("rooms_succeeded", self.rooms_succeeded),
             ("rooms_released", self.rooms_released),
             ("rooms_refused_reused", self.rooms_refused_reused),

@@ -43,6 +43,11 @@
 //! next one and why. [`consensus`] combines the states of several ranks without ever
 //! asserting on skew. The same inputs in the same order give the same outputs.
 //!
+//! The one state the core shares is decode's [`GrantTable`]: receive paths on other threads
+//! admit writes against it without the driver's lock (behind its own short lock), and count
+//! what is landing there so that no release hands pages on under a write; only the core
+//! changes what it grants, and whatever the table does not admit goes to the core.
+//!
 //! Drain contract, errors and method groups: see [`Endpoint`].
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -70,7 +75,7 @@ pub use api::{
 pub use auth::SessionKey;
 pub use config::{Config, ConfigError};
 pub use counters::Counters;
-pub use endpoint::Endpoint;
+pub use endpoint::{Endpoint, GrantTable};
 pub use ids::{
     ConnId, DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId,
     TargetId, TransferId,

@@ -34,7 +34,9 @@ fn a_write_that_failed_its_checksum_fails_the_room_with_checksum_mismatch() {
         .endpoint
         .begin_write(now, session, RoomId(1), 0, &slice)
         .expect("admitted");
-    sim.nodes[d].endpoint.end_write(now, permit.corrupt());
+    sim.nodes[d]
+        .endpoint
+        .end_write(now, permit.corrupt(), &slice);
     sim.drain(d);
     assert_eq!(state(&sim, d, 1), failed(FailureReason::ChecksumMismatch));
     run_ms(&mut sim, 50);

@@ -307,7 +307,9 @@ fn write_then_success(sim: &mut Sim, d: usize, p: usize, room: u64, slices: &[Sl
             .endpoint
             .begin_write(now, session, RoomId(room), 0, std::slice::from_ref(slice))
             .expect("write admitted");
-        sim.nodes[d].endpoint.end_write(now, permit.applied());
+        sim.nodes[d]
+            .endpoint
+            .end_write(now, permit.applied(), std::slice::from_ref(slice));
     }
     let mut frame = Vec::new();
     kvferry_core::codec::Message::RoomStatus {

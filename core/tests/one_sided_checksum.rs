@@ -124,7 +124,7 @@ fn a_one_sided_room_succeeds_once_every_range_was_verified() {
         .zip(&ranges)
         .all(|(s, r)| s.region == r.region && s.dst_offset == r.offset && s.len == r.len));
     let now = sim.now;
-    sim.nodes[d].endpoint.end_write(now, permit.applied());
+    sim.nodes[d].endpoint.end_write(now, permit.applied(), &[]);
     assert_eq!(
         sim.nodes[d].endpoint.counters().landed_checks_passed,
         passed + 1
@@ -142,7 +142,7 @@ fn the_source_success_waits_for_a_verification_still_running() {
     deliver(&mut sim, d, session, success());
     assert_ne!(state(&sim, d, ROOM), Some(KvPoll::Success));
     let now = sim.now;
-    sim.nodes[d].endpoint.end_write(now, permit.applied());
+    sim.nodes[d].endpoint.end_write(now, permit.applied(), &[]);
     assert_eq!(state(&sim, d, ROOM), Some(KvPoll::Success));
 }
 
@@ -156,8 +156,12 @@ fn landed_bytes_that_do_not_match_fail_the_room_with_checksum_mismatch() {
     let asked = verifications(&mut sim, d);
     assert_eq!(asked.len(), 2);
     let now = sim.now;
-    sim.nodes[d].endpoint.end_write(now, asked[0].0.corrupt());
-    sim.nodes[d].endpoint.end_write(now, asked[1].0.applied());
+    sim.nodes[d]
+        .endpoint
+        .end_write(now, asked[0].0.corrupt(), &[]);
+    sim.nodes[d]
+        .endpoint
+        .end_write(now, asked[1].0.applied(), &[]);
     deliver(&mut sim, d, session, success());
     assert_eq!(
         state(&sim, d, ROOM),
@@ -173,7 +177,7 @@ fn a_success_without_a_checksum_for_every_page_fails_the_room_as_a_protocol_erro
     deliver(&mut sim, d, session, op_checksum(ranges));
     let (permit, _, _) = verifications(&mut sim, d).remove(0);
     let now = sim.now;
-    sim.nodes[d].endpoint.end_write(now, permit.applied());
+    sim.nodes[d].endpoint.end_write(now, permit.applied(), &[]);
     deliver(&mut sim, d, session, success());
     assert_eq!(
         state(&sim, d, ROOM),
@@ -249,7 +253,9 @@ fn a_fence_of_the_session_does_not_void_a_check_of_bytes_that_already_landed() {
         "the abort's missing acknowledgement fences the session"
     );
     sim.nodes[d].endpoint.handle_fence_complete(later, session);
-    sim.nodes[d].endpoint.end_write(later, permit.applied());
+    sim.nodes[d]
+        .endpoint
+        .end_write(later, permit.applied(), &[]);
     assert_eq!(state(&sim, d, ROOM), Some(KvPoll::Success));
 }
 

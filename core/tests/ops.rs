@@ -291,7 +291,7 @@ fn releasable(d: &mut Endpoint, room: RoomId) -> bool {
 fn land_all(t: &mut Pair, room: RoomId, ops: &[TransferOp]) {
     for op in ops {
         let permit = t.d.begin_write(t.now, t.sd, room, 0, &op.slices).unwrap();
-        t.d.end_write(t.now, permit.applied());
+        t.d.end_write(t.now, permit.applied(), &op.slices);
         t.p.handle_transfer_result(t.now, op.id, TransferOutcome::Done);
     }
     t.pump();
@@ -312,7 +312,7 @@ fn a_write_still_landing_holds_a_succeeded_rooms_pages_until_it_ends() {
         !releasable(&mut t.d, room),
         "pages released under a landing write"
     );
-    t.d.end_write(t.now, orphan);
+    t.d.end_write(t.now, orphan, &aux.slices);
     assert!(releasable(&mut t.d, room));
 }
 
@@ -334,7 +334,7 @@ fn a_write_stuck_landing_is_fenced_and_its_void_permit_is_ignored() {
     t.d.handle_fence_complete(t.now, t.sd);
     assert!(releasable(&mut t.d, room));
     // The stuck write's permit is void after the fence: handing it back changes nothing.
-    t.d.end_write(t.now, stuck);
+    t.d.end_write(t.now, stuck, &aux.slices);
     assert_eq!(t.d.live_rooms(), 0);
 }
 
@@ -451,7 +451,7 @@ fn a_broken_data_connection_is_replaced_by_the_dialer_after_a_short_wait() {
 fn land_on_decode(t: &mut Pair, room: RoomId, ops: &[TransferOp]) {
     for op in ops {
         let permit = t.d.begin_write(t.now, t.sd, room, 0, &op.slices).unwrap();
-        t.d.end_write(t.now, permit.applied());
+        t.d.end_write(t.now, permit.applied(), &op.slices);
     }
 }
 
@@ -495,6 +495,6 @@ fn a_tcp_room_with_a_write_still_landing_succeeds_only_once_it_ends() {
         Some(KvPoll::Success),
         "a write into the room's pages is still landing"
     );
-    t.d.end_write(t.now, repeat.applied());
+    t.d.end_write(t.now, repeat.applied(), &ops[0].slices);
     assert_eq!(t.d.room_state(room), Some(KvPoll::Success));
 }

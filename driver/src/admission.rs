@@ -1,11 +1,14 @@
 //! The receive path's admission through the core: every write checked against the room's
-//! grant, every permit handed back.
+//! grant (the core's [`GrantTable`] without the driver's lock, the core itself for whatever
+//! the table does not admit), every permit handed back under the lock once.
 
 use crate::{FaultKind, FaultPlan};
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvferry_core::{
-    Endpoint, Generation, RoomId, SessionId, Slice, TransferId, WritePermit, WriteRefused,
+    Endpoint, Generation, GrantTable, RoomId, SessionId, Slice, TransferId, WritePermit,
+    WriteRefused,
 };
 use kvferry_memory::WriteCheck;
 
@@ -27,10 +30,22 @@ pub trait EndpointAccess {
 /// The receive path's admission on every driver: the node's core decides each write (every
 /// slice against the room's granted pages) and takes every permit back.
 pub struct CoreCheck<A> {
-    /// The way to the endpoint.
-    pub access: A,
-    /// The session the data connection belongs to.
-    pub session: SessionId,
+    access: A,
+    session: SessionId,
+    /// The core's published grants (`None` once the node is gone).
+    grants: Option<Arc<GrantTable>>,
+}
+
+impl<A: EndpointAccess> CoreCheck<A> {
+    /// The admission of a data connection of `session`, reaching its core through `access`.
+    pub fn new(access: A, session: SessionId) -> Self {
+        let grants = access.run(|e, _| e.grant_table(), |_| false);
+        CoreCheck {
+            access,
+            session,
+            grants,
+        }
+    }
 }
 
 impl<A: EndpointAccess> WriteCheck for CoreCheck<A> {
@@ -46,6 +61,10 @@ impl<A: EndpointAccess> WriteCheck for CoreCheck<A> {
         generation: Generation,
         slices: &[Slice],
     ) -> Result<WritePermit, WriteRefused> {
+        let table = self.grants.as_ref();
+        if let Some(permit) = table.and_then(|t| t.begin(self.session, room, generation, slices)) {
+            return Ok(permit);
+        }
         // A refusal may have changed a room's state (its outputs go out now); an accepted
         // write changes nothing until it ends.
         self.access
@@ -56,7 +75,8 @@ impl<A: EndpointAccess> WriteCheck for CoreCheck<A> {
             .unwrap_or(Err(WriteRefused::UnknownRoom))
     }
 
-    fn end(&self, permit: WritePermit) {
-        self.access.run(|e, now| e.end_write(now, permit), |_| true);
+    fn end(&self, permit: WritePermit, slices: &[Slice]) {
+        self.access
+            .run(|e, now| e.end_write(now, permit, slices), |_| true);
     }
 }

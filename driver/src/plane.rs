@@ -69,7 +69,7 @@ pub(crate) fn verify_landed<H: crate::Host>(
     }
     driver
         .endpoint_mut()
-        .end_write(std::time::Instant::now(), permit);
+        .end_write(std::time::Instant::now(), permit, &[]);
 }
 
 /// The memory one-sided planes write into on this node (RDMA's or the same-host plane's:

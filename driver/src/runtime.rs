@@ -187,7 +187,7 @@ impl<R: Runtime> Job<R> {
                 let verdict =
                     rt.blocking(move || crate::landed_verdict(&memory, permit, &ranges, checksum));
                 if let Some(permit) = verdict.await {
-                    rt.drive(|d| d.with(|e, now| e.end_write(now, permit)));
+                    rt.drive(|d| d.with(|e, now| e.end_write(now, permit, &[])));
                 }
             }
             #[cfg(feature = "rdma")]
@@ -317,10 +317,7 @@ pub fn attach_data<R: Runtime>(rt: &R, session: SessionId, stream: R::Stream) {
 /// The receive path's admission of `session`'s writes: the core, through the driver `rt`
 /// reaches.
 fn check<R: Runtime>(rt: R, session: SessionId) -> CoreCheck<DriverAccess<R>> {
-    CoreCheck {
-        access: DriverAccess::new(rt),
-        session,
-    }
+    CoreCheck::new(DriverAccess::new(rt), session)
 }
 
 /// [`Runtime::dial`] for a caller or (with its session and key) a data connection, until the

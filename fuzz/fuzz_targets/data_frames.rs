@@ -1,8 +1,8 @@
 //! The data-plane decoders (write header, slice table, ack, data hello) never panic, every
 //! accepted table adds up to its header's payload, and the write validator a receiver runs on
-//! every header ([`kvferry_core::Endpoint::begin_write`]) only ever authorizes writes that lie
-//! entirely in pages owned by the room they name (checked against the simulation's page
-//! owners, a reference independent of the core's bookkeeping).
+//! every header (the core's `GrantTable`, then [`kvferry_core::Endpoint::begin_write`]) only
+//! ever authorizes writes that lie entirely in pages owned by the room they name (checked
+//! against the simulation's page owners, a reference independent of the core's bookkeeping).
 #![no_main]
 
 use std::time::Duration;
@@ -56,8 +56,13 @@ fn validate(header: &WriteHeader, slices: &[kvferry_core::Slice]) {
     sim.drain(d);
     let now = sim.now;
     let page = u64::from(layout.page_bytes);
-    let verdict =
-        sim.nodes[d].endpoint.begin_write(now, sd, header.room, header.generation, slices);
+    // As the receive paths admit: the grant table without the driver's lock, the core for
+    // whatever the table does not admit.
+    let table = sim.nodes[d].endpoint.grant_table();
+    let verdict = match table.begin(sd, header.room, header.generation, slices) {
+        Some(permit) => Ok(permit),
+        None => sim.nodes[d].endpoint.begin_write(now, sd, header.room, header.generation, slices),
+    };
     if let Ok(permit) = verdict {
         for s in slices.iter().flat_map(kvferry_core::Slice::runs) {
             if let Region::Kv { .. } = s.region {
@@ -67,6 +72,6 @@ fn validate(header: &WriteHeader, slices: &[kvferry_core::Slice]) {
                 }
             }
         }
-        sim.nodes[d].endpoint.end_write(now, permit);
+        sim.nodes[d].endpoint.end_write(now, permit, slices);
     }
 }

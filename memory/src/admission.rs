@@ -20,6 +20,6 @@ pub trait WriteCheck {
         slices: &[Slice],
     ) -> Result<WritePermit, WriteRefused>;
 
-    /// The write of `permit` was applied or abandoned.
-    fn end(&self, permit: WritePermit);
+    /// The write of `permit`, made of `slices` (as admitted), was applied or abandoned.
+    fn end(&self, permit: WritePermit, slices: &[Slice]);
 }

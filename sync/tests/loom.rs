@@ -11,7 +11,7 @@ use kvferry_core::codec::Message;
 use kvferry_core::sim::{fast_config, small_layout};
 use kvferry_core::{
     ApiError, Chunk, Endpoint, EndpointInfo, Event, Grant, Incarnation, KvPoll, NodeId, Role,
-    RoomId, SessionId, TransferId, TransferOp, WritePermit,
+    RoomId, SessionId, Slice, TransferId, TransferOp, WritePermit,
 };
 use kvferry_sync::{Acked, ConnSet, EndWrite, Landing, OpLedger, Start};
 use loom::cell::UnsafeCell;
@@ -176,9 +176,30 @@ fn releasable(d: &mut Endpoint) -> bool {
 #[derive(Clone)]
 struct Core(Arc<Mutex<Endpoint>>);
 
-impl EndWrite for Core {
+impl Core {
+    /// As the drivers' receive paths admit a write: the core's grant table without the
+    /// driver's lock, the core under it for whatever the table does not admit.
+    fn begin(&self, session: SessionId, slices: &[Slice]) -> Option<Landing<Ending>> {
+        let table = self.0.lock().unwrap().grant_table();
+        let permit = match table.begin(session, RoomId(1), 0, slices) {
+            Some(p) => p,
+            None => {
+                let now = Instant::now();
+                let mut e = self.0.lock().unwrap();
+                e.begin_write(now, session, RoomId(1), 0, slices).ok()?
+            }
+        };
+        Some(Landing::new(permit, Ending(self.clone(), slices.to_vec())))
+    }
+}
+
+/// Hands a write's permit back to the core under its lock, with the write's slices.
+struct Ending(Core, Vec<Slice>);
+
+impl EndWrite for Ending {
     fn end_write(&self, permit: WritePermit) {
-        self.0.lock().unwrap().end_write(Instant::now(), permit);
+        let mut e = self.0 .0.lock().unwrap();
+        e.end_write(Instant::now(), permit, &self.1);
     }
 }
 
@@ -215,19 +236,10 @@ fn receive_races_abort(path: ReceivePath) {
             thread::spawn(move || {
                 let now = Instant::now();
                 let landing = match path {
-                    ReceivePath::WithPermit => {
-                        let permit = core.0.lock().unwrap().begin_write(
-                            now,
-                            session,
-                            RoomId(1),
-                            0,
-                            &op.slices,
-                        );
-                        match permit {
-                            Ok(p) => Some(Landing::new(p, core.clone())),
-                            Err(_) => return,
-                        }
-                    }
+                    ReceivePath::WithPermit => match core.begin(session, &op.slices) {
+                        Some(l) => Some(l),
+                        None => return,
+                    },
                     ReceivePath::CheckOnly => {
                         let mut e = core.0.lock().unwrap();
                         for s in op.slices.iter() {
@@ -349,14 +361,7 @@ fn receive_races_fence(wait_for_task: bool) {
             let (core, page, op) = (core.clone(), page.clone(), op.clone());
             let (stop, gone) = (stop.clone(), gone.clone());
             thread::spawn(move || {
-                let now = Instant::now();
-                let permit =
-                    core.0
-                        .lock()
-                        .unwrap()
-                        .begin_write(now, session, RoomId(1), 0, &op.slices);
-                if let Ok(p) = permit {
-                    let landing = Landing::new(p, core.clone());
+                if let Some(landing) = core.begin(session, &op.slices) {
                     // An await point: an aborted task stops here.
                     if !stop.load(Ordering::Acquire) {
                         page.with_mut(|p| unsafe { *p = 1 });

@@ -556,6 +556,7 @@ on_every_driver!(
     a_connect_that_fails_part_way_leaves_no_session_behind,
     a_wait_for_a_kept_peer_ends_when_it_is_disconnected,
     rooms_move_over_a_link_slower_than_the_connect_timeout,
+    a_clean_rooms_writes_are_admitted_without_the_drivers_lock,
 );
 
 /// A node that begins its shutdown closes its listeners before it tells any peer: a peer

@@ -556,6 +556,7 @@ impl Endpoint {
             return;
         };
         s.peer = Some(peer);
+        self.grants.add_session(sid, peer, s.epoch);
         s.liveness.agree(window, silence);
         s.data_dials.established(now);
         s.state = SessionState::Established;

@@ -469,6 +469,7 @@ impl Endpoint {
         };
         // Nothing written before the fence can land any more: its permits are void.
         s.epoch = s.epoch.wrapping_add(1);
+        self.grants.set_epoch(sid, s.epoch);
         let rooms = self.rooms_written_by(sid);
         self.sources_drained(now, sid, rooms);
     }
@@ -498,10 +499,8 @@ impl Endpoint {
             let terminal = r.state.is_terminal();
             let mut touched = !matches!(r.side, Side::Receiver(_));
             if let Side::Receiver(rr) = &mut r.side {
+                touched |= self.grants.void(room, sid);
                 for src in rr.sources.iter_mut() {
-                    let before = src.pending.len();
-                    src.pending.retain(|p| p.1 != sid);
-                    touched |= src.pending.len() != before;
                     if src.session == sid {
                         touched = true;
                         if terminal {

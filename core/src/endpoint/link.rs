@@ -335,6 +335,7 @@ impl Endpoint {
             // Ended for good: links to it (or to sessions it took over) ended with it.
             self.remember_ended(session, reason);
         }
+        self.grants.remove_session(session);
         if let Some(mut s) = self.sessions.remove(&session) {
             if let Some(old) = s.resumes.take() {
                 // A fresh connection that ended unused: the session it was to take over goes on.
@@ -399,6 +400,7 @@ impl Endpoint {
             return;
         };
         s.epoch = s.epoch.wrapping_add(1);
+        self.grants.set_epoch(sid, s.epoch);
         let until = now + s.liveness.window() + self.config.heartbeat_interval;
         let rooms = self.rooms_written_by(sid);
         if rooms.is_empty() {

@@ -4,6 +4,7 @@ mod attempt;
 mod coverage;
 mod data_dials;
 mod ended;
+mod grant_table;
 mod handshake;
 mod health;
 mod heartbeats;
@@ -32,6 +33,7 @@ mod writer;
 mod writes;
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use foldhash::fast::FixedState;
 use std::time::Instant;
@@ -50,13 +52,14 @@ use crate::counters::Counters;
 use crate::ids::{
     DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId, TargetId,
 };
-use crate::layout::PageSet;
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
 use coverage::Coverage;
 use data_dials::DataDials;
 use ended::EndedSessions;
+pub use grant_table::GrantTable;
+use grant_table::Granted;
 use layer_bits::LayerBits;
 use listener::{Deadlines, Listener};
 use liveness::Liveness;
@@ -100,7 +103,8 @@ type Set<K> = HashSet<K, FixedState>;
 /// (`timers::SessionTimers`); rooms that ended (`tombstones`), requests for rooms not open
 /// yet (`pending_rooms`), take-overs (`successions`), the listener and dials (`listener`),
 /// peers kept connected (`targets`), data-path operations and the sessions' turns to start
-/// them (`operations`), and what waits for the driver's drain (`outbox`).
+/// them (`operations`), what waits for the driver's drain (`outbox`), and decode's grants
+/// with the writes landing under them, shared with the receive paths (`grant_table`).
 ///
 /// # Drain contract
 ///
@@ -136,8 +140,9 @@ pub struct Endpoint {
     hasher: FixedState,
     /// Peers kept connected.
     targets: Targets,
-    /// Write permits given so far (numbers them).
-    next_permit: u64,
+    /// Decode: the live rooms' grants and the writes landing in them, shared with the
+    /// receive paths.
+    grants: Arc<GrantTable>,
     /// Sessions taken over by a fresh connection, and who carries their work now.
     successions: Successions,
     /// Why recent sessions ended, for rooms opened over them late.
@@ -356,11 +361,8 @@ struct HeldChunk {
 #[derive(Debug, Default)]
 struct ReceiverRoom {
     sources: SmallVec<[Source; 2]>,
-    pages: Option<PageSet>,
-    aux_slot: Option<u32>,
-    state_slot: Option<u32>,
-    /// Granted items of each extra pool.
-    extras: Box<[PageSet]>,
+    /// What the grant gave (shared with the [`GrantTable`]).
+    granted: Arc<Granted>,
     queue_position: u32,
     /// Opened through targets of which some had no session yet: the sources are attached
     /// (and the grant sent) once all of them are up. Empty once attached.
@@ -387,9 +389,6 @@ struct Source {
     /// Every (owned layer, plane, granted page) unit plus the aux row and state slot this
     /// source must write, as a bitmap of what applied writes covered (set with the grant).
     coverage: Coverage,
-    /// Writes authorized by `begin_write` and not yet ended, which may be landing in the
-    /// room's pages right now: (permit number, the session that wrote it, its units).
-    pending: SmallVec<[(u64, SessionId, Vec<u32>); 2]>,
     /// One-sided, checksummed path: operations whose landed bytes the driver is hashing
     /// (permit number, units they cover). Not writes, so no fence voids them: their bytes
     /// landed before the source heard its operation was done.
@@ -408,7 +407,6 @@ impl Source {
             done: false,
             drained: false,
             coverage: Coverage::default(),
-            pending: SmallVec::new(),
             checking: Vec::new(),
             success_pending: false,
         }
@@ -445,6 +443,7 @@ impl Endpoint {
         let hasher = FixedState::with_seed(seed.rotate_left(17) ^ 0x6b76_6665_7272_7900);
         let tombstones = Tombstones::new(config.tombstones as usize, hasher.clone());
         let nonces = Nonces::new(&local.token, seed, local.node.0, local.incarnation.0);
+        let local_copy = local.clone();
         Ok(Endpoint {
             config,
             local,
@@ -462,7 +461,7 @@ impl Endpoint {
             counters: Counters::default(),
             capacity: Capacity::default(),
             targets: Targets::new(hasher.clone()),
-            next_permit: 0,
+            grants: Arc::new(GrantTable::new(Arc::new(local_copy), hasher.clone())),
             successions: Successions::new(hasher.clone()),
             ended: EndedSessions::new(hasher.clone()),
             listener: Listener::default(),

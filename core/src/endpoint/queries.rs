@@ -7,12 +7,20 @@ use crate::counters::Counters;
 use crate::ids::{Generation, RoomId, SessionId};
 use crate::state::KvPoll;
 
-use super::Endpoint;
+use super::{Endpoint, GrantTable};
+use std::sync::Arc;
 
 impl Endpoint {
     /// This endpoint's identity.
     pub fn info(&self) -> &EndpointInfo {
         &self.local
+    }
+
+    /// Decode: the table of live rooms' grants, for a receive path to admit writes without
+    /// the driver's lock ([`GrantTable::begin`]); whatever it does not admit goes to
+    /// [`Endpoint::begin_write`].
+    pub fn grant_table(&self) -> Arc<GrantTable> {
+        self.grants.clone()
     }
 
     /// Whether this endpoint may accept connections on an address (`loopback` or not):

@@ -1,5 +1,6 @@
 //! Decode: receiver rooms, page grants, and what sources say about a room.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use smallvec::SmallVec;
@@ -14,6 +15,7 @@ use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::Timer;
 
 use super::coverage::Coverage;
+use super::grant_table::Granted;
 use super::room_table::Rooms;
 use super::{Endpoint, ReceiverRoom, Room, Side, Source};
 
@@ -486,10 +488,12 @@ impl Endpoint {
         let Side::Receiver(rr) = &mut r.side else {
             return;
         };
-        rr.pages = Some(PageSet::new(&grant.pages));
-        rr.aux_slot = grant.aux_slot;
-        rr.state_slot = grant.state_slot;
-        rr.extras = grant.extras.iter().map(|x| PageSet::new(x)).collect();
+        rr.granted = Arc::new(Granted {
+            pages: Some(PageSet::new(&grant.pages)),
+            aux_slot: grant.aux_slot,
+            state_slot: grant.state_slot,
+            extras: grant.extras.iter().map(|x| PageSet::new(x)).collect(),
+        });
         let mut targets: SmallVec<[(SessionId, bool); 2]> = SmallVec::new();
         for (i, src) in rr.sources.iter_mut().enumerate() {
             src.granted = true;
@@ -517,6 +521,16 @@ impl Endpoint {
             warn!(%room, gap = %gap, "the room's sources cannot fill it");
             self.conclude(now, room, KvPoll::Failed(FailureReason::IncompatiblePeer));
             return;
+        }
+        if let Side::Receiver(rr) = &r.side {
+            let writers = rr
+                .sources
+                .iter()
+                .filter(|s| s.granted && !s.idle)
+                .map(|s| s.session)
+                .collect();
+            self.grants
+                .open(room, generation, rr.granted.clone(), writers);
         }
         self.timers.cancel(&mut r.bootstrap_timer);
         r.last_activity = now;

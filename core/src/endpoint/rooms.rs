@@ -200,6 +200,7 @@ impl Endpoint {
         };
         r.state = state;
         let generation = r.generation;
+        self.grants.close(room);
         self.timers.cancel(&mut r.bootstrap_timer);
         self.timers.cancel(&mut r.waiting_timer);
         self.count_terminal(state);
@@ -209,6 +210,7 @@ impl Endpoint {
             _ => debug!(%room, "room succeeded"),
         }
         let failure = state.failure();
+        let landing = self.grants.landing(room);
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
         };
@@ -247,7 +249,7 @@ impl Endpoint {
             Side::Receiver(rr) => {
                 // A write still landing holds the pages whatever the outcome; the abort timer
                 // bounds how long (it fences the session).
-                let mut waiting = rr.sources.iter().any(|s| !s.pending.is_empty());
+                let mut waiting = landing > 0;
                 if let Some(reason) = failure {
                     for src in rr.sources.iter_mut() {
                         if src.done {
@@ -304,6 +306,7 @@ impl Endpoint {
             return;
         }
         let generation = r.generation;
+        let landing = self.grants.landing(room);
         let ready = match &mut r.side {
             Side::Sender(s) => {
                 if s.ops_in_flight > 0 {
@@ -321,10 +324,7 @@ impl Endpoint {
             }
             // A repeat of a landed write that arrives after this is answered from the
             // tombstone (`WriteRefused::AlreadyLanded`): it never writes the pages.
-            Side::Receiver(rr) => rr
-                .sources
-                .iter()
-                .all(|s| (s.drained || s.done) && s.pending.is_empty()),
+            Side::Receiver(rr) => rr.sources.iter().all(|s| s.drained || s.done) && landing == 0,
         };
         if !ready {
             return;
@@ -332,6 +332,7 @@ impl Endpoint {
         let Some(r) = self.rooms.remove(room, &mut self.timers) else {
             return;
         };
+        self.grants.remove(room);
         let peers: SmallVec<[PeerIdentity; 1]> = match &r.side {
             Side::Sender(s) => s.peers.iter().copied().collect(),
             Side::Receiver(_) => SmallVec::new(),

@@ -49,6 +49,7 @@ impl Endpoint {
                     for src in rr.sources.iter_mut().filter(|s| s.session == old) {
                         src.session = new;
                     }
+                    self.grants.move_writer(*room, old, new);
                     for l in rr.waiting_for.iter_mut() {
                         if *l == Link::Session(old) {
                             *l = Link::Session(new);
@@ -76,6 +77,7 @@ impl Endpoint {
         n.target = n.target.or(old_target);
         let inbound = n.inbound;
         self.sessions.set_node(node, new);
+        self.grants.supersede(old);
         // Whoever named the old session (an embedder's link, a target kept connected) now
         // names the new one: a target that still pointed at the old session would see it
         // close, dial again, and its fresh session would take this one over in turn.

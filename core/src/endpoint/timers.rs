@@ -170,12 +170,17 @@ impl Endpoint {
             return;
         }
         let Side::Receiver(rr) = &r.side else { return };
-        let undrained: SmallVec<[SessionId; 2]> = rr
+        let mut undrained: SmallVec<[SessionId; 2]> = rr
             .sources
             .iter()
-            .filter(|s| (s.granted && !s.drained && !s.done) || !s.pending.is_empty())
+            .filter(|s| s.granted && !s.drained && !s.done)
             .map(|s| s.session)
             .collect();
+        for sid in self.grants.landing_sessions(room) {
+            if !undrained.contains(&sid) {
+                undrained.push(sid);
+            }
+        }
         for sid in undrained {
             warn!(%room, session = %sid, "no drain acknowledgement in time, fencing the session");
             self.fence(sid);

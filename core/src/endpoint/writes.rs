@@ -12,6 +12,7 @@ use crate::ids::{Generation, RoomId, SessionId};
 use crate::layout::{ExtraPool, Region, Slice};
 use crate::state::{FailureReason, KvPoll};
 
+use super::grant_table::{granted_admits, in_region};
 use super::{Endpoint, Side, Source};
 
 impl Endpoint {
@@ -63,6 +64,23 @@ impl Endpoint {
         result
     }
 
+    /// Decode: whether the core would admit every slice of a write of `session` for
+    /// `(room, generation)` now, changing nothing (the check [`Endpoint::begin_write`] makes).
+    pub fn admits_write(
+        &self,
+        session: SessionId,
+        room: RoomId,
+        generation: Generation,
+        slices: &[Slice],
+    ) -> Result<(), WriteRefused> {
+        if self.successions.is_superseded(session) {
+            return Err(WriteRefused::SessionSuperseded);
+        }
+        slices
+            .iter()
+            .try_for_each(|s| self.check_write_inner(session, room, generation, s))
+    }
+
     /// Decode: authorizes one whole write (every slice, as [`Endpoint::check_write`]) and
     /// counts it as landing until [`Endpoint::end_write`]: the room's pages are not released
     /// while it is out. Drivers call this, not `check_write`, before applying a payload.
@@ -94,14 +112,18 @@ impl Endpoint {
         }
         let epoch = self.sessions.get(&session).map_or(0, |s| s.epoch);
         let holds_pages = slices.iter().any(|s| s.region != Region::Scratch);
-        self.next_permit += 1;
-        let seq = self.next_permit;
+        let seq = self.grants.next_seq();
         if holds_pages {
-            let units = self.write_units(room, session, slices);
-            if let Some(src) = self.source_mut(room, generation, session) {
-                match landing {
-                    Landing::Write => src.pending.push((seq, session, units)),
-                    Landing::Check => src.checking.push((seq, units)),
+            match landing {
+                Landing::Write => {
+                    self.counters.writes_admitted_locked += 1;
+                    self.grants.count(room, generation, session);
+                }
+                Landing::Check => {
+                    let units = self.write_units(room, session, slices);
+                    if let Some(src) = self.source_mut(room, generation, session) {
+                        src.checking.push((seq, units));
+                    }
                 }
             }
         }
@@ -116,9 +138,11 @@ impl Endpoint {
         })
     }
 
-    /// Decode: a write authorized by [`Endpoint::begin_write`] was applied or abandoned; its
-    /// room's pages may be released now. Void permits (older fence epoch) are ignored.
-    pub fn end_write(&mut self, now: Instant, permit: WritePermit) {
+    /// Decode: a write authorized by [`Endpoint::begin_write`] (or the
+    /// [`GrantTable`](super::GrantTable)) was applied or abandoned; its units count once
+    /// applied. `slices` are the write's own, as admitted (a one-sided check's permit,
+    /// [`Action::VerifyLanded`], needs none).
+    pub fn end_write(&mut self, now: Instant, permit: WritePermit, slices: &[Slice]) {
         let now = self.clock(now);
         let Some(room) = permit.room else { return };
         if self.end_check(now, room, permit) {
@@ -126,43 +150,50 @@ impl Endpoint {
         }
         let current = self.sessions.get(&permit.session).map(|s| s.epoch);
         if current != Some(permit.epoch) {
+            // Void: the session was fenced since, and its landing writes forgotten.
             return;
         }
-        // By permit number: the source may have moved to a session that took this one over.
-        let Some(Side::Receiver(rr)) = self
-            .rooms
-            .get_mut(&room)
-            .filter(|r| r.generation == permit.generation)
-            .map(|r| &mut r.side)
-        else {
-            return;
-        };
-        for src in rr.sources.iter_mut() {
-            if let Some(i) = src.pending.iter().position(|p| p.0 == permit.seq) {
-                let (_, _, units) = src.pending.swap_remove(i);
-                if permit.applied {
-                    for u in units {
-                        src.coverage.mark(u);
-                    }
-                }
-                break;
-            }
+        self.grants.end(room, permit.session);
+        if permit.applied {
+            self.counters.writes_applied += 1;
         }
         let live = self
             .rooms
             .get(&room)
-            .is_some_and(|r| !r.state.is_terminal());
+            .is_some_and(|r| r.generation == permit.generation && !r.state.is_terminal());
+        if permit.applied && live {
+            // The source may have moved to a session that took the writer's over.
+            if let Some(writer) = self.source_session_of(room, permit.session) {
+                let units = self.write_units(room, writer, slices);
+                if let Some(src) = self.source_mut(room, permit.generation, writer) {
+                    for u in units {
+                        src.coverage.mark(u);
+                    }
+                }
+            }
+        }
         if permit.corrupt && live {
             // The bytes that landed are not the sender's: the room's pages are garbage.
             warn!(%room, session = %permit.session, "a write's checksum did not match what its sender computed");
             self.conclude(now, room, KvPoll::Failed(FailureReason::ChecksumMismatch));
-        } else if permit.applied && live {
+        } else if live {
             self.settle_landed(now, room);
         }
 
         if self.rooms.get(&room).is_some_and(|r| r.state.is_terminal()) {
             self.maybe_release(now, room);
         }
+    }
+
+    /// Decode: the session that now writes `room` for what `session` wrote: itself, or the
+    /// session that took it over.
+    fn source_session_of(&self, room: RoomId, session: SessionId) -> Option<SessionId> {
+        let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else {
+            return None;
+        };
+        std::iter::once(session)
+            .chain(self.successions.successors(session))
+            .find(|s| rr.sources.iter().any(|src| src.session == *s))
     }
 
     /// Decode: a source on a session whose writes this node applies itself (TCP) is done
@@ -172,6 +203,7 @@ impl Endpoint {
     /// unseen; so does a source whose coverage says nothing (granted before its peer's
     /// layout was known).
     pub(super) fn settle_landed(&mut self, now: Instant, room: RoomId) {
+        let landing = self.grants.landing(room);
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
         };
@@ -190,7 +222,7 @@ impl Endpoint {
                 && !src.done
                 && src.coverage.expected() > 0
                 && src.coverage.complete()
-                && src.pending.is_empty()
+                && landing == 0
                 && src.checking.is_empty()
             {
                 src.done = true;
@@ -227,7 +259,7 @@ impl Endpoint {
             .get(&session)
             .and_then(|s| s.peer)
             .and_then(|p| self.local.heads.row_write(layout.page_bytes, &p.heads));
-        let rank = |p: u64| rr.pages.as_ref().and_then(|ps| ps.rank(p as u32));
+        let rank = |p: u64| rr.granted.pages.as_ref().and_then(|ps| ps.rank(p as u32));
         for s in slices.iter().flat_map(Slice::runs) {
             match s.region {
                 // A source holding other heads fills token rows (its part of each).
@@ -258,7 +290,7 @@ impl Endpoint {
                 }
                 Region::Extra { pool, tensor } => {
                     let item = ExtraPool::item_bytes_of(&self.local.extras, pool, tensor);
-                    let granted = rr.extras.get(usize::from(pool));
+                    let granted = rr.granted.extras.get(usize::from(pool));
                     if let (true, Some(granted)) = (item > 0, granted) {
                         let first = s.dst_offset / item;
                         for i in first..first + s.len / item {
@@ -299,18 +331,7 @@ impl Endpoint {
         generation: Generation,
         slice: &Slice,
     ) -> Result<(), WriteRefused> {
-        let layout = &self.local.layout;
-        let region_len = self
-            .local
-            .region_len(slice.region)
-            .ok_or(WriteRefused::UnknownRegion)?;
-        let end = slice.dst_end().ok_or(WriteRefused::BadRows)?;
-        if slice.rows > 1 && !matches!(slice.region, Region::Kv { .. }) {
-            return Err(WriteRefused::BadRows);
-        }
-        if end > region_len {
-            return Err(WriteRefused::OutOfRegion);
-        }
+        let end = in_region(&self.local, slice)?;
         if slice.region == Region::Scratch {
             return match self.sessions.get(&session).map(|s| s.state) {
                 Some(SessionState::Established | SessionState::Blacklisted) => Ok(()),
@@ -345,63 +366,8 @@ impl Endpoint {
         {
             return Err(WriteRefused::NotASource);
         }
-        match slice.region {
-            Region::Kv { layer, .. } => {
-                let peer = self.sessions.get(&session).and_then(|s| s.peer);
-                if peer.is_some_and(|p| layer < p.layer_start || layer >= p.layer_end) {
-                    return Err(WriteRefused::LayerNotOwned);
-                }
-                let rows =
-                    peer.and_then(|p| self.local.heads.row_write(layout.page_bytes, &p.heads));
-                if rows.is_some_and(|w| !w.admits_rows(slice)) {
-                    return Err(WriteRefused::HeadsNotShared);
-                }
-                let page = u64::from(layout.page_bytes);
-                let first = (slice.dst_offset / page) as u32;
-                let last = ((end - 1) / page) as u32;
-                let pages = rr.pages.as_ref().ok_or(WriteRefused::PageNotGranted)?;
-                if pages.contains_range(first, last) {
-                    Ok(())
-                } else {
-                    Err(WriteRefused::PageNotGranted)
-                }
-            }
-            Region::Aux | Region::State => {
-                let (slot, item) = if slice.region == Region::Aux {
-                    (rr.aux_slot, layout.aux_bytes)
-                } else {
-                    (rr.state_slot, layout.state_bytes)
-                };
-                let slot = slot.ok_or(WriteRefused::SlotNotGranted)?;
-                let start = u64::from(slot) * u64::from(item);
-                if slice.dst_offset >= start && end <= start + u64::from(item) {
-                    Ok(())
-                } else {
-                    Err(WriteRefused::SlotNotGranted)
-                }
-            }
-            Region::Extra { pool, tensor } => {
-                let item = ExtraPool::item_bytes_of(&self.local.extras, pool, tensor);
-                let granted = rr
-                    .extras
-                    .get(usize::from(pool))
-                    .ok_or(WriteRefused::ItemNotGranted)?;
-                let whole = item > 0 && slice.dst_offset % item == 0 && slice.len % item == 0;
-                let first = (slice.dst_offset / item.max(1)) as u32;
-                let last = ((end - 1) / item.max(1)) as u32;
-                let writes_extras = self
-                    .sessions
-                    .get(&session)
-                    .and_then(|s| s.peer)
-                    .map_or(true, |p| p.writes_aux);
-                if whole && writes_extras && granted.contains_range(first, last) {
-                    Ok(())
-                } else {
-                    Err(WriteRefused::ItemNotGranted)
-                }
-            }
-            Region::Scratch => Ok(()),
-        }
+        let peer = self.sessions.get(&session).and_then(|s| s.peer);
+        granted_admits(&self.local, &rr.granted, peer, slice, end)
     }
 
     /// A one-sided source's operation completed: its bytes are in decode's memory unseen.

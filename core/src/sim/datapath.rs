@@ -66,16 +66,36 @@ impl Sim {
         } else if self.rng.chance(self.faults.op_transient) {
             outcome = TransferOutcome::Transient;
         } else {
-            // The receiver validates the write header when the write starts; the permit
-            // holds the room's pages until the bytes landed.
+            // The receiver validates the write header when the write starts, as the drivers'
+            // receive paths do: the grant table first, the core for whatever it does not
+            // admit. The permit holds the room's pages until the bytes landed.
             let room = op.room.unwrap_or(RoomId(0));
-            match self.nodes[dst].endpoint.begin_write(
-                self.now,
-                dst_session,
-                room,
-                op.generation,
-                &op.slices,
-            ) {
+            let ep = &mut self.nodes[dst].endpoint;
+            let verdict = ep.admits_write(dst_session, room, op.generation, &op.slices);
+            let fast = ep
+                .grant_table()
+                .begin(dst_session, room, op.generation, &op.slices);
+            let probe = op.slices.iter().any(|s| s.region == Region::Scratch);
+            match (&fast, verdict) {
+                (Some(_), Err(refused)) => self.violations.push(format!(
+                    "the grant table admitted a write of {room} the core refuses ({refused:?})"
+                )),
+                (None, Ok(())) if !probe => self.violations.push(format!(
+                    "the grant table sent a write of {room} the core admits to the core"
+                )),
+                _ => {}
+            }
+            let begun = match fast {
+                Some(p) => Ok(p),
+                None => self.nodes[dst].endpoint.begin_write(
+                    self.now,
+                    dst_session,
+                    room,
+                    op.generation,
+                    &op.slices,
+                ),
+            };
+            match begun {
                 Ok(p) => permit = Some(p),
                 Err(_) => outcome = TransferOutcome::Refused,
             }
@@ -130,7 +150,9 @@ impl Sim {
     pub(super) fn end_write(&mut self, f: &InFlight, landed: bool) {
         if let Some(permit) = f.permit {
             let permit = if landed { permit.applied() } else { permit };
-            self.nodes[f.dst].endpoint.end_write(self.now, permit);
+            self.nodes[f.dst]
+                .endpoint
+                .end_write(self.now, permit, &f.op.slices);
             self.drain(f.dst);
         }
     }

@@ -554,7 +554,7 @@ impl Sim {
                     // No simulated path is one-sided, so no source sends operation checksums;
                     // a permit that came anyway is handed back unapplied.
                     Action::VerifyLanded { permit, .. } => {
-                        self.nodes[n].endpoint.end_write(self.now, permit)
+                        self.nodes[n].endpoint.end_write(self.now, permit, &[])
                     }
                     // Simulated memory needs no flush: carried out at once.
                     Action::FlushLanded { room, generation } => {

@@ -44,7 +44,8 @@ pub struct BenchResult {
 
 /// The receiver's admission: the drivers' own [`CoreCheck`] over a decode endpoint that
 /// completed a handshake and holds room 1 with every page granted, behind a lock; every write
-/// takes a permit (`begin_write`, all slices checked) and hands it back.
+/// takes a permit from its grant table (all slices checked, without the lock) and hands it
+/// back under the lock.
 pub type BenchCheck = CoreCheck<LockedEndpoint>;
 
 /// The bench's endpoint behind a lock (nothing to drain: no session sends anything).
@@ -108,10 +109,7 @@ pub fn bench_check(layout: Layout) -> std::io::Result<BenchCheck> {
     };
     d.open_receiver(now, RoomId(1), 0, &[sd], Some(grant))
         .map_err(|e| invalid(e.to_string()))?;
-    Ok(CoreCheck {
-        access: LockedEndpoint(std::sync::Mutex::new(d)),
-        session: sd,
-    })
+    Ok(CoreCheck::new(LockedEndpoint(std::sync::Mutex::new(d)), sd))
 }
 
 /// Operation `id` of the bench's one room: `slices` of its KV, as the core would plan it.
@@ -586,8 +584,9 @@ mod tests {
     fn the_bench_admits_writes_through_a_real_core_and_refuses_others() {
         let check = bench_check(flat_layout(4096, 16)).unwrap();
         let slice = |off: u64, len: u64| Slice::run(Region::Kv { layer: 0, plane: 0 }, 0, off, len);
-        let permit = check.begin(RoomId(1), 0, &[slice(0, 16 * 4096)]).unwrap();
-        check.end(permit);
+        let whole = [slice(0, 16 * 4096)];
+        let permit = check.begin(RoomId(1), 0, &whole).unwrap();
+        check.end(permit, &whole);
         assert_eq!(
             check.begin(RoomId(2), 0, &[slice(0, 4096)]),
             Err(WriteRefused::UnknownRoom)

@@ -184,6 +184,22 @@ pub(super) async fn a_peer_connected_twice_serves_rooms_on_both_handles(p: Runti
     assert_all_clean(&run_decode(&decode, kept, rooms(10, 200)).await, 10);
 }
 
+/// The decode's receive paths admit a clean room's writes against the core's grant table,
+/// without the driver's lock: every write applied, none left to the core.
+pub(super) async fn a_clean_rooms_writes_are_admitted_without_the_drivers_lock(
+    p: Runtime,
+    d: Runtime,
+) {
+    let shape = small_shape();
+    let (_prefill, addrs, _server) = prefill_on(p, &shape, fast_core(), 131, any_port()).await;
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 132);
+    let peer = decode.connect(addrs).await.unwrap();
+    assert_all_clean(&run_decode(&decode, peer, rooms(20, 1)).await, 20);
+    let c = decode.counters().await;
+    assert!(c.writes_applied >= 20, "{c:?}");
+    assert_eq!(c.writes_admitted_locked, 0, "{c:?}");
+}
+
 /// Established sessions of `node` (those whose data path is chosen).
 pub(super) async fn sessions_of(node: &impl KvNode) -> usize {
     node.data_paths().await.len()
