@@ -665,7 +665,8 @@ pub struct WritePermit {
     pub generation: Generation,
     /// The session's fence epoch when the permit was given (older permits are void).
     pub epoch: u32,
-    /// Which write of the session this is: the core keeps what it covers under this number.
+    /// Which permit this is, numbered once for every write and check of the endpoint (a
+    /// one-sided check's units are kept under it).
     pub seq: u64,
     /// Set by the receive path once every byte was applied ([`WritePermit::applied`]);
     /// a permit handed back without it was abandoned and lands nothing.

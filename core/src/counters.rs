@@ -49,8 +49,9 @@ pub struct Counters {
     pub landed_checks_passed: u64,
     /// Decode: writes whose every byte was applied into a room's pages.
     pub writes_applied: u64,
-    /// Decode: writes into a room's pages that the grant table left to the core, admitted
-    /// under the driver's lock (a session or room the table was not told of yet).
+    /// Decode: writes into a room's pages that the grant table left to the core and the
+    /// core admitted under the driver's lock (a write that also probes, or one the table
+    /// was not told of: never a clean room's).
     pub writes_admitted_locked: u64,
     /// Rooms that reached Success.
     pub rooms_succeeded: u64,

@@ -5,13 +5,21 @@
 //! generation is live with its grant applied, and only from the sessions of its granted,
 //! non-idle sources; a session admits only from its handshake until it is taken over or
 //! closed, with the fence epoch the core holds; every permit for a room's pages is counted
-//! here from its admission until it ends (under its epoch) or the core voids its session's
-//! writes, and the core releases a room only once nothing of it is counted. Whatever the table
+//! here, under its session and the epoch it was admitted in, from its admission until it
+//! ends or the core voids that session's writes of earlier epochs (a fence: nothing of them
+//! can land any more), and the core releases a room only once nothing of it is counted. Whatever the table
 //! does not admit goes to the core, which decides it with its whole state: the table may send
 //! a write there that the core admits, never admit one the core would refuse.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+// loom's lock under `cfg(loom)`, so the models of a receive path racing the core see every
+// interleaving at this lock too.
+#[cfg(loom)]
+use loom::sync::{Mutex, MutexGuard};
+#[cfg(not(loom))]
+use std::sync::{Mutex, MutexGuard};
 
 use foldhash::fast::FixedState;
 use smallvec::SmallVec;
@@ -137,8 +145,8 @@ struct RoomGrant {
     granted: Arc<Granted>,
     /// The sessions of its granted, non-idle sources.
     writers: SmallVec<[SessionId; 2]>,
-    /// Writes begun and not ended, by writing session.
-    landing: SmallVec<[(SessionId, u32); 2]>,
+    /// Writes begun and not ended: (writing session, its epoch then, how many).
+    landing: SmallVec<[(SessionId, u32, u32); 2]>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -195,7 +203,7 @@ impl GrantTable {
         let holds_pages = !slices.is_empty();
         let seq = t.next_seq();
         if holds_pages {
-            t.count(room, generation, session);
+            t.count(room, generation, session, writer.epoch);
         }
         Some(WritePermit {
             session,
@@ -213,35 +221,53 @@ impl GrantTable {
         self.table().next_seq()
     }
 
-    /// Counts a write the core admitted for `room`'s pages as landing.
-    pub(crate) fn count(&self, room: RoomId, generation: Generation, session: SessionId) {
-        self.table().count(room, generation, session);
+    /// Counts a write the core admitted for `room`'s pages as landing, under `session`'s
+    /// `epoch`.
+    pub(crate) fn count(
+        &self,
+        room: RoomId,
+        generation: Generation,
+        session: SessionId,
+        epoch: u32,
+    ) {
+        self.table().count(room, generation, session, epoch);
     }
 
-    /// A write of `session` counted for `room` ended.
-    pub(crate) fn end(&self, room: RoomId, session: SessionId) {
+    /// The write `permit` names, counted for its room, ended.
+    pub(crate) fn end(&self, permit: &WritePermit) {
         let mut t = self.table();
-        let Some(r) = t.rooms.get_mut(&room) else {
+        let Some(r) = permit
+            .room
+            .and_then(|room| t.rooms.get_mut(&room))
+            .filter(|r| r.generation == permit.generation)
+        else {
             return;
         };
-        if let Some(i) = r.landing.iter().position(|(s, _)| *s == session) {
-            r.landing[i].1 -= 1;
-            if r.landing[i].1 == 0 {
+        let counted =
+            |(s, e, _): &(SessionId, u32, u32)| *s == permit.session && *e == permit.epoch;
+        if let Some(i) = r.landing.iter().position(counted) {
+            r.landing[i].2 -= 1;
+            if r.landing[i].2 == 0 {
                 r.landing.swap_remove(i);
             }
         }
     }
 
-    /// Forgets the writes of `session` still counted in `room`, which can no longer land;
-    /// `true` if there were any.
-    pub(crate) fn void(&self, room: RoomId, session: SessionId) -> bool {
+    /// Forgets the writes of `session` counted as landing in any room, but those of epoch
+    /// `keep`: they can no longer land (a fence stopped them, or the session's writer gave
+    /// up). Returns the rooms where some were forgotten.
+    pub(crate) fn void(&self, session: SessionId, keep: Option<u32>) -> Vec<RoomId> {
         let mut t = self.table();
-        let Some(r) = t.rooms.get_mut(&room) else {
-            return false;
-        };
-        let before = r.landing.len();
-        r.landing.retain(|(s, _)| *s != session);
-        r.landing.len() != before
+        let mut touched = Vec::new();
+        for (&room, r) in t.rooms.iter_mut() {
+            let before = r.landing.len();
+            r.landing
+                .retain(|(s, e, _)| *s != session || Some(*e) == keep);
+            if r.landing.len() != before {
+                touched.push(room);
+            }
+        }
+        touched
     }
 
     /// Writes counted as landing in `room`.
@@ -249,16 +275,20 @@ impl GrantTable {
         self.table()
             .rooms
             .get(&room)
-            .map_or(0, |r| r.landing.iter().map(|(_, n)| n).sum())
+            .map_or(0, |r| r.landing.iter().map(|(_, _, n)| n).sum())
     }
 
     /// The sessions with writes counted as landing in `room`.
     pub(crate) fn landing_sessions(&self, room: RoomId) -> SmallVec<[SessionId; 2]> {
-        self.table()
-            .rooms
-            .get(&room)
-            .map(|r| r.landing.iter().map(|(s, _)| *s).collect())
-            .unwrap_or_default()
+        let mut sessions: SmallVec<[SessionId; 2]> = SmallVec::new();
+        if let Some(r) = self.table().rooms.get(&room) {
+            for (s, _, _) in &r.landing {
+                if !sessions.contains(s) {
+                    sessions.push(*s);
+                }
+            }
+        }
+        sessions
     }
 
     /// `room`'s grant was applied: its writers may write what `granted` holds.
@@ -347,7 +377,7 @@ impl Table {
         self.next_permit
     }
 
-    fn count(&mut self, room: RoomId, generation: Generation, session: SessionId) {
+    fn count(&mut self, room: RoomId, generation: Generation, session: SessionId, epoch: u32) {
         // A write the core admitted is counted even where no grant was published: the core
         // must not release the room's pages while it lands.
         let r = self.rooms.entry(room).or_insert_with(|| RoomGrant {
@@ -357,9 +387,13 @@ impl Table {
             writers: SmallVec::new(),
             landing: SmallVec::new(),
         });
-        match r.landing.iter_mut().find(|(s, _)| *s == session) {
-            Some((_, n)) => *n += 1,
-            None => r.landing.push((session, 1)),
+        match r
+            .landing
+            .iter_mut()
+            .find(|(s, e, _)| *s == session && *e == epoch)
+        {
+            Some((_, _, n)) => *n += 1,
+            None => r.landing.push((session, epoch, 1)),
         }
     }
 }
@@ -454,7 +488,7 @@ mod tests {
         t.close(ROOM);
         assert!(t.begin(S1, ROOM, 0, &[page(3)]).is_none());
         assert_eq!(t.landing(ROOM), 1);
-        t.end(ROOM, permit.session);
+        t.end(&permit);
         assert_eq!(t.landing(ROOM), 0);
     }
 
@@ -473,11 +507,39 @@ mod tests {
         let t = table();
         open_room(&t);
         let _landing = t.begin(S1, ROOM, 0, &[page(2)]).unwrap();
-        t.count(ROOM, 0, S2);
-        assert!(t.void(ROOM, S1));
-        assert!(!t.void(ROOM, S1), "nothing left to void");
+        t.count(ROOM, 0, S2, 0);
+        assert_eq!(t.void(S1, None), vec![ROOM]);
+        assert!(t.void(S1, None).is_empty(), "nothing left to void");
         assert_eq!(t.landing(ROOM), 1);
         assert_eq!(t.landing_sessions(ROOM).as_slice(), &[S2]);
+    }
+
+    #[test]
+    fn a_fence_voids_the_writes_before_it_and_keeps_those_admitted_since() {
+        let t = table();
+        open_room(&t);
+        let before = t.begin(S1, ROOM, 0, &[page(2)]).unwrap();
+        t.set_epoch(S1, 1);
+        // A data connection attached while the fence ran writes under the new epoch.
+        let since = t.begin(S1, ROOM, 0, &[page(3)]).unwrap();
+        assert_eq!(t.void(S1, Some(1)), vec![ROOM]);
+        assert_eq!(t.landing(ROOM), 1, "the write since the fence still lands");
+        t.end(&before);
+        assert_eq!(t.landing(ROOM), 1, "a void permit's end changes nothing");
+        t.end(&since);
+        assert_eq!(t.landing(ROOM), 0);
+    }
+
+    #[test]
+    fn an_end_for_another_generation_of_the_room_changes_nothing() {
+        let t = table();
+        open_room(&t);
+        let permit = t.begin(S1, ROOM, 0, &[page(2)]).unwrap();
+        t.end(&WritePermit {
+            generation: 1,
+            ..permit
+        });
+        assert_eq!(t.landing(ROOM), 1);
     }
 
     #[test]
@@ -508,7 +570,7 @@ mod tests {
     #[test]
     fn a_write_the_core_admits_where_nothing_was_published_is_counted_all_the_same() {
         let t = table();
-        t.count(RoomId(9), 0, S1);
+        t.count(RoomId(9), 0, S1, 0);
         assert_eq!(t.landing(RoomId(9)), 1);
         assert!(t.begin(S1, RoomId(9), 0, &[page(2)]).is_none());
     }

@@ -467,11 +467,13 @@ impl Endpoint {
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
-        // Nothing written before the fence can land any more: its permits are void.
+        // Nothing written before the fence can land any more: its permits are void. A data
+        // connection attached since writes under the new epoch, and its writes stay counted.
         s.epoch = s.epoch.wrapping_add(1);
-        self.grants.set_epoch(sid, s.epoch);
+        let epoch = s.epoch;
+        self.grants.set_epoch(sid, epoch);
         let rooms = self.rooms_written_by(sid);
-        self.sources_drained(now, sid, rooms);
+        self.sources_drained(now, sid, rooms, Some(epoch));
     }
 
     /// Every room `sid` may have written: its own, and those fresh sessions took over from it.
@@ -490,8 +492,22 @@ impl Endpoint {
         rooms
     }
 
-    /// Decode: `sid` can write none of `rooms` any more: its sources there count as drained.
-    pub(super) fn sources_drained(&mut self, now: Instant, sid: SessionId, rooms: Vec<RoomId>) {
+    /// Decode: `sid` can write none of `rooms` any more (but, where `keep` names its
+    /// current epoch, what it writes from now on): its sources there count as drained, and
+    /// its writes still counted as landing anywhere are forgotten.
+    pub(super) fn sources_drained(
+        &mut self,
+        now: Instant,
+        sid: SessionId,
+        mut rooms: Vec<RoomId>,
+        keep: Option<u32>,
+    ) {
+        let voided = self.grants.void(sid, keep);
+        for room in &voided {
+            if !rooms.contains(room) {
+                rooms.push(*room);
+            }
+        }
         for room in rooms {
             let Some(r) = self.rooms.get_mut(&room) else {
                 continue;
@@ -499,7 +515,7 @@ impl Endpoint {
             let terminal = r.state.is_terminal();
             let mut touched = !matches!(r.side, Side::Receiver(_));
             if let Side::Receiver(rr) = &mut r.side {
-                touched |= self.grants.void(room, sid);
+                touched |= voided.contains(&room);
                 for src in rr.sources.iter_mut() {
                     if src.session == sid {
                         touched = true;
@@ -511,6 +527,9 @@ impl Endpoint {
             }
             if terminal && touched {
                 self.maybe_release(now, room);
+            } else if voided.contains(&room) {
+                // A source waiting only for those writes is done now.
+                self.settle_landed(now, room);
             }
         }
     }

@@ -205,7 +205,7 @@ impl Endpoint {
         if let Some(mut q) = self.writer_quarantines.remove(&session) {
             self.timers.cancel(&mut q.timer);
             debug!(%session, rooms = q.rooms.len(), "the writer exited: its rooms' pages go back");
-            self.sources_drained(now, session, q.rooms);
+            self.sources_drained(now, session, q.rooms, None);
         }
     }
 

@@ -72,7 +72,7 @@ impl Endpoint {
                 }
                 if let Some(q) = self.writer_quarantines.remove(&sid) {
                     debug!(session = %sid, "the writer's liveness window passed: its rooms' pages go back");
-                    self.sources_drained(now, sid, q.rooms);
+                    self.sources_drained(now, sid, q.rooms, None);
                 }
             }
             Timer::Fence(sid) => self.on_fence_timer(now, sid, key),

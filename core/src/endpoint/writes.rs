@@ -95,9 +95,9 @@ impl Endpoint {
         self.admit(now, session, room, generation, slices, Landing::Write)
     }
 
-    /// Checks every slice, numbers a permit and records the units it covers with its source:
-    /// as a write that may be landing (which a fence of its session voids), or as a check of bytes that
-    /// already landed.
+    /// Checks every slice and numbers a permit: a write that may be landing is counted in the
+    /// grant table (a fence of its session voids it; its units are counted when it ends), a
+    /// check of bytes that already landed records the units it covers with its source.
     fn admit(
         &mut self,
         now: Instant,
@@ -117,7 +117,7 @@ impl Endpoint {
             match landing {
                 Landing::Write => {
                     self.counters.writes_admitted_locked += 1;
-                    self.grants.count(room, generation, session);
+                    self.grants.count(room, generation, session, epoch);
                 }
                 Landing::Check => {
                     let units = self.write_units(room, session, slices);
@@ -153,7 +153,7 @@ impl Endpoint {
             // Void: the session was fenced since, and its landing writes forgotten.
             return;
         }
-        self.grants.end(room, permit.session);
+        self.grants.end(&permit);
         if permit.applied {
             self.counters.writes_applied += 1;
         }
@@ -186,13 +186,14 @@ impl Endpoint {
     }
 
     /// Decode: the session that now writes `room` for what `session` wrote: itself, or the
-    /// session that took it over.
+    /// live session that carries its work (through any number of take-overs, whether the
+    /// sessions between are still connected or not).
     fn source_session_of(&self, room: RoomId, session: SessionId) -> Option<SessionId> {
         let Some(Side::Receiver(rr)) = self.rooms.get(&room).map(|r| &r.side) else {
             return None;
         };
-        std::iter::once(session)
-            .chain(self.successions.successors(session))
+        [session, self.successions.heir(session)]
+            .into_iter()
             .find(|s| rr.sources.iter().any(|src| src.session == *s))
     }
 
