@@ -185,24 +185,13 @@ impl CmaTarget {
         Ok(total)
     }
 
-    /// One thread's share: calls of at most [`IOV_MAX`] iovecs each, in order.
+    /// One thread's share: calls of at most [`IOV_MAX`] iovecs a side each, in order.
     fn copy(&self, runs: &[Run]) -> Result<(), CmaError> {
-        for batch in runs.chunks(IOV_MAX) {
-            let local: Vec<libc::iovec> = batch
-                .iter()
-                .map(|r| libc::iovec {
-                    iov_base: r.src as *mut libc::c_void,
-                    iov_len: r.len,
-                })
-                .collect();
-            let remote: Vec<libc::iovec> = batch
-                .iter()
-                .map(|r| libc::iovec {
-                    iov_base: r.dst as *mut libc::c_void,
-                    iov_len: r.len,
-                })
-                .collect();
-            let want: usize = batch.iter().map(|r| r.len).sum();
+        let mut rest = runs;
+        while !rest.is_empty() {
+            let (local, remote, taken) = iovecs(rest);
+            rest = &rest[taken..];
+            let want: usize = local.iter().map(|v| v.iov_len).sum();
             // SAFETY: every local iovec lies inside `memory`'s host regions (bounds-checked by
             // `host_range`), which outlive the call (the caller holds the map across
             // `write`, whose threads end before it returns), and the caller owns those pages
@@ -241,6 +230,40 @@ struct Run {
     src: usize,
     dst: usize,
     len: usize,
+}
+
+/// The iovecs of one call from the first runs of `runs`: each side's ranges merged where they
+/// touch on that side alone (the kernel pins the receiver's pages once per remote iovec, so
+/// rows that are apart in one process but touch in the other cost one pin, not one a row),
+/// at most [`IOV_MAX`] a side; and how many runs they cover (at least one).
+fn iovecs(runs: &[Run]) -> (Vec<libc::iovec>, Vec<libc::iovec>, usize) {
+    let (mut local, mut remote) = (Vec::<libc::iovec>::new(), Vec::<libc::iovec>::new());
+    let mut taken = 0;
+    for r in runs {
+        let joins = |v: &[libc::iovec], at: usize| {
+            v.last()
+                .is_some_and(|l| l.iov_base as usize + l.iov_len == at)
+        };
+        let (src_joins, dst_joins) = (joins(&local, r.src), joins(&remote, r.dst));
+        let full = |v: &Vec<libc::iovec>, joins: bool| !joins && v.len() == IOV_MAX;
+        if full(&local, src_joins) || full(&remote, dst_joins) {
+            break;
+        }
+        for (v, at, joins) in [
+            (&mut local, r.src, src_joins),
+            (&mut remote, r.dst, dst_joins),
+        ] {
+            match v.last_mut() {
+                Some(l) if joins => l.iov_len += r.len,
+                _ => v.push(libc::iovec {
+                    iov_base: at as *mut libc::c_void,
+                    iov_len: r.len,
+                }),
+            }
+        }
+        taken += 1;
+    }
+    (local, remote, taken)
 }
 
 /// How many threads an operation of `bytes` is copied on.
@@ -355,6 +378,47 @@ mod tests {
             want[at..at + 100].copy_from_slice(&s);
         }
         assert_eq!(read(&dst, region, 0, 8 * 4096), want);
+    }
+
+    #[test]
+    fn rows_apart_on_one_side_and_touching_on_the_other_are_one_iovec_on_the_other() {
+        // A decode rank's own half of every prefill row: 1 KiB apart every 2 KiB at the
+        // source, side by side at the destination.
+        let runs: Vec<Run> = (0..8)
+            .map(|i| Run {
+                src: 0x10000 + i * 2048,
+                dst: 0x90000 + i * 1024,
+                len: 1024,
+            })
+            .collect();
+        let (local, remote, taken) = iovecs(&runs);
+        assert_eq!((local.len(), remote.len(), taken), (8, 1, 8));
+        assert_eq!(remote[0].iov_len, 8 * 1024);
+        let (local, remote, _) = iovecs(
+            &runs
+                .iter()
+                .map(|r| Run {
+                    src: r.dst,
+                    dst: r.src,
+                    len: r.len,
+                })
+                .collect::<Vec<_>>(),
+        );
+        assert_eq!((local.len(), remote.len()), (1, 8));
+    }
+
+    #[test]
+    fn a_call_takes_at_most_the_iovec_limit_on_either_side() {
+        let runs: Vec<Run> = (0..IOV_MAX + 5)
+            .map(|i| Run {
+                src: 0x10000 + i * 64,
+                dst: 0x90000 + i * 32,
+                len: 32,
+            })
+            .collect();
+        let (local, remote, taken) = iovecs(&runs);
+        assert_eq!((local.len(), remote.len(), taken), (IOV_MAX, 1, IOV_MAX));
+        assert_eq!(iovecs(&runs[taken..]).2, 5);
     }
 
     #[test]
