@@ -19,6 +19,6 @@ mod copy;
 mod host;
 mod message;
 
-pub use copy::{CmaError, CmaTarget, COPY_THREADS, IOV_MAX};
+pub use copy::{pins_every_row, CmaError, CmaTarget, COPY_THREADS, IOV_MAX, ROW_PIN_MIN};
 pub use host::{HostIdentity, PtracePolicy, PtraceScope};
 pub use message::{CmaMessage, CmaRegion, Decline, DeviceRegion, MessageError, Offer, Open, TAG};

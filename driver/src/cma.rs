@@ -607,6 +607,7 @@ fn on_open<H: Host>(driver: &mut Driver<H>, sid: SessionId, open: Open) {
         host,
         device,
         engine: plane.engine(),
+        rows_by_tcp_said: Default::default(),
     };
     if let Some(s) = state(driver, sid) {
         *s = Some(SessionCma::Writing(Arc::new(target)));
@@ -650,6 +651,18 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
         Some(SessionCma::Writing(t)) => t.clone(),
         _ => return Some(op),
     };
+    if plane.mode == SameHost::Auto {
+        if let Some(slice) = target.slow_rows(&op.slices) {
+            // The session's TCP data connections carry it: same bytes, no page pin a row.
+            if !target
+                .rows_by_tcp_said
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                info!(session = %op.session, row_bytes = slice.len, stride = slice.dst_stride, "rows apart in the decode's memory go over TCP: cross-memory attach would pin a page for every row");
+            }
+            return Some(op);
+        }
+    }
     let memory = plane.memory();
     let checksum = if op.checksum && op.room.is_some() {
         memory.checksum(&op.slices, SliceSide::Source).ok()

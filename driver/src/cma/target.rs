@@ -20,6 +20,8 @@ pub struct SameHostTarget {
     pub(super) host: CmaTarget,
     pub(super) device: Vec<DeviceTarget>,
     pub(super) engine: Option<Arc<dyn CopyEngine>>,
+    /// The session said once that its short rows go over TCP.
+    pub(super) rows_by_tcp_said: std::sync::atomic::AtomicBool,
 }
 
 /// Why a copy into the receiver did not complete.
@@ -38,6 +40,16 @@ impl std::fmt::Display for CopyFailure {
 }
 
 impl SameHostTarget {
+    /// The first slice of `slices` whose rows land apart in the receiver's host memory and
+    /// are too short to copy well by cross-memory attach ([`kvferry_cma::pins_every_row`]);
+    /// device regions' rows go by the copy engine, which has no such cost.
+    pub(super) fn slow_rows<'a>(&self, slices: &'a [Slice]) -> Option<&'a Slice> {
+        slices.iter().find(|s| {
+            let code = s.region.code();
+            kvferry_cma::pins_every_row(s) && !self.device.iter().any(|d| d.region == code)
+        })
+    }
+
     /// Copies every row of `slices` into the receiver: device regions' rows by the copy
     /// engine, the rest by cross-memory attach. Nothing is copied if a device row leaves its
     /// region; when it returns, every byte landed.

@@ -185,7 +185,8 @@ pub(super) async fn a_peer_connected_twice_serves_rooms_on_both_handles(p: Runti
 }
 
 /// The decode's receive paths admit a clean room's writes against the core's grant table,
-/// without the driver's lock: every write applied, none left to the core.
+/// without the driver's lock: none left to the core, and over TCP (where this node applies
+/// the writes itself) every write applied.
 pub(super) async fn a_clean_rooms_writes_are_admitted_without_the_drivers_lock(
     p: Runtime,
     d: Runtime,
@@ -196,8 +197,10 @@ pub(super) async fn a_clean_rooms_writes_are_admitted_without_the_drivers_lock(
     let peer = decode.connect(addrs).await.unwrap();
     assert_all_clean(&run_decode(&decode, peer, rooms(20, 1)).await, 20);
     let c = decode.counters().await;
-    assert!(c.writes_applied >= 20, "{c:?}");
     assert_eq!(c.writes_admitted_locked, 0, "{c:?}");
+    if kvferry_testkit::path_label(&decode).await == "tcp" {
+        assert!(c.writes_applied >= 20, "{c:?}");
+    }
 }
 
 /// Established sessions of `node` (those whose data path is chosen).
