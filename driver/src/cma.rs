@@ -640,16 +640,26 @@ fn on_accept<H: Host>(driver: &mut Driver<H>, sid: SessionId) {
     }
 }
 
+/// Where an operation goes once the same-host plane has seen it.
+pub(crate) enum Posted {
+    /// Copied (or settled) here.
+    Done,
+    /// Not a same-host session's: the other planes take it.
+    Elsewhere(TransferOp),
+    /// A same-host session's operation that its TCP data connections carry.
+    OverTcp(TransferOp),
+}
+
 /// Copies `op` into the receiver when its session takes the same-host path; gives it back
 /// otherwise.
-pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<TransferOp> {
+pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Posted {
     let Some(plane) = plane(driver) else {
-        return Some(op);
+        return Posted::Elsewhere(op);
     };
     let faults = driver.faults();
     let target = match driver.session_io(op.session).and_then(|io| io.cma.as_ref()) {
         Some(SessionCma::Writing(t)) => t.clone(),
-        _ => return Some(op),
+        _ => return Posted::Elsewhere(op),
     };
     if plane.mode == SameHost::Auto {
         if let Some(slice) = target.slow_rows(&op.slices) {
@@ -660,7 +670,7 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
             {
                 info!(session = %op.session, row_bytes = slice.len, stride = slice.dst_stride, "rows apart in the decode's memory go over TCP: cross-memory attach would pin a page for every row");
             }
-            return Some(op);
+            return Posted::OverTcp(op);
         }
     }
     let memory = plane.memory();
@@ -679,14 +689,14 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
         driver
             .endpoint_mut()
             .handle_transfer_result(now, op.id, TransferOutcome::Transient);
-        return None;
+        return Posted::Done;
     }
     if hit == Some(FaultKind::Break) {
         // Injected (demos and tests): the copy fails as a broken connection would.
         driver
             .endpoint_mut()
             .handle_transfer_result(now, op.id, TransferOutcome::Transient);
-        return None;
+        return Posted::Done;
     }
     let flipped = hit == Some(FaultKind::FlipBit) && flip_first_source_bit(memory, &op.slices);
     if flipped {
@@ -732,7 +742,7 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Option<Tr
     driver
         .endpoint_mut()
         .handle_transfer_result(now, op.id, outcome);
-    None
+    Posted::Done
 }
 
 /// Receiver: the core's fence of `sid`, whose writer copies into this process: ask the

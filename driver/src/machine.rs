@@ -317,15 +317,14 @@ impl<H: Host> Driver<H> {
             let now = Instant::now();
             while let Some(op) = self.endpoint.poll_transfer(now) {
                 progressed = true;
-                let Some(op) = crate::cma::post(self, op) else {
-                    budget -= 1;
-                    if budget == 0 {
-                        return true;
+                match crate::cma::post(self, op) {
+                    crate::cma::Posted::Done => {}
+                    crate::cma::Posted::OverTcp(op) => self.dispatch(now, op),
+                    crate::cma::Posted::Elsewhere(op) => {
+                        if let Some(op) = plane::post(self, op) {
+                            self.dispatch(now, op);
+                        }
                     }
-                    continue;
-                };
-                if let Some(op) = plane::post(self, op) {
-                    self.dispatch(now, op);
                 }
                 budget -= 1;
                 if budget == 0 {

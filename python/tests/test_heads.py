@@ -1,7 +1,9 @@
-"""Prefill and decode at different attention TP sizes on one host: a decode rank receives its
-KV heads from two prefill ranks (each writes its half of every token row), every byte checked.
-Over the same-host path, rows that lie apart in the decode's pages and are too short to copy
-well by cross-memory attach go over the session's TCP connections instead."""
+"""Prefill and decode at different attention TP sizes on one host, every byte checked: a
+decode rank receives its KV heads from two prefill ranks (each writes its half of every token
+row), and two decode ranks each receive their half of one prefill rank's rows. Over the
+same-host path, rows that lie apart in the decode's pages and are too short to copy well by
+cross-memory attach go over the session's TCP connections instead; rows side by side in the
+decode's pages are copied."""
 
 import threading
 import time
@@ -13,6 +15,9 @@ from kvferry import KVPoll
 
 LAYERS, HEADS, HEAD_BYTES, PAGE_TOKENS, PAGES = 2, 8, 256, 16, 8
 TOKEN = b"pytest-heads"
+ROOMS = {1: [4, 5, 6, 7], 2: [0, 1, 2, 3]}
+# The prefill ranks' pools, alive as long as their nodes may read them.
+prefills_keep = []
 
 
 def pool(tp, rank, fill):
@@ -23,13 +28,20 @@ def pool(tp, rank, fill):
     layout = dict(layers=LAYERS, planes=2, page_bytes=PAGE_TOKENS * per * HEAD_BYTES, pages=PAGES)
     kv = np.zeros((2 * LAYERS, PAGES, PAGE_TOKENS, per, HEAD_BYTES), np.uint8)
     if fill:
-        h = np.arange(heads[1], heads[1] + per).reshape(1, 1, 1, -1, 1)
-        r = np.arange(2 * LAYERS).reshape(-1, 1, 1, 1, 1)
-        pg = np.arange(PAGES).reshape(1, -1, 1, 1, 1)
-        t = np.arange(PAGE_TOKENS).reshape(1, 1, -1, 1, 1)
-        kv[:] = (r * 7 + pg * 3 + h * 11 + t * 5) % 251
+        kv[:] = expected(heads[1], per)
     spans = [(kv[i].ctypes.data, kv[i].nbytes) for i in range(kv.shape[0])]
     return kv, heads, layout, spans
+
+
+def expected(first, count):
+    """What every byte of heads `first..first + count` holds at the source (page, token,
+    head and byte all change it)."""
+    h = np.arange(first, first + count).reshape(1, 1, 1, -1, 1)
+    r = np.arange(2 * LAYERS).reshape(-1, 1, 1, 1, 1)
+    pg = np.arange(PAGES).reshape(1, -1, 1, 1, 1)
+    t = np.arange(PAGE_TOKENS).reshape(1, 1, -1, 1, 1)
+    b = np.arange(HEAD_BYTES).reshape(1, 1, 1, 1, -1)
+    return ((r * 7 + pg * 3 + h * 11 + t * 5 + b * 13) % 251).astype(np.uint8)
 
 
 def serve(n, stop):
@@ -41,43 +53,91 @@ def serve(n, stop):
         n.send_chunk(a[0], [0, 1, 2, 3], last=True)
 
 
-def test_two_prefill_ranks_fill_one_decode_ranks_rows_with_every_byte_right():
-    kvs, prefills = [], []
-    for rank in range(2):
-        kv, heads, layout, spans = pool(2, rank, True)
-        kvs.append(kv)
-        prefills.append(kvferry.Node("prefill", layout, spans, token=TOKEN, heads=heads, rank=rank))
+def move(p_tp, d_tp):
+    """Moves `ROOMS` from `p_tp` prefill ranks to `d_tp` decode ranks over `transport="auto"`;
+    returns the prefill nodes, and per decode rank its node, its pool and its heads (both
+    sides' nodes still running)."""
+    prefills = []
+    for rank in range(p_tp):
+        kv, heads, layout, spans = pool(p_tp, rank, True)
+        prefills_keep.append(kv)
+        prefills.append(kvferry.Node("prefill", layout, spans, token=TOKEN, heads=heads,
+                                     rank=rank, transport="auto"))
     addrs = [p.listen("127.0.0.1:0")[0] for p in prefills]
     stop = threading.Event()
     servers = [threading.Thread(target=serve, args=(p, stop)) for p in prefills]
     for s in servers:
         s.start()
-    kv, heads, layout, spans = pool(1, 0, False)
-    d = kvferry.Node("decode", layout, spans, token=TOKEN, heads=heads)
+    decodes = []
     try:
-        peers = [d.connect([a]) for a in addrs]
-        rooms = {1: [4, 5, 6, 7], 2: [0, 1, 2, 3]}
-        for room, pages in rooms.items():
-            d.open_receiver(room, peers, pages)
+        for rank in range(d_tp):
+            kv, heads, layout, spans = pool(d_tp, rank, False)
+            d = kvferry.Node("decode", layout, spans, token=TOKEN, heads=heads, rank=rank,
+                             transport="auto")
+            lo, hi = heads[1], heads[1] + heads[2]
+            decodes.append((d, kv, (lo, hi)))
+            per_p = HEADS // p_tp
+            mine = [a for i, a in enumerate(addrs) if i * per_p < hi and lo < (i + 1) * per_p]
+            peers = [d.connect([a]) for a in mine]
+            # Where the same-host path can be taken, the rooms start once it was: what goes
+            # before its Accept travels over TCP.
+            until = time.monotonic() + 3
+            while paths(d) != {"cma"} and time.monotonic() < until:
+                time.sleep(0.005)
+            for room, pages in ROOMS.items():
+                d.open_receiver(room, peers, pages, receivers=max(1, d_tp // p_tp))
         deadline = time.monotonic() + 20
-        while any(d.poll(r) != KVPoll.Success for r in rooms):
-            assert all(d.poll(r) != KVPoll.Failed for r in rooms), [d.failure(r) for r in rooms]
-            assert time.monotonic() < deadline, "rooms did not succeed"
-            time.sleep(0.005)
-        for pages in rooms.values():
-            for src, dst in enumerate(pages):
-                # Decode token rows hold rank 0's four heads, then rank 1's.
-                want = np.concatenate([k[:, src] for k in kvs], axis=2)
-                assert np.array_equal(kv[:, dst], want), f"page {dst}"
-        paths = {path for _s, path in d.session_paths()}
-        if paths == {"cma"}:
-            # The rows (1 KiB each, 2 KiB apart in the decode's pages) came over TCP: this
-            # node applied them itself.
-            assert d.counters()["writes_applied"] > 0
+        for d, _kv, _heads in decodes:
+            while any(d.poll(r) != KVPoll.Success for r in ROOMS):
+                assert all(d.poll(r) != KVPoll.Failed for r in ROOMS), [d.failure(r) for r in ROOMS]
+                assert time.monotonic() < deadline, "rooms did not succeed"
+                time.sleep(0.005)
     finally:
         stop.set()
         for s in servers:
             s.join()
-        d.shutdown()
-        for p in prefills:
-            p.shutdown()
+    return prefills, decodes
+
+
+def paths(node):
+    return {path for _s, path in node.session_paths()}
+
+
+def check_bytes(decodes):
+    for _d, kv, (lo, hi) in decodes:
+        for pages in ROOMS.values():
+            for src, dst in enumerate(pages):
+                want = expected(lo, hi - lo)[:, src]
+                assert np.array_equal(kv[:, dst], want), f"heads {lo}..{hi}, page {dst}"
+
+
+def shutdown(nodes):
+    for n in nodes:
+        n.shutdown()
+
+
+def test_two_prefill_ranks_fill_one_decode_ranks_rows_with_every_byte_right():
+    prefills, decodes = move(2, 1)
+    try:
+        check_bytes(decodes)
+        ((d, _kv, _heads),) = decodes
+        if paths(d) == {"cma"}:
+            # Each prefill rank's rows (1 KiB, 2 KiB apart in the decode's pages) came over
+            # TCP: this node applied every operation itself.
+            planned = sum(p.counters()["ops_planned"] for p in prefills)
+            assert d.counters()["writes_applied"] == planned
+    finally:
+        shutdown([d for d, _kv, _heads in decodes] + prefills)
+
+
+def test_one_prefill_rank_fills_two_decode_ranks_halves_with_every_byte_right():
+    prefills, decodes = move(1, 2)
+    try:
+        check_bytes(decodes)
+        for d, _kv, _heads in decodes:
+            if paths(d) == {"cma"}:
+                # A decode rank's half of every row lies side by side in its own pages: the
+                # prefill copied it, this node applied nothing itself.
+                assert d.counters()["writes_applied"] == 0
+    finally:
+        shutdown([d for d, _kv, _heads in decodes] + prefills)
