@@ -280,7 +280,13 @@ fn iovecs(runs: &[Run]) -> (Vec<libc::iovec>, Vec<libc::iovec>, usize) {
 
 /// How many threads an operation of `bytes` is copied on.
 fn parts_for(bytes: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if bytes < 2 * BYTES_PER_THREAD {
+        return 1;
+    }
+    // Asked once: std reads the cgroup's quota from /proc and /sys on every call, which cost
+    // an operation copied inline on the driver more than its copy did.
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     cores.min(COPY_THREADS).min(bytes / BYTES_PER_THREAD).max(1)
 }
 
