@@ -661,7 +661,11 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Posted {
         Some(SessionCma::Writing(t)) => t.clone(),
         _ => return Posted::Elsewhere(op),
     };
-    if plane.mode == SameHost::Auto {
+    // A session with a queue pair opens no TCP data connection: its copies stay here.
+    let has_tcp = driver
+        .session_io(op.session)
+        .is_some_and(|io| !io.has_queue_pair());
+    if plane.mode == SameHost::Auto && has_tcp {
         if let Some(slice) = target.slow_rows(&op.slices) {
             // The session's TCP data connections carry it: same bytes, no page pin a row.
             if !target

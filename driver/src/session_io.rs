@@ -43,6 +43,15 @@ impl<H: Host> SessionIo<H> {
         std::mem::take(&mut self.parked)
     }
 
+    /// Whether the session moves data over an RDMA queue pair (and so opens no TCP data
+    /// connection).
+    pub(crate) fn has_queue_pair(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        return self.rdma.is_some();
+        #[cfg(not(feature = "rdma"))]
+        false
+    }
+
     /// Sends the operations held so far on the open data connections, keeping what none
     /// takes.
     pub(crate) fn send_parked(&mut self) {
