@@ -657,14 +657,14 @@ pub(crate) fn post<H: Host>(driver: &mut Driver<H>, op: TransferOp) -> Posted {
         return Posted::Elsewhere(op);
     };
     let faults = driver.faults();
-    let target = match driver.session_io(op.session).and_then(|io| io.cma.as_ref()) {
-        Some(SessionCma::Writing(t)) => t.clone(),
-        _ => return Posted::Elsewhere(op),
-    };
     // A session with a queue pair opens no TCP data connection: its copies stay here.
-    let has_tcp = driver
-        .session_io(op.session)
-        .is_some_and(|io| !io.has_queue_pair());
+    let (target, has_tcp) = match driver.session_io(op.session) {
+        Some(io) => match &io.cma {
+            Some(SessionCma::Writing(t)) => (t.clone(), !io.has_queue_pair()),
+            _ => return Posted::Elsewhere(op),
+        },
+        None => return Posted::Elsewhere(op),
+    };
     if plane.mode == SameHost::Auto && has_tcp {
         if let Some(slice) = target.slow_rows(&op.slices) {
             // The session's TCP data connections carry it: same bytes, no page pin a row.
