@@ -3,7 +3,9 @@
 //! pages with `recvmsg`, straight on the socket's descriptor while it has room or data. When
 //! it has none, the runtime's own `write`/`read` of the next piece waits for it, so any
 //! `futures-io` stream that exposes its descriptor gets them (tokio through [`crate::TokioIo`],
-//! glommio's io_uring sockets as they are).
+//! glommio's io_uring sockets as they are). A payload of short rows apart in the destination
+//! (a head split's) is received into a stage that stays in the cache and placed from there
+//! with streaming stores: writing such rows in place makes the CPU read every line it fills.
 
 use crate::io_common::Checksum;
 use std::io;
@@ -190,7 +192,139 @@ fn place(targets: &[(usize, usize)], skip: usize, bytes: &[u8]) -> usize {
     at
 }
 
+/// Destination rows shorter than this on average are received through the connection's
+/// stage and placed with streaming stores ([`ScatterConn::scatter_staged`]).
+const STAGED_ROW: usize = 8 * 1024;
+
+/// The stage a payload of short rows is received into, one socket call at a time (it stays
+/// in the cache between the receive and the placement).
+const STAGE: usize = 256 * 1024;
+
+/// Where the next byte of a payload goes: a target's index and how far into it.
+#[derive(Default)]
+struct Place {
+    target: usize,
+    offset: usize,
+}
+
+impl Place {
+    /// Copies `bytes` into `targets` from this place on with streaming stores, and moves on.
+    fn stream(&mut self, targets: &[(usize, usize)], mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let (ptr, len) = targets[self.target];
+            let n = (len - self.offset).min(bytes.len());
+            // SAFETY: the range lies inside one (ptr, len) from MemoryMap::range (registered
+            // memory the caller's Arc keeps alive), and the core accepted the write for this
+            // room's pages (the permit), so nobody else touches them until it ends; `bytes`
+            // is the connection's own buffer, apart from registered memory.
+            unsafe { stream_copy((ptr + self.offset) as *mut u8, bytes.as_ptr(), n) };
+            bytes = &bytes[n..];
+            self.offset += n;
+            if self.offset == len {
+                self.target += 1;
+                self.offset = 0;
+            }
+        }
+    }
+}
+
+/// Copies `n` bytes from `src` to `dst` with non-temporal stores where the CPU has them: a
+/// row written apart from its neighbours costs the cache no read of the line it fills. The
+/// caller ends the payload with [`stream_fence`] before reporting it landed.
+///
+/// # Safety
+///
+/// `dst` is valid for `n` bytes of writes, `src` for `n` bytes of reads, and they do not
+/// overlap.
+unsafe fn stream_copy(dst: *mut u8, src: *const u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let head = dst.align_offset(16).min(n);
+        // SAFETY: within the `n` bytes the caller vouches for.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+        let mut at = head;
+        while at + 16 <= n {
+            // SAFETY: `dst + at` is 16-byte aligned and both 16-byte ranges lie within the
+            // caller's `n` bytes; SSE2 is part of every x86_64 CPU.
+            unsafe {
+                let v = _mm_loadu_si128(src.add(at) as *const __m128i);
+                _mm_stream_si128(dst.add(at) as *mut __m128i, v);
+            }
+            at += 16;
+        }
+        // SAFETY: the tail, within the caller's `n` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), n - at) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: as the caller vouches.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, n)
+    };
+}
+
+/// Orders every streaming store before what follows (the write's report that it landed).
+fn stream_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of every x86_64 CPU; a fence touches no memory.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// Whether a payload of `targets` is rows short enough, and apart, that placing them from a
+/// stage beats the kernel's scatter (each short row it writes in place reads its cache
+/// lines first).
+fn staged_rows(targets: &[(usize, usize)], total: usize) -> bool {
+    targets.len() > 1 && total / targets.len() < STAGED_ROW
+}
+
 impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
+    /// Reads exactly the bytes of `targets` into them through `stage`, one socket call at a
+    /// time, each piece placed with streaming stores.
+    async fn scatter_staged(
+        &mut self,
+        targets: &[(usize, usize)],
+        total: usize,
+        stage: &mut Vec<u8>,
+    ) -> io::Result<()> {
+        let mut place = Place::default();
+        // What the read buffer already holds belongs to this payload first.
+        let buffered = self.0.buffer();
+        let mut done = buffered.len().min(total);
+        place.stream(targets, &buffered[..done]);
+        self.0.consume(done);
+        if stage.len() < STAGE {
+            stage.resize(STAGE, 0);
+        }
+        while done < total {
+            let want = (total - done).min(STAGE);
+            let got = {
+                // SAFETY: the descriptor stays open for as long as the stream we borrow from.
+                let fd = unsafe { BorrowedFd::borrow_raw(self.0.get_ref().as_raw_fd()) };
+                rustix::net::recv(fd, &mut stage[..want], RecvFlags::DONTWAIT)
+            };
+            let n = match got {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(rustix::io::Errno::AGAIN) => {
+                    // Nothing to read yet: the runtime's own read waits for data (the read
+                    // buffer is empty here).
+                    match self.0.get_mut().read(&mut stage[..want]).await? {
+                        0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                        n => n,
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            };
+            place.stream(targets, &stage[..n]);
+            done += n;
+        }
+        stream_fence();
+        Ok(())
+    }
+
     /// Reads exactly the bytes of `targets` into them; with `hasher`, feeds it each piece
     /// right after it landed (still in the cache).
     async fn scatter(
@@ -250,8 +384,12 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S>
     async fn read_into(
         &mut self,
         targets: &[(usize, usize)],
-        _stage: &mut Vec<u8>,
+        stage: &mut Vec<u8>,
     ) -> io::Result<()> {
+        let total: usize = targets.iter().map(|t| t.1).sum();
+        if staged_rows(targets, total) {
+            return self.scatter_staged(targets, total, stage).await;
+        }
         self.scatter(targets, None).await
     }
 

@@ -10,7 +10,8 @@
 //! The data plane is written once, against `futures-io` streams ([`send`], [`stream`], and
 //! the descriptor fast paths in [`fd`]); the `tokio` (default) and `glommio` features plug
 //! each runtime's sockets into it. `unsafe` here is limited to the syscalls on a socket's
-//! descriptor and the views of registered memory they read and write.
+//! descriptor, the views of registered memory they read and write, and the streaming copy
+//! that places short destination rows from a receive stage.
 
 mod frame;
 mod io_common;

@@ -223,6 +223,57 @@ async fn a_strided_slice_moves_each_row_from_its_source_row_to_its_destination_r
 }
 
 #[tokio::test]
+async fn short_rows_apart_in_the_destination_land_each_in_its_place_across_many_receives() {
+    // 600 rows of 1000 bytes (more than the receiver's stage and read buffer, rows that
+    // start off any 16-byte boundary) into rows 2000 bytes apart: the head-split layout a
+    // decode holding all heads receives from a prefill holding half of them.
+    let (rows, len, stride) = (600u64, 1000u64, 2000u64);
+    let layout = small_layout(2048);
+    let src = Arc::new(MemoryMap::allocate(layout));
+    let dst = Arc::new(MemoryMap::allocate(layout));
+    let region = Region::Kv { layer: 2, plane: 0 };
+    let sent: Vec<u8> = (0..rows * len).map(|i| (i % 251) as u8 + 1).collect();
+    src.write(region, 0, &sent).unwrap();
+    let (a, server) = serving(&dst, 5, false).await;
+    let (report, got) = collector();
+    let sender = DataSender::spawn(a, src.clone(), report);
+    let slice = Slice {
+        region,
+        src_offset: 0,
+        dst_offset: 8,
+        len,
+        rows: rows as u32,
+        src_stride: len,
+        dst_stride: stride,
+    };
+    sender.send(op(1, 5, vec![slice])).unwrap();
+    while got.lock().unwrap().is_empty() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        *got.lock().unwrap(),
+        vec![(TransferId(1), TransferOutcome::Done)]
+    );
+    let mut landed = vec![0u8; (rows * stride) as usize];
+    dst.read(region, 8, &mut landed).unwrap();
+    for r in 0..rows as usize {
+        let row = &landed[r * stride as usize..][..stride as usize];
+        assert_eq!(
+            &row[..len as usize],
+            &sent[r * len as usize..][..len as usize],
+            "row {r}"
+        );
+        assert!(
+            row[len as usize..].iter().all(|b| *b == 0),
+            "the gap after row {r}"
+        );
+    }
+    sender.close().await;
+    let stats = server.await.unwrap().unwrap();
+    assert_eq!((stats.applied, stats.refused), (1, 0));
+}
+
+#[tokio::test]
 async fn a_closed_connection_fails_unacknowledged_operations_transiently() {
     let layout = small_layout(256);
     let src = Arc::new(MemoryMap::allocate(layout));
