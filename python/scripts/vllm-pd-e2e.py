@@ -21,6 +21,8 @@ alone (the reference), then as a producer and a consumer engine over kvferry beh
 ``--prefill-tp P --decode-tp D`` serves the prefill at TP P and the decode at TP D (vLLM's
 CPU executor, one worker process per rank; the reference stays at TP 1) through the same
 checks, each decode rank's node counting its rooms. CI runs it at TP 1 -> 1 (at 2 -> 1 on two cores it flaps: docs/PERFORMANCE.md).
+``--kv-heads 1`` gives the model one KV head (MQA): at ``--prefill-tp 2`` both prefill ranks
+hold it, and the decode loads it from one of them, the other an idle source.
 ``--hybrid`` gives the model's second layer a sliding window: vLLM's hybrid KV cache manager
 runs (two KV cache groups over shared tensors) in every engine, the reference included.
 
@@ -64,7 +66,7 @@ def free_port() -> int:
 WINDOW = 40
 
 
-def build_model(out: str, hybrid: bool = False) -> None:
+def build_model(out: str, hybrid: bool = False, kv_heads: int = 2) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -80,7 +82,7 @@ def build_model(out: str, hybrid: bool = False) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>", pad_token="<pad>").save_pretrained(out)
     cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32,
                       max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                       pad_token_id=3, tie_word_embeddings=False)
     if hybrid:
@@ -364,12 +366,13 @@ def check_router_mistakes(prefill: Engine, decode: Engine, reference: dict, deco
 MODEL = ""
 
 
-def main(prefill_tp: int = 1, decode_tp: int = 1, hybrid: bool = False) -> int:
+def main(prefill_tp: int = 1, decode_tp: int = 1, hybrid: bool = False, kv_heads: int = 2) -> int:
     global MODEL
     work = tempfile.mkdtemp(prefix="kvferry-vllm-pd.")
     MODEL = os.path.join(work, "tiny-llama")
-    build_model(MODEL, hybrid)
-    figures: dict = {"prefill_tp": prefill_tp, "decode_tp": decode_tp, "hybrid": hybrid}
+    build_model(MODEL, hybrid, kv_heads)
+    figures: dict = {"prefill_tp": prefill_tp, "decode_tp": decode_tp, "hybrid": hybrid,
+                     "kv_heads": kv_heads}
     engines: list[Engine] = []
     proxies: list[subprocess.Popen] = []
     ok = False
@@ -458,5 +461,8 @@ if __name__ == "__main__":
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--hybrid", action="store_true",
                     help=f"a model whose second layer has a {WINDOW}-token sliding window (vLLM's hybrid KV cache manager)")
+    ap.add_argument("--kv-heads", type=int, default=2,
+                    help="the model's KV heads (of 4 attention heads): 1 with --prefill-tp 2 makes "
+                         "every prefill rank hold the one head")
     args = ap.parse_args()
-    sys.exit(main(args.prefill_tp, args.decode_tp, args.hybrid))
+    sys.exit(main(args.prefill_tp, args.decode_tp, args.hybrid, args.kv_heads))

@@ -89,6 +89,35 @@ def test_each_decode_rank_loads_from_the_prefill_ranks_holding_its_heads():
     assert [tp_sources(1, 4, 2, r) for r in range(4)] == [([0], 4, [])] * 4
 
 
+def test_a_prefill_holding_each_head_on_several_ranks_feeds_each_decode_head_from_one_of_them():
+    from kvferry.vllm import rank_heads, tp_sources
+
+    # Two heads on four prefill ranks (0, 1 hold head 0; 2, 3 head 1): one decode rank loads
+    # head 0 from rank 0 and head 1 from rank 2; ranks 1 and 3 are idle sources.
+    assert tp_sources(4, 1, 2, 0) == ([0, 2, 1, 3], 1, [2, 3])
+    # Two decode ranks take the replicas in turn; each names the idle replica of its head.
+    assert [tp_sources(4, 2, 2, r) for r in range(2)] == [([0, 1], 1, [1]), ([3, 2], 1, [1])]
+    # Four decode ranks per head over two replicas: each replica feeds two of them.
+    assert [tp_sources(4, 8, 2, r) for r in range(8)] == [
+        ([0], 2, []), ([1], 2, []), ([0], 2, []), ([1], 2, []),
+        ([2], 2, []), ([3], 2, []), ([2], 2, []), ([3], 2, []),
+    ]
+    # One head (MQA) on two prefill ranks, one decode rank.
+    assert tp_sources(2, 1, 1, 0) == ([0, 1], 1, [1])
+    # Every prefill rank hears of the room, each from decode ranks that share its head.
+    for p_tp, d_tp, total in [(4, 1, 2), (4, 2, 2), (8, 2, 2), (8, 4, 2), (4, 8, 2), (8, 1, 4), (8, 2, 4)]:
+        named = [(r, p) for r in range(d_tp) for p in tp_sources(p_tp, d_tp, total, r)[0]]
+        assert {p for _, p in named} == set(range(p_tp)), (p_tp, d_tp, total)
+        for r, p in named:
+            first, count = rank_heads(total, d_tp, r)
+            assert first <= rank_heads(total, p_tp, p)[0] < first + count, (p_tp, d_tp, total, r, p)
+        loading = [p for r in range(d_tp)
+                   for i, p in enumerate(tp_sources(p_tp, d_tp, total, r)[0])
+                   if i not in tp_sources(p_tp, d_tp, total, r)[2]]
+        receivers = tp_sources(p_tp, d_tp, total, 0)[1]
+        assert all(loading.count(p) == receivers for p in set(loading)), (p_tp, d_tp, total)
+
+
 def test_mla_loads_from_one_prefill_rank_and_names_the_others_idle():
     from kvferry.vllm import tp_sources
 
@@ -104,8 +133,11 @@ def test_tp_pairs_the_heads_cannot_serve_are_refused_naming_both_sizes():
 
     assert tp_pair_refusal(4, 4, 2) is None
     assert tp_pair_refusal(2, 1, 8) is None
-    said = tp_pair_refusal(4, 2, 2)
-    assert "the prefill runs TP 4" in said and "this decode TP 2" in said and "replicates" in said
+    # A prefill holding each head on several ranks pairs with any decode whose ranks per
+    # head are a multiple of its own, or fewer.
+    assert tp_pair_refusal(4, 2, 2) is None and tp_pair_refusal(4, 8, 2) is None
+    said = tp_pair_refusal(4, 6, 2)
+    assert "the prefill runs TP 4" in said and "this decode TP 6" in said and "not a multiple" in said
     assert "do not split evenly" in tp_pair_refusal(2, 3, 8)
     # MLA: any pair where the decode's size is a multiple of the prefill's, or smaller.
     assert tp_pair_refusal(4, 2, 1, mla=True) is None and tp_pair_refusal(4, 3, 1, mla=True) is None

@@ -190,13 +190,16 @@ def test_a_killed_prefill_rank_fails_the_whole_request_and_decode_recomputes(eng
 
 @pytest.mark.parametrize(
     "prefill_tp,decode_tp,kv_heads",
-    [(2, 1, 2), (1, 2, 2), (4, 2, 4), (2, 4, 4), (2, 4, 2)],
-    ids=["2_to_1", "1_to_2", "4_to_2", "2_to_4", "2_to_4_replicated_heads"],
+    [(2, 1, 2), (1, 2, 2), (4, 2, 4), (2, 4, 4), (2, 4, 2), (4, 2, 2), (4, 1, 2), (2, 1, 1)],
+    ids=["2_to_1", "1_to_2", "4_to_2", "2_to_4", "2_to_4_replicated_heads",
+         "4_to_2_prefill_replicates_heads", "4_to_1_prefill_replicates_heads", "2_to_1_mqa"],
 )
 def test_mha_heads_move_between_different_tp_sizes(engines, prefill_tp, decode_tp, kv_heads):
     """Each decode rank receives exactly its heads from the prefill ranks holding them (with
-    more decode ranks than heads, each head to every rank that replicates it); the request
-    loads only once every decode rank's room landed."""
+    more decode ranks than heads, each head to every rank that replicates it; with more
+    prefill ranks than heads, each head from one of the ranks replicating it, the others
+    idle sources whose blocks go back); the request loads only once every decode rank's
+    room landed."""
     prefill = engines("kv_producer", prefill_tp, kv_heads=kv_heads)
     decode = engines("kv_consumer", decode_tp, kv_heads=kv_heads)
     prompts = {f"d{i}": prompt_of(30 + i, n) for i, n in enumerate([5, 100, 257])}
@@ -226,16 +229,19 @@ def test_hybrid_rooms_move_between_different_tp_sizes_with_every_groups_heads_ch
     assert drain(prefill), "the prefill still holds blocks"
 
 
-def test_a_prefill_that_replicates_heads_is_refused_naming_both_sizes(engines, caplog):
-    prefill = engines("kv_producer", 4, kv_heads=2)
+def test_a_tp_pair_the_heads_cannot_serve_is_refused_naming_both_sizes(engines, caplog):
+    # Every TP pair vLLM itself accepts here is served: a router's params naming a third
+    # prefill rank claim a TP 3 prefill, whose ranks cannot hold 2 KV heads evenly.
+    prefill = engines("kv_producer", 2, kv_heads=2)
     decode = engines("kv_consumer", 2, kv_heads=2)
     prompt = prompt_of(6, 100)
     params = prefill_all(prefill, {"m": prompt})["m"]
+    params = dict(params, kvferry_addrs=params["kvferry_addrs"] + params["kvferry_addrs"][:1])
     with caplog.at_level(logging.ERROR, logger="kvferry.vllm"):
         load_all(decode, prefill, {"m": (prompt, params)}, deadline=30)
     assert "m" in decode.load_failures
-    assert "the prefill runs TP 4" in caplog.text and "this decode TP 2" in caplog.text, caplog.text
-    assert "replicates KV heads" in caplog.text, caplog.text
+    assert "the prefill runs TP 3" in caplog.text and "this decode TP 2" in caplog.text, caplog.text
+    assert "do not split evenly" in caplog.text, caplog.text
     assert decode.outputs["m"].finish_reason is not None
 
 

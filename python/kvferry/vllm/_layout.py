@@ -36,9 +36,10 @@ def rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
 def tp_pair_refusal(prefill_tp: int, decode_tp: int, total: int, mla: bool = False) -> Optional[str]:
     """Why a decode at ``decode_tp`` cannot load from a prefill at ``prefill_tp`` (a model of
     ``total`` KV heads), or None: equal sizes always pair rank to rank; different ones pair
-    by heads where each side splits the heads evenly and no prefill head is replicated. MLA's
-    latent KV is whole on every rank: any pair where the decode's size is a multiple of the
-    prefill's, or smaller."""
+    by heads where each side splits the heads evenly. A prefill with more ranks than heads
+    holds each head on several ranks: the decode ranks of one head must then be a multiple
+    of its prefill ranks, or fewer. MLA's latent KV is whole on every rank: any pair where the
+    decode's size is a multiple of the prefill's, or smaller."""
     if prefill_tp == decode_tp:
         return None
     why = None
@@ -48,7 +49,12 @@ def tp_pair_refusal(prefill_tp: int, decode_tp: int, total: int, mla: bool = Fal
     elif not total:
         why = "the model names no KV head count"
     elif prefill_tp > total:
-        why = f"the prefill replicates KV heads ({total} heads on {prefill_tp} ranks), not served yet"
+        replicas, per_head = prefill_tp // total, max(1, decode_tp // total)
+        if prefill_tp % total or (total % decode_tp and decode_tp % total):
+            why = f"{total} KV heads do not split evenly over both"
+        elif per_head > replicas and per_head % replicas:
+            why = (f"each of the {total} KV heads is on {replicas} prefill ranks and {per_head} "
+                   "decode ranks, not a multiple")
     elif total % prefill_tp or (total % decode_tp and decode_tp % total):
         why = f"{total} KV heads do not split evenly over both"
     if why is None:
@@ -62,13 +68,16 @@ def tp_sources(prefill_tp: int, decode_tp: int, total: int, rank: int,
     heads; rank to rank at equal sizes), how many decode ranks each of them sends to, and the
     positions among them of idle sources (they only confirm). MLA: rank ``rank % prefill_tp``
     sends the latent KV, and each prefill rank no decode rank loads from is an idle source of
-    decode rank ``p % decode_tp``, so that every prefill rank hears of the room."""
+    decode rank ``p % decode_tp``, so that every prefill rank hears of the room. A prefill
+    holding each head on several ranks: see :func:`replica_sources`."""
     if prefill_tp == decode_tp:
         return [rank], 1, []
     if mla:
         idle = [p for p in range(decode_tp, prefill_tp) if p % decode_tp == rank]
         receivers = decode_tp // prefill_tp if decode_tp > prefill_tp else 1
         return [rank % prefill_tp] + idle, receivers, list(range(1, 1 + len(idle)))
+    if prefill_tp > total:
+        return replica_sources(prefill_tp, decode_tp, total, rank)
     first, count = rank_heads(total, decode_tp, rank)
     per = total // prefill_tp
     sources = list(range(first // per, (first + count - 1) // per + 1))
@@ -77,6 +86,30 @@ def tp_sources(prefill_tp: int, decode_tp: int, total: int, rank: int,
     receivers = sum(1 for r in range(decode_tp)
                     if (lambda f, c: f < hi and f + c > lo)(*rank_heads(total, decode_tp, r)))
     return sources, receivers, []
+
+
+def replica_sources(prefill_tp: int, decode_tp: int, total: int,
+                    rank: int) -> tuple[list[int], int, list[int]]:
+    """As :func:`tp_sources` for a prefill with more ranks than heads, each head on
+    ``prefill_tp / total`` consecutive ranks (its replicas): each of a decode rank's heads
+    comes from one replica, the decode ranks of one head taking its replicas in turn (so
+    each replica feeds as many). A replica no decode rank loads from is an idle source of a
+    decode rank holding its head (a prefill rank serves only ranks that share its heads), so
+    that its blocks go back when the room ends."""
+    replicas = prefill_tp // total
+    per_head = max(1, decode_tp // total)
+    first, count = rank_heads(total, decode_tp, rank)
+    # This rank's turn among the decode ranks of its head (one rank per head: its own rank,
+    # so that the decode ranks spread over the replicas).
+    turn = rank % per_head if decode_tp > total else rank
+    loaded = set(range(per_head)) if decode_tp > total else {turn % replicas}
+    sources, idle = [], []
+    for h in range(first, first + count):
+        sources.append(h * replicas + turn % replicas)
+        idle += [h * replicas + j for j in range(replicas)
+                 if j % replicas not in {t % replicas for t in loaded} and j % per_head == turn % per_head]
+    receivers = max(1, per_head // replicas)
+    return sources + idle, receivers, list(range(len(sources), len(sources) + len(idle)))
 
 
 def kv_heads(kv_caches: dict, num_blocks: int, block_size: int, total: int, tp: int,
