@@ -281,17 +281,22 @@ fn staged_rows(targets: &[(usize, usize)], total: usize) -> bool {
 
 impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
     /// Reads exactly the bytes of `targets` into them through `stage`, one socket call at a
-    /// time, each piece placed with streaming stores.
+    /// time, each piece placed with streaming stores; with `hasher`, feeds it each piece from
+    /// the stage (the bytes as they arrived, still in the cache).
     async fn scatter_staged(
         &mut self,
         targets: &[(usize, usize)],
         total: usize,
         stage: &mut Vec<u8>,
+        mut hasher: Option<&mut Checksum>,
     ) -> io::Result<()> {
         let mut place = Place::default();
         // What the read buffer already holds belongs to this payload first.
         let buffered = self.0.buffer();
         let mut done = buffered.len().min(total);
+        if let Some(h) = hasher.as_deref_mut() {
+            h.update(&buffered[..done]);
+        }
         place.stream(targets, &buffered[..done]);
         self.0.consume(done);
         if stage.len() < STAGE {
@@ -318,6 +323,9 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
                 }
                 Err(e) => return Err(e.into()),
             };
+            if let Some(h) = hasher.as_deref_mut() {
+                h.update(&stage[..n]);
+            }
             place.stream(targets, &stage[..n]);
             done += n;
         }
@@ -388,7 +396,7 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S>
     ) -> io::Result<()> {
         let total: usize = targets.iter().map(|t| t.1).sum();
         if staged_rows(targets, total) {
-            return self.scatter_staged(targets, total, stage).await;
+            return self.scatter_staged(targets, total, stage, None).await;
         }
         self.scatter(targets, None).await
     }
@@ -396,10 +404,16 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S>
     async fn read_into_checked(
         &mut self,
         targets: &[(usize, usize)],
-        _stage: &mut Vec<u8>,
+        stage: &mut Vec<u8>,
     ) -> io::Result<u64> {
         let mut hasher = Checksum::new();
-        self.scatter(targets, Some(&mut hasher)).await?;
+        let total: usize = targets.iter().map(|t| t.1).sum();
+        if staged_rows(targets, total) {
+            self.scatter_staged(targets, total, stage, Some(&mut hasher))
+                .await?;
+        } else {
+            self.scatter(targets, Some(&mut hasher)).await?;
+        }
         Ok(hasher.digest())
     }
 }

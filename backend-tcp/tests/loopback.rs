@@ -224,6 +224,15 @@ async fn a_strided_slice_moves_each_row_from_its_source_row_to_its_destination_r
 
 #[tokio::test]
 async fn short_rows_apart_in_the_destination_land_each_in_its_place_across_many_receives() {
+    short_rows_land(false).await;
+}
+
+#[tokio::test]
+async fn checked_short_rows_apart_in_the_destination_land_and_verify() {
+    short_rows_land(true).await;
+}
+
+async fn short_rows_land(checksum: bool) {
     // 600 rows of 1000 bytes (more than the receiver's stage and read buffer, rows that
     // start off any 16-byte boundary) into rows 2000 bytes apart: the head-split layout a
     // decode holding all heads receives from a prefill holding half of them.
@@ -234,7 +243,7 @@ async fn short_rows_apart_in_the_destination_land_each_in_its_place_across_many_
     let region = Region::Kv { layer: 2, plane: 0 };
     let sent: Vec<u8> = (0..rows * len).map(|i| (i % 251) as u8 + 1).collect();
     src.write(region, 0, &sent).unwrap();
-    let (a, server) = serving(&dst, 5, false).await;
+    let (a, server) = serving(&dst, 5, checksum).await;
     let (report, got) = collector();
     let sender = DataSender::spawn(a, src.clone(), report);
     let slice = Slice {
@@ -246,7 +255,12 @@ async fn short_rows_apart_in_the_destination_land_each_in_its_place_across_many_
         src_stride: len,
         dst_stride: stride,
     };
-    sender.send(op(1, 5, vec![slice])).unwrap();
+    sender
+        .send(TransferOp {
+            checksum,
+            ..op(1, 5, vec![slice])
+        })
+        .unwrap();
     while got.lock().unwrap().is_empty() {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
@@ -405,6 +419,11 @@ fn checked_batch(room: u64, sent: &[u8], payload: &[u8]) -> Vec<u8> {
         3 * 1024,
         payload.len() as u64,
     );
+    checked_batch_of(room, slice, sent, payload)
+}
+
+/// A checked write batch of `slice` for `room`, its trailer the XXH3-64 of `sent`.
+fn checked_batch_of(room: u64, slice: Slice, sent: &[u8], payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     kvferry_tcp::WriteHeader {
         op: TransferId(9),
@@ -471,6 +490,58 @@ async fn a_checked_write_whose_bytes_changed_on_the_way_is_acknowledged_corrupt(
             .collect::<Vec<_>>(),
         vec![(false, true), (true, false)]
     );
+    drop(writer);
+    let stats = server.await.unwrap().unwrap();
+    assert_eq!((stats.applied, stats.corrupt), (1, 1));
+}
+
+#[tokio::test]
+async fn a_checked_write_of_rows_apart_whose_bytes_changed_on_the_way_is_acknowledged_corrupt() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let region = Region::Kv { layer: 0, plane: 0 };
+    let dst = Arc::new(MemoryMap::allocate(small_layout(16)));
+    let (mut writer, b) = pair().await;
+    let check = Arc::new(Recording(RoomId(7), Mutex::new(Vec::new())));
+    let server = tokio::spawn(serve_writes(
+        b,
+        dst.clone(),
+        check.clone(),
+        checked_limits(),
+    ));
+    // Ten rows of 100 bytes, 200 bytes apart: received through the stage.
+    let slice = Slice {
+        region,
+        src_offset: 0,
+        dst_offset: 1024,
+        len: 100,
+        rows: 10,
+        src_stride: 100,
+        dst_stride: 200,
+    };
+    let sent: Vec<u8> = (0..1000u32).map(|i| (i % 7) as u8 + 1).collect();
+    let mut landed = sent.clone();
+    landed[550] ^= 0x10; // one bit flipped in flight
+    let mut ack = [0u8; kvferry_tcp::ACK_LEN];
+    for (payload, want) in [
+        (&landed, kvferry_tcp::AckStatus::Corrupt),
+        (&sent, kvferry_tcp::AckStatus::Applied),
+    ] {
+        writer
+            .write_all(&checked_batch_of(7, slice, &sent, payload))
+            .await
+            .unwrap();
+        writer.read_exact(&mut ack).await.unwrap();
+        assert_eq!(
+            kvferry_tcp::decode_ack(&ack).unwrap(),
+            (TransferId(9), want)
+        );
+    }
+    let mut row = vec![0u8; 200];
+    for r in 0..10usize {
+        dst.read(region, 1024 + 200 * r as u64, &mut row).unwrap();
+        assert_eq!(&row[..100], &sent[r * 100..][..100], "row {r}");
+        assert!(row[100..].iter().all(|b| *b == 0), "the gap after row {r}");
+    }
     drop(writer);
     let stats = server.await.unwrap().unwrap();
     assert_eq!((stats.applied, stats.corrupt), (1, 1));
