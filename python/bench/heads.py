@@ -26,6 +26,7 @@ p.add_argument("--head-bytes", type=int, default=256)
 p.add_argument("--page-tokens", type=int, default=16)
 p.add_argument("--pages-per-room", type=int, default=4)
 p.add_argument("--pairs", default="1:1,2:1,1:2", help="prefill TP:decode TP, comma separated")
+p.add_argument("--checksum", action="store_true", help="the end-to-end checksum on every node")
 p.add_argument("--transport", default=None,
                help="the nodes' transport (tcp, same-host, auto); default: the node's own")
 args = p.parse_args()
@@ -61,7 +62,7 @@ def prefill(tp, rank, q, stop):
 
     kv, heads, layout = pool(tp, rank, True)
     n = kvferry.Node("prefill", layout, spans(kv), token=b"bench", heads=heads, rank=rank,
-                     transport=args.transport)
+                     transport=args.transport, checksum=args.checksum)
     q.put((rank, n.listen("127.0.0.1:0")[0]))
     src = list(range(args.pages_per_room))
     while not stop.is_set():
@@ -79,7 +80,7 @@ def decode(p_tp, tp, rank, addrs, start, out):
 
     kv, heads, layout = pool(tp, rank, False)
     n = kvferry.Node("decode", layout, spans(kv), token=b"bench", heads=heads, rank=rank,
-                     transport=args.transport)
+                     transport=args.transport, checksum=args.checksum)
     # The prefill ranks holding some of this rank's heads, and how many decode ranks ask each.
     lo, hi = heads[1], heads[1] + heads[2]
     per_p = args.heads // p_tp
@@ -142,7 +143,7 @@ if __name__ == "__main__":
     room_bytes = args.pages_per_room * args.page_tokens * args.heads * args.head_bytes * 2 * args.layers
     print(f"{args.rooms} rooms of {room_bytes / 1024:.0f} KiB (the whole model's KV of "
           f"{args.pages_per_room} pages), {args.concurrency} in flight, "
-          f"transport {args.transport or 'the default'}")
+          f"transport {args.transport or 'the default'}, checksum {'on' if args.checksum else 'off'}")
     base = None
     for pair in args.pairs.split(","):
         p_tp, d_tp = (int(x) for x in pair.split(":"))
