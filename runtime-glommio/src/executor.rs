@@ -29,15 +29,16 @@ pub struct ShardConfig {
     /// shard is pinned (a warning says so). Off by default: a pinned shard cannot move away
     /// from a core that busy neighbours share, so pin only where the node owns its cores.
     pub pin: bool,
-    /// How long an executor keeps polling for work before it parks in the kernel. Only a
-    /// pinned shard spins: glommio parks an unpinned executor at once.
+    /// How long an executor keeps polling for work before it parks in the kernel, and a data
+    /// connection keeps reading its socket after its last bytes before it waits on the ring
+    /// (`kvferry_tcp::glommio::Polled`). Only a pinned shard spins: glommio parks an
+    /// unpinned executor at once, and its reads wait at once.
     pub spin_before_park: Duration,
 }
 
-/// The default [`ShardConfig::spin_before_park`]. Parking and waking through io_uring costs
-/// glommio about as much again as the round trip itself: an acked 4 KiB operation took
-/// 107-159 us without spinning and 68-71 us with 50 us of it (`kvferry bench`, three paired
-/// runs on 2 cores), and a shard spins only in the 50 us after it last had work.
+/// The default [`ShardConfig::spin_before_park`]. Parking, and waiting for a socket, through
+/// io_uring costs glommio more than a small operation's whole round trip (docs/PERFORMANCE.md);
+/// a shard spins only in the 50 us after it last had work.
 pub const DEFAULT_SPIN_BEFORE_PARK: Duration = Duration::from_micros(50);
 
 impl Default for ShardConfig {
@@ -151,6 +152,9 @@ pub(crate) struct ShardSetup {
     pub(crate) rdma: crate::RdmaDevice,
     /// The node's same-host plane (opened once for all shards).
     pub(crate) same_host: Arc<kvferry_driver::SameHostPlane>,
+    /// How long a data connection's read keeps trying its socket before it waits on the
+    /// ring (`ShardConfig::spin_before_park` on a pinned shard, else zero).
+    pub(crate) read_spin: Duration,
 }
 
 /// The running shards of a node: their command channels, threads, and pinned cores.
@@ -207,16 +211,24 @@ pub(crate) fn spawn_shards(
             tls: tls.clone(),
             rdma: rdma.clone(),
             same_host: same_host.clone(),
+            read_spin: Duration::ZERO,
         };
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         let placement = cores.core(i).map_or(Placement::Unbound, Placement::Fixed);
-        let spawn = |placement: Placement, setup: ShardSetup, ready: std::sync::mpsc::Sender<_>| {
-            LocalExecutorBuilder::new(placement)
-                .name(&format!("kvferry-shard-{i}"))
-                .io_memory(IO_MEMORY)
-                .spin_before_park(shards.spin_before_park)
-                .spawn(move || shard_main(setup, ready))
-        };
+        let spawn =
+            |placement: Placement, mut setup: ShardSetup, ready: std::sync::mpsc::Sender<_>| {
+                // glommio spins only on a pinned executor; the socket reads follow it.
+                setup.read_spin = if matches!(placement, Placement::Fixed(_)) {
+                    shards.spin_before_park
+                } else {
+                    Duration::ZERO
+                };
+                LocalExecutorBuilder::new(placement)
+                    .name(&format!("kvferry-shard-{i}"))
+                    .io_memory(IO_MEMORY)
+                    .spin_before_park(shards.spin_before_park)
+                    .spawn(move || shard_main(setup, ready))
+            };
         let handle = match spawn(placement, setup.clone(), ready_tx.clone()) {
             Ok(h) => h,
             Err(e) if cores.core(i).is_some() => {

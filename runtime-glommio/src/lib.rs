@@ -360,6 +360,10 @@ pub struct ShardHost {
     /// The node's RDMA device, when data moves over RDMA.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     rdma: RdmaDevice,
+    /// How long a data connection's read keeps trying its socket after the last bytes
+    /// before it waits on the ring: the shard's spin before parking where it is pinned (the
+    /// only shard glommio lets spin), else zero.
+    read_spin: std::time::Duration,
 }
 
 /// A shard's thread: builds its endpoint and driver, says it is up, then runs the node's
@@ -390,6 +394,7 @@ pub(crate) async fn shard_main(
                 memory: setup.memory,
                 tls: setup.tls,
                 rdma: setup.rdma,
+                read_spin: setup.read_spin,
                 limits: Limits {
                     checksum: setup.config.core.checksum,
                     max_slices: setup.config.core.max_op_slices,
@@ -594,7 +599,7 @@ impl Runtime for ShardHost {
         report: Reporter<Self>,
     ) -> std::io::Result<DataSender> {
         let report: LocalReport = Rc::new(move |id, outcome| report.report(id, outcome));
-        DataSender::spawn(stream, self.memory.clone(), report)
+        DataSender::spawn(stream, self.memory.clone(), report, self.read_spin)
     }
 
     fn serve(
@@ -602,8 +607,8 @@ impl Runtime for ShardHost {
         stream: LocalConn,
         check: CoreCheck<DriverAccess<Self>>,
     ) -> impl Future<Output = Result<ServeStats, ServeError>> + 'static {
-        let (memory, limits) = (self.memory.clone(), self.limits);
-        async move { serve_local(stream, &memory, Rc::new(check), limits).await }
+        let (memory, limits, spin) = (self.memory.clone(), self.limits, self.read_spin);
+        async move { serve_local(stream, &memory, Rc::new(check), limits, spin).await }
     }
 
     #[cfg(feature = "rdma")]

@@ -164,7 +164,8 @@ fn spawn(page_bytes: u32, pages: u32, raw_len: usize) -> std::io::Result<Pair> {
                     futures_lite::io::BufReader::with_capacity(kvferry_tcp::RECV_BUF, stream);
                 let _ = serve_writes_on(&mut stream, &dst, check, limits).await;
             } else {
-                let _ = kvferry_tcp::glommio::serve_local(stream, &dst, check, limits).await;
+                let _ =
+                    kvferry_tcp::glommio::serve_local(stream, &dst, check, limits, spin()).await;
             }
         })
         .map_err(io_error)?;
@@ -186,7 +187,7 @@ fn spawn(page_bytes: u32, pages: u32, raw_len: usize) -> std::io::Result<Pair> {
             let report: kvferry_tcp::glommio::LocalReport = Rc::new(move |id, outcome| {
                 let _ = done_tx.try_send((id, outcome));
             });
-            let sender = kvferry_tcp::glommio::LocalDataSender::spawn(stream, src, report)?;
+            let sender = kvferry_tcp::glommio::LocalDataSender::spawn(stream, src, report, spin())?;
             let mut next = 0u64;
             let mut failed = None;
             while let Ok((slices, n, reply)) = incoming.recv_async().await {
