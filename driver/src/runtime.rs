@@ -65,7 +65,7 @@ pub trait Runtime: Host<Task: Task + Future + Unpin> + Clone {
     ) -> impl Future<Output = io::Result<Self::Stream>>;
 
     /// Splits a control connection into the halves its reader and its writer own.
-    fn split(stream: Self::Stream) -> io::Result<(Self::Read, Self::Write)>;
+    fn split(&self, stream: Self::Stream) -> io::Result<(Self::Read, Self::Write)>;
 
     /// Spawns `work` ([`Work::run`]) on the runtime, where a task of the node may run (not
     /// from inside [`Runtime::drive`]).
@@ -508,7 +508,7 @@ pub fn attach_control<R: Runtime>(
     let Some((session, queue)) = register_control(rt, peer_addr, target, handshake) else {
         return;
     };
-    let (read, write) = match R::split(stream) {
+    let (read, write) = match rt.split(stream) {
         Ok(halves) => halves,
         Err(e) => {
             warn!(%session, error = %e, "cannot split a control connection");

@@ -44,7 +44,9 @@ pub use kvferry_driver::{
 };
 use kvferry_memory::MemoryMap;
 use kvferry_tcp::fd::second_handle;
-use kvferry_tcp::glommio::{serve_local, LocalConn, LocalDataSender as DataSender, LocalReport};
+use kvferry_tcp::glommio::{
+    serve_local, LocalConn, LocalDataSender as DataSender, LocalReport, Polled,
+};
 use kvferry_tcp::stream::{hello_control, hello_data};
 use kvferry_tcp::{Limits, ServeError, ServeStats, TlsSetup};
 use tokio::sync::{mpsc, oneshot};
@@ -560,12 +562,16 @@ impl Runtime for ShardHost {
         Ok(stream)
     }
 
-    fn split(stream: LocalConn) -> std::io::Result<(Self::Read, Self::Write)> {
+    fn split(&self, stream: LocalConn) -> std::io::Result<(Self::Read, Self::Write)> {
         Ok(match stream {
-            // Plain TCP: reader and writer on two handles of the socket, no lock between them.
+            // Plain TCP: reader and writer on two handles of the socket, no lock between them;
+            // the reader reads the socket before it waits on the ring, as data connections do.
             LocalConn::Plain(stream) => {
                 let write = second_handle(&stream)?;
-                (Box::new(stream), Box::new(write))
+                (
+                    Box::new(Polled::new(stream, self.read_spin)),
+                    Box::new(write),
+                )
             }
             // TLS: one session state, shared by the two halves of its stream.
             tls @ LocalConn::Tls(_) => {

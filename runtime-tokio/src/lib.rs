@@ -393,7 +393,7 @@ impl Runtime for TokioHost {
         }
     }
 
-    fn split(stream: Conn) -> std::io::Result<(Self::Read, Self::Write)> {
+    fn split(&self, stream: Conn) -> std::io::Result<(Self::Read, Self::Write)> {
         let (read, write) = tokio::io::split(stream);
         Ok((TokioIo(read), TokioIo(write)))
     }
