@@ -272,6 +272,15 @@ fn stream_fence() {
     };
 }
 
+/// Fences this thread's streaming stores when dropped.
+struct Fenced;
+
+impl Drop for Fenced {
+    fn drop(&mut self) {
+        stream_fence();
+    }
+}
+
 /// Whether a payload of `targets` is rows short enough, and apart, that placing them from a
 /// stage beats the kernel's scatter (each short row it writes in place reads its cache
 /// lines first).
@@ -291,6 +300,9 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
         mut hasher: Option<&mut Checksum>,
     ) -> io::Result<()> {
         let mut place = Place::default();
+        // Every way out of here (the end, an error, the future dropped) fences the stores
+        // this thread made since the last wait.
+        let _fence = Fenced;
         // What the read buffer already holds belongs to this payload first.
         let buffered = self.0.buffer();
         let mut done = buffered.len().min(total);
@@ -315,7 +327,9 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(rustix::io::Errno::AGAIN) => {
                     // Nothing to read yet: the runtime's own read waits for data (the read
-                    // buffer is empty here).
+                    // buffer is empty here). The task may resume on another thread, and a
+                    // streaming store is ordered only by a fence on the thread that made it.
+                    stream_fence();
                     match self.0.get_mut().read(&mut stage[..want]).await? {
                         0 => return Err(io::ErrorKind::UnexpectedEof.into()),
                         n => n,
@@ -329,7 +343,6 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
             place.stream(targets, &stage[..n]);
             done += n;
         }
-        stream_fence();
         Ok(())
     }
 

@@ -139,6 +139,10 @@ def test_tp_pairs_the_heads_cannot_serve_are_refused_naming_both_sizes():
     said = tp_pair_refusal(4, 6, 2)
     assert "the prefill runs TP 4" in said and "this decode TP 6" in said and "not a multiple" in said
     assert "do not split evenly" in tp_pair_refusal(2, 3, 8)
+    # 6 heads over 3 prefill ranks (2 each) and 2 decode ranks (3 each): prefill rank 1's
+    # heads straddle both decode ranks.
+    assert "neither holds a whole number" in tp_pair_refusal(3, 2, 6)
+    assert tp_pair_refusal(3, 1, 6) is None and tp_pair_refusal(2, 6, 6) is None
     # MLA: any pair where the decode's size is a multiple of the prefill's, or smaller.
     assert tp_pair_refusal(4, 2, 1, mla=True) is None and tp_pair_refusal(4, 3, 1, mla=True) is None
     assert "not a multiple" in tp_pair_refusal(2, 3, 1, mla=True)

@@ -57,6 +57,11 @@ def tp_pair_refusal(prefill_tp: int, decode_tp: int, total: int, mla: bool = Fal
                    "decode ranks, not a multiple")
     elif total % prefill_tp or (total % decode_tp and decode_tp % total):
         why = f"{total} KV heads do not split evenly over both"
+    elif decode_tp < total and (total // prefill_tp) % (total // decode_tp) and (total // decode_tp) % (total // prefill_tp):
+        # A prefill rank's heads would straddle two decode ranks' (each then loading from a
+        # different number of ranks than the others).
+        why = (f"{total // prefill_tp} KV heads per prefill rank and {total // decode_tp} per "
+               "decode rank: neither holds a whole number of the other's")
     if why is None:
         return None
     return f"the prefill runs TP {prefill_tp} ({_ADDRS} names {prefill_tp} ranks), this decode TP {decode_tp}: {why}"
