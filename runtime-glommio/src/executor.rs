@@ -41,12 +41,6 @@ pub struct ShardConfig {
 /// a shard spins only in the 50 us after it last had work.
 pub const DEFAULT_SPIN_BEFORE_PARK: Duration = Duration::from_micros(50);
 
-/// How long a shard runs ready tasks before it looks at its ring again (glommio's preempt
-/// timer, 100 ms by default). A connection reading its socket within its spin keeps a task
-/// ready, and everything waiting on the ring (a writer waiting for room in its socket, a
-/// timer) waits for this look.
-pub const RING_CHECK: Duration = Duration::from_micros(200);
-
 impl Default for ShardConfig {
     fn default() -> Self {
         ShardConfig {
@@ -233,7 +227,6 @@ pub(crate) fn spawn_shards(
                     .name(&format!("kvferry-shard-{i}"))
                     .io_memory(IO_MEMORY)
                     .spin_before_park(shards.spin_before_park)
-                    .preempt_timer(RING_CHECK)
                     .spawn(move || shard_main(setup, ready))
             };
         let handle = match spawn(placement, setup.clone(), ready_tx.clone()) {

@@ -52,7 +52,7 @@ use kvferry_tcp::{Limits, ServeError, ServeStats, TlsSetup};
 use tokio::sync::{mpsc, oneshot};
 
 use executor::ShardSetup;
-pub use executor::{ensure_memlock, shard_node, ShardConfig, DEFAULT_SPIN_BEFORE_PARK, RING_CHECK};
+pub use executor::{ensure_memlock, shard_node, ShardConfig, DEFAULT_SPIN_BEFORE_PARK};
 
 /// The node's RDMA device when data moves over RDMA (feature `rdma`), shared by its shards.
 #[cfg(feature = "rdma")]

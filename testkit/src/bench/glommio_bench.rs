@@ -107,14 +107,6 @@ fn spin() -> Duration {
         )
 }
 
-/// The driver's ring check, or `KVF_PREEMPT_US` (A/B runs).
-fn ring_check() -> Duration {
-    std::env::var("KVF_PREEMPT_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .map_or(kvferry_glommio::RING_CHECK, Duration::from_micros)
-}
-
 fn placement(cpu: usize) -> Placement {
     let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
     if cpus > 1 {
@@ -134,7 +126,6 @@ fn spawn(page_bytes: u32, pages: u32, raw_len: usize) -> std::io::Result<Pair> {
     let receiver = LocalExecutorBuilder::new(placement(1))
         .io_memory(1 << 20)
         .spin_before_park(spin())
-        .preempt_timer(ring_check())
         .spawn(move || async move {
             let Ok(listener) = TcpListener::bind("127.0.0.1:0") else {
                 return;
@@ -185,7 +176,6 @@ fn spawn(page_bytes: u32, pages: u32, raw_len: usize) -> std::io::Result<Pair> {
     let sender = LocalExecutorBuilder::new(placement(0))
         .io_memory(1 << 20)
         .spin_before_park(spin())
-        .preempt_timer(ring_check())
         .spawn(move || async move {
             let stream = TcpStream::connect(addr).await.map_err(io_error)?;
             let _ = stream.set_nodelay(true);
