@@ -289,6 +289,23 @@ fn staged_rows(targets: &[(usize, usize)], total: usize) -> bool {
 }
 
 impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
+    /// Reads exactly the bytes of `targets` into them: short rows apart through `stage`
+    /// ([`ScatterConn::scatter_staged`]), anything else straight ([`ScatterConn::scatter`]);
+    /// with `hasher`, feeds it the bytes as they arrive.
+    async fn payload(
+        &mut self,
+        targets: &[(usize, usize)],
+        stage: &mut Vec<u8>,
+        hasher: Option<&mut Checksum>,
+    ) -> io::Result<()> {
+        let total: usize = targets.iter().map(|t| t.1).sum();
+        if staged_rows(targets, total) {
+            self.scatter_staged(targets, total, stage, hasher).await
+        } else {
+            self.scatter(targets, total, hasher).await
+        }
+    }
+
     /// Reads exactly the bytes of `targets` into them through `stage`, one socket call at a
     /// time, each piece placed with streaming stores; with `hasher`, feeds it each piece from
     /// the stage (the bytes as they arrived, still in the cache).
@@ -351,9 +368,9 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterConn<S> {
     async fn scatter(
         &mut self,
         targets: &[(usize, usize)],
+        total: usize,
         mut hasher: Option<&mut Checksum>,
     ) -> io::Result<()> {
-        let total: usize = targets.iter().map(|t| t.1).sum();
         // What the read buffer already holds belongs to this payload first.
         let buffered = self.0.buffer();
         let mut done = place(targets, 0, &buffered[..buffered.len().min(total)]);
@@ -407,11 +424,7 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S>
         targets: &[(usize, usize)],
         stage: &mut Vec<u8>,
     ) -> io::Result<()> {
-        let total: usize = targets.iter().map(|t| t.1).sum();
-        if staged_rows(targets, total) {
-            return self.scatter_staged(targets, total, stage, None).await;
-        }
-        self.scatter(targets, None).await
+        self.payload(targets, stage, None).await
     }
 
     async fn read_into_checked(
@@ -420,13 +433,7 @@ impl<S: AsyncRead + AsyncWrite + AsRawFd + Unpin> ScatterRead for ScatterConn<S>
         stage: &mut Vec<u8>,
     ) -> io::Result<u64> {
         let mut hasher = Checksum::new();
-        let total: usize = targets.iter().map(|t| t.1).sum();
-        if staged_rows(targets, total) {
-            self.scatter_staged(targets, total, stage, Some(&mut hasher))
-                .await?;
-        } else {
-            self.scatter(targets, Some(&mut hasher)).await?;
-        }
+        self.payload(targets, stage, Some(&mut hasher)).await?;
         Ok(hasher.digest())
     }
 }

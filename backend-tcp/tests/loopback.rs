@@ -90,6 +90,13 @@ fn op(id: u64, room: u64, slices: Vec<Slice>) -> TransferOp {
     }
 }
 
+/// Waits until `n` operations were reported to `got`.
+async fn reported(got: &Mutex<Vec<(TransferId, TransferOutcome)>>, n: usize) {
+    while got.lock().unwrap().len() < n {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
 fn collector() -> (Report, Arc<Mutex<Vec<(TransferId, TransferOutcome)>>>) {
     let got = Arc::new(Mutex::new(Vec::new()));
     let g = got.clone();
@@ -118,9 +125,7 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
     sender
         .send(op(2, 8, vec![Slice::run(region, 0, 0, 1024)]))
         .unwrap();
-    while got.lock().unwrap().len() < 2 {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    reported(&got, 2).await;
     assert_eq!(
         *got.lock().unwrap(),
         vec![
@@ -157,9 +162,7 @@ async fn a_repeat_of_a_write_whose_room_already_succeeded_is_acknowledged_done_a
     sender
         .send(op(1, 107, vec![Slice::run(region, 0, 0, 1024)]))
         .unwrap();
-    while got.lock().unwrap().is_empty() {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    reported(&got, 1).await;
     // The sender's room must not fail for a retry whose bytes are there already.
     assert_eq!(
         *got.lock().unwrap(),
@@ -202,9 +205,7 @@ async fn a_strided_slice_moves_each_row_from_its_source_row_to_its_destination_r
             ..op(1, 3, vec![slice])
         })
         .unwrap();
-    while got.lock().unwrap().is_empty() {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    reported(&got, 1).await;
     assert_eq!(
         *got.lock().unwrap(),
         vec![(TransferId(1), TransferOutcome::Done)]
@@ -261,9 +262,7 @@ async fn short_rows_land(checksum: bool) {
             ..op(1, 5, vec![slice])
         })
         .unwrap();
-    while got.lock().unwrap().is_empty() {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    reported(&got, 1).await;
     assert_eq!(
         *got.lock().unwrap(),
         vec![(TransferId(1), TransferOutcome::Done)]
@@ -630,9 +629,7 @@ async fn send_checked(
     let sender = DataSender::spawn(a, src, report);
     op.checksum = true;
     sender.send(op).unwrap();
-    while got.lock().unwrap().is_empty() {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    reported(&got, 1).await;
     let reported = got.lock().unwrap().clone();
     reported
 }

@@ -107,12 +107,13 @@ def replica_sources(prefill_tp: int, decode_tp: int, total: int,
     # This rank's turn among the decode ranks of its head (one rank per head: its own rank,
     # so that the decode ranks spread over the replicas).
     turn = rank % per_head if decode_tp > total else rank
-    loaded = set(range(per_head)) if decode_tp > total else {turn % replicas}
+    # The replicas of a head its decode ranks load from (the same for every head).
+    loaded = {t % replicas for t in (range(per_head) if decode_tp > total else [turn])}
     sources, idle = [], []
     for h in range(first, first + count):
         sources.append(h * replicas + turn % replicas)
         idle += [h * replicas + j for j in range(replicas)
-                 if j % replicas not in {t % replicas for t in loaded} and j % per_head == turn % per_head]
+                 if j not in loaded and j % per_head == turn % per_head]
     receivers = max(1, per_head // replicas)
     return sources + idle, receivers, list(range(len(sources), len(sources) + len(idle)))
 
