@@ -3,12 +3,11 @@
 //! buffers), on the shard's own thread.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_io::{AsyncRead, AsyncWrite};
 
@@ -18,6 +17,7 @@ use kvferry_memory::{MemoryMap, WriteCheck};
 
 use crate::fd::{second_handle, GatherConn, ScatterConn};
 use crate::io_common::{Limits, ServeError, ServeStats};
+pub use crate::polled::Polled;
 use crate::send::{Copying, Task};
 use crate::stream::serve_writes_on;
 
@@ -91,87 +91,6 @@ impl AsyncWrite for LocalConn {
             LocalConn::Plain(s) => Pin::new(s).poll_close(cx),
             LocalConn::Tls(t) => Pin::new(t.as_mut()).poll_close(cx),
         }
-    }
-}
-
-/// A plain glommio socket whose reads call `recv` first and, for `spin` after the last bytes
-/// came, keep calling it before they wait on the ring. glommio waits for a socket through a
-/// readiness poll on its ring, and after a partial read it arms one at once and reads nothing
-/// more until that poll completes: on this VM that took ~40 us after the bytes were there,
-/// most of a small operation's round trip. The ring only polls readiness (it consumes no
-/// bytes), so reading the socket around it keeps the stream in order. A read within its spin
-/// keeps its task ready, and glommio looks at its ring only when no task is ready or its
-/// preempt timer fires: while bytes keep coming less than `spin` apart, what waits on the
-/// shard's ring waits up to that timer (100 ms).
-pub struct Polled {
-    stream: TcpStream,
-    spin: Duration,
-    last: Instant,
-}
-
-impl Polled {
-    /// Wraps `stream`; `spin` is how long after its last bytes a read keeps trying before it
-    /// waits (zero: one try, then the ring).
-    pub fn new(stream: TcpStream, spin: Duration) -> Self {
-        Polled {
-            stream,
-            spin,
-            last: Instant::now(),
-        }
-    }
-}
-
-impl AsRawFd for Polled {
-    fn as_raw_fd(&self) -> RawFd {
-        self.stream.as_raw_fd()
-    }
-}
-
-impl AsyncRead for Polled {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut [u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        loop {
-            // SAFETY: the descriptor stays open for as long as `this.stream`, which outlives
-            // the call.
-            let fd = unsafe { BorrowedFd::borrow_raw(this.stream.as_raw_fd()) };
-            match rustix::net::recv(fd, buf, rustix::net::RecvFlags::DONTWAIT) {
-                Ok(n) => {
-                    this.last = Instant::now();
-                    return Poll::Ready(Ok(n));
-                }
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(rustix::io::Errno::AGAIN) => break,
-                Err(e) => return Poll::Ready(Err(e.into())),
-            }
-        }
-        if this.last.elapsed() < this.spin {
-            // Still within the spin: run again after the shard's other ready tasks.
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
-        }
-        Pin::new(&mut this.stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Polled {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
-    }
-
-    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_close(cx)
     }
 }
 

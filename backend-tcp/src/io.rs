@@ -6,6 +6,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use kvferry_core::{TransferId, TransferOutcome};
 use kvferry_memory::{MemoryMap, WriteCheck};
@@ -16,6 +17,7 @@ use tokio::task::JoinHandle;
 
 use crate::fd::{GatherConn, ScatterConn};
 use crate::io_common::{Limits, Preamble, ServeError, ServeStats};
+use crate::polled::Polled;
 use crate::send::{Copying, Task};
 use crate::stream::{
     answer_data_on, challenge_data_on, hello_control, hello_data, read_preamble_on, serve_writes_on,
@@ -95,8 +97,14 @@ impl Task for JoinHandle<()> {
 }
 
 impl DataSender {
-    /// Takes over an established data connection (preamble already exchanged).
-    pub fn spawn(conn: impl Into<Conn>, memory: Arc<MemoryMap>, report: Report) -> Self {
+    /// Takes over an established data connection (preamble already exchanged); on plain TCP
+    /// its acknowledgements are read as [`Polled`] with `spin`.
+    pub fn spawn(
+        conn: impl Into<Conn>,
+        memory: Arc<MemoryMap>,
+        report: Report,
+        spin: Duration,
+    ) -> Self {
         let conn = conn.into();
         let _ = conn.tcp().set_nodelay(true);
         match conn {
@@ -104,7 +112,7 @@ impl DataSender {
                 let (read, write) = stream.into_split();
                 Self::start(
                     GatherConn(TokioIo(write)),
-                    TokioIo(read),
+                    Polled::new(TokioIo(read), spin),
                     memory,
                     report,
                     |w, a| [tokio::spawn(w.run()), tokio::spawn(a.run())],
@@ -128,17 +136,19 @@ impl DataSender {
 /// `check`, scatters the payload straight into registered memory, then acknowledges.
 ///
 /// Refused writes are read into a discard buffer (never into registered memory) and
-/// acknowledged as refused. A malformed header ends the connection. Returns on EOF.
+/// acknowledged as refused. A malformed header ends the connection. Returns on EOF. Plain
+/// TCP is read as [`Polled`] with `spin`.
 pub async fn serve_writes(
     stream: impl Into<Conn>,
     memory: Arc<MemoryMap>,
     check: Arc<dyn WriteCheck + Send + Sync>,
     limits: Limits,
+    spin: Duration,
 ) -> Result<ServeStats, ServeError> {
     match stream.into() {
         Conn::Plain(tcp) => {
             let _ = tcp.set_nodelay(true);
-            let mut conn = ScatterConn::new(TokioIo(tcp), crate::RECV_BUF);
+            let mut conn = ScatterConn::new(Polled::new(TokioIo(tcp), spin), crate::RECV_BUF);
             serve_writes_on(&mut conn, &memory, check, limits).await
         }
         tls @ Conn::Tls(_) => {

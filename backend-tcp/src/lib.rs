@@ -21,6 +21,7 @@ pub mod fd;
 pub mod glommio;
 #[cfg(feature = "tokio")]
 mod io;
+pub mod polled;
 pub mod send;
 mod staged;
 pub mod stream;

@@ -13,6 +13,9 @@ use kvferry_memory::{MemoryMap, WriteCheck};
 use kvferry_tcp::{serve_writes, DataSender, Limits, Report};
 use tokio::net::{TcpListener, TcpStream};
 
+/// How long the tests' reads keep trying after the last bytes, as a tokio node's do.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+
 /// Lets writes of its room land; one of the room 100 above it already succeeded.
 struct AllowRoom(RoomId);
 
@@ -71,6 +74,7 @@ async fn serving(
         dst.clone(),
         Arc::new(AllowRoom(RoomId(room))),
         limits,
+        SPIN,
     ));
     (a, server)
 }
@@ -115,7 +119,7 @@ async fn a_batch_lands_exactly_where_its_descriptors_say() {
     }
     let (a, server) = serving(&dst, 7, false).await;
     let (report, got) = collector();
-    let sender = DataSender::spawn(a, src.clone(), report);
+    let sender = DataSender::spawn(a, src.clone(), report, SPIN);
     // pages 0..4 -> 100..104, pages 6..8 -> 10..12
     let slices = vec![
         Slice::run(region, 0, 100 * 1024, 4 * 1024),
@@ -158,7 +162,7 @@ async fn a_repeat_of_a_write_whose_room_already_succeeded_is_acknowledged_done_a
     src.write(region, 0, &[9u8; 1024]).unwrap();
     let (a, server) = serving(&dst, 7, false).await;
     let (report, got) = collector();
-    let sender = DataSender::spawn(a, src.clone(), report);
+    let sender = DataSender::spawn(a, src.clone(), report, SPIN);
     sender
         .send(op(1, 107, vec![Slice::run(region, 0, 0, 1024)]))
         .unwrap();
@@ -189,7 +193,7 @@ async fn a_strided_slice_moves_each_row_from_its_source_row_to_its_destination_r
     }
     let (a, server) = serving(&dst, 3, true).await;
     let (report, got) = collector();
-    let sender = DataSender::spawn(a, src.clone(), report);
+    let sender = DataSender::spawn(a, src.clone(), report, SPIN);
     let slice = Slice {
         region,
         src_offset: 32,
@@ -246,7 +250,7 @@ async fn short_rows_land(checksum: bool) {
     src.write(region, 0, &sent).unwrap();
     let (a, server) = serving(&dst, 5, checksum).await;
     let (report, got) = collector();
-    let sender = DataSender::spawn(a, src.clone(), report);
+    let sender = DataSender::spawn(a, src.clone(), report, SPIN);
     let slice = Slice {
         region,
         src_offset: 0,
@@ -293,7 +297,7 @@ async fn a_closed_connection_fails_unacknowledged_operations_transiently() {
     let (a, b) = pair().await;
     drop(b);
     let (report, got) = collector();
-    let sender = DataSender::spawn(a, src, report);
+    let sender = DataSender::spawn(a, src, report, SPIN);
     let region = Region::Kv { layer: 0, plane: 0 };
     let _ = sender.send(op(5, 1, vec![Slice::run(region, 0, 0, 1024)]));
     sender.close().await;
@@ -357,7 +361,7 @@ async fn an_acknowledgement_for_an_operation_never_sent_closes_the_connection_at
     let src = Arc::new(MemoryMap::allocate(layout));
     let (a, mut peer) = pair().await;
     let (report, got) = collector();
-    let sender = DataSender::spawn(a, src, report);
+    let sender = DataSender::spawn(a, src, report, SPIN);
     let region = Region::Kv { layer: 0, plane: 0 };
     let slice = Slice::run(region, 0, 0, 1024);
     sender.send(op(1, 7, vec![slice])).unwrap();
@@ -457,6 +461,7 @@ async fn a_checked_write_whose_bytes_changed_on_the_way_is_acknowledged_corrupt(
         dst.clone(),
         check.clone(),
         checked_limits(),
+        SPIN,
     ));
     let sent = vec![0x11u8; 1024];
     let mut landed = sent.clone();
@@ -506,6 +511,7 @@ async fn a_checked_write_of_rows_apart_whose_bytes_changed_on_the_way_is_acknowl
         dst.clone(),
         check.clone(),
         checked_limits(),
+        SPIN,
     ));
     // Ten rows of 100 bytes, 200 bytes apart: received through the stage.
     let slice = Slice {
@@ -556,6 +562,7 @@ async fn an_unchecked_write_on_a_checksummed_connection_closes_it() {
         dst,
         Arc::new(AllowRoom(RoomId(7))),
         checked_limits(),
+        SPIN,
     ));
     let mut unchecked = Vec::new();
     kvferry_tcp::WriteHeader {
@@ -587,7 +594,7 @@ async fn a_checked_write_on_an_unchecked_connection_is_served_and_verified() {
         ..checked_limits()
     };
     let check = Arc::new(Recording(RoomId(7), Mutex::new(Vec::new())));
-    let server = tokio::spawn(serve_writes(b, dst.clone(), check.clone(), unchecked));
+    let server = tokio::spawn(serve_writes(b, dst.clone(), check.clone(), unchecked, SPIN));
     let sent = vec![0x22u8; 1024];
     let mut flipped = sent.clone();
     flipped[3] ^= 0x80;
@@ -624,9 +631,10 @@ async fn send_checked(
         dst,
         Arc::new(AllowRoom(RoomId(7))),
         checked_limits(),
+        SPIN,
     ));
     let (report, got) = collector();
-    let sender = DataSender::spawn(a, src, report);
+    let sender = DataSender::spawn(a, src, report, SPIN);
     op.checksum = true;
     sender.send(op).unwrap();
     reported(&got, 1).await;

@@ -151,6 +151,8 @@ impl CommonArgs {
 /// The core's knobs: `KVFERRY_*` variables, then the `--config` file, then flags.
 pub(crate) fn load_config(common: &CommonArgs) -> Result<Config, String> {
     let mut config = Config::from_env().map_err(|e| e.to_string())?;
+    // The driver's own knob (read by `node_config`): refused here, before any node starts.
+    kvferry_testkit::read_spin_from_vars(std::env::vars())?;
     if let Some(path) = common.config.as_ref() {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;

@@ -26,6 +26,45 @@ pub struct NodeConfig {
     /// TLS on every control and data connection (`None`: plain TCP). The cluster-token
     /// proofs of the handshake run inside it either way.
     pub tls: Option<kvferry_tcp::TlsFiles>,
+    /// How long a plain TCP connection's reads keep calling `recv` after its last bytes
+    /// before they wait on the runtime's poller ([`kvferry_tcp::polled::Polled`]): a small
+    /// operation's round trip then costs syscalls, not a parked thread's wake-up. A glommio
+    /// shard spins at most this long, and only where it is pinned (its executor parks at
+    /// once elsewhere). Zero: one try, then the poller.
+    pub read_spin: std::time::Duration,
+}
+
+/// The default [`NodeConfig::read_spin`].
+pub const DEFAULT_READ_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// The longest [`NodeConfig::read_spin`] `KVFERRY_READ_SPIN_US` may ask for: past a
+/// millisecond a read is no faster for spinning, only busier.
+const MAX_READ_SPIN_US: u64 = 1000;
+
+/// [`NodeConfig::read_spin`] as `KVFERRY_READ_SPIN_US` among `vars` gives it (the default
+/// without it); an error names the value that is no number of microseconds.
+pub fn read_spin_from_vars<K: AsRef<str>, V: AsRef<str>>(
+    vars: impl IntoIterator<Item = (K, V)>,
+) -> Result<std::time::Duration, String> {
+    let mut spin = DEFAULT_READ_SPIN;
+    for (k, v) in vars {
+        if k.as_ref() == "KVFERRY_READ_SPIN_US" {
+            let us = v
+                .as_ref()
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|&us| us <= MAX_READ_SPIN_US)
+                .ok_or_else(|| {
+                    format!(
+                        "KVFERRY_READ_SPIN_US={:?}: not a number of microseconds up to {MAX_READ_SPIN_US}",
+                        v.as_ref()
+                    )
+                })?;
+            spin = std::time::Duration::from_micros(us);
+        }
+    }
+    Ok(spin)
 }
 
 /// Which data plane carries a node's operations (the control channel is TCP either way).

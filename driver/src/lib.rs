@@ -40,7 +40,8 @@ pub use announce::{Announcement, Announcer};
 pub use calls::{Embedder, ShardCalls};
 pub use cma::{check_same_host, SameHost, SameHostPlane};
 pub use config::{
-    check_memory, log_start, tcp_only, DataBackend, DataPath, NodeConfig, START_TARGET, TCP_PATH,
+    check_memory, log_start, read_spin_from_vars, tcp_only, DataBackend, DataPath, NodeConfig,
+    DEFAULT_READ_SPIN, START_TARGET, TCP_PATH,
 };
 pub use error::{NodeError, Unsupported};
 pub use fault_switch::FaultSwitch;

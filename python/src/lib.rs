@@ -223,6 +223,8 @@ impl Node {
                 ));
             }
         }
+        let read_spin = kvferry_tokio::read_spin_from_vars(vars.iter().map(|(k, v)| (k, v)))
+            .map_err(InvalidArgument::new_err)?;
         let core = Config::from_vars(vars).map_err(|e| InvalidArgument::new_err(e.to_string()))?;
         let host = |(p, l): Span| ExternalRegion::host(p as *mut u8, l);
         let kind = kv_device.map_or(MemoryKind::Host, |device| MemoryKind::Cuda { device });
@@ -274,6 +276,7 @@ impl Node {
             backend,
             same_host,
             tls: None,
+            read_spin,
         };
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

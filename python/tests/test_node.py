@@ -182,6 +182,24 @@ def test_a_disconnected_peer_is_let_go_and_its_id_is_refused(prefill):
     d.shutdown()
 
 
+def test_a_decode_without_a_read_spin_moves_rooms_and_a_bad_spin_is_refused(prefill):
+    """read_spin_us=0 reads each socket once before waiting on the poller; rooms still land
+    whole. A spin that is no number, or past 1000 us, is refused at start."""
+    _proc, addr, _send = prefill
+    kv, aux = pool(fill=False)
+    for bad in ("soon", 5000):
+        with pytest.raises(kvferry.InvalidArgument, match="READ_SPIN_US"):
+            node("decode", kv, aux, read_spin_us=bad)
+    d = node("decode", kv, aux, read_spin_us=0)
+    peer = d.connect([addr])
+    d.open_receiver(51, [peer], pages=[4, 5, 6], aux_slot=1)
+    assert d.wait(51, 10.0) == KVPoll.Success
+    src, _ = pool(fill=True)
+    for i, page in enumerate([4, 5, 6]):
+        assert (kv[:, page, :] == src[:, 1 + i, :]).all()
+    d.shutdown()
+
+
 def test_bad_input_raises_the_documented_exceptions(prefill):
     _proc, addr, _send = prefill
     kv, aux = pool(fill=False)

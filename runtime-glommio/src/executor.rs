@@ -219,7 +219,7 @@ pub(crate) fn spawn_shards(
             |placement: Placement, mut setup: ShardSetup, ready: std::sync::mpsc::Sender<_>| {
                 // glommio spins only on a pinned executor; the socket reads follow it.
                 setup.read_spin = if matches!(placement, Placement::Fixed(_)) {
-                    shards.spin_before_park
+                    shards.spin_before_park.min(setup.config.read_spin)
                 } else {
                     Duration::ZERO
                 };

@@ -40,7 +40,7 @@ use kvferry_driver::{
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultKind, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
-    RoomHandle, RoomView, SameHost, Unsupported,
+    RoomHandle, RoomView, SameHost, Unsupported, DEFAULT_READ_SPIN,
 };
 use kvferry_memory::MemoryMap;
 use kvferry_tcp::fd::second_handle;

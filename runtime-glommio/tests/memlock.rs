@@ -28,6 +28,7 @@ fn a_too_low_memlock_limit_is_a_typed_error_that_names_the_fix() {
         backend: Default::default(),
         same_host: Default::default(),
         tls: None,
+        read_spin: kvferry_glommio::DEFAULT_READ_SPIN,
     };
     let err = GlommioNode::start(
         config,

@@ -22,6 +22,7 @@ fn start(node: u64, pin: bool) -> GlommioNode {
         backend: Default::default(),
         same_host: Default::default(),
         tls: None,
+        read_spin: kvferry_glommio::DEFAULT_READ_SPIN,
     };
     let shards = ShardConfig {
         shards: 1,

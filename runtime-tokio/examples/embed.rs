@@ -30,6 +30,7 @@ fn start(role: Role, node: u64, layout: Layout) -> Result<Node, kvferry_tokio::N
         backend: Default::default(), // TCP data connections
         same_host: Default::default(),
         tls: None,
+        read_spin: kvferry_tokio::DEFAULT_READ_SPIN,
     };
     Node::start(config, Arc::new(MemoryMap::allocate(layout)))
 }

@@ -19,11 +19,11 @@ use kvferry_core::{
     Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionKey,
 };
 use kvferry_memory::MemoryMap;
+use kvferry_tcp::polled::Polled;
 use kvferry_tcp::{
     accept_conn, connect_control, connect_data, serve_writes, Conn, DataSender, Limits, Report,
     ServeError, ServeStats, TlsSetup, TokioIo,
 };
-use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
@@ -36,8 +36,9 @@ pub use kvferry_driver::rdma::SessionRdma;
 
 use kvferry_driver::runtime::{Reporter, Work};
 pub use kvferry_driver::{
-    export_metrics, shard_of, Announcement, DataBackend, DataPath, FaultKind, FaultPlan, KvNode,
-    Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, SameHost, Unsupported,
+    export_metrics, read_spin_from_vars, shard_of, Announcement, DataBackend, DataPath, FaultKind,
+    FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, SameHost,
+    Unsupported, DEFAULT_READ_SPIN,
 };
 use kvferry_driver::{
     runtime, Announcer, CoreCheck, Driver, DriverAccess, Embedder, Host, Job, Runtime, RuntimeNode,
@@ -54,6 +55,8 @@ pub struct TokioHost {
     runtime: tokio::runtime::Handle,
     tls: Option<TlsSetup>,
     events: broadcast::Sender<Event>,
+    /// [`NodeConfig::read_spin`].
+    read_spin: Duration,
 }
 
 struct Shared {
@@ -176,6 +179,7 @@ impl Node {
                 runtime: runtime.clone(),
                 tls: tls.clone(),
                 events: events.clone(),
+                read_spin: config.read_spin,
             };
             Shared {
                 driver: Mutex::new(Driver::new(
@@ -369,8 +373,8 @@ impl Host for TokioHost {
 
 impl Runtime for TokioHost {
     type Stream = Conn;
-    type Read = TokioIo<ReadHalf<Conn>>;
-    type Write = TokioIo<WriteHalf<Conn>>;
+    type Read = Box<dyn futures_io::AsyncRead + Send + Unpin>;
+    type Write = Box<dyn futures_io::AsyncWrite + Send + Unpin>;
 
     fn io(stream: &mut Conn) -> impl futures_io::AsyncRead + futures_io::AsyncWrite + Unpin + '_ {
         TokioIo(stream)
@@ -394,8 +398,22 @@ impl Runtime for TokioHost {
     }
 
     fn split(&self, stream: Conn) -> std::io::Result<(Self::Read, Self::Write)> {
-        let (read, write) = tokio::io::split(stream);
-        Ok((TokioIo(read), TokioIo(write)))
+        Ok(match stream {
+            // Plain TCP: the socket's own halves, no lock between them; the reader reads the
+            // socket before it waits on tokio's poller, as data connections do.
+            Conn::Plain(tcp) => {
+                let (read, write) = tcp.into_split();
+                (
+                    Box::new(Polled::new(TokioIo(read), self.read_spin)),
+                    Box::new(TokioIo(write)),
+                )
+            }
+            // TLS: one session state, shared by the two halves of its stream.
+            tls @ Conn::Tls(_) => {
+                let (read, write) = tokio::io::split(tls);
+                (Box::new(TokioIo(read)), Box::new(TokioIo(write)))
+            }
+        })
     }
 
     fn spawn(&self, work: Work<Self>) -> JoinHandle<()> {
@@ -404,7 +422,12 @@ impl Runtime for TokioHost {
 
     fn start_sender(&self, stream: Conn, report: Reporter<Self>) -> std::io::Result<DataSender> {
         let report: Report = Arc::new(move |id, outcome| report.report(id, outcome));
-        Ok(DataSender::spawn(stream, self.memory.clone(), report))
+        Ok(DataSender::spawn(
+            stream,
+            self.memory.clone(),
+            report,
+            self.read_spin,
+        ))
     }
 
     fn serve(
@@ -412,7 +435,13 @@ impl Runtime for TokioHost {
         stream: Conn,
         check: CoreCheck<DriverAccess<Self>>,
     ) -> impl std::future::Future<Output = Result<ServeStats, ServeError>> + 'static {
-        serve_writes(stream, self.memory.clone(), Arc::new(check), self.limits)
+        serve_writes(
+            stream,
+            self.memory.clone(),
+            Arc::new(check),
+            self.limits,
+            self.read_spin,
+        )
     }
 
     #[cfg(feature = "rdma")]

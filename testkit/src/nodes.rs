@@ -38,6 +38,9 @@ pub fn node_config(role: Role, shape: &Shape, core: Config, token: &[u8], seed: 
         backend: Default::default(),
         same_host: Default::default(),
         tls: None,
+        // `KVFERRY_READ_SPIN_US`; the CLI refuses a bad value before it gets here.
+        read_spin: kvferry_tokio::read_spin_from_vars(std::env::vars())
+            .unwrap_or(kvferry_tokio::DEFAULT_READ_SPIN),
     }
 }
 

@@ -385,6 +385,7 @@ async fn f10_a_write_outside_the_rooms_pages_is_refused_and_nothing_lands() {
         data,
         src,
         Arc::new(move |_, r| *o.lock().unwrap() = Some(r)),
+        std::time::Duration::ZERO,
     );
     let slice = Slice::run(
         Region::Kv { layer: 0, plane: 0 },

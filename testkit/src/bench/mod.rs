@@ -168,13 +168,14 @@ impl Kv {
             max_slices: 8192,
             max_bytes: 1 << 30,
         };
-        tokio::spawn(serve_writes(b, dst, check, limits));
+        let spin = tokio_spin();
+        tokio::spawn(serve_writes(b, dst, check, limits, spin));
         let (tx, done) = mpsc::unbounded_channel();
         let report: Report = Arc::new(move |id, outcome| {
             let _ = tx.send((id, outcome));
         });
         Ok(Kv {
-            sender: DataSender::spawn(a, src, report),
+            sender: DataSender::spawn(a, src, report, spin),
             done,
             next: 0,
         })
@@ -196,6 +197,11 @@ impl Kv {
             ))),
         }
     }
+}
+
+/// How long the tokio data plane's reads spin: `KVFERRY_READ_SPIN_US`, as a node's would.
+fn tokio_spin() -> std::time::Duration {
+    kvferry_tokio::read_spin_from_vars(std::env::vars()).unwrap_or(kvferry_tokio::DEFAULT_READ_SPIN)
 }
 
 struct Raw {
