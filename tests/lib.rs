@@ -7,7 +7,6 @@ use std::time::Duration;
 use kvferry_core::{Config, Role};
 use kvferry_memory::MemoryMap;
 use kvferry_testkit::{node_config, Shape};
-use kvferry_tokio::Node;
 
 /// A small shape: 4 layers, K and V, 4 KiB pages, 8 pages per room.
 pub fn small_shape() -> Shape {
@@ -110,7 +109,7 @@ pub const RUNTIMES: [Runtime; 2] = [
 pub fn start(role: Role, shape: &Shape, core: Config, seed: u64) -> Node {
     let mut cfg = node_config(role, shape, core, b"test-token", seed);
     use_test_backend(&mut cfg);
-    Node::start(cfg, Arc::new(MemoryMap::allocate(shape.layout()))).expect("node starts")
+    kvferry_tokio::start(cfg, Arc::new(MemoryMap::allocate(shape.layout()))).expect("node starts")
 }
 
 /// A prefill node serving synthetic KV on an ephemeral loopback port.
@@ -159,9 +158,7 @@ pub use kvferry_testkit::proxy;
 
 // ------------------------------------------------------------------ any driver
 
-pub use kvferry_testkit::{AnyNode, Runtime};
-pub use kvferry_tokio::KvNode;
-
+pub use kvferry_testkit::{Node, Runtime};
 /// The glommio configuration the generic suite runs: two shards (one per core here).
 pub const GLOMMIO: Runtime = Runtime::Glommio {
     shards: 2,
@@ -202,7 +199,7 @@ pub fn use_test_backend(cfg: &mut kvferry_tokio::NodeConfig) {
 }
 
 /// Starts a node of `role` on `runtime` with its own memory.
-pub fn start_on(runtime: Runtime, role: Role, shape: &Shape, core: Config, seed: u64) -> AnyNode {
+pub fn start_on(runtime: Runtime, role: Role, shape: &Shape, core: Config, seed: u64) -> Node {
     let mut cfg = node_config(role, shape, core, b"test-token", seed);
     use_test_backend(&mut cfg);
     runtime
@@ -217,7 +214,7 @@ pub async fn prefill_on(
     core: Config,
     seed: u64,
     at: SocketAddr,
-) -> (AnyNode, Vec<SocketAddr>, tokio::task::JoinHandle<()>) {
+) -> (Node, Vec<SocketAddr>, tokio::task::JoinHandle<()>) {
     let node = start_on(runtime, Role::Prefill, shape, core, seed);
     let addrs = node.listen(at).await.expect("listen");
     let server = tokio::spawn(kvferry_testkit::serve_prefill(node.clone(), shape.clone()));

@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Args;
 use kvferry_core::{Config, Role};
 use kvferry_memory::MemoryMap;
-use kvferry_testkit::{node_config, AnyNode, Progress, Report, RoomEnd, Runtime, Shape};
+use kvferry_testkit::{node_config, Node, Progress, Report, RoomEnd, Runtime, Shape};
 
 #[derive(Args, Clone)]
 pub(crate) struct ShapeArgs {
@@ -199,7 +199,7 @@ pub(crate) fn start_node(
     role: Role,
     shape: &ShapeArgs,
     common: &CommonArgs,
-) -> Result<(AnyNode, Shape), String> {
+) -> Result<(Node, Shape), String> {
     let runtime = common.runtime()?;
     let config = load_config(common)?;
     install_metrics(common.metrics_addr)?;

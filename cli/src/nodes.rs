@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use clap::Args;
 use kvferry_core::Role;
-use kvferry_driver::KvNode;
 use kvferry_testkit::{add_counters, run_decode, serve_prefill, DecodeRun};
 
 use crate::args::{print_report, progress_bar, room_logger, start_node, CommonArgs, ShapeArgs};

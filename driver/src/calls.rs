@@ -1,42 +1,174 @@
-//! The embedder's room calls, written once for every runtime over [`ShardCalls`]: how a call
-//! reaches the driver of one shard is all a runtime supplies (a lock on tokio, a closure sent
-//! to the shard's thread on glommio). Room `r` lives on shard `r mod shards`
-//! ([`shard_of`]); a peer is the list of its addresses on every shard.
+//! The embedder's API, written once for every runtime: [`Node`]. How a call reaches the
+//! driver of one shard is all a runtime supplies ([`Shards`]: a lock on tokio, a closure sent
+//! to the shard's thread on glommio), with its listeners and its shutdown. Room `r` lives on
+//! shard `r mod shards` ([`shard_of`]); a peer is the list of its addresses on every shard.
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use kvferry_core::{
-    ApiError, Capacity, Chunk, Counters, FailureReason, Generation, Grant, Link, PromptDigest,
-    RoomId, SessionId, TargetId,
+    ApiError, Capacity, Chunk, Config, Counters, Endpoint, Event, FailureReason, Generation, Grant,
+    KvPoll, Link, PromptDigest, Role, RoomId, SessionId, TargetId,
 };
-use tokio::sync::oneshot;
+use kvferry_memory::MemoryMap;
+use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::{shard_of, NodeError, PeerId, RoomHandle};
-use crate::{Driver, Host};
+use crate::{shard_of, Announcement, Announcer, Answer, DataPath, FaultPlan, NodeError, PeerId};
+use crate::{Driver, Host, RoomHandle};
 
-/// How an embedder's call reaches the driver of one of a node's shards.
-pub trait ShardCalls: Send + Sync + 'static {
-    /// The runtime side of the driver loop.
-    type Host: Host;
+/// A future a runtime hands back from a [`Shards`] method.
+pub type ShardFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// An embedder's call, run on one shard's driver.
+pub type ShardCall = Box<dyn FnOnce(&mut dyn DriverCalls) + Send>;
+
+/// What a runtime supplies under a [`Node`]: how a call reaches the driver of one of its
+/// shards, how it listens, how it shuts down. Dropping it (with the node's last clone) stops
+/// the node's tasks.
+pub trait Shards: Send + Sync + 'static {
     /// How many shards (drivers) the node runs; a tokio node is one.
-    fn shards(&self) -> usize;
+    fn count(&self) -> usize;
 
-    /// Runs `f` on the driver of `shard` and gives back its result (`ShutDown` when the
-    /// shard is gone).
-    fn call<T, F>(&self, shard: usize, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Driver<Self::Host>) -> T + Send + 'static;
+    /// Runs `call` on the driver of `shard`; `ShutDown` when the shard is gone (the call
+    /// was dropped unrun).
+    fn call(&self, shard: usize, call: ShardCall) -> ShardFuture<'static, Result<(), NodeError>>;
+
+    /// Accepts peers on `addr` (port 0: any); one address per shard.
+    fn listen(&self, addr: SocketAddr) -> ShardFuture<'_, Result<Vec<SocketAddr>, NodeError>>;
+
+    /// Closes the listeners, then fails every room, tells every peer and closes every
+    /// connection; ends once the core says the shutdown is complete. Runs to its end even if
+    /// the caller stops waiting.
+    fn shutdown(&self) -> ShardFuture<'static, ()>;
 }
 
-/// A node's room calls and its peer table over any runtime's shards.
-#[derive(Debug)]
-pub struct Embedder<C> {
-    calls: C,
+/// How [`DriverCalls::open_room`] opens a room on the core.
+pub type RoomOpen<'a> = Box<dyn FnOnce(&mut Endpoint, Instant) -> Result<(), ApiError> + 'a>;
+
+/// A shard's driver as an embedder's call sees it, whatever runtime it runs on.
+pub trait DriverCalls {
+    /// The core.
+    fn endpoint(&self) -> &Endpoint;
+    /// The core, to hand it an input; [`DriverCalls::drain`] after.
+    fn endpoint_mut(&mut self) -> &mut Endpoint;
+    /// Carries out what the core asked for since the last drain.
+    fn drain(&mut self);
+    /// [`Driver::dial`].
+    fn dial(&mut self, addr: SocketAddr, tx: Answer);
+    /// [`Driver::add_target`].
+    fn add_target(&mut self, addr: SocketAddr) -> Result<TargetId, ApiError>;
+    /// [`Driver::on_target`].
+    fn on_target(&mut self, target: TargetId, tx: Answer);
+    /// [`Driver::take_let_go`].
+    fn take_let_go(&mut self) -> Vec<TargetId>;
+    /// [`Driver::disconnect`].
+    fn disconnect(&mut self, links: &[Link]);
+    /// [`Driver::set_faults`].
+    fn set_faults(&mut self, faults: Option<FaultPlan>);
+    /// [`Driver::open_room`].
+    fn open_room(&mut self, room: RoomId, open: RoomOpen<'_>) -> Result<RoomHandle, ApiError>;
+    /// [`Driver::session_paths`].
+    fn session_paths(&self) -> Vec<(SessionId, DataPath)>;
+    /// [`Driver::session_data_connections`].
+    fn session_data_connections(&self) -> Vec<(SessionId, usize)>;
+}
+
+impl<H: Host> DriverCalls for Driver<H> {
+    fn endpoint(&self) -> &Endpoint {
+        Driver::endpoint(self)
+    }
+    fn endpoint_mut(&mut self) -> &mut Endpoint {
+        Driver::endpoint_mut(self)
+    }
+    fn drain(&mut self) {
+        Driver::drain(self);
+    }
+    fn dial(&mut self, addr: SocketAddr, tx: Answer) {
+        Driver::dial(self, addr, tx);
+    }
+    fn add_target(&mut self, addr: SocketAddr) -> Result<TargetId, ApiError> {
+        Driver::add_target(self, addr)
+    }
+    fn on_target(&mut self, target: TargetId, tx: Answer) {
+        Driver::on_target(self, target, tx);
+    }
+    fn take_let_go(&mut self) -> Vec<TargetId> {
+        Driver::take_let_go(self)
+    }
+    fn disconnect(&mut self, links: &[Link]) {
+        Driver::disconnect(self, links);
+    }
+    fn set_faults(&mut self, faults: Option<FaultPlan>) {
+        Driver::set_faults(self, faults);
+    }
+    fn open_room(&mut self, room: RoomId, open: RoomOpen<'_>) -> Result<RoomHandle, ApiError> {
+        Driver::open_room(self, room, open)
+    }
+    fn session_paths(&self) -> Vec<(SessionId, DataPath)> {
+        Driver::session_paths(self)
+    }
+    fn session_data_connections(&self) -> Vec<(SessionId, usize)> {
+        Driver::session_data_connections(self)
+    }
+}
+
+/// Runs `f` on the core of `d`, then drains what it asked for (the core's rule after every
+/// input).
+fn with<T>(d: &mut dyn DriverCalls, f: impl FnOnce(&mut Endpoint, Instant) -> T) -> T {
+    let out = f(d.endpoint_mut(), Instant::now());
+    d.drain();
+    out
+}
+
+/// A running kvferry node, prefill or decode, on any runtime: the embedder's API. Open rooms,
+/// send chunks, mark layers ready, abort, and await a room's terminal state and release
+/// through a cancel-safe [`RoomHandle`]. Cheap to clone, `Send + Sync`, and every future it
+/// returns is `Send`, so any executor can await it; the last clone dropped (or
+/// [`Node::shutdown`]) stops its tasks.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<NodeInner>,
+}
+
+/// What a runtime hands [`Node::new`]: its shards and what it started them with.
+pub struct NodeParts {
+    /// How calls reach the node's shards.
+    pub shards: Box<dyn Shards>,
+    /// Which runtime runs it (`"tokio"`, `"glommio"`).
+    pub runtime: &'static str,
+    /// Which data plane carries its operations (`"tcp"`, `"rdma"`).
+    pub backend: &'static str,
+    /// Prefill or decode.
+    pub role: Role,
+    /// The core's configuration (every shard's).
+    pub config: Config,
+    /// The registered memory.
+    pub memory: Arc<MemoryMap>,
+    /// Where the shards announce the rooms decodes ask for.
+    pub announcements: Announcer,
+    /// Where the shards' drivers publish every core event.
+    pub events: broadcast::Sender<Event>,
+    /// The cores the node's shards are pinned to, in shard order (empty: none pinned).
+    pub pinned_cores: Vec<usize>,
+}
+
+struct NodeInner {
+    parts: NodeParts,
     peers: Mutex<PeerTable>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = &self.inner.parts;
+        f.debug_struct("Node")
+            .field("runtime", &p.runtime)
+            .field("role", &p.role)
+            .field("shards", &p.shards.count())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Per peer, per shard of this node: the links to each of the peer's addresses. A peer
@@ -76,18 +208,110 @@ fn api<T>(result: Result<Result<T, ApiError>, NodeError>) -> Result<T, NodeError
     result?.map_err(NodeError::from)
 }
 
-impl<C: ShardCalls> Embedder<C> {
-    /// Room calls over `calls`, with no peer yet.
-    pub fn new(calls: C) -> Self {
-        Embedder {
-            calls,
-            peers: Mutex::new(PeerTable::default()),
+impl Node {
+    /// The node a runtime started, with no peer yet.
+    pub fn new(parts: NodeParts) -> Node {
+        Node {
+            inner: Arc::new(NodeInner {
+                parts,
+                peers: Mutex::new(PeerTable::default()),
+            }),
         }
     }
 
-    /// The runtime's way into its shards.
-    pub fn calls(&self) -> &C {
-        &self.calls
+    /// Runs `f` on the driver of `shard` and gives back its result (`ShutDown` when the
+    /// shard is gone).
+    async fn call<T: Send + 'static>(
+        &self,
+        shard: usize,
+        f: impl FnOnce(&mut dyn DriverCalls) -> T + Send + 'static,
+    ) -> Result<T, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        let call: ShardCall = Box::new(move |d| {
+            let _ = tx.send(f(d));
+        });
+        self.inner.parts.shards.call(shard, call).await?;
+        rx.await.map_err(|_| NodeError::ShutDown)
+    }
+
+    fn shard_count(&self) -> usize {
+        self.inner.parts.shards.count()
+    }
+
+    /// Which runtime runs this node (`"tokio"`, `"glommio"`).
+    pub fn runtime(&self) -> &'static str {
+        self.inner.parts.runtime
+    }
+
+    /// Which data plane carries its operations (`"tcp"`, `"rdma"`).
+    pub fn backend(&self) -> &'static str {
+        self.inner.parts.backend
+    }
+
+    /// The registered memory the node moves bytes from and into.
+    pub fn memory(&self) -> &Arc<MemoryMap> {
+        &self.inner.parts.memory
+    }
+
+    /// How many shards own rooms (1 on tokio).
+    pub fn shards(&self) -> usize {
+        self.shard_count()
+    }
+
+    /// The core each shard is pinned to, in shard order; empty when no shard is pinned
+    /// (a glommio node's `ShardConfig::pin`).
+    pub fn pinned_cores(&self) -> &[usize] {
+        &self.inner.parts.pinned_cores
+    }
+
+    /// The core's configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.parts.config
+    }
+
+    /// Every core event from now on, of every shard (a lagging subscriber loses the oldest
+    /// ones).
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.inner.parts.events.subscribe()
+    }
+
+    /// Prefill: every room a decode asks for, lossless: those no receiver took yet (asked
+    /// for before this call) come first. One receiver at a time; this one replaces the last.
+    pub fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
+        self.inner.parts.announcements.subscribe()
+    }
+
+    /// Accepts peers on `addr` (port 0: any); returns one address per shard.
+    pub async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
+        self.check_listen(addr).await?;
+        let bound = self.inner.parts.shards.listen(addr).await?;
+        tracing::info!(target: crate::START_TARGET, runtime = self.runtime(), addrs = ?bound, "kvferry node listening");
+        Ok(bound)
+    }
+
+    /// Fails every room, tells every peer, closes every connection and listener, and waits
+    /// until the core says it is done. A caller that stops waiting does not leave the node
+    /// half shut down.
+    pub async fn shutdown(&self) {
+        self.inner.parts.shards.shutdown().await;
+    }
+
+    /// The state of a room (live or remembered).
+    pub async fn room_state(&self, room: RoomId) -> Option<KvPoll> {
+        self.on_room(room, move |d| d.endpoint().room_state(room))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Fails a room softly (consensus verdicts); `false` if it was already terminal or the
+    /// node is shut down.
+    pub async fn fail_room(&self, room: RoomId, reason: FailureReason) -> bool {
+        self.on_room(room, move |d| {
+            with(d, |e, now| e.fail_room(now, room, reason))
+        })
+        .await
+        .unwrap_or(false)
     }
 
     /// Opens sessions from every shard to each of a peer's `addrs` (one per shard of the
@@ -96,14 +320,14 @@ impl<C: ShardCalls> Embedder<C> {
     /// gets one attempt of at most 8 x `connect_timeout` (a link slower than
     /// `connect_timeout` is still reached; one that never answers fails after it).
     pub async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        let mut per_shard = Vec::with_capacity(self.calls.shards());
-        for shard in 0..self.calls.shards() {
+        let mut per_shard = Vec::with_capacity(self.shard_count());
+        for shard in 0..self.shard_count() {
             per_shard.push(Vec::with_capacity(addrs.len()));
             for &addr in &addrs {
                 let (tx, rx) = oneshot::channel();
                 // The dial is bounded by the core's connect timeout, the handshake by its
                 // handshake timeout.
-                let opened = match self.calls.call(shard, move |d| d.dial(addr, tx)).await {
+                let opened = match self.call(shard, move |d| d.dial(addr, tx)).await {
                     Ok(()) => rx.await.map_err(|_| NodeError::ShutDown).and_then(|r| r),
                     Err(e) => Err(e),
                 };
@@ -138,25 +362,25 @@ impl<C: ShardCalls> Embedder<C> {
     async fn let_go(&self, per_shard: Vec<Vec<Link>>) {
         for (shard, links) in per_shard.into_iter().enumerate() {
             if !links.is_empty() {
-                let _ = self.calls.call(shard, move |d| d.disconnect(&links)).await;
+                let _ = self.call(shard, move |d| d.disconnect(&links)).await;
             }
         }
     }
 
     /// Replaces the injected data-path faults on every shard (demos and tests).
     pub async fn set_faults(&self, faults: Option<crate::FaultPlan>) {
-        for shard in 0..self.calls.shards() {
-            let _ = self.calls.call(shard, move |d| d.set_faults(faults)).await;
+        for shard in 0..self.shard_count() {
+            let _ = self.call(shard, move |d| d.set_faults(faults)).await;
         }
     }
 
     /// Names a peer by its links, per shard of this node.
-    pub fn add_peer(&self, per_shard: Vec<Vec<Link>>) -> PeerId {
+    fn add_peer(&self, per_shard: Vec<Vec<Link>>) -> PeerId {
         self.table().add(per_shard)
     }
 
     fn table(&self) -> std::sync::MutexGuard<'_, PeerTable> {
-        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.peers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn peer(&self, peer: PeerId) -> Result<Vec<Vec<Link>>, NodeError> {
@@ -169,8 +393,8 @@ impl<C: ShardCalls> Embedder<C> {
 
     /// Forgets the peers whose kept links any shard's core let go as idle.
     async fn forget_let_go(&self) {
-        for shard in 0..self.calls.shards() {
-            if let Ok(targets) = self.calls.call(shard, |d| d.take_let_go()).await {
+        for shard in 0..self.shard_count() {
+            if let Ok(targets) = self.call(shard, |d| d.take_let_go()).await {
                 self.table().forget(shard, &targets);
             }
         }
@@ -185,7 +409,7 @@ impl<C: ShardCalls> Embedder<C> {
 
     /// The link to each of `peers` on the shard owning `room` (address `room mod n`).
     fn links_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<Link>, NodeError> {
-        let shard = shard_of(room, self.calls.shards());
+        let shard = shard_of(room, self.shard_count());
         let table = self.table();
         peers
             .iter()
@@ -200,27 +424,23 @@ impl<C: ShardCalls> Embedder<C> {
             .collect()
     }
 
-    fn on_room<T, F>(
+    /// Runs `f` on the driver of the shard owning `room`.
+    async fn on_room<T: Send + 'static>(
         &self,
         room: RoomId,
-        f: F,
-    ) -> impl Future<Output = Result<T, NodeError>> + Send + '_
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Driver<C::Host>) -> T + Send + 'static,
-    {
-        self.calls.call(shard_of(room, self.calls.shards()), f)
+        f: impl FnOnce(&mut dyn DriverCalls) -> T + Send + 'static,
+    ) -> Result<T, NodeError> {
+        self.call(shard_of(room, self.shard_count()), f).await
     }
 
     /// A peer this node keeps connected to on every shard (dialed again whenever lost). If a
     /// shard refuses (its shutdown began), the shards that took it let it go again.
     pub async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
         self.forget_let_go().await;
-        let mut per_shard = Vec::with_capacity(self.calls.shards());
-        for shard in 0..self.calls.shards() {
+        let mut per_shard = Vec::with_capacity(self.shard_count());
+        for shard in 0..self.shard_count() {
             let addrs = addrs.clone();
             let added = self
-                .calls
                 .call(shard, move |d| {
                     let mut links = Vec::with_capacity(addrs.len());
                     for a in addrs {
@@ -255,9 +475,7 @@ impl<C: ShardCalls> Embedder<C> {
                 // A session the embedder opened was reached when it was opened.
                 let Link::Target(target) = link else { continue };
                 let (tx, rx) = oneshot::channel();
-                self.calls
-                    .call(shard, move |d| d.on_target(target, tx))
-                    .await?;
+                self.call(shard, move |d| d.on_target(target, tx)).await?;
                 rx.await.map_err(|_| NodeError::ShutDown)??;
             }
         }
@@ -273,7 +491,6 @@ impl<C: ShardCalls> Embedder<C> {
             for link in links {
                 let Link::Target(target) = link else { continue };
                 let found = self
-                    .calls
                     .call(shard, move |d| {
                         let e = d.endpoint();
                         e.may_connect().map(|()| e.target_unreachable(target))
@@ -300,14 +517,15 @@ impl<C: ShardCalls> Embedder<C> {
         let via = links.clone();
         let (opened, let_go) = self
             .on_room(room, move |d| {
-                let opened = d.open_room(room, |e, now| {
-                    e.open_receiver_via(now, room, generation, &via, grant)
-                });
+                let opened = d.open_room(
+                    room,
+                    Box::new(move |e, now| e.open_receiver_via(now, room, generation, &via, grant)),
+                );
                 (opened, d.take_let_go())
             })
             .await?;
         self.table()
-            .forget(shard_of(room, self.calls.shards()), &let_go);
+            .forget(shard_of(room, self.shard_count()), &let_go);
         opened.map_err(|e| match e {
             // Let go as idle between the lookup and the open: the peer is unknown now.
             ApiError::UnknownTarget(t) => links
@@ -322,7 +540,7 @@ impl<C: ShardCalls> Embedder<C> {
     pub async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
         api(self
             .on_room(room, move |d| {
-                d.with(|e, now| e.grant_pages(now, room, grant))
+                with(d, |e, now| e.grant_pages(now, room, grant))
             })
             .await)
     }
@@ -332,7 +550,6 @@ impl<C: ShardCalls> Embedder<C> {
     pub async fn check_listen(&self, addr: SocketAddr) -> Result<(), NodeError> {
         let loopback = addr.ip().is_loopback();
         api(self
-            .calls
             .call(0, move |d| d.endpoint().check_listen(loopback))
             .await)
     }
@@ -346,7 +563,10 @@ impl<C: ShardCalls> Embedder<C> {
     ) -> Result<RoomHandle, NodeError> {
         api(self
             .on_room(room, move |d| {
-                d.open_room(room, |e, now| e.open_sender(now, room, generation, prompt))
+                d.open_room(
+                    room,
+                    Box::new(move |e, now| e.open_sender(now, room, generation, prompt)),
+                )
             })
             .await)
     }
@@ -355,14 +575,14 @@ impl<C: ShardCalls> Embedder<C> {
     pub async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
         api(self
             .on_room(room, move |d| {
-                d.with(|e, now| e.send_chunk(now, room, chunk))
+                with(d, |e, now| e.send_chunk(now, room, chunk))
             })
             .await)
     }
 
     /// Prefill: layer `layer` of `rooms` finished its forward pass.
     pub async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
-        let n = self.calls.shards();
+        let n = self.shard_count();
         let mut by_shard: Vec<Vec<RoomId>> = vec![Vec::new(); n];
         for r in rooms {
             by_shard[shard_of(r, n)].push(r);
@@ -372,9 +592,8 @@ impl<C: ShardCalls> Embedder<C> {
                 continue;
             }
             api(self
-                .calls
                 .call(shard, move |d| {
-                    d.with(|e, now| e.mark_layer_ready(now, &rooms, layer))
+                    with(d, |e, now| e.mark_layer_ready(now, &rooms, layer))
                 })
                 .await)?;
         }
@@ -384,7 +603,7 @@ impl<C: ShardCalls> Embedder<C> {
     /// Decode: free capacity advertised in heartbeats; each shard advertises its share, so
     /// the sum over a peer's sessions is the truth.
     pub async fn set_capacity(&self, capacity: Capacity) {
-        let n = self.calls.shards() as u32;
+        let n = self.shard_count() as u32;
         for shard in 0..n {
             let extra = u32::from(shard < capacity.free_pages % n);
             let share = Capacity {
@@ -392,9 +611,8 @@ impl<C: ShardCalls> Embedder<C> {
                 queued_rooms: capacity.queued_rooms,
             };
             let _ = self
-                .calls
                 .call(shard as usize, move |d| {
-                    d.with(|e, _| e.set_capacity(share))
+                    with(d, |e, _| e.set_capacity(share))
                 })
                 .await;
         }
@@ -404,7 +622,7 @@ impl<C: ShardCalls> Embedder<C> {
     pub async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
         api(self
             .on_room(room, move |d| {
-                d.with(|e, now| e.set_queue_position(now, room, position))
+                with(d, |e, now| e.set_queue_position(now, room, position))
             })
             .await)
     }
@@ -412,23 +630,21 @@ impl<C: ShardCalls> Embedder<C> {
     /// Aborts a room locally.
     pub async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
         api(self
-            .on_room(room, move |d| d.with(|e, now| e.abort(now, room)))
+            .on_room(room, move |d| with(d, |e, now| e.abort(now, room)))
             .await)
     }
 
     /// The core's counters of one shard.
     pub async fn shard_counters(&self, shard: usize) -> Result<Counters, NodeError> {
-        self.calls
-            .call(shard, |d| d.endpoint().counters().clone())
-            .await
+        self.call(shard, |d| d.endpoint().counters().clone()).await
     }
 
     /// The path each live session of every shard moves its operations on (sessions whose
     /// path is not chosen yet are left out).
     pub async fn data_paths(&self) -> Vec<(usize, SessionId, crate::DataPath)> {
         let mut all = Vec::new();
-        for shard in 0..self.calls.shards() {
-            if let Ok(paths) = self.calls.call(shard, |d| d.session_paths()).await {
+        for shard in 0..self.shard_count() {
+            if let Ok(paths) = self.call(shard, |d| d.session_paths()).await {
                 all.extend(paths.into_iter().map(|(sid, path)| (shard, sid, path)));
             }
         }
@@ -438,12 +654,8 @@ impl<C: ShardCalls> Embedder<C> {
     /// The data connections each session of every shard holds.
     pub async fn data_connections(&self) -> Vec<(usize, SessionId, usize)> {
         let mut all = Vec::new();
-        for shard in 0..self.calls.shards() {
-            if let Ok(counts) = self
-                .calls
-                .call(shard, |d| d.session_data_connections())
-                .await
-            {
+        for shard in 0..self.shard_count() {
+            if let Ok(counts) = self.call(shard, |d| d.session_data_connections()).await {
                 all.extend(counts.into_iter().map(|(sid, n)| (shard, sid, n)));
             }
         }
@@ -453,7 +665,7 @@ impl<C: ShardCalls> Embedder<C> {
     /// The core's counters summed over every shard.
     pub async fn counters(&self) -> Counters {
         let mut total = Counters::default();
-        for shard in 0..self.calls.shards() {
+        for shard in 0..self.shard_count() {
             if let Ok(c) = self.shard_counters(shard).await {
                 total.add(&c);
             }

@@ -33,7 +33,7 @@ pub enum NodeError {
     /// No peer has this id on this node (never had, it was disconnected, or the core let it
     /// go after `peer_idle_timeout` unused: connect again).
     UnknownPeer(PeerId),
-    /// The embedder disconnected the peer this call waited for ([`crate::KvNode::disconnect`]).
+    /// The embedder disconnected the peer this call waited for ([`crate::Node::disconnect`]).
     Disconnected,
     /// A persistent peer has no established session right now (it is being reconnected).
     PeerUnavailable(PeerId),

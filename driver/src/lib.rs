@@ -5,7 +5,7 @@
 //! that move bytes. Those tasks are written here once ([`runtime`], over the [`Runtime`]
 //! trait: dialing, accepting, control readers and writers, data connections, releases, the
 //! timer task), on the streams and the timer a runtime lends. Also the embedder-facing API
-//! ([`KvNode`], derived for every [`RuntimeNode`]), the types it speaks (room handles, node
+//! ([`Node`], written once over a runtime's [`Shards`]), the types it speaks (room handles, node
 //! errors, configuration, announcements), the bookkeeping that turns the core's room events
 //! into handle updates ([`RoomBook`]), the receive path's admission through the core
 //! ([`CoreCheck`]) and the metrics export. Must never spawn a task or open a socket of its
@@ -37,7 +37,7 @@ mod waits;
 pub use accept::{accept, Accepted};
 pub use admission::{CoreCheck, EndpointAccess};
 pub use announce::{Announcement, Announcer};
-pub use calls::{Embedder, ShardCalls};
+pub use calls::{DriverCalls, Node, NodeParts, RoomOpen, ShardCall, ShardFuture, Shards};
 pub use cma::{check_same_host, SameHost, SameHostPlane};
 pub use config::{
     check_memory, log_start, read_spin_from_vars, tcp_only, DataBackend, DataPath, NodeConfig,
@@ -51,7 +51,7 @@ pub use host::{Connections, DataConn, Dial, Host, Job, OpSink, Release};
 pub use listener::CoreWait;
 pub use machine::{Driver, TURN_BUDGET};
 pub use metrics_export::{export_metrics, export_staging_metrics, role_label};
-pub use node::{shard_of, KvNode, PeerId, RoomBook, RuntimeNode};
+pub use node::{shard_of, PeerId, RoomBook};
 pub use runtime::{ControlQueue, ControlTasks, DriverAccess, Runtime};
 pub use session_io::SessionIo;
 pub use waits::Answer;

@@ -2,7 +2,7 @@
 #![allow(clippy::useless_conversion)] // pyo3 0.22's #[pymethods] expansion converts every PyResult
 //! `kvferry-python`: the native module of the `kvferry` Python package.
 //!
-//! Owns the translation between Python and the embedder API ([`kvferry_tokio::KvNode`]): a
+//! Owns the translation between Python and the embedder API ([`kvferry_tokio::Node`]): a
 //! [`Node`] runs a tokio node on its own threads, over memory the caller registered by
 //! pointer and length; every call that can wait releases the GIL, `poll` never blocks, and
 //! every error reaches Python as a typed exception. It must never decide anything about a
@@ -18,7 +18,7 @@ use kvferry_core::{
     NodeId, PromptDigest, RoomId,
 };
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap};
-use kvferry_tokio::{Announcement, KvNode, NodeConfig, NodeError, PeerId, RoomHandle};
+use kvferry_tokio::{Announcement, NodeConfig, NodeError, PeerId, RoomHandle};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::sync::mpsc;
@@ -286,9 +286,9 @@ impl Node {
             .map_err(|e| KvferryError::new_err(format!("cannot start threads: {e}")))?;
         let node = {
             let _inside = runtime.enter();
-            kvferry_tokio::Node::start(cfg, Arc::new(memory)).map_err(node_error)?
+            kvferry_tokio::start(cfg, Arc::new(memory)).map_err(node_error)?
         };
-        let announcements = Mutex::new(KvNode::room_announcements(&node));
+        let announcements = Mutex::new(node.room_announcements());
         Ok(Node {
             runtime,
             node,
@@ -557,7 +557,7 @@ impl Node {
     /// Fails an open room with `reason` (a reason's name, e.g. "incompatible_peer") when the
     /// embedder finds it cannot be served: its peers hear it as an abort, and it is counted
     /// under that reason. False if the room had already ended.
-    fn fail(&self, room: u64, reason: &str) -> PyResult<bool> {
+    fn fail(&self, py: Python<'_>, room: u64, reason: &str) -> PyResult<bool> {
         self.check_open()?;
         let reason = FailureReason::ALL
             .into_iter()
@@ -565,7 +565,8 @@ impl Node {
             .ok_or_else(|| {
                 InvalidArgument::new_err(format!("no failure reason named {reason:?}"))
             })?;
-        Ok(self.node.fail_room(RoomId(room), reason))
+        self.check_open()?;
+        Ok(self.finish(py, self.node.fail_room(RoomId(room), reason)))
     }
 
     /// The room's state as SGLang's `KVPoll` integer (Failed=0, Bootstrapping=1,

@@ -19,7 +19,7 @@ const MEMLOCK_MIN: u64 = 512 * 1024;
 /// The io_uring buffer memory each executor registers (small: the limit is shared).
 const IO_MEMORY: usize = 1 << 20;
 
-/// Everything to start a [`crate::GlommioNode`] beyond the common [`NodeConfig`].
+/// Everything to start a glommio node ([`crate::start`]) beyond the common [`NodeConfig`].
 #[derive(Clone, Copy, Debug)]
 pub struct ShardConfig {
     /// Number of shards (executors); at least 1.
@@ -142,6 +142,8 @@ pub(crate) struct ShardSetup {
     pub(crate) info: EndpointInfo,
     pub(crate) memory: Arc<MemoryMap>,
     pub(crate) announcements: Announcer,
+    /// Where the shard's driver publishes every core event (the node's subscribers).
+    pub(crate) events: tokio::sync::broadcast::Sender<kvferry_core::Event>,
     pub(crate) rx: flume::Receiver<Cmd>,
     /// Held until the shard's thread ends: its receivers hear the end (a call queued to a
     /// shard whose thread panicked is never run, and its caller must not wait for it).
@@ -172,6 +174,7 @@ pub(crate) fn spawn_shards(
     memory: &Arc<MemoryMap>,
     shards: ShardConfig,
     announcements: &Announcer,
+    events: &tokio::sync::broadcast::Sender<kvferry_core::Event>,
     rdma: crate::RdmaDevice,
 ) -> Result<Started, NodeError> {
     let n = shards.shards.max(1);
@@ -206,6 +209,7 @@ pub(crate) fn spawn_shards(
             info,
             memory: memory.clone(),
             announcements: announcements.clone(),
+            events: events.clone(),
             rx,
             alive,
             tls: tls.clone(),

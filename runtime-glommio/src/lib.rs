@@ -32,14 +32,14 @@ use futures_io::{AsyncRead, AsyncWrite};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
-use kvferry_core::{Counters, Endpoint, Role, SessionKey};
+use kvferry_core::{Endpoint, SessionKey};
 use kvferry_driver::runtime::{Reporter, Work};
 use kvferry_driver::{
-    runtime, Announcer, CoreCheck, Driver, DriverAccess, Embedder, Host, Job, Runtime, RuntimeNode,
-    ShardCalls,
+    runtime, Announcer, CoreCheck, Driver, DriverAccess, Host, Job, NodeParts, Runtime, ShardCall,
+    ShardFuture, Shards,
 };
 pub use kvferry_driver::{
-    Announcement, DataBackend, FaultKind, FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId,
+    Announcement, DataBackend, FaultKind, FaultPlan, Link, Node, NodeConfig, NodeError, PeerId,
     RoomHandle, RoomView, SameHost, Unsupported, DEFAULT_READ_SPIN,
 };
 use kvferry_memory::MemoryMap;
@@ -49,7 +49,7 @@ use kvferry_tcp::glommio::{
 };
 use kvferry_tcp::stream::{hello_control, hello_data};
 use kvferry_tcp::{Limits, ServeError, ServeStats, TlsSetup};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use executor::ShardSetup;
 pub use executor::{ensure_memlock, shard_node, ShardConfig, DEFAULT_SPIN_BEFORE_PARK};
@@ -69,94 +69,42 @@ pub(crate) enum NoRdma {}
 /// A closure run on a shard's thread with its state.
 pub(crate) type Cmd = Box<dyn FnOnce(&Rc<Shard>) + Send>;
 
-/// A running kvferry node on glommio: `shards` executors, each a shard with its own endpoint.
-/// Cheap to clone, `Send + Sync`: call it from any thread or runtime. [`KvNode::shutdown`]
-/// (or the last clone dropped) stops the shards' work; a shard's thread ends when the last
-/// clone is dropped (until then it answers calls from its shut-down core).
-#[derive(Clone)]
-pub struct GlommioNode {
-    shared: Arc<NodeShared>,
-    _last: Arc<StopOnDrop>,
-}
-
-impl std::fmt::Debug for GlommioNode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GlommioNode")
-            .field("role", &self.shared.role)
-            .field("shards", &self.shared.rooms.calls().senders.len())
-            .finish_non_exhaustive()
-    }
-}
-
-struct NodeShared {
-    role: Role,
-    /// Which data plane carries the node's operations.
-    backend: &'static str,
-    /// The write end of the RDMA completion pollers' stop pipe: they end with the node.
-    _pollers: Option<std::os::fd::OwnedFd>,
-    /// The room calls over every shard, and how each peer is reached.
-    rooms: Embedder<Shards>,
+/// Starts `shards.shards` executors over `memory` (registered for `config.info.layout`), each
+/// a shard with its own endpoint. Callable from any thread; does not need a runtime. The node
+/// is `Send + Sync`: call it from any thread or runtime. [`Node::shutdown`] (or the last
+/// clone dropped) stops the shards' work; a shard's thread ends when the last clone is
+/// dropped (until then it answers calls from its shut-down core).
+pub fn start(
+    config: NodeConfig,
     memory: Arc<MemoryMap>,
-    announcements: Announcer,
-    threads: Mutex<Vec<glommio::ExecutorJoinHandle<()>>>,
-    /// The cores the shards are pinned to, given back when the node is gone.
-    cores: executor::CoreClaim,
-}
-
-struct StopOnDrop(Arc<NodeShared>);
-
-impl Drop for StopOnDrop {
-    fn drop(&mut self) {
-        for tx in &self.0.rooms.calls().senders {
-            let _ = tx.send(Box::new(|shard: &Rc<Shard>| shard.stop()));
-        }
-    }
-}
-
-impl GlommioNode {
-    /// Starts `shards.shards` executors over `memory` (registered for `config.info.layout`).
-    /// Callable from any thread; does not need a runtime.
-    pub fn start(
-        config: NodeConfig,
-        memory: Arc<MemoryMap>,
-        shards: ShardConfig,
-    ) -> Result<GlommioNode, NodeError> {
-        kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
-        kvferry_driver::check_same_host(config.same_host, &memory)?;
-        kvferry_driver::log_start("glommio", &config, &memory);
-        let (rdma, rdma_stop) = open_rdma(&config, &memory)?;
-        let backend = if rdma.is_some() { "rdma" } else { "tcp" };
-        let announcements = Announcer::default();
-        let started = executor::spawn_shards(&config, &memory, shards, &announcements, rdma)?;
-        let shared = Arc::new(NodeShared {
-            role: config.info.role,
-            backend,
-            _pollers: rdma_stop,
-            rooms: Embedder::new(Shards {
-                senders: started.senders,
-                ends: started.ends,
-            }),
-            memory,
-            announcements,
+    shards: ShardConfig,
+) -> Result<Node, NodeError> {
+    kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
+    kvferry_driver::check_same_host(config.same_host, &memory)?;
+    kvferry_driver::log_start("glommio", &config, &memory);
+    let (rdma, rdma_stop) = open_rdma(&config, &memory)?;
+    let backend = if rdma.is_some() { "rdma" } else { "tcp" };
+    let announcements = Announcer::default();
+    let (events, _) = tokio::sync::broadcast::channel(65536);
+    let started = executor::spawn_shards(&config, &memory, shards, &announcements, &events, rdma)?;
+    let pinned_cores = started.cores.cores().to_vec();
+    Ok(Node::new(NodeParts {
+        runtime: "glommio",
+        backend,
+        role: config.info.role,
+        config: config.core,
+        memory,
+        announcements,
+        events,
+        pinned_cores,
+        shards: Box::new(ShardSet(Arc::new(ShardsInner {
+            senders: started.senders,
+            ends: started.ends,
             threads: Mutex::new(started.threads),
-            cores: started.cores,
-        });
-        Ok(GlommioNode {
-            _last: Arc::new(StopOnDrop(shared.clone())),
-            shared,
-        })
-    }
-
-    /// The core each shard is pinned to, in shard order; empty when no shard is pinned
-    /// ([`ShardConfig::pin`]).
-    pub fn pinned_cores(&self) -> &[usize] {
-        self.shared.cores.cores()
-    }
-
-    /// The core's counters of one shard.
-    pub async fn shard_counters(&self, shard: usize) -> Result<Counters, NodeError> {
-        self.shared.rooms.shard_counters(shard).await
-    }
+            _cores: started.cores,
+            _pollers: rdma_stop,
+        }))),
+    }))
 }
 
 /// Opens the RDMA device the config asks for (registering `memory`), once for every shard,
@@ -169,7 +117,7 @@ fn open_rdma(
     return rdma::open(
         &config.backend,
         memory,
-        config.info.role == Role::Decode,
+        config.info.role == kvferry_core::Role::Decode,
         config.core.checksum,
     );
     #[cfg(not(feature = "rdma"))]
@@ -179,14 +127,29 @@ fn open_rdma(
     }
 }
 
-/// The node's way into its shards: one command channel to each shard's thread, and each
-/// thread's end.
-pub struct Shards {
+/// The node's shards: one command channel to each shard's thread, and each thread's end.
+/// Dropped with the node's last clone, it stops every shard.
+struct ShardSet(Arc<ShardsInner>);
+
+struct ShardsInner {
     senders: Vec<flume::Sender<Cmd>>,
     ends: Vec<flume::Receiver<()>>,
+    threads: Mutex<Vec<glommio::ExecutorJoinHandle<()>>>,
+    /// The cores the shards are pinned to, given back when the node is gone.
+    _cores: executor::CoreClaim,
+    /// The write end of the RDMA completion pollers' stop pipe: they end with the node.
+    _pollers: Option<std::os::fd::OwnedFd>,
 }
 
-impl Shards {
+impl Drop for ShardSet {
+    fn drop(&mut self) {
+        for tx in &self.0.senders {
+            let _ = tx.send(Box::new(|shard: &Rc<Shard>| shard.stop()));
+        }
+    }
+}
+
+impl ShardsInner {
     /// Runs `f` on shard `shard` (on its thread) and returns its result.
     fn run<T, F>(&self, shard: usize, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
     where
@@ -217,91 +180,59 @@ impl Shards {
     }
 }
 
-impl ShardCalls for Shards {
-    type Host = ShardHost;
-
-    fn shards(&self) -> usize {
-        self.senders.len()
+/// Calls go to the shard owning the room, as closures over its command channel; each shard
+/// listens on an address of its own.
+impl Shards for ShardSet {
+    fn count(&self) -> usize {
+        self.0.senders.len()
     }
 
-    fn call<T, F>(&self, shard: usize, f: F) -> impl Future<Output = Result<T, NodeError>> + Send
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Driver<ShardHost>) -> T + Send + 'static,
-    {
-        self.run(shard, move |s| s.drive(f))
-    }
-}
-
-/// The embedder API ([`KvNode`]) of a glommio node: calls go to the shard owning the room.
-impl RuntimeNode for GlommioNode {
-    type Calls = Shards;
-
-    fn embedder(&self) -> &Embedder<Shards> {
-        &self.shared.rooms
+    fn call(&self, shard: usize, call: ShardCall) -> ShardFuture<'static, Result<(), NodeError>> {
+        Box::pin(self.0.run(shard, move |s| s.drive(|d| call(d))))
     }
 
-    fn runtime(&self) -> &'static str {
-        "glommio"
-    }
-
-    fn backend(&self) -> &'static str {
-        self.shared.backend
-    }
-
-    fn memory(&self) -> &Arc<MemoryMap> {
-        &self.shared.memory
-    }
-
-    async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
-        let mut out = Vec::with_capacity(self.shared.rooms.calls().shards());
-        for i in 0..self.shared.rooms.calls().shards() {
-            let mut a = addr;
-            if a.port() != 0 {
-                a.set_port(addr.port().wrapping_add(i as u16));
+    fn listen(&self, addr: SocketAddr) -> ShardFuture<'_, Result<Vec<SocketAddr>, NodeError>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(self.count());
+            for i in 0..self.count() {
+                let mut a = addr;
+                if a.port() != 0 {
+                    a.set_port(addr.port().wrapping_add(i as u16));
+                }
+                out.push(self.0.run(i, move |s| s.listen(a)).await??);
             }
-            let local = self
-                .shared
-                .rooms
-                .calls()
-                .run(i, move |s| s.listen(a))
-                .await??;
-            out.push(local);
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 
-    fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
-        self.shared.announcements.subscribe()
-    }
-
-    async fn shutdown(&self) {
-        let shared = self.shared.clone();
+    fn shutdown(&self) -> ShardFuture<'static, ()> {
+        let inner = self.0.clone();
         let (done, finished) = oneshot::channel();
         // A thread of its own: a caller that stops waiting (a timeout around this call) does
         // not leave a node half shut down. It then joins the executors, which exit once the
-        // node is dropped (it lets go of the node first).
+        // node is dropped (it lets go of its own hold first).
         std::thread::spawn(move || {
-            futures_lite::future::block_on(shut_down_shards(&shared));
+            futures_lite::future::block_on(shut_down_shards(&inner));
             let threads =
-                std::mem::take(&mut *shared.threads.lock().unwrap_or_else(|p| p.into_inner()));
-            drop(shared);
+                std::mem::take(&mut *inner.threads.lock().unwrap_or_else(|p| p.into_inner()));
+            drop(inner);
             let _ = done.send(());
             for t in threads {
                 let _ = t.join();
             }
         });
-        let _ = finished.await;
+        Box::pin(async move {
+            let _ = finished.await;
+        })
     }
 }
 
 /// Every shard's listeners close before any shard says goodbye (a peer that hears one
 /// shard's and dials another at once is refused too), then the shards shut down together.
-async fn shut_down_shards(shared: &NodeShared) {
-    let calls = shared.rooms.calls();
+async fn shut_down_shards(calls: &ShardsInner) {
     for step in [Shard::close_listeners as ShardStep, Shard::shutdown] {
         let mut done = Vec::new();
-        for i in 0..calls.shards() {
+        for i in 0..calls.senders.len() {
             let (tx, rx) = oneshot::channel();
             let sent = calls
                 .run(i, move |s| {
@@ -323,7 +254,7 @@ async fn shut_down_shards(shared: &NodeShared) {
     }
     // One more call each: the stopped shard's command loop sees the stop and lets go of its
     // tasks and sessions now, not at the next call that would come.
-    for i in 0..calls.shards() {
+    for i in 0..calls.senders.len() {
         let _ = calls.run(i, |_| ()).await;
     }
 }
@@ -366,6 +297,8 @@ pub struct ShardHost {
     /// before it waits on the ring: the shard's spin before parking where it is pinned (the
     /// only shard glommio lets spin), else zero.
     read_spin: std::time::Duration,
+    /// The node's subscribers to core events.
+    events: tokio::sync::broadcast::Sender<kvferry_core::Event>,
 }
 
 /// A shard's thread: builds its endpoint and driver, says it is up, then runs the node's
@@ -397,6 +330,7 @@ pub(crate) async fn shard_main(
                 tls: setup.tls,
                 rdma: setup.rdma,
                 read_spin: setup.read_spin,
+                events: setup.events,
                 limits: Limits {
                     checksum: setup.config.core.checksum,
                     max_slices: setup.config.core.max_op_slices,
@@ -524,6 +458,10 @@ impl Host for ShardHost {
         if let Some(shard) = self.shard.upgrade() {
             let _ = shard.wake.try_send(());
         }
+    }
+
+    fn publish(&self, event: kvferry_core::Event) {
+        let _ = self.events.send(event);
     }
 
     fn task_finished(task: &ShardTask) -> bool {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kvferry_core::sim::small_layout;
 use kvferry_core::{Config, EndpointInfo, Incarnation, NodeId, Role};
-use kvferry_glommio::{GlommioNode, NodeConfig, NodeError, ShardConfig};
+use kvferry_glommio::{NodeConfig, NodeError, ShardConfig};
 use kvferry_memory::MemoryMap;
 
 #[test]
@@ -30,7 +30,7 @@ fn a_too_low_memlock_limit_is_a_typed_error_that_names_the_fix() {
         tls: None,
         read_spin: kvferry_glommio::DEFAULT_READ_SPIN,
     };
-    let err = GlommioNode::start(
+    let err = kvferry_glommio::start(
         config,
         Arc::new(MemoryMap::allocate(layout)),
         ShardConfig {

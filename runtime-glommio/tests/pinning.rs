@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use kvferry_core::sim::small_layout;
 use kvferry_core::{Config, EndpointInfo, Incarnation, NodeId, Role};
-use kvferry_glommio::{GlommioNode, NodeConfig, ShardConfig};
+use kvferry_glommio::{Node, NodeConfig, ShardConfig};
 use kvferry_memory::MemoryMap;
 
-fn start(node: u64, pin: bool) -> GlommioNode {
+fn start(node: u64, pin: bool) -> Node {
     let layout = small_layout(16);
     let config = NodeConfig {
         core: Config::default(),
@@ -29,7 +29,7 @@ fn start(node: u64, pin: bool) -> GlommioNode {
         pin,
         ..ShardConfig::default()
     };
-    GlommioNode::start(config, Arc::new(MemoryMap::allocate(layout)), shards).unwrap()
+    kvferry_glommio::start(config, Arc::new(MemoryMap::allocate(layout)), shards).unwrap()
 }
 
 #[test]

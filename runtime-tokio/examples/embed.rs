@@ -12,7 +12,7 @@ use kvferry_core::{
     Role, RoomId,
 };
 use kvferry_memory::MemoryMap;
-use kvferry_tokio::{KvNode, Node, NodeConfig};
+use kvferry_tokio::{Node, NodeConfig};
 
 /// A node of `role` over freshly allocated (registered) memory of `layout`.
 fn start(role: Role, node: u64, layout: Layout) -> Result<Node, kvferry_tokio::NodeError> {
@@ -32,7 +32,7 @@ fn start(role: Role, node: u64, layout: Layout) -> Result<Node, kvferry_tokio::N
         tls: None,
         read_spin: kvferry_tokio::DEFAULT_READ_SPIN,
     };
-    Node::start(config, Arc::new(MemoryMap::allocate(layout)))
+    kvferry_tokio::start(config, Arc::new(MemoryMap::allocate(layout)))
 }
 
 #[tokio::main]
@@ -47,7 +47,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         slots: 8,
     };
     // [README] the lines from here to [/README] are the README's embedding example.
-    let prefill = start(Role::Prefill, 1, layout)?; // Node::start(NodeConfig, memory)
+    let prefill = start(Role::Prefill, 1, layout)?; // kvferry_tokio::start(NodeConfig, memory)
     let addrs = prefill.listen("127.0.0.1:0".parse()?).await?;
     let decode = start(Role::Decode, 2, layout)?;
     let peer = decode.connect(addrs).await?; // challenges, token proofs, hellos

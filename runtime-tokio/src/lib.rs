@@ -7,17 +7,15 @@
 //! RDMA with the `rdma` feature). It must never decide a retry, a timeout or a room's state:
 //! if it needs an `if` about one, the core's API is missing something.
 //!
-//! Embedders get a [`Node`], whose API is [`KvNode`]: open rooms, send chunks, mark layers
-//! ready, abort, and await a room's terminal state and its release through a cancel-safe
+//! Embedders get a [`Node`] from [`start`]: open rooms, send chunks, mark layers ready,
+//! abort, and await a room's terminal state and its release through a cancel-safe
 //! [`RoomHandle`].
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use kvferry_core::{
-    Config, Endpoint, EndpointInfo, Event, FailureReason, KvPoll, RoomId, SessionKey,
-};
+use kvferry_core::{Endpoint, EndpointInfo, Event, SessionKey};
 use kvferry_memory::MemoryMap;
 use kvferry_tcp::polled::Polled;
 use kvferry_tcp::{
@@ -25,7 +23,7 @@ use kvferry_tcp::{
     ServeError, ServeStats, TlsSetup, TokioIo,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
+use tokio::sync::{broadcast, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 use tracing::{info_span, Instrument};
 
@@ -37,12 +35,12 @@ pub use kvferry_driver::rdma::SessionRdma;
 use kvferry_driver::runtime::{Reporter, Work};
 pub use kvferry_driver::{
     export_metrics, read_spin_from_vars, shard_of, Announcement, DataBackend, DataPath, FaultKind,
-    FaultPlan, KvNode, Link, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, SameHost,
+    FaultPlan, Link, Node, NodeConfig, NodeError, PeerId, RoomHandle, RoomView, SameHost,
     Unsupported, DEFAULT_READ_SPIN,
 };
 use kvferry_driver::{
-    runtime, Announcer, CoreCheck, Driver, DriverAccess, Embedder, Host, Job, Runtime, RuntimeNode,
-    ShardCalls,
+    runtime, Announcer, CoreCheck, Driver, DriverAccess, Host, Job, NodeParts, Runtime, ShardCall,
+    ShardFuture, Shards,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
@@ -71,43 +69,11 @@ struct Shared {
     listeners: Mutex<Option<Vec<JoinHandle<()>>>>,
 }
 
-/// A running kvferry endpoint on tokio. Cheap to clone; the last [`Node::shutdown`] or drop
-/// of every clone ends its tasks.
-#[derive(Clone)]
-pub struct Node {
-    shared: Arc<Shared>,
-    /// The room calls of the embedder API, and how each peer named through it is reached.
-    rooms: Arc<Embedder<Locked>>,
-    _last: Arc<StopOnDrop>,
-}
+/// A tokio node's one shard: its driver behind the lock. Dropped with the node's last clone,
+/// it stops the node's tasks.
+struct Locked(Arc<Shared>);
 
-/// The node's one driver, behind its lock: a tokio node is one shard.
-pub struct Locked(Arc<Shared>);
-
-impl ShardCalls for Locked {
-    type Host = TokioHost;
-
-    fn shards(&self) -> usize {
-        1
-    }
-
-    fn call<T, F>(
-        &self,
-        _shard: usize,
-        f: F,
-    ) -> impl std::future::Future<Output = Result<T, NodeError>> + Send
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Driver<TokioHost>) -> T + Send + 'static,
-    {
-        std::future::ready(Ok(f(&mut self.0.lock())))
-    }
-}
-
-/// Held by every clone of a [`Node`]: when the last one goes, the tasks stop.
-struct StopOnDrop(Arc<Shared>);
-
-impl Drop for StopOnDrop {
+impl Drop for Locked {
     fn drop(&mut self) {
         // `send_replace`: `send` drops the value while no task holds a receiver (a driver
         // mid-turn), and that driver would then never see the stop.
@@ -115,17 +81,14 @@ impl Drop for StopOnDrop {
     }
 }
 
-impl std::fmt::Debug for Node {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Node")
-            .field("role", &self.shared.info.role)
-            .finish_non_exhaustive()
-    }
-}
-
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Driver<TokioHost>> {
         lock(&self.driver)
+    }
+
+    /// The node's host: the way its tasks reach its driver.
+    fn host(&self) -> TokioHost {
+        self.lock().host().clone()
     }
 }
 
@@ -134,198 +97,172 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl Node {
-    /// Starts a node over `memory` (which must be registered for `config.info.layout`).
-    /// Must be called inside a tokio runtime.
-    pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
-        kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
-        kvferry_driver::check_same_host(config.same_host, &memory)?;
-        kvferry_driver::log_start("tokio", &config, &memory);
-        let now = Instant::now();
-        let endpoint = Endpoint::new(config.core.clone(), config.info.clone(), config.seed, now)
-            .map_err(|e| {
-                NodeError::Io(std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    e.to_string(),
-                ))
-            })?;
-        #[cfg(feature = "rdma")]
-        let rdma = kvferry_driver::rdma::open_backend(
-            &config.backend,
-            &memory,
-            config.info.role == kvferry_core::Role::Decode,
-            config.core.checksum,
-        )?;
-        #[cfg(not(feature = "rdma"))]
-        kvferry_driver::tcp_only(&config.backend)?;
-        let tls = match &config.tls {
-            Some(files) => Some(TlsSetup::load(files).map_err(NodeError::Tls)?),
-            None => None,
+/// Starts a node over `memory` (which must be registered for `config.info.layout`). Must be
+/// called inside a tokio runtime.
+pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
+    kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
+    kvferry_driver::check_same_host(config.same_host, &memory)?;
+    kvferry_driver::log_start("tokio", &config, &memory);
+    let now = Instant::now();
+    let endpoint = Endpoint::new(config.core.clone(), config.info.clone(), config.seed, now)
+        .map_err(|e| {
+            NodeError::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                e.to_string(),
+            ))
+        })?;
+    #[cfg(feature = "rdma")]
+    let rdma = kvferry_driver::rdma::open_backend(
+        &config.backend,
+        &memory,
+        config.info.role == kvferry_core::Role::Decode,
+        config.core.checksum,
+    )?;
+    #[cfg(not(feature = "rdma"))]
+    kvferry_driver::tcp_only(&config.backend)?;
+    let tls = match &config.tls {
+        Some(files) => Some(TlsSetup::load(files).map_err(NodeError::Tls)?),
+        None => None,
+    };
+    let (events, _) = broadcast::channel(65536);
+    let (stopped, _) = watch::channel(false);
+    let limits = Limits {
+        checksum: config.core.checksum,
+        max_slices: config.core.max_op_slices,
+        max_bytes: config.core.max_op_bytes,
+    };
+    let runtime = tokio::runtime::Handle::current();
+    let announcements = Announcer::default();
+    let shared = Arc::new_cyclic(|weak| {
+        let host = TokioHost {
+            shared: weak.clone(),
+            memory: memory.clone(),
+            limits,
+            runtime: runtime.clone(),
+            tls: tls.clone(),
+            events: events.clone(),
+            read_spin: config.read_spin,
         };
-        let (events, _) = broadcast::channel(65536);
-        let (stopped, _) = watch::channel(false);
-        let limits = Limits {
-            checksum: config.core.checksum,
-            max_slices: config.core.max_op_slices,
-            max_bytes: config.core.max_op_bytes,
-        };
-        let runtime = tokio::runtime::Handle::current();
-        let announcements = Announcer::default();
-        let shared = Arc::new_cyclic(|weak| {
-            let host = TokioHost {
-                shared: weak.clone(),
-                memory: memory.clone(),
-                limits,
-                runtime: runtime.clone(),
-                tls: tls.clone(),
-                events: events.clone(),
-                read_spin: config.read_spin,
+        Shared {
+            driver: Mutex::new(Driver::new(
+                endpoint,
+                host,
+                config.data_connections,
+                announcements.clone(),
+                now,
+            )),
+            wake: Notify::new(),
+            memory,
+            events,
+            info: config.info,
+            announcements,
+            stopped,
+            listeners: Mutex::new(Some(Vec::new())),
+        }
+    });
+    let weak = Arc::downgrade(&shared);
+    let woken = move || {
+        let weak = weak.clone();
+        async move {
+            let Some(shared) = weak.upgrade() else {
+                return false;
             };
-            Shared {
-                driver: Mutex::new(Driver::new(
-                    endpoint,
-                    host,
-                    config.data_connections,
-                    announcements.clone(),
-                    now,
-                )),
-                wake: Notify::new(),
-                memory,
-                events,
-                info: config.info,
-                announcements,
-                stopped,
-                listeners: Mutex::new(Some(Vec::new())),
+            let mut stopped = shared.stopped.subscribe();
+            tokio::select! {
+                _ = shared.wake.notified() => true,
+                _ = stopped.wait_for(|s| *s) => false,
             }
-        });
-        let weak = Arc::downgrade(&shared);
-        let woken = move || {
-            let weak = weak.clone();
-            async move {
-                let Some(shared) = weak.upgrade() else {
-                    return false;
+        }
+    };
+    let (host, backend) = {
+        let mut driver = shared.lock();
+        driver.set_faults(config.faults);
+        driver.set_staging(shared.memory.staging().cloned());
+        driver.set_same_host_plane(kvferry_driver::SameHostPlane::open(
+            config.same_host,
+            shared.memory.clone(),
+        ));
+        #[cfg(feature = "rdma")]
+        driver.set_rdma_plane(
+            rdma.map(|node| kvferry_driver::rdma::RdmaPlane::new(node, shared.memory.clone())),
+        );
+        (driver.host().clone(), driver_backend(&driver))
+    };
+    let role = shared.info.role;
+    let driver = runtime::run_driver(host, woken);
+    tokio::spawn(driver.instrument(info_span!("kvferry_driver", ?role)));
+    Ok(Node::new(NodeParts {
+        runtime: "tokio",
+        backend,
+        role: shared.info.role,
+        config: config.core,
+        memory: shared.memory.clone(),
+        announcements: shared.announcements.clone(),
+        events: shared.events.clone(),
+        pinned_cores: Vec::new(),
+        shards: Box::new(Locked(shared)),
+    }))
+}
+
+/// Which data plane the driver moves operations on.
+fn driver_backend(driver: &Driver<TokioHost>) -> &'static str {
+    #[cfg(feature = "rdma")]
+    if driver.rdma_plane().is_some() {
+        return "rdma";
+    }
+    let _ = driver;
+    "tcp"
+}
+
+/// The node's one shard behind its lock: calls take the lock; listeners are tasks of the
+/// runtime.
+impl Shards for Locked {
+    fn count(&self) -> usize {
+        1
+    }
+
+    fn call(&self, _shard: usize, call: ShardCall) -> ShardFuture<'static, Result<(), NodeError>> {
+        call(&mut *self.0.lock());
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn listen(&self, addr: SocketAddr) -> ShardFuture<'_, Result<Vec<SocketAddr>, NodeError>> {
+        Box::pin(async move {
+            let shared = &self.0;
+            if lock(&shared.listeners).is_none() {
+                return Err(NodeError::ShutDown);
+            }
+            let listener = TcpListener::bind(addr).await?;
+            let local = listener.local_addr()?;
+            let host = shared.host();
+            let mut stopped = shared.stopped.subscribe();
+            let serve = async move {
+                let take = {
+                    let host = host.clone();
+                    move |(tcp, peer)| {
+                        host.runtime.spawn(accept(host.clone(), tcp, peer));
+                    }
                 };
-                let mut stopped = shared.stopped.subscribe();
+                let listener = &listener;
                 tokio::select! {
-                    _ = shared.wake.notified() => true,
-                    _ = stopped.wait_for(|s| *s) => false,
+                    _ = stopped.wait_for(|s| *s) => {}
+                    _ = runtime::listen(host, move || listener.accept(), take) => {}
                 }
-            }
-        };
-        let host = {
-            let mut driver = shared.lock();
-            driver.set_faults(config.faults);
-            driver.set_staging(shared.memory.staging().cloned());
-            driver.set_same_host_plane(kvferry_driver::SameHostPlane::open(
-                config.same_host,
-                shared.memory.clone(),
+            };
+            let mut listeners = lock(&shared.listeners);
+            // The shutdown may have begun while this one was bound: it is not served then.
+            let Some(listeners) = listeners.as_mut() else {
+                return Err(NodeError::ShutDown);
+            };
+            listeners.push(tokio::spawn(
+                serve.instrument(info_span!("kvferry_listener", %local)),
             ));
-            #[cfg(feature = "rdma")]
-            driver.set_rdma_plane(
-                rdma.map(|node| kvferry_driver::rdma::RdmaPlane::new(node, shared.memory.clone())),
-            );
-            driver.host().clone()
-        };
-        let role = shared.info.role;
-        let driver = runtime::run_driver(host, woken);
-        tokio::spawn(driver.instrument(info_span!("kvferry_driver", ?role)));
-        Ok(Node {
-            _last: Arc::new(StopOnDrop(shared.clone())),
-            rooms: Arc::new(Embedder::new(Locked(shared.clone()))),
-            shared,
+            Ok(vec![local])
         })
     }
 
-    /// This node's host: the way its tasks reach its driver.
-    fn host(&self) -> TokioHost {
-        self.shared.lock().host().clone()
-    }
-
-    /// The core's configuration.
-    pub fn config(&self) -> Config {
-        self.shared.lock().endpoint().config().clone()
-    }
-
-    /// The state of a room (live or remembered).
-    pub fn room_state(&self, room: RoomId) -> Option<KvPoll> {
-        self.shared.lock().endpoint().room_state(room)
-    }
-
-    /// Fails a room softly (consensus verdicts); `false` if it was already terminal.
-    pub fn fail_room(&self, room: RoomId, reason: FailureReason) -> bool {
-        self.shared
-            .lock()
-            .with(|e, now| e.fail_room(now, room, reason))
-    }
-
-    /// Every core event from now on (a lagging subscriber loses the oldest ones).
-    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
-        self.shared.events.subscribe()
-    }
-}
-
-/// The embedder API ([`KvNode`]) of a tokio node: one shard, behind its lock.
-impl RuntimeNode for Node {
-    type Calls = Locked;
-
-    fn embedder(&self) -> &Embedder<Locked> {
-        &self.rooms
-    }
-
-    fn runtime(&self) -> &'static str {
-        "tokio"
-    }
-
-    fn backend(&self) -> &'static str {
-        #[cfg(feature = "rdma")]
-        if self.shared.lock().rdma_plane().is_some() {
-            return "rdma";
-        }
-        "tcp"
-    }
-
-    fn memory(&self) -> &Arc<MemoryMap> {
-        &self.shared.memory
-    }
-
-    async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
-        if lock(&self.shared.listeners).is_none() {
-            return Err(NodeError::ShutDown);
-        }
-        let listener = TcpListener::bind(addr).await?;
-        let local = listener.local_addr()?;
-        let host = self.host();
-        let mut stopped = self.shared.stopped.subscribe();
-        let serve = async move {
-            let take = {
-                let host = host.clone();
-                move |(tcp, peer)| {
-                    host.runtime.spawn(accept(host.clone(), tcp, peer));
-                }
-            };
-            let listener = &listener;
-            tokio::select! {
-                _ = stopped.wait_for(|s| *s) => {}
-                _ = runtime::listen(host, move || listener.accept(), take) => {}
-            }
-        };
-        let mut listeners = lock(&self.shared.listeners);
-        // The shutdown may have begun while this one was bound: it is not served then.
-        let Some(listeners) = listeners.as_mut() else {
-            return Err(NodeError::ShutDown);
-        };
-        listeners.push(tokio::spawn(
-            serve.instrument(info_span!("kvferry_listener", %local)),
-        ));
-        Ok(vec![local])
-    }
-
-    fn room_announcements(&self) -> mpsc::UnboundedReceiver<Announcement> {
-        self.shared.announcements.subscribe()
-    }
-
-    async fn shutdown(&self) {
-        let shared = self.shared.clone();
+    fn shutdown(&self) -> ShardFuture<'static, ()> {
+        let shared = self.0.clone();
         // A task of its own: a caller that stops waiting (a timeout around this call) does
         // not leave a node half shut down.
         let steps = async move {
@@ -344,7 +281,10 @@ impl RuntimeNode for Node {
             shared.stopped.send_replace(true);
             shared.wake.notify_one();
         };
-        let _ = self.host().runtime.spawn(steps).await;
+        let task = self.0.host().runtime.spawn(steps);
+        Box::pin(async move {
+            let _ = task.await;
+        })
     }
 }
 

@@ -5,7 +5,7 @@ use crate::{
 };
 use kvferry_core::{Grant, KvPoll, Region, RoomId};
 use kvferry_memory::MemoryMap;
-use kvferry_tokio::{KvNode, NodeError, PeerId};
+use kvferry_tokio::{Node, NodeError, PeerId};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing::warn;
@@ -59,9 +59,9 @@ pub(crate) struct Pages {
 
 /// Requests `run.rooms` rooms from the prefill `peer`, verifies every page of every
 /// successful room, checks free pages before reuse, and reports. A persistent peer
-/// ([`KvNode::connect_persistent`]) that is away is waited for up to the room deadline, so
+/// ([`Node::connect_persistent`]) that is away is waited for up to the room deadline, so
 /// rooms keep flowing across a prefill restart.
-pub async fn run_decode<N: KvNode>(node: &N, peer: PeerId, run: DecodeRun) -> Report {
+pub async fn run_decode(node: &Node, peer: PeerId, run: DecodeRun) -> Report {
     let shape = run.shape.clone();
     let layout = shape.layout();
     let memory = node.memory().clone();
@@ -244,8 +244,8 @@ pub(crate) fn error_kind(e: &NodeError) -> String {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) async fn decode_room<N: KvNode>(
-    node: &N,
+pub(crate) async fn decode_room(
+    node: &Node,
     peer: PeerId,
     shape: &Shape,
     room: RoomId,

@@ -6,16 +6,12 @@ use crate::{
 };
 use kvferry_core::{Config, Role};
 use kvferry_memory::MemoryMap;
-use kvferry_tokio::{KvNode, NodeError};
+use kvferry_tokio::{Node, NodeError};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Moves `run.rooms` rooms from `prefill` to `decode` (both started, on loopback) and reports.
-pub async fn run_pair<P: KvNode, D: KvNode>(
-    prefill: &P,
-    decode: &D,
-    run: DecodeRun,
-) -> Result<Report, NodeError> {
+pub async fn run_pair(prefill: &Node, decode: &Node, run: DecodeRun) -> Result<Report, NodeError> {
     let addrs = prefill
         .listen("127.0.0.1:0".parse().map_err(|_| NodeError::ShutDown)?)
         .await?;

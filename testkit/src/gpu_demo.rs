@@ -24,7 +24,6 @@ use kvferry_memory::{
     CopyDirection, CopyEngine, CopyJob, ExternalRegion, HostBuffer, MemoryKind, MemoryMap, Staging,
     StagingConfig,
 };
-use kvferry_tokio::KvNode;
 use tokio::sync::mpsc;
 
 use crate::overlap::{self, Batch, LayerSignal, OverlapReport, OverlapRun};

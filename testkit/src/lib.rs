@@ -29,7 +29,7 @@ pub use prefill::*;
 pub use report::*;
 pub use shape::*;
 
-pub use kvferry_tokio::{read_spin_from_vars, DataBackend, SameHost};
+pub use kvferry_tokio::{read_spin_from_vars, DataBackend, Node, SameHost};
 
 #[cfg(feature = "gpu")]
 pub mod gpu_demo;

@@ -1,14 +1,10 @@
 //! Starting nodes of either runtime and backend, and the one node type the CLI and tests drive.
 
 use crate::{mix, Report, Shape};
-use kvferry_core::{
-    Chunk, Config, Counters, FailureReason, Generation, Grant, Incarnation, NodeId, PromptDigest,
-    Role, RoomId,
-};
-use kvferry_glommio::{GlommioNode, ShardConfig};
+use kvferry_core::{Config, Incarnation, NodeId, Role};
+use kvferry_glommio::ShardConfig;
 use kvferry_memory::MemoryMap;
-use kvferry_tokio::{Announcement, KvNode, Node, NodeConfig, NodeError, PeerId, RoomHandle};
-use std::net::SocketAddr;
+use kvferry_tokio::{Node, NodeConfig, NodeError};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -166,7 +162,7 @@ impl Runtime {
     }
 
     /// Starts a node of this runtime (inside a tokio runtime for `Tokio`).
-    pub fn start(&self, cfg: NodeConfig, memory: Arc<MemoryMap>) -> Result<AnyNode, NodeError> {
+    pub fn start(&self, cfg: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
         self.start_with(cfg, memory, false)
     }
 
@@ -174,11 +170,7 @@ impl Runtime {
     /// decode of this runtime). Both nodes' shards share the process's cores, so a shard
     /// spinning before it parks takes a core from another node's shard: such shards park at
     /// once (the 2-core scaling sweep ran 3-37 % more rooms/s so).
-    pub fn start_paired(
-        &self,
-        cfg: NodeConfig,
-        memory: Arc<MemoryMap>,
-    ) -> Result<AnyNode, NodeError> {
+    pub fn start_paired(&self, cfg: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
         self.start_with(cfg, memory, true)
     }
 
@@ -187,9 +179,9 @@ impl Runtime {
         cfg: NodeConfig,
         memory: Arc<MemoryMap>,
         paired: bool,
-    ) -> Result<AnyNode, NodeError> {
+    ) -> Result<Node, NodeError> {
         Ok(match *self {
-            Runtime::Tokio => AnyNode::Tokio(Node::start(cfg, memory)?),
+            Runtime::Tokio => kvferry_tokio::start(cfg, memory)?,
             Runtime::Glommio { shards, pin } => {
                 let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
                 let mut config = ShardConfig {
@@ -200,141 +192,9 @@ impl Runtime {
                 if paired || shards > cores {
                     config.spin_before_park = std::time::Duration::ZERO;
                 }
-                AnyNode::Glommio(GlommioNode::start(cfg, memory, config)?)
+                kvferry_glommio::start(cfg, memory, config)?
             }
         })
-    }
-}
-
-/// A node of either driver behind one type (the CLI and the tests pick the runtime at run
-/// time).
-#[derive(Clone, Debug)]
-pub enum AnyNode {
-    /// A tokio node.
-    Tokio(Node),
-    /// A glommio node.
-    Glommio(GlommioNode),
-}
-
-macro_rules! both {
-    ($self:ident, $n:ident => $e:expr) => {
-        match $self {
-            AnyNode::Tokio($n) => $e,
-            AnyNode::Glommio($n) => $e,
-        }
-    };
-}
-
-impl KvNode for AnyNode {
-    fn runtime(&self) -> &'static str {
-        both!(self, n => n.runtime())
-    }
-
-    fn backend(&self) -> &'static str {
-        both!(self, n => n.backend())
-    }
-
-    fn memory(&self) -> &Arc<MemoryMap> {
-        both!(self, n => KvNode::memory(n))
-    }
-
-    fn shards(&self) -> usize {
-        both!(self, n => n.shards())
-    }
-
-    async fn listen(&self, addr: SocketAddr) -> Result<Vec<SocketAddr>, NodeError> {
-        both!(self, n => KvNode::listen(n, addr).await)
-    }
-
-    async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        both!(self, n => KvNode::connect(n, addrs).await)
-    }
-
-    async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        both!(self, n => KvNode::connect_persistent(n, addrs).await)
-    }
-
-    async fn disconnect(&self, peer: PeerId) -> Result<(), NodeError> {
-        both!(self, n => KvNode::disconnect(n, peer).await)
-    }
-
-    async fn knows_peer(&self, peer: PeerId) -> bool {
-        both!(self, n => KvNode::knows_peer(n, peer).await)
-    }
-
-    async fn open_receiver(
-        &self,
-        room: RoomId,
-        generation: Generation,
-        peers: Vec<PeerId>,
-        grant: Option<Grant>,
-    ) -> Result<RoomHandle, NodeError> {
-        both!(self, n => KvNode::open_receiver(n, room, generation, peers, grant).await)
-    }
-
-    async fn grant_pages(&self, room: RoomId, grant: Grant) -> Result<(), NodeError> {
-        both!(self, n => KvNode::grant_pages(n, room, grant).await)
-    }
-
-    async fn open_sender(
-        &self,
-        room: RoomId,
-        generation: Generation,
-        prompt: Option<PromptDigest>,
-    ) -> Result<RoomHandle, NodeError> {
-        both!(self, n => KvNode::open_sender(n, room, generation, prompt).await)
-    }
-
-    async fn send_chunk(&self, room: RoomId, chunk: Chunk) -> Result<(), NodeError> {
-        both!(self, n => KvNode::send_chunk(n, room, chunk).await)
-    }
-
-    async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
-        both!(self, n => KvNode::mark_layer_ready(n, rooms, layer).await)
-    }
-
-    async fn set_capacity(&self, capacity: kvferry_core::Capacity) {
-        both!(self, n => KvNode::set_capacity(n, capacity).await)
-    }
-
-    async fn set_queue_position(&self, room: RoomId, position: u32) -> Result<(), NodeError> {
-        both!(self, n => KvNode::set_queue_position(n, room, position).await)
-    }
-
-    async fn set_faults(&self, faults: Option<kvferry_tokio::FaultPlan>) {
-        both!(self, n => KvNode::set_faults(n, faults).await)
-    }
-
-    async fn abort(&self, room: RoomId) -> Result<(), NodeError> {
-        both!(self, n => KvNode::abort(n, room).await)
-    }
-
-    async fn counters(&self) -> Counters {
-        both!(self, n => KvNode::counters(n).await)
-    }
-
-    async fn data_paths(&self) -> Vec<(usize, kvferry_core::SessionId, kvferry_tokio::DataPath)> {
-        both!(self, n => KvNode::data_paths(n).await)
-    }
-
-    async fn data_connections(&self) -> Vec<(usize, kvferry_core::SessionId, usize)> {
-        both!(self, n => KvNode::data_connections(n).await)
-    }
-
-    fn room_announcements(&self) -> tokio::sync::mpsc::UnboundedReceiver<Announcement> {
-        both!(self, n => KvNode::room_announcements(n))
-    }
-
-    async fn reach(&self, peer: PeerId) -> Result<(), NodeError> {
-        both!(self, n => KvNode::reach(n, peer).await)
-    }
-
-    async fn unreachable(&self, peer: PeerId) -> Result<Option<FailureReason>, NodeError> {
-        both!(self, n => KvNode::unreachable(n, peer).await)
-    }
-
-    async fn shutdown(&self) {
-        both!(self, n => KvNode::shutdown(n).await)
     }
 }
 
@@ -348,7 +208,7 @@ pub fn runtime_label(prefill: &str, decode: &str) -> String {
 }
 
 /// The distinct data paths of `node`'s sessions, joined by `+` (`none` without a session).
-pub async fn path_label<N: KvNode>(node: &N) -> String {
+pub async fn path_label(node: &Node) -> String {
     let mut labels: Vec<&str> = node
         .data_paths()
         .await

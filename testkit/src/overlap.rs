@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kvferry_core::{Chunk, Grant, KvPoll, Region, Role, RoomId};
 use kvferry_gpu::{LayerTimes, Span, Timeline};
 use kvferry_memory::MemoryMap;
-use kvferry_tokio::{KvNode, PeerId, RoomHandle};
+use kvferry_tokio::{Node, PeerId, RoomHandle};
 use tokio::sync::mpsc;
 
 use crate::{aux_row, check_room, fill_room_layer, write_free, Shape, AUX_BYTES};
@@ -234,8 +234,8 @@ pub struct BatchMode {
 /// staged layer ready on every room when `layerwise`: when each layer was computed and
 /// staged, and why the pass stopped short (it failed, ended early, or fell silent past
 /// `deadline`), if it did.
-async fn follow_forward<P: KvNode>(
-    prefill: &P,
+async fn follow_forward(
+    prefill: &Node,
     rooms: &[RoomId],
     layerwise: bool,
     deadline: Duration,
@@ -286,9 +286,9 @@ async fn follow_forward<P: KvNode>(
 
 /// Opens every room of `batch` on both sides: the decode's with their grants, the prefill's
 /// with each room's aux row written first. Returns the decode's handles, then the prefill's.
-async fn open_batch<P: KvNode, D: KvNode>(
-    prefill: &P,
-    decode: &D,
+async fn open_batch(
+    prefill: &Node,
+    decode: &Node,
     peer: PeerId,
     batch: &Batch,
 ) -> Result<(Vec<RoomHandle>, Vec<RoomHandle>), String> {
@@ -333,9 +333,9 @@ async fn open_batch<P: KvNode, D: KvNode>(
 /// sides, starts the forward pass, and sends each layer as it is staged (`layerwise`) or
 /// everything after the last layer. `landed` hears each room's index as decode sees it
 /// succeed. Rooms not finished within `deadline` are aborted and reported failed.
-pub async fn run_batch<P: KvNode, D: KvNode>(
-    prefill: &P,
-    decode: &D,
+pub async fn run_batch(
+    prefill: &Node,
+    decode: &Node,
     peer: PeerId,
     batch: &Batch,
     mode: BatchMode,
@@ -597,10 +597,7 @@ impl OverlapReport {
 }
 
 /// Listens on loopback with `prefill` and connects `decode` to it.
-pub async fn connect_loopback<P: KvNode, D: KvNode>(
-    prefill: &P,
-    decode: &D,
-) -> Result<PeerId, String> {
+pub async fn connect_loopback(prefill: &Node, decode: &Node) -> Result<PeerId, String> {
     let addrs = prefill
         .listen(([127, 0, 0, 1], 0).into())
         .await
@@ -625,9 +622,9 @@ pub fn both_modes(batch: &Batch) -> [(bool, Batch); 2] {
 
 /// The host overlap demo: both nodes in this process on loopback, the forward pass on the
 /// host taking `compute` per layer; runs the batch layerwise, then as a whole batch.
-pub async fn run_host_overlap<P: KvNode, D: KvNode>(
-    prefill: &P,
-    decode: &D,
+pub async fn run_host_overlap(
+    prefill: &Node,
+    decode: &Node,
     batch: &Batch,
     compute: Duration,
 ) -> Result<OverlapReport, String> {

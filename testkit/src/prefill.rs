@@ -3,15 +3,14 @@
 use crate::{aux_row, fill_room_layer, Pool, Shape, AUX_BYTES};
 use kvferry_core::codec::SKIP_ALL;
 use kvferry_core::{Chunk, Region, RoomId};
-use kvferry_driver::Announcement;
-use kvferry_tokio::KvNode;
+use kvferry_driver::{Announcement, Node};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 /// Serves synthetic KV as a prefill node: every room a decode announces is opened, its
 /// source pages filled with the room's pattern and sent (chunked or layer by layer).
 /// Runs until the node shuts down.
-pub async fn serve_prefill<N: KvNode>(node: N, shape: Shape) {
+pub async fn serve_prefill(node: Node, shape: Shape) {
     let mut announcements = node.room_announcements();
     let layout = shape.layout();
     let pool = Arc::new(Mutex::new(Pool::new(layout.pages)));
@@ -83,8 +82,8 @@ fn room_pages(shape: &Shape, a: Announcement) -> u32 {
         .min(shape.layout().pages)
 }
 
-pub(crate) async fn send_room<N: KvNode>(
-    node: &N,
+pub(crate) async fn send_room(
+    node: &Node,
     shape: &Shape,
     room: RoomId,
     src: &[u32],

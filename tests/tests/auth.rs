@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvferry_core::codec::{ErrorCode, Message};
 use kvferry_core::Role;
 use kvferry_testkit::run_decode;
-use kvferry_tests::{fast_core, prefill_on, rooms, small_shape, start_on, KvNode, Runtime};
+use kvferry_tests::{fast_core, prefill_on, rooms, small_shape, start_on, Runtime};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -39,7 +39,7 @@ fn frames(mut bytes: &[u8]) -> Vec<Message> {
     out
 }
 
-async fn prefill(runtime: Runtime) -> (kvferry_tests::AnyNode, SocketAddr) {
+async fn prefill(runtime: Runtime) -> (kvferry_tests::Node, SocketAddr) {
     let (node, addrs, server) = prefill_on(
         runtime,
         &small_shape(),
@@ -213,7 +213,7 @@ async fn a_decodes_recorded_handshake_and_data_hellos_replayed_get_nothing() {
 }
 
 /// A serving prefill whose handshake timeout is 300 ms, and its address.
-async fn impatient_prefill(runtime: Runtime, seed: u64) -> (kvferry_tests::AnyNode, SocketAddr) {
+async fn impatient_prefill(runtime: Runtime, seed: u64) -> (kvferry_tests::Node, SocketAddr) {
     let core = kvferry_core::Config {
         handshake_timeout: Duration::from_millis(300),
         ..fast_core()

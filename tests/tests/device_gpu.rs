@@ -15,7 +15,7 @@ use kvferry_gpu::cuda::{DeviceRegion, Gpu};
 use kvferry_gpu::engine::CudaCopyEngine;
 use kvferry_memory::{ExternalRegion, MemoryKind, MemoryMap, Staging, StagingConfig};
 use kvferry_testkit::{node_config, run_pair, DecodeRun, SameHost, Shape};
-use kvferry_tests::{assert_all_clean, fast_core, KvNode, Runtime, GLOMMIO};
+use kvferry_tests::{assert_all_clean, fast_core, Runtime, GLOMMIO};
 
 /// 8 layers x K/V of 16 KiB pages, 32 pages a room: 8 MiB a room.
 fn shape() -> Shape {

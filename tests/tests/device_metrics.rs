@@ -7,9 +7,7 @@ use std::time::Duration;
 use kvferry_core::Role;
 use kvferry_memory::HostCopyEngine;
 use kvferry_testkit::node_config;
-use kvferry_tests::{
-    assert_all_clean, device_memory, rooms, small_shape, staged_core, KvNode, Runtime,
-};
+use kvferry_tests::{assert_all_clean, device_memory, rooms, small_shape, staged_core, Runtime};
 
 /// Engine, size, free buffers, and the shared buffers taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
 //! The integration suite, generic over the driver: every scenario runs on tokio, on glommio
 //! (two shards) and on a mixed pair (tokio prefill, glommio decode), through the one embedder
-//! API both drivers implement (`KvNode`). Real sockets, real bytes, every page verified.
+//! API both drivers implement (`kvferry_driver::Node`). Real sockets, real bytes, every page verified.
 #![allow(clippy::unwrap_used)] // tests may panic
 
 use std::net::SocketAddr;
@@ -14,7 +14,7 @@ use kvferry_testkit::{run_decode, run_pair, DecodeRun, Shape};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
     assert_all_clean, fast_core, free_ports, on_every_driver, peer_loss_core, prefill_on, rooms,
-    small_shape, start_on, KvNode, Runtime,
+    small_shape, start_on, Runtime,
 };
 use kvferry_tokio::{FaultKind, FaultPlan};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -90,7 +90,7 @@ async fn a_prefill_that_sends_less_than_its_grant_fails_the_room_on_both_sides(
 }
 
 /// A batch of 4 rooms x 4 layers, and a prefill and a decode node registered for it.
-fn batch_pair(p: Runtime, d: Runtime) -> (Batch, kvferry_tests::AnyNode, kvferry_tests::AnyNode) {
+fn batch_pair(p: Runtime, d: Runtime) -> (Batch, kvferry_tests::Node, kvferry_tests::Node) {
     let batch = Batch {
         shape: Shape {
             layers: 4,
@@ -530,6 +530,41 @@ async fn a_saturated_decode_fails_rooms_with_decode_saturated_at_the_deadline(
 mod lifecycle;
 use lifecycle::*;
 
+/// The node API is one type whatever runtime started it: a decode's subscribers hear each of
+/// its rooms succeed, `room_state` answers from the shard owning the room, and a verdict
+/// applied to a room that already ended changes nothing.
+async fn a_nodes_subscribers_and_room_queries_follow_its_rooms(p: Runtime, d: Runtime) {
+    let shape = small_shape();
+    let (prefill, addrs, server) = prefill_on(p, &shape, fast_core(), 161, any_port()).await;
+    let decode = start_on(d, Role::Decode, &shape, fast_core(), 162);
+    let mut events = decode.subscribe();
+    let peer = decode.connect(addrs).await.unwrap();
+    let report = run_decode(&decode, peer, rooms(6, 70)).await;
+    assert_all_clean(&report, 6);
+    let mut succeeded = std::collections::BTreeSet::new();
+    while let Ok(event) = events.try_recv() {
+        if let kvferry_core::Event::RoomState {
+            room,
+            state: KvPoll::Success,
+            ..
+        } = event
+        {
+            succeeded.insert(room.0);
+        }
+    }
+    assert_eq!(succeeded, (70..76).collect(), "{:?}", decode.runtime());
+    for room in 70..76 {
+        let room = RoomId(room);
+        assert_eq!(decode.room_state(room).await, Some(KvPoll::Success));
+        assert!(!decode.fail_room(room, FailureReason::AbortedLocally).await);
+        assert_eq!(decode.room_state(room).await, Some(KvPoll::Success));
+    }
+    assert_eq!(decode.room_state(RoomId(9999)).await, None);
+    decode.shutdown().await;
+    prefill.shutdown().await;
+    server.abort();
+}
+
 on_every_driver!(
     a_decode_abort_mid_transfer_releases_pages_on_the_drain_ack,
     a_lost_abort_keeps_pages_quarantined_until_the_fence,
@@ -558,6 +593,7 @@ on_every_driver!(
     a_wait_for_a_kept_peer_ends_when_it_is_disconnected,
     rooms_move_over_a_link_slower_than_the_connect_timeout,
     a_clean_rooms_writes_are_admitted_without_the_drivers_lock,
+    a_nodes_subscribers_and_room_queries_follow_its_rooms,
 );
 
 /// A node that begins its shutdown closes its listeners before it tells any peer: a peer

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use glommio::{LocalExecutorBuilder, Placement};
 use kvferry_core::{Chunk, Config, Grant, KvPoll, Region, Role, RoomId};
-use kvferry_glommio::{GlommioNode, KvNode, ShardConfig};
+use kvferry_glommio::ShardConfig;
 use kvferry_memory::MemoryMap;
 use kvferry_testkit::{node_config, Shape};
 
@@ -38,7 +38,7 @@ fn a_glommio_embedder_moves_rooms_without_a_tokio_runtime() {
         .spawn(move || async move {
             let layout = shape.layout();
             let start = |role: Role, seed: u64| {
-                GlommioNode::start(
+                kvferry_glommio::start(
                     node_config(role, &shape, Config::default(), b"token", seed),
                     Arc::new(MemoryMap::allocate(layout)),
                     ShardConfig {

@@ -80,7 +80,7 @@ use std::time::{Duration, Instant};
 use kvferry_core::{Config, FailureReason, Grant, KvPoll, Role, RoomId};
 use kvferry_testkit::{run_decode, DecodeRun};
 use kvferry_tests::proxy::FaultProxy;
-use kvferry_tests::{prefill, start, KvNode};
+use kvferry_tests::{prefill, start};
 
 fn rooms(n: u64, first: u64) -> DecodeRun {
     DecodeRun {
@@ -155,7 +155,7 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
         cfg.info.layer_start = layers.start;
         cfg.info.layer_end = layers.end;
         cfg.info.writes_aux = layers.end == shape.layers;
-        let node = kvferry_tokio::Node::start(
+        let node = kvferry_tokio::start(
             cfg,
             std::sync::Arc::new(kvferry_memory::MemoryMap::allocate(shape.layout())),
         )
@@ -215,10 +215,10 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
     });
     ranks[1].0.abort(room).await.unwrap();
     // The leader (rank 0) combines what it sees right now: skewed views, no assertion.
-    let polls: Vec<KvPoll> = ranks
-        .iter()
-        .map(|(n, _, _)| n.room_state(room).unwrap_or(KvPoll::Bootstrapping))
-        .collect();
+    let mut polls: Vec<KvPoll> = Vec::new();
+    for (n, _, _) in &ranks {
+        polls.push(n.room_state(room).await.unwrap_or(KvPoll::Bootstrapping));
+    }
     let mut leader = ConsensusLog::new(64);
     let decision = leader
         .decide(room, &polls)
@@ -231,9 +231,9 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
         let mut applied = log.apply(decision);
         applied.extend(log.apply(decision));
         assert_eq!(applied, vec![decision]);
-        node.fail_room(room, reason);
+        node.fail_room(room, reason).await;
         assert!(
-            !node.fail_room(room, reason),
+            !node.fail_room(room, reason).await,
             "a verdict applied twice changes nothing"
         );
     }
@@ -248,7 +248,10 @@ async fn f05_skewed_prefill_ranks_reach_one_verdict_and_decode_fails_softly() {
         .await
         .expect("decode releases after every drain ack");
     for (node, _, _) in &ranks {
-        assert!(matches!(node.room_state(room), Some(KvPoll::Failed(_))));
+        assert!(matches!(
+            node.room_state(room).await,
+            Some(KvPoll::Failed(_))
+        ));
     }
     slow_task.abort();
 }
@@ -265,7 +268,7 @@ async fn f10_truncated_frames_and_repeated_garbage_disconnect_only_the_offender(
     let shape = small_shape();
     let (p, addr, _server) = prefill(&shape, fast_core(), 141).await;
     let healthy = start(Role::Decode, &shape, fast_core(), 142);
-    let s = KvNode::connect(&healthy, vec![addr]).await.unwrap();
+    let s = healthy.connect(vec![addr]).await.unwrap();
     // A control connection whose frames have sane lengths but unknown types: before the
     // handshake nothing is skipped, so the first one closes it (with an error frame).
     let mut bad = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -439,7 +442,7 @@ async fn f10_a_forged_acknowledgement_closes_the_data_connection_and_rooms_still
     let mut cfg =
         kvferry_testkit::node_config(Role::Decode, &shape, fast_core(), b"test-token", 162);
     cfg.data_connections = 1;
-    let d = kvferry_tokio::Node::start(
+    let d = kvferry_tokio::start(
         cfg,
         std::sync::Arc::new(kvferry_memory::MemoryMap::allocate(shape.layout())),
     )
@@ -496,13 +499,13 @@ async fn one_flipped_bit(checksum: bool, device: bool, seed: u64) -> kvferry_tes
     };
     let cfg =
         |role, seed| kvferry_testkit::node_config(role, &shape, core.clone(), b"test-token", seed);
-    let p = kvferry_tokio::Node::start(cfg(Role::Prefill, seed), memory()).unwrap();
+    let p = kvferry_tokio::start(cfg(Role::Prefill, seed), memory()).unwrap();
     let addr = p.listen("127.0.0.1:0".parse().unwrap()).await.unwrap()[0];
     let _server = tokio::spawn(kvferry_testkit::serve_prefill(p.clone(), shape.clone()));
     let proxy = FaultProxy::start(addr, seed).await.unwrap();
     // Well inside the first write batch's payload (its header and table are under 1 KiB).
     proxy.set(|f| f.flip_data_byte = Some(4096 + 123));
-    let d = kvferry_tokio::Node::start(cfg(Role::Decode, seed + 1), memory()).unwrap();
+    let d = kvferry_tokio::start(cfg(Role::Decode, seed + 1), memory()).unwrap();
     let s = d.connect(vec![proxy.addr]).await.unwrap();
     let report = run_decode(&d, s, rooms(20, 800)).await;
     let mut flipped = false;

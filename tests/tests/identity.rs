@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_core::{Config, Role};
 use kvferry_testkit::{run_decode, Report};
-use kvferry_tests::{free_ports, peer_loss_core, prefill_on, rooms, start_on, KvNode, Runtime};
+use kvferry_tests::{free_ports, peer_loss_core, prefill_on, rooms, start_on, Runtime};
 
 fn core() -> Config {
     peer_loss_core()

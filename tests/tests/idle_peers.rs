@@ -11,7 +11,7 @@ use kvferry_testkit::{run_decode, Runtime};
 use kvferry_tests::{
     assert_all_clean, fast_core, prefill_on, rooms, small_shape, start_on, RUNTIMES,
 };
-use kvferry_tokio::{KvNode, NodeError};
+use kvferry_tokio::NodeError;
 
 const PREFILLS: u64 = 50;
 

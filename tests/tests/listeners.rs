@@ -8,11 +8,10 @@ use std::sync::Arc;
 
 use kvferry_core::{Config, Role};
 use kvferry_memory::MemoryMap;
-use kvferry_testkit::{node_config, AnyNode, Runtime};
+use kvferry_testkit::{node_config, Node, Runtime};
 use kvferry_tests::{fast_core, small_shape, RUNTIMES};
-use kvferry_tokio::KvNode;
 
-fn node(rt: Runtime, token: &[u8], core: Config) -> AnyNode {
+fn node(rt: Runtime, token: &[u8], core: Config) -> Node {
     let shape = small_shape();
     let cfg = node_config(Role::Prefill, &shape, core, token, 1);
     rt.start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))

@@ -13,9 +13,9 @@ use std::time::Duration;
 use kvferry_core::{Config, Role};
 use kvferry_memory::HostCopyEngine;
 use kvferry_memory::MemoryMap;
-use kvferry_testkit::{run_pair, AnyNode, DecodeRun, Runtime, Shape};
+use kvferry_testkit::{run_pair, DecodeRun, Node, Runtime, Shape};
 use kvferry_tests::{
-    assert_all_clean, device_memory, fast_core, rdma_config, rooms, staged_core, KvNode, GLOMMIO,
+    assert_all_clean, device_memory, fast_core, rdma_config, rooms, staged_core, GLOMMIO,
 };
 
 /// Every test runs on both drivers: the RDMA data plane is the driver's, whatever the
@@ -28,7 +28,7 @@ fn start_rdma(
     shape: &Shape,
     core: Config,
     seed: u64,
-) -> Result<AnyNode, String> {
+) -> Result<Node, String> {
     start_over(rt, role, shape, core, seed, host_memory(shape))
 }
 
@@ -44,14 +44,14 @@ fn start_over(
     core: Config,
     seed: u64,
     memory: Arc<MemoryMap>,
-) -> Result<AnyNode, String> {
+) -> Result<Node, String> {
     let cfg = rdma_config(role, shape, core, seed);
     rt.start(cfg, memory).map_err(|e| e.to_string())
 }
 
 /// Both nodes over RDMA, or `None` (with the reason printed and checked) where the host has
 /// no usable device.
-fn pair_or_skip(rt: Runtime, shape: &Shape) -> Option<(AnyNode, AnyNode)> {
+fn pair_or_skip(rt: Runtime, shape: &Shape) -> Option<(Node, Node)> {
     started_or_skip(
         start_rdma(rt, Role::Prefill, shape, fast_core(), 1),
         start_rdma(rt, Role::Decode, shape, fast_core(), 2),
@@ -61,9 +61,9 @@ fn pair_or_skip(rt: Runtime, shape: &Shape) -> Option<(AnyNode, AnyNode)> {
 /// Both nodes, or `None` (with the reason printed and checked) where the host has no usable
 /// device.
 fn started_or_skip(
-    prefill: Result<AnyNode, String>,
-    decode: Result<AnyNode, String>,
-) -> Option<(AnyNode, AnyNode)> {
+    prefill: Result<Node, String>,
+    decode: Result<Node, String>,
+) -> Option<(Node, Node)> {
     match (prefill, decode) {
         (Ok(p), Ok(d)) => Some((p, d)),
         (Err(why), _) | (_, Err(why)) => {

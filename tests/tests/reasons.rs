@@ -11,7 +11,7 @@ use kvferry_core::{Config, Role};
 use kvferry_testkit::{run_decode, Report};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
-    free_ports, peer_loss_core, prefill_on, rooms, small_shape, start_on, KvNode, Runtime,
+    free_ports, peer_loss_core, prefill_on, rooms, small_shape, start_on, Runtime,
 };
 
 /// Short windows: liveness 6 s (200 ms × 30), unreachable 1 s; a room's own silence

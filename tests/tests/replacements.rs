@@ -12,7 +12,7 @@ use kvferry_core::{Config, Role};
 use kvferry_testkit::run_decode;
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
-    assert_all_clean, fast_core, prefill_on, rooms, small_shape, start_on, KvNode, Runtime,
+    assert_all_clean, fast_core, prefill_on, rooms, small_shape, start_on, Runtime,
 };
 
 const REPLACEMENTS: u64 = 1000;

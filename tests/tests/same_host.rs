@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 
 use kvferry_core::{Config, FailureReason, Grant, KvPoll, Role, RoomId};
 use kvferry_memory::{HostCopyEngine, MemoryMap};
-use kvferry_testkit::{node_config, path_label, run_pair, AnyNode, Report, SameHost, Shape};
+use kvferry_testkit::{node_config, path_label, run_pair, Node, Report, SameHost, Shape};
 use kvferry_tests::proxy::FaultProxy;
 use kvferry_tests::{
     assert_all_clean, device_memory, fast_core, on_every_driver, rooms, small_shape, staged_core,
-    KvNode, Runtime,
+    Runtime,
 };
 use kvferry_tokio::{FaultKind, FaultPlan};
 
@@ -28,7 +28,7 @@ fn start(
     core: Config,
     seed: u64,
     same_host: SameHost,
-) -> AnyNode {
+) -> Node {
     let mut cfg = node_config(role, shape, core, b"test-token", seed);
     cfg.same_host = same_host;
     rt.start(cfg, Arc::new(MemoryMap::allocate(shape.layout())))
@@ -36,7 +36,7 @@ fn start(
 }
 
 /// A node of `role` on `rt` over `memory`, taking the same-host path where it can.
-fn start_over(rt: Runtime, role: Role, core: Config, seed: u64, memory: Arc<MemoryMap>) -> AnyNode {
+fn start_over(rt: Runtime, role: Role, core: Config, seed: u64, memory: Arc<MemoryMap>) -> Node {
     let mut cfg = node_config(role, &small_shape(), core, b"test-token", seed);
     cfg.same_host = SameHost::Auto;
     rt.start(cfg, memory).unwrap()
@@ -55,7 +55,7 @@ async fn pair(
     core: Config,
     sides: [SameHost; 2],
     run: kvferry_testkit::DecodeRun,
-) -> (Report, AnyNode, AnyNode) {
+) -> (Report, Node, Node) {
     let prefill = start(p, Role::Prefill, &run.shape, core.clone(), 1, sides[0]);
     let decode = start(d, Role::Decode, &run.shape, core, 2, sides[1]);
     let report = run_pair(&prefill, &decode, run).await.unwrap();

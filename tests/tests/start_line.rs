@@ -10,7 +10,6 @@ use kvferry_core::{Config, Role};
 use kvferry_memory::MemoryMap;
 use kvferry_testkit::{node_config, Runtime};
 use kvferry_tests::{fast_core, small_shape};
-use kvferry_tokio::KvNode;
 
 /// Everything a node's start line writes, as text.
 #[derive(Clone, Default)]

@@ -10,9 +10,9 @@ use kvferry_memory::MemoryMap;
 use kvferry_tcp::TlsFiles;
 use kvferry_testkit::testcert::{self, CertDir};
 use kvferry_testkit::{node_config, run_decode, serve_prefill};
-use kvferry_tests::{fast_core, rooms, small_shape, AnyNode, KvNode, Runtime, RUNTIMES};
+use kvferry_tests::{fast_core, rooms, small_shape, Node, Runtime, RUNTIMES};
 
-fn node(runtime: Runtime, role: Role, tls: Option<TlsFiles>, seed: u64) -> AnyNode {
+fn node(runtime: Runtime, role: Role, tls: Option<TlsFiles>, seed: u64) -> Node {
     let shape = small_shape();
     let mut cfg = node_config(role, &shape, fast_core(), b"test-token", seed);
     cfg.tls = tls;

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use kvferry_core::{Config, FailureReason, Grant, KvPoll, Role, RoomId};
 use kvferry_testkit::{run_pair, DecodeRun};
+use kvferry_tests::Runtime;
 use kvferry_tests::{assert_all_clean, fast_core, on_every_driver, rooms, small_shape, start_on};
-use kvferry_tests::{KvNode, Runtime};
 
 /// `fast_core` where nothing but the deadlines under test arms a timer for 30 s.
 fn quiet_core() -> Config {

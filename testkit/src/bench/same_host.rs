@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_core::{Chunk, Config, Grant, KvPoll, Layout, Region, Role, RoomId};
 use kvferry_memory::MemoryMap;
-use kvferry_tokio::{KvNode, Node, NodeError, SameHost};
+use kvferry_tokio::{Node, NodeError, SameHost};
 
 use crate::Shape;
 
@@ -125,8 +125,8 @@ async fn pair(
     d.info.layout = layout;
     p.same_host = same_host;
     d.same_host = same_host;
-    let prefill = Node::start(p, Arc::new(MemoryMap::allocate(layout)))?;
-    let decode = Node::start(d, Arc::new(MemoryMap::allocate(layout)))?;
+    let prefill = kvferry_tokio::start(p, Arc::new(MemoryMap::allocate(layout)))?;
+    let decode = kvferry_tokio::start(d, Arc::new(MemoryMap::allocate(layout)))?;
     let addrs = prefill
         .listen("127.0.0.1:0".parse().map_err(|_| NodeError::ShutDown)?)
         .await?;

@@ -11,8 +11,8 @@ pub(super) async fn a_room_asked_for(
     ids: (u64, u64),
     room: RoomId,
 ) -> (
-    kvferry_tests::AnyNode,
-    kvferry_tests::AnyNode,
+    kvferry_tests::Node,
+    kvferry_tests::Node,
     kvferry_tokio::RoomHandle,
 ) {
     let shape = small_shape();
@@ -204,12 +204,12 @@ pub(super) async fn a_clean_rooms_writes_are_admitted_without_the_drivers_lock(
 }
 
 /// Established sessions of `node` (those whose data path is chosen).
-pub(super) async fn sessions_of(node: &impl KvNode) -> usize {
+pub(super) async fn sessions_of(node: &kvferry_tests::Node) -> usize {
     node.data_paths().await.len()
 }
 
 /// Waits until `node` has no established session (at most 5 s).
-pub(super) async fn until_no_session(node: &impl KvNode, what: &str) {
+pub(super) async fn until_no_session(node: &kvferry_tests::Node, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while sessions_of(node).await > 0 {
         assert!(Instant::now() < deadline, "{what}: sessions left");
