@@ -15,16 +15,24 @@ use futures_io::{AsyncRead, AsyncWrite};
 /// its poller and wakes the waiting task after: on glommio a readiness poll on its ring,
 /// armed at once after a partial read and completed ~40 us after the bytes were there on
 /// this VM; on tokio an epoll wake-up, then a parked worker thread woken across cores. The
-/// runtime's read only waits for readiness (it consumes no bytes), so reading the socket
-/// around it keeps the stream in order. A read within its spin keeps its task ready: on
-/// glommio, what waits on the shard's ring then waits up to its preempt timer (100 ms) while
-/// bytes keep coming less than `spin` apart; on tokio the worker runs its other tasks
-/// between tries.
+/// runtime's own read runs only after a `recv` found nothing, within the same call (glommio's
+/// waits for readiness; tokio's reads and returns what it read), so the stream stays in
+/// order. A read within its spin keeps its task ready: on glommio, what waits on the shard's
+/// ring then waits up to its preempt timer (100 ms) while bytes keep coming less than `spin`
+/// apart; on tokio each try is a yield, which may wake a parked worker to look for work.
+/// After [`READY_RUN`] reads in a row that found bytes, one read yields first: the runtime's
+/// own reads would have spent their task's budget by then (tokio's cooperative scheduling),
+/// and a connection that always has bytes must not keep its thread from other tasks.
 pub struct Polled<S> {
     stream: S,
     spin: Duration,
     last: Instant,
+    /// Reads in a row that returned bytes without a yield.
+    ready_run: u32,
 }
+
+/// How many reads in a row may return bytes before one yields to the executor.
+pub const READY_RUN: u32 = 64;
 
 impl<S> Polled<S> {
     /// Wraps `stream`; `spin` is how long after its last bytes a read keeps trying before it
@@ -34,6 +42,7 @@ impl<S> Polled<S> {
             stream,
             spin,
             last: Instant::now(),
+            ready_run: 0,
         }
     }
 
@@ -56,6 +65,11 @@ impl<S: AsyncRead + AsRawFd + Unpin> AsyncRead for Polled<S> {
         buf: &mut [u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.ready_run >= READY_RUN {
+            this.ready_run = 0;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         loop {
             // SAFETY: the descriptor stays open for as long as `this.stream`, which outlives
             // the call.
@@ -63,6 +77,7 @@ impl<S: AsyncRead + AsRawFd + Unpin> AsyncRead for Polled<S> {
             match rustix::net::recv(fd, buf, rustix::net::RecvFlags::DONTWAIT) {
                 Ok(n) => {
                     this.last = Instant::now();
+                    this.ready_run += 1;
                     return Poll::Ready(Ok(n));
                 }
                 Err(rustix::io::Errno::INTR) => continue,
@@ -70,12 +85,17 @@ impl<S: AsyncRead + AsRawFd + Unpin> AsyncRead for Polled<S> {
                 Err(e) => return Poll::Ready(Err(e.into())),
             }
         }
+        this.ready_run = 0;
         if this.last.elapsed() < this.spin {
             // Still within the spin: run again after the executor's other ready tasks.
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
-        Pin::new(&mut this.stream).poll_read(cx, buf)
+        let read = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if matches!(read, Poll::Ready(Ok(n)) if n > 0) {
+            this.last = Instant::now();
+        }
+        read
     }
 }
 

@@ -105,3 +105,51 @@ async fn a_polled_tokio_socket_reads_every_byte_in_order_with_a_spin() {
 async fn a_polled_tokio_socket_reads_every_byte_in_order_without_a_spin() {
     tokio_reads_all_in_order(Duration::ZERO).await;
 }
+
+/// A connection whose bytes are all there yields to the executor's other tasks every
+/// `READY_RUN` reads, as the runtime's own reads would once their task's budget ran out: on
+/// one thread, tasks queued behind it run while it reads 1 MiB in 256-byte reads.
+#[cfg(feature = "tokio")]
+#[tokio::test(flavor = "current_thread")]
+async fn a_connection_that_always_has_bytes_still_lets_other_tasks_run() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    const TOTAL: usize = 1 << 20;
+    const OTHERS: u32 = 100;
+    let mut writer = std::net::TcpStream::connect(addr).unwrap();
+    let (stream, _) = listener.accept().await.unwrap();
+    // Every byte is in the receiver's socket before the first read.
+    writer.write_all(&vec![7u8; TOTAL]).unwrap();
+    let ran = Arc::new(AtomicU32::new(0));
+    // The reader runs first (spawned first); the others are queued behind it.
+    let reader = {
+        let ran = ran.clone();
+        tokio::spawn(async move {
+            let mut conn = Polled::new(kvferry_tcp::TokioIo(stream), Duration::from_micros(50));
+            let mut piece = [0u8; 256];
+            let mut got = 0;
+            while got < TOTAL {
+                let n = conn.read(&mut piece).await.unwrap();
+                assert!(n > 0 && piece[..n].iter().all(|&b| b == 7));
+                got += n;
+            }
+            (got, ran.load(Ordering::Relaxed))
+        })
+    };
+    for _ in 0..OTHERS {
+        let ran = ran.clone();
+        tokio::spawn(async move {
+            ran.fetch_add(1, Ordering::Relaxed);
+        });
+    }
+    let (got, ran_meanwhile) = reader.await.unwrap();
+    assert_eq!(got, TOTAL);
+    assert_eq!(
+        ran_meanwhile, OTHERS,
+        "every task queued behind the reader ran before it finished its {} reads",
+        TOTAL / 256
+    );
+}

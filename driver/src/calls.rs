@@ -16,7 +16,9 @@ use kvferry_core::{
 use kvferry_memory::MemoryMap;
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::{shard_of, Announcement, Announcer, Answer, DataPath, FaultPlan, NodeError, PeerId};
+use crate::{
+    shard_of, Announcement, Announcer, Answer, DataPath, EventSink, FaultPlan, NodeError, PeerId,
+};
 use crate::{Driver, Host, RoomHandle};
 
 /// A future a runtime hands back from a [`Shards`] method.
@@ -33,7 +35,7 @@ pub trait Shards: Send + Sync + 'static {
     fn count(&self) -> usize;
 
     /// Runs `call` on the driver of `shard`; `ShutDown` when the shard is gone (the call
-    /// was dropped unrun).
+    /// never ran).
     fn call(&self, shard: usize, call: ShardCall) -> ShardFuture<'static, Result<(), NodeError>>;
 
     /// Accepts peers on `addr` (port 0: any); one address per shard.
@@ -150,7 +152,7 @@ pub struct NodeParts {
     /// Where the shards announce the rooms decodes ask for.
     pub announcements: Announcer,
     /// Where the shards' drivers publish every core event.
-    pub events: broadcast::Sender<Event>,
+    pub events: EventSink,
     /// The cores the node's shards are pinned to, in shard order (empty: none pinned).
     pub pinned_cores: Vec<usize>,
 }
@@ -269,8 +271,8 @@ impl Node {
         &self.inner.parts.config
     }
 
-    /// Every core event from now on, of every shard (a lagging subscriber loses the oldest
-    /// ones).
+    /// Every core event from now on, of every shard (a subscriber lagging by more than 65536
+    /// loses the oldest).
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.inner.parts.events.subscribe()
     }

@@ -41,6 +41,17 @@ pub const DEFAULT_READ_SPIN: std::time::Duration = std::time::Duration::from_mic
 /// millisecond a read is no faster for spinning, only busier.
 const MAX_READ_SPIN_US: u64 = 1000;
 
+/// Refuses a [`NodeConfig::read_spin`] past a millisecond, naming it.
+pub fn check_read_spin(spin: std::time::Duration) -> Result<(), NodeError> {
+    if spin > std::time::Duration::from_micros(MAX_READ_SPIN_US) {
+        return Err(NodeError::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("read_spin {spin:?}: at most {MAX_READ_SPIN_US} us"),
+        )));
+    }
+    Ok(())
+}
+
 /// [`NodeConfig::read_spin`] as `KVFERRY_READ_SPIN_US` among `vars` gives it (the default
 /// without it); an error names the value that is no number of microseconds.
 pub fn read_spin_from_vars<K: AsRef<str>, V: AsRef<str>>(

@@ -73,10 +73,6 @@ pub trait Host: Sized + 'static {
     /// its variant names.
     fn start(&self, job: Job<Self>);
 
-    /// Makes the host's driver task call [`Driver::turn`] soon (a timer moved earlier, or a
-    /// drain ran out of budget).
-    fn wake(&self);
-
     /// Hands an event to the embedder's subscribers once the driver has handled it.
     fn publish(&self, _event: Event) {}
 

@@ -20,6 +20,7 @@ mod calls;
 pub mod cma;
 mod config;
 mod error;
+mod events;
 mod fault_switch;
 mod faults;
 mod handle;
@@ -40,10 +41,11 @@ pub use announce::{Announcement, Announcer};
 pub use calls::{DriverCalls, Node, NodeParts, RoomOpen, ShardCall, ShardFuture, Shards};
 pub use cma::{check_same_host, SameHost, SameHostPlane};
 pub use config::{
-    check_memory, log_start, read_spin_from_vars, tcp_only, DataBackend, DataPath, NodeConfig,
-    DEFAULT_READ_SPIN, START_TARGET, TCP_PATH,
+    check_memory, check_read_spin, log_start, read_spin_from_vars, tcp_only, DataBackend, DataPath,
+    NodeConfig, DEFAULT_READ_SPIN, START_TARGET, TCP_PATH,
 };
 pub use error::{NodeError, Unsupported};
+pub use events::EventSink;
 pub use fault_switch::FaultSwitch;
 pub use faults::{FaultKind, FaultPlan};
 pub use handle::{RoomHandle, RoomView};

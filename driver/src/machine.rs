@@ -61,6 +61,8 @@ pub struct Driver<H: Host> {
     let_go: Vec<TargetId>,
     shutdown_waiters: Vec<oneshot::Sender<()>>,
     armed: Option<Instant>,
+    /// What the driver task waits on between turns ([`Driver::wakeup`]).
+    wakeup: std::sync::Arc<tokio::sync::Notify>,
     metrics_at: Instant,
     /// Whether an input reached the core since the last export of its metrics.
     metrics_dirty: bool,
@@ -103,6 +105,7 @@ impl<H: Host> Driver<H> {
             let_go: Vec::new(),
             shutdown_waiters: Vec::new(),
             armed: None,
+            wakeup: std::sync::Arc::new(tokio::sync::Notify::new()),
             metrics_at: now,
             metrics_dirty: true,
             role,
@@ -240,6 +243,13 @@ impl<H: Host> Driver<H> {
         }
     }
 
+    /// What the driver task ([`crate::runtime::run_driver`]) waits on between turns: notified
+    /// when a drain ran out of budget or moved the core's next deadline earlier than the
+    /// task's timer, and by a runtime that stops the node.
+    pub fn wakeup(&self) -> std::sync::Arc<tokio::sync::Notify> {
+        self.wakeup.clone()
+    }
+
     /// Drains the core's outputs in the documented order (transmits, actions, operations,
     /// events), at most [`TURN_BUDGET`] of them; asks the host for a turn when the budget ran
     /// out or the core's next deadline is earlier than the one the host's timer waits for.
@@ -250,7 +260,7 @@ impl<H: Host> Driver<H> {
         let next = self.next_turn();
         let earlier = next.is_some_and(|t| self.armed.map_or(true, |a| t < a));
         if more || earlier {
-            self.host.wake();
+            self.wakeup.notify_one();
         }
     }
 

@@ -41,14 +41,11 @@ pub type ControlQueue = mpsc::UnboundedSender<Vec<u8>>;
 /// from inside `drive`.
 pub trait Runtime: Host<Task: Task + Future + Unpin> + Clone {
     /// A connection of this runtime (TLS inside, where configured).
-    type Stream: 'static;
+    type Stream: AsyncRead + AsyncWrite + Unpin + 'static;
     /// A control connection's reading half.
     type Read: AsyncRead + Unpin + 'static;
     /// A control connection's writing half.
     type Write: AsyncWrite + Unpin + 'static;
-
-    /// `stream` as the data plane's byte stream.
-    fn io(stream: &mut Self::Stream) -> impl AsyncRead + AsyncWrite + Unpin + '_;
 
     /// Runs `f` on the driver; `None` once the node (or shard) is gone.
     fn drive<T>(&self, f: impl FnOnce(&mut Driver<Self>) -> T) -> Option<T>;
@@ -457,7 +454,7 @@ pub async fn take_accepted<R: Runtime>(
                 return None;
             }
         };
-        let accepted = crate::accept(&mut R::io(&mut stream), &access, peer).await?;
+        let accepted = crate::accept(&mut stream, &access, peer).await?;
         Some((stream, accepted))
     };
     let settled = futures_lite::future::or(work, async {
@@ -616,9 +613,13 @@ async fn serve_data<R: Runtime>(
     rt.drive(|d| d.data_connection_lost(session));
 }
 
-/// The driver task: one [`Driver::turn`] whenever the core's timer is due or `woken`
-/// resolves `true`; ends when `woken` resolves `false` (the node stops) or the node is gone.
-pub async fn run_driver<R: Runtime, W: Future<Output = bool>>(rt: R, mut woken: impl FnMut() -> W) {
+/// The driver task: one [`Driver::turn`] whenever the core's timer is due or the driver's
+/// [`Driver::wakeup`] is notified; ends once `stopped` says so after a wake-up (a runtime
+/// that stops the node notifies it), or when the node is gone.
+pub async fn run_driver<R: Runtime>(rt: R, stopped: impl Fn() -> bool) {
+    let Some(wakeup) = rt.drive(|d| d.wakeup()) else {
+        return;
+    };
     loop {
         let Some(deadline) = rt.drive(|d| d.turn(Instant::now())) else {
             return;
@@ -628,9 +629,9 @@ pub async fn run_driver<R: Runtime, W: Future<Output = bool>>(rt: R, mut woken: 
                 Some(t) => R::sleep(t.saturating_duration_since(Instant::now())).await,
                 None => std::future::pending().await,
             }
-            true
         };
-        if !futures_lite::future::or(timer, woken()).await {
+        futures_lite::future::or(timer, wakeup.notified()).await;
+        if stopped() {
             return;
         }
     }

@@ -143,7 +143,7 @@ pub(crate) struct ShardSetup {
     pub(crate) memory: Arc<MemoryMap>,
     pub(crate) announcements: Announcer,
     /// Where the shard's driver publishes every core event (the node's subscribers).
-    pub(crate) events: tokio::sync::broadcast::Sender<kvferry_core::Event>,
+    pub(crate) events: kvferry_driver::EventSink,
     pub(crate) rx: flume::Receiver<Cmd>,
     /// Held until the shard's thread ends: its receivers hear the end (a call queued to a
     /// shard whose thread panicked is never run, and its caller must not wait for it).
@@ -174,7 +174,7 @@ pub(crate) fn spawn_shards(
     memory: &Arc<MemoryMap>,
     shards: ShardConfig,
     announcements: &Announcer,
-    events: &tokio::sync::broadcast::Sender<kvferry_core::Event>,
+    events: &kvferry_driver::EventSink,
     rdma: crate::RdmaDevice,
 ) -> Result<Started, NodeError> {
     let n = shards.shards.max(1);

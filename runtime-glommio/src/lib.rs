@@ -29,14 +29,13 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures_io::{AsyncRead, AsyncWrite};
-use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
 use kvferry_core::{Endpoint, SessionKey};
 use kvferry_driver::runtime::{Reporter, Work};
 use kvferry_driver::{
-    runtime, Announcer, CoreCheck, Driver, DriverAccess, Host, Job, NodeParts, Runtime, ShardCall,
-    ShardFuture, Shards,
+    runtime, Announcer, CoreCheck, Driver, DriverAccess, EventSink, Host, Job, NodeParts, Runtime,
+    ShardCall, ShardFuture, Shards,
 };
 pub use kvferry_driver::{
     Announcement, DataBackend, FaultKind, FaultPlan, Link, Node, NodeConfig, NodeError, PeerId,
@@ -81,11 +80,12 @@ pub fn start(
 ) -> Result<Node, NodeError> {
     kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
     kvferry_driver::check_same_host(config.same_host, &memory)?;
+    kvferry_driver::check_read_spin(config.read_spin)?;
     kvferry_driver::log_start("glommio", &config, &memory);
     let (rdma, rdma_stop) = open_rdma(&config, &memory)?;
     let backend = if rdma.is_some() { "rdma" } else { "tcp" };
     let announcements = Announcer::default();
-    let (events, _) = tokio::sync::broadcast::channel(65536);
+    let events = EventSink::default();
     let started = executor::spawn_shards(&config, &memory, shards, &announcements, &events, rdma)?;
     let pinned_cores = started.cores.cores().to_vec();
     Ok(Node::new(NodeParts {
@@ -270,7 +270,8 @@ type ShardStep = fn(Rc<Shard>) -> Pin<Box<dyn Future<Output = ()>>>;
 /// One shard: an endpoint and the driver loop around it, owned by one executor thread.
 struct Shard {
     driver: RefCell<Driver<ShardHost>>,
-    wake: LocalSender<()>,
+    /// The driver task's wake-up ([`Driver::wakeup`]): a stop must reach it.
+    wakeup: Arc<tokio::sync::Notify>,
     stopped: Cell<bool>,
     /// Tasks that live as long as the shard (listeners, the timer).
     background: RefCell<Vec<Task<()>>>,
@@ -298,7 +299,7 @@ pub struct ShardHost {
     /// only shard glommio lets spin), else zero.
     read_spin: std::time::Duration,
     /// The node's subscribers to core events.
-    events: tokio::sync::broadcast::Sender<kvferry_core::Event>,
+    events: EventSink,
 }
 
 /// A shard's thread: builds its endpoint and driver, says it is up, then runs the node's
@@ -320,9 +321,8 @@ pub(crate) async fn shard_main(
             return;
         }
     };
-    let (wake, wake_rx) = local_channel::new_unbounded::<()>();
-    let shard = Rc::new_cyclic(|weak| Shard {
-        driver: RefCell::new(Driver::new(
+    let shard = Rc::new_cyclic(|weak| {
+        let driver = Driver::new(
             endpoint,
             ShardHost {
                 shard: weak.clone(),
@@ -340,12 +340,15 @@ pub(crate) async fn shard_main(
             setup.config.data_connections,
             setup.announcements,
             now,
-        )),
-        wake,
-        stopped: Cell::new(false),
-        background: RefCell::new(Vec::new()),
-        listeners: RefCell::new(Some(Vec::new())),
-        spawns: RefCell::new(Vec::new()),
+        );
+        Shard {
+            wakeup: driver.wakeup(),
+            driver: RefCell::new(driver),
+            stopped: Cell::new(false),
+            background: RefCell::new(Vec::new()),
+            listeners: RefCell::new(Some(Vec::new())),
+            spawns: RefCell::new(Vec::new()),
+        }
     });
     shard.drive(|d| {
         d.set_faults(setup.config.faults);
@@ -362,11 +365,8 @@ pub(crate) async fn shard_main(
     let weak = Rc::downgrade(&shard);
     let host = shard.host();
     let timer = glommio::spawn_local(async move {
-        let wake = &wake_rx;
-        let woken = || async {
-            wake.recv().await.is_some() && weak.upgrade().is_some_and(|s| !s.stopped.get())
-        };
-        runtime::run_driver(host, woken).await;
+        let stopped = move || weak.upgrade().map_or(true, |s| s.stopped.get());
+        runtime::run_driver(host, stopped).await;
     });
     shard.background.borrow_mut().push(timer);
     let _ = ready.send(Ok(()));
@@ -454,14 +454,8 @@ impl Host for ShardHost {
         self.defer(job.run(self.clone()));
     }
 
-    fn wake(&self) {
-        if let Some(shard) = self.shard.upgrade() {
-            let _ = shard.wake.try_send(());
-        }
-    }
-
     fn publish(&self, event: kvferry_core::Event) {
-        let _ = self.events.send(event);
+        self.events.publish(event);
     }
 
     fn task_finished(task: &ShardTask) -> bool {
@@ -473,10 +467,6 @@ impl Runtime for ShardHost {
     type Stream = LocalConn;
     type Read = Box<dyn AsyncRead + Unpin>;
     type Write = Box<dyn AsyncWrite + Unpin>;
-
-    fn io(stream: &mut LocalConn) -> impl AsyncRead + AsyncWrite + Unpin + '_ {
-        stream
-    }
 
     fn drive<T>(&self, f: impl FnOnce(&mut Driver<ShardHost>) -> T) -> Option<T> {
         Some(self.shard.upgrade()?.drive(f))
@@ -596,7 +586,7 @@ impl Shard {
 
     fn stop(&self) {
         self.stopped.set(true);
-        let _ = self.wake.try_send(());
+        self.wakeup.notify_one();
     }
 
     /// The shard's host: the way its tasks reach its driver.

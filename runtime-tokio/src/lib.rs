@@ -23,7 +23,7 @@ use kvferry_tcp::{
     ServeError, ServeStats, TlsSetup, TokioIo,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{broadcast, oneshot, watch, Notify};
+use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 use tracing::{info_span, Instrument};
 
@@ -39,8 +39,8 @@ pub use kvferry_driver::{
     Unsupported, DEFAULT_READ_SPIN,
 };
 use kvferry_driver::{
-    runtime, Announcer, CoreCheck, Driver, DriverAccess, Host, Job, NodeParts, Runtime, ShardCall,
-    ShardFuture, Shards,
+    runtime, Announcer, CoreCheck, Driver, DriverAccess, EventSink, Host, Job, NodeParts, Runtime,
+    ShardCall, ShardFuture, Shards,
 };
 
 /// The tokio side of the driver loop: starts tasks on the node's runtime that report back
@@ -52,16 +52,17 @@ pub struct TokioHost {
     limits: Limits,
     runtime: tokio::runtime::Handle,
     tls: Option<TlsSetup>,
-    events: broadcast::Sender<Event>,
+    events: EventSink,
     /// [`NodeConfig::read_spin`].
     read_spin: Duration,
 }
 
 struct Shared {
     driver: Mutex<Driver<TokioHost>>,
-    wake: Notify,
+    /// The driver task's wake-up ([`Driver::wakeup`]): a stop must reach it.
+    wakeup: Arc<Notify>,
     memory: Arc<MemoryMap>,
-    events: broadcast::Sender<Event>,
+    events: EventSink,
     info: EndpointInfo,
     announcements: Announcer,
     stopped: watch::Sender<bool>,
@@ -78,6 +79,7 @@ impl Drop for Locked {
         // `send_replace`: `send` drops the value while no task holds a receiver (a driver
         // mid-turn), and that driver would then never see the stop.
         self.0.stopped.send_replace(true);
+        self.0.wakeup.notify_one();
     }
 }
 
@@ -102,6 +104,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeError> {
     kvferry_driver::check_memory(&memory, &config.backend, config.core.checksum)?;
     kvferry_driver::check_same_host(config.same_host, &memory)?;
+    kvferry_driver::check_read_spin(config.read_spin)?;
     kvferry_driver::log_start("tokio", &config, &memory);
     let now = Instant::now();
     let endpoint = Endpoint::new(config.core.clone(), config.info.clone(), config.seed, now)
@@ -124,7 +127,7 @@ pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeErr
         Some(files) => Some(TlsSetup::load(files).map_err(NodeError::Tls)?),
         None => None,
     };
-    let (events, _) = broadcast::channel(65536);
+    let events = EventSink::default();
     let (stopped, _) = watch::channel(false);
     let limits = Limits {
         checksum: config.core.checksum,
@@ -143,15 +146,16 @@ pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeErr
             events: events.clone(),
             read_spin: config.read_spin,
         };
+        let driver = Driver::new(
+            endpoint,
+            host,
+            config.data_connections,
+            announcements.clone(),
+            now,
+        );
         Shared {
-            driver: Mutex::new(Driver::new(
-                endpoint,
-                host,
-                config.data_connections,
-                announcements.clone(),
-                now,
-            )),
-            wake: Notify::new(),
+            wakeup: driver.wakeup(),
+            driver: Mutex::new(driver),
             memory,
             events,
             info: config.info,
@@ -161,19 +165,7 @@ pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeErr
         }
     });
     let weak = Arc::downgrade(&shared);
-    let woken = move || {
-        let weak = weak.clone();
-        async move {
-            let Some(shared) = weak.upgrade() else {
-                return false;
-            };
-            let mut stopped = shared.stopped.subscribe();
-            tokio::select! {
-                _ = shared.wake.notified() => true,
-                _ = stopped.wait_for(|s| *s) => false,
-            }
-        }
-    };
+    let stopped = move || weak.upgrade().map_or(true, |s| *s.stopped.borrow());
     let (host, backend) = {
         let mut driver = shared.lock();
         driver.set_faults(config.faults);
@@ -189,7 +181,7 @@ pub fn start(config: NodeConfig, memory: Arc<MemoryMap>) -> Result<Node, NodeErr
         (driver.host().clone(), driver_backend(&driver))
     };
     let role = shared.info.role;
-    let driver = runtime::run_driver(host, woken);
+    let driver = runtime::run_driver(host, stopped);
     tokio::spawn(driver.instrument(info_span!("kvferry_driver", ?role)));
     Ok(Node::new(NodeParts {
         runtime: "tokio",
@@ -279,7 +271,7 @@ impl Shards for Locked {
             shared.lock().shutdown(tx);
             let _ = rx.await;
             shared.stopped.send_replace(true);
-            shared.wake.notify_one();
+            shared.wakeup.notify_one();
         };
         let task = self.0.host().runtime.spawn(steps);
         Box::pin(async move {
@@ -296,14 +288,8 @@ impl Host for TokioHost {
         self.runtime.spawn(job.run(self.clone()));
     }
 
-    fn wake(&self) {
-        if let Some(shared) = self.shared.upgrade() {
-            shared.wake.notify_one();
-        }
-    }
-
     fn publish(&self, event: Event) {
-        let _ = self.events.send(event);
+        self.events.publish(event);
     }
 
     fn task_finished(task: &JoinHandle<()>) -> bool {
@@ -312,13 +298,9 @@ impl Host for TokioHost {
 }
 
 impl Runtime for TokioHost {
-    type Stream = Conn;
+    type Stream = TokioIo<Conn>;
     type Read = Box<dyn futures_io::AsyncRead + Send + Unpin>;
     type Write = Box<dyn futures_io::AsyncWrite + Send + Unpin>;
-
-    fn io(stream: &mut Conn) -> impl futures_io::AsyncRead + futures_io::AsyncWrite + Unpin + '_ {
-        TokioIo(stream)
-    }
 
     fn drive<T>(&self, f: impl FnOnce(&mut Driver<TokioHost>) -> T) -> Option<T> {
         let shared = self.shared.upgrade()?;
@@ -330,15 +312,19 @@ impl Runtime for TokioHost {
         tokio::time::sleep(wait)
     }
 
-    async fn dial(&self, addr: SocketAddr, key: Option<SessionKey>) -> std::io::Result<Conn> {
-        match key {
-            None => connect_control(addr, self.tls.as_ref()).await,
-            Some(key) => connect_data(addr, &key, self.tls.as_ref()).await,
-        }
+    async fn dial(
+        &self,
+        addr: SocketAddr,
+        key: Option<SessionKey>,
+    ) -> std::io::Result<TokioIo<Conn>> {
+        Ok(TokioIo(match key {
+            None => connect_control(addr, self.tls.as_ref()).await?,
+            Some(key) => connect_data(addr, &key, self.tls.as_ref()).await?,
+        }))
     }
 
-    fn split(&self, stream: Conn) -> std::io::Result<(Self::Read, Self::Write)> {
-        Ok(match stream {
+    fn split(&self, stream: TokioIo<Conn>) -> std::io::Result<(Self::Read, Self::Write)> {
+        Ok(match stream.0 {
             // Plain TCP: the socket's own halves, no lock between them; the reader reads the
             // socket before it waits on tokio's poller, as data connections do.
             Conn::Plain(tcp) => {
@@ -360,10 +346,14 @@ impl Runtime for TokioHost {
         self.runtime.spawn(work.run(self.clone()))
     }
 
-    fn start_sender(&self, stream: Conn, report: Reporter<Self>) -> std::io::Result<DataSender> {
+    fn start_sender(
+        &self,
+        stream: TokioIo<Conn>,
+        report: Reporter<Self>,
+    ) -> std::io::Result<DataSender> {
         let report: Report = Arc::new(move |id, outcome| report.report(id, outcome));
         Ok(DataSender::spawn(
-            stream,
+            stream.0,
             self.memory.clone(),
             report,
             self.read_spin,
@@ -372,11 +362,11 @@ impl Runtime for TokioHost {
 
     fn serve(
         &self,
-        stream: Conn,
+        stream: TokioIo<Conn>,
         check: CoreCheck<DriverAccess<Self>>,
     ) -> impl std::future::Future<Output = Result<ServeStats, ServeError>> + 'static {
         serve_writes(
-            stream,
+            stream.0,
             self.memory.clone(),
             Arc::new(check),
             self.limits,
@@ -410,6 +400,6 @@ impl Runtime for TokioHost {
 /// all within the core's deadline for the connection.
 async fn accept(host: TokioHost, tcp: TcpStream, peer: SocketAddr) {
     let tls = host.tls.clone();
-    let open = async move { accept_conn(tcp, tls.as_ref()).await };
+    let open = async move { accept_conn(tcp, tls.as_ref()).await.map(TokioIo) };
     runtime::take_accepted(host, open, Some(peer)).await;
 }
