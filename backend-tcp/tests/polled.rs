@@ -148,7 +148,8 @@ async fn a_connection_that_always_has_bytes_still_lets_other_tasks_run() {
     let (got, ran_meanwhile) = reader.await.unwrap();
     assert_eq!(got, TOTAL);
     assert_eq!(
-        ran_meanwhile, OTHERS,
+        ran_meanwhile,
+        OTHERS,
         "every task queued behind the reader ran before it finished its {} reads",
         TOTAL / 256
     );

@@ -73,7 +73,7 @@ impl DataDials {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{DataDials, DialId, Duration, Instant};
 
     const CONNECT: Duration = Duration::from_millis(200);
     const CAP: Duration = Duration::from_secs(10);

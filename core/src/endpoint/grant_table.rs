@@ -400,7 +400,10 @@ impl Table {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{
+        Arc, EndpointInfo, FixedState, GrantTable, Granted, PageSet, PeerInfo, Region, RoomId,
+        SessionId, Slice, SmallVec, WritePermit,
+    };
     use crate::ids::{Incarnation, NodeId};
     use crate::layout::Heads;
     use crate::sim::small_layout;

@@ -160,7 +160,9 @@ pub(super) enum OpPhase {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{
+        Arc, FixedState, Op, OpKind, OpPhase, Operations, RoomId, SessionId, Slice, TimerTable,
+    };
     use crate::layout::Region;
     use crate::timer::Timer;
     use std::time::{Duration, Instant};

@@ -56,7 +56,7 @@ impl Outbox {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{Action, Event, Message, Outbox, SessionId};
     use crate::ids::RoomId;
 
     fn room_message() -> Message {

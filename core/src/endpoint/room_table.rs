@@ -82,7 +82,7 @@ impl Rooms {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::*;
+    use super::{FixedState, Room, RoomId, Rooms, SenderRoom, Side, TimerTable};
     use crate::timer::Timer;
 
     #[test]

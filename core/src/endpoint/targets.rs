@@ -264,7 +264,10 @@ impl LinkEvidence {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{
+        dial_timeout_cap, Config, Duration, FixedState, Instant, LinkEvidence, SessionId, Targets,
+        Timer, TimerTable,
+    };
 
     fn config() -> Config {
         Config {
