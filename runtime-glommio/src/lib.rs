@@ -273,6 +273,8 @@ struct Shard {
     /// The driver task's wake-up ([`Driver::wakeup`]): a stop must reach it.
     wakeup: Arc<tokio::sync::Notify>,
     stopped: Cell<bool>,
+    /// Told when the shard stops: a shutdown waiting for its core ends then too.
+    stopping: tokio::sync::Notify,
     /// Tasks that live as long as the shard (listeners, the timer).
     background: RefCell<Vec<Task<()>>>,
     /// The listeners' tasks, each with its socket; `None` once the shutdown began (no
@@ -345,6 +347,7 @@ pub(crate) async fn shard_main(
             wakeup: driver.wakeup(),
             driver: RefCell::new(driver),
             stopped: Cell::new(false),
+            stopping: tokio::sync::Notify::new(),
             background: RefCell::new(Vec::new()),
             listeners: RefCell::new(Some(Vec::new())),
             spawns: RefCell::new(Vec::new()),
@@ -587,6 +590,7 @@ impl Shard {
     fn stop(&self) {
         self.stopped.set(true);
         self.wakeup.notify_one();
+        self.stopping.notify_waiters();
     }
 
     /// The shard's host: the way its tasks reach its driver.
@@ -657,7 +661,21 @@ impl Shard {
             self.clone().close_listeners().await;
             let (tx, rx) = oneshot::channel();
             self.drive(|d| d.shutdown(tx));
-            let _ = rx.await;
+            // A node dropped meanwhile stopped the shard, whose driver task fires the core's
+            // shutdown timeout: its stop ends the wait too. The flag is read and the wait
+            // begun without a yield between, on the shard's one thread.
+            let stopped = async {
+                if !self.stopped.get() {
+                    self.stopping.notified().await;
+                }
+            };
+            futures_lite::future::or(
+                async {
+                    let _ = rx.await;
+                },
+                stopped,
+            )
+            .await;
             self.stop();
         })
     }

@@ -267,9 +267,15 @@ impl Shards for Locked {
                 let _ = l.await;
             }
             // The core says when it is done: every session closed, or its shutdown timeout.
+            // A node dropped meanwhile stopped its driver task, which fires that timeout: its
+            // stop ends the wait too.
             let (tx, rx) = oneshot::channel();
             shared.lock().shutdown(tx);
-            let _ = rx.await;
+            let mut stopped = shared.stopped.subscribe();
+            tokio::select! {
+                _ = rx => {}
+                _ = stopped.wait_for(|s| *s) => {}
+            }
             shared.stopped.send_replace(true);
             shared.wakeup.notify_one();
         };
