@@ -236,10 +236,6 @@ impl Node {
         rx.await.map_err(|_| NodeError::ShutDown)
     }
 
-    fn shard_count(&self) -> usize {
-        self.inner.parts.shards.count()
-    }
-
     /// Which runtime runs this node (`"tokio"`, `"glommio"`).
     pub fn runtime(&self) -> &'static str {
         self.inner.parts.runtime
@@ -257,7 +253,7 @@ impl Node {
 
     /// How many shards own rooms (1 on tokio).
     pub fn shards(&self) -> usize {
-        self.shard_count()
+        self.inner.parts.shards.count()
     }
 
     /// The core each shard is pinned to, in shard order; empty when no shard is pinned
@@ -322,8 +318,8 @@ impl Node {
     /// gets one attempt of at most 8 x `connect_timeout` (a link slower than
     /// `connect_timeout` is still reached; one that never answers fails after it).
     pub async fn connect(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
-        let mut per_shard = Vec::with_capacity(self.shard_count());
-        for shard in 0..self.shard_count() {
+        let mut per_shard = Vec::with_capacity(self.shards());
+        for shard in 0..self.shards() {
             per_shard.push(Vec::with_capacity(addrs.len()));
             for &addr in &addrs {
                 let (tx, rx) = oneshot::channel();
@@ -371,7 +367,7 @@ impl Node {
 
     /// Replaces the injected data-path faults on every shard (demos and tests).
     pub async fn set_faults(&self, faults: Option<crate::FaultPlan>) {
-        for shard in 0..self.shard_count() {
+        for shard in 0..self.shards() {
             let _ = self.call(shard, move |d| d.set_faults(faults)).await;
         }
     }
@@ -395,7 +391,7 @@ impl Node {
 
     /// Forgets the peers whose kept links any shard's core let go as idle.
     async fn forget_let_go(&self) {
-        for shard in 0..self.shard_count() {
+        for shard in 0..self.shards() {
             if let Ok(targets) = self.call(shard, |d| d.take_let_go()).await {
                 self.table().forget(shard, &targets);
             }
@@ -411,7 +407,7 @@ impl Node {
 
     /// The link to each of `peers` on the shard owning `room` (address `room mod n`).
     fn links_for(&self, room: RoomId, peers: &[PeerId]) -> Result<Vec<Link>, NodeError> {
-        let shard = shard_of(room, self.shard_count());
+        let shard = shard_of(room, self.shards());
         let table = self.table();
         peers
             .iter()
@@ -432,15 +428,15 @@ impl Node {
         room: RoomId,
         f: impl FnOnce(&mut dyn DriverCalls) -> T + Send + 'static,
     ) -> Result<T, NodeError> {
-        self.call(shard_of(room, self.shard_count()), f).await
+        self.call(shard_of(room, self.shards()), f).await
     }
 
     /// A peer this node keeps connected to on every shard (dialed again whenever lost). If a
     /// shard refuses (its shutdown began), the shards that took it let it go again.
     pub async fn connect_persistent(&self, addrs: Vec<SocketAddr>) -> Result<PeerId, NodeError> {
         self.forget_let_go().await;
-        let mut per_shard = Vec::with_capacity(self.shard_count());
-        for shard in 0..self.shard_count() {
+        let mut per_shard = Vec::with_capacity(self.shards());
+        for shard in 0..self.shards() {
             let addrs = addrs.clone();
             let added = self
                 .call(shard, move |d| {
@@ -526,8 +522,7 @@ impl Node {
                 (opened, d.take_let_go())
             })
             .await?;
-        self.table()
-            .forget(shard_of(room, self.shard_count()), &let_go);
+        self.table().forget(shard_of(room, self.shards()), &let_go);
         opened.map_err(|e| match e {
             // Let go as idle between the lookup and the open: the peer is unknown now.
             ApiError::UnknownTarget(t) => links
@@ -584,7 +579,7 @@ impl Node {
 
     /// Prefill: layer `layer` of `rooms` finished its forward pass.
     pub async fn mark_layer_ready(&self, rooms: Vec<RoomId>, layer: u16) -> Result<(), NodeError> {
-        let n = self.shard_count();
+        let n = self.shards();
         let mut by_shard: Vec<Vec<RoomId>> = vec![Vec::new(); n];
         for r in rooms {
             by_shard[shard_of(r, n)].push(r);
@@ -605,7 +600,7 @@ impl Node {
     /// Decode: free capacity advertised in heartbeats; each shard advertises its share, so
     /// the sum over a peer's sessions is the truth.
     pub async fn set_capacity(&self, capacity: Capacity) {
-        let n = self.shard_count() as u32;
+        let n = self.shards() as u32;
         for shard in 0..n {
             let extra = u32::from(shard < capacity.free_pages % n);
             let share = Capacity {
@@ -645,7 +640,7 @@ impl Node {
     /// path is not chosen yet are left out).
     pub async fn data_paths(&self) -> Vec<(usize, SessionId, crate::DataPath)> {
         let mut all = Vec::new();
-        for shard in 0..self.shard_count() {
+        for shard in 0..self.shards() {
             if let Ok(paths) = self.call(shard, |d| d.session_paths()).await {
                 all.extend(paths.into_iter().map(|(sid, path)| (shard, sid, path)));
             }
@@ -656,7 +651,7 @@ impl Node {
     /// The data connections each session of every shard holds.
     pub async fn data_connections(&self) -> Vec<(usize, SessionId, usize)> {
         let mut all = Vec::new();
-        for shard in 0..self.shard_count() {
+        for shard in 0..self.shards() {
             if let Ok(counts) = self.call(shard, |d| d.session_data_connections()).await {
                 all.extend(counts.into_iter().map(|(sid, n)| (shard, sid, n)));
             }
@@ -667,7 +662,7 @@ impl Node {
     /// The core's counters summed over every shard.
     pub async fn counters(&self) -> Counters {
         let mut total = Counters::default();
-        for shard in 0..self.shard_count() {
+        for shard in 0..self.shards() {
             if let Ok(c) = self.shard_counters(shard).await {
                 total.add(&c);
             }
