@@ -86,12 +86,123 @@ pub const MAX_EXTRA_TENSORS: usize = 4096;
 /// (their own page size and pool), its sparse-attention indexer pages. Each of the pool's
 /// tensors is one region ([`Region::Extra`]) of `items` items of that tensor's `item_bytes`;
 /// a room names the same item indices in every tensor of the pool.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ExtraPool {
     /// Items (slots or pages) each tensor of the pool holds. May differ between peers.
     pub items: u32,
-    /// Bytes of one item in each tensor, in tensor order. Must match the peer's.
+    /// Bytes of one item in each tensor, in tensor order. Must match the peer's unless the
+    /// tensor is split into [`ItemPart`]s.
     pub item_bytes: Vec<u32>,
+    /// Per tensor, the parts tensor parallelism splits its items into (a recurrent layer's
+    /// conv channels and SSM heads); empty for a tensor whose items move whole, and empty
+    /// altogether when no tensor is split.
+    pub parts: Vec<Vec<ItemPart>>,
+}
+
+/// Most parts one extra tensor's items split into.
+pub const MAX_ITEM_PARTS: usize = 64;
+
+/// One part of an extra tensor's item that tensor parallelism splits across ranks: `rows`
+/// rows `stride` bytes apart from `offset` in the item, each holding this endpoint's `count`
+/// units (`first..first + count` of the model's `units`) of `unit_bytes` bytes. A GDN
+/// layer's conv state is three such parts per kernel row (its query, key and value channels),
+/// its SSM state one (its value heads). Peers copy, row for row, the units both hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ItemPart {
+    /// Where the part's first row starts in the item.
+    pub offset: u32,
+    /// Rows, at least 1.
+    pub rows: u32,
+    /// Bytes from one row's start to the next one's (ignored for one row).
+    pub stride: u32,
+    /// Units of the whole model (every rank's together).
+    pub units: u16,
+    /// First unit this endpoint holds.
+    pub first: u16,
+    /// Units this endpoint holds, contiguous in each row.
+    pub count: u16,
+    /// Bytes of one unit.
+    pub unit_bytes: u32,
+}
+
+impl ItemPart {
+    /// Bytes of this endpoint's share of one row.
+    pub fn row_bytes(&self) -> u64 {
+        u64::from(self.count) * u64::from(self.unit_bytes)
+    }
+
+    /// Where the part ends in the item; `None` for a part no endpoint registers: no row, no
+    /// unit held, units past the model's, or rows that overlap.
+    pub fn end(&self) -> Option<u64> {
+        let row = self.row_bytes();
+        let stride = if self.rows > 1 {
+            u64::from(self.stride)
+        } else {
+            0
+        };
+        let well_formed = self.rows > 0
+            && self.count > 0
+            && self.unit_bytes > 0
+            && u32::from(self.first) + u32::from(self.count) <= u32::from(self.units);
+        if !well_formed {
+            return None;
+        }
+        rows_end(u64::from(self.offset), row, self.rows, stride)
+    }
+}
+
+/// How one tensor of an extra pool's items go from a source to a destination.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ItemCopy {
+    /// Whole items of the same size on both sides.
+    Whole,
+    /// The units both hold, part by part (offsets within an item; parts sharing none
+    /// left out), between items of `src_item` and `dst_item` bytes.
+    Parts {
+        /// Bytes of one item at the source.
+        src_item: u64,
+        /// Bytes of one item at the destination.
+        dst_item: u64,
+        /// The shared units of each part both hold some of, in part order.
+        parts: SmallVec<[PartCopy; 4]>,
+    },
+}
+
+/// The shared units of one [`ItemPart`] between a source and a destination, within an item.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartCopy {
+    /// Where the first row's shared units sit in the source's item.
+    pub src_offset: u64,
+    /// Where they go in the destination's item.
+    pub dst_offset: u64,
+    /// Bytes of each row's shared units.
+    pub len: u64,
+    /// Rows.
+    pub rows: u32,
+    /// Row stride in the source's item (0 for one row).
+    pub src_stride: u64,
+    /// Row stride in the destination's item (0 for one row).
+    pub dst_stride: u64,
+}
+
+/// Per pool and tensor, how items go from one endpoint's extra pools to another's.
+pub type ExtraCopies = Vec<Vec<ItemCopy>>;
+
+impl PartCopy {
+    /// The row of this part a write of `len` bytes at `at` (within the destination's item)
+    /// starts on, if it is exactly that row's shared units.
+    pub fn row_at(&self, at: u64, len: u64) -> Option<u32> {
+        let rel = at.checked_sub(self.dst_offset)?;
+        if len != self.len {
+            return None;
+        }
+        let row = if self.rows > 1 {
+            (rel % self.dst_stride == 0).then(|| rel / self.dst_stride)?
+        } else {
+            (rel == 0).then_some(0)?
+        };
+        u32::try_from(row).ok().filter(|r| *r < self.rows)
+    }
 }
 
 impl ExtraPool {
@@ -125,8 +236,22 @@ impl ExtraPool {
             })
     }
 
+    /// The parts tensor `tensor`'s items split into (empty: whole items).
+    pub fn parts_of(&self, tensor: usize) -> &[ItemPart] {
+        self.parts.get(tensor).map_or(&[][..], |p| &p[..])
+    }
+
+    /// Whether every tensor of every pool is split into parts (and there is a pool).
+    pub fn all_split(pools: &[ExtraPool]) -> bool {
+        !pools.is_empty()
+            && pools
+                .iter()
+                .all(|p| (0..p.item_bytes.len()).all(|t| !p.parts_of(t).is_empty()))
+    }
+
     /// Whether two endpoints' extra pools can exchange data: the same pools, each with the
-    /// same tensors of the same item sizes (item counts may differ).
+    /// same tensors, each of the same item size or split into the same parts (rows, units
+    /// and unit size; which units each holds, and where, may differ). Item counts may differ.
     pub fn compatible(ours: &[ExtraPool], theirs: &[ExtraPool]) -> Result<(), LayoutMismatch> {
         LayoutMismatch::first(&[("extra_pools", ours.len() as u64, theirs.len() as u64)])?;
         for (a, b) in ours.iter().zip(theirs) {
@@ -135,16 +260,73 @@ impl ExtraPool {
                 a.item_bytes.len() as u64,
                 b.item_bytes.len() as u64,
             )])?;
-            let pairs: Vec<_> = a
-                .item_bytes
-                .iter()
-                .zip(&b.item_bytes)
-                .map(|(x, y)| ("extra_item_bytes", u64::from(*x), u64::from(*y)))
-                .collect();
-            LayoutMismatch::first(&pairs)?;
+            for (t, (x, y)) in a.item_bytes.iter().zip(&b.item_bytes).enumerate() {
+                let (pa, pb) = (a.parts_of(t), b.parts_of(t));
+                let mut pairs = vec![("extra_parts", pa.len() as u64, pb.len() as u64)];
+                if pa.is_empty() {
+                    pairs.push(("extra_item_bytes", u64::from(*x), u64::from(*y)));
+                }
+                for (p, q) in pa.iter().zip(pb) {
+                    pairs.push(("extra_part_rows", u64::from(p.rows), u64::from(q.rows)));
+                    pairs.push(("extra_part_units", u64::from(p.units), u64::from(q.units)));
+                    pairs.push((
+                        "extra_part_unit_bytes",
+                        u64::from(p.unit_bytes),
+                        u64::from(q.unit_bytes),
+                    ));
+                }
+                LayoutMismatch::first(&pairs)?;
+            }
         }
         Ok(())
     }
+
+    /// How items go from `src`'s pools to `dst`'s (pools [`ExtraPool::compatible`] accepted):
+    /// whole where a tensor is not split, or split the same way with the same item size on
+    /// both sides; otherwise, part by part, the units both hold.
+    pub fn copies(src: &[ExtraPool], dst: &[ExtraPool]) -> ExtraCopies {
+        src.iter()
+            .zip(dst)
+            .map(|(s, d)| {
+                (0..s.item_bytes.len())
+                    .map(|t| {
+                        let (ps, pd) = (s.parts_of(t), d.parts_of(t));
+                        if ps == pd && s.item_bytes.get(t) == d.item_bytes.get(t) {
+                            return ItemCopy::Whole;
+                        }
+                        ItemCopy::Parts {
+                            src_item: u64::from(s.item_bytes[t]),
+                            dst_item: d.item_bytes.get(t).map_or(0, |b| u64::from(*b)),
+                            parts: ps
+                                .iter()
+                                .zip(pd)
+                                .filter_map(|(a, b)| part_copy(a, b))
+                                .collect(),
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+/// The units of one part both `a` (source) and `b` (destination) hold; `None` when none.
+fn part_copy(a: &ItemPart, b: &ItemPart) -> Option<PartCopy> {
+    let lo = a.first.max(b.first);
+    let hi = (a.first + a.count).min(b.first + b.count);
+    if hi <= lo {
+        return None;
+    }
+    let unit = u64::from(a.unit_bytes);
+    let multi = a.rows > 1;
+    Some(PartCopy {
+        src_offset: u64::from(a.offset) + u64::from(lo - a.first) * unit,
+        dst_offset: u64::from(b.offset) + u64::from(lo - b.first) * unit,
+        len: u64::from(hi - lo) * unit,
+        rows: a.rows,
+        src_stride: if multi { u64::from(a.stride) } else { 0 },
+        dst_stride: if multi { u64::from(b.stride) } else { 0 },
+    })
 }
 
 /// A field where two layouts disagree, with both values.

@@ -81,7 +81,8 @@ pub use ids::{
     TargetId, TransferId,
 };
 pub use layout::{
-    rows_end, ExtraPool, Heads, Layout, LayoutMismatch, PageRun, Region, Slice, DESCRIPTOR_LEN,
+    rows_end, ExtraCopies, ExtraPool, Heads, ItemCopy, ItemPart, Layout, LayoutMismatch, PageRun,
+    PartCopy, Region, Slice, DESCRIPTOR_LEN,
 };
 pub use state::{FailureReason, InvalidTransition, KvPoll, Role};
 pub use timer::Timer;

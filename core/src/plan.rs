@@ -2,7 +2,7 @@
 
 use core::ops::Range;
 
-use crate::layout::{ExtraPool, Heads, Layout, Region, Slice};
+use crate::layout::{ExtraPool, Heads, ItemCopy, Layout, PartCopy, Region, Slice};
 
 /// Bounds on one data-path operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,10 +129,12 @@ fn paired_runs(src: &[u32], dst: &[u32], max_run: u64) -> Vec<(u32, u32, u64)> {
 }
 
 /// Plans the slices that copy items `src[i] -> dst[i]` of extra pool `pool` (every tensor
-/// of it), coalescing consecutive items, ordered by tensor, cut into operations that respect
-/// `limits`. Empty when the pool does not exist or nothing is asked.
+/// of it, each as `copies` says: whole items, or the rows of the parts both hold), coalescing
+/// consecutive whole items, ordered by tensor, cut into operations that respect `limits`.
+/// Empty when the pool does not exist or nothing is asked.
 pub fn plan_extras(
     pools: &[ExtraPool],
+    copies: &[Vec<ItemCopy>],
     pool: usize,
     src: &[u32],
     dst: &[u32],
@@ -148,6 +150,24 @@ pub fn plan_extras(
             pool: pool as u8,
             tensor: tensor as u16,
         };
+        let how = copies.get(pool).and_then(|p| p.get(tensor));
+        if let Some(ItemCopy::Parts {
+            src_item,
+            dst_item,
+            parts,
+        }) = how
+        {
+            for (&s, &d) in src.iter().zip(dst) {
+                for part in parts {
+                    let at = (
+                        u64::from(s) * src_item + part.src_offset,
+                        u64::from(d) * dst_item + part.dst_offset,
+                    );
+                    push_rows(&mut ops, region, at, part, limits);
+                }
+            }
+            continue;
+        }
         for (s, d, len) in paired_runs(src, dst, (limits.max_bytes / item).max(1)) {
             ops.push(Slice::run(
                 region,
@@ -158,6 +178,29 @@ pub fn plan_extras(
         }
     }
     ops.finish()
+}
+
+/// The rows of `part` starting at `(src, dst)`, as strided slices of at most `max_bytes`
+/// and `max_slices` rows each.
+fn push_rows(ops: &mut Ops, region: Region, at: (u64, u64), part: &PartCopy, limits: OpLimits) {
+    let per = u32::try_from((limits.max_bytes / part.len.max(1)).max(1))
+        .unwrap_or(u32::MAX)
+        .min(limits.max_slices.max(1));
+    let mut first = 0;
+    while first < part.rows {
+        let rows = per.min(part.rows - first);
+        let i = u64::from(first);
+        ops.push(Slice {
+            region,
+            src_offset: at.0 + i * part.src_stride,
+            dst_offset: at.1 + i * part.dst_stride,
+            len: part.len,
+            rows,
+            src_stride: if rows > 1 { part.src_stride } else { 0 },
+            dst_stride: if rows > 1 { part.dst_stride } else { 0 },
+        });
+        first += rows;
+    }
 }
 
 /// One side of a copy between endpoints that hold different heads: its page size and heads.

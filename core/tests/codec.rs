@@ -97,10 +97,12 @@ fn every_message() -> Vec<Message> {
                 kvferry_core::ExtraPool {
                     items: 64,
                     item_bytes: vec![48, 80],
+                    parts: Vec::new(),
                 },
                 kvferry_core::ExtraPool {
                     items: 9,
                     item_bytes: vec![256; 3],
+                    parts: Vec::new(),
                 },
             ],
             role: Role::Prefill,
@@ -178,8 +180,8 @@ fn an_oversized_length_is_refused_before_the_body_arrives() {
 #[test]
 fn an_unknown_version_and_type_are_typed_errors() {
     assert_eq!(
-        Message::decode(&[2, 0, 0, 0, 9, 1], MAX),
-        Err(DecodeError::UnknownVersion(9))
+        Message::decode(&[2, 0, 0, 0, PROTOCOL_VERSION + 1, 1], MAX),
+        Err(DecodeError::UnknownVersion(PROTOCOL_VERSION + 1))
     );
     assert_eq!(
         Message::decode(&[2, 0, 0, 0, PROTOCOL_VERSION, 200], MAX),
@@ -249,6 +251,7 @@ fn an_extra_pool_claiming_more_tensors_than_the_frame_holds_is_refused() {
         extras: vec![kvferry_core::ExtraPool {
             items: 1,
             item_bytes: vec![8],
+            parts: Vec::new(),
         }],
         ..h
     })
@@ -441,7 +444,8 @@ fn a_hello_is_the_size_the_protocol_states() {
     assert_eq!(buf.len(), HEADER_LEN + 99);
     let doc = include_str!("../../docs/PROTOCOL.md");
     assert!(doc.contains("Body length: 99 with no extra pool (the frame is 105 bytes"));
-    assert!(doc.contains("`6 + 4 x tensors` per pool"));
+    assert!(doc.contains("`7 + 4 x tensors` per pool"));
+    assert!(doc.contains("`1 + 22 x parts` per tensor"));
     let Message::Hello(h) = every_message().remove(0) else {
         panic!("the first message is a hello")
     };
@@ -449,15 +453,72 @@ fn a_hello_is_the_size_the_protocol_states() {
         kvferry_core::ExtraPool {
             items: 8,
             item_bytes: vec![48, 80],
+            parts: Vec::new(),
         },
         kvferry_core::ExtraPool {
             items: 4,
             item_bytes: vec![256; 5],
+            parts: Vec::new(),
         },
     ];
     let mut buf = Vec::new();
-    Message::Hello(Hello { extras: pools, ..h }).encode(&mut buf);
-    assert_eq!(buf.len(), HEADER_LEN + 99 + (6 + 4 * 2) + (6 + 4 * 5));
+    Message::Hello(Hello {
+        extras: pools.clone(),
+        ..h.clone()
+    })
+    .encode(&mut buf);
+    assert_eq!(buf.len(), HEADER_LEN + 99 + (7 + 4 * 2) + (7 + 4 * 5));
+    // The first pool split: its first tensor into two parts, its second into one.
+    let part = kvferry_core::ItemPart {
+        offset: 0,
+        rows: 1,
+        stride: 0,
+        units: 2,
+        first: 0,
+        count: 1,
+        unit_bytes: 8,
+    };
+    let mut split = pools;
+    split[0].parts = vec![vec![part, part], vec![part]];
+    let mut buf = Vec::new();
+    let hello = Message::Hello(Hello { extras: split, ..h });
+    hello.encode(&mut buf);
+    assert_eq!(
+        buf.len(),
+        HEADER_LEN + 99 + (7 + 4 * 2 + (1 + 22 * 2) + (1 + 22)) + (7 + 4 * 5)
+    );
+    assert_eq!(Message::decode(&buf, MAX), Ok(Some((hello, buf.len()))));
+}
+
+#[test]
+fn a_hello_whose_parts_leave_their_item_is_malformed() {
+    let Message::Hello(h) = every_message().remove(0) else {
+        panic!("the first message is a hello")
+    };
+    let part = kvferry_core::ItemPart {
+        offset: 40,
+        rows: 1,
+        stride: 0,
+        units: 2,
+        first: 0,
+        count: 1,
+        unit_bytes: 16,
+    };
+    let pool = kvferry_core::ExtraPool {
+        items: 8,
+        item_bytes: vec![48],
+        parts: vec![vec![part]],
+    };
+    let mut buf = Vec::new();
+    Message::Hello(Hello {
+        extras: vec![pool],
+        ..h
+    })
+    .encode(&mut buf);
+    assert!(matches!(
+        Message::decode(&buf, MAX),
+        Err(DecodeError::InvalidField { .. })
+    ));
 }
 
 /// A room request's size is the one `docs/PROTOCOL.md` states: 39 bytes, 8 per page run,

@@ -27,10 +27,12 @@ fn pools(items: u32) -> Vec<ExtraPool> {
         ExtraPool {
             items,
             item_bytes: vec![48, 80],
+            parts: Vec::new(),
         },
         ExtraPool {
             items,
             item_bytes: vec![256, 256, 256],
+            parts: Vec::new(),
         },
     ]
 }
@@ -110,7 +112,7 @@ fn extra_items_move_with_the_room_into_every_tensor_of_their_pool() {
 
 #[test]
 fn extra_items_pair_by_position_and_coalesce_where_both_sides_run() {
-    let ops = plan_extras(&pools(64), 1, &[3, 4, 40], &[10, 11, 12], WIDE);
+    let ops = plan_extras(&pools(64), &Vec::new(), 1, &[3, 4, 40], &[10, 11, 12], WIDE);
     let slices: Vec<Slice> = ops.concat();
     let at = |tensor: u16, src: u64, dst: u64, items: u64| {
         Slice::run(
@@ -133,7 +135,7 @@ fn extra_slices_respect_the_operation_limits() {
         max_slices: 2,
     };
     let src: Vec<u32> = (0..8).collect();
-    let ops = plan_extras(&pools(64), 1, &src, &src, limits);
+    let ops = plan_extras(&pools(64), &Vec::new(), 1, &src, &src, limits);
     // 8 pages of 256 bytes in each of 3 tensors, at most 2 pages (512 bytes) an operation.
     assert_eq!(ops.len(), 12);
     assert!(ops

@@ -91,9 +91,47 @@ impl<'a> Reader<'a> {
             if item_bytes.contains(&0) {
                 return Err(self.invalid("extra item bytes"));
             }
-            out.push(ExtraPool { items, item_bytes });
+            let parts = match self.u8()? {
+                0 => Vec::new(),
+                1 => item_bytes
+                    .iter()
+                    .map(|b| self.item_parts(*b))
+                    .collect::<Result<Vec<_>, _>>()?,
+                _ => return Err(self.invalid("extra parts")),
+            };
+            out.push(ExtraPool {
+                items,
+                item_bytes,
+                parts,
+            });
         }
         Ok(out)
+    }
+
+    /// One split tensor's parts: a `u8` count, then each part's offset, rows, stride (u32),
+    /// units, first, count (u16) and unit bytes (u32), every one inside an item of `item`.
+    fn item_parts(&mut self, item: u32) -> Result<Vec<ItemPart>, DecodeError> {
+        let n = usize::from(self.u8()?);
+        if n > MAX_ITEM_PARTS {
+            return Err(self.invalid("extra parts"));
+        }
+        let mut parts = Vec::with_capacity(n);
+        for _ in 0..n {
+            let part = ItemPart {
+                offset: self.u32()?,
+                rows: self.u32()?,
+                stride: self.u32()?,
+                units: self.u16()?,
+                first: self.u16()?,
+                count: self.u16()?,
+                unit_bytes: self.u32()?,
+            };
+            if part.end().is_none_or(|end| end > u64::from(item)) {
+                return Err(self.invalid("extra parts"));
+            }
+            parts.push(part);
+        }
+        Ok(parts)
     }
 
     fn room(&mut self) -> Result<(RoomId, Generation), DecodeError> {

@@ -12,8 +12,8 @@ use smallvec::SmallVec;
 use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 use crate::ids::{Generation, Incarnation, NodeId, PromptDigest, RoomId};
 use crate::layout::{
-    rows_end, ExtraPool, Heads, Layout, PageRun, Region, DESCRIPTOR_LEN, MAX_EXTRA_POOLS,
-    MAX_EXTRA_TENSORS,
+    rows_end, ExtraPool, Heads, ItemPart, Layout, PageRun, Region, DESCRIPTOR_LEN, MAX_EXTRA_POOLS,
+    MAX_EXTRA_TENSORS, MAX_ITEM_PARTS,
 };
 use crate::state::{FailureReason, Role};
 use decode::decode_body;
@@ -21,7 +21,7 @@ use decode::decode_body;
 /// The protocol version this crate speaks. Version 2 replaced the token in the hello with a
 /// challenge and proofs; version 3 added the frame count to the heartbeat (an older peer is
 /// refused: [`ErrorCode::VersionMismatch`]).
-pub const PROTOCOL_VERSION: u8 = 8;
+pub const PROTOCOL_VERSION: u8 = 9;
 /// Bytes before the body: length, version, type.
 pub const HEADER_LEN: usize = 6;
 
@@ -488,6 +488,21 @@ impl Message {
                     out.put_u16_le(pool.item_bytes.len() as u16);
                     for b in &pool.item_bytes {
                         out.put_u32_le(*b);
+                    }
+                    let split = !pool.parts.is_empty();
+                    out.put_u8(u8::from(split));
+                    for t in (0..pool.item_bytes.len()).filter(|_| split) {
+                        let parts = pool.parts_of(t);
+                        out.put_u8(parts.len() as u8);
+                        for p in parts {
+                            out.put_u32_le(p.offset);
+                            out.put_u32_le(p.rows);
+                            out.put_u32_le(p.stride);
+                            out.put_u16_le(p.units);
+                            out.put_u16_le(p.first);
+                            out.put_u16_le(p.count);
+                            out.put_u32_le(p.unit_bytes);
+                        }
                     }
                 }
             }

@@ -7,7 +7,9 @@
 //! may count this source's `Success` only once `complete()`.
 
 use crate::api::{EndpointInfo, Grant, PeerInfo};
-use crate::layout::PageSet;
+use crate::layout::{ItemCopy, PageSet};
+
+use super::grant_table::item_copy;
 
 /// Which units of a room one source must write, and which applied writes covered.
 #[derive(Debug, Default)]
@@ -27,12 +29,29 @@ pub(super) struct Coverage {
     tokens: u32,
     aux: bool,
     state: bool,
-    /// Per extra pool the source writes: (its first unit, tensors, granted items).
-    extras: Box<[(u32, u16, u32)]>,
+    /// Per extra pool the source writes.
+    extras: Box<[ExtraUnits]>,
+}
+
+/// The units of one extra pool a source writes: per tensor, per granted item, one for a
+/// whole item or one per shared row of its parts.
+#[derive(Debug, Default)]
+struct ExtraUnits {
+    /// The pool's first unit.
+    first: u32,
+    /// Granted items the source writes (0: none).
+    items: u32,
+    /// Per tensor: its first unit after `first`, and its units per item.
+    tensors: Box<[(u32, u32)]>,
 }
 
 impl Coverage {
-    pub(super) fn new(local: &EndpointInfo, peer: Option<PeerInfo>, grant: &Grant) -> Self {
+    pub(super) fn new(
+        local: &EndpointInfo,
+        peer: Option<PeerInfo>,
+        copies: &[Vec<ItemCopy>],
+        grant: &Grant,
+    ) -> Self {
         let Some(p) = peer else {
             return Coverage::default();
         };
@@ -49,15 +68,28 @@ impl Coverage {
         let kv_units = units - 2;
         // The source that writes aux writes the extra items too (the last pipeline stage).
         let mut extras = Vec::new();
-        for (pool, asked) in local.extras.iter().zip(&grant.extras) {
-            let items = PageSet::new(asked).len();
-            let tensors = pool.item_bytes.len() as u16;
-            if p.writes_aux && items > 0 {
-                extras.push((units, tensors, items));
-                units = units.saturating_add(u32::from(tensors).saturating_mul(items));
+        for (p_index, (pool, asked)) in local.extras.iter().zip(&grant.extras).enumerate() {
+            let items = if p.writes_aux {
+                PageSet::new(asked).len()
             } else {
-                extras.push((units, tensors, 0));
+                0
+            };
+            let mut tensors = Vec::with_capacity(pool.item_bytes.len());
+            let mut per_items = 0u32;
+            for t in 0..pool.item_bytes.len() {
+                let per_item = match item_copy(copies, p_index as u8, t as u16) {
+                    ItemCopy::Whole => 1,
+                    ItemCopy::Parts { parts, .. } => parts.iter().map(|x| x.rows).sum(),
+                };
+                tensors.push((per_items.saturating_mul(items), per_item));
+                per_items = per_items.saturating_add(per_item);
             }
+            extras.push(ExtraUnits {
+                first: units,
+                items,
+                tensors: tensors.into_boxed_slice(),
+            });
+            units = units.saturating_add(per_items.saturating_mul(items));
         }
         let extra_units = units - kv_units - 2;
         Coverage {
@@ -75,10 +107,12 @@ impl Coverage {
         }
     }
 
-    /// The unit of item rank `rank` of tensor `tensor` of extra pool `pool`.
-    pub(super) fn extra_unit(&self, pool: u8, tensor: u16, rank: u32) -> Option<u32> {
-        let &(first, tensors, items) = self.extras.get(usize::from(pool))?;
-        (tensor < tensors && rank < items).then(|| first + u32::from(tensor) * items + rank)
+    /// The unit of item rank `rank` of tensor `tensor` of extra pool `pool`: its `sub`th
+    /// shared row (0 for a whole item).
+    pub(super) fn extra_unit(&self, pool: u8, tensor: u16, rank: u32, sub: u32) -> Option<u32> {
+        let x = self.extras.get(usize::from(pool))?;
+        let &(start, per_item) = x.tensors.get(usize::from(tensor))?;
+        (rank < x.items && sub < per_item).then(|| x.first + start + rank * per_item + sub)
     }
 
     /// The unit of (layer, plane, page rank, token row), or of the aux row / state slot.

@@ -26,7 +26,7 @@ use smallvec::SmallVec;
 
 use crate::api::{EndpointInfo, PeerInfo, WritePermit, WriteRefused};
 use crate::ids::{Generation, RoomId, SessionId};
-use crate::layout::{ExtraPool, PageSet, Region, Slice};
+use crate::layout::{ExtraCopies, ExtraPool, ItemCopy, PageSet, PartCopy, Region, Slice};
 
 /// The memory a room's grant gave its sources: fixed from the grant until the room goes.
 #[derive(Debug, Default)]
@@ -48,7 +48,7 @@ pub(crate) fn in_region(local: &EndpointInfo, slice: &Slice) -> Result<u64, Writ
         .region_len(slice.region)
         .ok_or(WriteRefused::UnknownRegion)?;
     let end = slice.dst_end().ok_or(WriteRefused::BadRows)?;
-    if slice.rows > 1 && !matches!(slice.region, Region::Kv { .. }) {
+    if slice.rows > 1 && !matches!(slice.region, Region::Kv { .. } | Region::Extra { .. }) {
         return Err(WriteRefused::BadRows);
     }
     if end > region_len {
@@ -57,12 +57,14 @@ pub(crate) fn in_region(local: &EndpointInfo, slice: &Slice) -> Result<u64, Writ
     Ok(end)
 }
 
-/// Whether `slice` (ending at `end`), written by the peer `peer` describes, lies inside what
-/// `granted` gave the room: its layers, its heads' rows, its pages, slots and items.
+/// Whether `slice` (ending at `end`), written by the peer `peer` describes (its extra items
+/// going as `copies` says), lies inside what `granted` gave the room: its layers, its heads'
+/// rows, its pages, slots, items and the parts of them the peer shares.
 pub(crate) fn granted_admits(
     local: &EndpointInfo,
     granted: &Granted,
     peer: Option<PeerInfo>,
+    copies: &[Vec<ItemCopy>],
     slice: &Slice,
     end: u64,
 ) -> Result<(), WriteRefused> {
@@ -106,11 +108,28 @@ pub(crate) fn granted_admits(
                 .extras
                 .get(usize::from(pool))
                 .ok_or(WriteRefused::ItemNotGranted)?;
-            let whole = item > 0 && slice.dst_offset % item == 0 && slice.len % item == 0;
             let first = (slice.dst_offset / item.max(1)) as u32;
             let last = ((end - 1) / item.max(1)) as u32;
             let writes_extras = peer.map_or(true, |p| p.writes_aux);
-            if whole && writes_extras && items.contains_range(first, last) {
+            let shaped = match item_copy(copies, pool, tensor) {
+                ItemCopy::Whole => {
+                    item > 0
+                        && slice.dst_offset % item == 0
+                        && slice.len % item == 0
+                        && (slice.rows == 1 || slice.dst_stride % item == 0)
+                }
+                ItemCopy::Parts { parts, .. } => {
+                    first == last
+                        && part_row(parts, slice.dst_offset % item.max(1), slice.len).is_some_and(
+                            |(k, row)| {
+                                let p = &parts[k];
+                                row + slice.rows <= p.rows
+                                    && (slice.rows == 1 || slice.dst_stride == p.dst_stride)
+                            },
+                        )
+                }
+            };
+            if shaped && writes_extras && items.contains_range(first, last) {
                 Ok(())
             } else {
                 Err(WriteRefused::ItemNotGranted)
@@ -118,6 +137,24 @@ pub(crate) fn granted_admits(
         }
         Region::Scratch => Ok(()),
     }
+}
+
+/// How tensor `tensor` of extra pool `pool` goes, by `copies` (whole when not named).
+pub(crate) fn item_copy(copies: &[Vec<ItemCopy>], pool: u8, tensor: u16) -> &ItemCopy {
+    static WHOLE: ItemCopy = ItemCopy::Whole;
+    copies
+        .get(usize::from(pool))
+        .and_then(|p| p.get(usize::from(tensor)))
+        .unwrap_or(&WHOLE)
+}
+
+/// The part (index in `parts`) and row a write of `len` bytes at `at` within an item is
+/// exactly the shared units of.
+pub(crate) fn part_row(parts: &[PartCopy], at: u64, len: u64) -> Option<(usize, u32)> {
+    parts
+        .iter()
+        .enumerate()
+        .find_map(|(k, p)| p.row_at(at, len).map(|row| (k, row)))
 }
 
 /// Decode: the grants of live rooms and the writes landing in them, shared between the core
@@ -149,9 +186,11 @@ struct RoomGrant {
     landing: SmallVec<[(SessionId, u32, u32); 2]>,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 struct WriterSession {
     peer: PeerInfo,
+    /// How its extra items land here.
+    copies: Arc<ExtraCopies>,
     epoch: u32,
     /// A fresh connection took its work over: its writes go to the core (which refuses them).
     superseded: bool,
@@ -188,7 +227,7 @@ impl GrantTable {
         slices: &[Slice],
     ) -> Option<WritePermit> {
         let mut t = self.table();
-        let writer = *t.sessions.get(&session).filter(|w| !w.superseded)?;
+        let writer = t.sessions.get(&session).filter(|w| !w.superseded)?;
         let r = t.rooms.get(&room)?;
         if !r.open || r.generation != generation || !r.writers.contains(&session) {
             return None;
@@ -198,18 +237,27 @@ impl GrantTable {
                 return None;
             }
             let end = in_region(&self.local, slice).ok()?;
-            granted_admits(&self.local, &r.granted, Some(writer.peer), slice, end).ok()?;
+            granted_admits(
+                &self.local,
+                &r.granted,
+                Some(writer.peer),
+                &writer.copies,
+                slice,
+                end,
+            )
+            .ok()?;
         }
+        let epoch = writer.epoch;
         let holds_pages = !slices.is_empty();
         let seq = t.next_seq();
         if holds_pages {
-            t.count(room, generation, session, writer.epoch);
+            t.count(room, generation, session, epoch);
         }
         Some(WritePermit {
             session,
             room: holds_pages.then_some(room),
             generation,
-            epoch: writer.epoch,
+            epoch,
             seq,
             applied: false,
             corrupt: false,
@@ -340,11 +388,18 @@ impl GrantTable {
     }
 
     /// `session` finished its handshake with the peer `peer` describes.
-    pub(crate) fn add_session(&self, session: SessionId, peer: PeerInfo, epoch: u32) {
+    pub(crate) fn add_session(
+        &self,
+        session: SessionId,
+        peer: PeerInfo,
+        epoch: u32,
+        copies: Arc<ExtraCopies>,
+    ) {
         self.table().sessions.insert(
             session,
             WriterSession {
                 peer,
+                copies,
                 epoch,
                 superseded: false,
             },
@@ -439,8 +494,8 @@ mod tests {
 
     /// `ROOM` of generation 0 granted pages 2 and 3, written by `S1`.
     fn open_room(t: &GrantTable) {
-        t.add_session(S1, peer(), 0);
-        t.add_session(S2, peer(), 0);
+        t.add_session(S1, peer(), 0, Arc::default());
+        t.add_session(S2, peer(), 0, Arc::default());
         let granted = Granted {
             pages: Some(PageSet::new(&[2, 3])),
             ..Granted::default()
@@ -550,7 +605,7 @@ mod tests {
         let t = table();
         open_room(&t);
         let s3 = SessionId(3);
-        t.add_session(s3, peer(), 0);
+        t.add_session(s3, peer(), 0, Arc::default());
         t.move_writer(ROOM, S1, s3);
         t.supersede(S1);
         assert!(t.begin(S1, ROOM, 0, &[page(2)]).is_none());
@@ -586,7 +641,7 @@ mod tests {
             layer_start: 2,
             ..peer()
         };
-        t.add_session(S1, stage, 0);
+        t.add_session(S1, stage, 0, Arc::default());
         assert!(t.begin(S1, ROOM, 0, &[page(2)]).is_none(), "layer 1");
         let own = Slice::run(Region::Kv { layer: 2, plane: 0 }, 0, 2048, 1024);
         assert!(t.begin(S1, ROOM, 0, &[own]).is_some());

@@ -1,5 +1,6 @@
 //! Sessions: opening and accepting them, the challenges, proofs and hellos, refusals and strikes, and the control frames' dispatch.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
@@ -122,6 +123,7 @@ impl Endpoint {
         let mut session = Session {
             state: SessionState::Handshaking,
             peer: None,
+            extra_copies: Arc::default(),
             liveness: Liveness::new(
                 now,
                 self.config.heartbeat_interval * self.config.heartbeat_misses,
@@ -552,11 +554,19 @@ impl Endpoint {
         let window = (interval * self.config.heartbeat_misses)
             .max(peer.heartbeat_interval * peer.heartbeat_misses);
         let silence = self.config.silence_timeout.max(peer.heartbeat_interval * 2);
+        // Which side's items are the source is fixed by the roles: the prefill's go to the
+        // decode's.
+        let copies = Arc::new(if self.local.role == Role::Prefill {
+            ExtraPool::copies(&self.local.extras, &h.extras)
+        } else {
+            ExtraPool::copies(&h.extras, &self.local.extras)
+        });
         let Some(s) = self.sessions.get_mut(&sid) else {
             return;
         };
         s.peer = Some(peer);
-        self.grants.add_session(sid, peer, s.epoch);
+        s.extra_copies = Arc::clone(&copies);
+        self.grants.add_session(sid, peer, s.epoch, copies);
         s.liveness.agree(window, silence);
         s.data_dials.established(now);
         s.state = SessionState::Established;
@@ -751,11 +761,13 @@ impl Endpoint {
     }
 }
 
-/// Extra pools move item for item: peers that hold different KV heads (whose state would
-/// need a head slice of every item) cannot exchange them.
+/// Peers that hold different KV heads hold different shares of their extra pools' items
+/// too: they exchange them only when both split every tensor into parts
+/// ([`ExtraPool::compatible`] checked the parts agree), never item for item.
 fn extras_whole_heads(ours: &EndpointInfo, theirs: &Hello) -> Result<(), LayoutMismatch> {
     let (a, b) = (ours.heads, theirs.heads);
-    if ours.extras.is_empty() || a == b {
+    let split = ExtraPool::all_split(&ours.extras) && ExtraPool::all_split(&theirs.extras);
+    if ours.extras.is_empty() || a == b || split {
         return Ok(());
     }
     let (field, ours, theirs) = if a.count != b.count {

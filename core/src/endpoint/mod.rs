@@ -52,6 +52,7 @@ use crate::counters::Counters;
 use crate::ids::{
     DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId, TargetId,
 };
+use crate::layout::ExtraCopies;
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
@@ -191,6 +192,8 @@ type PeerIdentity = (NodeId, Incarnation);
 struct Session {
     state: SessionState,
     peer: Option<PeerInfo>,
+    /// How extra items go between us and the peer (set with `peer`).
+    extra_copies: Arc<ExtraCopies>,
     /// What the peer was heard and confirmed doing, and the link check it drives.
     liveness: Liveness,
     /// Consecutive failures toward the blacklist, and the probes back from it.

@@ -126,8 +126,11 @@ impl Endpoint {
                     new_ops.push((x.session, OpKind::Aux, 0..0, slices));
                 }
                 let asked = |p: usize| x.extras.get(p).map_or(&[][..], |v| &v[..]);
+                let copies = sessions
+                    .get(&x.session)
+                    .map_or(&[][..], |s| &s.extra_copies[..]);
                 for (p, src) in s.extras_src.iter().enumerate() {
-                    for slices in plan_extras(extras, p, src, asked(p), limits) {
+                    for slices in plan_extras(extras, copies, p, src, asked(p), limits) {
                         new_ops.push((x.session, OpKind::Aux, 0..0, slices));
                     }
                 }

@@ -501,9 +501,11 @@ impl Endpoint {
             src.coverage = if src.idle {
                 Coverage::default()
             } else {
+                let session = self.sessions.get(&src.session);
                 Coverage::new(
                     &self.local,
-                    self.sessions.get(&src.session).and_then(|s| s.peer),
+                    session.and_then(|s| s.peer),
+                    session.map_or(&[][..], |s| &s.extra_copies[..]),
                     &grant,
                 )
             };

@@ -9,10 +9,10 @@ use tracing::{debug, warn};
 use crate::api::{Action, SessionState, WritePermit, WriteRefused};
 use crate::codec::LandedRange;
 use crate::ids::{Generation, RoomId, SessionId};
-use crate::layout::{ExtraPool, Region, Slice};
+use crate::layout::{ExtraPool, ItemCopy, Region, Slice};
 use crate::state::{FailureReason, KvPoll};
 
-use super::grant_table::{granted_admits, in_region};
+use super::grant_table::{granted_admits, in_region, item_copy, part_row};
 use super::{Endpoint, Side, Source};
 
 impl Endpoint {
@@ -255,6 +255,10 @@ impl Endpoint {
             return units;
         };
         let layout = &self.local.layout;
+        let copies = self
+            .sessions
+            .get(&session)
+            .map_or(&[][..], |s| &s.extra_copies[..]);
         let rows = self
             .sessions
             .get(&session)
@@ -292,12 +296,28 @@ impl Endpoint {
                 Region::Extra { pool, tensor } => {
                     let item = ExtraPool::item_bytes_of(&self.local.extras, pool, tensor);
                     let granted = rr.granted.extras.get(usize::from(pool));
-                    if let (true, Some(granted)) = (item > 0, granted) {
-                        let first = s.dst_offset / item;
-                        for i in first..first + s.len / item {
+                    let (true, Some(granted)) = (item > 0, granted) else {
+                        continue;
+                    };
+                    let first = s.dst_offset / item;
+                    match item_copy(copies, pool, tensor) {
+                        ItemCopy::Whole => {
+                            for i in first..first + s.len / item {
+                                let unit = granted
+                                    .rank(i as u32)
+                                    .and_then(|r| cov.extra_unit(pool, tensor, r, 0));
+                                units.extend(unit);
+                            }
+                        }
+                        // One row of one part: its place among the item's shared rows.
+                        ItemCopy::Parts { parts, .. } => {
+                            let Some((k, row)) = part_row(parts, s.dst_offset % item, s.len) else {
+                                continue;
+                            };
+                            let before: u32 = parts[..k].iter().map(|p| p.rows).sum();
                             let unit = granted
-                                .rank(i as u32)
-                                .and_then(|r| cov.extra_unit(pool, tensor, r));
+                                .rank(first as u32)
+                                .and_then(|r| cov.extra_unit(pool, tensor, r, before + row));
                             units.extend(unit);
                         }
                     }
@@ -367,8 +387,11 @@ impl Endpoint {
         {
             return Err(WriteRefused::NotASource);
         }
-        let peer = self.sessions.get(&session).and_then(|s| s.peer);
-        granted_admits(&self.local, &rr.granted, peer, slice, end)
+        let (peer, copies) = match self.sessions.get(&session) {
+            Some(s) => (s.peer, &s.extra_copies[..]),
+            None => (None, &[][..]),
+        };
+        granted_admits(&self.local, &rr.granted, peer, copies, slice, end)
     }
 
     /// A one-sided source's operation completed: its bytes are in decode's memory unseen.
