@@ -164,7 +164,7 @@ pub enum ItemCopy {
         /// Bytes of one item at the destination.
         dst_item: u64,
         /// The shared units of each part both hold some of, in part order.
-        parts: SmallVec<[PartCopy; 4]>,
+        parts: Vec<PartCopy>,
     },
 }
 

@@ -126,7 +126,7 @@ impl<'a> Reader<'a> {
                 count: self.u16()?,
                 unit_bytes: self.u32()?,
             };
-            if part.end().is_none_or(|end| end > u64::from(item)) {
+            if part.end().map_or(true, |end| end > u64::from(item)) {
                 return Err(self.invalid("extra parts"));
             }
             parts.push(part);
