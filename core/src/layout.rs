@@ -169,8 +169,12 @@ pub enum ItemCopy {
 }
 
 /// The shared units of one [`ItemPart`] between a source and a destination, within an item.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PartCopy {
+    /// Which of the tensor's parts.
+    pub part: u8,
+    /// The model's units both hold, `lo..hi`.
+    pub units: core::ops::Range<u16>,
     /// Where the first row's shared units sit in the source's item.
     pub src_offset: u64,
     /// Where they go in the destination's item.
@@ -300,7 +304,8 @@ impl ExtraPool {
                             parts: ps
                                 .iter()
                                 .zip(pd)
-                                .filter_map(|(a, b)| part_copy(a, b))
+                                .enumerate()
+                                .filter_map(|(k, (a, b))| part_copy(k as u8, a, b))
                                 .collect(),
                         }
                     })
@@ -311,7 +316,7 @@ impl ExtraPool {
 }
 
 /// The units of one part both `a` (source) and `b` (destination) hold; `None` when none.
-fn part_copy(a: &ItemPart, b: &ItemPart) -> Option<PartCopy> {
+fn part_copy(part: u8, a: &ItemPart, b: &ItemPart) -> Option<PartCopy> {
     let lo = a.first.max(b.first);
     let hi = (a.first + a.count).min(b.first + b.count);
     if hi <= lo {
@@ -320,6 +325,8 @@ fn part_copy(a: &ItemPart, b: &ItemPart) -> Option<PartCopy> {
     let unit = u64::from(a.unit_bytes);
     let multi = a.rows > 1;
     Some(PartCopy {
+        part,
+        units: lo..hi,
         src_offset: u64::from(a.offset) + u64::from(lo - a.first) * unit,
         dst_offset: u64::from(b.offset) + u64::from(lo - b.first) * unit,
         len: u64::from(hi - lo) * unit,

@@ -376,3 +376,33 @@ fn peers_whose_parts_differ_are_refused_naming_the_field() {
         Some("extra_parts")
     );
 }
+
+#[test]
+fn a_room_whose_sources_hold_only_some_of_its_state_fails_at_once() {
+    // Both hold every KV head, but the prefill declares only rank 0 of 2's share of the state.
+    let mut sim = Sim::new(13, Faults::default());
+    let heads = heads_of(1, 0);
+    let layout = Layout {
+        page_bytes: 4 * heads.row_bytes() as u32,
+        ..small_layout(512)
+    };
+    let mut node = |role: Role, extras: Vec<ExtraPool>| {
+        let n = sim.nodes.len() as u64;
+        let mut info = EndpointInfo::new(role, NodeId(3000 + n), Incarnation(90 + n), layout);
+        info.heads = heads;
+        info.token = b"sim-token".to_vec();
+        info.extras = extras;
+        sim.add_node(config(), info)
+    };
+    let p = node(Role::Prefill, pool(2, 0, 16));
+    let d = node(Role::Decode, pool(1, 0, 16));
+    sim.connect(d, p);
+    run_ms(&mut sim, 5);
+    open_state_room(&mut sim, d, &[p], 4, 1);
+    assert_eq!(
+        state(&sim, d, 4),
+        Some(KvPoll::Failed(
+            kvferry_core::FailureReason::IncompatiblePeer
+        ))
+    );
+}

@@ -48,6 +48,12 @@ class Node:
     slots, sliding-window pages, indexer pages), each a list of its tensors as ``(address,
     bytes, item_bytes)`` holding the same number of items; rooms name their items per pool
     (``extras=`` of ``open_receiver``/``grant_pages`` and of the last ``send_chunk``).
+    ``extra_parts``: per extra pool, per tensor, the parts tensor parallelism splits its items
+    into, each ``(offset, rows, stride, units, first, count, unit_bytes)``: ``rows`` rows
+    ``stride`` bytes apart from ``offset`` in the item, each holding this rank's ``count``
+    units (``first..first + count`` of the model's ``units``) of ``unit_bytes`` bytes. Peers
+    holding other heads (another TP size) then copy, row by row, the units both hold; a pool
+    left out moves whole items.
 
     Every buffer in ``kv``, ``aux``, ``state`` and ``extras`` must stay allocated, and must not move,
     until ``shutdown()`` returns; a room's pages must not be touched between granting or
@@ -71,6 +77,7 @@ class Node:
         heads: Optional[Tuple[int, int, int, int]] = None,
         layer_range: Optional[Tuple[int, int]] = None,
         extras: Sequence[Sequence[Tuple[int, int, int]]] = (),
+        extra_parts: Sequence[Sequence[Sequence[Tuple[int, int, int, int, int, int, int]]]] = (),
         transport: Optional[str] = None,
         rdma_device: Optional[str] = None,
         rdma_port: int = 1,

@@ -160,7 +160,7 @@ impl Node {
     /// `KVFERRY_*` knobs in lower case without the prefix (`transfer_retries=5`,
     /// `bootstrap_timeout_ms=30000`) and override the environment.
     #[new]
-    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, heads=None, layer_range=None, extras=Vec::new(), transport=None, rdma_device=None, rdma_port=1, **config))]
+    #[pyo3(signature = (role, layout, kv, aux=None, state=None, token=b"".to_vec(), node_id=None, rank=0, data_connections=2, kv_device=None, staging_buffers=16, staging_buffer_bytes=1<<20, heads=None, layer_range=None, extras=Vec::new(), extra_parts=Vec::new(), transport=None, rdma_device=None, rdma_port=1, **config))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         role: &str,
@@ -178,6 +178,7 @@ impl Node {
         heads: Option<(u16, u16, u16, u32)>,
         layer_range: Option<(u16, u16)>,
         extras: Vec<Vec<(usize, usize, u32)>>,
+        extra_parts: Vec<Vec<Vec<PartTuple>>>,
         transport: Option<String>,
         rdma_device: Option<String>,
         rdma_port: u8,
@@ -249,7 +250,8 @@ impl Node {
             MemoryMap::register_stage(layout, stage, &kv, aux.map(host), state.map(host))
         }
         .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;
-        let (pools, regions) = parse_extras(&extras, kind)?;
+        let (mut pools, regions) = parse_extras(&extras, kind)?;
+        parse_extra_parts(&mut pools, extra_parts)?;
         // SAFETY: as above, for the extra pools' spans.
         let memory = unsafe { memory.with_extras(&pools, &regions) }
             .map_err(|e| InvalidArgument::new_err(format!("registered memory: {e}")))?;

@@ -1,7 +1,7 @@
 //! Python's arguments turned into the core's types: the role, the layout and its extra
 //! pools, idle ranks, addresses and the transport asked for, each refusal an `InvalidArgument`.
 
-use kvferry_core::layout::{MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS};
+use kvferry_core::layout::{ItemPart, MAX_EXTRA_POOLS, MAX_EXTRA_TENSORS, MAX_ITEM_PARTS};
 use kvferry_core::{ExtraPool, Layout, Role};
 use kvferry_memory::{ExternalRegion, MemoryKind};
 use kvferry_tokio::{DataBackend, SameHost};
@@ -119,6 +119,7 @@ pub(crate) fn parse_extras(
         pools.push(ExtraPool {
             items,
             item_bytes: tensors.iter().map(|t| t.2).collect(),
+            parts: Vec::new(),
         });
         regions.push(
             tensors
@@ -132,6 +133,70 @@ pub(crate) fn parse_extras(
         );
     }
     Ok((pools, regions))
+}
+
+/// One `ItemPart` as Python gives it: `(offset, rows, stride, units, first, count,
+/// unit_bytes)`.
+pub(crate) type PartTuple = (u32, u32, u32, u16, u16, u16, u32);
+
+/// Splits the tensors of `pools` into the parts `parts` names (per pool, per tensor, a list
+/// of parts; an empty list leaves a tensor whole), each checked to lie inside its item.
+pub(crate) fn parse_extra_parts(
+    pools: &mut [ExtraPool],
+    parts: Vec<Vec<Vec<PartTuple>>>,
+) -> PyResult<()> {
+    if parts.len() > pools.len() {
+        return Err(InvalidArgument::new_err(format!(
+            "extra_parts: {} pools, extras has {}",
+            parts.len(),
+            pools.len()
+        )));
+    }
+    for (p, (pool, tensors)) in pools.iter_mut().zip(parts).enumerate() {
+        if tensors.is_empty() {
+            continue;
+        }
+        if tensors.len() != pool.item_bytes.len() {
+            return Err(InvalidArgument::new_err(format!(
+                "extra_parts pool {p}: {} tensors, the pool has {}",
+                tensors.len(),
+                pool.item_bytes.len()
+            )));
+        }
+        let mut split = Vec::with_capacity(tensors.len());
+        for (t, list) in tensors.into_iter().enumerate() {
+            if list.len() > MAX_ITEM_PARTS {
+                return Err(InvalidArgument::new_err(format!(
+                    "extra_parts pool {p} tensor {t}: {} parts, at most {MAX_ITEM_PARTS}",
+                    list.len()
+                )));
+            }
+            let item = u64::from(pool.item_bytes[t]);
+            let mut parts = Vec::with_capacity(list.len());
+            for (offset, rows, stride, units, first, count, unit_bytes) in list {
+                let part = ItemPart {
+                    offset,
+                    rows,
+                    stride,
+                    units,
+                    first,
+                    count,
+                    unit_bytes,
+                };
+                if part.end().map_or(true, |end| end > item) {
+                    return Err(InvalidArgument::new_err(format!(
+                        "extra_parts pool {p} tensor {t}: {part:?} is not inside a {item}-byte \
+                         item (rows >= 1, count >= 1, first + count <= units, rows apart by at \
+                         least count x unit_bytes)"
+                    )));
+                }
+                parts.push(part);
+            }
+            split.push(parts);
+        }
+        pool.parts = split;
+    }
+    Ok(())
 }
 
 pub(crate) fn parse_addr(a: &str) -> PyResult<std::net::SocketAddr> {

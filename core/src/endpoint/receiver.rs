@@ -10,7 +10,7 @@ use crate::api::{Action, ApiError, EndpointInfo, Grant, Link, PeerInfo, SessionS
 use crate::codec::{Message, ProgressStage, RoomRequest, SKIP_ALL};
 use crate::counters::Counters;
 use crate::ids::{Generation, RoomId, SessionId};
-use crate::layout::{page_runs, ExtraPool, PageSet};
+use crate::layout::{page_runs, ExtraPool, ItemCopy, PageSet};
 use crate::state::{FailureReason, KvPoll, Role};
 use crate::timer::Timer;
 
@@ -517,7 +517,21 @@ impl Endpoint {
             .filter(|s| !s.idle)
             .map(|s| self.sessions.get(&s.session).and_then(|x| x.peer))
             .collect();
-        if let Some(gap) = writers.and_then(|w| uncovered(&self.local, &w, &grant)) {
+        let parts_gap = || {
+            let copies: Vec<&[Vec<ItemCopy>]> = rr
+                .sources
+                .iter()
+                .filter(|s| !s.idle)
+                .filter_map(|s| self.sessions.get(&s.session))
+                .filter(|x| x.peer.is_some_and(|p| p.writes_aux))
+                .map(|x| &x.extra_copies[..])
+                .collect();
+            uncovered_parts(&self.local, &copies, &grant)
+        };
+        let gap = writers
+            .and_then(|w| uncovered(&self.local, &w, &grant))
+            .or_else(parts_gap);
+        if let Some(gap) = gap {
             // No source would ever write these bytes: the room could only time out, or (where
             // a source reports success) succeed with them missing.
             warn!(%room, gap = %gap, "the room's sources cannot fill it");
@@ -612,6 +626,61 @@ fn room_of_message<'a>(
             None
         }
     }
+}
+
+/// The first unit of a split extra tensor's part of ours that none of the writers of extra
+/// items (`copies`: how each one's items land here) holds, worded for the log; `None` when
+/// they hold all of them, or no item of a split tensor is granted.
+fn uncovered_parts(
+    local: &EndpointInfo,
+    copies: &[&[Vec<ItemCopy>]],
+    grant: &Grant,
+) -> Option<String> {
+    for (p, pool) in local.extras.iter().enumerate() {
+        if grant.extras.get(p).map_or(true, Vec::is_empty) {
+            continue;
+        }
+        for t in 0..pool.item_bytes.len() {
+            // A source whose share is ours moves whole items.
+            if copies
+                .iter()
+                .any(|c| copy_of(c, p, t) == Some(&ItemCopy::Whole))
+            {
+                continue;
+            }
+            for (k, part) in pool.parts_of(t).iter().enumerate() {
+                let (first, end) = (part.first, part.first + part.count);
+                let mut unit = first;
+                while unit < end {
+                    let reach = copies
+                        .iter()
+                        .filter_map(|c| match copy_of(c, p, t) {
+                            Some(ItemCopy::Parts { parts, .. }) => Some(parts),
+                            _ => None,
+                        })
+                        .flatten()
+                        .filter(|c| usize::from(c.part) == k && c.units.contains(&unit))
+                        .map(|c| c.units.end)
+                        .max();
+                    match reach {
+                        Some(e) => unit = e,
+                        None => {
+                            return Some(format!(
+                                "no source holds unit {unit} of part {k} of extra pool {p} \
+                                 tensor {t} ({first}..{end} here)"
+                            ))
+                        }
+                    }
+                }
+            }
+        }
+    }
+    None
+}
+
+/// How tensor `t` of pool `p` lands here from one source, if its copies name it.
+fn copy_of(copies: &[Vec<ItemCopy>], p: usize, t: usize) -> Option<&ItemCopy> {
+    copies.get(p).and_then(|x| x.get(t))
 }
 
 /// What of a granted room the writing sources `writers` (peers known) leave unwritten
