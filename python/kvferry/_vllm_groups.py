@@ -31,6 +31,91 @@ _STATE = ("MambaSpec",)
 
 _FULL_KIND = ("full", 0, 0)
 
+#: Recurrent-state kinds whose blocks kvferry splits across TP ranks (vLLM's
+#: ``MambaAttentionBackendEnum`` names): their conv state's channels and SSM state's heads are
+#: each rank's share of the model's, side by side in vLLM's order.
+_SPLIT_STATE = ("GDN_ATTN", "MAMBA1")
+#: Most units one part of a split block may count (kvferry's ``u16``).
+_MAX_UNITS = 0xFFFF
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What one recurrent-state group's block holds on this rank: vLLM's state kind, its
+    state tensors' shapes (conv state first, then the SSM state) and element sizes, whether
+    every rank holds the whole state, and whether the conv state is stored channel-major
+    (vLLM's "DS" layout) rather than kernel-row-major ("SD", its default)."""
+
+    kind: str
+    shapes: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...]
+    replicated: bool = False
+    dim_first: bool = False
+
+    def _split(self) -> Optional[tuple[list[int], int, int, int]]:
+        """``(conv channels of each projection, kernel rows, SSM units, bytes of one SSM
+        unit)`` on this rank, or None where kvferry does not split this kind."""
+        if self.kind not in _SPLIT_STATE or len(self.shapes) != 2 or len(self.shapes[0]) != 2:
+            return None
+        dim, rows = self.shapes[0] if self.dim_first else self.shapes[0][::-1]
+        ssm = self.shapes[1]
+        if self.kind == "GDN_ATTN" and len(ssm) == 3:
+            # Query, key and value channels (query and key alike); value heads of (dv, dk).
+            heads, dv, dk = ssm
+            key2 = dim - heads * dv
+            if key2 <= 0 or key2 % 2:
+                return None
+            return [key2 // 2, key2 // 2, heads * dv], rows, heads, dv * dk * self.sizes[1]
+        if self.kind == "MAMBA1" and len(ssm) == 2 and ssm[0] == dim:
+            return [dim], rows, ssm[0], ssm[1] * self.sizes[1]
+        return None
+
+    def splits(self, tp: int) -> bool:
+        """Whether ranks of different TP sizes can exchange this state (each its share)."""
+        if self.replicated:
+            return True
+        split = self._split()
+        return split is not None and all(n * tp <= _MAX_UNITS for n in split[0] + [split[2]])
+
+    def model_shapes(self, tp: int) -> tuple[tuple[int, ...], ...]:
+        """The state's shapes over the whole model (this rank's at TP 1): what engines at any
+        TP size agree on. A state kvferry does not split keeps this rank's shapes."""
+        split = None if self.replicated else self._split()
+        if split is None:
+            return self.shapes
+        conv, ssm = self.shapes
+        conv = (conv[0] * tp, conv[1]) if self.dim_first else (conv[0], conv[1] * tp)
+        return conv, (ssm[0] * tp, *ssm[1:])
+
+    def parts(self, tp: int, rank: int) -> list[tuple[int, int, int, int, int, int, int]]:
+        """kvferry's parts of this rank's state block (``Node(extra_parts=)``): each conv
+        projection's channels (a part of kernel rows, or channel-major one run), then the
+        SSM state's heads (channels for Mamba1); a replicated state one part all ranks hold."""
+        conv_bytes = _numel(self.shapes[0]) * self.sizes[0]
+        if self.replicated:
+            return [(0, 1, 0, 1, 0, 1, conv_bytes + _numel(self.shapes[1]) * self.sizes[1])]
+        split = self._split()
+        assert split is not None, self
+        projections, rows, units, unit = split
+        e = self.sizes[0]
+        dim = sum(projections)
+        parts, at = [], 0
+        for n in projections:
+            if self.dim_first:
+                parts.append((at * rows * e, 1, 0, n * tp, rank * n, n, rows * e))
+            else:
+                parts.append((at * e, rows, dim * e, n * tp, rank * n, n, e))
+            at += n
+        parts.append((conv_bytes, 1, 0, units * tp, rank * units, units, unit))
+        return parts
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
 
 class NullBlockInRoom(ValueError):
     """A block a room needs is vLLM's null block (freed by the group's window): moving it
@@ -53,16 +138,20 @@ class KvGroups:
     states: tuple[str, ...] = ()
     #: vLLM's null block: a freed position in a group's block table.
     null_block: int = 0
+    #: Each state group's block on this rank.
+    state_specs: tuple[StateSpec, ...] = ()
+    #: This engine's TP size.
+    tp: int = 1
 
     @classmethod
-    def of(cls, kv_cache_config, block_size: int) -> "KvGroups":
+    def of(cls, kv_cache_config, block_size: int, tp: int = 1) -> "KvGroups":
         """The groups of ``kv_cache_config`` (None: one full-attention group); a group kvferry
         cannot move (Mamba or GDN state, cross attention, ...) is refused naming it."""
         if kv_cache_config is None:
             return cls((0,), (_FULL_KIND,), block_size)
         groups = list(kv_cache_config.kv_cache_groups)
         transfer = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
-        ids, kinds, states = [], [], []
+        ids, kinds, states, specs = [], [], [], []
         for i in transfer:
             spec = groups[i].kv_cache_spec
             kind = type(spec).__name__
@@ -82,7 +171,18 @@ class KvGroups:
                                      "mode 'none': start vLLM with --no-enable-prefix-caching")
                 ids.append(i)
                 kinds.append(("state", 1 + int(getattr(spec, "num_speculative_blocks", 0) or 0), 0))
-                states.append(f"{[list(x) for x in spec.shapes]} {[str(d).replace('torch.', '') for d in spec.dtypes]}")
+                mamba_type = getattr(spec, "mamba_type", None)
+                state = StateSpec(
+                    kind=str(getattr(mamba_type, "name", mamba_type)),
+                    shapes=tuple(tuple(int(d) for d in x) for x in spec.shapes),
+                    sizes=tuple(int(d.itemsize) for d in spec.dtypes),
+                    replicated=bool(getattr(spec, "tp_replicated", False)),
+                    dim_first=_conv_dim_first(),
+                )
+                specs.append(state)
+                # The model's shapes, so that engines of different TP sizes agree.
+                shapes = state.model_shapes(tp) if state.splits(tp) else state.shapes
+                states.append(f"{[list(x) for x in shapes]} {[str(d).replace('torch.', '') for d in spec.dtypes]}")
                 continue
             else:
                 raise ValueError(
@@ -97,7 +197,7 @@ class KvGroups:
             kinds.append(this)
         if not ids:
             raise ValueError("kvferry.vllm: no KV cache group of this engine is transferable")
-        return cls(tuple(ids), tuple(kinds), block_size, tuple(states))
+        return cls(tuple(ids), tuple(kinds), block_size, tuple(states), state_specs=tuple(specs), tp=tp)
 
     @property
     def backoff(self) -> int:
@@ -105,6 +205,19 @@ class KvGroups:
         derives the last token's state from the one before it, which a prefill that computed
         the whole prompt no longer holds), else 0."""
         return 1 if any(name == "state" for name, _, _ in self.kinds) else 0
+
+    @property
+    def split_state(self) -> bool:
+        """Whether the state blocks move split by TP rank (kvferry's extra pool of parts):
+        every state group holds the same state, of a kind kvferry splits. Otherwise they move
+        as whole blocks between ranks of equal TP sizes only."""
+        specs = set(self.state_specs)
+        return len(specs) == 1 and next(iter(specs)).splits(self.tp)
+
+    @property
+    def state_count(self) -> int:
+        """State blocks per request: the last pages of every room's list."""
+        return sum(size for name, size, _ in self.kinds if name == "state")
 
     @property
     def hybrid(self) -> bool:
@@ -170,3 +283,12 @@ class KvGroups:
         n = -(-tokens // self.block_size)
         return sum(size if name == "state" else n - min(n, self.first_block(g, tokens))
                    for g, (name, size, _) in enumerate(self.kinds))
+
+
+def _conv_dim_first() -> bool:
+    """Whether vLLM stores conv state channel-major ("DS"); its default is kernel-row-major."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:
+        return False
+    return bool(is_conv_state_dim_first())

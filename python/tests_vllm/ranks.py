@@ -17,7 +17,19 @@ import time
 
 import torch
 
-from harness import HEAD_SIZE, KV_HEADS, LAYERS, MLA_LATENT, Side, make_config, mp_context, pattern
+from harness import (
+    HEAD_SIZE,
+    KV_HEADS,
+    LAYERS,
+    MLA_LATENT,
+    Side,
+    gdn_bytes,
+    gdn_spec,
+    gdn_state,
+    make_config,
+    mp_context,
+    pattern,
+)
 
 
 def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
@@ -27,13 +39,8 @@ def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
     return first, first + count
 
 
-#: What a rank's state layer keeps in its state block: conv, then SSM state (``float32``).
-STATE_SHAPES = ((4, 64), (2, 16, 16))
-STATE_BYTES = (4 * 64 + 2 * 16 * 16) * 4
-
-
 def kv_groups(names: list[str], block_size: int, heads: int, dtype, window: int,
-              state_block: int = 0) -> list:
+              state_block: int = 0, tp: int = 1) -> list:
     """The KV cache groups of ``names``' layers: one full-attention group, or with ``window``
     (tokens) a hybrid model's two: layer 0 full attention, layer 1 a sliding window; with
     ``state_block`` (tokens: the model's length, one block per request), layer 1 keeps
@@ -41,15 +48,13 @@ def kv_groups(names: list[str], block_size: int, heads: int, dtype, window: int,
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheGroupSpec,
-        MambaSpec,
         SlidingWindowSpec,
     )
 
     shape = dict(block_size=block_size, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=dtype)
     if state_block:
         full = FullAttentionSpec(**shape)
-        state = MambaSpec(block_size=state_block, shapes=STATE_SHAPES, dtypes=(dtype, dtype),
-                          page_size_padded=full.page_size_bytes)
+        state = gdn_spec(state_block, dtype, full.page_size_bytes, tp)
         return [KVCacheGroupSpec(names[:1], full), KVCacheGroupSpec(names[1:], state)]
     if not window:
         return [KVCacheGroupSpec(names, FullAttentionSpec(**shape))]
@@ -92,7 +97,7 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
     names = {layer: f"model.layers.{layer}.self_attn.attn" for layer in mine}
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                               kv_cache_groups=kv_groups(list(names.values()), bs, hi - lo, dtype, window,
-                                                        config.model_config.max_model_len if mamba else 0))
+                                                        config.model_config.max_model_len if mamba else 0, tp))
     shape = (num_blocks, bs, MLA_LATENT) if mla else (num_blocks, hi - lo, bs, 2 * HEAD_SIZE)
     kv = {name: torch.zeros(shape, dtype=dtype) for name in names.values()}
     if window or mamba:
@@ -104,8 +109,8 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         # The state layer's cache as vLLM 0.32.0 registers it (first): an int8 view of the
         # state's bytes at the start of each block of the shared tensor.
         page = shared[0].numel() * shared.element_size()
-        view = torch.as_strided(shared.view(torch.int8), (num_blocks, 1, 1, STATE_BYTES),
-                                (page, STATE_BYTES, STATE_BYTES, 1))
+        state = gdn_bytes(tp)
+        view = torch.as_strided(shared.view(torch.int8), (num_blocks, 1, 1, state), (page, state, state, 1))
         registered = {names[1]: view, **{n: t for n, t in kv.items() if n != names[1]}}
     worker = KvferryConnector(config, KVConnectorRole.WORKER, kv_config)
     worker.register_kv_caches(registered)
@@ -121,11 +126,11 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         """The request's state bytes on this rank (its state group's one block)."""
         live = [b for b in table if b != 0]
         assert len(live) == 1, f"state blocks {table}"
-        return kv[names[mine[0]]][live[0]].view(torch.uint8).reshape(-1)[:STATE_BYTES]
+        return kv[names[mine[0]]][live[0]].view(torch.uint8).reshape(-1)[:gdn_bytes(tp)]
 
     def state_want(tokens: list[int], tp_rank: int) -> torch.Tensor:
-        """The state TP rank ``tp_rank``'s shard holds after ``tokens``: each rank's differs."""
-        return pattern(tokens, 0, 1000 + tp_rank, STATE_BYTES)
+        """The state TP rank ``tp_rank``'s share holds after ``tokens``: each rank's differs."""
+        return gdn_state(tokens, tp, tp_rank)
 
     def is_state(layer: int) -> bool:
         return mamba and layer == 1
@@ -222,7 +227,7 @@ class Ranks:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         state_block = self.config.model_config.max_model_len if self.mamba else 0
         groups = kv_groups(names, bs, max(1, kw.get("kv_heads", KV_HEADS) // tp),
-                           self.config.model_config.dtype, self.window, state_block)
+                           self.config.model_config.dtype, self.window, state_block, tp)
         #: The KV cache group of each layer.
         self.group_of = [0] + [len(groups) - 1] * (LAYERS - 1)
         kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)

@@ -223,7 +223,7 @@ def test_recurrent_state_moves_after_the_prompts_blocks_and_the_decode_recompute
             prefill.prefill(f"m{i}", prompt)
             rid, params = prefill.params()
             assert params["kvferry_shape"]["kv_groups"] == [
-                ["full", 0], ["state", 1], ["state_layout", "[[4, 64], [2, 16, 16]] ['float32', 'float32']"]]
+                ["full", 0], ["state", 1], ["state_layout", "[[3, 64], [4, 8, 8]] ['float32', 'float32']"]]
             checked = run_decode(decode, {rid: (prompt, params)})
             # The attention blocks of n - 1 tokens, and the state block.
             assert checked == {rid: -(-(n - 1) // 32)}

@@ -378,12 +378,39 @@ def test_recurrent_state_of_ranks_reordered_by_a_router_is_refused_not_loaded(en
     assert "r" in decode.load_failures and "r" not in decode.loaded
 
 
-def test_recurrent_state_between_different_tp_sizes_is_refused_not_loaded(engines):
-    """A state shard has no head split kvferry can plan: a decode at another TP size than
-    its prefill fails the load (the rank logs both sizes), and vLLM recomputes."""
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (4, 2), (2, 4)],
+                         ids=["2_to_1", "1_to_2", "4_to_2_prefill_replicates_heads", "2_to_4"])
+def test_recurrent_state_moves_between_different_tp_sizes_with_every_ranks_share_checked(
+        engines, prefill_tp, decode_tp):
+    """A GDN layer's state split by TP rank (each conv row's query, key and value channels,
+    the SSM state's value heads): each decode rank's share comes from the prefill ranks
+    holding parts of it, row by row, beside its KV heads, and the decode recomputes the
+    prompt's last token from it."""
+    prefill = engines("kv_producer", prefill_tp, mamba=True)
+    decode = engines("kv_consumer", decode_tp, mamba=True)
+    prompts = {f"d{i}": prompt_of(70 + i, n) for i, n in enumerate([2, 33, 100])}
+    params = prefill_all(prefill, prompts)
+    checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})
+    assert checked == {r: -(-(len(p) - 1) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert drain(prefill), "the prefill still holds blocks"
+
+
+def test_push_rooms_carry_each_decode_ranks_share_of_the_state_between_tp_sizes(engines):
+    """Push mode, prefill TP 2 -> decode TP 1: both prefill ranks push their heads as the
+    forward pass writes them, and their shares of the final state with the last chunk."""
     prefill = engines("kv_producer", 2, mamba=True)
     decode = engines("kv_consumer", 1, mamba=True)
-    prompt = prompt_of(7, 100)
-    params = prefill_all(prefill, {"d": prompt})["d"]
-    load_all(decode, prefill, {"d": (prompt, params)}, deadline=30)
-    assert "d" in decode.load_failures and "d" not in decode.loaded
+    prompts = {f"q{i}": prompt_of(80 + i, n) for i, n in enumerate([33, 100])}
+    requests = {}
+    for req_id, prompt in prompts.items():
+        room = PUSH_BIT | secrets.randbits(32)
+        addrs = [f"127.0.0.1:{prefill.port + r}" for r in range(2)]
+        requests[req_id] = (prompt, {"do_remote_prefill": True, "kvferry_push": True,
+                                     "kvferry_room": room, "kvferry_addrs": addrs})
+        prefill.add(req_id, prompt, 1, {"do_remote_decode": True, "kvferry_push": True, "kvferry_room": room})
+    checked = load_all(decode, prefill, requests)
+    assert checked == {r: -(-(len(p) - 1) // 32) for r, p in prompts.items()}
+    assert decode.loaded == set(prompts) and not decode.load_failures
+    assert drain(prefill), "the prefill still holds blocks"
+

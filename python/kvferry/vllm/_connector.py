@@ -67,7 +67,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra = _extra(vllm_config)
         self._shape = kv_shape(vllm_config)
         #: The KV cache groups a request's blocks move in, and the order of a room's pages.
-        self._groups = KvGroups.of(kv_cache_config, self._shape["block_size"])
+        self._groups = KvGroups.of(kv_cache_config, self._shape["block_size"],
+                                   int(vllm_config.parallel_config.tensor_parallel_size))
         if self._groups.hybrid:
             # A prefill whose groups differ is refused naming both (``shape_mismatch``).
             self._shape["kv_groups"] = self._groups.signature()

@@ -93,6 +93,28 @@ def tp_sources(prefill_tp: int, decode_tp: int, total: int, rank: int,
     return sources, receivers, []
 
 
+def state_sources(prefill_tp: int, decode_tp: int, rank: int) -> tuple[list[int], int, list[int]]:
+    """As :func:`tp_sources` for a model whose recurrent state is split by TP rank: decode
+    rank ``rank`` names every prefill rank holding some of its share of the state (each
+    rank's share is its equal part of the model's), and each of them writes its part of
+    that share and the KV heads both hold; with more prefill ranks than KV heads, every
+    replica of a head then writes it."""
+    if prefill_tp >= decode_tp:
+        per = prefill_tp // decode_tp
+        return list(range(rank * per, (rank + 1) * per)), 1, []
+    return [rank * prefill_tp // decode_tp], decode_tp // prefill_tp, []
+
+
+def state_pair_refusal(prefill_tp: int, decode_tp: int) -> Optional[str]:
+    """Why ranks at these TP sizes cannot exchange a state split by TP rank, or None: one
+    size must be a multiple of the other (every rank's share then lies within one rank's of
+    the smaller size)."""
+    if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+        return (f"the prefill runs TP {prefill_tp}, this decode TP {decode_tp}: a recurrent state "
+                "split by TP rank moves between sizes that divide one another")
+    return None
+
+
 def replica_sources(prefill_tp: int, decode_tp: int, total: int,
                     rank: int) -> tuple[list[int], int, list[int]]:
     """As :func:`tp_sources` for a prefill with more ranks than heads, each head on
@@ -126,7 +148,11 @@ def kv_heads(kv_caches: dict, num_blocks: int, block_size: int, total: int, tp: 
     ``heads`` parts) or ``[2, blocks, block_size, heads, head_size]`` (token rows of heads).
     None where the layout is neither (such a rank moves whole blocks: equal TP sizes only)."""
     first, count = rank_heads(total, tp, rank)
-    t = next(iter(kv_caches.values()))
+    # The attention layers' tensors (a state layer's views are lists or strided).
+    attention = [t for t in kv_caches.values() if not isinstance(t, (list, tuple)) and t.is_contiguous()]
+    if not attention:
+        return None
+    t = attention[0]
     dims, elem = tuple(t.shape), t.element_size()
     if len(dims) == 4 and dims[0] == num_blocks and dims[1] == count and dims[2] == block_size:
         return total, first, count, block_size * dims[3] * elem
@@ -219,6 +245,32 @@ def _state_region(name: str, views, num_blocks: int, block: int) -> tuple[int, i
     return base, block * num_blocks
 
 
+def _state_views(kv_caches: dict, num_blocks: int) -> dict:
+    """The recurrent-state layers among ``kv_caches``, each as its list of views: vLLM
+    registers a state layer as its state tensors (conv, SSM), or as one strided view of the
+    blocks' state bytes."""
+    states = {}
+    for name, t in kv_caches.items():
+        if isinstance(t, (list, tuple)):
+            states[name] = t
+        elif t.dim() > 1 and tuple(t.shape)[0] == num_blocks and not t.is_contiguous():
+            states[name] = [t]
+    return states
+
+
+def state_regions(kv_caches: dict, num_blocks: int, block: int) -> list[tuple[int, int, int]]:
+    """The tensors holding recurrent state, once each, as a kvferry extra pool's tensors
+    ``(address, bytes, item bytes)``: one item per vLLM block (a state block is a page of the
+    tensor its layer shares with the attention layers)."""
+    out, seen = [], set()
+    for name, views in _state_views(kv_caches, num_blocks).items():
+        base, size = _state_region(name, views, num_blocks, block)
+        if base not in seen:
+            seen.add(base)
+            out.append((base, size, block))
+    return out
+
+
 def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]], int, int, int]:
     """``(spans, planes, page_bytes, pages)`` of vLLM's KV tensors as kvferry regions: one
     region per distinct layer tensor (layers that share a cache appear once) and plane, one
@@ -226,16 +278,12 @@ def kv_regions(kv_caches: dict, num_blocks: int) -> tuple[list[tuple[int, int]],
     CPU layout, one plane) or ``[2, num_blocks, ...]`` (K, then V: two planes). Anything
     else, or blocks that are not contiguous equal byte ranges, is refused naming the shape."""
     spans, seen, shape = [], set(), None
-    states = {}
+    # Recurrent state shares the blocks of the attention layers' tensors (vLLM's views of a
+    # state layer's blocks are padded to the attention page, so strided): checked against
+    # the attention layers' blocks below.
+    states = _state_views(kv_caches, num_blocks)
     for name, t in kv_caches.items():
-        if isinstance(t, (list, tuple)):
-            # Recurrent state shares the blocks of the attention layers' tensors.
-            states[name] = t
-            continue
-        if t.dim() > 1 and tuple(t.shape)[0] == num_blocks and not t.is_contiguous():
-            # vLLM's view of a state layer's blocks (padded to the attention page, so
-            # strided): checked against the attention layers' blocks below.
-            states[name] = [t]
+        if name in states:
             continue
         if t.data_ptr() in seen:
             continue

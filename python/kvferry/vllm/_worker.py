@@ -17,6 +17,9 @@ from kvferry.vllm._layout import (
     kv_regions,
     pp_rank,
     stage_layers,
+    state_pair_refusal,
+    state_regions,
+    state_sources,
     tp_pair_refusal,
     tp_rank,
     tp_sources,
@@ -91,10 +94,19 @@ class _Worker:
         #: head split kvferry knows, served at equal TP sizes only).
         self._total_heads = int(connector._shape["num_kv_heads"])
         self._mla = connector._mla
-        # A block holding recurrent state beside the heads has no head split (equal TP only).
-        stateful = connector._groups.backoff > 0
-        self._heads = None if self._mla or stateful else kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
-                                                      self._total_heads, self._tp, self._rank)
+        groups = connector._groups
+        #: State blocks at the end of each room's list that move as kvferry's extra pool,
+        #: split by TP rank (0: none, or whole blocks among the pages).
+        self._state_n = groups.state_count if groups.split_state else 0
+        extras, extra_parts = [], []
+        if self._state_n:
+            tensors = state_regions(kv_caches, pages, page_bytes)
+            extras = [tensors]
+            extra_parts = [[groups.state_specs[0].parts(self._tp, self._rank)] * len(tensors)]
+        # Recurrent state whole among the pages has no head split (equal TP only).
+        whole_state = groups.backoff > 0 and not self._state_n
+        self._heads = None if self._mla or whole_state else kv_heads(kv_caches, pages, int(connector._shape["block_size"]),
+                                                         self._total_heads, self._tp, self._rank)
         knobs = {k: int(v) for k, v in extra.items() if k.endswith("_ms")}
         self.node = kvferry.Node(
             "prefill" if self._producer else "decode",
@@ -106,6 +118,8 @@ class _Worker:
             rdma_device=extra.get("rdma_device"),
             heads=self._heads,
             layer_range=layer_range,
+            extras=extras,
+            extra_parts=extra_parts,
             **knobs,
         )
         logger.info("kvferry %s node over vLLM's KV (TP rank %d of %d): %s, heads %s, KV cache groups %s",
@@ -206,15 +220,19 @@ class _Worker:
         (the tail) and has not had yet; whether a chunk went."""
         if pushed.granted is None or pushed.failed or len(blocks) <= pushed.sent:
             return False
-        first = pushed.total - pushed.granted
-        fresh = [b for i, b in enumerate(blocks) if i >= max(first, pushed.sent)]
+        # The pages the decode granted are the tail of the prompt's (the state blocks after
+        # them, if split, go as extra items with the last chunk).
+        pages = pushed.total - self._state_n
+        first = pages - pushed.granted
+        fresh = [b for i, b in enumerate(blocks[:pages]) if i >= max(first, pushed.sent)]
         pushed.sent = len(blocks)
-        if not fresh:
+        last = pushed.sent == pushed.total
+        if not fresh and not last:
             return False
         self.chunks["layerwise" if layerwise else "whole"] += 1
-        last = pushed.sent == pushed.total
         try:
-            self.node.send_chunk(room, fresh, last=last, layerwise=layerwise)
+            self.node.send_chunk(room, fresh, last=last, layerwise=layerwise,
+                                 extras=self._state_items(blocks) if last else ())
         except self._kvferry.KvferryError as e:
             logger.error("kvferry: push room %d: chunk not sent: %s", room, e)
             pushed.failed = True
@@ -375,12 +393,16 @@ class _Worker:
             if prefill_tp != self._tp and self._heads is None and not self._mla:
                 raise ValueError(f"the prefill runs TP {prefill_tp}, this decode TP {self._tp}, and this rank's "
                                  "KV layout has no head split kvferry knows (whole blocks: equal TP only)")
+            refused = state_pair_refusal(prefill_tp, self._tp) if self._state_n else None
+            if refused is not None:
+                raise ValueError(refused)
             named, receivers, idle = self._sources(recv.addrs, recv.stages)
             for addr in named:
                 peers.append(self._peer(addr))
                 self._peers.reach(peers[-1])
-            self.node.open_receiver(recv.room, peers, pages=recv.blocks, receivers=receivers,
-                                    idle_sources=idle, prompt=self._bound(recv.prompt, self._rank))
+            self.node.open_receiver(recv.room, peers, pages=self._pages_of(recv.blocks), receivers=receivers,
+                                    idle_sources=idle, prompt=self._bound(recv.prompt, self._rank),
+                                    extras=self._state_items(recv.blocks))
         except Exception as e:  # noqa: BLE001 - whatever it was, the request must end
             # A load failure: vLLM recomputes the request instead of waiting for a room
             # that was never opened.
@@ -441,9 +463,14 @@ class _Worker:
         sources. For a pair of TP sizes that is refused, every prefill worker p with
         p % TP == r, so that the decode's ranks together release each of them."""
         prefill_tp = len(addrs) // stages
-        if tp_pair_refusal(prefill_tp, self._tp, self._total_heads, self._mla) is not None:
+        if (tp_pair_refusal(prefill_tp, self._tp, self._total_heads, self._mla) is not None
+                or (self._state_n and state_pair_refusal(prefill_tp, self._tp) is not None)):
             return [a for p, a in enumerate(addrs) if p % self._tp == self._rank], 1, []
-        sources, receivers, idle = tp_sources(prefill_tp, self._tp, self._total_heads, self._rank, self._mla)
+        if self._state_n and prefill_tp != self._tp:
+            # Every rank holding part of this rank's share of the state writes it.
+            sources, receivers, idle = state_sources(prefill_tp, self._tp, self._rank)
+        else:
+            sources, receivers, idle = tp_sources(prefill_tp, self._tp, self._total_heads, self._rank, self._mla)
         named = [addrs[s * prefill_tp + p] for s in range(stages) for p in sources]
         return named, receivers, [s * len(sources) + i for s in range(stages) for i in idle]
 
@@ -604,7 +631,7 @@ class _Worker:
         if pushed.granted is not None:
             return
         if pages is None:
-            pages = pushed.total
+            pages = pushed.total - self._state_n
         pushed.granted = pages
         if pushed.failed:
             self._refuse(room, "the prefill request was aborted")
@@ -618,7 +645,7 @@ class _Worker:
             pushed.failed = True
             return
         pushed.opened = True
-        if pages <= 0 or pages > pushed.total:
+        if pages <= 0 or pages > pushed.total - self._state_n:
             logger.error("kvferry: push room %d: the decode granted %d blocks, the prompt has %d",
                          room, pages, pushed.total)
             pushed.failed = True
@@ -631,8 +658,9 @@ class _Worker:
         """Sends the tail of the room's blocks the decode granted (it holds the rest); every
         block for an idle source's ask (``pages`` None: kvferry moves none of them)."""
         req_id, send = self._sends.pop(room)
+        blocks = self._pages_of(send.blocks)
         if pages is None:
-            pages = len(send.blocks)
+            pages = len(blocks)
         try:
             self.node.open_sender(room, prompt=self._bound(send.prompt, self._rank))
         except self._kvferry.KvferryError as e:
@@ -648,14 +676,14 @@ class _Worker:
                             req_id, room)
                 self.node.abort(room)
                 return
-            if pages < 0 or pages > len(send.blocks):
+            if pages < 0 or pages > len(blocks):
                 logger.error(
                     "kvferry: room %d of request %s: the decode granted %d blocks, the prefill holds %d",
-                    room, req_id, pages, len(send.blocks),
+                    room, req_id, pages, len(blocks),
                 )
                 self.node.abort(room)
                 return
-            self.node.send_chunk(room, send.blocks[-pages:], last=True)
+            self.node.send_chunk(room, blocks[-pages:], last=True, extras=self._state_items(send.blocks))
             # The caller holds the lock.
             self._sent_at[room] = (time.monotonic(), pages * self._block_bytes)
         except self._kvferry.KvferryError as e:
@@ -664,6 +692,15 @@ class _Worker:
                 self.node.abort(room)
             except self._kvferry.KvferryError:
                 pass
+
+    def _pages_of(self, blocks: list[int]) -> list[int]:
+        """A whole room's KV pages: its list without the state blocks split by TP rank."""
+        return blocks[: len(blocks) - self._state_n]
+
+    def _state_items(self, blocks: list[int]) -> list[list[int]]:
+        """A whole room's state blocks split by TP rank, as its extra pool's items (none
+        where the state moves among the pages)."""
+        return [blocks[len(blocks) - self._state_n:]] if self._state_n else []
 
     def _refuse(self, room: int, why: str) -> None:
         logger.warning("kvferry: refusing room %d: %s", room, why)
