@@ -122,9 +122,11 @@ class _Worker:
             extra_parts=extra_parts,
             **knobs,
         )
-        logger.info("kvferry %s node over vLLM's KV (TP rank %d of %d): %s, heads %s, KV cache groups %s",
-                    "prefill" if self._producer else "decode", self._rank, self._tp, layout,
-                    self._heads or "whole blocks", connector._groups.signature())
+        logger.info("kvferry %s node over vLLM's KV (TP rank %d of %d): %s, heads %s, KV cache groups %s, "
+                    "state %s", "prefill" if self._producer else "decode", self._rank, self._tp, layout,
+                    self._heads or "whole blocks", groups.signature(),
+                    f"split by TP rank over {len(extras[0])} tensors" if extras
+                    else "whole blocks among the pages" if groups.backoff else "none")
         # kvferry's layer index of each vLLM layer name (layers sharing a cache share it;
         # a pipeline stage's are the model's).
         index: dict[int, int] = {}
