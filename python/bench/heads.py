@@ -110,7 +110,7 @@ def prefill(tp, rank, q, stop):
     import kvferry
 
     kv, heads, layout = pool(tp, rank, True)
-    _st, state = state_pool(tp, rank, True)
+    _states, state = state_pool(tp, rank, True)
     n = kvferry.Node("prefill", layout, spans(kv), token=b"bench", heads=heads, rank=rank,
                      transport=args.transport, checksum=args.checksum, **state)
     items = [[0]] if args.state else []
@@ -130,7 +130,7 @@ def decode(p_tp, tp, rank, addrs, start, out):
     import kvferry
 
     kv, heads, layout = pool(tp, rank, False)
-    st, state = state_pool(tp, rank, False)
+    states, state = state_pool(tp, rank, False)
     n = kvferry.Node("decode", layout, spans(kv), token=b"bench", heads=heads, rank=rank,
                      transport=args.transport, checksum=args.checksum, **state)
     # The prefill ranks holding some of this rank's heads, and how many decode ranks ask each.
@@ -167,10 +167,10 @@ def decode(p_tp, tp, rank, addrs, start, out):
     want, _h, _l = pool(tp, rank, True)
     ok = all(np.array_equal(kv[:, d], want[:, s]) for s, d in zip(range(args.pages_per_room), last))
     moved = kv[:, :args.pages_per_room].nbytes
-    if st is not None:
-        ok = ok and all(np.array_equal(st[layer, last_slot], state_share(layer, tp, rank))
+    if states is not None:
+        ok = ok and all(np.array_equal(states[layer, last_slot], state_share(layer, tp, rank))
                         for layer in range(args.layers))
-        moved += st[:, 0].nbytes
+        moved += states[:, 0].nbytes
     n.shutdown()
     out.put((took, moved * args.rooms, ok))
 
