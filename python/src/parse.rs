@@ -183,7 +183,7 @@ pub(crate) fn parse_extra_parts(
                     count,
                     unit_bytes,
                 };
-                if part.end().map_or(true, |end| end > item) {
+                if part.end().is_none_or(|end| end > item) {
                     return Err(InvalidArgument::new_err(format!(
                         "extra_parts pool {p} tensor {t}: {part:?} is not inside a {item}-byte \
                          item (rows >= 1, count >= 1, first + count <= units, rows apart by at \
