@@ -173,7 +173,8 @@ fn a_cli_prefill_and_decode_on_one_host_move_rooms_over_the_same_host_path() {
     }
 }
 
-/// Whether `unshare -p` works here (root or user namespaces); says SKIPPED otherwise.
+/// Whether `unshare -p` works here (root or user namespaces); says SKIPPED otherwise. The
+/// tests run it with `--kill-child`: the prefill it forks dies with it, not outliving the test.
 fn can_unshare_pid() -> bool {
     let unshare = Command::new("unshare")
         .args(["-p", "-f", "true"])
@@ -193,7 +194,10 @@ fn a_prefill_in_another_pid_namespace_moves_over_tcp_and_the_decode_says_why() {
     if !can_unshare_pid() {
         return;
     }
-    let (mut prefill, addr) = spawn_prefill(&["unshare", "-p", "-f"], &["--backend", "auto"]);
+    let (mut prefill, addr) = spawn_prefill(
+        &["unshare", "-p", "-f", "--kill-child"],
+        &["--backend", "auto"],
+    );
     let (ok, report) = decode_report(&addr, &["--rooms", "16", "--backend", "auto"]);
     let _ = prefill.kill();
     let _ = prefill.wait();
@@ -215,7 +219,10 @@ fn a_decode_that_requires_the_same_host_path_refuses_a_prefill_in_another_pid_na
     if !can_unshare_pid() {
         return;
     }
-    let (mut prefill, addr) = spawn_prefill(&["unshare", "-p", "-f"], &["--backend", "auto"]);
+    let (mut prefill, addr) = spawn_prefill(
+        &["unshare", "-p", "-f", "--kill-child"],
+        &["--backend", "auto"],
+    );
     let (ok, report) = decode_report(&addr, &["--rooms", "16", "--backend", "same-host"]);
     let _ = prefill.kill();
     let _ = prefill.wait();

@@ -245,6 +245,53 @@ impl ExtraPool {
         self.parts.get(tensor).map_or(&[][..], |p| &p[..])
     }
 
+    /// Why this endpoint's own pools cannot be registered, if they cannot: more than
+    /// [`MAX_ITEM_PARTS`] parts to a tensor, parts for some tensors of a pool but not a list
+    /// per tensor, a part that is not inside its item ([`ItemPart::end`]), or two parts of
+    /// one tensor that overlap (a row of one would be counted as the other's).
+    pub fn invalid_parts(pools: &[ExtraPool]) -> Option<String> {
+        for (p, pool) in pools.iter().enumerate() {
+            if !pool.parts.is_empty() && pool.parts.len() != pool.item_bytes.len() {
+                return Some(format!(
+                    "pool {p}: parts for {} tensors, the pool has {}",
+                    pool.parts.len(),
+                    pool.item_bytes.len()
+                ));
+            }
+            for (t, parts) in pool.parts.iter().enumerate() {
+                if parts.len() > MAX_ITEM_PARTS {
+                    return Some(format!("pool {p} tensor {t}: {} parts", parts.len()));
+                }
+                let item = u64::from(pool.item_bytes[t]);
+                if let Some(k) = parts
+                    .iter()
+                    .position(|x| x.end().map_or(true, |e| e > item))
+                {
+                    return Some(format!(
+                        "pool {p} tensor {t}: part {k} {:?} is not inside a {item}-byte item",
+                        parts[k]
+                    ));
+                }
+                let mut bytes: Vec<(u64, u64, usize)> = Vec::new();
+                for (k, x) in parts.iter().enumerate() {
+                    let stride = if x.rows > 1 { u64::from(x.stride) } else { 0 };
+                    for row in 0..u64::from(x.rows) {
+                        let at = u64::from(x.offset) + row * stride;
+                        bytes.push((at, at + x.row_bytes(), k));
+                    }
+                }
+                bytes.sort_unstable();
+                if let Some(w) = bytes.windows(2).find(|w| w[1].0 < w[0].1) {
+                    return Some(format!(
+                        "pool {p} tensor {t}: parts {} and {} overlap",
+                        w[0].2, w[1].2
+                    ));
+                }
+            }
+        }
+        None
+    }
+
     /// Whether every tensor of every pool is split into parts (and there is a pool).
     pub fn all_split(pools: &[ExtraPool]) -> bool {
         !pools.is_empty()

@@ -406,3 +406,32 @@ fn a_room_whose_sources_hold_only_some_of_its_state_fails_at_once() {
         ))
     );
 }
+
+#[test]
+fn an_endpoint_whose_own_parts_overlap_or_leave_their_item_is_refused_at_creation() {
+    let (item, parts) = state_item(2, 0);
+    let make = |parts: Vec<ItemPart>| {
+        let mut info = EndpointInfo::new(Role::Decode, NodeId(1), Incarnation(1), small_layout(16));
+        info.extras = vec![ExtraPool {
+            items: 4,
+            item_bytes: vec![item],
+            parts: vec![parts],
+        }];
+        kvferry_core::Endpoint::new(config(), info, 1, std::time::Instant::now()).err()
+    };
+    assert!(make(parts.clone()).is_none());
+    // The key channels' rows start where the query channels' do.
+    let mut overlap = parts.clone();
+    overlap[1].offset = overlap[0].offset;
+    let err = make(overlap).expect("overlapping parts refused");
+    assert_eq!(err.name, "extras");
+    assert!(err.value.contains("overlap"), "{}", err.value);
+    // A conv part with rows but no stride between them.
+    let mut flat = parts.clone();
+    flat[0].stride = 0;
+    assert!(make(flat).is_some());
+    let mut past = parts;
+    past[3].offset = item;
+    let err = make(past).expect("a part past its item refused");
+    assert!(err.value.contains("not inside"), "{}", err.value);
+}

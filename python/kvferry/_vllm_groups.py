@@ -60,12 +60,16 @@ class StateSpec:
         dim, rows = self.shapes[0] if self.dim_first else self.shapes[0][::-1]
         ssm = self.shapes[1]
         if self.kind == "GDN_ATTN" and len(ssm) == 3:
-            # Query, key and value channels (query and key alike); value heads of (dv, dk).
-            heads, dv, dk = ssm
-            key2 = dim - heads * dv
-            if key2 <= 0 or key2 % 2:
+            # Query, key and value channels (query and key alike); value heads of (dv, dk) in
+            # vLLM 0.32, (dk, dv) in other builds: where the two head sizes differ, the conv
+            # channels must split under exactly one reading, or the state is not split.
+            heads, a, b = ssm
+            readings = {dv for dv in (a, b) if dim - heads * dv > 0 and (dim - heads * dv) % 2 == 0}
+            if len(readings) != 1:
                 return None
-            return [key2 // 2, key2 // 2, heads * dv], rows, heads, dv * dk * self.sizes[1]
+            dv = readings.pop()
+            key = (dim - heads * dv) // 2
+            return [key, key, heads * dv], rows, heads, a * b * self.sizes[1]
         if self.kind == "MAMBA1" and len(ssm) == 2 and ssm[0] == dim:
             return [dim], rows, ssm[0], ssm[1] * self.sizes[1]
         return None

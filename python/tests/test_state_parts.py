@@ -132,3 +132,32 @@ def test_parts_outside_their_item_are_refused_naming_them():
     with pytest.raises(kvferry.InvalidArgument, match="extra_parts pool 0: 2 tensors"):
         kvferry.Node("decode", layout, [(kv.ctypes.data, kv.nbytes)], token=TOKEN,
                      extras=[[(state.ctypes.data, state.nbytes, item)]], extra_parts=[[parts, parts]])
+
+
+def test_a_gdn_state_splits_into_each_projections_channels_per_kernel_row_then_its_heads():
+    from kvferry._vllm_groups import StateSpec
+
+    # TP 2, rank 1 of vLLM's default "SD" layout: 3 kernel rows of 8 query, 8 key and 16
+    # value channels (2 bytes), then 2 value heads of (8, 8) float32.
+    spec = StateSpec("GDN_ATTN", ((3, 32), (2, 8, 8)), (2, 4))
+    assert spec.splits(2)
+    assert spec.model_shapes(2) == ((3, 64), (4, 8, 8))
+    assert spec.parts(2, 1) == [(0, 3, 64, 16, 8, 8, 2), (16, 3, 64, 16, 8, 8, 2),
+                                (32, 3, 64, 32, 16, 16, 2), (192, 1, 0, 4, 2, 2, 256)]
+    # Channel-major ("DS"): each projection's channels are one run of whole kernel rows.
+    ds = StateSpec("GDN_ATTN", ((32, 3), (2, 8, 8)), (2, 4), dim_first=True)
+    assert ds.parts(2, 1)[:3] == [(0, 1, 0, 16, 8, 8, 6), (48, 1, 0, 16, 8, 8, 6), (96, 1, 0, 32, 16, 16, 6)]
+
+
+def test_a_state_whose_channels_split_two_ways_is_not_split():
+    from kvferry._vllm_groups import StateSpec
+
+    # 2 heads of (4, 6): 8 or 12 value channels, the other 28 split into query and key under
+    # both readings: which one holds is unknown, so the state moves whole.
+    assert not StateSpec("GDN_ATTN", ((3, 28), (2, 4, 6)), (2, 4)).splits(2)
+    # 1 head of (4, 5): only 4 value channels leave an even query and key split.
+    one = StateSpec("GDN_ATTN", ((3, 30), (1, 4, 5)), (2, 4))
+    assert one.splits(2) and one.parts(2, 0)[:3] == [(0, 3, 60, 26, 0, 13, 2), (26, 3, 60, 26, 0, 13, 2),
+                                                      (52, 3, 60, 8, 0, 4, 2)]
+    assert not StateSpec("MAMBA2", ((3, 40), (2, 8, 8)), (2, 4)).splits(2)
+    assert StateSpec("MAMBA2", ((3, 40), (2, 8, 8)), (2, 4), replicated=True).splits(2)

@@ -79,7 +79,9 @@ impl Coverage {
             for t in 0..pool.item_bytes.len() {
                 let per_item = match item_copy(copies, p_index as u8, t as u16) {
                     ItemCopy::Whole => 1,
-                    ItemCopy::Parts { parts, .. } => parts.iter().map(|x| x.rows).sum(),
+                    ItemCopy::Parts { parts, .. } => {
+                        parts.iter().fold(0u32, |n, x| n.saturating_add(x.rows))
+                    }
                 };
                 tensors.push((per_items.saturating_mul(items), per_item));
                 per_items = per_items.saturating_add(per_item);
@@ -112,7 +114,13 @@ impl Coverage {
     pub(super) fn extra_unit(&self, pool: u8, tensor: u16, rank: u32, sub: u32) -> Option<u32> {
         let x = self.extras.get(usize::from(pool))?;
         let &(start, per_item) = x.tensors.get(usize::from(tensor))?;
-        (rank < x.items && sub < per_item).then(|| x.first + start + rank * per_item + sub)
+        if rank >= x.items || sub >= per_item {
+            return None;
+        }
+        x.first
+            .checked_add(start)?
+            .checked_add(rank.checked_mul(per_item)?)?
+            .checked_add(sub)
     }
 
     /// The unit of (layer, plane, page rank, token row), or of the aux row / state slot.

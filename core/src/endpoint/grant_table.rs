@@ -123,7 +123,7 @@ pub(crate) fn granted_admits(
                         && part_row(parts, slice.dst_offset % item.max(1), slice.len).is_some_and(
                             |(k, row)| {
                                 let p = &parts[k];
-                                row + slice.rows <= p.rows
+                                row.checked_add(slice.rows).is_some_and(|end| end <= p.rows)
                                     && (slice.rows == 1 || slice.dst_stride == p.dst_stride)
                             },
                         )

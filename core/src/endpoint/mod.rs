@@ -52,7 +52,7 @@ use crate::counters::Counters;
 use crate::ids::{
     DialId, DrainId, Generation, Incarnation, NodeId, PromptDigest, RoomId, SessionId, TargetId,
 };
-use crate::layout::ExtraCopies;
+use crate::layout::{ExtraCopies, ExtraPool};
 use crate::rng::Rng;
 use crate::state::{FailureReason, KvPoll};
 use crate::timer::{Timer, TimerKey, TimerTable};
@@ -431,6 +431,13 @@ impl Endpoint {
                 name: "heads".into(),
                 value: format!("{:?} over page_bytes {}", local.heads, local.layout.page_bytes),
                 reason: "needs start + count <= total, head_bytes > 0, and pages of whole token rows (page_bytes a multiple of count x head_bytes)",
+            });
+        }
+        if let Some(why) = ExtraPool::invalid_parts(&local.extras) {
+            return Err(ConfigError {
+                name: "extras".into(),
+                value: why,
+                reason: "each tensor's parts inside its item, at most 64, none overlapping",
             });
         }
         if !owned || local.layout.page_bytes == 0 || !(1..=2).contains(&local.layout.planes) {

@@ -528,9 +528,8 @@ impl Endpoint {
                 .collect();
             uncovered_parts(&self.local, &copies, &grant)
         };
-        let gap = writers
-            .and_then(|w| uncovered(&self.local, &w, &grant))
-            .or_else(parts_gap);
+        // Both checks only once every writing source's peer is known.
+        let gap = writers.and_then(|w| uncovered(&self.local, &w, &grant).or_else(parts_gap));
         if let Some(gap) = gap {
             // No source would ever write these bytes: the room could only time out, or (where
             // a source reports success) succeed with them missing.

@@ -314,7 +314,9 @@ impl Endpoint {
                             let Some((k, row)) = part_row(parts, s.dst_offset % item, s.len) else {
                                 continue;
                             };
-                            let before: u32 = parts[..k].iter().map(|p| p.rows).sum();
+                            let before = parts[..k]
+                                .iter()
+                                .fold(0u32, |n, p| n.saturating_add(p.rows));
                             let unit = granted
                                 .rank(first as u32)
                                 .and_then(|r| cov.extra_unit(pool, tensor, r, before + row));
