@@ -41,6 +41,11 @@ DEADLINE_S = 30
 MAMBA_SLOTS = SLOTS + 1
 SWA_PAGES = 12
 DSA_ROW = 20  # bytes of one token's indexer key
+# A GDN layer's state over the whole model ("gdn", SGLang's "mamba" type with its slicing
+# descriptors): per slot, conv channels of query, key and value, each GDN_ROWS bytes (SGLang's
+# [dim, kernel - 1]), then a temporal buffer of GDN_HEADS heads of GDN_HEAD bytes. A rank
+# holds its attention TP share of each sub-block and of the heads.
+GDN_QK, GDN_V, GDN_ROWS, GDN_HEADS, GDN_HEAD = 8, 16, 3, 4, 12
 
 
 def session_paths(manager) -> list:
@@ -151,6 +156,7 @@ class RankState:
         )
         self.layers = list(range(start, end))
         local = par.tp_rank % self.attn_tp
+        self.attn_rank = local
         if spec.mla:
             self.heads = (0, 1)
             row = LATENT
@@ -190,11 +196,20 @@ class RankState:
         kv_args.ib_device = None
         kv_args.gpu_id = 0
         self.states = [self._state_pool(kind) for kind in spec.states]
-        kv_args.state_types = list(spec.states)
+        kv_args.state_types = ["mamba" if kind == "gdn" else kind for kind in spec.states]
         kv_args.state_data_ptrs = [[b.ctypes.data for b in pool] for pool in self.states]
         kv_args.state_data_lens = [[b.nbytes for b in pool] for pool in self.states]
         kv_args.state_item_lens = [[b.shape[1] for b in pool] for pool in self.states]
         kv_args.state_layer_ids = [[] for _ in self.states]
+        # SGLang's slicing descriptors (only the GDN pool's are known here).
+        layers = len(self.layers)
+        gdn = [kind == "gdn" for kind in spec.states]
+        qk, v, h = GDN_QK // self.attn_tp, GDN_V // self.attn_tp, GDN_HEADS // self.attn_tp
+        kv_args.state_dim_per_tensor = [[2 * qk + v] * layers + [h] * layers if g else [] for g in gdn]
+        kv_args.state_slice_outer_counts = [[1] * (2 * layers) if g else [] for g in gdn]
+        kv_args.state_conv_shard_groups = [
+            [[GDN_QK, GDN_QK, GDN_V]] * layers + [None] * layers if g else [] for g in gdn
+        ]
         if spec.role == "prefill":
             self.fill()
         manager = get_kv_class(TransferBackend("kvferry"), KVClassType.MANAGER)
@@ -236,7 +251,10 @@ class RankState:
     def _state_pool(self, kind: str) -> List[np.ndarray]:
         """One state component's buffers, each ``[items, item bytes]``."""
         layers = len(self.layers)
-        if kind == "mamba":
+        if kind == "gdn":
+            qk, v, h = GDN_QK // self.attn_tp, GDN_V // self.attn_tp, GDN_HEADS // self.attn_tp
+            shapes = [(MAMBA_SLOTS, (2 * qk + v) * GDN_ROWS)] * layers + [(MAMBA_SLOTS, h * GDN_HEAD)] * layers
+        elif kind == "mamba":
             shapes = [(MAMBA_SLOTS, 40)] * layers + [(MAMBA_SLOTS, 96)] * layers
         elif kind == "swa":
             shapes = [(SWA_PAGES, self.page_bytes)] * (2 * layers)
@@ -248,7 +266,25 @@ class RankState:
 
     def expected_item(self, pool: int, buffer: int, item: int) -> np.ndarray:
         width = self.states[pool][buffer].shape[1]
+        if self.spec.states[pool] == "gdn":
+            return self._gdn_item(pool, buffer, item)
         return state_value(pool, buffer, item, np.arange(width)).astype(np.uint8)
+
+    def _gdn_item(self, pool: int, buffer: int, item: int) -> np.ndarray:
+        """This rank's share of a GDN buffer's item: its query, key and value channels (the
+        model's channel numbers), or its heads, of the model's state (named by model layer,
+        so every TP size holds parts of the same bytes)."""
+        layers = len(self.layers)
+        layer = self.layers[buffer % layers]
+        qk, v, h = GDN_QK // self.attn_tp, GDN_V // self.attn_tp, GDN_HEADS // self.attn_tp
+        r = self.attn_rank
+        if buffer < layers:
+            channels = np.concatenate([np.arange(r * qk, (r + 1) * qk), GDN_QK + np.arange(r * qk, (r + 1) * qk),
+                                       2 * GDN_QK + np.arange(r * v, (r + 1) * v)])
+            at = (channels[:, None] * GDN_ROWS + np.arange(GDN_ROWS)[None, :]).reshape(-1)
+            return state_value(pool, layer, item, at).astype(np.uint8)
+        at = (np.arange(r * h, (r + 1) * h)[:, None] * GDN_HEAD + np.arange(GDN_HEAD)[None, :]).reshape(-1)
+        return state_value(pool, 100 + layer, item, at).astype(np.uint8)
 
     def state_mismatch(self, src: List[List[int]], dst: List[List[int]]) -> Optional[str]:
         """Where this decode rank's granted state items differ from what the prefill held."""
@@ -328,7 +364,7 @@ def sglang_state_indices(spec: Spec, items: Optional[List[List[int]]]):
     if items is None:
         return None
     return [
-        [np.array(i, dtype=np.int64)] if kind == "mamba" else np.array(i, dtype=np.int32)
+        [np.array(i, dtype=np.int64)] if kind in ("mamba", "gdn") else np.array(i, dtype=np.int32)
         for kind, i in zip(spec.states, items)
     ]
 

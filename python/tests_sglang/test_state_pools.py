@@ -102,6 +102,19 @@ def test_state_pools_between_different_attention_tp_sizes_are_refused_naming_the
         c.close()
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)], ids=["2_to_1", "1_to_2"])
+def test_gdn_state_moves_between_different_attention_tp_sizes_each_rank_its_share(model, prefill_tp, decode_tp):
+    # SGLang's descriptors name each conv buffer's query, key and value sub-blocks and each
+    # temporal buffer's heads: each decode rank's share of every slot comes from the prefill
+    # ranks holding parts of it, every byte checked against one model-wide state.
+    c = Cluster(*layout(model, prefill_tp, decode_tp, states=("gdn",)))
+    try:
+        states = {61: ([[2]], [[7]]), 62: ([[8]], [[1]])}
+        assert_every_byte(move(c, rooms=ROOMS, states=states))
+    finally:
+        c.close()
+
+
 def test_state_pools_on_a_pipeline_parallel_prefill_are_refused_at_start(model):
     with pytest.raises(AssertionError, match="pipeline-parallel prefill"):
         Cluster(*layout(model, pp=2, states=("mamba",)))

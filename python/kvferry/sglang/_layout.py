@@ -88,6 +88,73 @@ def _extras_of(args: KVArgs, prefill: bool) -> list:
     return pools
 
 
+def _state_parts(args: KVArgs, extras: list, heads: Optional[tuple], tp: int, rank: int,
+                 page_size: int) -> list:
+    """kvferry's parts of each state buffer's items (``Node(extra_parts=)``), so that ranks
+    of different attention TP sizes exchange their shares: Mamba state from SGLang's own
+    slicing descriptors (a GDN conv buffer's query, key and value channels, each head-sharded
+    on its own; a temporal buffer's heads; a replicated buffer whole), sliding-window pages
+    by heads as the KV pages. Empty where the layout holds the same heads everywhere (MLA)
+    or any buffer's split is not known (Mamba2's conv order, DSA on MHA): its pools then move
+    between equal heads only, and peers holding other heads are refused at the handshake."""
+    if heads is None or not extras:
+        return []
+    types = [str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or [])]
+    out = []
+    for i, (kind, pool) in enumerate(zip(types, extras)):
+        items = [item for _addr, _bytes, item in pool]
+        if kind == "swa":
+            total, first, count, head = heads
+            if any(item != page_size * count * head for item in items):
+                return []
+            out.append([[(0, page_size, count * head, total, first, count, head)]] * len(items))
+        elif kind == "mamba":
+            parts = _mamba_parts(args, i, items, tp, rank)
+            if parts is None:
+                return []
+            out.append(parts)
+        else:
+            return []
+    return out
+
+
+def _mamba_parts(args: KVArgs, pool: int, items: List[int], tp: int, rank: int) -> Optional[list]:
+    """The parts of a Mamba pool's buffers from SGLang's descriptors (``state_dim_per_tensor``:
+    each buffer's slice-axis size here, 0 for a replicated one; ``state_slice_outer_counts``:
+    the rows before that axis; ``state_conv_shard_groups``: a conv buffer's full sub-block
+    sizes); None where one is missing or a buffer's split is not known."""
+    def of(name: str) -> list:
+        lists = getattr(args, name, None) or []
+        return list(lists[pool]) if pool < len(lists) and lists[pool] is not None else []
+
+    dims, outer, groups = of("state_dim_per_tensor"), of("state_slice_outer_counts"), of("state_conv_shard_groups")
+    if len(dims) != len(items) or len(outer) != len(items):
+        return None
+    groups = groups + [None] * (len(items) - len(groups))
+    # A pool whose conv buffers name their sub-blocks (GDN): its other buffers are single
+    # head-sharded axes. Without any (Mamba2's conv order), nothing is split.
+    if not any(groups):
+        return None
+    parts = []
+    for item, d, rows, g in zip(items, (int(x) for x in dims), (int(x) for x in outer), groups):
+        if d == 0:
+            parts.append([(0, 1, 0, 1, 0, 1, item)])
+            continue
+        if rows <= 0 or item % (rows * d):
+            return None
+        unit = item // (rows * d)
+        blocks = [int(x) for x in g] if g else [d * tp]
+        if any(b % tp for b in blocks) or sum(b // tp for b in blocks) != d or max(blocks) > 0xFFFF:
+            return None
+        at, mine = 0, []
+        for b in blocks:
+            n = b // tp
+            mine.append((at * unit, rows, d * unit, b, rank * n, n, unit))
+            at += n
+        parts.append(mine)
+    return parts
+
+
 def _state_items(state_indices: Optional[List]) -> List[List[int]]:
     """SGLang's per-component state indices (an array, a list holding one array for Mamba,
     or None for a component not sent) as kvferry's per-pool item lists."""
@@ -106,7 +173,8 @@ def _layout_of(args: KVArgs, server_args: ServerArgs, is_mla: bool, prefill: boo
     stage holds a range), one staging row per aux slot holding every aux buffer's item, and
     one extra pool per state component.
 
-    Returns ``(layout, kv spans, heads or None, layer range or None, extra pools)``.
+    Returns ``(layout, kv spans, heads or None, layer range or None, extra pools, their
+    parts)``.
     """
     extras = _extras_of(args, prefill)
     if getattr(args, "num_draft_entries", 0):
@@ -187,4 +255,9 @@ def _layout_of(args: KVArgs, server_args: ServerArgs, is_mla: bool, prefill: boo
         aux_bytes=sum(aux_items),
         slots=slots,
     )
-    return layout, spans, heads, layer_range, extras
+    parts = []
+    if heads is not None:
+        tp = parallel.attn_tp_size
+        page_size = int(getattr(args, "page_size", 0) or server_args.page_size or 1)
+        parts = _state_parts(args, extras, heads, tp, args.engine_rank % tp, page_size)
+    return layout, spans, heads, layer_range, extras, parts

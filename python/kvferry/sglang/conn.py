@@ -151,6 +151,7 @@ class KvferryKVManager(CommonKVManager):
             self._heads,
             self._layer_range,
             self._extras,
+            self._extra_parts,
         ) = _layout_of(
             args,
             server_args,
@@ -222,16 +223,18 @@ class KvferryKVManager(CommonKVManager):
             heads=self._heads,
             layer_range=self._layer_range,
             extras=self._extras,
+            extra_parts=self._extra_parts,
             **config,
         )
         logger.info(
-            "kvferry %s node for engine rank %d: %s, heads %s, layers %s, state pools %s",
+            "kvferry %s node for engine rank %d: %s, heads %s, layers %s, state pools %s%s",
             role,
             self.kv_args.engine_rank,
             self._layout,
             self._heads or "whole pages",
             self._layer_range or "all",
             [len(pool) for pool in self._extras] or "none",
+            " (split by attention TP rank)" if self._extra_parts else "",
         )
         return node
 
