@@ -34,7 +34,7 @@ _FULL_KIND = ("full", 0, 0)
 #: Recurrent-state kinds whose blocks kvferry splits across TP ranks (vLLM's
 #: ``MambaAttentionBackendEnum`` names): their conv state's channels and SSM state's heads are
 #: each rank's share of the model's, side by side in vLLM's order.
-_SPLIT_STATE = ("GDN_ATTN", "MAMBA1")
+_SPLIT_STATE = ("GDN_ATTN", "MAMBA1", "MAMBA2")
 #: Most units one part of a split block may count (kvferry's ``u16``).
 _MAX_UNITS = 0xFFFF
 
@@ -44,17 +44,20 @@ class StateSpec:
     """What one recurrent-state group's block holds on this rank: vLLM's state kind, its
     state tensors' shapes (conv state first, then the SSM state) and element sizes, whether
     every rank holds the whole state, and whether the conv state is stored channel-major
-    (vLLM's "DS" layout) rather than kernel-row-major ("SD", its default)."""
+    (vLLM's "DS" layout) rather than kernel-row-major ("SD", its default); for Mamba2, the
+    model's B/C groups (0: unknown)."""
 
     kind: str
     shapes: tuple[tuple[int, ...], ...]
     sizes: tuple[int, ...]
     replicated: bool = False
     dim_first: bool = False
+    groups: int = 0
 
-    def _split(self) -> Optional[tuple[list[int], int, int, int]]:
+    def _split(self, tp: int) -> Optional[tuple[list[int], int, int, int]]:
         """``(conv channels of each projection, kernel rows, SSM units, bytes of one SSM
-        unit)`` on this rank, or None where kvferry does not split this kind."""
+        unit)`` on a rank of a TP ``tp`` engine, or None where kvferry does not split this
+        kind."""
         if self.kind not in _SPLIT_STATE or len(self.shapes) != 2 or len(self.shapes[0]) != 2:
             return None
         dim, rows = self.shapes[0] if self.dim_first else self.shapes[0][::-1]
@@ -72,19 +75,27 @@ class StateSpec:
             return [key, key, heads * dv], rows, heads, a * b * self.sizes[1]
         if self.kind == "MAMBA1" and len(ssm) == 2 and ssm[0] == dim:
             return [dim], rows, ssm[0], ssm[1] * self.sizes[1]
+        if self.kind == "MAMBA2" and len(ssm) == 3 and self.groups:
+            # x (the heads' channels), then B and C (the groups' states). Where the groups do
+            # not divide over the ranks vLLM repeats some on several: no share is one rank's.
+            heads, head, state = ssm
+            bc = dim - heads * head
+            if bc <= 0 or bc % 2 or bc // 2 * tp != self.groups * state:
+                return None
+            return [heads * head, bc // 2, bc // 2], rows, heads, head * state * self.sizes[1]
         return None
 
     def splits(self, tp: int) -> bool:
         """Whether ranks of different TP sizes can exchange this state (each its share)."""
         if self.replicated:
             return True
-        split = self._split()
+        split = self._split(tp)
         return split is not None and all(n * tp <= _MAX_UNITS for n in split[0] + [split[2]])
 
     def model_shapes(self, tp: int) -> tuple[tuple[int, ...], ...]:
         """The state's shapes over the whole model (this rank's at TP 1): what engines at any
         TP size agree on. A state kvferry does not split keeps this rank's shapes."""
-        split = None if self.replicated else self._split()
+        split = None if self.replicated else self._split(tp)
         if split is None:
             return self.shapes
         conv, ssm = self.shapes
@@ -98,7 +109,7 @@ class StateSpec:
         conv_bytes = _numel(self.shapes[0]) * self.sizes[0]
         if self.replicated:
             return [(0, 1, 0, 1, 0, 1, conv_bytes + _numel(self.shapes[1]) * self.sizes[1])]
-        split = self._split()
+        split = self._split(tp)
         assert split is not None, self
         projections, rows, units, unit = split
         e = self.sizes[0]
@@ -148,9 +159,10 @@ class KvGroups:
     tp: int = 1
 
     @classmethod
-    def of(cls, kv_cache_config, block_size: int, tp: int = 1) -> "KvGroups":
-        """The groups of ``kv_cache_config`` (None: one full-attention group); a group kvferry
-        cannot move (Mamba or GDN state, cross attention, ...) is refused naming it."""
+    def of(cls, kv_cache_config, block_size: int, tp: int = 1, mamba_groups: int = 0) -> "KvGroups":
+        """The groups of ``kv_cache_config`` (None: one full-attention group) of an engine at
+        TP ``tp`` (a Mamba2 model's ``mamba_groups`` B/C groups, 0 unknown); a group kvferry
+        cannot move (cross attention, state cached for prefixes, ...) is refused naming it."""
         if kv_cache_config is None:
             return cls((0,), (_FULL_KIND,), block_size)
         groups = list(kv_cache_config.kv_cache_groups)
@@ -182,6 +194,7 @@ class KvGroups:
                     sizes=tuple(int(d.itemsize) for d in spec.dtypes),
                     replicated=bool(getattr(spec, "tp_replicated", False)),
                     dim_first=_conv_dim_first(),
+                    groups=int(mamba_groups or 0),
                 )
                 specs.append(state)
                 # The model's shapes, so that engines of different TP sizes agree.

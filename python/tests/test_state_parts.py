@@ -161,3 +161,16 @@ def test_a_state_whose_channels_split_two_ways_is_not_split():
                                                       (52, 3, 60, 8, 0, 4, 2)]
     assert not StateSpec("MAMBA2", ((3, 40), (2, 8, 8)), (2, 4)).splits(2)
     assert StateSpec("MAMBA2", ((3, 40), (2, 8, 8)), (2, 4), replicated=True).splits(2)
+
+
+def test_a_mamba2_state_splits_only_where_its_groups_divide_over_the_ranks():
+    from kvferry._vllm_groups import StateSpec
+
+    # TP 2, rank 1: conv rows of 16 x, 16 B and 16 C channels (2 heads of 8, 4 groups of 8
+    # over 2 ranks), then 2 heads of (8, 8) float32.
+    spec = StateSpec("MAMBA2", ((3, 48), (2, 8, 8)), (2, 4), groups=4)
+    assert spec.splits(2)
+    assert spec.parts(2, 1) == [(0, 3, 96, 32, 16, 16, 2), (32, 3, 96, 32, 16, 16, 2),
+                                (64, 3, 96, 32, 16, 16, 2), (288, 1, 0, 4, 2, 2, 256)]
+    # 3 groups over 2 ranks: vLLM repeats one on both, so no rank's B is its own share.
+    assert not StateSpec("MAMBA2", ((3, 48), (2, 8, 8)), (2, 4), groups=3).splits(2)

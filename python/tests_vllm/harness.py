@@ -136,43 +136,63 @@ def pattern(prompt: list[int], block: int, layer: int, nbytes: int) -> torch.Ten
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
 
-#: A GDN layer's state over the whole model (vLLM's default "SD" conv layout, float32):
-#: conv state of 3 kernel rows of 16 query, 16 key and 32 value channels, and an SSM state
-#: of 4 value heads of (8, 8). A TP rank holds its share of each.
-GDN_ROWS, GDN_KEY, GDN_VALUE, GDN_HEADS, GDN_HEAD = 3, 16, 32, 4, (8, 8)
+#: Recurrent state over the whole model (vLLM's default "SD" conv layout, float32), per
+#: kind: 3 kernel rows of each conv projection's channels, then an SSM state of 4 heads of
+#: (8, 8). GDN: 16 query, 16 key and 32 value channels (value heads of (dv, dk)); Mamba2:
+#: 32 x channels (4 heads of 8), 16 B and 16 C channels (2 groups of state 8). A TP rank
+#: holds its share of each projection and of the heads.
+STATE_KINDS = {
+    "gdn": dict(projections=(16, 16, 32), mamba_type="GDN_ATTN", groups=0),
+    "mamba2": dict(projections=(32, 16, 16), mamba_type="MAMBA2", groups=2),
+}
+STATE_ROWS, STATE_HEADS, STATE_HEAD = 3, 4, (8, 8)
 
 
-def gdn_shapes(tp: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """A GDN layer's state shapes on a rank of a TP ``tp`` engine, as vLLM computes them."""
-    return (GDN_ROWS, (2 * GDN_KEY + GDN_VALUE) // tp), (GDN_HEADS // tp, *GDN_HEAD)
+def state_shapes(tp: int, kind: str = "gdn") -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """A state layer's shapes on a rank of a TP ``tp`` engine, as vLLM computes them."""
+    return (STATE_ROWS, sum(STATE_KINDS[kind]["projections"]) // tp), (STATE_HEADS // tp, *STATE_HEAD)
 
 
-def gdn_bytes(tp: int, elem: int = 4) -> int:
-    """Bytes of a rank's GDN state (conv, then SSM state) at TP ``tp``."""
-    conv, ssm = gdn_shapes(tp)
+def state_bytes(tp: int, elem: int = 4, kind: str = "gdn") -> int:
+    """Bytes of a rank's state (conv, then SSM state) at TP ``tp``."""
+    conv, ssm = state_shapes(tp, kind)
     return (conv[0] * conv[1] + ssm[0] * ssm[1] * ssm[2]) * elem
 
 
-def gdn_state(prompt: list[int], tp: int = 1, rank: int = 0, elem: int = 4) -> torch.Tensor:
+def state_share(prompt: list[int], tp: int = 1, rank: int = 0, elem: int = 4, kind: str = "gdn") -> torch.Tensor:
     """The bytes rank ``rank`` of a TP ``tp`` engine holds of the state ``prompt`` leaves:
-    its share of the model's (each conv row's query, key and value channels, then its value
-    heads), so that ranks of any TP sizes hold parts of one state."""
-    whole = pattern(prompt, 0, 1, gdn_bytes(1, elem))
-    conv = whole[: GDN_ROWS * (2 * GDN_KEY + GDN_VALUE) * elem].view(GDN_ROWS, -1, elem)
-    ssm = whole[conv.numel():].view(GDN_HEADS, -1)
-    k, v, h = GDN_KEY // tp, GDN_VALUE // tp, GDN_HEADS // tp
-    rows = torch.cat([conv[:, rank * k:(rank + 1) * k], conv[:, GDN_KEY + rank * k:GDN_KEY + (rank + 1) * k],
-                      conv[:, 2 * GDN_KEY + rank * v:2 * GDN_KEY + (rank + 1) * v]], dim=1)
-    return torch.cat([rows.reshape(-1), ssm[rank * h:(rank + 1) * h].reshape(-1)])
+    its share of the model's (each conv row's share of every projection, then its heads), so
+    that ranks of any TP sizes hold parts of one state."""
+    whole = pattern(prompt, 0, 1, state_bytes(1, elem, kind))
+    projections = STATE_KINDS[kind]["projections"]
+    conv = whole[: STATE_ROWS * sum(projections) * elem].view(STATE_ROWS, -1, elem)
+    ssm = whole[conv.numel():].view(STATE_HEADS, -1)
+    rows, at = [], 0
+    for n in projections:
+        k = n // tp
+        rows.append(conv[:, at + rank * k:at + (rank + 1) * k])
+        at += n
+    h = STATE_HEADS // tp
+    return torch.cat([torch.cat(rows, dim=1).reshape(-1), ssm[rank * h:(rank + 1) * h].reshape(-1)])
 
 
-def gdn_spec(block_size: int, dtype, page_bytes: int, tp: int = 1):
-    """vLLM's ``MambaSpec`` of a GDN layer at TP ``tp`` (recurrent state in mode "none")."""
+def state_spec(block_size: int, dtype, page_bytes: int, tp: int = 1, kind: str = "gdn"):
+    """vLLM's ``MambaSpec`` of a state layer at TP ``tp`` (recurrent state in mode "none")."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return MambaSpec(block_size=block_size, shapes=gdn_shapes(tp), dtypes=(dtype, dtype),
-                     page_size_padded=page_bytes, mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+    return MambaSpec(block_size=block_size, shapes=state_shapes(tp, kind), dtypes=(dtype, dtype),
+                     page_size_padded=page_bytes,
+                     mamba_type=MambaAttentionBackendEnum[STATE_KINDS[kind]["mamba_type"]])
+
+
+def with_groups(config, kind: str):
+    """``config`` with its model naming the state kind's B/C groups (Mamba2), as such a
+    model's config does."""
+    groups = STATE_KINDS[kind]["groups"]
+    if groups:
+        config.model_config.hf_config.n_groups = groups
+    return config
 
 
 class Side:
@@ -209,7 +229,7 @@ class Side:
         if mamba:
             # One state block per request ("none" mode: its block spans the model's length).
             scheduler_block = self.config.model_config.max_model_len
-            local = gdn_spec(scheduler_block, dtype, spec.page_size_bytes)
+            local = state_spec(scheduler_block, dtype, spec.page_size_bytes)
             groups = [KVCacheGroupSpec(names[:1], spec), KVCacheGroupSpec(names[1:], local)]
         elif window or chunk:
             shape = dict(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype)
@@ -246,7 +266,7 @@ class Side:
             # start of each block of the tensor it shares (strided by the attention page),
             # here registered before the attention layer, as a model whose first layer
             # keeps state registers it.
-            state = gdn_bytes(1, shared.element_size())
+            state = state_bytes(1, shared.element_size())
             view = torch.as_strided(shared.view(torch.int8), (num_blocks, 1, 1, state),
                                     (spec.page_size_bytes, state, state, 1))
             registered = {names[1]: view, **{n: t for n, t in self.kv.items() if n != names[1]}}
@@ -254,7 +274,7 @@ class Side:
         self.worker.register_kv_caches(registered)
         self.block_bytes = KV_HEADS * block_size * 2 * HEAD_SIZE * self.kv[names[0]].element_size()
         #: Bytes of the state this harness writes in a state block (conv, then SSM state).
-        self.state_bytes = gdn_bytes(1, self.kv[names[0]].element_size())
+        self.state_bytes = state_bytes(1, self.kv[names[0]].element_size())
         self.outputs: dict[str, object] = {}
         self.load_failures: set[str] = set()
         self.loaded: set[str] = set()
@@ -374,7 +394,7 @@ class Side:
         blocks = self.blocks_of(req.request_id, layer)
         if self.mamba and layer == 1:
             # Recurrent state: the step leaves a state of every token computed so far.
-            self.state_of(blocks)[:] = gdn_state(req.prompt_token_ids[:last])
+            self.state_of(blocks)[:] = state_share(req.prompt_token_ids[:last])
             return
         bs = self.config.cache_config.block_size
         # Only the token rows this step computes: a block sent before all its tokens were
@@ -425,7 +445,7 @@ class Side:
         assert checked, f"{request_id}: no block checked"
         if self.mamba:
             got = self.state_of(self.blocks_of(request_id, 1))
-            if not torch.equal(got, gdn_state(prompt)):
+            if not torch.equal(got, state_share(prompt)):
                 raise AssertionError(f"{request_id}: the state differs")
         return n
 

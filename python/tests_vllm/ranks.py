@@ -23,9 +23,10 @@ from harness import (
     LAYERS,
     MLA_LATENT,
     Side,
-    gdn_bytes,
-    gdn_spec,
-    gdn_state,
+    state_bytes,
+    state_share,
+    state_spec,
+    with_groups,
     make_config,
     mp_context,
     pattern,
@@ -40,11 +41,11 @@ def _rank_heads(total: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 def kv_groups(names: list[str], block_size: int, heads: int, dtype, window: int,
-              state_block: int = 0, tp: int = 1) -> list:
+              state_block: int = 0, tp: int = 1, kind: str = "gdn") -> list:
     """The KV cache groups of ``names``' layers: one full-attention group, or with ``window``
     (tokens) a hybrid model's two: layer 0 full attention, layer 1 a sliding window; with
     ``state_block`` (tokens: the model's length, one block per request), layer 1 keeps
-    recurrent state in vLLM's "none" mode."""
+    recurrent state of ``kind`` in vLLM's "none" mode."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheGroupSpec,
@@ -54,7 +55,7 @@ def kv_groups(names: list[str], block_size: int, heads: int, dtype, window: int,
     shape = dict(block_size=block_size, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=dtype)
     if state_block:
         full = FullAttentionSpec(**shape)
-        state = gdn_spec(state_block, dtype, full.page_size_bytes, tp)
+        state = state_spec(state_block, dtype, full.page_size_bytes, tp, kind)
         return [KVCacheGroupSpec(names[:1], full), KVCacheGroupSpec(names[1:], state)]
     if not window:
         return [KVCacheGroupSpec(names, FullAttentionSpec(**shape))]
@@ -82,7 +83,10 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
 
     window = kw.pop("window", 0)
     mamba = kw.pop("mamba", False)
-    config = make_config(role, port, tp=tp, hybrid=bool(window or mamba), prefix_off=mamba, **kw)
+    # ``mamba``: True for a GDN layer's state, or the state kind ("mamba2").
+    kind = mamba if isinstance(mamba, str) else "gdn"
+    mamba = bool(mamba)
+    config = with_groups(make_config(role, port, tp=tp, hybrid=bool(window or mamba), prefix_off=mamba, **kw), kind)
     # MLA: every rank holds the whole latent KV, [blocks, block_size, latent] (one "head").
     mla = kw.get("mla", False)
     total = 1 if mla else kw.get("kv_heads", KV_HEADS)
@@ -97,7 +101,7 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
     names = {layer: f"model.layers.{layer}.self_attn.attn" for layer in mine}
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                               kv_cache_groups=kv_groups(list(names.values()), bs, hi - lo, dtype, window,
-                                                        config.model_config.max_model_len if mamba else 0, tp))
+                                                        config.model_config.max_model_len if mamba else 0, tp, kind))
     shape = (num_blocks, bs, MLA_LATENT) if mla else (num_blocks, hi - lo, bs, 2 * HEAD_SIZE)
     kv = {name: torch.zeros(shape, dtype=dtype) for name in names.values()}
     if window or mamba:
@@ -109,7 +113,7 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         # The state layer's cache as vLLM 0.32.0 registers it (first): an int8 view of the
         # state's bytes at the start of each block of the shared tensor.
         page = shared[0].numel() * shared.element_size()
-        state = gdn_bytes(tp)
+        state = state_bytes(tp, kind=kind)
         view = torch.as_strided(shared.view(torch.int8), (num_blocks, 1, 1, state), (page, state, state, 1))
         registered = {names[1]: view, **{n: t for n, t in kv.items() if n != names[1]}}
     worker = KvferryConnector(config, KVConnectorRole.WORKER, kv_config)
@@ -126,11 +130,11 @@ def _rank_main(role: str, port: int, tp: int, rank: int, engine_id: str, num_blo
         """The request's state bytes on this rank (its state group's one block)."""
         live = [b for b in table if b != 0]
         assert len(live) == 1, f"state blocks {table}"
-        return kv[names[mine[0]]][live[0]].view(torch.uint8).reshape(-1)[:gdn_bytes(tp)]
+        return kv[names[mine[0]]][live[0]].view(torch.uint8).reshape(-1)[:state_bytes(tp, kind=kind)]
 
     def state_want(tokens: list[int], tp_rank: int) -> torch.Tensor:
         """The state TP rank ``tp_rank``'s share holds after ``tokens``: each rank's differs."""
-        return gdn_state(tokens, tp, tp_rank)
+        return state_share(tokens, tp, tp_rank, kind=kind)
 
     def is_state(layer: int) -> bool:
         return mamba and layer == 1
@@ -219,15 +223,16 @@ class Ranks:
         #: With ``window`` (tokens): a hybrid model, layer 1 a sliding window (``kv_groups``).
         self.window = kw.get("window", 0)
         #: With ``mamba``: layer 1 keeps recurrent state (``kv_groups``), each rank its shard.
-        self.mamba = kw.get("mamba", False)
+        self.mamba = bool(kw.get("mamba", False))
+        kind = kw["mamba"] if isinstance(kw.get("mamba"), str) else "gdn"
         config_kw = {k: v for k, v in kw.items() if k not in ("window", "mamba")}
-        self.config = make_config(role, port, tp=tp, hybrid=bool(self.window or self.mamba),
-                                  prefix_off=self.mamba, **config_kw)
+        self.config = with_groups(make_config(role, port, tp=tp, hybrid=bool(self.window or self.mamba),
+                                              prefix_off=self.mamba, **config_kw), kind)
         bs = self.config.cache_config.block_size
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         state_block = self.config.model_config.max_model_len if self.mamba else 0
         groups = kv_groups(names, bs, max(1, kw.get("kv_heads", KV_HEADS) // tp),
-                           self.config.model_config.dtype, self.window, state_block, tp)
+                           self.config.model_config.dtype, self.window, state_block, tp, kind)
         #: The KV cache group of each layer.
         self.group_of = [0] + [len(groups) - 1] * (LAYERS - 1)
         kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)

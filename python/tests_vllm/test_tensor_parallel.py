@@ -378,16 +378,18 @@ def test_recurrent_state_of_ranks_reordered_by_a_router_is_refused_not_loaded(en
     assert "r" in decode.load_failures and "r" not in decode.loaded
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (4, 2), (2, 4)],
-                         ids=["2_to_1", "1_to_2", "4_to_2_prefill_replicates_heads", "2_to_4"])
+@pytest.mark.parametrize("prefill_tp,decode_tp,kind", [(2, 1, "gdn"), (1, 2, "gdn"), (4, 2, "gdn"), (2, 4, "gdn"),
+                                                       (2, 1, "mamba2"), (1, 2, "mamba2")],
+                         ids=["2_to_1", "1_to_2", "4_to_2_prefill_replicates_heads", "2_to_4",
+                              "mamba2_2_to_1", "mamba2_1_to_2"])
 def test_recurrent_state_moves_between_different_tp_sizes_with_every_ranks_share_checked(
-        engines, prefill_tp, decode_tp):
+        engines, prefill_tp, decode_tp, kind):
     """A GDN layer's state split by TP rank (each conv row's query, key and value channels,
-    the SSM state's value heads): each decode rank's share comes from the prefill ranks
-    holding parts of it, row by row, beside its KV heads, and the decode recomputes the
-    prompt's last token from it."""
-    prefill = engines("kv_producer", prefill_tp, mamba=True)
-    decode = engines("kv_consumer", decode_tp, mamba=True)
+    the SSM state's value heads), or a Mamba2 layer's (x, B and C channels, heads): each
+    decode rank's share comes from the prefill ranks holding parts of it, row by row, beside
+    its KV heads, and the decode recomputes the prompt's last token from it."""
+    prefill = engines("kv_producer", prefill_tp, mamba=kind)
+    decode = engines("kv_consumer", decode_tp, mamba=kind)
     prompts = {f"d{i}": prompt_of(70 + i, n) for i, n in enumerate([2, 33, 100])}
     params = prefill_all(prefill, prompts)
     checked = load_all(decode, prefill, {r: (prompts[r], params[r]) for r in prompts})

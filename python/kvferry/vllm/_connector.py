@@ -54,6 +54,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 logger = logging.getLogger("kvferry.vllm")
 
 
+def _mamba_groups(vllm_config) -> int:
+    """A Mamba2 model's B/C groups, as its config names them (0 where it names none)."""
+    model = getattr(vllm_config, "model_config", None)
+    for config in (getattr(model, "hf_text_config", None), getattr(model, "hf_config", None)):
+        for name in ("n_groups", "mamba_n_groups"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return 0
+
+
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """kvferry's vLLM connector: the scheduler half decides which requests move and which
     blocks they use; the worker half runs a kvferry node over vLLM's KV tensors. With vLLM's
@@ -68,7 +79,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._shape = kv_shape(vllm_config)
         #: The KV cache groups a request's blocks move in, and the order of a room's pages.
         self._groups = KvGroups.of(kv_cache_config, self._shape["block_size"],
-                                   int(vllm_config.parallel_config.tensor_parallel_size))
+                                   int(vllm_config.parallel_config.tensor_parallel_size),
+                                   _mamba_groups(vllm_config))
         if self._groups.hybrid:
             # A prefill whose groups differ is refused naming both (``shape_mismatch``).
             self._shape["kv_groups"] = self._groups.signature()
