@@ -268,6 +268,13 @@ class RankState:
         width = self.states[pool][buffer].shape[1]
         if self.spec.states[pool] == "gdn":
             return self._gdn_item(pool, buffer, item)
+        if self.spec.states[pool] == "swa" and not self.spec.mla:
+            # Token rows of this rank's heads, named by the model's head numbers, so that
+            # ranks of any attention TP size hold parts of the same window pages.
+            first, count = self.heads
+            t, k, b = np.meshgrid(np.arange(PAGE_SIZE), np.arange(count), np.arange(HEAD_DIM), indexing="ij")
+            at = (t * KV_HEADS + first + k) * HEAD_DIM + b
+            return state_value(pool, buffer, item, at.reshape(-1)).astype(np.uint8)
         return state_value(pool, buffer, item, np.arange(width)).astype(np.uint8)
 
     def _gdn_item(self, pool: int, buffer: int, item: int) -> np.ndarray:

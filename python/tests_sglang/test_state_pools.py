@@ -103,13 +103,15 @@ def test_state_pools_between_different_attention_tp_sizes_are_refused_naming_the
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)], ids=["2_to_1", "1_to_2"])
-def test_gdn_state_moves_between_different_attention_tp_sizes_each_rank_its_share(model, prefill_tp, decode_tp):
+def test_gdn_and_window_state_move_between_different_attention_tp_sizes_each_rank_its_share(
+        model, prefill_tp, decode_tp):
     # SGLang's descriptors name each conv buffer's query, key and value sub-blocks and each
     # temporal buffer's heads: each decode rank's share of every slot comes from the prefill
     # ranks holding parts of it, every byte checked against one model-wide state.
-    c = Cluster(*layout(model, prefill_tp, decode_tp, states=("gdn",)))
+    # The sliding-window pool's pages go by KV heads, as the KV pages do.
+    c = Cluster(*layout(model, prefill_tp, decode_tp, states=("gdn", "swa")))
     try:
-        states = {61: ([[2]], [[7]]), 62: ([[8]], [[1]])}
+        states = {61: ([[2], [10, 11]], [[7], [0, 5]]), 62: ([[8], [3]], [[1], [11]])}
         assert_every_byte(move(c, rooms=ROOMS, states=states))
     finally:
         c.close()

@@ -94,9 +94,10 @@ def _state_parts(args: KVArgs, extras: list, heads: Optional[tuple], tp: int, ra
     of different attention TP sizes exchange their shares: Mamba state from SGLang's own
     slicing descriptors (a GDN conv buffer's query, key and value channels, each head-sharded
     on its own; a temporal buffer's heads; a replicated buffer whole), sliding-window pages
-    by heads as the KV pages. Empty where the layout holds the same heads everywhere (MLA)
-    or any buffer's split is not known (Mamba2's conv order, DSA on MHA): its pools then move
-    between equal heads only, and peers holding other heads are refused at the handshake."""
+    (NHD) by heads as the KV pages. Empty where the layout holds the same heads everywhere
+    (MLA, so also the KDA models, whose attention is MLA) or any buffer's split is not known
+    (Mamba2's conv order, DSA on MHA, HND window pages): its pools then move between equal
+    heads only, and peers holding other heads are refused at the handshake."""
     if heads is None or not extras:
         return []
     types = [str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or [])]
@@ -105,7 +106,9 @@ def _state_parts(args: KVArgs, extras: list, heads: Optional[tuple], tp: int, ra
         items = [item for _addr, _bytes, item in pool]
         if kind == "swa":
             total, first, count, head = heads
-            if any(item != page_size * count * head for item in items):
+            # Token rows of heads (NHD): SGLang's HND pages hold the same bytes in another order.
+            layout = getattr(args, "swa_kv_cache_layout", None)
+            if layout not in (None, "nhd", "NHD") or any(item != page_size * count * head for item in items):
                 return []
             out.append([[(0, page_size, count * head, total, first, count, head)]] * len(items))
         elif kind == "mamba":

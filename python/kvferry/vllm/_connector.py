@@ -58,7 +58,7 @@ def _mamba_groups(vllm_config) -> int:
     """A Mamba2 model's B/C groups, as its config names them (0 where it names none)."""
     model = getattr(vllm_config, "model_config", None)
     for config in (getattr(model, "hf_text_config", None), getattr(model, "hf_config", None)):
-        for name in ("n_groups", "mamba_n_groups"):
+        for name in ("n_groups", "mamba_n_groups", "mamba_ngroups"):
             value = getattr(config, name, None)
             if isinstance(value, int) and value > 0:
                 return value
