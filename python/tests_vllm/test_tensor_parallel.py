@@ -398,6 +398,23 @@ def test_recurrent_state_moves_between_different_tp_sizes_with_every_ranks_share
     assert drain(prefill), "the prefill still holds blocks"
 
 
+def test_a_killed_prefill_rank_holding_part_of_the_state_fails_the_load_and_decode_recomputes(engines):
+    """Prefill TP 2 -> decode TP 1: rank 1 holds half of the decode rank's state and heads and
+    is gone. The decode's room fails within the unreachable timeout rather than loading half
+    a state, and vLLM recomputes the request."""
+    prefill = engines("kv_producer", 2, mamba=True)
+    decode = engines("kv_consumer", 1, mamba=True)
+    prompt = prompt_of(90, 100)
+    params = prefill_all(prefill, {"h": prompt})["h"]
+    prefill.kill(1)
+    started = time.monotonic()
+    load_all(decode, None, {"h": (prompt, params)}, deadline=30)
+    assert "h" in decode.load_failures and "h" not in decode.loaded
+    assert decode.rank_rooms == [[0, 1]]
+    assert time.monotonic() - started < 15
+    assert decode.idle()
+
+
 def test_push_rooms_carry_each_decode_ranks_share_of_the_state_between_tp_sizes(engines):
     """Push mode, prefill TP 2 -> decode TP 1: both prefill ranks push their heads as the
     forward pass writes them, and their shares of the final state with the last chunk."""
