@@ -10,6 +10,8 @@ TP 1 decode. Shape: 2 layers, 2 KV heads of 32 (float32), blocks of 32 tokens, p
 ``--prompt`` tokens, ``--concurrency`` requests in flight. Each figure includes vLLM's
 scheduling and one round trip per step to every rank's process, so it is the connector's
 rate through this harness, not kvferry's alone; the ratios compare layouts on equal terms.
+With ``--state`` the model's layer 1 keeps a GDN layer's recurrent state (split by TP rank
+between different sizes; no PP layout: hybrid models are refused at PP > 1).
 """
 
 import argparse
@@ -36,9 +38,10 @@ def rate(prefill_tp: int, prefill_pp: int, decode_tp: int) -> float:
     blocks = 4 * args.concurrency * -(-args.prompt // 32)
     made = []
     try:
+        state = {"mamba": True} if args.state else {}
         made.append(Ranks("kv_producer", free_ports(prefill_tp * prefill_pp), prefill_tp, num_blocks=blocks,
-                          pp=prefill_pp))
-        made.append(Ranks("kv_consumer", free_ports(decode_tp), decode_tp, num_blocks=blocks))
+                          pp=prefill_pp, **state))
+        made.append(Ranks("kv_consumer", free_ports(decode_tp), decode_tp, num_blocks=blocks, **state))
         prefill, decode = made
         prompt = lambda i: [(i * 31 + k) % 997 + 3 for k in range(args.prompt)]  # noqa: E731
         started = time.perf_counter()
@@ -67,16 +70,18 @@ if __name__ == "__main__":
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--state", action="store_true", help="a GDN layer's recurrent state in every request")
     args = p.parse_args()
     # The ranks fork from a server that imported vLLM and the harness once (as the suite's
     # conftest.py starts it).
     engine_processes.start_forkserver(tests, ["harness", "ranks", "kvferry.vllm"])
     rates = {}
-    for name, prefill_tp, prefill_pp, decode_tp in LAYOUTS:
+    layouts = [x for x in LAYOUTS if not (args.state and x[2] > 1)]
+    for name, prefill_tp, prefill_pp, decode_tp in layouts:
         rates[name] = rate(prefill_tp, prefill_pp, decode_tp)
         print(f"{name:10} {rates[name]:7.1f} requests/s", flush=True)
     same = {1: rates["1 -> 1"], 2: rates["2 -> 2"]}
-    for name, prefill_tp, prefill_pp, decode_tp in LAYOUTS[2:]:
+    for name, prefill_tp, prefill_pp, decode_tp in layouts[2:]:
         # Against the same-TP layout with as many rank processes on the wider side.
         base = same[max(prefill_tp * prefill_pp, decode_tp)]
         print(f"{name} / same TP {max(prefill_tp * prefill_pp, decode_tp)}: {rates[name] / base:.2f}")
