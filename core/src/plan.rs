@@ -2,7 +2,7 @@
 
 use core::ops::Range;
 
-use crate::layout::{ExtraPool, Heads, ItemCopy, Layout, PartCopy, Region, Slice};
+use crate::layout::{ExtraPool, Heads, ItemCopy, Layout, Region, Slice};
 
 /// Bounds on one data-path operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,7 +163,16 @@ pub fn plan_extras(
                         u64::from(s) * src_item + part.src_offset,
                         u64::from(d) * dst_item + part.dst_offset,
                     );
-                    push_rows(&mut ops, region, at, part, limits);
+                    let rows = Slice {
+                        region,
+                        src_offset: at.0,
+                        dst_offset: at.1,
+                        len: part.len,
+                        rows: part.rows,
+                        src_stride: part.src_stride,
+                        dst_stride: part.dst_stride,
+                    };
+                    push_rows(&mut ops, rows, limits);
                 }
             }
             continue;
@@ -180,24 +189,23 @@ pub fn plan_extras(
     ops.finish()
 }
 
-/// The rows of `part` starting at `(src, dst)`, as strided slices of at most `max_bytes`
-/// and `max_slices` rows each.
-fn push_rows(ops: &mut Ops, region: Region, at: (u64, u64), part: &PartCopy, limits: OpLimits) {
-    let per = u32::try_from((limits.max_bytes / part.len.max(1)).max(1))
+/// `slice`'s rows (its strides set even for one row) as strided slices of at most
+/// `max_bytes` and `max_slices` rows each, in order.
+fn push_rows(ops: &mut Ops, slice: Slice, limits: OpLimits) {
+    let per = u32::try_from((limits.max_bytes / slice.len.max(1)).max(1))
         .unwrap_or(u32::MAX)
         .min(limits.max_slices.max(1));
     let mut first = 0;
-    while first < part.rows {
-        let rows = per.min(part.rows - first);
-        let i = u64::from(first);
+    while first < slice.rows {
+        let rows = per.min(slice.rows - first);
+        let (src_offset, dst_offset) = slice.row(first);
         ops.push(Slice {
-            region,
-            src_offset: at.0 + i * part.src_stride,
-            dst_offset: at.1 + i * part.dst_stride,
-            len: part.len,
+            src_offset,
+            dst_offset,
             rows,
-            src_stride: if rows > 1 { part.src_stride } else { 0 },
-            dst_stride: if rows > 1 { part.dst_stride } else { 0 },
+            src_stride: if rows > 1 { slice.src_stride } else { 0 },
+            dst_stride: if rows > 1 { slice.dst_stride } else { 0 },
+            ..slice
         });
         first += rows;
     }
@@ -239,11 +247,6 @@ pub fn plan_kv_heads(
     let src_skip = u64::from(shared.start - from.heads.start) * head;
     let dst_skip = u64::from(shared.start - to.heads.start) * head;
     let whole_rows = len == src_row && len == dst_row;
-    // A page's rows go in pieces of at most `max_bytes` (a page is far smaller in practice).
-    let rows_per_slice = u32::try_from((limits.max_bytes / len).max(1))
-        .unwrap_or(u32::MAX)
-        .min(limits.max_slices.max(1))
-        .min(tokens);
     let mut ops = Ops::new(limits);
     for layer in layers {
         for plane in 0..planes {
@@ -260,21 +263,18 @@ pub fn plan_kv_heads(
                     ));
                     continue;
                 }
-                let mut first = 0;
-                while first < tokens {
-                    let rows = rows_per_slice.min(tokens - first);
-                    let at = u64::from(first);
-                    ops.push(Slice {
-                        region,
-                        src_offset: src_page + at * src_row,
-                        dst_offset: dst_page + at * dst_row,
-                        len,
-                        rows,
-                        src_stride: if rows > 1 { src_row } else { 0 },
-                        dst_stride: if rows > 1 { dst_row } else { 0 },
-                    });
-                    first += rows;
-                }
+                // A page's rows go in pieces of at most `max_bytes` (a page is far smaller
+                // in practice).
+                let rows = Slice {
+                    region,
+                    src_offset: src_page,
+                    dst_offset: dst_page,
+                    len,
+                    rows: tokens,
+                    src_stride: src_row,
+                    dst_stride: dst_row,
+                };
+                push_rows(&mut ops, rows, limits);
             }
         }
     }
